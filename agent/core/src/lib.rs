@@ -1,0 +1,2 @@
+//! lockstep core
+pub mod cidr;
