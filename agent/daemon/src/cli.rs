@@ -1,0 +1,520 @@
+//! Command-line interface.
+//!
+//! The binary is thin: it parses arguments with clap and calls the library.
+//! Low-level `datapath` commands operate directly on the pinned maps and links
+//! (they are what the demo and operators use to inspect and repair a node);
+//! they work whether or not an agent is running.
+
+use std::net::{Ipv4Addr, Ipv6Addr};
+use std::path::PathBuf;
+
+use anyhow::Context;
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use lockstep_common::{
+    EndpointValue, IpcacheValue, L2RespValue, endpoint_flags, identity, ipcache_flags,
+    program_names,
+};
+use serde_json::json;
+
+use crate::datapath::maps::{v4_key, v6_key};
+use crate::datapath::{
+    AttachMode, Datapath, DatapathOptions, Hook, MapCapacities, PinnedMaps, ifindex_of,
+};
+
+/// Default root of lockstep's pins.
+pub const DEFAULT_PIN_ROOT: &str = "/sys/fs/bpf/lockstep";
+
+/// lockstep: IPAM and BPF datapath node agent.
+#[derive(Debug, Parser)]
+#[command(name = "lockstep", version, about)]
+pub struct Cli {
+    /// Log as JSON lines instead of human-readable text.
+    #[arg(long, global = true)]
+    pub log_json: bool,
+    /// More logging (-v debug, -vv trace).
+    #[arg(short, long, global = true, action = clap::ArgAction::Count)]
+    pub verbose: u8,
+    /// What to do.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// Top-level commands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Low-level datapath operations on pinned maps and links.
+    #[command(subcommand)]
+    Datapath(DatapathCommand),
+    /// Read the pinned maps.
+    #[command(subcommand)]
+    Maps(MapsCommand),
+}
+
+/// Output format.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, ValueEnum)]
+pub enum Output {
+    /// Human-readable text.
+    #[default]
+    Text,
+    /// JSON.
+    Json,
+}
+
+/// Where the pins are.
+#[derive(Debug, Args)]
+pub struct PinArgs {
+    /// Root of lockstep's pins on a bpf filesystem.
+    #[arg(long, default_value = DEFAULT_PIN_ROOT)]
+    pub pin_root: PathBuf,
+}
+
+/// How to attach.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, ValueEnum)]
+pub enum AttachModeArg {
+    /// TCX, netlink if the kernel lacks TCX.
+    #[default]
+    Auto,
+    /// TCX only.
+    Tcx,
+    /// Netlink (clsact) only.
+    Netlink,
+}
+
+/// Options of commands that load the object.
+#[derive(Debug, Args)]
+pub struct LoadArgs {
+    /// Shared options.
+    #[command(flatten)]
+    pins: PinArgs,
+    /// Replace pinned maps whose definition differs from this build's.
+    #[arg(long)]
+    migrate: bool,
+    /// How to attach programs.
+    #[arg(long, value_enum, default_value_t)]
+    attach_mode: AttachModeArg,
+    /// Capacity of IPCACHE_V4 and IPCACHE_V6.
+    #[arg(long)]
+    ipcache_max_entries: Option<u32>,
+}
+
+impl LoadArgs {
+    fn open(&self) -> anyhow::Result<Datapath> {
+        let mut opts = DatapathOptions::new(&self.pins.pin_root);
+        opts.migrate = self.migrate;
+        opts.attach_mode = match self.attach_mode {
+            AttachModeArg::Auto => AttachMode::Auto,
+            AttachModeArg::Tcx => AttachMode::Tcx,
+            AttachModeArg::Netlink => AttachMode::Netlink,
+        };
+        if let Some(n) = self.ipcache_max_entries {
+            opts.capacities = MapCapacities {
+                ipcache: n,
+                ..opts.capacities
+            };
+        }
+        let dp = Datapath::open(opts)?;
+        for name in dp.migrated() {
+            eprintln!("migrated pinned map {name}");
+        }
+        Ok(dp)
+    }
+}
+
+/// `lockstep datapath ...`.
+#[derive(Debug, Subcommand)]
+pub enum DatapathCommand {
+    /// Load the programs, pin the maps, attach to_native and from_native to
+    /// the uplink. Re-running replaces the programs in place.
+    Install {
+        /// Shared options.
+        #[command(flatten)]
+        load: LoadArgs,
+        /// The node's uplink interface.
+        #[arg(long)]
+        uplink: Option<String>,
+    },
+    /// Program an endpoint (ENDPOINTS + IPCACHE) and attach from_endpoint to its
+    /// host-side interface.
+    Endpoint {
+        /// Shared options.
+        #[command(flatten)]
+        load: LoadArgs,
+        /// Host-side interface of the endpoint.
+        #[arg(long)]
+        iface: String,
+        /// The endpoint's IPv4 address.
+        #[arg(long)]
+        ipv4: Option<Ipv4Addr>,
+        /// The endpoint's IPv6 address.
+        #[arg(long)]
+        ipv6: Option<Ipv6Addr>,
+        /// Generation of the allocation.
+        #[arg(long, default_value_t = 1)]
+        generation: u64,
+    },
+    /// Announce an IPv4 address on an interface (L2_RESP_V4).
+    L2Add {
+        /// Shared options.
+        #[command(flatten)]
+        pins: PinArgs,
+        /// The address.
+        #[arg(long)]
+        ip: Ipv4Addr,
+        /// The announcing interface (its MAC answers).
+        #[arg(long)]
+        iface: String,
+    },
+    /// Stop announcing an IPv4 address.
+    L2Del {
+        /// Shared options.
+        #[command(flatten)]
+        pins: PinArgs,
+        /// The address.
+        #[arg(long)]
+        ip: Ipv4Addr,
+    },
+    /// Print the per-program counters, summed over CPUs.
+    Counters {
+        /// Shared options.
+        #[command(flatten)]
+        pins: PinArgs,
+        /// Output format.
+        #[arg(long, short, value_enum, default_value_t)]
+        output: Output,
+    },
+    /// Detach everything and remove every pin.
+    Uninstall {
+        /// Shared options.
+        #[command(flatten)]
+        pins: PinArgs,
+        /// Interfaces with netlink (non-pinned) attachments to clean.
+        #[arg(long)]
+        iface: Vec<String>,
+    },
+}
+
+/// `lockstep maps ...`.
+#[derive(Debug, Subcommand)]
+pub enum MapsCommand {
+    /// Decode and print every pinned map; works while the agent is down.
+    Dump {
+        /// Shared options.
+        #[command(flatten)]
+        pins: PinArgs,
+        /// Output format.
+        #[arg(long, short, value_enum, default_value_t)]
+        output: Output,
+    },
+}
+
+/// Sets up tracing on stderr.
+pub fn init_tracing(json: bool, verbose: u8) {
+    let default = match verbose {
+        0 => "info",
+        1 => "debug",
+        _ => "trace",
+    };
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    if json {
+        builder.json().init();
+    } else {
+        builder.init();
+    }
+}
+
+/// Runs a parsed command; returns the process exit code.
+///
+/// # Errors
+/// Whatever the command failed with, for `main` to print.
+pub fn run(cli: Cli) -> anyhow::Result<i32> {
+    match cli.command {
+        Command::Datapath(cmd) => datapath(cmd),
+        Command::Maps(MapsCommand::Dump { pins, output }) => {
+            let maps = PinnedMaps::open(&pins.pin_root)?;
+            let dump = dump_maps(&maps)?;
+            match output {
+                Output::Json => println!("{}", serde_json::to_string_pretty(&dump)?),
+                Output::Text => print_dump_text(&dump),
+            }
+            Ok(0)
+        }
+    }
+}
+
+fn datapath(cmd: DatapathCommand) -> anyhow::Result<i32> {
+    match cmd {
+        DatapathCommand::Install { load, uplink } => {
+            let mut dp = load.open()?;
+            if let Some(uplink) = uplink {
+                let a = dp.attach(program_names::TO_NATIVE, &uplink, Hook::Egress)?;
+                let b = dp.attach(program_names::FROM_NATIVE, &uplink, Hook::Ingress)?;
+                println!(
+                    "to_native on {uplink} egress: {a:?}; from_native on {uplink} ingress: {b:?}"
+                );
+            }
+            Ok(0)
+        }
+        DatapathCommand::Endpoint {
+            load,
+            iface,
+            ipv4,
+            ipv6,
+            generation,
+        } => {
+            let mut dp = load.open()?;
+            let ifindex = ifindex_of(&iface)?;
+            let mut maps = dp.maps()?;
+            let mut value = EndpointValue {
+                generation,
+                ..Default::default()
+            };
+            let ipcache = IpcacheValue {
+                identity: identity::ENDPOINT,
+                flags: ipcache_flags::ENDPOINT,
+                ifindex,
+                ..Default::default()
+            };
+            if let Some(v4) = ipv4 {
+                value.ipv4 = v4.octets();
+                value.flags |= endpoint_flags::HAS_V4;
+                maps.ipcache_v4.insert(&v4_key(v4, 32), ipcache, 0)?;
+            }
+            if let Some(v6) = ipv6 {
+                value.ipv6 = v6.octets();
+                value.flags |= endpoint_flags::HAS_V6;
+                maps.ipcache_v6.insert(&v6_key(v6, 128), ipcache, 0)?;
+            }
+            maps.endpoints.insert(ifindex, value, 0)?;
+            let how = dp.attach(program_names::FROM_ENDPOINT, &iface, Hook::Ingress)?;
+            println!("from_endpoint on {iface} ingress: {how:?}");
+            Ok(0)
+        }
+        DatapathCommand::L2Add { pins, ip, iface } => {
+            let mut maps = PinnedMaps::open(&pins.pin_root)?;
+            let value = L2RespValue {
+                ifindex: ifindex_of(&iface)?,
+                mac: mac_of(&iface).with_context(|| format!("reading the MAC of {iface}"))?,
+                _pad: [0; 2],
+            };
+            maps.l2_resp_v4.insert(ip.octets(), value, 0)?;
+            Ok(0)
+        }
+        DatapathCommand::L2Del { pins, ip } => {
+            let mut maps = PinnedMaps::open(&pins.pin_root)?;
+            match maps.l2_resp_v4.remove(&ip.octets()) {
+                Ok(()) | Err(aya::maps::MapError::KeyNotFound) => Ok(0),
+                Err(e) => Err(e.into()),
+            }
+        }
+        DatapathCommand::Counters { pins, output } => {
+            let maps = PinnedMaps::open(&pins.pin_root)?;
+            let counters = maps.counters()?;
+            match output {
+                Output::Json => {
+                    let obj: serde_json::Map<String, serde_json::Value> = counters
+                        .iter()
+                        .map(|(c, v)| (c.name().to_string(), json!(v)))
+                        .collect();
+                    println!("{}", serde_json::Value::Object(obj));
+                }
+                Output::Text => {
+                    for (c, v) in counters {
+                        println!("{:<22} {v}", c.name());
+                    }
+                }
+            }
+            Ok(0)
+        }
+        DatapathCommand::Uninstall { pins, iface } => {
+            let removed = Datapath::uninstall(&pins.pin_root, &iface)?;
+            println!("removed {removed} pins under {}", pins.pin_root.display());
+            Ok(0)
+        }
+    }
+}
+
+/// The hardware address of `iface` in the current network namespace.
+///
+/// # Errors
+/// The interface does not exist or has no Ethernet address.
+pub fn mac_of(iface: &str) -> std::io::Result<[u8; 6]> {
+    if iface.len() >= libc::IFNAMSIZ {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            format!("interface name {iface} is too long"),
+        ));
+    }
+    // SAFETY: plain socket call.
+    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: `fd` was just opened and is owned here.
+    let fd = unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) };
+    // SAFETY: `ifreq` is plain data.
+    let mut req: libc::ifreq = unsafe { std::mem::zeroed() };
+    for (dst, src) in req.ifr_name.iter_mut().zip(iface.bytes()) {
+        *dst = src as libc::c_char;
+    }
+    // SAFETY: SIOCGIFHWADDR fills `req.ifr_ifru` for a valid name.
+    let rc = unsafe {
+        libc::ioctl(
+            std::os::fd::AsRawFd::as_raw_fd(&fd),
+            libc::SIOCGIFHWADDR,
+            &mut req,
+        )
+    };
+    if rc < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: the kernel filled the hwaddr member.
+    let data = unsafe { req.ifr_ifru.ifru_hwaddr.sa_data };
+    Ok(std::array::from_fn(|i| data[i] as u8))
+}
+
+/// Parses `aa:bb:cc:dd:ee:ff`.
+pub fn parse_mac(text: &str) -> Option<[u8; 6]> {
+    let mut mac = [0u8; 6];
+    let mut parts = text.split(':');
+    for byte in &mut mac {
+        *byte = u8::from_str_radix(parts.next()?, 16).ok()?;
+    }
+    parts.next().is_none().then_some(mac)
+}
+
+fn fmt_mac(mac: &[u8; 6]) -> String {
+    mac.iter()
+        .map(|b| format!("{b:02x}"))
+        .collect::<Vec<_>>()
+        .join(":")
+}
+
+fn flag_names(flags: u32) -> Vec<&'static str> {
+    [
+        (ipcache_flags::ENDPOINT, "endpoint"),
+        (ipcache_flags::INGRESS, "ingress"),
+        (ipcache_flags::HEALTH, "health"),
+        (ipcache_flags::ROUTER, "router"),
+        (ipcache_flags::LOADBALANCER, "loadbalancer"),
+        (ipcache_flags::HOST, "host"),
+        (ipcache_flags::REMOTE, "remote"),
+    ]
+    .into_iter()
+    .filter(|(bit, _)| flags & bit != 0)
+    .map(|(_, name)| name)
+    .collect()
+}
+
+/// Decodes every map into JSON.
+///
+/// # Errors
+/// A map could not be read.
+pub fn dump_maps(maps: &PinnedMaps) -> anyhow::Result<serde_json::Value> {
+    let ipcache = |prefix: String, v: &IpcacheValue| {
+        json!({
+            "prefix": prefix,
+            "identity": v.identity,
+            "flags": flag_names(v.flags),
+            "ifindex": v.ifindex,
+        })
+    };
+    let mut ipcache_v4 = Vec::new();
+    for item in maps.ipcache_v4.iter() {
+        let (k, v) = item?;
+        ipcache_v4.push(ipcache(
+            format!("{}/{}", Ipv4Addr::from(k.data()), k.prefix_len()),
+            &v,
+        ));
+    }
+    let mut ipcache_v6 = Vec::new();
+    for item in maps.ipcache_v6.iter() {
+        let (k, v) = item?;
+        ipcache_v6.push(ipcache(
+            format!("{}/{}", Ipv6Addr::from(k.data()), k.prefix_len()),
+            &v,
+        ));
+    }
+    let mut masq = Vec::new();
+    for item in maps.masq_skip_v4.iter() {
+        let (k, v) = item?;
+        masq.push(json!({"cidr": format!("{}/{}", Ipv4Addr::from(k.data()), k.prefix_len()), "reason": v.reason, "pool_id": v.pool_id}));
+    }
+    for item in maps.masq_skip_v6.iter() {
+        let (k, v) = item?;
+        masq.push(json!({"cidr": format!("{}/{}", Ipv6Addr::from(k.data()), k.prefix_len()), "reason": v.reason, "pool_id": v.pool_id}));
+    }
+    let mut endpoints = Vec::new();
+    for item in maps.endpoints.iter() {
+        let (ifindex, v) = item?;
+        endpoints.push(json!({
+            "ifindex": ifindex,
+            "ipv4": (v.flags & endpoint_flags::HAS_V4 != 0).then(|| Ipv4Addr::from(v.ipv4).to_string()),
+            "ipv6": (v.flags & endpoint_flags::HAS_V6 != 0).then(|| Ipv6Addr::from(v.ipv6).to_string()),
+            "mac": fmt_mac(&v.mac),
+            "generation": v.generation,
+        }));
+    }
+    let mut l2 = Vec::new();
+    for item in maps.l2_resp_v4.iter() {
+        let (addr, v) = item?;
+        l2.push(json!({"address": Ipv4Addr::from(addr).to_string(), "ifindex": v.ifindex, "mac": fmt_mac(&v.mac)}));
+    }
+    let counters: serde_json::Map<String, serde_json::Value> = maps
+        .counters()?
+        .into_iter()
+        .map(|(c, v)| (c.name().to_string(), json!(v)))
+        .collect();
+    Ok(json!({
+        "IPCACHE_V4": ipcache_v4,
+        "IPCACHE_V6": ipcache_v6,
+        "MASQ_SKIP": masq,
+        "ENDPOINTS": endpoints,
+        "L2_RESP_V4": l2,
+        "COUNTERS": counters,
+    }))
+}
+
+fn print_dump_text(dump: &serde_json::Value) {
+    if let Some(obj) = dump.as_object() {
+        for (name, value) in obj {
+            println!("{name}:");
+            match value {
+                serde_json::Value::Array(items) if items.is_empty() => println!("  (empty)"),
+                serde_json::Value::Array(items) => {
+                    for item in items {
+                        println!("  {item}");
+                    }
+                }
+                other => println!("  {other}"),
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mac_round_trip() {
+        let mac = parse_mac("02:ab:cd:00:11:ff").expect("valid");
+        assert_eq!(mac, [0x02, 0xab, 0xcd, 0x00, 0x11, 0xff]);
+        assert_eq!(fmt_mac(&mac), "02:ab:cd:00:11:ff");
+        assert_eq!(parse_mac("02:ab:cd:00:11"), None);
+        assert_eq!(parse_mac("02:ab:cd:00:11:ff:00"), None);
+        assert_eq!(parse_mac("zz:ab:cd:00:11:ff"), None);
+    }
+
+    #[test]
+    fn flags_decode_by_name() {
+        assert_eq!(
+            flag_names(ipcache_flags::ENDPOINT | ipcache_flags::LOADBALANCER),
+            vec!["endpoint", "loadbalancer"]
+        );
+        assert!(flag_names(0).is_empty());
+    }
+}

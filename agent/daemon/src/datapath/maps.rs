@@ -1,0 +1,138 @@
+//! Typed access to lockstep's pinned maps.
+//!
+//! The maps are opened from their pins, not from a loaded object, so the CLI
+//! can read them while the agent is down and the agent sees exactly what the
+//! programs see.
+
+use std::net::{Ipv4Addr, Ipv6Addr};
+use std::path::{Path, PathBuf};
+
+use aya::maps::lpm_trie::Key;
+use aya::maps::{HashMap, LpmTrie, Map, MapData, PerCpuArray};
+use lockstep_common::{
+    Counter, EndpointValue, IpcacheValue, L2RespValue, MasqSkipValue, V4Addr, V6Addr, map_names,
+};
+
+use super::DatapathError;
+
+/// Every pinned map, typed.
+pub struct PinnedMaps {
+    /// IPCACHE_V4.
+    pub ipcache_v4: LpmTrie<MapData, V4Addr, IpcacheValue>,
+    /// IPCACHE_V6.
+    pub ipcache_v6: LpmTrie<MapData, V6Addr, IpcacheValue>,
+    /// MASQ_SKIP_V4.
+    pub masq_skip_v4: LpmTrie<MapData, V4Addr, MasqSkipValue>,
+    /// MASQ_SKIP_V6.
+    pub masq_skip_v6: LpmTrie<MapData, V6Addr, MasqSkipValue>,
+    /// ENDPOINTS.
+    pub endpoints: HashMap<MapData, u32, EndpointValue>,
+    /// L2_RESP_V4.
+    pub l2_resp_v4: HashMap<MapData, V4Addr, L2RespValue>,
+    /// COUNTERS.
+    pub counters: PerCpuArray<MapData, u64>,
+}
+
+impl std::fmt::Debug for PinnedMaps {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PinnedMaps").finish_non_exhaustive()
+    }
+}
+
+fn open_map(dir: &Path, name: &str) -> Result<Map, DatapathError> {
+    let pin: PathBuf = dir.join(name);
+    let open_err = |source| DatapathError::OpenPin {
+        pin: pin.clone(),
+        source,
+    };
+    let data = MapData::from_pin(&pin).map_err(open_err)?;
+    Map::from_map_data(data).map_err(open_err)
+}
+
+macro_rules! typed {
+    ($dir:expr, $name:expr) => {{
+        let map = open_map($dir, $name)?;
+        map.try_into().map_err(|source| DatapathError::OpenPin {
+            pin: $dir.join($name),
+            source,
+        })?
+    }};
+}
+
+impl PinnedMaps {
+    /// Opens the maps pinned under `<pin_root>/maps`.
+    ///
+    /// # Errors
+    /// A pin is missing or its type or sizes do not match.
+    pub fn open(pin_root: &Path) -> Result<Self, DatapathError> {
+        let dir = pin_root.join("maps");
+        Ok(Self {
+            ipcache_v4: typed!(&dir, map_names::IPCACHE_V4),
+            ipcache_v6: typed!(&dir, map_names::IPCACHE_V6),
+            masq_skip_v4: typed!(&dir, map_names::MASQ_SKIP_V4),
+            masq_skip_v6: typed!(&dir, map_names::MASQ_SKIP_V6),
+            endpoints: typed!(&dir, map_names::ENDPOINTS),
+            l2_resp_v4: typed!(&dir, map_names::L2_RESP_V4),
+            counters: typed!(&dir, map_names::COUNTERS),
+        })
+    }
+
+    /// Each counter summed over all CPUs.
+    ///
+    /// # Errors
+    /// A lookup failed.
+    pub fn counters(&self) -> Result<Vec<(Counter, u64)>, DatapathError> {
+        Counter::ALL
+            .iter()
+            .map(|c| {
+                let values = self.counters.get(&(*c as u32), 0).map_err(|source| {
+                    DatapathError::OpenPin {
+                        pin: PathBuf::from(map_names::COUNTERS),
+                        source,
+                    }
+                })?;
+                Ok((*c, values.iter().sum()))
+            })
+            .collect()
+    }
+}
+
+/// An IPv4 LPM key with host bits past `prefix_len` cleared, as the kernel
+/// stores keys as given and deletes by exact match.
+pub fn v4_key(addr: Ipv4Addr, prefix_len: u8) -> Key<V4Addr> {
+    let bits = u32::from(addr);
+    let mask = if prefix_len == 0 {
+        0
+    } else {
+        u32::MAX << (32 - u32::from(prefix_len.min(32)))
+    };
+    Key::new(u32::from(prefix_len.min(32)), (bits & mask).to_be_bytes())
+}
+
+/// An IPv6 LPM key with host bits past `prefix_len` cleared.
+pub fn v6_key(addr: Ipv6Addr, prefix_len: u8) -> Key<V6Addr> {
+    let bits = u128::from(addr);
+    let mask = if prefix_len == 0 {
+        0
+    } else {
+        u128::MAX << (128 - u32::from(prefix_len.min(128)))
+    };
+    Key::new(u32::from(prefix_len.min(128)), (bits & mask).to_be_bytes())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_are_canonical() {
+        let k = v4_key(Ipv4Addr::new(10, 1, 2, 3), 24);
+        assert_eq!({ k.prefix_len() }, 24);
+        assert_eq!(k.data(), [10, 1, 2, 0]);
+        assert_eq!(v4_key(Ipv4Addr::new(10, 1, 2, 3), 0).data(), [0; 4]);
+        assert_eq!(v4_key(Ipv4Addr::new(10, 1, 2, 3), 32).data(), [10, 1, 2, 3]);
+        let k6 = v6_key("fd00::1:2".parse().expect("literal"), 64);
+        assert_eq!(k6.data()[..8], [0xfd, 0, 0, 0, 0, 0, 0, 0]);
+        assert_eq!(k6.data()[8..], [0; 8]);
+    }
+}

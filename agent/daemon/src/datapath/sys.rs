@@ -1,0 +1,294 @@
+//! Raw `bpf(2)` map commands that aya 0.14 does not expose: batch update and
+//! delete (reconcile programs thousands of entries per syscall instead of one),
+//! and byte-level iteration used to migrate a map whose definition changed.
+//!
+//! Everything here works on a map fd and plain byte buffers; typed access goes
+//! through aya. This module and the rest of `datapath` are the only code that
+//! talks to the kernel's BPF subsystem.
+
+use std::io;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
+
+const BPF_MAP_LOOKUP_ELEM: libc::c_long = 1;
+const BPF_MAP_UPDATE_ELEM: libc::c_long = 2;
+const BPF_MAP_GET_NEXT_KEY: libc::c_long = 4;
+const BPF_MAP_UPDATE_BATCH: libc::c_long = 26;
+const BPF_MAP_DELETE_BATCH: libc::c_long = 27;
+
+/// `BPF_ANY`: create or update.
+pub const BPF_ANY: u64 = 0;
+
+/// The element-command part of `union bpf_attr`.
+#[repr(C)]
+#[derive(Default)]
+struct ElemAttr {
+    map_fd: u32,
+    _pad: u32,
+    key: u64,
+    value_or_next_key: u64,
+    flags: u64,
+}
+
+/// The batch-command part of `union bpf_attr`.
+#[repr(C)]
+#[derive(Default)]
+struct BatchAttr {
+    in_batch: u64,
+    out_batch: u64,
+    keys: u64,
+    values: u64,
+    count: u32,
+    map_fd: u32,
+    elem_flags: u64,
+    flags: u64,
+}
+
+/// Why a raw map command failed.
+#[derive(Debug, thiserror::Error)]
+pub enum SysError {
+    /// The syscall returned an error.
+    #[error("bpf({command}) failed after {done} of {requested} elements")]
+    Syscall {
+        /// The bpf command.
+        command: &'static str,
+        /// Elements the kernel reported as done before the error (batch only).
+        done: usize,
+        /// Elements requested.
+        requested: usize,
+        /// The errno.
+        #[source]
+        source: io::Error,
+    },
+    /// Key or value buffers do not hold whole, matching elements.
+    #[error(
+        "batch buffers do not match: {keys} key bytes / {key_size} and {values} value bytes / {value_size}"
+    )]
+    BufferShape {
+        /// Bytes of keys given.
+        keys: usize,
+        /// Key size of the map.
+        key_size: usize,
+        /// Bytes of values given.
+        values: usize,
+        /// Value size of the map.
+        value_size: usize,
+    },
+}
+
+fn bpf<T>(cmd: libc::c_long, attr: &mut T) -> io::Result<()> {
+    // SAFETY: `attr` is a valid, initialised, #[repr(C)] prefix of `bpf_attr`
+    // that lives for the duration of the call; the kernel reads at most
+    // `size_of::<T>()` bytes and zero-extends the rest.
+    let ret = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            cmd,
+            attr as *mut T as *mut libc::c_void,
+            size_of::<T>() as libc::c_uint,
+        )
+    };
+    if ret < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(())
+    }
+}
+
+fn raw(fd: BorrowedFd<'_>) -> u32 {
+    fd.as_raw_fd() as u32
+}
+
+/// Updates `keys.len() / key_size` elements in as few syscalls as the kernel
+/// allows (`BPF_MAP_UPDATE_BATCH`, Linux 5.6).
+///
+/// # Errors
+/// The first failing syscall, with how many elements were written before it.
+///
+/// # Minimum kernel version
+/// 5.6 (batch map operations).
+pub fn update_batch(
+    fd: impl AsFd,
+    key_size: usize,
+    value_size: usize,
+    keys: &[u8],
+    values: &[u8],
+) -> Result<(), SysError> {
+    let n = check_shape(key_size, value_size, keys, values)?;
+    let mut done = 0usize;
+    while done < n {
+        let mut attr = BatchAttr {
+            keys: keys[done * key_size..].as_ptr() as u64,
+            values: values[done * value_size..].as_ptr() as u64,
+            count: (n - done) as u32,
+            map_fd: raw(fd.as_fd()),
+            elem_flags: BPF_ANY,
+            ..Default::default()
+        };
+        let result = bpf(BPF_MAP_UPDATE_BATCH, &mut attr);
+        // The kernel writes back how many elements it processed, even on error.
+        done += attr.count as usize;
+        if let Err(source) = result {
+            return Err(SysError::Syscall {
+                command: "BPF_MAP_UPDATE_BATCH",
+                done,
+                requested: n,
+                source,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Deletes `keys.len() / key_size` elements (`BPF_MAP_DELETE_BATCH`). A key
+/// that is not present is an error (`ENOENT`), as with single deletes.
+///
+/// # Errors
+/// The first failing syscall.
+///
+/// # Minimum kernel version
+/// 5.6 (batch map operations).
+pub fn delete_batch(fd: impl AsFd, key_size: usize, keys: &[u8]) -> Result<(), SysError> {
+    let n = check_shape(key_size, 1, keys, &vec![0; keys.len() / key_size.max(1)])?;
+    let mut done = 0usize;
+    while done < n {
+        let mut attr = BatchAttr {
+            keys: keys[done * key_size..].as_ptr() as u64,
+            count: (n - done) as u32,
+            map_fd: raw(fd.as_fd()),
+            ..Default::default()
+        };
+        let result = bpf(BPF_MAP_DELETE_BATCH, &mut attr);
+        done += attr.count as usize;
+        if let Err(source) = result {
+            return Err(SysError::Syscall {
+                command: "BPF_MAP_DELETE_BATCH",
+                done,
+                requested: n,
+                source,
+            });
+        }
+    }
+    Ok(())
+}
+
+fn check_shape(
+    key_size: usize,
+    value_size: usize,
+    keys: &[u8],
+    values: &[u8],
+) -> Result<usize, SysError> {
+    let shape = SysError::BufferShape {
+        keys: keys.len(),
+        key_size,
+        values: values.len(),
+        value_size,
+    };
+    if key_size == 0 || value_size == 0 || keys.len() % key_size != 0 {
+        return Err(shape);
+    }
+    let n = keys.len() / key_size;
+    if values.len() != n * value_size {
+        return Err(shape);
+    }
+    Ok(n)
+}
+
+/// Every (key, value) of a map as raw bytes, by `GET_NEXT_KEY` + `LOOKUP_ELEM`.
+/// Used only for migration, where the map's Rust types are not known.
+///
+/// # Errors
+/// A failing syscall other than the end of iteration.
+pub fn dump_raw(
+    fd: impl AsFd,
+    key_size: usize,
+    value_size: usize,
+) -> Result<Vec<(Vec<u8>, Vec<u8>)>, SysError> {
+    let fd = raw(fd.as_fd());
+    let mut out = Vec::new();
+    let mut key: Option<Vec<u8>> = None;
+    loop {
+        let mut next = vec![0u8; key_size];
+        let mut attr = ElemAttr {
+            map_fd: fd,
+            key: key.as_ref().map_or(0, |k| k.as_ptr() as u64),
+            value_or_next_key: next.as_mut_ptr() as u64,
+            ..Default::default()
+        };
+        match bpf(BPF_MAP_GET_NEXT_KEY, &mut attr) {
+            Ok(()) => {}
+            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => break,
+            Err(source) => {
+                return Err(SysError::Syscall {
+                    command: "BPF_MAP_GET_NEXT_KEY",
+                    done: out.len(),
+                    requested: out.len(),
+                    source,
+                });
+            }
+        }
+        let mut value = vec![0u8; value_size];
+        let mut attr = ElemAttr {
+            map_fd: fd,
+            key: next.as_ptr() as u64,
+            value_or_next_key: value.as_mut_ptr() as u64,
+            ..Default::default()
+        };
+        match bpf(BPF_MAP_LOOKUP_ELEM, &mut attr) {
+            Ok(()) => out.push((next.clone(), value)),
+            // Deleted between the two calls: skip it.
+            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {}
+            Err(source) => {
+                return Err(SysError::Syscall {
+                    command: "BPF_MAP_LOOKUP_ELEM",
+                    done: out.len(),
+                    requested: out.len(),
+                    source,
+                });
+            }
+        }
+        key = Some(next);
+    }
+    Ok(out)
+}
+
+/// Writes one raw element (`BPF_MAP_UPDATE_ELEM`, `BPF_ANY`).
+///
+/// # Errors
+/// The syscall's error.
+pub fn update_raw(fd: impl AsFd, key: &[u8], value: &[u8]) -> Result<(), SysError> {
+    let mut attr = ElemAttr {
+        map_fd: raw(fd.as_fd()),
+        key: key.as_ptr() as u64,
+        value_or_next_key: value.as_ptr() as u64,
+        flags: BPF_ANY,
+        ..Default::default()
+    };
+    bpf(BPF_MAP_UPDATE_ELEM, &mut attr).map_err(|source| SysError::Syscall {
+        command: "BPF_MAP_UPDATE_ELEM",
+        done: 0,
+        requested: 1,
+        source,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shape_is_checked_before_any_syscall() {
+        assert!(check_shape(8, 32, &[0; 16], &[0; 64]).is_ok());
+        assert!(matches!(
+            check_shape(8, 32, &[0; 15], &[0; 64]),
+            Err(SysError::BufferShape { .. })
+        ));
+        assert!(matches!(
+            check_shape(8, 32, &[0; 16], &[0; 32]),
+            Err(SysError::BufferShape { .. })
+        ));
+        assert!(matches!(
+            check_shape(0, 32, &[], &[]),
+            Err(SysError::BufferShape { .. })
+        ));
+    }
+}

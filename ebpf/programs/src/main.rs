@@ -1,0 +1,298 @@
+//! lockstep's eBPF programs.
+//!
+//! All programs live in one object so they share one set of maps; the agent
+//! loads the object, pins the maps and attaches each program with TCX.
+//!
+//! - `from_endpoint` (TC ingress on an endpoint's host-side veth): drops packets
+//!   whose source is not the endpoint's allocated address, classifies the
+//!   destination through IPCACHE, counts.
+//! - `to_native` (TC egress on the node's uplink): decides whether endpoint
+//!   traffic would be masqueraded (source is a local endpoint, destination not
+//!   in MASQ_SKIP) and counts; the translation itself is a later step.
+//! - `from_native` (TC ingress on the node's uplink): answers ARP requests for
+//!   addresses in L2_RESP_V4 with the announcing interface's MAC.
+//! - `noop`: returns "next"; the baseline of the datapath benchmark.
+//!
+//! Map layouts come from `lockstep-common`; nothing here redefines them.
+#![no_std]
+#![no_main]
+
+use core::mem::size_of;
+
+use aya_ebpf::{
+    bindings::{TC_ACT_REDIRECT, TC_ACT_SHOT, TC_ACT_UNSPEC},
+    btf_maps::{HashMap, LpmTrie, PerCpuArray, lpm_trie::Key},
+    helpers::bpf_redirect,
+    macros::{btf_map, classifier},
+    programs::TcContext,
+};
+use lockstep_common::{
+    Counter, EndpointValue, IpcacheValue, L2RespValue, MasqSkipValue, V4Addr, V6Addr,
+    endpoint_flags, ipcache_flags, max_entries,
+};
+
+#[btf_map]
+static IPCACHE_V4: LpmTrie<V4Addr, IpcacheValue, { max_entries::IPCACHE as usize }> =
+    LpmTrie::new();
+#[btf_map]
+static IPCACHE_V6: LpmTrie<V6Addr, IpcacheValue, { max_entries::IPCACHE as usize }> =
+    LpmTrie::new();
+#[btf_map]
+static MASQ_SKIP_V4: LpmTrie<V4Addr, MasqSkipValue, { max_entries::MASQ_SKIP as usize }> =
+    LpmTrie::new();
+#[btf_map]
+static MASQ_SKIP_V6: LpmTrie<V6Addr, MasqSkipValue, { max_entries::MASQ_SKIP as usize }> =
+    LpmTrie::new();
+#[btf_map]
+static ENDPOINTS: HashMap<u32, EndpointValue, { max_entries::ENDPOINTS as usize }> =
+    HashMap::new();
+#[btf_map]
+static L2_RESP_V4: HashMap<V4Addr, L2RespValue, { max_entries::L2_RESP as usize }> =
+    HashMap::new();
+#[btf_map]
+static COUNTERS: PerCpuArray<u64, { Counter::COUNT as usize }> = PerCpuArray::new();
+
+/// "Continue": the next TCX program (or the stack) decides.
+const NEXT: i32 = TC_ACT_UNSPEC;
+const DROP: i32 = TC_ACT_SHOT as i32;
+
+const ETH_HLEN: usize = 14;
+const ETH_P_IP: u16 = 0x0800;
+const ETH_P_IPV6: u16 = 0x86DD;
+const ETH_P_ARP: u16 = 0x0806;
+/// Offsets from the start of the frame.
+const IP4_SRC: usize = ETH_HLEN + 12;
+const IP4_DST: usize = ETH_HLEN + 16;
+const IP6_SRC: usize = ETH_HLEN + 8;
+const IP6_DST: usize = ETH_HLEN + 24;
+/// Ethernet + ARP for IPv4 over Ethernet.
+const ARP_FRAME_LEN: usize = ETH_HLEN + 28;
+const ARP_SPA: usize = ETH_HLEN + 14;
+
+#[inline(always)]
+fn count(counter: Counter) {
+    if let Some(slot) = COUNTERS.get_ptr_mut(counter as u32) {
+        // SAFETY: per-CPU slot, only this CPU writes it while the program runs.
+        unsafe { *slot += 1 };
+    }
+}
+
+/// Reads a `T` at `offset` by direct packet access, pulling non-linear data in
+/// first when the headers are not in the linear part.
+#[inline(always)]
+fn read<T: Copy>(ctx: &TcContext, offset: usize) -> Option<T> {
+    let end = offset + size_of::<T>();
+    if ctx.data() + end > ctx.data_end() {
+        ctx.pull_data(end as u32).ok()?;
+        if ctx.data() + end > ctx.data_end() {
+            return None;
+        }
+    }
+    // SAFETY: bounds checked against data_end just above.
+    Some(unsafe { ((ctx.data() + offset) as *const T).read_unaligned() })
+}
+
+#[inline(always)]
+fn ethertype(ctx: &TcContext) -> Option<u16> {
+    read::<[u8; 2]>(ctx, 12).map(u16::from_be_bytes)
+}
+
+#[inline(always)]
+fn ifindex(ctx: &TcContext) -> u32 {
+    // SAFETY: the context pointer is valid for the program's run.
+    unsafe { (*ctx.skb.skb).ifindex }
+}
+
+#[inline(always)]
+fn classify(entry: Option<&IpcacheValue>) {
+    let counter = match entry {
+        None => Counter::DstWorld,
+        Some(v) if v.flags & ipcache_flags::ENDPOINT != 0 => Counter::DstEndpoint,
+        Some(v)
+            if v.flags
+                & (ipcache_flags::INGRESS
+                    | ipcache_flags::HEALTH
+                    | ipcache_flags::ROUTER
+                    | ipcache_flags::LOADBALANCER)
+                != 0 =>
+        {
+            Counter::DstService
+        }
+        Some(_) => Counter::DstCluster,
+    };
+    count(counter);
+}
+
+#[inline(always)]
+fn is_link_local_or_unspecified(addr: &V6Addr) -> bool {
+    (addr[0] == 0xfe && addr[1] & 0xc0 == 0x80) || *addr == [0u8; 16]
+}
+
+/// Anti-spoofing and destination classification for traffic leaving an
+/// endpoint. Fails closed: an interface without an ENDPOINTS entry drops.
+#[classifier]
+pub fn from_endpoint(ctx: TcContext) -> i32 {
+    // SAFETY: the value is copied out at once; the agent replaces entries
+    // whole, never in place.
+    let Some(ep) = (unsafe { ENDPOINTS.get(ifindex(&ctx)) }).copied() else {
+        count(Counter::UnknownEndpoint);
+        return DROP;
+    };
+    let Some(proto) = ethertype(&ctx) else {
+        count(Counter::Malformed);
+        return DROP;
+    };
+    match proto {
+        ETH_P_IP => {
+            let (Some(src), Some(dst)) = (read::<V4Addr>(&ctx, IP4_SRC), read::<V4Addr>(&ctx, IP4_DST))
+            else {
+                count(Counter::Malformed);
+                return DROP;
+            };
+            if ep.flags & endpoint_flags::HAS_V4 == 0 || src != ep.ipv4 {
+                count(Counter::SpoofDroppedV4);
+                return DROP;
+            }
+            classify(IPCACHE_V4.get(&Key::new(32, dst)));
+        }
+        ETH_P_IPV6 => {
+            let (Some(src), Some(dst)) = (read::<V6Addr>(&ctx, IP6_SRC), read::<V6Addr>(&ctx, IP6_DST))
+            else {
+                count(Counter::Malformed);
+                return DROP;
+            };
+            // Neighbour discovery uses link-local (and, for DAD, unspecified)
+            // sources; they cannot be routed off the link, so they pass.
+            if !is_link_local_or_unspecified(&src)
+                && (ep.flags & endpoint_flags::HAS_V6 == 0 || src != ep.ipv6)
+            {
+                count(Counter::SpoofDroppedV6);
+                return DROP;
+            }
+            classify(IPCACHE_V6.get(&Key::new(128, dst)));
+        }
+        ETH_P_ARP => {
+            let Some(spa) = read::<V4Addr>(&ctx, ARP_SPA) else {
+                count(Counter::Malformed);
+                return DROP;
+            };
+            // 0.0.0.0 is an ARP probe (RFC 5227); anything else must be ours.
+            if spa != [0; 4] && (ep.flags & endpoint_flags::HAS_V4 == 0 || spa != ep.ipv4) {
+                count(Counter::SpoofDroppedArp);
+                return DROP;
+            }
+        }
+        _ => {}
+    }
+    count(Counter::FromEndpointPassed);
+    NEXT
+}
+
+/// Masquerade decision for traffic leaving the node.
+#[classifier]
+pub fn to_native(ctx: TcContext) -> i32 {
+    let local_endpoint = |entry: Option<&IpcacheValue>| {
+        matches!(entry, Some(v) if v.flags & ipcache_flags::ENDPOINT != 0)
+    };
+    let skip = match ethertype(&ctx) {
+        Some(ETH_P_IP) => {
+            let (Some(src), Some(dst)) = (read::<V4Addr>(&ctx, IP4_SRC), read::<V4Addr>(&ctx, IP4_DST))
+            else {
+                count(Counter::Malformed);
+                return NEXT;
+            };
+            if !local_endpoint(IPCACHE_V4.get(&Key::new(32, src))) {
+                count(Counter::MasqNotEndpoint);
+                return NEXT;
+            }
+            MASQ_SKIP_V4.get(&Key::new(32, dst)).is_some()
+        }
+        Some(ETH_P_IPV6) => {
+            let (Some(src), Some(dst)) = (read::<V6Addr>(&ctx, IP6_SRC), read::<V6Addr>(&ctx, IP6_DST))
+            else {
+                count(Counter::Malformed);
+                return NEXT;
+            };
+            if !local_endpoint(IPCACHE_V6.get(&Key::new(128, src))) {
+                count(Counter::MasqNotEndpoint);
+                return NEXT;
+            }
+            MASQ_SKIP_V6.get(&Key::new(128, dst)).is_some()
+        }
+        _ => return NEXT,
+    };
+    count(if skip {
+        Counter::MasqSkipped
+    } else {
+        Counter::MasqWouldTranslate
+    });
+    NEXT
+}
+
+/// ARP responder for announced addresses.
+#[classifier]
+pub fn from_native(ctx: TcContext) -> i32 {
+    if ethertype(&ctx) != Some(ETH_P_ARP) {
+        return NEXT;
+    }
+    let Some(frame) = read::<[u8; ARP_FRAME_LEN]>(&ctx, 0) else {
+        count(Counter::Malformed);
+        return NEXT;
+    };
+    let arp = &frame[ETH_HLEN..];
+    // Ethernet (1) / IPv4 (0x0800), hlen 6, plen 4, operation request (1).
+    if arp[0..8] != [0, 1, 0x08, 0x00, 6, 4, 0, 1] {
+        return NEXT;
+    }
+    let sha: [u8; 6] = [arp[8], arp[9], arp[10], arp[11], arp[12], arp[13]];
+    let spa: V4Addr = [arp[14], arp[15], arp[16], arp[17]];
+    let tpa: V4Addr = [arp[24], arp[25], arp[26], arp[27]];
+    // A gratuitous announcement from a neighbour asks nothing of us.
+    if spa == tpa {
+        return NEXT;
+    }
+    let here = ifindex(&ctx);
+    // SAFETY: copied out at once.
+    let entry = match unsafe { L2_RESP_V4.get(tpa) } {
+        Some(v) if v.ifindex == here => *v,
+        _ => {
+            count(Counter::ArpIgnored);
+            return NEXT;
+        }
+    };
+    let mut reply = [0u8; ARP_FRAME_LEN];
+    reply[0..6].copy_from_slice(&sha);
+    reply[6..12].copy_from_slice(&entry.mac);
+    reply[12..14].copy_from_slice(&ETH_P_ARP.to_be_bytes());
+    reply[14..20].copy_from_slice(&[0, 1, 0x08, 0x00, 6, 4]);
+    reply[20..22].copy_from_slice(&[0, 2]);
+    reply[22..28].copy_from_slice(&entry.mac);
+    reply[28..32].copy_from_slice(&tpa);
+    reply[32..38].copy_from_slice(&sha);
+    reply[38..42].copy_from_slice(&spa);
+    if ctx.store(0, &reply, 0).is_err() {
+        count(Counter::Malformed);
+        return NEXT;
+    }
+    count(Counter::ArpReplied);
+    // SAFETY: plain helper call; egress of the interface the request came in on.
+    unsafe { bpf_redirect(here, 0) as i32 }
+}
+
+/// Returns "next" and nothing else: the benchmark's baseline.
+#[classifier]
+pub fn noop(_ctx: TcContext) -> i32 {
+    NEXT
+}
+
+#[cfg(not(test))]
+#[panic_handler]
+fn panic(_info: &core::panic::PanicInfo) -> ! {
+    loop {}
+}
+
+#[unsafe(link_section = "license")]
+#[unsafe(no_mangle)]
+static LICENSE: [u8; 4] = *b"GPL\0";
+
+const _: () = assert!(TC_ACT_REDIRECT == 7);
