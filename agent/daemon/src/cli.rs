@@ -11,8 +11,8 @@ use std::path::PathBuf;
 use anyhow::Context;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use lockstep_common::{
-    EndpointValue, IpcacheValue, L2RespValue, endpoint_flags, identity, ipcache_flags,
-    program_names,
+    EndpointValue, IpcacheValue, L2RespValue, MasqSkipValue, endpoint_flags, identity,
+    ipcache_flags, masq_reason, program_names,
 };
 use serde_json::json;
 
@@ -173,6 +173,16 @@ pub enum DatapathCommand {
         #[arg(long)]
         ip: Ipv4Addr,
     },
+    /// Skip masquerading towards a CIDR (MASQ_SKIP_V4 / MASQ_SKIP_V6, reason
+    /// "configured").
+    MasqSkipAdd {
+        /// Shared options.
+        #[command(flatten)]
+        pins: PinArgs,
+        /// The CIDR.
+        #[arg(long)]
+        cidr: ipnet::IpNet,
+    },
     /// Print the per-program counters, summed over CPUs.
     Counters {
         /// Shared options.
@@ -309,6 +319,24 @@ fn datapath(cmd: DatapathCommand) -> anyhow::Result<i32> {
                 Ok(()) | Err(aya::maps::MapError::KeyNotFound) => Ok(0),
                 Err(e) => Err(e.into()),
             }
+        }
+        DatapathCommand::MasqSkipAdd { pins, cidr } => {
+            let mut maps = PinnedMaps::open(&pins.pin_root)?;
+            let value = MasqSkipValue {
+                reason: masq_reason::CONFIG,
+                pool_id: 0,
+            };
+            match cidr.trunc() {
+                ipnet::IpNet::V4(n) => {
+                    maps.masq_skip_v4
+                        .insert(&v4_key(n.network(), n.prefix_len()), value, 0)?
+                }
+                ipnet::IpNet::V6(n) => {
+                    maps.masq_skip_v6
+                        .insert(&v6_key(n.network(), n.prefix_len()), value, 0)?
+                }
+            }
+            Ok(0)
         }
         DatapathCommand::Counters { pins, output } => {
             let maps = PinnedMaps::open(&pins.pin_root)?;

@@ -2,8 +2,16 @@
 
 use clap::Parser;
 
-fn main() -> anyhow::Result<()> {
+fn main() {
     let cli = lockstep::cli::Cli::parse();
     lockstep::cli::init_tracing(cli.log_json, cli.verbose);
-    std::process::exit(lockstep::cli::run(cli)?);
+    match lockstep::cli::run(cli) {
+        Ok(code) => std::process::exit(code),
+        Err(e) => {
+            // The whole cause chain on one line, no backtrace: this is an
+            // operator-facing message.
+            eprintln!("error: {e:#}");
+            std::process::exit(1);
+        }
+    }
 }

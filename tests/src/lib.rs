@@ -1,0 +1,336 @@
+//! Helpers for lockstep's root-only integration tests.
+//!
+//! Every test builds its own world: network namespaces (named
+//! `lockstep-t-<pid>-<n>` so parallel tests and leftovers are recognisable),
+//! veth pairs inside them, and a pin root under `/sys/fs/bpf/lockstep-test-*`.
+//! Guards remove all of it on drop, also when the test fails.
+//!
+//! Privileged tests fail when they cannot run; they skip only when
+//! `LOCKSTEP_SKIP_PRIVILEGED=1` is set, and say so.
+
+use std::ffi::OsStr;
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::sync::atomic::{AtomicU32, Ordering};
+
+use anyhow::{Context, bail};
+
+static COUNTER: AtomicU32 = AtomicU32::new(0);
+
+/// A short name unique to this process and call.
+pub fn unique(prefix: &str) -> String {
+    format!(
+        "{prefix}-{}-{}",
+        std::process::id(),
+        COUNTER.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+/// Returns `true` when privileged tests must be skipped (and says so), panics
+/// when they cannot run and no opt-out was given.
+pub fn skip_privileged(test: &str) -> bool {
+    if std::env::var("LOCKSTEP_SKIP_PRIVILEGED").as_deref() == Ok("1") {
+        eprintln!("SKIPPED {test}: LOCKSTEP_SKIP_PRIVILEGED=1 is set");
+        return true;
+    }
+    // SAFETY: geteuid has no preconditions.
+    let euid = unsafe { libc::geteuid() };
+    assert_eq!(
+        euid, 0,
+        "{test} needs root (namespaces, bpffs); run it through `cargo xtask test` as root, \
+         or set LOCKSTEP_SKIP_PRIVILEGED=1 to skip it explicitly"
+    );
+    false
+}
+
+/// Skips the test (returning early) when privileged tests are opted out.
+#[macro_export]
+macro_rules! privileged {
+    () => {
+        if $crate::skip_privileged(module_path!()) {
+            return Ok(());
+        }
+    };
+}
+
+/// Runs a command, failing with its output when it fails.
+pub fn sh<I, S>(program: &str, args: I) -> anyhow::Result<String>
+where
+    I: IntoIterator<Item = S>,
+    S: AsRef<OsStr>,
+{
+    let out = Command::new(program)
+        .args(args)
+        .output()
+        .with_context(|| format!("starting {program}"))?;
+    check(program, out)
+}
+
+fn check(what: &str, out: Output) -> anyhow::Result<String> {
+    if !out.status.success() {
+        bail!(
+            "{what} failed ({}):\nstdout: {}\nstderr: {}",
+            out.status,
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// The lockstep binary under test (`LOCKSTEP_BIN`, set by `cargo xtask test`).
+pub fn lockstep_bin() -> PathBuf {
+    if let Some(p) = std::env::var_os("LOCKSTEP_BIN") {
+        return PathBuf::from(p);
+    }
+    let fallback = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/debug/lockstep");
+    assert!(
+        fallback.exists(),
+        "lockstep binary not found; run the tests through `cargo xtask test` (sets LOCKSTEP_BIN)"
+    );
+    fallback
+}
+
+/// A network namespace, deleted on drop.
+#[derive(Debug)]
+pub struct Netns {
+    name: String,
+}
+
+impl Netns {
+    /// Creates a namespace with a unique name and loopback up.
+    ///
+    /// # Errors
+    /// `ip netns add` failed.
+    pub fn new(tag: &str) -> anyhow::Result<Self> {
+        let name = unique(&format!("lockstep-t{tag}"));
+        sh("ip", ["netns", "add", &name])?;
+        let ns = Self { name };
+        ns.ip(["link", "set", "lo", "up"])?;
+        Ok(ns)
+    }
+
+    /// The namespace's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Path of the namespace file.
+    pub fn path(&self) -> PathBuf {
+        PathBuf::from("/run/netns").join(&self.name)
+    }
+
+    /// `ip -n <ns> ...`.
+    ///
+    /// # Errors
+    /// The command failed.
+    pub fn ip<I, S>(&self, args: I) -> anyhow::Result<String>
+    where
+        I: IntoIterator<Item = S>,
+        S: AsRef<OsStr>,
+    {
+        let mut all: Vec<std::ffi::OsString> = vec!["-n".into(), self.name.clone().into()];
+        all.extend(args.into_iter().map(|a| a.as_ref().to_os_string()));
+        sh("ip", all)
+    }
+
+    /// A command run inside the namespace (network only: `nsenter --net`, so
+    /// the bpffs mount stays visible, unlike `ip netns exec`).
+    pub fn command(&self, program: impl AsRef<OsStr>) -> Command {
+        let mut cmd = Command::new("nsenter");
+        cmd.arg(format!("--net={}", self.path().display()))
+            .arg("--")
+            .arg(program);
+        cmd
+    }
+
+    /// Runs a command inside the namespace; fails when it fails.
+    ///
+    /// # Errors
+    /// The command failed.
+    pub fn exec<I, S>(&self, program: &str, args: I) -> anyhow::Result<String>
+    where
+        I: IntoIterator<Item = S>,
+        S: AsRef<OsStr>,
+    {
+        let out = self
+            .command(program)
+            .args(args)
+            .output()
+            .with_context(|| format!("starting {program} in {}", self.name))?;
+        check(program, out)
+    }
+
+    /// Sets a sysctl inside the namespace.
+    ///
+    /// # Errors
+    /// The write failed.
+    pub fn sysctl(&self, key: &str, value: &str) -> anyhow::Result<()> {
+        self.exec("sysctl", ["-qw", &format!("{key}={value}")])?;
+        Ok(())
+    }
+
+    /// Runs `f` on a thread that has entered this namespace; sockets made
+    /// there stay in it.
+    ///
+    /// # Errors
+    /// `setns` failed, or `f` did.
+    pub fn run<T: Send>(&self, f: impl FnOnce() -> anyhow::Result<T> + Send) -> anyhow::Result<T> {
+        let path = self.path();
+        std::thread::scope(|s| {
+            s.spawn(move || {
+                let file = std::fs::File::open(&path)
+                    .with_context(|| format!("opening {}", path.display()))?;
+                // SAFETY: valid fd of a network namespace file; affects only
+                // this thread.
+                let rc = unsafe { libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) };
+                if rc != 0 {
+                    bail!(
+                        "setns {}: {}",
+                        path.display(),
+                        std::io::Error::last_os_error()
+                    );
+                }
+                f()
+            })
+            .join()
+            .map_err(|_| anyhow::anyhow!("thread in {} panicked", self.name))?
+        })
+    }
+
+    /// The MAC address of `iface` in this namespace.
+    ///
+    /// # Errors
+    /// No such interface.
+    pub fn mac(&self, iface: &str) -> anyhow::Result<String> {
+        let out = self.ip(["-j", "link", "show", "dev", iface])?;
+        let v: serde_json::Value = serde_json::from_str(&out)?;
+        v[0]["address"]
+            .as_str()
+            .map(str::to_string)
+            .context("no address in ip -j link output")
+    }
+}
+
+impl Drop for Netns {
+    fn drop(&mut self) {
+        let _ = Command::new("ip")
+            .args(["netns", "del", &self.name])
+            .output();
+    }
+}
+
+/// A veth pair from `a` (named `a_if`) to `b` (named `b_if`), both up.
+///
+/// # Errors
+/// `ip link` failed.
+pub fn veth(a: &Netns, a_if: &str, b: &Netns, b_if: &str) -> anyhow::Result<()> {
+    a.ip([
+        "link",
+        "add",
+        a_if,
+        "type",
+        "veth",
+        "peer",
+        "name",
+        b_if,
+        "netns",
+        b.name(),
+    ])?;
+    a.ip(["link", "set", a_if, "up"])?;
+    b.ip(["link", "set", b_if, "up"])?;
+    Ok(())
+}
+
+/// A pin root under /sys/fs/bpf, uninstalled (links detached, pins removed) on
+/// drop.
+#[derive(Debug)]
+pub struct PinRoot {
+    path: PathBuf,
+}
+
+impl PinRoot {
+    /// A fresh, unique pin root (not created yet; the agent creates it).
+    pub fn new() -> Self {
+        Self {
+            path: PathBuf::from("/sys/fs/bpf").join(unique("lockstep-test")),
+        }
+    }
+
+    /// The path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// `--pin-root <path>` as arguments.
+    pub fn arg(&self) -> [String; 2] {
+        ["--pin-root".into(), self.path.display().to_string()]
+    }
+}
+
+impl Default for PinRoot {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Drop for PinRoot {
+    fn drop(&mut self) {
+        let _ = Command::new(lockstep_bin())
+            .args(["datapath", "uninstall", "--pin-root"])
+            .arg(&self.path)
+            .output();
+        let _ = std::fs::remove_dir_all(&self.path);
+    }
+}
+
+/// Runs the lockstep binary inside `ns` with `args`; fails when it fails.
+///
+/// # Errors
+/// The command failed.
+pub fn lockstep_in<I, S>(ns: &Netns, args: I) -> anyhow::Result<String>
+where
+    I: IntoIterator<Item = S>,
+    S: AsRef<OsStr>,
+{
+    ns.exec(lockstep_bin().to_str().context("utf-8 path")?, args)
+}
+
+/// Runs the lockstep binary inside `ns`, returning the raw output.
+///
+/// # Errors
+/// It could not be started.
+pub fn lockstep_output<I, S>(ns: &Netns, args: I) -> anyhow::Result<Output>
+where
+    I: IntoIterator<Item = S>,
+    S: AsRef<OsStr>,
+{
+    Ok(ns.command(lockstep_bin()).args(args).output()?)
+}
+
+/// The datapath counters as JSON (`lockstep datapath counters -o json`).
+///
+/// # Errors
+/// The command failed or printed no JSON.
+pub fn counters(pins: &PinRoot) -> anyhow::Result<serde_json::Value> {
+    let mut args = vec![
+        "datapath".to_string(),
+        "counters".into(),
+        "-o".into(),
+        "json".into(),
+    ];
+    args.extend(pins.arg());
+    let out = sh(lockstep_bin().to_str().context("utf-8 path")?, args)?;
+    Ok(serde_json::from_str(&out)?)
+}
+
+/// One counter's value.
+///
+/// # Errors
+/// See [`counters`].
+pub fn counter(pins: &PinRoot, name: &str) -> anyhow::Result<u64> {
+    counters(pins)?[name]
+        .as_u64()
+        .with_context(|| format!("no counter {name}"))
+}

@@ -1,0 +1,211 @@
+//! lockstep's developer tasks: `cargo xtask <task>`.
+//!
+//! - `setup`: installs, idempotently, everything the build and the tests need.
+//! - `build-ebpf`: builds the eBPF object with BTF.
+//! - `build`: the agent (which embeds the object), release.
+//! - `test`: formatting, lints, purity of the core, unit tests, then the
+//!   root-only integration tests.
+//! - `bench <suite>`: benchmarks with medians.
+//! - `demo`: a sandbox node made of network namespaces.
+
+mod setup;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{Context, bail};
+use clap::{Parser, Subcommand};
+
+#[derive(Debug, Parser)]
+#[command(name = "xtask")]
+struct Cli {
+    #[command(subcommand)]
+    task: Task,
+}
+
+#[derive(Debug, Subcommand)]
+enum Task {
+    /// Install every prerequisite (idempotent; a second run changes nothing).
+    Setup,
+    /// Build the eBPF programs with BTF.
+    BuildEbpf,
+    /// Build the agent in release mode (embeds the eBPF object).
+    Build,
+    /// Check that lockstep-core depends on no I/O, kernel or clock crate.
+    CheckCore,
+    /// Setup, lints, unit tests and the privileged integration tests.
+    Test {
+        /// Skip `setup` (already done).
+        #[arg(long)]
+        no_setup: bool,
+        /// Only run integration tests whose name contains this.
+        filter: Option<String>,
+    },
+    /// Run a benchmark suite: core, datapath, agent, cni, lb.
+    Bench {
+        /// The suite.
+        suite: String,
+    },
+    /// Set up and run the demo node.
+    Demo {
+        /// Skip `setup` (already done).
+        #[arg(long)]
+        no_setup: bool,
+    },
+}
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("xtask lives one level below the root")
+        .to_path_buf()
+}
+
+fn run(cmd: &mut Command) -> anyhow::Result<()> {
+    eprintln!("+ {cmd:?}");
+    let status = cmd
+        .status()
+        .with_context(|| format!("starting {:?}", cmd.get_program()))?;
+    if !status.success() {
+        bail!("{cmd:?} failed: {status}");
+    }
+    Ok(())
+}
+
+fn cargo() -> Command {
+    let mut cmd = Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()));
+    cmd.current_dir(root());
+    cmd
+}
+
+/// Crates the pure core must never depend on (directly or not).
+const FORBIDDEN_IN_CORE: &[&str] = &[
+    "tokio",
+    "aya",
+    "aya-obj",
+    "libc",
+    "rtnetlink",
+    "netlink-packet-route",
+    "netlink-sys",
+    "nix",
+    "rustix",
+    "mio",
+    "socket2",
+    "tempfile",
+    "walkdir",
+    "chrono",
+    "time",
+    "redb",
+    "rand",
+    "getrandom",
+];
+
+fn check_core() -> anyhow::Result<()> {
+    let out = cargo()
+        .args([
+            "tree",
+            "-p",
+            "lockstep-core",
+            "-e",
+            "normal",
+            "--prefix",
+            "none",
+            "--format",
+            "{p}",
+        ])
+        .output()
+        .context("running cargo tree")?;
+    if !out.status.success() {
+        bail!(
+            "cargo tree failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let tree = String::from_utf8(out.stdout)?;
+    let mut bad = Vec::new();
+    for line in tree.lines() {
+        let name = line.split_whitespace().next().unwrap_or_default();
+        if FORBIDDEN_IN_CORE.contains(&name) {
+            bad.push(line.to_string());
+        }
+    }
+    bad.sort();
+    bad.dedup();
+    if !bad.is_empty() {
+        bail!(
+            "lockstep-core must stay pure, but depends on: {}",
+            bad.join(", ")
+        );
+    }
+    let count = tree.lines().count();
+    println!(
+        "lockstep-core is pure: {count} crates in its normal dependency tree, none of {}",
+        FORBIDDEN_IN_CORE.join(", ")
+    );
+    Ok(())
+}
+
+fn test(no_setup: bool, filter: Option<String>) -> anyhow::Result<()> {
+    if !no_setup {
+        setup::setup()?;
+    }
+    run(cargo().args(["fmt", "--all", "--check"]))?;
+    run(cargo().args([
+        "clippy",
+        "--workspace",
+        "--all-targets",
+        "--",
+        "-D",
+        "warnings",
+    ]))?;
+    check_core()?;
+    run(cargo().args(["test", "--workspace", "--exclude", "lockstep-tests"]))?;
+    integration(filter)
+}
+
+fn integration(filter: Option<String>) -> anyhow::Result<()> {
+    run(cargo().args(["build", "-p", "lockstep", "--bins"]))?;
+    let bin = root().join("target/debug/lockstep");
+    let mut cmd = cargo();
+    cmd.args(["test", "-p", "lockstep-tests"])
+        .env("LOCKSTEP_BIN", &bin)
+        .arg("--");
+    if let Some(f) = filter {
+        cmd.arg(f);
+    }
+    run(&mut cmd)
+}
+
+fn bench(suite: &str) -> anyhow::Result<()> {
+    match suite {
+        "core" => run(cargo().args(["bench", "-p", "lockstep-core", "--bench", "core"])),
+        "datapath" => run(cargo().args(["bench", "-p", "lockstep", "--bench", "datapath"])),
+        other => bail!("unknown bench suite {other}; known: core, datapath"),
+    }
+}
+
+fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    match cli.task {
+        Task::Setup => setup::setup(),
+        Task::BuildEbpf => {
+            let object = lockstep_ebpf_build::build(&root())?;
+            let size = std::fs::metadata(&object)?.len();
+            println!("built {} ({size} bytes, with BTF)", object.display());
+            Ok(())
+        }
+        Task::Build => run(cargo().args(["build", "--release", "-p", "lockstep"])),
+        Task::CheckCore => check_core(),
+        Task::Test { no_setup, filter } => test(no_setup, filter),
+        Task::Bench { suite } => bench(&suite),
+        Task::Demo { no_setup } => {
+            if !no_setup {
+                setup::setup()?;
+            }
+            run(cargo().args(["build", "-p", "lockstep", "--bins"]))?;
+            run(Command::new("bash")
+                .arg(root().join("deploy/demo.sh"))
+                .env("LOCKSTEP_BIN", root().join("target/debug/lockstep")))
+        }
+    }
+}

@@ -1,0 +1,139 @@
+//! `cargo xtask setup`: installs what the build and the tests need.
+//!
+//! Every step first checks whether its work is already done, so a second run
+//! changes nothing and takes a few seconds. Installing needs root (apt, mount).
+
+use std::path::Path;
+use std::process::Command;
+
+use anyhow::{Context, bail};
+
+/// Debian packages: LLVM for bpf-linker, bpftool, network tools, and the real
+/// peers of the integration tests (CNI plugins, podman, etcd, busybox for a
+/// local container image).
+const PACKAGES: &[&str] = &[
+    "llvm-22-dev",
+    "libpolly-22-dev",
+    "bpftool",
+    "iproute2",
+    "iputils-ping",
+    "iputils-arping",
+    "tcpdump",
+    "util-linux",
+    "containernetworking-plugins",
+    "podman",
+    "runc",
+    "etcd-server",
+    "etcd-client",
+    "busybox-static",
+];
+
+const BPF_LINKER_VERSION: &str = "0.13.0";
+
+fn quiet(cmd: &mut Command) -> bool {
+    cmd.output().map(|o| o.status.success()).unwrap_or(false)
+}
+
+fn run(cmd: &mut Command) -> anyhow::Result<()> {
+    eprintln!("+ {cmd:?}");
+    let status = cmd.status().with_context(|| format!("{cmd:?}"))?;
+    if !status.success() {
+        bail!("{cmd:?} failed: {status}");
+    }
+    Ok(())
+}
+
+fn installed(pkg: &str) -> bool {
+    Command::new("dpkg-query")
+        .args(["-W", "-f=${Status}", pkg])
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).contains("install ok installed"))
+        .unwrap_or(false)
+}
+
+fn apt(missing: &[&str]) -> anyhow::Result<()> {
+    if missing.is_empty() {
+        println!("setup: all {} Debian packages present", PACKAGES.len());
+        return Ok(());
+    }
+    run(Command::new("apt-get").arg("update").arg("-q"))?;
+    run(Command::new("apt-get")
+        .args(["install", "-y", "-q", "--no-install-recommends"])
+        .args(missing)
+        .env("DEBIAN_FRONTEND", "noninteractive"))
+}
+
+fn rust_src() -> anyhow::Result<()> {
+    if !quiet(Command::new("rustc").args(["+nightly", "--version"])) {
+        run(Command::new("rustup").args([
+            "toolchain",
+            "install",
+            "nightly",
+            "--profile",
+            "minimal",
+        ]))?;
+    }
+    let sysroot = Command::new("rustc")
+        .args(["+nightly", "--print", "sysroot"])
+        .output()?;
+    let sysroot = String::from_utf8_lossy(&sysroot.stdout).trim().to_string();
+    if Path::new(&sysroot)
+        .join("lib/rustlib/src/rust/library/core/Cargo.toml")
+        .exists()
+    {
+        println!("setup: nightly rust-src present");
+        return Ok(());
+    }
+    run(Command::new("rustup").args(["component", "add", "rust-src", "--toolchain", "nightly"]))
+}
+
+fn bpf_linker() -> anyhow::Result<()> {
+    let version = Command::new("bpf-linker").arg("--version").output();
+    if let Ok(out) = version
+        && String::from_utf8_lossy(&out.stdout).contains(BPF_LINKER_VERSION)
+    {
+        println!("setup: bpf-linker {BPF_LINKER_VERSION} present");
+        return Ok(());
+    }
+    let path = format!(
+        "/usr/lib/llvm-22/bin:{}",
+        std::env::var("PATH").unwrap_or_default()
+    );
+    run(Command::new("cargo")
+        .args([
+            "install",
+            "bpf-linker",
+            "--locked",
+            "--version",
+            BPF_LINKER_VERSION,
+            "--no-default-features",
+            "--features",
+            "llvm-22",
+        ])
+        .env("LLVM_PREFIX", "/usr/lib/llvm-22")
+        .env("PATH", path))
+}
+
+fn bpffs() -> anyhow::Result<()> {
+    let out = Command::new("stat")
+        .args(["-f", "-c", "%T", "/sys/fs/bpf"])
+        .output()?;
+    if String::from_utf8_lossy(&out.stdout).trim() == "bpf_fs" {
+        println!("setup: bpffs mounted at /sys/fs/bpf");
+        return Ok(());
+    }
+    run(Command::new("mount").args(["-t", "bpf", "bpf", "/sys/fs/bpf"]))
+}
+
+/// Runs every setup step.
+pub fn setup() -> anyhow::Result<()> {
+    let started = std::time::Instant::now();
+    let missing: Vec<&str> = PACKAGES.iter().copied().filter(|p| !installed(p)).collect();
+    apt(&missing)?;
+    rust_src()?;
+    bpf_linker()?;
+    bpffs()?;
+    lockstep_ebpf_build::check_prerequisites()?;
+    println!("setup: done in {:.1} s", started.elapsed().as_secs_f64());
+    Ok(())
+}
