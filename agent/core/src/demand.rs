@@ -280,7 +280,10 @@ mod tests {
             ..DemandConfig::default()
         };
         let err = DemandTracker::new(cfg).unwrap_err();
-        assert_eq!(err.to_string(), "demand block size must be at least 1 address");
+        assert_eq!(
+            err.to_string(),
+            "demand block size must be at least 1 address"
+        );
     }
 
     #[test]
@@ -403,6 +406,8 @@ mod tests {
                          "release_after_ms":1}"#;
         let cfg: DemandConfig = serde_json::from_str(linear).unwrap();
         assert_eq!(cfg.mode, DemandMode::Linear);
-        assert!(serde_json::from_str::<DemandConfig>(&linear.replace("\"mode\"", "\"mdoe\"")).is_err());
+        assert!(
+            serde_json::from_str::<DemandConfig>(&linear.replace("\"mode\"", "\"mdoe\"")).is_err()
+        );
     }
 }

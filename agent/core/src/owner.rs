@@ -204,7 +204,10 @@ mod tests {
         ];
         for o in owners {
             let json = serde_json::to_string(&o).unwrap();
-            assert!(json.contains(&format!("\"owner\":\"{}\"", o.kind())), "{json}");
+            assert!(
+                json.contains(&format!("\"owner\":\"{}\"", o.kind())),
+                "{json}"
+            );
             assert_eq!(serde_json::from_str::<Owner>(&json).unwrap(), o);
         }
         let bad = r#"{"owner":"agent","role":"router","extra":1}"#;

@@ -101,7 +101,9 @@ pub enum CidrError {
         cidr: IpNet,
     },
     /// The address is the network, broadcast or subnet-router anycast address.
-    #[error("address {address} is the first or last address of {cidr}, which the pool does not allow")]
+    #[error(
+        "address {address} is the first or last address of {cidr}, which the pool does not allow"
+    )]
     FirstOrLast {
         /// The address asked for.
         address: IpAddr,
@@ -367,10 +369,14 @@ impl CidrAllocator {
     pub fn allocate(&mut self, addr: IpAddr) -> Result<(), CidrError> {
         let off = self.offset_of(addr)?;
         if !self.store_is_free(off) {
-            return Err(self.used_error(off, addr, CidrError::Taken {
-                address: addr,
-                cidr: self.cidr,
-            }));
+            return Err(self.used_error(
+                off,
+                addr,
+                CidrError::Taken {
+                    address: addr,
+                    cidr: self.cidr,
+                },
+            ));
         }
         self.store_take(off);
         self.used += 1;
@@ -546,7 +552,11 @@ impl CidrAllocator {
     fn take(&mut self, off: u128) {
         self.store_take(off);
         self.used += 1;
-        self.cursor = if off == self.last { self.first } else { off + 1 };
+        self.cursor = if off == self.last {
+            self.first
+        } else {
+            off + 1
+        };
     }
 }
 
