@@ -423,8 +423,7 @@ impl<S: PoolSource> PoolManager<S> {
         }
         // A pool listed with nothing valid stays (empty), so allocations name
         // a known pool; a retired empty pool is gone.
-        self.pools
-            .retain(|_, p| !(p.retired && p.cidrs.is_empty()));
+        self.pools.retain(|_, p| !(p.retired && p.cidrs.is_empty()));
         report
     }
 
@@ -734,13 +733,13 @@ impl<S: PoolSource> PoolManager<S> {
             let pool = m.pools.get_mut(&ps.name).expect("inserted above");
             for (slot, cs) in pool.cidrs.iter_mut().zip(&ps.cidrs) {
                 slot.draining = cs.draining;
-                slot.alloc
-                    .set_cursor(cs.cursor)
-                    .map_err(|source| ManagerError::AddressUnusable {
+                slot.alloc.set_cursor(cs.cursor).map_err(|source| {
+                    ManagerError::AddressUnusable {
                         pool: ps.name.clone(),
                         address: cs.cursor,
                         source,
-                    })?;
+                    }
+                })?;
             }
         }
         m.released = snapshot.released.iter().copied().collect();
@@ -853,12 +852,7 @@ impl<S: PoolSource> PoolManager<S> {
 
     /// Marks `address` used in its CIDR, with the manager's error vocabulary.
     /// `restoring` accepts draining CIDRs.
-    fn place(
-        &mut self,
-        pool: &str,
-        address: IpAddr,
-        restoring: bool,
-    ) -> Result<(), ManagerError> {
+    fn place(&mut self, pool: &str, address: IpAddr, restoring: bool) -> Result<(), ManagerError> {
         if let Some(holder) = self.by_addr.get(&address) {
             return Err(ManagerError::AddressTaken {
                 pool: holder.pool.clone(),
@@ -969,7 +963,10 @@ impl<S: PoolSource> PoolManager<S> {
         for p in self.pools.values() {
             for s in &p.cidrs {
                 assert_eq!(s.alloc.used() + s.alloc.free(), s.alloc.capacity());
-                assert!(!(s.draining && s.alloc.used() == 0), "empty draining cidr kept");
+                assert!(
+                    !(s.draining && s.alloc.used() == 0),
+                    "empty draining cidr kept"
+                );
             }
         }
         let used: u128 = self

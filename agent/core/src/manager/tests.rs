@@ -76,7 +76,10 @@ fn stale_generation_is_refused_and_frees_nothing() {
             current: new.generation,
         }
     );
-    assert_eq!(err.to_string(), "stale generation 1 for endpoint a/eth0: current is 2");
+    assert_eq!(
+        err.to_string(),
+        "stale generation 1 for endpoint a/eth0: current is 2"
+    );
     assert_eq!(m.snapshot(), before);
 }
 
@@ -288,10 +291,7 @@ fn sync_drains_dropped_cidrs_and_pools_and_undrains_readded_ones() {
             ("q".to_owned(), net("10.0.2.0/30")),
         ]
     );
-    assert_eq!(
-        report.removed,
-        vec![("p".to_owned(), net("10.0.1.0/30"))]
-    );
+    assert_eq!(report.removed, vec![("p".to_owned(), net("10.0.1.0/30"))]);
     assert!(m.pool("q").unwrap().is_retired());
 
     // Listing the drained CIDR again puts it back in service.
@@ -309,7 +309,10 @@ fn sync_drains_dropped_cidrs_and_pools_and_undrains_readded_ones() {
 
 #[test]
 fn release_owner_frees_everything_without_a_generation() {
-    let mut m = manager(vec![default_pool(), PoolSpec::new("other").with_cidr(net("10.5.0.0/24"))]);
+    let mut m = manager(vec![
+        default_pool(),
+        PoolSpec::new("other").with_cidr(net("10.5.0.0/24")),
+    ]);
     m.allocate_next("default", Family::V4, ep("a")).unwrap();
     m.allocate_next("default", Family::V6, ep("a")).unwrap();
     m.allocate_next("other", Family::V4, ep("a")).unwrap();
@@ -358,7 +361,11 @@ fn restore_places_allocations_and_reports_misfits() {
     ];
     let outcome = m.restore(Generation(20), allocs.clone());
     assert_eq!(outcome.restored, 2);
-    let reasons: Vec<String> = outcome.rejected.iter().map(|(_, e)| e.to_string()).collect();
+    let reasons: Vec<String> = outcome
+        .rejected
+        .iter()
+        .map(|(_, e)| e.to_string())
+        .collect();
     assert_eq!(
         reasons,
         vec![
@@ -465,7 +472,10 @@ fn lb_manager(defs: Rc<RefCell<Vec<(String, IpNet)>>>) -> PoolManager<impl PoolS
 
 #[test]
 fn two_managers_with_different_sources_side_by_side() {
-    let defs = Rc::new(RefCell::new(vec![("public".to_owned(), net("192.0.2.0/30"))]));
+    let defs = Rc::new(RefCell::new(vec![(
+        "public".to_owned(),
+        net("192.0.2.0/30"),
+    )]));
     let mut pods = endpoint_manager();
     let mut lbs = lb_manager(Rc::clone(&defs));
 
@@ -552,10 +562,11 @@ fn cloud_28_prefixes_give_16_addresses_each_and_drive_linear_demand() {
         m.allocate_next("eni", Family::V4, ep(&format!("p{i}")))
             .unwrap();
     }
-    let err = m
-        .allocate_next("eni", Family::V4, ep("p16"))
-        .unwrap_err();
-    assert!(matches!(err, ManagerError::PoolExhausted { capacity: 16, .. }));
+    let err = m.allocate_next("eni", Family::V4, ep("p16")).unwrap_err();
+    assert!(matches!(
+        err,
+        ManagerError::PoolExhausted { capacity: 16, .. }
+    ));
     m.add_pending(Family::V4, ep("p16"), 0);
 
     // Linear: 16 in use + 8 = 24; pending is not added. One more /28.
@@ -565,7 +576,11 @@ fn cloud_28_prefixes_give_16_addresses_each_and_drive_linear_demand() {
     m.sync().into_result().unwrap();
     assert_eq!(m.usage(Family::V4).available, 32);
     let got = m.allocate_next("eni", Family::V4, ep("p16")).unwrap();
-    assert_eq!(got.address, ip("10.1.2.32"), "first address of a /28 is usable");
+    assert_eq!(
+        got.address,
+        ip("10.1.2.32"),
+        "first address of a /28 is usable"
+    );
     assert_eq!(m.evaluate_demand(Family::V4, 1).demand.pending, 0, "served");
 }
 
@@ -603,7 +618,10 @@ fn surplus_prefixes_are_released_only_after_restore_and_hysteresis() {
     prefixes.borrow_mut().truncate(1);
     m.sync();
     prefixes.borrow_mut().push(net("10.1.2.32/28"));
-    assert_eq!(m.sync().added, vec![("eni".to_owned(), net("10.1.2.32/28"))]);
+    assert_eq!(
+        m.sync().added,
+        vec![("eni".to_owned(), net("10.1.2.32/28"))]
+    );
     m.check_invariants();
 }
 

@@ -1,0 +1,283 @@
+use super::*;
+use crate::cidr::Family;
+use crate::manager::{ManagerConfig, MasqueradeRule, StaticPools};
+use crate::owner::Generation;
+use crate::pool::{PoolSpec, pool_id};
+use proptest::prelude::*;
+use std::collections::BTreeSet;
+
+fn net(s: &str) -> IpNet {
+    s.parse().unwrap()
+}
+
+fn v4(s: &str) -> Ipv4Net {
+    s.parse().unwrap()
+}
+
+fn manager(skip: bool) -> PoolManager<StaticPools> {
+    let spec = PoolSpec::new("pods")
+        .with_cidr(net("10.0.0.0/24"))
+        .with_cidr(net("fd00::/64"))
+        .skip_masquerade(skip);
+    let mut m = PoolManager::new(StaticPools(vec![spec]), ManagerConfig::default()).unwrap();
+    m.sync().into_result().unwrap();
+    m
+}
+
+fn value(identity: u32, flags: u32, ifindex: u32) -> IpcacheValue {
+    IpcacheValue {
+        identity,
+        flags,
+        ifindex,
+        _pad: 0,
+        node_addr: [0; 16],
+    }
+}
+
+#[test]
+fn identity_and_flags_follow_the_owner_kind() {
+    let mut m = manager(false);
+    let owners = [
+        Owner::endpoint("c1", "eth0"),
+        Owner::agent(AgentRole::Ingress),
+        Owner::agent(AgentRole::Health),
+        Owner::agent(AgentRole::Router),
+        Owner::load_balancer("ns/web"),
+        Owner::Delegated {
+            container_id: "d".into(),
+            ifname: "eth0".into(),
+        },
+        Owner::Resource {
+            kind: "test".into(),
+            name: "x".into(),
+        },
+    ];
+    for o in owners {
+        m.allocate_next("pods", Family::V4, o).unwrap();
+    }
+    let ep6 = m
+        .allocate_next("pods", Family::V6, Owner::endpoint("c1", "eth0"))
+        .unwrap();
+    let ifindex = |a: &Allocation| EntryExtra {
+        ifindex: match &a.owner {
+            Owner::Endpoint { .. } => 42,
+            _ => 0,
+        },
+        ..EntryExtra::default()
+    };
+    let plan = DatapathPlan::from_manager(&m, [], ifindex).unwrap();
+    let expected: BTreeMap<Ipv4Net, IpcacheValue> = [
+        (
+            "10.0.0.1/32",
+            value(identity::ENDPOINT, ipcache_flags::ENDPOINT, 42),
+        ),
+        (
+            "10.0.0.2/32",
+            value(identity::INGRESS, ipcache_flags::INGRESS, 0),
+        ),
+        (
+            "10.0.0.3/32",
+            value(identity::HEALTH, ipcache_flags::HEALTH, 0),
+        ),
+        (
+            "10.0.0.4/32",
+            value(identity::ROUTER, ipcache_flags::ROUTER, 0),
+        ),
+        (
+            "10.0.0.5/32",
+            value(identity::LOADBALANCER, ipcache_flags::LOADBALANCER, 0),
+        ),
+        (
+            "10.0.0.6/32",
+            value(identity::ENDPOINT, ipcache_flags::ENDPOINT, 0),
+        ),
+    ]
+    .into_iter()
+    .map(|(k, v)| (v4(k), v))
+    .collect();
+    assert_eq!(plan.ipcache_v4, expected, "resource owners have no entry");
+    let IpAddr::V6(a6) = ep6.address else {
+        unreachable!()
+    };
+    assert_eq!(
+        plan.ipcache_v6,
+        BTreeMap::from([(
+            Ipv6Net::from(a6),
+            value(identity::ENDPOINT, ipcache_flags::ENDPOINT, 42)
+        )])
+    );
+    assert!(plan.masq_skip_v4.is_empty());
+}
+
+#[test]
+fn a_skip_masquerade_flag_change_applies_to_existing_endpoints() {
+    let mut m = manager(false);
+    m.allocate_next("pods", Family::V4, Owner::endpoint("c1", "eth0"))
+        .unwrap();
+    let before = DatapathPlan::from_manager(&m, [], |_| EntryExtra::default()).unwrap();
+    assert!(before.masq_skip_v4.is_empty());
+
+    m.source_mut().0[0].skip_masquerade = true;
+    m.sync().into_result().unwrap();
+    let after = DatapathPlan::from_manager(&m, [], |_| EntryExtra::default()).unwrap();
+    let pool = MasqSkipValue {
+        reason: masq_reason::POOL,
+        pool_id: pool_id("pods"),
+    };
+    assert_eq!(
+        after.masq_skip_v4,
+        BTreeMap::from([(v4("10.0.0.0/24"), pool)])
+    );
+    assert_eq!(after.masq_skip_v6.len(), 1);
+    assert_eq!(after.ipcache_v4, before.ipcache_v4);
+    let d = diff(&after.masq_skip_v4, &before.masq_skip_v4);
+    assert_eq!(d.add, vec![(v4("10.0.0.0/24"), pool)]);
+}
+
+#[test]
+fn configured_non_masquerade_cidrs_are_canonical_and_pools_take_precedence() {
+    let m = manager(true);
+    let plan = DatapathPlan::from_manager(&m, [net("10.0.0.0/24"), net("192.168.7.9/16")], |_| {
+        EntryExtra::default()
+    })
+    .unwrap();
+    assert_eq!(
+        plan.masq_skip_v4,
+        BTreeMap::from([
+            (
+                v4("10.0.0.0/24"),
+                MasqSkipValue {
+                    reason: masq_reason::POOL,
+                    pool_id: pool_id("pods"),
+                }
+            ),
+            (
+                v4("192.168.0.0/16"),
+                MasqSkipValue {
+                    reason: masq_reason::CONFIG,
+                    pool_id: 0,
+                }
+            ),
+        ])
+    );
+    // Order of contributions does not matter.
+    let mut b = PlanBuilder::default();
+    b.masq_skip([net("10.0.0.0/24")], masq_reason::CONFIG, 0);
+    b.manager(&m, |_| EntryExtra::default()).unwrap();
+    assert_eq!(
+        b.finish().masq_skip_v4[&v4("10.0.0.0/24")].reason,
+        masq_reason::POOL
+    );
+}
+
+#[test]
+fn the_masquerade_rule_of_the_manager_applies() {
+    let spec = PoolSpec::new("lb")
+        .with_cidr(net("192.0.2.0/24"))
+        .skip_masquerade(true);
+    let config = ManagerConfig {
+        masquerade: MasqueradeRule::Never,
+        ..ManagerConfig::default()
+    };
+    let mut m = PoolManager::new(StaticPools(vec![spec]), config).unwrap();
+    m.sync().into_result().unwrap();
+    let plan = DatapathPlan::from_manager(&m, [], |_| EntryExtra::default()).unwrap();
+    assert!(plan.masq_skip_v4.is_empty());
+}
+
+#[test]
+fn one_address_from_two_managers_is_an_error() {
+    let mut a = manager(false);
+    let mut b = manager(false);
+    a.allocate_next("pods", Family::V4, Owner::endpoint("x", "eth0"))
+        .unwrap();
+    b.allocate_next("pods", Family::V4, Owner::load_balancer("ns/y"))
+        .unwrap();
+    let mut builder = PlanBuilder::default();
+    builder.manager(&a, |_| EntryExtra::default()).unwrap();
+    let err = builder.manager(&b, |_| EntryExtra::default()).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "address 10.0.0.1 is allocated to both endpoint x/eth0 and loadbalancer ns/y"
+    );
+}
+
+#[test]
+fn observed_keys_with_host_bits_are_canonicalised_before_diffing() {
+    let desired = BTreeMap::from([(v4("10.0.0.0/24"), 1u32)]);
+    let observed = canonicalize([("10.0.0.7/24".parse::<Ipv4Net>().unwrap(), 1u32)]);
+    assert!(diff(&desired, &observed).is_empty());
+    let raw = BTreeMap::from([("10.0.0.7/24".parse::<Ipv4Net>().unwrap(), 1u32)]);
+    assert_eq!(diff(&desired, &raw).len(), 2, "without canonicalising");
+}
+
+#[test]
+fn diff_of_a_restored_plan_against_itself_is_empty() {
+    let mut m = manager(true);
+    for i in 0..50 {
+        m.allocate_next("pods", Family::V4, Owner::endpoint(format!("c{i}"), "eth0"))
+            .unwrap();
+    }
+    let plan = DatapathPlan::from_manager(&m, [], |_| EntryExtra::default()).unwrap();
+    let mut r = manager(true);
+    let outcome = r.restore(Generation(0), m.allocations().cloned());
+    assert!(outcome.rejected.is_empty());
+    let replan = DatapathPlan::from_manager(&r, [], |_| EntryExtra::default()).unwrap();
+    assert!(diff(&replan.ipcache_v4, &plan.ipcache_v4).is_empty());
+    assert!(diff(&replan.masq_skip_v4, &plan.masq_skip_v4).is_empty());
+}
+
+proptest! {
+    /// Applying the diff to the observed map yields the desired map, and the
+    /// diff is minimal: each key at most once, adds only for missing keys,
+    /// updates only for changed values, deletes only for undesired keys.
+    #[test]
+    fn diff_applied_to_observed_yields_desired(
+        desired in proptest::collection::btree_map(0u16..200, 0u8..4, 0..100),
+        observed in proptest::collection::btree_map(0u16..200, 0u8..4, 0..100),
+    ) {
+        let d = diff(&desired, &observed);
+        let mut applied = observed.clone();
+        d.apply(&mut applied);
+        prop_assert_eq!(&applied, &desired);
+
+        let mut keys = BTreeSet::new();
+        for (k, v) in &d.add {
+            prop_assert!(!observed.contains_key(k));
+            prop_assert_eq!(desired.get(k), Some(v));
+            prop_assert!(keys.insert(*k));
+        }
+        for (k, v) in &d.update {
+            prop_assert!(observed.contains_key(k) && observed[k] != *v);
+            prop_assert_eq!(desired.get(k), Some(v));
+            prop_assert!(keys.insert(*k));
+        }
+        for k in &d.delete {
+            prop_assert!(observed.contains_key(k) && !desired.contains_key(k));
+            prop_assert!(keys.insert(*k));
+        }
+        let changed = desired.iter().filter(|(k, v)| observed.get(k) != Some(v)).count()
+            + observed.keys().filter(|k| !desired.contains_key(k)).count();
+        prop_assert_eq!(d.len(), changed);
+        prop_assert!(diff(&desired, &applied).is_empty());
+    }
+
+    /// The same holds for LPM maps after canonicalising observed keys.
+    #[test]
+    fn lpm_diff_converges(
+        desired in proptest::collection::vec((any::<u32>(), 8u8..=32), 0..40),
+        observed in proptest::collection::vec((any::<u32>(), 8u8..=32), 0..40),
+    ) {
+        let mk = |v: &Vec<(u32, u8)>| -> Vec<(Ipv4Net, u8)> {
+            v.iter().map(|&(a, p)| (Ipv4Net::new(a.into(), p).unwrap(), p)).collect()
+        };
+        let desired = canonicalize(mk(&desired));
+        let observed = canonicalize(mk(&observed));
+        for k in desired.keys().chain(observed.keys()) {
+            prop_assert_eq!(*k, k.trunc());
+        }
+        let mut applied = observed.clone();
+        diff(&desired, &observed).apply(&mut applied);
+        prop_assert_eq!(applied, desired);
+    }
+}
