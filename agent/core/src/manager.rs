@@ -24,7 +24,7 @@ use std::net::IpAddr;
 use ipnet::IpNet;
 use serde::{Deserialize, Serialize};
 
-use crate::cidr::{CidrError, Family};
+use crate::cidr::{CidrAllocator, CidrError, CidrOptions, Family};
 use crate::demand::{Demand, DemandConfig, DemandError, DemandTracker, Usage};
 use crate::owner::{Generation, Owner};
 use crate::pool::{Pool, PoolError, PoolSpec, check_canonical, overlaps, pool_id};
@@ -266,6 +266,12 @@ pub struct CidrState {
     pub draining: bool,
     /// Next-fit cursor.
     pub cursor: IpAddr,
+    /// Whether first and last addresses are handed out. Per CIDR because a
+    /// pool flag change applies only to CIDRs added afterwards.
+    pub allow_first_last: bool,
+    /// Reserved addresses inside this CIDR (same reason).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub reserved: Vec<IpAddr>,
 }
 
 /// Plain-data state of one pool in a [`ManagerSnapshot`].
@@ -680,6 +686,8 @@ impl<S: PoolSource> PoolManager<S> {
                             cidr: s.alloc.cidr(),
                             draining: s.draining,
                             cursor: s.alloc.cursor(),
+                            allow_first_last: s.alloc.allows_first_last(),
+                            reserved: s.alloc.reserved().collect(),
                         })
                         .collect(),
                 })
@@ -720,7 +728,28 @@ impl<S: PoolSource> PoolManager<S> {
             pool.retired = ps.retired;
             m.pools.insert(ps.name.clone(), pool);
             for cs in &ps.cidrs {
-                m.add_cidr(&ps.name, cs.cidr)?;
+                if !m.add_cidr(&ps.name, cs.cidr)? {
+                    return Err(PoolError::OverlappingCidr {
+                        pool: ps.name.clone(),
+                        cidr: cs.cidr,
+                        other_pool: ps.name.clone(),
+                        other_cidr: cs.cidr,
+                    }
+                    .into());
+                }
+                // Rebuild the CIDR with the options it was created with.
+                let p = m.pools.get_mut(&ps.name).expect("inserted above");
+                let slot = p.cidrs.last_mut().expect("just added");
+                let options = CidrOptions {
+                    allow_first_last: cs.allow_first_last,
+                    dense_limit: config.dense_limit,
+                };
+                slot.alloc = CidrAllocator::new(cs.cidr, options, cs.reserved.iter().copied())
+                    .map_err(|source| PoolError::InvalidCidr {
+                        pool: ps.name.clone(),
+                        cidr: cs.cidr,
+                        source,
+                    })?;
             }
         }
         m.generation = snapshot.generation;

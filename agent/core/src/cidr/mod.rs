@@ -224,6 +224,14 @@ pub struct CidrAllocator {
     store: Store,
 }
 
+/// Offset of a CIDR's last address; fits even for `::/0`.
+fn top_offset(cidr: IpNet) -> u128 {
+    match cidr.max_prefix_len() - cidr.prefix_len() {
+        0 => 0,
+        host_bits => u128::MAX >> (128 - u32::from(host_bits)),
+    }
+}
+
 fn addr_bits(addr: IpAddr) -> u128 {
     match addr {
         IpAddr::V4(a) => u128::from(u32::from(a)),
@@ -244,13 +252,8 @@ impl CidrAllocator {
         reserved: impl IntoIterator<Item = IpAddr>,
     ) -> Result<Self, CidrError> {
         validate_cidr(cidr)?;
-        let host_bits = u32::from(cidr.max_prefix_len() - cidr.prefix_len());
-        // Offset of the last address; fits even for ::/0.
-        let top = if host_bits == 128 {
-            u128::MAX
-        } else {
-            (1u128 << host_bits) - 1
-        };
+        let host_bits = cidr.max_prefix_len() - cidr.prefix_len();
+        let top = top_offset(cidr);
         let (first, last) = match cidr {
             _ if options.allow_first_last => (0, top),
             IpNet::V4(_) if host_bits >= 2 => (1, top - 1),
@@ -328,6 +331,16 @@ impl CidrAllocator {
     /// Whether `addr` is one of the reserved addresses.
     pub fn is_reserved(&self, addr: IpAddr) -> bool {
         self.cidr.contains(&addr) && self.reserved.contains(&(addr_bits(addr) - self.base))
+    }
+
+    /// Whether the first and last addresses are handed out.
+    pub fn allows_first_last(&self) -> bool {
+        self.first == 0 && self.last == top_offset(self.cidr)
+    }
+
+    /// The reserved addresses inside the allocatable range, ascending.
+    pub fn reserved(&self) -> impl Iterator<Item = IpAddr> + '_ {
+        self.reserved.iter().map(|&off| self.addr_at(off))
     }
 
     /// The address where the next-fit search starts.

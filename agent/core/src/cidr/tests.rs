@@ -60,6 +60,26 @@ fn point_to_point_sizes_use_every_address() {
     assert_eq!(alloc("10.0.0.7/32").capacity(), 1);
     assert_eq!(alloc("fd00::/127").capacity(), 2);
     assert_eq!(alloc("fd00::1/128").capacity(), 1);
+    assert!(alloc("10.0.0.7/32").allows_first_last());
+    assert!(!alloc("10.0.0.0/24").allows_first_last());
+}
+
+#[test]
+fn whole_address_spaces_do_not_overflow() {
+    let opts = CidrOptions {
+        allow_first_last: true,
+        ..CidrOptions::default()
+    };
+    let mut all6 = CidrAllocator::new(net("::/0"), opts, []).unwrap();
+    assert_eq!(all6.capacity(), u128::MAX, "saturates");
+    assert!(all6.allows_first_last());
+    assert_eq!(all6.allocate_next().unwrap(), ip("::"));
+    all6.allocate(ip("ffff:ffff:ffff:ffff:ffff:ffff:ffff:ffff"))
+        .unwrap();
+    let mut all4 = alloc("0.0.0.0/0");
+    assert!(!all4.is_dense());
+    assert_eq!(all4.capacity(), (1u128 << 32) - 2);
+    assert_eq!(all4.allocate_next().unwrap(), ip("0.0.0.1"));
 }
 
 #[test]

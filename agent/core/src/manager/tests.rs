@@ -431,6 +431,32 @@ fn snapshot_restores_exactly_through_json() {
 }
 
 #[test]
+fn flag_changes_apply_to_new_cidrs_and_snapshots_stay_exact() {
+    let mut m = manager(vec![PoolSpec::new("p").with_cidr(net("10.0.0.0/30"))]);
+    m.allocate_next("p", Family::V4, ep("a")).unwrap();
+    m.source_mut().0 = vec![
+        PoolSpec::new("p")
+            .with_cidr(net("10.0.0.0/30"))
+            .with_cidr(net("10.0.1.0/30"))
+            .allow_first_last(true)
+            .with_reserved(ip("10.0.0.2")),
+    ];
+    m.sync().into_result().unwrap();
+    let caps: Vec<u128> = m.pool("p").unwrap().cidrs().map(|c| c.capacity).collect();
+    assert_eq!(
+        caps,
+        vec![2, 4],
+        "the old CIDR keeps the options it was added with"
+    );
+    let snap = m.snapshot();
+    let r = PoolManager::from_snapshot(StaticPools(Vec::new()), ManagerConfig::default(), &snap)
+        .unwrap();
+    assert_eq!(r.snapshot(), snap);
+    let caps: Vec<u128> = r.pool("p").unwrap().cidrs().map(|c| c.capacity).collect();
+    assert_eq!(caps, vec![2, 4]);
+}
+
+#[test]
 fn an_inconsistent_snapshot_is_refused() {
     let mut m = manager(vec![default_pool()]);
     m.allocate_next("default", Family::V4, ep("a")).unwrap();
