@@ -300,6 +300,20 @@ fn bpftool_dumps_every_pinned_map_as_structured_json() -> anyhow::Result<()> {
     topo.program_endpoints()?;
     topo.lockstep(&["datapath", "l2-add", "--ip", "10.200.0.50", "--iface", "h1"])?;
     topo.lockstep(&["datapath", "masq-skip-add", "--cidr", "10.0.0.0/8"])?;
+    topo.lockstep(&[
+        "datapath",
+        "ipcache-add",
+        "--prefix",
+        "10.96.0.0/12",
+        "--remote",
+    ])?;
+    topo.lockstep(&[
+        "datapath",
+        "ipcache-add",
+        "--prefix",
+        "fd00:96::/64",
+        "--remote",
+    ])?;
     topo.lockstep(&["datapath", "masq-skip-add", "--cidr", "fd00::/8"])?;
     // Traffic so COUNTERS holds something other than zeros.
     send_and_receive(&topo, EP2_V4, &[(EP1_V4, "x")])?;
@@ -351,7 +365,10 @@ fn bpftool_dumps_every_pinned_map_as_structured_json() -> anyhow::Result<()> {
             );
         }
         if name == "IPCACHE_V4" {
-            assert!(dump.to_string().contains("\"prefix_len\":32"), "{dump}");
+            assert!(dump.to_string().contains("\"prefix_len\":12"), "{dump}");
+        }
+        if name == "IPCACHE_HOST_V4" {
+            assert!(dump.to_string().contains("[10,200,0,1]"), "{dump}");
             assert!(dump.to_string().contains("\"identity\":256"), "{dump}");
         }
     }
@@ -431,7 +448,8 @@ fn pins_survive_the_agent_and_incompatible_pins_are_refused() -> anyhow::Result<
     let refused = lockstep_output(&topo.node, &args)?;
     let err = String::from_utf8_lossy(&refused.stderr);
     assert!(!refused.status.success());
-    let pin = topo.pins.path().join("maps/IPCACHE_V4");
+    // Maps are checked in name order; the first incompatible one is named.
+    let pin = topo.pins.path().join("maps/IPCACHE_HOST_V4");
     assert!(err.contains(&pin.display().to_string()), "{err}");
     assert!(err.contains("max_entries 262144"), "{err}");
     assert!(err.contains("max_entries 1024"), "{err}");

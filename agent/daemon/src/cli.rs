@@ -173,6 +173,22 @@ pub enum DatapathCommand {
         #[arg(long)]
         ip: Ipv4Addr,
     },
+    /// Add an IPCACHE entry (host entries go to the host hash, prefixes to the
+    /// trie).
+    IpcacheAdd {
+        /// Shared options.
+        #[command(flatten)]
+        pins: PinArgs,
+        /// The prefix.
+        #[arg(long)]
+        prefix: ipnet::IpNet,
+        /// Security identity.
+        #[arg(long, default_value_t = identity::WORLD)]
+        identity: u32,
+        /// Mark the prefix as living on another node.
+        #[arg(long)]
+        remote: bool,
+    },
     /// Skip masquerading towards a CIDR (MASQ_SKIP_V4 / MASQ_SKIP_V6, reason
     /// "configured").
     MasqSkipAdd {
@@ -291,12 +307,12 @@ fn datapath(cmd: DatapathCommand) -> anyhow::Result<i32> {
             if let Some(v4) = ipv4 {
                 value.ipv4 = v4.octets();
                 value.flags |= endpoint_flags::HAS_V4;
-                maps.ipcache_v4.insert(&v4_key(v4, 32), ipcache, 0)?;
+                maps.ipcache_insert(std::net::IpAddr::V4(v4).into(), ipcache)?;
             }
             if let Some(v6) = ipv6 {
                 value.ipv6 = v6.octets();
                 value.flags |= endpoint_flags::HAS_V6;
-                maps.ipcache_v6.insert(&v6_key(v6, 128), ipcache, 0)?;
+                maps.ipcache_insert(std::net::IpAddr::V6(v6).into(), ipcache)?;
             }
             maps.endpoints.insert(ifindex, value, 0)?;
             let how = dp.attach(program_names::FROM_ENDPOINT, &iface, Hook::Ingress)?;
@@ -319,6 +335,21 @@ fn datapath(cmd: DatapathCommand) -> anyhow::Result<i32> {
                 Ok(()) | Err(aya::maps::MapError::KeyNotFound) => Ok(0),
                 Err(e) => Err(e.into()),
             }
+        }
+        DatapathCommand::IpcacheAdd {
+            pins,
+            prefix,
+            identity,
+            remote,
+        } => {
+            let mut maps = PinnedMaps::open(&pins.pin_root)?;
+            let value = IpcacheValue {
+                identity,
+                flags: if remote { ipcache_flags::REMOTE } else { 0 },
+                ..Default::default()
+            };
+            maps.ipcache_insert(prefix, value)?;
+            Ok(0)
         }
         DatapathCommand::MasqSkipAdd { pins, cidr } => {
             let mut maps = PinnedMaps::open(&pins.pin_root)?;
@@ -451,20 +482,13 @@ pub fn dump_maps(maps: &PinnedMaps) -> anyhow::Result<serde_json::Value> {
         })
     };
     let mut ipcache_v4 = Vec::new();
-    for item in maps.ipcache_v4.iter() {
-        let (k, v) = item?;
-        ipcache_v4.push(ipcache(
-            format!("{}/{}", Ipv4Addr::from(k.data()), k.prefix_len()),
-            &v,
-        ));
-    }
     let mut ipcache_v6 = Vec::new();
-    for item in maps.ipcache_v6.iter() {
-        let (k, v) = item?;
-        ipcache_v6.push(ipcache(
-            format!("{}/{}", Ipv6Addr::from(k.data()), k.prefix_len()),
-            &v,
-        ));
+    for (prefix, v) in maps.ipcache_entries()? {
+        let entry = ipcache(prefix.to_string(), &v);
+        match prefix {
+            ipnet::IpNet::V4(_) => ipcache_v4.push(entry),
+            ipnet::IpNet::V6(_) => ipcache_v6.push(entry),
+        }
     }
     let mut masq = Vec::new();
     for item in maps.masq_skip_v4.iter() {

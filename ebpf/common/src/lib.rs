@@ -6,6 +6,14 @@
 //! `user` feature, which adds [`aya::Pod`] impls) both compile this crate, so the
 //! two sides cannot drift apart the way hand-copied C structs do.
 //!
+//! The IPCACHE is one logical longest-prefix-match table split over two maps
+//! per family: host entries (/32, /128) in a hash (`IPCACHE_HOST_*`), shorter
+//! prefixes in an LPM trie (`IPCACHE_V4`/`_V6`). A host entry is always the
+//! longest match, so "hash, then trie" returns exactly what one trie would, but
+//! the common case (a pod or service address) costs one hash probe instead of a
+//! walk of a trie that is ~20 levels deep at 64k entries. Every entry lives in
+//! exactly one of the two maps.
+//!
 //! Layout rules, enforced by `const` assertions below and by unit tests:
 //! `#[repr(C)]`, no `bool`, no implicit padding (explicit `_pad` fields instead),
 //! addresses as byte arrays in network order so `bpftool map dump` prints
@@ -22,9 +30,14 @@ pub type V6Addr = [u8; 16];
 /// Names of the maps, as they appear in the object, in `bpftool map` and as pin
 /// file names. The kernel limits map names to 15 characters.
 pub mod map_names {
-    /// LPM trie: IPv4 prefix → [`IpcacheValue`](crate::IpcacheValue).
+    /// LPM trie: IPv4 prefix shorter than /32 → [`IpcacheValue`](crate::IpcacheValue).
+    /// Host entries (/32) live in [`IPCACHE_HOST_V4`]; see the crate docs.
     pub const IPCACHE_V4: &str = "IPCACHE_V4";
-    /// LPM trie: IPv6 prefix → [`IpcacheValue`](crate::IpcacheValue).
+    /// Hash: IPv4 address (a /32 IPCACHE entry) → [`IpcacheValue`](crate::IpcacheValue).
+    pub const IPCACHE_HOST_V4: &str = "IPCACHE_HOST_V4";
+    /// Hash: IPv6 address (a /128 IPCACHE entry) → [`IpcacheValue`](crate::IpcacheValue).
+    pub const IPCACHE_HOST_V6: &str = "IPCACHE_HOST_V6";
+    /// LPM trie: IPv6 prefix shorter than /128 → [`IpcacheValue`](crate::IpcacheValue).
     pub const IPCACHE_V6: &str = "IPCACHE_V6";
     /// LPM trie: IPv4 CIDR → [`MasqSkipValue`](crate::MasqSkipValue).
     pub const MASQ_SKIP_V4: &str = "MASQ_SKIP_V4";
@@ -37,9 +50,11 @@ pub mod map_names {
     /// Per-CPU array: [`Counter`](crate::Counter) index → packets.
     pub const COUNTERS: &str = "COUNTERS";
     /// Every map, in a fixed order.
-    pub const ALL: [&str; 7] = [
+    pub const ALL: [&str; 9] = [
         IPCACHE_V4,
         IPCACHE_V6,
+        IPCACHE_HOST_V4,
+        IPCACHE_HOST_V6,
         MASQ_SKIP_V4,
         MASQ_SKIP_V6,
         ENDPOINTS,
@@ -66,7 +81,8 @@ pub mod program_names {
 /// Default capacities. The agent may override them at load time; whatever is
 /// used is checked against existing pins.
 pub mod max_entries {
-    /// IPCACHE_V4 and IPCACHE_V6.
+    /// Each of IPCACHE_V4, IPCACHE_V6, IPCACHE_HOST_V4 and IPCACHE_HOST_V6.
+    /// None of them preallocates, so capacity costs nothing until used.
     pub const IPCACHE: u32 = 262_144;
     /// MASQ_SKIP_V4 and MASQ_SKIP_V6.
     pub const MASQ_SKIP: u32 = 1_024;

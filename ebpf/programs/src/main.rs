@@ -37,6 +37,14 @@ static IPCACHE_V4: LpmTrie<V4Addr, IpcacheValue, { max_entries::IPCACHE as usize
 #[btf_map]
 static IPCACHE_V6: LpmTrie<V6Addr, IpcacheValue, { max_entries::IPCACHE as usize }> =
     LpmTrie::new();
+/// `BPF_F_NO_PREALLOC`: the host tables only cost memory for what they hold.
+const NO_PREALLOC: usize = 1;
+#[btf_map]
+static IPCACHE_HOST_V4: HashMap<V4Addr, IpcacheValue, { max_entries::IPCACHE as usize }, NO_PREALLOC> =
+    HashMap::new();
+#[btf_map]
+static IPCACHE_HOST_V6: HashMap<V6Addr, IpcacheValue, { max_entries::IPCACHE as usize }, NO_PREALLOC> =
+    HashMap::new();
 #[btf_map]
 static MASQ_SKIP_V4: LpmTrie<V4Addr, MasqSkipValue, { max_entries::MASQ_SKIP as usize }> =
     LpmTrie::new();
@@ -103,8 +111,29 @@ fn ifindex(ctx: &TcContext) -> u32 {
     unsafe { (*ctx.skb.skb).ifindex }
 }
 
+/// Longest-prefix match over the IPCACHE: the host entry if there is one (it
+/// is always the longest match), else the trie.
 #[inline(always)]
-fn classify(entry: Option<&IpcacheValue>) {
+fn ipcache_v4(addr: V4Addr) -> Option<IpcacheValue> {
+    // SAFETY: copied out at once.
+    match unsafe { IPCACHE_HOST_V4.get(addr) } {
+        Some(v) => Some(*v),
+        None => IPCACHE_V4.get(&Key::new(32, addr)).copied(),
+    }
+}
+
+/// See [`ipcache_v4`].
+#[inline(always)]
+fn ipcache_v6(addr: V6Addr) -> Option<IpcacheValue> {
+    // SAFETY: copied out at once.
+    match unsafe { IPCACHE_HOST_V6.get(addr) } {
+        Some(v) => Some(*v),
+        None => IPCACHE_V6.get(&Key::new(128, addr)).copied(),
+    }
+}
+
+#[inline(always)]
+fn classify(entry: Option<IpcacheValue>) {
     let counter = match entry {
         None => Counter::DstWorld,
         Some(v) if v.flags & ipcache_flags::ENDPOINT != 0 => Counter::DstEndpoint,
@@ -153,7 +182,7 @@ pub fn from_endpoint(ctx: TcContext) -> i32 {
                 count(Counter::SpoofDroppedV4);
                 return DROP;
             }
-            classify(IPCACHE_V4.get(&Key::new(32, dst)));
+            classify(ipcache_v4(dst));
         }
         ETH_P_IPV6 => {
             let (Some(src), Some(dst)) = (read::<V6Addr>(&ctx, IP6_SRC), read::<V6Addr>(&ctx, IP6_DST))
@@ -169,7 +198,7 @@ pub fn from_endpoint(ctx: TcContext) -> i32 {
                 count(Counter::SpoofDroppedV6);
                 return DROP;
             }
-            classify(IPCACHE_V6.get(&Key::new(128, dst)));
+            classify(ipcache_v6(dst));
         }
         ETH_P_ARP => {
             let Some(spa) = read::<V4Addr>(&ctx, ARP_SPA) else {
@@ -191,7 +220,7 @@ pub fn from_endpoint(ctx: TcContext) -> i32 {
 /// Masquerade decision for traffic leaving the node.
 #[classifier]
 pub fn to_native(ctx: TcContext) -> i32 {
-    let local_endpoint = |entry: Option<&IpcacheValue>| {
+    let local_endpoint = |entry: Option<IpcacheValue>| {
         matches!(entry, Some(v) if v.flags & ipcache_flags::ENDPOINT != 0)
     };
     let skip = match ethertype(&ctx) {
@@ -201,7 +230,7 @@ pub fn to_native(ctx: TcContext) -> i32 {
                 count(Counter::Malformed);
                 return NEXT;
             };
-            if !local_endpoint(IPCACHE_V4.get(&Key::new(32, src))) {
+            if !local_endpoint(ipcache_v4(src)) {
                 count(Counter::MasqNotEndpoint);
                 return NEXT;
             }
@@ -213,7 +242,7 @@ pub fn to_native(ctx: TcContext) -> i32 {
                 count(Counter::Malformed);
                 return NEXT;
             };
-            if !local_endpoint(IPCACHE_V6.get(&Key::new(128, src))) {
+            if !local_endpoint(ipcache_v6(src)) {
                 count(Counter::MasqNotEndpoint);
                 return NEXT;
             }
@@ -260,20 +289,22 @@ pub fn from_native(ctx: TcContext) -> i32 {
             return NEXT;
         }
     };
-    let mut reply = [0u8; ARP_FRAME_LEN];
-    reply[0..6].copy_from_slice(&sha);
-    reply[6..12].copy_from_slice(&entry.mac);
-    reply[12..14].copy_from_slice(&ETH_P_ARP.to_be_bytes());
-    reply[14..20].copy_from_slice(&[0, 1, 0x08, 0x00, 6, 4]);
-    reply[20..22].copy_from_slice(&[0, 2]);
-    reply[22..28].copy_from_slice(&entry.mac);
-    reply[28..32].copy_from_slice(&tpa);
-    reply[32..38].copy_from_slice(&sha);
-    reply[38..42].copy_from_slice(&spa);
-    if ctx.store(0, &reply, 0).is_err() {
+    // Turn the request into the reply in place. `read` above made the first
+    // ARP_FRAME_LEN bytes linear; the bounds check is repeated for the verifier.
+    if ctx.data() + ARP_FRAME_LEN > ctx.data_end() {
         count(Counter::Malformed);
         return NEXT;
     }
+    // SAFETY: bounds checked just above; TC programs may write packet data (the
+    // verifier's prologue unclones the skb first).
+    let out = unsafe { &mut *(ctx.data() as *mut [u8; ARP_FRAME_LEN]) };
+    out[0..6].copy_from_slice(&sha);
+    out[6..12].copy_from_slice(&entry.mac);
+    out[21] = 2; // operation: reply
+    out[22..28].copy_from_slice(&entry.mac);
+    out[28..32].copy_from_slice(&tpa);
+    out[32..38].copy_from_slice(&sha);
+    out[38..42].copy_from_slice(&spa);
     count(Counter::ArpReplied);
     // SAFETY: plain helper call; egress of the interface the request came in on.
     unsafe { bpf_redirect(here, 0) as i32 }

@@ -21,6 +21,10 @@ pub struct PinnedMaps {
     pub ipcache_v4: LpmTrie<MapData, V4Addr, IpcacheValue>,
     /// IPCACHE_V6.
     pub ipcache_v6: LpmTrie<MapData, V6Addr, IpcacheValue>,
+    /// IPCACHE_HOST_V4.
+    pub ipcache_host_v4: HashMap<MapData, V4Addr, IpcacheValue>,
+    /// IPCACHE_HOST_V6.
+    pub ipcache_host_v6: HashMap<MapData, V6Addr, IpcacheValue>,
     /// MASQ_SKIP_V4.
     pub masq_skip_v4: LpmTrie<MapData, V4Addr, MasqSkipValue>,
     /// MASQ_SKIP_V6.
@@ -69,12 +73,89 @@ impl PinnedMaps {
         Ok(Self {
             ipcache_v4: typed!(&dir, map_names::IPCACHE_V4),
             ipcache_v6: typed!(&dir, map_names::IPCACHE_V6),
+            ipcache_host_v4: typed!(&dir, map_names::IPCACHE_HOST_V4),
+            ipcache_host_v6: typed!(&dir, map_names::IPCACHE_HOST_V6),
             masq_skip_v4: typed!(&dir, map_names::MASQ_SKIP_V4),
             masq_skip_v6: typed!(&dir, map_names::MASQ_SKIP_V6),
             endpoints: typed!(&dir, map_names::ENDPOINTS),
             l2_resp_v4: typed!(&dir, map_names::L2_RESP_V4),
             counters: typed!(&dir, map_names::COUNTERS),
         })
+    }
+
+    /// Opens one pinned map untyped, for raw (batch) operations.
+    ///
+    /// # Errors
+    /// The pin is missing.
+    pub fn raw(pin_root: &Path, name: &str) -> Result<MapData, DatapathError> {
+        let pin = pin_root.join("maps").join(name);
+        MapData::from_pin(&pin).map_err(|source| DatapathError::OpenPin { pin, source })
+    }
+
+    /// Writes an IPCACHE entry into the map that holds its prefix length: the
+    /// host hash for /32, the trie otherwise.
+    ///
+    /// # Errors
+    /// The map update failed (e.g. the map is full).
+    pub fn ipcache_insert(
+        &mut self,
+        prefix: ipnet::IpNet,
+        value: IpcacheValue,
+    ) -> Result<(), aya::maps::MapError> {
+        match prefix.trunc() {
+            ipnet::IpNet::V4(n) if n.prefix_len() == 32 => {
+                self.ipcache_host_v4.insert(n.addr().octets(), value, 0)
+            }
+            ipnet::IpNet::V4(n) => {
+                self.ipcache_v4
+                    .insert(&v4_key(n.network(), n.prefix_len()), value, 0)
+            }
+            ipnet::IpNet::V6(n) if n.prefix_len() == 128 => {
+                self.ipcache_host_v6.insert(n.addr().octets(), value, 0)
+            }
+            ipnet::IpNet::V6(n) => {
+                self.ipcache_v6
+                    .insert(&v6_key(n.network(), n.prefix_len()), value, 0)
+            }
+        }
+    }
+
+    /// Every IPCACHE entry of both families, host entries and prefixes, as
+    /// (prefix, value).
+    ///
+    /// # Errors
+    /// A map could not be read.
+    pub fn ipcache_entries(
+        &self,
+    ) -> Result<Vec<(ipnet::IpNet, IpcacheValue)>, aya::maps::MapError> {
+        let mut out = Vec::new();
+        for item in self.ipcache_host_v4.iter() {
+            let (k, v) = item?;
+            out.push((
+                ipnet::IpNet::from(std::net::IpAddr::V4(Ipv4Addr::from(k))),
+                v,
+            ));
+        }
+        for item in self.ipcache_v4.iter() {
+            let (k, v) = item?;
+            let net = ipnet::Ipv4Net::new(Ipv4Addr::from(k.data()), k.prefix_len() as u8)
+                .map_err(|_| aya::maps::MapError::KeyNotFound)?;
+            out.push((net.into(), v));
+        }
+        for item in self.ipcache_host_v6.iter() {
+            let (k, v) = item?;
+            out.push((
+                ipnet::IpNet::from(std::net::IpAddr::V6(Ipv6Addr::from(k))),
+                v,
+            ));
+        }
+        for item in self.ipcache_v6.iter() {
+            let (k, v) = item?;
+            let net = ipnet::Ipv6Net::new(Ipv6Addr::from(k.data()), k.prefix_len() as u8)
+                .map_err(|_| aya::maps::MapError::KeyNotFound)?;
+            out.push((net.into(), v));
+        }
+        Ok(out)
     }
 
     /// Each counter summed over all CPUs.

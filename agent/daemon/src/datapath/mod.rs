@@ -209,7 +209,7 @@ impl MapDefinition {
 /// Capacities of the resizable maps.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct MapCapacities {
-    /// IPCACHE_V4 and IPCACHE_V6.
+    /// Each IPCACHE map (tries and host hashes).
     pub ipcache: u32,
     /// MASQ_SKIP_V4 and MASQ_SKIP_V6.
     pub masq_skip: u32,
@@ -252,6 +252,14 @@ pub fn expected_definitions(caps: &MapCapacities) -> BTreeMap<&'static str, MapD
         (
             map_names::IPCACHE_V6,
             lpm(LPM_V6_KEY_SIZE, size_of::<IpcacheValue>(), caps.ipcache),
+        ),
+        (
+            map_names::IPCACHE_HOST_V4,
+            hash(4, size_of::<IpcacheValue>(), caps.ipcache),
+        ),
+        (
+            map_names::IPCACHE_HOST_V6,
+            hash(16, size_of::<IpcacheValue>(), caps.ipcache),
         ),
         (
             map_names::MASQ_SKIP_V4,
@@ -555,6 +563,47 @@ impl Datapath {
             self.loaded.insert(name.to_string());
         }
         Ok(prog)
+    }
+
+    /// Runs `program` `repeat` times over `packet` with `BPF_PROG_TEST_RUN`, as
+    /// if it arrived on the interface with `ifindex` (1 = loopback, always
+    /// present). Returns the program's verdict and the kernel-measured mean
+    /// time per run. The kernel reuses one skb for all repeats, so a program
+    /// that rewrites the packet sees its own output from the second run on.
+    ///
+    /// # Errors
+    /// Unknown program, verifier refusal, or the syscall failed.
+    ///
+    /// # Minimum kernel version
+    /// 4.12; setting the ifindex through the context needs 5.10.
+    pub fn test_run(
+        &mut self,
+        program: &str,
+        packet: &[u8],
+        ifindex: u32,
+        repeat: u32,
+    ) -> Result<(i32, std::time::Duration), DatapathError> {
+        use aya::programs::{TestRun, TestRunOptions};
+        /// `sizeof(struct __sk_buff)` and the offset of its `ifindex` field.
+        const SKB_CTX_SIZE: usize = 192;
+        const SKB_IFINDEX: usize = 40;
+        let mut ctx = [0u8; SKB_CTX_SIZE];
+        ctx[SKB_IFINDEX..SKB_IFINDEX + 4].copy_from_slice(&ifindex.to_ne_bytes());
+        let mut out = vec![0u8; packet.len() + 256];
+        let prog = self.program(program)?;
+        let result = prog
+            .test_run(TestRunOptions {
+                data_in: Some(packet),
+                data_out: Some(&mut out),
+                ctx_in: Some(&ctx),
+                repeat,
+                ..Default::default()
+            })
+            .map_err(|source| DatapathError::ProgramLoad {
+                name: program.to_string(),
+                source,
+            })?;
+        Ok((result.return_value as i32, result.duration))
     }
 
     /// Path of the link pin of `program` on the interface with `ifindex`.

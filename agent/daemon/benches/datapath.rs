@@ -1,0 +1,240 @@
+//! `cargo xtask bench datapath`: per-packet cost of each program through
+//! `BPF_PROG_TEST_RUN`, with IPCACHE_V4 holding 64k entries, beside the no-op
+//! program measured in the same run. Needs root and a mounted bpffs.
+//!
+//! The kernel reports the mean time per run; each figure is the median of
+//! several such means.
+
+use std::net::Ipv4Addr;
+use std::time::Duration;
+
+use lockstep::datapath::{Datapath, DatapathOptions, PinnedMaps, sys};
+use lockstep_common::{
+    EndpointValue, IpcacheValue, L2RespValue, endpoint_flags, identity, ipcache_flags,
+    program_names,
+};
+
+const IPCACHE_ENTRIES: u32 = 65_536;
+const ROUNDS: usize = 15;
+const REPEAT: u32 = 200_000;
+/// Single runs per round for the ARP reply path (which rewrites its packet).
+const SINGLE_RUNS: usize = 2_000;
+
+fn ipv4_udp(src: [u8; 4], dst: [u8; 4]) -> Vec<u8> {
+    let mut p = vec![0u8; 14 + 20 + 8 + 18];
+    p[0..6].copy_from_slice(&[0x02, 0, 0, 0, 0, 2]);
+    p[6..12].copy_from_slice(&[0x02, 0, 0, 0, 0, 1]);
+    p[12..14].copy_from_slice(&0x0800u16.to_be_bytes());
+    p[14] = 0x45;
+    let ip_len = (p.len() - 14) as u16;
+    p[16..18].copy_from_slice(&ip_len.to_be_bytes());
+    p[22] = 64;
+    p[23] = 17;
+    p[26..30].copy_from_slice(&src);
+    p[30..34].copy_from_slice(&dst);
+    p
+}
+
+fn arp_request(sender: [u8; 4], target: [u8; 4]) -> Vec<u8> {
+    let mut p = vec![0u8; 42];
+    p[0..6].copy_from_slice(&[0xff; 6]);
+    p[6..12].copy_from_slice(&[0x02, 0, 0, 0, 0, 9]);
+    p[12..14].copy_from_slice(&0x0806u16.to_be_bytes());
+    p[14..22].copy_from_slice(&[0, 1, 0x08, 0x00, 6, 4, 0, 1]);
+    p[22..28].copy_from_slice(&[0x02, 0, 0, 0, 0, 9]);
+    p[28..32].copy_from_slice(&sender);
+    p[38..42].copy_from_slice(&target);
+    p
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// Median over rounds of (program − noop), each round measuring both back to
+/// back so machine noise hits both alike. Returns (program median, difference
+/// median).
+fn paired(
+    dp: &mut Datapath,
+    prog: &str,
+    packet: &[u8],
+    want: i32,
+    single: bool,
+) -> anyhow::Result<(f64, f64)> {
+    let mut run = |name: &str, expect: i32| -> anyhow::Result<f64> {
+        if single {
+            let mut total = Duration::ZERO;
+            for _ in 0..SINGLE_RUNS {
+                let (ret, t) = dp.test_run(name, packet, 1, 1)?;
+                anyhow::ensure!(ret == expect, "{name} returned {ret}, expected {expect}");
+                total += t;
+            }
+            Ok(total.as_nanos() as f64 / SINGLE_RUNS as f64)
+        } else {
+            let (ret, mean) = dp.test_run(name, packet, 1, REPEAT)?;
+            anyhow::ensure!(ret == expect, "{name} returned {ret}, expected {expect}");
+            Ok(mean.as_nanos() as f64)
+        }
+    };
+    let mut progs = Vec::new();
+    let mut diffs = Vec::new();
+    for _ in 0..ROUNDS {
+        let base = run(program_names::NOOP, NEXT)?;
+        let p = run(prog, want)?;
+        progs.push(p);
+        diffs.push(p - base);
+    }
+    Ok((median(progs), median(diffs)))
+}
+
+const NEXT: i32 = -1;
+const DROP: i32 = 2;
+const REDIRECT: i32 = 7;
+
+fn main() -> anyhow::Result<()> {
+    // SAFETY: geteuid has no preconditions.
+    anyhow::ensure!(
+        unsafe { libc::geteuid() } == 0,
+        "the datapath bench needs root"
+    );
+    let pin_root =
+        std::path::PathBuf::from(format!("/sys/fs/bpf/lockstep-bench-{}", std::process::id()));
+    let result = run(&pin_root);
+    Datapath::uninstall(&pin_root, &[])?;
+    result
+}
+
+fn run(pin_root: &std::path::Path) -> anyhow::Result<()> {
+    let mut dp = Datapath::open(DatapathOptions::new(pin_root))?;
+    let mut maps = dp.maps()?;
+
+    // 64k /32 entries in 10.128.0.0/16 (host entries: the IPCACHE_HOST_V4 hash),
+    // written with batch syscalls, plus prefixes in the IPCACHE_V4 trie.
+    let mut keys = Vec::new();
+    let mut values = Vec::new();
+    let remote = IpcacheValue {
+        identity: identity::ENDPOINT + 1,
+        flags: ipcache_flags::REMOTE,
+        ..Default::default()
+    };
+    for i in 0..IPCACHE_ENTRIES {
+        let addr = u32::from(Ipv4Addr::new(10, 128, 0, 0)) + i;
+        keys.extend_from_slice(&addr.to_be_bytes());
+        // SAFETY: IpcacheValue is repr(C) plain data without padding.
+        values.extend_from_slice(unsafe {
+            std::slice::from_raw_parts(
+                (&remote as *const IpcacheValue).cast::<u8>(),
+                size_of::<IpcacheValue>(),
+            )
+        });
+    }
+    let raw = PinnedMaps::raw(pin_root, lockstep_common::map_names::IPCACHE_HOST_V4)?;
+    let started = std::time::Instant::now();
+    sys::update_batch(raw.fd(), 4, size_of::<IpcacheValue>(), &keys, &values)?;
+    let fill = started.elapsed();
+    for i in 0..=255u8 {
+        maps.ipcache_insert(
+            ipnet::IpNet::V4(ipnet::Ipv4Net::new(Ipv4Addr::new(10, 64, i, 0), 24)?),
+            remote,
+        )?;
+    }
+
+    // The endpoint on ifindex 1 (loopback, where test runs arrive).
+    let ep = [10, 0, 0, 1];
+    maps.endpoints.insert(
+        1,
+        EndpointValue {
+            generation: 1,
+            ipv4: ep,
+            flags: endpoint_flags::HAS_V4,
+            ..Default::default()
+        },
+        0,
+    )?;
+    maps.ipcache_host_v4.insert(
+        ep,
+        IpcacheValue {
+            identity: identity::ENDPOINT,
+            flags: ipcache_flags::ENDPOINT,
+            ifindex: 1,
+            ..Default::default()
+        },
+        0,
+    )?;
+    maps.l2_resp_v4.insert(
+        [10, 0, 0, 50],
+        L2RespValue {
+            ifindex: 1,
+            mac: [2, 0, 0, 0, 0, 0x50],
+            _pad: [0; 2],
+        },
+        0,
+    )?;
+
+    let to_remote = ipv4_udp(ep, [10, 128, 200, 7]);
+    let spoofed = ipv4_udp([10, 0, 0, 99], [10, 128, 200, 7]);
+    let to_world = ipv4_udp(ep, [192, 0, 2, 10]);
+    let arp_ours = arp_request([10, 0, 0, 2], [10, 0, 0, 50]);
+    let arp_other = arp_request([10, 0, 0, 2], [10, 0, 0, 51]);
+    let rows = [
+        (
+            "from_endpoint (genuine, IPCACHE hit)",
+            program_names::FROM_ENDPOINT,
+            &to_remote,
+            NEXT,
+            false,
+        ),
+        (
+            "from_endpoint (spoofed, dropped)",
+            program_names::FROM_ENDPOINT,
+            &spoofed,
+            DROP,
+            false,
+        ),
+        (
+            "to_native (endpoint to world)",
+            program_names::TO_NATIVE,
+            &to_world,
+            NEXT,
+            false,
+        ),
+        (
+            "from_native (ARP, not announced)",
+            program_names::FROM_NATIVE,
+            &arp_other,
+            NEXT,
+            false,
+        ),
+        // The reply rewrites its packet, so each run needs a fresh one.
+        (
+            "from_native (ARP reply, single runs)",
+            program_names::FROM_NATIVE,
+            &arp_ours,
+            REDIRECT,
+            true,
+        ),
+    ];
+    println!(
+        "datapath bench: BPF_PROG_TEST_RUN, IPCACHE with {} host entries + 256 /24 prefixes (batch fill {:.1} ms, {:.2} M/s); median of {ROUNDS} rounds, each pairing the program with the empty program",
+        IPCACHE_ENTRIES + 1,
+        fill.as_secs_f64() * 1e3,
+        f64::from(IPCACHE_ENTRIES) / fill.as_secs_f64() / 1e6
+    );
+    println!(
+        "{:<40} {:>10} {:>12} {:>8}",
+        "program", "ns/packet", "over empty", "<50 ns"
+    );
+    let mut ok = true;
+    for (name, prog, packet, want, single) in rows {
+        let (ns, over) = paired(&mut dp, prog, packet, want, single)?;
+        let pass = over < 50.0;
+        ok &= pass;
+        println!(
+            "{name:<40} {ns:>10.1} {over:>12.1} {:>8}",
+            if pass { "PASS" } else { "FAIL" }
+        );
+    }
+    anyhow::ensure!(ok, "a program costs 50 ns or more over the empty program");
+    Ok(())
+}
