@@ -47,7 +47,7 @@ fn open_map(dir: &Path, name: &str) -> Result<Map, DatapathError> {
     let pin: PathBuf = dir.join(name);
     let open_err = |source| DatapathError::OpenPin {
         pin: pin.clone(),
-        source,
+        source: Box::new(source),
     };
     let data = MapData::from_pin(&pin).map_err(open_err)?;
     Map::from_map_data(data).map_err(open_err)
@@ -58,7 +58,7 @@ macro_rules! typed {
         let map = open_map($dir, $name)?;
         map.try_into().map_err(|source| DatapathError::OpenPin {
             pin: $dir.join($name),
-            source,
+            source: Box::new(source),
         })?
     }};
 }
@@ -89,7 +89,10 @@ impl PinnedMaps {
     /// The pin is missing.
     pub fn raw(pin_root: &Path, name: &str) -> Result<MapData, DatapathError> {
         let pin = pin_root.join("maps").join(name);
-        MapData::from_pin(&pin).map_err(|source| DatapathError::OpenPin { pin, source })
+        MapData::from_pin(&pin).map_err(|source| DatapathError::OpenPin {
+            pin,
+            source: Box::new(source),
+        })
     }
 
     /// Writes an IPCACHE entry into the map that holds its prefix length: the
@@ -169,7 +172,7 @@ impl PinnedMaps {
                 let values = self.counters.get(&(*c as u32), 0).map_err(|source| {
                     DatapathError::OpenPin {
                         pin: PathBuf::from(map_names::COUNTERS),
-                        source,
+                        source: Box::new(source),
                     }
                 })?;
                 Ok((*c, values.iter().sum()))

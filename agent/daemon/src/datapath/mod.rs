@@ -87,7 +87,7 @@ pub enum DatapathError {
         pin: PathBuf,
         /// aya's error.
         #[source]
-        source: aya::maps::MapError,
+        source: Box<aya::maps::MapError>,
     },
     /// Opening a pinned map failed.
     #[error("cannot open pinned map {pin}")]
@@ -96,7 +96,7 @@ pub enum DatapathError {
         pin: PathBuf,
         /// aya's error.
         #[source]
-        source: aya::maps::MapError,
+        source: Box<aya::maps::MapError>,
     },
     /// Loading the object (and creating or reusing the maps) failed.
     #[error("cannot load the eBPF object")]
@@ -118,7 +118,7 @@ pub enum DatapathError {
         name: String,
         /// aya's error (holds the verifier log).
         #[source]
-        source: ProgramError,
+        source: Box<ProgramError>,
     },
     /// Attaching a program failed.
     #[error("cannot attach {program} to {iface} {hook}")]
@@ -131,7 +131,7 @@ pub enum DatapathError {
         hook: Hook,
         /// aya's error.
         #[source]
-        source: ProgramError,
+        source: Box<ProgramError>,
     },
     /// A pinned link could not be opened, pinned or removed.
     #[error("cannot {action} link pin {path}")]
@@ -474,11 +474,11 @@ impl Datapath {
             }
             let info = MapInfo::from_pin(&pin).map_err(|source| DatapathError::PinInfo {
                 pin: pin.clone(),
-                source,
+                source: Box::new(source),
             })?;
             let found = MapDefinition::of_info(&info).map_err(|source| DatapathError::PinInfo {
                 pin: pin.clone(),
-                source,
+                source: Box::new(source),
             })?;
             match check_pin(&pin, want, &found) {
                 Ok(()) => {}
@@ -486,7 +486,7 @@ impl Datapath {
                 Err(_) => {
                     let old = MapData::from_pin(&pin).map_err(|source| DatapathError::OpenPin {
                         pin: pin.clone(),
-                        source,
+                        source: Box::new(source),
                     })?;
                     std::fs::remove_file(&pin).map_err(fs_err("remove", &pin))?;
                     tracing::warn!(map = name, %found, expected = %want, "replacing incompatible pinned map");
@@ -513,8 +513,10 @@ impl Datapath {
             let new_def = expected[name];
             if new_def.same_layout(&old_def) {
                 let pin = maps_dir.join(name);
-                let new = MapData::from_pin(&pin)
-                    .map_err(|source| DatapathError::OpenPin { pin, source })?;
+                let new = MapData::from_pin(&pin).map_err(|source| DatapathError::OpenPin {
+                    pin,
+                    source: Box::new(source),
+                })?;
                 copy_entries(name, &old, &new, &new_def)?;
             }
             migrated.push(name.to_string());
@@ -558,7 +560,7 @@ impl Datapath {
         if !self.loaded.contains(name) {
             prog.load().map_err(|source| DatapathError::ProgramLoad {
                 name: name.to_string(),
-                source,
+                source: Box::new(source),
             })?;
             self.loaded.insert(name.to_string());
         }
@@ -601,7 +603,7 @@ impl Datapath {
             })
             .map_err(|source| DatapathError::ProgramLoad {
                 name: program.to_string(),
-                source,
+                source: Box::new(source),
             })?;
         Ok((result.return_value as i32, result.duration))
     }
@@ -634,7 +636,7 @@ impl Datapath {
             program: program.to_string(),
             iface: iface.to_string(),
             hook,
-            source,
+            source: Box::new(source),
         };
         let prog = self.program(program)?;
         if mode != AttachMode::Netlink && pin.exists() {
@@ -692,7 +694,7 @@ impl Datapath {
             program: program.to_string(),
             iface: iface.to_string(),
             hook,
-            source,
+            source: Box::new(source),
         };
         // Adding clsact twice is harmless; any real problem shows up below.
         let _already_there = aya::programs::tc::qdisc_add_clsact(iface);

@@ -183,7 +183,7 @@ fn check_shape(
         values: values.len(),
         value_size,
     };
-    if key_size == 0 || value_size == 0 || keys.len() % key_size != 0 {
+    if key_size == 0 || value_size == 0 || !keys.len().is_multiple_of(key_size) {
         return Err(shape);
     }
     let n = keys.len() / key_size;
@@ -192,6 +192,9 @@ fn check_shape(
     }
     Ok(n)
 }
+
+/// A map element as raw bytes: (key, value).
+pub type RawEntry = (Vec<u8>, Vec<u8>);
 
 /// Every (key, value) of a map as raw bytes, by `GET_NEXT_KEY` + `LOOKUP_ELEM`.
 /// Used only for migration, where the map's Rust types are not known.
@@ -202,7 +205,7 @@ pub fn dump_raw(
     fd: impl AsFd,
     key_size: usize,
     value_size: usize,
-) -> Result<Vec<(Vec<u8>, Vec<u8>)>, SysError> {
+) -> Result<Vec<RawEntry>, SysError> {
     let fd = raw(fd.as_fd());
     let mut out = Vec::new();
     let mut key: Option<Vec<u8>> = None;
