@@ -7,4 +7,5 @@
 //! results into effects. [`datapath`] is the only module that uses aya.
 
 pub mod cli;
+pub mod cni;
 pub mod datapath;
