@@ -334,3 +334,227 @@ pub fn counter(pins: &PinRoot, name: &str) -> anyhow::Result<u64> {
         .as_u64()
         .with_context(|| format!("no counter {name}"))
 }
+
+/// A scratch directory under /tmp, removed on drop.
+#[derive(Debug)]
+pub struct TempDir {
+    path: PathBuf,
+}
+
+impl TempDir {
+    /// Creates a fresh, unique directory.
+    ///
+    /// # Errors
+    /// It could not be created.
+    pub fn new(tag: &str) -> anyhow::Result<Self> {
+        let path = std::env::temp_dir().join(unique(&format!("lockstep-{tag}")));
+        std::fs::create_dir_all(&path)?;
+        Ok(Self { path })
+    }
+
+    /// The path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.path);
+    }
+}
+
+/// A `lockstep agent` process in a node namespace, with its own state
+/// directory, socket and pin root. Killed (and its pins removed) on drop.
+#[derive(Debug)]
+pub struct AgentProc {
+    child: Option<std::process::Child>,
+    /// State, socket and config live here.
+    pub dir: TempDir,
+    /// The pin root.
+    pub pins: PinRoot,
+    /// The config file.
+    pub config: PathBuf,
+    netns: PathBuf,
+}
+
+impl AgentProc {
+    /// Writes a config (paths filled in, `extra` TOML appended: pools etc.)
+    /// and starts the agent; returns once it reports ready.
+    ///
+    /// # Errors
+    /// It did not become ready within 20 s.
+    pub fn start(node: &Netns, extra: &str) -> anyhow::Result<Self> {
+        let dir = TempDir::new("agent")?;
+        let pins = PinRoot::new();
+        let config = dir.path().join("config.toml");
+        let text = format!(
+            "state_dir = \"{state}\"\nsocket = \"{sock}\"\nmetrics_addr = \"127.0.0.1:0\"\n{extra}\n[datapath]\npin_root = \"{pins}\"\n",
+            state = dir.path().join("state").display(),
+            sock = dir.path().join("api.sock").display(),
+            pins = pins.path().display(),
+        );
+        // `extra` may carry its own [datapath] keys; merge them by putting
+        // them after our header only when it declares the table itself.
+        let text = if extra.contains("[datapath]") {
+            text.replace(
+                &format!("\n[datapath]\npin_root = \"{}\"\n", pins.path().display()),
+                "\n",
+            )
+            .replace(
+                "[datapath]\n",
+                &format!("[datapath]\npin_root = \"{}\"\n", pins.path().display()),
+            )
+        } else {
+            text
+        };
+        std::fs::write(&config, text)?;
+        let mut agent = Self {
+            child: None,
+            dir,
+            pins,
+            config,
+            netns: node.path(),
+        };
+        agent.spawn()?;
+        agent.wait_ready()?;
+        Ok(agent)
+    }
+
+    /// The API socket.
+    pub fn socket(&self) -> PathBuf {
+        self.dir.path().join("api.sock")
+    }
+
+    fn spawn(&mut self) -> anyhow::Result<()> {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.dir.path().join("agent.log"))?;
+        let child = Command::new("nsenter")
+            .arg(format!("--net={}", self.netns.display()))
+            .arg("--")
+            .arg(lockstep_bin())
+            .args(["agent", "--config"])
+            .arg(&self.config)
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            .spawn()?;
+        self.child = Some(child);
+        Ok(())
+    }
+
+    /// The agent's log so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("agent.log")).unwrap_or_default()
+    }
+
+    /// Polls status until ready.
+    ///
+    /// # Errors
+    /// Not ready within 20 s, or the process exited.
+    pub fn wait_ready(&mut self) -> anyhow::Result<std::time::Duration> {
+        let started = std::time::Instant::now();
+        while started.elapsed() < std::time::Duration::from_secs(20) {
+            if let Some(child) = self.child.as_mut()
+                && let Some(status) = child.try_wait()?
+            {
+                bail!("agent exited with {status}:\n{}", self.log());
+            }
+            let out = self.cli(["status", "-o", "json"])?;
+            if out.status.success() {
+                return Ok(started.elapsed());
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        bail!("agent not ready within 20 s:\n{}", self.log())
+    }
+
+    /// Runs a lockstep CLI command against this agent.
+    ///
+    /// # Errors
+    /// It could not be started.
+    pub fn cli<I, S>(&self, args: I) -> anyhow::Result<Output>
+    where
+        I: IntoIterator<Item = S>,
+        S: AsRef<OsStr>,
+    {
+        Ok(Command::new(lockstep_bin())
+            .arg("--socket")
+            .arg(self.socket())
+            .args(args)
+            .output()?)
+    }
+
+    /// Runs a CLI command that must succeed and print JSON.
+    ///
+    /// # Errors
+    /// It failed or printed no JSON.
+    pub fn json<I, S>(&self, args: I) -> anyhow::Result<serde_json::Value>
+    where
+        I: IntoIterator<Item = S>,
+        S: AsRef<OsStr>,
+    {
+        let out = self.cli(args)?;
+        let text = check("lockstep", out)?;
+        Ok(serde_json::from_str(&text)?)
+    }
+
+    /// SIGKILL, as a crash would.
+    pub fn kill9(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// SIGTERM and wait; returns the exit status.
+    ///
+    /// # Errors
+    /// Waiting failed.
+    pub fn stop(&mut self) -> anyhow::Result<Option<std::process::ExitStatus>> {
+        let Some(mut child) = self.child.take() else {
+            return Ok(None);
+        };
+        // SAFETY: plain kill(2) on our own child.
+        unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+        Ok(Some(child.wait()?))
+    }
+
+    /// Starts the agent again on the same state and pins; waits for ready and
+    /// returns how long that took.
+    ///
+    /// # Errors
+    /// It did not become ready.
+    pub fn restart(&mut self) -> anyhow::Result<std::time::Duration> {
+        self.kill9();
+        let started = std::time::Instant::now();
+        self.spawn()?;
+        self.wait_ready()?;
+        Ok(started.elapsed())
+    }
+
+    /// Starts the agent with a different config file; returns its output if
+    /// it exits within `wait` (a refused config), or `None` if it is running.
+    ///
+    /// # Errors
+    /// Spawning failed.
+    pub fn try_config(&mut self, text: &str) -> anyhow::Result<Output> {
+        self.kill9();
+        let path = self.dir.path().join("other.toml");
+        std::fs::write(&path, text)?;
+        Ok(Command::new("nsenter")
+            .arg(format!("--net={}", self.netns.display()))
+            .arg("--")
+            .arg(lockstep_bin())
+            .args(["agent", "--config"])
+            .arg(&path)
+            .output()?)
+    }
+}
+
+impl Drop for AgentProc {
+    fn drop(&mut self) {
+        self.kill9();
+    }
+}

@@ -10,6 +10,7 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use clap::{Args, Parser, Subcommand, ValueEnum};
+use hyper::Method;
 use lockstep_common::{
     EndpointValue, IpcacheValue, L2RespValue, MasqSkipValue, endpoint_flags, identity,
     ipcache_flags, masq_reason, program_names,
@@ -34,6 +35,9 @@ pub struct Cli {
     /// More logging (-v debug, -vv trace).
     #[arg(short, long, global = true, action = clap::ArgAction::Count)]
     pub verbose: u8,
+    /// The agent API's unix socket.
+    #[arg(long, global = true, default_value = "/run/lockstep/lockstep.sock")]
+    pub socket: PathBuf,
     /// What to do.
     #[command(subcommand)]
     pub command: Command,
@@ -42,6 +46,77 @@ pub struct Cli {
 /// Top-level commands.
 #[derive(Debug, Subcommand)]
 pub enum Command {
+    /// Run the node agent.
+    Agent {
+        /// Config file (default /etc/lockstep/config.toml; absent → embedded default).
+        #[arg(long)]
+        config: Option<PathBuf>,
+    },
+    /// Agent status: readiness and why not.
+    Status {
+        /// Output format.
+        #[arg(long, short, value_enum, default_value_t)]
+        output: Output,
+    },
+    /// Pools and their usage.
+    Pools {
+        /// Output format.
+        #[arg(long, short, value_enum, default_value_t)]
+        output: Output,
+    },
+    /// Every allocation.
+    Allocations {
+        /// Output format.
+        #[arg(long, short, value_enum, default_value_t)]
+        output: Output,
+    },
+    /// Allocate an address for a generic resource owner.
+    Allocate {
+        /// The pool.
+        #[arg(long, default_value = "default")]
+        pool: String,
+        /// Family (ipv4 or ipv6) when no address is given.
+        #[arg(long)]
+        family: Option<String>,
+        /// A specific address.
+        #[arg(long)]
+        address: Option<std::net::IpAddr>,
+        /// Owner kind (resource or endpoint).
+        #[arg(long, default_value = "resource")]
+        kind: String,
+        /// Owner name (for endpoints: container id).
+        #[arg(long)]
+        name: String,
+        /// Output format.
+        #[arg(long, short, value_enum, default_value_t)]
+        output: Output,
+    },
+    /// Release an address.
+    Release {
+        /// The pool.
+        #[arg(long, default_value = "default")]
+        pool: String,
+        /// Family (ipv4 or ipv6).
+        #[arg(long)]
+        family: String,
+        /// Owner kind (resource or endpoint).
+        #[arg(long, default_value = "resource")]
+        kind: String,
+        /// Owner name.
+        #[arg(long)]
+        name: String,
+        /// The generation given at allocation (a stale one frees nothing).
+        #[arg(long)]
+        generation: Option<u64>,
+    },
+    /// Compare store, core and maps; exit 1 on any drift.
+    Verify {
+        /// Output format.
+        #[arg(long, short, value_enum, default_value_t)]
+        output: Output,
+    },
+    /// Reconcile the maps now (the agent also does it periodically).
+    Reconcile,
     /// Low-level datapath operations on pinned maps and links.
     #[command(subcommand)]
     Datapath(DatapathCommand),
@@ -233,6 +308,32 @@ pub enum MapsCommand {
     },
 }
 
+fn owner_json(kind: &str, name: &str) -> serde_json::Value {
+    match kind {
+        "endpoint" => json!({"owner": "endpoint", "container_id": name, "ifname": "eth0"}),
+        other => json!({"owner": "resource", "kind": other, "name": name}),
+    }
+}
+
+fn api(
+    socket: &std::path::Path,
+    method: Method,
+    path: &str,
+    body: Option<serde_json::Value>,
+) -> anyhow::Result<serde_json::Value> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    Ok(rt.block_on(crate::client::call(socket, method, path, body))?)
+}
+
+fn print(v: &serde_json::Value, output: Output, text: impl Fn(&serde_json::Value) -> String) {
+    match output {
+        Output::Json => println!("{v}"),
+        Output::Text => println!("{}", text(v)),
+    }
+}
+
 /// Sets up tracing on stderr.
 pub fn init_tracing(json: bool, verbose: u8) {
     let default = match verbose {
@@ -244,6 +345,7 @@ pub fn init_tracing(json: bool, verbose: u8) {
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_writer(std::io::stderr);
     if json {
         builder.json().init();
@@ -257,7 +359,143 @@ pub fn init_tracing(json: bool, verbose: u8) {
 /// # Errors
 /// Whatever the command failed with, for `main` to print.
 pub fn run(cli: Cli) -> anyhow::Result<i32> {
+    let socket = cli.socket.clone();
     match cli.command {
+        Command::Agent { config } => {
+            let config = crate::config::Config::load(config.as_deref())?;
+            let rt = tokio::runtime::Builder::new_multi_thread()
+                .enable_all()
+                .build()?;
+            rt.block_on(crate::server::run(config))?;
+            Ok(0)
+        }
+        Command::Status { output } => {
+            let v = api(&socket, Method::GET, "/v1/status", None)?;
+            print(&v, output, |v| {
+                let ready = v["ready"].as_bool().unwrap_or(false);
+                if ready {
+                    format!(
+                        "ready: node {} holds {} allocations (generation {}), {} repairs",
+                        v["node"].as_str().unwrap_or("?"),
+                        v["allocations"],
+                        v["generation"],
+                        v["repairs"]
+                    )
+                } else {
+                    format!("not ready: {}", v["reason"].as_str().unwrap_or("unknown"))
+                }
+            });
+            Ok(if v["ready"].as_bool() == Some(true) {
+                0
+            } else {
+                3
+            })
+        }
+        Command::Pools { output } => {
+            let v = api(&socket, Method::GET, "/v1/pools", None)?;
+            print(&v, output, |v| {
+                let mut out = String::new();
+                for p in v.as_array().into_iter().flatten() {
+                    out.push_str(&format!(
+                        "{:<16} v4 used/free {}/{}  v6 used/free {}/{}  cidrs {}\n",
+                        p["name"].as_str().unwrap_or("?"),
+                        p["v4"][0],
+                        p["v4"][1],
+                        p["v6"][0],
+                        p["v6"][1],
+                        p["cidrs"]
+                    ));
+                }
+                out.trim_end().to_string()
+            });
+            Ok(0)
+        }
+        Command::Allocations { output } => {
+            let v = api(&socket, Method::GET, "/v1/allocations", None)?;
+            print(&v, output, |v| {
+                let mut out = String::new();
+                for a in v.as_array().into_iter().flatten() {
+                    out.push_str(&format!(
+                        "{:<40} {:<12} gen {:<6} {}\n",
+                        a["address"].as_str().unwrap_or("?"),
+                        a["pool"].as_str().unwrap_or("?"),
+                        a["generation"],
+                        a["owner"]
+                    ));
+                }
+                out.trim_end().to_string()
+            });
+            Ok(0)
+        }
+        Command::Allocate {
+            pool,
+            family,
+            address,
+            kind,
+            name,
+            output,
+        } => {
+            let body = json!({
+                "pool": pool,
+                "family": family,
+                "address": address,
+                "owner": owner_json(&kind, &name),
+            });
+            let v = api(&socket, Method::POST, "/v1/allocations", Some(body))?;
+            print(&v, output, |v| {
+                format!(
+                    "{} (generation {})",
+                    v["address"].as_str().unwrap_or("?"),
+                    v["generation"]
+                )
+            });
+            Ok(0)
+        }
+        Command::Release {
+            pool,
+            family,
+            kind,
+            name,
+            generation,
+        } => {
+            let body = json!({
+                "pool": pool,
+                "family": family,
+                "owner": owner_json(&kind, &name),
+                "generation": generation,
+            });
+            let v = api(&socket, Method::POST, "/v1/release", Some(body))?;
+            println!("released {}", v["address"].as_str().unwrap_or("?"));
+            Ok(0)
+        }
+        Command::Verify { output } => {
+            let v = api(&socket, Method::GET, "/v1/verify", None)?;
+            let ok = v["ok"].as_bool() == Some(true);
+            print(&v, output, |v| {
+                if ok {
+                    return "verify: store, core and maps agree".to_string();
+                }
+                let mut out = String::from("verify: DRIFT\n");
+                for s in v["store"].as_array().into_iter().flatten() {
+                    out.push_str(&format!("  store: {}\n", s.as_str().unwrap_or("?")));
+                }
+                for d in v["maps"].as_array().into_iter().flatten() {
+                    out.push_str(&format!(
+                        "  {} {} {}\n",
+                        d["map"].as_str().unwrap_or("?"),
+                        d["key"].as_str().unwrap_or("?"),
+                        d["kind"].as_str().unwrap_or("?")
+                    ));
+                }
+                out.trim_end().to_string()
+            });
+            Ok(if ok { 0 } else { 1 })
+        }
+        Command::Reconcile => {
+            let v = api(&socket, Method::POST, "/v1/reconcile", None)?;
+            println!("{v}");
+            Ok(0)
+        }
         Command::Datapath(cmd) => datapath(cmd),
         Command::Maps(MapsCommand::Dump { pins, output }) => {
             let maps = PinnedMaps::open(&pins.pin_root)?;

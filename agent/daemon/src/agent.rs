@@ -1,0 +1,886 @@
+//! The agent's state and its operations, in lockstep.
+//!
+//! Every change follows one order: decide in the core → commit to the store
+//! (fsync) → program the maps → acknowledge. A failure after the commit rolls
+//! the store and the core back, so the caller's error means "nothing changed".
+//! A release goes the other way: unprogram → commit → acknowledge, so no map
+//! entry ever outlives its allocation, even across a crash between two steps.
+//!
+//! On start the agent loads the store, rebuilds the core, and reconciles the
+//! pinned maps by diff (never flushing), before it reports ready. The same
+//! reconcile runs periodically and repairs drift.
+//!
+//! Operations here are synchronous and run under one mutex held by the server;
+//! each is short (a commit is one fsync, programming a few syscalls).
+
+use std::collections::BTreeMap;
+use std::net::IpAddr;
+use std::time::Instant;
+
+use ipnet::{IpNet, Ipv4Net, Ipv6Net};
+use lockstep_common::{IpcacheValue, MasqSkipValue, V4Addr, V6Addr, map_names};
+use lockstep_core::cidr::Family;
+use lockstep_core::manager::{Allocation, ManagerConfig, ManagerError, PoolManager, StaticPools};
+use lockstep_core::owner::{Generation, Owner};
+use lockstep_core::plan::{DatapathPlan, EntryExtra, MapDiff, classify, diff};
+use serde::{Deserialize, Serialize};
+
+use crate::config::{AttachModeConfig, Config};
+use crate::datapath::{
+    AttachMode, Datapath, DatapathError, DatapathOptions, MapCapacities, PinnedMaps, sys,
+};
+use crate::store::{Store, StoreError};
+
+/// Errors of agent operations. Each has a stable API code ([`AgentError::code`]).
+#[derive(Debug, thiserror::Error)]
+pub enum AgentError {
+    /// The agent is still restoring.
+    #[error("not ready: {reason}")]
+    NotReady {
+        /// Why.
+        reason: String,
+    },
+    /// The core refused (exhausted, unknown pool, taken, stale generation...).
+    #[error(transparent)]
+    Allocation(Box<ManagerError>),
+    /// The request is not acceptable as such.
+    #[error("invalid request: {reason}")]
+    Invalid {
+        /// What is wrong.
+        reason: String,
+    },
+    /// No allocation matches the release.
+    #[error("no allocation in pool {pool} ({family}) for {owner}")]
+    NotFound {
+        /// The pool.
+        pool: String,
+        /// The family.
+        family: Family,
+        /// The owner.
+        owner: Owner,
+    },
+    /// A map is full; the allocation was rolled back.
+    #[error("map {map} is full ({capacity} entries); the allocation was rolled back")]
+    MapFull {
+        /// The map.
+        map: &'static str,
+        /// Its capacity.
+        capacity: u32,
+    },
+    /// Programming a map failed; the allocation was rolled back.
+    #[error("programming map {map} failed; the allocation was rolled back")]
+    Program {
+        /// The map.
+        map: &'static str,
+        /// The error.
+        #[source]
+        source: Box<aya::maps::MapError>,
+    },
+    /// A batch syscall failed during reconcile.
+    #[error("reconciling map {map} failed")]
+    Reconcile {
+        /// The map.
+        map: &'static str,
+        /// The syscall error.
+        #[source]
+        source: sys::SysError,
+    },
+    /// The store failed.
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    /// The datapath failed.
+    #[error(transparent)]
+    Datapath(#[from] DatapathError),
+}
+
+impl From<ManagerError> for AgentError {
+    fn from(e: ManagerError) -> Self {
+        AgentError::Allocation(Box::new(e))
+    }
+}
+
+impl AgentError {
+    /// A stable, machine-readable code for the API.
+    pub fn code(&self) -> &'static str {
+        match self {
+            AgentError::NotReady { .. } => "not_ready",
+            AgentError::Allocation(e) => match e.as_ref() {
+                ManagerError::UnknownPool { .. } => "unknown_pool",
+                ManagerError::PoolExhausted { .. } => "pool_exhausted",
+                ManagerError::AddressTaken { .. } => "address_taken",
+                ManagerError::AddressOutsidePool { .. } => "address_outside_pool",
+                ManagerError::AddressUnusable { .. } => "address_unusable",
+                ManagerError::OwnerHoldsOther { .. } => "owner_holds_other",
+                ManagerError::CidrDraining { .. } => "cidr_draining",
+                ManagerError::NotAllocated { .. } => "not_found",
+                ManagerError::StaleGeneration { .. } => "stale_generation",
+                _ => "allocation_refused",
+            },
+            AgentError::Invalid { .. } => "invalid_request",
+            AgentError::NotFound { .. } => "not_found",
+            AgentError::MapFull { .. } => "map_full",
+            AgentError::Program { .. } => "datapath_error",
+            AgentError::Reconcile { .. } => "datapath_error",
+            AgentError::Store(_) => "store_error",
+            AgentError::Datapath(_) => "datapath_error",
+        }
+    }
+}
+
+/// A request for an address.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AllocateRequest {
+    /// The pool.
+    pub pool: String,
+    /// The family, when any address will do.
+    #[serde(default)]
+    pub family: Option<Family>,
+    /// A specific address.
+    #[serde(default)]
+    pub address: Option<IpAddr>,
+    /// Who asks.
+    pub owner: Owner,
+}
+
+/// A release.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ReleaseRequest {
+    /// The pool.
+    pub pool: String,
+    /// The family.
+    pub family: Family,
+    /// The holder.
+    pub owner: Owner,
+    /// The generation the caller was given; a stale one frees nothing.
+    #[serde(default)]
+    pub generation: Option<Generation>,
+}
+
+/// One difference between what should be in a map and what is.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Drift {
+    /// The map.
+    pub map: String,
+    /// The key, printed.
+    pub key: String,
+    /// `missing`, `unexpected` or `different`.
+    pub kind: String,
+}
+
+/// What a reconcile did.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReconcileReport {
+    /// Entries written that were missing.
+    pub added: usize,
+    /// Entries rewritten because their value differed.
+    pub updated: usize,
+    /// Entries removed that nothing owns.
+    pub removed: usize,
+    /// Changes per map.
+    pub per_map: BTreeMap<String, usize>,
+}
+
+impl ReconcileReport {
+    /// Total changes.
+    pub fn total(&self) -> usize {
+        self.added + self.updated + self.removed
+    }
+}
+
+/// Result of `verify`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VerifyReport {
+    /// No drift anywhere.
+    pub ok: bool,
+    /// Allocations in memory that the store lacks, or the other way round.
+    pub store: Vec<String>,
+    /// Map entries that differ from the store.
+    pub maps: Vec<Drift>,
+}
+
+/// Pool usage for the API and metrics.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PoolStatus {
+    /// Name.
+    pub name: String,
+    /// CIDRs (draining ones included).
+    pub cidrs: Vec<IpNet>,
+    /// CIDRs being drained.
+    pub draining: Vec<IpNet>,
+    /// Skip masquerade.
+    pub skip_masquerade: bool,
+    /// Per family: (allocated, free).
+    pub v4: (u128, u128),
+    /// Per family: (allocated, free).
+    pub v6: (u128, u128),
+}
+
+/// Agent status.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Status {
+    /// Ready to serve.
+    pub ready: bool,
+    /// Why not, when not.
+    pub reason: Option<String>,
+    /// Node name.
+    pub node: String,
+    /// Number of allocations.
+    pub allocations: usize,
+    /// Highest generation.
+    pub generation: Generation,
+    /// Changes applied by the start-up reconcile.
+    pub restored: ReconcileReport,
+    /// Repairs made by periodic reconciles since start.
+    pub repairs: u64,
+}
+
+/// Counters the metrics module reads.
+#[derive(Clone, Debug, Default)]
+pub struct Stats {
+    /// Repairs per map by periodic reconciles.
+    pub repairs: BTreeMap<String, u64>,
+    /// Errors per code.
+    pub errors: BTreeMap<&'static str, u64>,
+    /// Entries per map at the last reconcile.
+    pub entries: BTreeMap<&'static str, usize>,
+}
+
+/// The running agent's state.
+pub struct Agent {
+    config: Config,
+    node: String,
+    manager: PoolManager<StaticPools>,
+    store: Store,
+    datapath: Datapath,
+    maps: PinnedMaps,
+    ready: bool,
+    restored: ReconcileReport,
+    /// Counters for metrics.
+    pub stats: Stats,
+}
+
+impl std::fmt::Debug for Agent {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Agent")
+            .field("node", &self.node)
+            .field("ready", &self.ready)
+            .finish_non_exhaustive()
+    }
+}
+
+fn datapath_options(config: &Config) -> DatapathOptions {
+    let mut opts = DatapathOptions::new(&config.datapath.pin_root);
+    opts.migrate = config.datapath.migrate;
+    opts.attach_mode = match config.datapath.attach_mode {
+        AttachModeConfig::Auto => AttachMode::Auto,
+        AttachModeConfig::Tcx => AttachMode::Tcx,
+        AttachModeConfig::Netlink => AttachMode::Netlink,
+    };
+    opts.capacities = MapCapacities {
+        ipcache: config.datapath.ipcache_max_entries,
+        endpoints: config.datapath.endpoints_max_entries,
+        ..MapCapacities::default()
+    };
+    opts
+}
+
+/// Raw bytes of a plain-data map value.
+fn pod_bytes<T: aya::Pod>(v: &T) -> &[u8] {
+    // SAFETY: `Pod` types are plain data with no padding bytes.
+    unsafe { std::slice::from_raw_parts((v as *const T).cast::<u8>(), size_of::<T>()) }
+}
+
+fn lpm_key_bytes(prefix_len: u8, addr: &[u8]) -> Vec<u8> {
+    let mut k = u32::from(prefix_len).to_ne_bytes().to_vec();
+    k.extend_from_slice(addr);
+    k
+}
+
+/// The desired contents of every map the agent owns, split the way the
+/// datapath stores them (host entries in hashes, prefixes in tries).
+#[derive(Debug, Default, PartialEq)]
+struct MapContents {
+    host_v4: BTreeMap<V4Addr, IpcacheValue>,
+    host_v6: BTreeMap<V6Addr, IpcacheValue>,
+    prefix_v4: BTreeMap<Ipv4Net, IpcacheValue>,
+    prefix_v6: BTreeMap<Ipv6Net, IpcacheValue>,
+    masq_v4: BTreeMap<Ipv4Net, MasqSkipValue>,
+    masq_v6: BTreeMap<Ipv6Net, MasqSkipValue>,
+}
+
+impl MapContents {
+    fn from_plan(plan: DatapathPlan) -> Self {
+        let mut c = MapContents::default();
+        for (net, v) in plan.ipcache_v4 {
+            if net.prefix_len() == 32 {
+                c.host_v4.insert(net.addr().octets(), v);
+            } else {
+                c.prefix_v4.insert(net, v);
+            }
+        }
+        for (net, v) in plan.ipcache_v6 {
+            if net.prefix_len() == 128 {
+                c.host_v6.insert(net.addr().octets(), v);
+            } else {
+                c.prefix_v6.insert(net, v);
+            }
+        }
+        c.masq_v4 = plan.masq_skip_v4;
+        c.masq_v6 = plan.masq_skip_v6;
+        c
+    }
+
+    fn observe(maps: &PinnedMaps) -> Result<Self, aya::maps::MapError> {
+        let mut c = MapContents::default();
+        for item in maps.ipcache_host_v4.iter() {
+            let (k, v) = item?;
+            c.host_v4.insert(k, v);
+        }
+        for item in maps.ipcache_host_v6.iter() {
+            let (k, v) = item?;
+            c.host_v6.insert(k, v);
+        }
+        for item in maps.ipcache_v4.iter() {
+            let (k, v) = item?;
+            if let Ok(n) = Ipv4Net::new(k.data().into(), k.prefix_len() as u8) {
+                c.prefix_v4.insert(n, v);
+            }
+        }
+        for item in maps.ipcache_v6.iter() {
+            let (k, v) = item?;
+            if let Ok(n) = Ipv6Net::new(k.data().into(), k.prefix_len() as u8) {
+                c.prefix_v6.insert(n, v);
+            }
+        }
+        for item in maps.masq_skip_v4.iter() {
+            let (k, v) = item?;
+            if let Ok(n) = Ipv4Net::new(k.data().into(), k.prefix_len() as u8) {
+                c.masq_v4.insert(n, v);
+            }
+        }
+        for item in maps.masq_skip_v6.iter() {
+            let (k, v) = item?;
+            if let Ok(n) = Ipv6Net::new(k.data().into(), k.prefix_len() as u8) {
+                c.masq_v6.insert(n, v);
+            }
+        }
+        Ok(c)
+    }
+}
+
+/// Applies one map's diff with batch syscalls: deletes first (frees room),
+/// then adds and updates.
+fn apply<K: Ord + Clone, V: aya::Pod + Clone>(
+    pin_root: &std::path::Path,
+    map: &'static str,
+    d: &MapDiff<K, V>,
+    key_bytes: impl Fn(&K) -> Vec<u8>,
+    report: &mut ReconcileReport,
+) -> Result<(), AgentError> {
+    if d.is_empty() {
+        return Ok(());
+    }
+    let raw = PinnedMaps::raw(pin_root, map)?;
+    let mut key_size = 0;
+    if !d.delete.is_empty() {
+        let mut keys = Vec::new();
+        for k in &d.delete {
+            let b = key_bytes(k);
+            key_size = b.len();
+            keys.extend_from_slice(&b);
+        }
+        sys::delete_batch(raw.fd(), key_size, &keys)
+            .map_err(|source| AgentError::Reconcile { map, source })?;
+    }
+    let writes: Vec<&(K, V)> = d.add.iter().chain(d.update.iter()).collect();
+    if !writes.is_empty() {
+        let mut keys = Vec::new();
+        let mut values = Vec::with_capacity(writes.len() * size_of::<V>());
+        for (k, v) in writes {
+            let b = key_bytes(k);
+            key_size = b.len();
+            keys.extend_from_slice(&b);
+            values.extend_from_slice(pod_bytes(v));
+        }
+        sys::update_batch(raw.fd(), key_size, size_of::<V>(), &keys, &values)
+            .map_err(|source| AgentError::Reconcile { map, source })?;
+    }
+    report.added += d.add.len();
+    report.updated += d.update.len();
+    report.removed += d.delete.len();
+    *report.per_map.entry(map.to_string()).or_default() += d.len();
+    Ok(())
+}
+
+fn drift<K, V>(map: &str, d: &MapDiff<K, V>, show: impl Fn(&K) -> String, out: &mut Vec<Drift>) {
+    let mut push = |k: &K, kind: &str| {
+        out.push(Drift {
+            map: map.to_string(),
+            key: show(k),
+            kind: kind.to_string(),
+        })
+    };
+    for (k, _) in &d.add {
+        push(k, "missing");
+    }
+    for (k, _) in &d.update {
+        push(k, "different");
+    }
+    for k in &d.delete {
+        push(k, "unexpected");
+    }
+}
+
+impl Agent {
+    /// Starts the agent: opens the datapath and the store, restores every
+    /// allocation into the core, reconciles the maps, and becomes ready.
+    ///
+    /// # Errors
+    /// Any of those steps failed; the agent must not serve.
+    pub fn start(config: Config) -> Result<Self, AgentError> {
+        let started = Instant::now();
+        let datapath = Datapath::open(datapath_options(&config))?;
+        let maps = datapath.maps()?;
+        let store = Store::open(&config.state_dir)?;
+        let stored = store.load()?;
+        let mut manager =
+            PoolManager::new(StaticPools(config.pools.clone()), ManagerConfig::default())?;
+        let report = manager.sync();
+        if !report.errors.is_empty() {
+            return Err(AgentError::Invalid {
+                reason: format!("pool configuration refused: {:?}", report.errors),
+            });
+        }
+        let count = stored.allocations.len();
+        let outcome = manager.restore(stored.generation, stored.allocations);
+        for (a, why) in &outcome.rejected {
+            // The pool or CIDR it came from is gone from the configuration:
+            // the allocation is released, so nothing leaks; reconcile removes
+            // its map entries.
+            tracing::warn!(address = %a.address, owner = %a.owner, pool = %a.pool, reason = %why, "releasing an allocation its configuration no longer has");
+            store.remove(a)?;
+        }
+        manager.finish_restore();
+        let node = config.node_name();
+        let mut agent = Self {
+            config,
+            node,
+            manager,
+            store,
+            datapath,
+            maps,
+            ready: false,
+            restored: ReconcileReport::default(),
+            stats: Stats::default(),
+        };
+        agent.restored = agent.reconcile_inner()?;
+        agent.ready = true;
+        tracing::info!(
+            allocations = count - outcome.rejected.len(),
+            released = outcome.rejected.len(),
+            map_changes = agent.restored.total(),
+            elapsed_ms = started.elapsed().as_millis() as u64,
+            "restored; ready"
+        );
+        Ok(agent)
+    }
+
+    /// The configuration in use.
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    /// The datapath (for attaching programs).
+    pub fn datapath_mut(&mut self) -> &mut Datapath {
+        &mut self.datapath
+    }
+
+    fn value_for(a: &Allocation) -> Option<IpcacheValue> {
+        classify(&a.owner).map(|(identity, flags)| IpcacheValue {
+            identity,
+            flags,
+            ..Default::default()
+        })
+    }
+
+    fn program(&mut self, a: &Allocation) -> Result<(), AgentError> {
+        let Some(value) = Self::value_for(a) else {
+            return Ok(());
+        };
+        let (map, capacity) = match a.address {
+            IpAddr::V4(_) => (
+                map_names::IPCACHE_HOST_V4,
+                self.config.datapath.ipcache_max_entries,
+            ),
+            IpAddr::V6(_) => (
+                map_names::IPCACHE_HOST_V6,
+                self.config.datapath.ipcache_max_entries,
+            ),
+        };
+        match self.maps.ipcache_insert(IpNet::from(a.address), value) {
+            Ok(()) => Ok(()),
+            Err(aya::maps::MapError::SyscallError(e))
+                if e.io_error.raw_os_error() == Some(libc::E2BIG) =>
+            {
+                Err(AgentError::MapFull { map, capacity })
+            }
+            Err(e) => Err(AgentError::Program {
+                map,
+                source: Box::new(e),
+            }),
+        }
+    }
+
+    fn unprogram(&mut self, a: &Allocation) -> Result<(), AgentError> {
+        if Self::value_for(a).is_none() {
+            return Ok(());
+        }
+        let (map, result) = match a.address {
+            IpAddr::V4(v4) => (
+                map_names::IPCACHE_HOST_V4,
+                self.maps.ipcache_host_v4.remove(&v4.octets()),
+            ),
+            IpAddr::V6(v6) => (
+                map_names::IPCACHE_HOST_V6,
+                self.maps.ipcache_host_v6.remove(&v6.octets()),
+            ),
+        };
+        match result {
+            Ok(()) | Err(aya::maps::MapError::KeyNotFound) => Ok(()),
+            Err(e) => Err(AgentError::Program {
+                map,
+                source: Box::new(e),
+            }),
+        }
+    }
+
+    fn check_ready(&self) -> Result<(), AgentError> {
+        if self.ready {
+            Ok(())
+        } else {
+            Err(AgentError::NotReady {
+                reason: "restoring allocations and maps".into(),
+            })
+        }
+    }
+
+    fn note_error(&mut self, e: &AgentError) {
+        *self.stats.errors.entry(e.code()).or_default() += 1;
+    }
+
+    /// Allocates: core → commit → program → acknowledge. Asking again for the
+    /// same owner returns the same allocation.
+    ///
+    /// # Errors
+    /// The core refused, or a later step failed and everything was rolled back.
+    pub fn allocate(&mut self, req: AllocateRequest) -> Result<Allocation, AgentError> {
+        let r = self.allocate_inner(req);
+        if let Err(e) = &r {
+            self.note_error(e);
+        }
+        r
+    }
+
+    fn allocate_inner(&mut self, req: AllocateRequest) -> Result<Allocation, AgentError> {
+        self.check_ready()?;
+        if matches!(req.owner, Owner::Agent { .. }) {
+            return Err(AgentError::Invalid {
+                reason: "agent-role addresses are reserved by the agent itself".into(),
+            });
+        }
+        let family = match (req.family, req.address) {
+            (Some(f), Some(a)) if f != Family::of_addr(a) => {
+                return Err(AgentError::Invalid {
+                    reason: format!("address {a} is not of family {f}"),
+                });
+            }
+            (_, Some(a)) => Family::of_addr(a),
+            (Some(f), None) => f,
+            (None, None) => {
+                return Err(AgentError::Invalid {
+                    reason: "give a family or an address".into(),
+                });
+            }
+        };
+        if let Some(existing) = self.manager.get(&req.pool, family, &req.owner) {
+            // Idempotent: it was committed and programmed when first made.
+            return Ok(existing.clone());
+        }
+        let a = match req.address {
+            Some(addr) => self.manager.allocate(&req.pool, addr, req.owner)?,
+            None => self.manager.allocate_next(&req.pool, family, req.owner)?,
+        };
+        if let Err(e) = self.store.put(&a, self.manager.generation()) {
+            self.manager
+                .release(&a.pool, family, &a.owner, a.generation)?;
+            return Err(e.into());
+        }
+        if let Err(e) = self.program(&a) {
+            // Roll back in reverse order; the entry was not written.
+            let _ = self.unprogram(&a);
+            self.store.remove(&a)?;
+            self.manager
+                .release(&a.pool, family, &a.owner, a.generation)?;
+            return Err(e);
+        }
+        Ok(a)
+    }
+
+    /// Releases: unprogram → commit → acknowledge. A stale generation frees
+    /// nothing.
+    ///
+    /// # Errors
+    /// No such allocation, stale generation, or a failed step (the allocation
+    /// then stays, programmed).
+    pub fn release(&mut self, req: ReleaseRequest) -> Result<Allocation, AgentError> {
+        let r = self.release_inner(req);
+        if let Err(e) = &r {
+            self.note_error(e);
+        }
+        r
+    }
+
+    fn release_inner(&mut self, req: ReleaseRequest) -> Result<Allocation, AgentError> {
+        self.check_ready()?;
+        let Some(current) = self.manager.get(&req.pool, req.family, &req.owner).cloned() else {
+            return Err(AgentError::NotFound {
+                pool: req.pool,
+                family: req.family,
+                owner: req.owner,
+            });
+        };
+        if let Some(g) = req.generation
+            && g != current.generation
+        {
+            return Err(ManagerError::StaleGeneration {
+                owner: req.owner,
+                given: g,
+                current: current.generation,
+            }
+            .into());
+        }
+        self.unprogram(&current)?;
+        if let Err(e) = self.store.remove(&current) {
+            let _ = self.program(&current);
+            return Err(e.into());
+        }
+        Ok(self.manager.release(
+            &current.pool,
+            req.family,
+            &current.owner,
+            current.generation,
+        )?)
+    }
+
+    fn desired(&self) -> Result<MapContents, AgentError> {
+        let plan = DatapathPlan::from_manager(
+            &self.manager,
+            self.config.non_masquerade_cidrs.iter().copied(),
+            |_| EntryExtra::default(),
+        )
+        .map_err(|e| AgentError::Invalid {
+            reason: e.to_string(),
+        })?;
+        Ok(MapContents::from_plan(plan))
+    }
+
+    fn observed(&self) -> Result<MapContents, AgentError> {
+        MapContents::observe(&self.maps).map_err(|e| AgentError::Program {
+            map: "IPCACHE",
+            source: Box::new(e),
+        })
+    }
+
+    fn reconcile_inner(&mut self) -> Result<ReconcileReport, AgentError> {
+        let want = self.desired()?;
+        let have = self.observed()?;
+        let root = self.config.datapath.pin_root.clone();
+        let mut report = ReconcileReport::default();
+        apply(
+            &root,
+            map_names::IPCACHE_HOST_V4,
+            &diff(&want.host_v4, &have.host_v4),
+            |k| k.to_vec(),
+            &mut report,
+        )?;
+        apply(
+            &root,
+            map_names::IPCACHE_HOST_V6,
+            &diff(&want.host_v6, &have.host_v6),
+            |k| k.to_vec(),
+            &mut report,
+        )?;
+        apply(
+            &root,
+            map_names::IPCACHE_V4,
+            &diff(&want.prefix_v4, &have.prefix_v4),
+            |n| lpm_key_bytes(n.prefix_len(), &n.network().octets()),
+            &mut report,
+        )?;
+        apply(
+            &root,
+            map_names::IPCACHE_V6,
+            &diff(&want.prefix_v6, &have.prefix_v6),
+            |n| lpm_key_bytes(n.prefix_len(), &n.network().octets()),
+            &mut report,
+        )?;
+        apply(
+            &root,
+            map_names::MASQ_SKIP_V4,
+            &diff(&want.masq_v4, &have.masq_v4),
+            |n| lpm_key_bytes(n.prefix_len(), &n.network().octets()),
+            &mut report,
+        )?;
+        apply(
+            &root,
+            map_names::MASQ_SKIP_V6,
+            &diff(&want.masq_v6, &have.masq_v6),
+            |n| lpm_key_bytes(n.prefix_len(), &n.network().octets()),
+            &mut report,
+        )?;
+        self.stats.entries = BTreeMap::from([
+            (map_names::IPCACHE_HOST_V4, want.host_v4.len()),
+            (map_names::IPCACHE_HOST_V6, want.host_v6.len()),
+            (map_names::IPCACHE_V4, want.prefix_v4.len()),
+            (map_names::IPCACHE_V6, want.prefix_v6.len()),
+            (map_names::MASQ_SKIP_V4, want.masq_v4.len()),
+            (map_names::MASQ_SKIP_V6, want.masq_v6.len()),
+        ]);
+        Ok(report)
+    }
+
+    /// Compares the maps with the store-derived plan and applies the
+    /// difference (batch syscalls). Counts the changes as repairs.
+    ///
+    /// # Errors
+    /// A map could not be read or written.
+    pub fn reconcile(&mut self) -> Result<ReconcileReport, AgentError> {
+        let report = self.reconcile_inner()?;
+        for (map, n) in &report.per_map {
+            *self.stats.repairs.entry(map.clone()).or_default() += *n as u64;
+        }
+        if report.total() > 0 {
+            tracing::warn!(?report, "reconcile repaired drift");
+        }
+        Ok(report)
+    }
+
+    /// Compares store, core and maps without changing anything.
+    ///
+    /// # Errors
+    /// The store or a map could not be read.
+    pub fn verify(&self) -> Result<VerifyReport, AgentError> {
+        let mut report = VerifyReport::default();
+        let stored = self.store.load()?;
+        let mut in_store: Vec<&Allocation> = stored.allocations.iter().collect();
+        let mut in_memory: Vec<&Allocation> = self.manager.allocations().collect();
+        in_store.sort();
+        in_memory.sort();
+        for a in &in_memory {
+            if in_store.binary_search(a).is_err() {
+                report.store.push(format!(
+                    "{} {} held in memory but not stored",
+                    a.address, a.owner
+                ));
+            }
+        }
+        for a in &in_store {
+            if in_memory.binary_search(a).is_err() {
+                report
+                    .store
+                    .push(format!("{} {} stored but not held", a.address, a.owner));
+            }
+        }
+        let want = self.desired()?;
+        let have = self.observed()?;
+        let show4 = |k: &V4Addr| std::net::Ipv4Addr::from(*k).to_string();
+        let show6 = |k: &V6Addr| std::net::Ipv6Addr::from(*k).to_string();
+        drift(
+            map_names::IPCACHE_HOST_V4,
+            &diff(&want.host_v4, &have.host_v4),
+            show4,
+            &mut report.maps,
+        );
+        drift(
+            map_names::IPCACHE_HOST_V6,
+            &diff(&want.host_v6, &have.host_v6),
+            show6,
+            &mut report.maps,
+        );
+        drift(
+            map_names::IPCACHE_V4,
+            &diff(&want.prefix_v4, &have.prefix_v4),
+            |n| n.to_string(),
+            &mut report.maps,
+        );
+        drift(
+            map_names::IPCACHE_V6,
+            &diff(&want.prefix_v6, &have.prefix_v6),
+            |n| n.to_string(),
+            &mut report.maps,
+        );
+        drift(
+            map_names::MASQ_SKIP_V4,
+            &diff(&want.masq_v4, &have.masq_v4),
+            |n| n.to_string(),
+            &mut report.maps,
+        );
+        drift(
+            map_names::MASQ_SKIP_V6,
+            &diff(&want.masq_v6, &have.masq_v6),
+            |n| n.to_string(),
+            &mut report.maps,
+        );
+        report.ok = report.store.is_empty() && report.maps.is_empty();
+        Ok(report)
+    }
+
+    /// Every allocation.
+    pub fn allocations(&self) -> Vec<Allocation> {
+        let mut all: Vec<Allocation> = self.manager.allocations().cloned().collect();
+        all.sort();
+        all
+    }
+
+    /// Pool usage.
+    pub fn pools(&self) -> Vec<PoolStatus> {
+        self.manager
+            .pools()
+            .map(|p| {
+                let cidrs: Vec<IpNet> = p.cidrs().map(|c| c.cidr).collect();
+                let draining: Vec<IpNet> =
+                    p.cidrs().filter(|c| c.draining).map(|c| c.cidr).collect();
+                let usage = |fam: Family| {
+                    p.cidrs()
+                        .filter(|c| Family::of_net(c.cidr) == fam)
+                        .fold((0u128, 0u128), |(u, f), c| {
+                            (u + c.used, f + (c.capacity - c.used))
+                        })
+                };
+                PoolStatus {
+                    name: p.name().to_string(),
+                    cidrs,
+                    draining,
+                    skip_masquerade: p.skips_masquerade(),
+                    v4: usage(Family::V4),
+                    v6: usage(Family::V6),
+                }
+            })
+            .collect()
+    }
+
+    /// Status.
+    pub fn status(&self) -> Status {
+        Status {
+            ready: self.ready,
+            reason: (!self.ready).then(|| "restoring".to_string()),
+            node: self.node.clone(),
+            allocations: self.manager.allocations().len(),
+            generation: self.manager.generation(),
+            restored: self.restored.clone(),
+            repairs: self.stats.repairs.values().sum(),
+        }
+    }
+}

@@ -1,0 +1,220 @@
+//! The agent API: HTTP/JSON over a unix socket (mode 0600, root only).
+//!
+//! Paths are versioned (`/v1/...`). Bodies are limited to [`MAX_BODY`]; every
+//! error is a JSON body `{"error": {"code": ..., "message": ...}}` with a
+//! stable code, including malformed JSON, unknown fields, wrong types,
+//! oversized bodies, unknown paths and wrong methods. Handlers run the agent's
+//! synchronous operations on the blocking pool, one at a time under its lock.
+
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use axum::extract::rejection::JsonRejection;
+use axum::extract::{DefaultBodyLimit, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde::Serialize;
+use serde_json::json;
+
+use crate::agent::{Agent, AgentError, AllocateRequest, ReleaseRequest};
+use crate::metrics::Metrics;
+
+/// Largest request body accepted.
+pub const MAX_BODY: usize = 64 * 1024;
+
+/// Shared state of the handlers.
+#[derive(Clone, Debug)]
+pub struct AppState {
+    /// The agent, behind its lock; `None` while it is starting.
+    pub agent: Arc<Mutex<Option<Agent>>>,
+    /// Metrics.
+    pub metrics: Arc<Metrics>,
+}
+
+/// An API error: HTTP status, stable code, message.
+#[derive(Debug)]
+pub struct ApiError {
+    status: StatusCode,
+    code: &'static str,
+    message: String,
+}
+
+impl ApiError {
+    fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> Self {
+        Self {
+            status,
+            code,
+            message: message.into(),
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let body = json!({"error": {"code": self.code, "message": self.message}});
+        (self.status, Json(body)).into_response()
+    }
+}
+
+impl From<AgentError> for ApiError {
+    fn from(e: AgentError) -> Self {
+        let status = match e.code() {
+            "not_ready" => StatusCode::SERVICE_UNAVAILABLE,
+            "unknown_pool" | "not_found" => StatusCode::NOT_FOUND,
+            "pool_exhausted" | "map_full" => StatusCode::INSUFFICIENT_STORAGE,
+            "address_taken" | "owner_holds_other" | "stale_generation" | "cidr_draining" => {
+                StatusCode::CONFLICT
+            }
+            "invalid_request" | "address_outside_pool" | "address_unusable" => {
+                StatusCode::BAD_REQUEST
+            }
+            _ => StatusCode::INTERNAL_SERVER_ERROR,
+        };
+        // The whole cause chain, so the client sees why.
+        let mut message = e.to_string();
+        let mut source = std::error::Error::source(&e);
+        while let Some(s) = source {
+            message.push_str(": ");
+            message.push_str(&s.to_string());
+            source = s.source();
+        }
+        ApiError::new(status, e.code(), message)
+    }
+}
+
+impl From<JsonRejection> for ApiError {
+    fn from(r: JsonRejection) -> Self {
+        let status = r.status();
+        let code = match &r {
+            JsonRejection::MissingJsonContentType(_) => "unsupported_media_type",
+            JsonRejection::JsonSyntaxError(_) => "bad_json",
+            JsonRejection::JsonDataError(_) => "bad_request",
+            _ if status == StatusCode::PAYLOAD_TOO_LARGE => "too_large",
+            _ => "bad_request",
+        };
+        ApiError::new(status, code, r.body_text())
+    }
+}
+
+/// Runs an agent operation on the blocking pool.
+async fn with_agent<T: Send + 'static>(
+    state: &AppState,
+    f: impl FnOnce(&mut Agent) -> Result<T, AgentError> + Send + 'static,
+) -> Result<T, ApiError> {
+    let agent = state.agent.clone();
+    tokio::task::spawn_blocking(move || {
+        let mut guard = agent.lock().map_err(|_| {
+            ApiError::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "internal",
+                "agent state lock poisoned",
+            )
+        })?;
+        match guard.as_mut() {
+            Some(agent) => f(agent).map_err(ApiError::from),
+            None => Err(ApiError::from(AgentError::NotReady {
+                reason: "restoring allocations and maps".into(),
+            })),
+        }
+    })
+    .await
+    .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", e.to_string()))?
+}
+
+fn ok<T: Serialize>(v: T) -> Response {
+    Json(v).into_response()
+}
+
+async fn status(State(s): State<AppState>) -> Result<Response, ApiError> {
+    match with_agent(&s, |a| Ok(a.status())).await {
+        Ok(st) => Ok(ok(st)),
+        // Status is always answered, ready or not.
+        Err(e) if e.code == "not_ready" => Ok(ok(json!({
+            "ready": false,
+            "reason": e.message,
+        }))),
+        Err(e) => Err(e),
+    }
+}
+
+async fn metrics(State(s): State<AppState>) -> Result<Response, ApiError> {
+    let m = s.metrics.clone();
+    let text = with_agent(&s, move |a| Ok(m.render(a))).await?;
+    Ok(([("content-type", "text/plain; version=0.0.4")], text).into_response())
+}
+
+/// The metrics router (served on its own TCP listener).
+pub fn metrics_router(state: AppState) -> Router {
+    Router::new()
+        .route("/metrics", get(metrics))
+        .fallback(not_found)
+        .with_state(state)
+}
+
+async fn pools(State(s): State<AppState>) -> Result<Response, ApiError> {
+    Ok(ok(with_agent(&s, |a| Ok(a.pools())).await?))
+}
+
+async fn allocations(State(s): State<AppState>) -> Result<Response, ApiError> {
+    Ok(ok(with_agent(&s, |a| Ok(a.allocations())).await?))
+}
+
+async fn allocate(
+    State(s): State<AppState>,
+    body: Result<Json<AllocateRequest>, JsonRejection>,
+) -> Result<Response, ApiError> {
+    let Json(req) = body?;
+    let started = Instant::now();
+    let result = with_agent(&s, move |a| a.allocate(req)).await;
+    s.metrics.observe_allocation(started.elapsed());
+    Ok((StatusCode::OK, Json(result?)).into_response())
+}
+
+async fn release(
+    State(s): State<AppState>,
+    body: Result<Json<ReleaseRequest>, JsonRejection>,
+) -> Result<Response, ApiError> {
+    let Json(req) = body?;
+    Ok(ok(with_agent(&s, move |a| a.release(req)).await?))
+}
+
+async fn verify(State(s): State<AppState>) -> Result<Response, ApiError> {
+    Ok(ok(with_agent(&s, |a| a.verify()).await?))
+}
+
+async fn reconcile(State(s): State<AppState>) -> Result<Response, ApiError> {
+    Ok(ok(with_agent(&s, |a| a.reconcile()).await?))
+}
+
+async fn not_found() -> ApiError {
+    ApiError::new(
+        StatusCode::NOT_FOUND,
+        "no_such_path",
+        "no such API path; see /v1/status",
+    )
+}
+
+async fn wrong_method() -> ApiError {
+    ApiError::new(
+        StatusCode::METHOD_NOT_ALLOWED,
+        "method_not_allowed",
+        "method not allowed on this path",
+    )
+}
+
+/// The API router.
+pub fn router(state: AppState) -> Router {
+    Router::new()
+        .route("/v1/status", get(status))
+        .route("/v1/pools", get(pools))
+        .route("/v1/allocations", get(allocations).post(allocate))
+        .route("/v1/release", post(release))
+        .route("/v1/verify", get(verify))
+        .route("/v1/reconcile", post(reconcile))
+        .fallback(not_found)
+        .method_not_allowed_fallback(wrong_method)
+        .layer(DefaultBodyLimit::max(MAX_BODY))
+        .with_state(state)
+}

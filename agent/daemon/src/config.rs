@@ -1,0 +1,330 @@
+//! Agent configuration: a TOML file, validated before anything acts on it.
+//!
+//! Two phases, as in ripgrep: [`Config::parse`] turns text into a typed config
+//! and checks it (pure: every error names the file and the field), then the
+//! agent resolves it against the system. With no file at all the agent runs on
+//! [`Config::default`]: one local pool and the default paths.
+
+use std::collections::BTreeSet;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use ipnet::IpNet;
+use lockstep_core::pool::{PoolSpec, validate_specs};
+use serde::{Deserialize, Serialize};
+
+/// Default config file.
+pub const DEFAULT_CONFIG: &str = "/etc/lockstep/config.toml";
+
+/// Errors of loading a config.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The file could not be read.
+    #[error("cannot read config {path}")]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The TOML is malformed, a field is unknown or has the wrong type. The
+    /// message names the field and the line.
+    #[error("config {path}: {message}")]
+    Parse {
+        /// The file.
+        path: PathBuf,
+        /// toml's description (field, line and column).
+        message: String,
+    },
+    /// A value is well-formed but not acceptable.
+    #[error("config {path}: field `{field}`: {reason}")]
+    Invalid {
+        /// The file.
+        path: PathBuf,
+        /// Dotted path of the field.
+        field: String,
+        /// What is wrong.
+        reason: String,
+    },
+}
+
+/// How programs are attached (config spelling).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum AttachModeConfig {
+    /// TCX, netlink where the kernel lacks TCX.
+    #[default]
+    Auto,
+    /// TCX only.
+    Tcx,
+    /// Netlink only.
+    Netlink,
+}
+
+/// `[datapath]`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DatapathConfig {
+    /// Root of the pins on bpffs.
+    pub pin_root: PathBuf,
+    /// Replace pinned maps whose definition changed.
+    pub migrate: bool,
+    /// How to attach programs.
+    pub attach_mode: AttachModeConfig,
+    /// Capacity of each IPCACHE map.
+    pub ipcache_max_entries: u32,
+    /// Capacity of ENDPOINTS.
+    pub endpoints_max_entries: u32,
+    /// The node's uplink interface, for to_native/from_native (optional).
+    pub uplink: Option<String>,
+}
+
+impl Default for DatapathConfig {
+    fn default() -> Self {
+        Self {
+            pin_root: PathBuf::from("/sys/fs/bpf/lockstep"),
+            migrate: false,
+            attach_mode: AttachModeConfig::Auto,
+            ipcache_max_entries: lockstep_common::max_entries::IPCACHE,
+            endpoints_max_entries: lockstep_common::max_entries::ENDPOINTS,
+            uplink: None,
+        }
+    }
+}
+
+/// The whole configuration.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    /// This node's name (default: the host name).
+    pub node_name: Option<String>,
+    /// Directory of the store.
+    pub state_dir: PathBuf,
+    /// The API's unix socket.
+    pub socket: PathBuf,
+    /// Prometheus metrics listen address (loopback by default).
+    pub metrics_addr: Option<SocketAddr>,
+    /// How often the maps are compared with the store and repaired.
+    #[serde(with = "humantime_serde")]
+    pub reconcile_interval: Duration,
+    /// CIDRs that endpoint traffic reaches without masquerading.
+    pub non_masquerade_cidrs: Vec<IpNet>,
+    /// Datapath settings.
+    pub datapath: DatapathConfig,
+    /// The node's local pools.
+    pub pools: Vec<PoolSpec>,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            node_name: None,
+            state_dir: PathBuf::from("/var/lib/lockstep"),
+            socket: PathBuf::from("/run/lockstep/lockstep.sock"),
+            metrics_addr: Some(SocketAddr::from(([127, 0, 0, 1], 9962))),
+            reconcile_interval: Duration::from_secs(10),
+            non_masquerade_cidrs: Vec::new(),
+            datapath: DatapathConfig::default(),
+            pools: vec![
+                PoolSpec::new("default")
+                    .with_cidr("10.244.0.0/16".parse().expect("literal"))
+                    .with_cidr("fd00:10:244::/112".parse().expect("literal")),
+            ],
+        }
+    }
+}
+
+impl Config {
+    /// Loads `path`; a missing file at the default location yields the
+    /// embedded default, a missing file named explicitly is an error.
+    ///
+    /// # Errors
+    /// The file cannot be read, parsed or validated.
+    pub fn load(path: Option<&Path>) -> Result<Self, ConfigError> {
+        let (path, explicit) = match path {
+            Some(p) => (p.to_path_buf(), true),
+            None => (PathBuf::from(DEFAULT_CONFIG), false),
+        };
+        match std::fs::read_to_string(&path) {
+            Ok(text) => Self::parse(&path, &text),
+            Err(e) if !explicit && e.kind() == std::io::ErrorKind::NotFound => {
+                tracing::info!(path = %path.display(), "no config file; using the embedded default");
+                Ok(Self::default())
+            }
+            Err(source) => Err(ConfigError::Read { path, source }),
+        }
+    }
+
+    /// Parses and validates config text (`path` is only used in errors).
+    ///
+    /// # Errors
+    /// [`ConfigError::Parse`] or [`ConfigError::Invalid`].
+    pub fn parse(path: &Path, text: &str) -> Result<Self, ConfigError> {
+        let config: Config = toml::from_str(text).map_err(|e| ConfigError::Parse {
+            path: path.to_path_buf(),
+            message: e.to_string().trim().replace('\n', " "),
+        })?;
+        config.validate(path)?;
+        Ok(config)
+    }
+
+    /// Checks values that parse but are not acceptable.
+    ///
+    /// # Errors
+    /// [`ConfigError::Invalid`] naming the field.
+    pub fn validate(&self, path: &Path) -> Result<(), ConfigError> {
+        let invalid = |field: String, reason: String| ConfigError::Invalid {
+            path: path.to_path_buf(),
+            field,
+            reason,
+        };
+        if self.reconcile_interval < Duration::from_millis(100) {
+            return Err(invalid(
+                "reconcile_interval".into(),
+                "must be at least 100ms".into(),
+            ));
+        }
+        if self.datapath.ipcache_max_entries == 0 {
+            return Err(invalid(
+                "datapath.ipcache_max_entries".into(),
+                "must be greater than zero".into(),
+            ));
+        }
+        if self.datapath.endpoints_max_entries == 0 {
+            return Err(invalid(
+                "datapath.endpoints_max_entries".into(),
+                "must be greater than zero".into(),
+            ));
+        }
+        if !self.datapath.pin_root.is_absolute() {
+            return Err(invalid(
+                "datapath.pin_root".into(),
+                "must be an absolute path".into(),
+            ));
+        }
+        for (field, p) in [("state_dir", &self.state_dir), ("socket", &self.socket)] {
+            if !p.is_absolute() {
+                return Err(invalid(field.into(), "must be an absolute path".into()));
+            }
+        }
+        for (i, cidr) in self.non_masquerade_cidrs.iter().enumerate() {
+            if cidr.trunc() != *cidr {
+                return Err(invalid(
+                    format!("non_masquerade_cidrs[{i}]"),
+                    format!("{cidr} has host bits set (did you mean {}?)", cidr.trunc()),
+                ));
+            }
+        }
+        let mut names = BTreeSet::new();
+        for (i, pool) in self.pools.iter().enumerate() {
+            if !names.insert(pool.name.as_str()) {
+                return Err(invalid(
+                    format!("pools[{i}].name"),
+                    format!("pool {} is defined twice", pool.name),
+                ));
+            }
+            pool.validate()
+                .map_err(|e| invalid(format!("pools[{i}] ({})", pool.name), e.to_string()))?;
+        }
+        validate_specs(&self.pools).map_err(|e| invalid("pools".into(), e.to_string()))?;
+        Ok(())
+    }
+
+    /// This node's name: configured, else the host name.
+    pub fn node_name(&self) -> String {
+        self.node_name.clone().unwrap_or_else(|| {
+            std::fs::read_to_string("/proc/sys/kernel/hostname")
+                .map(|s| s.trim().to_string())
+                .unwrap_or_else(|_| "node".into())
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(text: &str) -> Result<Config, ConfigError> {
+        Config::parse(Path::new("/etc/lockstep/test.toml"), text)
+    }
+
+    #[test]
+    fn empty_file_is_the_default() {
+        assert_eq!(parse("").expect("empty is valid"), Config::default());
+    }
+
+    #[test]
+    fn a_full_config_parses() {
+        let c = parse(
+            r#"
+            node_name = "n1"
+            state_dir = "/tmp/x"
+            socket = "/tmp/x/s.sock"
+            metrics_addr = "127.0.0.1:9000"
+            reconcile_interval = "2s"
+            non_masquerade_cidrs = ["10.0.0.0/8"]
+            [datapath]
+            pin_root = "/sys/fs/bpf/t"
+            ipcache_max_entries = 64
+            [[pools]]
+            name = "a"
+            ipv4 = ["10.1.0.0/24"]
+            skip_masquerade = true
+            "#,
+        )
+        .expect("valid");
+        assert_eq!(c.reconcile_interval, Duration::from_secs(2));
+        assert_eq!(c.pools.len(), 1);
+        assert_eq!(c.datapath.ipcache_max_entries, 64);
+    }
+
+    #[test]
+    fn errors_name_the_file_and_field() {
+        let cases: &[(&str, &str)] = &[
+            ("bogus = 1", "bogus"),
+            ("reconcile_interval = 5", "reconcile_interval"),
+            ("reconcile_interval = \"1ms\"", "reconcile_interval"),
+            (
+                "[datapath]\nipcache_max_entries = 0",
+                "datapath.ipcache_max_entries",
+            ),
+            (
+                "[datapath]\nipcache_max_entries = -1",
+                "ipcache_max_entries",
+            ),
+            ("[datapath]\npin_root = \"relative\"", "datapath.pin_root"),
+            ("[datapath]\ncolour = \"red\"", "colour"),
+            ("state_dir = \"rel\"", "state_dir"),
+            (
+                "non_masquerade_cidrs = [\"10.0.0.1/8\"]",
+                "non_masquerade_cidrs[0]",
+            ),
+            (
+                "non_masquerade_cidrs = [\"10.0.0.0/33\"]",
+                "non_masquerade_cidrs",
+            ),
+            (
+                "[[pools]]\nname = \"a\"\nipv4 = [\"10.0.0.0/24\"]\n[[pools]]\nname = \"a\"\nipv4 = [\"10.1.0.0/24\"]",
+                "pools[1].name",
+            ),
+            (
+                "[[pools]]\nname = \"a\"\nipv4 = [\"10.0.0.0/24\"]\n[[pools]]\nname = \"b\"\nipv4 = [\"10.0.0.128/25\"]",
+                "pools",
+            ),
+            (
+                "[[pools]]\nname = \"a\"\nipv4 = [\"10.0.0.1/24\"]",
+                "pools[0]",
+            ),
+            ("[[pools]]\nname = \"a\"\nipv4 = \"10.0.0.0/24\"", "ipv4"),
+            ("[[pools]]\nname = \"a\"\nsize = 3", "size"),
+            ("metrics_addr = \"localhost\"", "metrics_addr"),
+        ];
+        for (text, field) in cases {
+            let err = parse(text).expect_err(text).to_string();
+            assert!(err.contains("/etc/lockstep/test.toml"), "{text}: {err}");
+            assert!(err.contains(field), "{text}: expected {field} in: {err}");
+        }
+    }
+}

@@ -1,0 +1,134 @@
+//! Prometheus metrics, served on a loopback address by default.
+//!
+//! Gauges (pool usage, map entries) are refreshed from the agent at scrape
+//! time, so they can never disagree with the state they describe; counters
+//! (repairs, errors) come from the agent's own tallies.
+
+use std::sync::Mutex;
+use std::time::Duration;
+
+use prometheus_client::encoding::text::encode;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
+
+use crate::agent::Agent;
+
+type Labels = Vec<(String, String)>;
+
+/// The agent's metrics.
+pub struct Metrics {
+    registry: Mutex<Registry>,
+    allocated: Family<Labels, Gauge<i64>>,
+    free: Family<Labels, Gauge<f64, std::sync::atomic::AtomicU64>>,
+    map_entries: Family<Labels, Gauge<i64>>,
+    repairs: Family<Labels, Gauge<i64>>,
+    errors: Family<Labels, Gauge<i64>>,
+    latency: Histogram,
+}
+
+impl std::fmt::Debug for Metrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Metrics").finish_non_exhaustive()
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    /// Registers every metric.
+    pub fn new() -> Self {
+        let mut registry = Registry::with_prefix("lockstep");
+        let allocated = Family::<Labels, Gauge<i64>>::default();
+        let free = Family::<Labels, Gauge<f64, std::sync::atomic::AtomicU64>>::default();
+        let map_entries = Family::<Labels, Gauge<i64>>::default();
+        let repairs = Family::<Labels, Gauge<i64>>::default();
+        let errors = Family::<Labels, Gauge<i64>>::default();
+        let latency = Histogram::new([
+            0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5,
+        ]);
+        registry.register(
+            "pool_allocated",
+            "Allocated addresses per pool and family",
+            allocated.clone(),
+        );
+        registry.register(
+            "pool_free",
+            "Free addresses per pool and family",
+            free.clone(),
+        );
+        registry.register(
+            "map_entries",
+            "Entries the agent keeps in each map",
+            map_entries.clone(),
+        );
+        registry.register(
+            "reconcile_repairs",
+            "Map entries repaired by periodic reconciles since start",
+            repairs.clone(),
+        );
+        registry.register(
+            "errors",
+            "Failed operations since start, by error code",
+            errors.clone(),
+        );
+        registry.register(
+            "allocation_duration_seconds",
+            "Time to allocate through the API (commit, program, acknowledge)",
+            latency.clone(),
+        );
+        Self {
+            registry: Mutex::new(registry),
+            allocated,
+            free,
+            map_entries,
+            repairs,
+            errors,
+            latency,
+        }
+    }
+
+    /// Records one allocation's latency.
+    pub fn observe_allocation(&self, d: Duration) {
+        self.latency.observe(d.as_secs_f64());
+    }
+
+    /// Refreshes the gauges from the agent and renders the text format.
+    pub fn render(&self, agent: &Agent) -> String {
+        for p in agent.pools() {
+            for (family, (used, free)) in [("ipv4", p.v4), ("ipv6", p.v6)] {
+                let labels = vec![
+                    ("pool".to_string(), p.name.clone()),
+                    ("family".to_string(), family.to_string()),
+                ];
+                self.allocated.get_or_create(&labels).set(used as i64);
+                self.free.get_or_create(&labels).set(free as f64);
+            }
+        }
+        for (map, n) in &agent.stats.entries {
+            self.map_entries
+                .get_or_create(&vec![("map".to_string(), map.to_string())])
+                .set(*n as i64);
+        }
+        for (map, n) in &agent.stats.repairs {
+            self.repairs
+                .get_or_create(&vec![("map".to_string(), map.clone())])
+                .set(*n as i64);
+        }
+        for (code, n) in &agent.stats.errors {
+            self.errors
+                .get_or_create(&vec![("code".to_string(), code.to_string())])
+                .set(*n as i64);
+        }
+        let mut out = String::new();
+        if let Ok(registry) = self.registry.lock() {
+            let _ = encode(&mut out, &registry);
+        }
+        out
+    }
+}

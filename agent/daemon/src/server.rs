@@ -1,0 +1,157 @@
+//! `lockstep agent`: the long-running process.
+//!
+//! Binds the API socket (mode 0600) and the metrics listener first, so status
+//! is answered ("not ready: restoring") while the agent loads the store and
+//! reconciles the maps; then serves, reconciles periodically, and shuts down
+//! cleanly on SIGTERM or SIGINT. Maps and links stay pinned across the exit.
+
+use std::os::unix::fs::PermissionsExt;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+
+use tokio::net::{TcpListener, UnixListener};
+use tokio::signal::unix::{SignalKind, signal};
+
+use crate::agent::{Agent, AgentError};
+use crate::api::{AppState, metrics_router, router};
+use crate::config::Config;
+use crate::metrics::Metrics;
+
+/// Errors that stop the agent.
+#[derive(Debug, thiserror::Error)]
+pub enum ServerError {
+    /// A listener could not be set up.
+    #[error("cannot listen on {what}")]
+    Listen {
+        /// The socket or address.
+        what: String,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Start-up failed.
+    #[error("agent start-up failed")]
+    Start(#[source] AgentError),
+    /// The start-up task died.
+    #[error("agent start-up task failed")]
+    Join(#[source] tokio::task::JoinError),
+}
+
+fn listen_err(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> ServerError {
+    let what = what.into();
+    move |source| ServerError::Listen { what, source }
+}
+
+fn bind_socket(path: &PathBuf) -> Result<UnixListener, ServerError> {
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).map_err(listen_err(dir.display().to_string()))?;
+    }
+    // A stale socket from a killed agent. Two agents cannot both get here:
+    // the store's lock is taken before (see `run`) — but binding happens first
+    // so status answers during restore, hence the check below.
+    if path.exists() {
+        if std::os::unix::net::UnixStream::connect(path).is_ok() {
+            return Err(ServerError::Listen {
+                what: path.display().to_string(),
+                source: std::io::Error::new(
+                    std::io::ErrorKind::AddrInUse,
+                    "another agent is serving on this socket",
+                ),
+            });
+        }
+        std::fs::remove_file(path).map_err(listen_err(path.display().to_string()))?;
+    }
+    let listener = UnixListener::bind(path).map_err(listen_err(path.display().to_string()))?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
+        .map_err(listen_err(path.display().to_string()))?;
+    Ok(listener)
+}
+
+/// Runs the agent until SIGTERM/SIGINT.
+///
+/// # Errors
+/// A listener could not be bound or start-up failed.
+pub async fn run(config: Config) -> Result<(), ServerError> {
+    let socket = config.socket.clone();
+    let api_listener = bind_socket(&socket)?;
+    let slot: Arc<Mutex<Option<Agent>>> = Arc::new(Mutex::new(None));
+    let metrics = Arc::new(Metrics::new());
+    let state = AppState {
+        agent: slot.clone(),
+        metrics,
+    };
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let shutdown = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
+        let _ = rx.wait_for(|stop| *stop).await;
+    };
+    let api = tokio::spawn(
+        axum::serve(api_listener, router(state.clone()))
+            .with_graceful_shutdown(shutdown(stop_rx.clone()))
+            .into_future(),
+    );
+    let metrics_task = match config.metrics_addr {
+        Some(addr) => {
+            let listener = TcpListener::bind(addr)
+                .await
+                .map_err(listen_err(addr.to_string()))?;
+            tracing::info!(%addr, "metrics listening");
+            Some(tokio::spawn(
+                axum::serve(listener, metrics_router(state.clone()))
+                    .with_graceful_shutdown(shutdown(stop_rx.clone()))
+                    .into_future(),
+            ))
+        }
+        None => None,
+    };
+    tracing::info!(socket = %socket.display(), "API listening; restoring");
+
+    let interval = config.reconcile_interval;
+    let agent = tokio::task::spawn_blocking(move || Agent::start(config))
+        .await
+        .map_err(ServerError::Join)?
+        .map_err(ServerError::Start)?;
+    *slot.lock().unwrap_or_else(|p| p.into_inner()) = Some(agent);
+
+    let reconciler = {
+        let slot = slot.clone();
+        let mut stop = stop_rx.clone();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(interval);
+            tick.tick().await;
+            loop {
+                tokio::select! {
+                    _ = tick.tick() => {}
+                    _ = stop.wait_for(|s| *s) => break,
+                }
+                let slot = slot.clone();
+                let _ = tokio::task::spawn_blocking(move || {
+                    let mut guard = slot.lock().unwrap_or_else(|p| p.into_inner());
+                    if let Some(agent) = guard.as_mut()
+                        && let Err(e) = agent.reconcile()
+                    {
+                        tracing::error!(error = %e, "periodic reconcile failed");
+                    }
+                })
+                .await;
+            }
+        })
+    };
+
+    let mut term = signal(SignalKind::terminate()).map_err(listen_err("SIGTERM"))?;
+    let mut int = signal(SignalKind::interrupt()).map_err(listen_err("SIGINT"))?;
+    tokio::select! {
+        _ = term.recv() => tracing::info!("SIGTERM: shutting down"),
+        _ = int.recv() => tracing::info!("SIGINT: shutting down"),
+    }
+    let _ = stop_tx.send(true);
+    let _ = api.await;
+    if let Some(m) = metrics_task {
+        let _ = m.await;
+    }
+    let _ = reconciler.await;
+    // Close the store cleanly; pins stay.
+    drop(slot.lock().unwrap_or_else(|p| p.into_inner()).take());
+    let _ = std::fs::remove_file(&socket);
+    tracing::info!("stopped; maps and programs stay pinned");
+    Ok(())
+}
