@@ -15,6 +15,7 @@
 //! - [`manager`]: [`manager::PoolManager`], generic over where its pools come
 //!   from; allocation, release, drain, snapshot and restore.
 //! - [`demand`]: how many addresses the node should hold, with hysteresis.
+//! - [`lb`]: LoadBalancer IPAM (pools, conflicts, sticky and shared addresses).
 //! - [`plan`]: desired IPCACHE / MASQ_SKIP contents and the minimal diff
 //!   against what the kernel holds.
 //!
@@ -47,6 +48,7 @@
 
 pub mod cidr;
 pub mod demand;
+pub mod lb;
 pub mod manager;
 pub mod owner;
 pub mod plan;
