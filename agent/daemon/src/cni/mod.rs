@@ -31,6 +31,9 @@ mod json;
 mod result;
 mod version;
 
+#[cfg(test)]
+mod tests;
+
 use std::io::Read;
 use std::path::PathBuf;
 use std::sync::Arc;
