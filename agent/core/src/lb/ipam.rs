@@ -4,6 +4,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::net::{IpAddr, Ipv4Addr};
+use std::sync::Arc;
 
 use ipnet::{Ipv4Net, Ipv6Net};
 use lockstep_common::IpcacheValue;
@@ -460,7 +461,8 @@ impl PoolEntry {
 
 #[derive(Clone, Debug)]
 struct ServiceEntry {
-    spec: ServiceSpec,
+    /// Shared so that evaluation can hold it while mutating the state.
+    spec: Arc<ServiceSpec>,
     seq: u64,
     held: Vec<Holding>,
     status: ServiceStatus,
@@ -642,17 +644,17 @@ impl LbIpam {
         let id = spec.id();
         let mut changed = BTreeSet::new();
         if let Some(e) = self.services.get_mut(&id) {
-            if e.spec == spec {
+            if *e.spec == spec {
                 return Ok(changed);
             }
-            e.spec = spec;
+            e.spec = Arc::new(spec);
         } else {
             let seq = self.next_service_seq;
             self.next_service_seq += 1;
             self.services.insert(
                 id.clone(),
                 ServiceEntry {
-                    spec,
+                    spec: Arc::new(spec),
                     seq,
                     held: Vec::new(),
                     status: ServiceStatus {
@@ -803,7 +805,7 @@ impl LbIpam {
                 .values()
                 .map(|e| ServiceRecord {
                     seq: e.seq,
-                    spec: e.spec.clone(),
+                    spec: (*e.spec).clone(),
                     held: e.held.clone(),
                     status: e.status.clone(),
                 })
@@ -901,7 +903,7 @@ impl LbIpam {
             lb.services.insert(
                 id,
                 ServiceEntry {
-                    spec: r.spec.clone(),
+                    spec: Arc::new(r.spec.clone()),
                     seq: r.seq,
                     held: r.held.clone(),
                     status: r.status.clone(),
@@ -1005,7 +1007,7 @@ impl LbIpam {
         self.sync_manager();
         let mut changed = BTreeSet::new();
         for id in todo.values() {
-            self.evaluate(id, reasons.remove(id));
+            let _ = self.evaluate(id, reasons.remove(id));
         }
         // Addresses released above may serve services pending before them.
         self.retry_pending(&mut changed);
@@ -1075,9 +1077,8 @@ impl LbIpam {
         carried: Option<ChangeReason>,
         changed: &mut BTreeSet<String>,
     ) -> bool {
-        let before = self.services.get(id).map(|e| e.status.clone());
-        let freed = self.evaluate(id, carried);
-        if self.services.get(id).map(|e| &e.status) != before.as_ref() {
+        let (freed, status_changed) = self.evaluate(id, carried);
+        if status_changed {
             changed.insert(id.to_owned());
         }
         freed
@@ -1085,15 +1086,18 @@ impl LbIpam {
 
     /// Drops invalid holdings, assigns missing families, applies the dual
     /// stack policy and records the status. Returns whether an address went
-    /// back to its pool.
-    fn evaluate(&mut self, id: &str, carried: Option<ChangeReason>) -> bool {
-        let Some(e) = self.services.get(id) else {
-            return false;
-        };
-        let spec = e.spec.clone();
+    /// back to its pool and whether the status changed. Looks the service
+    /// up as few times as possible: with 10k services each lookup is a
+    /// string-keyed tree walk.
+    fn evaluate(&mut self, id: &str, carried: Option<ChangeReason>) -> (bool, bool) {
         let (dropped, mut freed) = self.drop_invalid(id);
+        let Some(e) = self.services.get_mut(id) else {
+            return (freed, false);
+        };
+        let spec = Arc::clone(&e.spec);
+        let mut held = std::mem::take(&mut e.held);
         let mut last_change = dropped.or(carried);
-        let held_before = self.services[id].held.clone();
+        let held_before = held.clone();
         for h in &held_before {
             self.sync_key(id, h.address, spec.sharing_key.as_ref());
         }
@@ -1101,15 +1105,11 @@ impl LbIpam {
         let require = spec.ip_family_policy == IpFamilyPolicy::RequireDualStack;
         let mut failures = Vec::new();
         for &family in &families {
-            let has = self.services[id]
-                .held
-                .iter()
-                .any(|h| Family::of_addr(h.address) == family);
-            if has {
+            if held.iter().any(|h| Family::of_addr(h.address) == family) {
                 continue;
             }
             match self.try_assign(id, &spec, family) {
-                Ok(h) => self.services.get_mut(id).expect("exists").held.push(h),
+                Ok(h) => held.push(h),
                 Err(reason) => {
                     failures.push(reason);
                     if require {
@@ -1118,7 +1118,6 @@ impl LbIpam {
                 }
             }
         }
-        let mut held = std::mem::take(&mut self.services.get_mut(id).expect("exists").held);
         if require && !failures.is_empty() {
             for h in held.drain(..) {
                 if held_before.contains(&h) {
@@ -1131,11 +1130,13 @@ impl LbIpam {
                 freed |= self.detach(id, &h);
             }
         }
-        held.sort_by_key(|h| {
-            families
-                .iter()
-                .position(|f| *f == Family::of_addr(h.address))
-        });
+        if held.len() > 1 {
+            held.sort_by_key(|h| {
+                families
+                    .iter()
+                    .position(|f| *f == Family::of_addr(h.address))
+            });
+        }
         let mut failures = failures.into_iter();
         let (assignment, missing_family) = if held.is_empty() {
             let reason = failures.next().unwrap_or(PendingReason::NoPoolSelects {
@@ -1146,21 +1147,23 @@ impl LbIpam {
             let addresses = held.iter().map(|h| h.address).collect();
             (Assignment::Assigned { addresses }, failures.next())
         };
-        let e = self.services.get_mut(id).expect("exists");
-        e.held = held;
         let incomplete =
             matches!(assignment, Assignment::Pending { .. }) || missing_family.is_some();
-        e.status.assignment = assignment;
-        e.status.missing_family = missing_family;
-        if last_change.is_some() {
-            e.status.last_change_reason = last_change;
-        }
+        let e = self.services.get_mut(id).expect("exists");
+        e.held = held;
+        let status = ServiceStatus {
+            assignment,
+            missing_family,
+            last_change_reason: last_change.or_else(|| e.status.last_change_reason.clone()),
+        };
+        let status_changed = status != e.status;
+        e.status = status;
         if incomplete {
             self.pending.insert(e.seq, id.to_owned());
         } else {
             self.pending.remove(&e.seq);
         }
-        freed
+        (freed, status_changed)
     }
 
     /// Releases holdings that are no longer valid; returns the last reason
@@ -1169,7 +1172,10 @@ impl LbIpam {
         let Some(e) = self.services.get(id) else {
             return (None, false);
         };
-        let spec = e.spec.clone();
+        if e.held.is_empty() {
+            return (None, false);
+        }
+        let spec = Arc::clone(&e.spec);
         let held = e.held.clone();
         let mut reason = None;
         let mut freed = false;
