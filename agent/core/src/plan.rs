@@ -288,9 +288,39 @@ pub fn diff<K: Ord + Clone, V: PartialEq + Clone>(
     desired: &BTreeMap<K, V>,
     observed: &BTreeMap<K, V>,
 ) -> MapDiff<K, V> {
+    merge(desired.iter(), observed.iter())
+}
+
+/// [`diff`] over slices sorted by key with unique keys, as read in bulk from
+/// a hash map and sorted: no tree is built, which matters at 100k entries.
+///
+/// # Panics
+/// Debug builds check that both slices are sorted with unique keys.
+pub fn diff_sorted<K: Ord + Clone, V: PartialEq + Clone>(
+    desired: &[(K, V)],
+    observed: &[(K, V)],
+) -> MapDiff<K, V> {
+    debug_assert!(
+        desired.windows(2).all(|w| w[0].0 < w[1].0),
+        "desired not sorted"
+    );
+    debug_assert!(
+        observed.windows(2).all(|w| w[0].0 < w[1].0),
+        "observed not sorted"
+    );
+    merge(
+        desired.iter().map(|(k, v)| (k, v)),
+        observed.iter().map(|(k, v)| (k, v)),
+    )
+}
+
+fn merge<'a, K: Ord + Clone + 'a, V: PartialEq + Clone + 'a>(
+    desired: impl Iterator<Item = (&'a K, &'a V)>,
+    observed: impl Iterator<Item = (&'a K, &'a V)>,
+) -> MapDiff<K, V> {
     let mut out = MapDiff::default();
-    let mut d = desired.iter().peekable();
-    let mut o = observed.iter().peekable();
+    let mut d = desired.peekable();
+    let mut o = observed.peekable();
     loop {
         let order = match (d.peek(), o.peek()) {
             (None, None) => break,
@@ -317,6 +347,69 @@ pub fn diff<K: Ord + Clone, V: PartialEq + Clone>(
         }
     }
     out
+}
+
+/// IPCACHE host entries (/32 and /128) of a set of allocations, sorted by
+/// address: the flat form of what [`PlanBuilder::allocations`] puts in the
+/// plan, for the host hash maps. Built without trees or owner clones, so a
+/// reconcile of 100k allocations is dominated by the map syscalls.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct HostEntries {
+    /// IPv4 address → value, sorted, unique.
+    pub v4: Vec<(lockstep_common::V4Addr, IpcacheValue)>,
+    /// IPv6 address → value, sorted, unique.
+    pub v6: Vec<(V6Addr, IpcacheValue)>,
+}
+
+/// Builds [`HostEntries`] with identity and flags by owner kind ([`classify`])
+/// and `extra` looked up per allocation.
+///
+/// # Errors
+/// [`PlanError::DuplicateAddress`] if two different owners hold one address.
+pub fn host_entries<'a>(
+    allocations: impl IntoIterator<Item = &'a Allocation>,
+    extra: impl Fn(&Allocation) -> EntryExtra,
+) -> Result<HostEntries, PlanError> {
+    let mut v4: Vec<(lockstep_common::V4Addr, IpcacheValue, &Owner)> = Vec::new();
+    let mut v6: Vec<(V6Addr, IpcacheValue, &Owner)> = Vec::new();
+    for a in allocations {
+        let Some((identity, flags)) = classify(&a.owner) else {
+            continue;
+        };
+        let e = extra(a);
+        let value = IpcacheValue {
+            identity,
+            flags,
+            ifindex: e.ifindex,
+            _pad: 0,
+            node_addr: e.node_addr,
+        };
+        match a.address {
+            IpAddr::V4(addr) => v4.push((addr.octets(), value, &a.owner)),
+            IpAddr::V6(addr) => v6.push((addr.octets(), value, &a.owner)),
+        }
+    }
+    fn finish<K: Ord + Copy + Into<IpAddr>>(
+        mut entries: Vec<(K, IpcacheValue, &Owner)>,
+    ) -> Result<Vec<(K, IpcacheValue)>, PlanError> {
+        entries.sort_unstable_by_key(|e| e.0);
+        if let Some(w) = entries
+            .windows(2)
+            .find(|w| w[0].0 == w[1].0 && w[0].2 != w[1].2)
+        {
+            return Err(PlanError::DuplicateAddress {
+                address: w[0].0.into(),
+                first: Box::new(w[0].2.clone()),
+                second: Box::new(w[1].2.clone()),
+            });
+        }
+        entries.dedup_by(|a, b| a.0 == b.0);
+        Ok(entries.into_iter().map(|(k, v, _)| (k, v)).collect())
+    }
+    Ok(HostEntries {
+        v4: finish(v4)?,
+        v6: finish(v6)?,
+    })
 }
 
 #[cfg(test)]

@@ -18,11 +18,13 @@ use std::net::IpAddr;
 use std::time::Instant;
 
 use ipnet::{IpNet, Ipv4Net, Ipv6Net};
-use lockstep_common::{IpcacheValue, MasqSkipValue, V4Addr, V6Addr, map_names};
+use lockstep_common::{IpcacheValue, MasqSkipValue, V4Addr, V6Addr, map_names, masq_reason};
 use lockstep_core::cidr::Family;
 use lockstep_core::manager::{Allocation, ManagerConfig, ManagerError, PoolManager, StaticPools};
 use lockstep_core::owner::{Generation, Owner};
-use lockstep_core::plan::{DatapathPlan, EntryExtra, MapDiff, classify, diff};
+use lockstep_core::plan::{
+    EntryExtra, MapDiff, PlanBuilder, classify, diff, diff_sorted, host_entries,
+};
 use serde::{Deserialize, Serialize};
 
 use crate::config::{AttachModeConfig, Config};
@@ -180,6 +182,8 @@ pub struct ReconcileReport {
     pub removed: usize,
     /// Changes per map.
     pub per_map: BTreeMap<String, usize>,
+    /// Wall time of the whole reconcile (plan, read, diff, write), µs.
+    pub micros: u64,
 }
 
 impl ReconcileReport {
@@ -302,8 +306,10 @@ fn lpm_key_bytes(prefix_len: u8, addr: &[u8]) -> Vec<u8> {
 /// datapath stores them (host entries in hashes, prefixes in tries).
 #[derive(Debug, Default, PartialEq)]
 struct MapContents {
-    host_v4: BTreeMap<V4Addr, IpcacheValue>,
-    host_v6: BTreeMap<V6Addr, IpcacheValue>,
+    /// Sorted by address, unique.
+    host_v4: Vec<(V4Addr, IpcacheValue)>,
+    /// Sorted by address, unique.
+    host_v6: Vec<(V6Addr, IpcacheValue)>,
     prefix_v4: BTreeMap<Ipv4Net, IpcacheValue>,
     prefix_v6: BTreeMap<Ipv6Net, IpcacheValue>,
     masq_v4: BTreeMap<Ipv4Net, MasqSkipValue>,
@@ -311,37 +317,21 @@ struct MapContents {
 }
 
 impl MapContents {
-    fn from_plan(plan: DatapathPlan) -> Self {
-        let mut c = MapContents::default();
-        for (net, v) in plan.ipcache_v4 {
-            if net.prefix_len() == 32 {
-                c.host_v4.insert(net.addr().octets(), v);
-            } else {
-                c.prefix_v4.insert(net, v);
-            }
-        }
-        for (net, v) in plan.ipcache_v6 {
-            if net.prefix_len() == 128 {
-                c.host_v6.insert(net.addr().octets(), v);
-            } else {
-                c.prefix_v6.insert(net, v);
-            }
-        }
-        c.masq_v4 = plan.masq_skip_v4;
-        c.masq_v6 = plan.masq_skip_v6;
-        c
+    fn observe(maps: &PinnedMaps, pin_root: &std::path::Path) -> Result<Self, AgentError> {
+        let mut c = MapContents {
+            host_v4: read_host(pin_root, map_names::IPCACHE_HOST_V4)?,
+            host_v6: read_host(pin_root, map_names::IPCACHE_HOST_V6)?,
+            ..MapContents::default()
+        };
+        let map_err = |e| AgentError::Program {
+            map: "IPCACHE",
+            source: Box::new(e),
+        };
+        Self::observe_tries(maps, &mut c).map_err(map_err)?;
+        Ok(c)
     }
 
-    fn observe(maps: &PinnedMaps) -> Result<Self, aya::maps::MapError> {
-        let mut c = MapContents::default();
-        for item in maps.ipcache_host_v4.iter() {
-            let (k, v) = item?;
-            c.host_v4.insert(k, v);
-        }
-        for item in maps.ipcache_host_v6.iter() {
-            let (k, v) = item?;
-            c.host_v6.insert(k, v);
-        }
+    fn observe_tries(maps: &PinnedMaps, c: &mut MapContents) -> Result<(), aya::maps::MapError> {
         for item in maps.ipcache_v4.iter() {
             let (k, v) = item?;
             if let Ok(n) = Ipv4Net::new(k.data().into(), k.prefix_len() as u8) {
@@ -366,8 +356,33 @@ impl MapContents {
                 c.masq_v6.insert(n, v);
             }
         }
-        Ok(c)
+        Ok(())
     }
+}
+
+/// Reads a host hash in bulk and returns it sorted by key.
+fn read_host<const N: usize>(
+    pin_root: &std::path::Path,
+    map: &'static str,
+) -> Result<Vec<([u8; N], IpcacheValue)>, AgentError> {
+    let raw = PinnedMaps::raw(pin_root, map)?;
+    let vsize = size_of::<IpcacheValue>();
+    let (keys, values) = sys::lookup_batch(raw.fd(), N, vsize)
+        .map_err(|source| AgentError::Reconcile { map, source })?;
+    let mut out: Vec<([u8; N], IpcacheValue)> = keys
+        .chunks_exact(N)
+        .zip(values.chunks_exact(vsize))
+        .map(|(k, v)| {
+            let mut key = [0u8; N];
+            key.copy_from_slice(k);
+            // SAFETY: `v` holds exactly one IpcacheValue's bytes (plain
+            // data, any bit pattern valid); read unaligned.
+            let value = unsafe { std::ptr::read_unaligned(v.as_ptr().cast::<IpcacheValue>()) };
+            (key, value)
+        })
+        .collect();
+    out.sort_unstable_by_key(|e| e.0);
+    Ok(out)
 }
 
 /// Applies one map's diff with batch syscalls: deletes first (frees room),
@@ -604,8 +619,12 @@ impl Agent {
                 });
             }
         };
-        if let Some(existing) = self.manager.get(&req.pool, family, &req.owner) {
+        if let Some(existing) = self.manager.get(&req.pool, family, &req.owner)
+            && req.address.is_none_or(|a| a == existing.address)
+        {
             // Idempotent: it was committed and programmed when first made.
+            // Asking for a different address is refused by the core below
+            // (owner_holds_other), never answered with the held one.
             return Ok(existing.clone());
         }
         let a = match req.address {
@@ -675,25 +694,39 @@ impl Agent {
     }
 
     fn desired(&self) -> Result<MapContents, AgentError> {
-        let plan = DatapathPlan::from_manager(
-            &self.manager,
-            self.config.non_masquerade_cidrs.iter().copied(),
-            |_| EntryExtra::default(),
-        )
-        .map_err(|e| AgentError::Invalid {
+        let invalid = |e: lockstep_core::plan::PlanError| AgentError::Invalid {
             reason: e.to_string(),
-        })?;
-        Ok(MapContents::from_plan(plan))
-    }
-
-    fn observed(&self) -> Result<MapContents, AgentError> {
-        MapContents::observe(&self.maps).map_err(|e| AgentError::Program {
-            map: "IPCACHE",
-            source: Box::new(e),
+        };
+        // Allocations are host entries (the flat, sorted form); the tries
+        // carry pools' and config's prefixes.
+        let hosts =
+            host_entries(self.manager.allocations(), |_| EntryExtra::default()).map_err(invalid)?;
+        let mut b = PlanBuilder::default();
+        for (cidr, pool_id) in self.manager.masq_skip_cidrs() {
+            b.masq_skip([cidr], masq_reason::POOL, pool_id);
+        }
+        b.masq_skip(
+            self.config.non_masquerade_cidrs.iter().copied(),
+            masq_reason::CONFIG,
+            0,
+        );
+        let plan = b.finish();
+        Ok(MapContents {
+            host_v4: hosts.v4,
+            host_v6: hosts.v6,
+            prefix_v4: plan.ipcache_v4,
+            prefix_v6: plan.ipcache_v6,
+            masq_v4: plan.masq_skip_v4,
+            masq_v6: plan.masq_skip_v6,
         })
     }
 
+    fn observed(&self) -> Result<MapContents, AgentError> {
+        MapContents::observe(&self.maps, &self.config.datapath.pin_root)
+    }
+
     fn reconcile_inner(&mut self) -> Result<ReconcileReport, AgentError> {
+        let started = Instant::now();
         let want = self.desired()?;
         let have = self.observed()?;
         let root = self.config.datapath.pin_root.clone();
@@ -701,14 +734,14 @@ impl Agent {
         apply(
             &root,
             map_names::IPCACHE_HOST_V4,
-            &diff(&want.host_v4, &have.host_v4),
+            &diff_sorted(&want.host_v4, &have.host_v4),
             |k| k.to_vec(),
             &mut report,
         )?;
         apply(
             &root,
             map_names::IPCACHE_HOST_V6,
-            &diff(&want.host_v6, &have.host_v6),
+            &diff_sorted(&want.host_v6, &have.host_v6),
             |k| k.to_vec(),
             &mut report,
         )?;
@@ -748,6 +781,7 @@ impl Agent {
             (map_names::MASQ_SKIP_V4, want.masq_v4.len()),
             (map_names::MASQ_SKIP_V6, want.masq_v6.len()),
         ]);
+        report.micros = started.elapsed().as_micros() as u64;
         Ok(report)
     }
 
@@ -799,13 +833,13 @@ impl Agent {
         let show6 = |k: &V6Addr| std::net::Ipv6Addr::from(*k).to_string();
         drift(
             map_names::IPCACHE_HOST_V4,
-            &diff(&want.host_v4, &have.host_v4),
+            &diff_sorted(&want.host_v4, &have.host_v4),
             show4,
             &mut report.maps,
         );
         drift(
             map_names::IPCACHE_HOST_V6,
-            &diff(&want.host_v6, &have.host_v6),
+            &diff_sorted(&want.host_v6, &have.host_v6),
             show6,
             &mut report.maps,
         );
@@ -869,6 +903,11 @@ impl Agent {
                 }
             })
             .collect()
+    }
+
+    /// What the start-up reconcile did.
+    pub fn restored(&self) -> &ReconcileReport {
+        &self.restored
     }
 
     /// Status.

@@ -281,3 +281,67 @@ proptest! {
         prop_assert_eq!(applied, desired);
     }
 }
+
+mod flat {
+    use super::super::*;
+    use crate::manager::Allocation;
+    use crate::owner::{Generation, Owner};
+    use proptest::prelude::*;
+    use std::collections::BTreeMap;
+
+    proptest! {
+        #[test]
+        fn sorted_diff_equals_tree_diff(
+            desired in proptest::collection::btree_map(0u16..300, 0u8..4, 0..120),
+            observed in proptest::collection::btree_map(0u16..300, 0u8..4, 0..120),
+        ) {
+            let d: Vec<(u16, u8)> = desired.iter().map(|(k, v)| (*k, *v)).collect();
+            let o: Vec<(u16, u8)> = observed.iter().map(|(k, v)| (*k, *v)).collect();
+            let flat = diff_sorted(&d, &o);
+            prop_assert_eq!(&flat, &diff(&desired, &observed));
+            let mut applied = observed.clone();
+            flat.apply(&mut applied);
+            prop_assert_eq!(applied, desired);
+        }
+
+        #[test]
+        fn host_entries_equal_the_plan(addrs in proptest::collection::btree_set(0u32..5000, 0..200)) {
+            let allocations: Vec<Allocation> = addrs
+                .iter()
+                .enumerate()
+                .map(|(i, a)| Allocation {
+                    pool: "p".into(),
+                    address: if a % 3 == 0 {
+                        IpAddr::V6(std::net::Ipv6Addr::from(u128::from(*a)))
+                    } else {
+                        IpAddr::V4(std::net::Ipv4Addr::from(*a))
+                    },
+                    owner: if a % 5 == 0 { Owner::load_balancer(format!("ns/s{i}")) } else { Owner::endpoint(format!("c{i}"), "eth0") },
+                    generation: Generation(i as u64 + 1),
+                })
+                .collect();
+            let flat = host_entries(&allocations, |a| EntryExtra { ifindex: a.generation.0 as u32, ..Default::default() }).expect("no duplicates");
+            let mut b = PlanBuilder::default();
+            b.allocations(&allocations, |a| EntryExtra { ifindex: a.generation.0 as u32, ..Default::default() }).expect("no duplicates");
+            let plan = b.finish();
+            let tree_v4: BTreeMap<_, _> = plan.ipcache_v4.iter().map(|(n, v)| (n.addr().octets(), *v)).collect();
+            let tree_v6: BTreeMap<_, _> = plan.ipcache_v6.iter().map(|(n, v)| (n.addr().octets(), *v)).collect();
+            prop_assert_eq!(flat.v4, tree_v4.into_iter().collect::<Vec<_>>());
+            prop_assert_eq!(flat.v6, tree_v6.into_iter().collect::<Vec<_>>());
+        }
+    }
+
+    #[test]
+    fn host_entries_refuse_two_owners_of_one_address() {
+        let a = Allocation {
+            pool: "p".into(),
+            address: "10.0.0.1".parse().expect("literal"),
+            owner: Owner::endpoint("c1", "eth0"),
+            generation: Generation(1),
+        };
+        let mut b = a.clone();
+        b.owner = Owner::endpoint("c2", "eth0");
+        let err = host_entries([&a, &b], |_| EntryExtra::default()).expect_err("duplicate");
+        assert!(err.to_string().contains("10.0.0.1"), "{err}");
+    }
+}

@@ -12,6 +12,7 @@ use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
 const BPF_MAP_LOOKUP_ELEM: libc::c_long = 1;
 const BPF_MAP_UPDATE_ELEM: libc::c_long = 2;
 const BPF_MAP_GET_NEXT_KEY: libc::c_long = 4;
+const BPF_MAP_LOOKUP_BATCH: libc::c_long = 24;
 const BPF_MAP_UPDATE_BATCH: libc::c_long = 26;
 const BPF_MAP_DELETE_BATCH: libc::c_long = 27;
 
@@ -137,6 +138,62 @@ pub fn update_batch(
         }
     }
     Ok(())
+}
+
+/// Reads every element of a hash map in bulk (`BPF_MAP_LOOKUP_BATCH`):
+/// returns concatenated keys and values. Thousands of elements per syscall
+/// instead of two syscalls per element.
+///
+/// # Errors
+/// A failing syscall other than the end of the map.
+///
+/// # Minimum kernel version
+/// 5.6 (batch map operations; hash maps only).
+pub fn lookup_batch(
+    fd: impl AsFd,
+    key_size: usize,
+    value_size: usize,
+) -> Result<(Vec<u8>, Vec<u8>), SysError> {
+    const CHUNK: usize = 4096;
+    let mut keys = Vec::new();
+    let mut values = Vec::new();
+    let mut key_buf = vec![0u8; CHUNK * key_size];
+    let mut value_buf = vec![0u8; CHUNK * value_size];
+    // The batch token is opaque (a bucket index for hash maps); 64 bytes is
+    // more than any map type uses.
+    let mut token_in = [0u8; 64];
+    let mut token_out = [0u8; 64];
+    let mut first = true;
+    loop {
+        let mut attr = BatchAttr {
+            in_batch: if first { 0 } else { token_in.as_ptr() as u64 },
+            out_batch: token_out.as_mut_ptr() as u64,
+            keys: key_buf.as_mut_ptr() as u64,
+            values: value_buf.as_mut_ptr() as u64,
+            count: CHUNK as u32,
+            map_fd: raw(fd.as_fd()),
+            ..Default::default()
+        };
+        let result = bpf(BPF_MAP_LOOKUP_BATCH, &mut attr);
+        let n = attr.count as usize;
+        keys.extend_from_slice(&key_buf[..n * key_size]);
+        values.extend_from_slice(&value_buf[..n * value_size]);
+        match result {
+            Ok(()) => {}
+            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => break,
+            Err(source) => {
+                return Err(SysError::Syscall {
+                    command: "BPF_MAP_LOOKUP_BATCH",
+                    done: keys.len() / key_size.max(1),
+                    requested: keys.len() / key_size.max(1),
+                    source,
+                });
+            }
+        }
+        token_in = token_out;
+        first = false;
+    }
+    Ok((keys, values))
 }
 
 /// Deletes `keys.len() / key_size` elements (`BPF_MAP_DELETE_BATCH`). A key

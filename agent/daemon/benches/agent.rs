@@ -1,0 +1,277 @@
+//! `cargo xtask bench agent`: the agent through its real socket, store and
+//! pinned maps. Needs root and bpffs.
+//!
+//! 1. allocate+release round trips per second with 1 and 16 clients;
+//! 2. restart with 10k allocations: time from exec to ready, median of 5;
+//! 3. reconcile of 100k IPCACHE entries into empty maps, beside the raw
+//!    batch-syscall rate for the same entries measured in the same run.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command};
+use std::time::{Duration, Instant};
+
+use hyper::Method;
+use lockstep::agent::Agent;
+use lockstep::client::call;
+use lockstep::config::Config;
+use lockstep::datapath::{Datapath, DatapathOptions, PinnedMaps, sys};
+use lockstep::store::Store;
+use lockstep_common::{IpcacheValue, identity, ipcache_flags, map_names};
+use lockstep_core::manager::Allocation;
+use lockstep_core::owner::{Generation, Owner};
+use serde_json::json;
+
+const BIN: &str = env!("CARGO_BIN_EXE_lockstep");
+
+struct Scratch {
+    dir: PathBuf,
+    pins: PathBuf,
+}
+
+impl Scratch {
+    fn new(tag: &str) -> Self {
+        let id = format!("lockstep-bench-{tag}-{}", std::process::id());
+        let dir = std::env::temp_dir().join(&id);
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("scratch dir");
+        Self {
+            dir,
+            pins: PathBuf::from("/sys/fs/bpf").join(id),
+        }
+    }
+
+    fn config(&self, pools: &str) -> PathBuf {
+        let path = self.dir.join("config.toml");
+        std::fs::write(
+            &path,
+            format!(
+                "state_dir = \"{}\"\nsocket = \"{}\"\nmetrics_addr = \"127.0.0.1:0\"\nreconcile_interval = \"60s\"\n{pools}\n[datapath]\npin_root = \"{}\"\n",
+                self.dir.join("state").display(),
+                self.socket().display(),
+                self.pins.display()
+            ),
+        )
+        .expect("write config");
+        path
+    }
+
+    fn socket(&self) -> PathBuf {
+        self.dir.join("api.sock")
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = Datapath::uninstall(&self.pins, &[]);
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn spawn(config: &Path) -> Child {
+    Command::new(BIN)
+        .args(["agent", "--config"])
+        .arg(config)
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("start agent")
+}
+
+async fn wait_ready(socket: &Path) -> Duration {
+    let started = Instant::now();
+    loop {
+        if let Ok(v) = call(socket, Method::GET, "/v1/status", None).await
+            && v["ready"] == true
+        {
+            return started.elapsed();
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "agent never ready"
+        );
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+async fn round_trips(socket: &Path, clients: usize, run: Duration) -> f64 {
+    let deadline = Instant::now() + run;
+    let mut tasks = Vec::new();
+    for c in 0..clients {
+        let socket = socket.to_path_buf();
+        tasks.push(tokio::spawn(async move {
+            let mut n = 0u64;
+            while Instant::now() < deadline {
+                let owner = json!({"owner": "resource", "kind": "bench", "name": format!("c{c}-{n}")});
+                let a = call(&socket, Method::POST, "/v1/allocations",
+                    Some(json!({"pool": "default", "family": "ipv4", "owner": owner}))).await.expect("allocate");
+                call(&socket, Method::POST, "/v1/release", Some(json!({
+                    "pool": "default", "family": "ipv4", "owner": owner, "generation": a["generation"],
+                }))).await.expect("release");
+                n += 1;
+            }
+            n
+        }));
+    }
+    let mut total = 0;
+    for t in tasks {
+        total += t.await.expect("client");
+    }
+    total as f64 / run.as_secs_f64()
+}
+
+fn main() {
+    // SAFETY: geteuid has no preconditions.
+    assert_eq!(unsafe { libc::geteuid() }, 0, "the agent bench needs root");
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(4)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    println!(
+        "agent bench on {} ({} CPUs)",
+        hostname(),
+        std::thread::available_parallelism().map_or(0, |n| n.get())
+    );
+
+    // 1. Round trips.
+    let scratch = Scratch::new("rt");
+    let config = scratch.config("[[pools]]\nname = \"default\"\nipv4 = [\"10.60.0.0/16\"]\n");
+    let mut agent = spawn(&config);
+    rt.block_on(wait_ready(&scratch.socket()));
+    let one = rt.block_on(round_trips(&scratch.socket(), 1, Duration::from_secs(3)));
+    let sixteen = rt.block_on(round_trips(&scratch.socket(), 16, Duration::from_secs(3)));
+    let _ = agent.kill();
+    let _ = agent.wait();
+    println!("allocate+release round trips (commit with fsync, maps programmed each way):");
+    println!("  1 client:   {one:>8.0} /s");
+    println!("  16 clients: {sixteen:>8.0} /s");
+
+    // 2. Restart with 10k allocations.
+    let scratch = Scratch::new("restart");
+    let config = scratch.config("[[pools]]\nname = \"default\"\nipv4 = [\"10.61.0.0/16\"]\n");
+    let mut agent = spawn(&config);
+    rt.block_on(wait_ready(&scratch.socket()));
+    rt.block_on(async {
+        let mut tasks = Vec::new();
+        for c in 0..16 {
+            let socket = scratch.socket();
+            tasks.push(tokio::spawn(async move {
+                for i in 0..625 {
+                    call(&socket, Method::POST, "/v1/allocations", Some(json!({
+                        "pool": "default", "family": "ipv4",
+                        "owner": {"owner": "endpoint", "container_id": format!("c{c}-{i}"), "ifname": "eth0"},
+                    }))).await.expect("allocate");
+                }
+            }));
+        }
+        for t in tasks {
+            t.await.expect("client");
+        }
+    });
+    let mut times = Vec::new();
+    for _ in 0..5 {
+        let _ = agent.kill();
+        let _ = agent.wait();
+        let started = Instant::now();
+        agent = spawn(&config);
+        rt.block_on(wait_ready(&scratch.socket()));
+        times.push(started.elapsed().as_secs_f64() * 1e3);
+        let status = rt
+            .block_on(call(&scratch.socket(), Method::GET, "/v1/status", None))
+            .expect("status");
+        assert_eq!(status["allocations"], 10_000, "{status}");
+    }
+    let _ = agent.kill();
+    let _ = agent.wait();
+    let restart = median(times.clone());
+    println!(
+        "restart with 10k allocations, exec to ready (5 runs {times:.0?} ms): median {restart:.0} ms (goal <= 1000 ms) {}",
+        if restart <= 1000.0 { "PASS" } else { "FAIL" }
+    );
+
+    // 3. Reconcile 100k entries into empty maps vs the raw batch rate.
+    let scratch = Scratch::new("reconcile");
+    let n: u32 = 100_000;
+    let allocations: Vec<Allocation> = (0..n)
+        .map(|i| Allocation {
+            pool: "default".into(),
+            address: std::net::Ipv4Addr::from(u32::from(std::net::Ipv4Addr::new(10, 64, 0, 1)) + i)
+                .into(),
+            owner: Owner::endpoint(format!("c{i}"), "eth0"),
+            generation: Generation(u64::from(i) + 1),
+        })
+        .collect();
+    {
+        let store = Store::open(&scratch.dir.join("state")).expect("store");
+        store
+            .put_many(&allocations, Generation(u64::from(n)))
+            .expect("seed store");
+    }
+    let mut config = Config::default();
+    config.state_dir = scratch.dir.join("state");
+    config.socket = scratch.socket();
+    config.datapath.pin_root = scratch.pins.clone();
+    config.pools = vec![
+        lockstep_core::pool::PoolSpec::new("default")
+            .with_cidr("10.64.0.0/14".parse().expect("literal")),
+    ];
+    let agent = Agent::start(config).expect("agent start");
+    let report = agent.restored().clone();
+    assert_eq!(
+        report.added, n as usize,
+        "one IPCACHE entry per allocation: {report:?}"
+    );
+    drop(agent);
+    let reconcile_rate = f64::from(n) / (report.micros as f64 / 1e6);
+
+    // The raw rate: the same 100k host entries, one batch syscall chain, into
+    // an empty map of the same definition.
+    let raw_scratch = Scratch::new("raw");
+    let _dp = Datapath::open(DatapathOptions::new(&raw_scratch.pins)).expect("datapath");
+    let raw = PinnedMaps::raw(&raw_scratch.pins, map_names::IPCACHE_HOST_V4).expect("map");
+    let value = IpcacheValue {
+        identity: identity::ENDPOINT,
+        flags: ipcache_flags::ENDPOINT,
+        ..Default::default()
+    };
+    let mut keys = Vec::with_capacity(n as usize * 4);
+    let mut values = Vec::with_capacity(n as usize * 32);
+    for a in &allocations {
+        if let std::net::IpAddr::V4(v4) = a.address {
+            keys.extend_from_slice(&v4.octets());
+        }
+        // SAFETY: IpcacheValue is repr(C) plain data without padding.
+        values.extend_from_slice(unsafe {
+            std::slice::from_raw_parts((&value as *const IpcacheValue).cast::<u8>(), 32)
+        });
+    }
+    let started = Instant::now();
+    sys::update_batch(raw.fd(), 4, 32, &keys, &values).expect("raw batch");
+    let raw_rate = f64::from(n) / started.elapsed().as_secs_f64();
+    let ratio = reconcile_rate / raw_rate;
+    println!(
+        "reconcile of {n} IPCACHE entries into empty maps: {:.1} ms, {:.2} M entries/s",
+        report.micros as f64 / 1e3,
+        reconcile_rate / 1e6
+    );
+    println!(
+        "raw BPF_MAP_UPDATE_BATCH of the same entries:      {:.1} ms, {:.2} M entries/s",
+        f64::from(n) / raw_rate * 1e3,
+        raw_rate / 1e6
+    );
+    println!(
+        "ratio {:.0}% (goal >= 70%) {}",
+        ratio * 100.0,
+        if ratio >= 0.7 { "PASS" } else { "FAIL" }
+    );
+}
+
+fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|s| s.trim().to_string())
+        .unwrap_or_default()
+}
