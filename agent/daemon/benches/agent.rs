@@ -211,14 +211,20 @@ fn main() {
             .put_many(&allocations, Generation(u64::from(n)))
             .expect("seed store");
     }
-    let mut config = Config::default();
-    config.state_dir = scratch.dir.join("state");
-    config.socket = scratch.socket();
-    config.datapath.pin_root = scratch.pins.clone();
-    config.pools = vec![
-        lockstep_core::pool::PoolSpec::new("default")
-            .with_cidr("10.64.0.0/14".parse().expect("literal")),
-    ];
+    let datapath = lockstep::config::DatapathConfig {
+        pin_root: scratch.pins.clone(),
+        ..Default::default()
+    };
+    let config = Config {
+        state_dir: scratch.dir.join("state"),
+        socket: scratch.socket(),
+        datapath,
+        pools: vec![
+            lockstep_core::pool::PoolSpec::new("default")
+                .with_cidr("10.64.0.0/14".parse().expect("literal")),
+        ],
+        ..Config::default()
+    };
     let agent = Agent::start(config).expect("agent start");
     let report = agent.restored().clone();
     assert_eq!(
