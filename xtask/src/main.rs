@@ -41,7 +41,7 @@ enum Task {
         /// Only run integration tests whose name contains this.
         filter: Option<String>,
     },
-    /// Run a benchmark suite: core, datapath, agent, cni, lb.
+    /// Run a benchmark suite: core, lb, datapath, agent, all.
     Bench {
         /// The suite.
         suite: String,
@@ -179,8 +179,16 @@ fn integration(filter: Option<String>) -> anyhow::Result<()> {
 fn bench(suite: &str) -> anyhow::Result<()> {
     match suite {
         "core" => run(cargo().args(["bench", "-p", "lockstep-core", "--bench", "core"])),
+        "lb" => run(cargo().args(["bench", "-p", "lockstep-core", "--bench", "lb"])),
         "datapath" => run(cargo().args(["bench", "-p", "lockstep", "--bench", "datapath"])),
-        other => bail!("unknown bench suite {other}; known: core, datapath"),
+        "agent" => run(cargo().args(["bench", "-p", "lockstep", "--bench", "agent"])),
+        "all" => {
+            for suite in ["core", "lb", "datapath", "agent"] {
+                bench(suite)?;
+            }
+            Ok(())
+        }
+        other => bail!("unknown bench suite {other}; known: core, lb, datapath, agent, all"),
     }
 }
 
