@@ -16,11 +16,15 @@ BIN=${LOCKSTEP_BIN:-target/debug/lockstep}
 TAG=lockstep-demo-$$
 NODE=$TAG-node; EP1=$TAG-ep1; EP2=$TAG-ep2; NB=$TAG-nb
 PINS=/sys/fs/bpf/$TAG
+STATE=/tmp/$TAG
+AGENT=
 in_node() { nsenter --net=/run/netns/$NODE -- "$@"; }
 ls_node() { in_node "$BIN" "$@" --pin-root "$PINS"; }
 step() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
 
 cleanup() {
+  if [ -n "$AGENT" ]; then kill -9 "$AGENT" 2>/dev/null || true; wait "$AGENT" 2>/dev/null || true; fi
+  rm -rf "$STATE"
   "$BIN" datapath uninstall --pin-root "$PINS" >/dev/null 2>&1 || true
   for ns in $NODE $EP1 $EP2 $NB; do ip netns del "$ns" 2>/dev/null || true; done
 }
@@ -84,5 +88,67 @@ step "The maps through lockstep (decoded; works while no agent runs)"
 
 step "Counters"
 "$BIN" datapath counters --pin-root "$PINS"
+
+# ---------------------------------------------------------------------------
+step "The agent: a real lockstep agent in the node namespace, with its own store and pins"
+"$BIN" datapath uninstall --pin-root "$PINS" >/dev/null
+mkdir -p "$STATE"
+cat > "$STATE/config.toml" <<TOML
+node_name = "demo-node"
+state_dir = "$STATE/db"
+socket = "$STATE/api.sock"
+reconcile_interval = "2s"
+non_masquerade_cidrs = ["10.96.0.0/12"]
+[datapath]
+pin_root = "$PINS"
+[[pools]]
+name = "default"
+ipv4 = ["10.244.1.0/24"]
+ipv6 = ["fd00:10:244:1::/120"]
+skip_masquerade = true
+[[pools]]
+name = "cloud"
+ipv4 = ["10.0.5.16/28"]
+allow_first_last = true
+TOML
+cat "$STATE/config.toml"
+start_agent() {
+  nsenter --net=/run/netns/$NODE -- "$BIN" agent --config "$STATE/config.toml" >>"$STATE/agent.log" 2>&1 &
+  AGENT=$!
+  for _ in $(seq 100); do cli status >/dev/null 2>&1 && return 0; sleep 0.05; done
+  echo "agent did not become ready" >&2; cat "$STATE/agent.log" >&2; exit 1
+}
+cli() { "$BIN" --socket "$STATE/api.sock" "$@"; }
+start_agent
+cli status
+
+step "Allocating through the CLI (idempotent per owner; the cloud /28 hands out its first address)"
+cli allocate --kind endpoint --name pod-a --family ipv4
+cli allocate --kind endpoint --name pod-a --family ipv4
+cli allocate --kind endpoint --name pod-a --family ipv6
+cli allocate --kind endpoint --name pod-b --family ipv4
+cli allocate --pool cloud --name eni-1 --family ipv4
+cli allocations
+cli pools
+
+step "The same allocations in the maps (lockstep maps dump reads the pins directly)"
+"$BIN" maps dump --pin-root "$PINS"
+bpftool map dump pinned "$PINS/maps/IPCACHE_HOST_V4"
+cli verify
+
+step "Drift: an entry deleted behind the agent's back with bpftool is named by verify, then repaired"
+bpftool map delete pinned "$PINS/maps/IPCACHE_HOST_V4" key 10 244 1 1
+cli verify || true
+sleep 2.5
+cli verify
+cli status
+
+step "Crash: SIGKILL the agent; the maps keep working without it; a restart restores everything"
+kill -9 "$AGENT"; wait "$AGENT" 2>/dev/null || true
+"$BIN" maps dump --pin-root "$PINS" | sed -n '/IPCACHE_V4/,/IPCACHE_V6/p'
+start_agent
+cli allocations
+cli verify
+kill -TERM "$AGENT"; wait "$AGENT" 2>/dev/null || true
 echo
 echo "demo finished; removing namespaces and pins"
