@@ -18,6 +18,7 @@ use axum::{Json, Router};
 use serde::Serialize;
 use serde_json::json;
 
+use crate::agent::endpoints::{DelRequest, EndpointRequest, GcRequest};
 use crate::agent::{Agent, AgentError, AllocateRequest, ReleaseRequest};
 use crate::metrics::Metrics;
 
@@ -64,6 +65,7 @@ impl From<AgentError> for ApiError {
             "not_ready" => StatusCode::SERVICE_UNAVAILABLE,
             "unknown_pool" | "not_found" => StatusCode::NOT_FOUND,
             "pool_exhausted" | "map_full" => StatusCode::INSUFFICIENT_STORAGE,
+            "check_failed" => StatusCode::CONFLICT,
             "address_taken" | "owner_holds_other" | "stale_generation" | "cidr_draining" => {
                 StatusCode::CONFLICT
             }
@@ -188,6 +190,47 @@ async fn reconcile(State(s): State<AppState>) -> Result<Response, ApiError> {
     Ok(ok(with_agent(&s, |a| a.reconcile()).await?))
 }
 
+async fn cni_add(
+    State(s): State<AppState>,
+    body: Result<Json<EndpointRequest>, JsonRejection>,
+) -> Result<Response, ApiError> {
+    let Json(req) = body?;
+    let started = Instant::now();
+    let result = with_agent(&s, move |a| a.endpoint_add(req)).await;
+    s.metrics.observe_allocation(started.elapsed());
+    Ok(ok(result?))
+}
+
+async fn cni_del(
+    State(s): State<AppState>,
+    body: Result<Json<DelRequest>, JsonRejection>,
+) -> Result<Response, ApiError> {
+    let Json(req) = body?;
+    with_agent(&s, move |a| a.endpoint_del(req)).await?;
+    Ok(ok(json!({})))
+}
+
+async fn cni_check(
+    State(s): State<AppState>,
+    body: Result<Json<EndpointRequest>, JsonRejection>,
+) -> Result<Response, ApiError> {
+    let Json(req) = body?;
+    with_agent(&s, move |a| a.endpoint_check(req)).await?;
+    Ok(ok(json!({})))
+}
+
+async fn cni_gc(
+    State(s): State<AppState>,
+    body: Result<Json<GcRequest>, JsonRejection>,
+) -> Result<Response, ApiError> {
+    let Json(req) = body?;
+    Ok(ok(with_agent(&s, move |a| a.endpoint_gc(req)).await?))
+}
+
+async fn endpoints(State(s): State<AppState>) -> Result<Response, ApiError> {
+    Ok(ok(with_agent(&s, |a| Ok(a.endpoints())).await?))
+}
+
 async fn not_found() -> ApiError {
     ApiError::new(
         StatusCode::NOT_FOUND,
@@ -213,6 +256,11 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/release", post(release))
         .route("/v1/verify", get(verify))
         .route("/v1/reconcile", post(reconcile))
+        .route("/v1/endpoints", get(endpoints))
+        .route("/v1/cni/add", post(cni_add))
+        .route("/v1/cni/del", post(cni_del))
+        .route("/v1/cni/check", post(cni_check))
+        .route("/v1/cni/gc", post(cni_gc))
         .fallback(not_found)
         .method_not_allowed_fallback(wrong_method)
         .layer(DefaultBodyLimit::max(MAX_BODY))

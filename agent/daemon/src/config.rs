@@ -113,6 +113,9 @@ pub struct Config {
     pub non_masquerade_cidrs: Vec<IpNet>,
     /// Datapath settings.
     pub datapath: DatapathConfig,
+    /// The pool endpoints get when the CNI call names none (default: the
+    /// first pool).
+    pub default_pool: Option<String>,
     /// The node's local pools.
     pub pools: Vec<PoolSpec>,
 }
@@ -127,6 +130,7 @@ impl Default for Config {
             reconcile_interval: Duration::from_secs(10),
             non_masquerade_cidrs: Vec::new(),
             datapath: DatapathConfig::default(),
+            default_pool: None,
             pools: vec![
                 PoolSpec::new("default")
                     .with_cidr("10.244.0.0/16".parse().expect("literal"))
@@ -229,6 +233,14 @@ impl Config {
                 .map_err(|e| invalid(format!("pools[{i}] ({})", pool.name), e.to_string()))?;
         }
         validate_specs(&self.pools).map_err(|e| invalid("pools".into(), e.to_string()))?;
+        if let Some(d) = &self.default_pool
+            && !self.pools.iter().any(|p| &p.name == d)
+        {
+            return Err(invalid(
+                "default_pool".into(),
+                format!("no pool is named {d}"),
+            ));
+        }
         Ok(())
     }
 

@@ -6,6 +6,15 @@
 //! world (config, kernel, CNI calls, API requests) into core calls, and core
 //! results into effects. [`datapath`] is the only module that uses aya.
 
+pub mod agent;
+pub mod api;
 pub mod cli;
+pub mod client;
 pub mod cni;
+pub mod config;
 pub mod datapath;
+pub mod metrics;
+pub mod netlink;
+pub mod plugin;
+pub mod server;
+pub mod store;

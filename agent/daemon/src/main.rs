@@ -3,6 +3,11 @@
 use clap::Parser;
 
 fn main() {
+    // Run by a container runtime as a CNI plugin (`lockstep` or
+    // `lockstep-ipam`): the protocol is environment + stdin, not arguments.
+    if std::env::var_os("CNI_COMMAND").is_some() && std::env::args_os().len() == 1 {
+        std::process::exit(lockstep::plugin::run());
+    }
     let cli = lockstep::cli::Cli::parse();
     lockstep::cli::init_tracing(cli.log_json, cli.verbose);
     match lockstep::cli::run(cli) {

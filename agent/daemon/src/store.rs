@@ -21,6 +21,7 @@ use redb::{Database, ReadableTable, ReadableTableMetadata, TableDefinition};
 
 const ALLOCATIONS: TableDefinition<&str, &[u8]> = TableDefinition::new("allocations");
 const META: TableDefinition<&str, u64> = TableDefinition::new("meta");
+const ENDPOINTS: TableDefinition<&str, &[u8]> = TableDefinition::new("endpoints");
 const GENERATION: &str = "generation";
 
 /// File name of the database inside the state directory.
@@ -74,6 +75,55 @@ fn db_err<E: Into<redb::Error>>(action: &'static str) -> impl FnOnce(E) -> Store
     }
 }
 
+/// How an endpoint was set up.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum EndpointMode {
+    /// lockstep made the interfaces (plugin type `lockstep`).
+    Full,
+    /// Addresses only (`lockstep-ipam` under another plugin).
+    Ipam,
+}
+
+/// An endpoint the CNI plugin attached: what DEL, CHECK, GC and reconcile
+/// need to find its interfaces and program its map entries.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EndpointRecord {
+    /// `CNI_CONTAINERID`.
+    pub container_id: String,
+    /// `CNI_IFNAME`.
+    pub ifname: String,
+    /// `CNI_NETNS` at ADD.
+    pub netns: PathBuf,
+    /// Full or IPAM-only.
+    pub mode: EndpointMode,
+    /// The pool its addresses came from.
+    pub pool: String,
+    /// Its addresses.
+    pub addresses: Vec<std::net::IpAddr>,
+    /// Host-side interface (full mode).
+    pub host_ifname: Option<String>,
+    /// Host-side interface index (full mode).
+    pub host_ifindex: u32,
+    /// MAC of the host-side interface.
+    pub host_mac: [u8; 6],
+    /// MAC of the interface inside the container.
+    pub mac: [u8; 6],
+}
+
+impl EndpointRecord {
+    /// The record key.
+    pub fn key(&self) -> String {
+        endpoint_key(&self.container_id, &self.ifname)
+    }
+}
+
+/// The record key of an endpoint.
+pub fn endpoint_key(container_id: &str, ifname: &str) -> String {
+    format!("{container_id}\u{1f}{ifname}")
+}
+
 /// What the store holds.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Stored {
@@ -81,6 +131,8 @@ pub struct Stored {
     pub generation: Generation,
     /// Every live allocation.
     pub allocations: Vec<Allocation>,
+    /// Every attached endpoint.
+    pub endpoints: Vec<EndpointRecord>,
 }
 
 /// The store.
@@ -126,6 +178,7 @@ impl Store {
         let txn = store.db.begin_write().map_err(db_err("begin"))?;
         txn.open_table(ALLOCATIONS).map_err(db_err("open table"))?;
         txn.open_table(META).map_err(db_err("open table"))?;
+        txn.open_table(ENDPOINTS).map_err(db_err("open table"))?;
         txn.commit().map_err(db_err("commit"))?;
         Ok(store)
     }
@@ -158,9 +211,21 @@ impl Store {
                 })?;
             allocations.push(a);
         }
+        let table = txn.open_table(ENDPOINTS).map_err(db_err("open table"))?;
+        let mut endpoints = Vec::new();
+        for item in table.iter().map_err(db_err("read"))? {
+            let (k, v) = item.map_err(db_err("read"))?;
+            let e: EndpointRecord =
+                serde_json::from_slice(v.value()).map_err(|source| StoreError::Corrupt {
+                    key: k.value().to_string(),
+                    source,
+                })?;
+            endpoints.push(e);
+        }
         Ok(Stored {
             generation: Generation(generation),
             allocations,
+            endpoints,
         })
     }
 
@@ -178,7 +243,30 @@ impl Store {
     /// # Errors
     /// The transaction failed; nothing was written.
     pub fn put_many(&self, all: &[Allocation], high_water: Generation) -> Result<(), StoreError> {
+        self.put_endpoint(None, all, high_water)
+    }
+
+    /// Durably records an endpoint and its allocations in one transaction.
+    ///
+    /// # Errors
+    /// The transaction failed; nothing was written.
+    pub fn put_endpoint(
+        &self,
+        endpoint: Option<&EndpointRecord>,
+        all: &[Allocation],
+        high_water: Generation,
+    ) -> Result<(), StoreError> {
         let txn = self.db.begin_write().map_err(db_err("begin"))?;
+        if let Some(e) = endpoint {
+            let mut table = txn.open_table(ENDPOINTS).map_err(db_err("open table"))?;
+            let value = serde_json::to_vec(e).map_err(|source| StoreError::Corrupt {
+                key: e.key(),
+                source,
+            })?;
+            table
+                .insert(e.key().as_str(), value.as_slice())
+                .map_err(db_err("insert"))?;
+        }
         {
             let mut table = txn.open_table(ALLOCATIONS).map_err(db_err("open table"))?;
             for a in all {
@@ -207,10 +295,29 @@ impl Store {
     /// # Errors
     /// The transaction failed; nothing was removed.
     pub fn remove(&self, a: &Allocation) -> Result<(), StoreError> {
+        self.remove_endpoint(None, std::slice::from_ref(a))
+    }
+
+    /// Durably removes an endpoint record (by key) and allocations in one
+    /// transaction; what is not there is skipped.
+    ///
+    /// # Errors
+    /// The transaction failed; nothing was removed.
+    pub fn remove_endpoint(
+        &self,
+        endpoint_key: Option<&str>,
+        all: &[Allocation],
+    ) -> Result<(), StoreError> {
         let txn = self.db.begin_write().map_err(db_err("begin"))?;
         {
             let mut table = txn.open_table(ALLOCATIONS).map_err(db_err("open table"))?;
-            table.remove(key_of(a).as_str()).map_err(db_err("remove"))?;
+            for a in all {
+                table.remove(key_of(a).as_str()).map_err(db_err("remove"))?;
+            }
+            if let Some(k) = endpoint_key {
+                let mut eps = txn.open_table(ENDPOINTS).map_err(db_err("open table"))?;
+                eps.remove(k).map_err(db_err("remove"))?;
+            }
         }
         txn.commit().map_err(db_err("commit"))
     }

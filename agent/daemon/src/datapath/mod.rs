@@ -746,6 +746,20 @@ impl Datapath {
         Ok(())
     }
 
+    /// Detaches `program` from the interface with `ifindex` (it may be gone
+    /// already): removes its link pin. Already detached is success.
+    ///
+    /// # Errors
+    /// The pin exists but cannot be removed.
+    pub fn detach_index(
+        &self,
+        program: &str,
+        ifindex: u32,
+        hook: Hook,
+    ) -> Result<(), DatapathError> {
+        unpin_link(&self.link_pin(program, hook, ifindex))
+    }
+
     /// Detaches every pinned link and removes every pin under `pin_root`;
     /// netlink filters are removed from the interfaces named in `ifaces`.
     /// Missing pins are not an error.

@@ -18,7 +18,9 @@ use std::net::IpAddr;
 use std::time::Instant;
 
 use ipnet::{IpNet, Ipv4Net, Ipv6Net};
-use lockstep_common::{IpcacheValue, MasqSkipValue, V4Addr, V6Addr, map_names, masq_reason};
+use lockstep_common::{
+    EndpointValue, IpcacheValue, MasqSkipValue, V4Addr, V6Addr, map_names, masq_reason,
+};
 use lockstep_core::cidr::Family;
 use lockstep_core::manager::{Allocation, ManagerConfig, ManagerError, PoolManager, StaticPools};
 use lockstep_core::owner::{Generation, Owner};
@@ -31,7 +33,10 @@ use crate::config::{AttachModeConfig, Config};
 use crate::datapath::{
     AttachMode, Datapath, DatapathError, DatapathOptions, MapCapacities, PinnedMaps, sys,
 };
-use crate::store::{Store, StoreError};
+use crate::netlink::{Netlink, NetlinkError};
+use crate::store::{EndpointMode, EndpointRecord, Store, StoreError};
+
+pub mod endpoints;
 
 /// Errors of agent operations. Each has a stable API code ([`AgentError::code`]).
 #[derive(Debug, thiserror::Error)]
@@ -90,6 +95,15 @@ pub enum AgentError {
     /// The store failed.
     #[error(transparent)]
     Store(#[from] StoreError),
+    /// An interface operation failed.
+    #[error(transparent)]
+    Netlink(#[from] NetlinkError),
+    /// CHECK found the attachment not as ADD made it.
+    #[error("check failed: {}", problems.join("; "))]
+    CheckFailed {
+        /// Every problem found.
+        problems: Vec<String>,
+    },
     /// The datapath failed.
     #[error(transparent)]
     Datapath(#[from] DatapathError),
@@ -124,6 +138,8 @@ impl AgentError {
             AgentError::Program { .. } => "datapath_error",
             AgentError::Reconcile { .. } => "datapath_error",
             AgentError::Store(_) => "store_error",
+            AgentError::Netlink(_) => "interface_error",
+            AgentError::CheckFailed { .. } => "check_failed",
             AgentError::Datapath(_) => "datapath_error",
         }
     }
@@ -261,6 +277,8 @@ pub struct Agent {
     maps: PinnedMaps,
     ready: bool,
     restored: ReconcileReport,
+    endpoints: BTreeMap<String, EndpointRecord>,
+    netlink: Option<Netlink>,
     /// Counters for metrics.
     pub stats: Stats,
 }
@@ -306,6 +324,8 @@ fn lpm_key_bytes(prefix_len: u8, addr: &[u8]) -> Vec<u8> {
 /// datapath stores them (host entries in hashes, prefixes in tries).
 #[derive(Debug, Default, PartialEq)]
 struct MapContents {
+    /// ENDPOINTS, sorted by ifindex.
+    endpoints: Vec<(u32, EndpointValue)>,
     /// Sorted by address, unique.
     host_v4: Vec<(V4Addr, IpcacheValue)>,
     /// Sorted by address, unique.
@@ -319,8 +339,9 @@ struct MapContents {
 impl MapContents {
     fn observe(maps: &PinnedMaps, pin_root: &std::path::Path) -> Result<Self, AgentError> {
         let mut c = MapContents {
-            host_v4: read_host(pin_root, map_names::IPCACHE_HOST_V4)?,
-            host_v6: read_host(pin_root, map_names::IPCACHE_HOST_V6)?,
+            endpoints: read_hash(pin_root, map_names::ENDPOINTS)?,
+            host_v4: read_hash(pin_root, map_names::IPCACHE_HOST_V4)?,
+            host_v6: read_hash(pin_root, map_names::IPCACHE_HOST_V6)?,
             ..MapContents::default()
         };
         let map_err = |e| AgentError::Program {
@@ -360,25 +381,45 @@ impl MapContents {
     }
 }
 
-/// Reads a host hash in bulk and returns it sorted by key.
-fn read_host<const N: usize>(
+/// A map key readable from raw bytes.
+trait RawKey: Copy + Ord {
+    const SIZE: usize;
+    fn from_bytes(b: &[u8]) -> Self;
+}
+
+impl<const N: usize> RawKey for [u8; N] {
+    const SIZE: usize = N;
+    fn from_bytes(b: &[u8]) -> Self {
+        let mut k = [0u8; N];
+        k.copy_from_slice(b);
+        k
+    }
+}
+
+impl RawKey for u32 {
+    const SIZE: usize = 4;
+    fn from_bytes(b: &[u8]) -> Self {
+        u32::from_ne_bytes([b[0], b[1], b[2], b[3]])
+    }
+}
+
+/// Reads a hash map in bulk and returns it sorted by key.
+fn read_hash<K: RawKey, V: aya::Pod>(
     pin_root: &std::path::Path,
     map: &'static str,
-) -> Result<Vec<([u8; N], IpcacheValue)>, AgentError> {
+) -> Result<Vec<(K, V)>, AgentError> {
     let raw = PinnedMaps::raw(pin_root, map)?;
-    let vsize = size_of::<IpcacheValue>();
-    let (keys, values) = sys::lookup_batch(raw.fd(), N, vsize)
+    let vsize = size_of::<V>();
+    let (keys, values) = sys::lookup_batch(raw.fd(), K::SIZE, vsize)
         .map_err(|source| AgentError::Reconcile { map, source })?;
-    let mut out: Vec<([u8; N], IpcacheValue)> = keys
-        .chunks_exact(N)
+    let mut out: Vec<(K, V)> = keys
+        .chunks_exact(K::SIZE)
         .zip(values.chunks_exact(vsize))
         .map(|(k, v)| {
-            let mut key = [0u8; N];
-            key.copy_from_slice(k);
-            // SAFETY: `v` holds exactly one IpcacheValue's bytes (plain
-            // data, any bit pattern valid); read unaligned.
-            let value = unsafe { std::ptr::read_unaligned(v.as_ptr().cast::<IpcacheValue>()) };
-            (key, value)
+            // SAFETY: `v` holds exactly one V's bytes (plain data, any bit
+            // pattern valid); read unaligned.
+            let value = unsafe { std::ptr::read_unaligned(v.as_ptr().cast::<V>()) };
+            (K::from_bytes(k), value)
         })
         .collect();
     out.sort_unstable_by_key(|e| e.0);
@@ -488,9 +529,12 @@ impl Agent {
             maps,
             ready: false,
             restored: ReconcileReport::default(),
+            endpoints: stored.endpoints.into_iter().map(|e| (e.key(), e)).collect(),
+            netlink: None,
             stats: Stats::default(),
         };
         agent.restored = agent.reconcile_inner()?;
+        agent.reattach_endpoints();
         agent.ready = true;
         tracing::info!(
             allocations = count - outcome.rejected.len(),
@@ -619,6 +663,14 @@ impl Agent {
                 });
             }
         };
+        if let Some(pool) = self.manager.pool(&req.pool)
+            && !pool.cidrs().any(|c| Family::of_net(c.cidr) == family)
+        {
+            // Not "exhausted": no amount of releasing will ever satisfy it.
+            return Err(AgentError::Invalid {
+                reason: format!("pool {} has no {family} CIDR", req.pool),
+            });
+        }
         if let Some(existing) = self.manager.get(&req.pool, family, &req.owner)
             && req.address.is_none_or(|a| a == existing.address)
         {
@@ -699,8 +751,42 @@ impl Agent {
         };
         // Allocations are host entries (the flat, sorted form); the tries
         // carry pools' and config's prefixes.
-        let hosts =
-            host_entries(self.manager.allocations(), |_| EntryExtra::default()).map_err(invalid)?;
+        let ifindex: BTreeMap<(&str, &str), u32> = self
+            .endpoints
+            .values()
+            .filter(|e| e.mode == EndpointMode::Full)
+            .map(|e| ((e.container_id.as_str(), e.ifname.as_str()), e.host_ifindex))
+            .collect();
+        let hosts = host_entries(self.manager.allocations(), |a| match &a.owner {
+            Owner::Endpoint {
+                container_id,
+                ifname,
+            } => EntryExtra {
+                ifindex: ifindex
+                    .get(&(container_id.as_str(), ifname.as_str()))
+                    .copied()
+                    .unwrap_or(0),
+                ..EntryExtra::default()
+            },
+            _ => EntryExtra::default(),
+        })
+        .map_err(invalid)?;
+        let mut endpoint_entries: Vec<(u32, EndpointValue)> = self
+            .endpoints
+            .values()
+            .filter(|e| e.mode == EndpointMode::Full)
+            .map(|e| {
+                let owner = Owner::endpoint(&e.container_id, &e.ifname);
+                let generation = self
+                    .manager
+                    .owned_by(&owner)
+                    .map(|a| a.generation.0)
+                    .max()
+                    .unwrap_or(0);
+                (e.host_ifindex, endpoints::endpoint_value(e, generation))
+            })
+            .collect();
+        endpoint_entries.sort_unstable_by_key(|e| e.0);
         let mut b = PlanBuilder::default();
         for (cidr, pool_id) in self.manager.masq_skip_cidrs() {
             b.masq_skip([cidr], masq_reason::POOL, pool_id);
@@ -712,6 +798,7 @@ impl Agent {
         );
         let plan = b.finish();
         Ok(MapContents {
+            endpoints: endpoint_entries,
             host_v4: hosts.v4,
             host_v6: hosts.v6,
             prefix_v4: plan.ipcache_v4,
@@ -731,6 +818,13 @@ impl Agent {
         let have = self.observed()?;
         let root = self.config.datapath.pin_root.clone();
         let mut report = ReconcileReport::default();
+        apply(
+            &root,
+            map_names::ENDPOINTS,
+            &diff_sorted(&want.endpoints, &have.endpoints),
+            |k| k.to_ne_bytes().to_vec(),
+            &mut report,
+        )?;
         apply(
             &root,
             map_names::IPCACHE_HOST_V4,
@@ -831,6 +925,28 @@ impl Agent {
         let have = self.observed()?;
         let show4 = |k: &V4Addr| std::net::Ipv4Addr::from(*k).to_string();
         let show6 = |k: &V6Addr| std::net::Ipv6Addr::from(*k).to_string();
+        drift(
+            map_names::ENDPOINTS,
+            &diff_sorted(&want.endpoints, &have.endpoints),
+            |k| format!("ifindex {k}"),
+            &mut report.maps,
+        );
+        if let Some(host) = self.netlink.as_ref() {
+            for e in self
+                .endpoints
+                .values()
+                .filter(|e| e.mode == EndpointMode::Full)
+            {
+                let name = e.host_ifname.clone().unwrap_or_default();
+                match host.link(&name) {
+                    Ok(Some(l)) if l.index == e.host_ifindex => {}
+                    _ => report.store.push(format!(
+                        "interface {name} of {}/{} is missing",
+                        e.container_id, e.ifname
+                    )),
+                }
+            }
+        }
         drift(
             map_names::IPCACHE_HOST_V4,
             &diff_sorted(&want.host_v4, &have.host_v4),

@@ -1,0 +1,685 @@
+//! Endpoints: what the CNI plugin asks the agent to do.
+//!
+//! ADD, in lockstep order: allocate in the core → make the interfaces (veth,
+//! addresses, routes, neighbours) → commit the allocations and the endpoint
+//! record together (fsync) → program ENDPOINTS and IPCACHE and attach
+//! `from_endpoint` → acknowledge. Any failure undoes the earlier steps in
+//! reverse. DEL runs the other way (unprogram → commit → delete the veth) and
+//! succeeds when things are already gone. The routing scheme is the one
+//! production CNIs use: each endpoint gets a /32 (/128), a default route to a
+//! link-local gateway (169.254.1.1, fe80::1) that resolves statically to the
+//! host-side veth, and the node a host route per address.
+
+use std::collections::BTreeSet;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+use std::path::PathBuf;
+
+use ipnet::IpNet;
+use lockstep_common::{EndpointValue, endpoint_flags, program_names};
+use lockstep_core::cidr::Family;
+use lockstep_core::manager::Allocation;
+use lockstep_core::owner::Owner;
+use serde::{Deserialize, Serialize};
+
+use super::{Agent, AgentError};
+use crate::datapath::Hook;
+use crate::netlink::{Netlink, open_netns};
+use crate::store::{EndpointMode, EndpointRecord, endpoint_key};
+
+/// The link-local IPv4 gateway every endpoint routes through.
+pub const GATEWAY_V4: Ipv4Addr = Ipv4Addr::new(169, 254, 1, 1);
+/// The link-local IPv6 gateway every endpoint routes through.
+pub const GATEWAY_V6: Ipv6Addr = Ipv6Addr::new(0xfe80, 0, 0, 0, 0, 0, 0, 1);
+
+/// A CNI ADD (or CHECK) as the agent sees it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EndpointRequest {
+    /// `CNI_CONTAINERID`.
+    pub container_id: String,
+    /// `CNI_IFNAME`.
+    pub ifname: String,
+    /// `CNI_NETNS`.
+    pub netns: PathBuf,
+    /// Full (interfaces) or IPAM only.
+    pub mode: EndpointMode,
+    /// The pool; `None` is the default pool.
+    #[serde(default)]
+    pub pool: Option<String>,
+    /// Specific addresses asked for (`ips` capability / args).
+    #[serde(default)]
+    pub requested: Vec<IpAddr>,
+    /// MTU of the veth pair.
+    #[serde(default)]
+    pub mtu: Option<u32>,
+}
+
+/// One address of an ADD result.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EndpointAddress {
+    /// Address with prefix: /32 or /128 in full mode, the pool CIDR's prefix
+    /// in IPAM mode.
+    pub address: IpNet,
+    /// Gateway, if any.
+    pub gateway: Option<IpAddr>,
+}
+
+/// What ADD returns.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EndpointReply {
+    /// The record as stored.
+    pub record: EndpointRecord,
+    /// Addresses for the CNI result.
+    pub addresses: Vec<EndpointAddress>,
+    /// Routes for the CNI result: (destination, gateway).
+    pub routes: Vec<(IpNet, Option<IpAddr>)>,
+}
+
+/// A DEL.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DelRequest {
+    /// `CNI_CONTAINERID`.
+    pub container_id: String,
+    /// `CNI_IFNAME`.
+    pub ifname: String,
+}
+
+/// A GC.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GcRequest {
+    /// Attachments to keep: (container id, ifname).
+    pub valid: Vec<(String, String)>,
+}
+
+/// What GC released.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GcReport {
+    /// Attachments released.
+    pub released: Vec<(String, String)>,
+}
+
+/// A stable, short host-side interface name for an attachment (`lxc` + 12
+/// hex digits of an FNV-1a hash), so a retried ADD finds a half-made veth.
+pub fn host_ifname(container_id: &str, ifname: &str) -> String {
+    format!("lxc{:012x}", fnv1a(container_id, ifname) & 0xffff_ffff_ffff)
+}
+
+fn temp_ifname(container_id: &str, ifname: &str) -> String {
+    format!("tmp{:012x}", fnv1a(container_id, ifname) & 0xffff_ffff_ffff)
+}
+
+fn fnv1a(a: &str, b: &str) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for byte in a.bytes().chain([0u8]).chain(b.bytes()) {
+        h ^= u64::from(byte);
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    h
+}
+
+/// The endpoint's ENDPOINTS value.
+pub(super) fn endpoint_value(record: &EndpointRecord, generation: u64) -> EndpointValue {
+    let mut v = EndpointValue {
+        generation,
+        mac: record.mac,
+        ..Default::default()
+    };
+    for a in &record.addresses {
+        match a {
+            IpAddr::V4(v4) => {
+                v.ipv4 = v4.octets();
+                v.flags |= endpoint_flags::HAS_V4;
+            }
+            IpAddr::V6(v6) => {
+                v.ipv6 = v6.octets();
+                v.flags |= endpoint_flags::HAS_V6;
+            }
+        }
+    }
+    v
+}
+
+fn invalid(reason: impl Into<String>) -> AgentError {
+    AgentError::Invalid {
+        reason: reason.into(),
+    }
+}
+
+/// Interfaces made so far by an ADD, for undo.
+#[derive(Default)]
+struct Made {
+    host_index: Option<u32>,
+}
+
+impl Agent {
+    fn host_netlink(&mut self) -> Result<&Netlink, AgentError> {
+        if self.netlink.is_none() {
+            self.netlink = Some(Netlink::current()?);
+        }
+        Ok(self.netlink.as_ref().expect("just set"))
+    }
+
+    fn default_pool(&self) -> Result<String, AgentError> {
+        self.config
+            .default_pool
+            .clone()
+            .or_else(|| self.config.pools.first().map(|p| p.name.clone()))
+            .ok_or_else(|| invalid("no pool is configured"))
+    }
+
+    /// The endpoint records.
+    pub fn endpoints(&self) -> Vec<EndpointRecord> {
+        self.endpoints.values().cloned().collect()
+    }
+
+    /// CNI ADD. Idempotent: repeating it for the same attachment returns the
+    /// same addresses and interfaces.
+    ///
+    /// # Errors
+    /// Allocation, interface or datapath failure; everything done so far is
+    /// undone.
+    pub fn endpoint_add(&mut self, req: EndpointRequest) -> Result<EndpointReply, AgentError> {
+        let r = self.endpoint_add_inner(req);
+        if let Err(e) = &r {
+            self.note_error(e);
+        }
+        r
+    }
+
+    fn endpoint_add_inner(&mut self, req: EndpointRequest) -> Result<EndpointReply, AgentError> {
+        self.check_ready()?;
+        let key = endpoint_key(&req.container_id, &req.ifname);
+        if let Some(existing) = self.endpoints.get(&key).cloned() {
+            let intact = match (existing.mode, existing.host_ifname.as_deref()) {
+                (EndpointMode::Ipam, _) => true,
+                (EndpointMode::Full, Some(name)) => self
+                    .host_netlink()?
+                    .link(name)?
+                    .is_some_and(|l| l.index == existing.host_ifindex),
+                (EndpointMode::Full, None) => false,
+            };
+            if intact && existing.mode == req.mode {
+                return Ok(self.reply(existing));
+            }
+            // Half-gone (the runtime deleted the netns, or a crash): start over.
+            self.endpoint_del_inner(&req.container_id, &req.ifname)?;
+        }
+        let pool_name = match &req.pool {
+            Some(p) => p.clone(),
+            None => self.default_pool()?,
+        };
+        let pool = self.manager.pool(&pool_name).ok_or_else(|| {
+            AgentError::from(lockstep_core::manager::ManagerError::UnknownPool {
+                pool: pool_name.clone(),
+            })
+        })?;
+        let mut families: BTreeSet<Family> = pool.cidrs().map(|c| Family::of_net(c.cidr)).collect();
+        let owner = Owner::endpoint(&req.container_id, &req.ifname);
+        let mut allocated: Vec<Allocation> = Vec::new();
+        let result = (|| -> Result<(), AgentError> {
+            for addr in &req.requested {
+                let a = self.manager.allocate(&pool_name, *addr, owner.clone())?;
+                families.remove(&a.family());
+                allocated.push(a);
+            }
+            for family in families {
+                allocated.push(
+                    self.manager
+                        .allocate_next(&pool_name, family, owner.clone())?,
+                );
+            }
+            Ok(())
+        })();
+        if let Err(e) = result {
+            self.release_core(&allocated);
+            return Err(e);
+        }
+        let mut record = EndpointRecord {
+            container_id: req.container_id.clone(),
+            ifname: req.ifname.clone(),
+            netns: req.netns.clone(),
+            mode: req.mode,
+            pool: pool_name,
+            addresses: allocated.iter().map(|a| a.address).collect(),
+            host_ifname: None,
+            host_ifindex: 0,
+            host_mac: [0; 6],
+            mac: [0; 6],
+        };
+        let mut made = Made::default();
+        if req.mode == EndpointMode::Full
+            && let Err(e) = self.make_interfaces(&req, &mut record, &mut made)
+        {
+            self.undo_interfaces(&made);
+            self.release_core(&allocated);
+            return Err(e);
+        }
+        if let Err(e) =
+            self.store
+                .put_endpoint(Some(&record), &allocated, self.manager.generation())
+        {
+            self.undo_interfaces(&made);
+            self.release_core(&allocated);
+            return Err(e.into());
+        }
+        self.endpoints.insert(key.clone(), record.clone());
+        if let Err(e) = self.program_endpoint(&record, &allocated) {
+            self.unprogram_endpoint(&record, &allocated);
+            self.endpoints.remove(&key);
+            let _ = self.store.remove_endpoint(Some(&key), &allocated);
+            self.undo_interfaces(&made);
+            self.release_core(&allocated);
+            return Err(e);
+        }
+        Ok(self.reply(record))
+    }
+
+    fn release_core(&mut self, allocated: &[Allocation]) {
+        for a in allocated {
+            let _ = self
+                .manager
+                .release(&a.pool, a.family(), &a.owner, a.generation);
+        }
+    }
+
+    fn reply(&self, record: EndpointRecord) -> EndpointReply {
+        let mut addresses = Vec::new();
+        let mut routes = Vec::new();
+        for addr in &record.addresses {
+            match record.mode {
+                EndpointMode::Full => {
+                    let (gw, default): (IpAddr, IpNet) = match addr {
+                        IpAddr::V4(_) => (GATEWAY_V4.into(), "0.0.0.0/0".parse().expect("literal")),
+                        IpAddr::V6(_) => (GATEWAY_V6.into(), "::/0".parse().expect("literal")),
+                    };
+                    addresses.push(EndpointAddress {
+                        address: IpNet::from(*addr),
+                        gateway: Some(gw),
+                    });
+                    routes.push((default, Some(gw)));
+                }
+                EndpointMode::Ipam => {
+                    // The pool CIDR's prefix, and its first reserved address
+                    // as gateway (what a bridge plugin expects).
+                    let cidr = self
+                        .manager
+                        .pool(&record.pool)
+                        .and_then(|p| p.cidrs().map(|c| c.cidr).find(|c| c.contains(addr)));
+                    let gateway = self
+                        .config
+                        .pools
+                        .iter()
+                        .find(|p| p.name == record.pool)
+                        .and_then(|p| {
+                            p.reserved
+                                .iter()
+                                .copied()
+                                .find(|r| cidr.is_some_and(|c| c.contains(r)))
+                        });
+                    addresses.push(EndpointAddress {
+                        address: cidr
+                            .and_then(|c| IpNet::new(*addr, c.prefix_len()).ok())
+                            .unwrap_or_else(|| IpNet::from(*addr)),
+                        gateway,
+                    });
+                }
+            }
+        }
+        EndpointReply {
+            record,
+            addresses,
+            routes,
+        }
+    }
+
+    fn make_interfaces(
+        &mut self,
+        req: &EndpointRequest,
+        record: &mut EndpointRecord,
+        made: &mut Made,
+    ) -> Result<(), AgentError> {
+        let host_name = host_ifname(&req.container_id, &req.ifname);
+        let temp = temp_ifname(&req.container_id, &req.ifname);
+        let netns_fd = open_netns(&req.netns)?;
+        let host = self.host_netlink()?;
+        // Leftovers of an ADD that crashed half-way.
+        for stale in [&host_name, &temp] {
+            if let Some(l) = host.link(stale)? {
+                host.delete_link(l.index)?;
+            }
+        }
+        host.create_veth(&host_name, &temp, req.mtu)?;
+        let host_link = host
+            .link(&host_name)?
+            .ok_or_else(|| invalid(format!("veth {host_name} vanished after creation")))?;
+        made.host_index = Some(host_link.index);
+        let peer = host
+            .link(&temp)?
+            .ok_or_else(|| invalid(format!("veth peer {temp} vanished after creation")))?;
+        host.move_to_netns(peer.index, &netns_fd)?;
+        host.set_up(host_link.index)?;
+
+        let inside = Netlink::in_netns(&req.netns)?;
+        let peer = inside
+            .link(&temp)?
+            .ok_or_else(|| invalid(format!("{temp} did not arrive in {}", req.netns.display())))?;
+        if inside.link(&req.ifname)?.is_some() {
+            return Err(invalid(format!(
+                "interface {} already exists in {}",
+                req.ifname,
+                req.netns.display()
+            )));
+        }
+        inside.rename(peer.index, &req.ifname)?;
+        inside.set_up(peer.index)?;
+        if let Some(lo) = inside.link("lo")? {
+            inside.set_up(lo.index)?;
+        }
+        for addr in &record.addresses {
+            let (prefix, gw, any): (u8, IpAddr, IpNet) = match addr {
+                IpAddr::V4(_) => (32, GATEWAY_V4.into(), "0.0.0.0/0".parse().expect("literal")),
+                IpAddr::V6(_) => (128, GATEWAY_V6.into(), "::/0".parse().expect("literal")),
+            };
+            inside.add_address(peer.index, *addr, prefix)?;
+            // The gateway resolves to the host side statically: no ARP/NDP
+            // round trip before the first packet, and nothing to spoof.
+            inside.add_neighbour(peer.index, gw, host_link.mac)?;
+            if addr.is_ipv4() {
+                inside.add_route(IpNet::from(gw), None, peer.index)?;
+            }
+            inside.add_route(any, Some(gw), peer.index)?;
+            host.add_route(IpNet::from(*addr), None, host_link.index)?;
+            host.add_neighbour(host_link.index, *addr, peer.mac)?;
+        }
+        record.host_ifname = Some(host_name);
+        record.host_ifindex = host_link.index;
+        record.host_mac = host_link.mac;
+        record.mac = peer.mac;
+        Ok(())
+    }
+
+    fn undo_interfaces(&mut self, made: &Made) {
+        if let Some(index) = made.host_index
+            && let Ok(host) = self.host_netlink()
+            && let Err(e) = host.delete_link(index)
+        {
+            tracing::warn!(error = %e, index, "undo: deleting the veth failed");
+        }
+    }
+
+    fn program_endpoint(
+        &mut self,
+        record: &EndpointRecord,
+        allocated: &[Allocation],
+    ) -> Result<(), AgentError> {
+        for a in allocated {
+            self.program(a)?;
+        }
+        if record.mode == EndpointMode::Full {
+            let generation = allocated.iter().map(|a| a.generation.0).max().unwrap_or(0);
+            self.maps
+                .endpoints
+                .insert(record.host_ifindex, endpoint_value(record, generation), 0)
+                .map_err(|e| AgentError::Program {
+                    map: lockstep_common::map_names::ENDPOINTS,
+                    source: Box::new(e),
+                })?;
+            let name = record.host_ifname.clone().unwrap_or_default();
+            self.datapath
+                .attach(program_names::FROM_ENDPOINT, &name, Hook::Ingress)?;
+        }
+        Ok(())
+    }
+
+    fn unprogram_endpoint(&mut self, record: &EndpointRecord, allocated: &[Allocation]) {
+        if record.mode == EndpointMode::Full {
+            if let Err(e) = self.datapath.detach_index(
+                program_names::FROM_ENDPOINT,
+                record.host_ifindex,
+                Hook::Ingress,
+            ) {
+                tracing::warn!(error = %e, "detaching from_endpoint failed");
+            }
+            let _ = self.maps.endpoints.remove(&record.host_ifindex);
+        }
+        for a in allocated {
+            let _ = self.unprogram(a);
+        }
+    }
+
+    /// CNI DEL: idempotent; already gone is success.
+    ///
+    /// # Errors
+    /// The store could not record the release (the endpoint then stays).
+    pub fn endpoint_del(&mut self, req: DelRequest) -> Result<(), AgentError> {
+        self.check_ready()?;
+        let r = self.endpoint_del_inner(&req.container_id, &req.ifname);
+        if let Err(e) = &r {
+            self.note_error(e);
+        }
+        r
+    }
+
+    fn endpoint_del_inner(&mut self, container_id: &str, ifname: &str) -> Result<(), AgentError> {
+        let key = endpoint_key(container_id, ifname);
+        let owner = Owner::endpoint(container_id, ifname);
+        let allocated: Vec<Allocation> = self.manager.owned_by(&owner).cloned().collect();
+        let record = self.endpoints.get(&key).cloned();
+        if let Some(r) = &record {
+            self.unprogram_endpoint(r, &allocated);
+        } else {
+            for a in &allocated {
+                self.unprogram(a)?;
+            }
+        }
+        self.store
+            .remove_endpoint(record.as_ref().map(|_| key.as_str()), &allocated)?;
+        self.endpoints.remove(&key);
+        self.release_core(&allocated);
+        if let Some(r) = record
+            && r.mode == EndpointMode::Full
+            && let Some(name) = &r.host_ifname
+        {
+            let host = self.host_netlink()?;
+            match host.link(name) {
+                Ok(Some(l)) if l.index == r.host_ifindex => host.delete_link(l.index)?,
+                Ok(_) => {}
+                Err(e) => tracing::warn!(error = %e, name, "looking up the veth failed"),
+            }
+        }
+        Ok(())
+    }
+
+    /// CNI CHECK: the interfaces, addresses, routes and map entries of the
+    /// attachment are as ADD made them.
+    ///
+    /// # Errors
+    /// [`AgentError::CheckFailed`] listing every problem.
+    pub fn endpoint_check(&mut self, req: EndpointRequest) -> Result<(), AgentError> {
+        self.check_ready()?;
+        let key = endpoint_key(&req.container_id, &req.ifname);
+        let Some(record) = self.endpoints.get(&key).cloned() else {
+            return Err(AgentError::CheckFailed {
+                problems: vec![format!(
+                    "no attachment {}/{} is known",
+                    req.container_id, req.ifname
+                )],
+            });
+        };
+        let mut problems = Vec::new();
+        let owner = Owner::endpoint(&req.container_id, &req.ifname);
+        let held: BTreeSet<IpAddr> = self.manager.owned_by(&owner).map(|a| a.address).collect();
+        for a in &record.addresses {
+            if !held.contains(a) {
+                problems.push(format!("address {a} is no longer allocated"));
+            }
+        }
+        if record.mode == EndpointMode::Full {
+            let name = record.host_ifname.clone().unwrap_or_default();
+            match self.host_netlink()?.link(&name)? {
+                Some(l) if l.index == record.host_ifindex => {}
+                Some(l) => problems.push(format!(
+                    "host interface {name} has index {} instead of {}",
+                    l.index, record.host_ifindex
+                )),
+                None => problems.push(format!("host interface {name} is missing")),
+            }
+            match Netlink::in_netns(&req.netns) {
+                Err(e) => problems.push(format!("cannot enter {}: {e}", req.netns.display())),
+                Ok(inside) => match inside.link(&req.ifname)? {
+                    None => problems.push(format!(
+                        "interface {} is missing in the container",
+                        req.ifname
+                    )),
+                    Some(l) => {
+                        let have: BTreeSet<IpNet> =
+                            inside.addresses(l.index)?.into_iter().collect();
+                        for a in &record.addresses {
+                            if !have.contains(&IpNet::from(*a)) {
+                                problems.push(format!("address {a} is missing on {}", req.ifname));
+                            }
+                        }
+                        let routes = inside.routes(l.index)?;
+                        for a in &record.addresses {
+                            let default: IpNet = if a.is_ipv4() {
+                                "0.0.0.0/0".parse().expect("literal")
+                            } else {
+                                "::/0".parse().expect("literal")
+                            };
+                            if !routes.contains(&default) {
+                                problems.push(format!(
+                                    "default route {default} is missing on {}",
+                                    req.ifname
+                                ));
+                            }
+                        }
+                    }
+                },
+            }
+            match self.maps.endpoints.get(&record.host_ifindex, 0) {
+                Ok(v) if v.mac == record.mac => {}
+                Ok(_) => problems.push("ENDPOINTS entry differs".into()),
+                Err(_) => problems.push("ENDPOINTS entry is missing".into()),
+            }
+        }
+        for a in &record.addresses {
+            let present = match a {
+                IpAddr::V4(v4) => self.maps.ipcache_host_v4.get(&v4.octets(), 0).is_ok(),
+                IpAddr::V6(v6) => self.maps.ipcache_host_v6.get(&v6.octets(), 0).is_ok(),
+            };
+            if !present {
+                problems.push(format!("IPCACHE entry for {a} is missing"));
+            }
+        }
+        if problems.is_empty() {
+            Ok(())
+        } else {
+            Err(AgentError::CheckFailed { problems })
+        }
+    }
+
+    /// CNI GC: releases endpoint attachments not in `valid`. Agent-role,
+    /// LoadBalancer and other owners are never touched.
+    ///
+    /// # Errors
+    /// A release could not be recorded.
+    pub fn endpoint_gc(&mut self, req: GcRequest) -> Result<GcReport, AgentError> {
+        self.check_ready()?;
+        let valid: BTreeSet<(String, String)> = req.valid.into_iter().collect();
+        let mut stale: BTreeSet<(String, String)> = self
+            .endpoints
+            .values()
+            .map(|r| (r.container_id.clone(), r.ifname.clone()))
+            .collect();
+        for a in self.manager.allocations() {
+            if let Owner::Endpoint {
+                container_id,
+                ifname,
+            } = &a.owner
+            {
+                stale.insert((container_id.clone(), ifname.clone()));
+            }
+        }
+        let mut report = GcReport::default();
+        for (c, i) in stale {
+            if valid.contains(&(c.clone(), i.clone())) {
+                continue;
+            }
+            self.endpoint_del_inner(&c, &i)?;
+            report.released.push((c, i));
+        }
+        Ok(report)
+    }
+
+    /// Re-attaches `from_endpoint` to every full endpoint whose interface
+    /// exists (in place: pinned links are updated, not recreated).
+    pub(super) fn reattach_endpoints(&mut self) {
+        let records: Vec<EndpointRecord> = self.endpoints.values().cloned().collect();
+        for r in records {
+            if r.mode != EndpointMode::Full {
+                continue;
+            }
+            let Some(name) = r.host_ifname.clone() else {
+                continue;
+            };
+            let exists = self
+                .host_netlink()
+                .and_then(|h| Ok(h.link(&name)?))
+                .map(|l| l.is_some_and(|l| l.index == r.host_ifindex))
+                .unwrap_or(false);
+            if !exists {
+                tracing::warn!(container = %r.container_id, iface = %name, "endpoint interface is gone; waiting for DEL or GC");
+                continue;
+            }
+            if let Err(e) = self
+                .datapath
+                .attach(program_names::FROM_ENDPOINT, &name, Hook::Ingress)
+            {
+                tracing::error!(error = %e, iface = %name, "re-attaching from_endpoint failed");
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn host_names_are_stable_short_and_distinct() {
+        let a = host_ifname("abc", "eth0");
+        assert_eq!(a, host_ifname("abc", "eth0"));
+        assert!(a.len() <= 15, "{a}");
+        assert_ne!(a, host_ifname("abc", "eth1"));
+        assert_ne!(a, host_ifname("abd", "eth0"));
+        // The separator keeps ("ab","ceth0") and ("abc","eth0") apart.
+        assert_ne!(host_ifname("ab", "ceth0"), host_ifname("abc", "eth0"));
+        assert_ne!(a, temp_ifname("abc", "eth0"));
+    }
+
+    #[test]
+    fn endpoint_value_carries_both_families() {
+        let r = EndpointRecord {
+            container_id: "c".into(),
+            ifname: "eth0".into(),
+            netns: "/x".into(),
+            mode: EndpointMode::Full,
+            pool: "p".into(),
+            addresses: vec![
+                "10.0.0.2".parse().expect("v4"),
+                "fd00::2".parse().expect("v6"),
+            ],
+            host_ifname: Some("lxc".into()),
+            host_ifindex: 7,
+            host_mac: [0; 6],
+            mac: [2, 0, 0, 0, 0, 1],
+        };
+        let v = endpoint_value(&r, 9);
+        assert_eq!(v.flags, endpoint_flags::HAS_V4 | endpoint_flags::HAS_V6);
+        assert_eq!(v.ipv4, [10, 0, 0, 2]);
+        assert_eq!(v.generation, 9);
+        assert_eq!(v.mac, [2, 0, 0, 0, 0, 1]);
+    }
+}

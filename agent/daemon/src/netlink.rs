@@ -1,0 +1,500 @@
+//! Interfaces, addresses, routes and neighbours: the only module that uses
+//! rtnetlink.
+//!
+//! A [`Netlink`] is bound to one network namespace for its whole life: its
+//! socket is created on a thread that entered that namespace, and a netlink
+//! socket keeps the namespace it was created in. Each handle drives its own
+//! current-thread runtime, so the synchronous agent can call it from any
+//! thread without sharing an async context.
+
+use std::net::IpAddr;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::path::{Path, PathBuf};
+
+use futures::TryStreamExt;
+use ipnet::IpNet;
+use netlink_packet_route::address::AddressAttribute;
+use netlink_packet_route::link::{LinkAttribute, LinkMessage};
+use netlink_packet_route::neighbour::NeighbourState;
+use netlink_packet_route::route::{RouteAttribute, RouteScope};
+use rtnetlink::{Handle, LinkUnspec, LinkVeth, RouteMessageBuilder};
+
+/// Errors of netlink operations.
+#[derive(Debug, thiserror::Error)]
+pub enum NetlinkError {
+    /// The namespace file could not be opened or entered.
+    #[error("cannot enter network namespace {path}")]
+    Namespace {
+        /// The namespace file.
+        path: PathBuf,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The socket or runtime could not be created.
+    #[error("cannot open a netlink socket")]
+    Socket(#[source] std::io::Error),
+    /// A request failed.
+    #[error("netlink {op} failed")]
+    Request {
+        /// What was asked.
+        op: String,
+        /// rtnetlink's error (carries the kernel's errno).
+        #[source]
+        source: rtnetlink::Error,
+    },
+    /// A message could not be built (e.g. a family mismatch).
+    #[error("invalid netlink request: {reason}")]
+    Invalid {
+        /// What is wrong.
+        reason: String,
+    },
+}
+
+impl NetlinkError {
+    /// The kernel's errno, when the kernel refused.
+    pub fn errno(&self) -> Option<i32> {
+        match self {
+            NetlinkError::Request {
+                source: rtnetlink::Error::NetlinkError(m),
+                ..
+            } => m.code.map(|c| -c.get()),
+            _ => None,
+        }
+    }
+}
+
+/// One interface as seen by netlink.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Link {
+    /// Interface index.
+    pub index: u32,
+    /// Name.
+    pub name: String,
+    /// Hardware address.
+    pub mac: [u8; 6],
+    /// Administratively up.
+    pub up: bool,
+}
+
+/// A netlink handle bound to one network namespace.
+pub struct Netlink {
+    rt: tokio::runtime::Runtime,
+    handle: Handle,
+    netns: Option<PathBuf>,
+}
+
+impl std::fmt::Debug for Netlink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Netlink")
+            .field("netns", &self.netns)
+            .finish()
+    }
+}
+
+fn req(op: impl Into<String>) -> impl FnOnce(rtnetlink::Error) -> NetlinkError {
+    let op = op.into();
+    move |source| NetlinkError::Request { op, source }
+}
+
+fn link_of(msg: &LinkMessage) -> Link {
+    let mut name = String::new();
+    let mut mac = [0u8; 6];
+    for attr in &msg.attributes {
+        match attr {
+            LinkAttribute::IfName(n) => name = n.clone(),
+            LinkAttribute::Address(a) if a.len() == 6 => mac.copy_from_slice(a),
+            _ => {}
+        }
+    }
+    Link {
+        index: msg.header.index,
+        name,
+        mac,
+        up: msg
+            .header
+            .flags
+            .contains(netlink_packet_route::link::LinkFlags::Up),
+    }
+}
+
+/// Opens a namespace file.
+///
+/// # Errors
+/// [`NetlinkError::Namespace`].
+pub fn open_netns(path: &Path) -> Result<OwnedFd, NetlinkError> {
+    std::fs::File::open(path)
+        .map(OwnedFd::from)
+        .map_err(|source| NetlinkError::Namespace {
+            path: path.to_path_buf(),
+            source,
+        })
+}
+
+impl Netlink {
+    /// A handle in the caller's network namespace.
+    ///
+    /// # Errors
+    /// The socket or runtime could not be created.
+    pub fn current() -> Result<Self, NetlinkError> {
+        let rt = Self::runtime()?;
+        let (conn, handle) = {
+            // The socket registers with the reactor of the runtime entered
+            // here, which is the one that will drive it.
+            let _entered = rt.enter();
+            let (conn, handle, _) = rtnetlink::new_connection().map_err(NetlinkError::Socket)?;
+            (conn, handle)
+        };
+        rt.spawn(conn);
+        Ok(Self {
+            rt,
+            handle,
+            netns: None,
+        })
+    }
+
+    /// A handle in the namespace at `path` (e.g. a container's `CNI_NETNS`).
+    ///
+    /// # Errors
+    /// The namespace cannot be entered, or the socket created.
+    pub fn in_netns(path: &Path) -> Result<Self, NetlinkError> {
+        let fd = open_netns(path)?;
+        let rt = Self::runtime()?;
+        let path_buf = path.to_path_buf();
+        let (conn, handle) = std::thread::scope(|s| {
+            s.spawn(|| {
+                // SAFETY: `fd` is a valid namespace fd; setns affects only
+                // this short-lived thread.
+                if unsafe { libc::setns(fd.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
+                    return Err(NetlinkError::Namespace {
+                        path: path_buf.clone(),
+                        source: std::io::Error::last_os_error(),
+                    });
+                }
+                let _entered = rt.enter();
+                let (conn, handle, _) =
+                    rtnetlink::new_connection().map_err(NetlinkError::Socket)?;
+                Ok((conn, handle))
+            })
+            .join()
+            .unwrap_or_else(|_| {
+                Err(NetlinkError::Invalid {
+                    reason: "namespace thread panicked".into(),
+                })
+            })
+        })?;
+        rt.spawn(conn);
+        Ok(Self {
+            rt,
+            handle,
+            netns: Some(path.to_path_buf()),
+        })
+    }
+
+    fn runtime() -> Result<tokio::runtime::Runtime, NetlinkError> {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_io()
+            .build()
+            .map_err(NetlinkError::Socket)
+    }
+
+    /// The interface named `name`, if it exists.
+    ///
+    /// # Errors
+    /// A request failed for another reason than "no such device".
+    pub fn link(&self, name: &str) -> Result<Option<Link>, NetlinkError> {
+        let handle = self.handle.clone();
+        let result = self.rt.block_on(async move {
+            handle
+                .link()
+                .get()
+                .match_name(name.to_string())
+                .execute()
+                .try_next()
+                .await
+        });
+        match result {
+            Ok(msg) => Ok(msg.as_ref().map(link_of)),
+            Err(rtnetlink::Error::NetlinkError(m))
+                if m.code.map(|c| -c.get()) == Some(libc::ENODEV) =>
+            {
+                Ok(None)
+            }
+            Err(e) => Err(req(format!("get link {name}"))(e)),
+        }
+    }
+
+    /// The interface with index `index`, if it exists.
+    ///
+    /// # Errors
+    /// A request failed for another reason than "no such device".
+    pub fn link_by_index(&self, index: u32) -> Result<Option<Link>, NetlinkError> {
+        let handle = self.handle.clone();
+        let result = self.rt.block_on(async move {
+            handle
+                .link()
+                .get()
+                .match_index(index)
+                .execute()
+                .try_next()
+                .await
+        });
+        match result {
+            Ok(msg) => Ok(msg.as_ref().map(link_of)),
+            Err(rtnetlink::Error::NetlinkError(m))
+                if m.code.map(|c| -c.get()) == Some(libc::ENODEV) =>
+            {
+                Ok(None)
+            }
+            Err(e) => Err(req(format!("get link {index}"))(e)),
+        }
+    }
+
+    /// Creates a veth pair `host` ↔ `peer` in this namespace.
+    ///
+    /// # Errors
+    /// The kernel refused (e.g. a name exists).
+    pub fn create_veth(
+        &self,
+        host: &str,
+        peer: &str,
+        mtu: Option<u32>,
+    ) -> Result<(), NetlinkError> {
+        let mut msg = LinkVeth::new(host, peer);
+        if let Some(mtu) = mtu {
+            msg = msg.mtu(mtu);
+        }
+        let handle = self.handle.clone();
+        self.rt
+            .block_on(async move { handle.link().add(msg.build()).execute().await })
+            .map_err(req(format!("create veth {host}")))
+    }
+
+    /// Moves interface `index` into the namespace `netns`.
+    ///
+    /// # Errors
+    /// The kernel refused.
+    pub fn move_to_netns(&self, index: u32, netns: &OwnedFd) -> Result<(), NetlinkError> {
+        let msg = LinkUnspec::new_with_index(index)
+            .setns_by_fd(netns.as_raw_fd())
+            .build();
+        let handle = self.handle.clone();
+        self.rt
+            .block_on(async move { handle.link().set(msg).execute().await })
+            .map_err(req(format!("move link {index} to a namespace")))
+    }
+
+    /// Renames interface `index` (it must be down) and sets the MTU.
+    ///
+    /// # Errors
+    /// The kernel refused.
+    pub fn rename(&self, index: u32, name: &str) -> Result<(), NetlinkError> {
+        let msg = LinkUnspec::new_with_index(index)
+            .name(name.to_string())
+            .build();
+        let handle = self.handle.clone();
+        self.rt
+            .block_on(async move { handle.link().set(msg).execute().await })
+            .map_err(req(format!("rename link {index} to {name}")))
+    }
+
+    /// Sets interface `index` up.
+    ///
+    /// # Errors
+    /// The kernel refused.
+    pub fn set_up(&self, index: u32) -> Result<(), NetlinkError> {
+        let msg = LinkUnspec::new_with_index(index).up().build();
+        let handle = self.handle.clone();
+        self.rt
+            .block_on(async move { handle.link().set(msg).execute().await })
+            .map_err(req(format!("set link {index} up")))
+    }
+
+    /// Deletes interface `index` (a veth takes its peer with it). Already
+    /// gone is success.
+    ///
+    /// # Errors
+    /// The kernel refused for another reason.
+    pub fn delete_link(&self, index: u32) -> Result<(), NetlinkError> {
+        let handle = self.handle.clone();
+        match self
+            .rt
+            .block_on(async move { handle.link().del(index).execute().await })
+        {
+            Ok(()) => Ok(()),
+            Err(rtnetlink::Error::NetlinkError(m))
+                if m.code.map(|c| -c.get()) == Some(libc::ENODEV) =>
+            {
+                Ok(())
+            }
+            Err(e) => Err(req(format!("delete link {index}"))(e)),
+        }
+    }
+
+    /// Adds `address/prefix_len` to interface `index`. IPv6 addresses skip
+    /// duplicate address detection (the address is ours by allocation).
+    ///
+    /// # Errors
+    /// The kernel refused.
+    pub fn add_address(
+        &self,
+        index: u32,
+        address: IpAddr,
+        prefix_len: u8,
+    ) -> Result<(), NetlinkError> {
+        let handle = self.handle.clone();
+        self.rt
+            .block_on(async move {
+                let mut add = handle.address().add(index, address, prefix_len).replace();
+                if address.is_ipv6() {
+                    // IFA_F_NODAD
+                    add.message_mut().attributes.push(AddressAttribute::Flags(
+                        netlink_packet_route::address::AddressFlags::Nodad,
+                    ));
+                }
+                add.execute().await
+            })
+            .map_err(req(format!(
+                "add address {address}/{prefix_len} to link {index}"
+            )))
+    }
+
+    /// Addresses of interface `index`.
+    ///
+    /// # Errors
+    /// The request failed.
+    pub fn addresses(&self, index: u32) -> Result<Vec<IpNet>, NetlinkError> {
+        let handle = self.handle.clone();
+        let msgs: Vec<_> = self
+            .rt
+            .block_on(async move {
+                handle
+                    .address()
+                    .get()
+                    .set_link_index_filter(index)
+                    .execute()
+                    .try_collect::<Vec<_>>()
+                    .await
+            })
+            .map_err(req(format!("list addresses of link {index}")))?;
+        Ok(msgs
+            .iter()
+            .filter_map(|m| {
+                m.attributes.iter().find_map(|a| match a {
+                    AddressAttribute::Address(ip) => IpNet::new(*ip, m.header.prefix_len).ok(),
+                    _ => None,
+                })
+            })
+            .collect())
+    }
+
+    /// Adds a route to `dst` out of interface `oif`, via `gateway` or on-link.
+    ///
+    /// # Errors
+    /// The kernel refused.
+    pub fn add_route(
+        &self,
+        dst: IpNet,
+        gateway: Option<IpAddr>,
+        oif: u32,
+    ) -> Result<(), NetlinkError> {
+        let mut b = RouteMessageBuilder::<IpAddr>::new()
+            .destination_prefix(dst.addr(), dst.prefix_len())
+            .map_err(invalid)?
+            .output_interface(oif);
+        b = match gateway {
+            Some(gw) => b.gateway(gw).map_err(invalid)?,
+            None => b.scope(RouteScope::Link),
+        };
+        let msg = b.build();
+        let handle = self.handle.clone();
+        self.rt
+            .block_on(async move { handle.route().add(msg).replace().execute().await })
+            .map_err(req(format!("add route {dst} via {gateway:?} dev {oif}")))
+    }
+
+    /// Destinations of the routes out of interface `oif` (main table).
+    ///
+    /// # Errors
+    /// The request failed.
+    pub fn routes(&self, oif: u32) -> Result<Vec<IpNet>, NetlinkError> {
+        let mut out = Vec::new();
+        for v6 in [false, true] {
+            let msg = if v6 {
+                RouteMessageBuilder::<std::net::Ipv6Addr>::new().build()
+            } else {
+                RouteMessageBuilder::<std::net::Ipv4Addr>::new().build()
+            };
+            let handle = self.handle.clone();
+            let msgs: Vec<_> = self
+                .rt
+                .block_on(async move {
+                    handle
+                        .route()
+                        .get(msg)
+                        .execute()
+                        .try_collect::<Vec<_>>()
+                        .await
+                })
+                .map_err(req("list routes"))?;
+            for m in msgs {
+                let on_oif = m
+                    .attributes
+                    .iter()
+                    .any(|a| matches!(a, RouteAttribute::Oif(i) if *i == oif));
+                if !on_oif {
+                    continue;
+                }
+                let dst = m.attributes.iter().find_map(|a| match a {
+                    RouteAttribute::Destination(d) => route_addr(d),
+                    _ => None,
+                });
+                let zero: IpAddr = if v6 {
+                    std::net::Ipv6Addr::UNSPECIFIED.into()
+                } else {
+                    std::net::Ipv4Addr::UNSPECIFIED.into()
+                };
+                if let Ok(net) = IpNet::new(dst.unwrap_or(zero), m.header.destination_prefix_length)
+                {
+                    out.push(net);
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Adds a permanent neighbour entry `ip` → `mac` on interface `index`.
+    ///
+    /// # Errors
+    /// The kernel refused.
+    pub fn add_neighbour(&self, index: u32, ip: IpAddr, mac: [u8; 6]) -> Result<(), NetlinkError> {
+        let handle = self.handle.clone();
+        self.rt
+            .block_on(async move {
+                handle
+                    .neighbours()
+                    .add(index, ip)
+                    .link_local_address(&mac)
+                    .state(NeighbourState::Permanent)
+                    .replace()
+                    .execute()
+                    .await
+            })
+            .map_err(req(format!("add neighbour {ip} on link {index}")))
+    }
+}
+
+/// rtnetlink does not export its route-builder error type; keep its text.
+fn invalid<E: std::fmt::Debug>(e: E) -> NetlinkError {
+    NetlinkError::Invalid {
+        reason: format!("{e:?}"),
+    }
+}
+
+fn route_addr(a: &netlink_packet_route::route::RouteAddress) -> Option<IpAddr> {
+    match a {
+        netlink_packet_route::route::RouteAddress::Inet(v4) => Some((*v4).into()),
+        netlink_packet_route::route::RouteAddress::Inet6(v6) => Some((*v6).into()),
+        _ => None,
+    }
+}

@@ -1,0 +1,366 @@
+//! The CNI plugins `lockstep` and `lockstep-ipam`: the same binary, run by a
+//! container runtime with `CNI_COMMAND` set.
+//!
+//! The plugin is thin on purpose: it validates the invocation (the [`cni`]
+//! spec layer), asks the agent over its socket, and prints the result or the
+//! error in the version the runtime asked for. The agent does the allocation,
+//! the interfaces and the datapath, so rollback and crash safety live in one
+//! place. An unreachable agent is "try again later" (code 11); a refusal by
+//! the agent (an exhausted pool, a taken address) is code 100 with the agent's
+//! stable error code in `details`.
+
+use std::io::Write;
+use std::path::Path;
+
+use hyper::Method;
+use serde_json::{Value, json};
+
+use crate::client::{ClientError, call};
+use crate::cni::{
+    self, AttachmentRequest, CniError, CniResult, CniVersion, Interface, Invocation, IpConfig,
+    IpamAddress, IpamResult, PluginMode, Route,
+};
+
+/// Code of errors the agent reports (plugin-specific codes start at 100).
+pub const AGENT_REFUSED: u32 = 100;
+
+/// Why an invocation failed.
+#[derive(Debug, thiserror::Error)]
+pub enum PluginError {
+    /// The invocation itself is wrong, or a spec-level condition.
+    #[error(transparent)]
+    Cni(#[from] CniError),
+    /// The agent answered with an error.
+    #[error("the lockstep agent refused: {message}")]
+    Refused {
+        /// The agent's stable error code.
+        code: String,
+        /// The agent's message.
+        message: String,
+    },
+}
+
+impl PluginError {
+    fn to_json(&self, version: CniVersion) -> Value {
+        match self {
+            PluginError::Cni(e) => e.to_json(version.as_str()),
+            PluginError::Refused { code, message } => json!({
+                "cniVersion": version.as_str(),
+                "code": AGENT_REFUSED,
+                "msg": format!("the lockstep agent refused: {message}"),
+                "details": format!("agent error code {code}"),
+            }),
+        }
+    }
+}
+
+fn agent(
+    socket: &Path,
+    method: Method,
+    path: &str,
+    body: Option<Value>,
+) -> Result<Value, PluginError> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| CniError::TryAgainLater {
+            reason: format!("cannot start the plugin's runtime: {e}"),
+        })?;
+    rt.block_on(call(socket, method, path, body))
+        .map_err(|e| match e {
+            ClientError::Connect { socket, source } => CniError::TryAgainLater {
+                reason: format!(
+                    "the lockstep agent is not reachable at {socket} ({source}); is it running?"
+                ),
+            }
+            .into(),
+            ClientError::Api { code, .. } if code == "not_ready" => CniError::TryAgainLater {
+                reason: "the lockstep agent is restoring its state".into(),
+            }
+            .into(),
+            ClientError::Api { code, message, .. } => PluginError::Refused { code, message },
+            other => CniError::TryAgainLater {
+                reason: format!("talking to the lockstep agent failed: {other}"),
+            }
+            .into(),
+        })
+}
+
+fn mode(req: &AttachmentRequest) -> &'static str {
+    match req.config.mode {
+        PluginMode::Full => "full",
+        PluginMode::Ipam => "ipam",
+    }
+}
+
+fn endpoint_body(req: &AttachmentRequest) -> Value {
+    json!({
+        "container_id": req.attachment.container_id.as_str(),
+        "ifname": req.attachment.ifname.as_str(),
+        "netns": req.netns.as_ref().map(|p| p.display().to_string()).unwrap_or_default(),
+        "mode": mode(req),
+        "pool": req.config.pool(),
+        "requested": req.config.requested_ips.iter().map(|r| r.address).collect::<Vec<_>>(),
+        "mtu": req.config.options.mtu,
+    })
+}
+
+fn fmt_mac(v: &Value) -> Option<String> {
+    let bytes: Vec<u64> = v.as_array()?.iter().filter_map(Value::as_u64).collect();
+    (bytes.len() == 6).then(|| {
+        bytes
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect::<Vec<_>>()
+            .join(":")
+    })
+}
+
+fn add(req: &AttachmentRequest) -> Result<Value, PluginError> {
+    let socket = &req.config.options.agent_socket;
+    let reply = agent(
+        socket,
+        Method::POST,
+        "/v1/cni/add",
+        Some(endpoint_body(req)),
+    )?;
+    let version = req.config.cni_version;
+    let dns = req.config.dns.clone().unwrap_or_default();
+    let addresses = reply["addresses"].as_array().cloned().unwrap_or_default();
+    let parse_addr = |a: &Value| -> Option<(ipnet::IpNet, Option<std::net::IpAddr>)> {
+        let net = a["address"].as_str()?.parse().ok()?;
+        let gw = a["gateway"].as_str().and_then(|g| g.parse().ok());
+        Some((net, gw))
+    };
+    match req.config.mode {
+        PluginMode::Ipam => {
+            let result = IpamResult {
+                ips: addresses
+                    .iter()
+                    .filter_map(parse_addr)
+                    .map(|(address, gateway)| IpamAddress { address, gateway })
+                    .collect(),
+                routes: req.config.options.routes.clone(),
+                dns,
+            };
+            Ok(result.to_json(version))
+        }
+        PluginMode::Full => {
+            let record = &reply["record"];
+            let host = Interface {
+                name: record["host_ifname"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .to_string(),
+                mac: fmt_mac(&record["host_mac"]),
+                mtu: req.config.options.mtu,
+                sandbox: None,
+                socket_path: None,
+                pci_id: None,
+            };
+            let container = Interface {
+                name: req.attachment.ifname.as_str().to_string(),
+                mac: fmt_mac(&record["mac"]),
+                mtu: req.config.options.mtu,
+                sandbox: req.netns.as_ref().map(|p| p.display().to_string()),
+                socket_path: None,
+                pci_id: None,
+            };
+            let ips = addresses
+                .iter()
+                .filter_map(parse_addr)
+                .map(|(address, gateway)| IpConfig {
+                    address,
+                    gateway,
+                    interface: Some(1),
+                })
+                .collect();
+            let routes = reply["routes"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(|r| {
+                    let dst = r[0].as_str()?.parse().ok()?;
+                    let gw = r[1].as_str().and_then(|g| g.parse().ok());
+                    Some(Route::new(dst, gw))
+                })
+                .collect();
+            let result = CniResult {
+                interfaces: vec![host, container],
+                ips,
+                routes,
+                dns,
+            };
+            Ok(result.to_json(version))
+        }
+    }
+}
+
+/// Runs one invocation; returns what to print and the exit code.
+pub fn invoke<I, K, V>(env: I, stdin: &[u8]) -> (Option<Value>, i32)
+where
+    I: IntoIterator<Item = (K, V)>,
+    K: AsRef<std::ffi::OsStr>,
+    V: AsRef<std::ffi::OsStr>,
+{
+    let version = cni::error_version(stdin);
+    let invocation = match cni::parse_invocation(env, stdin) {
+        Ok(i) => i,
+        Err(e) => return (Some(e.to_json(version.as_str())), 1),
+    };
+    let version = invocation.cni_version();
+    let outcome: Result<Option<Value>, PluginError> = match &invocation {
+        Invocation::Version(v) => Ok(Some(v.response().to_json())),
+        Invocation::Add(req) => add(req).map(Some),
+        Invocation::Del(req) => agent(
+            &req.config.options.agent_socket,
+            Method::POST,
+            "/v1/cni/del",
+            Some(json!({
+                "container_id": req.attachment.container_id.as_str(),
+                "ifname": req.attachment.ifname.as_str(),
+            })),
+        )
+        .map(|_| None),
+        Invocation::Check(req) => agent(
+            &req.config.options.agent_socket,
+            Method::POST,
+            "/v1/cni/check",
+            Some(endpoint_body(req)),
+        )
+        .map(|_| None),
+        Invocation::Gc(req) => {
+            let valid: Vec<(String, String)> = req
+                .valid_attachments
+                .iter()
+                .map(|a| {
+                    (
+                        a.container_id.as_str().to_string(),
+                        a.ifname.as_str().to_string(),
+                    )
+                })
+                .collect();
+            agent(
+                &req.config.options.agent_socket,
+                Method::POST,
+                "/v1/cni/gc",
+                Some(json!({ "valid": valid })),
+            )
+            .map(|_| None)
+        }
+        Invocation::Status(req) => {
+            status(&req.config.options.agent_socket, req.config.pool()).map(|_| None)
+        }
+    };
+    match outcome {
+        Ok(out) => (out, 0),
+        Err(e) => (Some(e.to_json(version)), 1),
+    }
+}
+
+fn status(socket: &Path, pool: Option<&str>) -> Result<(), PluginError> {
+    let st = agent(socket, Method::GET, "/v1/status", None).map_err(|e| match e {
+        PluginError::Cni(CniError::TryAgainLater { reason }) => {
+            CniError::PluginNotAvailable { reason }.into()
+        }
+        other => other,
+    })?;
+    if st["ready"] != true {
+        return Err(CniError::PluginNotAvailable {
+            reason: st["reason"].as_str().unwrap_or("not ready").to_string(),
+        }
+        .into());
+    }
+    let pools = agent(socket, Method::GET, "/v1/pools", None)?;
+    let free: u128 = pools
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|p| pool.is_none_or(|name| p["name"] == name))
+        .map(|p| {
+            let f = |v: &Value| v[1].as_u64().unwrap_or(0) as u128;
+            f(&p["v4"]) + f(&p["v6"])
+        })
+        .sum();
+    if free == 0 {
+        return Err(CniError::PluginNotAvailable {
+            reason: format!("no free address in pool {}", pool.unwrap_or("(default)")),
+        }
+        .into());
+    }
+    Ok(())
+}
+
+/// Entry point when run by a container runtime: reads stdin, writes the
+/// result (or error) to stdout, returns the exit code.
+pub fn run() -> i32 {
+    let stdin = match cni::read_stdin(std::io::stdin()) {
+        Ok(b) => b,
+        Err(e) => {
+            println!("{}", e.to_json(CniVersion::LATEST.as_str()));
+            return 1;
+        }
+    };
+    let (out, code) = invoke(std::env::vars_os(), &stdin);
+    if let Some(v) = out {
+        let mut stdout = std::io::stdout().lock();
+        let _ = writeln!(stdout, "{v}");
+    }
+    code
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_unreachable_agent_is_try_again_later() {
+        let stdin = br#"{"cniVersion":"1.0.0","name":"n","type":"lockstep","agentSocket":"/nonexistent/lockstep.sock"}"#;
+        let env = [
+            ("CNI_COMMAND", "ADD"),
+            ("CNI_CONTAINERID", "abc"),
+            ("CNI_NETNS", "/var/run/netns/x"),
+            ("CNI_IFNAME", "eth0"),
+            ("CNI_PATH", "/opt/cni/bin"),
+        ];
+        let (out, code) = invoke(env, stdin);
+        assert_eq!(code, 1);
+        let out = out.expect("an error object");
+        assert_eq!(out["code"], 11, "{out}");
+        assert!(
+            out["msg"]
+                .as_str()
+                .unwrap_or_default()
+                .contains("/nonexistent/lockstep.sock"),
+            "{out}"
+        );
+        assert!(
+            out["msg"]
+                .as_str()
+                .unwrap_or_default()
+                .contains("is it running"),
+            "{out}"
+        );
+    }
+
+    #[test]
+    fn status_with_no_agent_is_not_available() {
+        let stdin = br#"{"cniVersion":"1.1.0","name":"n","type":"lockstep","agentSocket":"/nonexistent/lockstep.sock"}"#;
+        let (out, code) = invoke([("CNI_COMMAND", "STATUS")], stdin);
+        assert_eq!(code, 1);
+        assert_eq!(out.expect("error")["code"], 50);
+    }
+
+    #[test]
+    fn version_needs_no_agent() {
+        let (out, code) = invoke([("CNI_COMMAND", "VERSION")], br#"{"cniVersion":"0.4.0"}"#);
+        assert_eq!(code, 0);
+        let out = out.expect("version info");
+        assert!(
+            out["supportedVersions"]
+                .as_array()
+                .is_some_and(|v| v.len() == 4),
+            "{out}"
+        );
+    }
+}
