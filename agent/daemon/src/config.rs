@@ -94,6 +94,37 @@ impl Default for DatapathConfig {
     }
 }
 
+/// `[cni]`: installing the plugin and conflist (the DaemonSet pattern).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct CniConfig {
+    /// Install on start (and remove what was installed when turned off).
+    pub install: bool,
+    /// Where the plugin binaries go.
+    pub bin_dir: PathBuf,
+    /// Where the conflist goes.
+    pub conf_dir: PathBuf,
+    /// The conflist's file name.
+    pub conflist_name: String,
+    /// The network name in the conflist.
+    pub network_name: String,
+    /// The conflist's `cniVersion`.
+    pub cni_version: String,
+}
+
+impl Default for CniConfig {
+    fn default() -> Self {
+        Self {
+            install: false,
+            bin_dir: PathBuf::from("/opt/cni/bin"),
+            conf_dir: PathBuf::from("/etc/cni/net.d"),
+            conflist_name: "05-lockstep.conflist".into(),
+            network_name: "lockstep".into(),
+            cni_version: "1.1.0".into(),
+        }
+    }
+}
+
 /// The whole configuration.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -113,6 +144,8 @@ pub struct Config {
     pub non_masquerade_cidrs: Vec<IpNet>,
     /// Datapath settings.
     pub datapath: DatapathConfig,
+    /// CNI plugin installation.
+    pub cni: CniConfig,
     /// The pool endpoints get when the CNI call names none (default: the
     /// first pool).
     pub default_pool: Option<String>,
@@ -130,6 +163,7 @@ impl Default for Config {
             reconcile_interval: Duration::from_secs(10),
             non_masquerade_cidrs: Vec::new(),
             datapath: DatapathConfig::default(),
+            cni: CniConfig::default(),
             default_pool: None,
             pools: vec![
                 PoolSpec::new("default")
@@ -200,6 +234,29 @@ impl Config {
             return Err(invalid(
                 "datapath.endpoints_max_entries".into(),
                 "must be greater than zero".into(),
+            ));
+        }
+        for (field, p) in [
+            ("cni.bin_dir", &self.cni.bin_dir),
+            ("cni.conf_dir", &self.cni.conf_dir),
+        ] {
+            if !p.is_absolute() {
+                return Err(invalid(field.into(), "must be an absolute path".into()));
+            }
+        }
+        if !["0.3.1", "0.4.0", "1.0.0", "1.1.0"].contains(&self.cni.cni_version.as_str()) {
+            return Err(invalid(
+                "cni.cni_version".into(),
+                format!(
+                    "{} is not one of 0.3.1, 0.4.0, 1.0.0, 1.1.0",
+                    self.cni.cni_version
+                ),
+            ));
+        }
+        if self.cni.conflist_name.contains('/') || !self.cni.conflist_name.ends_with(".conflist") {
+            return Err(invalid(
+                "cni.conflist_name".into(),
+                "must be a file name ending in .conflist".into(),
             ));
         }
         if !self.datapath.pin_root.is_absolute() {

@@ -13,6 +13,7 @@ pub mod client;
 pub mod cni;
 pub mod config;
 pub mod datapath;
+pub mod install;
 pub mod metrics;
 pub mod netlink;
 pub mod plugin;

@@ -32,6 +32,9 @@ pub enum ServerError {
     /// Start-up failed.
     #[error("agent start-up failed")]
     Start(#[source] AgentError),
+    /// Installing the CNI plugin failed.
+    #[error("installing the CNI plugin failed")]
+    Install(#[source] crate::install::InstallError),
     /// The start-up task died.
     #[error("agent start-up task failed")]
     Join(#[source] tokio::task::JoinError),
@@ -106,6 +109,18 @@ pub async fn run(config: Config) -> Result<(), ServerError> {
     tracing::info!(socket = %socket.display(), "API listening; restoring");
 
     let interval = config.reconcile_interval;
+    // The plugin goes in only after the API socket exists, so the first ADD
+    // a runtime sends finds the agent (answering "try again" while restoring).
+    if config.cni.install {
+        crate::install::install(&config.cni, &config.socket, &config.state_dir)
+            .map_err(ServerError::Install)?;
+    } else {
+        let (removed, _) =
+            crate::install::uninstall(&config.state_dir).map_err(ServerError::Install)?;
+        for path in removed {
+            tracing::info!(path = %path.display(), "removed a CNI file this agent had installed");
+        }
+    }
     let agent = tokio::task::spawn_blocking(move || Agent::start(config))
         .await
         .map_err(ServerError::Join)?
