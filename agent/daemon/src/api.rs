@@ -19,6 +19,7 @@ use serde::Serialize;
 use serde_json::json;
 
 use crate::agent::endpoints::{DelRequest, EndpointRequest, GcRequest};
+use crate::agent::lb::{LbApply, LbDelete};
 use crate::agent::{Agent, AgentError, AllocateRequest, ReleaseRequest};
 use crate::metrics::Metrics;
 
@@ -231,6 +232,26 @@ async fn endpoints(State(s): State<AppState>) -> Result<Response, ApiError> {
     Ok(ok(with_agent(&s, |a| Ok(a.endpoints())).await?))
 }
 
+async fn lb_get(State(s): State<AppState>) -> Result<Response, ApiError> {
+    Ok(ok(with_agent(&s, |a| Ok(a.lb_view())).await?))
+}
+
+async fn lb_apply(
+    State(s): State<AppState>,
+    body: Result<Json<LbApply>, JsonRejection>,
+) -> Result<Response, ApiError> {
+    let Json(req) = body?;
+    Ok(ok(with_agent(&s, move |a| a.lb_apply(req)).await?))
+}
+
+async fn lb_delete(
+    State(s): State<AppState>,
+    body: Result<Json<LbDelete>, JsonRejection>,
+) -> Result<Response, ApiError> {
+    let Json(req) = body?;
+    Ok(ok(with_agent(&s, move |a| a.lb_delete(req)).await?))
+}
+
 async fn not_found() -> ApiError {
     ApiError::new(
         StatusCode::NOT_FOUND,
@@ -257,6 +278,9 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/verify", get(verify))
         .route("/v1/reconcile", post(reconcile))
         .route("/v1/endpoints", get(endpoints))
+        .route("/v1/lb", get(lb_get))
+        .route("/v1/lb/apply", post(lb_apply))
+        .route("/v1/lb/delete", post(lb_delete))
         .route("/v1/cni/add", post(cni_add))
         .route("/v1/cni/del", post(cni_del))
         .route("/v1/cni/check", post(cni_check))

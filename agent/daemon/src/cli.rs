@@ -117,6 +117,9 @@ pub enum Command {
     },
     /// Reconcile the maps now (the agent also does it periodically).
     Reconcile,
+    /// LoadBalancer IPAM: pools and services.
+    #[command(subcommand)]
+    Lb(LbCommand),
     /// Low-level datapath operations on pinned maps and links.
     #[command(subcommand)]
     Datapath(DatapathCommand),
@@ -292,6 +295,80 @@ pub enum DatapathCommand {
         #[arg(long)]
         iface: Vec<String>,
     },
+}
+
+/// `lockstep lb ...`.
+#[derive(Debug, Subcommand)]
+pub enum LbCommand {
+    /// Create or replace pools and services from a JSON or TOML file with
+    /// `pools` and `services` lists (Kubernetes field names accepted).
+    Apply {
+        /// The file (`-` for stdin).
+        #[arg(long, short)]
+        file: PathBuf,
+        /// Output format.
+        #[arg(long, short, value_enum, default_value_t)]
+        output: Output,
+    },
+    /// Pools (with conflicts and usage) and service statuses.
+    Get {
+        /// Output format.
+        #[arg(long, short, value_enum, default_value_t)]
+        output: Output,
+    },
+    /// Delete services (`namespace/name`) and pools.
+    Delete {
+        /// Services to delete.
+        #[arg(long)]
+        service: Vec<String>,
+        /// Pools to delete.
+        #[arg(long)]
+        pool: Vec<String>,
+    },
+}
+
+/// Reads an `lb apply` file: JSON, or TOML when the name ends in `.toml`.
+///
+/// # Errors
+/// Unreadable, or not valid JSON/TOML (the message names the line).
+pub fn read_lb_file(path: &std::path::Path) -> anyhow::Result<serde_json::Value> {
+    let text = if path == std::path::Path::new("-") {
+        std::io::read_to_string(std::io::stdin())?
+    } else {
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?
+    };
+    if path.extension().is_some_and(|e| e == "toml") {
+        let v: toml::Value = toml::from_str(&text)
+            .with_context(|| format!("{} is not valid TOML", path.display()))?;
+        Ok(serde_json::to_value(v)?)
+    } else {
+        serde_json::from_str(&text).with_context(|| format!("{} is not valid JSON", path.display()))
+    }
+}
+
+fn print_lb(v: &serde_json::Value, output: Output) {
+    print(v, output, |v| {
+        let mut out = String::from("pools:\n");
+        for p in v["pools"].as_array().into_iter().flatten() {
+            out.push_str(&format!(
+                "  {:<16} used {} free {}{}\n",
+                p["spec"]["name"].as_str().unwrap_or("?"),
+                p["metrics"]["used"],
+                p["metrics"]["free"],
+                if p["conflict"].is_null() {
+                    String::new()
+                } else {
+                    format!("  CONFLICTING: {}", p["conflict"])
+                }
+            ));
+        }
+        out.push_str("services:\n");
+        for (id, st) in v["services"].as_object().into_iter().flatten() {
+            let a = &st["assignment"];
+            out.push_str(&format!("  {id:<24} {a}\n"));
+        }
+        out.trim_end().to_string()
+    });
 }
 
 /// `lockstep maps ...`.
@@ -490,6 +567,27 @@ pub fn run(cli: Cli) -> anyhow::Result<i32> {
                 out.trim_end().to_string()
             });
             Ok(if ok { 0 } else { 1 })
+        }
+        Command::Lb(LbCommand::Apply { file, output }) => {
+            let body = read_lb_file(&file)?;
+            let v = api(&socket, Method::POST, "/v1/lb/apply", Some(body))?;
+            print_lb(&v, output);
+            Ok(0)
+        }
+        Command::Lb(LbCommand::Get { output }) => {
+            let v = api(&socket, Method::GET, "/v1/lb", None)?;
+            print_lb(&v, output);
+            Ok(0)
+        }
+        Command::Lb(LbCommand::Delete { service, pool }) => {
+            let v = api(
+                &socket,
+                Method::POST,
+                "/v1/lb/delete",
+                Some(json!({"services": service, "pools": pool})),
+            )?;
+            print_lb(&v, Output::Text);
+            Ok(0)
         }
         Command::Reconcile => {
             let v = api(&socket, Method::POST, "/v1/reconcile", None)?;

@@ -8,6 +8,7 @@
 
 pub mod agent;
 pub mod api;
+pub mod arp;
 pub mod cli;
 pub mod client;
 pub mod cni;

@@ -25,6 +25,8 @@ pub struct Metrics {
     map_entries: Family<Labels, Gauge<i64>>,
     repairs: Family<Labels, Gauge<i64>>,
     errors: Family<Labels, Gauge<i64>>,
+    lb_pool: Family<Labels, Gauge<i64>>,
+    lb_pending: Family<Labels, Gauge<i64>>,
     latency: Histogram,
 }
 
@@ -49,6 +51,8 @@ impl Metrics {
         let map_entries = Family::<Labels, Gauge<i64>>::default();
         let repairs = Family::<Labels, Gauge<i64>>::default();
         let errors = Family::<Labels, Gauge<i64>>::default();
+        let lb_pool = Family::<Labels, Gauge<i64>>::default();
+        let lb_pending = Family::<Labels, Gauge<i64>>::default();
         let latency = Histogram::new([
             0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5,
         ]);
@@ -78,6 +82,16 @@ impl Metrics {
             errors.clone(),
         );
         registry.register(
+            "lb_pool",
+            "LoadBalancer pools: used and free addresses, conflicting (1/0)",
+            lb_pool.clone(),
+        );
+        registry.register(
+            "lb_pending_services",
+            "LoadBalancer services without an address, by reason",
+            lb_pending.clone(),
+        );
+        registry.register(
             "allocation_duration_seconds",
             "Time to allocate through the API (commit, program, acknowledge)",
             latency.clone(),
@@ -89,6 +103,8 @@ impl Metrics {
             map_entries,
             repairs,
             errors,
+            lb_pool,
+            lb_pending,
             latency,
         }
     }
@@ -123,6 +139,26 @@ impl Metrics {
         for (code, n) in &agent.stats.errors {
             self.errors
                 .get_or_create(&vec![("code".to_string(), code.to_string())])
+                .set(*n as i64);
+        }
+        let lb = agent.lb_metrics();
+        for (pool, m) in &lb.pools {
+            for (what, n) in [
+                ("used", m.used as i64),
+                ("free", m.free as i64),
+                ("conflicting", i64::from(m.conflicting)),
+            ] {
+                self.lb_pool
+                    .get_or_create(&vec![
+                        ("pool".to_string(), pool.clone()),
+                        ("state".to_string(), what.to_string()),
+                    ])
+                    .set(n);
+            }
+        }
+        for (reason, n) in &lb.pending_by_reason {
+            self.lb_pending
+                .get_or_create(&vec![("reason".to_string(), reason.clone())])
                 .set(*n as i64);
         }
         let mut out = String::new();

@@ -22,6 +22,8 @@ use redb::{Database, ReadableTable, ReadableTableMetadata, TableDefinition};
 const ALLOCATIONS: TableDefinition<&str, &[u8]> = TableDefinition::new("allocations");
 const META: TableDefinition<&str, u64> = TableDefinition::new("meta");
 const ENDPOINTS: TableDefinition<&str, &[u8]> = TableDefinition::new("endpoints");
+const LB: TableDefinition<&str, &[u8]> = TableDefinition::new("lb");
+const LB_STATE: &str = "state";
 const GENERATION: &str = "generation";
 
 /// File name of the database inside the state directory.
@@ -133,6 +135,8 @@ pub struct Stored {
     pub allocations: Vec<Allocation>,
     /// Every attached endpoint.
     pub endpoints: Vec<EndpointRecord>,
+    /// The LoadBalancer IPAM state, if any was ever stored.
+    pub lb: Option<lockstep_core::lb::LbSnapshot>,
 }
 
 /// The store.
@@ -179,6 +183,7 @@ impl Store {
         txn.open_table(ALLOCATIONS).map_err(db_err("open table"))?;
         txn.open_table(META).map_err(db_err("open table"))?;
         txn.open_table(ENDPOINTS).map_err(db_err("open table"))?;
+        txn.open_table(LB).map_err(db_err("open table"))?;
         txn.commit().map_err(db_err("commit"))?;
         Ok(store)
     }
@@ -222,10 +227,22 @@ impl Store {
                 })?;
             endpoints.push(e);
         }
+        let table = txn.open_table(LB).map_err(db_err("open table"))?;
+        let lb =
+            match table.get(LB_STATE).map_err(db_err("read"))? {
+                Some(v) => Some(serde_json::from_slice(v.value()).map_err(|source| {
+                    StoreError::Corrupt {
+                        key: LB_STATE.into(),
+                        source,
+                    }
+                })?),
+                None => None,
+            };
         Ok(Stored {
             generation: Generation(generation),
             allocations,
             endpoints,
+            lb,
         })
     }
 
@@ -285,6 +302,25 @@ impl Store {
                 .map(|g| g.value())
                 .unwrap_or(0);
             meta.insert(GENERATION, current.max(high_water.0))
+                .map_err(db_err("insert"))?;
+        }
+        txn.commit().map_err(db_err("commit"))
+    }
+
+    /// Durably replaces the LoadBalancer IPAM state.
+    ///
+    /// # Errors
+    /// The transaction failed; the old state stays.
+    pub fn put_lb(&self, state: &lockstep_core::lb::LbSnapshot) -> Result<(), StoreError> {
+        let value = serde_json::to_vec(state).map_err(|source| StoreError::Corrupt {
+            key: LB_STATE.into(),
+            source,
+        })?;
+        let txn = self.db.begin_write().map_err(db_err("begin"))?;
+        {
+            let mut table = txn.open_table(LB).map_err(db_err("open table"))?;
+            table
+                .insert(LB_STATE, value.as_slice())
                 .map_err(db_err("insert"))?;
         }
         txn.commit().map_err(db_err("commit"))

@@ -19,7 +19,7 @@ use std::time::Instant;
 
 use ipnet::{IpNet, Ipv4Net, Ipv6Net};
 use lockstep_common::{
-    EndpointValue, IpcacheValue, MasqSkipValue, V4Addr, V6Addr, map_names, masq_reason,
+    EndpointValue, IpcacheValue, L2RespValue, MasqSkipValue, V4Addr, V6Addr, map_names, masq_reason,
 };
 use lockstep_core::cidr::Family;
 use lockstep_core::manager::{Allocation, ManagerConfig, ManagerError, PoolManager, StaticPools};
@@ -37,6 +37,7 @@ use crate::netlink::{Netlink, NetlinkError};
 use crate::store::{EndpointMode, EndpointRecord, Store, StoreError};
 
 pub mod endpoints;
+pub mod lb;
 
 /// Errors of agent operations. Each has a stable API code ([`AgentError::code`]).
 #[derive(Debug, thiserror::Error)]
@@ -267,6 +268,18 @@ pub struct Stats {
     pub entries: BTreeMap<&'static str, usize>,
 }
 
+/// The node's uplink: where to_native/from_native run and LoadBalancer
+/// addresses are announced.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Uplink {
+    /// Interface name.
+    pub name: String,
+    /// Interface index.
+    pub index: u32,
+    /// Its MAC: what the ARP responder answers with.
+    pub mac: [u8; 6],
+}
+
 /// The running agent's state.
 pub struct Agent {
     config: Config,
@@ -279,6 +292,8 @@ pub struct Agent {
     restored: ReconcileReport,
     endpoints: BTreeMap<String, EndpointRecord>,
     netlink: Option<Netlink>,
+    lb: lockstep_core::lb::LbIpam,
+    uplink: Option<Uplink>,
     /// Counters for metrics.
     pub stats: Stats,
 }
@@ -324,6 +339,8 @@ fn lpm_key_bytes(prefix_len: u8, addr: &[u8]) -> Vec<u8> {
 /// datapath stores them (host entries in hashes, prefixes in tries).
 #[derive(Debug, Default, PartialEq)]
 struct MapContents {
+    /// L2_RESP_V4, sorted by address.
+    l2: Vec<(V4Addr, L2RespValue)>,
     /// ENDPOINTS, sorted by ifindex.
     endpoints: Vec<(u32, EndpointValue)>,
     /// Sorted by address, unique.
@@ -339,6 +356,7 @@ struct MapContents {
 impl MapContents {
     fn observe(maps: &PinnedMaps, pin_root: &std::path::Path) -> Result<Self, AgentError> {
         let mut c = MapContents {
+            l2: read_hash(pin_root, map_names::L2_RESP_V4)?,
             endpoints: read_hash(pin_root, map_names::ENDPOINTS)?,
             host_v4: read_hash(pin_root, map_names::IPCACHE_HOST_V4)?,
             host_v6: read_hash(pin_root, map_names::IPCACHE_HOST_V6)?,
@@ -510,6 +528,14 @@ impl Agent {
             });
         }
         let count = stored.allocations.len();
+        let lb = match &stored.lb {
+            Some(snapshot) => {
+                lockstep_core::lb::LbIpam::restore(snapshot).map_err(|e| AgentError::Invalid {
+                    reason: format!("stored LoadBalancer state does not restore: {e}"),
+                })?
+            }
+            None => lockstep_core::lb::LbIpam::new(),
+        };
         let outcome = manager.restore(stored.generation, stored.allocations);
         for (a, why) in &outcome.rejected {
             // The pool or CIDR it came from is gone from the configuration:
@@ -531,8 +557,11 @@ impl Agent {
             restored: ReconcileReport::default(),
             endpoints: stored.endpoints.into_iter().map(|e| (e.key(), e)).collect(),
             netlink: None,
+            lb,
+            uplink: None,
             stats: Stats::default(),
         };
+        agent.attach_uplink()?;
         agent.restored = agent.reconcile_inner()?;
         agent.reattach_endpoints();
         agent.ready = true;
@@ -771,6 +800,27 @@ impl Agent {
             _ => EntryExtra::default(),
         })
         .map_err(invalid)?;
+        let hosts = self.merge_lb(hosts);
+        let mut l2: Vec<(V4Addr, L2RespValue)> = match &self.uplink {
+            Some(up) => self
+                .lb
+                .plan()
+                .l2_announce_v4
+                .into_keys()
+                .map(|a| {
+                    (
+                        a.octets(),
+                        L2RespValue {
+                            ifindex: up.index,
+                            mac: up.mac,
+                            _pad: [0; 2],
+                        },
+                    )
+                })
+                .collect(),
+            None => Vec::new(),
+        };
+        l2.sort_unstable_by_key(|e| e.0);
         let mut endpoint_entries: Vec<(u32, EndpointValue)> = self
             .endpoints
             .values()
@@ -798,6 +848,7 @@ impl Agent {
         );
         let plan = b.finish();
         Ok(MapContents {
+            l2,
             endpoints: endpoint_entries,
             host_v4: hosts.v4,
             host_v6: hosts.v6,
@@ -818,6 +869,13 @@ impl Agent {
         let have = self.observed()?;
         let root = self.config.datapath.pin_root.clone();
         let mut report = ReconcileReport::default();
+        apply(
+            &root,
+            map_names::L2_RESP_V4,
+            &diff_sorted(&want.l2, &have.l2),
+            |k| k.to_vec(),
+            &mut report,
+        )?;
         apply(
             &root,
             map_names::ENDPOINTS,
@@ -926,6 +984,12 @@ impl Agent {
         let show4 = |k: &V4Addr| std::net::Ipv4Addr::from(*k).to_string();
         let show6 = |k: &V6Addr| std::net::Ipv6Addr::from(*k).to_string();
         drift(
+            map_names::L2_RESP_V4,
+            &diff_sorted(&want.l2, &have.l2),
+            |k| std::net::Ipv4Addr::from(*k).to_string(),
+            &mut report.maps,
+        );
+        drift(
             map_names::ENDPOINTS,
             &diff_sorted(&want.endpoints, &have.endpoints),
             |k| format!("ifindex {k}"),
@@ -1019,6 +1083,68 @@ impl Agent {
                 }
             })
             .collect()
+    }
+
+    /// Resolves the configured uplink and attaches `to_native` (egress) and
+    /// `from_native` (ingress) to it, in place if already attached.
+    fn attach_uplink(&mut self) -> Result<(), AgentError> {
+        let Some(name) = self.config.datapath.uplink.clone() else {
+            return Ok(());
+        };
+        let link = Netlink::current()?
+            .link(&name)?
+            .ok_or_else(|| AgentError::Invalid {
+                reason: format!("uplink {name} (datapath.uplink) does not exist"),
+            })?;
+        self.datapath.attach(
+            lockstep_common::program_names::TO_NATIVE,
+            &name,
+            crate::datapath::Hook::Egress,
+        )?;
+        self.datapath.attach(
+            lockstep_common::program_names::FROM_NATIVE,
+            &name,
+            crate::datapath::Hook::Ingress,
+        )?;
+        self.uplink = Some(Uplink {
+            name,
+            index: link.index,
+            mac: link.mac,
+        });
+        Ok(())
+    }
+
+    /// Adds LoadBalancer addresses to the node's host entries. An address
+    /// held by both (impossible while LB pools are refused when they overlap
+    /// node pools) keeps the node's entry and is logged.
+    fn merge_lb(
+        &self,
+        mut hosts: lockstep_core::plan::HostEntries,
+    ) -> lockstep_core::plan::HostEntries {
+        let mut extra = false;
+        for (addr, value) in self.lb_host_entries() {
+            match addr {
+                IpAddr::V4(a) => match hosts.v4.binary_search_by_key(&a.octets(), |e| e.0) {
+                    Ok(_) => tracing::error!(%a, "an LB address is also a node allocation"),
+                    Err(_) => {
+                        hosts.v4.push((a.octets(), value));
+                        extra = true;
+                    }
+                },
+                IpAddr::V6(a) => match hosts.v6.binary_search_by_key(&a.octets(), |e| e.0) {
+                    Ok(_) => tracing::error!(%a, "an LB address is also a node allocation"),
+                    Err(_) => {
+                        hosts.v6.push((a.octets(), value));
+                        extra = true;
+                    }
+                },
+            }
+        }
+        if extra {
+            hosts.v4.sort_unstable_by_key(|e| e.0);
+            hosts.v6.sort_unstable_by_key(|e| e.0);
+        }
+        hosts
     }
 
     /// What the start-up reconcile did.

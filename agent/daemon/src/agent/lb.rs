@@ -1,0 +1,201 @@
+//! LoadBalancer IPAM in the agent: the core's [`LbIpam`] decides; this
+//! module persists its state, programs IPCACHE and L2_RESP_V4, and sends a
+//! gratuitous ARP when an address is newly announced.
+//!
+//! Order, as everywhere: decide → commit (the whole LB state, fsync) →
+//! program → acknowledge; if programming fails, the previous state is put
+//! back in memory and in the store, and the maps reconciled to it. Addresses
+//! survive restarts because the state is restored, not rebuilt from service
+//! status (the race peers have).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::{IpAddr, Ipv4Addr};
+
+use ipnet::IpNet;
+use lockstep_core::lb::{LbIpam, LbPoolSpec, PoolStatus, ServiceSpec, ServiceStatus};
+use lockstep_core::pool::overlaps;
+use serde::{Deserialize, Serialize};
+
+use super::{Agent, AgentError};
+
+/// What `lb apply` sends: pools and services, either list may be empty.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LbApply {
+    /// Pools to create or replace.
+    #[serde(default)]
+    pub pools: Vec<LbPoolSpec>,
+    /// Services to create or replace.
+    #[serde(default)]
+    pub services: Vec<ServiceSpec>,
+}
+
+/// What `lb delete` sends.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LbDelete {
+    /// Pools by name.
+    #[serde(default)]
+    pub pools: Vec<String>,
+    /// Services as `namespace/name`.
+    #[serde(default)]
+    pub services: Vec<String>,
+}
+
+/// The LB state as the API shows it.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct LbView {
+    /// Pools, with conflicts and usage.
+    pub pools: Vec<PoolStatus>,
+    /// Service statuses by `namespace/name`.
+    pub services: BTreeMap<String, ServiceStatus>,
+}
+
+fn lb_err(e: lockstep_core::lb::LbError) -> AgentError {
+    AgentError::Invalid {
+        reason: e.to_string(),
+    }
+}
+
+impl Agent {
+    /// The LB state.
+    pub fn lb_view(&self) -> LbView {
+        LbView {
+            pools: self.lb.pools().collect(),
+            services: self
+                .lb
+                .services()
+                .map(|(id, st)| (id.to_string(), st.clone()))
+                .collect(),
+        }
+    }
+
+    /// LB metrics (per-pool usage and conflicts, pending by reason).
+    pub fn lb_metrics(&self) -> lockstep_core::lb::LbMetrics {
+        self.lb.metrics()
+    }
+
+    /// The announced IPv4 addresses right now.
+    fn announced(&self) -> BTreeSet<Ipv4Addr> {
+        self.lb.plan().l2_announce_v4.into_keys().collect()
+    }
+
+    /// Refuses an LB pool that overlaps one of the node's endpoint pools:
+    /// the two allocators would hand out the same address.
+    fn check_against_node_pools(&self, spec: &LbPoolSpec) -> Result<(), AgentError> {
+        let mut blocks: Vec<IpNet> = spec.cidrs.clone();
+        for r in &spec.ranges {
+            blocks.extend(lockstep_core::lb::range_to_cidrs(r.start, r.stop));
+        }
+        for pool in &self.config.pools {
+            for node in pool.cidrs() {
+                if let Some(b) = blocks.iter().find(|b| overlaps(**b, node)) {
+                    return Err(AgentError::Invalid {
+                        reason: format!(
+                            "lb pool {}: {b} overlaps {node} of node pool {}",
+                            spec.name, pool.name
+                        ),
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Applies pools and services, then commits, programs and announces.
+    ///
+    /// # Errors
+    /// Invalid specs (nothing changes), or a failed commit or programming
+    /// (the previous state is restored).
+    pub fn lb_apply(&mut self, req: LbApply) -> Result<LbView, AgentError> {
+        self.check_ready()?;
+        for p in &req.pools {
+            self.check_against_node_pools(p)?;
+        }
+        let before = self.lb.snapshot();
+        let announced_before = self.announced();
+        let result = (|| -> Result<(), AgentError> {
+            if !req.pools.is_empty() {
+                self.lb.apply_pools(req.pools).map_err(lb_err)?;
+            }
+            for s in req.services {
+                self.lb.apply_service(s).map_err(lb_err)?;
+            }
+            Ok(())
+        })();
+        if let Err(e) = result {
+            self.lb = LbIpam::restore(&before).map_err(lb_err)?;
+            return Err(e);
+        }
+        self.lb_commit(before, announced_before)?;
+        Ok(self.lb_view())
+    }
+
+    /// Deletes services (their addresses return to the pool unless shared)
+    /// and pools.
+    ///
+    /// # Errors
+    /// An unknown name (nothing changes), or a failed commit or programming.
+    pub fn lb_delete(&mut self, req: LbDelete) -> Result<LbView, AgentError> {
+        self.check_ready()?;
+        let before = self.lb.snapshot();
+        let announced_before = self.announced();
+        let result = (|| -> Result<(), AgentError> {
+            for s in &req.services {
+                self.lb.delete_service(s).map_err(lb_err)?;
+            }
+            for p in &req.pools {
+                self.lb.delete_pool(p).map_err(lb_err)?;
+            }
+            Ok(())
+        })();
+        if let Err(e) = result {
+            self.lb = LbIpam::restore(&before).map_err(lb_err)?;
+            return Err(e);
+        }
+        self.lb_commit(before, announced_before)?;
+        Ok(self.lb_view())
+    }
+
+    fn lb_commit(
+        &mut self,
+        before: lockstep_core::lb::LbSnapshot,
+        announced_before: BTreeSet<Ipv4Addr>,
+    ) -> Result<(), AgentError> {
+        let after = self.lb.snapshot();
+        if let Err(e) = self.store.put_lb(&after) {
+            self.lb = LbIpam::restore(&before).map_err(lb_err)?;
+            return Err(e.into());
+        }
+        // Removals first inside reconcile: a released address stops being
+        // answered as soon as this returns.
+        if let Err(e) = self.reconcile_inner() {
+            self.lb = LbIpam::restore(&before).map_err(lb_err)?;
+            let _ = self.store.put_lb(&before);
+            let _ = self.reconcile_inner();
+            return Err(e);
+        }
+        if let Some(up) = self.uplink.clone() {
+            for addr in self.announced().difference(&announced_before) {
+                if let Err(e) = crate::arp::announce(up.index, up.mac, *addr) {
+                    tracing::warn!(error = %e, %addr, "gratuitous ARP failed");
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// LB addresses, for the planner: (address, value) host entries.
+    pub(super) fn lb_host_entries(&self) -> Vec<(IpAddr, lockstep_common::IpcacheValue)> {
+        let plan = self.lb.plan();
+        plan.ipcache_v4
+            .into_iter()
+            .map(|(n, v)| (IpAddr::V4(n.addr()), v))
+            .chain(
+                plan.ipcache_v6
+                    .into_iter()
+                    .map(|(n, v)| (IpAddr::V6(n.addr()), v)),
+            )
+            .collect()
+    }
+}
