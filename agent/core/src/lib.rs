@@ -16,6 +16,7 @@
 //!   from; allocation, release, drain, snapshot and restore.
 //! - [`demand`]: how many addresses the node should hold, with hysteresis.
 //! - [`lb`]: LoadBalancer IPAM (pools, conflicts, sticky and shared addresses).
+//! - [`roles`]: which agent-owned addresses to reserve and release.
 //! - [`plan`]: desired IPCACHE / MASQ_SKIP contents and the minimal diff
 //!   against what the kernel holds.
 //!
@@ -53,3 +54,4 @@ pub mod manager;
 pub mod owner;
 pub mod plan;
 pub mod pool;
+pub mod roles;

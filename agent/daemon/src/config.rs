@@ -125,6 +125,32 @@ impl Default for CniConfig {
     }
 }
 
+/// One agent role: which families it holds an address in.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RoleConfig {
+    /// Hold an IPv4 address.
+    pub ipv4: bool,
+    /// Hold an IPv6 address.
+    pub ipv6: bool,
+    /// Announce the IPv4 address on the uplink (ARP responder); ingress only.
+    pub announce: bool,
+}
+
+/// `[roles]`: the agent's own addresses.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RolesConfig {
+    /// Pool the role addresses come from (default: the default pool).
+    pub pool: Option<String>,
+    /// The ingress proxy's address.
+    pub ingress: RoleConfig,
+    /// The health responder's address.
+    pub health: RoleConfig,
+    /// The router (gateway) address.
+    pub router: RoleConfig,
+}
+
 /// The whole configuration.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -146,6 +172,8 @@ pub struct Config {
     pub datapath: DatapathConfig,
     /// CNI plugin installation.
     pub cni: CniConfig,
+    /// Agent-owned addresses.
+    pub roles: RolesConfig,
     /// The pool endpoints get when the CNI call names none (default: the
     /// first pool).
     pub default_pool: Option<String>,
@@ -164,6 +192,7 @@ impl Default for Config {
             non_masquerade_cidrs: Vec::new(),
             datapath: DatapathConfig::default(),
             cni: CniConfig::default(),
+            roles: RolesConfig::default(),
             default_pool: None,
             pools: vec![
                 PoolSpec::new("default")
@@ -290,6 +319,25 @@ impl Config {
                 .map_err(|e| invalid(format!("pools[{i}] ({})", pool.name), e.to_string()))?;
         }
         validate_specs(&self.pools).map_err(|e| invalid("pools".into(), e.to_string()))?;
+        if let Some(r) = &self.roles.pool
+            && !self.pools.iter().any(|p| &p.name == r)
+        {
+            return Err(invalid(
+                "roles.pool".into(),
+                format!("no pool is named {r}"),
+            ));
+        }
+        for (name, role) in [
+            ("health", &self.roles.health),
+            ("router", &self.roles.router),
+        ] {
+            if role.announce {
+                return Err(invalid(
+                    format!("roles.{name}.announce"),
+                    "only the ingress address can be announced".into(),
+                ));
+            }
+        }
         if let Some(d) = &self.default_pool
             && !self.pools.iter().any(|p| &p.name == d)
         {

@@ -161,7 +161,7 @@ impl Agent {
         Ok(self.netlink.as_ref().expect("just set"))
     }
 
-    fn default_pool(&self) -> Result<String, AgentError> {
+    pub(super) fn default_pool(&self) -> Result<String, AgentError> {
         self.config
             .default_pool
             .clone()

@@ -249,6 +249,8 @@ pub struct Status {
     pub node: String,
     /// Number of allocations.
     pub allocations: usize,
+    /// Agent-owned addresses by role.
+    pub roles: BTreeMap<String, Vec<IpAddr>>,
     /// Highest generation.
     pub generation: Generation,
     /// Changes applied by the start-up reconcile.
@@ -562,6 +564,9 @@ impl Agent {
             stats: Stats::default(),
         };
         agent.attach_uplink()?;
+        // Role addresses before anything is served: the API answers "not
+        // ready" until start() returns, so no endpoint can be handed one.
+        agent.reserve_roles()?;
         agent.restored = agent.reconcile_inner()?;
         agent.reattach_endpoints();
         agent.ready = true;
@@ -801,12 +806,32 @@ impl Agent {
         })
         .map_err(invalid)?;
         let hosts = self.merge_lb(hosts);
+        let announced_ingress = self
+            .config
+            .roles
+            .ingress
+            .announce
+            .then(|| {
+                self.manager
+                    .allocations()
+                    .find_map(|a| match (&a.owner, a.address) {
+                        (
+                            Owner::Agent {
+                                role: lockstep_core::owner::AgentRole::Ingress,
+                            },
+                            IpAddr::V4(v4),
+                        ) => Some(v4),
+                        _ => None,
+                    })
+            })
+            .flatten();
         let mut l2: Vec<(V4Addr, L2RespValue)> = match &self.uplink {
             Some(up) => self
                 .lb
                 .plan()
                 .l2_announce_v4
                 .into_keys()
+                .chain(announced_ingress)
                 .map(|a| {
                     (
                         a.octets(),
@@ -1085,6 +1110,73 @@ impl Agent {
             .collect()
     }
 
+    /// The role addresses the configuration asks for.
+    fn wanted_roles(&self) -> Result<Vec<lockstep_core::roles::RoleWant>, AgentError> {
+        use lockstep_core::owner::AgentRole;
+        let pool = match &self.config.roles.pool {
+            Some(p) => p.clone(),
+            None => self.default_pool()?,
+        };
+        let r = &self.config.roles;
+        let mut out = Vec::new();
+        for (role, cfg) in [
+            (AgentRole::Router, &r.router),
+            (AgentRole::Health, &r.health),
+            (AgentRole::Ingress, &r.ingress),
+        ] {
+            for (on, family) in [(cfg.ipv4, Family::V4), (cfg.ipv6, Family::V6)] {
+                if on {
+                    out.push(lockstep_core::roles::RoleWant {
+                        role,
+                        family,
+                        pool: pool.clone(),
+                    });
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Makes role holdings match the configuration: reserves what is wanted
+    /// and not held, releases what is held and no longer wanted (the store
+    /// remembers it, so a disabled role leaks nothing).
+    fn reserve_roles(&mut self) -> Result<(), AgentError> {
+        let wanted = self.wanted_roles()?;
+        let plan = lockstep_core::roles::plan(wanted, self.manager.allocations());
+        for a in plan.release {
+            tracing::info!(role = %a.owner, address = %a.address, "role disabled or moved; releasing its address");
+            self.store.remove(&a)?;
+            self.manager
+                .release(&a.pool, a.family(), &a.owner, a.generation)?;
+        }
+        for w in plan.reserve {
+            let a = self
+                .manager
+                .allocate_next(&w.pool, w.family, Owner::agent(w.role))?;
+            if let Err(e) = self.store.put(&a, self.manager.generation()) {
+                self.manager
+                    .release(&a.pool, a.family(), &a.owner, a.generation)?;
+                return Err(e.into());
+            }
+            tracing::info!(role = %w.role, address = %a.address, "reserved a role address");
+        }
+        // The maps follow in the start-up reconcile.
+        Ok(())
+    }
+
+    /// The role addresses held: role → addresses.
+    pub fn roles(&self) -> BTreeMap<String, Vec<IpAddr>> {
+        let mut out: BTreeMap<String, Vec<IpAddr>> = BTreeMap::new();
+        for a in self.manager.allocations() {
+            if let Owner::Agent { role } = a.owner {
+                out.entry(role.name().to_string())
+                    .or_default()
+                    .push(a.address);
+            }
+        }
+        out
+    }
+
     /// Resolves the configured uplink and attaches `to_native` (egress) and
     /// `from_native` (ingress) to it, in place if already attached.
     fn attach_uplink(&mut self) -> Result<(), AgentError> {
@@ -1159,6 +1251,7 @@ impl Agent {
             reason: (!self.ready).then(|| "restoring".to_string()),
             node: self.node.clone(),
             allocations: self.manager.allocations().len(),
+            roles: self.roles(),
             generation: self.manager.generation(),
             restored: self.restored.clone(),
             repairs: self.stats.repairs.values().sum(),
