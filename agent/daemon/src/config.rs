@@ -398,6 +398,15 @@ mod tests {
     }
 
     #[test]
+    fn the_shipped_example_is_valid() {
+        let text = include_str!("../../../deploy/config.example.toml");
+        let c = parse(text).expect("deploy/config.example.toml must stay valid");
+        assert_eq!(c.pools.len(), 2);
+        assert!(c.roles.ingress.announce);
+        assert!(c.cni.install);
+    }
+
+    #[test]
     fn errors_name_the_file_and_field() {
         let cases: &[(&str, &str)] = &[
             ("bogus = 1", "bogus"),
