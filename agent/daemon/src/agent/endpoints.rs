@@ -15,7 +15,7 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::path::PathBuf;
 
 use ipnet::IpNet;
-use lockstep_common::{EndpointValue, endpoint_flags, program_names};
+use lockstep_common::{EndpointValue, endpoint_flags, map_names, program_names};
 use lockstep_core::cidr::Family;
 use lockstep_core::manager::Allocation;
 use lockstep_core::owner::Owner;
@@ -414,8 +414,12 @@ impl Agent {
         record: &EndpointRecord,
         allocated: &[Allocation],
     ) -> Result<(), AgentError> {
+        let ifindex = match record.mode {
+            EndpointMode::Full => record.host_ifindex,
+            EndpointMode::Ipam => 0,
+        };
         for a in allocated {
-            self.program(a)?;
+            self.program_address(a, ifindex)?;
         }
         if record.mode == EndpointMode::Full {
             let generation = allocated.iter().map(|a| a.generation.0).max().unwrap_or(0);
@@ -423,7 +427,7 @@ impl Agent {
                 .endpoints
                 .insert(record.host_ifindex, endpoint_value(record, generation), 0)
                 .map_err(|e| AgentError::Program {
-                    map: lockstep_common::map_names::ENDPOINTS,
+                    map: map_names::ENDPOINTS,
                     source: Box::new(e),
                 })?;
             let name = record.host_ifname.clone().unwrap_or_default();
@@ -431,6 +435,36 @@ impl Agent {
                 .attach(program_names::FROM_ENDPOINT, &name, Hook::Ingress)?;
         }
         Ok(())
+    }
+
+    /// Writes an endpoint address's IPCACHE host entry as the plan has it
+    /// (`desired`): a full endpoint's value carries its host-side ifindex.
+    /// Written without it, `verify` reports every new endpoint as drift and
+    /// the next reconcile "repairs" it.
+    fn program_address(&mut self, a: &Allocation, ifindex: u32) -> Result<(), AgentError> {
+        let Some(mut value) = Self::value_for(a) else {
+            return Ok(());
+        };
+        value.ifindex = ifindex;
+        let map = match a.address {
+            IpAddr::V4(_) => map_names::IPCACHE_HOST_V4,
+            IpAddr::V6(_) => map_names::IPCACHE_HOST_V6,
+        };
+        match self.maps.ipcache_insert(IpNet::from(a.address), value) {
+            Ok(()) => Ok(()),
+            Err(aya::maps::MapError::SyscallError(e))
+                if e.io_error.raw_os_error() == Some(libc::E2BIG) =>
+            {
+                Err(AgentError::MapFull {
+                    map,
+                    capacity: self.config.datapath.ipcache_max_entries,
+                })
+            }
+            Err(e) => Err(AgentError::Program {
+                map,
+                source: Box::new(e),
+            }),
+        }
     }
 
     fn unprogram_endpoint(&mut self, record: &EndpointRecord, allocated: &[Allocation]) {
