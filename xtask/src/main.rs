@@ -41,7 +41,7 @@ enum Task {
         /// Only run integration tests whose name contains this.
         filter: Option<String>,
     },
-    /// Run a benchmark suite: core, lb, datapath, agent, all.
+    /// Run a benchmark suite: core, lb, datapath, agent, cni, all.
     Bench {
         /// The suite.
         suite: String,
@@ -182,13 +182,14 @@ fn bench(suite: &str) -> anyhow::Result<()> {
         "lb" => run(cargo().args(["bench", "-p", "lockstep-core", "--bench", "lb"])),
         "datapath" => run(cargo().args(["bench", "-p", "lockstep", "--bench", "datapath"])),
         "agent" => run(cargo().args(["bench", "-p", "lockstep", "--bench", "agent"])),
+        "cni" => run(cargo().args(["bench", "-p", "lockstep", "--bench", "cni"])),
         "all" => {
-            for suite in ["core", "lb", "datapath", "agent"] {
+            for suite in ["core", "lb", "datapath", "agent", "cni"] {
                 bench(suite)?;
             }
             Ok(())
         }
-        other => bail!("unknown bench suite {other}; known: core, lb, datapath, agent, all"),
+        other => bail!("unknown bench suite {other}; known: core, lb, datapath, agent, cni, all"),
     }
 }
 
