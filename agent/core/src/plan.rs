@@ -90,6 +90,19 @@ pub struct EntryExtra {
     pub node_addr: V6Addr,
 }
 
+impl EntryExtra {
+    /// The IPCACHE value of an allocation classified as (`identity`, `flags`).
+    pub fn value(self, identity: u32, flags: u32) -> IpcacheValue {
+        IpcacheValue {
+            identity,
+            flags,
+            ifindex: self.ifindex,
+            _pad: 0,
+            node_addr: self.node_addr,
+        }
+    }
+}
+
 /// Desired contents of the IPCACHE and MASQ_SKIP maps. Plain data.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct DatapathPlan {
@@ -172,14 +185,7 @@ impl PlanBuilder {
                 });
             }
             self.owners.insert(a.address, a.owner.clone());
-            let e = extra(a);
-            let value = IpcacheValue {
-                identity,
-                flags,
-                ifindex: e.ifindex,
-                _pad: 0,
-                node_addr: e.node_addr,
-            };
+            let value = extra(a).value(identity, flags);
             match a.address {
                 IpAddr::V4(addr) => {
                     self.plan.ipcache_v4.insert(Ipv4Net::from(addr), value);
@@ -376,14 +382,7 @@ pub fn host_entries<'a>(
         let Some((identity, flags)) = classify(&a.owner) else {
             continue;
         };
-        let e = extra(a);
-        let value = IpcacheValue {
-            identity,
-            flags,
-            ifindex: e.ifindex,
-            _pad: 0,
-            node_addr: e.node_addr,
-        };
+        let value = extra(a).value(identity, flags);
         match a.address {
             IpAddr::V4(addr) => v4.push((addr.octets(), value, &a.owner)),
             IpAddr::V6(addr) => v6.push((addr.octets(), value, &a.owner)),

@@ -203,25 +203,7 @@ impl Netlink {
     /// # Errors
     /// A request failed for another reason than "no such device".
     pub fn link(&self, name: &str) -> Result<Option<Link>, NetlinkError> {
-        let handle = self.handle.clone();
-        let result = self.rt.block_on(async move {
-            handle
-                .link()
-                .get()
-                .match_name(name.to_string())
-                .execute()
-                .try_next()
-                .await
-        });
-        match result {
-            Ok(msg) => Ok(msg.as_ref().map(link_of)),
-            Err(rtnetlink::Error::NetlinkError(m))
-                if m.code.map(|c| -c.get()) == Some(libc::ENODEV) =>
-            {
-                Ok(None)
-            }
-            Err(e) => Err(req(format!("get link {name}"))(e)),
-        }
+        self.get_link(|r| r.match_name(name.to_string()), name)
     }
 
     /// The interface with index `index`, if it exists.
@@ -229,24 +211,26 @@ impl Netlink {
     /// # Errors
     /// A request failed for another reason than "no such device".
     pub fn link_by_index(&self, index: u32) -> Result<Option<Link>, NetlinkError> {
-        let handle = self.handle.clone();
-        let result = self.rt.block_on(async move {
-            handle
-                .link()
-                .get()
-                .match_index(index)
-                .execute()
-                .try_next()
-                .await
-        });
-        match result {
+        self.get_link(|r| r.match_index(index), &index.to_string())
+    }
+
+    fn get_link(
+        &self,
+        filter: impl FnOnce(rtnetlink::LinkGetRequest) -> rtnetlink::LinkGetRequest,
+        what: &str,
+    ) -> Result<Option<Link>, NetlinkError> {
+        let request = filter(self.handle.link().get());
+        match self
+            .rt
+            .block_on(async move { request.execute().try_next().await })
+        {
             Ok(msg) => Ok(msg.as_ref().map(link_of)),
             Err(rtnetlink::Error::NetlinkError(m))
                 if m.code.map(|c| -c.get()) == Some(libc::ENODEV) =>
             {
                 Ok(None)
             }
-            Err(e) => Err(req(format!("get link {index}"))(e)),
+            Err(e) => Err(req(format!("get link {what}"))(e)),
         }
     }
 

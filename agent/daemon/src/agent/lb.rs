@@ -112,23 +112,15 @@ impl Agent {
         for p in &req.pools {
             self.check_against_node_pools(p)?;
         }
-        let before = self.lb.snapshot();
-        let announced_before = self.announced();
-        let result = (|| -> Result<(), AgentError> {
+        self.lb_change(|lb| {
             if !req.pools.is_empty() {
-                self.lb.apply_pools(req.pools).map_err(lb_err)?;
+                lb.apply_pools(req.pools).map_err(lb_err)?;
             }
             for s in req.services {
-                self.lb.apply_service(s).map_err(lb_err)?;
+                lb.apply_service(s).map_err(lb_err)?;
             }
             Ok(())
-        })();
-        if let Err(e) = result {
-            self.lb = LbIpam::restore(&before).map_err(lb_err)?;
-            return Err(e);
-        }
-        self.lb_commit(before, announced_before)?;
-        Ok(self.lb_view())
+        })
     }
 
     /// Deletes services (their addresses return to the pool unless shared)
@@ -138,18 +130,26 @@ impl Agent {
     /// An unknown name (nothing changes), or a failed commit or programming.
     pub fn lb_delete(&mut self, req: LbDelete) -> Result<LbView, AgentError> {
         self.check_ready()?;
-        let before = self.lb.snapshot();
-        let announced_before = self.announced();
-        let result = (|| -> Result<(), AgentError> {
+        self.lb_change(|lb| {
             for s in &req.services {
-                self.lb.delete_service(s).map_err(lb_err)?;
+                lb.delete_service(s).map_err(lb_err)?;
             }
             for p in &req.pools {
-                self.lb.delete_pool(p).map_err(lb_err)?;
+                lb.delete_pool(p).map_err(lb_err)?;
             }
             Ok(())
-        })();
-        if let Err(e) = result {
+        })
+    }
+
+    /// Runs `change` on the LB state; if it fails, nothing changes; if it
+    /// succeeds, commits, programs and announces.
+    fn lb_change(
+        &mut self,
+        change: impl FnOnce(&mut LbIpam) -> Result<(), AgentError>,
+    ) -> Result<LbView, AgentError> {
+        let before = self.lb.snapshot();
+        let announced_before = self.announced();
+        if let Err(e) = change(&mut self.lb) {
             self.lb = LbIpam::restore(&before).map_err(lb_err)?;
             return Err(e);
         }
