@@ -151,6 +151,53 @@ pub struct RolesConfig {
     pub router: RoleConfig,
 }
 
+/// Where addresses come from (`[ipam] mode`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum IpamMode {
+    /// The agent's own pools.
+    #[default]
+    Local,
+    /// An external CNI IPAM plugin named in the node's conflist.
+    Delegated,
+}
+
+/// `[ipam]`: local pools or an external CNI IPAM plugin (see
+/// [`crate::delegate`]).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct IpamConfig {
+    /// Local or delegated.
+    pub mode: IpamMode,
+    /// The node's CNI conflist naming the IPAM plugin (delegated mode).
+    pub conflist: PathBuf,
+    /// Where CNI plugin binaries are looked up (`CNI_PATH`).
+    pub plugin_dirs: Vec<PathBuf>,
+    /// How long one plugin invocation may take before it is killed.
+    #[serde(with = "humantime_serde")]
+    pub timeout: Duration,
+    /// The network namespace the agent runs the plugin in for its own
+    /// attachments (default: `<state_dir>/ipam-netns`, created on start).
+    pub netns: Option<PathBuf>,
+    /// The node's root as the agent sees it, to compare the plugin's state
+    /// directory with the node's (`/proc/1/root` with the host PID
+    /// namespace).
+    pub node_root: PathBuf,
+}
+
+impl Default for IpamConfig {
+    fn default() -> Self {
+        Self {
+            mode: IpamMode::Local,
+            conflist: PathBuf::from("/etc/cni/net.d/10-delegated.conflist"),
+            plugin_dirs: vec![PathBuf::from("/opt/cni/bin")],
+            timeout: Duration::from_secs(10),
+            netns: None,
+            node_root: PathBuf::from("/proc/1/root"),
+        }
+    }
+}
+
 /// The whole configuration.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -179,6 +226,8 @@ pub struct Config {
     pub default_pool: Option<String>,
     /// The node's local pools.
     pub pools: Vec<PoolSpec>,
+    /// Local or delegated IPAM.
+    pub ipam: IpamConfig,
 }
 
 impl Default for Config {
@@ -199,6 +248,7 @@ impl Default for Config {
                     .with_cidr("10.244.0.0/16".parse().expect("literal"))
                     .with_cidr("fd00:10:244::/112".parse().expect("literal")),
             ],
+            ipam: IpamConfig::default(),
         }
     }
 }
@@ -338,6 +388,40 @@ impl Config {
                 ));
             }
         }
+        if self.ipam.mode == IpamMode::Delegated {
+            if !self.ipam.conflist.is_absolute() {
+                return Err(invalid(
+                    "ipam.conflist".into(),
+                    "must be an absolute path".into(),
+                ));
+            }
+            if self.ipam.plugin_dirs.is_empty() {
+                return Err(invalid(
+                    "ipam.plugin_dirs".into(),
+                    "name at least one directory".into(),
+                ));
+            }
+            for (i, d) in self.ipam.plugin_dirs.iter().enumerate() {
+                if !d.is_absolute() {
+                    return Err(invalid(
+                        format!("ipam.plugin_dirs[{i}]"),
+                        "must be an absolute path".into(),
+                    ));
+                }
+            }
+            if self.ipam.netns.as_ref().is_some_and(|p| !p.is_absolute()) {
+                return Err(invalid(
+                    "ipam.netns".into(),
+                    "must be an absolute path".into(),
+                ));
+            }
+        }
+        if self.ipam.timeout < Duration::from_millis(100) {
+            return Err(invalid(
+                "ipam.timeout".into(),
+                "must be at least 100ms".into(),
+            ));
+        }
         if let Some(d) = &self.default_pool
             && !self.pools.iter().any(|p| &p.name == d)
         {
@@ -446,6 +530,12 @@ mod tests {
             ("[[pools]]\nname = \"a\"\nipv4 = \"10.0.0.0/24\"", "ipv4"),
             ("[[pools]]\nname = \"a\"\nsize = 3", "size"),
             ("metrics_addr = \"localhost\"", "metrics_addr"),
+            ("[ipam]\nmode = \"remote\"", "mode"),
+            (
+                "[ipam]\nmode = \"delegated\"\nconflist = \"rel.conflist\"",
+                "ipam.conflist",
+            ),
+            ("[ipam]\ntimeout = \"1ms\"", "ipam.timeout"),
         ];
         for (text, field) in cases {
             let err = parse(text).expect_err(text).to_string();

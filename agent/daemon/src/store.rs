@@ -23,6 +23,9 @@ const ALLOCATIONS: TableDefinition<&str, &[u8]> = TableDefinition::new("allocati
 const META: TableDefinition<&str, u64> = TableDefinition::new("meta");
 const ENDPOINTS: TableDefinition<&str, &[u8]> = TableDefinition::new("endpoints");
 const LB: TableDefinition<&str, &[u8]> = TableDefinition::new("lb");
+/// Addresses held by an external CNI IPAM plugin (delegated mode), keyed like
+/// endpoints: they are not the pool manager's, so they have their own table.
+const DELEGATED: TableDefinition<&str, &[u8]> = TableDefinition::new("delegated");
 const LB_STATE: &str = "state";
 const GENERATION: &str = "generation";
 
@@ -126,6 +129,41 @@ pub fn endpoint_key(container_id: &str, ifname: &str) -> String {
     format!("{container_id}\u{1f}{ifname}")
 }
 
+/// An attachment whose addresses an external CNI IPAM plugin holds
+/// (delegated mode): what CHECK, DEL and reconcile need, and the config it
+/// was made under so a changed plugin config is noticed.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DelegatedRecord {
+    /// Who holds it: an agent role or a delegated endpoint.
+    pub owner: lockstep_core::owner::Owner,
+    /// `CNI_CONTAINERID` given to the plugin.
+    pub container_id: String,
+    /// `CNI_IFNAME` given to the plugin.
+    pub ifname: String,
+    /// `CNI_NETNS` given to the plugin.
+    pub netns: PathBuf,
+    /// The plugin's `type`.
+    pub plugin: String,
+    /// Hash of the network config the plugin was run with.
+    pub config_hash: String,
+    /// The `cniVersion` it was run with.
+    pub cni_version: String,
+    /// The plugin's ADD result, as printed (the `prevResult` of CHECK/DEL).
+    pub result: serde_json::Value,
+    /// The addresses in that result.
+    pub addresses: Vec<std::net::IpAddr>,
+    /// Which holding this is (from the store's generation counter).
+    pub generation: Generation,
+}
+
+impl DelegatedRecord {
+    /// The record key.
+    pub fn key(&self) -> String {
+        endpoint_key(&self.container_id, &self.ifname)
+    }
+}
+
 /// What the store holds.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Stored {
@@ -137,6 +175,8 @@ pub struct Stored {
     pub endpoints: Vec<EndpointRecord>,
     /// The LoadBalancer IPAM state, if any was ever stored.
     pub lb: Option<lockstep_core::lb::LbSnapshot>,
+    /// Attachments held by an external IPAM plugin (delegated mode).
+    pub delegated: Vec<DelegatedRecord>,
 }
 
 /// The store.
@@ -184,6 +224,7 @@ impl Store {
         txn.open_table(META).map_err(db_err("open table"))?;
         txn.open_table(ENDPOINTS).map_err(db_err("open table"))?;
         txn.open_table(LB).map_err(db_err("open table"))?;
+        txn.open_table(DELEGATED).map_err(db_err("open table"))?;
         txn.commit().map_err(db_err("commit"))?;
         Ok(store)
     }
@@ -238,11 +279,23 @@ impl Store {
                 })?),
                 None => None,
             };
+        let table = txn.open_table(DELEGATED).map_err(db_err("open table"))?;
+        let mut delegated = Vec::new();
+        for item in table.iter().map_err(db_err("read"))? {
+            let (k, v) = item.map_err(db_err("read"))?;
+            let d: DelegatedRecord =
+                serde_json::from_slice(v.value()).map_err(|source| StoreError::Corrupt {
+                    key: k.value().to_string(),
+                    source,
+                })?;
+            delegated.push(d);
+        }
         Ok(Stored {
             generation: Generation(generation),
             allocations,
             endpoints,
             lb,
+            delegated,
         })
     }
 
@@ -303,6 +356,64 @@ impl Store {
                 .unwrap_or(0);
             meta.insert(GENERATION, current.max(high_water.0))
                 .map_err(db_err("insert"))?;
+        }
+        txn.commit().map_err(db_err("commit"))
+    }
+
+    /// Durably records a delegated attachment (and, for an endpoint, its
+    /// endpoint record) in one transaction, raising the generation
+    /// high-water mark to the record's.
+    ///
+    /// # Errors
+    /// The transaction failed; nothing was written.
+    pub fn put_delegated(
+        &self,
+        record: &DelegatedRecord,
+        endpoint: Option<&EndpointRecord>,
+    ) -> Result<(), StoreError> {
+        let value = serde_json::to_vec(record).map_err(|source| StoreError::Corrupt {
+            key: record.key(),
+            source,
+        })?;
+        let txn = self.db.begin_write().map_err(db_err("begin"))?;
+        {
+            let mut table = txn.open_table(DELEGATED).map_err(db_err("open table"))?;
+            table
+                .insert(record.key().as_str(), value.as_slice())
+                .map_err(db_err("insert"))?;
+            if let Some(e) = endpoint {
+                let mut eps = txn.open_table(ENDPOINTS).map_err(db_err("open table"))?;
+                let value = serde_json::to_vec(e).map_err(|source| StoreError::Corrupt {
+                    key: e.key(),
+                    source,
+                })?;
+                eps.insert(e.key().as_str(), value.as_slice())
+                    .map_err(db_err("insert"))?;
+            }
+            let mut meta = txn.open_table(META).map_err(db_err("open table"))?;
+            let current = meta
+                .get(GENERATION)
+                .map_err(db_err("read"))?
+                .map(|g| g.value())
+                .unwrap_or(0);
+            meta.insert(GENERATION, current.max(record.generation.0))
+                .map_err(db_err("insert"))?;
+        }
+        txn.commit().map_err(db_err("commit"))
+    }
+
+    /// Durably removes a delegated attachment and the endpoint record under
+    /// the same key (if any); what is not there is skipped.
+    ///
+    /// # Errors
+    /// The transaction failed; nothing was removed.
+    pub fn remove_delegated(&self, key: &str) -> Result<(), StoreError> {
+        let txn = self.db.begin_write().map_err(db_err("begin"))?;
+        {
+            let mut table = txn.open_table(DELEGATED).map_err(db_err("open table"))?;
+            table.remove(key).map_err(db_err("remove"))?;
+            let mut eps = txn.open_table(ENDPOINTS).map_err(db_err("open table"))?;
+            eps.remove(key).map_err(db_err("remove"))?;
         }
         txn.commit().map_err(db_err("commit"))
     }
