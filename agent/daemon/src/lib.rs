@@ -14,6 +14,7 @@ pub mod client;
 pub mod cni;
 pub mod config;
 pub mod datapath;
+pub mod delegate;
 pub mod install;
 pub mod metrics;
 pub mod netlink;
