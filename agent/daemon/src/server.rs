@@ -125,7 +125,39 @@ pub async fn run(config: Config) -> Result<(), ServerError> {
         .await
         .map_err(ServerError::Join)?
         .map_err(ServerError::Start)?;
+    let pending = !agent.status().ready;
     *slot.lock().unwrap_or_else(|p| p.into_inner()) = Some(agent);
+    // Delegated mode waits for its conflist and plugin without exiting:
+    // status says why; set-up is retried every 200 ms until it succeeds, or
+    // it refuses for good (then the agent stops with that error).
+    let (fatal_tx, mut fatal_rx) = tokio::sync::mpsc::channel::<AgentError>(1);
+    let setup = pending.then(|| {
+        let slot = slot.clone();
+        let mut stop = stop_rx.clone();
+        tokio::spawn(async move {
+            loop {
+                tokio::select! {
+                    _ = tokio::time::sleep(std::time::Duration::from_millis(200)) => {}
+                    _ = stop.wait_for(|s| *s) => break,
+                }
+                let slot = slot.clone();
+                let r = tokio::task::spawn_blocking(move || {
+                    let mut guard = slot.lock().unwrap_or_else(|p| p.into_inner());
+                    guard.as_mut().map_or(Ok(true), Agent::poll_setup)
+                })
+                .await;
+                match r {
+                    Ok(Ok(true)) => break,
+                    Ok(Ok(false)) => {}
+                    Ok(Err(e)) => {
+                        let _ = fatal_tx.send(e).await;
+                        break;
+                    }
+                    Err(e) => tracing::error!(error = %e, "set-up task failed"),
+                }
+            }
+        })
+    });
 
     let reconciler = {
         let slot = slot.clone();
@@ -154,9 +186,11 @@ pub async fn run(config: Config) -> Result<(), ServerError> {
 
     let mut term = signal(SignalKind::terminate()).map_err(listen_err("SIGTERM"))?;
     let mut int = signal(SignalKind::interrupt()).map_err(listen_err("SIGINT"))?;
+    let mut fatal = None;
     tokio::select! {
         _ = term.recv() => tracing::info!("SIGTERM: shutting down"),
         _ = int.recv() => tracing::info!("SIGINT: shutting down"),
+        Some(e) = fatal_rx.recv() => fatal = Some(e),
     }
     let _ = stop_tx.send(true);
     let _ = api.await;
@@ -164,9 +198,15 @@ pub async fn run(config: Config) -> Result<(), ServerError> {
         let _ = m.await;
     }
     let _ = reconciler.await;
+    if let Some(t) = setup {
+        let _ = t.await;
+    }
     // Close the store cleanly; pins stay.
     drop(slot.lock().unwrap_or_else(|p| p.into_inner()).take());
     let _ = std::fs::remove_file(&socket);
+    if let Some(e) = fatal {
+        return Err(ServerError::Start(e));
+    }
     tracing::info!("stopped; maps and programs stay pinned");
     Ok(())
 }

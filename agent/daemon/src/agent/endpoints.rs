@@ -206,6 +206,16 @@ impl Agent {
             // Half-gone (the runtime deleted the netns, or a crash): start over.
             self.endpoint_del_inner(&req.container_id, &req.ifname)?;
         }
+        if self.delegated_mode() {
+            let (allocated, delegated) = self.delegated_endpoint_allocate(&req)?;
+            return self.endpoint_add_allocated(
+                req,
+                key,
+                delegated.plugin.clone(),
+                allocated,
+                Some(delegated),
+            );
+        }
         let pool_name = match &req.pool {
             Some(p) => p.clone(),
             None => self.default_pool()?,
@@ -236,6 +246,20 @@ impl Agent {
             self.release_core(&allocated);
             return Err(e);
         }
+        self.endpoint_add_allocated(req, key, pool_name, allocated, None)
+    }
+
+    /// The steps of ADD after the addresses are held (by the core, or by a
+    /// delegated plugin: then `delegated` is its record, committed with the
+    /// endpoint and undone with a compensating DEL).
+    fn endpoint_add_allocated(
+        &mut self,
+        req: EndpointRequest,
+        key: String,
+        pool_name: String,
+        allocated: Vec<Allocation>,
+        delegated: Option<crate::store::DelegatedRecord>,
+    ) -> Result<EndpointReply, AgentError> {
         let mut record = EndpointRecord {
             container_id: req.container_id.clone(),
             ifname: req.ifname.clone(),
@@ -253,27 +277,49 @@ impl Agent {
             && let Err(e) = self.make_interfaces(&req, &mut record, &mut made)
         {
             self.undo_interfaces(&made);
-            self.release_core(&allocated);
+            self.undo_allocated(&allocated, delegated.as_ref());
             return Err(e);
         }
-        if let Err(e) =
-            self.store
-                .put_endpoint(Some(&record), &allocated, self.manager.generation())
-        {
+        let committed = match &delegated {
+            Some(d) => self.store.put_delegated(d, Some(&record)),
+            None => self
+                .store
+                .put_endpoint(Some(&record), &allocated, self.manager.generation()),
+        };
+        if let Err(e) = committed {
             self.undo_interfaces(&made);
-            self.release_core(&allocated);
+            self.undo_allocated(&allocated, delegated.as_ref());
             return Err(e.into());
         }
         self.endpoints.insert(key.clone(), record.clone());
+        if let Some(d) = &delegated {
+            self.delegated.insert(key.clone(), d.clone());
+        }
         if let Err(e) = self.program_endpoint(&record, &allocated) {
             self.unprogram_endpoint(&record, &allocated);
             self.endpoints.remove(&key);
-            let _ = self.store.remove_endpoint(Some(&key), &allocated);
+            if delegated.is_some() {
+                self.delegated.remove(&key);
+                let _ = self.store.remove_delegated(&key);
+            } else {
+                let _ = self.store.remove_endpoint(Some(&key), &allocated);
+            }
             self.undo_interfaces(&made);
-            self.release_core(&allocated);
+            self.undo_allocated(&allocated, delegated.as_ref());
             return Err(e);
         }
         Ok(self.reply(record))
+    }
+
+    fn undo_allocated(
+        &mut self,
+        allocated: &[Allocation],
+        delegated: Option<&crate::store::DelegatedRecord>,
+    ) {
+        match delegated {
+            Some(d) => self.delegated_undo(d),
+            None => self.release_core(allocated),
+        }
     }
 
     fn release_core(&mut self, allocated: &[Allocation]) {
@@ -285,6 +331,11 @@ impl Agent {
     }
 
     fn reply(&self, record: EndpointRecord) -> EndpointReply {
+        if record.mode == EndpointMode::Ipam
+            && let Some(reply) = self.delegated_reply(&record)
+        {
+            return reply;
+        }
         let mut addresses = Vec::new();
         let mut routes = Vec::new();
         for addr in &record.addresses {
@@ -499,7 +550,11 @@ impl Agent {
     fn endpoint_del_inner(&mut self, container_id: &str, ifname: &str) -> Result<(), AgentError> {
         let key = endpoint_key(container_id, ifname);
         let owner = Owner::endpoint(container_id, ifname);
-        let allocated: Vec<Allocation> = self.manager.owned_by(&owner).cloned().collect();
+        let delegated = self.delegated.get(&key).cloned();
+        let allocated: Vec<Allocation> = match &delegated {
+            Some(d) => Self::allocations_of(d),
+            None => self.manager.owned_by(&owner).cloned().collect(),
+        };
         let record = self.endpoints.get(&key).cloned();
         if let Some(r) = &record {
             self.unprogram_endpoint(r, &allocated);
@@ -508,10 +563,18 @@ impl Agent {
                 self.unprogram(a)?;
             }
         }
-        self.store
-            .remove_endpoint(record.as_ref().map(|_| key.as_str()), &allocated)?;
+        if let Some(d) = &delegated {
+            // Unprogrammed → the plugin releases → commit. A failed DEL keeps
+            // the record (reconcile puts the entries back; DEL is retried).
+            self.delegated_endpoint_del(d)?;
+            self.store.remove_delegated(&key)?;
+            self.delegated.remove(&key);
+        } else {
+            self.store
+                .remove_endpoint(record.as_ref().map(|_| key.as_str()), &allocated)?;
+            self.release_core(&allocated);
+        }
         self.endpoints.remove(&key);
-        self.release_core(&allocated);
         if let Some(r) = record
             && r.mode == EndpointMode::Full
             && let Some(name) = &r.host_ifname
@@ -544,7 +607,12 @@ impl Agent {
         };
         let mut problems = Vec::new();
         let owner = Owner::endpoint(&req.container_id, &req.ifname);
-        let held: BTreeSet<IpAddr> = self.manager.owned_by(&owner).map(|a| a.address).collect();
+        let held: BTreeSet<IpAddr> = self
+            .manager
+            .owned_by(&owner)
+            .map(|a| a.address)
+            .chain(self.delegated_addresses(&key))
+            .collect();
         for a in &record.addresses {
             if !held.contains(a) {
                 problems.push(format!("address {a} is no longer allocated"));
@@ -643,6 +711,9 @@ impl Agent {
             }
             self.endpoint_del_inner(&c, &i)?;
             report.released.push((c, i));
+        }
+        if self.delegated_mode() {
+            self.delegated_gc(&valid)?;
         }
         Ok(report)
     }

@@ -36,6 +36,7 @@ use crate::datapath::{
 use crate::netlink::{Netlink, NetlinkError};
 use crate::store::{EndpointMode, EndpointRecord, Store, StoreError};
 
+pub mod delegated;
 pub mod endpoints;
 pub mod lb;
 
@@ -108,6 +109,15 @@ pub enum AgentError {
     /// The datapath failed.
     #[error(transparent)]
     Datapath(#[from] DatapathError),
+    /// The delegated IPAM plugin failed, or delegated mode is refused.
+    #[error(transparent)]
+    Delegate(Box<crate::delegate::DelegateError>),
+}
+
+impl From<crate::delegate::DelegateError> for AgentError {
+    fn from(e: crate::delegate::DelegateError) -> Self {
+        AgentError::Delegate(Box::new(e))
+    }
 }
 
 impl From<ManagerError> for AgentError {
@@ -142,6 +152,7 @@ impl AgentError {
             AgentError::Netlink(_) => "interface_error",
             AgentError::CheckFailed { .. } => "check_failed",
             AgentError::Datapath(_) => "datapath_error",
+            AgentError::Delegate(_) => "ipam_plugin_error",
         }
     }
 }
@@ -257,6 +268,10 @@ pub struct Status {
     pub restored: ReconcileReport,
     /// Repairs made by periodic reconciles since start.
     pub repairs: u64,
+    /// Delegated IPAM: how often each CNI command was run on the plugin
+    /// (and `compensating_del`).
+    #[serde(default)]
+    pub ipam_commands: BTreeMap<String, u64>,
 }
 
 /// Counters the metrics module reads.
@@ -268,6 +283,8 @@ pub struct Stats {
     pub errors: BTreeMap<&'static str, u64>,
     /// Entries per map at the last reconcile.
     pub entries: BTreeMap<&'static str, usize>,
+    /// Delegated IPAM plugin runs per CNI command.
+    pub ipam_commands: BTreeMap<&'static str, u64>,
 }
 
 /// The node's uplink: where to_native/from_native run and LoadBalancer
@@ -296,6 +313,14 @@ pub struct Agent {
     netlink: Option<Netlink>,
     lb: lockstep_core::lb::LbIpam,
     uplink: Option<Uplink>,
+    /// Delegated attachments by key (delegated mode).
+    delegated: BTreeMap<String, crate::store::DelegatedRecord>,
+    /// The delegated plugin, once found.
+    delegate: Option<crate::delegate::Runner>,
+    /// Why the agent is not ready (delegated set-up).
+    not_ready: Option<String>,
+    /// When a failed delegated set-up is tried again.
+    retry_at: Option<Instant>,
     /// Counters for metrics.
     pub stats: Stats,
 }
@@ -561,6 +586,10 @@ impl Agent {
             netlink: None,
             lb,
             uplink: None,
+            delegated: stored.delegated.into_iter().map(|d| (d.key(), d)).collect(),
+            delegate: None,
+            not_ready: None,
+            retry_at: None,
             stats: Stats::default(),
         };
         agent.attach_uplink()?;
@@ -569,7 +598,9 @@ impl Agent {
         agent.reserve_roles()?;
         agent.restored = agent.reconcile_inner()?;
         agent.reattach_endpoints();
-        agent.ready = true;
+        // Delegated mode: the roles come from the plugin; until that works
+        // the agent serves status only ("not ready" with the reason).
+        agent.poll_setup()?;
         tracing::info!(
             allocations = count - outcome.rejected.len(),
             released = outcome.rejected.len(),
@@ -654,7 +685,10 @@ impl Agent {
             Ok(())
         } else {
             Err(AgentError::NotReady {
-                reason: "restoring allocations and maps".into(),
+                reason: self
+                    .not_ready
+                    .clone()
+                    .unwrap_or_else(|| "restoring allocations and maps".into()),
             })
         }
     }
@@ -791,8 +825,14 @@ impl Agent {
             .filter(|e| e.mode == EndpointMode::Full)
             .map(|e| ((e.container_id.as_str(), e.ifname.as_str()), e.host_ifindex))
             .collect();
-        let hosts = host_entries(self.manager.allocations(), |a| match &a.owner {
+        let delegated = self.delegated_allocations();
+        let all = self.manager.allocations().chain(delegated.iter());
+        let hosts = host_entries(all, |a| match &a.owner {
             Owner::Endpoint {
+                container_id,
+                ifname,
+            }
+            | Owner::Delegated {
                 container_id,
                 ifname,
             } => EntryExtra {
@@ -857,6 +897,7 @@ impl Agent {
                     .owned_by(&owner)
                     .map(|a| a.generation.0)
                     .max()
+                    .or_else(|| self.delegated.get(&e.key()).map(|d| d.generation.0))
                     .unwrap_or(0);
                 (e.host_ifindex, endpoints::endpoint_value(e, generation))
             })
@@ -1079,6 +1120,7 @@ impl Agent {
     /// Every allocation.
     pub fn allocations(&self) -> Vec<Allocation> {
         let mut all: Vec<Allocation> = self.manager.allocations().cloned().collect();
+        all.extend(self.delegated_allocations());
         all.sort();
         all
     }
@@ -1113,6 +1155,11 @@ impl Agent {
     /// The role addresses the configuration asks for.
     fn wanted_roles(&self) -> Result<Vec<lockstep_core::roles::RoleWant>, AgentError> {
         use lockstep_core::owner::AgentRole;
+        if self.delegated_mode() {
+            // The plugin holds them (see `delegated`); local role addresses
+            // from an earlier local-mode run are released.
+            return Ok(Vec::new());
+        }
         let pool = match &self.config.roles.pool {
             Some(p) => p.clone(),
             None => self.default_pool()?,
@@ -1167,7 +1214,11 @@ impl Agent {
     /// The role addresses held: role → addresses.
     pub fn roles(&self) -> BTreeMap<String, Vec<IpAddr>> {
         let mut out: BTreeMap<String, Vec<IpAddr>> = BTreeMap::new();
-        for a in self.manager.allocations() {
+        for a in self
+            .manager
+            .allocations()
+            .chain(&self.delegated_allocations())
+        {
             if let Owner::Agent { role } = a.owner {
                 out.entry(role.name().to_string())
                     .or_default()
@@ -1248,13 +1299,23 @@ impl Agent {
     pub fn status(&self) -> Status {
         Status {
             ready: self.ready,
-            reason: (!self.ready).then(|| "restoring".to_string()),
+            reason: (!self.ready).then(|| {
+                self.not_ready
+                    .clone()
+                    .unwrap_or_else(|| "restoring".to_string())
+            }),
             node: self.node.clone(),
-            allocations: self.manager.allocations().len(),
+            allocations: self.manager.allocations().len() + self.delegated_allocations().len(),
             roles: self.roles(),
             generation: self.manager.generation(),
             restored: self.restored.clone(),
             repairs: self.stats.repairs.values().sum(),
+            ipam_commands: self
+                .stats
+                .ipam_commands
+                .iter()
+                .map(|(k, v)| ((*k).to_string(), *v))
+                .collect(),
         }
     }
 }

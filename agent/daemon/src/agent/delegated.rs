@@ -1,0 +1,503 @@
+//! Delegated IPAM: the agent's role addresses and endpoint addresses come
+//! from an external CNI IPAM plugin named in the node's conflist.
+//!
+//! Why the agent runs the plugin itself, in lockstep order: ADD → commit the
+//! result (fsync) → program the maps → acknowledge; a failure after a
+//! successful ADD sends a compensating DEL, so the plugin never holds an
+//! address the agent forgot. A release goes the other way: unprogram → DEL →
+//! commit. Role attachments use a stable container ID
+//! (`lockstep-<node>-<role>`) and an interface name per role, in a network
+//! namespace the agent owns (never the node's: the spec requires a namespace
+//! for ADD, and a misbehaving or interface-creating plugin must not touch the
+//! node's own interfaces).
+//!
+//! Set-up waits without crash-looping: an absent conflist, a missing binary
+//! or a failing plugin leave the agent running and not ready, with the reason
+//! in its status, and set-up is retried ([`Agent::poll_setup`]). Only a
+//! plugin state directory that is not the node's refuses delegated mode
+//! outright, because retrying cannot fix a wrong mount.
+
+use std::collections::BTreeSet;
+use std::net::IpAddr;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use lockstep_core::manager::Allocation;
+use lockstep_core::owner::{AgentRole, Generation, Owner};
+
+use super::endpoints::{EndpointAddress, EndpointReply, EndpointRequest};
+use super::{Agent, AgentError};
+use crate::config::IpamMode;
+use crate::delegate::{DelegateError, PluginConf, Runner, Target, check_state_dir, ensure_netns};
+use crate::store::{DelegatedRecord, EndpointRecord};
+
+/// How long a failed set-up waits before it is tried again.
+pub const RETRY: Duration = Duration::from_secs(1);
+
+/// The CNI command names counted in status.
+pub const COMPENSATING_DEL: &str = "compensating_del";
+
+/// An error and its causes on one line (for the status reason).
+fn chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut src = e.source();
+    while let Some(c) = src {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        src = c.source();
+    }
+    s
+}
+
+impl Agent {
+    /// Whether addresses come from an external plugin.
+    pub fn delegated_mode(&self) -> bool {
+        self.config.ipam.mode == IpamMode::Delegated
+    }
+
+    fn count(&mut self, command: &'static str) {
+        *self.stats.ipam_commands.entry(command).or_default() += 1;
+    }
+
+    /// The namespace the agent runs the plugin in for its own attachments.
+    pub fn ipam_netns(&self) -> PathBuf {
+        self.config
+            .ipam
+            .netns
+            .clone()
+            .unwrap_or_else(|| self.config.state_dir.join("ipam-netns"))
+    }
+
+    /// The stable container ID and interface name of a role's attachment.
+    pub fn role_attachment(&self, role: AgentRole) -> (String, String) {
+        (
+            format!("lockstep-{}-{}", self.node, role.name()),
+            format!("ls-{}", role.name()),
+        )
+    }
+
+    /// The allocations of the delegated records, as the planner sees them.
+    pub(super) fn delegated_allocations(&self) -> Vec<Allocation> {
+        self.delegated
+            .values()
+            .flat_map(|d| {
+                d.addresses.iter().map(|a| Allocation {
+                    pool: d.plugin.clone(),
+                    address: *a,
+                    owner: d.owner.clone(),
+                    generation: d.generation,
+                })
+            })
+            .collect()
+    }
+
+    pub(super) fn allocations_of(d: &DelegatedRecord) -> Vec<Allocation> {
+        d.addresses
+            .iter()
+            .map(|a| Allocation {
+                pool: d.plugin.clone(),
+                address: *a,
+                owner: d.owner.clone(),
+                generation: d.generation,
+            })
+            .collect()
+    }
+
+    fn runner(&self) -> Result<&Runner, AgentError> {
+        self.delegate.as_ref().ok_or_else(|| AgentError::NotReady {
+            reason: self
+                .not_ready
+                .clone()
+                .unwrap_or_else(|| "delegated IPAM is not set up".into()),
+        })
+    }
+
+    /// Tries delegated set-up (once per call, retried by the server until it
+    /// succeeds). Returns whether the agent is ready.
+    ///
+    /// # Errors
+    /// Only what must refuse delegated mode (the plugin's state is not the
+    /// node's); everything else is reported through status and retried.
+    pub fn poll_setup(&mut self) -> Result<bool, AgentError> {
+        if self.ready {
+            return Ok(true);
+        }
+        if !self.delegated_mode() {
+            self.ready = true;
+            return Ok(true);
+        }
+        if self.retry_at.is_some_and(|at| Instant::now() < at) {
+            return Ok(false);
+        }
+        match self.delegated_setup() {
+            Ok(()) => {
+                self.ready = true;
+                self.not_ready = None;
+                self.retry_at = None;
+                tracing::info!(roles = ?self.roles(), "delegated IPAM set up; ready");
+                Ok(true)
+            }
+            Err(AgentError::Delegate(e)) if e.is_fatal() => Err(AgentError::Delegate(e)),
+            Err(e) => {
+                let waiting = matches!(
+                    &e,
+                    AgentError::Delegate(d) if matches!(**d, DelegateError::ConflistMissing { .. })
+                );
+                let reason = chain(&e);
+                if self.not_ready.as_deref() != Some(reason.as_str()) {
+                    if waiting {
+                        tracing::info!(%reason, "not ready");
+                    } else {
+                        tracing::error!(%reason, "delegated IPAM set-up failed; retrying");
+                    }
+                }
+                self.not_ready = Some(reason);
+                // A missing file is polled at the server's pace; a failing
+                // plugin is not hammered.
+                self.retry_at = (!waiting).then(|| Instant::now() + RETRY);
+                Ok(false)
+            }
+        }
+    }
+
+    fn delegated_setup(&mut self) -> Result<(), AgentError> {
+        let cfg = self.config.ipam.clone();
+        let conf = PluginConf::load(&cfg.conflist, &cfg.plugin_dirs)?;
+        if let Some(dir) = &conf.state_dir {
+            check_state_dir(dir, &cfg.node_root)?;
+        }
+        let netns = self.ipam_netns();
+        ensure_netns(&netns)?;
+        tracing::info!(plugin = %conf.plugin, binary = %conf.binary.display(), netns = %netns.display(), "delegated IPAM plugin found");
+        self.delegate = Some(Runner {
+            conf,
+            cni_path: cfg.plugin_dirs.clone(),
+            timeout: cfg.timeout,
+        });
+        self.sync_delegated_roles()?;
+        self.reconcile_inner()?;
+        Ok(())
+    }
+
+    /// Roles the configuration enables (either family).
+    fn wanted_delegated_roles(&self) -> BTreeSet<AgentRole> {
+        let r = &self.config.roles;
+        [
+            (AgentRole::Router, &r.router),
+            (AgentRole::Health, &r.health),
+            (AgentRole::Ingress, &r.ingress),
+        ]
+        .into_iter()
+        .filter(|(_, c)| c.ipv4 || c.ipv6)
+        .map(|(role, _)| role)
+        .collect()
+    }
+
+    /// Makes the role attachments match the configuration: CHECK what is
+    /// remembered (0.4.0+; DEL and ADD again when CHECK fails, or always for
+    /// older plugins and a changed plugin config), DEL what is disabled, ADD
+    /// what is missing.
+    fn sync_delegated_roles(&mut self) -> Result<(), AgentError> {
+        let wanted = self.wanted_delegated_roles();
+        let held: Vec<DelegatedRecord> = self
+            .delegated
+            .values()
+            .filter(|d| matches!(d.owner, Owner::Agent { .. }))
+            .cloned()
+            .collect();
+        let mut kept = BTreeSet::new();
+        for d in held {
+            let Owner::Agent { role } = d.owner else {
+                continue;
+            };
+            if !wanted.contains(&role) {
+                tracing::info!(%role, addresses = ?d.addresses, "role disabled; releasing its delegated address");
+                self.delegated_release(&d)?;
+                continue;
+            }
+            let runner = self.runner()?.clone();
+            let same_config = d.config_hash == runner.conf.hash && d.plugin == runner.conf.plugin;
+            let checkable = runner.has_check()
+                && d.cni_version
+                    .parse::<crate::cni::CniVersion>()
+                    .is_ok_and(|v| v >= crate::cni::CniVersion::V0_4_0);
+            if same_config && checkable {
+                self.count("CHECK");
+                let target = Target {
+                    container_id: &d.container_id,
+                    ifname: &d.ifname,
+                    netns: &d.netns,
+                };
+                match runner.check(&target, &d.result) {
+                    Ok(()) => {
+                        kept.insert(role);
+                        continue;
+                    }
+                    Err(e) => {
+                        tracing::warn!(%role, error = %e, "CHECK failed; DEL and ADD again");
+                    }
+                }
+            } else if !same_config {
+                tracing::info!(%role, "the plugin config changed; DEL and ADD again");
+            } else {
+                tracing::info!(%role, "the plugin predates CHECK; DEL and ADD again");
+            }
+            self.delegated_release(&d)?;
+        }
+        for role in wanted.difference(&kept).copied().collect::<Vec<_>>() {
+            self.delegated_add_role(role)?;
+        }
+        Ok(())
+    }
+
+    fn next_generation(&self) -> Generation {
+        let mine = self.delegated.values().map(|d| d.generation).max();
+        mine.unwrap_or_default()
+            .max(self.manager.generation())
+            .next()
+    }
+
+    /// Runs ADD and validates the result; on any failure after a successful
+    /// ADD sends a compensating DEL.
+    fn delegated_add(
+        &mut self,
+        owner: Owner,
+        target: &Target<'_>,
+    ) -> Result<DelegatedRecord, AgentError> {
+        let runner = self.runner()?.clone();
+        self.count("ADD");
+        let outcome = match runner.add(target) {
+            Ok(o) => o,
+            Err(e) => {
+                // A hung or garbled ADD may have allocated: DEL is idempotent.
+                if !matches!(e, DelegateError::Plugin { .. }) {
+                    self.compensate(&runner, target, None);
+                }
+                return Err(e.into());
+            }
+        };
+        let record = DelegatedRecord {
+            owner,
+            container_id: target.container_id.to_string(),
+            ifname: target.ifname.to_string(),
+            netns: target.netns.to_path_buf(),
+            plugin: runner.conf.plugin.clone(),
+            config_hash: runner.conf.hash.clone(),
+            cni_version: runner.conf.cni_version.as_str().to_string(),
+            result: outcome.raw,
+            addresses: outcome.addresses,
+            generation: self.next_generation(),
+        };
+        if let Err(e) = self.check_unique(&record) {
+            self.compensate(&runner, target, Some(&record.result));
+            return Err(e);
+        }
+        Ok(record)
+    }
+
+    /// Refuses a result that names an address someone else holds.
+    fn check_unique(&self, record: &DelegatedRecord) -> Result<(), AgentError> {
+        for a in &record.addresses {
+            let other = self
+                .manager
+                .allocations()
+                .find(|x| x.address == *a)
+                .map(|x| x.owner.clone())
+                .or_else(|| {
+                    self.delegated
+                        .values()
+                        .find(|d| d.key() != record.key() && d.addresses.contains(a))
+                        .map(|d| d.owner.clone())
+                });
+            if let Some(other) = other {
+                return Err(AgentError::Invalid {
+                    reason: format!(
+                        "IPAM plugin {} returned {a} for {}, which {other} already holds",
+                        record.plugin, record.owner
+                    ),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// The compensating DEL after a failed step.
+    fn compensate(
+        &mut self,
+        runner: &Runner,
+        target: &Target<'_>,
+        prev: Option<&serde_json::Value>,
+    ) {
+        self.count("DEL");
+        self.count(COMPENSATING_DEL);
+        match runner.del(target, prev) {
+            Ok(()) => tracing::info!(
+                container = target.container_id,
+                ifname = target.ifname,
+                "compensating DEL sent"
+            ),
+            Err(e) => {
+                tracing::error!(error = %e, container = target.container_id, "compensating DEL failed; the plugin may hold a leaked address")
+            }
+        }
+    }
+
+    fn delegated_add_role(&mut self, role: AgentRole) -> Result<(), AgentError> {
+        let (container_id, ifname) = self.role_attachment(role);
+        let netns = self.ipam_netns();
+        let target = Target {
+            container_id: &container_id,
+            ifname: &ifname,
+            netns: &netns,
+        };
+        let record = self.delegated_add(Owner::agent(role), &target)?;
+        let runner = self.runner()?.clone();
+        if let Err(e) = self.store.put_delegated(&record, None) {
+            self.compensate(&runner, &target, Some(&record.result));
+            return Err(e.into());
+        }
+        let key = record.key();
+        self.delegated.insert(key.clone(), record.clone());
+        let allocs = Self::allocations_of(&record);
+        for a in &allocs {
+            if let Err(e) = self.program(a) {
+                for b in &allocs {
+                    let _ = self.unprogram(b);
+                }
+                self.delegated.remove(&key);
+                let _ = self.store.remove_delegated(&key);
+                self.compensate(&runner, &target, Some(&record.result));
+                return Err(e);
+            }
+        }
+        tracing::info!(%role, addresses = ?record.addresses, "reserved a delegated role address");
+        Ok(())
+    }
+
+    /// Releases a delegated attachment: unprogram → DEL → commit. A failed
+    /// DEL puts the entries back and keeps the record (retried later).
+    fn delegated_release(&mut self, d: &DelegatedRecord) -> Result<(), AgentError> {
+        let runner = self.runner()?.clone();
+        let allocs = Self::allocations_of(d);
+        for a in &allocs {
+            self.unprogram(a)?;
+        }
+        self.count("DEL");
+        let target = Target {
+            container_id: &d.container_id,
+            ifname: &d.ifname,
+            netns: &d.netns,
+        };
+        if let Err(e) = runner.del(&target, Some(&d.result)) {
+            for a in &allocs {
+                let _ = self.program(a);
+            }
+            return Err(e.into());
+        }
+        self.store.remove_delegated(&d.key())?;
+        self.delegated.remove(&d.key());
+        Ok(())
+    }
+
+    /// Endpoint ADD in delegated mode: the addresses come from the plugin,
+    /// run with the endpoint's container ID, interface and namespace.
+    pub(super) fn delegated_endpoint_allocate(
+        &mut self,
+        req: &EndpointRequest,
+    ) -> Result<(Vec<Allocation>, DelegatedRecord), AgentError> {
+        let owner = Owner::Delegated {
+            container_id: req.container_id.clone(),
+            ifname: req.ifname.clone(),
+        };
+        let target = Target {
+            container_id: &req.container_id,
+            ifname: &req.ifname,
+            netns: &req.netns,
+        };
+        let record = self.delegated_add(owner, &target)?;
+        Ok((Self::allocations_of(&record), record))
+    }
+
+    /// Undoes a delegated endpoint ADD whose later step failed.
+    pub(super) fn delegated_undo(&mut self, record: &DelegatedRecord) {
+        let Ok(runner) = self.runner().cloned() else {
+            return;
+        };
+        let target = Target {
+            container_id: &record.container_id,
+            ifname: &record.ifname,
+            netns: &record.netns,
+        };
+        self.compensate(&runner, &target, Some(&record.result));
+    }
+
+    /// Endpoint DEL in delegated mode: passes DEL on to the plugin.
+    pub(super) fn delegated_endpoint_del(
+        &mut self,
+        record: &DelegatedRecord,
+    ) -> Result<(), AgentError> {
+        let runner = self.runner()?.clone();
+        self.count("DEL");
+        let target = Target {
+            container_id: &record.container_id,
+            ifname: &record.ifname,
+            netns: &record.netns,
+        };
+        runner.del(&target, Some(&record.result))?;
+        Ok(())
+    }
+
+    /// The IPAM-mode reply of a delegated endpoint: the plugin's addresses
+    /// with its prefixes and gateways.
+    pub(super) fn delegated_reply(&self, record: &EndpointRecord) -> Option<EndpointReply> {
+        let d = self.delegated.get(&record.key())?;
+        let version = d.cni_version.parse().ok()?;
+        let result = crate::cni::CniResult::from_json(&d.result, "result", version).ok()?;
+        Some(EndpointReply {
+            record: record.clone(),
+            addresses: result
+                .ips
+                .iter()
+                .map(|ip| EndpointAddress {
+                    address: ip.address,
+                    gateway: ip.gateway,
+                })
+                .collect(),
+            routes: result.routes.iter().map(|r| (r.dst, r.gw)).collect(),
+        })
+    }
+
+    /// The addresses of a delegated attachment, if it is one.
+    pub(super) fn delegated_addresses(&self, key: &str) -> Vec<IpAddr> {
+        self.delegated
+            .get(key)
+            .map(|d| d.addresses.clone())
+            .unwrap_or_default()
+    }
+
+    /// GC in delegated mode: the agent's role attachments are added to
+    /// `cni.dev/valid-attachments`, then GC is passed on when the plugin
+    /// supports it (1.1.0, asked with VERSION).
+    pub(super) fn delegated_gc(
+        &mut self,
+        valid: &BTreeSet<(String, String)>,
+    ) -> Result<(), AgentError> {
+        let runner = self.runner()?.clone();
+        let mut all: BTreeSet<(String, String)> = valid.clone();
+        for d in self.delegated.values() {
+            if matches!(d.owner, Owner::Agent { .. }) {
+                all.insert((d.container_id.clone(), d.ifname.clone()));
+            }
+        }
+        self.count("VERSION");
+        let versions = runner.versions()?;
+        if !versions.iter().any(|v| v == "1.1.0") {
+            tracing::debug!(plugin = %runner.conf.plugin, "the plugin does not support GC; not passed on");
+            return Ok(());
+        }
+        self.count("GC");
+        let all: Vec<(String, String)> = all.into_iter().collect();
+        runner.gc(&all)?;
+        Ok(())
+    }
+}
