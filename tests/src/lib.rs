@@ -558,3 +558,90 @@ impl Drop for AgentProc {
         self.kill9();
     }
 }
+
+impl AgentProc {
+    /// Like [`AgentProc::start`] (no `[datapath]` keys in `extra`), but
+    /// returns as soon as the process runs, ready or not: for agents that
+    /// wait for something (delegated mode's conflist).
+    ///
+    /// # Errors
+    /// Writing the config or spawning failed.
+    pub fn spawn_unready(node: &Netns, extra: &str) -> anyhow::Result<Self> {
+        let dir = TempDir::new("agent")?;
+        let pins = PinRoot::new();
+        let config = dir.path().join("config.toml");
+        let text = format!(
+            "state_dir = \"{state}\"\nsocket = \"{sock}\"\nmetrics_addr = \"127.0.0.1:0\"\n{extra}\n[datapath]\npin_root = \"{pins}\"\n",
+            state = dir.path().join("state").display(),
+            sock = dir.path().join("api.sock").display(),
+            pins = pins.path().display(),
+        );
+        std::fs::write(&config, text)?;
+        let mut agent = Self {
+            child: None,
+            dir,
+            pins,
+            config,
+            netns: node.path(),
+        };
+        agent.spawn()?;
+        Ok(agent)
+    }
+
+    /// Status as JSON, ready or not (`None` while the socket does not answer).
+    pub fn status_json(&self) -> Option<serde_json::Value> {
+        let out = self.cli(["status", "-o", "json"]).ok()?;
+        serde_json::from_slice(&out.stdout).ok()
+    }
+
+    /// Whether the agent process has exited (and with what).
+    ///
+    /// # Errors
+    /// Waiting failed.
+    pub fn exited(&mut self) -> anyhow::Result<Option<std::process::ExitStatus>> {
+        match self.child.as_mut() {
+            Some(c) => Ok(c.try_wait()?),
+            None => Ok(None),
+        }
+    }
+
+    /// Replaces the config file (for the next [`AgentProc::restart`]).
+    ///
+    /// # Errors
+    /// The write failed.
+    pub fn rewrite_config(&self, f: impl FnOnce(&str) -> String) -> anyhow::Result<()> {
+        let text = std::fs::read_to_string(&self.config)?;
+        std::fs::write(&self.config, f(&text))?;
+        Ok(())
+    }
+}
+
+/// Reads a JSON-lines log (one object per line), skipping partial lines.
+pub fn json_lines(path: &Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect()
+}
+
+/// Polls `f` every 20 ms until it returns `Some`, for at most `limit`.
+///
+/// # Errors
+/// It did not within `limit`; the error says what was awaited.
+pub fn wait_for<T>(
+    what: &str,
+    limit: std::time::Duration,
+    mut f: impl FnMut() -> Option<T>,
+) -> anyhow::Result<T> {
+    let started = std::time::Instant::now();
+    loop {
+        if let Some(v) = f() {
+            return Ok(v);
+        }
+        if started.elapsed() > limit {
+            bail!("timed out after {limit:?} waiting for {what}");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}

@@ -1,0 +1,771 @@
+//! Delegated IPAM: the agent's role addresses and endpoint addresses come from
+//! an external CNI IPAM plugin — the real host-local, and fake plugins that
+//! hang, fail, print garbage or support GC (tests/src/bin/fake-ipam.rs).
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use lockstep_tests::{
+    AgentProc, Netns, PinRoot, TempDir, json_lines, privileged, unique, wait_for,
+};
+use serde_json::{Value, json};
+
+const HOST_LOCAL_DIR: &str = "/usr/lib/cni";
+
+/// A namespace file the agent bind-mounts; unmounted and removed on drop.
+struct NsFile(PathBuf);
+
+impl NsFile {
+    fn new() -> Self {
+        Self(PathBuf::from("/run/netns").join(unique("lockstep-ipam-t")))
+    }
+}
+
+impl Drop for NsFile {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg(&self.0).output();
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+/// The node's root as this (host mount namespace) test process sees it.
+fn node_root() -> String {
+    format!("/proc/{}/root", std::process::id())
+}
+
+fn host_local_conflist(path: &Path, network: &str, data_dir: &Path) -> anyhow::Result<()> {
+    let v = json!({
+        "cniVersion": "1.0.0",
+        "name": network,
+        "plugins": [{
+            "type": "bridge",
+            "bridge": "cni0",
+            "ipam": {
+                "type": "host-local",
+                "dataDir": data_dir,
+                "ranges": [[{"subnet": "10.77.0.0/24"}]],
+            },
+        }],
+    });
+    std::fs::write(path, serde_json::to_vec_pretty(&v)?)?;
+    Ok(())
+}
+
+fn fake_conflist(
+    path: &Path,
+    plugin: &str,
+    mode: &str,
+    log: &Path,
+    gc: bool,
+    version: &str,
+) -> anyhow::Result<()> {
+    let v = json!({
+        "cniVersion": version,
+        "name": unique("fakenet"),
+        "plugins": [{
+            "type": "ptp",
+            "ipam": {"type": plugin, "fake": {"mode": mode, "log": log, "gc": gc}},
+        }],
+    });
+    std::fs::write(path, serde_json::to_vec_pretty(&v)?)?;
+    Ok(())
+}
+
+/// Agent config for delegated mode; `roles` is TOML of `[roles.*]` tables.
+fn config(
+    node: &str,
+    conflist: &Path,
+    plugin_dir: &Path,
+    netns: &NsFile,
+    timeout: &str,
+    roles: &str,
+) -> String {
+    format!(
+        "node_name = \"{node}\"\n[ipam]\nmode = \"delegated\"\nconflist = \"{}\"\nplugin_dirs = [\"{}\"]\ntimeout = \"{timeout}\"\nnetns = \"{}\"\nnode_root = \"{}\"\n{roles}\n",
+        conflist.display(),
+        plugin_dir.display(),
+        netns.0.display(),
+        node_root(),
+    )
+}
+
+const THREE_ROLES: &str =
+    "[roles.ingress]\nipv4 = true\n[roles.health]\nipv4 = true\n[roles.router]\nipv4 = true\n";
+
+fn roles(agent: &AgentProc) -> anyhow::Result<BTreeMap<String, Vec<String>>> {
+    let st = agent.json(["status", "-o", "json"])?;
+    Ok(serde_json::from_value(st["roles"].clone())?)
+}
+
+fn commands(status: &Value) -> BTreeMap<String, u64> {
+    serde_json::from_value(status["ipam_commands"].clone()).unwrap_or_default()
+}
+
+fn ipcache_v4(agent: &AgentProc) -> anyhow::Result<Vec<Value>> {
+    let dump: Value = serde_json::from_str(&lockstep_tests::sh(
+        lockstep_tests::lockstep_bin().to_str().context("utf-8")?,
+        [
+            "maps",
+            "dump",
+            "-o",
+            "json",
+            "--pin-root",
+            agent.pins.path().to_str().context("utf-8")?,
+        ],
+    )?)?;
+    Ok(dump["IPCACHE_V4"].as_array().cloned().unwrap_or_default())
+}
+
+/// host-local's files of a network: address → (container id, ifname).
+fn host_local_files(data_dir: &Path, network: &str) -> BTreeMap<String, (String, String)> {
+    let mut out = BTreeMap::new();
+    for e in std::fs::read_dir(data_dir.join(network))
+        .into_iter()
+        .flatten()
+        .flatten()
+    {
+        let name = e.file_name().to_string_lossy().into_owned();
+        if name.parse::<std::net::IpAddr>().is_err() {
+            continue;
+        }
+        let text = std::fs::read_to_string(e.path()).unwrap_or_default();
+        let mut lines = text.lines();
+        let id = lines.next().unwrap_or_default().trim().to_string();
+        let ifname = lines.next().unwrap_or_default().trim().to_string();
+        out.insert(name, (id, ifname));
+    }
+    out
+}
+
+#[test]
+fn host_local_roles_match_its_files_check_on_restart_and_release_a_disabled_role()
+-> anyhow::Result<()> {
+    privileged!();
+    let node = Netns::new("dl")?;
+    let dir = TempDir::new("deleg")?;
+    let data = dir.path().join("data");
+    std::fs::create_dir_all(&data)?;
+    let network = unique("hl");
+    let conflist = dir.path().join("10-net.conflist");
+    host_local_conflist(&conflist, &network, &data)?;
+    let ns = NsFile::new();
+    let name = unique("n");
+    let mut agent = AgentProc::start(
+        &node,
+        &config(
+            &name,
+            &conflist,
+            Path::new(HOST_LOCAL_DIR),
+            &ns,
+            "10s",
+            THREE_ROLES,
+        ),
+    )?;
+
+    // One host-local file per role address, naming the role's attachment.
+    let held = roles(&agent)?;
+    assert_eq!(held.len(), 3, "{held:?}");
+    let files = host_local_files(&data, &network);
+    assert_eq!(files.len(), 3, "{files:?}");
+    for (role, addrs) in &held {
+        assert_eq!(addrs.len(), 1, "{role}: {addrs:?}");
+        let (id, ifname) = files
+            .get(&addrs[0])
+            .with_context(|| format!("no file for {role}"))?;
+        assert_eq!(id, &format!("lockstep-{name}-{role}"));
+        assert_eq!(ifname, &format!("ls-{role}"));
+    }
+    // In IPCACHE with the role's flag.
+    let cache = ipcache_v4(&agent)?;
+    for (role, addrs) in &held {
+        let e = cache
+            .iter()
+            .find(|e| e["prefix"] == format!("{}/32", addrs[0]))
+            .with_context(|| format!("{role} not in IPCACHE: {cache:?}"))?;
+        assert_eq!(e["flags"], json!([role]), "{e}");
+    }
+
+    // Restart: CHECK each remembered attachment, no new ADD, same addresses.
+    agent.restart()?;
+    let st = agent.json(["status", "-o", "json"])?;
+    let run = commands(&st);
+    assert_eq!(run.get("CHECK"), Some(&3), "{run:?}");
+    assert_eq!(run.get("ADD"), None, "{run:?}");
+    assert_eq!(roles(&agent)?, held);
+    assert_eq!(host_local_files(&data, &network), files);
+
+    // Disable health: its host-local file goes, the others stay.
+    agent.rewrite_config(|t| {
+        t.replace(
+            "[roles.health]\nipv4 = true",
+            "[roles.health]\nipv4 = false",
+        )
+    })?;
+    agent.restart()?;
+    let now = roles(&agent)?;
+    assert!(!now.contains_key("health"), "{now:?}");
+    let health = &held["health"][0];
+    let after = host_local_files(&data, &network);
+    assert!(
+        !after.contains_key(health),
+        "health's file is still there: {after:?}"
+    );
+    assert_eq!(after.len(), 2, "{after:?}");
+    let cache = ipcache_v4(&agent)?;
+    assert!(
+        !cache.iter().any(|e| e["prefix"] == format!("{health}/32")),
+        "health's IPCACHE entry outlived it"
+    );
+    let run = commands(&agent.json(["status", "-o", "json"])?);
+    assert_eq!(run.get("DEL"), Some(&1), "{run:?}");
+    agent.stop()?;
+    Ok(())
+}
+
+#[test]
+fn an_agent_whose_view_of_the_data_dir_is_not_the_nodes_is_refused() -> anyhow::Result<()> {
+    privileged!();
+    let node = Netns::new("dm")?;
+    let dir = TempDir::new("deleg-mnt")?;
+    let data = dir.path().join("data");
+    std::fs::create_dir_all(&data)?;
+    let conflist = dir.path().join("10-net.conflist");
+    host_local_conflist(&conflist, &unique("hl"), &data)?;
+    let ns = NsFile::new();
+    let pins = PinRoot::new();
+    let cfg = dir.path().join("config.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "state_dir = \"{}\"\nsocket = \"{}\"\nmetrics_addr = \"127.0.0.1:0\"\n{}\n[datapath]\npin_root = \"{}\"\n",
+            dir.path().join("state").display(),
+            dir.path().join("api.sock").display(),
+            config(
+                &unique("n"),
+                &conflist,
+                Path::new(HOST_LOCAL_DIR),
+                &ns,
+                "10s",
+                THREE_ROLES
+            ),
+            pins.path().display(),
+        ),
+    )?;
+    // The agent in its own mount namespace, with a tmpfs over the dataDir:
+    // its view is the tmpfs, the node's (through /proc/<pid>/root) the dir.
+    let script = format!(
+        "mount -t tmpfs lockstep-test '{}' && exec nsenter --net='{}' -- '{}' agent --config '{}'",
+        data.display(),
+        node.path().display(),
+        lockstep_tests::lockstep_bin().display(),
+        cfg.display(),
+    );
+    let out = Command::new("timeout")
+        .args([
+            "30",
+            "unshare",
+            "-m",
+            "--propagation",
+            "private",
+            "sh",
+            "-c",
+            &script,
+        ])
+        .output()?;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "the agent must refuse: {stderr}");
+    assert_ne!(
+        out.status.code(),
+        Some(124),
+        "the agent hung instead of refusing: {stderr}"
+    );
+    assert!(
+        stderr.contains("refusing delegated IPAM") && stderr.contains("double allocation"),
+        "{stderr}"
+    );
+    assert!(stderr.contains(&data.display().to_string()), "{stderr}");
+    Ok(())
+}
+
+#[test]
+fn the_agent_waits_for_its_conflist_and_is_ready_within_2s_of_it_appearing() -> anyhow::Result<()> {
+    privileged!();
+    let node = Netns::new("dw")?;
+    let dir = TempDir::new("deleg-wait")?;
+    let data = dir.path().join("data");
+    std::fs::create_dir_all(&data)?;
+    let conflist = dir.path().join("10-later.conflist");
+    let ns = NsFile::new();
+    let mut agent = AgentProc::spawn_unready(
+        &node,
+        &config(
+            &unique("n"),
+            &conflist,
+            Path::new(HOST_LOCAL_DIR),
+            &ns,
+            "10s",
+            "[roles.router]\nipv4 = true\n",
+        ),
+    )?;
+    let st = wait_for("a not-ready status", Duration::from_secs(20), || {
+        agent.status_json().filter(|s| {
+            s["ready"] == false && s["reason"].as_str().is_some_and(|r| r.contains("conflist"))
+        })
+    })?;
+    let reason = st["reason"].as_str().unwrap_or_default();
+    assert!(reason.contains(&conflist.display().to_string()), "{st}");
+    assert!(reason.contains("waiting"), "{st}");
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(
+        agent.exited()?,
+        None,
+        "the agent must keep running while it waits"
+    );
+
+    let tmp = dir.path().join("conflist.tmp");
+    host_local_conflist(&tmp, &unique("hl"), &data)?;
+    std::fs::rename(&tmp, &conflist)?;
+    let appeared = Instant::now();
+    wait_for("ready", Duration::from_secs(10), || {
+        agent.status_json().filter(|s| s["ready"] == true)
+    })?;
+    let took = appeared.elapsed();
+    assert!(
+        took < Duration::from_secs(2),
+        "ready {took:?} after the conflist appeared"
+    );
+    assert_eq!(roles(&agent)?.len(), 1);
+    agent.stop()?;
+    Ok(())
+}
+
+/// A fake plugin under a unique name in its own plugin directory.
+struct Fake {
+    dir: TempDir,
+    plugin: String,
+    log: PathBuf,
+    conflist: PathBuf,
+}
+
+impl Fake {
+    fn new(mode: &str, gc: bool) -> anyhow::Result<Self> {
+        let dir = TempDir::new("fake")?;
+        let plugin = unique(if gc { "fake-ipam-gc" } else { "fake-ipam" });
+        std::fs::copy(env!("CARGO_BIN_EXE_fake-ipam"), dir.path().join(&plugin))?;
+        let log = dir.path().join("calls.jsonl");
+        let conflist = dir.path().join("10-fake.conflist");
+        fake_conflist(&conflist, &plugin, mode, &log, gc, "1.0.0")?;
+        Ok(Self {
+            dir,
+            plugin,
+            log,
+            conflist,
+        })
+    }
+
+    fn calls(&self) -> Vec<Value> {
+        json_lines(&self.log)
+    }
+
+    fn calls_of(&self, command: &str, container: &str) -> usize {
+        self.calls()
+            .iter()
+            .filter(|c| c["command"] == command && c["containerID"] == container)
+            .count()
+    }
+
+    /// What the fake holds: attachment → address.
+    fn held(&self) -> BTreeMap<String, String> {
+        std::fs::read(format!("{}.state", self.log.display()))
+            .ok()
+            .and_then(|b| serde_json::from_slice(&b).ok())
+            .unwrap_or_default()
+    }
+
+    /// Processes still running this fake's binary.
+    fn running(&self) -> usize {
+        let me = self.dir.path().join(&self.plugin);
+        std::fs::read_dir("/proc")
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter(|e| std::fs::read_link(e.path().join("exe")).is_ok_and(|x| x == me))
+            .count()
+    }
+}
+
+/// An agent that is not ready, with what it needs kept alive; dropped in
+/// field order: the agent first, then its namespaces.
+struct Unready {
+    agent: AgentProc,
+    reason: String,
+    name: String,
+    _ns: NsFile,
+    _node: Netns,
+}
+
+/// Starts an agent on `fake` and waits until its status reason contains
+/// `needle`.
+fn unready_with(fake: &Fake, timeout: &str, roles: &str, needle: &str) -> anyhow::Result<Unready> {
+    let node = Netns::new("df")?;
+    let ns = NsFile::new();
+    let name = unique("n");
+    let mut agent = AgentProc::spawn_unready(
+        &node,
+        &config(&name, &fake.conflist, fake.dir.path(), &ns, timeout, roles),
+    )?;
+    let st = wait_for(needle, Duration::from_secs(20), || {
+        agent
+            .status_json()
+            .filter(|s| s["reason"].as_str().is_some_and(|r| r.contains(needle)))
+    })?;
+    assert_eq!(agent.exited()?, None, "the agent must not exit");
+    Ok(Unready {
+        agent,
+        reason: st["reason"].as_str().unwrap_or_default().to_string(),
+        name,
+        _ns: ns,
+        _node: node,
+    })
+}
+
+#[test]
+fn a_hung_plugin_is_killed_after_the_timeout_and_its_add_undone() -> anyhow::Result<()> {
+    privileged!();
+    let fake = Fake::new("hang", false)?;
+    let started = Instant::now();
+    let mut u = unready_with(&fake, "1s", "[roles.router]\nipv4 = true\n", "was killed")?;
+    let (reason, name) = (u.reason.clone(), u.name.clone());
+    let agent = &mut u.agent;
+    assert!(started.elapsed() >= Duration::from_secs(1));
+    assert!(
+        reason.contains("did not finish within 1s") && reason.contains("ADD"),
+        "{reason}"
+    );
+    let id = format!("lockstep-{name}-router");
+    wait_for("a compensating DEL", Duration::from_secs(5), || {
+        (fake.calls_of("DEL", &id) >= 1).then_some(())
+    })?;
+    agent.stop()?;
+    assert_eq!(fake.running(), 0, "a hung plugin process survived");
+    assert!(fake.held().is_empty(), "{:?}", fake.held());
+    assert!(fake.calls_of("ADD", &id) >= 1);
+    Ok(())
+}
+
+#[test]
+fn a_failing_plugin_is_a_clear_error_and_the_agent_keeps_running() -> anyhow::Result<()> {
+    privileged!();
+    let fake = Fake::new("fail", false)?;
+    let mut u = unready_with(
+        &fake,
+        "5s",
+        "[roles.router]\nipv4 = true\n",
+        "failed with CNI error",
+    )?;
+    let reason = u.reason.clone();
+    let agent = &mut u.agent;
+    assert!(
+        reason.contains(&fake.plugin) && reason.contains("CNI error 11"),
+        "{reason}"
+    );
+    assert!(reason.contains("fake-ipam was told to fail"), "{reason}");
+    agent.stop()?;
+    assert!(fake.held().is_empty());
+    Ok(())
+}
+
+#[test]
+fn garbage_from_the_plugin_is_a_clear_error_and_nothing_leaks() -> anyhow::Result<()> {
+    privileged!();
+    let fake = Fake::new("garbage", false)?;
+    let mut u = unready_with(
+        &fake,
+        "5s",
+        "[roles.router]\nipv4 = true\n",
+        "printed an invalid result",
+    )?;
+    let (reason, name) = (u.reason.clone(), u.name.clone());
+    let agent = &mut u.agent;
+    assert!(reason.contains("this is not JSON"), "{reason}");
+    let id = format!("lockstep-{name}-router");
+    wait_for("a compensating DEL", Duration::from_secs(5), || {
+        (fake.calls_of("DEL", &id) >= 1).then_some(())
+    })?;
+    let st = agent.status_json().context("status")?;
+    assert!(
+        commands(&st)
+            .get("compensating_del")
+            .is_some_and(|n| *n >= 1),
+        "{st}"
+    );
+    agent.stop()?;
+    assert!(fake.held().is_empty(), "{:?}", fake.held());
+    Ok(())
+}
+
+#[test]
+fn a_step_failing_after_a_successful_add_sends_a_compensating_del() -> anyhow::Result<()> {
+    privileged!();
+    // `fixed` hands everyone the same address: the second role's result is
+    // refused after its ADD succeeded.
+    let fake = Fake::new("fixed", false)?;
+    let mut u = unready_with(
+        &fake,
+        "5s",
+        "[roles.router]\nipv4 = true\n[roles.health]\nipv4 = true\n",
+        "already holds",
+    )?;
+    let (reason, name) = (u.reason.clone(), u.name.clone());
+    let agent = &mut u.agent;
+    assert!(reason.contains("10.99.0.1"), "{reason}");
+    // Roles are set up health before router: router's result is the duplicate.
+    assert!(reason.contains("agent router"), "{reason}");
+    let router = format!("lockstep-{name}-router");
+    wait_for("a compensating DEL", Duration::from_secs(5), || {
+        (fake.calls_of("DEL", &router) >= 1).then_some(())
+    })?;
+    let st = agent.status_json().context("status")?;
+    assert!(
+        commands(&st)
+            .get("compensating_del")
+            .is_some_and(|n| *n >= 1),
+        "{st}"
+    );
+    // The compensating DEL carried the refused result as prevResult.
+    let del = fake
+        .calls()
+        .into_iter()
+        .find(|c| c["command"] == "DEL" && c["containerID"] == router.as_str())
+        .context("DEL")?;
+    assert_eq!(
+        del["stdin"]["prevResult"]["ips"][0]["address"], "10.99.0.1/24",
+        "{del}"
+    );
+    assert!(!fake.held().contains_key(&format!("{router}/ls-router")));
+    assert!(
+        fake.held()
+            .contains_key(&format!("lockstep-{name}-health/ls-health"))
+    );
+    agent.stop()?;
+    Ok(())
+}
+
+/// Runs lockstep's own CNI plugin (the lockstep binary, no arguments).
+fn lockstep_plugin(env: &[(&str, &str)], stdin: &Value) -> anyhow::Result<(i32, Value)> {
+    use std::io::Write;
+    let mut child = Command::new(lockstep_tests::lockstep_bin())
+        .env_clear()
+        .env("CNI_PATH", "/usr/lib/cni")
+        .envs(env.iter().copied())
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()?;
+    child
+        .stdin
+        .take()
+        .context("stdin")?
+        .write_all(stdin.to_string().as_bytes())?;
+    let out = child.wait_with_output()?;
+    let v = serde_json::from_slice(&out.stdout).unwrap_or(Value::Null);
+    Ok((out.status.code().unwrap_or(-1), v))
+}
+
+#[test]
+fn gc_through_lockstep_passes_the_agents_attachments_as_valid() -> anyhow::Result<()> {
+    privileged!();
+    let fake = Fake::new("ok", true)?;
+    let node = Netns::new("dg")?;
+    let ns = NsFile::new();
+    let name = unique("n");
+    let mut agent = AgentProc::start(
+        &node,
+        &config(
+            &name,
+            &fake.conflist,
+            fake.dir.path(),
+            &ns,
+            "5s",
+            "[roles.router]\nipv4 = true\n[roles.ingress]\nipv4 = true\n",
+        ),
+    )?;
+    let conf = json!({
+        "cniVersion": "1.1.0",
+        "name": "pods",
+        "type": "lockstep",
+        "agentSocket": agent.socket(),
+        "cni.dev/valid-attachments": [{"containerID": "pod-a", "ifname": "eth0"}],
+    });
+    let (code, out) = lockstep_plugin(&[("CNI_COMMAND", "GC")], &conf)?;
+    assert_eq!(code, 0, "{out}");
+    let gc = fake
+        .calls()
+        .into_iter()
+        .find(|c| c["command"] == "GC")
+        .context("the fake saw no GC")?;
+    let valid: Vec<(String, String)> = gc["stdin"]["cni.dev/valid-attachments"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|a| {
+            (
+                a["containerID"].as_str().unwrap_or_default().to_string(),
+                a["ifname"].as_str().unwrap_or_default().to_string(),
+            )
+        })
+        .collect();
+    for (id, ifname) in [
+        ("pod-a".to_string(), "eth0"),
+        (format!("lockstep-{name}-router"), "ls-router"),
+        (format!("lockstep-{name}-ingress"), "ls-ingress"),
+    ] {
+        assert!(
+            valid.contains(&(id.clone(), ifname.to_string())),
+            "{id}/{ifname} missing: {gc}"
+        );
+    }
+    assert_eq!(gc["stdin"]["cniVersion"], "1.1.0");
+    // Never released: no DEL, both role addresses still held by the plugin.
+    assert!(!fake.calls().iter().any(|c| c["command"] == "DEL"));
+    assert_eq!(fake.held().len(), 2, "{:?}", fake.held());
+    assert_eq!(roles(&agent)?.len(), 2);
+    agent.stop()?;
+    Ok(())
+}
+
+#[test]
+fn an_endpoint_add_through_lockstep_gets_its_address_from_host_local() -> anyhow::Result<()> {
+    privileged!();
+    let node = Netns::new("de")?;
+    let pod = Netns::new("dp")?;
+    let dir = TempDir::new("deleg-ep")?;
+    let data = dir.path().join("data");
+    std::fs::create_dir_all(&data)?;
+    let network = unique("hl");
+    let conflist = dir.path().join("10-net.conflist");
+    host_local_conflist(&conflist, &network, &data)?;
+    let ns = NsFile::new();
+    let mut agent = AgentProc::start(
+        &node,
+        &config(
+            &unique("n"),
+            &conflist,
+            Path::new(HOST_LOCAL_DIR),
+            &ns,
+            "10s",
+            "[roles.router]\nipv4 = true\n",
+        ),
+    )?;
+    let id = unique("pod");
+    let pod_ns = pod.path().display().to_string();
+    let conf = json!({
+        "cniVersion": "1.0.0",
+        "name": "pods",
+        "type": "bridge",
+        "ipam": {"type": "lockstep-ipam", "agentSocket": agent.socket()},
+    });
+    let env = [
+        ("CNI_COMMAND", "ADD"),
+        ("CNI_CONTAINERID", id.as_str()),
+        ("CNI_IFNAME", "eth0"),
+        ("CNI_NETNS", pod_ns.as_str()),
+    ];
+    let (code, out) = lockstep_plugin(&env, &conf)?;
+    assert_eq!(code, 0, "{out}");
+    let addr = out["ips"][0]["address"]
+        .as_str()
+        .context("an address")?
+        .to_string();
+    assert!(
+        addr.starts_with("10.77.0.") && addr.ends_with("/24"),
+        "host-local's subnet: {out}"
+    );
+    assert_eq!(out["ips"][0]["gateway"], "10.77.0.1", "{out}");
+    let ip = addr.split('/').next().unwrap_or_default().to_string();
+    let files = host_local_files(&data, &network);
+    assert_eq!(
+        files.get(&ip),
+        Some(&(id.clone(), "eth0".to_string())),
+        "{files:?}"
+    );
+    let cache = ipcache_v4(&agent)?;
+    let e = cache
+        .iter()
+        .find(|e| e["prefix"] == format!("{ip}/32"))
+        .with_context(|| format!("{ip} not in IPCACHE: {cache:?}"))?;
+    assert_eq!(e["flags"], json!(["endpoint"]), "{e}");
+    // Same answer again (idempotent), then DEL passes DEL on.
+    let (code, again) = lockstep_plugin(&env, &conf)?;
+    assert_eq!(code, 0, "{again}");
+    assert_eq!(again["ips"][0]["address"], addr.as_str());
+    let del = [
+        ("CNI_COMMAND", "DEL"),
+        ("CNI_CONTAINERID", id.as_str()),
+        ("CNI_IFNAME", "eth0"),
+        ("CNI_NETNS", pod_ns.as_str()),
+    ];
+    let (code, out) = lockstep_plugin(&del, &conf)?;
+    assert_eq!(code, 0, "{out}");
+    assert!(!host_local_files(&data, &network).contains_key(&ip));
+    assert!(
+        !ipcache_v4(&agent)?
+            .iter()
+            .any(|e| e["prefix"] == format!("{ip}/32")),
+        "the endpoint's IPCACHE entry outlived it"
+    );
+    agent.stop()?;
+    Ok(())
+}
+
+#[test]
+fn a_plugin_older_than_check_gets_del_and_add_on_restart() -> anyhow::Result<()> {
+    privileged!();
+    let fake = Fake::new("ok", false)?;
+    fake_conflist(
+        &fake.conflist,
+        &fake.plugin,
+        "ok",
+        &fake.log,
+        false,
+        "0.3.1",
+    )?;
+    let node = Netns::new("do")?;
+    let ns = NsFile::new();
+    let name = unique("n");
+    let mut agent = AgentProc::start(
+        &node,
+        &config(
+            &name,
+            &fake.conflist,
+            fake.dir.path(),
+            &ns,
+            "5s",
+            "[roles.router]\nipv4 = true\n",
+        ),
+    )?;
+    let before = roles(&agent)?;
+    agent.restart()?;
+    let run = commands(&agent.json(["status", "-o", "json"])?);
+    assert_eq!(run.get("CHECK"), None, "0.3.1 has no CHECK: {run:?}");
+    assert_eq!(
+        (run.get("DEL"), run.get("ADD")),
+        (Some(&1), Some(&1)),
+        "{run:?}"
+    );
+    let id = format!("lockstep-{name}-router");
+    let calls: Vec<String> = fake
+        .calls()
+        .iter()
+        .filter(|c| c["containerID"] == id.as_str())
+        .filter_map(|c| c["command"].as_str().map(str::to_string))
+        .collect();
+    assert_eq!(calls, ["ADD", "DEL", "ADD"]);
+    assert_eq!(roles(&agent)?.len(), before.len());
+    assert_eq!(fake.held().len(), 1, "{:?}", fake.held());
+    agent.stop()?;
+    Ok(())
+}
