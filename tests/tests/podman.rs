@@ -289,6 +289,10 @@ fn node_netns(v4: &str, v6: &str) -> anyhow::Result<Netns> {
     Ok(node)
 }
 
+/// No periodic reconcile during a test: `verify` must find the maps right
+/// as ADD and DEL left them, not as a reconcile repaired them.
+const NO_RECONCILE: &str = r#"reconcile_interval = "1h""#;
+
 /// Pool `pods` with `v4`/`v6` and the CNI install section for `network`.
 ///
 /// The conflist says `cniVersion = "1.0.0"`: the agent's default, 1.1.0, is
@@ -297,6 +301,7 @@ fn node_netns(v4: &str, v6: &str) -> anyhow::Result<Netns> {
 fn agent_toml(podman: &Podman, network: &str, v4: &str, v6: &str) -> String {
     format!(
         r#"
+{NO_RECONCILE}
 [[pools]]
 name = "pods"
 ipv4 = ["{v4}"]
@@ -670,12 +675,15 @@ fn agent_restarts_lose_no_packet_between_running_containers() -> anyhow::Result<
     let network = unique("lsnet");
     let mut agent = AgentProc::start(
         &node,
-        r#"
+        &format!(
+            r#"
+{NO_RECONCILE}
 [[pools]]
 name = "pods"
 ipv4 = ["10.64.0.0/24"]
 ipv6 = ["fd00:64::/120"]
-"#,
+"#
+        ),
     )?;
     install_by_hand(&podman, &network, &agent.socket())?;
     let c1 = format!("{network}-c1");
@@ -744,7 +752,10 @@ ipv6 = ["fd00:64::/120"]
         restarts.len(),
         text(&out.stderr)
     );
-    // The agent came back with the same endpoints, and everything matches.
+    // The agent came back with the same endpoints, found the maps it left
+    // right (nothing to re-program), and everything matches.
+    let status = agent.json(["status", "-o", "json"])?;
+    ensure!(status["restored"]["added"] == 0, "{status}");
     ensure!(
         endpoint_allocations(&agent)? == before,
         "allocations changed"
@@ -819,6 +830,7 @@ fn bridge_with_lockstep_ipam_allocates_connects_checks_and_frees() -> anyhow::Re
         &node,
         &format!(
             r#"
+{NO_RECONCILE}
 [[pools]]
 name = "bridged"
 ipv4 = ["10.62.0.0/24"]
@@ -897,6 +909,7 @@ conf_dir = "{conf}"
         );
     }
     ensure!(v4s.len() == 2 && v6s.len() == 2, "{all:?}");
+    verify(&agent)?;
 
     // The bridge is in the node namespace, holding the gateways; the root
     // namespace has no trace of it.
