@@ -17,8 +17,8 @@ use std::os::unix::ffi::OsStrExt;
 
 use libfuzzer_sys::fuzz_target;
 use lockstep::cni::{
-    CniResult, CniVersion, Command, ErrorCode, Invocation, MAX_STDIN_BYTES, error_version,
-    parse_invocation,
+    CniResult, CniVersion, Command, ErrorCode, Invocation, IpamResult, MAX_STDIN_BYTES,
+    error_version, parse_invocation,
 };
 
 const NAMES: [&str; 6] = [
@@ -44,7 +44,41 @@ fuzz_target!(|data: &[u8]| {
     }
     let stdin = parts.next().unwrap_or_default();
     check(env, stdin);
+    check_ipam_result(stdin);
 });
+
+/// The plugin also reads IPAM results (host-local's output in delegated
+/// mode): read any `prevResult` in stdin as one, and check its round trip.
+fn check_ipam_result(stdin: &[u8]) {
+    let Ok(document) = serde_json::from_slice::<serde_json::Value>(stdin) else {
+        return;
+    };
+    let Some(prev) = document.get("prevResult") else {
+        return;
+    };
+    for version in CniVersion::SUPPORTED {
+        let Ok(ipam) = IpamResult::from_json(prev, "prevResult", version) else {
+            continue;
+        };
+        // Lossless in 1.1.0, which has every field; older versions drop the
+        // 1.1.0-only route attributes by design, so there only idempotence
+        // holds.
+        let latest = ipam.to_json(CniVersion::LATEST);
+        let back = IpamResult::from_json(&latest, "result", CniVersion::LATEST)
+            .expect("a written 1.1.0 IPAM result reads back");
+        assert_eq!(back, ipam, "1.1.0 IPAM round trip changed the result");
+        let written = ipam.to_json(version);
+        let reread = IpamResult::from_json(&written, "result", version)
+            .expect("a written IPAM result reads back in its own version");
+        assert_eq!(
+            reread.to_json(version),
+            written,
+            "{version} IPAM round trip is not idempotent"
+        );
+        let full = CniResult::from_ipam(ipam, Vec::new(), 0);
+        let _ = full.to_json(version);
+    }
+}
 
 fn check(env: Vec<(&OsStr, &OsStr)>, stdin: &[u8]) {
     match parse_invocation(env, stdin) {
