@@ -18,7 +18,9 @@ use axum::{Json, Router};
 use serde::Serialize;
 use serde_json::json;
 
-use crate::agent::endpoints::{DelRequest, EndpointRequest, GcRequest};
+use crate::agent::endpoints::{
+    DelRequest, EndpointRequest, GcRequest, endpoint_add_concurrent, endpoint_del_concurrent,
+};
 use crate::agent::lb::{LbApply, LbDelete};
 use crate::agent::{Agent, AgentError, AllocateRequest, ReleaseRequest};
 use crate::metrics::Metrics;
@@ -66,7 +68,7 @@ impl From<AgentError> for ApiError {
             "not_ready" => StatusCode::SERVICE_UNAVAILABLE,
             "unknown_pool" | "not_found" => StatusCode::NOT_FOUND,
             "pool_exhausted" | "map_full" => StatusCode::INSUFFICIENT_STORAGE,
-            "check_failed" => StatusCode::CONFLICT,
+            "check_failed" | "busy" => StatusCode::CONFLICT,
             "address_taken" | "owner_holds_other" | "stale_generation" | "cidr_draining" => {
                 StatusCode::CONFLICT
             }
@@ -197,7 +199,10 @@ async fn cni_add(
 ) -> Result<Response, ApiError> {
     let Json(req) = body?;
     let started = Instant::now();
-    let result = with_agent(&s, move |a| a.endpoint_add(req)).await;
+    let slot = s.agent.clone();
+    let result = tokio::task::spawn_blocking(move || endpoint_add_concurrent(&slot, req))
+        .await
+        .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", e.to_string()))?;
     s.metrics.observe_allocation(started.elapsed());
     Ok(ok(result?))
 }
@@ -207,7 +212,12 @@ async fn cni_del(
     body: Result<Json<DelRequest>, JsonRejection>,
 ) -> Result<Response, ApiError> {
     let Json(req) = body?;
-    with_agent(&s, move |a| a.endpoint_del(req)).await?;
+    let slot = s.agent.clone();
+    tokio::task::spawn_blocking(move || endpoint_del_concurrent(&slot, req))
+        .await
+        .map_err(|e| {
+            ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", e.to_string())
+        })??;
     Ok(ok(json!({})))
 }
 

@@ -120,7 +120,9 @@ impl Default for CniConfig {
             conf_dir: PathBuf::from("/etc/cni/net.d"),
             conflist_name: "05-lockstep.conflist".into(),
             network_name: "lockstep".into(),
-            cni_version: "1.1.0".into(),
+            // 1.0.0, not 1.1.0: runtimes still shipping older libcni (podman
+            // 4.3) refuse 1.1.0 results. The plugin speaks both.
+            cni_version: "1.0.0".into(),
         }
     }
 }

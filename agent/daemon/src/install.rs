@@ -72,9 +72,18 @@ fn describe(path: &Path, content: &[u8]) -> Installed {
     }
 }
 
-/// Writes `content` to `path` atomically (temp file + rename), with `mode`.
+/// Writes `content` to `path` atomically (temp file + rename), with `mode`;
+/// a file that already holds exactly `content` is left alone (a restart
+/// should not rewrite a large binary, nor disturb a runtime reading it).
 fn write_atomic(path: &Path, content: &[u8], mode: u32) -> Result<(), InstallError> {
     use std::os::unix::fs::PermissionsExt;
+    if let Ok(meta) = std::fs::metadata(path)
+        && meta.len() == content.len() as u64
+        && meta.permissions().mode() & 0o777 == mode
+        && std::fs::read(path).is_ok_and(|existing| existing == content)
+    {
+        return Ok(());
+    }
     let dir = path.parent().unwrap_or(Path::new("/"));
     std::fs::create_dir_all(dir).map_err(io("create", dir))?;
     let tmp = dir.join(format!(

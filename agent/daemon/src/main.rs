@@ -5,7 +5,11 @@ use clap::Parser;
 fn main() {
     // Run by a container runtime as a CNI plugin (`lockstep` or
     // `lockstep-ipam`): the protocol is environment + stdin, not arguments.
-    if std::env::var_os("CNI_COMMAND").is_some() && std::env::args_os().len() == 1 {
+    // Any CNI_* variable with no arguments is a runtime calling: a missing
+    // CNI_COMMAND then gets the spec's error (code 4), not CLI usage.
+    let called_by_runtime =
+        std::env::vars_os().any(|(k, _)| k.to_string_lossy().starts_with("CNI_"));
+    if called_by_runtime && std::env::args_os().len() == 1 {
         std::process::exit(lockstep::plugin::run());
     }
     let cli = lockstep::cli::Cli::parse();

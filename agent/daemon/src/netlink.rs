@@ -254,6 +254,40 @@ impl Netlink {
             .map_err(req(format!("create veth {host}")))
     }
 
+    /// Creates a veth pair `host` (here) ↔ `peer`, the peer made directly
+    /// inside the namespace `peer_netns` under its final name. Moving an
+    /// existing interface between namespaces waits for an RCU grace period
+    /// (~25 ms measured here); creating it in place does not.
+    ///
+    /// # Errors
+    /// The kernel refused (e.g. a name exists on either side).
+    pub fn create_veth_into(
+        &self,
+        host: &str,
+        peer: &str,
+        peer_netns: &OwnedFd,
+        mtu: Option<u32>,
+    ) -> Result<(), NetlinkError> {
+        use netlink_packet_route::link::{InfoData, InfoKind, InfoVeth};
+        use rtnetlink::LinkMessageBuilder;
+        let mut peer_msg = LinkMessageBuilder::<LinkUnspec>::new()
+            .name(peer.to_string())
+            .setns_by_fd(peer_netns.as_raw_fd());
+        let mut msg = LinkMessageBuilder::<LinkVeth>::new_with_info_kind(InfoKind::Veth)
+            .name(host.to_string());
+        if let Some(mtu) = mtu {
+            peer_msg = peer_msg.mtu(mtu);
+            msg = msg.mtu(mtu);
+        }
+        let msg = msg.set_info_data(InfoData::Veth(InfoVeth::Peer(peer_msg.build())));
+        let handle = self.handle.clone();
+        self.rt
+            .block_on(async move { handle.link().add(msg.build()).execute().await })
+            .map_err(req(format!(
+                "create veth {host} with peer {peer} in a namespace"
+            )))
+    }
+
     /// Moves interface `index` into the namespace `netns`.
     ///
     /// # Errors

@@ -78,6 +78,9 @@ fn agent(
                 reason: "the lockstep agent is restoring its state".into(),
             }
             .into(),
+            ClientError::Api { code, message, .. } if code == "busy" => {
+                CniError::TryAgainLater { reason: message }.into()
+            }
             ClientError::Api { code, message, .. } => PluginError::Refused { code, message },
             other => CniError::TryAgainLater {
                 reason: format!("talking to the lockstep agent failed: {other}"),

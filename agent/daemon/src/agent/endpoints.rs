@@ -21,8 +21,11 @@ use lockstep_core::manager::Allocation;
 use lockstep_core::owner::Owner;
 use serde::{Deserialize, Serialize};
 
+use std::sync::Mutex;
+
 use super::{Agent, AgentError};
 use crate::datapath::Hook;
+use crate::datapath::ProgramPin;
 use crate::netlink::{Netlink, open_netns};
 use crate::store::{EndpointMode, EndpointRecord, endpoint_key};
 
@@ -147,10 +150,228 @@ fn invalid(reason: impl Into<String>) -> AgentError {
     }
 }
 
-/// Interfaces made so far by an ADD, for undo.
-#[derive(Default)]
-struct Made {
-    host_index: Option<u32>,
+/// The interfaces ADD made (full mode).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Interfaces {
+    /// Host-side veth.
+    pub host_ifname: String,
+    /// Its index.
+    pub host_ifindex: u32,
+    /// Its MAC.
+    pub host_mac: [u8; 6],
+    /// MAC of the container side.
+    pub mac: [u8; 6],
+}
+
+/// Why making the interfaces failed, and what to undo.
+#[derive(Debug)]
+pub struct InterfaceFailure {
+    /// The error.
+    pub error: AgentError,
+    /// The host-side veth, if it was created.
+    pub host_ifindex: Option<u32>,
+}
+
+/// An ADD between its locked phases: addresses held (uncommitted), the
+/// attachment marked pending so no other request touches it.
+#[derive(Debug)]
+pub struct PreparedAdd {
+    req: EndpointRequest,
+    key: String,
+    pool: String,
+    allocated: Vec<Allocation>,
+    delegated: Option<crate::store::DelegatedRecord>,
+    attach: Option<ProgramPin>,
+}
+
+/// The first phase's outcome.
+#[derive(Debug)]
+pub enum AddBegin {
+    /// Finished already (repeated ADD, or IPAM mode).
+    Done(Box<EndpointReply>),
+    /// Interfaces to make outside the lock, then [`Agent::endpoint_add_finish`].
+    Interfaces(Box<PreparedAdd>),
+}
+
+/// Kernel work left after DEL committed: detach the program, delete the veth.
+#[derive(Debug, Default)]
+pub struct DelCleanup {
+    host: Option<(String, u32)>,
+    attach: Option<ProgramPin>,
+}
+
+impl DelCleanup {
+    /// Runs it (outside the agent lock; both steps wait on the kernel).
+    /// Already gone is fine; failures are logged, the allocation is already
+    /// released and a stale veth is removed by a retried DEL or ADD.
+    pub fn run(self) {
+        let Some((name, index)) = self.host else {
+            return;
+        };
+        if let Some(pin) = &self.attach
+            && let Err(e) = pin.detach_index(index, Hook::Ingress)
+        {
+            tracing::warn!(error = %e, iface = %name, "detaching from_endpoint failed");
+        }
+        match Netlink::current().and_then(|h| match h.link(&name)? {
+            Some(l) if l.index == index => h.delete_link(index),
+            _ => Ok(()),
+        }) {
+            Ok(()) => {}
+            Err(e) => tracing::warn!(error = %e, iface = %name, "deleting the veth failed"),
+        }
+    }
+}
+
+/// Makes the veth pair (the peer created directly in the container's
+/// namespace), addresses, routes and gateway neighbours, and attaches
+/// `from_endpoint`. Runs without the agent lock: every step is a kernel call
+/// on interfaces no one else knows about yet.
+///
+/// # Errors
+/// The first failing step, with the host veth to delete if it was made.
+pub fn build_interfaces(
+    req: &EndpointRequest,
+    addresses: &[IpAddr],
+    attach: Option<&ProgramPin>,
+) -> Result<Interfaces, InterfaceFailure> {
+    let mut made: Option<u32> = None;
+    let result = (|| -> Result<Interfaces, AgentError> {
+        let host_name = host_ifname(&req.container_id, &req.ifname);
+        let netns_fd = open_netns(&req.netns)?;
+        let host = Netlink::current()?;
+        // Leftovers of an ADD that crashed half-way.
+        for stale in [&host_name, &temp_ifname(&req.container_id, &req.ifname)] {
+            if let Some(l) = host.link(stale)? {
+                host.delete_link(l.index)?;
+            }
+        }
+        let inside = Netlink::in_netns(&req.netns)?;
+        if inside.link(&req.ifname)?.is_some() {
+            return Err(invalid(format!(
+                "interface {} already exists in {}",
+                req.ifname,
+                req.netns.display()
+            )));
+        }
+        host.create_veth_into(&host_name, &req.ifname, &netns_fd, req.mtu)?;
+        let host_link = host
+            .link(&host_name)?
+            .ok_or_else(|| invalid(format!("veth {host_name} vanished after creation")))?;
+        made = Some(host_link.index);
+        let peer = inside.link(&req.ifname)?.ok_or_else(|| {
+            invalid(format!(
+                "{} did not appear in {}",
+                req.ifname,
+                req.netns.display()
+            ))
+        })?;
+        host.set_up(host_link.index)?;
+        inside.set_up(peer.index)?;
+        if let Some(lo) = inside.link("lo")? {
+            inside.set_up(lo.index)?;
+        }
+        for addr in addresses {
+            let (prefix, gw, any): (u8, IpAddr, IpNet) = match addr {
+                IpAddr::V4(_) => (32, GATEWAY_V4.into(), "0.0.0.0/0".parse().expect("literal")),
+                IpAddr::V6(_) => (128, GATEWAY_V6.into(), "::/0".parse().expect("literal")),
+            };
+            inside.add_address(peer.index, *addr, prefix)?;
+            // The gateway resolves to the host side statically: no ARP/NDP
+            // round trip before the first packet, and nothing to spoof.
+            inside.add_neighbour(peer.index, gw, host_link.mac)?;
+            if addr.is_ipv4() {
+                inside.add_route(IpNet::from(gw), None, peer.index)?;
+            }
+            inside.add_route(any, Some(gw), peer.index)?;
+            host.add_route(IpNet::from(*addr), None, host_link.index)?;
+            host.add_neighbour(host_link.index, *addr, peer.mac)?;
+        }
+        if let Some(pin) = attach {
+            pin.attach(&host_name, Hook::Ingress)?;
+        }
+        Ok(Interfaces {
+            host_ifname: host_name,
+            host_ifindex: host_link.index,
+            host_mac: host_link.mac,
+            mac: peer.mac,
+        })
+    })();
+    result.map_err(|error| InterfaceFailure {
+        error,
+        host_ifindex: made,
+    })
+}
+
+fn lock(slot: &Mutex<Option<Agent>>) -> std::sync::MutexGuard<'_, Option<Agent>> {
+    slot.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn not_ready() -> AgentError {
+    AgentError::NotReady {
+        reason: "restoring allocations and maps".into(),
+    }
+}
+
+/// CNI ADD with the agent lock held only to decide and to commit: the
+/// interfaces and the program attach (each waiting on the kernel) run
+/// unlocked, so concurrent ADDs overlap their waits.
+///
+/// # Errors
+/// As [`Agent::endpoint_add`].
+pub fn endpoint_add_concurrent(
+    slot: &Mutex<Option<Agent>>,
+    req: EndpointRequest,
+) -> Result<EndpointReply, AgentError> {
+    let begun = lock(slot)
+        .as_mut()
+        .ok_or_else(not_ready)?
+        .endpoint_add_begin(req);
+    let prepared = match begun? {
+        AddBegin::Done(reply) => return Ok(*reply),
+        AddBegin::Interfaces(p) => p,
+    };
+    let made = build_interfaces(
+        &prepared.req,
+        &prepared.addresses(),
+        prepared.attach.as_ref(),
+    );
+    let mut guard = lock(slot);
+    match guard.as_mut() {
+        Some(agent) => agent.endpoint_add_finish(*prepared, made),
+        None => {
+            if let Ok(i) = made {
+                DelCleanup {
+                    host: Some((i.host_ifname, i.host_ifindex)),
+                    attach: prepared.attach,
+                }
+                .run();
+            }
+            Err(not_ready())
+        }
+    }
+}
+
+/// CNI DEL with the kernel work (detach, veth deletion) outside the lock.
+///
+/// # Errors
+/// As [`Agent::endpoint_del`].
+pub fn endpoint_del_concurrent(
+    slot: &Mutex<Option<Agent>>,
+    req: DelRequest,
+) -> Result<(), AgentError> {
+    let cleanup = lock(slot)
+        .as_mut()
+        .ok_or_else(not_ready)?
+        .endpoint_del_begin(req)?;
+    cleanup.run();
+    Ok(())
+}
+
+impl PreparedAdd {
+    fn addresses(&self) -> Vec<IpAddr> {
+        self.allocated.iter().map(|a| a.address).collect()
+    }
 }
 
 impl Agent {
@@ -174,23 +395,44 @@ impl Agent {
         self.endpoints.values().cloned().collect()
     }
 
-    /// CNI ADD. Idempotent: repeating it for the same attachment returns the
-    /// same addresses and interfaces.
+    /// CNI ADD, entirely under the caller's `&mut` (tests, tools). The API
+    /// uses [`endpoint_add_concurrent`]. Idempotent: repeating it for the
+    /// same attachment returns the same addresses and interfaces.
     ///
     /// # Errors
     /// Allocation, interface or datapath failure; everything done so far is
     /// undone.
     pub fn endpoint_add(&mut self, req: EndpointRequest) -> Result<EndpointReply, AgentError> {
-        let r = self.endpoint_add_inner(req);
+        match self.endpoint_add_begin(req)? {
+            AddBegin::Done(reply) => Ok(*reply),
+            AddBegin::Interfaces(p) => {
+                let made = build_interfaces(&p.req, &p.addresses(), p.attach.as_ref());
+                self.endpoint_add_finish(*p, made)
+            }
+        }
+    }
+
+    /// ADD's first phase: idempotency, addresses. IPAM-only ADDs finish here;
+    /// full ones leave the attachment pending for [`build_interfaces`].
+    ///
+    /// # Errors
+    /// Not ready, the attachment is busy, or the addresses cannot be had.
+    pub fn endpoint_add_begin(&mut self, req: EndpointRequest) -> Result<AddBegin, AgentError> {
+        let r = self.endpoint_add_begin_inner(req);
         if let Err(e) = &r {
             self.note_error(e);
         }
         r
     }
 
-    fn endpoint_add_inner(&mut self, req: EndpointRequest) -> Result<EndpointReply, AgentError> {
+    fn endpoint_add_begin_inner(&mut self, req: EndpointRequest) -> Result<AddBegin, AgentError> {
         self.check_ready()?;
         let key = endpoint_key(&req.container_id, &req.ifname);
+        if self.pending.contains(&key) {
+            return Err(AgentError::Busy {
+                attachment: key.replace('\u{1f}', "/"),
+            });
+        }
         if let Some(existing) = self.endpoints.get(&key).cloned() {
             let intact = match (existing.mode, existing.host_ifname.as_deref()) {
                 (EndpointMode::Ipam, _) => true,
@@ -201,28 +443,53 @@ impl Agent {
                 (EndpointMode::Full, None) => false,
             };
             if intact && existing.mode == req.mode {
-                return Ok(self.reply(existing));
+                return Ok(AddBegin::Done(Box::new(self.reply(existing))));
             }
             // Half-gone (the runtime deleted the netns, or a crash): start over.
             self.endpoint_del_inner(&req.container_id, &req.ifname)?;
         }
-        if self.delegated_mode() {
+        let (pool, allocated, delegated) = if self.delegated_mode() {
             let (allocated, delegated) = self.delegated_endpoint_allocate(&req)?;
-            return self.endpoint_add_allocated(
-                req,
-                key,
-                delegated.plugin.clone(),
-                allocated,
-                Some(delegated),
-            );
-        }
-        let pool_name = match &req.pool {
-            Some(p) => p.clone(),
-            None => self.default_pool()?,
+            (delegated.plugin.clone(), allocated, Some(delegated))
+        } else {
+            let pool = match &req.pool {
+                Some(p) => p.clone(),
+                None => self.default_pool()?,
+            };
+            let allocated = self.allocate_endpoint(&req, &pool)?;
+            (pool, allocated, None)
         };
-        let pool = self.manager.pool(&pool_name).ok_or_else(|| {
+        let prepared = PreparedAdd {
+            attach: self.from_endpoint.clone(),
+            req,
+            key,
+            pool,
+            allocated,
+            delegated,
+        };
+        if prepared.req.mode == EndpointMode::Ipam {
+            return self
+                .endpoint_add_finish(
+                    prepared,
+                    Err(InterfaceFailure {
+                        error: invalid("unused"),
+                        host_ifindex: None,
+                    }),
+                )
+                .map(|r| AddBegin::Done(Box::new(r)));
+        }
+        self.pending.insert(prepared.key.clone());
+        Ok(AddBegin::Interfaces(Box::new(prepared)))
+    }
+
+    fn allocate_endpoint(
+        &mut self,
+        req: &EndpointRequest,
+        pool_name: &str,
+    ) -> Result<Vec<Allocation>, AgentError> {
+        let pool = self.manager.pool(pool_name).ok_or_else(|| {
             AgentError::from(lockstep_core::manager::ManagerError::UnknownPool {
-                pool: pool_name.clone(),
+                pool: pool_name.to_string(),
             })
         })?;
         let mut families: BTreeSet<Family> = pool.cidrs().map(|c| Family::of_net(c.cidr)).collect();
@@ -230,56 +497,83 @@ impl Agent {
         let mut allocated: Vec<Allocation> = Vec::new();
         let result = (|| -> Result<(), AgentError> {
             for addr in &req.requested {
-                let a = self.manager.allocate(&pool_name, *addr, owner.clone())?;
+                let a = self.manager.allocate(pool_name, *addr, owner.clone())?;
                 families.remove(&a.family());
                 allocated.push(a);
             }
             for family in families {
                 allocated.push(
                     self.manager
-                        .allocate_next(&pool_name, family, owner.clone())?,
+                        .allocate_next(pool_name, family, owner.clone())?,
                 );
             }
             Ok(())
         })();
-        if let Err(e) = result {
-            self.release_core(&allocated);
-            return Err(e);
+        match result {
+            Ok(()) => Ok(allocated),
+            Err(e) => {
+                self.release_core(&allocated);
+                Err(e)
+            }
         }
-        self.endpoint_add_allocated(req, key, pool_name, allocated, None)
     }
 
-    /// The steps of ADD after the addresses are held (by the core, or by a
-    /// delegated plugin: then `delegated` is its record, committed with the
-    /// endpoint and undone with a compensating DEL).
-    fn endpoint_add_allocated(
+    /// ADD's last phase: commit the record with its addresses (fsync), program
+    /// ENDPOINTS and IPCACHE, acknowledge. A failure here or before undoes
+    /// everything.
+    ///
+    /// # Errors
+    /// The interfaces failed, or the commit or programming did.
+    pub fn endpoint_add_finish(
         &mut self,
-        req: EndpointRequest,
-        key: String,
-        pool_name: String,
-        allocated: Vec<Allocation>,
-        delegated: Option<crate::store::DelegatedRecord>,
+        prepared: PreparedAdd,
+        made: Result<Interfaces, InterfaceFailure>,
     ) -> Result<EndpointReply, AgentError> {
+        let PreparedAdd {
+            req,
+            key,
+            pool,
+            allocated,
+            delegated,
+            attach,
+        } = prepared;
+        self.pending.remove(&key);
         let mut record = EndpointRecord {
             container_id: req.container_id.clone(),
             ifname: req.ifname.clone(),
             netns: req.netns.clone(),
             mode: req.mode,
-            pool: pool_name,
+            pool,
             addresses: allocated.iter().map(|a| a.address).collect(),
             host_ifname: None,
             host_ifindex: 0,
             host_mac: [0; 6],
             mac: [0; 6],
         };
-        let mut made = Made::default();
-        if req.mode == EndpointMode::Full
-            && let Err(e) = self.make_interfaces(&req, &mut record, &mut made)
-        {
-            self.undo_interfaces(&made);
-            self.undo_allocated(&allocated, delegated.as_ref());
-            return Err(e);
+        let undo_interfaces = |host: Option<(String, u32)>| DelCleanup {
+            host,
+            attach: attach.clone(),
+        };
+        if req.mode == EndpointMode::Full {
+            match made {
+                Ok(i) => {
+                    record.host_ifname = Some(i.host_ifname);
+                    record.host_ifindex = i.host_ifindex;
+                    record.host_mac = i.host_mac;
+                    record.mac = i.mac;
+                }
+                Err(f) => {
+                    let host = f
+                        .host_ifindex
+                        .map(|i| (host_ifname(&req.container_id, &req.ifname), i));
+                    undo_interfaces(host).run();
+                    self.undo_allocated(&allocated, delegated.as_ref());
+                    self.note_error(&f.error);
+                    return Err(f.error);
+                }
+            }
         }
+        let made_host = record.host_ifname.clone().map(|n| (n, record.host_ifindex));
         let committed = match &delegated {
             Some(d) => self.store.put_delegated(d, Some(&record)),
             None => self
@@ -287,9 +581,11 @@ impl Agent {
                 .put_endpoint(Some(&record), &allocated, self.manager.generation()),
         };
         if let Err(e) = committed {
-            self.undo_interfaces(&made);
+            undo_interfaces(made_host).run();
             self.undo_allocated(&allocated, delegated.as_ref());
-            return Err(e.into());
+            let e = AgentError::from(e);
+            self.note_error(&e);
+            return Err(e);
         }
         self.endpoints.insert(key.clone(), record.clone());
         if let Some(d) = &delegated {
@@ -304,8 +600,9 @@ impl Agent {
             } else {
                 let _ = self.store.remove_endpoint(Some(&key), &allocated);
             }
-            self.undo_interfaces(&made);
+            undo_interfaces(made_host).run();
             self.undo_allocated(&allocated, delegated.as_ref());
+            self.note_error(&e);
             return Err(e);
         }
         Ok(self.reply(record))
@@ -385,81 +682,6 @@ impl Agent {
         }
     }
 
-    fn make_interfaces(
-        &mut self,
-        req: &EndpointRequest,
-        record: &mut EndpointRecord,
-        made: &mut Made,
-    ) -> Result<(), AgentError> {
-        let host_name = host_ifname(&req.container_id, &req.ifname);
-        let temp = temp_ifname(&req.container_id, &req.ifname);
-        let netns_fd = open_netns(&req.netns)?;
-        let host = self.host_netlink()?;
-        // Leftovers of an ADD that crashed half-way.
-        for stale in [&host_name, &temp] {
-            if let Some(l) = host.link(stale)? {
-                host.delete_link(l.index)?;
-            }
-        }
-        host.create_veth(&host_name, &temp, req.mtu)?;
-        let host_link = host
-            .link(&host_name)?
-            .ok_or_else(|| invalid(format!("veth {host_name} vanished after creation")))?;
-        made.host_index = Some(host_link.index);
-        let peer = host
-            .link(&temp)?
-            .ok_or_else(|| invalid(format!("veth peer {temp} vanished after creation")))?;
-        host.move_to_netns(peer.index, &netns_fd)?;
-        host.set_up(host_link.index)?;
-
-        let inside = Netlink::in_netns(&req.netns)?;
-        let peer = inside
-            .link(&temp)?
-            .ok_or_else(|| invalid(format!("{temp} did not arrive in {}", req.netns.display())))?;
-        if inside.link(&req.ifname)?.is_some() {
-            return Err(invalid(format!(
-                "interface {} already exists in {}",
-                req.ifname,
-                req.netns.display()
-            )));
-        }
-        inside.rename(peer.index, &req.ifname)?;
-        inside.set_up(peer.index)?;
-        if let Some(lo) = inside.link("lo")? {
-            inside.set_up(lo.index)?;
-        }
-        for addr in &record.addresses {
-            let (prefix, gw, any): (u8, IpAddr, IpNet) = match addr {
-                IpAddr::V4(_) => (32, GATEWAY_V4.into(), "0.0.0.0/0".parse().expect("literal")),
-                IpAddr::V6(_) => (128, GATEWAY_V6.into(), "::/0".parse().expect("literal")),
-            };
-            inside.add_address(peer.index, *addr, prefix)?;
-            // The gateway resolves to the host side statically: no ARP/NDP
-            // round trip before the first packet, and nothing to spoof.
-            inside.add_neighbour(peer.index, gw, host_link.mac)?;
-            if addr.is_ipv4() {
-                inside.add_route(IpNet::from(gw), None, peer.index)?;
-            }
-            inside.add_route(any, Some(gw), peer.index)?;
-            host.add_route(IpNet::from(*addr), None, host_link.index)?;
-            host.add_neighbour(host_link.index, *addr, peer.mac)?;
-        }
-        record.host_ifname = Some(host_name);
-        record.host_ifindex = host_link.index;
-        record.host_mac = host_link.mac;
-        record.mac = peer.mac;
-        Ok(())
-    }
-
-    fn undo_interfaces(&mut self, made: &Made) {
-        if let Some(index) = made.host_index
-            && let Ok(host) = self.host_netlink()
-            && let Err(e) = host.delete_link(index)
-        {
-            tracing::warn!(error = %e, index, "undo: deleting the veth failed");
-        }
-    }
-
     fn program_endpoint(
         &mut self,
         record: &EndpointRecord,
@@ -481,9 +703,6 @@ impl Agent {
                     map: map_names::ENDPOINTS,
                     source: Box::new(e),
                 })?;
-            let name = record.host_ifname.clone().unwrap_or_default();
-            self.datapath
-                .attach(program_names::FROM_ENDPOINT, &name, Hook::Ingress)?;
         }
         Ok(())
     }
@@ -518,15 +737,10 @@ impl Agent {
         }
     }
 
+    /// Removes an endpoint's map entries (the program's link and the veth go
+    /// with [`DelCleanup`]).
     fn unprogram_endpoint(&mut self, record: &EndpointRecord, allocated: &[Allocation]) {
         if record.mode == EndpointMode::Full {
-            if let Err(e) = self.datapath.detach_index(
-                program_names::FROM_ENDPOINT,
-                record.host_ifindex,
-                Hook::Ingress,
-            ) {
-                tracing::warn!(error = %e, "detaching from_endpoint failed");
-            }
             let _ = self.maps.endpoints.remove(&record.host_ifindex);
         }
         for a in allocated {
@@ -539,8 +753,23 @@ impl Agent {
     /// # Errors
     /// The store could not record the release (the endpoint then stays).
     pub fn endpoint_del(&mut self, req: DelRequest) -> Result<(), AgentError> {
+        self.endpoint_del_begin(req).map(DelCleanup::run)
+    }
+
+    /// DEL's locked phase: unprogram, commit, release; returns the kernel
+    /// work left (see [`endpoint_del_concurrent`]).
+    ///
+    /// # Errors
+    /// Not ready, the attachment is busy, or the store failed.
+    pub fn endpoint_del_begin(&mut self, req: DelRequest) -> Result<DelCleanup, AgentError> {
         self.check_ready()?;
-        let r = self.endpoint_del_inner(&req.container_id, &req.ifname);
+        let key = endpoint_key(&req.container_id, &req.ifname);
+        if self.pending.contains(&key) {
+            return Err(AgentError::Busy {
+                attachment: format!("{}/{}", req.container_id, req.ifname),
+            });
+        }
+        let r = self.endpoint_del_commit(&req.container_id, &req.ifname);
         if let Err(e) = &r {
             self.note_error(e);
         }
@@ -548,6 +777,15 @@ impl Agent {
     }
 
     fn endpoint_del_inner(&mut self, container_id: &str, ifname: &str) -> Result<(), AgentError> {
+        self.endpoint_del_commit(container_id, ifname)
+            .map(DelCleanup::run)
+    }
+
+    fn endpoint_del_commit(
+        &mut self,
+        container_id: &str,
+        ifname: &str,
+    ) -> Result<DelCleanup, AgentError> {
         let key = endpoint_key(container_id, ifname);
         let owner = Owner::endpoint(container_id, ifname);
         let delegated = self.delegated.get(&key).cloned();
@@ -575,18 +813,13 @@ impl Agent {
             self.release_core(&allocated);
         }
         self.endpoints.remove(&key);
-        if let Some(r) = record
-            && r.mode == EndpointMode::Full
-            && let Some(name) = &r.host_ifname
-        {
-            let host = self.host_netlink()?;
-            match host.link(name) {
-                Ok(Some(l)) if l.index == r.host_ifindex => host.delete_link(l.index)?,
-                Ok(_) => {}
-                Err(e) => tracing::warn!(error = %e, name, "looking up the veth failed"),
-            }
-        }
-        Ok(())
+        let host = record
+            .filter(|r| r.mode == EndpointMode::Full)
+            .and_then(|r| r.host_ifname.map(|n| (n, r.host_ifindex)));
+        Ok(DelCleanup {
+            host,
+            attach: self.from_endpoint.clone(),
+        })
     }
 
     /// CNI CHECK: the interfaces, addresses, routes and map entries of the
@@ -738,10 +971,13 @@ impl Agent {
                 tracing::warn!(container = %r.container_id, iface = %name, "endpoint interface is gone; waiting for DEL or GC");
                 continue;
             }
-            if let Err(e) = self
-                .datapath
-                .attach(program_names::FROM_ENDPOINT, &name, Hook::Ingress)
-            {
+            let attached = match &self.from_endpoint {
+                Some(pin) => pin.attach(&name, Hook::Ingress),
+                None => self
+                    .datapath
+                    .attach(program_names::FROM_ENDPOINT, &name, Hook::Ingress),
+            };
+            if let Err(e) = attached {
                 tracing::error!(error = %e, iface = %name, "re-attaching from_endpoint failed");
             }
         }

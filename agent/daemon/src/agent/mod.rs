@@ -100,6 +100,12 @@ pub enum AgentError {
     /// An interface operation failed.
     #[error(transparent)]
     Netlink(#[from] NetlinkError),
+    /// Another ADD or DEL of the same attachment is in progress.
+    #[error("attachment {attachment} is busy with another request; try again")]
+    Busy {
+        /// container id/ifname.
+        attachment: String,
+    },
     /// CHECK found the attachment not as ADD made it.
     #[error("check failed: {}", problems.join("; "))]
     CheckFailed {
@@ -151,6 +157,7 @@ impl AgentError {
             AgentError::Store(_) => "store_error",
             AgentError::Netlink(_) => "interface_error",
             AgentError::CheckFailed { .. } => "check_failed",
+            AgentError::Busy { .. } => "busy",
             AgentError::Datapath(_) => "datapath_error",
             AgentError::Delegate(_) => "ipam_plugin_error",
         }
@@ -313,6 +320,11 @@ pub struct Agent {
     netlink: Option<Netlink>,
     lb: lockstep_core::lb::LbIpam,
     uplink: Option<Uplink>,
+    /// Attachments between ADD's phases: their addresses are held but not
+    /// committed, so the planner and verify leave them out.
+    pending: std::collections::BTreeSet<String>,
+    /// `from_endpoint`, pinned for attaching outside the lock.
+    from_endpoint: Option<crate::datapath::ProgramPin>,
     /// Delegated attachments by key (delegated mode).
     delegated: BTreeMap<String, crate::store::DelegatedRecord>,
     /// The delegated plugin, once found.
@@ -586,6 +598,8 @@ impl Agent {
             netlink: None,
             lb,
             uplink: None,
+            pending: std::collections::BTreeSet::new(),
+            from_endpoint: None,
             delegated: stored.delegated.into_iter().map(|d| (d.key(), d)).collect(),
             delegate: None,
             not_ready: None,
@@ -593,6 +607,11 @@ impl Agent {
             stats: Stats::default(),
         };
         agent.attach_uplink()?;
+        agent.from_endpoint = Some(
+            agent
+                .datapath
+                .pin_program(lockstep_common::program_names::FROM_ENDPOINT)?,
+        );
         // Role addresses before anything is served: the API answers "not
         // ready" until start() returns, so no endpoint can be handed one.
         agent.reserve_roles()?;
@@ -826,7 +845,7 @@ impl Agent {
             .map(|e| ((e.container_id.as_str(), e.ifname.as_str()), e.host_ifindex))
             .collect();
         let delegated = self.delegated_allocations();
-        let all = self.manager.allocations().chain(delegated.iter());
+        let all = self.committed_allocations().chain(delegated.iter());
         let hosts = host_entries(all, |a| match &a.owner {
             Owner::Endpoint {
                 container_id,
@@ -1027,7 +1046,7 @@ impl Agent {
         let mut report = VerifyReport::default();
         let stored = self.store.load()?;
         let mut in_store: Vec<&Allocation> = stored.allocations.iter().collect();
-        let mut in_memory: Vec<&Allocation> = self.manager.allocations().collect();
+        let mut in_memory: Vec<&Allocation> = self.committed_allocations().collect();
         in_store.sort();
         in_memory.sort();
         for a in &in_memory {
@@ -1288,6 +1307,20 @@ impl Agent {
             hosts.v6.sort_unstable_by_key(|e| e.0);
         }
         hosts
+    }
+
+    /// Allocations that are committed: all but those of attachments between
+    /// ADD's phases.
+    fn committed_allocations(&self) -> impl Iterator<Item = &Allocation> + '_ {
+        self.manager.allocations().filter(|a| match &a.owner {
+            Owner::Endpoint {
+                container_id,
+                ifname,
+            } => !self
+                .pending
+                .contains(&crate::store::endpoint_key(container_id, ifname)),
+            _ => true,
+        })
     }
 
     /// What the start-up reconcile did.

@@ -610,9 +610,7 @@ impl Datapath {
 
     /// Path of the link pin of `program` on the interface with `ifindex`.
     pub fn link_pin(&self, program: &str, hook: Hook, ifindex: u32) -> PathBuf {
-        self.opts
-            .links_dir()
-            .join(format!("{program}-{hook}-{ifindex}"))
+        link_pin_in(&self.opts.links_dir(), program, hook, ifindex)
     }
 
     /// Attaches `program` to `iface`, or replaces the program of an existing
@@ -629,102 +627,40 @@ impl Datapath {
         iface: &str,
         hook: Hook,
     ) -> Result<Attached, DatapathError> {
-        let ifindex = ifindex_of(iface)?;
+        let links = self.opts.links_dir();
         let mode = self.opts.attach_mode;
-        let pin = self.link_pin(program, hook, ifindex);
-        let attach_err = |source| DatapathError::Attach {
-            program: program.to_string(),
-            iface: iface.to_string(),
-            hook,
-            source: Box::new(source),
-        };
         let prog = self.program(program)?;
-        if mode != AttachMode::Netlink && pin.exists() {
-            let link_err =
-                |source: Box<dyn std::error::Error + Send + Sync>| DatapathError::LinkPin {
-                    action: "open",
-                    path: pin.clone(),
-                    source,
-                };
-            let pinned = PinnedLink::from_pin(&pin).map_err(|e| link_err(Box::new(e)))?;
-            let link = SchedClassifierLink::try_from(FdLink::from(pinned))
-                .map_err(|e| link_err(Box::new(e)))?;
-            let id = prog.attach_to_link(link).map_err(attach_err)?;
-            // The pin keeps the link (and now the new program) alive; closing
-            // our fd changes nothing.
-            drop(prog.take_link(id).map_err(attach_err)?);
-            return Ok(Attached::TcxReplaced);
-        }
-        if mode != AttachMode::Netlink {
-            match prog.attach_with_options(
-                iface,
-                hook.tc(),
-                TcAttachOptions::TcxOrder(LinkOrder::default()),
-            ) {
-                Ok(id) => {
-                    let link = prog.take_link(id).map_err(attach_err)?;
-                    let fd_link = FdLink::try_from(link).map_err(|e| DatapathError::LinkPin {
-                        action: "convert",
-                        path: pin.clone(),
-                        source: Box::new(e),
-                    })?;
-                    fd_link.pin(&pin).map_err(|e| DatapathError::LinkPin {
-                        action: "create",
-                        path: pin.clone(),
-                        source: Box::new(e),
-                    })?;
-                    return Ok(Attached::TcxNew);
-                }
-                Err(e) if mode == AttachMode::Tcx => return Err(attach_err(e)),
-                Err(e) => {
-                    tracing::warn!(error = %e, iface, program, "TCX attach failed, falling back to netlink");
-                }
-            }
-        }
-        self.attach_netlink(program, iface, hook)
+        attach_with(prog, &links, mode, program, iface, hook)
     }
 
-    fn attach_netlink(
-        &mut self,
-        program: &str,
-        iface: &str,
-        hook: Hook,
-    ) -> Result<Attached, DatapathError> {
-        let attach_err = |source| DatapathError::Attach {
-            program: program.to_string(),
-            iface: iface.to_string(),
-            hook,
-            source: Box::new(source),
-        };
-        // Adding clsact twice is harmless; any real problem shows up below.
-        let _already_there = aya::programs::tc::qdisc_add_clsact(iface);
-        let (priority, handle) = netlink_slot(program);
+    /// Loads `program` and pins it under `<pin_root>/progs/`, so it can be
+    /// attached by [`ProgramPin::attach`] from any thread without this
+    /// `Datapath` (attaching waits for an RCU grace period in the kernel;
+    /// concurrent attaches share one instead of queueing behind a lock).
+    /// A pin from an older agent is replaced: new attachments get this
+    /// build's program.
+    ///
+    /// # Errors
+    /// The program does not load or cannot be pinned.
+    pub fn pin_program(&mut self, program: &str) -> Result<ProgramPin, DatapathError> {
+        let dir = self.opts.pin_root.join("progs");
+        std::fs::create_dir_all(&dir).map_err(fs_err("create", &dir))?;
+        let path = dir.join(program);
+        if path.exists() {
+            std::fs::remove_file(&path).map_err(fs_err("remove", &path))?;
+        }
         let prog = self.program(program)?;
-        let options = NlOptions {
-            priority,
-            handle,
-            ..Default::default()
-        };
-        let (id, how) =
-            match prog.attach_with_options(iface, hook.tc(), TcAttachOptions::Netlink(options)) {
-                Ok(id) => (id, Attached::NetlinkNew),
-                Err(_) => {
-                    let existing =
-                        SchedClassifierLink::attached(iface, hook.tc(), priority, handle, None)
-                            .map_err(|source| DatapathError::NoInterface {
-                                iface: iface.to_string(),
-                                source,
-                            })?;
-                    (
-                        prog.attach_to_link(existing).map_err(attach_err)?,
-                        Attached::NetlinkReplaced,
-                    )
-                }
-            };
-        // Dropping a netlink link removes the filter; the filter must outlive
-        // this process, so the handle is deliberately leaked.
-        std::mem::forget(prog.take_link(id).map_err(attach_err)?);
-        Ok(how)
+        prog.pin(&path).map_err(|e| DatapathError::LinkPin {
+            action: "pin program at",
+            path: path.clone(),
+            source: Box::new(e),
+        })?;
+        Ok(ProgramPin {
+            path,
+            program: program.to_string(),
+            links_dir: self.opts.links_dir(),
+            mode: self.opts.attach_mode,
+        })
     }
 
     /// Detaches `program` from `iface`: removes its link pin (TCX) or its
@@ -785,6 +721,15 @@ impl Datapath {
                 }
             }
         }
+        let progs = pin_root.join("progs");
+        if progs.exists() {
+            for entry in std::fs::read_dir(&progs).map_err(fs_err("read", &progs))? {
+                let path = entry.map_err(fs_err("read", &progs))?.path();
+                std::fs::remove_file(&path).map_err(fs_err("remove", &path))?;
+                removed += 1;
+            }
+            std::fs::remove_dir(&progs).map_err(fs_err("remove", &progs))?;
+        }
         let maps = pin_root.join("maps");
         if maps.exists() {
             for entry in std::fs::read_dir(&maps).map_err(fs_err("read", &maps))? {
@@ -799,6 +744,156 @@ impl Datapath {
         }
         Ok(removed)
     }
+}
+
+/// A program pinned by [`Datapath::pin_program`], attachable without the
+/// `Datapath`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ProgramPin {
+    path: PathBuf,
+    program: String,
+    links_dir: PathBuf,
+    mode: AttachMode,
+}
+
+impl ProgramPin {
+    /// Attaches the pinned program to `iface` (or replaces an existing
+    /// attachment's program in place).
+    ///
+    /// # Errors
+    /// As [`Datapath::attach`].
+    pub fn attach(&self, iface: &str, hook: Hook) -> Result<Attached, DatapathError> {
+        let mut prog =
+            SchedClassifier::from_pin(&self.path).map_err(|source| DatapathError::ProgramLoad {
+                name: self.program.clone(),
+                source: Box::new(source),
+            })?;
+        attach_with(
+            &mut prog,
+            &self.links_dir,
+            self.mode,
+            &self.program,
+            iface,
+            hook,
+        )
+    }
+
+    /// Removes the link of this program on the interface with `ifindex`
+    /// (which may be gone). Already detached is success.
+    ///
+    /// # Errors
+    /// The pin exists but cannot be removed.
+    pub fn detach_index(&self, ifindex: u32, hook: Hook) -> Result<(), DatapathError> {
+        unpin_link(&link_pin_in(&self.links_dir, &self.program, hook, ifindex))
+    }
+}
+
+fn link_pin_in(links_dir: &Path, program: &str, hook: Hook, ifindex: u32) -> PathBuf {
+    links_dir.join(format!("{program}-{hook}-{ifindex}"))
+}
+
+/// Attaches a loaded program: replaces the program of a pinned TCX link in
+/// place, or creates and pins a new link, or falls back to netlink.
+fn attach_with(
+    prog: &mut SchedClassifier,
+    links_dir: &Path,
+    mode: AttachMode,
+    program: &str,
+    iface: &str,
+    hook: Hook,
+) -> Result<Attached, DatapathError> {
+    let ifindex = ifindex_of(iface)?;
+    let pin = link_pin_in(links_dir, program, hook, ifindex);
+    let attach_err = |source| DatapathError::Attach {
+        program: program.to_string(),
+        iface: iface.to_string(),
+        hook,
+        source: Box::new(source),
+    };
+    if mode != AttachMode::Netlink && pin.exists() {
+        let link_err = |source: Box<dyn std::error::Error + Send + Sync>| DatapathError::LinkPin {
+            action: "open",
+            path: pin.clone(),
+            source,
+        };
+        let pinned = PinnedLink::from_pin(&pin).map_err(|e| link_err(Box::new(e)))?;
+        let link = SchedClassifierLink::try_from(FdLink::from(pinned))
+            .map_err(|e| link_err(Box::new(e)))?;
+        let id = prog.attach_to_link(link).map_err(attach_err)?;
+        // The pin keeps the link (and now the new program) alive; closing
+        // our fd changes nothing.
+        drop(prog.take_link(id).map_err(attach_err)?);
+        return Ok(Attached::TcxReplaced);
+    }
+    if mode != AttachMode::Netlink {
+        match prog.attach_with_options(
+            iface,
+            hook.tc(),
+            TcAttachOptions::TcxOrder(LinkOrder::default()),
+        ) {
+            Ok(id) => {
+                let link = prog.take_link(id).map_err(attach_err)?;
+                let fd_link = FdLink::try_from(link).map_err(|e| DatapathError::LinkPin {
+                    action: "convert",
+                    path: pin.clone(),
+                    source: Box::new(e),
+                })?;
+                fd_link.pin(&pin).map_err(|e| DatapathError::LinkPin {
+                    action: "create",
+                    path: pin.clone(),
+                    source: Box::new(e),
+                })?;
+                return Ok(Attached::TcxNew);
+            }
+            Err(e) if mode == AttachMode::Tcx => return Err(attach_err(e)),
+            Err(e) => {
+                tracing::warn!(error = %e, iface, program, "TCX attach failed, falling back to netlink");
+            }
+        }
+    }
+    attach_netlink(prog, program, iface, hook)
+}
+
+fn attach_netlink(
+    prog: &mut SchedClassifier,
+    program: &str,
+    iface: &str,
+    hook: Hook,
+) -> Result<Attached, DatapathError> {
+    let attach_err = |source| DatapathError::Attach {
+        program: program.to_string(),
+        iface: iface.to_string(),
+        hook,
+        source: Box::new(source),
+    };
+    // Adding clsact twice is harmless; any real problem shows up below.
+    let _already_there = aya::programs::tc::qdisc_add_clsact(iface);
+    let (priority, handle) = netlink_slot(program);
+    let options = NlOptions {
+        priority,
+        handle,
+        ..Default::default()
+    };
+    let (id, how) =
+        match prog.attach_with_options(iface, hook.tc(), TcAttachOptions::Netlink(options)) {
+            Ok(id) => (id, Attached::NetlinkNew),
+            Err(_) => {
+                let existing =
+                    SchedClassifierLink::attached(iface, hook.tc(), priority, handle, None)
+                        .map_err(|source| DatapathError::NoInterface {
+                            iface: iface.to_string(),
+                            source,
+                        })?;
+                (
+                    prog.attach_to_link(existing).map_err(attach_err)?,
+                    Attached::NetlinkReplaced,
+                )
+            }
+        };
+    // Dropping a netlink link removes the filter; the filter must outlive
+    // this process, so the handle is deliberately leaked.
+    std::mem::forget(prog.take_link(id).map_err(attach_err)?);
+    Ok(how)
 }
 
 /// A fixed netlink priority and handle per program, so a restarted agent finds
