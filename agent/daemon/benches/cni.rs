@@ -25,6 +25,8 @@ use lockstep::datapath::Datapath;
 use serde_json::{Value, json};
 
 const BIN: &str = env!("CARGO_BIN_EXE_lockstep");
+/// The plugin as the agent installs it (`lockstep-cni`, under both plugin names).
+const PLUGIN: &str = env!("CARGO_BIN_EXE_lockstep-cni");
 const HOST_LOCAL: &str = "/usr/lib/cni/host-local";
 const PAIRS: usize = 1000;
 const BLOCK: usize = 50;
@@ -255,7 +257,7 @@ fn sequential(world: &mut World, rows: &mut Vec<String>) -> anyhow::Result<()> {
     let sock = world.socket();
     let host_local_dir = world.dir.join("host-local");
     let mut lockstep = Ipam {
-        program: BIN,
+        program: PLUGIN,
         config: json!({
             "cniVersion": "1.0.0", "name": "bench", "type": "ptp",
             "ipam": {"type": "lockstep-ipam", "agentSocket": sock, "pool": "bench"},
@@ -354,7 +356,7 @@ fn sequential(world: &mut World, rows: &mut Vec<String>) -> anyhow::Result<()> {
         ensure!(st.success());
         Ok(s.elapsed())
     })?;
-    let v_lockstep = median_of(200, || Ok(invoke(BIN, &v_env, version)?.0))?;
+    let v_lockstep = median_of(200, || Ok(invoke(PLUGIN, &v_env, version)?.0))?;
     let v_host_local = median_of(200, || Ok(invoke(HOST_LOCAL, &v_env, version)?.0))?;
     let mut api_add = Vec::new();
     let mut api_del = Vec::new();
@@ -392,7 +394,7 @@ fn sequential(world: &mut World, rows: &mut Vec<String>) -> anyhow::Result<()> {
     println!("     fork+exec of /bin/true                         {spawn_true:>8.3}");
     println!(
         "     lockstep VERSION (process start, {:.1} MB binary) {v_lockstep:>8.3}",
-        size(BIN)
+        size(PLUGIN)
     );
     println!(
         "     host-local VERSION (process start, {:.1} MB)      {v_host_local:>8.3}",
@@ -442,7 +444,7 @@ fn parallel(world: &mut World, rows: &mut Vec<String>) -> anyhow::Result<()> {
                     ("CNI_PATH", "/opt/cni/bin"),
                 ];
                 barrier.wait();
-                let (took, result) = invoke(BIN, &env, &config)?;
+                let (took, result) = invoke(PLUGIN, &env, &config)?;
                 ensure!(
                     result["interfaces"].as_array().map(Vec::len) == Some(2),
                     "{result}"
@@ -483,7 +485,7 @@ fn parallel(world: &mut World, rows: &mut Vec<String>) -> anyhow::Result<()> {
                 ("CNI_IFNAME", "eth0"),
                 ("CNI_PATH", "/opt/cni/bin"),
             ];
-            invoke(BIN, &env, &config)?;
+            invoke(PLUGIN, &env, &config)?;
             Ok(())
         }));
     }

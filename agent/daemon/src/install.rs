@@ -120,7 +120,14 @@ pub fn install(
     socket: &Path,
     state_dir: &Path,
 ) -> Result<Vec<Installed>, InstallError> {
-    let exe = std::env::current_exe().map_err(io("find", Path::new("/proc/self/exe")))?;
+    let agent = std::env::current_exe().map_err(io("find", Path::new("/proc/self/exe")))?;
+    // The small plugin binary beside the agent; the agent binary itself
+    // speaks CNI too, for installs that ship only one file.
+    let exe = agent
+        .parent()
+        .map(|d| d.join("lockstep-cni"))
+        .filter(|p| p.exists())
+        .unwrap_or(agent);
     let binary = std::fs::read(&exe).map_err(io("read", &exe))?;
     let mut written = Vec::new();
     for name in ["lockstep", "lockstep-ipam"] {

@@ -9,13 +9,11 @@
 //! the agent (an exhausted pool, a taken address) is code 100 with the agent's
 //! stable error code in `details`.
 
-use std::io::Write;
+use std::io::Write as _;
 use std::path::Path;
 
-use hyper::Method;
 use serde_json::{Value, json};
 
-use crate::client::{ClientError, call};
 use crate::cni::{
     self, AttachmentRequest, CniError, CniResult, CniVersion, Interface, Invocation, IpConfig,
     IpamAddress, IpamResult, PluginMode, Route,
@@ -56,37 +54,123 @@ impl PluginError {
 
 fn agent(
     socket: &Path,
-    method: Method,
+    method: &str,
     path: &str,
     body: Option<Value>,
 ) -> Result<Value, PluginError> {
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .map_err(|e| CniError::TryAgainLater {
-            reason: format!("cannot start the plugin's runtime: {e}"),
-        })?;
-    rt.block_on(call(socket, method, path, body))
-        .map_err(|e| match e {
-            ClientError::Connect { socket, source } => CniError::TryAgainLater {
-                reason: format!(
-                    "the lockstep agent is not reachable at {socket} ({source}); is it running?"
-                ),
-            }
-            .into(),
-            ClientError::Api { code, .. } if code == "not_ready" => CniError::TryAgainLater {
-                reason: "the lockstep agent is restoring its state".into(),
-            }
-            .into(),
-            ClientError::Api { code, message, .. } if code == "busy" => {
-                CniError::TryAgainLater { reason: message }.into()
-            }
-            ClientError::Api { code, message, .. } => PluginError::Refused { code, message },
-            other => CniError::TryAgainLater {
-                reason: format!("talking to the lockstep agent failed: {other}"),
-            }
-            .into(),
-        })
+    let unreachable = |e: std::io::Error| -> PluginError {
+        CniError::TryAgainLater {
+            reason: format!(
+                "the lockstep agent is not reachable at {} ({e}); is it running?",
+                socket.display()
+            ),
+        }
+        .into()
+    };
+    let (status, value) = exchange(socket, method, path, body.as_ref()).map_err(|e| match e {
+        Exchange::Connect(e) => unreachable(e),
+        Exchange::Io(e) => CniError::TryAgainLater {
+            reason: format!("talking to the lockstep agent failed: {e}"),
+        }
+        .into(),
+        Exchange::Malformed(what) => CniError::TryAgainLater {
+            reason: format!("the lockstep agent's answer is malformed: {what}"),
+        }
+        .into(),
+    })?;
+    if (200..300).contains(&status) {
+        return Ok(value);
+    }
+    let code = value["error"]["code"]
+        .as_str()
+        .unwrap_or("unknown")
+        .to_string();
+    let message = value["error"]["message"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    Err(match code.as_str() {
+        "not_ready" => CniError::TryAgainLater {
+            reason: "the lockstep agent is restoring its state".into(),
+        }
+        .into(),
+        "busy" => CniError::TryAgainLater { reason: message }.into(),
+        _ => PluginError::Refused { code, message },
+    })
+}
+
+/// How one request to the agent failed.
+enum Exchange {
+    Connect(std::io::Error),
+    Io(std::io::Error),
+    Malformed(String),
+}
+
+/// One HTTP/1.1 request over the agent's unix socket, blocking, std only.
+///
+/// The plugin is a new process per CNI call, so its start-up is on every
+/// pod's critical path: an async runtime and a general HTTP client cost more
+/// than the whole exchange (measured by the cni bench). This is the one
+/// request the plugin makes, to a server that is ours (`Connection: close`,
+/// a JSON body with `Content-Length`); the agent and the CLI use hyper.
+fn exchange(
+    socket: &Path,
+    method: &str,
+    path: &str,
+    body: Option<&Value>,
+) -> Result<(u16, Value), Exchange> {
+    use std::io::Read;
+    let mut stream = std::os::unix::net::UnixStream::connect(socket).map_err(Exchange::Connect)?;
+    let body = body.map(Value::to_string).unwrap_or_default();
+    let request = format!(
+        "{method} {path} HTTP/1.1\r\nhost: lockstep\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    stream.write_all(request.as_bytes()).map_err(Exchange::Io)?;
+    let mut raw = Vec::with_capacity(4096);
+    stream.read_to_end(&mut raw).map_err(Exchange::Io)?;
+    let split = raw
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .ok_or_else(|| Exchange::Malformed("no end of headers".into()))?;
+    let head = std::str::from_utf8(&raw[..split])
+        .map_err(|_| Exchange::Malformed("headers are not UTF-8".into()))?;
+    let mut lines = head.split("\r\n");
+    let status: u16 = lines
+        .next()
+        .and_then(|l| l.split(' ').nth(1))
+        .and_then(|c| c.parse().ok())
+        .ok_or_else(|| Exchange::Malformed("no status line".into()))?;
+    let chunked = lines.any(|l| {
+        let l = l.to_ascii_lowercase();
+        l.starts_with("transfer-encoding:") && l.contains("chunked")
+    });
+    let mut payload = raw[split + 4..].to_vec();
+    if chunked {
+        payload =
+            dechunk(&payload).ok_or_else(|| Exchange::Malformed("bad chunked body".into()))?;
+    }
+    let value = if payload.is_empty() {
+        Value::Null
+    } else {
+        serde_json::from_slice(&payload).map_err(|e| Exchange::Malformed(e.to_string()))?
+    };
+    Ok((status, value))
+}
+
+fn dechunk(mut data: &[u8]) -> Option<Vec<u8>> {
+    let mut out = Vec::new();
+    loop {
+        let eol = data.windows(2).position(|w| w == b"\r\n")?;
+        let size_text = std::str::from_utf8(&data[..eol]).ok()?;
+        let size = usize::from_str_radix(size_text.split(';').next()?.trim(), 16).ok()?;
+        data = &data[eol + 2..];
+        if size == 0 {
+            return Some(out);
+        }
+        out.extend_from_slice(data.get(..size)?);
+        data = data.get(size + 2..)?;
+    }
 }
 
 fn mode(req: &AttachmentRequest) -> &'static str {
@@ -121,12 +205,7 @@ fn fmt_mac(v: &Value) -> Option<String> {
 
 fn add(req: &AttachmentRequest) -> Result<Value, PluginError> {
     let socket = &req.config.options.agent_socket;
-    let reply = agent(
-        socket,
-        Method::POST,
-        "/v1/cni/add",
-        Some(endpoint_body(req)),
-    )?;
+    let reply = agent(socket, "POST", "/v1/cni/add", Some(endpoint_body(req)))?;
     let version = req.config.cni_version;
     let dns = req.config.dns.clone().unwrap_or_default();
     let addresses = reply["addresses"].as_array().cloned().unwrap_or_default();
@@ -217,7 +296,7 @@ where
         Invocation::Add(req) => add(req).map(Some),
         Invocation::Del(req) => agent(
             &req.config.options.agent_socket,
-            Method::POST,
+            "POST",
             "/v1/cni/del",
             Some(json!({
                 "container_id": req.attachment.container_id.as_str(),
@@ -227,7 +306,7 @@ where
         .map(|_| None),
         Invocation::Check(req) => agent(
             &req.config.options.agent_socket,
-            Method::POST,
+            "POST",
             "/v1/cni/check",
             Some(endpoint_body(req)),
         )
@@ -245,7 +324,7 @@ where
                 .collect();
             agent(
                 &req.config.options.agent_socket,
-                Method::POST,
+                "POST",
                 "/v1/cni/gc",
                 Some(json!({ "valid": valid })),
             )
@@ -262,7 +341,7 @@ where
 }
 
 fn status(socket: &Path, pool: Option<&str>) -> Result<(), PluginError> {
-    let st = agent(socket, Method::GET, "/v1/status", None).map_err(|e| match e {
+    let st = agent(socket, "GET", "/v1/status", None).map_err(|e| match e {
         PluginError::Cni(CniError::TryAgainLater { reason }) => {
             CniError::PluginNotAvailable { reason }.into()
         }
@@ -274,7 +353,7 @@ fn status(socket: &Path, pool: Option<&str>) -> Result<(), PluginError> {
         }
         .into());
     }
-    let pools = agent(socket, Method::GET, "/v1/pools", None)?;
+    let pools = agent(socket, "GET", "/v1/pools", None)?;
     let free: u128 = pools
         .as_array()
         .into_iter()
@@ -352,6 +431,16 @@ mod tests {
         let (out, code) = invoke([("CNI_COMMAND", "STATUS")], stdin);
         assert_eq!(code, 1);
         assert_eq!(out.expect("error")["code"], 50);
+    }
+
+    #[test]
+    fn chunked_bodies_are_decoded() {
+        assert_eq!(
+            dechunk(b"4\r\nWiki\r\n5\r\npedia\r\n0\r\n\r\n").as_deref(),
+            Some(&b"Wikipedia"[..])
+        );
+        assert_eq!(dechunk(b"zz\r\n"), None);
+        assert_eq!(dechunk(b"5\r\nab"), None);
     }
 
     #[test]
