@@ -95,7 +95,11 @@ pub fn source_dirs(repo_root: &Path) -> Vec<PathBuf> {
 /// [`BuildError::LinkerMissing`], [`BuildError::NightlyMissing`] or
 /// [`BuildError::RustSrcMissing`], each naming the setup command.
 pub fn check_prerequisites() -> Result<(), BuildError> {
-    let linker = Command::new("bpf-linker").arg("--version").output();
+    check_with("bpf-linker")
+}
+
+fn check_with(linker_program: &str) -> Result<(), BuildError> {
+    let linker = Command::new(linker_program).arg("--version").output();
     match linker {
         Ok(out) if out.status.success() => {}
         _ => return Err(BuildError::LinkerMissing),
@@ -188,6 +192,25 @@ fn contains(haystack: &[u8], needle: &[u8]) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_missing_linker_names_the_setup_command() {
+        let err = check_with("bpf-linker-that-is-not-installed").expect_err("no such linker");
+        assert!(matches!(err, BuildError::LinkerMissing));
+        assert!(err.to_string().contains("cargo xtask setup"), "{err}");
+    }
+
+    #[test]
+    fn a_missing_rust_src_names_the_setup_command() {
+        let err = BuildError::RustSrcMissing {
+            path: PathBuf::from("/nowhere/core/Cargo.toml"),
+        };
+        let text = err.to_string();
+        assert!(
+            text.contains("cargo xtask setup") && text.contains("/nowhere"),
+            "{text}"
+        );
+    }
 
     #[test]
     fn finds_btf_marker() {
