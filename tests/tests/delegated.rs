@@ -698,6 +698,22 @@ fn an_endpoint_add_through_lockstep_gets_its_address_from_host_local() -> anyhow
         .find(|e| e["prefix"] == format!("{ip}/32"))
         .with_context(|| format!("{ip} not in IPCACHE: {cache:?}"))?;
     assert_eq!(e["flags"], json!(["endpoint"]), "{e}");
+    // A restart CHECKs the remembered endpoint attachment (the router role's
+    // and the endpoint's) and keeps its address.
+    let checks_before = agent.json(["status", "-o", "json"])?["ipam_commands"]["CHECK"]
+        .as_u64()
+        .unwrap_or(0);
+    agent.restart()?;
+    let status = agent.json(["status", "-o", "json"])?;
+    assert_eq!(
+        status["ipam_commands"]["CHECK"].as_u64(),
+        Some(checks_before + 2),
+        "one CHECK for the role, one for the endpoint: {status}"
+    );
+    assert!(
+        status["ipam_commands"].get("CHECK_FAILED").is_none(),
+        "{status}"
+    );
     // Same answer again (idempotent), then DEL passes DEL on.
     let (code, again) = lockstep_plugin(&env, &conf)?;
     assert_eq!(code, 0, "{again}");

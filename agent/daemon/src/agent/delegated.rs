@@ -175,8 +175,46 @@ impl Agent {
             timeout: cfg.timeout,
         });
         self.sync_delegated_roles()?;
+        self.check_delegated_endpoints();
         self.reconcile_inner()?;
         Ok(())
+    }
+
+    /// CHECKs every remembered endpoint attachment (0.4.0+ plugins, same
+    /// plugin config). Unlike a role, an endpoint whose CHECK fails is not
+    /// re-ADDed behind its pod's back (that would change a running pod's
+    /// address): the failure is logged and counted, and the runtime's own
+    /// CHECK/DEL/ADD cycle repairs it.
+    fn check_delegated_endpoints(&mut self) {
+        let Ok(runner) = self.runner().cloned() else {
+            return;
+        };
+        let endpoints: Vec<DelegatedRecord> = self
+            .delegated
+            .values()
+            .filter(|d| matches!(d.owner, Owner::Delegated { .. }))
+            .cloned()
+            .collect();
+        for d in endpoints {
+            let checkable = runner.has_check()
+                && d.config_hash == runner.conf.hash
+                && d.cni_version
+                    .parse::<crate::cni::CniVersion>()
+                    .is_ok_and(|v| v >= crate::cni::CniVersion::V0_4_0);
+            if !checkable {
+                continue;
+            }
+            self.count("CHECK");
+            let target = Target {
+                container_id: &d.container_id,
+                ifname: &d.ifname,
+                netns: &d.netns,
+            };
+            if let Err(e) = runner.check(&target, &d.result) {
+                self.count("CHECK_FAILED");
+                tracing::error!(container = %d.container_id, ifname = %d.ifname, error = %e, "delegated CHECK of an endpoint failed");
+            }
+        }
     }
 
     /// Roles the configuration enables (either family).
