@@ -196,7 +196,10 @@ fn bench(suite: &str) -> anyhow::Result<()> {
             if missed.is_empty() {
                 Ok(())
             } else {
-                bail!("suites with a goal missed or an error: {}", missed.join(", "))
+                bail!(
+                    "suites with a goal missed or an error: {}",
+                    missed.join(", ")
+                )
             }
         }
         other => bail!("unknown bench suite {other}; known: core, lb, datapath, agent, cni, all"),
