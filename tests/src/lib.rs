@@ -553,6 +553,21 @@ impl AgentProc {
     }
 }
 
+impl AgentProc {
+    /// `lockstep maps dump -o json` of this agent's pins: it reads the pinned
+    /// maps directly, so it works while the agent is down.
+    ///
+    /// # Errors
+    /// The command failed or printed no JSON.
+    pub fn maps_dump(&self) -> anyhow::Result<serde_json::Value> {
+        let out = Command::new(lockstep_bin())
+            .args(["maps", "dump", "-o", "json", "--pin-root"])
+            .arg(self.pins.path())
+            .output()?;
+        Ok(serde_json::from_str(&check("lockstep maps dump", out)?)?)
+    }
+}
+
 impl Drop for AgentProc {
     fn drop(&mut self) {
         self.kill9();

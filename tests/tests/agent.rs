@@ -177,17 +177,7 @@ fn restart_restores_every_allocation_and_reuses_the_maps() -> anyhow::Result<()>
     let status = agent.stop()?.context("agent was running")?;
     assert!(status.success(), "SIGTERM is a clean exit: {status}");
     // The maps keep their entries while the agent is down.
-    let dump: serde_json::Value = serde_json::from_str(&sh(
-        lockstep_tests::lockstep_bin().to_str().context("utf-8")?,
-        [
-            "maps",
-            "dump",
-            "-o",
-            "json",
-            "--pin-root",
-            agent.pins.path().to_str().context("utf-8")?,
-        ],
-    )?)?;
+    let dump: serde_json::Value = agent.maps_dump()?;
     let mut in_maps = BTreeSet::new();
     for fam in ["IPCACHE_V4", "IPCACHE_V6"] {
         for e in dump[fam].as_array().into_iter().flatten() {

@@ -105,17 +105,7 @@ fn commands(status: &Value) -> BTreeMap<String, u64> {
 }
 
 fn ipcache_v4(agent: &AgentProc) -> anyhow::Result<Vec<Value>> {
-    let dump: Value = serde_json::from_str(&lockstep_tests::sh(
-        lockstep_tests::lockstep_bin().to_str().context("utf-8")?,
-        [
-            "maps",
-            "dump",
-            "-o",
-            "json",
-            "--pin-root",
-            agent.pins.path().to_str().context("utf-8")?,
-        ],
-    )?)?;
+    let dump: Value = agent.maps_dump()?;
     Ok(dump["IPCACHE_V4"].as_array().cloned().unwrap_or_default())
 }
 

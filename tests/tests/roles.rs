@@ -57,17 +57,7 @@ fn role_addresses_are_reserved_first_and_never_given_to_endpoints() -> anyhow::R
     );
 
     // In IPCACHE with reserved identities and role flags; ingress announced.
-    let dump: serde_json::Value = serde_json::from_str(&lockstep_tests::sh(
-        lockstep_tests::lockstep_bin().to_str().context("utf-8")?,
-        [
-            "maps",
-            "dump",
-            "-o",
-            "json",
-            "--pin-root",
-            agent.pins.path().to_str().context("utf-8")?,
-        ],
-    )?)?;
+    let dump: serde_json::Value = agent.maps_dump()?;
     let ingress_v4 = before["ingress"]
         .as_array()
         .and_then(|a| {

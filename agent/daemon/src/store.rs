@@ -73,6 +73,28 @@ pub enum StoreError {
     },
 }
 
+/// Decodes one stored JSON record, naming its key when it is corrupt.
+fn decode<T: serde::de::DeserializeOwned>(key: &str, bytes: &[u8]) -> Result<T, StoreError> {
+    serde_json::from_slice(bytes).map_err(|source| StoreError::Corrupt {
+        key: key.to_string(),
+        source,
+    })
+}
+
+/// Every record of a JSON-valued table.
+fn read_all<T: serde::de::DeserializeOwned>(
+    txn: &redb::ReadTransaction,
+    table: TableDefinition<&str, &[u8]>,
+) -> Result<Vec<T>, StoreError> {
+    let table = txn.open_table(table).map_err(db_err("open table"))?;
+    let mut out = Vec::with_capacity(table.len().map_err(db_err("read"))? as usize);
+    for item in table.iter().map_err(db_err("read"))? {
+        let (k, v) = item.map_err(db_err("read"))?;
+        out.push(decode(k.value(), v.value())?);
+    }
+    Ok(out)
+}
+
 fn db_err<E: Into<redb::Error>>(action: &'static str) -> impl FnOnce(E) -> StoreError {
     move |e| StoreError::Db {
         action,
@@ -246,50 +268,14 @@ impl Store {
             .map_err(db_err("read"))?
             .map(|g| g.value())
             .unwrap_or(0);
-        let table = txn.open_table(ALLOCATIONS).map_err(db_err("open table"))?;
-        let mut allocations = Vec::with_capacity(table.len().map_err(db_err("read"))? as usize);
-        for item in table.iter().map_err(db_err("read"))? {
-            let (k, v) = item.map_err(db_err("read"))?;
-            let a: Allocation =
-                serde_json::from_slice(v.value()).map_err(|source| StoreError::Corrupt {
-                    key: k.value().to_string(),
-                    source,
-                })?;
-            allocations.push(a);
-        }
-        let table = txn.open_table(ENDPOINTS).map_err(db_err("open table"))?;
-        let mut endpoints = Vec::new();
-        for item in table.iter().map_err(db_err("read"))? {
-            let (k, v) = item.map_err(db_err("read"))?;
-            let e: EndpointRecord =
-                serde_json::from_slice(v.value()).map_err(|source| StoreError::Corrupt {
-                    key: k.value().to_string(),
-                    source,
-                })?;
-            endpoints.push(e);
-        }
+        let allocations: Vec<Allocation> = read_all(&txn, ALLOCATIONS)?;
+        let endpoints: Vec<EndpointRecord> = read_all(&txn, ENDPOINTS)?;
+        let delegated: Vec<DelegatedRecord> = read_all(&txn, DELEGATED)?;
         let table = txn.open_table(LB).map_err(db_err("open table"))?;
-        let lb =
-            match table.get(LB_STATE).map_err(db_err("read"))? {
-                Some(v) => Some(serde_json::from_slice(v.value()).map_err(|source| {
-                    StoreError::Corrupt {
-                        key: LB_STATE.into(),
-                        source,
-                    }
-                })?),
-                None => None,
-            };
-        let table = txn.open_table(DELEGATED).map_err(db_err("open table"))?;
-        let mut delegated = Vec::new();
-        for item in table.iter().map_err(db_err("read"))? {
-            let (k, v) = item.map_err(db_err("read"))?;
-            let d: DelegatedRecord =
-                serde_json::from_slice(v.value()).map_err(|source| StoreError::Corrupt {
-                    key: k.value().to_string(),
-                    source,
-                })?;
-            delegated.push(d);
-        }
+        let lb = match table.get(LB_STATE).map_err(db_err("read"))? {
+            Some(v) => Some(decode(LB_STATE, v.value())?),
+            None => None,
+        };
         Ok(Stored {
             generation: Generation(generation),
             allocations,
