@@ -447,13 +447,15 @@ fn three_containers_get_pool_addresses_reach_each_other_and_free_them() -> anyho
     let v4_pool = Cidr::parse("10.61.0.0/24")?;
     let v6_pool = Cidr::parse("fd00:61::/120")?;
 
-    // The agent installed the plugin (both names) and the conflist.
-    let binary = std::fs::read(lockstep_bin())?;
+    // The agent installed the plugin (both names: the small lockstep-cni
+    // binary built beside it) and the conflist.
+    let plugin = lockstep_bin().with_file_name("lockstep-cni");
+    let binary = std::fs::read(&plugin).with_context(|| format!("{} missing", plugin.display()))?;
     for name in ["lockstep", "lockstep-ipam"] {
         let path = podman.bin_dir.join(name);
         ensure!(
             std::fs::read(&path).with_context(|| format!("{} missing", path.display()))? == binary,
-            "{} is not the agent's binary",
+            "{} is not the lockstep-cni plugin binary",
             path.display()
         );
     }
