@@ -71,8 +71,14 @@ pub struct DatapathConfig {
     pub pin_root: PathBuf,
     /// Replace pinned maps whose definition changed.
     pub migrate: bool,
-    /// How to attach programs.
+    /// How to attach programs to the uplink (TCX: pinned links).
     pub attach_mode: AttachModeConfig,
+    /// How to attach `from_endpoint` to endpoint veths. Netlink (clsact) by
+    /// default: on Linux 6.18 each TCX attach and detach waits for an RCU
+    /// grace period and they serialise, so 100 concurrent pod ADDs took
+    /// 1.43 s with TCX and 0.18 s with netlink (docs/benchmarks.md). Netlink
+    /// filters also outlive the agent and are replaced in place on upgrade.
+    pub endpoint_attach_mode: AttachModeConfig,
     /// Capacity of each IPCACHE map.
     pub ipcache_max_entries: u32,
     /// Capacity of ENDPOINTS.
@@ -87,6 +93,7 @@ impl Default for DatapathConfig {
             pin_root: PathBuf::from("/sys/fs/bpf/lockstep"),
             migrate: false,
             attach_mode: AttachModeConfig::Auto,
+            endpoint_attach_mode: AttachModeConfig::Netlink,
             ipcache_max_entries: lockstep_common::max_entries::IPCACHE,
             endpoints_max_entries: lockstep_common::max_entries::ENDPOINTS,
             uplink: None,

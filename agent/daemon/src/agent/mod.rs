@@ -346,14 +346,18 @@ impl std::fmt::Debug for Agent {
     }
 }
 
-fn datapath_options(config: &Config) -> DatapathOptions {
-    let mut opts = DatapathOptions::new(&config.datapath.pin_root);
-    opts.migrate = config.datapath.migrate;
-    opts.attach_mode = match config.datapath.attach_mode {
+fn attach_mode(m: AttachModeConfig) -> AttachMode {
+    match m {
         AttachModeConfig::Auto => AttachMode::Auto,
         AttachModeConfig::Tcx => AttachMode::Tcx,
         AttachModeConfig::Netlink => AttachMode::Netlink,
-    };
+    }
+}
+
+fn datapath_options(config: &Config) -> DatapathOptions {
+    let mut opts = DatapathOptions::new(&config.datapath.pin_root);
+    opts.migrate = config.datapath.migrate;
+    opts.attach_mode = attach_mode(config.datapath.attach_mode);
     opts.capacities = MapCapacities {
         ipcache: config.datapath.ipcache_max_entries,
         endpoints: config.datapath.endpoints_max_entries,
@@ -607,11 +611,10 @@ impl Agent {
             stats: Stats::default(),
         };
         agent.attach_uplink()?;
-        agent.from_endpoint = Some(
-            agent
-                .datapath
-                .pin_program(lockstep_common::program_names::FROM_ENDPOINT)?,
-        );
+        agent.from_endpoint = Some(agent.datapath.pin_program(
+            lockstep_common::program_names::FROM_ENDPOINT,
+            attach_mode(agent.config.datapath.endpoint_attach_mode),
+        )?);
         // Role addresses before anything is served: the API answers "not
         // ready" until start() returns, so no endpoint can be handed one.
         agent.reserve_roles()?;

@@ -638,11 +638,15 @@ impl Datapath {
     /// `Datapath` (attaching waits for an RCU grace period in the kernel;
     /// concurrent attaches share one instead of queueing behind a lock).
     /// A pin from an older agent is replaced: new attachments get this
-    /// build's program.
+    /// build's program. `mode` is how [`ProgramPin::attach`] attaches.
     ///
     /// # Errors
     /// The program does not load or cannot be pinned.
-    pub fn pin_program(&mut self, program: &str) -> Result<ProgramPin, DatapathError> {
+    pub fn pin_program(
+        &mut self,
+        program: &str,
+        mode: AttachMode,
+    ) -> Result<ProgramPin, DatapathError> {
         let dir = self.opts.pin_root.join("progs");
         std::fs::create_dir_all(&dir).map_err(fs_err("create", &dir))?;
         let path = dir.join(program);
@@ -659,7 +663,7 @@ impl Datapath {
             path,
             program: program.to_string(),
             links_dir: self.opts.links_dir(),
-            mode: self.opts.attach_mode,
+            mode,
         })
     }
 
@@ -810,7 +814,9 @@ fn attach_with(
         hook,
         source: Box::new(source),
     };
-    if mode != AttachMode::Netlink && pin.exists() {
+    // An existing pinned TCX link is updated in place whatever the mode, so
+    // switching modes never stacks a second program on an interface.
+    if pin.exists() {
         let link_err = |source: Box<dyn std::error::Error + Send + Sync>| DatapathError::LinkPin {
             action: "open",
             path: pin.clone(),
