@@ -411,5 +411,45 @@ pub fn host_entries<'a>(
     })
 }
 
+/// The contents of a direct-mapped slot array in front of a hash map (see
+/// `lockstep_common::slots`): for each slot, the entry with the smallest key
+/// among those that `slot_of` maps to it. `entries` must be sorted by key
+/// with unique keys (as [`diff_sorted`] wants them). Returns `(slot, key,
+/// value)` sorted by slot; slots no key maps to are absent (empty).
+///
+/// Deterministic in the entries alone, so a restarted agent derives the same
+/// slots and a reconcile finds nothing to change. A key that loses its slot
+/// to a smaller one is still found: programs fall back to the hash.
+///
+/// # Panics
+/// Debug builds check that `entries` is sorted with unique keys.
+pub fn direct_mapped<K: Ord + Copy, V: Copy>(
+    entries: &[(K, V)],
+    slot_of: impl Fn(&K) -> u32,
+) -> Vec<(u32, K, V)> {
+    debug_assert!(
+        entries.windows(2).all(|w| w[0].0 < w[1].0),
+        "entries not sorted"
+    );
+    let mut out: Vec<(u32, K, V)> = entries.iter().map(|&(k, v)| (slot_of(&k), k, v)).collect();
+    // Stable: within a slot the smallest key stays first.
+    out.sort_by_key(|e| e.0);
+    out.dedup_by_key(|e| e.0);
+    out
+}
+
+/// The entry a slot should hold: [`direct_mapped`] for the one slot `slot`,
+/// over entries in any order. For incremental updates of one slot.
+pub fn slot_holder<K: Ord + Copy, V: Copy>(
+    entries: impl IntoIterator<Item = (K, V)>,
+    slot: u32,
+    slot_of: impl Fn(&K) -> u32,
+) -> Option<(K, V)> {
+    entries
+        .into_iter()
+        .filter(|(k, _)| slot_of(k) == slot)
+        .min_by_key(|(k, _)| *k)
+}
+
 #[cfg(test)]
 mod tests;

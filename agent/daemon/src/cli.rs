@@ -12,8 +12,8 @@ use anyhow::Context;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use hyper::Method;
 use lockstep_common::{
-    EndpointValue, IpcacheValue, L2RespValue, MasqSkipValue, endpoint_flags, identity,
-    ipcache_flags, masq_reason, program_names,
+    EndpointSlot, EndpointValue, IpcacheValue, L2RespSlot, L2RespValue, MasqSkipValue,
+    endpoint_flags, identity, ipcache_flags, masq_reason, program_names, slots,
 };
 use serde_json::json;
 
@@ -650,7 +650,7 @@ fn datapath(cmd: DatapathCommand) -> anyhow::Result<i32> {
                 value.flags |= endpoint_flags::HAS_V6;
                 maps.ipcache_insert(std::net::IpAddr::V6(v6).into(), ipcache)?;
             }
-            maps.endpoints.insert(ifindex, value, 0)?;
+            maps.endpoint_insert(ifindex, &value)?;
             let how = dp.attach(program_names::FROM_ENDPOINT, &iface, Hook::Ingress)?;
             println!("from_endpoint on {iface} ingress: {how:?}");
             Ok(0)
@@ -662,15 +662,13 @@ fn datapath(cmd: DatapathCommand) -> anyhow::Result<i32> {
                 mac: mac_of(&iface).with_context(|| format!("reading the MAC of {iface}"))?,
                 _pad: [0; 2],
             };
-            maps.l2_resp_v4.insert(ip.octets(), value, 0)?;
+            maps.l2_insert(ip.octets(), &value)?;
             Ok(0)
         }
         DatapathCommand::L2Del { pins, ip } => {
             let mut maps = PinnedMaps::open(&pins.pin_root)?;
-            match maps.l2_resp_v4.remove(&ip.octets()) {
-                Ok(()) | Err(aya::maps::MapError::KeyNotFound) => Ok(0),
-                Err(e) => Err(e.into()),
-            }
+            maps.l2_remove(ip.octets())?;
+            Ok(0)
         }
         DatapathCommand::IpcacheAdd {
             pins,
@@ -851,6 +849,21 @@ pub fn dump_maps(maps: &PinnedMaps) -> anyhow::Result<serde_json::Value> {
         let (addr, v) = item?;
         l2.push(json!({"address": Ipv4Addr::from(addr).to_string(), "ifindex": v.ifindex, "mac": fmt_mac(&v.mac)}));
     }
+    // Slot arrays: only the slots that hold something.
+    let mut endpoint_slots = Vec::new();
+    for item in maps.endpoint_slots.iter() {
+        let s = item?;
+        if s != EndpointSlot::default() {
+            endpoint_slots.push(json!({"slot": slots::endpoint(s.ifindex), "ifindex": s.ifindex, "ipv4": Ipv4Addr::from(s.ipv4).to_string(), "ipv6": Ipv6Addr::from(s.ipv6).to_string(), "flags": s.flags}));
+        }
+    }
+    let mut l2_slots = Vec::new();
+    for item in maps.l2_resp_slots.iter() {
+        let s = item?;
+        if s != L2RespSlot::default() {
+            l2_slots.push(json!({"slot": slots::l2_resp(s.addr), "address": Ipv4Addr::from(s.addr).to_string(), "ifindex": s.ifindex, "mac": fmt_mac(&s.mac)}));
+        }
+    }
     let counters: serde_json::Map<String, serde_json::Value> = maps
         .counters()?
         .into_iter()
@@ -862,6 +875,8 @@ pub fn dump_maps(maps: &PinnedMaps) -> anyhow::Result<serde_json::Value> {
         "MASQ_SKIP": masq,
         "ENDPOINTS": endpoints,
         "L2_RESP_V4": l2,
+        "ENDPOINT_SLOTS": endpoint_slots,
+        "L2_RESP_SLOTS": l2_slots,
         "COUNTERS": counters,
     }))
 }

@@ -49,8 +49,16 @@ pub mod map_names {
     pub const L2_RESP_V4: &str = "L2_RESP_V4";
     /// Per-CPU array: [`Counter`](crate::Counter) index → packets.
     pub const COUNTERS: &str = "COUNTERS";
+    /// Array: [`slots::endpoint`](crate::slots::endpoint) of an ifindex →
+    /// [`EndpointSlot`](crate::EndpointSlot), a direct-mapped copy of
+    /// [`ENDPOINTS`] in front of it (see [`slots`](crate::slots)).
+    pub const ENDPOINT_SLOTS: &str = "ENDPOINT_SLOTS";
+    /// Array: [`slots::l2_resp`](crate::slots::l2_resp) of an address →
+    /// [`L2RespSlot`](crate::L2RespSlot), a direct-mapped copy of
+    /// [`L2_RESP_V4`] in front of it.
+    pub const L2_RESP_SLOTS: &str = "L2_RESP_SLOTS";
     /// Every map, in a fixed order.
-    pub const ALL: [&str; 9] = [
+    pub const ALL: [&str; 11] = [
         IPCACHE_V4,
         IPCACHE_V6,
         IPCACHE_HOST_V4,
@@ -60,6 +68,8 @@ pub mod map_names {
         ENDPOINTS,
         L2_RESP_V4,
         COUNTERS,
+        ENDPOINT_SLOTS,
+        L2_RESP_SLOTS,
     ];
 }
 
@@ -90,6 +100,10 @@ pub mod max_entries {
     pub const ENDPOINTS: u32 = 16_384;
     /// L2_RESP_V4.
     pub const L2_RESP: u32 = 4_096;
+    /// ENDPOINT_SLOTS. Fixed (the slot function depends on it); a power of two.
+    pub const ENDPOINT_SLOTS: u32 = 16_384;
+    /// L2_RESP_SLOTS. Fixed (the slot function depends on it); a power of two.
+    pub const L2_RESP_SLOTS: u32 = 16_384;
 }
 
 /// Bits of [`IpcacheValue::flags`]: what kind of owner holds the prefix.
@@ -206,6 +220,192 @@ pub struct L2RespValue {
     pub _pad: [u8; 2],
 }
 
+/// Direct-mapped slot arrays in front of the ENDPOINTS and L2_RESP_V4 hashes.
+///
+/// Why they exist: on the kernels lockstep targets, a hash lookup from a BPF
+/// program is a call into the kernel (~30 ns on the project VM, whose CPU runs
+/// the SRSO "safe RET" mitigation that makes every kernel return expensive),
+/// while an array lookup is inlined by the verifier into a bounds check and an
+/// add. `from_endpoint` and the ARP responder therefore look in a slot array
+/// first and fall back to the hash only when the slot does not hold the key.
+/// The hashes stay the source of truth; the agent derives the slots from them
+/// (for each slot, the entry with the smallest key that maps to it) and
+/// reconciles and verifies them like any other map.
+///
+/// Array values are updated in place, so a program can read a slot while the
+/// agent rewrites it. Every field a program uses is therefore stored twice,
+/// as itself and as its bitwise complement, and the agent only ever rewrites
+/// a non-empty slot by clearing it (all zero) first. A byte read from a
+/// half-written slot is then either from the complete old value, zero, or
+/// from the complete new value, and a field only checks out when each of its
+/// bytes matches its complement; zero never matches (!0 is 0xff). Readers copy
+/// the slot, check every pair, and re-read the key afterwards, so a copy that
+/// spans two rewrites is rejected too. A rejected slot falls back to the hash,
+/// which the kernel updates atomically.
+pub mod slots {
+    use super::{V4Addr, max_entries};
+
+    /// Slot of ENDPOINT_SLOTS for the host-side `ifindex`. Interface indexes
+    /// are handed out in increasing order, so live endpoints rarely collide.
+    #[inline(always)]
+    #[must_use]
+    pub const fn endpoint(ifindex: u32) -> u32 {
+        ifindex & (max_entries::ENDPOINT_SLOTS - 1)
+    }
+
+    /// Slot of L2_RESP_SLOTS for an announced address (Fibonacci hashing:
+    /// addresses of one range spread over the whole array).
+    #[inline(always)]
+    #[must_use]
+    pub const fn l2_resp(addr: V4Addr) -> u32 {
+        u32::from_be_bytes(addr).wrapping_mul(0x9E37_79B1)
+            >> (32 - max_entries::L2_RESP_SLOTS.trailing_zeros())
+    }
+
+    /// The bitwise complement of every byte.
+    #[inline(always)]
+    #[must_use]
+    pub const fn not<const N: usize>(mut bytes: [u8; N]) -> [u8; N] {
+        let mut i = 0;
+        while i < N {
+            bytes[i] = !bytes[i];
+            i += 1;
+        }
+        bytes
+    }
+}
+
+/// One slot of ENDPOINT_SLOTS: the fields of an [`EndpointValue`] that
+/// `from_endpoint` reads, each beside its complement (see [`slots`]). All zero
+/// means empty. Every field is a whole number of 32-bit words, so a program
+/// copies and checks the slot a word at a time ([`EndpointSlot::check`]).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct EndpointSlot {
+    /// Host-side ifindex the slot holds (the ENDPOINTS key).
+    pub ifindex: u32,
+    /// `!ifindex`.
+    pub ifindex_check: u32,
+    /// [`endpoint_flags`] bits.
+    pub flags: u32,
+    /// `!flags`.
+    pub flags_check: u32,
+    /// The endpoint's IPv4 address.
+    pub ipv4: V4Addr,
+    /// Complement of `ipv4`.
+    pub ipv4_check: V4Addr,
+    /// The endpoint's IPv6 address.
+    pub ipv6: V6Addr,
+    /// Complement of `ipv6`.
+    pub ipv6_check: V6Addr,
+}
+
+/// What `from_endpoint` needs of an endpoint: [`endpoint_flags`], IPv4, IPv6.
+pub type EndpointAddrs = (u32, V4Addr, V6Addr);
+
+impl EndpointSlot {
+    /// Size in 32-bit words.
+    pub const WORDS: usize = size_of::<Self>() / 4;
+
+    /// The slot holding the ENDPOINTS entry `ifindex` → `value`.
+    #[must_use]
+    pub const fn new(ifindex: u32, value: &EndpointValue) -> Self {
+        Self {
+            ifindex,
+            ifindex_check: !ifindex,
+            flags: value.flags,
+            flags_check: !value.flags,
+            ipv4: value.ipv4,
+            ipv4_check: slots::not(value.ipv4),
+            ipv6: value.ipv6,
+            ipv6_check: slots::not(value.ipv6),
+        }
+    }
+
+    /// Checks a word-by-word copy of a slot: the endpoint's flags and
+    /// addresses when the copy holds `ifindex` and no field of it is torn.
+    #[inline(always)]
+    #[must_use]
+    pub fn check(w: &[u32; Self::WORDS], ifindex: u32) -> Option<EndpointAddrs> {
+        let intact = w[0] == ifindex
+            && w[1] == !ifindex
+            && w[2] == !w[3]
+            && w[4] == !w[5]
+            && w[6] == !w[10]
+            && w[7] == !w[11]
+            && w[8] == !w[12]
+            && w[9] == !w[13];
+        if !intact {
+            return None;
+        }
+        let b = |i: usize| w[i].to_ne_bytes();
+        let (v6a, v6b, v6c, v6d) = (b(6), b(7), b(8), b(9));
+        Some((
+            w[2],
+            b(4),
+            [
+                v6a[0], v6a[1], v6a[2], v6a[3], v6b[0], v6b[1], v6b[2], v6b[3], v6c[0], v6c[1],
+                v6c[2], v6c[3], v6d[0], v6d[1], v6d[2], v6d[3],
+            ],
+        ))
+    }
+}
+
+/// One slot of L2_RESP_SLOTS: an L2_RESP_V4 entry, each field beside its
+/// complement (see [`slots`]). All zero means empty.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct L2RespSlot {
+    /// The announced address (the L2_RESP_V4 key).
+    pub addr: V4Addr,
+    /// Complement of `addr`.
+    pub addr_check: V4Addr,
+    /// Interface the address is announced on.
+    pub ifindex: u32,
+    /// `!ifindex`.
+    pub ifindex_check: u32,
+    /// MAC address to answer with.
+    pub mac: [u8; 6],
+    /// Explicit padding; always zero.
+    pub _pad: [u8; 2],
+    /// Complement of the eight bytes `mac` and `_pad`.
+    pub mac_check: [u8; 8],
+}
+
+impl L2RespSlot {
+    /// Size in 32-bit words.
+    pub const WORDS: usize = size_of::<Self>() / 4;
+
+    /// The slot holding the L2_RESP_V4 entry `addr` → `value`.
+    #[must_use]
+    pub const fn new(addr: V4Addr, value: &L2RespValue) -> Self {
+        let m = value.mac;
+        Self {
+            addr,
+            addr_check: slots::not(addr),
+            ifindex: value.ifindex,
+            ifindex_check: !value.ifindex,
+            mac: m,
+            _pad: [0; 2],
+            mac_check: slots::not([m[0], m[1], m[2], m[3], m[4], m[5], 0, 0]),
+        }
+    }
+
+    /// Checks a word-by-word copy of a slot: the announcing interface and MAC
+    /// when the copy holds `addr` and no field of it is torn.
+    #[inline(always)]
+    #[must_use]
+    pub fn check(w: &[u32; Self::WORDS], addr: V4Addr) -> Option<(u32, [u8; 6])> {
+        let key = u32::from_ne_bytes(addr);
+        let intact = w[0] == key && w[1] == !key && w[2] == !w[3] && w[4] == !w[6] && w[5] == !w[7];
+        if !intact {
+            return None;
+        }
+        let (a, b) = (w[4].to_ne_bytes(), w[5].to_ne_bytes());
+        Some((w[2], [a[0], a[1], a[2], a[3], b[0], b[1]]))
+    }
+}
+
 /// Indices into the COUNTERS per-CPU array.
 #[repr(u32)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -297,17 +497,23 @@ const _: () = assert!(size_of::<IpcacheValue>() == 32);
 const _: () = assert!(size_of::<MasqSkipValue>() == 8);
 const _: () = assert!(size_of::<EndpointValue>() == 40);
 const _: () = assert!(size_of::<L2RespValue>() == 12);
+const _: () = assert!(size_of::<EndpointSlot>() == 56);
+const _: () = assert!(size_of::<L2RespSlot>() == 32);
+const _: () = assert!(max_entries::ENDPOINT_SLOTS.is_power_of_two());
+const _: () = assert!(max_entries::L2_RESP_SLOTS.is_power_of_two());
 const _: () = assert!(Counter::ALL.len() == Counter::COUNT as usize);
 
 #[cfg(feature = "user")]
 mod pod {
-    // SAFETY: all four are `#[repr(C)]`, made only of integers and byte arrays,
+    // SAFETY: all six are `#[repr(C)]`, made only of integers and byte arrays,
     // with every padding byte spelled out as a field, so any bit pattern is a
     // valid value and no byte is uninitialised.
     unsafe impl aya::Pod for super::IpcacheValue {}
     unsafe impl aya::Pod for super::MasqSkipValue {}
     unsafe impl aya::Pod for super::EndpointValue {}
     unsafe impl aya::Pod for super::L2RespValue {}
+    unsafe impl aya::Pod for super::EndpointSlot {}
+    unsafe impl aya::Pod for super::L2RespSlot {}
 
     const _: () = assert!(
         core::mem::size_of::<aya::maps::lpm_trie::Key<super::V4Addr>>() == super::LPM_V4_KEY_SIZE
@@ -358,6 +564,151 @@ mod tests {
         assert_eq!(offset_of!(L2RespValue, mac), 4);
         assert_eq!(offset_of!(L2RespValue, _pad), 10);
         assert_eq!(size_of::<L2RespValue>(), 12);
+    }
+
+    #[test]
+    fn slot_layouts() {
+        assert_eq!(offset_of!(EndpointSlot, ifindex), 0);
+        assert_eq!(offset_of!(EndpointSlot, ifindex_check), 4);
+        assert_eq!(offset_of!(EndpointSlot, flags), 8);
+        assert_eq!(offset_of!(EndpointSlot, flags_check), 12);
+        assert_eq!(offset_of!(EndpointSlot, ipv4), 16);
+        assert_eq!(offset_of!(EndpointSlot, ipv4_check), 20);
+        assert_eq!(offset_of!(EndpointSlot, ipv6), 24);
+        assert_eq!(offset_of!(EndpointSlot, ipv6_check), 40);
+        assert_eq!(size_of::<EndpointSlot>(), 56);
+        assert_eq!(align_of::<EndpointSlot>(), 4);
+        assert_eq!(offset_of!(L2RespSlot, addr), 0);
+        assert_eq!(offset_of!(L2RespSlot, addr_check), 4);
+        assert_eq!(offset_of!(L2RespSlot, ifindex), 8);
+        assert_eq!(offset_of!(L2RespSlot, ifindex_check), 12);
+        assert_eq!(offset_of!(L2RespSlot, mac), 16);
+        assert_eq!(offset_of!(L2RespSlot, _pad), 22);
+        assert_eq!(offset_of!(L2RespSlot, mac_check), 24);
+        assert_eq!(size_of::<L2RespSlot>(), 32);
+        assert_eq!(align_of::<L2RespSlot>(), 4);
+    }
+
+    fn bytes<T: Copy, const N: usize>(v: &T) -> [u8; N] {
+        assert_eq!(size_of::<T>(), N);
+        // SAFETY: T is a repr(C) slot without padding, N its exact size.
+        unsafe { core::ptr::read_unaligned((v as *const T).cast::<[u8; N]>()) }
+    }
+
+    fn words<const B: usize, const W: usize>(b: &[u8; B]) -> [u32; W] {
+        let mut w = [0u32; W];
+        for (i, c) in b.chunks_exact(4).enumerate() {
+            w[i] = u32::from_ne_bytes([c[0], c[1], c[2], c[3]]);
+        }
+        w
+    }
+
+    fn endpoint() -> (u32, EndpointValue) {
+        (
+            70_001,
+            EndpointValue {
+                generation: 3,
+                ipv4: [10, 0, 1, 5],
+                flags: endpoint_flags::HAS_V4 | endpoint_flags::HAS_V6,
+                ipv6: [0xfd, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 5],
+                mac: [2, 0, 0, 0, 0, 1],
+                _pad: [0; 2],
+            },
+        )
+    }
+
+    #[test]
+    fn intact_slots_check_out_and_empty_or_other_keys_do_not() {
+        let (ifindex, v) = endpoint();
+        let slot = EndpointSlot::new(ifindex, &v);
+        let w = words::<56, 14>(&bytes::<_, 56>(&slot));
+        assert_eq!(
+            EndpointSlot::check(&w, ifindex),
+            Some((v.flags, v.ipv4, v.ipv6))
+        );
+        assert_eq!(EndpointSlot::check(&w, ifindex + 1), None);
+        assert_eq!(EndpointSlot::check(&[0; 14], 0), None);
+
+        let l2 = L2RespValue {
+            ifindex: 4,
+            mac: [2, 0, 0, 0, 0, 0x50],
+            _pad: [0; 2],
+        };
+        let addr = [10, 0, 0, 50];
+        let slot = L2RespSlot::new(addr, &l2);
+        let w = words::<32, 8>(&bytes::<_, 32>(&slot));
+        assert_eq!(L2RespSlot::check(&w, addr), Some((4, l2.mac)));
+        assert_eq!(L2RespSlot::check(&w, [10, 0, 0, 51]), None);
+        assert_eq!(L2RespSlot::check(&[0; 8], [0; 4]), None);
+    }
+
+    /// The property the datapath relies on: a slot read while it goes from
+    /// empty to a value (or back) mixes, byte by byte, the value with zeros;
+    /// such a copy checks out only when it equals the value in every byte.
+    /// Masks: every single byte missing, every prefix and suffix (forward and
+    /// backward copies), and 100k pseudo-random mixes.
+    #[test]
+    fn a_slot_half_written_over_zeros_never_checks_out() {
+        let (ifindex, v) = endpoint();
+        let full = bytes::<_, 56>(&EndpointSlot::new(ifindex, &v));
+        let l2 = L2RespSlot::new(
+            [10, 0, 0, 50],
+            &L2RespValue {
+                ifindex: 4,
+                mac: [2, 0, 0, 0, 0, 0x50],
+                _pad: [0; 2],
+            },
+        );
+        let l2full = bytes::<_, 32>(&l2);
+        let mut masks: [u64; 3] = [0; 3];
+        let mut seed = 0x1234_5678_9abc_def0u64;
+        let mut check = |mask: u64| {
+            let torn: [u8; 56] =
+                core::array::from_fn(|i| if mask >> i & 1 == 1 { full[i] } else { 0 });
+            if EndpointSlot::check(&words::<56, 14>(&torn), ifindex).is_some() {
+                assert_eq!(torn, full, "mask {mask:#x} checked out torn");
+                masks[0] += 1;
+            }
+            let torn: [u8; 32] =
+                core::array::from_fn(|i| if mask >> i & 1 == 1 { l2full[i] } else { 0 });
+            if L2RespSlot::check(&words::<32, 8>(&torn), [10, 0, 0, 50]).is_some() {
+                assert_eq!(torn, l2full, "mask {mask:#x} checked out torn (L2)");
+                masks[1] += 1;
+            }
+            masks[2] += 1;
+        };
+        let all = (1u64 << 56) - 1;
+        for i in 0..56 {
+            check(all & !(1 << i));
+            check(all >> i);
+            check((all << i) & all);
+        }
+        for _ in 0..100_000 {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            check(seed & all);
+        }
+        check(all);
+        assert!(masks[0] >= 1 && masks[1] >= 1, "the intact slots check out");
+        assert!(masks[2] > 100_000);
+    }
+
+    #[test]
+    fn slot_functions_stay_in_range_and_spread_a_range() {
+        for i in 0..100_000u32 {
+            assert!(slots::endpoint(i) < max_entries::ENDPOINT_SLOTS);
+            assert!(slots::l2_resp(i.to_be_bytes()) < max_entries::L2_RESP_SLOTS);
+        }
+        // Consecutive interface indexes never collide within the array size.
+        assert_ne!(slots::endpoint(5), slots::endpoint(6));
+        // A /22 of announced addresses lands on many distinct slots.
+        let mut used = [false; max_entries::L2_RESP_SLOTS as usize];
+        let base = u32::from_be_bytes([192, 0, 2, 0]);
+        for i in 0..1024 {
+            used[slots::l2_resp((base + i).to_be_bytes()) as usize] = true;
+        }
+        assert!(used.iter().filter(|u| **u).count() > 900);
     }
 
     #[test]

@@ -21,14 +21,14 @@ use core::mem::size_of;
 
 use aya_ebpf::{
     bindings::{TC_ACT_REDIRECT, TC_ACT_SHOT, TC_ACT_UNSPEC},
-    btf_maps::{HashMap, LpmTrie, PerCpuArray, lpm_trie::Key},
+    btf_maps::{Array, HashMap, LpmTrie, PerCpuArray, lpm_trie::Key},
     helpers::bpf_redirect,
     macros::{btf_map, classifier},
     programs::TcContext,
 };
 use lockstep_common::{
-    Counter, EndpointValue, IpcacheValue, L2RespValue, MasqSkipValue, V4Addr, V6Addr,
-    endpoint_flags, ipcache_flags, max_entries,
+    Counter, EndpointSlot, EndpointValue, IpcacheValue, L2RespSlot, L2RespValue, MasqSkipValue,
+    V4Addr, V6Addr, endpoint_flags, ipcache_flags, max_entries, slots,
 };
 
 #[btf_map]
@@ -40,11 +40,19 @@ static IPCACHE_V6: LpmTrie<V6Addr, IpcacheValue, { max_entries::IPCACHE as usize
 /// `BPF_F_NO_PREALLOC`: the host tables only cost memory for what they hold.
 const NO_PREALLOC: usize = 1;
 #[btf_map]
-static IPCACHE_HOST_V4: HashMap<V4Addr, IpcacheValue, { max_entries::IPCACHE as usize }, NO_PREALLOC> =
-    HashMap::new();
+static IPCACHE_HOST_V4: HashMap<
+    V4Addr,
+    IpcacheValue,
+    { max_entries::IPCACHE as usize },
+    NO_PREALLOC,
+> = HashMap::new();
 #[btf_map]
-static IPCACHE_HOST_V6: HashMap<V6Addr, IpcacheValue, { max_entries::IPCACHE as usize }, NO_PREALLOC> =
-    HashMap::new();
+static IPCACHE_HOST_V6: HashMap<
+    V6Addr,
+    IpcacheValue,
+    { max_entries::IPCACHE as usize },
+    NO_PREALLOC,
+> = HashMap::new();
 #[btf_map]
 static MASQ_SKIP_V4: LpmTrie<V4Addr, MasqSkipValue, { max_entries::MASQ_SKIP as usize }> =
     LpmTrie::new();
@@ -52,11 +60,13 @@ static MASQ_SKIP_V4: LpmTrie<V4Addr, MasqSkipValue, { max_entries::MASQ_SKIP as 
 static MASQ_SKIP_V6: LpmTrie<V6Addr, MasqSkipValue, { max_entries::MASQ_SKIP as usize }> =
     LpmTrie::new();
 #[btf_map]
-static ENDPOINTS: HashMap<u32, EndpointValue, { max_entries::ENDPOINTS as usize }> =
-    HashMap::new();
+static ENDPOINTS: HashMap<u32, EndpointValue, { max_entries::ENDPOINTS as usize }> = HashMap::new();
 #[btf_map]
-static L2_RESP_V4: HashMap<V4Addr, L2RespValue, { max_entries::L2_RESP as usize }> =
-    HashMap::new();
+static L2_RESP_V4: HashMap<V4Addr, L2RespValue, { max_entries::L2_RESP as usize }> = HashMap::new();
+#[btf_map]
+static ENDPOINT_SLOTS: Array<EndpointSlot, { max_entries::ENDPOINT_SLOTS as usize }> = Array::new();
+#[btf_map]
+static L2_RESP_SLOTS: Array<L2RespSlot, { max_entries::L2_RESP_SLOTS as usize }> = Array::new();
 #[btf_map]
 static COUNTERS: PerCpuArray<u64, { Counter::COUNT as usize }> = PerCpuArray::new();
 
@@ -111,6 +121,49 @@ fn ifindex(ctx: &TcContext) -> u32 {
     unsafe { (*ctx.skb.skb).ifindex }
 }
 
+/// The endpoint behind `ifindex`: its slot when the slot holds it intact (an
+/// inlined array lookup), else the ENDPOINTS hash. See `lockstep_common::slots`
+/// for why a half-written slot can never check out.
+#[inline(always)]
+fn endpoint(ifindex: u32) -> Option<(u32, V4Addr, V6Addr)> {
+    if let Some(p) = ENDPOINT_SLOTS.get_ptr(slots::endpoint(ifindex)) {
+        let p = p.cast::<[u32; EndpointSlot::WORDS]>();
+        // SAFETY: `p` points into the array's value area (4-aligned) for this
+        // run; the volatile reads keep the copy before the key's re-read.
+        let (copy, again) = unsafe {
+            let copy = core::ptr::read_volatile(p);
+            (copy, core::ptr::read_volatile(p.cast::<u32>()))
+        };
+        if again == ifindex {
+            if let Some(found) = EndpointSlot::check(&copy, ifindex) {
+                return Some(found);
+            }
+        }
+    }
+    // SAFETY: copied out at once; the agent replaces hash entries whole.
+    unsafe { ENDPOINTS.get(ifindex) }.map(|v| (v.flags, v.ipv4, v.ipv6))
+}
+
+/// The L2_RESP_V4 entry for `addr`, through its slot first (see [`endpoint`]).
+#[inline(always)]
+fn l2_resp(addr: V4Addr) -> Option<(u32, [u8; 6])> {
+    if let Some(p) = L2_RESP_SLOTS.get_ptr(slots::l2_resp(addr)) {
+        let p = p.cast::<[u32; L2RespSlot::WORDS]>();
+        // SAFETY: as in `endpoint`.
+        let (copy, again) = unsafe {
+            let copy = core::ptr::read_volatile(p);
+            (copy, core::ptr::read_volatile(p.cast::<u32>()))
+        };
+        if again == u32::from_ne_bytes(addr) {
+            if let Some(found) = L2RespSlot::check(&copy, addr) {
+                return Some(found);
+            }
+        }
+    }
+    // SAFETY: copied out at once.
+    unsafe { L2_RESP_V4.get(addr) }.map(|v| (v.ifindex, v.mac))
+}
+
 /// Longest-prefix match over the IPCACHE: the host entry if there is one (it
 /// is always the longest match), else the trie.
 #[inline(always)]
@@ -161,9 +214,7 @@ fn is_link_local_or_unspecified(addr: &V6Addr) -> bool {
 /// endpoint. Fails closed: an interface without an ENDPOINTS entry drops.
 #[classifier]
 pub fn from_endpoint(ctx: TcContext) -> i32 {
-    // SAFETY: the value is copied out at once; the agent replaces entries
-    // whole, never in place.
-    let Some(ep) = (unsafe { ENDPOINTS.get(ifindex(&ctx)) }).copied() else {
+    let Some((ep_flags, ep_v4, ep_v6)) = endpoint(ifindex(&ctx)) else {
         count(Counter::UnknownEndpoint);
         return DROP;
     };
@@ -173,19 +224,21 @@ pub fn from_endpoint(ctx: TcContext) -> i32 {
     };
     match proto {
         ETH_P_IP => {
-            let (Some(src), Some(dst)) = (read::<V4Addr>(&ctx, IP4_SRC), read::<V4Addr>(&ctx, IP4_DST))
+            let (Some(src), Some(dst)) =
+                (read::<V4Addr>(&ctx, IP4_SRC), read::<V4Addr>(&ctx, IP4_DST))
             else {
                 count(Counter::Malformed);
                 return DROP;
             };
-            if ep.flags & endpoint_flags::HAS_V4 == 0 || src != ep.ipv4 {
+            if ep_flags & endpoint_flags::HAS_V4 == 0 || src != ep_v4 {
                 count(Counter::SpoofDroppedV4);
                 return DROP;
             }
             classify(ipcache_v4(dst));
         }
         ETH_P_IPV6 => {
-            let (Some(src), Some(dst)) = (read::<V6Addr>(&ctx, IP6_SRC), read::<V6Addr>(&ctx, IP6_DST))
+            let (Some(src), Some(dst)) =
+                (read::<V6Addr>(&ctx, IP6_SRC), read::<V6Addr>(&ctx, IP6_DST))
             else {
                 count(Counter::Malformed);
                 return DROP;
@@ -193,7 +246,7 @@ pub fn from_endpoint(ctx: TcContext) -> i32 {
             // Neighbour discovery uses link-local (and, for DAD, unspecified)
             // sources; they cannot be routed off the link, so they pass.
             if !is_link_local_or_unspecified(&src)
-                && (ep.flags & endpoint_flags::HAS_V6 == 0 || src != ep.ipv6)
+                && (ep_flags & endpoint_flags::HAS_V6 == 0 || src != ep_v6)
             {
                 count(Counter::SpoofDroppedV6);
                 return DROP;
@@ -206,7 +259,7 @@ pub fn from_endpoint(ctx: TcContext) -> i32 {
                 return DROP;
             };
             // 0.0.0.0 is an ARP probe (RFC 5227); anything else must be ours.
-            if spa != [0; 4] && (ep.flags & endpoint_flags::HAS_V4 == 0 || spa != ep.ipv4) {
+            if spa != [0; 4] && (ep_flags & endpoint_flags::HAS_V4 == 0 || spa != ep_v4) {
                 count(Counter::SpoofDroppedArp);
                 return DROP;
             }
@@ -220,12 +273,11 @@ pub fn from_endpoint(ctx: TcContext) -> i32 {
 /// Masquerade decision for traffic leaving the node.
 #[classifier]
 pub fn to_native(ctx: TcContext) -> i32 {
-    let local_endpoint = |entry: Option<IpcacheValue>| {
-        matches!(entry, Some(v) if v.flags & ipcache_flags::ENDPOINT != 0)
-    };
+    let local_endpoint = |entry: Option<IpcacheValue>| matches!(entry, Some(v) if v.flags & ipcache_flags::ENDPOINT != 0);
     let skip = match ethertype(&ctx) {
         Some(ETH_P_IP) => {
-            let (Some(src), Some(dst)) = (read::<V4Addr>(&ctx, IP4_SRC), read::<V4Addr>(&ctx, IP4_DST))
+            let (Some(src), Some(dst)) =
+                (read::<V4Addr>(&ctx, IP4_SRC), read::<V4Addr>(&ctx, IP4_DST))
             else {
                 count(Counter::Malformed);
                 return NEXT;
@@ -237,7 +289,8 @@ pub fn to_native(ctx: TcContext) -> i32 {
             MASQ_SKIP_V4.get(&Key::new(32, dst)).is_some()
         }
         Some(ETH_P_IPV6) => {
-            let (Some(src), Some(dst)) = (read::<V6Addr>(&ctx, IP6_SRC), read::<V6Addr>(&ctx, IP6_DST))
+            let (Some(src), Some(dst)) =
+                (read::<V6Addr>(&ctx, IP6_SRC), read::<V6Addr>(&ctx, IP6_DST))
             else {
                 count(Counter::Malformed);
                 return NEXT;
@@ -281,9 +334,8 @@ pub fn from_native(ctx: TcContext) -> i32 {
         return NEXT;
     }
     let here = ifindex(&ctx);
-    // SAFETY: copied out at once.
-    let entry = match unsafe { L2_RESP_V4.get(tpa) } {
-        Some(v) if v.ifindex == here => *v,
+    let mac = match l2_resp(tpa) {
+        Some((ifindex, mac)) if ifindex == here => mac,
         _ => {
             count(Counter::ArpIgnored);
             return NEXT;
@@ -299,9 +351,9 @@ pub fn from_native(ctx: TcContext) -> i32 {
     // verifier's prologue unclones the skb first).
     let out = unsafe { &mut *(ctx.data() as *mut [u8; ARP_FRAME_LEN]) };
     out[0..6].copy_from_slice(&sha);
-    out[6..12].copy_from_slice(&entry.mac);
+    out[6..12].copy_from_slice(&mac);
     out[21] = 2; // operation: reply
-    out[22..28].copy_from_slice(&entry.mac);
+    out[22..28].copy_from_slice(&mac);
     out[28..32].copy_from_slice(&tpa);
     out[32..38].copy_from_slice(&sha);
     out[38..42].copy_from_slice(&spa);

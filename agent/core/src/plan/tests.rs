@@ -345,3 +345,57 @@ mod flat {
         assert!(err.to_string().contains("10.0.0.1"), "{err}");
     }
 }
+
+proptest! {
+    /// A lookup that tries the slot first and falls back to the full map
+    /// finds exactly what the full map holds; every slot holds the smallest
+    /// key mapped to it; the incremental [`slot_holder`] agrees with the
+    /// bulk [`direct_mapped`] for every slot.
+    #[test]
+    fn direct_mapped_slots_are_a_faithful_front_cache(
+        map in proptest::collection::btree_map(0u32..5_000, 0u8..255, 0..200),
+        slot_bits in 1u32..6,
+        probes in proptest::collection::vec(0u32..5_000, 50),
+    ) {
+        let mask = (1u32 << slot_bits) - 1;
+        let slot_of = |k: &u32| k & mask;
+        let entries: Vec<(u32, u8)> = map.iter().map(|(k, v)| (*k, *v)).collect();
+        let slots = direct_mapped(&entries, slot_of);
+        let by_slot: BTreeMap<u32, (u32, u8)> =
+            slots.iter().map(|&(s, k, v)| (s, (k, v))).collect();
+        prop_assert_eq!(by_slot.len(), slots.len(), "one entry per slot");
+        for (&s, &(k, v)) in &by_slot {
+            prop_assert_eq!(slot_of(&k), s);
+            prop_assert_eq!(map.get(&k), Some(&v));
+            let smallest = map.keys().find(|key| slot_of(key) == s).copied();
+            prop_assert_eq!(Some(k), smallest);
+        }
+        for s in 0..=mask {
+            prop_assert_eq!(
+                slot_holder(entries.iter().copied(), s, slot_of),
+                by_slot.get(&s).copied()
+            );
+        }
+        for k in probes.iter().chain(map.keys()) {
+            let through_slot = match by_slot.get(&slot_of(k)) {
+                Some(&(held, v)) if held == *k => Some(v),
+                _ => map.get(k).copied(),
+            };
+            prop_assert_eq!(through_slot, map.get(k).copied());
+        }
+    }
+}
+
+#[test]
+fn direct_mapped_keeps_the_smallest_key_and_leaves_unused_slots_out() {
+    let entries = [(3u32, 'a'), (5, 'b'), (11, 'c'), (12, 'd')];
+    // Slots of 8: 3 and 11 collide in slot 3; 3 wins.
+    let slots = direct_mapped(&entries, |k| k % 8);
+    assert_eq!(slots, vec![(3, 3, 'a'), (4, 12, 'd'), (5, 5, 'b')]);
+    assert_eq!(slot_holder(entries, 3, |k| k % 8), Some((3, 'a')));
+    assert_eq!(
+        slot_holder(entries[1..].iter().copied(), 3, |k| k % 8),
+        Some((11, 'c'))
+    );
+    assert_eq!(slot_holder(entries, 0, |k| k % 8), None);
+}

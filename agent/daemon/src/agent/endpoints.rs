@@ -697,12 +697,7 @@ impl Agent {
         if record.mode == EndpointMode::Full {
             let generation = allocated.iter().map(|a| a.generation.0).max().unwrap_or(0);
             self.maps
-                .endpoints
-                .insert(record.host_ifindex, endpoint_value(record, generation), 0)
-                .map_err(|e| AgentError::Program {
-                    map: map_names::ENDPOINTS,
-                    source: Box::new(e),
-                })?;
+                .endpoint_insert(record.host_ifindex, &endpoint_value(record, generation))?;
         }
         Ok(())
     }
@@ -741,7 +736,7 @@ impl Agent {
     /// with [`DelCleanup`]).
     fn unprogram_endpoint(&mut self, record: &EndpointRecord, allocated: &[Allocation]) {
         if record.mode == EndpointMode::Full {
-            let _ = self.maps.endpoints.remove(&record.host_ifindex);
+            let _ = self.maps.endpoint_remove(record.host_ifindex);
         }
         for a in allocated {
             let _ = self.unprogram(a);

@@ -19,13 +19,14 @@ use std::time::Instant;
 
 use ipnet::{IpNet, Ipv4Net, Ipv6Net};
 use lockstep_common::{
-    EndpointValue, IpcacheValue, L2RespValue, MasqSkipValue, V4Addr, V6Addr, map_names, masq_reason,
+    EndpointSlot, EndpointValue, IpcacheValue, L2RespSlot, L2RespValue, MasqSkipValue, V4Addr,
+    V6Addr, map_names, masq_reason, slots,
 };
 use lockstep_core::cidr::Family;
 use lockstep_core::manager::{Allocation, ManagerConfig, ManagerError, PoolManager, StaticPools};
 use lockstep_core::owner::{Generation, Owner};
 use lockstep_core::plan::{
-    EntryExtra, MapDiff, PlanBuilder, classify, diff, diff_sorted, host_entries,
+    EntryExtra, MapDiff, PlanBuilder, classify, diff, diff_sorted, direct_mapped, host_entries,
 };
 use serde::{Deserialize, Serialize};
 
@@ -386,6 +387,10 @@ struct MapContents {
     l2: Vec<(V4Addr, L2RespValue)>,
     /// ENDPOINTS, sorted by ifindex.
     endpoints: Vec<(u32, EndpointValue)>,
+    /// ENDPOINT_SLOTS that hold something, sorted by slot.
+    endpoint_slots: Vec<(u32, EndpointSlot)>,
+    /// L2_RESP_SLOTS that hold something, sorted by slot.
+    l2_slots: Vec<(u32, L2RespSlot)>,
     /// Sorted by address, unique.
     host_v4: Vec<(V4Addr, IpcacheValue)>,
     /// Sorted by address, unique.
@@ -401,6 +406,8 @@ impl MapContents {
         let mut c = MapContents {
             l2: read_hash(pin_root, map_names::L2_RESP_V4)?,
             endpoints: read_hash(pin_root, map_names::ENDPOINTS)?,
+            endpoint_slots: read_slots(pin_root, map_names::ENDPOINT_SLOTS)?,
+            l2_slots: read_slots(pin_root, map_names::L2_RESP_SLOTS)?,
             host_v4: read_hash(pin_root, map_names::IPCACHE_HOST_V4)?,
             host_v6: read_hash(pin_root, map_names::IPCACHE_HOST_V6)?,
             ..MapContents::default()
@@ -443,48 +450,23 @@ impl MapContents {
 }
 
 /// A map key readable from raw bytes.
-trait RawKey: Copy + Ord {
-    const SIZE: usize;
-    fn from_bytes(b: &[u8]) -> Self;
-}
-
-impl<const N: usize> RawKey for [u8; N] {
-    const SIZE: usize = N;
-    fn from_bytes(b: &[u8]) -> Self {
-        let mut k = [0u8; N];
-        k.copy_from_slice(b);
-        k
-    }
-}
-
-impl RawKey for u32 {
-    const SIZE: usize = 4;
-    fn from_bytes(b: &[u8]) -> Self {
-        u32::from_ne_bytes([b[0], b[1], b[2], b[3]])
-    }
-}
-
-/// Reads a hash map in bulk and returns it sorted by key.
-fn read_hash<K: RawKey, V: aya::Pod>(
+/// Reads a map in bulk and returns it sorted by key.
+fn read_hash<K: sys::RawKey, V: aya::Pod>(
     pin_root: &std::path::Path,
     map: &'static str,
 ) -> Result<Vec<(K, V)>, AgentError> {
     let raw = PinnedMaps::raw(pin_root, map)?;
-    let vsize = size_of::<V>();
-    let (keys, values) = sys::lookup_batch(raw.fd(), K::SIZE, vsize)
-        .map_err(|source| AgentError::Reconcile { map, source })?;
-    let mut out: Vec<(K, V)> = keys
-        .chunks_exact(K::SIZE)
-        .zip(values.chunks_exact(vsize))
-        .map(|(k, v)| {
-            // SAFETY: `v` holds exactly one V's bytes (plain data, any bit
-            // pattern valid); read unaligned.
-            let value = unsafe { std::ptr::read_unaligned(v.as_ptr().cast::<V>()) };
-            (K::from_bytes(k), value)
-        })
-        .collect();
-    out.sort_unstable_by_key(|e| e.0);
-    Ok(out)
+    sys::read_entries(raw.fd(), K::SIZE).map_err(|source| AgentError::Reconcile { map, source })
+}
+
+/// The slots of a slot array that hold something, sorted by slot.
+fn read_slots<V: aya::Pod + Default + PartialEq>(
+    pin_root: &std::path::Path,
+    map: &'static str,
+) -> Result<Vec<(u32, V)>, AgentError> {
+    let mut all: Vec<(u32, V)> = read_hash(pin_root, map)?;
+    all.retain(|(_, v)| *v != V::default());
+    Ok(all)
 }
 
 /// Applies one map's diff with batch syscalls: deletes first (frees room),
@@ -528,6 +510,62 @@ fn apply<K: Ord + Clone, V: aya::Pod + Clone>(
     report.updated += d.update.len();
     report.removed += d.delete.len();
     *report.per_map.entry(map.to_string()).or_default() += d.len();
+    Ok(())
+}
+
+/// First half of a slot array's diff: every slot that must lose what it
+/// holds (to nothing or to another entry) is zeroed.
+fn clear_slots<V: aya::Pod + Default>(
+    pin_root: &std::path::Path,
+    map: &'static str,
+    d: &MapDiff<u32, V>,
+) -> Result<(), AgentError> {
+    let slots: Vec<u32> = d
+        .delete
+        .iter()
+        .copied()
+        .chain(d.update.iter().map(|(k, _)| *k))
+        .collect();
+    if slots.is_empty() {
+        return Ok(());
+    }
+    let raw = PinnedMaps::raw(pin_root, map)?;
+    let keys: Vec<u8> = slots.iter().flat_map(|k| k.to_ne_bytes()).collect();
+    let zero = V::default();
+    let values: Vec<u8> = slots
+        .iter()
+        .flat_map(|_| pod_bytes(&zero).to_vec())
+        .collect();
+    sys::update_batch(raw.fd(), 4, size_of::<V>(), &keys, &values)
+        .map_err(|source| AgentError::Reconcile { map, source })
+}
+
+/// Second half: the slots that must hold an entry get it (all of them empty
+/// by now), and the whole diff is counted.
+fn fill_slots<V: aya::Pod + Default + Clone>(
+    pin_root: &std::path::Path,
+    map: &'static str,
+    d: &MapDiff<u32, V>,
+    report: &mut ReconcileReport,
+) -> Result<(), AgentError> {
+    let writes = MapDiff {
+        add: d.add.iter().chain(&d.update).cloned().collect(),
+        update: Vec::new(),
+        delete: Vec::new(),
+    };
+    apply(
+        pin_root,
+        map,
+        &writes,
+        |k| k.to_ne_bytes().to_vec(),
+        &mut ReconcileReport::default(),
+    )?;
+    report.added += d.add.len();
+    report.updated += d.update.len();
+    report.removed += d.delete.len();
+    if !d.is_empty() {
+        *report.per_map.entry(map.to_string()).or_default() += d.len();
+    }
     Ok(())
 }
 
@@ -935,9 +973,19 @@ impl Agent {
             0,
         );
         let plan = b.finish();
+        let endpoint_slots = direct_mapped(&endpoint_entries, |k| slots::endpoint(*k))
+            .into_iter()
+            .map(|(slot, k, v)| (slot, EndpointSlot::new(k, &v)))
+            .collect();
+        let l2_slots = direct_mapped(&l2, |k| slots::l2_resp(*k))
+            .into_iter()
+            .map(|(slot, k, v)| (slot, L2RespSlot::new(k, &v)))
+            .collect();
         Ok(MapContents {
             l2,
             endpoints: endpoint_entries,
+            endpoint_slots,
+            l2_slots,
             host_v4: hosts.v4,
             host_v6: hosts.v6,
             prefix_v4: plan.ipcache_v4,
@@ -957,6 +1005,13 @@ impl Agent {
         let have = self.observed()?;
         let root = self.config.datapath.pin_root.clone();
         let mut report = ReconcileReport::default();
+        // Slots are cleared before and filled after their hashes change, so
+        // a slot never holds what its hash does not (see
+        // `lockstep_common::slots`).
+        let endpoint_slots = diff_sorted(&want.endpoint_slots, &have.endpoint_slots);
+        let l2_slots = diff_sorted(&want.l2_slots, &have.l2_slots);
+        clear_slots::<EndpointSlot>(&root, map_names::ENDPOINT_SLOTS, &endpoint_slots)?;
+        clear_slots::<L2RespSlot>(&root, map_names::L2_RESP_SLOTS, &l2_slots)?;
         apply(
             &root,
             map_names::L2_RESP_V4,
@@ -1013,6 +1068,13 @@ impl Agent {
             |n| lpm_key_bytes(n.prefix_len(), &n.network().octets()),
             &mut report,
         )?;
+        fill_slots(
+            &root,
+            map_names::ENDPOINT_SLOTS,
+            &endpoint_slots,
+            &mut report,
+        )?;
+        fill_slots(&root, map_names::L2_RESP_SLOTS, &l2_slots, &mut report)?;
         self.stats.entries = BTreeMap::from([
             (map_names::IPCACHE_HOST_V4, want.host_v4.len()),
             (map_names::IPCACHE_HOST_V6, want.host_v6.len()),
@@ -1081,6 +1143,18 @@ impl Agent {
             map_names::ENDPOINTS,
             &diff_sorted(&want.endpoints, &have.endpoints),
             |k| format!("ifindex {k}"),
+            &mut report.maps,
+        );
+        drift(
+            map_names::ENDPOINT_SLOTS,
+            &diff_sorted(&want.endpoint_slots, &have.endpoint_slots),
+            |k| format!("slot {k}"),
+            &mut report.maps,
+        );
+        drift(
+            map_names::L2_RESP_SLOTS,
+            &diff_sorted(&want.l2_slots, &have.l2_slots),
+            |k| format!("slot {k}"),
             &mut report.maps,
         );
         if let Some(host) = self.netlink.as_ref() {

@@ -8,12 +8,14 @@ use std::net::{Ipv4Addr, Ipv6Addr};
 use std::path::{Path, PathBuf};
 
 use aya::maps::lpm_trie::Key;
-use aya::maps::{HashMap, LpmTrie, Map, MapData, PerCpuArray};
+use aya::maps::{Array, HashMap, LpmTrie, Map, MapData, PerCpuArray};
 use lockstep_common::{
-    Counter, EndpointValue, IpcacheValue, L2RespValue, MasqSkipValue, V4Addr, V6Addr, map_names,
+    Counter, EndpointSlot, EndpointValue, IpcacheValue, L2RespSlot, L2RespValue, MasqSkipValue,
+    V4Addr, V6Addr, map_names, slots,
 };
+use lockstep_core::plan::slot_holder;
 
-use super::DatapathError;
+use super::{DatapathError, sys};
 
 /// Every pinned map, typed.
 pub struct PinnedMaps {
@@ -35,6 +37,14 @@ pub struct PinnedMaps {
     pub l2_resp_v4: HashMap<MapData, V4Addr, L2RespValue>,
     /// COUNTERS.
     pub counters: PerCpuArray<MapData, u64>,
+    /// ENDPOINT_SLOTS. Written through [`PinnedMaps::endpoint_insert`] and
+    /// [`PinnedMaps::endpoint_remove`] (or a reconcile), never alone.
+    pub endpoint_slots: Array<MapData, EndpointSlot>,
+    /// L2_RESP_SLOTS. Written through [`PinnedMaps::l2_insert`] and
+    /// [`PinnedMaps::l2_remove`] (or a reconcile), never alone.
+    pub l2_resp_slots: Array<MapData, L2RespSlot>,
+    /// `<pin_root>/maps`.
+    dir: PathBuf,
 }
 
 impl std::fmt::Debug for PinnedMaps {
@@ -80,7 +90,116 @@ impl PinnedMaps {
             endpoints: typed!(&dir, map_names::ENDPOINTS),
             l2_resp_v4: typed!(&dir, map_names::L2_RESP_V4),
             counters: typed!(&dir, map_names::COUNTERS),
+            endpoint_slots: typed!(&dir, map_names::ENDPOINT_SLOTS),
+            l2_resp_slots: typed!(&dir, map_names::L2_RESP_SLOTS),
+            dir,
         })
+    }
+
+    /// Every entry of a pinned hash in one batch syscall.
+    fn entries<K: sys::RawKey, V: aya::Pod>(
+        &self,
+        map: &'static str,
+    ) -> Result<Vec<(K, V)>, DatapathError> {
+        let access = |source: Box<dyn std::error::Error + Send + Sync>| DatapathError::MapAccess {
+            action: "read",
+            map,
+            source,
+        };
+        let raw = MapData::from_pin(self.dir.join(map)).map_err(|e| access(Box::new(e)))?;
+        sys::read_entries(raw.fd(), K::SIZE).map_err(|e| access(Box::new(e)))
+    }
+
+    /// Inserts (or replaces) the ENDPOINTS entry of `ifindex`, then brings
+    /// its ENDPOINT_SLOTS slot up to date: the hash first, so a slot never
+    /// holds what the hash does not.
+    ///
+    /// # Errors
+    /// A map could not be read or written (the hash may be full).
+    pub fn endpoint_insert(
+        &mut self,
+        ifindex: u32,
+        value: &EndpointValue,
+    ) -> Result<(), DatapathError> {
+        self.endpoints
+            .insert(ifindex, value, 0)
+            .map_err(|e| write_err(map_names::ENDPOINTS, e))?;
+        self.sync_endpoint_slot(slots::endpoint(ifindex), None)
+    }
+
+    /// Removes the ENDPOINTS entry of `ifindex`, its slot first (handing
+    /// the slot to the next endpoint that maps to it). Returns whether the
+    /// entry existed.
+    ///
+    /// # Errors
+    /// A map could not be read or written.
+    pub fn endpoint_remove(&mut self, ifindex: u32) -> Result<bool, DatapathError> {
+        self.sync_endpoint_slot(slots::endpoint(ifindex), Some(ifindex))?;
+        match self.endpoints.remove(&ifindex) {
+            Ok(()) => Ok(true),
+            Err(aya::maps::MapError::KeyNotFound) => Ok(false),
+            Err(e) => Err(write_err(map_names::ENDPOINTS, e)),
+        }
+    }
+
+    /// Inserts (or replaces) the L2_RESP_V4 entry of `addr`, then its slot.
+    ///
+    /// # Errors
+    /// A map could not be read or written (the hash may be full).
+    pub fn l2_insert(&mut self, addr: V4Addr, value: &L2RespValue) -> Result<(), DatapathError> {
+        self.l2_resp_v4
+            .insert(addr, value, 0)
+            .map_err(|e| write_err(map_names::L2_RESP_V4, e))?;
+        self.sync_l2_slot(slots::l2_resp(addr), None)
+    }
+
+    /// Removes the L2_RESP_V4 entry of `addr`, its slot first. Returns
+    /// whether the entry existed.
+    ///
+    /// # Errors
+    /// A map could not be read or written.
+    pub fn l2_remove(&mut self, addr: V4Addr) -> Result<bool, DatapathError> {
+        self.sync_l2_slot(slots::l2_resp(addr), Some(addr))?;
+        match self.l2_resp_v4.remove(&addr) {
+            Ok(()) => Ok(true),
+            Err(aya::maps::MapError::KeyNotFound) => Ok(false),
+            Err(e) => Err(write_err(map_names::L2_RESP_V4, e)),
+        }
+    }
+
+    /// Makes `slot` hold what [`slot_holder`] picks from the hash as it is
+    /// now, leaving out `without` (about to be removed).
+    fn sync_endpoint_slot(&mut self, slot: u32, without: Option<u32>) -> Result<(), DatapathError> {
+        let entries: Vec<(u32, EndpointValue)> = self.entries(map_names::ENDPOINTS)?;
+        let want = slot_holder(
+            entries.into_iter().filter(|(k, _)| Some(*k) != without),
+            slot,
+            |k: &u32| slots::endpoint(*k),
+        )
+        .map(|(k, v)| EndpointSlot::new(k, &v));
+        write_slot(
+            &mut self.endpoint_slots,
+            map_names::ENDPOINT_SLOTS,
+            slot,
+            want,
+        )
+    }
+
+    /// [`Self::sync_endpoint_slot`] for L2_RESP_SLOTS.
+    fn sync_l2_slot(&mut self, slot: u32, without: Option<V4Addr>) -> Result<(), DatapathError> {
+        let entries: Vec<(V4Addr, L2RespValue)> = self.entries(map_names::L2_RESP_V4)?;
+        let want = slot_holder(
+            entries.into_iter().filter(|(k, _)| Some(*k) != without),
+            slot,
+            |k: &V4Addr| slots::l2_resp(*k),
+        )
+        .map(|(k, v)| L2RespSlot::new(k, &v));
+        write_slot(
+            &mut self.l2_resp_slots,
+            map_names::L2_RESP_SLOTS,
+            slot,
+            want,
+        )
     }
 
     /// Opens one pinned map untyped, for raw (batch) operations.
@@ -179,6 +298,47 @@ impl PinnedMaps {
             })
             .collect()
     }
+}
+
+fn write_err(map: &'static str, e: aya::maps::MapError) -> DatapathError {
+    DatapathError::MapAccess {
+        action: "write",
+        map,
+        source: Box::new(e),
+    }
+}
+
+/// Rewrites one slot the way `lockstep_common::slots` requires: a slot that
+/// holds something is cleared (all zero) before anything else is written
+/// into it, so a program reading it meanwhile sees old, zero or new bytes and
+/// never a mix of two entries. Writes nothing when the slot is already right.
+///
+/// # Errors
+/// The array could not be read or written.
+pub fn write_slot<T: aya::Pod + Default + PartialEq>(
+    array: &mut Array<MapData, T>,
+    map: &'static str,
+    slot: u32,
+    want: Option<T>,
+) -> Result<(), DatapathError> {
+    let have = array.get(&slot, 0).map_err(|e| DatapathError::MapAccess {
+        action: "read",
+        map,
+        source: Box::new(e),
+    })?;
+    let want = want.unwrap_or_default();
+    if have == want {
+        return Ok(());
+    }
+    if have != T::default() {
+        array
+            .set(slot, T::default(), 0)
+            .map_err(|e| write_err(map, e))?;
+    }
+    if want != T::default() {
+        array.set(slot, want, 0).map_err(|e| write_err(map, e))?;
+    }
+    Ok(())
 }
 
 /// An IPv4 LPM key with host bits past `prefix_len` cleared, as the kernel

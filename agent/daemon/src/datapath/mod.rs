@@ -35,8 +35,8 @@ use aya::programs::tc::{NlOptions, SchedClassifierLink, TcAttachOptions, TcHandl
 use aya::programs::{ProgramError, SchedClassifier, TcAttachType};
 use aya::{Ebpf, EbpfLoader};
 use lockstep_common::{
-    Counter, EndpointValue, IpcacheValue, L2RespValue, LPM_V4_KEY_SIZE, LPM_V6_KEY_SIZE,
-    MasqSkipValue, map_names, max_entries, program_names,
+    Counter, EndpointSlot, EndpointValue, IpcacheValue, L2RespSlot, L2RespValue, LPM_V4_KEY_SIZE,
+    LPM_V6_KEY_SIZE, MasqSkipValue, map_names, max_entries, program_names,
 };
 
 pub use maps::PinnedMaps;
@@ -97,6 +97,17 @@ pub enum DatapathError {
         /// aya's error.
         #[source]
         source: Box<aya::maps::MapError>,
+    },
+    /// Reading or writing entries of a map failed.
+    #[error("cannot {action} {map}")]
+    MapAccess {
+        /// What was being done.
+        action: &'static str,
+        /// The map.
+        map: &'static str,
+        /// The cause.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
     },
     /// Loading the object (and creating or reusing the maps) failed.
     #[error("cannot load the eBPF object")]
@@ -244,6 +255,12 @@ pub fn expected_definitions(caps: &MapCapacities) -> BTreeMap<&'static str, MapD
         value_size: value_size as u32,
         max_entries,
     };
+    let array = |value_size: usize, max_entries: u32| MapDefinition {
+        map_type: MapType::Array,
+        key_size: 4,
+        value_size: value_size as u32,
+        max_entries,
+    };
     BTreeMap::from([
         (
             map_names::IPCACHE_V4,
@@ -276,6 +293,14 @@ pub fn expected_definitions(caps: &MapCapacities) -> BTreeMap<&'static str, MapD
         (
             map_names::L2_RESP_V4,
             hash(4, size_of::<L2RespValue>(), caps.l2_resp),
+        ),
+        (
+            map_names::ENDPOINT_SLOTS,
+            array(size_of::<EndpointSlot>(), max_entries::ENDPOINT_SLOTS),
+        ),
+        (
+            map_names::L2_RESP_SLOTS,
+            array(size_of::<L2RespSlot>(), max_entries::L2_RESP_SLOTS),
         ),
         (
             map_names::COUNTERS,

@@ -148,7 +148,7 @@ pub fn update_batch(
 /// A failing syscall other than the end of the map.
 ///
 /// # Minimum kernel version
-/// 5.6 (batch map operations; hash maps only).
+/// 5.6 (batch map operations).
 pub fn lookup_batch(
     fd: impl AsFd,
     key_size: usize,
@@ -194,6 +194,55 @@ pub fn lookup_batch(
         first = false;
     }
     Ok((keys, values))
+}
+
+/// A map key read back from raw bytes.
+pub trait RawKey: Copy + Ord {
+    /// Size in bytes.
+    const SIZE: usize;
+    /// The key from exactly [`RawKey::SIZE`] bytes.
+    fn from_bytes(b: &[u8]) -> Self;
+}
+
+impl<const N: usize> RawKey for [u8; N] {
+    const SIZE: usize = N;
+    fn from_bytes(b: &[u8]) -> Self {
+        let mut k = [0u8; N];
+        k.copy_from_slice(b);
+        k
+    }
+}
+
+impl RawKey for u32 {
+    const SIZE: usize = 4;
+    fn from_bytes(b: &[u8]) -> Self {
+        u32::from_ne_bytes([b[0], b[1], b[2], b[3]])
+    }
+}
+
+/// Every entry of a map ([`lookup_batch`]), typed and sorted by key.
+///
+/// # Errors
+/// As [`lookup_batch`].
+pub fn read_entries<K: RawKey, V: aya::Pod>(
+    fd: impl AsFd,
+    key_size: usize,
+) -> Result<Vec<(K, V)>, SysError> {
+    debug_assert_eq!(key_size, K::SIZE);
+    let vsize = size_of::<V>();
+    let (keys, values) = lookup_batch(fd, K::SIZE, vsize)?;
+    let mut out: Vec<(K, V)> = keys
+        .chunks_exact(K::SIZE)
+        .zip(values.chunks_exact(vsize))
+        .map(|(k, v)| {
+            // SAFETY: `v` holds exactly one V's bytes (plain data, any bit
+            // pattern valid); read unaligned.
+            let value = unsafe { std::ptr::read_unaligned(v.as_ptr().cast::<V>()) };
+            (K::from_bytes(k), value)
+        })
+        .collect();
+    out.sort_unstable_by_key(|e| e.0);
+    Ok(out)
 }
 
 /// Deletes `keys.len() / key_size` elements (`BPF_MAP_DELETE_BATCH`). A key
