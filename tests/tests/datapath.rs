@@ -6,6 +6,7 @@ use std::net::{IpAddr, SocketAddr, UdpSocket};
 use std::time::Duration;
 
 use anyhow::{Context, ensure};
+use lockstep_common::{EndpointSlot, EndpointValue, endpoint_flags, map_names, slots};
 use lockstep_tests::{Netns, PinRoot, counter, lockstep_in, lockstep_output, privileged, sh, veth};
 
 /// A node namespace with two endpoint namespaces behind veths, routed the way
@@ -27,6 +28,12 @@ const SPOOF_V6: &str = "fd00:200::99";
 
 impl Topology {
     fn new() -> anyhow::Result<Self> {
+        Self::with_indexes(None)
+    }
+
+    /// As [`Topology::new`], the host-side veths getting the given interface
+    /// indexes when asked.
+    fn with_indexes(indexes: Option<(u32, u32)>) -> anyhow::Result<Self> {
         let node = Netns::new("node")?;
         let ep1 = Netns::new("ep")?;
         let ep2 = Netns::new("ep")?;
@@ -38,11 +45,31 @@ impl Topology {
         ] {
             node.sysctl(key, value)?;
         }
-        for (ep, host_if, ep_if, v4, v6) in [
-            (&ep1, "h1", "e1", EP1_V4, EP1_V6),
-            (&ep2, "h2", "e2", EP2_V4, EP2_V6),
+        for (ep, host_if, ep_if, v4, v6, index) in [
+            (&ep1, "h1", "e1", EP1_V4, EP1_V6, indexes.map(|i| i.0)),
+            (&ep2, "h2", "e2", EP2_V4, EP2_V6, indexes.map(|i| i.1)),
         ] {
-            veth(&node, host_if, ep, ep_if)?;
+            match index {
+                None => veth(&node, host_if, ep, ep_if)?,
+                Some(index) => {
+                    node.ip([
+                        "link",
+                        "add",
+                        host_if,
+                        "index",
+                        &index.to_string(),
+                        "type",
+                        "veth",
+                        "peer",
+                        "name",
+                        ep_if,
+                        "netns",
+                        ep.name(),
+                    ])?;
+                    node.ip(["link", "set", host_if, "up"])?;
+                    ep.ip(["link", "set", ep_if, "up"])?;
+                }
+            }
             node.sysctl(&format!("net.ipv4.conf.{host_if}.rp_filter"), "0")?;
             ep.ip(["addr", "add", &format!("{v4}/32"), "dev", ep_if])?;
             ep.ip([
@@ -160,8 +187,19 @@ fn send_and_receive(
     dst: &str,
     sends: &[(&str, &str)],
 ) -> anyhow::Result<BTreeSet<String>> {
+    send_between(&topo.ep1, &topo.ep2, dst, sends)
+}
+
+/// Sends one UDP datagram per (source, payload) from `from` and returns what
+/// a socket bound to `dst` in `to` received.
+fn send_between(
+    from: &Netns,
+    to: &Netns,
+    dst: &str,
+    sends: &[(&str, &str)],
+) -> anyhow::Result<BTreeSet<String>> {
     let dst_ip: IpAddr = dst.parse()?;
-    let receiver = topo.ep2.run(|| {
+    let receiver = to.run(|| {
         let sock = UdpSocket::bind(SocketAddr::new(dst_ip, 0))?;
         sock.set_read_timeout(Some(Duration::from_millis(700)))?;
         Ok(sock)
@@ -169,7 +207,7 @@ fn send_and_receive(
     let port = receiver.local_addr()?.port();
     for (src, payload) in sends {
         let src_ip: IpAddr = src.parse()?;
-        topo.ep1.run(|| {
+        from.run(|| {
             let sock = UdpSocket::bind(SocketAddr::new(src_ip, 0))
                 .with_context(|| format!("binding {src_ip}"))?;
             sock.send_to(payload.as_bytes(), SocketAddr::new(dst_ip, port))?;
@@ -231,6 +269,137 @@ fn spoofed_sources_are_dropped_and_genuine_traffic_arrives() -> anyhow::Result<(
     assert!(counter(&topo.pins, "from_endpoint_passed")? >= 2);
     // The destination was classified through IPCACHE as a local endpoint.
     assert!(counter(&topo.pins, "dst_endpoint")? >= 2);
+    Ok(())
+}
+
+/// The ENDPOINT_SLOTS slots that hold something, as (slot, ifindex, IPv4),
+/// from `lockstep maps dump`.
+fn endpoint_slots(topo: &Topology) -> anyhow::Result<Vec<(u64, u64, String)>> {
+    let dump: serde_json::Value =
+        serde_json::from_str(&topo.lockstep(&["maps", "dump", "-o", "json"])?)?;
+    Ok(dump["ENDPOINT_SLOTS"]
+        .as_array()
+        .context("ENDPOINT_SLOTS in the dump")?
+        .iter()
+        .map(|s| {
+            (
+                s["slot"].as_u64().unwrap_or(u64::MAX),
+                s["ifindex"].as_u64().unwrap_or(0),
+                s["ipv4"].as_str().unwrap_or_default().to_string(),
+            )
+        })
+        .collect())
+}
+
+/// Writes raw bytes over one ENDPOINT_SLOTS slot with bpftool, as a torn
+/// read or a corruption would present it to the program.
+fn plant_slot(topo: &Topology, slot: u32, slot_value: &EndpointSlot) -> anyhow::Result<()> {
+    // SAFETY: EndpointSlot is repr(C) plain data without padding.
+    let bytes = unsafe {
+        std::slice::from_raw_parts(
+            (slot_value as *const EndpointSlot).cast::<u8>(),
+            size_of::<EndpointSlot>(),
+        )
+    };
+    let hex = |b: &[u8]| b.iter().map(|x| format!("{x}")).collect::<Vec<_>>();
+    let pin = topo
+        .pins
+        .path()
+        .join("maps")
+        .join(map_names::ENDPOINT_SLOTS);
+    let mut args = vec![
+        "map".to_string(),
+        "update".into(),
+        "pinned".into(),
+        pin.display().to_string(),
+        "key".into(),
+    ];
+    args.extend(hex(&slot.to_ne_bytes()));
+    args.push("value".into());
+    args.extend(hex(bytes));
+    sh("bpftool", &args)?;
+    Ok(())
+}
+
+/// Two endpoints whose interface indexes share a slot: the smaller one holds
+/// the slot, the other is served by the ENDPOINTS hash, and anti-spoofing
+/// holds for both; a slot whose fields do not match their complements (a torn
+/// read) is ignored; removing the holder hands the slot to the other one.
+#[test]
+fn endpoints_sharing_a_slot_and_torn_slots_keep_anti_spoofing() -> anyhow::Result<()> {
+    privileged!();
+    let slots_n = lockstep_common::max_entries::ENDPOINT_SLOTS;
+    let low = 1000 + std::process::id() % 1000;
+    let high = low + slots_n;
+    assert_eq!(slots::endpoint(low), slots::endpoint(high));
+    let topo = Topology::with_indexes(Some((low, high)))?;
+    for (ep, iface) in [(&topo.ep1, "e1"), (&topo.ep2, "e2")] {
+        for spoof in [SPOOF_V4] {
+            ep.ip(["addr", "add", &format!("{spoof}/32"), "dev", iface])?;
+        }
+    }
+    topo.program_endpoints()?;
+    let slot = slots::endpoint(low);
+    assert_eq!(
+        endpoint_slots(&topo)?,
+        vec![(u64::from(slot), u64::from(low), EP1_V4.to_string())],
+        "the smaller ifindex holds the shared slot"
+    );
+
+    let both_ways = |tag: &str| -> anyhow::Result<(BTreeSet<String>, BTreeSet<String>)> {
+        let g1 = format!("{tag}-genuine-1");
+        let s1 = format!("{tag}-spoof-1");
+        let g2 = format!("{tag}-genuine-2");
+        let s2 = format!("{tag}-spoof-2");
+        let to2 = send_between(
+            &topo.ep1,
+            &topo.ep2,
+            EP2_V4,
+            &[(SPOOF_V4, &s1), (EP1_V4, &g1)],
+        )?;
+        let to1 = send_between(
+            &topo.ep2,
+            &topo.ep1,
+            EP1_V4,
+            &[(SPOOF_V4, &s2), (EP2_V4, &g2)],
+        )?;
+        Ok((to2, to1))
+    };
+    // ep1 through its slot, ep2 through the hash.
+    let (to2, to1) = both_ways("shared")?;
+    assert_eq!(to2, set(&["shared-genuine-1"]));
+    assert_eq!(to1, set(&["shared-genuine-2"]));
+
+    // A torn slot claiming ep1 with the spoofed address (its complement
+    // still that of the genuine one) is ignored: the hash decides.
+    let genuine = EndpointSlot::new(
+        low,
+        &EndpointValue {
+            ipv4: EP1_V4.parse::<std::net::Ipv4Addr>()?.octets(),
+            flags: endpoint_flags::HAS_V4,
+            ..Default::default()
+        },
+    );
+    let torn = EndpointSlot {
+        ipv4: SPOOF_V4.parse::<std::net::Ipv4Addr>()?.octets(),
+        ..genuine
+    };
+    plant_slot(&topo, slot, &torn)?;
+    let (to2, _) = both_ways("torn")?;
+    assert_eq!(to2, set(&["torn-genuine-1"]), "a torn slot was believed");
+
+    // Removing the holder hands the slot to ep2, which keeps working.
+    topo.lockstep(&["datapath", "endpoint-del", "--iface", "h1"])?;
+    assert_eq!(
+        endpoint_slots(&topo)?,
+        vec![(u64::from(slot), u64::from(high), EP2_V4.to_string())],
+        "the slot passes to the remaining endpoint"
+    );
+    let before = counter(&topo.pins, "unknown_endpoint")?;
+    let (to2, to1) = both_ways("handover")?;
+    assert_eq!(to1, set(&["handover-genuine-2"]));
+    assert!(to2.is_empty(), "ep1 has no entry any more: {to2:?}");
+    assert!(counter(&topo.pins, "unknown_endpoint")? >= before + 2);
     Ok(())
 }
 

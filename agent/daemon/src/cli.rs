@@ -230,6 +230,16 @@ pub enum DatapathCommand {
         #[arg(long, default_value_t = 1)]
         generation: u64,
     },
+    /// Remove an endpoint's ENDPOINTS entry (and its slot); the program stays
+    /// attached and now drops everything from the interface.
+    EndpointDel {
+        /// Shared options.
+        #[command(flatten)]
+        pins: PinArgs,
+        /// Host-side interface of the endpoint.
+        #[arg(long)]
+        iface: String,
+    },
     /// Announce an IPv4 address on an interface (L2_RESP_V4).
     L2Add {
         /// Shared options.
@@ -653,6 +663,11 @@ fn datapath(cmd: DatapathCommand) -> anyhow::Result<i32> {
             maps.endpoint_insert(ifindex, &value)?;
             let how = dp.attach(program_names::FROM_ENDPOINT, &iface, Hook::Ingress)?;
             println!("from_endpoint on {iface} ingress: {how:?}");
+            Ok(0)
+        }
+        DatapathCommand::EndpointDel { pins, iface } => {
+            let mut maps = PinnedMaps::open(&pins.pin_root)?;
+            maps.endpoint_remove(ifindex_of(&iface)?)?;
             Ok(0)
         }
         DatapathCommand::L2Add { pins, ip, iface } => {
