@@ -487,7 +487,7 @@ fn bpftool_dumps_every_pinned_map_as_structured_json() -> anyhow::Result<()> {
     // Traffic so COUNTERS holds something other than zeros.
     send_and_receive(&topo, EP2_V4, &[(EP1_V4, "x")])?;
     let maps = topo.pins.path().join("maps");
-    for name in lockstep_common::map_names::ALL {
+    for name in map_names::ALL {
         let pin = maps.join(name);
         let show: serde_json::Value = serde_json::from_str(&sh(
             "bpftool",
