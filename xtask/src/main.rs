@@ -176,13 +176,36 @@ fn integration(filter: Option<String>) -> anyhow::Result<()> {
     run(&mut cmd)
 }
 
+/// Builds `lockstep-cni` the way it ships: statically linked (no dynamic
+/// loader or shared-library relocation on every CNI call) and stripped, in
+/// the `plugin` profile. A runtime starts one plugin process per call, and on
+/// the project VM this start costs 0.47 ms static against 0.82 ms dynamic.
+/// The target is named explicitly so the static flag reaches only the target
+/// artifacts, never build scripts or proc macros. Returns the binary's path.
+fn build_plugin() -> anyhow::Result<PathBuf> {
+    let host = String::from_utf8(Command::new("rustc").arg("-vV").output()?.stdout)?
+        .lines()
+        .find_map(|l| l.strip_prefix("host: ").map(str::to_string))
+        .context("rustc -vV names no host")?;
+    run(cargo()
+        .args(["build", "--profile", "plugin", "--target", &host])
+        .args(["-p", "lockstep", "--bin", "lockstep-cni"])
+        .env("RUSTFLAGS", "-C target-feature=+crt-static"))?;
+    Ok(root().join("target").join(host).join("plugin/lockstep-cni"))
+}
+
 fn bench(suite: &str) -> anyhow::Result<()> {
     match suite {
         "core" => run(cargo().args(["bench", "-p", "lockstep-core", "--bench", "core"])),
         "lb" => run(cargo().args(["bench", "-p", "lockstep-core", "--bench", "lb"])),
         "datapath" => run(cargo().args(["bench", "-p", "lockstep", "--bench", "datapath"])),
         "agent" => run(cargo().args(["bench", "-p", "lockstep", "--bench", "agent"])),
-        "cni" => run(cargo().args(["bench", "-p", "lockstep", "--bench", "cni"])),
+        "cni" => {
+            let plugin = build_plugin()?;
+            run(cargo()
+                .args(["bench", "-p", "lockstep", "--bench", "cni"])
+                .env("LOCKSTEP_CNI_BIN", plugin))
+        }
         "all" => {
             // Every suite runs even when an earlier one misses a goal, so one
             // run gives the whole picture; the misses are listed at the end.
@@ -216,7 +239,16 @@ fn main() -> anyhow::Result<()> {
             println!("built {} ({size} bytes, with BTF)", object.display());
             Ok(())
         }
-        Task::Build => run(cargo().args(["build", "--release", "-p", "lockstep"])),
+        Task::Build => {
+            run(cargo().args(["build", "--release", "-p", "lockstep", "--bin", "lockstep"]))?;
+            let plugin = build_plugin()?;
+            eprintln!(
+                "agent: {}\nplugin: {}",
+                root().join("target/release/lockstep").display(),
+                plugin.display()
+            );
+            Ok(())
+        }
         Task::CheckCore => check_core(),
         Task::Test { no_setup, filter } => test(no_setup, filter),
         Task::Bench { suite } => bench(&suite),
