@@ -107,6 +107,14 @@ fn drift_is_reported_by_verify_and_repaired_by_reconcile() -> anyhow::Result<()>
     ];
     plant.extend(bad_value.iter().copied());
     sh("bpftool", &plant)?;
+    // A slot array entry no ENDPOINTS entry backs (this agent has none).
+    let slots_pin = agent.pins.path().join("maps/ENDPOINT_SLOTS");
+    let slots_pin = slots_pin.to_str().context("utf-8")?;
+    let mut slot = vec![
+        "map", "update", "pinned", slots_pin, "key", "7", "0", "0", "0", "value",
+    ];
+    slot.extend(std::iter::repeat_n("9", 56));
+    sh("bpftool", &slot)?;
 
     // verify sees all three right away (the reconcile interval is 300 ms, so
     // run it before that can repair; retry if a reconcile raced us).
@@ -120,6 +128,7 @@ fn drift_is_reported_by_verify_and_repaired_by_reconcile() -> anyhow::Result<()>
         sh("bpftool", &del)?;
         sh("bpftool", &upd)?;
         sh("bpftool", &plant)?;
+        sh("bpftool", &slot)?;
     }
     let text = found.context("verify never reported the drift")?;
     assert!(
@@ -134,6 +143,7 @@ fn drift_is_reported_by_verify_and_repaired_by_reconcile() -> anyhow::Result<()>
         text.contains("IPCACHE_HOST_V4 10.50.0.200 unexpected"),
         "{text}"
     );
+    assert!(text.contains("ENDPOINT_SLOTS slot 7 unexpected"), "{text}");
 
     // The periodic reconcile repairs it and counts the repairs.
     let started = std::time::Instant::now();
@@ -148,7 +158,7 @@ fn drift_is_reported_by_verify_and_repaired_by_reconcile() -> anyhow::Result<()>
         std::thread::sleep(Duration::from_millis(50));
     }
     let status = agent.json(["status", "-o", "json"])?;
-    assert!(status["repairs"].as_u64().unwrap_or(0) >= 3, "{status}");
+    assert!(status["repairs"].as_u64().unwrap_or(0) >= 4, "{status}");
     let metrics = node.exec(
         "sh",
         [
