@@ -173,6 +173,7 @@ fn run(pin_root: &std::path::Path) -> anyhow::Result<()> {
     let to_remote = ipv4_udp(ep, [10, 128, 200, 7]);
     let spoofed = ipv4_udp([10, 0, 0, 99], [10, 128, 200, 7]);
     let to_world = ipv4_udp(ep, [192, 0, 2, 10]);
+    let from_node = ipv4_udp([192, 0, 2, 1], [192, 0, 2, 10]);
     let arp_ours = arp_request([10, 0, 0, 2], [10, 0, 0, 50]);
     let arp_other = arp_request([10, 0, 0, 2], [10, 0, 0, 51]);
     let rows = [
@@ -194,6 +195,13 @@ fn run(pin_root: &std::path::Path) -> anyhow::Result<()> {
             "to_native (endpoint to world)",
             program_names::TO_NATIVE,
             &to_world,
+            NEXT,
+            false,
+        ),
+        (
+            "to_native (node's own traffic)",
+            program_names::TO_NATIVE,
+            &from_node,
             NEXT,
             false,
         ),

@@ -306,6 +306,9 @@ pub type EndpointAddrs = (u32, V4Addr, V6Addr);
 impl EndpointSlot {
     /// Size in 32-bit words.
     pub const WORDS: usize = size_of::<Self>() / 4;
+    /// The leading words that IPv4 and ARP packets need: the key, the flags,
+    /// the IPv4 address and their complements.
+    pub const V4_WORDS: usize = 6;
 
     /// The slot holding the ENDPOINTS entry `ifindex` → `value`.
     #[must_use]
@@ -348,6 +351,17 @@ impl EndpointSlot {
                 v6c[2], v6c[3], v6d[0], v6d[1], v6d[2], v6d[3],
             ],
         ))
+    }
+}
+
+impl EndpointSlot {
+    /// [`EndpointSlot::check`] over the first [`EndpointSlot::V4_WORDS`]
+    /// words only: flags and IPv4 address.
+    #[inline(always)]
+    #[must_use]
+    pub fn check_v4(w: &[u32; Self::V4_WORDS], ifindex: u32) -> Option<(u32, V4Addr)> {
+        let intact = w[0] == ifindex && w[1] == !ifindex && w[2] == !w[3] && w[4] == !w[5];
+        intact.then(|| (w[2], w[4].to_ne_bytes()))
     }
 }
 
@@ -627,6 +641,11 @@ mod tests {
             Some((v.flags, v.ipv4, v.ipv6))
         );
         assert_eq!(EndpointSlot::check(&w, ifindex + 1), None);
+        let w4: [u32; EndpointSlot::V4_WORDS] = core::array::from_fn(|i| w[i]);
+        assert_eq!(
+            EndpointSlot::check_v4(&w4, ifindex),
+            Some((v.flags, v.ipv4))
+        );
         assert_eq!(EndpointSlot::check(&[0; 14], 0), None);
 
         let l2 = L2RespValue {
@@ -665,9 +684,14 @@ mod tests {
         let mut check = |mask: u64| {
             let torn: [u8; 56] =
                 core::array::from_fn(|i| if mask >> i & 1 == 1 { full[i] } else { 0 });
-            if EndpointSlot::check(&words::<56, 14>(&torn), ifindex).is_some() {
+            let w = words::<56, 14>(&torn);
+            if EndpointSlot::check(&w, ifindex).is_some() {
                 assert_eq!(torn, full, "mask {mask:#x} checked out torn");
                 masks[0] += 1;
+            }
+            let w4: [u32; EndpointSlot::V4_WORDS] = core::array::from_fn(|i| w[i]);
+            if EndpointSlot::check_v4(&w4, ifindex).is_some() {
+                assert_eq!(torn[..24], full[..24], "mask {mask:#x}: v4 words torn");
             }
             let torn: [u8; 32] =
                 core::array::from_fn(|i| if mask >> i & 1 == 1 { l2full[i] } else { 0 });

@@ -124,9 +124,26 @@ fn ifindex(ctx: &TcContext) -> u32 {
 /// The endpoint behind `ifindex`: its slot when the slot holds it intact (an
 /// inlined array lookup), else the ENDPOINTS hash. See `lockstep_common::slots`
 /// for why a half-written slot can never check out.
+/// IPv4 and ARP packets (`v6` false) read and check only the slot's leading
+/// words; the IPv6 address comes back zero then.
 #[inline(always)]
-fn endpoint(ifindex: u32) -> Option<(u32, V4Addr, V6Addr)> {
+fn endpoint(ifindex: u32, v6: bool) -> Option<(u32, V4Addr, V6Addr)> {
     if let Some(p) = ENDPOINT_SLOTS.get_ptr(slots::endpoint(ifindex)) {
+        if !v6 {
+            let p = p.cast::<[u32; EndpointSlot::V4_WORDS]>();
+            // SAFETY: as below.
+            let (copy, again) = unsafe {
+                let copy = core::ptr::read_volatile(p);
+                (copy, core::ptr::read_volatile(p.cast::<u32>()))
+            };
+            if again == ifindex {
+                if let Some((flags, v4)) = EndpointSlot::check_v4(&copy, ifindex) {
+                    return Some((flags, v4, [0; 16]));
+                }
+            }
+            // SAFETY: copied out at once; the agent replaces hash entries whole.
+            return unsafe { ENDPOINTS.get(ifindex) }.map(|v| (v.flags, v.ipv4, v.ipv6));
+        }
         let p = p.cast::<[u32; EndpointSlot::WORDS]>();
         // SAFETY: `p` points into the array's value area (4-aligned) for this
         // run; the volatile reads keep the copy before the key's re-read.
@@ -214,12 +231,12 @@ fn is_link_local_or_unspecified(addr: &V6Addr) -> bool {
 /// endpoint. Fails closed: an interface without an ENDPOINTS entry drops.
 #[classifier]
 pub fn from_endpoint(ctx: TcContext) -> i32 {
-    let Some((ep_flags, ep_v4, ep_v6)) = endpoint(ifindex(&ctx)) else {
-        count(Counter::UnknownEndpoint);
-        return DROP;
-    };
     let Some(proto) = ethertype(&ctx) else {
         count(Counter::Malformed);
+        return DROP;
+    };
+    let Some((ep_flags, ep_v4, ep_v6)) = endpoint(ifindex(&ctx), proto == ETH_P_IPV6) else {
+        count(Counter::UnknownEndpoint);
         return DROP;
     };
     match proto {
@@ -282,7 +299,10 @@ pub fn to_native(ctx: TcContext) -> i32 {
                 count(Counter::Malformed);
                 return NEXT;
             };
-            if !local_endpoint(ipcache_v4(src)) {
+            // Local endpoints are always host entries: the hash alone
+            // decides, and traffic of the node itself skips the trie.
+            // SAFETY: copied out at once.
+            if !local_endpoint(unsafe { IPCACHE_HOST_V4.get(src) }.copied()) {
                 count(Counter::MasqNotEndpoint);
                 return NEXT;
             }
@@ -295,7 +315,8 @@ pub fn to_native(ctx: TcContext) -> i32 {
                 count(Counter::Malformed);
                 return NEXT;
             };
-            if !local_endpoint(ipcache_v6(src)) {
+            // SAFETY: copied out at once.
+            if !local_endpoint(unsafe { IPCACHE_HOST_V6.get(src) }.copied()) {
                 count(Counter::MasqNotEndpoint);
                 return NEXT;
             }
