@@ -401,6 +401,96 @@ fn endpoints_sharing_a_slot_and_torn_slots_keep_anti_spoofing() -> anyhow::Resul
     Ok(())
 }
 
+/// to_native on the node's uplink decides per packet: an endpoint's packet to
+/// an address outside MASQ_SKIP would be masqueraded, one to an address inside
+/// it would not, and the node's own packets are not endpoint traffic. Each
+/// decision is counted and every packet still leaves (nothing is translated
+/// yet).
+#[test]
+fn to_native_counts_the_masquerade_decision_per_packet() -> anyhow::Result<()> {
+    privileged!();
+    let node = Netns::new("node")?;
+    let ep = Netns::new("ep")?;
+    let world = Netns::new("world")?;
+    let pins = PinRoot::new();
+    node.sysctl("net.ipv4.ip_forward", "1")?;
+    node.sysctl("net.ipv4.conf.all.rp_filter", "0")?;
+    world.sysctl("net.ipv4.conf.all.rp_filter", "0")?;
+    veth(&node, "h1", &ep, "e1")?;
+    veth(&node, "u0", &world, "w0")?;
+    node.sysctl("net.ipv4.conf.h1.rp_filter", "0")?;
+    ep.ip(["addr", "add", &format!("{EP1_V4}/32"), "dev", "e1"])?;
+    let host_mac = node.mac("h1")?;
+    ep.ip([
+        "neigh",
+        "add",
+        "169.254.1.1",
+        "lladdr",
+        &host_mac,
+        "dev",
+        "e1",
+        "nud",
+        "permanent",
+    ])?;
+    ep.ip([
+        "route",
+        "add",
+        "169.254.1.1/32",
+        "dev",
+        "e1",
+        "scope",
+        "link",
+    ])?;
+    ep.ip(["route", "add", "default", "via", "169.254.1.1", "dev", "e1"])?;
+    node.ip(["route", "add", &format!("{EP1_V4}/32"), "dev", "h1"])?;
+    node.ip(["addr", "add", "192.0.2.1/24", "dev", "u0"])?;
+    world.ip(["addr", "add", "192.0.2.2/24", "dev", "w0"])?;
+    world.ip(["addr", "add", "198.51.100.2/32", "dev", "w0"])?;
+    node.ip(["route", "add", "198.51.100.2/32", "via", "192.0.2.2"])?;
+    world.ip(["route", "add", "10.200.0.0/16", "via", "192.0.2.1"])?;
+    let cli = |args: &[&str]| -> anyhow::Result<String> {
+        let mut all: Vec<String> = args.iter().map(|s| s.to_string()).collect();
+        all.extend(pins.arg());
+        lockstep_in(&node, all)
+    };
+    cli(&["datapath", "install", "--uplink", "u0"])?;
+    cli(&["datapath", "endpoint", "--iface", "h1", "--ipv4", EP1_V4])?;
+    cli(&["datapath", "masq-skip-add", "--cidr", "198.51.100.0/24"])?;
+
+    let decisions = || -> anyhow::Result<[u64; 3]> {
+        Ok([
+            counter(&pins, "masq_would_translate")?,
+            counter(&pins, "masq_skipped")?,
+            counter(&pins, "masq_not_endpoint")?,
+        ])
+    };
+    let phases: [(&Netns, &str, &str, usize); 3] = [
+        (&ep, EP1_V4, "192.0.2.2", 0),
+        (&ep, EP1_V4, "198.51.100.2", 1),
+        (&node, "192.0.2.1", "192.0.2.2", 2),
+    ];
+    for (i, (from, src, dst, moves)) in phases.into_iter().enumerate() {
+        let before = decisions()?;
+        let payloads: Vec<String> = (0..3).map(|n| format!("phase{i}-{n}")).collect();
+        let sends: Vec<(&str, &str)> = payloads.iter().map(|p| (src, p.as_str())).collect();
+        let got = send_between(from, &world, dst, &sends)?;
+        let want: BTreeSet<String> = payloads.iter().cloned().collect();
+        assert_eq!(got, want, "phase {i}: every packet leaves the node");
+        let after = decisions()?;
+        assert!(
+            after[moves] >= before[moves] + 3,
+            "phase {i}: counter {moves} did not move: {before:?} -> {after:?}"
+        );
+        for other in (0..2).filter(|o| *o != moves) {
+            assert_eq!(
+                after[other], before[other],
+                "phase {i}: endpoint counter {other} moved: {before:?} -> {after:?}"
+            );
+        }
+    }
+    Ok(())
+}
+
 /// Parses the replying MACs out of iputils arping output.
 fn arping_macs(out: &str) -> BTreeSet<String> {
     out.lines()
