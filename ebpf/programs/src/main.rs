@@ -63,10 +63,15 @@ static MASQ_SKIP_V6: LpmTrie<V6Addr, MasqSkipValue, { max_entries::MASQ_SKIP as 
 static ENDPOINTS: HashMap<u32, EndpointValue, { max_entries::ENDPOINTS as usize }> = HashMap::new();
 #[btf_map]
 static L2_RESP_V4: HashMap<V4Addr, L2RespValue, { max_entries::L2_RESP as usize }> = HashMap::new();
+/// `BPF_F_MMAPABLE`: the agent reads the slot arrays through a mapping
+/// when it reconciles, instead of one kernel copy per slot.
+const MMAPABLE: usize = 1 << 10;
 #[btf_map]
-static ENDPOINT_SLOTS: Array<EndpointSlot, { max_entries::ENDPOINT_SLOTS as usize }> = Array::new();
+static ENDPOINT_SLOTS: Array<EndpointSlot, { max_entries::ENDPOINT_SLOTS as usize }, MMAPABLE> =
+    Array::new();
 #[btf_map]
-static L2_RESP_SLOTS: Array<L2RespSlot, { max_entries::L2_RESP_SLOTS as usize }> = Array::new();
+static L2_RESP_SLOTS: Array<L2RespSlot, { max_entries::L2_RESP_SLOTS as usize }, MMAPABLE> =
+    Array::new();
 #[btf_map]
 static COUNTERS: PerCpuArray<u64, { Counter::COUNT as usize }> = PerCpuArray::new();
 

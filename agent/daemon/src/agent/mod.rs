@@ -20,7 +20,7 @@ use std::time::Instant;
 use ipnet::{IpNet, Ipv4Net, Ipv6Net};
 use lockstep_common::{
     EndpointSlot, EndpointValue, IpcacheValue, L2RespSlot, L2RespValue, MasqSkipValue, V4Addr,
-    V6Addr, map_names, masq_reason, slots,
+    V6Addr, map_names, masq_reason, max_entries, slots,
 };
 use lockstep_core::cidr::Family;
 use lockstep_core::manager::{Allocation, ManagerConfig, ManagerError, PoolManager, StaticPools};
@@ -406,8 +406,16 @@ impl MapContents {
         let mut c = MapContents {
             l2: read_hash(pin_root, map_names::L2_RESP_V4)?,
             endpoints: read_hash(pin_root, map_names::ENDPOINTS)?,
-            endpoint_slots: read_slots(pin_root, map_names::ENDPOINT_SLOTS)?,
-            l2_slots: read_slots(pin_root, map_names::L2_RESP_SLOTS)?,
+            endpoint_slots: read_slots(
+                pin_root,
+                map_names::ENDPOINT_SLOTS,
+                max_entries::ENDPOINT_SLOTS,
+            )?,
+            l2_slots: read_slots(
+                pin_root,
+                map_names::L2_RESP_SLOTS,
+                max_entries::L2_RESP_SLOTS,
+            )?,
             host_v4: read_hash(pin_root, map_names::IPCACHE_HOST_V4)?,
             host_v6: read_hash(pin_root, map_names::IPCACHE_HOST_V6)?,
             ..MapContents::default()
@@ -463,8 +471,11 @@ fn read_hash<K: sys::RawKey, V: aya::Pod>(
 fn read_slots<V: aya::Pod + Default + PartialEq>(
     pin_root: &std::path::Path,
     map: &'static str,
+    slots: u32,
 ) -> Result<Vec<(u32, V)>, AgentError> {
-    let mut all: Vec<(u32, V)> = read_hash(pin_root, map)?;
+    let raw = PinnedMaps::raw(pin_root, map)?;
+    let mut all: Vec<(u32, V)> =
+        sys::read_array(raw.fd(), slots).map_err(|source| AgentError::Reconcile { map, source })?;
     all.retain(|(_, v)| *v != V::default());
     Ok(all)
 }
