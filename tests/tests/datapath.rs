@@ -26,6 +26,53 @@ const EP1_V6: &str = "fd00:200::1";
 const EP2_V6: &str = "fd00:200::2";
 const SPOOF_V6: &str = "fd00:200::99";
 
+/// Routes an endpoint's IPv4 address the way production CNIs do: a /32 on
+/// the endpoint, a default route to a link-local gateway whose neighbour entry
+/// is static (the tests are about the programs, not ARP), and a host route on
+/// the node. `rp_filter` is off on the host side.
+fn route_endpoint_v4(
+    node: &Netns,
+    host_if: &str,
+    ep: &Netns,
+    ep_if: &str,
+    v4: &str,
+) -> anyhow::Result<()> {
+    node.sysctl(&format!("net.ipv4.conf.{host_if}.rp_filter"), "0")?;
+    ep.ip(["addr", "add", &format!("{v4}/32"), "dev", ep_if])?;
+    let host_mac = node.mac(host_if)?;
+    ep.ip([
+        "neigh",
+        "add",
+        "169.254.1.1",
+        "lladdr",
+        &host_mac,
+        "dev",
+        ep_if,
+        "nud",
+        "permanent",
+    ])?;
+    ep.ip([
+        "route",
+        "add",
+        "169.254.1.1/32",
+        "dev",
+        ep_if,
+        "scope",
+        "link",
+    ])?;
+    ep.ip([
+        "route",
+        "add",
+        "default",
+        "via",
+        "169.254.1.1",
+        "dev",
+        ep_if,
+    ])?;
+    node.ip(["route", "add", &format!("{v4}/32"), "dev", host_if])?;
+    Ok(())
+}
+
 impl Topology {
     fn new() -> anyhow::Result<Self> {
         Self::with_indexes(None)
@@ -70,8 +117,7 @@ impl Topology {
                     ep.ip(["link", "set", ep_if, "up"])?;
                 }
             }
-            node.sysctl(&format!("net.ipv4.conf.{host_if}.rp_filter"), "0")?;
-            ep.ip(["addr", "add", &format!("{v4}/32"), "dev", ep_if])?;
+            route_endpoint_v4(&node, host_if, ep, ep_if, v4)?;
             ep.ip([
                 "-6",
                 "addr",
@@ -85,17 +131,6 @@ impl Topology {
             let ep_mac = ep.mac(ep_if)?;
             // Static neighbours: the test is about the programs, not ARP/NDP.
             ep.ip([
-                "neigh",
-                "add",
-                "169.254.1.1",
-                "lladdr",
-                &host_mac,
-                "dev",
-                ep_if,
-                "nud",
-                "permanent",
-            ])?;
-            ep.ip([
                 "-6",
                 "neigh",
                 "add",
@@ -108,27 +143,8 @@ impl Topology {
                 "permanent",
             ])?;
             ep.ip([
-                "route",
-                "add",
-                "169.254.1.1/32",
-                "dev",
-                ep_if,
-                "scope",
-                "link",
-            ])?;
-            ep.ip([
-                "route",
-                "add",
-                "default",
-                "via",
-                "169.254.1.1",
-                "dev",
-                ep_if,
-            ])?;
-            ep.ip([
                 "-6", "route", "add", "default", "via", "fe80::1", "dev", ep_if,
             ])?;
-            node.ip(["route", "add", &format!("{v4}/32"), "dev", host_if])?;
             node.ip(["-6", "route", "add", &format!("{v6}/128"), "dev", host_if])?;
             node.ip([
                 "neigh",
@@ -418,31 +434,7 @@ fn to_native_counts_the_masquerade_decision_per_packet() -> anyhow::Result<()> {
     world.sysctl("net.ipv4.conf.all.rp_filter", "0")?;
     veth(&node, "h1", &ep, "e1")?;
     veth(&node, "u0", &world, "w0")?;
-    node.sysctl("net.ipv4.conf.h1.rp_filter", "0")?;
-    ep.ip(["addr", "add", &format!("{EP1_V4}/32"), "dev", "e1"])?;
-    let host_mac = node.mac("h1")?;
-    ep.ip([
-        "neigh",
-        "add",
-        "169.254.1.1",
-        "lladdr",
-        &host_mac,
-        "dev",
-        "e1",
-        "nud",
-        "permanent",
-    ])?;
-    ep.ip([
-        "route",
-        "add",
-        "169.254.1.1/32",
-        "dev",
-        "e1",
-        "scope",
-        "link",
-    ])?;
-    ep.ip(["route", "add", "default", "via", "169.254.1.1", "dev", "e1"])?;
-    node.ip(["route", "add", &format!("{EP1_V4}/32"), "dev", "h1"])?;
+    route_endpoint_v4(&node, "h1", &ep, "e1", EP1_V4)?;
     node.ip(["addr", "add", "192.0.2.1/24", "dev", "u0"])?;
     world.ip(["addr", "add", "192.0.2.2/24", "dev", "w0"])?;
     world.ip(["addr", "add", "198.51.100.2/32", "dev", "w0"])?;
