@@ -2,7 +2,10 @@
 //!
 //! The maps are opened from their pins, not from a loaded object, so the CLI
 //! can read them while the agent is down and the agent sees exactly what the
-//! programs see.
+//! programs see. ENDPOINTS and L2_RESP_V4 are written only together with
+//! their slot arrays (`endpoint_insert`, `l2_insert` and their removals), in
+//! the order and with the clear-first rule that `lockstep_common::slots`
+//! explains, so no caller can leave a slot behind its hash.
 
 use std::net::{Ipv4Addr, Ipv6Addr};
 use std::path::{Path, PathBuf};
