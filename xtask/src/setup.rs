@@ -87,6 +87,29 @@ fn rust_src() -> anyhow::Result<()> {
     run(Command::new("rustup").args(["component", "add", "rust-src", "--toolchain", "nightly"]))
 }
 
+/// The Rust standard library for the musl target the CNI plugin ships as
+/// (see `build_plugin` in xtask: glibc's start-up alone costs more than the
+/// rest of a plugin call on the project VM).
+pub const PLUGIN_TARGET: &str = "x86_64-unknown-linux-musl";
+
+fn musl_target() -> anyhow::Result<()> {
+    let out = Command::new("rustup")
+        .args(["target", "list", "--installed"])
+        .current_dir(crate::root())
+        .output()
+        .context("rustup target list")?;
+    if String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .any(|l| l.trim() == PLUGIN_TARGET)
+    {
+        println!("setup: Rust target {PLUGIN_TARGET} present");
+        return Ok(());
+    }
+    run(Command::new("rustup")
+        .args(["target", "add", PLUGIN_TARGET])
+        .current_dir(crate::root()))
+}
+
 fn bpf_linker() -> anyhow::Result<()> {
     let version = Command::new("bpf-linker").arg("--version").output();
     if let Ok(out) = version
@@ -131,6 +154,7 @@ pub fn setup() -> anyhow::Result<()> {
     let missing: Vec<&str> = PACKAGES.iter().copied().filter(|p| !installed(p)).collect();
     apt(&missing)?;
     rust_src()?;
+    musl_target()?;
     bpf_linker()?;
     bpffs()?;
     lockstep_ebpf_build::check_prerequisites()?;

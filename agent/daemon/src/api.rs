@@ -19,7 +19,8 @@ use serde::Serialize;
 use serde_json::json;
 
 use crate::agent::endpoints::{
-    DelRequest, EndpointRequest, GcRequest, endpoint_add_concurrent, endpoint_del_concurrent,
+    DelRequest, EndpointRequest, GcRequest, cni_work_is_bounded, endpoint_add_concurrent,
+    endpoint_del_concurrent,
 };
 use crate::agent::lb::{LbApply, LbDelete};
 use crate::agent::{Agent, AgentError, AllocateRequest, ReleaseRequest};
@@ -200,9 +201,19 @@ async fn cni_add(
     let Json(req) = body?;
     let started = Instant::now();
     let slot = s.agent.clone();
-    let result = tokio::task::spawn_blocking(move || endpoint_add_concurrent(&slot, req))
-        .await
-        .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", e.to_string()))?;
+    let result = if cni_work_is_bounded(&slot, &req.container_id, &req.ifname, Some(req.mode)) {
+        // A store commit and a few map writes under the agent lock, which
+        // serializes them anyway: run here. Handing them to the blocking
+        // pool costs two thread wake-ups, which on the project VM cost as
+        // much as the work (measured by `cargo xtask bench cni`).
+        endpoint_add_concurrent(&slot, req)
+    } else {
+        tokio::task::spawn_blocking(move || endpoint_add_concurrent(&slot, req))
+            .await
+            .map_err(|e| {
+                ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", e.to_string())
+            })?
+    };
     s.metrics.observe_allocation(started.elapsed());
     Ok(ok(result?))
 }
@@ -213,11 +224,16 @@ async fn cni_del(
 ) -> Result<Response, ApiError> {
     let Json(req) = body?;
     let slot = s.agent.clone();
-    tokio::task::spawn_blocking(move || endpoint_del_concurrent(&slot, req))
-        .await
-        .map_err(|e| {
-            ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", e.to_string())
-        })??;
+    if cni_work_is_bounded(&slot, &req.container_id, &req.ifname, None) {
+        // As in `cni_add`: store and map work only.
+        endpoint_del_concurrent(&slot, req)?;
+    } else {
+        tokio::task::spawn_blocking(move || endpoint_del_concurrent(&slot, req))
+            .await
+            .map_err(|e| {
+                ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", e.to_string())
+            })??;
+    }
     Ok(ok(json!({})))
 }
 

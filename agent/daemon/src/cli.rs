@@ -772,7 +772,8 @@ pub fn mac_of(iface: &str) -> std::io::Result<[u8; 6]> {
     let rc = unsafe {
         libc::ioctl(
             std::os::fd::AsRawFd::as_raw_fd(&fd),
-            libc::SIOCGIFHWADDR,
+            // The request type differs between libcs (glibc: c_ulong, musl: c_int).
+            libc::SIOCGIFHWADDR as libc::Ioctl,
             &mut req,
         )
     };

@@ -313,6 +313,33 @@ fn not_ready() -> AgentError {
     }
 }
 
+/// Whether a CNI ADD or DEL of this attachment is store and map work only:
+/// IPAM mode, addresses from the agent's own pools (no external plugin to
+/// run) and no interfaces to make or remove. The API runs such a request on
+/// its own worker (see `api::cni_add`). A request that turns out otherwise
+/// (the record changed in between) is still served correctly, only on that
+/// worker.
+pub fn cni_work_is_bounded(
+    slot: &Mutex<Option<Agent>>,
+    container_id: &str,
+    ifname: &str,
+    mode: Option<EndpointMode>,
+) -> bool {
+    let guard = lock(slot);
+    let Some(agent) = guard.as_ref() else {
+        // Not ready: the answer is an immediate refusal.
+        return true;
+    };
+    let key = endpoint_key(container_id, ifname);
+    mode.is_none_or(|m| m == EndpointMode::Ipam)
+        && !agent.delegated_mode()
+        && !agent.delegated.contains_key(&key)
+        && agent
+            .endpoints
+            .get(&key)
+            .is_none_or(|e| e.mode == EndpointMode::Ipam)
+}
+
 /// CNI ADD with the agent lock held only to decide and to commit: the
 /// interfaces and the program attach (each waiting on the kernel) run
 /// unlocked, so concurrent ADDs overlap their waits.
