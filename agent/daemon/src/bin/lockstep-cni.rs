@@ -4,6 +4,14 @@
 //! the CNI layer and a std client, not the agent (aya, tokio, the store).
 //! The agent installs it under both plugin names.
 
+/// dlmalloc instead of the C library's allocator: the plugin ships on musl
+/// (see `build_plugin` in xtask), whose allocator maps and unmaps a page for
+/// many small allocations; a process that lives for one call pays a system
+/// call and a page fault for each. dlmalloc takes memory in 64 KiB segments
+/// and keeps it.
+#[global_allocator]
+static ALLOCATOR: dlmalloc::GlobalDlmalloc = dlmalloc::GlobalDlmalloc;
+
 fn main() {
     std::process::exit(lockstep::plugin::run());
 }
