@@ -219,8 +219,31 @@ struct Ipam {
     program: &'static str,
     config: Vec<u8>,
     cni_path: &'static str,
+    /// lockstep's pin root: every [`CHECK_EVERY`]th pair, outside the timed
+    /// calls, the bench looks for the ADD's address in IPCACHE and for its
+    /// absence after the DEL, so the figures are those of calls that really
+    /// program the maps.
+    pins: Option<PathBuf>,
+    checked: usize,
     add: Vec<f64>,
     del: Vec<f64>,
+}
+
+/// How often the bench checks lockstep's maps (see [`Ipam::pins`]).
+const CHECK_EVERY: usize = 25;
+
+fn in_ipcache(pins: &Path, address: &str) -> anyhow::Result<bool> {
+    let host: std::net::IpAddr = address
+        .split('/')
+        .next()
+        .context("address")?
+        .parse()
+        .context("address")?;
+    let maps = lockstep::datapath::PinnedMaps::open(pins)?;
+    Ok(maps
+        .ipcache_entries()?
+        .iter()
+        .any(|(net, _)| *net == ipnet::IpNet::from(host)))
 }
 
 impl Ipam {
@@ -242,7 +265,25 @@ impl Ipam {
             "{}: unexpected ADD result {result}",
             self.program
         );
+        let check = self
+            .pins
+            .clone()
+            .filter(|_| record && self.add.len().is_multiple_of(CHECK_EVERY));
+        let address = result["ips"][0]["address"].as_str().unwrap_or_default();
+        if let Some(pins) = &check {
+            ensure!(
+                in_ipcache(pins, address)?,
+                "{address} acknowledged but not in IPCACHE"
+            );
+        }
         let (del, _) = invoke(self.program, &env("DEL"), &self.config)?;
+        if let Some(pins) = &check {
+            ensure!(
+                !in_ipcache(pins, address)?,
+                "{address} released but still in IPCACHE"
+            );
+            self.checked += 1;
+        }
         if record {
             self.add.push(ms(add));
             self.del.push(ms(del));
@@ -274,6 +315,8 @@ fn sequential(world: &mut World, rows: &mut Vec<String>) -> anyhow::Result<()> {
         .to_string()
         .into_bytes(),
         cni_path: "/opt/cni/bin",
+        pins: Some(world.pins.clone()),
+        checked: 0,
         add: Vec::new(),
         del: Vec::new(),
     };
@@ -287,6 +330,8 @@ fn sequential(world: &mut World, rows: &mut Vec<String>) -> anyhow::Result<()> {
         .to_string()
         .into_bytes(),
         cni_path: "/usr/lib/cni",
+        pins: None,
+        checked: 0,
         add: Vec::new(),
         del: Vec::new(),
     };
@@ -317,6 +362,7 @@ fn sequential(world: &mut World, rows: &mut Vec<String>) -> anyhow::Result<()> {
     let rt = runtime()?;
     let left = rt.block_on(call(&sock, Method::GET, "/v1/allocations", None))?;
     ensure!(left == json!([]), "lockstep left allocations: {left}");
+    ensure!(lockstep.checked > 0, "lockstep's maps were never checked");
 
     let (la, ld) = (median(&lockstep.add), median(&lockstep.del));
     let (ha, hd) = (median(&host_local.add), median(&host_local.del));
@@ -338,6 +384,10 @@ fn sequential(world: &mut World, rows: &mut Vec<String>) -> anyhow::Result<()> {
             percentile(&p.del, 0.99)
         );
     }
+    println!(
+        "   lockstep's IPCACHE checked after {} of its ADDs and DELs (outside the timed calls): entry there after ADD, gone after DEL",
+        lockstep.checked
+    );
     let (ra, rd) = (ha / la, hd / ld);
     rows.push(format!(
         "{:<44} {:>16} {:>12} {}",
