@@ -79,7 +79,8 @@ fn check(what: &str, out: Output) -> anyhow::Result<String> {
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
-/// The lockstep binary under test (`LOCKSTEP_BIN`, set by `cargo xtask test`).
+/// The lockstep binary under test (`LOCKSTEP_BIN`: `cargo xtask test` sets it
+/// to the agent staged beside the plugin as it ships, in `target/staged/`).
 pub fn lockstep_bin() -> PathBuf {
     if let Some(p) = std::env::var_os("LOCKSTEP_BIN") {
         return PathBuf::from(p);

@@ -130,8 +130,11 @@ fn send_with_content_type(
          content-length: {}\r\nconnection: close\r\n\r\n",
         body.len()
     );
-    s.write_all(head.as_bytes())?;
-    s.write_all(body)?;
+    // One write: the server may answer (415) from the headers alone and
+    // close; a body written after that would fail with EPIPE.
+    let mut request = head.into_bytes();
+    request.extend_from_slice(body);
+    s.write_all(&request)?;
     let mut buf = Vec::new();
     s.read_to_end(&mut buf)?;
     let end = buf

@@ -164,8 +164,7 @@ fn test(no_setup: bool, filter: Option<String>) -> anyhow::Result<()> {
 }
 
 fn integration(filter: Option<String>) -> anyhow::Result<()> {
-    run(cargo().args(["build", "-p", "lockstep", "--bins"]))?;
-    let bin = root().join("target/debug/lockstep");
+    let bin = stage_agent_with_shipped_plugin()?;
     let mut cmd = cargo();
     cmd.args(["test", "-p", "lockstep-tests"])
         .env("LOCKSTEP_BIN", &bin)
@@ -174,6 +173,33 @@ fn integration(filter: Option<String>) -> anyhow::Result<()> {
         cmd.arg(f);
     }
     run(&mut cmd)
+}
+
+/// Builds the agent (cargo's debug build) and the plugin as it ships, and
+/// puts them side by side in `target/staged/`. The agent installs the
+/// `lockstep-cni` it finds beside its own executable, so the integration
+/// tests and the demo run the static musl plugin a node gets, not cargo's
+/// debug build of it. The agent is hard-linked (copied across file systems):
+/// `/proc/self/exe` names the path it was started from. Returns the agent.
+fn stage_agent_with_shipped_plugin() -> anyhow::Result<PathBuf> {
+    run(cargo().args(["build", "-p", "lockstep", "--bins"]))?;
+    let plugin = build_plugin()?;
+    let dir = root().join("target/staged");
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    let agent = dir.join("lockstep");
+    let staged_plugin = dir.join("lockstep-cni");
+    for old in [&agent, &staged_plugin] {
+        if old.exists() {
+            std::fs::remove_file(old).with_context(|| format!("removing {}", old.display()))?;
+        }
+    }
+    let built = root().join("target/debug/lockstep");
+    if std::fs::hard_link(&built, &agent).is_err() {
+        std::fs::copy(&built, &agent).with_context(|| format!("copying {}", built.display()))?;
+    }
+    std::fs::copy(&plugin, &staged_plugin)
+        .with_context(|| format!("copying {}", plugin.display()))?;
+    Ok(agent)
 }
 
 /// Builds `lockstep-cni` the way it ships: a static musl binary, position
@@ -266,10 +292,10 @@ fn main() -> anyhow::Result<()> {
             if !no_setup {
                 setup::setup()?;
             }
-            run(cargo().args(["build", "-p", "lockstep", "--bins"]))?;
+            let agent = stage_agent_with_shipped_plugin()?;
             run(Command::new("bash")
                 .arg(root().join("deploy/demo.sh"))
-                .env("LOCKSTEP_BIN", root().join("target/debug/lockstep")))
+                .env("LOCKSTEP_BIN", agent))
         }
     }
 }
