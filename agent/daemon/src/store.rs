@@ -253,6 +253,8 @@ pub struct Store {
 struct Log {
     wal: wal::Wal,
     pending: Vec<Op>,
+    /// A commit that leaves fewer free pages than this checkpoints.
+    checkpoint_below: u64,
 }
 
 impl std::fmt::Debug for Store {
@@ -402,10 +404,10 @@ impl Store {
     /// The directory, database or log cannot be created or opened, or a log
     /// record does not decode.
     pub fn open(dir: &Path) -> Result<Self, StoreError> {
-        Self::open_with(dir, LOG_PAGES)
+        Self::open_with(dir, LOG_PAGES, LOG_PAGES / 2)
     }
 
-    fn open_with(dir: &Path, log_pages: u64) -> Result<Self, StoreError> {
+    fn open_with(dir: &Path, log_pages: u64, checkpoint_below: u64) -> Result<Self, StoreError> {
         std::fs::create_dir_all(dir).map_err(|source| StoreError::Dir {
             path: dir.to_path_buf(),
             source,
@@ -450,7 +452,11 @@ impl Store {
         let store = Self {
             db,
             path,
-            log: Mutex::new(Log { wal, pending }),
+            log: Mutex::new(Log {
+                wal,
+                pending,
+                checkpoint_below,
+            }),
         };
         store.checkpoint()?;
         Ok(store)
@@ -538,7 +544,7 @@ impl Store {
             Err(e) => return Err(e.into()),
         }
         log.pending.extend(ops);
-        if log.wal.free_pages() < LOG_PAGES / 2
+        if log.wal.free_pages() < log.checkpoint_below
             && let Err(e) = self.checkpoint_with(&mut log, &[])
         {
             // The commit itself is durable in the log; the checkpoint is
@@ -828,11 +834,11 @@ mod tests {
 
     #[test]
     fn a_small_log_wraps_through_checkpoints_without_losing_a_commit() {
-        // Three record pages: the log fills every few commits, so commits
-        // go through "full → checkpoint → start again" many times, with
+        // Three record pages and no checkpoint before the log is full: every
+        // third commit finds it full, checkpoints and starts it again, with
         // crashes in between.
         let dir = temp_dir("wrap");
-        let mut store = Store::open_with(&dir, 4).expect("open");
+        let mut store = Store::open_with(&dir, 4, 0).expect("open");
         let mut live = std::collections::BTreeMap::new();
         for i in 0..60u64 {
             let a = alloc(&format!("10.0.1.{}", i % 20), &format!("c{}", i % 20), i);
@@ -845,7 +851,7 @@ mod tests {
             }
             if i % 7 == 6 {
                 store.crash();
-                store = Store::open_with(&dir, 4).expect("reopen");
+                store = Store::open_with(&dir, 4, 0).expect("reopen");
                 let mut got = store.load().expect("load").allocations;
                 got.sort_by_key(key_of);
                 assert_eq!(got, live.values().cloned().collect::<Vec<_>>(), "after {i}");
@@ -858,7 +864,7 @@ mod tests {
     #[test]
     fn a_commit_too_big_for_the_log_goes_straight_to_redb() {
         let dir = temp_dir("big");
-        let store = Store::open_with(&dir, 4).expect("open");
+        let store = Store::open_with(&dir, 4, 2).expect("open");
         let first = alloc("10.0.2.1", "first", 1);
         store.put(&first, Generation(1)).expect("put");
         // ~100 allocations of ~150 bytes: more than the three record pages.
@@ -867,7 +873,7 @@ mod tests {
             .collect();
         store.put_many(&many, Generation(2)).expect("put many");
         store.crash();
-        let reopened = Store::open_with(&dir, 4).expect("reopen");
+        let reopened = Store::open_with(&dir, 4, 2).expect("reopen");
         assert_eq!(reopened.load().expect("load").allocations.len(), 101);
         let _ = std::fs::remove_dir_all(&dir);
     }
