@@ -216,9 +216,9 @@ fn stage_agent_with_shipped_plugin() -> anyhow::Result<PathBuf> {
 /// flags reach only the target artifacts, never build scripts or proc
 /// macros. `cargo xtask setup` installs the target. Returns the binary's path.
 fn build_plugin() -> anyhow::Result<PathBuf> {
-    let target = setup::PLUGIN_TARGET;
+    let target = setup::plugin_target();
     run(cargo()
-        .args(["build", "--profile", "plugin", "--target", target])
+        .args(["build", "--profile", "plugin", "--target", &target])
         .args(["-p", "lockstep", "--bin", "lockstep-cni"])
         .env(
             "RUSTFLAGS",

@@ -87,12 +87,15 @@ fn rust_src() -> anyhow::Result<()> {
     run(Command::new("rustup").args(["component", "add", "rust-src", "--toolchain", "nightly"]))
 }
 
-/// The Rust standard library for the musl target the CNI plugin ships as
+/// The musl target the CNI plugin ships as, for this machine's architecture
 /// (see `build_plugin` in xtask: glibc's start-up alone costs more than the
 /// rest of a plugin call on the project VM).
-pub const PLUGIN_TARGET: &str = "x86_64-unknown-linux-musl";
+pub fn plugin_target() -> String {
+    format!("{}-unknown-linux-musl", std::env::consts::ARCH)
+}
 
 fn musl_target() -> anyhow::Result<()> {
+    let target = plugin_target();
     let out = Command::new("rustup")
         .args(["target", "list", "--installed"])
         .current_dir(crate::root())
@@ -100,13 +103,13 @@ fn musl_target() -> anyhow::Result<()> {
         .context("rustup target list")?;
     if String::from_utf8_lossy(&out.stdout)
         .lines()
-        .any(|l| l.trim() == PLUGIN_TARGET)
+        .any(|l| l.trim() == target)
     {
-        println!("setup: Rust target {PLUGIN_TARGET} present");
+        println!("setup: Rust target {target} present");
         return Ok(());
     }
     run(Command::new("rustup")
-        .args(["target", "add", PLUGIN_TARGET])
+        .args(["target", "add", &target])
         .current_dir(crate::root()))
 }
 
