@@ -21,6 +21,8 @@
 //! last checkpoint (redb stores that sequence number in the same
 //! transaction, so replay is exact). A record too large for the log (a huge
 //! LoadBalancer snapshot) is written straight to redb after a checkpoint.
+//! The commit that finds the log half full pays for the checkpoint: ~1.4 ms
+//! for ~500 commits on the project VM, once per ~500 commits.
 //!
 //! Domain state stays in plain structs (the core's [`Allocation`]); this module
 //! only persists it. The file holds a lock, so a second agent on the same state
