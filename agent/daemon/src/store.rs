@@ -742,14 +742,13 @@ mod tests {
     use super::*;
     use lockstep_core::owner::Owner;
 
-    fn temp_dir(tag: &str) -> PathBuf {
-        let dir = std::env::temp_dir().join(format!(
-            "lockstep-store-{tag}-{}-{:?}",
-            std::process::id(),
-            std::thread::current().id()
-        ));
-        let _ = std::fs::remove_dir_all(&dir);
-        dir
+    /// A fresh directory, removed when the returned guard drops (also when
+    /// the test panics).
+    fn temp_dir(tag: &str) -> tempfile::TempDir {
+        tempfile::Builder::new()
+            .prefix(&format!("lockstep-store-{tag}-"))
+            .tempdir()
+            .expect("temp dir")
     }
 
     fn alloc(addr: &str, id: &str, generation: u64) -> Allocation {
@@ -763,7 +762,8 @@ mod tests {
 
     #[test]
     fn put_load_remove_round_trip() {
-        let dir = temp_dir("rt");
+        let tmp = temp_dir("rt");
+        let dir = tmp.path().join("state");
         let store = Store::open(&dir).expect("open");
         let a = alloc("10.0.0.1", "c1", 1);
         let b = alloc("fd00::1", "c1", 2);
@@ -784,7 +784,6 @@ mod tests {
         drop(store);
         let reopened = Store::open(&dir).expect("reopen");
         assert_eq!(reopened.load().expect("load").allocations.len(), 2);
-        let _ = std::fs::remove_dir_all(&dir);
     }
 
     impl Store {
@@ -804,7 +803,8 @@ mod tests {
 
     #[test]
     fn commits_survive_a_crash_through_the_log() {
-        let dir = temp_dir("crash");
+        let tmp = temp_dir("crash");
+        let dir = tmp.path().join("state");
         let store = Store::open(&dir).expect("open");
         let (a, b, c) = (
             alloc("10.0.0.1", "c1", 1),
@@ -831,7 +831,6 @@ mod tests {
         reopened.crash();
         let again = Store::open(&dir).expect("reopen");
         assert_eq!(again.load().expect("load").allocations, vec![b, c]);
-        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]
@@ -839,7 +838,8 @@ mod tests {
         // Three record pages and no checkpoint before the log is full: every
         // third commit finds it full, checkpoints and starts it again, with
         // crashes in between.
-        let dir = temp_dir("wrap");
+        let tmp = temp_dir("wrap");
+        let dir = tmp.path().join("state");
         let mut store = Store::open_with(&dir, 4, 0).expect("open");
         let mut live = std::collections::BTreeMap::new();
         for i in 0..60u64 {
@@ -860,12 +860,12 @@ mod tests {
             }
         }
         drop(store);
-        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]
     fn a_commit_too_big_for_the_log_goes_straight_to_redb() {
-        let dir = temp_dir("big");
+        let tmp = temp_dir("big");
+        let dir = tmp.path().join("state");
         let store = Store::open_with(&dir, 4, 2).expect("open");
         let first = alloc("10.0.2.1", "first", 1);
         store.put(&first, Generation(1)).expect("put");
@@ -877,7 +877,6 @@ mod tests {
         store.crash();
         let reopened = Store::open_with(&dir, 4, 2).expect("reopen");
         assert_eq!(reopened.load().expect("load").allocations.len(), 101);
-        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]
@@ -919,11 +918,11 @@ mod tests {
 
     #[test]
     fn a_second_opener_is_refused() {
-        let dir = temp_dir("lock");
+        let tmp = temp_dir("lock");
+        let dir = tmp.path().join("state");
         let _first = Store::open(&dir).expect("open");
         let err = Store::open(&dir).expect_err("second open must fail");
         assert!(err.to_string().contains("another agent"), "{err}");
-        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]

@@ -362,15 +362,13 @@ impl Wal {
 mod tests {
     use super::*;
 
-    fn temp(tag: &str) -> PathBuf {
-        let dir = std::env::temp_dir().join(format!(
-            "lockstep-wal-{tag}-{}-{:?}",
-            std::process::id(),
-            std::thread::current().id()
-        ));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).expect("temp dir");
-        dir
+    /// A fresh directory, removed when the returned guard drops (also when
+    /// the test panics).
+    fn temp(tag: &str) -> tempfile::TempDir {
+        tempfile::Builder::new()
+            .prefix(&format!("lockstep-wal-{tag}-"))
+            .tempdir()
+            .expect("temp dir")
     }
 
     fn payload(n: usize, fill: u8) -> Vec<u8> {
@@ -379,7 +377,8 @@ mod tests {
 
     #[test]
     fn records_replay_in_order_after_reopen() {
-        let dir = temp("order");
+        let tmp = temp("order");
+        let dir = tmp.path().to_path_buf();
         let path = dir.join("log");
         let (mut wal, none) = Wal::open(&path, 7, 16, 0).expect("open");
         assert!(none.is_empty());
@@ -398,7 +397,6 @@ mod tests {
             .collect();
         assert_eq!(got, want);
         assert_eq!(wal.covered_through(), 3);
-        let _ = std::fs::remove_dir_all(&dir);
     }
 
     fn flip(path: &Path, at: u64) {
@@ -415,7 +413,8 @@ mod tests {
 
     #[test]
     fn a_torn_last_record_ends_the_log_and_is_overwritten() {
-        let dir = temp("torn");
+        let tmp = temp("torn");
+        let dir = tmp.path().to_path_buf();
         let path = dir.join("log");
         let (mut wal, _) = Wal::open(&path, 7, 16, 0).expect("open");
         for i in 0..4u8 {
@@ -434,12 +433,12 @@ mod tests {
             vec![1, 2, 3, 4]
         );
         assert_eq!(got[3].payload, payload(10, 9));
-        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]
     fn a_damaged_record_before_intact_ones_is_refused() {
-        let dir = temp("damaged");
+        let tmp = temp("damaged");
+        let dir = tmp.path().to_path_buf();
         let path = dir.join("log");
         let (mut wal, _) = Wal::open(&path, 7, 16, 0).expect("open");
         for i in 0..4u8 {
@@ -463,12 +462,12 @@ mod tests {
         flip(&path, 2 * PAGE + 50);
         let (_, got) = Wal::open(&path, 7, 16, 0).expect("repaired");
         assert_eq!(got.len(), 4);
-        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]
     fn a_new_cycle_never_replays_the_old_one() {
-        let dir = temp("cycle");
+        let tmp = temp("cycle");
+        let dir = tmp.path().to_path_buf();
         let path = dir.join("log");
         let (mut wal, _) = Wal::open(&path, 7, 8, 0).expect("open");
         for i in 0..5u8 {
@@ -487,12 +486,12 @@ mod tests {
         let (wal, got) = Wal::open(&path, 7, 8, 6).expect("reopen");
         assert!(got.is_empty());
         assert_eq!(wal.covered_through(), 6);
-        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]
     fn full_and_too_big_are_refused_without_writing() {
-        let dir = temp("full");
+        let tmp = temp("full");
+        let dir = tmp.path().to_path_buf();
         let path = dir.join("log");
         let (mut wal, _) = Wal::open(&path, 7, 4, 0).expect("open");
         assert!(matches!(
@@ -505,12 +504,12 @@ mod tests {
         assert_eq!(wal.free_pages(), 0);
         let (_, got) = Wal::open(&path, 7, 4, 0).expect("reopen");
         assert_eq!(got.iter().map(|r| r.seq).collect::<Vec<_>>(), vec![1, 2]);
-        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]
     fn a_log_of_another_store_or_size_is_replaced() {
-        let dir = temp("other");
+        let tmp = temp("other");
+        let dir = tmp.path().to_path_buf();
         let path = dir.join("log");
         let (mut wal, _) = Wal::open(&path, 7, 8, 0).expect("open");
         wal.append(&payload(10, 1)).expect("append");
@@ -527,6 +526,5 @@ mod tests {
             16 * PAGE,
             "recreated at the new size"
         );
-        let _ = std::fs::remove_dir_all(&dir);
     }
 }
