@@ -411,16 +411,20 @@ mod tests {
         file.write_all_at(&byte, at).expect("write");
     }
 
-    #[test]
-    fn a_torn_last_record_ends_the_log_and_is_overwritten() {
-        let tmp = temp("torn");
-        let dir = tmp.path().to_path_buf();
-        let path = dir.join("log");
+    /// A 16-page log holding records 1 to 4, one page each.
+    fn log_of_four(tag: &str) -> (tempfile::TempDir, PathBuf) {
+        let tmp = temp(tag);
+        let path = tmp.path().join("log");
         let (mut wal, _) = Wal::open(&path, 7, 16, 0).expect("open");
         for i in 0..4u8 {
             wal.append(&payload(100, i)).expect("append");
         }
-        drop(wal);
+        (tmp, path)
+    }
+
+    #[test]
+    fn a_torn_last_record_ends_the_log_and_is_overwritten() {
+        let (_tmp, path) = log_of_four("torn");
         // Record 4 (page 4) half written: records 1 to 3 stay.
         flip(&path, 4 * PAGE + 50);
         let (mut wal, got) = Wal::open(&path, 7, 16, 0).expect("reopen");
@@ -437,14 +441,7 @@ mod tests {
 
     #[test]
     fn a_damaged_record_before_intact_ones_is_refused() {
-        let tmp = temp("damaged");
-        let dir = tmp.path().to_path_buf();
-        let path = dir.join("log");
-        let (mut wal, _) = Wal::open(&path, 7, 16, 0).expect("open");
-        for i in 0..4u8 {
-            wal.append(&payload(100, i)).expect("append");
-        }
-        drop(wal);
+        let (_tmp, path) = log_of_four("damaged");
         flip(&path, 2 * PAGE + 50);
         let err = Wal::open(&path, 7, 16, 0).expect_err("damage must not be skipped");
         assert!(
