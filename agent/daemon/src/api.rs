@@ -34,6 +34,9 @@ pub const MAX_BODY: usize = 64 * 1024;
 pub struct AppState {
     /// The agent, behind its lock; `None` while it is starting.
     pub agent: Arc<Mutex<Option<Agent>>>,
+    /// Why the agent could not start and waits for an operator (a store
+    /// that cannot be opened); `None` while it is starting or running.
+    pub held: Arc<Mutex<Option<String>>>,
     /// Metrics.
     pub metrics: Arc<Metrics>,
 }
@@ -79,14 +82,7 @@ impl From<AgentError> for ApiError {
             _ => StatusCode::INTERNAL_SERVER_ERROR,
         };
         // The whole cause chain, so the client sees why.
-        let mut message = e.to_string();
-        let mut source = std::error::Error::source(&e);
-        while let Some(s) = source {
-            message.push_str(": ");
-            message.push_str(&s.to_string());
-            source = s.source();
-        }
-        ApiError::new(status, e.code(), message)
+        ApiError::new(status, e.code(), crate::error_chain(&e))
     }
 }
 
@@ -110,6 +106,7 @@ async fn with_agent<T: Send + 'static>(
     f: impl FnOnce(&mut Agent) -> Result<T, AgentError> + Send + 'static,
 ) -> Result<T, ApiError> {
     let agent = state.agent.clone();
+    let held = state.held.clone();
     tokio::task::spawn_blocking(move || {
         let mut guard = agent.lock().map_err(|_| {
             ApiError::new(
@@ -121,7 +118,11 @@ async fn with_agent<T: Send + 'static>(
         match guard.as_mut() {
             Some(agent) => f(agent).map_err(ApiError::from),
             None => Err(ApiError::from(AgentError::NotReady {
-                reason: "restoring allocations and maps".into(),
+                reason: held
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner)
+                    .clone()
+                    .unwrap_or_else(|| "restoring allocations and maps".into()),
             })),
         }
     })

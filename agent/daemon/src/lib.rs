@@ -21,3 +21,17 @@ pub mod netlink;
 pub mod plugin;
 pub mod server;
 pub mod store;
+
+/// An error and its causes on one line, `outer: cause: root cause`: what the
+/// API, status reasons and logs show, so the root cause (a full disk, a
+/// refused syscall) is never hidden behind a summary.
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
+}

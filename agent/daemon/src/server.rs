@@ -81,6 +81,7 @@ pub async fn run(config: Config) -> Result<(), ServerError> {
     let metrics = Arc::new(Metrics::new());
     let state = AppState {
         agent: slot.clone(),
+        held: Arc::new(Mutex::new(None)),
         metrics,
     };
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
@@ -121,10 +122,35 @@ pub async fn run(config: Config) -> Result<(), ServerError> {
             tracing::info!(path = %path.display(), "removed a CNI file this agent had installed");
         }
     }
-    let agent = tokio::task::spawn_blocking(move || Agent::start(config))
+    let started = tokio::task::spawn_blocking(move || Agent::start(config))
         .await
-        .map_err(ServerError::Join)?
-        .map_err(ServerError::Start)?;
+        .map_err(ServerError::Join)?;
+    let agent = match started {
+        Ok(agent) => agent,
+        // A store that cannot be opened will not open on the next try
+        // either: stay up, not ready, saying why, instead of a crash loop.
+        // The pinned datapath keeps serving running endpoints meanwhile.
+        Err(AgentError::Store(e)) if e.needs_operator() => {
+            let e = AgentError::Store(e);
+            let reason = crate::error_chain(&e);
+            tracing::error!(error = %reason, "the store cannot be opened; not ready until an operator acts (docs/store.md, \"Recovery\"); the maps are left as they are");
+            *state.held.lock().unwrap_or_else(|p| p.into_inner()) = Some(reason);
+            let mut term = signal(SignalKind::terminate()).map_err(listen_err("SIGTERM"))?;
+            let mut int = signal(SignalKind::interrupt()).map_err(listen_err("SIGINT"))?;
+            tokio::select! {
+                _ = term.recv() => {}
+                _ = int.recv() => {}
+            }
+            let _ = stop_tx.send(true);
+            let _ = api.await;
+            if let Some(m) = metrics_task {
+                let _ = m.await;
+            }
+            let _ = std::fs::remove_file(&socket);
+            return Err(ServerError::Start(e));
+        }
+        Err(e) => return Err(ServerError::Start(e)),
+    };
     let pending = !agent.status().ready;
     *slot.lock().unwrap_or_else(|p| p.into_inner()) = Some(agent);
     // Delegated mode waits for its conflist and plugin without exiting:

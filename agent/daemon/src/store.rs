@@ -4,52 +4,56 @@
 //!
 //! Why redb: it is pure Rust, embedded (no server to run on a node), commits
 //! with copy-on-write B-trees and a checksummed double-buffered header, and a
-//! durable commit returns only after `fsync`. A `SIGKILL` at any instant
-//! leaves either the old or the new state, never a torn one.
+//! durable commit returns only after `fsync`. How it is committed so that a
+//! crash during the recovery from a crash cannot roll a commit back is in
+//! [`db`].
 //!
 //! Why a log in front of it ([`wal`]): a redb commit writes every page on the
 //! changed paths and syncs them, six scattered pages for one CNI ADD; a
 //! record in a preallocated log is one page and one `fdatasync`, half the
 //! time on the project VM, on a path (a CNI call) whose whole budget is a
 //! fraction of a millisecond. Every write method builds a list of operations
-//! ([`Op`]), appends it to the log as one record and returns once the record
-//! is on disk: that is the commit, and the agent's ordering (commit → program
-//! maps → acknowledge) is unchanged. The operations are applied to redb
-//! later, many records in one durable redb transaction (a *checkpoint*):
-//! when the log is half full, before [`Store::load`], when the store is
-//! dropped, and on open, after replaying what the log holds beyond redb's
-//! last checkpoint (redb stores that sequence number in the same
-//! transaction, so replay is exact). A record too large for the log (a huge
-//! LoadBalancer snapshot) is written straight to redb after a checkpoint.
-//! The commit that finds the log half full pays for the checkpoint: ~1.4 ms
-//! for ~500 commits on the project VM, once per ~500 commits.
+//! ([`codec::Op`]), appends it to the log as one record and returns once the
+//! record is on disk: that is the commit, and the agent's ordering (commit →
+//! program maps → acknowledge) is unchanged. The operations are applied to
+//! redb later, many records in one durable redb transaction (a
+//! *checkpoint*): when the log is half full, before [`Store::load`], when
+//! the store is dropped, and on open, after replaying what the log holds
+//! beyond redb's last checkpoint (redb stores that sequence number in the
+//! same transaction, so replay is exact). A record too large for the log (a
+//! huge LoadBalancer snapshot) is written straight to redb after a
+//! checkpoint. The commit that finds the log half full pays for the
+//! checkpoint: ~1.4 ms for ~500 commits on the project VM, once per ~500
+//! commits. `docs/store.md` gives the whole crash-safety argument: what is
+//! durable at each step of a commit, a checkpoint and a start-up.
+//!
+//! A failed write or sync (a full disk, an I/O error) does not wedge the
+//! store until a restart: it remembers the first cause, refuses commits
+//! while it lasts ([`Store::health`] says why, so the agent reports
+//! not-ready), and every later commit, load or [`Store::recover`] tries to
+//! recover: re-open redb if it failed, checkpoint every acknowledged
+//! operation together with the failed record's number, and resume the log
+//! after that number. A record whose append failed was never acknowledged;
+//! once recovered it is never replayed.
 //!
 //! Domain state stays in plain structs (the core's [`Allocation`]); this module
-//! only persists it. The file holds a lock, so a second agent on the same state
-//! directory is refused instead of corrupting it.
+//! only persists it. The database file holds a lock, so a second agent on the
+//! same state directory is refused instead of corrupting it.
 
+use std::fs::DirBuilder;
+use std::os::unix::fs::DirBuilderExt as _;
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use lockstep_core::cidr::Family;
 use lockstep_core::manager::Allocation;
 use lockstep_core::owner::Generation;
-use redb::{Database, ReadableTable, ReadableTableMetadata, TableDefinition};
+use redb::{Database, ReadableDatabase as _};
 
-const ALLOCATIONS: TableDefinition<&str, &[u8]> = TableDefinition::new("allocations");
-const META: TableDefinition<&str, u64> = TableDefinition::new("meta");
-const ENDPOINTS: TableDefinition<&str, &[u8]> = TableDefinition::new("endpoints");
-const LB: TableDefinition<&str, &[u8]> = TableDefinition::new("lb");
-/// Addresses held by an external CNI IPAM plugin (delegated mode), keyed like
-/// endpoints: they are not the pool manager's, so they have their own table.
-const DELEGATED: TableDefinition<&str, &[u8]> = TableDefinition::new("delegated");
+use crate::error_chain as chain;
+use codec::{Op, Table, decode_ops, encode};
+
 const LB_STATE: &str = "state";
-const GENERATION: &str = "generation";
-/// Sequence number of the last log record applied to redb.
-const LOG_SEQ: &str = "log_seq";
-/// Identity of this database; the log carries it so that it is never
-/// replayed into another one.
-const STORE_ID: &str = "store_id";
 
 /// File name of the database inside the state directory.
 pub const DB_FILE: &str = "lockstep.redb";
@@ -58,12 +62,14 @@ pub const LOG_FILE: &str = "lockstep.wal";
 /// Size of the log: 4 MiB, about a thousand single-page commits.
 pub const LOG_PAGES: u64 = 1024;
 
+mod codec;
+mod db;
 mod wal;
 
 /// Errors of the store.
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
-    /// The state directory could not be created.
+    /// The state directory could not be created or synced.
     #[error("cannot create state directory {path}")]
     Dir {
         /// The directory.
@@ -72,14 +78,34 @@ pub enum StoreError {
         #[source]
         source: std::io::Error,
     },
-    /// The database could not be opened (held by another agent, corrupt, ...).
-    #[error("cannot open the store {path} (is another agent running on this state directory?)")]
+    /// Another process holds the database.
+    #[error(
+        "the store {path} is held by another process (is another agent running on this state directory?)"
+    )]
+    Locked {
+        /// The database file.
+        path: PathBuf,
+    },
+    /// The database could not be opened or repaired.
+    #[error("cannot open the store {path}; it is left as it is (see docs/store.md, \"Recovery\")")]
     Open {
         /// The database file.
         path: PathBuf,
         /// redb's error.
         #[source]
         source: Box<redb::DatabaseError>,
+    },
+    /// The storage library panicked; the panic was caught.
+    #[error(
+        "the storage library panicked during {action} of {path}: {message}; the store is left as it is (see docs/store.md, \"Recovery\")"
+    )]
+    Panicked {
+        /// The database file.
+        path: PathBuf,
+        /// What was being done.
+        action: &'static str,
+        /// The panic's message.
+        message: String,
     },
     /// A transaction failed.
     #[error("store {action} failed")]
@@ -102,6 +128,15 @@ pub enum StoreError {
         /// What is wrong.
         reason: &'static str,
     },
+    /// The store failed earlier and recovering from it failed again.
+    #[error("the store cannot commit since: {cause}; recovering failed")]
+    Failing {
+        /// The first failure.
+        cause: String,
+        /// Why recovering failed this time.
+        #[source]
+        source: Box<StoreError>,
+    },
     /// No random store identity could be drawn.
     #[error("cannot draw a store identity")]
     Random(#[source] getrandom::Error),
@@ -116,33 +151,33 @@ pub enum StoreError {
     },
 }
 
+impl StoreError {
+    /// Whether this error leaves the store unopenable until an operator
+    /// acts (as opposed to a passing failure of one commit).
+    pub fn needs_operator(&self) -> bool {
+        matches!(
+            self,
+            StoreError::Open { .. }
+                | StoreError::Panicked { .. }
+                | StoreError::LogRecord { .. }
+                | StoreError::Corrupt { .. }
+                | StoreError::Log(
+                    wal::WalError::Damaged { .. }
+                        | wal::WalError::Header { .. }
+                        | wal::WalError::Foreign { .. }
+                        | wal::WalError::Missing { .. }
+                        | wal::WalError::Behind { .. }
+                )
+        )
+    }
+}
+
 /// Decodes one stored JSON record, naming its key when it is corrupt.
 fn decode<T: serde::de::DeserializeOwned>(key: &str, bytes: &[u8]) -> Result<T, StoreError> {
     serde_json::from_slice(bytes).map_err(|source| StoreError::Corrupt {
         key: key.to_string(),
         source,
     })
-}
-
-/// Every record of a JSON-valued table.
-fn read_all<T: serde::de::DeserializeOwned>(
-    txn: &redb::ReadTransaction,
-    table: TableDefinition<&str, &[u8]>,
-) -> Result<Vec<T>, StoreError> {
-    let table = txn.open_table(table).map_err(db_err("open table"))?;
-    let mut out = Vec::with_capacity(table.len().map_err(db_err("read"))? as usize);
-    for item in table.iter().map_err(db_err("read"))? {
-        let (k, v) = item.map_err(db_err("read"))?;
-        out.push(decode(k.value(), v.value())?);
-    }
-    Ok(out)
-}
-
-fn db_err<E: Into<redb::Error>>(action: &'static str) -> impl FnOnce(E) -> StoreError {
-    move |e| StoreError::Db {
-        action,
-        source: Box::new(e.into()),
-    }
 }
 
 /// How an endpoint was set up.
@@ -246,17 +281,22 @@ pub struct Stored {
 
 /// The store.
 pub struct Store {
-    db: Database,
     path: PathBuf,
-    log: Mutex<Log>,
+    inner: Mutex<Inner>,
 }
 
-/// The log and the operations it holds that redb does not have yet.
-struct Log {
+/// What the store's lock guards: the database, the log, and the operations
+/// the log holds that the database does not have yet.
+struct Inner {
+    /// `None` after the database failed, until it is opened again.
+    db: Option<Database>,
     wal: wal::Wal,
     pending: Vec<Op>,
     /// A commit that leaves fewer free pages than this checkpoints.
     checkpoint_below: u64,
+    /// Why the store cannot commit: the first failure, until a recovery
+    /// succeeds.
+    failure: Option<String>,
 }
 
 impl std::fmt::Debug for Store {
@@ -265,119 +305,78 @@ impl std::fmt::Debug for Store {
     }
 }
 
-/// A table of JSON records.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Table {
-    Allocations = 1,
-    Endpoints = 2,
-    Lb = 3,
-    Delegated = 4,
-}
-
-impl Table {
-    fn from_byte(b: u8) -> Option<Self> {
-        [
-            Table::Allocations,
-            Table::Endpoints,
-            Table::Lb,
-            Table::Delegated,
-        ]
-        .into_iter()
-        .find(|t| *t as u8 == b)
+impl Inner {
+    /// The database, opened again if it failed.
+    fn db(&mut self, path: &Path) -> Result<&Database, StoreError> {
+        if self.db.is_none() {
+            self.db = Some(db::open(path)?);
+            tracing::info!(path = %path.display(), "store database re-opened");
+        }
+        Ok(self.db.as_ref().expect("just opened"))
     }
-}
 
-/// One change to the database, as the log records it.
-#[derive(Clone, Debug, PartialEq, Eq)]
-enum Op {
-    /// Insert or replace a record.
-    Put {
-        table: Table,
-        key: String,
-        value: Vec<u8>,
-    },
-    /// Remove a record; absent is fine.
-    Remove { table: Table, key: String },
-    /// Raise the generation high-water mark (it never goes down).
-    Generation(u64),
-}
-
-const OP_PUT: u8 = 1;
-const OP_REMOVE: u8 = 2;
-const OP_GENERATION: u8 = 3;
-
-/// Encodes operations as a log payload: per operation a tag byte, then the
-/// table byte and length-prefixed (u32 LE) key and value, or the generation
-/// (u64 LE).
-fn encode(ops: &[Op]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(512);
-    let bytes = |out: &mut Vec<u8>, b: &[u8]| {
-        out.extend_from_slice(&(b.len() as u32).to_le_bytes());
-        out.extend_from_slice(b);
-    };
-    for op in ops {
-        match op {
-            Op::Put { table, key, value } => {
-                out.extend_from_slice(&[OP_PUT, *table as u8]);
-                bytes(&mut out, key.as_bytes());
-                bytes(&mut out, value);
-            }
-            Op::Remove { table, key } => {
-                out.extend_from_slice(&[OP_REMOVE, *table as u8]);
-                bytes(&mut out, key.as_bytes());
-            }
-            Op::Generation(g) => {
-                out.push(OP_GENERATION);
-                out.extend_from_slice(&g.to_le_bytes());
-            }
+    /// Remembers the first cause of a failure.
+    fn fail(&mut self, e: &StoreError) {
+        if self.failure.is_none() {
+            let cause = chain(e);
+            tracing::error!(error = %cause, "the store cannot commit; retrying on the next request");
+            self.failure = Some(cause);
         }
     }
-    out
-}
 
-/// Decodes a log payload written by [`encode`].
-fn decode_ops(seq: u64, mut data: &[u8]) -> Result<Vec<Op>, StoreError> {
-    let bad = |reason| StoreError::LogRecord { seq, reason };
-    fn take<'a>(data: &mut &'a [u8], n: usize) -> Option<&'a [u8]> {
-        let (head, rest) = data.split_at_checked(n)?;
-        *data = rest;
-        Some(head)
+    /// Whether a checkpoint must run although nothing is pending: after a
+    /// failure, to record the failed record's number and resume the log.
+    fn failing(&self) -> bool {
+        self.failure.is_some() || self.wal.failed() || self.db.is_none()
     }
-    fn sized<'a>(data: &mut &'a [u8]) -> Option<&'a [u8]> {
-        let len = u32::from_le_bytes(take(data, 4)?.try_into().ok()?);
-        take(data, len as usize)
-    }
-    let mut ops = Vec::new();
-    while let Some(tag) = take(&mut data, 1) {
-        let op = match tag[0] {
-            OP_GENERATION => {
-                let g = take(&mut data, 8).ok_or_else(|| bad("truncated generation"))?;
-                Op::Generation(u64::from_le_bytes(g.try_into().expect("8 bytes")))
+
+    /// One durable redb transaction: the pending operations, then `extra`
+    /// (a record too large for the log), and the log's sequence number; then
+    /// the log starts again (after a failed record's number, if one failed).
+    /// On success a failure is over; on failure the database is dropped, to
+    /// be opened again by the next attempt (redb refuses every transaction
+    /// after an I/O error until it is).
+    fn checkpoint(&mut self, path: &Path, extra: &[Op]) -> Result<(), StoreError> {
+        if self.pending.is_empty() && extra.is_empty() && !self.failing() {
+            return Ok(());
+        }
+        let covered = self.wal.covered_through();
+        let applied = match self.db(path) {
+            Ok(_) => {
+                let db = self.db.as_ref().expect("opened");
+                db::apply(db, path, self.pending.iter().chain(extra), covered)
             }
-            t @ (OP_PUT | OP_REMOVE) => {
-                let table = take(&mut data, 1)
-                    .and_then(|b| Table::from_byte(b[0]))
-                    .ok_or_else(|| bad("unknown table"))?;
-                let key = sized(&mut data).ok_or_else(|| bad("truncated key"))?;
-                let key = std::str::from_utf8(key)
-                    .map_err(|_| bad("key is not UTF-8"))?
-                    .to_string();
-                if t == OP_PUT {
-                    let value = sized(&mut data).ok_or_else(|| bad("truncated value"))?;
-                    Op::Put {
-                        table,
-                        key,
-                        value: value.to_vec(),
-                    }
-                } else {
-                    Op::Remove { table, key }
-                }
-            }
-            _ => return Err(bad("unknown operation")),
+            Err(e) => Err(e),
         };
-        ops.push(op);
+        if let Err(e) = applied {
+            self.db = None;
+            return Err(match self.failure.clone() {
+                Some(cause) => StoreError::Failing {
+                    cause,
+                    source: Box::new(e),
+                },
+                None => {
+                    self.fail(&e);
+                    e
+                }
+            });
+        }
+        self.pending.clear();
+        self.wal.recover();
+        if let Some(cause) = self.failure.take() {
+            tracing::info!(cause = %cause, "the store recovered");
+        }
+        Ok(())
     }
-    Ok(ops)
+
+    /// Appends one record, remembering a failure.
+    fn append(&mut self, payload: &[u8]) -> Result<(), StoreError> {
+        self.wal.append(payload).map(drop).map_err(|e| {
+            let e = StoreError::Log(e);
+            self.fail(&e);
+            e
+        })
+    }
 }
 
 fn to_json<T: serde::Serialize>(
@@ -398,51 +397,48 @@ pub fn key_of(a: &Allocation) -> String {
     format!("{}\u{1f}{family}\u{1f}{owner}", a.pool)
 }
 
+/// Creates the state directory (mode 0700) if it is missing, and makes its
+/// name durable by syncing its parent, so a power cut right after the first
+/// commits cannot take the whole directory.
+fn make_dir(dir: &Path) -> Result<(), StoreError> {
+    let err = |source| StoreError::Dir {
+        path: dir.to_path_buf(),
+        source,
+    };
+    if dir.is_dir() {
+        return Ok(());
+    }
+    DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)
+        .map_err(err)?;
+    if let Some(parent) = dir.parent().filter(|p| !p.as_os_str().is_empty()) {
+        std::fs::File::open(parent)
+            .and_then(|f| f.sync_all())
+            .map_err(err)?;
+    }
+    Ok(())
+}
+
 impl Store {
     /// Opens (or creates) the store in `dir`, replays its log into the
     /// database and checkpoints.
     ///
     /// # Errors
-    /// The directory, database or log cannot be created or opened, or a log
-    /// record does not decode.
+    /// The directory, database or log cannot be created or opened, the log
+    /// is damaged or does not belong to the database, or a log record does
+    /// not decode. Nothing is replaced or discarded in any of these cases:
+    /// the files stay as they were for the operator (`docs/store.md`).
     pub fn open(dir: &Path) -> Result<Self, StoreError> {
         Self::open_with(dir, LOG_PAGES, LOG_PAGES / 2)
     }
 
     fn open_with(dir: &Path, log_pages: u64, checkpoint_below: u64) -> Result<Self, StoreError> {
-        std::fs::create_dir_all(dir).map_err(|source| StoreError::Dir {
-            path: dir.to_path_buf(),
-            source,
-        })?;
+        make_dir(dir)?;
         let path = dir.join(DB_FILE);
-        let db = Database::create(&path).map_err(|source| StoreError::Open {
-            path: path.clone(),
-            source: Box::new(source),
-        })?;
-        // Make sure every table exists, so readers never see "no such
-        // table", and that the database has its identity.
-        let txn = db.begin_write().map_err(db_err("begin"))?;
-        txn.open_table(ALLOCATIONS).map_err(db_err("open table"))?;
-        txn.open_table(ENDPOINTS).map_err(db_err("open table"))?;
-        txn.open_table(LB).map_err(db_err("open table"))?;
-        txn.open_table(DELEGATED).map_err(db_err("open table"))?;
-        let (store_id, log_seq) = {
-            let mut meta = txn.open_table(META).map_err(db_err("open table"))?;
-            let get = |k| -> Result<Option<u64>, StoreError> {
-                Ok(meta.get(k).map_err(db_err("read"))?.map(|v| v.value()))
-            };
-            let (id, seq) = (get(STORE_ID)?, get(LOG_SEQ)?.unwrap_or(0));
-            let id = match id {
-                Some(id) => id,
-                None => {
-                    let id = getrandom::u64().map_err(StoreError::Random)?;
-                    meta.insert(STORE_ID, id).map_err(db_err("insert"))?;
-                    id
-                }
-            };
-            (id, seq)
-        };
-        txn.commit().map_err(db_err("commit"))?;
+        let database = db::open(&path)?;
+        let (store_id, log_seq) = db::identity(&database, &path)?;
         let (wal, records) = wal::Wal::open(&dir.join(LOG_FILE), store_id, log_pages, log_seq)?;
         let mut pending = Vec::new();
         for r in &records {
@@ -452,15 +448,22 @@ impl Store {
             tracing::info!(records = records.len(), "replaying the store log");
         }
         let store = Self {
-            db,
             path,
-            log: Mutex::new(Log {
+            inner: Mutex::new(Inner {
+                db: Some(database),
                 wal,
                 pending,
                 checkpoint_below,
+                failure: None,
             }),
         };
-        store.checkpoint()?;
+        {
+            let mut inner = store.lock();
+            inner.checkpoint(&store.path, &[])?;
+            // Only now, with every record in the database, may a log of
+            // another size be replaced.
+            inner.wal.resize()?;
+        }
         Ok(store)
     }
 
@@ -469,89 +472,71 @@ impl Store {
         &self.path
     }
 
-    fn lock_log(&self) -> MutexGuard<'_, Log> {
-        self.log.lock().unwrap_or_else(PoisonError::into_inner)
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Why the store cannot commit now, if it cannot: the first failure's
+    /// cause, until a recovery succeeds.
+    pub fn health(&self) -> Option<String> {
+        let inner = self.lock();
+        inner.failure.clone().or_else(|| {
+            inner
+                .wal
+                .failed()
+                .then(|| "the store log failed".to_string())
+        })
     }
 
     /// Applies what the log holds beyond redb to redb, durably, and starts
-    /// the log again.
+    /// the log again; after a failure this is the recovery.
     ///
     /// # Errors
     /// The redb transaction failed; the log keeps the records.
     pub fn checkpoint(&self) -> Result<(), StoreError> {
-        let mut log = self.lock_log();
-        self.checkpoint_with(&mut log, &[])
+        self.lock().checkpoint(&self.path, &[])
     }
 
-    /// One durable redb transaction: the pending operations, then `extra`
-    /// (a record too large for the log), and the log's last sequence number.
-    fn checkpoint_with(&self, log: &mut Log, extra: &[Op]) -> Result<(), StoreError> {
-        if log.pending.is_empty() && extra.is_empty() {
-            return Ok(());
+    /// Tries to recover from a failure (see the module docs); nothing to do
+    /// when the store is healthy.
+    ///
+    /// # Errors
+    /// It is still failing.
+    pub fn recover(&self) -> Result<(), StoreError> {
+        let mut inner = self.lock();
+        if inner.failing() {
+            inner.checkpoint(&self.path, &[])?;
         }
-        let txn = self.db.begin_write().map_err(db_err("begin"))?;
-        {
-            let open = |d| txn.open_table(d).map_err(db_err("open table"));
-            let mut tables = [
-                open(ALLOCATIONS)?,
-                open(ENDPOINTS)?,
-                open(LB)?,
-                open(DELEGATED)?,
-            ];
-            let mut meta = txn.open_table(META).map_err(db_err("open table"))?;
-            for op in log.pending.iter().chain(extra) {
-                match op {
-                    Op::Put { table, key, value } => {
-                        tables[*table as usize - 1]
-                            .insert(key.as_str(), value.as_slice())
-                            .map_err(db_err("insert"))?;
-                    }
-                    Op::Remove { table, key } => {
-                        tables[*table as usize - 1]
-                            .remove(key.as_str())
-                            .map_err(db_err("remove"))?;
-                    }
-                    Op::Generation(g) => {
-                        let current = meta
-                            .get(GENERATION)
-                            .map_err(db_err("read"))?
-                            .map(|v| v.value())
-                            .unwrap_or(0);
-                        if *g > current {
-                            meta.insert(GENERATION, *g).map_err(db_err("insert"))?;
-                        }
-                    }
-                }
-            }
-            meta.insert(LOG_SEQ, log.wal.covered_through())
-                .map_err(db_err("insert"))?;
-        }
-        txn.commit().map_err(db_err("commit"))?;
-        log.pending.clear();
-        log.wal.restart();
         Ok(())
     }
 
     /// Commits `ops`: one log record, on disk when this returns.
     fn commit(&self, ops: Vec<Op>) -> Result<(), StoreError> {
-        let mut log = self.lock_log();
+        let mut inner = self.lock();
+        if inner.failing() {
+            inner.checkpoint(&self.path, &[])?;
+        }
         let payload = encode(&ops);
-        match log.wal.append(&payload) {
+        match inner.wal.append(&payload) {
             Ok(_) => {}
             Err(wal::WalError::Full) => {
-                self.checkpoint_with(&mut log, &[])?;
-                log.wal.append(&payload)?;
+                inner.checkpoint(&self.path, &[])?;
+                inner.append(&payload)?;
             }
-            Err(wal::WalError::TooBig { .. }) => return self.checkpoint_with(&mut log, &ops),
-            Err(e) => return Err(e.into()),
+            Err(wal::WalError::TooBig { .. }) => return inner.checkpoint(&self.path, &ops),
+            Err(e) => {
+                let e = StoreError::Log(e);
+                inner.fail(&e);
+                return Err(e);
+            }
         }
-        log.pending.extend(ops);
-        if log.wal.free_pages() < log.checkpoint_below
-            && let Err(e) = self.checkpoint_with(&mut log, &[])
+        inner.pending.extend(ops);
+        if inner.wal.free_pages() < inner.checkpoint_below
+            && let Err(e) = inner.checkpoint(&self.path, &[])
         {
             // The commit itself is durable in the log; the checkpoint is
-            // retried on the next commit and forced when the log is full.
-            tracing::warn!(error = %e, log = %log.wal.path().display(), "store checkpoint failed");
+            // retried by the next commit, which refuses until it succeeds.
+            tracing::warn!(error = %chain(&e), "store checkpoint failed");
         }
         Ok(())
     }
@@ -559,30 +544,22 @@ impl Store {
     /// Everything stored (after a checkpoint, so redb holds it all).
     ///
     /// # Errors
-    /// The checkpoint or a read failed, or a record is corrupt.
+    /// The store is failing and does not recover, the checkpoint or a read
+    /// failed, or a record is corrupt.
     pub fn load(&self) -> Result<Stored, StoreError> {
-        self.checkpoint()?;
-        let txn = self.db.begin_read().map_err(db_err("begin read"))?;
-        let meta = txn.open_table(META).map_err(db_err("open table"))?;
-        let generation = meta
-            .get(GENERATION)
-            .map_err(db_err("read"))?
-            .map(|g| g.value())
-            .unwrap_or(0);
-        let allocations: Vec<Allocation> = read_all(&txn, ALLOCATIONS)?;
-        let endpoints: Vec<EndpointRecord> = read_all(&txn, ENDPOINTS)?;
-        let delegated: Vec<DelegatedRecord> = read_all(&txn, DELEGATED)?;
-        let table = txn.open_table(LB).map_err(db_err("open table"))?;
-        let lb = match table.get(LB_STATE).map_err(db_err("read"))? {
-            Some(v) => Some(decode(LB_STATE, v.value())?),
-            None => None,
-        };
+        let mut inner = self.lock();
+        inner.checkpoint(&self.path, &[])?;
+        let txn = inner
+            .db(&self.path)?
+            .begin_read()
+            .map_err(db::db_err("begin read"))?;
+        let (generation, lb) = db::read_meta(&txn)?;
         Ok(Stored {
             generation: Generation(generation),
-            allocations,
-            endpoints,
-            lb,
-            delegated,
+            allocations: db::read_all(&txn, db::ALLOCATIONS)?,
+            endpoints: db::read_all(&txn, db::ENDPOINTS)?,
+            lb: lb.map(|v| decode(LB_STATE, &v)).transpose()?,
+            delegated: db::read_all(&txn, db::DELEGATED)?,
         })
     }
 
@@ -732,7 +709,7 @@ impl Drop for Store {
     /// nothing); a failure here only means the next open replays the log.
     fn drop(&mut self) {
         if let Err(e) = self.checkpoint() {
-            tracing::warn!(error = %e, "store checkpoint at shutdown failed");
+            tracing::warn!(error = %chain(&e), "store checkpoint at shutdown failed");
         }
     }
 }
@@ -791,13 +768,11 @@ mod tests {
         /// checkpoint, the log keeps its records (the drop checkpoints
         /// nothing, as a killed process would not).
         fn crash(self) {
-            self.lock_log().pending.clear();
+            self.lock().pending.clear();
         }
 
         fn log_seq(&self) -> u64 {
-            let txn = self.db.begin_read().expect("read");
-            let meta = txn.open_table(META).expect("meta");
-            meta.get(LOG_SEQ).expect("get").map_or(0, |v| v.value())
+            db::log_seq(self.lock().db.as_ref().expect("open"))
         }
     }
 
@@ -879,41 +854,143 @@ mod tests {
         assert_eq!(reopened.load().expect("load").allocations.len(), 101);
     }
 
+    /// Flips one byte of a file in place.
+    fn flip(path: &Path, at: u64) {
+        use std::os::unix::fs::FileExt as _;
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(path)
+            .expect("open");
+        let mut byte = [0u8; 1];
+        file.read_exact_at(&mut byte, at).expect("read");
+        byte[0] ^= 0x10;
+        file.write_all_at(&byte, at).expect("write");
+    }
+
+    /// Three commits left in the log only (a crash before any checkpoint).
+    fn three_in_the_log(dir: &Path) -> Vec<Allocation> {
+        let store = Store::open(dir).expect("open");
+        let all: Vec<Allocation> = (1..=3)
+            .map(|i| alloc(&format!("10.0.5.{i}"), &format!("h{i}"), i))
+            .collect();
+        for a in &all {
+            store.put(a, a.generation).expect("put");
+        }
+        store.crash();
+        all
+    }
+
     #[test]
-    fn log_payloads_round_trip_and_garbage_is_refused() {
-        let ops = vec![
-            Op::Put {
-                table: Table::Endpoints,
-                key: "c1\u{1f}eth0".into(),
-                value: b"{\"a\":1}".to_vec(),
-            },
-            Op::Remove {
-                table: Table::Allocations,
-                key: String::new(),
-            },
-            Op::Generation(u64::MAX),
-            Op::Put {
-                table: Table::Lb,
-                key: "state".into(),
-                value: Vec::new(),
-            },
-        ];
-        assert_eq!(decode_ops(1, &encode(&ops)).expect("decode"), ops);
-        let bytes = encode(&ops);
-        for cut in 1..bytes.len() {
-            // Every truncation inside an operation is refused, never misread.
-            if let Ok(got) = decode_ops(1, &bytes[..cut]) {
-                assert!(ops.starts_with(&got), "cut {cut}: {got:?}");
-            }
+    fn a_damaged_log_header_refuses_the_open_and_keeps_every_commit() {
+        let tmp = temp_dir("header");
+        let dir = tmp.path().join("state");
+        let all = three_in_the_log(&dir);
+        let log = dir.join(LOG_FILE);
+        let before = std::fs::read(&log).expect("read");
+        flip(&log, 20);
+        let err = Store::open(&dir).expect_err("a damaged header must not be replaced");
+        assert!(err.needs_operator(), "{err}");
+        assert!(chain(&err).contains("damaged header"), "{}", chain(&err));
+        flip(&log, 20);
+        assert_eq!(std::fs::read(&log).expect("read"), before, "left as it was");
+        let store = Store::open(&dir).expect("mended");
+        let mut got = store.load().expect("load").allocations;
+        got.sort_by_key(key_of);
+        assert_eq!(got, all);
+    }
+
+    #[test]
+    fn a_log_of_another_size_is_replayed_then_resized() {
+        let tmp = temp_dir("resize");
+        let dir = tmp.path().join("state");
+        let all = three_in_the_log(&dir);
+        let store = Store::open_with(&dir, LOG_PAGES * 2, LOG_PAGES).expect("open larger");
+        assert_eq!(
+            std::fs::metadata(dir.join(LOG_FILE)).expect("stat").len(),
+            LOG_PAGES * 2 * wal::PAGE,
+            "resized after the replay's checkpoint"
+        );
+        let mut got = store.load().expect("load").allocations;
+        got.sort_by_key(key_of);
+        assert_eq!(got, all);
+        // And back, with commits in the larger log.
+        let more = alloc("10.0.5.9", "h9", 9);
+        store.put(&more, Generation(9)).expect("put");
+        store.crash();
+        let store = Store::open(&dir).expect("open at the default size");
+        assert_eq!(store.load().expect("load").allocations.len(), 4);
+        assert_eq!(
+            std::fs::metadata(dir.join(LOG_FILE)).expect("stat").len(),
+            LOG_PAGES * wal::PAGE
+        );
+    }
+
+    #[test]
+    fn a_missing_log_is_refused_once_the_database_has_checkpointed() {
+        let tmp = temp_dir("missing");
+        let dir = tmp.path().join("state");
+        let store = Store::open(&dir).expect("open");
+        store
+            .put(&alloc("10.0.6.1", "m1", 1), Generation(1))
+            .expect("put");
+        drop(store); // checkpoints
+        std::fs::remove_file(dir.join(LOG_FILE)).expect("remove");
+        let err = Store::open(&dir).expect_err("missing log");
+        assert!(
+            err.needs_operator() && chain(&err).contains("missing"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn after_a_failed_append_the_store_is_unhealthy_then_recovers() {
+        let tmp = temp_dir("recover");
+        let dir = tmp.path().join("state");
+        let store = Store::open(&dir).expect("open");
+        let a = alloc("10.0.7.1", "r1", 1);
+        store.put(&a, Generation(1)).expect("put");
+        {
+            let mut inner = store.lock();
+            inner.wal.fail_for_test();
+            inner.failure = Some("store log: sync failed: No space left on device".into());
         }
-        for bad in [
-            &[9u8][..],
-            &[OP_PUT, 9],
-            &[OP_REMOVE, 1, 2, 0, 0, 0, 0xff, 0xfe],
-        ] {
-            let err = decode_ops(7, bad).expect_err("garbage");
-            assert!(err.to_string().contains("record 7"), "{err}");
+        assert!(
+            store.health().is_some_and(|h| h.contains("No space left")),
+            "the cause is reported"
+        );
+        // The next commit recovers first: a checkpoint through the failed
+        // record's number, then the log resumes after it.
+        let b = alloc("10.0.7.2", "r2", 2);
+        store.put(&b, Generation(2)).expect("put after recovery");
+        assert!(store.health().is_none());
+        store.crash();
+        let store = Store::open(&dir).expect("reopen");
+        let mut got = store.load().expect("load").allocations;
+        got.sort_by_key(key_of);
+        assert_eq!(got, vec![a, b]);
+    }
+
+    #[test]
+    fn a_failed_database_is_opened_again_by_the_next_commit() {
+        let tmp = temp_dir("reopen");
+        let dir = tmp.path().join("state");
+        let store = Store::open(&dir).expect("open");
+        let a = alloc("10.0.8.1", "d1", 1);
+        store.put(&a, Generation(1)).expect("put");
+        {
+            let mut inner = store.lock();
+            inner.db = None;
+            inner.failure = Some("store commit failed: I/O error".into());
         }
+        let b = alloc("10.0.8.2", "d2", 2);
+        store
+            .put(&b, Generation(2))
+            .expect("put re-opens the database");
+        assert!(store.health().is_none());
+        let mut got = store.load().expect("load").allocations;
+        got.sort_by_key(key_of);
+        assert_eq!(got, vec![a, b]);
     }
 
     #[test]

@@ -29,6 +29,7 @@ use super::endpoints::{EndpointAddress, EndpointReply, EndpointRequest};
 use super::{Agent, AgentError};
 use crate::config::IpamMode;
 use crate::delegate::{DelegateError, PluginConf, Runner, Target, check_state_dir, ensure_netns};
+use crate::error_chain as chain;
 use crate::store::{DelegatedRecord, EndpointRecord};
 
 /// How long a failed set-up waits before it is tried again.
@@ -36,18 +37,6 @@ pub const RETRY: Duration = Duration::from_secs(1);
 
 /// The CNI command names counted in status.
 pub const COMPENSATING_DEL: &str = "compensating_del";
-
-/// An error and its causes on one line (for the status reason).
-fn chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut src = e.source();
-    while let Some(c) = src {
-        s.push_str(": ");
-        s.push_str(&c.to_string());
-        src = c.source();
-    }
-    s
-}
 
 impl Agent {
     /// Whether addresses come from an external plugin.

@@ -1104,6 +1104,11 @@ impl Agent {
     /// # Errors
     /// A map could not be read or written.
     pub fn reconcile(&mut self) -> Result<ReconcileReport, AgentError> {
+        // A store that failed (a full disk) recovers here too, so the agent
+        // becomes ready again without waiting for a request.
+        if let Err(e) = self.store.recover() {
+            tracing::warn!(error = %e, "the store is still failing");
+        }
         let report = self.reconcile_inner()?;
         for (map, n) in &report.per_map {
             *self.stats.repairs.entry(map.clone()).or_default() += *n as u64;
@@ -1418,13 +1423,18 @@ impl Agent {
 
     /// Status.
     pub fn status(&self) -> Status {
+        let store = self.store.health();
         Status {
-            ready: self.ready,
-            reason: (!self.ready).then(|| {
-                self.not_ready
-                    .clone()
-                    .unwrap_or_else(|| "restoring".to_string())
-            }),
+            ready: self.ready && store.is_none(),
+            reason: if self.ready {
+                store.map(|cause| format!("the store cannot commit: {cause}"))
+            } else {
+                Some(
+                    self.not_ready
+                        .clone()
+                        .unwrap_or_else(|| "restoring".to_string()),
+                )
+            },
             node: self.node.clone(),
             allocations: self.manager.allocations().len() + self.delegated_allocations().len(),
             roles: self.roles(),

@@ -14,8 +14,14 @@
 //!
 //! Layout: a fixed-size file of 4 KiB pages. Page 0 is a header written once
 //! at creation (magic, format version, page count and the store's identity,
-//! so a log is never replayed into a database it was not written for). Every
-//! record starts on a page boundary:
+//! so a log is never replayed into a database it was not written for). A log
+//! is created whole under a temporary name and renamed into place, so the
+//! file at the log's path is always complete: a header that does not check
+//! out, or names another store, is damage or a mix-up, and the log refuses
+//! to open rather than start a new one over commits it may hold. A log of
+//! another size than asked is opened at its own size, replayed, and only
+//! replaced by one of the new size ([`Wal::resize`]) after the store has
+//! checkpointed what it held. Every record starts on a page boundary:
 //!
 //! ```text
 //! offset 0  magic "LSWR" (u32 LE)
@@ -31,15 +37,20 @@
 //! log. That covers a torn last record (never acknowledged: the caller
 //! acknowledges only after [`Wal::append`] returned, i.e. after the sync) and
 //! the older records a previous cycle left behind (their sequence numbers are
-//! lower). After a checkpoint the store calls [`Wal::restart`]: the next
+//! lower). After a checkpoint the store calls [`Wal::recover`]: the next
 //! record goes to page 1 again, with the next sequence number, and redb holds
 //! the last checkpointed sequence number, so replay skips what it already
-//! has. A failed write or sync leaves the log in an unknown state (the page
-//! cache may be marked clean without the data reaching the disk), so the log
-//! refuses every later append until the process restarts and replays.
+//! has. A valid record on the first page with a *later* number than the
+//! database expects means the database lost a checkpoint the log relied on;
+//! that is refused too. A failed write or sync leaves the log in an unknown
+//! state (the page cache may be marked clean without the data reaching the
+//! disk), so the log refuses every later append until the store has
+//! checkpointed everything acknowledged *and* the failed record's number
+//! ([`Wal::covered_through`]) and calls [`Wal::recover`]: the failed record
+//! is then never replayed, whatever reached the disk of it.
 
 use std::fs::{File, OpenOptions};
-use std::os::unix::fs::FileExt as _;
+use std::os::unix::fs::{FileExt as _, OpenOptionsExt as _};
 use std::path::{Path, PathBuf};
 
 /// Size of a log page.
@@ -89,9 +100,55 @@ pub enum WalError {
         /// A later record found intact.
         later: u64,
     },
-    /// An earlier write or sync failed; nothing more is written.
-    #[error("the store log failed earlier; restart the agent to recover from it")]
+    /// An earlier write or sync failed; nothing more is written until the
+    /// store recovers ([`Wal::recover`]).
+    #[error("the store log failed earlier and has not recovered yet")]
     Failed,
+    /// The header page does not check out: damage, or not a lockstep log.
+    #[error(
+        "store log {path} has a damaged header ({reason}); refusing to open it, since it may hold acknowledged commits (see docs/store.md, \"Recovery\")"
+    )]
+    Header {
+        /// The log file.
+        path: PathBuf,
+        /// What is wrong.
+        reason: &'static str,
+    },
+    /// The log was written for another database.
+    #[error(
+        "store log {path} belongs to store {found:#018x}, not to this database ({expected:#018x}); refusing to replay or overwrite it (see docs/store.md, \"Recovery\")"
+    )]
+    Foreign {
+        /// The log file.
+        path: PathBuf,
+        /// The identity in the log's header.
+        found: u64,
+        /// The database's identity.
+        expected: u64,
+    },
+    /// The log is missing although the database has checkpointed from one.
+    #[error(
+        "store log {path} is missing, but the database has applied records from it up to {after}; commits after that may be lost with it (see docs/store.md, \"Recovery\")"
+    )]
+    Missing {
+        /// The log file.
+        path: PathBuf,
+        /// The database's last applied record.
+        after: u64,
+    },
+    /// The first record of the log is newer than the database expects: the
+    /// database lost a checkpoint the log was restarted after.
+    #[error(
+        "store log {path} starts at record {found}, but the database has applied records only up to {after}: the database lost a checkpoint; refusing to drop the records in between (see docs/store.md, \"Recovery\")"
+    )]
+    Behind {
+        /// The log file.
+        path: PathBuf,
+        /// The first record found.
+        found: u64,
+        /// The database's last applied record.
+        after: u64,
+    },
 }
 
 /// One replayed record.
@@ -108,7 +165,10 @@ pub struct Record {
 pub struct Wal {
     file: File,
     path: PathBuf,
+    store_id: u64,
     pages: u64,
+    /// The size asked for, when the log on disk has another one.
+    wanted_pages: u64,
     /// Page the next record starts on.
     next_page: u64,
     /// Sequence number of the next record.
@@ -138,15 +198,87 @@ fn header(store_id: u64, pages: u64) -> Vec<u8> {
     page
 }
 
+/// What a header page says: (store identity, pages).
+fn parse_header(page: &[u8]) -> Result<(u64, u64), &'static str> {
+    if page.len() < 28 || &page[..8] != HEADER_MAGIC {
+        return Err("no lockstep log magic");
+    }
+    let crc = u32::from_le_bytes(page[24..28].try_into().expect("4 bytes"));
+    if crc32fast::hash(&page[..24]) != crc {
+        return Err("checksum mismatch");
+    }
+    let pages = u64::from_le_bytes(page[8..16].try_into().expect("8 bytes"));
+    let store_id = u64::from_le_bytes(page[16..24].try_into().expect("8 bytes"));
+    if pages < 2 {
+        return Err("fewer than two pages");
+    }
+    Ok((store_id, pages))
+}
+
+/// The temporary name a new log is written under before it is renamed
+/// into place.
+fn temp_path(path: &Path) -> PathBuf {
+    let mut name = path.file_name().unwrap_or_default().to_os_string();
+    name.push(".new");
+    path.with_file_name(name)
+}
+
+/// Syncs the directory holding `path`, so a rename or creation in it is
+/// durable.
+fn sync_parent(path: &Path) -> std::io::Result<()> {
+    match path.parent() {
+        Some(dir) if !dir.as_os_str().is_empty() => File::open(dir)?.sync_all(),
+        _ => File::open(".")?.sync_all(),
+    }
+}
+
+/// Writes a complete log (header, zeros) under a temporary name, syncs it,
+/// renames it to `path` and syncs the directory: the file at `path` is
+/// never a partly written log. Later records overwrite allocated, written
+/// blocks, so syncing them changes no file system metadata.
+fn create_file(path: &Path, store_id: u64, pages: u64) -> std::io::Result<File> {
+    let temp = temp_path(path);
+    match std::fs::remove_file(&temp) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
+        _ => {}
+    }
+    let file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(&temp)?;
+    file.write_all_at(&header(store_id, pages), 0)?;
+    let zeros = vec![0u8; 256 * PAGE as usize];
+    let mut at = PAGE;
+    while at < pages * PAGE {
+        let n = zeros.len().min((pages * PAGE - at) as usize);
+        file.write_all_at(&zeros[..n], at)?;
+        at += n as u64;
+    }
+    file.sync_all()?;
+    std::fs::rename(&temp, path)?;
+    sync_parent(path)?;
+    Ok(file)
+}
+
 impl Wal {
-    /// Opens the log at `path` for the store `store_id`, creating it (or
-    /// recreating it, when it is missing, of another size or of another
-    /// store) with `pages` pages, and returns it with the records whose
-    /// sequence numbers follow `after`, in order. The next append follows
-    /// the last record returned.
+    /// Opens the log at `path` for the store `store_id` and returns it with
+    /// the records whose sequence numbers follow `after` (the database's
+    /// last applied record), in order. The next append follows the last
+    /// record returned. A missing log is created with `pages` pages when the
+    /// database has never applied a record (`after == 0`); a log of another
+    /// size is opened at its own size, and [`Wal::resize`] makes it `pages`
+    /// once the store has checkpointed.
     ///
     /// # Errors
-    /// The file cannot be read, created or synced.
+    /// The file cannot be read, created or synced; its header is damaged or
+    /// names another store ([`WalError::Header`], [`WalError::Foreign`]); it
+    /// is missing although `after > 0` ([`WalError::Missing`]); or its
+    /// records are damaged or newer than `after` allows
+    /// ([`WalError::Damaged`], [`WalError::Behind`]). Nothing is changed on
+    /// disk in any of these cases.
     pub fn open(
         path: &Path,
         store_id: u64,
@@ -162,37 +294,68 @@ impl Wal {
             }
         };
         assert!(pages >= 2, "a log needs a header page and a record page");
-        let file = OpenOptions::new()
+        let existing = OpenOptions::new()
             .read(true)
             .write(true)
-            .create(true)
-            .truncate(false)
-            .open(path)
-            .map_err(io("open"))?;
+            .custom_flags(libc::O_NOFOLLOW)
+            .open(path);
+        let file = match existing {
+            Ok(file) => file,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                if after > 0 {
+                    return Err(WalError::Missing {
+                        path: path.to_path_buf(),
+                        after,
+                    });
+                }
+                let file = create_file(path, store_id, pages).map_err(io("create"))?;
+                let wal = Self {
+                    file,
+                    path: path.to_path_buf(),
+                    store_id,
+                    pages,
+                    wanted_pages: pages,
+                    next_page: 1,
+                    next_seq: after + 1,
+                    failed: false,
+                };
+                return Ok((wal, Vec::new()));
+            }
+            Err(e) => return Err(io("open")(e)),
+        };
+        let header_error = |reason| WalError::Header {
+            path: path.to_path_buf(),
+            reason,
+        };
+        let size = file.metadata().map_err(io("stat"))?.len();
+        let mut page = vec![0u8; PAGE as usize];
+        if size < PAGE {
+            return Err(header_error("shorter than its header page"));
+        }
+        file.read_exact_at(&mut page, 0).map_err(io("read"))?;
+        let (found_id, found_pages) = parse_header(&page).map_err(header_error)?;
+        if found_id != store_id {
+            return Err(WalError::Foreign {
+                path: path.to_path_buf(),
+                found: found_id,
+                expected: store_id,
+            });
+        }
+        if size != found_pages * PAGE {
+            return Err(header_error(
+                "file size differs from the size in its header",
+            ));
+        }
         let mut wal = Self {
             file,
             path: path.to_path_buf(),
-            pages,
+            store_id,
+            pages: found_pages,
+            wanted_pages: pages,
             next_page: 1,
             next_seq: after + 1,
             failed: false,
         };
-        let expected = header(store_id, pages);
-        let mut found = vec![0u8; PAGE as usize];
-        let size = wal.file.metadata().map_err(io("stat"))?.len();
-        let ours = size == pages * PAGE
-            && wal.file.read_exact_at(&mut found, 0).is_ok()
-            && found == expected;
-        if !ours {
-            if size > 0 {
-                tracing::warn!(
-                    log = %path.display(),
-                    "the store log belongs to another store or another size; starting a new one"
-                );
-            }
-            wal.create(&expected).map_err(io("create"))?;
-            return Ok((wal, Vec::new()));
-        }
         let records = wal.scan()?;
         if let Some(last) = records.last() {
             wal.next_seq = last.seq + 1;
@@ -202,26 +365,6 @@ impl Wal {
                 .sum::<u64>();
         }
         Ok((wal, records))
-    }
-
-    /// Writes the header and zeros over the whole file, then syncs it and
-    /// its directory: later records overwrite allocated, written blocks, so
-    /// syncing them changes no file system metadata.
-    fn create(&mut self, header: &[u8]) -> std::io::Result<()> {
-        self.file.set_len(0)?;
-        self.file.write_all_at(header, 0)?;
-        let zeros = vec![0u8; 256 * PAGE as usize];
-        let mut at = PAGE;
-        while at < self.pages * PAGE {
-            let n = zeros.len().min((self.pages * PAGE - at) as usize);
-            self.file.write_all_at(&zeros[..n], at)?;
-            at += n as u64;
-        }
-        self.file.sync_all()?;
-        if let Some(dir) = self.path.parent() {
-            File::open(dir)?.sync_all()?;
-        }
-        Ok(())
     }
 
     /// The records of this cycle: consecutive sequence numbers from page 1.
@@ -265,6 +408,15 @@ impl Wal {
                 }
                 _ => break,
             }
+        }
+        if records.is_empty()
+            && let Some(first) = record_at(1).filter(|r| r.seq > seq)
+        {
+            return Err(WalError::Behind {
+                path: self.path.clone(),
+                found: first.seq,
+                after: seq - 1,
+            });
         }
         if let Some(later) =
             (page + 1..self.pages).find_map(|p| record_at(p).filter(|r| r.seq >= seq))
@@ -327,11 +479,60 @@ impl Wal {
         Ok(seq)
     }
 
-    /// After a checkpoint made every record so far durable elsewhere: the
-    /// next record goes to the first page again (its sequence number goes
-    /// on, so what is left of this cycle is never replayed).
-    pub fn restart(&mut self) {
+    /// Makes the log behave as after a failed write or sync (for tests of
+    /// the store's recovery).
+    #[cfg(test)]
+    pub fn fail_for_test(&mut self) {
+        self.failed = true;
+    }
+
+    /// Whether an append failed since the last [`Wal::recover`].
+    pub fn failed(&self) -> bool {
+        self.failed
+    }
+
+    /// After a checkpoint covered the log through [`Wal::covered_through`]:
+    /// the next record goes to the first page again, its sequence number
+    /// going on, so what is left of this cycle is never replayed. After a
+    /// failed append that number includes the failed record's, and appends
+    /// resume after it: whatever of the failed record reached the disk is
+    /// never replayed either.
+    pub fn recover(&mut self) {
+        if self.failed {
+            self.next_seq += 1;
+            self.failed = false;
+        }
         self.next_page = 1;
+    }
+
+    /// Replaces a log of another size than asked with a new, empty one of
+    /// the asked size, atomically. Only call it right after a checkpoint
+    /// covered every record (the records it drops are all in the database).
+    ///
+    /// # Errors
+    /// The new file could not be written, synced or renamed into place; the
+    /// old log then stays as it was.
+    pub fn resize(&mut self) -> Result<(), WalError> {
+        if self.wanted_pages == self.pages {
+            return Ok(());
+        }
+        let file = create_file(&self.path, self.store_id, self.wanted_pages).map_err(|source| {
+            WalError::Io {
+                path: self.path.clone(),
+                action: "resize",
+                source,
+            }
+        })?;
+        tracing::info!(
+            log = %self.path.display(),
+            from = self.pages,
+            to = self.wanted_pages,
+            "store log resized after a checkpoint"
+        );
+        self.file = file;
+        self.pages = self.wanted_pages;
+        self.next_page = 1;
+        Ok(())
     }
 
     /// The sequence number a checkpoint covers the log through: the last
@@ -350,11 +551,6 @@ impl Wal {
     /// Pages not yet used in this cycle.
     pub fn free_pages(&self) -> u64 {
         self.pages - self.next_page
-    }
-
-    /// The log's file (for messages).
-    pub fn path(&self) -> &Path {
-        &self.path
     }
 }
 
@@ -471,7 +667,7 @@ mod tests {
             wal.append(&payload(10, i)).expect("append");
         }
         // Checkpointed through 5: the next record starts the log again.
-        wal.restart();
+        wal.recover();
         assert_eq!(wal.append(&payload(10, 0xaa)).expect("append"), 6);
         drop(wal);
         let (wal, got) = Wal::open(&path, 7, 8, 5).expect("reopen");
@@ -503,25 +699,140 @@ mod tests {
         assert_eq!(got.iter().map(|r| r.seq).collect::<Vec<_>>(), vec![1, 2]);
     }
 
+    /// The log file's bytes, to check that a refused open changed nothing.
+    fn image(path: &Path) -> Vec<u8> {
+        std::fs::read(path).expect("read log")
+    }
+
     #[test]
-    fn a_log_of_another_store_or_size_is_replaced() {
-        let tmp = temp("other");
-        let dir = tmp.path().to_path_buf();
-        let path = dir.join("log");
-        let (mut wal, _) = Wal::open(&path, 7, 8, 0).expect("open");
-        wal.append(&payload(10, 1)).expect("append");
-        drop(wal);
-        let (_, got) = Wal::open(&path, 8, 8, 0).expect("other store");
-        assert!(got.is_empty(), "records of store 7 must not reach store 8");
-        let (mut wal, _) = Wal::open(&path, 8, 8, 0).expect("reopen");
-        wal.append(&payload(10, 1)).expect("append");
-        drop(wal);
-        let (_, got) = Wal::open(&path, 8, 16, 0).expect("other size");
-        assert!(got.is_empty());
-        assert_eq!(
-            std::fs::metadata(&path).expect("stat").len(),
-            16 * PAGE,
-            "recreated at the new size"
+    fn a_damaged_header_is_refused_and_the_file_left_alone() {
+        for (at, what) in [
+            (3, "magic"),
+            (9, "page count"),
+            (17, "store id"),
+            (25, "crc"),
+        ] {
+            let (_tmp, path) = log_of_four(&format!("header-{what}"));
+            flip(&path, at);
+            let before = image(&path);
+            let err = Wal::open(&path, 7, 16, 0).expect_err(what);
+            assert!(matches!(err, WalError::Header { .. }), "{what}: {err}");
+            assert!(err.to_string().contains("damaged header"), "{err}");
+            assert_eq!(
+                image(&path),
+                before,
+                "{what}: a refused open writes nothing"
+            );
+            // Mended, it opens with every record.
+            flip(&path, at);
+            let (_, got) = Wal::open(&path, 7, 16, 0).expect("mended");
+            assert_eq!(got.len(), 4, "{what}");
+        }
+    }
+
+    #[test]
+    fn a_log_of_another_store_is_refused() {
+        let (_tmp, path) = log_of_four("foreign");
+        let before = image(&path);
+        let err = Wal::open(&path, 8, 16, 0).expect_err("another store's log");
+        assert!(
+            matches!(
+                err,
+                WalError::Foreign {
+                    found: 7,
+                    expected: 8,
+                    ..
+                }
+            ),
+            "{err}"
         );
+        assert_eq!(image(&path), before);
+    }
+
+    #[test]
+    fn a_truncated_or_missing_log_is_refused_once_the_database_used_it() {
+        let (_tmp, path) = log_of_four("short");
+        let file = OpenOptions::new().write(true).open(&path).expect("open");
+        file.set_len(15 * PAGE).expect("truncate");
+        drop(file);
+        let err = Wal::open(&path, 7, 16, 0).expect_err("short log");
+        assert!(matches!(err, WalError::Header { .. }), "{err}");
+        std::fs::remove_file(&path).expect("remove");
+        let err = Wal::open(&path, 7, 16, 3).expect_err("missing log");
+        assert!(matches!(err, WalError::Missing { after: 3, .. }), "{err}");
+        assert!(!path.exists(), "a refused open creates nothing");
+        // A database that never applied a record starts a new log.
+        let (_, got) = Wal::open(&path, 7, 16, 0).expect("new log");
+        assert!(got.is_empty());
+        assert_eq!(std::fs::metadata(&path).expect("stat").len(), 16 * PAGE);
+        assert!(!temp_path(&path).exists(), "the temporary name is gone");
+    }
+
+    #[test]
+    fn a_first_record_newer_than_the_database_expects_is_refused() {
+        // Records 1..=4 were checkpointed (the database says 4), the log was
+        // restarted and record 5 written; then the database lost that
+        // checkpoint and says 2.
+        let tmp = temp("behind");
+        let path = tmp.path().join("log");
+        let (mut wal, _) = Wal::open(&path, 7, 16, 0).expect("open");
+        for i in 0..4u8 {
+            wal.append(&payload(100, i)).expect("append");
+        }
+        wal.recover();
+        assert_eq!(wal.append(&payload(100, 9)).expect("append"), 5);
+        drop(wal);
+        let err = Wal::open(&path, 7, 16, 2).expect_err("database behind the log");
+        assert!(
+            matches!(
+                err,
+                WalError::Behind {
+                    found: 5,
+                    after: 2,
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        // The database at 4 replays record 5 only.
+        let (_, got) = Wal::open(&path, 7, 16, 4).expect("consistent");
+        assert_eq!(got.iter().map(|r| r.seq).collect::<Vec<_>>(), vec![5]);
+    }
+
+    #[test]
+    fn a_log_of_another_size_replays_then_resizes() {
+        let (_tmp, path) = log_of_four("resize");
+        // Asked for 32 pages: the 16-page log still replays whole.
+        let (mut wal, got) = Wal::open(&path, 7, 32, 0).expect("open at its own size");
+        assert_eq!(got.len(), 4);
+        assert_eq!(std::fs::metadata(&path).expect("stat").len(), 16 * PAGE);
+        // After the store's checkpoint through 4, the log takes the new size.
+        wal.resize().expect("resize");
+        assert_eq!(std::fs::metadata(&path).expect("stat").len(), 32 * PAGE);
+        assert_eq!(wal.free_pages(), 31);
+        assert_eq!(wal.append(&payload(10, 1)).expect("append"), 5);
+        drop(wal);
+        let (_, got) = Wal::open(&path, 7, 32, 4).expect("reopen");
+        assert_eq!(got.iter().map(|r| r.seq).collect::<Vec<_>>(), vec![5]);
+    }
+
+    #[test]
+    fn after_a_failed_append_recovery_skips_the_failed_number() {
+        let (_tmp, path) = log_of_four("recover");
+        let (mut wal, _) = Wal::open(&path, 7, 16, 0).expect("open");
+        // Stand in for a failed write or sync of record 5.
+        wal.failed = true;
+        assert!(matches!(wal.append(&payload(10, 1)), Err(WalError::Failed)));
+        assert_eq!(
+            wal.covered_through(),
+            5,
+            "a checkpoint covers the failed one"
+        );
+        wal.recover();
+        assert!(!wal.failed());
+        assert_eq!(wal.append(&payload(10, 2)).expect("append"), 6);
+        drop(wal);
+        let (_, got) = Wal::open(&path, 7, 16, 5).expect("reopen");
+        assert_eq!(got.iter().map(|r| r.seq).collect::<Vec<_>>(), vec![6]);
     }
 }

@@ -1,0 +1,164 @@
+//! How the store's operations are written into a log record, and read back.
+//!
+//! Why its own format and not JSON: a record is written on every commit (a
+//! CNI ADD's path), so it is a flat byte layout with length prefixes, and
+//! decoding refuses anything that does not parse whole instead of guessing.
+
+use super::StoreError;
+
+/// A table of JSON records.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Table {
+    Allocations = 1,
+    Endpoints = 2,
+    Lb = 3,
+    Delegated = 4,
+}
+
+impl Table {
+    fn from_byte(b: u8) -> Option<Self> {
+        [
+            Table::Allocations,
+            Table::Endpoints,
+            Table::Lb,
+            Table::Delegated,
+        ]
+        .into_iter()
+        .find(|t| *t as u8 == b)
+    }
+}
+
+/// One change to the database, as the log records it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(super) enum Op {
+    /// Insert or replace a record.
+    Put {
+        table: Table,
+        key: String,
+        value: Vec<u8>,
+    },
+    /// Remove a record; absent is fine.
+    Remove { table: Table, key: String },
+    /// Raise the generation high-water mark (it never goes down).
+    Generation(u64),
+}
+
+const OP_PUT: u8 = 1;
+const OP_REMOVE: u8 = 2;
+const OP_GENERATION: u8 = 3;
+
+/// Encodes operations as a log payload: per operation a tag byte, then the
+/// table byte and length-prefixed (u32 LE) key and value, or the generation
+/// (u64 LE).
+pub(super) fn encode(ops: &[Op]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(512);
+    let bytes = |out: &mut Vec<u8>, b: &[u8]| {
+        out.extend_from_slice(&(b.len() as u32).to_le_bytes());
+        out.extend_from_slice(b);
+    };
+    for op in ops {
+        match op {
+            Op::Put { table, key, value } => {
+                out.extend_from_slice(&[OP_PUT, *table as u8]);
+                bytes(&mut out, key.as_bytes());
+                bytes(&mut out, value);
+            }
+            Op::Remove { table, key } => {
+                out.extend_from_slice(&[OP_REMOVE, *table as u8]);
+                bytes(&mut out, key.as_bytes());
+            }
+            Op::Generation(g) => {
+                out.push(OP_GENERATION);
+                out.extend_from_slice(&g.to_le_bytes());
+            }
+        }
+    }
+    out
+}
+
+/// Decodes a log payload written by [`encode`].
+pub(super) fn decode_ops(seq: u64, mut data: &[u8]) -> Result<Vec<Op>, StoreError> {
+    let bad = |reason| StoreError::LogRecord { seq, reason };
+    fn take<'a>(data: &mut &'a [u8], n: usize) -> Option<&'a [u8]> {
+        let (head, rest) = data.split_at_checked(n)?;
+        *data = rest;
+        Some(head)
+    }
+    fn sized<'a>(data: &mut &'a [u8]) -> Option<&'a [u8]> {
+        let len = u32::from_le_bytes(take(data, 4)?.try_into().ok()?);
+        take(data, len as usize)
+    }
+    let mut ops = Vec::new();
+    while let Some(tag) = take(&mut data, 1) {
+        let op = match tag[0] {
+            OP_GENERATION => {
+                let g = take(&mut data, 8).ok_or_else(|| bad("truncated generation"))?;
+                Op::Generation(u64::from_le_bytes(g.try_into().expect("8 bytes")))
+            }
+            t @ (OP_PUT | OP_REMOVE) => {
+                let table = take(&mut data, 1)
+                    .and_then(|b| Table::from_byte(b[0]))
+                    .ok_or_else(|| bad("unknown table"))?;
+                let key = sized(&mut data).ok_or_else(|| bad("truncated key"))?;
+                let key = std::str::from_utf8(key)
+                    .map_err(|_| bad("key is not UTF-8"))?
+                    .to_string();
+                if t == OP_PUT {
+                    let value = sized(&mut data).ok_or_else(|| bad("truncated value"))?;
+                    Op::Put {
+                        table,
+                        key,
+                        value: value.to_vec(),
+                    }
+                } else {
+                    Op::Remove { table, key }
+                }
+            }
+            _ => return Err(bad("unknown operation")),
+        };
+        ops.push(op);
+    }
+    Ok(ops)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn log_payloads_round_trip_and_garbage_is_refused() {
+        let ops = vec![
+            Op::Put {
+                table: Table::Endpoints,
+                key: "c1\u{1f}eth0".into(),
+                value: b"{\"a\":1}".to_vec(),
+            },
+            Op::Remove {
+                table: Table::Allocations,
+                key: String::new(),
+            },
+            Op::Generation(u64::MAX),
+            Op::Put {
+                table: Table::Lb,
+                key: "state".into(),
+                value: Vec::new(),
+            },
+        ];
+        assert_eq!(decode_ops(1, &encode(&ops)).expect("decode"), ops);
+        let bytes = encode(&ops);
+        for cut in 1..bytes.len() {
+            // Every truncation inside an operation is refused, never misread.
+            if let Ok(got) = decode_ops(1, &bytes[..cut]) {
+                assert!(ops.starts_with(&got), "cut {cut}: {got:?}");
+            }
+        }
+        for bad in [
+            &[9u8][..],
+            &[OP_PUT, 9],
+            &[OP_REMOVE, 1, 2, 0, 0, 0, 0xff, 0xfe],
+        ] {
+            let err = decode_ops(7, bad).expect_err("garbage");
+            assert!(err.to_string().contains("record 7"), "{err}");
+        }
+    }
+}
