@@ -126,6 +126,22 @@ pub enum Command {
     /// Read the pinned maps.
     #[command(subcommand)]
     Maps(MapsCommand),
+    /// Operator tools for the store (with the agent stopped).
+    #[command(subcommand)]
+    Store(StoreCommand),
+}
+
+/// `lockstep store ...`.
+#[derive(Debug, Subcommand)]
+pub enum StoreCommand {
+    /// Move a log the agent refuses aside and start an empty one; commits
+    /// after the database's last checkpoint are given up (docs/store.md,
+    /// "Recovery"). The agent must be stopped.
+    ResetLog {
+        /// The agent's state directory.
+        #[arg(long, default_value = "/var/lib/lockstep")]
+        state_dir: PathBuf,
+    },
 }
 
 /// Output format.
@@ -605,6 +621,19 @@ pub fn run(cli: Cli) -> anyhow::Result<i32> {
             Ok(0)
         }
         Command::Datapath(cmd) => datapath(cmd),
+        Command::Store(StoreCommand::ResetLog { state_dir }) => {
+            let (moved, applied) = crate::store::Store::reset_log(&state_dir)?;
+            match moved {
+                Some(old) => println!(
+                    "moved the store log to {}; a new one is in place; the database holds every record up to {applied}, later records of the old log are not applied",
+                    old.display()
+                ),
+                None => println!(
+                    "there was no store log; a new one is in place; the database holds every record up to {applied}"
+                ),
+            }
+            Ok(0)
+        }
         Command::Maps(MapsCommand::Dump { pins, output }) => {
             let maps = PinnedMaps::open(&pins.pin_root)?;
             let dump = dump_maps(&maps)?;

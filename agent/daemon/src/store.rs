@@ -86,6 +86,12 @@ pub enum StoreError {
         /// The database file.
         path: PathBuf,
     },
+    /// There is no database to act on.
+    #[error("there is no store at {path}")]
+    NoStore {
+        /// The database file looked for.
+        path: PathBuf,
+    },
     /// The database could not be opened or repaired.
     #[error("cannot open the store {path}; it is left as it is (see docs/store.md, \"Recovery\")")]
     Open {
@@ -465,6 +471,42 @@ impl Store {
             inner.wal.resize()?;
         }
         Ok(store)
+    }
+
+    /// The operator's way out of a log the store refuses (damaged, of
+    /// another store, or missing): with the agent stopped, moves the log at
+    /// `dir` aside (kept, named `lockstep.wal.discarded-<unix seconds>`) and
+    /// starts a new, empty one for the database. Whatever the old log held
+    /// beyond the database's last checkpoint is not applied. Returns where
+    /// the old log went (`None` when there was none) and the last record the
+    /// database has.
+    ///
+    /// # Errors
+    /// The database cannot be opened (held by a running agent, damaged), or
+    /// the files cannot be moved or written.
+    pub fn reset_log(dir: &Path) -> Result<(Option<PathBuf>, u64), StoreError> {
+        let path = dir.join(DB_FILE);
+        if !path.exists() {
+            return Err(StoreError::NoStore { path });
+        }
+        let database = db::open(&path)?;
+        let (store_id, log_seq) = db::identity(&database, &path)?;
+        let log = dir.join(LOG_FILE);
+        let moved = if log.exists() {
+            let secs = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs());
+            let aside = dir.join(format!("{LOG_FILE}.discarded-{secs}"));
+            std::fs::rename(&log, &aside).map_err(|source| StoreError::Dir {
+                path: aside.clone(),
+                source,
+            })?;
+            Some(aside)
+        } else {
+            None
+        };
+        wal::Wal::create(&log, store_id, LOG_PAGES)?;
+        Ok((moved, log_seq))
     }
 
     /// The database file.
@@ -924,6 +966,31 @@ mod tests {
             std::fs::metadata(dir.join(LOG_FILE)).expect("stat").len(),
             LOG_PAGES * wal::PAGE
         );
+    }
+
+    #[test]
+    fn reset_log_moves_a_refused_log_aside_and_keeps_the_checkpointed_state() {
+        let tmp = temp_dir("reset");
+        let dir = tmp.path().join("state");
+        let store = Store::open(&dir).expect("open");
+        let kept = alloc("10.0.9.1", "k1", 1);
+        store.put(&kept, Generation(1)).expect("put");
+        store.checkpoint().expect("checkpoint");
+        store
+            .put(&alloc("10.0.9.2", "k2", 2), Generation(2))
+            .expect("put");
+        store.crash();
+        flip(&dir.join(LOG_FILE), 20);
+        assert!(Store::open(&dir).is_err(), "refused");
+        let (moved, applied) = Store::reset_log(&dir).expect("reset");
+        let moved = moved.expect("there was a log");
+        assert!(moved.exists(), "the old log is kept for inspection");
+        assert!(applied > 0);
+        let store = Store::open(&dir).expect("opens after the reset");
+        assert_eq!(store.load().expect("load").allocations, vec![kept]);
+        drop(store);
+        let err = Store::reset_log(&tmp.path().join("nothing")).expect_err("no store");
+        assert!(matches!(err, StoreError::NoStore { .. }), "{err}");
     }
 
     #[test]

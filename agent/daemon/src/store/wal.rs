@@ -486,6 +486,21 @@ impl Wal {
         self.failed = true;
     }
 
+    /// Writes a new, empty log at `path` (over whatever is there, which the
+    /// caller has moved aside).
+    ///
+    /// # Errors
+    /// It could not be written, synced or renamed into place.
+    pub fn create(path: &Path, store_id: u64, pages: u64) -> Result<(), WalError> {
+        create_file(path, store_id, pages)
+            .map(drop)
+            .map_err(|source| WalError::Io {
+                path: path.to_path_buf(),
+                action: "create",
+                source,
+            })
+    }
+
     /// Whether an append failed since the last [`Wal::recover`].
     pub fn failed(&self) -> bool {
         self.failed
