@@ -6,6 +6,8 @@
 //! - `test`: formatting, lints, purity of the core, unit tests, then the
 //!   root-only integration tests.
 //! - `bench <suite>`: benchmarks with medians.
+//! - `crash <suite> <rounds>`: the long forms of the crash tests (CI runs
+//!   them bounded): `startup` (kills aimed at start-up), `power` (power cuts).
 //! - `demo`: a sandbox node made of network namespaces.
 
 mod setup;
@@ -45,6 +47,18 @@ enum Task {
     Bench {
         /// The suite.
         suite: String,
+    },
+    /// Run a crash test in its long form: `startup` (SIGKILL at the k-th
+    /// write to the database during start-up) or `power` (power cuts on a
+    /// file system that drops unsynced writes).
+    Crash {
+        /// The suite: startup or power.
+        suite: String,
+        /// How many rounds (kills or cuts).
+        rounds: usize,
+        /// startup: the largest k (the kill lands at a write from 1 to k).
+        #[arg(long, default_value_t = 40)]
+        max_k: u64,
     },
     /// Set up and run the demo node.
     Demo {
@@ -265,6 +279,38 @@ fn bench(suite: &str) -> anyhow::Result<()> {
     }
 }
 
+/// The long form of a crash test: the same test CI runs bounded, with more
+/// rounds, its output (figures at the end) shown.
+fn crash(suite: &str, rounds: usize, max_k: u64) -> anyhow::Result<()> {
+    let (test, vars) = match suite {
+        "startup" => (
+            "startup_kill",
+            vec![
+                ("LOCKSTEP_STARTUP_KILLS", rounds.to_string()),
+                ("LOCKSTEP_STARTUP_KILL_MAX_K", max_k.to_string()),
+            ],
+        ),
+        "power" => (
+            "power_loss",
+            vec![("LOCKSTEP_POWER_CUTS", rounds.to_string())],
+        ),
+        other => bail!("unknown crash suite {other}; known: startup, power"),
+    };
+    let bin = stage_agent_with_shipped_plugin()?;
+    run(cargo()
+        .args([
+            "test",
+            "-p",
+            "lockstep-tests",
+            "--test",
+            test,
+            "--",
+            "--nocapture",
+        ])
+        .env("LOCKSTEP_BIN", &bin)
+        .envs(vars))
+}
+
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     match cli.task {
@@ -288,6 +334,11 @@ fn main() -> anyhow::Result<()> {
         Task::CheckCore => check_core(),
         Task::Test { no_setup, filter } => test(no_setup, filter),
         Task::Bench { suite } => bench(&suite),
+        Task::Crash {
+            suite,
+            rounds,
+            max_k,
+        } => crash(&suite, rounds, max_k),
         Task::Demo { no_setup } => {
             if !no_setup {
                 setup::setup()?;

@@ -19,6 +19,8 @@ const PACKAGES: &[&str] = &[
     "iputils-ping",
     "iputils-arping",
     "tcpdump",
+    // The start-up kill test stops the agent at its k-th write with strace.
+    "strace",
     "util-linux",
     "containernetworking-plugins",
     "podman",
