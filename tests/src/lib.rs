@@ -428,6 +428,19 @@ impl AgentProc {
     }
 
     fn spawn(&mut self) -> anyhow::Result<()> {
+        self.spawn_under::<[&str; 0], &str>([])
+    }
+
+    /// Starts the agent process (not waiting for ready) with `wrapper` in
+    /// front of it, for example `strace` to kill it at a chosen syscall.
+    ///
+    /// # Errors
+    /// The log could not be opened or the process not started.
+    pub fn spawn_under<I, S>(&mut self, wrapper: I) -> anyhow::Result<()>
+    where
+        I: IntoIterator<Item = S>,
+        S: AsRef<OsStr>,
+    {
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
@@ -435,6 +448,7 @@ impl AgentProc {
         let child = Command::new("nsenter")
             .arg(format!("--net={}", self.netns.display()))
             .arg("--")
+            .args(wrapper)
             .arg(lockstep_bin())
             .args(["agent", "--config"])
             .arg(&self.config)

@@ -235,3 +235,28 @@ pub(super) fn log_seq(db: &Database) -> u64 {
     let meta = txn.open_table(META).expect("meta");
     meta.get(LOG_SEQ).expect("get").map_or(0, |v| v.value())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_panic_inside_the_storage_library_is_returned_not_raised() {
+        let path = Path::new("/nowhere/lockstep.redb");
+        let err = guarded::<()>(path, "open", || panic!("entered unreachable code"))
+            .expect_err("a caught panic is an error");
+        assert!(
+            matches!(
+                &err,
+                StoreError::Panicked { action: "open", message, .. }
+                    if message == "entered unreachable code"
+            ),
+            "{err}"
+        );
+        assert!(err.needs_operator());
+        assert!(err.to_string().contains("docs/store.md"), "{err}");
+        let fmt = guarded::<()>(path, "checkpoint", || panic!("index {} out of range", 7))
+            .expect_err("formatted panic");
+        assert!(fmt.to_string().contains("index 7 out of range"), "{fmt}");
+    }
+}
