@@ -16,6 +16,8 @@ use std::sync::atomic::{AtomicU32, Ordering};
 
 use anyhow::{Context, bail};
 
+pub mod lossyfs;
+
 static COUNTER: AtomicU32 = AtomicU32::new(0);
 
 /// A short name unique to this process and call.

@@ -21,6 +21,9 @@ const PACKAGES: &[&str] = &[
     "tcpdump",
     // The start-up kill test stops the agent at its k-th write with strace.
     "strace",
+    // fusermount3, through which the power-loss tests' FUSE file system
+    // (lossyfs) mounts and is unmounted even if it dies.
+    "fuse3",
     "util-linux",
     "containernetworking-plugins",
     "podman",
