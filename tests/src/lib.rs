@@ -367,6 +367,26 @@ impl Drop for TempDir {
     }
 }
 
+/// Every process below `pid` (children first found through
+/// `/proc/PID/task/*/children`), deepest last.
+pub fn descendants(pid: u32) -> Vec<u32> {
+    let mut out = Vec::new();
+    let mut queue = vec![pid];
+    while let Some(p) = queue.pop() {
+        let Ok(tasks) = std::fs::read_dir(format!("/proc/{p}/task")) else {
+            continue;
+        };
+        for task in tasks.filter_map(Result::ok) {
+            let children = std::fs::read_to_string(task.path().join("children")).unwrap_or_default();
+            for child in children.split_whitespace().filter_map(|c| c.parse().ok()) {
+                out.push(child);
+                queue.push(child);
+            }
+        }
+    }
+    out
+}
+
 /// A `lockstep agent` process in a node namespace, with its own state
 /// directory, socket and pin root. Killed (and its pins removed) on drop.
 #[derive(Debug)]
@@ -520,6 +540,12 @@ impl AgentProc {
     /// SIGKILL, as a crash would.
     pub fn kill9(&mut self) {
         if let Some(mut child) = self.child.take() {
+            // The agent may run under a wrapper (strace): kill what runs
+            // beneath first, since a killed tracer leaves its tracee running.
+            for pid in descendants(child.id()) {
+                // SAFETY: plain kill(2) on a process of our own tree.
+                unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+            }
             let _ = child.kill();
             let _ = child.wait();
         }

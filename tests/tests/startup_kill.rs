@@ -177,9 +177,35 @@ fn tail(text: &str, lines: usize) -> String {
     all[all.len().saturating_sub(lines)..].join("\n")
 }
 
+/// Processes whose command line names this agent's config: none may be
+/// left once it was killed (a killed strace leaves its tracee running).
+fn strays(agent: &AgentProc) -> Vec<String> {
+    let config = agent.config.to_string_lossy().into_owned();
+    std::fs::read_dir("/proc")
+        .into_iter()
+        .flatten()
+        .filter_map(Result::ok)
+        .filter_map(|e| {
+            let cmd = std::fs::read(e.path().join("cmdline")).ok()?;
+            let cmd = String::from_utf8_lossy(&cmd).replace('\0', " ");
+            cmd.contains(&config)
+                .then(|| format!("{}: {cmd}", e.file_name().to_string_lossy()))
+        })
+        .collect()
+}
+
 /// Starts the agent under strace, which kills it at its `k`-th write to the
 /// database; returns whether the kill landed before the agent was ready.
+/// Either way nothing of it runs afterwards.
 fn start_killed_at_write(agent: &mut AgentProc, k: u64) -> anyhow::Result<bool> {
+    let landed = run_killed_at_write(agent, k);
+    agent.kill9();
+    let left = strays(agent);
+    ensure!(left.is_empty(), "processes left after the kill: {left:?}");
+    landed
+}
+
+fn run_killed_at_write(agent: &mut AgentProc, k: u64) -> anyhow::Result<bool> {
     let db = agent.dir.path().join("state").join("lockstep.redb");
     let inject = format!("inject={WRITES}:signal=KILL:when={k}");
     agent.spawn_under([
@@ -198,14 +224,12 @@ fn start_killed_at_write(agent: &mut AgentProc, k: u64) -> anyhow::Result<bool> 
     let started = Instant::now();
     while started.elapsed() < Duration::from_secs(30) {
         if agent.exited()?.is_some() {
-            agent.kill9();
             return Ok(true);
         }
         if agent
             .status_json()
             .is_some_and(|s| s["ready"].as_bool() == Some(true))
         {
-            agent.kill9();
             return Ok(false);
         }
         std::thread::sleep(Duration::from_millis(5));
