@@ -16,6 +16,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 
 use anyhow::{Context, bail};
 
+pub mod ledger;
 pub mod lossyfs;
 
 static COUNTER: AtomicU32 = AtomicU32::new(0);
