@@ -311,23 +311,30 @@ impl std::fmt::Debug for Store {
     }
 }
 
+/// The database in `slot`, opened again if it failed (a free function so
+/// the caller can borrow the other fields of [`Inner`] beside it).
+fn reopened<'a>(slot: &'a mut Option<Database>, path: &Path) -> Result<&'a Database, StoreError> {
+    if slot.is_none() {
+        *slot = Some(db::open(path)?);
+        tracing::info!(path = %path.display(), "store database re-opened");
+    }
+    Ok(slot.as_ref().expect("just opened"))
+}
+
 impl Inner {
     /// The database, opened again if it failed.
     fn db(&mut self, path: &Path) -> Result<&Database, StoreError> {
-        if self.db.is_none() {
-            self.db = Some(db::open(path)?);
-            tracing::info!(path = %path.display(), "store database re-opened");
-        }
-        Ok(self.db.as_ref().expect("just opened"))
+        reopened(&mut self.db, path)
     }
 
-    /// Remembers the first cause of a failure.
-    fn fail(&mut self, e: &StoreError) {
+    /// Remembers the first cause of a failure and returns the error.
+    fn failed(&mut self, e: StoreError) -> StoreError {
         if self.failure.is_none() {
-            let cause = chain(e);
+            let cause = chain(&e);
             tracing::error!(error = %cause, "the store cannot commit; retrying on the next request");
             self.failure = Some(cause);
         }
+        e
     }
 
     /// Whether a checkpoint must run although nothing is pending: after a
@@ -347,13 +354,8 @@ impl Inner {
             return Ok(());
         }
         let covered = self.wal.covered_through();
-        let applied = match self.db(path) {
-            Ok(_) => {
-                let db = self.db.as_ref().expect("opened");
-                db::apply(db, path, self.pending.iter().chain(extra), covered)
-            }
-            Err(e) => Err(e),
-        };
+        let applied = reopened(&mut self.db, path)
+            .and_then(|db| db::apply(db, path, self.pending.iter().chain(extra), covered));
         if let Err(e) = applied {
             self.db = None;
             return Err(match self.failure.clone() {
@@ -361,10 +363,7 @@ impl Inner {
                     cause,
                     source: Box::new(e),
                 },
-                None => {
-                    self.fail(&e);
-                    e
-                }
+                None => self.failed(e),
             });
         }
         self.pending.clear();
@@ -377,11 +376,10 @@ impl Inner {
 
     /// Appends one record, remembering a failure.
     fn append(&mut self, payload: &[u8]) -> Result<(), StoreError> {
-        self.wal.append(payload).map(drop).map_err(|e| {
-            let e = StoreError::Log(e);
-            self.fail(&e);
-            e
-        })
+        match self.wal.append(payload) {
+            Ok(_) => Ok(()),
+            Err(e) => Err(self.failed(StoreError::Log(e))),
+        }
     }
 }
 
@@ -566,11 +564,7 @@ impl Store {
                 inner.append(&payload)?;
             }
             Err(wal::WalError::TooBig { .. }) => return inner.checkpoint(&self.path, &ops),
-            Err(e) => {
-                let e = StoreError::Log(e);
-                inner.fail(&e);
-                return Err(e);
-            }
+            Err(e) => return Err(inner.failed(StoreError::Log(e))),
         }
         inner.pending.extend(ops);
         if inner.wal.free_pages() < inner.checkpoint_below
