@@ -378,7 +378,8 @@ pub fn descendants(pid: u32) -> Vec<u32> {
             continue;
         };
         for task in tasks.filter_map(Result::ok) {
-            let children = std::fs::read_to_string(task.path().join("children")).unwrap_or_default();
+            let children =
+                std::fs::read_to_string(task.path().join("children")).unwrap_or_default();
             for child in children.split_whitespace().filter_map(|c| c.parse().ok()) {
                 out.push(child);
                 queue.push(child);
@@ -402,6 +403,19 @@ pub struct AgentProc {
     netns: PathBuf,
 }
 
+/// How [`AgentProc::launch`] starts an agent.
+#[derive(Clone, Debug, Default)]
+pub struct AgentOptions {
+    /// TOML appended to the generated config: pools etc., and `[datapath]`
+    /// keys, which are merged with the generated pin root.
+    pub extra: String,
+    /// The state directory; `None` puts it inside the agent's own scratch
+    /// directory.
+    pub state_dir: Option<PathBuf>,
+    /// Return as soon as the process runs, ready or not.
+    pub unready: bool,
+}
+
 impl AgentProc {
     /// Writes a config (paths filled in, `extra` TOML appended: pools etc.)
     /// and starts the agent; returns once it reports ready.
@@ -409,12 +423,35 @@ impl AgentProc {
     /// # Errors
     /// It did not become ready within 20 s.
     pub fn start(node: &Netns, extra: &str) -> anyhow::Result<Self> {
+        Self::launch(
+            node,
+            &AgentOptions {
+                extra: extra.to_string(),
+                ..AgentOptions::default()
+            },
+        )
+    }
+
+    /// Writes a config (the agent's own scratch directory holds it, its
+    /// socket and its log; the state directory is `options.state_dir` or in
+    /// there too) and starts the agent; unless `options.unready`, returns once
+    /// it reports ready.
+    ///
+    /// # Errors
+    /// The config could not be written, the process not started, or it did
+    /// not become ready within 20 s.
+    pub fn launch(node: &Netns, options: &AgentOptions) -> anyhow::Result<Self> {
         let dir = TempDir::new("agent")?;
         let pins = PinRoot::new();
         let config = dir.path().join("config.toml");
+        let extra = &options.extra;
+        let state = options
+            .state_dir
+            .clone()
+            .unwrap_or_else(|| dir.path().join("state"));
         let text = format!(
             "state_dir = \"{state}\"\nsocket = \"{sock}\"\nmetrics_addr = \"127.0.0.1:0\"\n{extra}\n[datapath]\npin_root = \"{pins}\"\n",
-            state = dir.path().join("state").display(),
+            state = state.display(),
             sock = dir.path().join("api.sock").display(),
             pins = pins.path().display(),
         );
@@ -441,7 +478,9 @@ impl AgentProc {
             netns: node.path(),
         };
         agent.spawn()?;
-        agent.wait_ready()?;
+        if !options.unready {
+            agent.wait_ready()?;
+        }
         Ok(agent)
     }
 
@@ -565,6 +604,17 @@ impl AgentProc {
         Ok(Some(child.wait()?))
     }
 
+    /// SIGKILLs the agent (if it runs) and starts it again on the same state
+    /// and pins, without waiting for ready: for tests that crash it during
+    /// start-up ([`AgentProc::wait_ready`] waits).
+    ///
+    /// # Errors
+    /// The process could not be started.
+    pub fn respawn(&mut self) -> anyhow::Result<()> {
+        self.kill9();
+        self.spawn()
+    }
+
     /// Starts the agent again on the same state and pins; waits for ready and
     /// returns how long that took.
     ///
@@ -626,25 +676,14 @@ impl AgentProc {
     /// # Errors
     /// Writing the config or spawning failed.
     pub fn spawn_unready(node: &Netns, extra: &str) -> anyhow::Result<Self> {
-        let dir = TempDir::new("agent")?;
-        let pins = PinRoot::new();
-        let config = dir.path().join("config.toml");
-        let text = format!(
-            "state_dir = \"{state}\"\nsocket = \"{sock}\"\nmetrics_addr = \"127.0.0.1:0\"\n{extra}\n[datapath]\npin_root = \"{pins}\"\n",
-            state = dir.path().join("state").display(),
-            sock = dir.path().join("api.sock").display(),
-            pins = pins.path().display(),
-        );
-        std::fs::write(&config, text)?;
-        let mut agent = Self {
-            child: None,
-            dir,
-            pins,
-            config,
-            netns: node.path(),
-        };
-        agent.spawn()?;
-        Ok(agent)
+        Self::launch(
+            node,
+            &AgentOptions {
+                extra: extra.to_string(),
+                unready: true,
+                ..AgentOptions::default()
+            },
+        )
     }
 
     /// Status as JSON, ready or not (`None` while the socket does not answer).
