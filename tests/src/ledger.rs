@@ -161,6 +161,13 @@ impl Gate {
         }
     }
 
+    /// Stops new requests without waiting for the ones in flight: before a
+    /// crash, so that clients whose request it cuts short do not spin on a
+    /// socket nobody listens on ([`Gate::pause`] then waits for them).
+    pub fn hold(&self) {
+        lock(&self.state).running = false;
+    }
+
     /// Lets the clients run.
     pub fn resume(&self) {
         lock(&self.state).running = true;
