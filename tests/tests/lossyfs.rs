@@ -7,7 +7,7 @@
 use std::fs::{File, OpenOptions};
 use std::io::{ErrorKind, Write};
 use std::os::fd::AsRawFd;
-use std::os::unix::fs::FileExt;
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::os::unix::process::ExitStatusExt;
 use std::path::Path;
 use std::process::{Command, Stdio};
@@ -80,6 +80,23 @@ fn fsynced_data_survives_a_cut_and_unsynced_changes_vanish() -> anyhow::Result<(
         stats.cuts == 1 && stats.fsyncs >= 2 && stats.fsyncdirs == 1,
         "{stats:?}"
     );
+    Ok(())
+}
+
+#[test]
+fn a_write_through_an_o_dsync_descriptor_is_durable_when_it_returns() -> anyhow::Result<()> {
+    privileged!();
+    let fs = mount()?;
+    let path = fs.path().join("dsync");
+    drop(write_synced(&path, b"")?);
+    sync_dir(fs.path())?;
+    let f = OpenOptions::new()
+        .write(true)
+        .custom_flags(libc::O_DSYNC)
+        .open(&path)?;
+    f.write_all_at(b"synchronous", 0)?;
+    fs.cut(Cut::Drop)?;
+    ensure!(std::fs::read(&path)? == b"synchronous");
     Ok(())
 }
 

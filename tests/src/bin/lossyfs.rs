@@ -17,7 +17,8 @@
 //!   hide a write from a cut nor show a dropped one afterwards. Attributes
 //!   and names are cached for 0 s for the same reason.
 //! - `fsync` is implemented: were it answered `ENOSYS`, the kernel would
-//!   take every later `fsync` as a success without asking.
+//!   take every later `fsync` as a success without asking. A write through
+//!   an `O_SYNC`/`O_DSYNC` descriptor is durable when it returns.
 //! - Locks (`flock`, `fcntl`) are not implemented, so the kernel keeps them
 //!   locally, as on a local file system (redb locks its file).
 //! - One request at a time, so a cut never races a write.
@@ -404,7 +405,7 @@ impl Filesystem for LossyFs {
         offset: u64,
         data: &[u8],
         _write_flags: WriteFlags,
-        _flags: OpenFlags,
+        flags: OpenFlags,
         _lock_owner: Option<LockOwner>,
         reply: ReplyWrite,
     ) {
@@ -413,6 +414,13 @@ impl Filesystem for LossyFs {
         }
         let mut fs = self.0.fs();
         match fs.write(ino.0, fh.0, offset, data) {
+            // O_SYNC, O_DSYNC (or RWF_DSYNC): durable when it returns.
+            Ok(WriteOutcome::Written(n)) if flags.0 & (libc::O_SYNC | libc::O_DSYNC) != 0 => {
+                match fs.fsync(ino.0, fh.0) {
+                    Ok(()) => reply.written(n),
+                    Err(e) => reply.error(errno(e)),
+                }
+            }
             Ok(WriteOutcome::Written(n)) => reply.written(n),
             Ok(WriteOutcome::Fire(cut)) => {
                 let pid = self.0.kill_writer(req.pid());
