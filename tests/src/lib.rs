@@ -531,8 +531,19 @@ impl AgentProc {
     /// # Errors
     /// Not ready within 20 s, or the process exited.
     pub fn wait_ready(&mut self) -> anyhow::Result<std::time::Duration> {
+        self.wait_ready_within(std::time::Duration::from_secs(20))
+    }
+
+    /// Polls status until ready, for at most `limit`.
+    ///
+    /// # Errors
+    /// Not ready within `limit`, or the process exited.
+    pub fn wait_ready_within(
+        &mut self,
+        limit: std::time::Duration,
+    ) -> anyhow::Result<std::time::Duration> {
         let started = std::time::Instant::now();
-        while started.elapsed() < std::time::Duration::from_secs(20) {
+        while started.elapsed() < limit {
             if let Some(child) = self.child.as_mut()
                 && let Some(status) = child.try_wait()?
             {
@@ -544,7 +555,7 @@ impl AgentProc {
             }
             std::thread::sleep(std::time::Duration::from_millis(20));
         }
-        bail!("agent not ready within 20 s:\n{}", self.log())
+        bail!("agent not ready within {limit:?}:\n{}", self.log())
     }
 
     /// Runs a lockstep CLI command against this agent.

@@ -262,6 +262,7 @@ fn kills_during_start_up_lose_no_acknowledged_commit() -> anyhow::Result<()> {
     let started = Instant::now();
     let (mut killed, mut ready_first, mut changes) = (0usize, 0usize, 0usize);
     let mut killed_at = BTreeMap::<u64, usize>::new();
+    let mut slowest = Duration::ZERO;
     for round in 0..rounds {
         let n = 20 + rng.below(491) as usize;
         churn(&rt, &agent, &mut ledger, &mut rng, round, n)?;
@@ -274,16 +275,22 @@ fn kills_during_start_up_lose_no_acknowledged_commit() -> anyhow::Result<()> {
         } else {
             ready_first += 1;
         }
-        agent
-            .restart()
+        // A start is slow only when the disk is (a sync under heavy
+        // writeback from parallel builds took 24 s once): wait long, report
+        // the slowest.
+        agent.kill9();
+        agent.spawn_under::<[&str; 0], &str>([])?;
+        let took = agent
+            .wait_ready_within(Duration::from_secs(120))
             .with_context(|| format!("round {round}: start after a kill at write {k}"))?;
+        slowest = slowest.max(took);
         compare(&rt, &agent, &ledger, round, k)?;
     }
     eprintln!(
         "start-up kill test: {rounds} rounds in {:.1?}: {changes} acknowledged changes, \
          {killed} kills during start-up (by k: {killed_at:?}), {ready_first} starts that \
-         finished before their k-th write; {} allocations held at the end; 0 lost, \
-         0 unopenable",
+         finished before their k-th write; {} allocations held at the end; slowest start \
+         after a kill {slowest:?}; 0 lost, 0 unopenable",
         started.elapsed(),
         ledger.len(),
     );
