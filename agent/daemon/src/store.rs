@@ -86,6 +86,24 @@ pub enum StoreError {
         /// The database file.
         path: PathBuf,
     },
+    /// A store file could not be opened or created (a symlink planted at
+    /// its path is refused: `O_NOFOLLOW`).
+    #[error("cannot open the store file {path}")]
+    File {
+        /// The file.
+        path: PathBuf,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The state directory is not one only root can change.
+    #[error("refusing the state directory {path}: {reason}")]
+    UnsafeDir {
+        /// The directory.
+        path: PathBuf,
+        /// What is wrong with it.
+        reason: &'static str,
+    },
     /// There is no database to act on.
     #[error("there is no store at {path}")]
     NoStore {
@@ -401,16 +419,44 @@ pub fn key_of(a: &Allocation) -> String {
     format!("{}\u{1f}{family}\u{1f}{owner}", a.pool)
 }
 
+/// The effective user the agent runs as.
+fn effective_uid() -> u32 {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    unsafe { libc::geteuid() }
+}
+
 /// Creates the state directory (mode 0700) if it is missing, and makes its
 /// name durable by syncing its parent, so a power cut right after the first
-/// commits cannot take the whole directory.
+/// commits cannot take the whole directory. An existing one must be a real
+/// directory (not a symlink) that only its owner — this user — may write to:
+/// the store's files name every pod on the node and decide which addresses
+/// are free.
 fn make_dir(dir: &Path) -> Result<(), StoreError> {
+    use std::os::unix::fs::{MetadataExt as _, PermissionsExt as _};
     let err = |source| StoreError::Dir {
         path: dir.to_path_buf(),
         source,
     };
-    if dir.is_dir() {
-        return Ok(());
+    let unsafe_dir = |reason| StoreError::UnsafeDir {
+        path: dir.to_path_buf(),
+        reason,
+    };
+    match std::fs::symlink_metadata(dir) {
+        Ok(meta) if meta.file_type().is_symlink() => {
+            return Err(unsafe_dir("it is a symbolic link (give the real path)"));
+        }
+        Ok(meta) if !meta.is_dir() => return Err(unsafe_dir("it is not a directory")),
+        Ok(meta) if meta.permissions().mode() & 0o022 != 0 => {
+            return Err(unsafe_dir(
+                "group or others may write to it (chmod 0700 it)",
+            ));
+        }
+        Ok(meta) if meta.uid() != effective_uid() => {
+            return Err(unsafe_dir("another user owns it"));
+        }
+        Ok(_) => return Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(err(e)),
     }
     DirBuilder::new()
         .recursive(true)
@@ -1052,6 +1098,46 @@ mod tests {
         let mut got = store.load().expect("load").allocations;
         got.sort_by_key(key_of);
         assert_eq!(got, vec![a, b]);
+    }
+
+    #[test]
+    fn store_files_are_private_and_symlinks_are_refused() {
+        use std::os::unix::fs::PermissionsExt as _;
+        let tmp = temp_dir("files");
+        let dir = tmp.path().join("state");
+        drop(Store::open(&dir).expect("open"));
+        let mode = |p: &Path| std::fs::metadata(p).expect("stat").permissions().mode() & 0o777;
+        assert_eq!(mode(&dir), 0o700);
+        assert_eq!(mode(&dir.join(DB_FILE)), 0o600);
+        assert_eq!(mode(&dir.join(LOG_FILE)), 0o600);
+
+        // A symlinked state directory, one others may write to, and a
+        // symlink planted at the database's path are all refused.
+        let link = tmp.path().join("link");
+        std::os::unix::fs::symlink(&dir, &link).expect("symlink");
+        let err = Store::open(&link).expect_err("symlinked state dir");
+        assert!(err.to_string().contains("symbolic link"), "{err}");
+        let open_dir = tmp.path().join("open");
+        std::fs::create_dir(&open_dir).expect("mkdir");
+        std::fs::set_permissions(&open_dir, std::fs::Permissions::from_mode(0o777)).expect("chmod");
+        let err = Store::open(&open_dir).expect_err("world-writable state dir");
+        assert!(err.to_string().contains("may write"), "{err}");
+        let planted = tmp.path().join("planted");
+        std::fs::create_dir(&planted).expect("mkdir");
+        let victim = tmp.path().join("victim");
+        std::fs::write(&victim, b"precious").expect("write");
+        std::os::unix::fs::symlink(&victim, planted.join(DB_FILE)).expect("symlink");
+        let err = Store::open(&planted).expect_err("symlinked database");
+        assert!(matches!(err, StoreError::File { .. }), "{err}");
+        std::fs::remove_file(planted.join(DB_FILE)).expect("rm");
+        std::os::unix::fs::symlink(&victim, planted.join(LOG_FILE)).expect("symlink");
+        let err = Store::open(&planted).expect_err("symlinked log");
+        assert!(chain(&err).contains("store log"), "{}", chain(&err));
+        assert_eq!(
+            std::fs::read(&victim).expect("read"),
+            b"precious",
+            "never written through"
+        );
     }
 
     #[test]

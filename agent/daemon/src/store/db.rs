@@ -25,8 +25,11 @@
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::path::Path;
 
+use std::os::unix::fs::{OpenOptionsExt as _, PermissionsExt as _};
+
+use redb::backends::FileBackend;
 use redb::{
-    Database, DatabaseError, ReadableDatabase as _, ReadableTable, ReadableTableMetadata,
+    Builder, Database, DatabaseError, ReadableDatabase as _, ReadableTable, ReadableTableMetadata,
     TableDefinition,
 };
 
@@ -83,16 +86,41 @@ fn guarded<T>(
 /// Another process holds it ([`StoreError::Locked`]), it cannot be opened or
 /// repaired ([`StoreError::Open`]), or redb panicked.
 pub(super) fn open(path: &Path) -> Result<Database, StoreError> {
-    guarded(path, "open", || {
-        Database::create(path).map_err(|source| match source {
-            DatabaseError::DatabaseAlreadyOpen => StoreError::Locked {
-                path: path.to_path_buf(),
-            },
-            source => StoreError::Open {
-                path: path.to_path_buf(),
-                source: Box::new(source),
-            },
+    // Opened here, not by redb: never through a symlink planted at the
+    // path, and readable by root only (it names every pod's container).
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(path)
+        .and_then(|file| {
+            // A store made by an older version may be 0644.
+            file.set_permissions(std::fs::Permissions::from_mode(0o600))?;
+            Ok(file)
         })
+        .map_err(|source| StoreError::File {
+            path: path.to_path_buf(),
+            source,
+        })?;
+    guarded(path, "open", || {
+        let backend = FileBackend::new(file).map_err(|source| StoreError::Open {
+            path: path.to_path_buf(),
+            source: Box::new(source),
+        })?;
+        Builder::new()
+            .create_with_backend(backend)
+            .map_err(|source| match source {
+                DatabaseError::DatabaseAlreadyOpen => StoreError::Locked {
+                    path: path.to_path_buf(),
+                },
+                source => StoreError::Open {
+                    path: path.to_path_buf(),
+                    source: Box::new(source),
+                },
+            })
     })
 }
 

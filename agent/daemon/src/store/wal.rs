@@ -50,7 +50,7 @@
 //! is then never replayed, whatever reached the disk of it.
 
 use std::fs::{File, OpenOptions};
-use std::os::unix::fs::{FileExt as _, OpenOptionsExt as _};
+use std::os::unix::fs::{FileExt as _, OpenOptionsExt as _, PermissionsExt as _};
 use std::path::{Path, PathBuf};
 
 /// Size of a log page.
@@ -300,7 +300,12 @@ impl Wal {
             .custom_flags(libc::O_NOFOLLOW)
             .open(path);
         let file = match existing {
-            Ok(file) => file,
+            Ok(file) => {
+                // A log made by an older version may be 0644.
+                file.set_permissions(std::fs::Permissions::from_mode(0o600))
+                    .map_err(io("chmod"))?;
+                file
+            }
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
                 if after > 0 {
                     return Err(WalError::Missing {
