@@ -23,6 +23,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail, ensure};
 use hyper::Method;
 use lockstep::client::call;
+use lockstep_tests::ledger::Rng;
 use lockstep_tests::{AgentProc, Netns, privileged};
 use serde_json::{Value, json};
 
@@ -43,23 +44,6 @@ const WRITES: &str = "pwrite64,pwritev,pwritev2,write,writev";
 /// Above this many held allocations, rounds release more than they allocate,
 /// so the long form stays inside the pool.
 const HELD_TARGET: usize = 1500;
-
-/// splitmix64: seedable, enough to pick counts and owners.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-}
 
 fn env_usize(name: &str, default: usize) -> anyhow::Result<usize> {
     match std::env::var(name) {

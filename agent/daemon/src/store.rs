@@ -798,6 +798,7 @@ impl Drop for Store {
 
 #[cfg(test)]
 mod tests {
+    use super::wal::tests::flip;
     use super::*;
     use lockstep_core::owner::Owner;
 
@@ -934,20 +935,6 @@ mod tests {
         store.crash();
         let reopened = Store::open_with(&dir, 4, 2).expect("reopen");
         assert_eq!(reopened.load().expect("load").allocations.len(), 101);
-    }
-
-    /// Flips one byte of a file in place.
-    fn flip(path: &Path, at: u64) {
-        use std::os::unix::fs::FileExt as _;
-        let file = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open(path)
-            .expect("open");
-        let mut byte = [0u8; 1];
-        file.read_exact_at(&mut byte, at).expect("read");
-        byte[0] ^= 0x10;
-        file.write_all_at(&byte, at).expect("write");
     }
 
     /// Three commits left in the log only (a crash before any checkpoint).

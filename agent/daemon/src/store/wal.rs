@@ -575,7 +575,7 @@ impl Wal {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
 
     /// A fresh directory, removed when the returned guard drops (also when
@@ -615,7 +615,8 @@ mod tests {
         assert_eq!(wal.covered_through(), 3);
     }
 
-    fn flip(path: &Path, at: u64) {
+    /// Flips bits of one byte of a file in place (damage for tests).
+    pub(in crate::store) fn flip(path: &Path, at: u64) {
         let file = OpenOptions::new()
             .read(true)
             .write(true)
