@@ -227,8 +227,12 @@ pub async fn run(config: Config) -> Result<(), ServerError> {
     if let Some(t) = setup {
         let _ = t.await;
     }
-    // Close the store cleanly; pins stay.
-    drop(slot.lock().unwrap_or_else(|p| p.into_inner()).take());
+    // Close the store cleanly; pins stay. On the blocking pool: the agent
+    // owns the netlink door's own small runtime once it has programmed an
+    // endpoint, and dropping a runtime on an async worker panics (the agent
+    // then exited non-zero on SIGTERM; the image test stops pods so).
+    let agent = slot.lock().unwrap_or_else(|p| p.into_inner()).take();
+    let _ = tokio::task::spawn_blocking(move || drop(agent)).await;
     let _ = std::fs::remove_file(&socket);
     if let Some(e) = fatal {
         return Err(ServerError::Start(e));
