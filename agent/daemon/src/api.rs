@@ -139,6 +139,7 @@ async fn status(State(s): State<AppState>) -> Result<Response, ApiError> {
         Ok(st) => Ok(ok(st)),
         // Status is always answered, ready or not.
         Err(e) if e.code == "not_ready" => Ok(ok(json!({
+            "version": crate::version::version(),
             "ready": false,
             "reason": e.message,
         }))),

@@ -51,6 +51,10 @@ pub enum Command {
         /// Config file (default /etc/lockstep/config.toml; absent → embedded default).
         #[arg(long)]
         config: Option<PathBuf>,
+        /// Replace pinned maps whose definition changed (after an upgrade),
+        /// as `[datapath] migrate = true` does; reconcile refills them.
+        #[arg(long)]
+        migrate: bool,
     },
     /// Agent status: readiness and why not.
     Status {
@@ -464,8 +468,9 @@ pub fn init_tracing(json: bool, verbose: u8) {
 pub fn run(cli: Cli) -> anyhow::Result<i32> {
     let socket = cli.socket.clone();
     match cli.command {
-        Command::Agent { config } => {
-            let config = crate::config::Config::load(config.as_deref())?;
+        Command::Agent { config, migrate } => {
+            let mut config = crate::config::Config::load(config.as_deref())?;
+            config.datapath.migrate |= migrate;
             let rt = tokio::runtime::Builder::new_multi_thread()
                 .enable_all()
                 .build()?;
@@ -478,14 +483,19 @@ pub fn run(cli: Cli) -> anyhow::Result<i32> {
                 let ready = v["ready"].as_bool().unwrap_or(false);
                 if ready {
                     format!(
-                        "ready: node {} holds {} allocations (generation {}), {} repairs",
+                        "ready: lockstep {} on node {} holds {} allocations (generation {}), {} repairs",
+                        v["version"].as_str().unwrap_or("?"),
                         v["node"].as_str().unwrap_or("?"),
                         v["allocations"],
                         v["generation"],
                         v["repairs"]
                     )
                 } else {
-                    format!("not ready: {}", v["reason"].as_str().unwrap_or("unknown"))
+                    format!(
+                        "not ready (lockstep {}): {}",
+                        v["version"].as_str().unwrap_or("?"),
+                        v["reason"].as_str().unwrap_or("unknown")
+                    )
                 }
             });
             Ok(if v["ready"].as_bool() == Some(true) {

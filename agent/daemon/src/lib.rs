@@ -21,6 +21,7 @@ pub mod netlink;
 pub mod plugin;
 pub mod server;
 pub mod store;
+pub mod version;
 
 /// An error and its causes on one line, `outer: cause: root cause`: what the
 /// API, status reasons and logs show, so the root cause (a full disk, a

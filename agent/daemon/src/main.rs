@@ -2,6 +2,15 @@
 
 use clap::Parser;
 
+/// dlmalloc when the agent is built static on musl (the image, see
+/// `cargo xtask build`): musl's allocator maps and unmaps pages for many
+/// small allocations, a system call and page faults the agent's request
+/// path would pay on every CNI call (the plugin measured it, see
+/// `lockstep-cni`). glibc builds keep glibc's.
+#[cfg(target_env = "musl")]
+#[global_allocator]
+static ALLOCATOR: dlmalloc::GlobalDlmalloc = dlmalloc::GlobalDlmalloc;
+
 fn main() {
     // Run by a container runtime as a CNI plugin (`lockstep` or
     // `lockstep-ipam`): the protocol is environment + stdin, not arguments.

@@ -260,6 +260,10 @@ pub struct PoolStatus {
 /// Agent status.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Status {
+    /// The agent's version ([`crate::version::version`]): which build
+    /// answers, for example after an image upgrade or rollback.
+    #[serde(default)]
+    pub version: String,
     /// Ready to serve.
     pub ready: bool,
     /// Why not, when not.
@@ -1425,6 +1429,7 @@ impl Agent {
     pub fn status(&self) -> Status {
         let store = self.store.health();
         Status {
+            version: crate::version::version(),
             ready: self.ready && store.is_none(),
             reason: if self.ready {
                 store.map(|cause| format!("the store cannot commit: {cause}"))
