@@ -2,7 +2,9 @@
 //!
 //! - `setup`: installs, idempotently, everything the build and the tests need.
 //! - `build-ebpf`: builds the eBPF object with BTF.
-//! - `build`: the agent (which embeds the object), release.
+//! - `build`: the agent (which embeds the object) and the plugin, static
+//!   musl binaries, as they ship.
+//! - `image`: the OCI image `lockstep:<version>` (podman, FROM scratch).
 //! - `test`: formatting, lints, purity of the core, unit tests, then the
 //!   root-only integration tests.
 //! - `bench <suite>`: benchmarks with medians.
@@ -10,6 +12,7 @@
 //!   them bounded): `startup` (kills aimed at start-up), `power` (power cuts).
 //! - `demo`: a sandbox node made of network namespaces.
 
+mod image;
 mod setup;
 
 use std::path::{Path, PathBuf};
@@ -31,8 +34,20 @@ enum Task {
     Setup,
     /// Build the eBPF programs with BTF.
     BuildEbpf,
-    /// Build the agent in release mode (embeds the eBPF object).
+    /// Build the agent (embeds the eBPF object) and the plugin as they
+    /// ship: static musl binaries, stripped.
     Build,
+    /// Build the OCI image `localhost/lockstep:<version>` with podman (FROM
+    /// scratch, no registry) from the binaries `build` makes.
+    Image {
+        /// The version the agent reports and the image is tagged with
+        /// (default: the workspace's version).
+        #[arg(long)]
+        version: Option<String>,
+    },
+    /// Validate the Kubernetes manifests in deploy/ against the API schemas
+    /// (offline: kubernetes-validate, installed by setup).
+    ValidateManifests,
     /// Check that lockstep-core depends on no I/O, kernel or clock crate.
     CheckCore,
     /// Setup, lints, unit tests and the privileged integration tests.
@@ -43,7 +58,7 @@ enum Task {
         /// Only run integration tests whose name contains this.
         filter: Option<String>,
     },
-    /// Run a benchmark suite: core, lb, datapath, agent, cni, all.
+    /// Run a benchmark suite: core, lb, datapath, agent, cni, image, all.
     Bench {
         /// The suite.
         suite: String,
@@ -75,7 +90,7 @@ fn root() -> PathBuf {
         .to_path_buf()
 }
 
-fn run(cmd: &mut Command) -> anyhow::Result<()> {
+pub(crate) fn run(cmd: &mut Command) -> anyhow::Result<()> {
     eprintln!("+ {cmd:?}");
     let status = cmd
         .status()
@@ -173,15 +188,20 @@ fn test(no_setup: bool, filter: Option<String>) -> anyhow::Result<()> {
         "warnings",
     ]))?;
     check_core()?;
+    setup::validate_manifests()?;
     run(cargo().args(["test", "--workspace", "--exclude", "lockstep-tests"]))?;
     integration(filter)
 }
 
 fn integration(filter: Option<String>) -> anyhow::Result<()> {
     let bin = stage_agent_with_shipped_plugin()?;
+    // The image test builds its images from this context (the binaries as
+    // they ship), in its own podman storage.
+    let context = image::stage(&image::default_version())?;
     let mut cmd = cargo();
     cmd.args(["test", "-p", "lockstep-tests"])
         .env("LOCKSTEP_BIN", &bin)
+        .env("LOCKSTEP_IMAGE_CONTEXT", &context)
         .arg("--");
     if let Some(f) = filter {
         cmd.arg(f);
@@ -230,18 +250,26 @@ fn stage_agent_with_shipped_plugin() -> anyhow::Result<PathBuf> {
 /// flags reach only the target artifacts, never build scripts or proc
 /// macros. `cargo xtask setup` installs the target. Returns the binary's path.
 fn build_plugin() -> anyhow::Result<PathBuf> {
+    build_shipped("lockstep-cni")
+}
+
+/// Builds `bin` of the `lockstep` package as it ships: the plugin's profile,
+/// target and flags (see [`build_plugin`]). The agent in the image is built
+/// the same way, so the two share every compiled dependency (the plugin
+/// links the daemon's library too) and the image needs no C library: a
+/// static agent adds only its own link step. Being position dependent, the
+/// agent's code is not randomised (its stack, heap and mappings are), the
+/// price of sharing one build with the plugin. Returns the binary's path.
+fn build_shipped(bin: &str) -> anyhow::Result<PathBuf> {
     let target = setup::plugin_target();
     run(cargo()
         .args(["build", "--profile", "plugin", "--target", &target])
-        .args(["-p", "lockstep", "--bin", "lockstep-cni"])
+        .args(["-p", "lockstep", "--bin", bin])
         .env(
             "RUSTFLAGS",
             "-C target-feature=+crt-static -C relocation-model=static",
         ))?;
-    Ok(root()
-        .join("target")
-        .join(target)
-        .join("plugin/lockstep-cni"))
+    Ok(root().join("target").join(target).join("plugin").join(bin))
 }
 
 fn bench(suite: &str) -> anyhow::Result<()> {
@@ -256,11 +284,22 @@ fn bench(suite: &str) -> anyhow::Result<()> {
                 .args(["bench", "-p", "lockstep", "--bench", "cni"])
                 .env("LOCKSTEP_CNI_BIN", plugin))
         }
+        "image" => {
+            // The image test prints the figures: image size, and container
+            // start to ready with 10k allocations in the store.
+            let bin = stage_agent_with_shipped_plugin()?;
+            let context = image::stage(&image::default_version())?;
+            run(cargo()
+                .args(["test", "-p", "lockstep-tests", "--test", "image"])
+                .args(["--", "--nocapture", "--test-threads", "1"])
+                .env("LOCKSTEP_BIN", &bin)
+                .env("LOCKSTEP_IMAGE_CONTEXT", &context))
+        }
         "all" => {
             // Every suite runs even when an earlier one misses a goal, so one
             // run gives the whole picture; the misses are listed at the end.
             let mut missed = Vec::new();
-            for suite in ["core", "lb", "datapath", "agent", "cni"] {
+            for suite in ["core", "lb", "datapath", "agent", "cni", "image"] {
                 if let Err(e) = bench(suite) {
                     eprintln!("bench {suite}: {e}");
                     missed.push(suite);
@@ -275,7 +314,9 @@ fn bench(suite: &str) -> anyhow::Result<()> {
                 )
             }
         }
-        other => bail!("unknown bench suite {other}; known: core, lb, datapath, agent, cni, all"),
+        other => {
+            bail!("unknown bench suite {other}; known: core, lb, datapath, agent, cni, image, all")
+        }
     }
 }
 
@@ -322,15 +363,13 @@ fn main() -> anyhow::Result<()> {
             Ok(())
         }
         Task::Build => {
-            run(cargo().args(["build", "--release", "-p", "lockstep", "--bin", "lockstep"]))?;
+            let agent = build_shipped("lockstep")?;
             let plugin = build_plugin()?;
-            eprintln!(
-                "agent: {}\nplugin: {}",
-                root().join("target/release/lockstep").display(),
-                plugin.display()
-            );
+            eprintln!("agent: {}\nplugin: {}", agent.display(), plugin.display());
             Ok(())
         }
+        Task::Image { version } => image::build(version),
+        Task::ValidateManifests => setup::validate_manifests(),
         Task::CheckCore => check_core(),
         Task::Test { no_setup, filter } => test(no_setup, filter),
         Task::Bench { suite } => bench(&suite),

@@ -35,6 +35,52 @@ const PACKAGES: &[&str] = &[
 
 const BPF_LINKER_VERSION: &str = "0.13.0";
 
+/// The offline Kubernetes schema validator (PyPI; it ships the API schemas of
+/// every Kubernetes release in the package, so validation needs no network).
+const KUBERNETES_VALIDATE_VERSION: &str = "1.37.0";
+
+/// The manifests `cargo xtask test` validates.
+const MANIFESTS: &[&str] = &["deploy/daemonset.yaml", "deploy/daemonset-cluster.yaml"];
+
+/// The virtualenv holding kubernetes-validate (under target/: build output,
+/// re-created by setup when missing).
+fn kubernetes_validate_venv() -> std::path::PathBuf {
+    crate::root().join("target/tools/kubernetes-validate")
+}
+
+fn kubernetes_validate() -> anyhow::Result<()> {
+    let venv = kubernetes_validate_venv();
+    let bin = venv.join("bin/kubernetes-validate");
+    if let Ok(out) = Command::new(&bin).arg("--version").output()
+        && String::from_utf8_lossy(&out.stdout).contains(KUBERNETES_VALIDATE_VERSION)
+    {
+        println!("setup: kubernetes-validate {KUBERNETES_VALIDATE_VERSION} present");
+        return Ok(());
+    }
+    run(Command::new("python3").args(["-m", "venv"]).arg(&venv))?;
+    run(Command::new(venv.join("bin/pip")).args([
+        "install",
+        "--quiet",
+        &format!("kubernetes-validate=={KUBERNETES_VALIDATE_VERSION}"),
+    ]))
+}
+
+/// Validates the manifests in deploy/ against the Kubernetes API schemas,
+/// strictly (an unknown field is an error), offline.
+///
+/// # Errors
+/// The validator is missing (run setup) or a manifest is refused.
+pub fn validate_manifests() -> anyhow::Result<()> {
+    let bin = kubernetes_validate_venv().join("bin/kubernetes-validate");
+    if !bin.exists() {
+        kubernetes_validate()?;
+    }
+    run(Command::new(bin)
+        .arg("--strict")
+        .args(MANIFESTS)
+        .current_dir(crate::root()))
+}
+
 fn quiet(cmd: &mut Command) -> bool {
     cmd.output().map(|o| o.status.success()).unwrap_or(false)
 }
@@ -165,6 +211,7 @@ pub fn setup() -> anyhow::Result<()> {
     musl_target()?;
     bpf_linker()?;
     bpffs()?;
+    kubernetes_validate()?;
     lockstep_ebpf_build::check_prerequisites()?;
     println!("setup: done in {:.1} s", started.elapsed().as_secs_f64());
     Ok(())
