@@ -18,6 +18,7 @@ use anyhow::{Context, bail};
 
 pub mod ledger;
 pub mod lossyfs;
+pub mod podman;
 
 static COUNTER: AtomicU32 = AtomicU32::new(0);
 

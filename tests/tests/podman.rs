@@ -30,16 +30,14 @@
 use std::collections::BTreeSet;
 use std::io::Write;
 use std::net::IpAddr;
-use std::path::PathBuf;
 use std::process::{Command, Output, Stdio};
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail, ensure};
+use lockstep_tests::podman::{Podman, ok};
 use lockstep_tests::{AgentProc, Netns, TempDir, lockstep_bin, privileged, sh, unique};
 use serde_json::Value;
-
-const IMAGE: &str = "localhost/lockstep-busybox";
 
 /// An address with a prefix length: enough to test membership.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -82,200 +80,6 @@ fn serial() -> MutexGuard<'static, ()> {
 
 fn text(b: &[u8]) -> String {
     String::from_utf8_lossy(b).into_owned()
-}
-
-fn ok(what: &str, out: Output) -> anyhow::Result<String> {
-    ensure!(
-        out.status.success(),
-        "{what} failed ({}):\nstdout: {}\nstderr: {}",
-        out.status,
-        text(&out.stdout),
-        text(&out.stderr)
-    );
-    Ok(text(&out.stdout))
-}
-
-/// A private podman: its own storage, run root, tmp dir, containers.conf,
-/// CNI plugin and conflist directories. Removes its containers, images and
-/// mounts on drop.
-struct Podman {
-    dir: TempDir,
-    conf: PathBuf,
-    bin_dir: PathBuf,
-    net_dir: PathBuf,
-}
-
-impl Podman {
-    /// Sets up the directories and imports the busybox image.
-    fn new() -> anyhow::Result<Self> {
-        let dir = TempDir::new("podman")?;
-        let bin_dir = dir.path().join("cni-bin");
-        let net_dir = dir.path().join("net.d");
-        let tmp = dir.path().join("tmp");
-        for d in [&bin_dir, &net_dir, &tmp] {
-            std::fs::create_dir_all(d)?;
-        }
-        let conf = dir.path().join("containers.conf");
-        std::fs::write(
-            &conf,
-            format!(
-                "[network]\nnetwork_backend = \"cni\"\ncni_plugin_dirs = [\"{bin}\", \"/usr/lib/cni\"]\n\
-                 network_config_dir = \"{net}\"\n\n[engine]\nruntime = \"runc\"\n\
-                 tmp_dir = \"{tmp}\"\nevents_logger = \"file\"\n",
-                bin = bin_dir.display(),
-                net = net_dir.display(),
-                tmp = tmp.display(),
-            ),
-        )?;
-        let podman = Self {
-            dir,
-            conf,
-            bin_dir,
-            net_dir,
-        };
-        podman.import_image()?;
-        Ok(podman)
-    }
-
-    fn import_image(&self) -> anyhow::Result<()> {
-        let rootfs = self.dir.path().join("rootfs");
-        let bin = rootfs.join("bin");
-        for d in ["bin", "tmp", "etc", "proc", "sys", "dev"] {
-            std::fs::create_dir_all(rootfs.join(d))?;
-        }
-        std::fs::copy("/bin/busybox", bin.join("busybox"))
-            .context("copying /bin/busybox (package busybox-static)")?;
-        for applet in sh("/bin/busybox", ["--list"])?.lines() {
-            if applet != "busybox" && !applet.is_empty() {
-                std::os::unix::fs::symlink("busybox", bin.join(applet))?;
-            }
-        }
-        let mut tar = Command::new("tar")
-            .arg("-C")
-            .arg(&rootfs)
-            .args(["-c", "."])
-            .stdout(Stdio::piped())
-            .spawn()?;
-        let tar_out = tar.stdout.take().context("tar stdout")?;
-        let out = self
-            .command()
-            .args(["import", "-q", "-", IMAGE])
-            .stdin(tar_out)
-            .output()?;
-        ensure!(tar.wait()?.success(), "tar of the rootfs failed");
-        ok("podman import", out)?;
-        std::fs::remove_dir_all(&rootfs)?;
-        Ok(())
-    }
-
-    /// `podman` with the private config and storage.
-    fn command(&self) -> Command {
-        let mut cmd = Command::new("podman");
-        cmd.env("CONTAINERS_CONF", &self.conf)
-            .arg("--root")
-            .arg(self.dir.path().join("storage"))
-            .arg("--runroot")
-            .arg(self.dir.path().join("run"))
-            .args(["--runtime", "runc"]);
-        cmd
-    }
-
-    fn output<I, S>(&self, args: I) -> anyhow::Result<Output>
-    where
-        I: IntoIterator<Item = S>,
-        S: AsRef<std::ffi::OsStr>,
-    {
-        Ok(self.command().args(args).output()?)
-    }
-
-    fn ok<I, S>(&self, args: I) -> anyhow::Result<String>
-    where
-        I: IntoIterator<Item = S>,
-        S: AsRef<std::ffi::OsStr>,
-    {
-        ok("podman", self.output(args)?)
-    }
-
-    /// `podman run` of a sleeping busybox on `network`, raw output.
-    fn try_run(&self, network: &str, name: &str) -> anyhow::Result<Output> {
-        self.output([
-            "run",
-            "-d",
-            "--name",
-            name,
-            "--network",
-            network,
-            "--ulimit",
-            "nofile=1024:1024",
-            "--ulimit",
-            "nproc=1024:1024",
-            IMAGE,
-            "sleep",
-            "300",
-        ])
-    }
-
-    /// Starts a container; returns its full ID.
-    fn run(&self, network: &str, name: &str) -> anyhow::Result<String> {
-        let id = ok("podman run", self.try_run(network, name)?)?;
-        Ok(id.trim().to_string())
-    }
-
-    fn exec(&self, name: &str, args: &[&str]) -> anyhow::Result<Output> {
-        let mut all = vec!["exec", name];
-        all.extend_from_slice(args);
-        self.output(all)
-    }
-
-    /// The container's addresses on `network` as podman reports them.
-    fn addresses(&self, name: &str, network: &str) -> anyhow::Result<Vec<IpAddr>> {
-        let out = self.ok([
-            "inspect",
-            "--format",
-            "{{json .NetworkSettings.Networks}}",
-            name,
-        ])?;
-        let v: Value = serde_json::from_str(out.trim())?;
-        let net = &v[network];
-        let mut addrs = Vec::new();
-        for key in ["IPAddress", "GlobalIPv6Address"] {
-            if let Some(a) = net[key].as_str().filter(|a| !a.is_empty()) {
-                addrs.push(a.parse()?);
-            }
-        }
-        ensure!(
-            !addrs.is_empty(),
-            "podman reports no address for {name}: {v}"
-        );
-        Ok(addrs)
-    }
-
-    fn names(&self) -> anyhow::Result<BTreeSet<String>> {
-        Ok(self
-            .ok(["ps", "-a", "--format", "{{.Names}}"])?
-            .lines()
-            .map(str::to_string)
-            .collect())
-    }
-}
-
-impl Drop for Podman {
-    fn drop(&mut self) {
-        let _ = self.output(["rm", "-a", "-f", "-t", "0"]);
-        let _ = self.output(["rmi", "-a", "-f"]);
-        // Whatever storage mounts are left (deepest first), then the files.
-        let root = self.dir.path().display().to_string();
-        let mounts = std::fs::read_to_string("/proc/self/mounts").unwrap_or_default();
-        let mut ours: Vec<&str> = mounts
-            .lines()
-            .filter_map(|l| l.split_whitespace().nth(1))
-            .filter(|m| m.starts_with(&root))
-            .collect();
-        ours.sort_by_key(|m| std::cmp::Reverse(m.len()));
-        for m in ours {
-            let _ = Command::new("umount").arg("-l").arg(m).output();
-        }
-    }
 }
 
 /// The node namespace the agent runs in: an address of each family on `lo`
