@@ -184,7 +184,14 @@ fn strays(agent: &AgentProc) -> Vec<String> {
 fn start_killed_at_write(agent: &mut AgentProc, k: u64) -> anyhow::Result<bool> {
     let landed = run_killed_at_write(agent, k);
     agent.kill9();
-    let left = strays(agent);
+    // A SIGKILLed process takes a moment to finish exiting (its threads,
+    // its memory); only one that outlives that was left running.
+    let gone = Instant::now();
+    let mut left = strays(agent);
+    while !left.is_empty() && gone.elapsed() < Duration::from_secs(5) {
+        std::thread::sleep(Duration::from_millis(10));
+        left = strays(agent);
+    }
     ensure!(left.is_empty(), "processes left after the kill: {left:?}");
     landed
 }
