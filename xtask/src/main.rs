@@ -189,11 +189,62 @@ fn test(no_setup: bool, filter: Option<String>) -> anyhow::Result<()> {
     ]))?;
     check_core()?;
     setup::validate_manifests()?;
-    run(cargo().args(["test", "--workspace", "--exclude", "lockstep-tests"]))?;
-    integration(filter)
+    let mut tally = Tally::default();
+    let outcome = run_tests(
+        cargo().args(["test", "--workspace", "--exclude", "lockstep-tests"]),
+        &mut tally,
+    )
+    .and_then(|()| integration(filter, &mut tally));
+    // One closing line over every suite: the last runner line alone would
+    // be the (empty) doc-test run of the test crate.
+    println!("tests: {} passed, {} failed", tally.passed, tally.failed);
+    outcome
 }
 
-fn integration(filter: Option<String>) -> anyhow::Result<()> {
+/// Tests counted over several `cargo test` runs.
+#[derive(Debug, Default)]
+struct Tally {
+    passed: u64,
+    failed: u64,
+}
+
+/// Runs a `cargo test` command, echoing its output, and adds the counts of
+/// its `test result:` lines to `tally`.
+fn run_tests(cmd: &mut Command, tally: &mut Tally) -> anyhow::Result<()> {
+    use std::io::BufRead as _;
+    eprintln!("+ {cmd:?}");
+    let mut child = cmd
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .with_context(|| format!("{cmd:?}"))?;
+    let stdout = child.stdout.take().context("no stdout")?;
+    for line in std::io::BufReader::new(stdout).lines() {
+        let line = line?;
+        println!("{line}");
+        if let Some(rest) = line.strip_prefix("test result: ") {
+            let count = |what: &str| -> u64 {
+                rest.split(';')
+                    .find_map(|part| {
+                        part.trim()
+                            .trim_start_matches("ok. ")
+                            .trim_start_matches("FAILED. ")
+                            .strip_suffix(what)
+                    })
+                    .and_then(|n| n.trim().parse().ok())
+                    .unwrap_or(0)
+            };
+            tally.passed += count(" passed");
+            tally.failed += count(" failed");
+        }
+    }
+    let status = child.wait()?;
+    if !status.success() {
+        bail!("{cmd:?} failed: {status}");
+    }
+    Ok(())
+}
+
+fn integration(filter: Option<String>, tally: &mut Tally) -> anyhow::Result<()> {
     let bin = stage_agent_with_shipped_plugin()?;
     // The image test builds its images from this context (the binaries as
     // they ship), in its own podman storage.
@@ -206,7 +257,7 @@ fn integration(filter: Option<String>) -> anyhow::Result<()> {
     if let Some(f) = filter {
         cmd.arg(f);
     }
-    run(&mut cmd)
+    run_tests(&mut cmd, tally)
 }
 
 /// Builds the agent (cargo's debug build) and the plugin as it ships, and
