@@ -3,6 +3,13 @@
 //! directories, and records what it wrote. Removal takes away only files whose
 //! content is still exactly what the agent wrote: a conflist an operator
 //! edited, or a binary another version replaced, stays.
+//!
+//! These directories are shared with the runtime and other plugins, so the
+//! agent trusts nothing it finds there: a new file is written under a fresh,
+//! unpredictable name created exclusively (a symlink planted at a temporary
+//! name is never followed), then renamed into place; and removal touches only
+//! the names the agent installs, in the directories its configuration names
+//! now, and never through a symlink — whatever the manifest says.
 
 use std::path::{Path, PathBuf};
 
@@ -84,18 +91,49 @@ fn write_atomic(path: &Path, content: &[u8], mode: u32) -> Result<(), InstallErr
     {
         return Ok(());
     }
+    use std::io::Write as _;
+    use std::os::unix::fs::OpenOptionsExt as _;
     let dir = path.parent().unwrap_or(Path::new("/"));
     std::fs::create_dir_all(dir).map_err(io("create", dir))?;
+    let nonce =
+        getrandom::u64().map_err(|e| io("draw a name for", dir)(std::io::Error::other(e)))?;
     let tmp = dir.join(format!(
-        ".{}.lockstep-tmp",
+        ".{}.lockstep-{nonce:016x}",
         path.file_name()
             .map(|n| n.to_string_lossy())
             .unwrap_or_default()
     ));
-    std::fs::write(&tmp, content).map_err(io("write", &tmp))?;
-    std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(mode))
-        .map_err(io("chmod", &tmp))?;
-    std::fs::rename(&tmp, path).map_err(io("rename into", path))
+    // O_CREAT|O_EXCL never follows a symlink: a name planted in between
+    // fails the write instead of redirecting it.
+    let written = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(mode)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(&tmp)
+        .and_then(|mut file| {
+            file.write_all(content)?;
+            file.set_permissions(std::fs::Permissions::from_mode(mode))?;
+            file.sync_all()
+        });
+    if let Err(e) = written {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(io("write", &tmp)(e));
+    }
+    std::fs::rename(&tmp, path).map_err(|e| {
+        let _ = std::fs::remove_file(&tmp);
+        io("rename into", path)(e)
+    })
+}
+
+/// The files [`install`] writes for `cni`: the only paths [`uninstall`] may
+/// remove.
+fn owned_paths(cni: &CniConfig) -> [PathBuf; 3] {
+    [
+        cni.bin_dir.join("lockstep"),
+        cni.bin_dir.join("lockstep-ipam"),
+        cni.conf_dir.join(&cni.conflist_name),
+    ]
 }
 
 /// The conflist the agent writes.
@@ -129,16 +167,17 @@ pub fn install(
         .filter(|p| p.exists())
         .unwrap_or(agent);
     let binary = std::fs::read(&exe).map_err(io("read", &exe))?;
-    let mut written = Vec::new();
-    for name in ["lockstep", "lockstep-ipam"] {
-        let path = cni.bin_dir.join(name);
-        write_atomic(&path, &binary, 0o755)?;
-        written.push(describe(&path, &binary));
-    }
     let text = conflist(cni, socket);
-    let path = cni.conf_dir.join(&cni.conflist_name);
-    write_atomic(&path, text.as_bytes(), 0o644)?;
-    written.push(describe(&path, text.as_bytes()));
+    let [full, ipam, conf] = owned_paths(cni);
+    let mut written = Vec::new();
+    for (path, content, mode) in [
+        (full, binary.as_slice(), 0o755),
+        (ipam, binary.as_slice(), 0o755),
+        (conf, text.as_bytes(), 0o644),
+    ] {
+        write_atomic(&path, content, mode)?;
+        written.push(describe(&path, content));
+    }
     let manifest = state_dir.join(MANIFEST);
     let json = serde_json::to_vec_pretty(&written).unwrap_or_default();
     write_atomic(&manifest, &json, 0o600)?;
@@ -150,11 +189,18 @@ pub fn install(
 }
 
 /// Removes what [`install`] wrote, file by file, only where the content is
-/// unchanged. Returns (removed, left because changed).
+/// unchanged, and only the names `install` writes for `cni` (a manifest that
+/// lists anything else — edited, or from another configuration — removes
+/// nothing else; a symlink is never read through nor removed). Returns
+/// (removed, left in place).
 ///
 /// # Errors
 /// The manifest is corrupt, or a file could not be removed.
-pub fn uninstall(state_dir: &Path) -> Result<(Vec<PathBuf>, Vec<PathBuf>), InstallError> {
+pub fn uninstall(
+    cni: &CniConfig,
+    state_dir: &Path,
+) -> Result<(Vec<PathBuf>, Vec<PathBuf>), InstallError> {
+    let owned = owned_paths(cni);
     let manifest = state_dir.join(MANIFEST);
     let text = match std::fs::read(&manifest) {
         Ok(t) => t,
@@ -168,6 +214,16 @@ pub fn uninstall(state_dir: &Path) -> Result<(Vec<PathBuf>, Vec<PathBuf>), Insta
         })?;
     let (mut removed, mut kept) = (Vec::new(), Vec::new());
     for f in written {
+        if !owned.contains(&f.path) {
+            tracing::warn!(path = %f.path.display(), "the install manifest lists a file this agent does not install; left in place");
+            kept.push(f.path);
+            continue;
+        }
+        if std::fs::symlink_metadata(&f.path).is_ok_and(|m| !m.file_type().is_file()) {
+            tracing::warn!(path = %f.path.display(), "not a regular file any more; left in place");
+            kept.push(f.path);
+            continue;
+        }
         match std::fs::read(&f.path) {
             Ok(content) if describe(&f.path, &content) == f => {
                 std::fs::remove_file(&f.path).map_err(io("remove", &f.path))?;
@@ -211,14 +267,68 @@ mod tests {
         // An operator edits the conflist; someone else's file sits beside ours.
         std::fs::write(&conf, text.replace("lockstep", "lockstep ")).expect("edit");
         std::fs::write(cfg.bin_dir.join("host-local"), b"theirs").expect("theirs");
-        let (removed, kept) = uninstall(&dir).expect("uninstall");
+        let (removed, kept) = uninstall(&cfg, &dir).expect("uninstall");
         assert_eq!(removed.len(), 2, "both binaries: {removed:?}");
         assert_eq!(kept, vec![conf.clone()]);
         assert!(conf.exists());
         assert!(cfg.bin_dir.join("host-local").exists());
         assert!(!cfg.bin_dir.join("lockstep").exists());
         // Nothing recorded any more: a second uninstall does nothing.
-        assert_eq!(uninstall(&dir).expect("again"), (vec![], vec![]));
+        assert_eq!(uninstall(&cfg, &dir).expect("again"), (vec![], vec![]));
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn uninstall_removes_only_its_own_names_and_never_through_a_symlink() {
+        let tmp = tempfile::tempdir().expect("tempdir");
+        let dir = tmp.path();
+        let cfg = cni(dir);
+        install(&cfg, Path::new("/run/x.sock"), dir).expect("install");
+        // An unrelated file with the same content as an installed one, listed
+        // in a tampered manifest, and a binary replaced by a symlink to it.
+        let victim = dir.join("victim");
+        std::fs::copy(cfg.bin_dir.join("lockstep"), &victim).expect("copy");
+        let manifest = dir.join(MANIFEST);
+        let mut listed: Vec<Installed> =
+            serde_json::from_slice(&std::fs::read(&manifest).expect("read")).expect("json");
+        let mut forged = listed[0].clone();
+        forged.path = victim.clone();
+        listed.push(forged);
+        std::fs::write(&manifest, serde_json::to_vec(&listed).expect("json")).expect("write");
+        std::fs::remove_file(cfg.bin_dir.join("lockstep-ipam")).expect("rm");
+        std::os::unix::fs::symlink(&victim, cfg.bin_dir.join("lockstep-ipam")).expect("symlink");
+        let (removed, kept) = uninstall(&cfg, dir).expect("uninstall");
+        assert!(victim.exists(), "a file outside the agent's names stays");
+        assert!(kept.contains(&victim) && kept.contains(&cfg.bin_dir.join("lockstep-ipam")));
+        assert!(
+            cfg.bin_dir.join("lockstep-ipam").exists(),
+            "the symlink is left"
+        );
+        assert_eq!(removed.len(), 2, "{removed:?}");
+    }
+
+    #[test]
+    fn a_symlink_planted_at_a_temporary_name_is_not_followed() {
+        let tmp = tempfile::tempdir().expect("tempdir");
+        let dir = tmp.path();
+        let cfg = cni(dir);
+        std::fs::create_dir_all(&cfg.bin_dir).expect("mkdir");
+        let victim = dir.join("victim");
+        std::fs::write(&victim, b"precious").expect("write");
+        // The name older versions used, and a glob of the new ones.
+        std::os::unix::fs::symlink(&victim, cfg.bin_dir.join(".lockstep.lockstep-tmp"))
+            .expect("symlink");
+        install(&cfg, Path::new("/run/x.sock"), dir).expect("install");
+        assert_eq!(std::fs::read(&victim).expect("read"), b"precious");
+        let leftovers: Vec<_> = std::fs::read_dir(&cfg.bin_dir)
+            .expect("ls")
+            .filter_map(Result::ok)
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|n| n.starts_with(".lockstep") && n != ".lockstep.lockstep-tmp")
+            .collect();
+        assert!(
+            leftovers.is_empty(),
+            "no temporary file left: {leftovers:?}"
+        );
     }
 }

@@ -6,7 +6,7 @@
 //! cleanly on SIGTERM or SIGINT. Maps and links stay pinned across the exit.
 
 use std::os::unix::fs::PermissionsExt;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
 use tokio::net::{TcpListener, UnixListener};
@@ -32,6 +32,9 @@ pub enum ServerError {
     /// Start-up failed.
     #[error("agent start-up failed")]
     Start(#[source] AgentError),
+    /// The state directory is unsafe or cannot be made.
+    #[error("the state directory cannot be used")]
+    State(#[source] crate::store::StoreError),
     /// Installing the CNI plugin failed.
     #[error("installing the CNI plugin failed")]
     Install(#[source] crate::install::InstallError),
@@ -45,29 +48,82 @@ fn listen_err(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> ServerE
     move |source| ServerError::Listen { what, source }
 }
 
-fn bind_socket(path: &PathBuf) -> Result<UnixListener, ServerError> {
-    if let Some(dir) = path.parent() {
-        std::fs::create_dir_all(dir).map_err(listen_err(dir.display().to_string()))?;
-    }
-    // A stale socket from a killed agent. Two agents cannot both get here:
-    // the store's lock is taken before (see `run`) — but binding happens first
-    // so status answers during restore, hence the check below.
-    if path.exists() {
-        if std::os::unix::net::UnixStream::connect(path).is_ok() {
-            return Err(ServerError::Listen {
-                what: path.display().to_string(),
-                source: std::io::Error::new(
-                    std::io::ErrorKind::AddrInUse,
-                    "another agent is serving on this socket",
-                ),
-            });
+/// The API socket's file, removed when the server ends, by whatever path
+/// (a failed start too) — only while it is still the socket this agent
+/// bound, never a file someone put there since.
+struct SocketFile {
+    path: PathBuf,
+    ino: u64,
+}
+
+impl Drop for SocketFile {
+    fn drop(&mut self) {
+        use std::os::unix::fs::MetadataExt as _;
+        if std::fs::symlink_metadata(&self.path).is_ok_and(|m| m.ino() == self.ino) {
+            let _ = std::fs::remove_file(&self.path);
         }
-        std::fs::remove_file(path).map_err(listen_err(path.display().to_string()))?;
     }
-    let listener = UnixListener::bind(path).map_err(listen_err(path.display().to_string()))?;
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
-        .map_err(listen_err(path.display().to_string()))?;
-    Ok(listener)
+}
+
+/// Binds the API socket at `path` (mode 0600). The socket is bound inside a
+/// fresh 0700 directory and renamed into place, so it never appears at its
+/// path with the mode the process umask gave it. A stale socket of a killed
+/// agent is replaced; a live one, a symlink or any other file at the path is
+/// refused with a message that says which.
+fn bind_socket(path: &Path) -> Result<(UnixListener, SocketFile), ServerError> {
+    use std::os::unix::fs::{DirBuilderExt as _, FileTypeExt as _, MetadataExt as _};
+    let refuse = |why: &str| ServerError::Listen {
+        what: path.display().to_string(),
+        source: std::io::Error::new(std::io::ErrorKind::AlreadyExists, why.to_string()),
+    };
+    let dir = path.parent().unwrap_or(Path::new("/"));
+    std::fs::create_dir_all(dir).map_err(listen_err(dir.display().to_string()))?;
+    match std::fs::symlink_metadata(path) {
+        Ok(meta) if meta.file_type().is_socket() => {
+            // Two agents cannot both get here with one store (its lock),
+            // but binding comes first so status answers during restore.
+            if std::os::unix::net::UnixStream::connect(path).is_ok() {
+                return Err(refuse("another agent is serving on this socket"));
+            }
+            std::fs::remove_file(path).map_err(listen_err(path.display().to_string()))?;
+        }
+        Ok(meta) if meta.file_type().is_symlink() => {
+            return Err(refuse(
+                "the socket path is a symbolic link; refusing to use it (remove it)",
+            ));
+        }
+        Ok(_) => {
+            return Err(refuse(
+                "the socket path exists and is not a socket; refusing to replace it",
+            ));
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(listen_err(path.display().to_string())(e)),
+    }
+    let nonce = getrandom::u64()
+        .map_err(|e| listen_err(dir.display().to_string())(std::io::Error::other(e)))?;
+    let private = dir.join(format!(".lockstep-bind-{nonce:016x}"));
+    std::fs::DirBuilder::new()
+        .mode(0o700)
+        .create(&private)
+        .map_err(listen_err(private.display().to_string()))?;
+    let bound = (|| {
+        let temp = private.join("api.sock");
+        let listener = UnixListener::bind(&temp)?;
+        std::fs::set_permissions(&temp, std::fs::Permissions::from_mode(0o600))?;
+        std::fs::rename(&temp, path)?;
+        let ino = std::fs::symlink_metadata(path)?.ino();
+        Ok((listener, ino))
+    })();
+    let _ = std::fs::remove_dir_all(&private);
+    let (listener, ino) = bound.map_err(listen_err(path.display().to_string()))?;
+    Ok((
+        listener,
+        SocketFile {
+            path: path.to_path_buf(),
+            ino,
+        },
+    ))
 }
 
 /// Runs the agent until SIGTERM/SIGINT.
@@ -76,7 +132,10 @@ fn bind_socket(path: &PathBuf) -> Result<UnixListener, ServerError> {
 /// A listener could not be bound or start-up failed.
 pub async fn run(config: Config) -> Result<(), ServerError> {
     let socket = config.socket.clone();
-    let api_listener = bind_socket(&socket)?;
+    // Before anything writes into the state directory (the CNI install's
+    // manifest): made 0700, or refused when unsafe.
+    crate::store::prepare_state_dir(&config.state_dir).map_err(ServerError::State)?;
+    let (api_listener, _socket_file) = bind_socket(&socket)?;
     let slot: Arc<Mutex<Option<Agent>>> = Arc::new(Mutex::new(None));
     let metrics = Arc::new(Metrics::new());
     let state = AppState {
@@ -116,8 +175,8 @@ pub async fn run(config: Config) -> Result<(), ServerError> {
         crate::install::install(&config.cni, &config.socket, &config.state_dir)
             .map_err(ServerError::Install)?;
     } else {
-        let (removed, _) =
-            crate::install::uninstall(&config.state_dir).map_err(ServerError::Install)?;
+        let (removed, _) = crate::install::uninstall(&config.cni, &config.state_dir)
+            .map_err(ServerError::Install)?;
         for path in removed {
             tracing::info!(path = %path.display(), "removed a CNI file this agent had installed");
         }
@@ -146,7 +205,6 @@ pub async fn run(config: Config) -> Result<(), ServerError> {
             if let Some(m) = metrics_task {
                 let _ = m.await;
             }
-            let _ = std::fs::remove_file(&socket);
             return Err(ServerError::Start(e));
         }
         Err(e) => return Err(ServerError::Start(e)),
@@ -233,7 +291,6 @@ pub async fn run(config: Config) -> Result<(), ServerError> {
     // then exited non-zero on SIGTERM; the image test stops pods so).
     let agent = slot.lock().unwrap_or_else(|p| p.into_inner()).take();
     let _ = tokio::task::spawn_blocking(move || drop(agent)).await;
-    let _ = std::fs::remove_file(&socket);
     if let Some(e) = fatal {
         return Err(ServerError::Start(e));
     }

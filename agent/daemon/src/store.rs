@@ -430,8 +430,11 @@ fn effective_uid() -> u32 {
 /// commits cannot take the whole directory. An existing one must be a real
 /// directory (not a symlink) that only its owner — this user — may write to:
 /// the store's files name every pod on the node and decide which addresses
-/// are free.
-fn make_dir(dir: &Path) -> Result<(), StoreError> {
+/// are free. The agent calls it before anything writes into the directory.
+///
+/// # Errors
+/// The directory is unsafe ([`StoreError::UnsafeDir`]) or cannot be made.
+pub fn prepare_state_dir(dir: &Path) -> Result<(), StoreError> {
     use std::os::unix::fs::{MetadataExt as _, PermissionsExt as _};
     let err = |source| StoreError::Dir {
         path: dir.to_path_buf(),
@@ -485,7 +488,7 @@ impl Store {
     }
 
     fn open_with(dir: &Path, log_pages: u64, checkpoint_below: u64) -> Result<Self, StoreError> {
-        make_dir(dir)?;
+        prepare_state_dir(dir)?;
         let path = dir.join(DB_FILE);
         let database = db::open(&path)?;
         let (store_id, log_seq) = db::identity(&database, &path)?;
