@@ -81,6 +81,24 @@ pub enum LbError {
         #[source]
         source: CidrError,
     },
+    /// A block inside a special-purpose range (unspecified, loopback,
+    /// link-local, multicast, reserved, IPv4 seen through IPv6): no service
+    /// may be given such an address.
+    #[error(
+        "lb pool {pool}: {field}: {block} overlaps {range}, {what}; no service may be given such addresses"
+    )]
+    SpecialRange {
+        /// The pool.
+        pool: String,
+        /// Which entry, e.g. `cidrs[0]`.
+        field: String,
+        /// The block as written.
+        block: String,
+        /// The special-purpose range.
+        range: IpNet,
+        /// What that range is.
+        what: &'static str,
+    },
     /// A range whose start comes after its stop.
     #[error("lb pool {pool}: {field}: range {range} starts after it stops")]
     RangeReversed {

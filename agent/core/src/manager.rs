@@ -27,7 +27,7 @@ use serde::{Deserialize, Serialize};
 use crate::cidr::{CidrAllocator, CidrError, CidrOptions, Family};
 use crate::demand::{Demand, DemandConfig, DemandError, DemandTracker, Usage};
 use crate::owner::{Generation, Owner};
-use crate::pool::{Pool, PoolError, PoolSpec, check_canonical, overlaps, pool_id};
+use crate::pool::{Pool, PoolError, PoolSpec, check_cidr, overlaps, pool_id};
 
 /// Where a manager's pools come from. Implemented by the consumer: static
 /// config, a cloud prefix list, LoadBalancer pool objects, etcd blocks.
@@ -283,6 +283,9 @@ pub struct PoolState {
     /// Flag.
     pub allow_first_last: bool,
     /// Flag.
+    #[serde(default)]
+    pub allow_link_local: bool,
+    /// Flag.
     pub skip_masquerade: bool,
     /// Reserved addresses.
     pub reserved: Vec<IpAddr>,
@@ -415,6 +418,7 @@ impl<S: PoolSource> PoolManager<S> {
             pool.retired = false;
             pool.skip_masquerade = spec.skip_masquerade;
             pool.allow_first_last = spec.allow_first_last;
+            pool.allow_link_local = spec.allow_link_local;
             pool.reserved.clone_from(&spec.reserved);
             for cidr in spec.cidrs() {
                 if self.released.contains(&cidr) {
@@ -440,7 +444,8 @@ impl<S: PoolSource> PoolManager<S> {
     /// [`PoolError::UnknownPool`], [`PoolError::InvalidCidr`] (host bits set)
     /// or [`PoolError::OverlappingCidr`] naming both pools and both CIDRs.
     pub fn add_cidr(&mut self, pool: &str, cidr: IpNet) -> Result<bool, PoolError> {
-        check_canonical(pool, cidr)?;
+        let allow_link_local = self.pools.get(pool).is_some_and(|p| p.allow_link_local);
+        check_cidr(pool, cidr, allow_link_local)?;
         for (name, p) in &self.pools {
             for slot in &p.cidrs {
                 let other = slot.alloc.cidr();
@@ -676,6 +681,7 @@ impl<S: PoolSource> PoolManager<S> {
                 .map(|p| PoolState {
                     name: p.name.clone(),
                     allow_first_last: p.allow_first_last,
+                    allow_link_local: p.allow_link_local,
                     skip_masquerade: p.skip_masquerade,
                     reserved: p.reserved.clone(),
                     retired: p.retired,
@@ -717,6 +723,7 @@ impl<S: PoolSource> PoolManager<S> {
                 reserved: ps.reserved.clone(),
                 allow_first_last: ps.allow_first_last,
                 skip_masquerade: ps.skip_masquerade,
+                allow_link_local: ps.allow_link_local,
             };
             if m.pools.contains_key(&ps.name) {
                 return Err(PoolError::DuplicatePool {

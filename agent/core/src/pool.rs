@@ -56,6 +56,40 @@ pub enum PoolError {
         /// The CIDR it overlaps.
         other_cidr: IpNet,
     },
+    /// A pool name that cannot be used as a key everywhere it goes (API,
+    /// metrics, store, logs).
+    #[error("pool name {pool:?} is not usable: {reason}")]
+    InvalidName {
+        /// The name as given.
+        pool: String,
+        /// What is wrong with it.
+        reason: &'static str,
+    },
+    /// Two pool names that differ only by case (confusable everywhere a
+    /// human reads or types them).
+    #[error("pool {pool} differs from pool {other} only by case")]
+    CaseClash {
+        /// The later name.
+        pool: String,
+        /// The earlier name.
+        other: String,
+    },
+    /// A CIDR inside a special-purpose range no pool may hand out from
+    /// (unspecified, loopback, multicast, reserved, IPv4 addresses seen
+    /// through IPv6, and link-local unless the pool allows it).
+    #[error("cidr {cidr} of pool {pool} overlaps {range}, {what}{hint}")]
+    SpecialRange {
+        /// The pool.
+        pool: String,
+        /// The refused CIDR.
+        cidr: IpNet,
+        /// The special-purpose range it overlaps.
+        range: IpNet,
+        /// What that range is.
+        what: &'static str,
+        /// How to allow it, where that is possible.
+        hint: &'static str,
+    },
     /// Removing a CIDR the pool does not have.
     #[error("pool {pool} has no cidr {cidr}")]
     UnknownCidr {
@@ -90,6 +124,10 @@ pub struct PoolSpec {
     /// masqueraded.
     #[serde(default)]
     pub skip_masquerade: bool,
+    /// Allow CIDRs inside the link-local ranges (169.254.0.0/16, fe80::/10),
+    /// which are refused otherwise.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub allow_link_local: bool,
 }
 
 impl PoolSpec {
@@ -102,6 +140,7 @@ impl PoolSpec {
             reserved: Vec::new(),
             allow_first_last: false,
             skip_masquerade: false,
+            allow_link_local: false,
         }
     }
 
@@ -123,6 +162,12 @@ impl PoolSpec {
     /// Sets `allow_first_last` (builder style).
     pub fn allow_first_last(mut self, yes: bool) -> PoolSpec {
         self.allow_first_last = yes;
+        self
+    }
+
+    /// Sets `allow_link_local` (builder style).
+    pub fn allow_link_local(mut self, yes: bool) -> PoolSpec {
+        self.allow_link_local = yes;
         self
     }
 
@@ -155,19 +200,24 @@ impl PoolSpec {
 /// # Errors
 /// Every problem found, in definition order.
 pub fn validate_specs(specs: &[PoolSpec]) -> Result<(), PoolError> {
-    let mut seen: BTreeMap<&str, ()> = BTreeMap::new();
+    let mut seen: BTreeMap<String, &str> = BTreeMap::new();
     let mut placed: Vec<(&str, IpNet)> = Vec::new();
     for spec in specs {
-        if spec.name.is_empty() {
-            return Err(PoolError::EmptyName);
-        }
-        if seen.insert(&spec.name, ()).is_some() {
-            return Err(PoolError::DuplicatePool {
-                pool: spec.name.clone(),
+        check_name(&spec.name)?;
+        if let Some(other) = seen.insert(spec.name.to_lowercase(), &spec.name) {
+            return Err(if other == spec.name {
+                PoolError::DuplicatePool {
+                    pool: spec.name.clone(),
+                }
+            } else {
+                PoolError::CaseClash {
+                    pool: spec.name.clone(),
+                    other: other.to_owned(),
+                }
             });
         }
         for cidr in spec.cidrs() {
-            check_canonical(&spec.name, cidr)?;
+            check_cidr(&spec.name, cidr, spec.allow_link_local)?;
             if let Some(&(other_pool, other_cidr)) =
                 placed.iter().find(|(_, other)| overlaps(cidr, *other))
             {
@@ -198,12 +248,115 @@ pub fn overlaps(a: IpNet, b: IpNet) -> bool {
     a.contains(&b.network()) || b.contains(&a.network())
 }
 
-pub(crate) fn check_canonical(pool: &str, cidr: IpNet) -> Result<(), PoolError> {
+/// Longest pool name, in bytes.
+pub const MAX_NAME_LEN: usize = 128;
+
+/// A pool name must be present, at most [`MAX_NAME_LEN`] bytes, and free of
+/// control characters and white space.
+fn check_name(name: &str) -> Result<(), PoolError> {
+    let invalid = |reason| PoolError::InvalidName {
+        pool: name.to_owned(),
+        reason,
+    };
+    if name.is_empty() {
+        return Err(PoolError::EmptyName);
+    }
+    if name.len() > MAX_NAME_LEN {
+        return Err(invalid("longer than 128 bytes"));
+    }
+    if name.chars().any(char::is_control) {
+        return Err(invalid("it contains a control character"));
+    }
+    if name.chars().any(char::is_whitespace) {
+        return Err(invalid("it contains white space"));
+    }
+    Ok(())
+}
+
+/// Ranges no pool hands out from, and what they are. IPv6 ranges that embed
+/// IPv4 addresses (mapped, translated, compatible) would let one IPv4
+/// address have two owners, one per family.
+fn special_ranges() -> &'static [(IpNet, &'static str, bool)] {
+    use std::sync::OnceLock;
+    static RANGES: OnceLock<Vec<(IpNet, &'static str, bool)>> = OnceLock::new();
+    RANGES.get_or_init(|| {
+        [
+            (
+                "0.0.0.0/8",
+                "\"this network\" (the unspecified address)",
+                false,
+            ),
+            ("127.0.0.0/8", "loopback", false),
+            ("169.254.0.0/16", "link-local", true),
+            ("224.0.0.0/4", "multicast", false),
+            (
+                "240.0.0.0/4",
+                "reserved (and the limited broadcast address)",
+                false,
+            ),
+            ("::/128", "the unspecified address", false),
+            ("::1/128", "loopback", false),
+            (
+                "::ffff:0:0/96",
+                "IPv4-mapped: it aliases IPv4 addresses",
+                false,
+            ),
+            (
+                "::ffff:0:0:0/96",
+                "IPv4-translated: it aliases IPv4 addresses",
+                false,
+            ),
+            ("::/96", "IPv4-compatible: it aliases IPv4 addresses", false),
+            ("fe80::/10", "link-local", true),
+            ("ff00::/8", "multicast", false),
+        ]
+        .into_iter()
+        .map(|(net, what, link_local)| (net.parse().expect("literal"), what, link_local))
+        .collect()
+    })
+}
+
+/// The special-purpose range (and what it is) that the addresses from
+/// `first` to `last` (one family) overlap, if any; link-local ranges count
+/// only when `allow_link_local` is false. Shared with LoadBalancer pools.
+pub fn special_range(
+    first: IpAddr,
+    last: IpAddr,
+    allow_link_local: bool,
+) -> Option<(IpNet, &'static str, bool)> {
+    special_ranges()
+        .iter()
+        .filter(|(_, _, link_local)| !(allow_link_local && *link_local))
+        .find(|(range, _, _)| {
+            range.network().is_ipv4() == first.is_ipv4()
+                && range.network() <= last
+                && first <= range.broadcast()
+        })
+        .copied()
+}
+
+/// A CIDR a pool may use: canonical (no host bits), and clear of every
+/// special-purpose range (link-local only when `allow_link_local`).
+pub(crate) fn check_cidr(pool: &str, cidr: IpNet, allow_link_local: bool) -> Result<(), PoolError> {
     validate_cidr(cidr).map_err(|source| PoolError::InvalidCidr {
         pool: pool.to_owned(),
         cidr,
         source,
-    })
+    })?;
+    match special_range(cidr.network(), cidr.broadcast(), allow_link_local) {
+        Some((range, what, link_local)) => Err(PoolError::SpecialRange {
+            pool: pool.to_owned(),
+            cidr,
+            range,
+            what,
+            hint: if link_local {
+                " (set allow_link_local on the pool to use it)"
+            } else {
+                "; no pool may hand out such addresses"
+            },
+        }),
+        None => Ok(()),
+    }
 }
 
 /// One CIDR of a running pool.
@@ -232,6 +385,7 @@ pub struct CidrStatus {
 pub struct Pool {
     pub(crate) name: String,
     pub(crate) allow_first_last: bool,
+    pub(crate) allow_link_local: bool,
     pub(crate) skip_masquerade: bool,
     pub(crate) reserved: Vec<IpAddr>,
     /// The source no longer lists the pool: every CIDR drains and the pool
@@ -245,6 +399,7 @@ impl Pool {
         Pool {
             name: spec.name.clone(),
             allow_first_last: spec.allow_first_last,
+            allow_link_local: spec.allow_link_local,
             skip_masquerade: spec.skip_masquerade,
             reserved: spec.reserved.clone(),
             retired: false,
@@ -398,5 +553,167 @@ mod tests {
         assert_eq!(pool_id(""), 0x811c_9dc5);
         assert_eq!(pool_id("a"), 0xe40c_292c);
         assert_ne!(pool_id("default"), pool_id("lb"));
+    }
+
+    #[test]
+    fn special_ranges_are_refused_and_link_local_only_when_allowed() {
+        for (cidr, what) in [
+            ("0.0.0.0/24", "unspecified"),
+            ("127.0.0.0/24", "loopback"),
+            ("224.0.0.0/24", "multicast"),
+            ("255.255.255.0/24", "reserved"),
+            ("0.0.0.0/0", "unspecified"),
+            ("::/120", "unspecified"),
+            ("::1/128", "loopback"),
+            ("::ffff:10.98.0.0/120", "IPv4-mapped"),
+            ("::ffff:0:10.98.0.0/120", "IPv4-translated"),
+            ("::10.98.0.0/120", "IPv4-compatible"),
+            ("ff02::/120", "multicast"),
+            ("::/0", "unspecified"),
+        ] {
+            let err = PoolSpec::new("p")
+                .with_cidr(net(cidr))
+                .validate()
+                .expect_err(cidr);
+            assert!(
+                matches!(err, PoolError::SpecialRange { .. }) && err.to_string().contains(what),
+                "{cidr}: {err}"
+            );
+        }
+        for cidr in ["169.254.1.0/24", "fe80::/64"] {
+            let err = PoolSpec::new("p")
+                .with_cidr(net(cidr))
+                .validate()
+                .expect_err(cidr);
+            assert!(err.to_string().contains("allow_link_local"), "{err}");
+            PoolSpec::new("p")
+                .with_cidr(net(cidr))
+                .allow_link_local(true)
+                .validate()
+                .expect("allowed explicitly");
+        }
+        for cidr in [
+            "10.98.0.0/24",
+            "fd00::/64",
+            "2001:db8::/64",
+            "64:ff9b::/96",
+            "100.64.0.0/10",
+        ] {
+            PoolSpec::new("p")
+                .with_cidr(net(cidr))
+                .validate()
+                .expect(cidr);
+        }
+    }
+
+    #[test]
+    fn names_are_checked_and_case_twins_refused() {
+        for (name, why) in [
+            ("a\u{1f}b", "control"),
+            ("a\nb", "control"),
+            ("a b", "white space"),
+            (&"x".repeat(129), "longer"),
+        ] {
+            let err = PoolSpec::new(name).validate().expect_err(name);
+            assert!(err.to_string().contains(why), "{name:?}: {err}");
+        }
+        let err = validate_specs(&[PoolSpec::new("Default"), PoolSpec::new("default")])
+            .expect_err("case twins");
+        assert_eq!(
+            err.to_string(),
+            "pool default differs from pool Default only by case"
+        );
+        PoolSpec::new("pods-v4.zone_a")
+            .validate()
+            .expect("ordinary name");
+    }
+
+    /// A CIDR generator that lands in and around the special ranges often.
+    fn any_cidr() -> impl proptest::strategy::Strategy<Value = IpNet> {
+        use proptest::prelude::*;
+        let v4 = (
+            prop_oneof![
+                Just(0u32),
+                Just(0x7f00_0000),
+                Just(0xa9fe_0000),
+                Just(0xe000_0000),
+                Just(0xf000_0000),
+                Just(0xffff_ff00),
+                Just(0x0a00_0000),
+                any::<u32>()
+            ],
+            any::<u32>(),
+            0u8..=32,
+        )
+            .prop_map(|(base, noise, len)| {
+                let addr = base ^ (noise >> 8);
+                IpNet::V4(Ipv4Net::new(addr.into(), len).expect("len").trunc())
+            });
+        let v6 = (
+            prop_oneof![
+                Just(0u128),
+                Just(1u128),
+                Just(0xffff_0000_0000u128),
+                Just(0xffff_0000_0000_0000u128),
+                Just(0xfe80u128 << 112),
+                Just(0xff02u128 << 112),
+                Just(0xfd00u128 << 112),
+                any::<u128>()
+            ],
+            any::<u64>(),
+            0u8..=128,
+        )
+            .prop_map(|(base, noise, len)| {
+                let addr = base ^ u128::from(noise >> 16);
+                IpNet::V6(Ipv6Net::new(addr.into(), len).expect("len").trunc())
+            });
+        prop_oneof![v4, v6]
+    }
+
+    /// Special by the standard library's own classification: an oracle
+    /// independent of the range table.
+    fn std_special(addr: IpAddr) -> bool {
+        match addr {
+            IpAddr::V4(a) => {
+                a.is_unspecified()
+                    || a.is_loopback()
+                    || a.is_multicast()
+                    || a.is_broadcast()
+                    || a.is_link_local()
+                    || a.octets()[0] == 0
+                    || a.octets()[0] >= 240
+            }
+            IpAddr::V6(a) => {
+                a.is_unspecified()
+                    || a.is_loopback()
+                    || a.is_multicast()
+                    || a.is_unicast_link_local()
+                    || a.to_ipv4_mapped().is_some()
+                    || a.to_ipv4().is_some()
+            }
+        }
+    }
+
+    proptest::proptest! {
+        /// An accepted pool holds no address the standard library calls
+        /// special, at its first, last and a middle address; a CIDR whose
+        /// first or last address is special is refused.
+        #[test]
+        fn accepted_pools_hold_no_special_address(cidr in any_cidr()) {
+            let accepted = PoolSpec::new("p").with_cidr(cidr).validate().is_ok();
+            let (first, last) = (cidr.network(), cidr.broadcast());
+            let middle = match cidr {
+                IpNet::V4(n) => IpAddr::V4((u32::from(n.network()) / 2 + u32::from(n.broadcast()) / 2).into()),
+                IpNet::V6(n) => IpAddr::V6((u128::from(n.network()) / 2 + u128::from(n.broadcast()) / 2).into()),
+            };
+            if accepted {
+                for a in [first, middle, last] {
+                    proptest::prop_assert!(!std_special(a), "{cidr} accepted but holds {a}");
+                }
+            }
+            if std_special(first) || std_special(last) {
+                proptest::prop_assert!(!accepted, "{cidr} holds a special address but was accepted");
+            }
+        }
     }
 }

@@ -12,6 +12,11 @@ use std::time::Duration;
 
 use ipnet::IpNet;
 use lockstep_core::pool::{PoolSpec, validate_specs};
+
+/// The longest reconcile interval accepted.
+pub const MAX_RECONCILE_INTERVAL: Duration = Duration::from_secs(24 * 3600);
+/// The longest delegated-IPAM plugin timeout accepted.
+pub const MAX_IPAM_TIMEOUT: Duration = Duration::from_secs(600);
 use serde::{Deserialize, Serialize};
 
 /// Default config file.
@@ -306,10 +311,14 @@ impl Config {
             field,
             reason,
         };
-        if self.reconcile_interval < Duration::from_millis(100) {
+        // An interval beyond a day turns drift repair (and a failed store's
+        // recovery) off in all but name.
+        if self.reconcile_interval < Duration::from_millis(100)
+            || self.reconcile_interval > MAX_RECONCILE_INTERVAL
+        {
             return Err(invalid(
                 "reconcile_interval".into(),
-                "must be at least 100ms".into(),
+                "must be between 100ms and 24h".into(),
             ));
         }
         if self.datapath.ipcache_max_entries == 0 {
@@ -376,6 +385,12 @@ impl Config {
             }
             pool.validate()
                 .map_err(|e| invalid(format!("pools[{i}] ({})", pool.name), e.to_string()))?;
+            if pool.cidrs().next().is_none() {
+                return Err(invalid(
+                    format!("pools[{i}] ({})", pool.name),
+                    "has no CIDR: give it ipv4 or ipv6 CIDRs".into(),
+                ));
+            }
         }
         validate_specs(&self.pools).map_err(|e| invalid("pools".into(), e.to_string()))?;
         if let Some(r) = &self.roles.pool
@@ -425,10 +440,10 @@ impl Config {
                 ));
             }
         }
-        if self.ipam.timeout < Duration::from_millis(100) {
+        if self.ipam.timeout < Duration::from_millis(100) || self.ipam.timeout > MAX_IPAM_TIMEOUT {
             return Err(invalid(
                 "ipam.timeout".into(),
-                "must be at least 100ms".into(),
+                "must be between 100ms and 10m".into(),
             ));
         }
         if let Some(d) = &self.default_pool
@@ -505,6 +520,25 @@ mod tests {
             ("bogus = 1", "bogus"),
             ("reconcile_interval = 5", "reconcile_interval"),
             ("reconcile_interval = \"1ms\"", "reconcile_interval"),
+            (
+                "reconcile_interval = \"100000000000y\"",
+                "reconcile_interval",
+            ),
+            ("reconcile_interval = \"25h\"", "reconcile_interval"),
+            ("[ipam]\ntimeout = \"1d\"", "ipam.timeout"),
+            ("[[pools]]\nname = \"empty\"", "pools[0] (empty)"),
+            (
+                "[[pools]]\nname = \"lo\"\nipv4 = [\"127.0.0.0/24\"]",
+                "pools[0] (lo)",
+            ),
+            (
+                "[[pools]]\nname = \"m\"\nipv6 = [\"::ffff:10.98.0.0/120\"]",
+                "IPv4-mapped",
+            ),
+            (
+                "[[pools]]\nname = \"A\"\nipv4 = [\"10.0.0.0/24\"]\n[[pools]]\nname = \"a\"\nipv4 = [\"10.1.0.0/24\"]",
+                "only by case",
+            ),
             (
                 "[datapath]\nipcache_max_entries = 0",
                 "datapath.ipcache_max_entries",

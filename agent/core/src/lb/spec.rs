@@ -287,6 +287,23 @@ impl LbPoolSpec {
         }
         let mut blocks: Vec<(Block, String)> =
             self.blocks().into_iter().zip(self.block_fields()).collect();
+        for (b, field) in &blocks {
+            let addr = |bits: u128| match b.family {
+                Family::V4 => IpAddr::V4((bits as u32).into()),
+                Family::V6 => IpAddr::V6(bits.into()),
+            };
+            if let Some((range, what, _)) =
+                crate::pool::special_range(addr(b.start), addr(b.end), false)
+            {
+                return Err(LbError::SpecialRange {
+                    pool: pool(),
+                    field: field.clone(),
+                    block: b.text.clone(),
+                    range,
+                    what,
+                });
+            }
+        }
         blocks.sort_by_key(|(b, _)| (b.family, b.start));
         for w in blocks.windows(2) {
             let ((a, af), (b, bf)) = (&w[0], &w[1]);

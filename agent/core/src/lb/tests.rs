@@ -1169,3 +1169,32 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn lb_pools_in_special_ranges_are_refused() {
+    for (cidr, range, what) in [
+        (Some("127.0.0.0/30"), None, "loopback"),
+        (Some("::ffff:10.0.0.0/126"), None, "IPv4-mapped"),
+        (None, Some(("ff02::1", "ff02::5")), "multicast"),
+        (None, Some(("169.254.0.1", "169.254.0.9")), "link-local"),
+        (None, Some(("0.0.0.1", "0.0.0.3")), "unspecified"),
+    ] {
+        let mut p = pool("special");
+        if let Some(c) = cidr {
+            p = p.cidr(c);
+        }
+        if let Some((a, b)) = range {
+            p = p.range(a, b);
+        }
+        let err = p.validate().expect_err(what);
+        assert!(
+            matches!(err, LbError::SpecialRange { .. }) && err.to_string().contains(what),
+            "{what}: {err}"
+        );
+    }
+    pool("fine")
+        .cidr("192.0.2.0/28")
+        .range("2001:db8::10", "2001:db8::20")
+        .validate()
+        .expect("ordinary ranges");
+}
