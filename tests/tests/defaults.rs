@@ -68,3 +68,37 @@ echo "exit=$?"
     assert!(text.contains("exit=0"), "SIGTERM is a clean exit: {text}");
     Ok(())
 }
+
+#[test]
+fn allocate_and_release_without_a_pool_use_the_configured_default_pool() -> anyhow::Result<()> {
+    privileged!();
+    let node = Netns::new("defpool")?;
+    let agent = lockstep_tests::AgentProc::start(
+        &node,
+        r#"default_pool = "second"
+[[pools]]
+name = "first"
+ipv4 = ["10.65.0.0/24"]
+[[pools]]
+name = "second"
+ipv4 = ["10.65.1.0/24"]
+"#,
+    )?;
+    let a = agent.json([
+        "allocate", "--name", "no-pool", "--family", "ipv4", "-o", "json",
+    ])?;
+    anyhow::ensure!(
+        a["pool"] == "second"
+            && a["address"]
+                .as_str()
+                .is_some_and(|s| s.starts_with("10.65.1.")),
+        "the configured default pool, not one named 'default': {a}"
+    );
+    let out = agent.cli(["release", "--name", "no-pool", "--family", "ipv4"])?;
+    anyhow::ensure!(
+        out.status.success(),
+        "release without --pool: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(())
+}

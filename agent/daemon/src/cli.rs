@@ -76,9 +76,9 @@ pub enum Command {
     },
     /// Allocate an address for a generic resource owner.
     Allocate {
-        /// The pool.
-        #[arg(long, default_value = "default")]
-        pool: String,
+        /// The pool (default: the agent's `default_pool`).
+        #[arg(long)]
+        pool: Option<String>,
         /// Family (ipv4 or ipv6) when no address is given.
         #[arg(long)]
         family: Option<String>,
@@ -97,9 +97,9 @@ pub enum Command {
     },
     /// Release an address.
     Release {
-        /// The pool.
-        #[arg(long, default_value = "default")]
-        pool: String,
+        /// The pool (default: the agent's `default_pool`).
+        #[arg(long)]
+        pool: Option<String>,
         /// Family (ipv4 or ipv6).
         #[arg(long)]
         family: String,

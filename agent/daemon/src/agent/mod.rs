@@ -169,8 +169,10 @@ impl AgentError {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct AllocateRequest {
-    /// The pool.
-    pub pool: String,
+    /// The pool; the configured `default_pool` (or the first pool) when
+    /// absent.
+    #[serde(default)]
+    pub pool: Option<String>,
     /// The family, when any address will do.
     #[serde(default)]
     pub family: Option<Family>,
@@ -185,8 +187,10 @@ pub struct AllocateRequest {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ReleaseRequest {
-    /// The pool.
-    pub pool: String,
+    /// The pool; the configured `default_pool` (or the first pool) when
+    /// absent.
+    #[serde(default)]
+    pub pool: Option<String>,
     /// The family.
     pub family: Family,
     /// The holder.
@@ -787,6 +791,10 @@ impl Agent {
 
     fn allocate_inner(&mut self, req: AllocateRequest) -> Result<Allocation, AgentError> {
         self.check_ready()?;
+        let pool = match &req.pool {
+            Some(p) => p.clone(),
+            None => self.default_pool()?,
+        };
         if matches!(req.owner, Owner::Agent { .. }) {
             return Err(AgentError::Invalid {
                 reason: "agent-role addresses are reserved by the agent itself".into(),
@@ -806,15 +814,15 @@ impl Agent {
                 });
             }
         };
-        if let Some(pool) = self.manager.pool(&req.pool)
-            && !pool.cidrs().any(|c| Family::of_net(c.cidr) == family)
+        if let Some(p) = self.manager.pool(&pool)
+            && !p.cidrs().any(|c| Family::of_net(c.cidr) == family)
         {
             // Not "exhausted": no amount of releasing will ever satisfy it.
             return Err(AgentError::Invalid {
-                reason: format!("pool {} has no {family} CIDR", req.pool),
+                reason: format!("pool {pool} has no {family} CIDR"),
             });
         }
-        if let Some(existing) = self.manager.get(&req.pool, family, &req.owner)
+        if let Some(existing) = self.manager.get(&pool, family, &req.owner)
             && req.address.is_none_or(|a| a == existing.address)
         {
             // Idempotent: it was committed and programmed when first made.
@@ -823,8 +831,8 @@ impl Agent {
             return Ok(existing.clone());
         }
         let a = match req.address {
-            Some(addr) => self.manager.allocate(&req.pool, addr, req.owner)?,
-            None => self.manager.allocate_next(&req.pool, family, req.owner)?,
+            Some(addr) => self.manager.allocate(&pool, addr, req.owner)?,
+            None => self.manager.allocate_next(&pool, family, req.owner)?,
         };
         if let Err(e) = self.store.put(&a, self.manager.generation()) {
             self.manager
@@ -858,9 +866,13 @@ impl Agent {
 
     fn release_inner(&mut self, req: ReleaseRequest) -> Result<Allocation, AgentError> {
         self.check_ready()?;
-        let Some(current) = self.manager.get(&req.pool, req.family, &req.owner).cloned() else {
+        let pool = match &req.pool {
+            Some(p) => p.clone(),
+            None => self.default_pool()?,
+        };
+        let Some(current) = self.manager.get(&pool, req.family, &req.owner).cloned() else {
             return Err(AgentError::NotFound {
-                pool: req.pool,
+                pool,
                 family: req.family,
                 owner: req.owner,
             });
