@@ -668,7 +668,42 @@ impl<S: PoolSource> PoolManager<S> {
                 Err(e) => outcome.rejected.push((a, e)),
             }
         }
+        self.resume_next_fit();
         outcome
+    }
+
+    /// After a restore (the store keeps allocations, not cursors): each
+    /// CIDR's next-fit search resumes at its most recently handed-out
+    /// allocation (the highest generation), so an address released before
+    /// the restart is not the first one handed out after it. Only a release
+    /// of the very newest allocation of a CIDR right before a restart can
+    /// still come round early.
+    fn resume_next_fit(&mut self) {
+        let mut newest: BTreeMap<(String, IpNet), (Generation, IpAddr)> = BTreeMap::new();
+        for a in self.by_addr.values() {
+            let Some(pool) = self.pools.get(&a.pool) else {
+                continue;
+            };
+            let Some(i) = pool.slot_of(a.address) else {
+                continue;
+            };
+            let key = (a.pool.clone(), pool.cidrs[i].alloc.cidr());
+            let entry = newest.entry(key).or_insert((a.generation, a.address));
+            if a.generation > entry.0 {
+                *entry = (a.generation, a.address);
+            }
+        }
+        for ((pool, cidr), (_, address)) in newest {
+            if let Some(slot) = self
+                .pools
+                .get_mut(&pool)
+                .and_then(|p| p.cidrs.iter_mut().find(|s| s.alloc.cidr() == cidr))
+            {
+                // An allocated address is a valid position: the search
+                // starts there and moves past it.
+                let _ = slot.alloc.set_cursor(address);
+            }
+        }
     }
 
     /// Plain-data copy of the whole state; see [`ManagerSnapshot`].

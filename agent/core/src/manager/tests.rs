@@ -380,9 +380,11 @@ fn restore_places_allocations_and_reports_misfits() {
     let again = m.restore(Generation(0), allocs[..2].to_vec());
     assert_eq!(again.restored, 2);
     assert!(again.rejected.is_empty());
-    // The next allocation follows the cursor, not the restored addresses.
+    // Next-fit resumes after the newest restored allocation (10.0.0.3), not
+    // at the start of the CIDR, where the free 10.0.0.2 may be an address
+    // released just before the restart.
     let next = m.allocate_next("default", Family::V4, ep("e")).unwrap();
-    assert_eq!(next.address, ip("10.0.0.2"));
+    assert_eq!(next.address, ip("10.0.0.4"));
     assert_eq!(next.generation, Generation(21));
     m.check_invariants();
 }
@@ -829,4 +831,54 @@ proptest! {
             }
         }
     }
+}
+
+#[test]
+fn a_released_address_is_reused_last() {
+    // Next-fit: after a release, every other free address of the CIDR is
+    // handed out before the released one comes round again.
+    let mut m = manager(vec![PoolSpec::new("p").with_cidr(net("10.9.0.0/28"))]);
+    let first = m.allocate_next("p", Family::V4, ep("first")).unwrap();
+    let second = m.allocate_next("p", Family::V4, ep("second")).unwrap();
+    m.release("p", Family::V4, &ep("second"), second.generation)
+        .unwrap();
+    let mut handed = Vec::new();
+    // 14 usable addresses, one held: 13 free, the released one last.
+    for i in 0..13 {
+        let a = m
+            .allocate_next("p", Family::V4, ep(&format!("next-{i}")))
+            .unwrap();
+        handed.push(a.address);
+    }
+    assert_eq!(
+        handed.last(),
+        Some(&second.address),
+        "the released address comes last: {handed:?}"
+    );
+    assert!(!handed.contains(&first.address));
+    assert!(handed[..12].iter().all(|a| *a != second.address));
+}
+
+#[test]
+fn after_a_restore_a_released_address_is_not_handed_out_first() {
+    let spec = || vec![PoolSpec::new("p").with_cidr(net("10.9.1.0/28"))];
+    let mut m = manager(spec());
+    let held: Vec<Allocation> = (0..4)
+        .map(|i| {
+            m.allocate_next("p", Family::V4, ep(&format!("h{i}")))
+                .unwrap()
+        })
+        .collect();
+    m.release("p", Family::V4, &held[1].owner, held[1].generation)
+        .unwrap();
+    let kept: Vec<Allocation> = m.allocations().cloned().collect();
+    // A restart: a new manager restored from the stored allocations.
+    let mut r = manager(spec());
+    r.restore(m.generation(), kept);
+    r.finish_restore();
+    let next = r.allocate_next("p", Family::V4, ep("new")).unwrap();
+    assert_ne!(
+        next.address, held[1].address,
+        "a just-released address must not be handed out first after a restart"
+    );
 }
