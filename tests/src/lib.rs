@@ -485,6 +485,12 @@ impl AgentProc {
         Ok(agent)
     }
 
+    /// The agent's process id (the wrappers in front of it exec it), while
+    /// it runs.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(std::process::Child::id)
+    }
+
     /// The API socket.
     pub fn socket(&self) -> PathBuf {
         self.dir.path().join("api.sock")

@@ -227,6 +227,14 @@ pub struct Config {
     /// How often the maps are compared with the store and repaired.
     #[serde(with = "humantime_serde")]
     pub reconcile_interval: Duration,
+    /// How long an API connection may take to send a request's headers, and
+    /// stay idle between requests, before the agent closes it.
+    #[serde(with = "humantime_serde")]
+    pub api_header_timeout: Duration,
+    /// The most API connections served at once (0: a quarter of the open
+    /// file limit, at most 512); more wait in the socket's backlog, so
+    /// descriptors always remain for the agent's own work.
+    pub api_max_connections: usize,
     /// CIDRs that endpoint traffic reaches without masquerading.
     pub non_masquerade_cidrs: Vec<IpNet>,
     /// Datapath settings.
@@ -252,6 +260,8 @@ impl Default for Config {
             socket: PathBuf::from("/run/lockstep/lockstep.sock"),
             metrics_addr: Some(SocketAddr::from(([127, 0, 0, 1], 9962))),
             reconcile_interval: Duration::from_secs(10),
+            api_header_timeout: Duration::from_secs(10),
+            api_max_connections: 0,
             non_masquerade_cidrs: Vec::new(),
             datapath: DatapathConfig::default(),
             cni: CniConfig::default(),
@@ -318,7 +328,15 @@ impl Config {
         {
             return Err(invalid(
                 "reconcile_interval".into(),
-                "must be between 100ms and 24h".into(),
+                "must be at least 100ms and at most 24h".into(),
+            ));
+        }
+        if self.api_header_timeout < Duration::from_millis(100)
+            || self.api_header_timeout > Duration::from_secs(300)
+        {
+            return Err(invalid(
+                "api_header_timeout".into(),
+                "must be between 100ms and 5m".into(),
             ));
         }
         if self.datapath.ipcache_max_entries == 0 {

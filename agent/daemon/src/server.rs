@@ -126,6 +126,95 @@ fn bind_socket(path: &Path) -> Result<(UnixListener, SocketFile), ServerError> {
     ))
 }
 
+/// How the API serves connections.
+#[derive(Clone, Copy, Debug)]
+struct Limits {
+    /// Connections served at once.
+    max_connections: usize,
+    /// Time allowed for a request's headers, and idle between requests.
+    header_timeout: std::time::Duration,
+}
+
+impl Limits {
+    fn new(config: &Config) -> Self {
+        let max_connections = match config.api_max_connections {
+            0 => {
+                let mut limit = libc::rlimit {
+                    rlim_cur: 0,
+                    rlim_max: 0,
+                };
+                // SAFETY: getrlimit writes the struct it is given.
+                let soft = if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } == 0 {
+                    limit.rlim_cur
+                } else {
+                    1024
+                };
+                usize::try_from(soft / 4).unwrap_or(512).clamp(16, 512)
+            }
+            n => n,
+        };
+        Self {
+            max_connections,
+            header_timeout: config.api_header_timeout,
+        }
+    }
+}
+
+/// Serves `app` on `listener` until `stop`: at most `limits.max_connections`
+/// connections at once (the rest wait in the kernel's backlog, holding none
+/// of the agent's descriptors), each closed when it takes longer than
+/// `limits.header_timeout` to send a request's headers or stays idle that
+/// long between requests (hyper re-arms the header timer for every
+/// request), with request heads of at most 64 KiB. `axum::serve` has none
+/// of these: 1,100 idle connections once took every descriptor of an agent
+/// with a 1,024 limit, and its periodic reconcile failed.
+async fn serve_limited<L>(
+    mut listener: L,
+    app: axum::Router,
+    limits: Limits,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) where
+    L: axum::serve::Listener,
+{
+    let permits = Arc::new(tokio::sync::Semaphore::new(limits.max_connections));
+    let mut conns = tokio::task::JoinSet::new();
+    loop {
+        let permit = tokio::select! {
+            p = permits.clone().acquire_owned() => match p {
+                Ok(p) => p,
+                Err(_) => break,
+            },
+            _ = stop.wait_for(|s| *s) => break,
+        };
+        let io = tokio::select! {
+            (io, _) = listener.accept() => io,
+            _ = stop.wait_for(|s| *s) => break,
+        };
+        let service = hyper_util::service::TowerToHyperService::new(app.clone());
+        let mut stop = stop.clone();
+        conns.spawn(async move {
+            let _permit = permit;
+            let conn = hyper::server::conn::http1::Builder::new()
+                .timer(hyper_util::rt::TokioTimer::new())
+                .header_read_timeout(limits.header_timeout)
+                .max_buf_size(64 * 1024)
+                .serve_connection(hyper_util::rt::TokioIo::new(io), service);
+            let mut conn = std::pin::pin!(conn);
+            let stopping = tokio::select! {
+                _ = conn.as_mut() => false,
+                _ = stop.wait_for(|s| *s) => true,
+            };
+            if stopping {
+                // Let the request in flight finish, then close.
+                conn.as_mut().graceful_shutdown();
+                let _ = tokio::time::timeout(std::time::Duration::from_secs(5), conn).await;
+            }
+        });
+        while conns.try_join_next().is_some() {}
+    }
+    while conns.join_next().await.is_some() {}
+}
+
 /// Runs the agent until SIGTERM/SIGINT.
 ///
 /// # Errors
@@ -147,11 +236,18 @@ pub async fn run(config: Config) -> Result<(), ServerError> {
     let shutdown = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
         let _ = rx.wait_for(|stop| *stop).await;
     };
-    let api = tokio::spawn(
-        axum::serve(api_listener, router(state.clone()))
-            .with_graceful_shutdown(shutdown(stop_rx.clone()))
-            .into_future(),
+    let limits = Limits::new(&config);
+    tracing::info!(
+        max_connections = limits.max_connections,
+        header_timeout = ?limits.header_timeout,
+        "API connection limits"
     );
+    let api = tokio::spawn(serve_limited(
+        api_listener,
+        router(state.clone()),
+        limits,
+        stop_rx.clone(),
+    ));
     let metrics_task = match config.metrics_addr {
         Some(addr) => {
             let listener = TcpListener::bind(addr)
