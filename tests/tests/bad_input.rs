@@ -218,7 +218,9 @@ fn api_cases(seed_a: &Value, seed_a_generation: u64) -> Vec<ApiCase> {
         alloc("owner missing ifname", with("owner", json!({"owner": "endpoint", "container_id": "x"})), 422, "bad_request", "missing field `ifname`"),
         alloc("owner container_id as a number", with("owner", json!({"owner": "endpoint", "container_id": 5, "ifname": "eth0"})), 422, "bad_request", "invalid type: integer `5`"),
         alloc("agent owner of an unknown role", with("owner", json!({"owner": "agent", "role": "boss"})), 422, "bad_request", "unknown variant `boss`"),
-        alloc("missing pool", without("pool"), 422, "bad_request", "missing field `pool`"),
+        // A missing pool is not malformed: it means the default pool
+        // (tests/tests/defaults.rs).
+        alloc("pool of the wrong type", with("pool", json!(7)), 422, "bad_request", "invalid type: integer `7`"),
         alloc("missing owner", without("owner"), 422, "bad_request", "missing field `owner`"),
         case("duplicate field", post.clone(), "/v1/allocations", Some(br#"{"pool":"bad","pool":"bad","family":"ipv4","owner":{"owner":"endpoint","container_id":"x","ifname":"eth0"}}"#), 422, "bad_request", "duplicate field `pool`"),
         // Transport-level problems.
