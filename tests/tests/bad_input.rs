@@ -228,6 +228,8 @@ fn api_cases(seed_a: &Value, seed_a_generation: u64) -> Vec<ApiCase> {
         case("oversized release body", post.clone(), "/v1/release", Some(&huge), 413, "too_large", "length limit"),
         case("no body and no content type", post.clone(), "/v1/allocations", None, 415, "unsupported_media_type", "Content-Type: application/json"),
         ApiCase { name: "text/plain content type", method: post.clone(), path: "/v1/allocations", send: Send::ContentType("text/plain", good.clone().into_bytes()), status: 415, code: "unsupported_media_type", says: "Content-Type: application/json".into() },
+        ApiCase { name: "JSON declared as UTF-16", method: post.clone(), path: "/v1/allocations", send: Send::ContentType("application/json; charset=utf-16", good.clone().into_bytes()), status: 415, code: "unsupported_media_type", says: "charset utf-16 is not accepted".into() },
+        ApiCase { name: "JSON declared as latin-1 (quoted)", method: post.clone(), path: "/v1/release", send: Send::ContentType("application/json; charset=\"ISO-8859-1\"", b"{}".to_vec()), status: 415, code: "unsupported_media_type", says: "charset iso-8859-1".into() },
         ApiCase { name: "form content type", method: post.clone(), path: "/v1/release", send: Send::ContentType("application/x-www-form-urlencoded", b"pool=bad".to_vec()), status: 415, code: "unsupported_media_type", says: "Content-Type: application/json".into() },
         // Well-formed, but not acceptable.
         alloc("unknown pool", with("pool", json!("nope")), 404, "unknown_pool", "unknown pool nope"),

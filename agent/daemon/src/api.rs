@@ -316,5 +316,40 @@ pub fn router(state: AppState) -> Router {
         .fallback(not_found)
         .method_not_allowed_fallback(wrong_method)
         .layer(DefaultBodyLimit::max(MAX_BODY))
+        .layer(axum::middleware::from_fn(utf8_only))
         .with_state(state)
+}
+
+/// Refuses a body declared in another charset than UTF-8: JSON is UTF-8
+/// (RFC 8259), and `application/json; charset=utf-16` was parsed as if it
+/// were.
+async fn utf8_only(
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Result<Response, ApiError> {
+    let charset = request
+        .headers()
+        .get(axum::http::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| {
+            v.split(';').skip(1).find_map(|param| {
+                let (name, value) = param.split_once('=')?;
+                name.trim()
+                    .eq_ignore_ascii_case("charset")
+                    .then(|| value.trim().trim_matches('"').to_ascii_lowercase())
+            })
+        });
+    if let Some(charset) = charset
+        && charset != "utf-8"
+        && charset != "utf8"
+    {
+        return Err(ApiError::new(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "unsupported_media_type",
+            format!(
+                "charset {charset} is not accepted: send UTF-8 JSON (Content-Type: application/json)"
+            ),
+        ));
+    }
+    Ok(next.run(request).await)
 }
