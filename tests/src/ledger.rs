@@ -52,6 +52,14 @@ pub struct Pool {
 }
 
 impl Pool {
+    /// The agent config for this pool (a one-second reconcile).
+    pub fn config(&self) -> String {
+        format!(
+            "reconcile_interval = \"1s\"\n[[pools]]\nname = \"{}\"\nipv4 = [\"{}/{}\"]\nipv6 = [\"{}/{}\"]\n",
+            self.name, self.v4_base, self.v4_prefix, self.v6_base, self.v6_prefix
+        )
+    }
+
     /// Whether `a` is inside the pool.
     pub fn contains(&self, a: IpAddr) -> bool {
         match a {

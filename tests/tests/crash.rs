@@ -24,13 +24,6 @@ const POOL: Pool = Pool {
     v6_prefix: 118,
     owner_tag: "crash",
 };
-const CONFIG: &str = r#"
-reconcile_interval = "1s"
-[[pools]]
-name = "crash"
-ipv4 = ["10.60.0.0/22"]
-ipv6 = ["fd00:60::/118"]
-"#;
 
 const KILLS: usize = 50;
 
@@ -42,7 +35,7 @@ fn sigkill_at_random_moments_loses_no_acknowledged_change() -> anyhow::Result<()
         .as_nanos() as u64;
     eprintln!("crash test seed {seed:#x}");
     let node = Netns::new("crash")?;
-    let mut agent = AgentProc::start(&node, CONFIG)?;
+    let mut agent = AgentProc::start(&node, &POOL.config())?;
     let socket = agent.socket();
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -86,19 +79,10 @@ fn sigkill_at_random_moments_loses_no_acknowledged_change() -> anyhow::Result<()
     let c = &shared.counts;
     let held = ledger::held(&models);
     eprintln!(
-        "crash test: {kills} kills in {:.1?}; acknowledged: {} allocations, {} releases, \
-         {} idempotent repeats, {} stale releases refused, {} specific addresses refused; \
-         {} requests not reached, {} uncertain ({} took effect); {held} held at the end; \
+        "crash test: {kills} kills in {:.1?}; {}; {held} held at the end; \
          max time to ready {max_ready:?}",
         started.elapsed(),
-        get(&c.acked_allocations),
-        get(&c.acked_releases),
-        get(&c.idempotent),
-        get(&c.stale_refused),
-        get(&c.specific_refused),
-        get(&c.not_reached),
-        get(&c.uncertain),
-        get(&c.uncertain_took_effect),
+        ledger::summary(c),
     );
     assert_eq!(kills, KILLS);
     assert!(

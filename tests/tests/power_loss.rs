@@ -47,13 +47,6 @@ const POOL: Pool = Pool {
     v6_prefix: 118,
     owner_tag: "power",
 };
-const CONFIG: &str = r#"
-reconcile_interval = "1s"
-[[pools]]
-name = "power"
-ipv4 = ["10.62.0.0/22"]
-ipv6 = ["fd00:62::/118"]
-"#;
 /// The database file (store::DB_FILE): the armed kills watch its writes.
 const DB: &str = "lockstep.redb";
 /// Bounded form: cuts per test.
@@ -103,7 +96,7 @@ impl World {
         let agent = AgentProc::launch(
             &node,
             &AgentOptions {
-                extra: CONFIG.to_string(),
+                extra: POOL.config(),
                 state_dir: Some(state),
                 unready: false,
             },
