@@ -16,7 +16,7 @@ use serde_json::{Value, json};
 
 use crate::cni::{
     self, AttachmentRequest, CniError, CniResult, CniVersion, Interface, Invocation, IpConfig,
-    IpamAddress, IpamResult, PluginMode, Route,
+    IpamAddress, IpamResult, LockstepOptions, PluginMode, Route,
 };
 
 /// Code of errors the agent reports (plugin-specific codes start at 100).
@@ -53,11 +53,12 @@ impl PluginError {
 }
 
 fn agent(
-    socket: &Path,
+    options: &LockstepOptions,
     method: &str,
     path: &str,
     body: Option<Value>,
 ) -> Result<Value, PluginError> {
+    let socket = options.agent_socket.as_path();
     let unreachable = |e: std::io::Error| -> PluginError {
         CniError::TryAgainLater {
             reason: format!(
@@ -67,17 +68,30 @@ fn agent(
         }
         .into()
     };
-    let (status, value) = exchange(socket, method, path, body.as_ref()).map_err(|e| match e {
-        Exchange::Connect(e) => unreachable(e),
-        Exchange::Io(e) => CniError::TryAgainLater {
-            reason: format!("talking to the lockstep agent failed: {e}"),
-        }
-        .into(),
-        Exchange::Malformed(what) => CniError::TryAgainLater {
-            reason: format!("the lockstep agent's answer is malformed: {what}"),
-        }
-        .into(),
-    })?;
+    let deadline = options.agent_timeout;
+    let (status, value) =
+        exchange(socket, deadline, method, path, body.as_ref()).map_err(|e| match e {
+            Exchange::Connect(e) => unreachable(e),
+            Exchange::Timeout => CniError::TryAgainLater {
+                reason: format!(
+                    "the lockstep agent at {} did not answer within {deadline:?} (agentTimeout)",
+                    socket.display()
+                ),
+            }
+            .into(),
+            Exchange::TooLarge => CniError::TryAgainLater {
+                reason: format!("the lockstep agent's answer is larger than {MAX_REPLY} bytes"),
+            }
+            .into(),
+            Exchange::Io(e) => CniError::TryAgainLater {
+                reason: format!("talking to the lockstep agent failed: {e}"),
+            }
+            .into(),
+            Exchange::Malformed(what) => CniError::TryAgainLater {
+                reason: format!("the lockstep agent's answer is malformed: {what}"),
+            }
+            .into(),
+        })?;
     if (200..300).contains(&status) {
         return Ok(value);
     }
@@ -104,7 +118,15 @@ enum Exchange {
     Connect(std::io::Error),
     Io(std::io::Error),
     Malformed(String),
+    /// No complete answer before the deadline.
+    Timeout,
+    /// An answer longer than [`MAX_REPLY`].
+    TooLarge,
 }
+
+/// The longest answer the plugin reads from the agent: a CNI reply is a few
+/// kilobytes; anything near this is not one.
+const MAX_REPLY: u64 = 1 << 20;
 
 /// One HTTP/1.1 request over the agent's unix socket, blocking, std only.
 ///
@@ -115,20 +137,62 @@ enum Exchange {
 /// a JSON body with `Content-Length`); the agent and the CLI use hyper.
 fn exchange(
     socket: &Path,
+    deadline: std::time::Duration,
     method: &str,
     path: &str,
     body: Option<&Value>,
 ) -> Result<(u16, Value), Exchange> {
     use std::io::Read;
+    let started = std::time::Instant::now();
     let mut stream = std::os::unix::net::UnixStream::connect(socket).map_err(Exchange::Connect)?;
     let body = body.map(Value::to_string).unwrap_or_default();
     let request = format!(
         "{method} {path} HTTP/1.1\r\nhost: lockstep\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
         body.len()
     );
-    stream.write_all(request.as_bytes()).map_err(Exchange::Io)?;
+    let timed_out = |e: &std::io::Error| {
+        matches!(
+            e.kind(),
+            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+        )
+    };
+    let left = || {
+        deadline
+            .checked_sub(started.elapsed())
+            .filter(|d| !d.is_zero())
+            .ok_or(Exchange::Timeout)
+    };
+    stream
+        .set_write_timeout(Some(left()?))
+        .map_err(Exchange::Io)?;
+    stream.write_all(request.as_bytes()).map_err(|e| {
+        if timed_out(&e) {
+            Exchange::Timeout
+        } else {
+            Exchange::Io(e)
+        }
+    })?;
+    // Read until the agent closes, within what is left of the deadline,
+    // and never more than MAX_REPLY.
     let mut raw = Vec::with_capacity(4096);
-    stream.read_to_end(&mut raw).map_err(Exchange::Io)?;
+    let mut chunk = [0u8; 16 * 1024];
+    loop {
+        stream
+            .set_read_timeout(Some(left()?))
+            .map_err(Exchange::Io)?;
+        match stream.read(&mut chunk) {
+            Ok(0) => break,
+            Ok(n) => {
+                raw.extend_from_slice(&chunk[..n]);
+                if raw.len() as u64 > MAX_REPLY {
+                    return Err(Exchange::TooLarge);
+                }
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) if timed_out(&e) => return Err(Exchange::Timeout),
+            Err(e) => return Err(Exchange::Io(e)),
+        }
+    }
     let split = raw
         .windows(4)
         .position(|w| w == b"\r\n\r\n")
@@ -204,8 +268,12 @@ fn fmt_mac(v: &Value) -> Option<String> {
 }
 
 fn add(req: &AttachmentRequest) -> Result<Value, PluginError> {
-    let socket = &req.config.options.agent_socket;
-    let reply = agent(socket, "POST", "/v1/cni/add", Some(endpoint_body(req)))?;
+    let reply = agent(
+        &req.config.options,
+        "POST",
+        "/v1/cni/add",
+        Some(endpoint_body(req)),
+    )?;
     let version = req.config.cni_version;
     let dns = req.config.dns.clone().unwrap_or_default();
     let addresses = reply["addresses"].as_array().cloned().unwrap_or_default();
@@ -295,7 +363,7 @@ where
         Invocation::Version(v) => Ok(Some(v.response().to_json())),
         Invocation::Add(req) => add(req).map(Some),
         Invocation::Del(req) => agent(
-            &req.config.options.agent_socket,
+            &req.config.options,
             "POST",
             "/v1/cni/del",
             Some(json!({
@@ -305,7 +373,7 @@ where
         )
         .map(|_| None),
         Invocation::Check(req) => agent(
-            &req.config.options.agent_socket,
+            &req.config.options,
             "POST",
             "/v1/cni/check",
             Some(endpoint_body(req)),
@@ -323,16 +391,14 @@ where
                 })
                 .collect();
             agent(
-                &req.config.options.agent_socket,
+                &req.config.options,
                 "POST",
                 "/v1/cni/gc",
                 Some(json!({ "valid": valid })),
             )
             .map(|_| None)
         }
-        Invocation::Status(req) => {
-            status(&req.config.options.agent_socket, req.config.pool()).map(|_| None)
-        }
+        Invocation::Status(req) => status(&req.config.options, req.config.pool()).map(|_| None),
     };
     match outcome {
         Ok(out) => (out, 0),
@@ -340,8 +406,8 @@ where
     }
 }
 
-fn status(socket: &Path, pool: Option<&str>) -> Result<(), PluginError> {
-    let st = agent(socket, "GET", "/v1/status", None).map_err(|e| match e {
+fn status(options: &LockstepOptions, pool: Option<&str>) -> Result<(), PluginError> {
+    let st = agent(options, "GET", "/v1/status", None).map_err(|e| match e {
         PluginError::Cni(CniError::TryAgainLater { reason }) => {
             CniError::PluginNotAvailable { reason }.into()
         }
@@ -353,7 +419,7 @@ fn status(socket: &Path, pool: Option<&str>) -> Result<(), PluginError> {
         }
         .into());
     }
-    let pools = agent(socket, "GET", "/v1/pools", None)?;
+    let pools = agent(options, "GET", "/v1/pools", None)?;
     let free: u128 = pools
         .as_array()
         .into_iter()
@@ -431,6 +497,116 @@ mod tests {
         let (out, code) = invoke([("CNI_COMMAND", "STATUS")], stdin);
         assert_eq!(code, 1);
         assert_eq!(out.expect("error")["code"], 50);
+    }
+
+    /// A fake agent on a unix socket in a fresh directory: `serve` runs on
+    /// every accepted connection, in its own thread.
+    fn fake_agent(
+        serve: impl Fn(std::os::unix::net::UnixStream) + Send + Sync + 'static,
+    ) -> (tempfile::TempDir, std::path::PathBuf) {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let socket = dir.path().join("agent.sock");
+        let listener = std::os::unix::net::UnixListener::bind(&socket).expect("bind");
+        let serve = std::sync::Arc::new(serve);
+        std::thread::spawn(move || {
+            for stream in listener.incoming().flatten() {
+                let serve = serve.clone();
+                std::thread::spawn(move || serve(stream));
+            }
+        });
+        (dir, socket)
+    }
+
+    fn add_env() -> [(&'static str, &'static str); 5] {
+        [
+            ("CNI_COMMAND", "ADD"),
+            ("CNI_CONTAINERID", "abc"),
+            ("CNI_NETNS", "/var/run/netns/x"),
+            ("CNI_IFNAME", "eth0"),
+            ("CNI_PATH", "/opt/cni/bin"),
+        ]
+    }
+
+    #[test]
+    fn an_agent_that_accepts_and_never_answers_is_try_again_later_by_the_deadline() {
+        let (_dir, socket) = fake_agent(|stream| {
+            // Hold the connection open, answer nothing.
+            std::thread::sleep(std::time::Duration::from_secs(30));
+            drop(stream);
+        });
+        let stdin = format!(
+            r#"{{"cniVersion":"1.0.0","name":"n","type":"lockstep","agentSocket":"{}","agentTimeout":1}}"#,
+            socket.display()
+        );
+        let started = std::time::Instant::now();
+        let (out, code) = invoke(add_env(), stdin.as_bytes());
+        let took = started.elapsed();
+        assert!(took < std::time::Duration::from_secs(5), "took {took:?}");
+        assert_eq!(code, 1);
+        let out = out.expect("an error object");
+        assert_eq!(out["code"], 11, "{out}");
+        assert!(
+            out["msg"]
+                .as_str()
+                .unwrap_or_default()
+                .contains("did not answer within"),
+            "{out}"
+        );
+    }
+
+    #[test]
+    fn an_oversized_reply_is_an_error_not_a_result() {
+        let (_dir, socket) = fake_agent(|mut stream| {
+            use std::io::Read as _;
+            let mut buf = [0u8; 4096];
+            let _ = stream.read(&mut buf);
+            let _ = stream.write_all(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n\r\n[");
+            let filler = vec![b' '; 64 * 1024];
+            // 200 MiB unless the plugin hangs up first.
+            for _ in 0..3200 {
+                if stream.write_all(&filler).is_err() {
+                    return;
+                }
+            }
+        });
+        let stdin = format!(
+            r#"{{"cniVersion":"1.0.0","name":"n","type":"lockstep","agentSocket":"{}"}}"#,
+            socket.display()
+        );
+        let (out, code) = invoke(add_env(), stdin.as_bytes());
+        assert_eq!(code, 1);
+        let out = out.expect("an error object");
+        assert_eq!(out["code"], 11, "{out}");
+        assert!(
+            out["msg"]
+                .as_str()
+                .unwrap_or_default()
+                .contains("larger than"),
+            "{out}"
+        );
+    }
+
+    #[test]
+    fn agent_timeout_is_checked() {
+        for bad in ["0", "601", "\"30s\""] {
+            let stdin = format!(
+                r#"{{"cniVersion":"1.0.0","name":"n","type":"lockstep","agentTimeout":{bad}}}"#
+            );
+            let (out, code) = invoke(add_env(), stdin.as_bytes());
+            assert_eq!(code, 1, "{bad}");
+            let out = out.expect("an error object");
+            assert!(
+                out["msg"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .contains("agentTimeout")
+                    || out["details"]
+                        .as_str()
+                        .unwrap_or_default()
+                        .contains("agentTimeout"),
+                "{bad}: {out}"
+            );
+        }
     }
 
     #[test]

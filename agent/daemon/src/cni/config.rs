@@ -2,7 +2,7 @@
 //!
 //! lockstep is configured two ways, and the configuration says which:
 //! - `"type": "lockstep"`: the full plugin. Its options (`agentSocket`,
-//!   `pool`, `mtu`) sit at the top level, and an `ipam` section is refused:
+//!   `agentTimeout`, `pool`, `mtu`) sit at the top level, and an `ipam` section is refused:
 //!   addresses come from the agent, and silently ignoring an IPAM plugin the
 //!   administrator named would hand out addresses they did not expect.
 //! - any interface plugin (`bridge`, `ptp`, …) whose `ipam.type` is
@@ -37,6 +37,8 @@ use super::version::{CniVersion, VersionParseError};
 
 /// The agent's API socket when the configuration names none.
 pub const DEFAULT_AGENT_SOCKET: &str = "/run/lockstep/lockstep.sock";
+/// How long one plugin call to the agent may take by default.
+pub const DEFAULT_AGENT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// The `type` of the full plugin.
 pub const PLUGIN_TYPE: &str = "lockstep";
@@ -74,6 +76,10 @@ pub enum PluginMode {
 pub struct LockstepOptions {
     /// `agentSocket`: the agent's API socket (absolute, at most 107 bytes).
     pub agent_socket: PathBuf,
+    /// `agentTimeout` (seconds, 1–600; default 30): how long one call to
+    /// the agent may take before the plugin answers "try again later"
+    /// (code 11) — a hung or stopped agent must not block pod creation.
+    pub agent_timeout: std::time::Duration,
     /// `pool`: the pool to allocate from; `None` means the agent's default.
     pub pool: Option<String>,
     /// `mtu` (full plugin only): the MTU of the veth pair, 68–65535.
@@ -206,6 +212,16 @@ fn parse_options(obj: &Obj<'_>, mode: PluginMode) -> Result<LockstepOptions, Cni
             PathBuf::from(path)
         }
     };
+    let agent_timeout = match obj.get("agentTimeout") {
+        None => DEFAULT_AGENT_TIMEOUT,
+        Some(field) => {
+            let secs = field.as_u32()?;
+            if !(1..=600).contains(&secs) {
+                return Err(field.invalid("a timeout is 1 to 600 seconds"));
+            }
+            std::time::Duration::from_secs(u64::from(secs))
+        }
+    };
     let pool = obj
         .get("pool")
         .map(|f| check_name(&f, "pool name"))
@@ -230,6 +246,7 @@ fn parse_options(obj: &Obj<'_>, mode: PluginMode) -> Result<LockstepOptions, Cni
     };
     Ok(LockstepOptions {
         agent_socket,
+        agent_timeout,
         pool,
         mtu,
         routes,
