@@ -1411,3 +1411,62 @@ fn status_reports_ready_exhausted_and_stopped() -> anyhow::Result<()> {
     );
     Ok(())
 }
+
+#[test]
+fn status_follows_the_default_pool_and_unusable_sockets_are_permanent_errors() -> anyhow::Result<()>
+{
+    privileged!();
+    let node = Netns::new("node")?;
+    let agent = AgentProc::start(
+        &node,
+        r#"default_pool = "small"
+[[pools]]
+name = "big"
+ipv4 = ["10.67.0.0/24"]
+[[pools]]
+name = "small"
+ipv4 = ["10.67.1.0/30"]
+"#,
+    )?;
+    let sock = agent.socket();
+    let status = |extra: Value| plugin(&net_env("STATUS"), &conf("1.1.0", &sock, extra));
+    status(json!({}))?.ok()?;
+    let mut held = Vec::new();
+    for n in ["s1", "s2"] {
+        held.push(agent.json([
+            "allocate", "--pool", "small", "--kind", "node", "--name", n, "--family", "ipv4", "-o",
+            "json",
+        ])?);
+    }
+    // The default pool is full while another has room: no ADD without a
+    // pool can be served, and STATUS says so (it summed every pool before).
+    let full = status(json!({}))?;
+    ensure!(full.code() == Some(50), "{}", full.stdout);
+    ensure!(full.msg().contains("small"), "{}", full.stdout);
+    status(json!({"pool": "big"}))?.ok()?;
+    let out = agent.cli([
+        "release", "--pool", "small", "--kind", "node", "--name", "s1", "--family", "ipv4",
+    ])?;
+    ensure!(out.status.success(), "release");
+    status(json!({}))?.ok()?;
+
+    // An agentSocket that is a regular file or a directory: retrying will
+    // never help, so not code 11.
+    let scratch = lockstep_tests::TempDir::new("badsock")?;
+    let file = scratch.path().join("file.sock");
+    std::fs::write(&file, b"")?;
+    for (path, what) in [
+        (file.as_path(), "not a socket"),
+        (scratch.path(), "a directory"),
+    ] {
+        let ns = Netns::new("c")?;
+        let call = plugin(
+            &env("ADD", &unique("badsock"), Some(&ns.path()), "eth0"),
+            &conf("1.0.0", path, json!({})),
+        )?;
+        ensure!(call.exit == 1, "{}", call.stdout);
+        ensure!(call.code() == Some(7), "{what}: {}", call.stdout);
+        ensure!(call.msg().contains(what), "{what}: {}", call.stdout);
+    }
+    Ok(())
+}

@@ -60,11 +60,35 @@ fn agent(
 ) -> Result<Value, PluginError> {
     let socket = options.agent_socket.as_path();
     let unreachable = |e: std::io::Error| -> PluginError {
+        use std::os::unix::fs::FileTypeExt as _;
+        let at = socket.display().to_string();
+        // Not running (no socket, or a stale one) is transient; a path that
+        // is no socket at all, or a socket the plugin may not open, is not.
+        if matches!(e.kind(), std::io::ErrorKind::PermissionDenied) {
+            return CniError::AgentSocket {
+                socket: at,
+                reason: format!("{e}; the plugin must run as root, as the runtime runs it"),
+                config: false,
+            }
+            .into();
+        }
+        if let Ok(meta) = std::fs::metadata(socket)
+            && !meta.file_type().is_socket()
+        {
+            let what = if meta.is_dir() {
+                "a directory"
+            } else {
+                "not a socket"
+            };
+            return CniError::AgentSocket {
+                socket: at,
+                reason: format!("it is {what}; agentSocket must name the agent's API socket"),
+                config: true,
+            }
+            .into();
+        }
         CniError::TryAgainLater {
-            reason: format!(
-                "the lockstep agent is not reachable at {} ({e}); is it running?",
-                socket.display()
-            ),
+            reason: format!("the lockstep agent is not reachable at {at} ({e}); is it running?"),
         }
         .into()
     };
@@ -419,22 +443,42 @@ fn status(options: &LockstepOptions, pool: Option<&str>) -> Result<(), PluginErr
         }
         .into());
     }
+    // The pool an ADD would use: the one configured, else the agent's
+    // default (summing every pool hid an exhausted default behind others).
+    let pool = pool
+        .map(str::to_owned)
+        .or_else(|| st["default_pool"].as_str().map(str::to_owned));
     let pools = agent(options, "GET", "/v1/pools", None)?;
-    let free: u128 = pools
+    let chosen = pools
         .as_array()
         .into_iter()
         .flatten()
-        .filter(|p| pool.is_none_or(|name| p["name"] == name))
-        .map(|p| {
-            let f = |v: &Value| v[1].as_u64().unwrap_or(0) as u128;
-            f(&p["v4"]) + f(&p["v6"])
-        })
-        .sum();
-    if free == 0 {
+        .find(|p| pool.as_deref().is_none_or(|name| p["name"] == name));
+    let Some(chosen) = chosen else {
         return Err(CniError::PluginNotAvailable {
-            reason: format!("no free address in pool {}", pool.unwrap_or("(default)")),
+            reason: format!(
+                "the agent has no pool {}",
+                pool.as_deref().unwrap_or("at all")
+            ),
         }
         .into());
+    };
+    // An ADD takes an address of every family the pool has: one family
+    // with none free means no ADD can be served.
+    for family in ["v4", "v6"] {
+        let (used, free) = (
+            chosen[family][0].as_u64().unwrap_or(0),
+            chosen[family][1].as_u64().unwrap_or(0),
+        );
+        if used + free > 0 && free == 0 {
+            return Err(CniError::PluginNotAvailable {
+                reason: format!(
+                    "pool {} has no free IP{family} address",
+                    chosen["name"].as_str().unwrap_or("?")
+                ),
+            }
+            .into());
+        }
     }
     Ok(())
 }

@@ -274,6 +274,10 @@ pub struct Status {
     pub reason: Option<String>,
     /// Node name.
     pub node: String,
+    /// The pool a request that names none uses (`default_pool`, else the
+    /// first pool).
+    #[serde(default)]
+    pub default_pool: Option<String>,
     /// Number of allocations.
     pub allocations: usize,
     /// Agent-owned addresses by role.
@@ -1453,6 +1457,7 @@ impl Agent {
                 )
             },
             node: self.node.clone(),
+            default_pool: self.default_pool().ok(),
             allocations: self.manager.allocations().len() + self.delegated_allocations().len(),
             roles: self.roles(),
             generation: self.manager.generation(),

@@ -189,6 +189,18 @@ pub enum CniError {
         /// `ipam.type`, if present.
         ipam_type: Option<String>,
     },
+    /// The agent's socket cannot be used, and retrying will not change
+    /// that: the path is not a socket, or the plugin may not open it.
+    #[error("the lockstep agent socket {socket} cannot be used: {reason}")]
+    AgentSocket {
+        /// The socket path (`agentSocket`).
+        socket: String,
+        /// What is wrong, and what to fix.
+        reason: String,
+        /// Whether it is the configuration (a path that is not a socket)
+        /// rather than the plugin's privileges.
+        config: bool,
+    },
     /// A transient condition; the runtime should retry.
     #[error("try again later: {reason}")]
     TryAgainLater {
@@ -231,6 +243,8 @@ impl CniError {
             CniError::MissingField { .. }
             | CniError::InvalidField { .. }
             | CniError::NotForLockstep { .. } => ErrorCode::InvalidNetworkConfig,
+            CniError::AgentSocket { config: true, .. } => ErrorCode::InvalidNetworkConfig,
+            CniError::AgentSocket { config: false, .. } => ErrorCode::IoFailure,
             CniError::TryAgainLater { .. } => ErrorCode::TryAgainLater,
             CniError::PluginNotAvailable { .. } => ErrorCode::PluginNotAvailable,
             CniError::LimitedConnectivity { .. } => ErrorCode::LimitedConnectivity,
@@ -276,6 +290,9 @@ impl CniError {
             }
             CniError::NotForLockstep { .. } => {
                 "use type \"lockstep\", or an ipam section with type \"lockstep-ipam\"".to_owned()
+            }
+            CniError::AgentSocket { .. } => {
+                "retrying will not help: fix agentSocket or run the plugin as root".to_owned()
             }
             CniError::TryAgainLater { .. } => "the condition is transient; retry".to_owned(),
             CniError::PluginNotAvailable { .. } | CniError::LimitedConnectivity { .. } => {
