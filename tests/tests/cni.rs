@@ -1234,14 +1234,16 @@ fn malformed_invocations_get_the_spec_code_a_clear_message_and_change_nothing() 
             7,
             "prevResult",
         ),
-        // Refused by the agent: 100, the agent's code in details.
+        // A namespace that does not exist: the container does not exist
+        // (3), and nothing is allocated.
         bad(
             "nonexistent netns path",
             with("ADD", "CNI_NETNS", &gone_ns),
             good("1.0.0"),
-            100,
+            3,
             "lockstep-t-gone",
         ),
+        // Refused by the agent: 100, the agent's code in details.
         bad(
             "unknown pool",
             add_env(),

@@ -292,6 +292,22 @@ fn fmt_mac(v: &Value) -> Option<String> {
 }
 
 fn add(req: &AttachmentRequest) -> Result<Value, PluginError> {
+    // The full plugin makes interfaces inside CNI_NETNS: a namespace that is
+    // gone means the container is gone (code 3), and the agent is not asked
+    // for an address it would only have to take back.
+    if req.config.mode == PluginMode::Full
+        && let Some(netns) = &req.netns
+        && std::fs::symlink_metadata(netns).is_err_and(|e| e.kind() == std::io::ErrorKind::NotFound)
+    {
+        return Err(CniError::UnknownContainer {
+            container_id: format!(
+                "{} (its network namespace {} does not exist)",
+                req.attachment.container_id,
+                netns.display()
+            ),
+        }
+        .into());
+    }
     let reply = agent(
         &req.config.options,
         "POST",
