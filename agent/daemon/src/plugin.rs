@@ -527,7 +527,7 @@ mod tests {
         let env = [
             ("CNI_COMMAND", "ADD"),
             ("CNI_CONTAINERID", "abc"),
-            ("CNI_NETNS", "/var/run/netns/x"),
+            ("CNI_NETNS", "/proc/self/ns/net"),
             ("CNI_IFNAME", "eth0"),
             ("CNI_PATH", "/opt/cni/bin"),
         ];
@@ -581,7 +581,7 @@ mod tests {
         [
             ("CNI_COMMAND", "ADD"),
             ("CNI_CONTAINERID", "abc"),
-            ("CNI_NETNS", "/var/run/netns/x"),
+            ("CNI_NETNS", "/proc/self/ns/net"),
             ("CNI_IFNAME", "eth0"),
             ("CNI_PATH", "/opt/cni/bin"),
         ]
