@@ -19,8 +19,8 @@ use serde::Serialize;
 use serde_json::json;
 
 use crate::agent::endpoints::{
-    DelRequest, EndpointRequest, GcRequest, cni_work_is_bounded, endpoint_add_concurrent,
-    endpoint_del_concurrent,
+    DelRequest, EndpointRequest, GcRequest, Inline, endpoint_add_concurrent, endpoint_add_inline,
+    endpoint_del_concurrent, endpoint_del_inline,
 };
 use crate::agent::lb::{LbApply, LbDelete};
 use crate::agent::{Agent, AgentError, AllocateRequest, ReleaseRequest};
@@ -203,18 +203,16 @@ async fn cni_add(
     let Json(req) = body?;
     let started = Instant::now();
     let slot = s.agent.clone();
-    let result = if cni_work_is_bounded(&slot, &req.container_id, &req.ifname, Some(req.mode)) {
-        // A store commit and a few map writes under the agent lock, which
-        // serializes them anyway: run here. Handing them to the blocking
-        // pool costs two thread wake-ups, which on the project VM cost as
-        // much as the work (measured by `cargo xtask bench cni`).
-        endpoint_add_concurrent(&slot, req)
-    } else {
-        tokio::task::spawn_blocking(move || endpoint_add_concurrent(&slot, req))
-            .await
-            .map_err(|e| {
-                ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", e.to_string())
-            })?
+    // IPAM-only ADDs are served here (a commit and a few map writes under
+    // the lock); whether one is is judged under the same lock hold that
+    // serves it. Anything else goes to the blocking pool untouched.
+    let result = match endpoint_add_inline(&slot, req) {
+        Inline::Done(r) => r,
+        Inline::Blocking(req) => {
+            tokio::task::spawn_blocking(move || endpoint_add_concurrent(&slot, req))
+                .await
+                .map_err(joined)?
+        }
     };
     s.metrics.observe_allocation(started.elapsed());
     Ok(ok(result?))
@@ -226,17 +224,28 @@ async fn cni_del(
 ) -> Result<Response, ApiError> {
     let Json(req) = body?;
     let slot = s.agent.clone();
-    if cni_work_is_bounded(&slot, &req.container_id, &req.ifname, None) {
-        // As in `cni_add`: store and map work only.
-        endpoint_del_concurrent(&slot, req)?;
-    } else {
-        tokio::task::spawn_blocking(move || endpoint_del_concurrent(&slot, req))
-            .await
-            .map_err(|e| {
-                ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", e.to_string())
-            })??;
+    match endpoint_del_inline(&slot, req) {
+        // Committed under the lock; kernel work (a full attachment's veth)
+        // only ever runs on the blocking pool.
+        Inline::Done(cleanup) => {
+            let cleanup = cleanup?;
+            if !cleanup.is_empty() {
+                tokio::task::spawn_blocking(move || cleanup.run())
+                    .await
+                    .map_err(joined)?;
+            }
+        }
+        Inline::Blocking(req) => {
+            tokio::task::spawn_blocking(move || endpoint_del_concurrent(&slot, req))
+                .await
+                .map_err(joined)??;
+        }
     }
     Ok(ok(json!({})))
+}
+
+fn joined(e: tokio::task::JoinError) -> ApiError {
+    ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", e.to_string())
 }
 
 async fn cni_check(

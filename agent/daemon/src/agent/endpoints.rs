@@ -201,6 +201,11 @@ pub struct DelCleanup {
 }
 
 impl DelCleanup {
+    /// Whether there is no kernel work to do.
+    pub fn is_empty(&self) -> bool {
+        self.host.is_none()
+    }
+
     /// Runs it (outside the agent lock; both steps wait on the kernel).
     /// Already gone is fine; failures are logged, the allocation is already
     /// released and a stale veth is removed by a retried DEL or ADD.
@@ -313,31 +318,84 @@ fn not_ready() -> AgentError {
     }
 }
 
-/// Whether a CNI ADD or DEL of this attachment is store and map work only:
-/// IPAM mode, addresses from the agent's own pools (no external plugin to
-/// run) and no interfaces to make or remove. The API runs such a request on
-/// its own worker (see `api::cni_add`). A request that turns out otherwise
-/// (the record changed in between) is still served correctly, only on that
-/// worker.
-pub fn cni_work_is_bounded(
-    slot: &Mutex<Option<Agent>>,
-    container_id: &str,
-    ifname: &str,
-    mode: Option<EndpointMode>,
-) -> bool {
-    let guard = lock(slot);
-    let Some(agent) = guard.as_ref() else {
-        // Not ready: the answer is an immediate refusal.
-        return true;
-    };
-    let key = endpoint_key(container_id, ifname);
+/// What a CNI call's step on the API's async worker came to (see
+/// [`endpoint_add_inline`] and [`endpoint_del_inline`]).
+#[derive(Debug)]
+pub enum Inline<T, R> {
+    /// Served: store and map work only, done under the lock.
+    Done(Result<T, AgentError>),
+    /// Nothing was done: the request needs kernel work or an external
+    /// plugin, and must run on the blocking pool.
+    Blocking(R),
+}
+
+/// Whether serving this attachment, as the agent holds it right now, is
+/// store and map work only: IPAM mode, addresses from the agent's own pools
+/// (no external plugin to run), no interfaces to check or remove. Only ever
+/// asked with the lock held by the caller that then does the work.
+fn inline_capable(agent: &Agent, key: &str, mode: Option<EndpointMode>) -> bool {
     mode.is_none_or(|m| m == EndpointMode::Ipam)
         && !agent.delegated_mode()
-        && !agent.delegated.contains_key(&key)
+        && !agent.delegated.contains_key(key)
         && agent
             .endpoints
-            .get(&key)
+            .get(key)
             .is_none_or(|e| e.mode == EndpointMode::Ipam)
+}
+
+/// CNI ADD from the API's async worker. The attachment's state is judged
+/// and the ADD served under one hold of the agent lock, so nothing can
+/// change in between: an IPAM-only ADD (a commit and a few map writes, which
+/// the lock serialises anyway) is served here, without the two thread
+/// wake-ups a hop to the blocking pool costs (`cargo xtask bench cni`);
+/// anything else is handed back untouched, for [`endpoint_add_concurrent`]
+/// on the blocking pool.
+pub fn endpoint_add_inline(
+    slot: &Mutex<Option<Agent>>,
+    req: EndpointRequest,
+) -> Inline<EndpointReply, EndpointRequest> {
+    let mut guard = lock(slot);
+    let Some(agent) = guard.as_mut() else {
+        return Inline::Done(Err(not_ready()));
+    };
+    let key = endpoint_key(&req.container_id, &req.ifname);
+    if !inline_capable(agent, &key, Some(req.mode)) {
+        return Inline::Blocking(req);
+    }
+    Inline::Done(match agent.endpoint_add_begin(req) {
+        Ok(AddBegin::Done(reply)) => Ok(*reply),
+        // IPAM mode finishes in the first phase; were that ever to change,
+        // the interfaces are not made here.
+        Ok(AddBegin::Interfaces(p)) => {
+            let failure = InterfaceFailure {
+                error: invalid("an IPAM-only ADD asked for interfaces"),
+                host_ifindex: None,
+            };
+            agent.endpoint_add_finish(*p, Err(failure))
+        }
+        Err(e) => Err(e),
+    })
+}
+
+/// CNI DEL from the API's async worker: judged and committed under one hold
+/// of the agent lock (as [`endpoint_add_inline`]). The kernel work a full
+/// attachment leaves (detach, veth deletion) is never run here: it comes
+/// back as a [`DelCleanup`] for the blocking pool ([`DelCleanup::is_empty`]
+/// says whether there is any). A delegated attachment (an external plugin
+/// to run) is handed back untouched.
+pub fn endpoint_del_inline(
+    slot: &Mutex<Option<Agent>>,
+    req: DelRequest,
+) -> Inline<DelCleanup, DelRequest> {
+    let mut guard = lock(slot);
+    let Some(agent) = guard.as_mut() else {
+        return Inline::Done(Err(not_ready()));
+    };
+    let key = endpoint_key(&req.container_id, &req.ifname);
+    if agent.delegated_mode() || agent.delegated.contains_key(&key) {
+        return Inline::Blocking(req);
+    }
+    Inline::Done(agent.endpoint_del_begin(req))
 }
 
 /// CNI ADD with the agent lock held only to decide and to commit: the
