@@ -619,9 +619,12 @@ impl Agent {
     /// Any of those steps failed; the agent must not serve.
     pub fn start(config: Config) -> Result<Self, AgentError> {
         let started = Instant::now();
+        // The store first: its lock refuses a second agent on this state
+        // directory before `Datapath::open` may migrate (replace) pins the
+        // running agent uses.
+        let store = Store::open(&config.state_dir)?;
         let datapath = Datapath::open(datapath_options(&config))?;
         let maps = datapath.maps()?;
-        let store = Store::open(&config.state_dir)?;
         let stored = store.load()?;
         let mut manager =
             PoolManager::new(StaticPools(config.pools.clone()), ManagerConfig::default())?;
