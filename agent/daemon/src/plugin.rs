@@ -21,6 +21,8 @@ use crate::cni::{
 
 /// Code of errors the agent reports (plugin-specific codes start at 100).
 pub const AGENT_REFUSED: u32 = 100;
+/// Code of an agent answer to ADD the plugin cannot turn into a result.
+pub const BAD_AGENT_REPLY: u32 = 101;
 
 /// Why an invocation failed.
 #[derive(Debug, thiserror::Error)]
@@ -36,6 +38,17 @@ pub enum PluginError {
         /// The agent's message.
         message: String,
     },
+    /// The agent's answer to ADD cannot be turned into a result (it does
+    /// not parse, or it holds no address). No result is printed, and what
+    /// the agent allocated is given back with a DEL.
+    #[error("the lockstep agent's answer to ADD cannot be used: {reason}")]
+    BadReply {
+        /// What is wrong with it.
+        reason: &'static str,
+        /// The parse error, if it did not parse.
+        #[source]
+        source: Option<serde_json::Error>,
+    },
 }
 
 impl PluginError {
@@ -47,6 +60,12 @@ impl PluginError {
                 "code": AGENT_REFUSED,
                 "msg": format!("the lockstep agent refused: {message}"),
                 "details": format!("agent error code {code}"),
+            }),
+            PluginError::BadReply { .. } => json!({
+                "cniVersion": version.as_str(),
+                "code": BAD_AGENT_REPLY,
+                "msg": self.to_string(),
+                "details": crate::error_chain(self),
             }),
         }
     }
@@ -291,6 +310,79 @@ fn fmt_mac(v: &Value) -> Option<String> {
     })
 }
 
+/// The agent's answer to ADD, as far as the plugin uses it (unknown fields
+/// are ignored, so an agent newer than the plugin still works).
+#[derive(Debug, serde::Deserialize)]
+struct AddReply {
+    addresses: Vec<crate::agent::endpoints::EndpointAddress>,
+    #[serde(default)]
+    routes: Vec<(ipnet::IpNet, Option<std::net::IpAddr>)>,
+    #[serde(default)]
+    record: Option<AddRecord>,
+}
+
+/// The interface part of a full ADD's answer.
+#[derive(Debug, Default, serde::Deserialize)]
+struct AddRecord {
+    #[serde(default)]
+    host_ifname: Option<String>,
+    #[serde(default)]
+    host_mac: Option<[u8; 6]>,
+    #[serde(default)]
+    mac: Option<[u8; 6]>,
+}
+
+/// Turns the agent's answer into what a result needs; an answer that does
+/// not parse, holds no address, or (full mode) names no host interface is
+/// refused: a successful ADD with no address is worse than a failed one.
+fn parse_add_reply(req: &AttachmentRequest, reply: Value) -> Result<AddReply, PluginError> {
+    let parsed: AddReply = serde_json::from_value(reply).map_err(|e| PluginError::BadReply {
+        reason: "it does not parse",
+        source: Some(e),
+    })?;
+    if parsed.addresses.is_empty() {
+        return Err(PluginError::BadReply {
+            reason: "it holds no address",
+            source: None,
+        });
+    }
+    if req.config.mode == PluginMode::Full
+        && parsed
+            .record
+            .as_ref()
+            .and_then(|r| r.host_ifname.as_deref())
+            .is_none_or(str::is_empty)
+    {
+        return Err(PluginError::BadReply {
+            reason: "it names no host interface",
+            source: None,
+        });
+    }
+    Ok(parsed)
+}
+
+/// After an ADD the plugin cannot report, gives back what the agent
+/// allocated (a DEL; a runtime sends one too after a failed ADD, and DEL
+/// is idempotent). Returns `error`.
+fn give_back(req: &AttachmentRequest, error: PluginError) -> PluginError {
+    if let Err(e) = agent(
+        &req.config.options,
+        "POST",
+        "/v1/cni/del",
+        Some(json!({
+            "container_id": req.attachment.container_id.as_str(),
+            "ifname": req.attachment.ifname.as_str(),
+        })),
+    ) {
+        // The runtime's DEL after this failed ADD tries again.
+        let _ = writeln!(
+            std::io::stderr(),
+            "lockstep: giving back the unusable ADD failed: {e}"
+        );
+    }
+    error
+}
+
 fn add(req: &AttachmentRequest) -> Result<Value, PluginError> {
     // The full plugin makes interfaces inside CNI_NETNS: a namespace that is
     // gone means the container is gone (code 3), and the agent is not asked
@@ -314,21 +406,19 @@ fn add(req: &AttachmentRequest) -> Result<Value, PluginError> {
         "/v1/cni/add",
         Some(endpoint_body(req)),
     )?;
+    let reply = parse_add_reply(req, reply).map_err(|e| give_back(req, e))?;
     let version = req.config.cni_version;
     let dns = req.config.dns.clone().unwrap_or_default();
-    let addresses = reply["addresses"].as_array().cloned().unwrap_or_default();
-    let parse_addr = |a: &Value| -> Option<(ipnet::IpNet, Option<std::net::IpAddr>)> {
-        let net = a["address"].as_str()?.parse().ok()?;
-        let gw = a["gateway"].as_str().and_then(|g| g.parse().ok());
-        Some((net, gw))
-    };
+    let addresses = reply.addresses;
     match req.config.mode {
         PluginMode::Ipam => {
             let result = IpamResult {
                 ips: addresses
-                    .iter()
-                    .filter_map(parse_addr)
-                    .map(|(address, gateway)| IpamAddress { address, gateway })
+                    .into_iter()
+                    .map(|a| IpamAddress {
+                        address: a.address,
+                        gateway: a.gateway,
+                    })
                     .collect(),
                 routes: req.config.options.routes.clone(),
                 dns,
@@ -336,13 +426,13 @@ fn add(req: &AttachmentRequest) -> Result<Value, PluginError> {
             Ok(result.to_json(version))
         }
         PluginMode::Full => {
-            let record = &reply["record"];
+            let record = reply.record.unwrap_or_default();
             let host = Interface {
-                name: record["host_ifname"]
-                    .as_str()
-                    .unwrap_or_default()
-                    .to_string(),
-                mac: fmt_mac(&record["host_mac"]),
+                name: record.host_ifname.unwrap_or_default(),
+                mac: record
+                    .host_mac
+                    .map(|m| fmt_mac(&json!(m)))
+                    .unwrap_or_default(),
                 mtu: req.config.options.mtu,
                 sandbox: None,
                 socket_path: None,
@@ -350,30 +440,24 @@ fn add(req: &AttachmentRequest) -> Result<Value, PluginError> {
             };
             let container = Interface {
                 name: req.attachment.ifname.as_str().to_string(),
-                mac: fmt_mac(&record["mac"]),
+                mac: record.mac.map(|m| fmt_mac(&json!(m))).unwrap_or_default(),
                 mtu: req.config.options.mtu,
                 sandbox: req.netns.as_ref().map(|p| p.display().to_string()),
                 socket_path: None,
                 pci_id: None,
             };
             let ips = addresses
-                .iter()
-                .filter_map(parse_addr)
-                .map(|(address, gateway)| IpConfig {
-                    address,
-                    gateway,
+                .into_iter()
+                .map(|a| IpConfig {
+                    address: a.address,
+                    gateway: a.gateway,
                     interface: Some(1),
                 })
                 .collect();
-            let routes = reply["routes"]
-                .as_array()
+            let routes = reply
+                .routes
                 .into_iter()
-                .flatten()
-                .filter_map(|r| {
-                    let dst = r[0].as_str()?.parse().ok()?;
-                    let gw = r[1].as_str().and_then(|g| g.parse().ok());
-                    Some(Route::new(dst, gw))
-                })
+                .map(|(dst, gw)| Route::new(dst, gw))
                 .collect();
             let result = CniResult {
                 interfaces: vec![host, container],
@@ -644,6 +728,84 @@ mod tests {
                 .contains("larger than"),
             "{out}"
         );
+    }
+
+    /// A fake agent that answers every request with `body` (status 200),
+    /// and counts the DELs it gets.
+    fn answering(
+        body: &'static str,
+    ) -> (
+        tempfile::TempDir,
+        std::path::PathBuf,
+        std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    ) {
+        let dels = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let seen = dels.clone();
+        let (dir, socket) = fake_agent(move |mut stream| {
+            use std::io::Read as _;
+            let mut buf = [0u8; 4096];
+            let n = stream.read(&mut buf).unwrap_or(0);
+            if buf[..n].starts_with(b"POST /v1/cni/del") {
+                seen.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            }
+            let _ = write!(
+                stream,
+                "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+                body.len()
+            );
+        });
+        (dir, socket, dels)
+    }
+
+    #[test]
+    fn an_add_reply_without_usable_addresses_is_an_error_and_is_given_back() {
+        for (mode, body) in [
+            ("lockstep-ipam", r#"{"unexpected":true}"#),
+            ("lockstep-ipam", r#"{"addresses":"10.0.0.2/24"}"#),
+            ("lockstep-ipam", r#"{"addresses":[],"routes":[]}"#),
+            (
+                "lockstep",
+                r#"{"addresses":[{"address":"10.0.0.2/32","gateway":null}],"routes":[],"record":{}}"#,
+            ),
+        ] {
+            let (_dir, socket, dels) = answering(body);
+            let stdin = if mode == "lockstep" {
+                format!(
+                    r#"{{"cniVersion":"1.0.0","name":"n","type":"lockstep","agentSocket":"{}"}}"#,
+                    socket.display()
+                )
+            } else {
+                format!(
+                    r#"{{"cniVersion":"1.0.0","name":"n","type":"bridge","ipam":{{"type":"lockstep-ipam","agentSocket":"{}"}}}}"#,
+                    socket.display()
+                )
+            };
+            let (out, code) = invoke(add_env(), stdin.as_bytes());
+            let out = out.expect("an error object");
+            assert_eq!(code, 1, "{body}: {out}");
+            assert_eq!(out["code"], BAD_AGENT_REPLY, "{body}: {out}");
+            assert_eq!(
+                dels.load(std::sync::atomic::Ordering::SeqCst),
+                1,
+                "{body}: the allocation is given back"
+            );
+        }
+    }
+
+    #[test]
+    fn a_well_formed_add_reply_is_a_result() {
+        let (_dir, socket, dels) = answering(
+            r#"{"addresses":[{"address":"10.0.0.2/24","gateway":"10.0.0.1"}],"routes":[],"record":{"new_field":1}}"#,
+        );
+        let stdin = format!(
+            r#"{{"cniVersion":"1.0.0","name":"n","type":"bridge","ipam":{{"type":"lockstep-ipam","agentSocket":"{}"}}}}"#,
+            socket.display()
+        );
+        let (out, code) = invoke(add_env(), stdin.as_bytes());
+        let out = out.expect("a result");
+        assert_eq!(code, 0, "{out}");
+        assert_eq!(out["ips"][0]["address"], "10.0.0.2/24", "{out}");
+        assert_eq!(dels.load(std::sync::atomic::Ordering::SeqCst), 0);
     }
 
     #[test]
