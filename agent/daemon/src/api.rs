@@ -232,7 +232,7 @@ async fn cni_del(
             if !cleanup.is_empty() {
                 tokio::task::spawn_blocking(move || cleanup.run())
                     .await
-                    .map_err(joined)?;
+                    .map_err(joined)??;
             }
         }
         Inline::Blocking(req) => {

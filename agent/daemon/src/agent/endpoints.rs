@@ -207,24 +207,31 @@ impl DelCleanup {
     }
 
     /// Runs it (outside the agent lock; both steps wait on the kernel).
-    /// Already gone is fine; failures are logged, the allocation is already
-    /// released and a stale veth is removed by a retried DEL or ADD.
-    pub fn run(self) {
+    /// Already gone is fine. Both steps are tried whatever the other did.
+    ///
+    /// # Errors
+    /// Every step that failed. The allocation is released already; a DEL
+    /// the runtime retries finds no record and removes the veth and link by
+    /// their names (see [`Agent::endpoint_del_begin`]).
+    pub fn run(self) -> Result<(), AgentError> {
         let Some((name, index)) = self.host else {
-            return;
+            return Ok(());
         };
+        let mut errors = Vec::new();
         if let Some(pin) = &self.attach
             && let Err(e) = pin.detach_index(index, Hook::Ingress)
         {
             tracing::warn!(error = %e, iface = %name, "detaching from_endpoint failed");
+            errors.push(e.into());
         }
-        match Netlink::current().and_then(|h| match h.link(&name)? {
+        if let Err(e) = Netlink::current().and_then(|h| match h.link(&name)? {
             Some(l) if l.index == index => h.delete_link(index),
             _ => Ok(()),
         }) {
-            Ok(()) => {}
-            Err(e) => tracing::warn!(error = %e, iface = %name, "deleting the veth failed"),
+            tracing::warn!(error = %e, iface = %name, "deleting the veth failed");
+            errors.push(e.into());
         }
+        AgentError::all(errors)
     }
 }
 
@@ -425,14 +432,17 @@ pub fn endpoint_add_concurrent(
     match guard.as_mut() {
         Some(agent) => agent.endpoint_add_finish(*prepared, made),
         None => {
-            if let Ok(i) = made {
-                DelCleanup {
+            let mut errors = vec![not_ready()];
+            if let Ok(i) = made
+                && let Err(e) = (DelCleanup {
                     host: Some((i.host_ifname, i.host_ifindex)),
                     attach: prepared.attach,
-                }
-                .run();
+                })
+                .run()
+            {
+                errors.push(e);
             }
-            Err(not_ready())
+            Err(AgentError::all(errors).expect_err("one error at least"))
         }
     }
 }
@@ -449,8 +459,7 @@ pub fn endpoint_del_concurrent(
         .as_mut()
         .ok_or_else(not_ready)?
         .endpoint_del_begin(req)?;
-    cleanup.run();
-    Ok(())
+    cleanup.run()
 }
 
 impl PreparedAdd {
@@ -513,6 +522,10 @@ impl Agent {
     fn endpoint_add_begin_inner(&mut self, req: EndpointRequest) -> Result<AddBegin, AgentError> {
         self.check_ready()?;
         let key = endpoint_key(&req.container_id, &req.ifname);
+        self.settle();
+        if let Some(e) = self.parked_error(&key) {
+            return Err(e);
+        }
         if self.pending.contains(&key) {
             return Err(AgentError::Busy {
                 attachment: key.replace('\u{1f}', "/"),
@@ -651,10 +664,13 @@ impl Agent {
                     let host = f
                         .host_ifindex
                         .map(|i| (host_ifname(&req.container_id, &req.ifname), i));
-                    undo_interfaces(host).run();
+                    let more: Vec<AgentError> =
+                        undo_interfaces(host).run().err().into_iter().collect();
+                    // Nothing was committed: the core alone held them.
                     self.undo_allocated(&allocated, delegated.as_ref());
-                    self.note_error(&f.error);
-                    return Err(f.error);
+                    let e = AgentError::with_more(f.error, more);
+                    self.note_error(&e);
+                    return Err(e);
                 }
             }
         }
@@ -666,9 +682,10 @@ impl Agent {
                 .put_endpoint(Some(&record), &allocated, self.manager.generation()),
         };
         if let Err(e) = committed {
-            undo_interfaces(made_host).run();
+            let more: Vec<AgentError> =
+                undo_interfaces(made_host).run().err().into_iter().collect();
             self.undo_allocated(&allocated, delegated.as_ref());
-            let e = AgentError::from(e);
+            let e = AgentError::with_more(e.into(), more);
             self.note_error(&e);
             return Err(e);
         }
@@ -677,16 +694,38 @@ impl Agent {
             self.delegated.insert(key.clone(), d.clone());
         }
         if let Err(e) = self.program_endpoint(&record, &allocated) {
-            self.unprogram_endpoint(&record, &allocated);
+            // Every undo step is tried; each failure is reported with the
+            // cause. Core and store never part silently: a removal the
+            // store refuses keeps the addresses held (parked, see
+            // `release`) until it accepts it.
+            let mut more = self.unprogram_endpoint(&record, &allocated);
             self.endpoints.remove(&key);
-            if delegated.is_some() {
-                self.delegated.remove(&key);
-                let _ = self.store.remove_delegated(&key);
-            } else {
-                let _ = self.store.remove_endpoint(Some(&key), &allocated);
+            if let Err(c) = undo_interfaces(made_host).run() {
+                more.push(c);
             }
-            undo_interfaces(made_host).run();
-            self.undo_allocated(&allocated, delegated.as_ref());
+            match &delegated {
+                Some(d) => match self.store.remove_delegated(&key) {
+                    Ok(()) => {
+                        self.delegated.remove(&key);
+                        self.delegated_undo(d);
+                    }
+                    // Stored, and the plugin keeps the address: the DEL a
+                    // runtime sends after a failed ADD releases both.
+                    Err(s) => more.push(s.into()),
+                },
+                None => {
+                    if let Err(s) = self.parked.release(
+                        key.clone(),
+                        Some(key.clone()),
+                        allocated.clone(),
+                        &self.store,
+                        &mut self.manager,
+                    ) {
+                        more.push(s.into());
+                    }
+                }
+            }
+            let e = AgentError::with_more(e, more);
             self.note_error(&e);
             return Err(e);
         }
@@ -818,14 +857,24 @@ impl Agent {
     }
 
     /// Removes an endpoint's map entries (the program's link and the veth go
-    /// with [`DelCleanup`]).
-    fn unprogram_endpoint(&mut self, record: &EndpointRecord, allocated: &[Allocation]) {
-        if record.mode == EndpointMode::Full {
-            let _ = self.maps.endpoint_remove(record.host_ifindex);
+    /// with [`DelCleanup`]). Every entry is tried; returns what failed.
+    fn unprogram_endpoint(
+        &mut self,
+        record: &EndpointRecord,
+        allocated: &[Allocation],
+    ) -> Vec<AgentError> {
+        let mut errors = Vec::new();
+        if record.mode == EndpointMode::Full
+            && let Err(e) = self.maps.endpoint_remove(record.host_ifindex)
+        {
+            errors.push(e.into());
         }
         for a in allocated {
-            let _ = self.unprogram(a);
+            if let Err(e) = self.unprogram(a) {
+                errors.push(e);
+            }
         }
+        errors
     }
 
     /// CNI DEL: idempotent; already gone is success.
@@ -833,7 +882,7 @@ impl Agent {
     /// # Errors
     /// The store could not record the release (the endpoint then stays).
     pub fn endpoint_del(&mut self, req: DelRequest) -> Result<(), AgentError> {
-        self.endpoint_del_begin(req).map(DelCleanup::run)
+        self.endpoint_del_begin(req)?.run()
     }
 
     /// DEL's locked phase: unprogram, commit, release; returns the kernel
@@ -849,6 +898,11 @@ impl Agent {
                 attachment: format!("{}/{}", req.container_id, req.ifname),
             });
         }
+        self.settle();
+        if let Some(e) = self.parked_error(&key) {
+            self.note_error(&e);
+            return Err(e);
+        }
         let r = self.endpoint_del_commit(&req.container_id, &req.ifname);
         if let Err(e) = &r {
             self.note_error(e);
@@ -857,8 +911,7 @@ impl Agent {
     }
 
     fn endpoint_del_inner(&mut self, container_id: &str, ifname: &str) -> Result<(), AgentError> {
-        self.endpoint_del_commit(container_id, ifname)
-            .map(DelCleanup::run)
+        self.endpoint_del_commit(container_id, ifname)?.run()
     }
 
     fn endpoint_del_commit(
@@ -874,13 +927,17 @@ impl Agent {
             None => self.manager.owned_by(&owner).cloned().collect(),
         };
         let record = self.endpoints.get(&key).cloned();
-        if let Some(r) = &record {
-            self.unprogram_endpoint(r, &allocated);
-        } else {
-            for a in &allocated {
-                self.unprogram(a)?;
-            }
-        }
+        // Every entry is tried; if any could not be removed nothing is
+        // committed (no map entry may outlive its allocation): the DEL
+        // fails with every error and reconcile puts back what went.
+        let unprogrammed = match &record {
+            Some(r) => self.unprogram_endpoint(r, &allocated),
+            None => allocated
+                .iter()
+                .filter_map(|a| self.unprogram(a).err())
+                .collect(),
+        };
+        AgentError::all(unprogrammed)?;
         if let Some(d) = &delegated {
             // Unprogrammed → the plugin releases → commit. A failed DEL keeps
             // the record (reconcile puts the entries back; DEL is retried).
@@ -1002,6 +1059,7 @@ impl Agent {
     /// A release could not be recorded.
     pub fn endpoint_gc(&mut self, req: GcRequest) -> Result<GcReport, AgentError> {
         self.check_ready()?;
+        self.settle();
         let valid: BTreeSet<(String, String)> = req.valid.into_iter().collect();
         let mut stale: BTreeSet<(String, String)> = self
             .endpoints
@@ -1017,17 +1075,32 @@ impl Agent {
                 stale.insert((container_id.clone(), ifname.clone()));
             }
         }
+        // Carries on past a failed attachment: every one is tried, every
+        // failure reported (the released ones stay released).
         let mut report = GcReport::default();
+        let mut errors = Vec::new();
         for (c, i) in stale {
             if valid.contains(&(c.clone(), i.clone())) {
                 continue;
             }
-            self.endpoint_del_inner(&c, &i)?;
-            report.released.push((c, i));
+            match self.endpoint_del_inner(&c, &i) {
+                Ok(()) => report.released.push((c, i)),
+                Err(e) => errors.push(e),
+            }
         }
-        if self.delegated_mode() {
-            self.delegated_gc(&valid)?;
+        if self.delegated_mode()
+            && let Err(e) = self.delegated_gc(&valid)
+        {
+            errors.push(e);
         }
+        if !errors.is_empty() {
+            tracing::warn!(
+                released = report.released.len(),
+                failed = errors.len(),
+                "GC released what it could"
+            );
+        }
+        AgentError::all(errors)?;
         Ok(report)
     }
 

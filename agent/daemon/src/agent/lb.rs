@@ -147,6 +147,7 @@ impl Agent {
         &mut self,
         change: impl FnOnce(&mut LbIpam) -> Result<(), AgentError>,
     ) -> Result<LbView, AgentError> {
+        self.settle();
         let before = self.lb.snapshot();
         let announced_before = self.announced();
         if let Err(e) = change(&mut self.lb) {
@@ -170,10 +171,20 @@ impl Agent {
         // Removals first inside reconcile: a released address stops being
         // answered as soon as this returns.
         if let Err(e) = self.reconcile_inner() {
+            // Every undo step is tried and every failure reported. A store
+            // that refuses the old state leaves memory (the old state, what
+            // the caller was told) and store apart: `lb_unsaved` has the
+            // store written again before the next change.
+            let mut more = Vec::new();
             self.lb = LbIpam::restore(&before).map_err(lb_err)?;
-            let _ = self.store.put_lb(&before);
-            let _ = self.reconcile_inner();
-            return Err(e);
+            if let Err(s) = self.store.put_lb(&before) {
+                self.lb_unsaved = true;
+                more.push(s.into());
+            }
+            if let Err(r) = self.reconcile_inner() {
+                more.push(r);
+            }
+            return Err(AgentError::with_more(e, more));
         }
         if let Some(up) = self.uplink.clone() {
             for addr in self.announced().difference(&announced_before) {

@@ -40,6 +40,7 @@ use crate::store::{EndpointMode, EndpointRecord, Store, StoreError};
 pub mod delegated;
 pub mod endpoints;
 pub mod lb;
+pub mod release;
 
 /// Errors of agent operations. Each has a stable API code ([`AgentError::code`]).
 #[derive(Debug, thiserror::Error)]
@@ -119,6 +120,49 @@ pub enum AgentError {
     /// The delegated IPAM plugin failed, or delegated mode is refused.
     #[error(transparent)]
     Delegate(Box<crate::delegate::DelegateError>),
+    /// An earlier attempt's rollback released this attachment and the
+    /// store has not accepted the removal yet; its addresses stay held.
+    #[error(
+        "{attachment}: the release of an earlier attempt waits for the store ({cause}); try again"
+    )]
+    ReleasePending {
+        /// container id/ifname.
+        attachment: String,
+        /// Why the store refuses.
+        cause: String,
+    },
+    /// Several steps failed (a DEL, a GC, or a request and its rollback):
+    /// every error, the first one first; it decides the code.
+    #[error("{}", errors.iter().map(|e| crate::error_chain(e)).collect::<Vec<_>>().join("; and "))]
+    Several {
+        /// The errors, in the order they happened.
+        errors: Vec<AgentError>,
+    },
+}
+
+impl AgentError {
+    /// `first`, or every error when more followed it (a rollback's, or the
+    /// next steps' of a DEL or GC that carried on).
+    pub fn with_more(first: AgentError, more: Vec<AgentError>) -> AgentError {
+        if more.is_empty() {
+            return first;
+        }
+        let mut errors = vec![first];
+        errors.extend(more);
+        AgentError::Several { errors }
+    }
+
+    /// Every error as one, or `Ok` when there is none.
+    ///
+    /// # Errors
+    /// The errors given, if any.
+    pub fn all(mut errors: Vec<AgentError>) -> Result<(), AgentError> {
+        match errors.len() {
+            0 => Ok(()),
+            1 => Err(errors.remove(0)),
+            _ => Err(AgentError::Several { errors }),
+        }
+    }
 }
 
 impl From<crate::delegate::DelegateError> for AgentError {
@@ -161,6 +205,8 @@ impl AgentError {
             AgentError::Busy { .. } => "busy",
             AgentError::Datapath(_) => "datapath_error",
             AgentError::Delegate(_) => "ipam_plugin_error",
+            AgentError::ReleasePending { .. } => "store_error",
+            AgentError::Several { errors } => errors.first().map_or("internal", AgentError::code),
         }
     }
 }
@@ -346,6 +392,12 @@ pub struct Agent {
     not_ready: Option<String>,
     /// When a failed delegated set-up is tried again.
     retry_at: Option<Instant>,
+    /// Releases the store refused during a rollback: held in the core and
+    /// out of the maps until the store accepts them.
+    parked: release::ParkedReleases,
+    /// The LB state in the store is not the one in memory (a rollback's
+    /// write was refused); written again before the next change.
+    lb_unsaved: bool,
     /// Counters for metrics.
     pub stats: Stats,
 }
@@ -672,6 +724,8 @@ impl Agent {
             delegate: None,
             not_ready: None,
             retry_at: None,
+            parked: release::ParkedReleases::default(),
+            lb_unsaved: false,
             stats: Stats::default(),
         };
         agent.attach_uplink()?;
@@ -783,6 +837,37 @@ impl Agent {
         *self.stats.errors.entry(e.code()).or_default() += 1;
     }
 
+    /// Retries what a rollback could not finish: parked releases and an LB
+    /// state the store did not take. Before every change, and on each
+    /// reconcile tick; what the store still refuses stays as it is (held,
+    /// named by `verify`) and is logged.
+    fn settle(&mut self) {
+        if let Err(refused) = self.parked.retry(&self.store, &mut self.manager) {
+            for (key, e) in refused {
+                tracing::warn!(%key, error = %crate::error_chain(&e), "a parked release is still refused");
+            }
+        }
+        if self.lb_unsaved {
+            match self.store.put_lb(&self.lb.snapshot()) {
+                Ok(()) => self.lb_unsaved = false,
+                Err(e) => {
+                    tracing::warn!(error = %crate::error_chain(&e), "the LB state is still not stored")
+                }
+            }
+        }
+    }
+
+    /// The error for a request on an attachment whose release is still
+    /// parked (after [`Agent::settle`]).
+    fn parked_error(&self, key: &str) -> Option<AgentError> {
+        self.parked
+            .cause(key)
+            .map(|cause| AgentError::ReleasePending {
+                attachment: key.replace('\u{1f}', "/"),
+                cause: cause.to_string(),
+            })
+    }
+
     /// Allocates: core → commit → program → acknowledge. Asking again for the
     /// same owner returns the same allocation.
     ///
@@ -798,6 +883,7 @@ impl Agent {
 
     fn allocate_inner(&mut self, req: AllocateRequest) -> Result<Allocation, AgentError> {
         self.check_ready()?;
+        self.settle();
         let pool = match &req.pool {
             Some(p) => p.clone(),
             None => self.default_pool()?,
@@ -847,12 +933,22 @@ impl Agent {
             return Err(e.into());
         }
         if let Err(e) = self.program(&a) {
-            // Roll back in reverse order; the entry was not written.
-            let _ = self.unprogram(&a);
-            self.store.remove(&a)?;
-            self.manager
-                .release(&a.pool, family, &a.owner, a.generation)?;
-            return Err(e);
+            // Roll back in reverse order; the entry was not written. A
+            // removal the store refuses keeps the address held (parked).
+            let mut more = Vec::new();
+            if let Err(u) = self.unprogram(&a) {
+                more.push(u);
+            }
+            if let Err(s) = self.parked.release(
+                crate::store::key_of(&a),
+                None,
+                vec![a],
+                &self.store,
+                &mut self.manager,
+            ) {
+                more.push(s.into());
+            }
+            return Err(AgentError::with_more(e, more));
         }
         Ok(a)
     }
@@ -873,6 +969,7 @@ impl Agent {
 
     fn release_inner(&mut self, req: ReleaseRequest) -> Result<Allocation, AgentError> {
         self.check_ready()?;
+        self.settle();
         let pool = match &req.pool {
             Some(p) => p.clone(),
             None => self.default_pool()?,
@@ -1132,6 +1229,7 @@ impl Agent {
         if let Err(e) = self.store.recover() {
             tracing::warn!(error = %e, "the store is still failing");
         }
+        self.settle();
         let report = self.reconcile_inner()?;
         for (map, n) in &report.per_map {
             *self.stats.repairs.entry(map.clone()).or_default() += *n as u64;
@@ -1149,7 +1247,14 @@ impl Agent {
     pub fn verify(&self) -> Result<VerifyReport, AgentError> {
         let mut report = VerifyReport::default();
         let stored = self.store.load()?;
-        let mut in_store: Vec<&Allocation> = stored.allocations.iter().collect();
+        // A parked release is held in memory and stored, on purpose, until
+        // the store accepts its removal: named, never silent.
+        report.store.extend(self.parked.describe());
+        let mut in_store: Vec<&Allocation> = stored
+            .allocations
+            .iter()
+            .filter(|a| !self.parked.holds(a))
+            .collect();
         let mut in_memory: Vec<&Allocation> = self.committed_allocations().collect();
         in_store.sort();
         in_memory.sort();
@@ -1428,15 +1533,18 @@ impl Agent {
     /// Allocations that are committed: all but those of attachments between
     /// ADD's phases.
     fn committed_allocations(&self) -> impl Iterator<Item = &Allocation> + '_ {
-        self.manager.allocations().filter(|a| match &a.owner {
-            Owner::Endpoint {
-                container_id,
-                ifname,
-            } => !self
-                .pending
-                .contains(&crate::store::endpoint_key(container_id, ifname)),
-            _ => true,
-        })
+        self.manager
+            .allocations()
+            .filter(|a| !self.parked.holds(a))
+            .filter(|a| match &a.owner {
+                Owner::Endpoint {
+                    container_id,
+                    ifname,
+                } => !self
+                    .pending
+                    .contains(&crate::store::endpoint_key(container_id, ifname)),
+                _ => true,
+            })
     }
 
     /// What the start-up reconcile did.
