@@ -138,3 +138,44 @@ fn rt_del(socket: &Path, id: &str) -> anyhow::Result<()> {
         .with_context(|| format!("final DEL of {id}"))?;
     Ok(())
 }
+
+/// What an ADD that died between making its interfaces and its commit
+/// leaves (the veth, its peer inside the container) is removed by the DEL
+/// the runtime sends, though no record names it: found by the host-side
+/// name the ADD gives it. Before, a DEL without a record removed nothing.
+#[test]
+fn a_del_without_a_record_removes_a_half_done_adds_veth() -> anyhow::Result<()> {
+    privileged!();
+    let node = Netns::new("orphan")?;
+    let pod = Netns::new("orphanpod")?;
+    let agent = AgentProc::start(&node, POOL)?;
+    let id = "half-done-add";
+    let host = lockstep::agent::endpoints::host_ifname(id, "eth0");
+    node.ip([
+        "link",
+        "add",
+        &host,
+        "type",
+        "veth",
+        "peer",
+        "name",
+        "eth0",
+        "netns",
+        pod.name(),
+    ])?;
+    ensure!(
+        host_veths(&node)?.contains(&host),
+        "the leftover veth was made"
+    );
+    rt_del(&agent.socket(), id)?;
+    let left = host_veths(&node)?;
+    ensure!(left.is_empty(), "a DEL without a record left {left:?}");
+    let inside = pod.ip(["-o", "link", "show"])?;
+    ensure!(
+        !inside.contains("eth0"),
+        "the peer is left in the pod: {inside}"
+    );
+    // A repeated DEL is still a success.
+    rt_del(&agent.socket(), id)?;
+    Ok(())
+}

@@ -206,6 +206,19 @@ impl Netlink {
         self.get_link(|r| r.match_name(name.to_string()), name)
     }
 
+    /// Every interface in this namespace.
+    ///
+    /// # Errors
+    /// The request failed.
+    pub fn links(&self) -> Result<Vec<Link>, NetlinkError> {
+        let handle = self.handle.clone();
+        let msgs: Vec<LinkMessage> = self
+            .rt
+            .block_on(async move { handle.link().get().execute().try_collect().await })
+            .map_err(req("list links"))?;
+        Ok(msgs.iter().map(link_of).collect())
+    }
+
     /// The interface with index `index`, if it exists.
     ///
     /// # Errors

@@ -198,12 +198,15 @@ pub enum AddBegin {
 pub struct DelCleanup {
     host: Option<(String, u32)>,
     attach: Option<ProgramPin>,
+    /// A DEL that found no record: what a half-done ADD of this attachment
+    /// (container id, ifname) may have made, found by its names.
+    orphan: Option<(String, String)>,
 }
 
 impl DelCleanup {
     /// Whether there is no kernel work to do.
     pub fn is_empty(&self) -> bool {
-        self.host.is_none()
+        self.host.is_none() && self.orphan.is_none()
     }
 
     /// Runs it (outside the agent lock; both steps wait on the kernel).
@@ -214,6 +217,15 @@ impl DelCleanup {
     /// the runtime retries finds no record and removes the veth and link by
     /// their names (see [`Agent::endpoint_del_begin`]).
     pub fn run(self) -> Result<(), AgentError> {
+        if let Some((container_id, ifname)) = &self.orphan {
+            return remove_leftovers(
+                &[
+                    host_ifname(container_id, ifname),
+                    temp_ifname(container_id, ifname),
+                ],
+                self.attach.as_ref(),
+            );
+        }
         let Some((name, index)) = self.host else {
             return Ok(());
         };
@@ -233,6 +245,49 @@ impl DelCleanup {
         }
         AgentError::all(errors)
     }
+}
+
+/// Detaches `from_endpoint` from, and deletes, the host interfaces named
+/// `names` that exist: what a half-done ADD leaves (the veth and the
+/// program's pinned link are made before the commit). Every name is tried.
+///
+/// # Errors
+/// Every step that failed.
+fn remove_leftovers(names: &[String], attach: Option<&ProgramPin>) -> Result<(), AgentError> {
+    let host = Netlink::current()?;
+    let mut errors = Vec::new();
+    for name in names {
+        match host.link(name) {
+            Ok(Some(l)) => {
+                tracing::info!(iface = %name, "removing what a half-done ADD left");
+                if let Some(pin) = attach
+                    && let Err(e) = pin.detach_index(l.index, Hook::Ingress)
+                {
+                    errors.push(e.into());
+                }
+                if let Err(e) = host.delete_link(l.index) {
+                    errors.push(e.into());
+                }
+            }
+            Ok(None) => {}
+            Err(e) => errors.push(e.into()),
+        }
+    }
+    AgentError::all(errors)
+}
+
+/// Whether `name` is a host-side interface name this agent makes
+/// ([`host_ifname`], or the temporary name): a prefix and 12 lowercase hex
+/// digits.
+fn is_agent_ifname(name: &str) -> bool {
+    ["lxc", "tmp"].iter().any(|p| {
+        name.strip_prefix(p).is_some_and(|hex| {
+            hex.len() == 12
+                && hex
+                    .bytes()
+                    .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+        })
+    })
 }
 
 /// Makes the veth pair (the peer created directly in the container's
@@ -437,6 +492,7 @@ pub fn endpoint_add_concurrent(
                 && let Err(e) = (DelCleanup {
                     host: Some((i.host_ifname, i.host_ifindex)),
                     attach: prepared.attach,
+                    orphan: None,
                 })
                 .run()
             {
@@ -651,6 +707,7 @@ impl Agent {
         let undo_interfaces = |host: Option<(String, u32)>| DelCleanup {
             host,
             attach: attach.clone(),
+            orphan: None,
         };
         if req.mode == EndpointMode::Full {
             match made {
@@ -950,12 +1007,18 @@ impl Agent {
             self.release_core(&allocated);
         }
         self.endpoints.remove(&key);
+        // No record (nor a delegated one): an ADD may have died between
+        // making the interfaces and its commit; what it made is found by
+        // its names and removed (outside the lock).
+        let orphan = (record.is_none() && delegated.is_none())
+            .then(|| (container_id.to_string(), ifname.to_string()));
         let host = record
             .filter(|r| r.mode == EndpointMode::Full)
             .and_then(|r| r.host_ifname.map(|n| (n, r.host_ifindex)));
         Ok(DelCleanup {
             host,
             attach: self.from_endpoint.clone(),
+            orphan,
         })
     }
 
@@ -1104,6 +1167,53 @@ impl Agent {
         Ok(report)
     }
 
+    /// At start-up (nothing is pending yet): removes host interfaces with
+    /// this agent's names that no record owns, and `from_endpoint` link pins
+    /// whose interface index no full record has. Both are what an ADD that
+    /// died between making its interfaces and its commit leaves; its DEL
+    /// may never come (the runtime may have seen the ADD fail), and pins are
+    /// otherwise never swept. Failures are logged; the next start retries.
+    pub(super) fn sweep_leftovers(&mut self) {
+        let owned: BTreeSet<(String, u32)> = self
+            .endpoints
+            .values()
+            .filter(|e| e.mode == EndpointMode::Full)
+            .filter_map(|e| e.host_ifname.clone().map(|n| (n, e.host_ifindex)))
+            .collect();
+        let owned_index: BTreeSet<u32> = owned.iter().map(|(_, i)| *i).collect();
+        let links = match self.host_netlink().and_then(|h| Ok(h.links()?)) {
+            Ok(l) => l,
+            Err(e) => {
+                tracing::error!(error = %e, "listing interfaces for the start-up sweep failed");
+                return;
+            }
+        };
+        let strays: Vec<String> = links
+            .iter()
+            .filter(|l| is_agent_ifname(&l.name) && !owned.contains(&(l.name.clone(), l.index)))
+            .map(|l| l.name.clone())
+            .collect();
+        if let Err(e) = remove_leftovers(&strays, self.from_endpoint.as_ref()) {
+            tracing::error!(error = %e, "removing interfaces no record owns failed");
+        }
+        if let Some(pin) = &self.from_endpoint {
+            match pin.linked_indexes(Hook::Ingress) {
+                Ok(indexes) => {
+                    for index in indexes.into_iter().filter(|i| !owned_index.contains(i)) {
+                        tracing::info!(
+                            ifindex = index,
+                            "removing a from_endpoint link pin no record owns"
+                        );
+                        if let Err(e) = pin.detach_index(index, Hook::Ingress) {
+                            tracing::error!(error = %e, ifindex = index, "removing a stray link pin failed");
+                        }
+                    }
+                }
+                Err(e) => tracing::error!(error = %e, "listing link pins failed"),
+            }
+        }
+    }
+
     /// Re-attaches `from_endpoint` to every full endpoint whose interface
     /// exists (in place: pinned links are updated, not recreated).
     pub(super) fn reattach_endpoints(&mut self) {
@@ -1148,6 +1258,9 @@ mod tests {
         assert!(a.len() <= 15, "{a}");
         assert_ne!(a, host_ifname("abc", "eth1"));
         assert_ne!(a, host_ifname("abd", "eth0"));
+        assert!(is_agent_ifname(&a) && is_agent_ifname(&temp_ifname("abc", "eth0")));
+        assert!(!is_agent_ifname("lxc0123456789ab0") && !is_agent_ifname("lxcABCDEF012345"));
+        assert!(!is_agent_ifname("eth0") && !is_agent_ifname("lxc"));
         // The separator keeps ("ab","ceth0") and ("abc","eth0") apart.
         assert_ne!(host_ifname("ab", "ceth0"), host_ifname("abc", "eth0"));
         assert_ne!(a, temp_ifname("abc", "eth0"));

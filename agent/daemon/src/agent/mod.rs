@@ -738,6 +738,7 @@ impl Agent {
         agent.reserve_roles()?;
         agent.restored = agent.reconcile_inner()?;
         agent.reattach_endpoints();
+        agent.sweep_leftovers();
         // Delegated mode: the roles come from the plugin; until that works
         // the agent serves status only ("not ready" with the reason).
         agent.poll_setup()?;

@@ -807,6 +807,33 @@ impl ProgramPin {
         )
     }
 
+    /// The interface indexes this program has pinned links for on `hook`
+    /// (the interfaces may be gone).
+    ///
+    /// # Errors
+    /// The links directory cannot be read.
+    pub fn linked_indexes(&self, hook: Hook) -> Result<Vec<u32>, DatapathError> {
+        let prefix = format!("{}-{hook}-", self.program);
+        let mut out = Vec::new();
+        let entries = match std::fs::read_dir(&self.links_dir) {
+            Ok(e) => e,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(out),
+            Err(e) => return Err(fs_err("read", &self.links_dir)(e)),
+        };
+        for entry in entries {
+            let entry = entry.map_err(fs_err("read", &self.links_dir))?;
+            if let Some(index) = entry
+                .file_name()
+                .to_str()
+                .and_then(|n| n.strip_prefix(&prefix))
+                .and_then(|i| i.parse().ok())
+            {
+                out.push(index);
+            }
+        }
+        Ok(out)
+    }
+
     /// Removes the link of this program on the interface with `ifindex`
     /// (which may be gone). Already detached is success.
     ///
