@@ -492,6 +492,10 @@ pub struct LbIpam {
     by_key: BTreeMap<String, BTreeSet<IpAddr>>,
     /// seq → service id of services missing at least one family.
     pending: BTreeMap<u64, String>,
+    /// Changes of the allocator that failed where they cannot (holdings
+    /// and allocator disagree): kept in every build, for the caller to
+    /// refuse the change with ([`LbIpam::take_faults`]).
+    faults: Vec<String>,
 }
 
 impl Default for LbIpam {
@@ -526,7 +530,16 @@ impl LbIpam {
             addrs: BTreeMap::new(),
             by_key: BTreeMap::new(),
             pending: BTreeMap::new(),
+            faults: Vec::new(),
         }
+    }
+
+    /// The allocator changes that failed since the last call, where the
+    /// holdings say they cannot: each means holdings and allocator
+    /// disagree. Empty in a consistent state. A caller that gets any must
+    /// not keep the state (the agent puts the previous one back).
+    pub fn take_faults(&mut self) -> Vec<String> {
+        std::mem::take(&mut self.faults)
     }
 
     /// The allocator, for the daemon's combined [`crate::plan::PlanBuilder`]
@@ -1042,23 +1055,36 @@ impl LbIpam {
                 .cloned()
                 .collect();
             for a in &saved {
-                let released = self
+                if let Err(e) = self
                     .manager
-                    .release(&a.pool, a.family(), &a.owner, a.generation);
-                debug_assert!(released.is_ok(), "{released:?}");
+                    .release(&a.pool, a.family(), &a.owner, a.generation)
+                {
+                    self.faults.push(format!(
+                        "releasing {} of {} to rebuild its pool: {e}",
+                        a.address, a.owner
+                    ));
+                }
             }
             let mut interim = desired.clone();
             interim.retain(|n, _| !rebuild.contains(n));
             self.manager.source_mut().pools = interim;
             let report = self.manager.sync();
-            debug_assert!(report.errors.is_empty(), "{report:?}");
+            if !report.errors.is_empty() {
+                self.faults
+                    .push(format!("taking rebuilt pools out: {:?}", report.errors));
+            }
         }
         self.manager.source_mut().pools = desired;
         let report = self.manager.sync();
-        debug_assert!(report.errors.is_empty(), "{report:?}");
+        if !report.errors.is_empty() {
+            self.faults
+                .push(format!("syncing the pools: {:?}", report.errors));
+        }
         for a in saved {
-            let placed = self.manager.allocate(&a.pool, a.address, a.owner.clone());
-            debug_assert!(placed.is_ok(), "{placed:?}");
+            if let Err(e) = self.manager.allocate(&a.pool, a.address, a.owner.clone()) {
+                self.faults
+                    .push(format!("placing {} of {} back: {e}", a.address, a.owner));
+            }
         }
     }
 
@@ -1320,10 +1346,10 @@ impl LbIpam {
                     break;
                 }
                 Err(e) => {
-                    debug_assert!(
-                        matches!(e, crate::manager::ManagerError::PoolExhausted { .. }),
-                        "{e:?}"
-                    );
+                    if !matches!(e, crate::manager::ManagerError::PoolExhausted { .. }) {
+                        self.faults
+                            .push(format!("allocating in pool {name} for {owner}: {e}"));
+                    }
                     exhausted.push(name.clone());
                 }
             }
@@ -1483,18 +1509,29 @@ impl LbIpam {
         let Some(generation) = generation else {
             return false;
         };
-        let released = self.manager.release(&h.pool, family, &owner, generation);
-        debug_assert!(released.is_ok(), "{released:?}");
+        if let Err(e) = self.manager.release(&h.pool, family, &owner, generation) {
+            self.faults
+                .push(format!("releasing {} of {owner}: {e}", h.address));
+        }
         match next {
             None => true,
             Some(next) => {
-                let moved = self
-                    .manager
-                    .allocate(&h.pool, h.address, Owner::load_balancer(next));
-                debug_assert!(moved.is_ok(), "{moved:?}");
+                if let Err(e) =
+                    self.manager
+                        .allocate(&h.pool, h.address, Owner::load_balancer(next.clone()))
+                {
+                    self.faults
+                        .push(format!("moving {} to the next user {next}: {e}", h.address));
+                }
                 false
             }
         }
+    }
+
+    /// The allocator, writable: tests put it at odds with the holdings.
+    #[cfg(test)]
+    pub(crate) fn manager_mut(&mut self) -> &mut PoolManager<LbPoolSource> {
+        &mut self.manager
     }
 
     #[cfg(test)]

@@ -769,6 +769,32 @@ fn scenarios() {
     }
 }
 
+/// An allocator change that fails where the holdings say it cannot is
+/// reported in every build. It was a `debug_assert!`: a release build
+/// went on with holdings and allocator apart.
+#[test]
+fn an_allocator_at_odds_with_the_holdings_is_reported_not_skipped() {
+    let mut lb = LbIpam::new();
+    lb.apply_pool(pool("p").cidr("10.0.0.0/24")).unwrap();
+    lb.apply_service(svc("a").key("k").tcp(80)).unwrap();
+    lb.apply_service(svc("b").key("k").tcp(81)).unwrap();
+    assert!(lb.take_faults().is_empty());
+    let shared = lb.service_status("ns/a").unwrap().addresses();
+    assert_eq!(shared, lb.service_status("ns/b").unwrap().addresses());
+    // Behind LbIpam's back, the next user already holds another address,
+    // so the shared one cannot move to it when its owner goes.
+    lb.manager_mut()
+        .allocate_next("p", Family::V4, crate::owner::Owner::load_balancer("ns/b"))
+        .unwrap();
+    lb.delete_service("ns/a").unwrap();
+    let faults = lb.take_faults();
+    assert!(
+        faults.iter().any(|f| f.contains("next user ns/b")),
+        "{faults:?}"
+    );
+    assert!(lb.take_faults().is_empty(), "taken once");
+}
+
 #[test]
 fn plan_has_ipcache_and_l2_entries() {
     let mut lb = LbIpam::new();

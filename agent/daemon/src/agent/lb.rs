@@ -154,6 +154,16 @@ impl Agent {
             self.lb = LbIpam::restore(&before).map_err(lb_err)?;
             return Err(e);
         }
+        // Holdings and allocator apart: never committed, never programmed.
+        let faults = self.lb.take_faults();
+        if !faults.is_empty() {
+            tracing::error!(
+                ?faults,
+                "LB IPAM's allocator disagreed with its holdings; change refused"
+            );
+            self.lb = LbIpam::restore(&before).map_err(lb_err)?;
+            return Err(AgentError::LbInconsistent { faults });
+        }
         self.lb_commit(before, announced_before)?;
         Ok(self.lb_view())
     }

@@ -120,6 +120,13 @@ pub enum AgentError {
     /// The delegated IPAM plugin failed, or delegated mode is refused.
     #[error(transparent)]
     Delegate(Box<crate::delegate::DelegateError>),
+    /// LoadBalancer IPAM's allocator disagreed with its holdings during a
+    /// change; the change was refused and the previous state kept.
+    #[error("the LoadBalancer change was refused, its allocator disagreed: {}", faults.join("; "))]
+    LbInconsistent {
+        /// What failed where it cannot.
+        faults: Vec<String>,
+    },
     /// An earlier attempt's rollback released this attachment and the
     /// store has not accepted the removal yet; its addresses stay held.
     #[error(
@@ -206,6 +213,7 @@ impl AgentError {
             AgentError::Datapath(_) => "datapath_error",
             AgentError::Delegate(_) => "ipam_plugin_error",
             AgentError::ReleasePending { .. } => "store_error",
+            AgentError::LbInconsistent { .. } => "internal",
             AgentError::Several { errors } => errors.first().map_or("internal", AgentError::code),
         }
     }
@@ -695,6 +703,12 @@ impl Agent {
             }
             None => lockstep_core::lb::LbIpam::new(),
         };
+        let mut lb = lb;
+        let faults = lb.take_faults();
+        if !faults.is_empty() {
+            // As a snapshot that does not restore: refused, not served.
+            return Err(AgentError::LbInconsistent { faults });
+        }
         let outcome = manager.restore(stored.generation, stored.allocations);
         for (a, why) in &outcome.rejected {
             // The pool or CIDR it came from is gone from the configuration:
