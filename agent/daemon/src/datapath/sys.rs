@@ -275,13 +275,19 @@ pub fn read_array<V: aya::Pod>(fd: impl AsFd, max_entries: u32) -> Result<Vec<(u
     if base == libc::MAP_FAILED {
         return read_entries(fd, 4);
     }
+    const { assert!(align_of::<V>() <= 8, "array values are 8-aligned") };
     let out = (0..max_entries)
         .map(|i| {
             // SAFETY: `i * stride + size_of::<V>() <= len`, inside the
-            // mapping; V is plain data, so any bytes are a valid V (a slot
-            // being rewritten may read torn, which reconcile then rewrites).
+            // mapping, and aligned for V (a page-aligned base, a stride of
+            // a multiple of 8, V aligned to at most 8). The kernel and
+            // programs write this memory behind the compiler's back: a
+            // volatile read makes the compiler read it as it is now, never
+            // assume it unchanged. V is plain data, so any bytes are a
+            // valid V (a slot being rewritten may read torn, which
+            // reconcile then rewrites).
             let v = unsafe {
-                std::ptr::read_unaligned(base.cast::<u8>().add(i as usize * stride).cast::<V>())
+                std::ptr::read_volatile(base.cast::<u8>().add(i as usize * stride).cast::<V>())
             };
             (i, v)
         })
