@@ -19,6 +19,7 @@ use anyhow::{Context, bail};
 pub mod ledger;
 pub mod lossyfs;
 pub mod podman;
+pub mod seqping;
 
 static COUNTER: AtomicU32 = AtomicU32::new(0);
 

@@ -20,12 +20,13 @@
 use std::ffi::OsStr;
 use std::net::IpAddr;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Output, Stdio};
+use std::process::Output;
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail, ensure};
 use lockstep_tests::podman::{Podman, ok};
+use lockstep_tests::seqping::SeqPing;
 use lockstep_tests::{Netns, PinRoot, TempDir, lockstep_bin, privileged, sh, unique, veth};
 use serde_json::Value;
 
@@ -333,59 +334,13 @@ fn address(podman: &Podman, name: &str, network: &str, v4: bool) -> anyhow::Resu
         .with_context(|| format!("{name} has no address of that family"))
 }
 
-/// A continuous ping between two pods, 10 ms apart.
-struct Pinger {
-    child: Child,
-    what: String,
-}
-
-impl Pinger {
-    fn start(podman: &Podman, from: &str, to: IpAddr, count: u32) -> anyhow::Result<Self> {
-        let child = podman
-            .command()
-            .args(["exec", from, "ping", "-i", "0.01", "-W", "2", "-w", "120"])
-            .args(["-c", &count.to_string(), &to.to_string()])
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()?;
-        Ok(Self {
-            child,
-            what: format!("{from} -> {to}"),
-        })
-    }
-
-    fn running(&mut self) -> anyhow::Result<bool> {
-        Ok(self.child.try_wait()?.is_none())
-    }
-
-    /// Waits for the end; returns (transmitted, received).
-    fn finish(self) -> anyhow::Result<(u64, u64)> {
-        let out = self.child.wait_with_output()?;
-        let stdout = text(&out.stdout);
-        let summary = stdout
-            .lines()
-            .find(|l| l.contains("packets transmitted"))
-            .with_context(|| {
-                format!(
-                    "ping {}: no summary:\n{stdout}{}",
-                    self.what,
-                    text(&out.stderr)
-                )
-            })?;
-        // busybox: "N packets transmitted, M packets received, X% packet loss"
-        let numbers: Vec<u64> = summary
-            .split(|c: char| !c.is_ascii_digit())
-            .filter_map(|n| n.parse().ok())
-            .collect();
-        ensure!(numbers.len() >= 2, "ping {}: {summary}", self.what);
-        eprintln!("ping {}: {summary}", self.what);
-        Ok((numbers[0], numbers[1]))
-    }
-}
-
 /// Replaces the running agent container by one of `tag` while the pods ping
 /// each other every 10 ms both ways; returns the new container, the packets
 /// lost and how long the swap took (old stop to new ready).
+///
+/// Replies are counted as they arrive: the swap starts once replies flow
+/// both ways and the count ends with 100 fresh replies each way after the
+/// new agent is ready; every sequence number up to the last reply counts.
 fn swap<'a>(
     podman: &'a Podman,
     node: &Node,
@@ -394,25 +349,34 @@ fn swap<'a>(
     pods: (&str, &str),
     to: (IpAddr, IpAddr),
 ) -> anyhow::Result<(AgentContainer<'a>, u64, Duration)> {
-    // 1500 packets 10 ms apart: ~15 s, the swap in its middle.
-    let count = 1500;
-    let mut forth = Pinger::start(podman, pods.0, to.1, count)?;
-    let mut back = Pinger::start(podman, pods.1, to.0, count)?;
-    std::thread::sleep(Duration::from_secs(2));
+    let ping = |from: &str, to: IpAddr| {
+        let mut cmd = podman.command();
+        // -w only bounds a test gone wrong.
+        cmd.args(["exec", from, "ping", "-i", "0.01", "-W", "2", "-w", "300"])
+            .arg(to.to_string());
+        SeqPing::spawn(cmd, format!("{from} -> {to}"))
+    };
+    let forth = ping(pods.0, to.1)?;
+    let back = ping(pods.1, to.0)?;
+    for p in [&forth, &back] {
+        p.wait_replies(50, Duration::from_secs(30))?;
+    }
     let started = Instant::now();
     old.stop()?;
     let new = AgentContainer::run(podman, node, tag)?;
     new.wait_ready(node)?;
     let took = started.elapsed();
-    ensure!(
-        forth.running()? && back.running()?,
-        "a ping ended before the new agent was ready ({took:?}): the swap was not measured"
-    );
+    for p in [&forth, &back] {
+        p.wait_replies(100, Duration::from_secs(30))?;
+    }
     let mut lost = 0;
-    for p in [forth, back] {
-        let (sent, received) = p.finish()?;
-        ensure!(sent == u64::from(count), "ping sent {sent} of {count}");
-        lost += sent - received;
+    for (p, what) in [(forth, "forth"), (back, "back")] {
+        let tally = p.stop()?;
+        eprintln!(
+            "ping {what}: {} replies up to seq {}, missing {:?}",
+            tally.received, tally.last, tally.missing
+        );
+        lost += tally.missing.len() as u64;
     }
     Ok((new, lost, took))
 }

@@ -38,6 +38,21 @@ fn arping(nb: &Netns, addr: &str, count: &str, deadline: &str) -> anyhow::Result
     ))
 }
 
+/// Waits for tcpdump's "listening on" line on its `stderr`.
+fn wait_listening(stderr: std::process::ChildStderr) -> anyhow::Result<()> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in std::io::BufRead::lines(std::io::BufReader::new(stderr)) {
+            let Ok(line) = line else { break };
+            if line.contains("listening on") {
+                let _ = tx.send(());
+            }
+        }
+    });
+    rx.recv_timeout(Duration::from_secs(20))
+        .context("tcpdump did not start listening within 20 s")
+}
+
 #[test]
 fn announced_lb_addresses_are_answered_by_bpf_and_withdrawn_on_delete() -> anyhow::Result<()> {
     privileged!();
@@ -68,9 +83,11 @@ fn announced_lb_addresses_are_answered_by_bpf_and_withdrawn_on_delete() -> anyho
             "arp and src host 10.90.0.17 and dst host 10.90.0.17",
         ])
         .stdout(Stdio::piped())
-        .stderr(Stdio::null())
+        .stderr(Stdio::piped())
         .spawn()?;
-    std::thread::sleep(Duration::from_millis(500));
+    // tcpdump says "listening on" once its capture is open: only then can
+    // the gratuitous ARP be seen.
+    wait_listening(capture.stderr.take().context("tcpdump stderr")?)?;
     let view = apply(
         &agent,
         &serde_json::json!({"services": [{
