@@ -134,7 +134,13 @@ fn announced_lb_addresses_are_answered_by_bpf_and_withdrawn_on_delete() -> anyho
         view["services"]["shop/web"]["assignment"]["addresses"][0],
         addr.as_str()
     );
-    assert!(agent.cli(["verify"])?.status.success());
+    let out = agent.cli(["verify"])?;
+    assert!(
+        out.status.success(),
+        "verify after the restart: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
 
     // Delete: the address goes back to the pool and answers stop at once.
     let deleted = Instant::now();

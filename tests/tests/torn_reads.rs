@@ -16,15 +16,15 @@
 //! pass; only a torn read (`HAS_V6` of one version, `S` of the next) does.
 //! The interface's slot is left empty, so every run reads the hash.
 //!
-//! Measured on Linux 6.18 (2 vCPUs), 8 s each: the preallocated ENDPOINTS
-//! as built, 4 torn reads in 94.4 M runs against 8.2 M rewrites; the same
-//! with `BPF_F_NO_PREALLOC`, 11 in 96.8 M runs against 7.9 M rewrites (the
-//! kernel's allocator for non-preallocated hashes also reuses a freed
-//! element at once). So the flag is no fix here, and the test is ignored
-//! until the programs protect the hash values against tears as they do the
-//! slots' (issue #17 item 3): `cargo test -p lockstep-tests --test
-//! torn_reads -- --ignored --nocapture` measures it
-//! (`LOCKSTEP_TORN_SECONDS` sets the duration).
+//! Measured on Linux 6.18 (2 vCPUs), 8 s each, before values were sealed:
+//! the preallocated ENDPOINTS as built, 4 torn reads in 94.4 M runs against
+//! 8.2 M rewrites; the same with `BPF_F_NO_PREALLOC`, 11 in 96.8 M runs
+//! against 7.9 M rewrites (the kernel's allocator for non-preallocated hashes
+//! also reuses a freed element at once), so the flag is no fix. Values now
+//! carry a seal (`lockstep_common::seal`) that a torn copy fails; the program
+//! reads such a value again (counted as `seal_retried`). The test writes the
+//! versions sealed, as the agent does, and demands that no run passes.
+//! `LOCKSTEP_TORN_SECONDS` sets the duration (default 8).
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -58,10 +58,14 @@ fn version(flags: u32, last: u8) -> EndpointValue {
         ipv6,
         ..Default::default()
     }
+    // Sealed for the interface the runs come from, as the agent writes it.
+    .sealed(IFINDEX)
 }
 
+/// Loopback in the test's namespace: the interface the runs come from.
+const IFINDEX: u32 = 1;
+
 #[test]
-#[ignore = "fails: ENDPOINTS values can be read torn on Linux 6.18, with or without BPF_F_NO_PREALLOC (issue #17 item 3, open)"]
 fn endpoint_entries_rewritten_under_traffic_are_never_read_torn() -> anyhow::Result<()> {
     privileged!();
     let seconds: u64 = std::env::var("LOCKSTEP_TORN_SECONDS")
@@ -77,11 +81,10 @@ fn endpoint_entries_rewritten_under_traffic_are_never_read_torn() -> anyhow::Res
     ];
     let stop = AtomicBool::new(false);
     let updates = AtomicU64::new(0);
-    let (runs, passed, dropped) = ns.run(|| -> anyhow::Result<(u64, u64, u64)> {
+    let (runs, passed, dropped, retried) = ns.run(|| -> anyhow::Result<(u64, u64, u64, u64)> {
         let mut dp = Datapath::open(DatapathOptions::new(pins.path()))?;
         let mut writer_maps = dp.maps()?;
-        // Loopback in this namespace: the interface the runs come from.
-        let ifindex = 1;
+        let ifindex = IFINDEX;
         writer_maps.endpoints.insert(ifindex, versions[0], 0)?;
         let packet = packet();
         let runs = std::thread::scope(|s| -> anyhow::Result<u64> {
@@ -121,11 +124,13 @@ fn endpoint_entries_rewritten_under_traffic_are_never_read_torn() -> anyhow::Res
             runs,
             sum(Counter::FromEndpointPassed)?,
             sum(Counter::SpoofDroppedV6)?,
+            sum(Counter::SealRetried)?,
         ))
     })?;
     let updates = updates.load(Ordering::Relaxed);
     eprintln!(
-        "{runs} runs against {updates} in-place rewrites in {seconds} s: {passed} torn reads let the packet pass, {dropped} dropped"
+        "{runs} runs against {updates} in-place rewrites in {seconds} s: {passed} torn reads let the packet pass, \
+         {dropped} dropped, {retried} copies failed their seal and were read again"
     );
     ensure!(updates > 10_000, "too few rewrites: {updates}");
     ensure!(dropped > 0, "no run was counted");
@@ -134,4 +139,54 @@ fn endpoint_entries_rewritten_under_traffic_are_never_read_torn() -> anyhow::Res
         "{passed} runs read a torn ENDPOINTS entry (flags of one version, address of another)"
     );
     Ok(())
+}
+
+/// A value whose seal does not hold (here written without one, as `bpftool`
+/// would) reads as absent: the packet it would let pass is dropped as from an
+/// unknown endpoint after three tries; the sealed value lets it pass.
+#[test]
+fn an_unsealed_endpoint_entry_reads_as_absent() -> anyhow::Result<()> {
+    privileged!();
+    let ns = Netns::new("unsealed")?;
+    let pins = PinRoot::new();
+    ns.run(|| -> anyhow::Result<()> {
+        let mut dp = Datapath::open(DatapathOptions::new(pins.path()))?;
+        let mut maps = dp.maps()?;
+        let genuine = EndpointValue {
+            flags: endpoint_flags::HAS_V6,
+            ipv6: SOURCE,
+            ..Default::default()
+        };
+        maps.endpoints.insert(IFINDEX, genuine, 0)?;
+        let sum = |maps: &lockstep::datapath::PinnedMaps, c: Counter| -> anyhow::Result<u64> {
+            Ok(maps
+                .counters
+                .get(&(c as u32), 0)
+                .context("COUNTERS")?
+                .iter()
+                .sum())
+        };
+        dp.test_run(program_names::FROM_ENDPOINT, &packet(), IFINDEX, 1)?;
+        let maps = dp.maps()?;
+        ensure!(
+            sum(&maps, Counter::FromEndpointPassed)? == 0,
+            "an unsealed value was used"
+        );
+        ensure!(
+            sum(&maps, Counter::UnknownEndpoint)? == 1,
+            "not read as absent"
+        );
+        ensure!(
+            sum(&maps, Counter::SealRetried)? == 3,
+            "three tries, each counted"
+        );
+        let mut maps = dp.maps()?;
+        maps.endpoint_insert(IFINDEX, &genuine)?;
+        dp.test_run(program_names::FROM_ENDPOINT, &packet(), IFINDEX, 1)?;
+        ensure!(
+            sum(&dp.maps()?, Counter::FromEndpointPassed)? == 1,
+            "the sealed value lets the packet pass"
+        );
+        Ok(())
+    })
 }

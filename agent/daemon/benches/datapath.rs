@@ -166,7 +166,7 @@ fn run(pin_root: &std::path::Path) -> anyhow::Result<()> {
         &L2RespValue {
             ifindex: 1,
             mac: [2, 0, 0, 0, 0, 0x50],
-            _pad: [0; 2],
+            ..Default::default()
         },
     )?;
 

@@ -714,7 +714,7 @@ fn datapath(cmd: DatapathCommand) -> anyhow::Result<i32> {
             let value = L2RespValue {
                 ifindex: ifindex_of(&iface)?,
                 mac: mac_of(&iface).with_context(|| format!("reading the MAC of {iface}"))?,
-                _pad: [0; 2],
+                ..Default::default()
             };
             maps.l2_insert(ip.octets(), &value)?;
             Ok(0)
@@ -897,12 +897,13 @@ pub fn dump_maps(maps: &PinnedMaps) -> anyhow::Result<serde_json::Value> {
             "ipv6": (v.flags & endpoint_flags::HAS_V6 != 0).then(|| Ipv6Addr::from(v.ipv6).to_string()),
             "mac": fmt_mac(&v.mac),
             "generation": v.generation,
+            "sealed": v.is_sealed(ifindex),
         }));
     }
     let mut l2 = Vec::new();
     for item in maps.l2_resp_v4.iter() {
         let (addr, v) = item?;
-        l2.push(json!({"address": Ipv4Addr::from(addr).to_string(), "ifindex": v.ifindex, "mac": fmt_mac(&v.mac)}));
+        l2.push(json!({"address": Ipv4Addr::from(addr).to_string(), "ifindex": v.ifindex, "mac": fmt_mac(&v.mac), "sealed": v.is_sealed(addr)}));
     }
     // Slot arrays: only the slots that hold something.
     let mut endpoint_slots = Vec::new();

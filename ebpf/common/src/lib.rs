@@ -22,6 +22,8 @@
 
 use core::mem::size_of;
 
+pub mod seal;
+
 /// An IPv4 address in network byte order, as stored in every map.
 pub type V4Addr = [u8; 4];
 /// An IPv6 address in network byte order, as stored in every map.
@@ -205,6 +207,11 @@ pub struct EndpointValue {
     pub mac: [u8; 6],
     /// Explicit padding; always zero.
     pub _pad: [u8; 2],
+    /// Seal over the key and every other word (see [`seal`]); 0 in values
+    /// the agent compares, set only as the value is written.
+    pub check: u32,
+    /// Explicit padding; always zero.
+    pub _pad2: u32,
 }
 
 /// Value of L2_RESP_V4, keyed by the announced IPv4 address.
@@ -218,6 +225,9 @@ pub struct L2RespValue {
     pub mac: [u8; 6],
     /// Explicit padding; always zero.
     pub _pad: [u8; 2],
+    /// Seal over the key and every other word (see [`seal`]); 0 in values
+    /// the agent compares, set only as the value is written.
+    pub check: u32,
 }
 
 /// Direct-mapped slot arrays in front of the ENDPOINTS and L2_RESP_V4 hashes.
@@ -241,7 +251,7 @@ pub struct L2RespValue {
 /// bytes matches its complement; zero never matches (!0 is 0xff). Readers copy
 /// the slot, check every pair, and re-read the key afterwards, so a copy that
 /// spans two rewrites is rejected too. A rejected slot falls back to the hash,
-/// which the kernel updates atomically.
+/// whose values are sealed against torn copies (see [`seal`](crate::seal)).
 pub mod slots {
     use super::{V4Addr, max_entries};
 
@@ -454,11 +464,15 @@ pub enum Counter {
     ArpIgnored = 13,
     /// Packets too short or malformed to parse.
     Malformed = 14,
+    /// from_endpoint / from_native: a copy of an ENDPOINTS or L2_RESP_V4
+    /// value failed its [`seal`] (torn by a concurrent rewrite, or damaged)
+    /// and was looked up again.
+    SealRetried = 15,
 }
 
 impl Counter {
     /// Number of counters (the COUNTERS map's max entries).
-    pub const COUNT: u32 = 15;
+    pub const COUNT: u32 = 16;
     /// Every counter, in index order.
     pub const ALL: [Counter; Self::COUNT as usize] = [
         Counter::FromEndpointPassed,
@@ -476,6 +490,7 @@ impl Counter {
         Counter::ArpReplied,
         Counter::ArpIgnored,
         Counter::Malformed,
+        Counter::SealRetried,
     ];
 
     /// Stable snake_case name, used in metrics and the CLI.
@@ -496,6 +511,7 @@ impl Counter {
             Counter::ArpReplied => "arp_replied",
             Counter::ArpIgnored => "arp_ignored",
             Counter::Malformed => "malformed",
+            Counter::SealRetried => "seal_retried",
         }
     }
 }
@@ -509,8 +525,8 @@ pub const LPM_V6_KEY_SIZE: usize = 4 + 16;
 // caught by the pin-compatibility check, never silently reinterpreted.
 const _: () = assert!(size_of::<IpcacheValue>() == 32);
 const _: () = assert!(size_of::<MasqSkipValue>() == 8);
-const _: () = assert!(size_of::<EndpointValue>() == 40);
-const _: () = assert!(size_of::<L2RespValue>() == 12);
+const _: () = assert!(size_of::<EndpointValue>() == 48);
+const _: () = assert!(size_of::<L2RespValue>() == 16);
 const _: () = assert!(size_of::<EndpointSlot>() == 56);
 const _: () = assert!(size_of::<L2RespSlot>() == 32);
 const _: () = assert!(max_entries::ENDPOINT_SLOTS.is_power_of_two());
@@ -568,7 +584,9 @@ mod tests {
         assert_eq!(offset_of!(EndpointValue, ipv6), 16);
         assert_eq!(offset_of!(EndpointValue, mac), 32);
         assert_eq!(offset_of!(EndpointValue, _pad), 38);
-        assert_eq!(size_of::<EndpointValue>(), 40);
+        assert_eq!(offset_of!(EndpointValue, check), 40);
+        assert_eq!(offset_of!(EndpointValue, _pad2), 44);
+        assert_eq!(size_of::<EndpointValue>(), 48);
         assert_eq!(align_of::<EndpointValue>(), 8);
     }
 
@@ -577,7 +595,8 @@ mod tests {
         assert_eq!(offset_of!(L2RespValue, ifindex), 0);
         assert_eq!(offset_of!(L2RespValue, mac), 4);
         assert_eq!(offset_of!(L2RespValue, _pad), 10);
-        assert_eq!(size_of::<L2RespValue>(), 12);
+        assert_eq!(offset_of!(L2RespValue, check), 12);
+        assert_eq!(size_of::<L2RespValue>(), 16);
     }
 
     #[test]
@@ -626,7 +645,7 @@ mod tests {
                 flags: endpoint_flags::HAS_V4 | endpoint_flags::HAS_V6,
                 ipv6: [0xfd, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 5],
                 mac: [2, 0, 0, 0, 0, 1],
-                _pad: [0; 2],
+                ..Default::default()
             },
         )
     }
@@ -651,7 +670,7 @@ mod tests {
         let l2 = L2RespValue {
             ifindex: 4,
             mac: [2, 0, 0, 0, 0, 0x50],
-            _pad: [0; 2],
+            ..Default::default()
         };
         let addr = [10, 0, 0, 50];
         let slot = L2RespSlot::new(addr, &l2);
@@ -675,7 +694,7 @@ mod tests {
             &L2RespValue {
                 ifindex: 4,
                 mac: [2, 0, 0, 0, 0, 0x50],
-                _pad: [0; 2],
+                ..Default::default()
             },
         );
         let l2full = bytes::<_, 32>(&l2);

@@ -146,8 +146,7 @@ fn endpoint(ifindex: u32, v6: bool) -> Option<(u32, V4Addr, V6Addr)> {
                     return Some((flags, v4, [0; 16]));
                 }
             }
-            // SAFETY: copied out at once; the agent replaces hash entries whole.
-            return unsafe { ENDPOINTS.get(ifindex) }.map(|v| (v.flags, v.ipv4, v.ipv6));
+            return endpoint_hash(ifindex);
         }
         let p = p.cast::<[u32; EndpointSlot::WORDS]>();
         // SAFETY: `p` points into the array's value area (4-aligned) for this
@@ -162,8 +161,31 @@ fn endpoint(ifindex: u32, v6: bool) -> Option<(u32, V4Addr, V6Addr)> {
             }
         }
     }
-    // SAFETY: copied out at once; the agent replaces hash entries whole.
-    unsafe { ENDPOINTS.get(ifindex) }.map(|v| (v.flags, v.ipv4, v.ipv6))
+    endpoint_hash(ifindex)
+}
+
+/// How often a hash value whose copy fails its seal is looked up again.
+const SEAL_TRIES: usize = 3;
+
+/// The ENDPOINTS entry of `ifindex`, copied word by word and accepted only
+/// when its seal holds (see `lockstep_common::seal`: the kernel may reuse the
+/// element for a rewrite while it is copied). A copy that fails is looked up
+/// again; an entry that never checks out reads as absent.
+#[inline(always)]
+fn endpoint_hash(ifindex: u32) -> Option<(u32, V4Addr, V6Addr)> {
+    for _ in 0..SEAL_TRIES {
+        let p = ENDPOINTS
+            .get_ptr(ifindex)?
+            .cast::<[u32; EndpointValue::WORDS]>();
+        // SAFETY: `p` points at a value of the map (8-aligned) for this run;
+        // the volatile read copies it once, and the seal judges the copy.
+        let copy = unsafe { core::ptr::read_volatile(p) };
+        if let Some(found) = EndpointValue::open(&copy, ifindex) {
+            return Some(found);
+        }
+        count(Counter::SealRetried);
+    }
+    None
 }
 
 /// The L2_RESP_V4 entry for `addr`, through its slot first (see [`endpoint`]).
@@ -182,8 +204,18 @@ fn l2_resp(addr: V4Addr) -> Option<(u32, [u8; 6])> {
             }
         }
     }
-    // SAFETY: copied out at once.
-    unsafe { L2_RESP_V4.get(addr) }.map(|v| (v.ifindex, v.mac))
+    for _ in 0..SEAL_TRIES {
+        let p = L2_RESP_V4
+            .get_ptr(addr)?
+            .cast::<[u32; L2RespValue::WORDS]>();
+        // SAFETY: as in `endpoint_hash`.
+        let copy = unsafe { core::ptr::read_volatile(p) };
+        if let Some(found) = L2RespValue::open(&copy, addr) {
+            return Some(found);
+        }
+        count(Counter::SealRetried);
+    }
+    None
 }
 
 /// Longest-prefix match over the IPCACHE: the host entry if there is one (it

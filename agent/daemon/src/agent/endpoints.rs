@@ -1094,7 +1094,7 @@ impl Agent {
                 },
             }
             match self.maps.endpoints.get(&record.host_ifindex, 0) {
-                Ok(v) if v.mac == record.mac => {}
+                Ok(v) if v.mac == record.mac && v.is_sealed(record.host_ifindex) => {}
                 Ok(_) => problems.push("ENDPOINTS entry differs".into()),
                 Err(_) => problems.push("ENDPOINTS entry is missing".into()),
             }

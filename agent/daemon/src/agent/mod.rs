@@ -1084,7 +1084,7 @@ impl Agent {
                         L2RespValue {
                             ifindex: up.index,
                             mac: up.mac,
-                            _pad: [0; 2],
+                            ..Default::default()
                         },
                     )
                 })
@@ -1109,6 +1109,15 @@ impl Agent {
             })
             .collect();
         endpoint_entries.sort_unstable_by_key(|e| e.0);
+        // The hashes hold sealed values (`lockstep_common::seal`): desired
+        // values are sealed too, so a value whose seal fails (which the
+        // programs read as absent) is drift, and reconcile writes seals.
+        for (ifindex, v) in &mut endpoint_entries {
+            *v = v.sealed(*ifindex);
+        }
+        for (addr, v) in &mut l2 {
+            *v = v.sealed(*addr);
+        }
         let mut b = PlanBuilder::default();
         for (cidr, pool_id) in self.manager.masq_skip_cidrs() {
             b.masq_skip([cidr], masq_reason::POOL, pool_id);

@@ -113,9 +113,9 @@ impl PinnedMaps {
         sys::read_entries(raw.fd(), K::SIZE).map_err(|e| access(Box::new(e)))
     }
 
-    /// Inserts (or replaces) the ENDPOINTS entry of `ifindex`, then brings
-    /// its ENDPOINT_SLOTS slot up to date: the hash first, so a slot never
-    /// holds what the hash does not.
+    /// Inserts (or replaces) the ENDPOINTS entry of `ifindex`, sealed (see
+    /// `lockstep_common::seal`), then brings its ENDPOINT_SLOTS slot up to
+    /// date: the hash first, so a slot never holds what the hash does not.
     ///
     /// # Errors
     /// A map could not be read or written (the hash may be full).
@@ -125,7 +125,7 @@ impl PinnedMaps {
         value: &EndpointValue,
     ) -> Result<(), DatapathError> {
         self.endpoints
-            .insert(ifindex, value, 0)
+            .insert(ifindex, value.sealed(ifindex), 0)
             .map_err(|e| write_err(map_names::ENDPOINTS, e))?;
         self.sync_endpoint_slot(slots::endpoint(ifindex), None)
     }
@@ -145,13 +145,14 @@ impl PinnedMaps {
         }
     }
 
-    /// Inserts (or replaces) the L2_RESP_V4 entry of `addr`, then its slot.
+    /// Inserts (or replaces) the L2_RESP_V4 entry of `addr`, sealed, then its
+    /// slot.
     ///
     /// # Errors
     /// A map could not be read or written (the hash may be full).
     pub fn l2_insert(&mut self, addr: V4Addr, value: &L2RespValue) -> Result<(), DatapathError> {
         self.l2_resp_v4
-            .insert(addr, value, 0)
+            .insert(addr, value.sealed(addr), 0)
             .map_err(|e| write_err(map_names::L2_RESP_V4, e))?;
         self.sync_l2_slot(slots::l2_resp(addr), None)
     }
