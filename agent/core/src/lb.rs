@@ -35,6 +35,7 @@ mod index;
 mod ipam;
 mod range;
 mod spec;
+mod status;
 
 #[cfg(test)]
 mod tests;
