@@ -260,6 +260,16 @@ pub enum DatapathCommand {
         #[arg(long)]
         iface: String,
     },
+    /// Switch rare datapath events (spoofed packets dropped, ARP requests
+    /// answered) in the running agent's log on or off, or show the switch.
+    Debug {
+        /// Shared options.
+        #[command(flatten)]
+        pins: PinArgs,
+        /// `on`, `off` or `status`.
+        #[arg(value_parser = ["on", "off", "status"])]
+        state: String,
+    },
     /// Announce an IPv4 address on an interface (L2_RESP_V4).
     L2Add {
         /// Shared options.
@@ -702,6 +712,15 @@ fn datapath(cmd: DatapathCommand) -> anyhow::Result<i32> {
             maps.endpoint_insert(ifindex, &value)?;
             let how = dp.attach(program_names::FROM_ENDPOINT, &iface, Hook::Ingress)?;
             println!("from_endpoint on {iface} ingress: {how:?}");
+            Ok(0)
+        }
+        DatapathCommand::Debug { pins, state } => {
+            use crate::datapath::events;
+            if state != "status" {
+                events::set_events(&pins.pin_root, state == "on")?;
+            }
+            let on = events::events_on(&pins.pin_root)?;
+            println!("datapath events: {}", if on { "on" } else { "off" });
             Ok(0)
         }
         DatapathCommand::EndpointDel { pins, iface } => {

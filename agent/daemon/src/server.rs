@@ -305,6 +305,14 @@ pub async fn run(config: Config) -> Result<(), ServerError> {
         }
         Err(e) => return Err(ServerError::Start(e)),
     };
+    let mut agent = agent;
+    let events = match agent.event_log() {
+        Ok(log) => Some(tokio::spawn(drain_events(log, stop_rx.clone()))),
+        Err(e) => {
+            tracing::warn!(error = %crate::error_chain(&e), "datapath events will not be logged");
+            None
+        }
+    };
     let pending = !agent.status().ready;
     *slot.lock().unwrap_or_else(|p| p.into_inner()) = Some(agent);
     // Delegated mode waits for its conflist and plugin without exiting:
@@ -378,6 +386,9 @@ pub async fn run(config: Config) -> Result<(), ServerError> {
         let _ = m.await;
     }
     let _ = reconciler.await;
+    if let Some(t) = events {
+        let _ = t.await;
+    }
     if let Some(t) = setup {
         let _ = t.await;
     }
@@ -392,4 +403,39 @@ pub async fn run(config: Config) -> Result<(), ServerError> {
     }
     tracing::info!("stopped; maps and programs stay pinned");
     Ok(())
+}
+
+/// Writes the datapath's events to the log as they arrive, until stopped.
+async fn drain_events(
+    log: crate::datapath::events::EventLog,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) {
+    // SAFETY: the descriptor is the ring map's, owned by `log`, which the
+    // AsyncFd owns until it is dropped; it stays open and the same for that
+    // whole time.
+    let registered = unsafe {
+        tokio::io::unix::AsyncFd::register_with_interest(log, tokio::io::Interest::READABLE)
+    };
+    let mut ring = match registered {
+        Ok(ring) => ring,
+        Err(e) => {
+            tracing::warn!(error = %e, "datapath events will not be logged");
+            return;
+        }
+    };
+    loop {
+        tokio::select! {
+            ready = ring.readable_mut() => match ready {
+                Ok(mut guard) => {
+                    guard.get_inner_mut().drain();
+                    guard.clear_ready();
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "datapath events: the ring failed; no more events");
+                    return;
+                }
+            },
+            _ = stop.wait_for(|s| *s) => return,
+        }
+    }
 }

@@ -59,8 +59,12 @@ pub mod map_names {
     /// [`L2RespSlot`](crate::L2RespSlot), a direct-mapped copy of
     /// [`L2_RESP_V4`] in front of it.
     pub const L2_RESP_SLOTS: &str = "L2_RESP_SLOTS";
+    /// Array of one `u32`: whether the programs report rare events (a
+    /// spoofed packet dropped, an ARP request answered) through aya-log; see
+    /// [`debug`](crate::debug). Pinned, so the switch outlives the agent.
+    pub const DATAPATH_DEBUG: &str = "DATAPATH_DEBUG";
     /// Every map, in a fixed order.
-    pub const ALL: [&str; 11] = [
+    pub const ALL: [&str; 12] = [
         IPCACHE_V4,
         IPCACHE_V6,
         IPCACHE_HOST_V4,
@@ -72,7 +76,22 @@ pub mod map_names {
         COUNTERS,
         ENDPOINT_SLOTS,
         L2_RESP_SLOTS,
+        DATAPATH_DEBUG,
     ];
+}
+
+/// Values of the DATAPATH_DEBUG switch.
+///
+/// Why a map and not aya-log's own level: `AYA_LOG_LEVEL` is patched before
+/// load, and switching it would mean reloading the programs; a one-entry
+/// array is read with an inlined lookup (about a nanosecond, and only on the
+/// rare paths that report), and flipped at run time by `lockstep datapath
+/// debug on|off` or `bpftool map update`.
+pub mod debug {
+    /// Events off (the default).
+    pub const OFF: u32 = 0;
+    /// Rare datapath events reach the agent's log.
+    pub const EVENTS: u32 = 1;
 }
 
 /// Names of the programs in the object.

@@ -26,6 +26,7 @@ use aya_ebpf::{
     macros::{btf_map, classifier},
     programs::TcContext,
 };
+use aya_log_ebpf::info;
 use lockstep_common::{
     Counter, EndpointSlot, EndpointValue, IpcacheValue, L2RespSlot, L2RespValue, MasqSkipValue,
     V4Addr, V6Addr, endpoint_flags, ipcache_flags, max_entries, slots,
@@ -74,6 +75,17 @@ static L2_RESP_SLOTS: Array<L2RespSlot, { max_entries::L2_RESP_SLOTS as usize },
     Array::new();
 #[btf_map]
 static COUNTERS: PerCpuArray<u64, { Counter::COUNT as usize }> = PerCpuArray::new();
+#[btf_map]
+static DATAPATH_DEBUG: Array<u32, 1> = Array::new();
+
+/// Whether rare events are reported (see `lockstep_common::debug`): one
+/// inlined array read, done only on the paths that report.
+#[inline(always)]
+fn events_on() -> bool {
+    DATAPATH_DEBUG
+        .get(0)
+        .is_some_and(|v| *v != lockstep_common::debug::OFF)
+}
 
 /// "Continue": the next TCX program (or the stack) decides.
 const NEXT: i32 = TC_ACT_UNSPEC;
@@ -286,6 +298,14 @@ pub fn from_endpoint(ctx: TcContext) -> i32 {
             };
             if ep_flags & endpoint_flags::HAS_V4 == 0 || src != ep_v4 {
                 count(Counter::SpoofDroppedV4);
+                if events_on() {
+                    info!(
+                        &ctx,
+                        "from_endpoint: dropped a spoofed IPv4 packet from {:i} on ifindex {}",
+                        src,
+                        ifindex(&ctx)
+                    );
+                }
                 return DROP;
             }
             classify(ipcache_v4(dst));
@@ -303,6 +323,14 @@ pub fn from_endpoint(ctx: TcContext) -> i32 {
                 && (ep_flags & endpoint_flags::HAS_V6 == 0 || src != ep_v6)
             {
                 count(Counter::SpoofDroppedV6);
+                if events_on() {
+                    info!(
+                        &ctx,
+                        "from_endpoint: dropped a spoofed IPv6 packet from {:i} on ifindex {}",
+                        src,
+                        ifindex(&ctx)
+                    );
+                }
                 return DROP;
             }
             classify(ipcache_v6(dst));
@@ -315,6 +343,14 @@ pub fn from_endpoint(ctx: TcContext) -> i32 {
             // 0.0.0.0 is an ARP probe (RFC 5227); anything else must be ours.
             if spa != [0; 4] && (ep_flags & endpoint_flags::HAS_V4 == 0 || spa != ep_v4) {
                 count(Counter::SpoofDroppedArp);
+                if events_on() {
+                    info!(
+                        &ctx,
+                        "from_endpoint: dropped a spoofed ARP packet from {:i} on ifindex {}",
+                        spa,
+                        ifindex(&ctx)
+                    );
+                }
                 return DROP;
             }
         }
@@ -416,6 +452,16 @@ pub fn from_native(ctx: TcContext) -> i32 {
     out[32..38].copy_from_slice(&sha);
     out[38..42].copy_from_slice(&spa);
     count(Counter::ArpReplied);
+    if events_on() {
+        info!(
+            &ctx,
+            "from_native: answered ARP for {:i} to {:i} ({:mac}) on ifindex {}",
+            tpa,
+            spa,
+            sha,
+            here
+        );
+    }
     // SAFETY: plain helper call; egress of the interface the request came in on.
     unsafe { bpf_redirect(here, 0) as i32 }
 }

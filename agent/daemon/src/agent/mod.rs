@@ -1571,6 +1571,17 @@ impl Agent {
             })
     }
 
+    /// The datapath's event ring, for the server to drain (see
+    /// [`crate::datapath::events`]).
+    ///
+    /// # Errors
+    /// Taken already, or the programs have none.
+    pub fn event_log(
+        &mut self,
+    ) -> Result<crate::datapath::events::EventLog, crate::datapath::events::EventsError> {
+        self.datapath.event_log()
+    }
+
     /// What the start-up reconcile did.
     pub fn restored(&self) -> &ReconcileReport {
         &self.restored

@@ -21,6 +21,7 @@
 //! filters, which cannot be pinned (they are re-attached on every start).
 //! Batch map updates need 5.6.
 
+pub mod events;
 pub mod maps;
 pub mod sys;
 
@@ -311,6 +312,7 @@ pub fn expected_definitions(caps: &MapCapacities) -> BTreeMap<&'static str, MapD
                 max_entries: Counter::COUNT,
             },
         ),
+        (map_names::DATAPATH_DEBUG, array(size_of::<u32>(), 1)),
     ])
 }
 
