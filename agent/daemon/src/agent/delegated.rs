@@ -388,13 +388,23 @@ impl Agent {
         let allocs = Self::allocations_of(&record);
         for a in &allocs {
             if let Err(e) = self.program(a) {
-                for b in &allocs {
-                    let _ = self.unprogram(b);
+                // Every undo step is tried and every failure reported. The
+                // record goes from memory and the plugin only once the store
+                // has let it go: if the store refuses, store, memory and
+                // plugin keep agreeing that the role holds the address, and
+                // reconcile programs it.
+                let mut more: Vec<AgentError> = allocs
+                    .iter()
+                    .filter_map(|b| self.unprogram(b).err())
+                    .collect();
+                match self.store.remove_delegated(&key) {
+                    Ok(()) => {
+                        self.delegated.remove(&key);
+                        self.compensate(&runner, &target, Some(&record.result));
+                    }
+                    Err(s) => more.push(s.into()),
                 }
-                self.delegated.remove(&key);
-                let _ = self.store.remove_delegated(&key);
-                self.compensate(&runner, &target, Some(&record.result));
-                return Err(e);
+                return Err(AgentError::with_more(e, more));
             }
         }
         tracing::info!(%role, addresses = ?record.addresses, "reserved a delegated role address");
@@ -416,10 +426,13 @@ impl Agent {
             netns: &d.netns,
         };
         if let Err(e) = runner.del(&target, Some(&d.result)) {
-            for a in &allocs {
-                let _ = self.program(a);
-            }
-            return Err(e.into());
+            // The plugin still holds the addresses: put the entries back,
+            // and report any that cannot be (verify shows them missing).
+            let more: Vec<AgentError> = allocs
+                .iter()
+                .filter_map(|a| self.program(a).err())
+                .collect();
+            return Err(AgentError::with_more(e.into(), more));
         }
         self.store.remove_delegated(&d.key())?;
         self.delegated.remove(&d.key());

@@ -666,8 +666,8 @@ impl Agent {
         match result {
             Ok(()) => Ok(allocated),
             Err(e) => {
-                self.release_core(&allocated);
-                Err(e)
+                let more = self.release_core(&allocated);
+                Err(AgentError::with_more(e, more))
             }
         }
     }
@@ -721,10 +721,10 @@ impl Agent {
                     let host = f
                         .host_ifindex
                         .map(|i| (host_ifname(&req.container_id, &req.ifname), i));
-                    let more: Vec<AgentError> =
+                    let mut more: Vec<AgentError> =
                         undo_interfaces(host).run().err().into_iter().collect();
                     // Nothing was committed: the core alone held them.
-                    self.undo_allocated(&allocated, delegated.as_ref());
+                    more.extend(self.undo_allocated(&allocated, delegated.as_ref()));
                     let e = AgentError::with_more(f.error, more);
                     self.note_error(&e);
                     return Err(e);
@@ -739,9 +739,9 @@ impl Agent {
                 .put_endpoint(Some(&record), &allocated, self.manager.generation()),
         };
         if let Err(e) = committed {
-            let more: Vec<AgentError> =
+            let mut more: Vec<AgentError> =
                 undo_interfaces(made_host).run().err().into_iter().collect();
-            self.undo_allocated(&allocated, delegated.as_ref());
+            more.extend(self.undo_allocated(&allocated, delegated.as_ref()));
             let e = AgentError::with_more(e.into(), more);
             self.note_error(&e);
             return Err(e);
@@ -789,23 +789,34 @@ impl Agent {
         Ok(self.reply(record))
     }
 
+    /// Gives back what an ADD allocated but never committed; the errors of
+    /// the steps that failed.
     fn undo_allocated(
         &mut self,
         allocated: &[Allocation],
         delegated: Option<&crate::store::DelegatedRecord>,
-    ) {
+    ) -> Vec<AgentError> {
         match delegated {
-            Some(d) => self.delegated_undo(d),
+            Some(d) => {
+                self.delegated_undo(d);
+                Vec::new()
+            }
             None => self.release_core(allocated),
         }
     }
 
-    fn release_core(&mut self, allocated: &[Allocation]) {
-        for a in allocated {
-            let _ = self
-                .manager
-                .release(&a.pool, a.family(), &a.owner, a.generation);
-        }
+    /// Releases `allocated` in the core, every one tried; the failures (the
+    /// core did not hold what it was asked to release) are returned.
+    fn release_core(&mut self, allocated: &[Allocation]) -> Vec<AgentError> {
+        allocated
+            .iter()
+            .filter_map(|a| {
+                self.manager
+                    .release(&a.pool, a.family(), &a.owner, a.generation)
+                    .err()
+                    .map(AgentError::from)
+            })
+            .collect()
     }
 
     fn reply(&self, record: EndpointRecord) -> EndpointReply {
@@ -1004,7 +1015,13 @@ impl Agent {
         } else {
             self.store
                 .remove_endpoint(record.as_ref().map(|_| key.as_str()), &allocated)?;
-            self.release_core(&allocated);
+            // The store let go; a core that did not hold them is a fault to
+            // report, not a reason to keep the interface (the DEL goes on).
+            let faults = self.release_core(&allocated);
+            if let Err(e) = AgentError::all(faults) {
+                tracing::error!(error = %crate::error_chain(&e), "the core did not hold what DEL released");
+                self.note_error(&e);
+            }
         }
         self.endpoints.remove(&key);
         // No record (nor a delegated one): an ADD may have died between
