@@ -451,6 +451,20 @@ impl Pool {
             .sum()
     }
 
+    /// What an IPAM-mode CNI reply gives for `addr` of this pool: the
+    /// address with its CIDR's prefix length, and as gateway the first
+    /// reserved address inside that CIDR (what a bridge plugin expects), if
+    /// any. `None` when no CIDR of the pool holds `addr`.
+    pub fn ipam_address(&self, addr: IpAddr) -> Option<(IpNet, Option<IpAddr>)> {
+        let cidr = self
+            .cidrs
+            .iter()
+            .map(|s| s.alloc.cidr())
+            .find(|c| c.contains(&addr))?;
+        let gateway = self.reserved.iter().copied().find(|r| cidr.contains(r));
+        Some((IpNet::new(addr, cidr.prefix_len()).ok()?, gateway))
+    }
+
     pub(crate) fn active(&self, family: Family) -> impl Iterator<Item = &CidrSlot> + '_ {
         self.cidrs
             .iter()
@@ -692,6 +706,29 @@ mod tests {
                     || a.to_ipv4().is_some()
             }
         }
+    }
+
+    #[test]
+    fn ipam_addresses_carry_their_cidr_prefix_and_first_reserved_gateway() {
+        use crate::manager::{ManagerConfig, PoolManager, StaticPools};
+        let spec = PoolSpec::new("p")
+            .with_cidr("10.0.0.0/24".parse().unwrap())
+            .with_cidr("10.0.1.0/25".parse().unwrap())
+            .with_reserved("10.0.1.9".parse().unwrap())
+            .with_reserved("10.0.1.1".parse().unwrap());
+        let mut m = PoolManager::new(StaticPools(vec![spec]), ManagerConfig::default()).unwrap();
+        m.sync().into_result().unwrap();
+        let pool = m.pool("p").unwrap();
+        let ip = |s: &str| s.parse::<IpAddr>().unwrap();
+        assert_eq!(
+            pool.ipam_address(ip("10.0.1.7")),
+            Some(("10.0.1.7/25".parse().unwrap(), Some(ip("10.0.1.9"))))
+        );
+        assert_eq!(
+            pool.ipam_address(ip("10.0.0.7")),
+            Some(("10.0.0.7/24".parse().unwrap(), None))
+        );
+        assert_eq!(pool.ipam_address(ip("10.0.2.7")), None);
     }
 
     proptest::proptest! {

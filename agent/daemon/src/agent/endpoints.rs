@@ -841,29 +841,14 @@ impl Agent {
                     routes.push((default, Some(gw)));
                 }
                 EndpointMode::Ipam => {
-                    // The pool CIDR's prefix, and its first reserved address
-                    // as gateway (what a bridge plugin expects).
-                    let cidr = self
+                    // The core decides (`Pool::ipam_address`); an address no
+                    // CIDR of the pool holds any more goes out as a host.
+                    let (address, gateway) = self
                         .manager
                         .pool(&record.pool)
-                        .and_then(|p| p.cidrs().map(|c| c.cidr).find(|c| c.contains(addr)));
-                    let gateway = self
-                        .config
-                        .pools
-                        .iter()
-                        .find(|p| p.name == record.pool)
-                        .and_then(|p| {
-                            p.reserved
-                                .iter()
-                                .copied()
-                                .find(|r| cidr.is_some_and(|c| c.contains(r)))
-                        });
-                    addresses.push(EndpointAddress {
-                        address: cidr
-                            .and_then(|c| IpNet::new(*addr, c.prefix_len()).ok())
-                            .unwrap_or_else(|| IpNet::from(*addr)),
-                        gateway,
-                    });
+                        .and_then(|p| p.ipam_address(*addr))
+                        .unwrap_or_else(|| (IpNet::from(*addr), None));
+                    addresses.push(EndpointAddress { address, gateway });
                 }
             }
         }
