@@ -29,6 +29,9 @@ use crate::demand::{Demand, DemandConfig, DemandError, DemandTracker, Usage};
 use crate::owner::{Generation, Owner};
 use crate::pool::{Pool, PoolError, PoolSpec, check_cidr, overlaps, pool_id};
 
+mod drain;
+pub use drain::{DrainError, DrainingRange, KeptReport, MAX_DRAINING_ADDRESSES};
+
 /// Where a manager's pools come from. Implemented by the consumer: static
 /// config, a cloud prefix list, LoadBalancer pool objects, etcd blocks.
 pub trait PoolSource {
@@ -204,6 +207,15 @@ pub enum ManagerError {
     /// The demand configuration is invalid.
     #[error(transparent)]
     Demand(#[from] DemandError),
+    /// A draining range cannot be kept or released as asked.
+    #[error(transparent)]
+    Drain(Box<DrainError>),
+}
+
+impl From<DrainError> for ManagerError {
+    fn from(e: DrainError) -> Self {
+        ManagerError::Drain(Box::new(e))
+    }
 }
 
 /// What [`PoolManager::sync`] changed, and what it refused.
