@@ -763,6 +763,28 @@ mod tests {
             ("lockstep-ipam", r#"{"unexpected":true}"#),
             ("lockstep-ipam", r#"{"addresses":"10.0.0.2/24"}"#),
             ("lockstep-ipam", r#"{"addresses":[],"routes":[]}"#),
+            // One good address beside one that does not parse: the whole
+            // answer is refused, never a result with the good one alone.
+            (
+                "lockstep-ipam",
+                r#"{"addresses":[{"address":"10.0.0.2/24","gateway":null},{"address":"10.0.0.300/24","gateway":null}],"routes":[]}"#,
+            ),
+            (
+                "lockstep-ipam",
+                r#"{"addresses":[{"address":"10.0.0.2/24","gateway":null},{"address":"fd00::2","gateway":null}],"routes":[]}"#,
+            ),
+            (
+                "lockstep-ipam",
+                r#"{"addresses":[{"address":"10.0.0.2/24","gateway":"10.0.0.x"}],"routes":[]}"#,
+            ),
+            (
+                "lockstep-ipam",
+                r#"{"addresses":[{"address":"10.0.0.2/24","gateway":null}],"routes":[["0.0.0.0/0",null],["bogus",null]]}"#,
+            ),
+            (
+                "lockstep",
+                r#"{"addresses":[{"address":"10.0.0.2/32","gateway":null}],"routes":[],"record":{"host_ifname":"ls1","host_mac":[1,2,3,4,5,256],"mac":[1,2,3,4,5,6]}}"#,
+            ),
             (
                 "lockstep",
                 r#"{"addresses":[{"address":"10.0.0.2/32","gateway":null}],"routes":[],"record":{}}"#,
