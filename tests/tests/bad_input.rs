@@ -193,6 +193,10 @@ fn api_cases(seed_a: &Value, seed_a_generation: u64) -> Vec<ApiCase> {
         "[".repeat(10_000)
     );
     let good = ok_body.to_string();
+    let owner =
+        |id: &str, ifname: &str| json!({"owner": "endpoint", "container_id": id, "ifname": ifname});
+    let long_id = "a".repeat(60 * 1024);
+    let cni = |v: &Value| v.to_string().into_bytes();
     let post = Method::POST;
     let get = Method::GET;
 
@@ -242,6 +246,25 @@ fn api_cases(seed_a: &Value, seed_a_generation: u64) -> Vec<ApiCase> {
         alloc("network address", with("address", json!("10.61.0.0")), 400, "address_unusable", "10.61.0.0 of pool bad cannot be allocated"),
         alloc("broadcast address", with("address", json!("10.61.0.255")), 400, "address_unusable", "10.61.0.255 of pool bad cannot be allocated"),
         alloc("owner already holds another address", json!({"pool": "bad", "address": "10.61.0.20", "owner": seed_a}), 409, "owner_holds_other", "already holds"),
+        // Owners the plugin would refuse are refused at every door, by the
+        // one set of rules (lockstep_core::owner), naming the field.
+        alloc("NUL in a container ID", with("owner", owner("a\0b", "eth0")), 400, "invalid_request", "container_id \"a\\0b\": a container ID may only contain"),
+        alloc("the old key separator in a container ID", with("owner", owner("a\u{1f}b", "c")), 400, "invalid_request", "container_id"),
+        alloc("empty container ID", with("owner", owner("", "eth0")), 400, "invalid_request", "container_id \"\": a container ID must not be empty"),
+        alloc("empty ifname", with("owner", owner("x", "")), 400, "invalid_request", "ifname \"\": an interface name must not be empty"),
+        alloc("control character in an ifname", with("owner", owner("x", "e\u{7}th0")), 400, "invalid_request", "ifname"),
+        alloc("16-byte ifname", with("owner", owner("x", "0123456789abcdef")), 400, "invalid_request", "at most 15 bytes"),
+        alloc("60 KiB container ID", with("owner", owner(&long_id, "eth0")), 400, "invalid_request", "at most 256 bytes"),
+        alloc("owner of kind delegated (reserved)", with("owner", json!({"owner": "delegated", "container_id": "x", "ifname": "eth0"})), 400, "invalid_request", "reserved by the agent"),
+        alloc("service owner without a namespace", with("owner", json!({"owner": "loadbalancer", "service": "web"})), 400, "invalid_request", "service \"web\": must be namespace/name"),
+        alloc("resource with an empty name", with("owner", json!({"owner": "resource", "kind": "node", "name": ""})), 400, "invalid_request", "name \"\": must not be empty"),
+        release("release for a NUL container ID", rel_with("owner", owner("a\0b", "eth0")), 400, "invalid_request", "container_id"),
+        case("CNI ADD with a NUL container ID", post.clone(), "/v1/cni/add", Some(&cni(&json!({"container_id": "a\0b", "ifname": "eth0", "netns": "/run/netns/x", "mode": "ipam"}))), 400, "invalid_request", "container_id"),
+        case("CNI ADD with the reviewer's colliding pair", post.clone(), "/v1/cni/add", Some(&cni(&json!({"container_id": "a", "ifname": "b\u{1f}c", "netns": "/run/netns/x", "mode": "ipam"}))), 400, "invalid_request", "ifname"),
+        case("CNI CHECK with an empty ifname", post.clone(), "/v1/cni/check", Some(&cni(&json!({"container_id": "a", "ifname": "", "netns": "/run/netns/x", "mode": "ipam"}))), 400, "invalid_request", "ifname"),
+        case("CNI DEL with an empty container ID", post.clone(), "/v1/cni/del", Some(&cni(&json!({"container_id": "", "ifname": "eth0"}))), 400, "invalid_request", "container_id"),
+        case("CNI GC with a control character in a valid attachment", post.clone(), "/v1/cni/gc", Some(&cni(&json!({"valid": [["ok", "eth0"], ["a\u{1b}", "eth0"]]}))), 400, "invalid_request", "valid[1]: container_id"),
+        case("LB service with a control character", post.clone(), "/v1/lb/apply", Some(&cni(&json!({"services": [{"namespace": "ns", "name": "w\u{0}"}]}))), 400, "invalid_request", "name: must not contain control characters"),
         // Releases.
         release("release of an unknown owner", rel_with("owner", ep.clone()), 404, "not_found", "no allocation in pool bad (ipv4) for endpoint new-1/eth0"),
         release("release in an unknown pool", rel_with("pool", json!("nope")), 404, "not_found", "no allocation in pool nope"),

@@ -13,6 +13,13 @@ use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
+mod attachment;
+
+pub use attachment::{
+    Attachment, ContainerId, IfName, MAX_CONTAINER_ID_LEN, MAX_IFNAME_LEN, MAX_NAME_LEN,
+    OwnerError, attachment_key, legacy_attachment_key,
+};
+
 /// Addresses the agent holds for itself. Each role holds at most one address
 /// per pool and family, stable across restarts.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]

@@ -100,6 +100,19 @@ impl From<JsonRejection> for ApiError {
     }
 }
 
+impl From<lockstep_core::owner::OwnerError> for ApiError {
+    fn from(e: lockstep_core::owner::OwnerError) -> Self {
+        ApiError::new(StatusCode::BAD_REQUEST, "invalid_request", e.to_string())
+    }
+}
+
+/// Checks an attachment named by a request, by the rules every door applies
+/// (the plugin checks its environment by the same ones).
+fn attachment(container_id: &str, ifname: &str) -> Result<(), ApiError> {
+    lockstep_core::owner::Attachment::new(container_id, ifname)?;
+    Ok(())
+}
+
 /// Runs an agent operation on the blocking pool.
 async fn with_agent<T: Send + 'static>(
     state: &AppState,
@@ -174,6 +187,7 @@ async fn allocate(
     body: Result<Json<AllocateRequest>, JsonRejection>,
 ) -> Result<Response, ApiError> {
     let Json(req) = body?;
+    req.owner.validate_requested()?;
     let started = Instant::now();
     let result = with_agent(&s, move |a| a.allocate(req)).await;
     s.metrics.observe_allocation(started.elapsed());
@@ -185,6 +199,7 @@ async fn release(
     body: Result<Json<ReleaseRequest>, JsonRejection>,
 ) -> Result<Response, ApiError> {
     let Json(req) = body?;
+    req.owner.validate()?;
     Ok(ok(with_agent(&s, move |a| a.release(req)).await?))
 }
 
@@ -201,6 +216,7 @@ async fn cni_add(
     body: Result<Json<EndpointRequest>, JsonRejection>,
 ) -> Result<Response, ApiError> {
     let Json(req) = body?;
+    attachment(&req.container_id, &req.ifname)?;
     let started = Instant::now();
     let slot = s.agent.clone();
     // IPAM-only ADDs are served here (a commit and a few map writes under
@@ -223,6 +239,7 @@ async fn cni_del(
     body: Result<Json<DelRequest>, JsonRejection>,
 ) -> Result<Response, ApiError> {
     let Json(req) = body?;
+    attachment(&req.container_id, &req.ifname)?;
     let slot = s.agent.clone();
     match endpoint_del_inline(&slot, req) {
         // Committed under the lock; kernel work (a full attachment's veth)
@@ -253,6 +270,7 @@ async fn cni_check(
     body: Result<Json<EndpointRequest>, JsonRejection>,
 ) -> Result<Response, ApiError> {
     let Json(req) = body?;
+    attachment(&req.container_id, &req.ifname)?;
     with_agent(&s, move |a| a.endpoint_check(req)).await?;
     Ok(ok(json!({})))
 }
@@ -262,6 +280,12 @@ async fn cni_gc(
     body: Result<Json<GcRequest>, JsonRejection>,
 ) -> Result<Response, ApiError> {
     let Json(req) = body?;
+    for (i, (container_id, ifname)) in req.valid.iter().enumerate() {
+        attachment(container_id, ifname).map_err(|e| ApiError {
+            message: format!("valid[{i}]: {}", e.message),
+            ..e
+        })?;
+    }
     Ok(ok(with_agent(&s, move |a| a.endpoint_gc(req)).await?))
 }
 

@@ -248,9 +248,12 @@ impl EndpointRecord {
     }
 }
 
-/// The record key of an endpoint.
+/// The record key of an endpoint (or delegated attachment): the core's
+/// [`attachment_key`](lockstep_core::owner::attachment_key), which no two
+/// attachments share. Records stored under the ambiguous key of earlier
+/// versions move on [`Store::load`].
 pub fn endpoint_key(container_id: &str, ifname: &str) -> String {
-    format!("{container_id}\u{1f}{ifname}")
+    lockstep_core::owner::attachment_key(container_id, ifname)
 }
 
 /// An attachment whose addresses an external CNI IPAM plugin holds
@@ -639,13 +642,21 @@ impl Store {
             .begin_read()
             .map_err(db::db_err("begin read"))?;
         let (generation, lb) = db::read_meta(&txn)?;
-        Ok(Stored {
+        let stored = Stored {
             generation: Generation(generation),
             allocations: db::read_all(&txn, db::ALLOCATIONS)?,
             endpoints: db::read_all(&txn, db::ENDPOINTS)?,
             lb: lb.map(|v| decode(LB_STATE, &v)).transpose()?,
             delegated: db::read_all(&txn, db::DELEGATED)?,
-        })
+        };
+        drop(txn);
+        drop(inner);
+        let moves = codec::key_moves(&stored.endpoints, &stored.delegated)?;
+        if !moves.is_empty() {
+            self.commit(moves)?;
+            tracing::info!("attachment records moved to unambiguous keys");
+        }
+        Ok(stored)
     }
 
     /// Durably records `a` and raises the generation high-water mark; returns

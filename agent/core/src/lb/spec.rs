@@ -506,6 +506,10 @@ impl ServiceSpec {
         if self.name.is_empty() || self.name.contains('/') {
             return Err(bad("name".into(), "must be non-empty without '/'"));
         }
+        // Length and characters: the rule every door applies to owners.
+        if let Err(e) = crate::owner::Owner::load_balancer(self.id()).validate() {
+            return Err(bad(e.field.into(), e.problem));
+        }
         if self.ip_families.len() > 2
             || (self.ip_families.len() == 2 && self.ip_families[0] == self.ip_families[1])
         {

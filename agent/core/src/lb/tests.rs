@@ -914,10 +914,21 @@ fn validation_names_the_field() {
             ServiceSpec::new("", "a"),
             "service /a: namespace: must be non-empty without '/'",
         ),
+        (
+            ServiceSpec::new("ns", "a\u{0}b"),
+            "service ns/a\u{0}b: name: must not contain control characters",
+        ),
     ];
     for (spec, msg) in svc_cases {
         assert_eq!(lb.apply_service(spec).unwrap_err().to_string(), msg);
     }
+    let long = ServiceSpec::new("ns", "a".repeat(254));
+    assert!(
+        lb.apply_service(long)
+            .unwrap_err()
+            .to_string()
+            .ends_with("name: must be at most 253 bytes")
+    );
     assert_eq!(
         lb.delete_pool("nope").unwrap_err().to_string(),
         "unknown lb pool nope"

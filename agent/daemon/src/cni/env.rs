@@ -9,94 +9,14 @@
 //! command. Empty values count as missing, as in the reference implementation.
 
 use std::ffi::OsStr;
-use std::fmt;
 use std::path::PathBuf;
 
 use super::error::CniError;
 use super::version::Command;
 
-/// Longest interface name Linux accepts (`IFNAMSIZ` − 1).
-pub const MAX_IFNAME_LEN: usize = 15;
-
-/// A validated container ID: starts with an ASCII letter or digit, then ASCII
-/// letters, digits, `_`, `.` or `-` (the spec's rule).
-#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct ContainerId(String);
-
-impl ContainerId {
-    /// Validates `id`; the error is a reason suitable for a message.
-    ///
-    /// # Errors
-    /// If `id` is empty or has a character the spec does not allow.
-    pub fn new(id: &str) -> Result<ContainerId, &'static str> {
-        let mut bytes = id.bytes();
-        match bytes.next() {
-            None => return Err("a container ID must not be empty"),
-            Some(b) if !b.is_ascii_alphanumeric() => {
-                return Err("a container ID must start with an ASCII letter or digit");
-            }
-            Some(_) => {}
-        }
-        if !bytes.all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'-')) {
-            return Err("a container ID may only contain ASCII letters, digits, '_', '.' and '-'");
-        }
-        Ok(ContainerId(id.to_owned()))
-    }
-
-    /// The ID.
-    pub fn as_str(&self) -> &str {
-        &self.0
-    }
-}
-
-impl fmt::Display for ContainerId {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.0)
-    }
-}
-
-/// A validated Linux interface name: 1–15 bytes, not `.` or `..`, no `/`,
-/// `:`, whitespace or control characters (the kernel's `dev_valid_name`).
-#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct IfName(String);
-
-impl IfName {
-    /// Validates `name`; the error is a reason suitable for a message.
-    ///
-    /// # Errors
-    /// If the kernel would refuse the name.
-    pub fn new(name: &str) -> Result<IfName, &'static str> {
-        if name.is_empty() {
-            return Err("an interface name must not be empty");
-        }
-        if name.len() > MAX_IFNAME_LEN {
-            return Err("an interface name must be at most 15 bytes");
-        }
-        if name == "." || name == ".." {
-            return Err("an interface name must not be '.' or '..'");
-        }
-        if name
-            .chars()
-            .any(|c| c == '/' || c == ':' || c.is_whitespace() || c.is_control())
-        {
-            return Err(
-                "an interface name must not contain '/', ':', whitespace or control characters",
-            );
-        }
-        Ok(IfName(name.to_owned()))
-    }
-
-    /// The name.
-    pub fn as_str(&self) -> &str {
-        &self.0
-    }
-}
-
-impl fmt::Display for IfName {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.0)
-    }
-}
+// The container ID and interface name rules are the core's, shared with
+// every other door that takes an owner (the API, the CLI).
+pub use lockstep_core::owner::{ContainerId, IfName, MAX_IFNAME_LEN};
 
 /// `CNI_ARGS`: `K=V` pairs separated by `;`, in order.
 ///

@@ -121,6 +121,43 @@ pub(super) fn decode_ops(seq: u64, mut data: &[u8]) -> Result<Vec<Op>, StoreErro
     Ok(ops)
 }
 
+/// The operations that move attachment records (endpoints, delegated) from
+/// the key earlier versions stored them under — the container ID and
+/// interface name joined by `\u{1f}`, ambiguous when either holds a control
+/// character — to [`endpoint_key`](super::endpoint_key). Records of valid
+/// attachments have the same key in both and do not move; after one commit
+/// of these, nothing does.
+///
+/// # Errors
+/// A record does not encode (cannot happen for records just decoded).
+pub(super) fn key_moves(
+    endpoints: &[super::EndpointRecord],
+    delegated: &[super::DelegatedRecord],
+) -> Result<Vec<Op>, StoreError> {
+    use lockstep_core::owner::legacy_attachment_key;
+    let mut removes = Vec::new();
+    let mut puts = Vec::new();
+    let mut one = |table, id: &str, ifname: &str, key: String, value: Vec<u8>| {
+        let legacy = legacy_attachment_key(id, ifname);
+        if legacy != key {
+            removes.push(Op::Remove { table, key: legacy });
+            puts.push(Op::Put { table, key, value });
+        }
+    };
+    for e in endpoints {
+        let value = super::to_json(|| e.key(), e)?;
+        one(Table::Endpoints, &e.container_id, &e.ifname, e.key(), value);
+    }
+    for d in delegated {
+        let value = super::to_json(|| d.key(), d)?;
+        one(Table::Delegated, &d.container_id, &d.ifname, d.key(), value);
+    }
+    // Every old key goes before any record is put under its new key (which
+    // may be another moved record's old one).
+    removes.extend(puts);
+    Ok(removes)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -160,5 +197,81 @@ mod tests {
             let err = decode_ops(7, bad).expect_err("garbage");
             assert!(err.to_string().contains("record 7"), "{err}");
         }
+    }
+
+    fn endpoint(id: &str, ifname: &str, last: u8) -> super::super::EndpointRecord {
+        serde_json::from_value(serde_json::json!({
+            "container_id": id,
+            "ifname": ifname,
+            "netns": "/run/netns/x",
+            "mode": "ipam",
+            "pool": "default",
+            "addresses": [format!("10.0.0.{last}")],
+            "host_ifname": null,
+            "host_ifindex": 0,
+            "host_mac": [0, 0, 0, 0, 0, 0],
+            "mac": [0, 0, 0, 0, 0, 0],
+        }))
+        .expect("an endpoint record")
+    }
+
+    /// A store written by an earlier version (records under the joined key)
+    /// is read whole, its ambiguous keys move once, and a record found by
+    /// its new key is removed by it.
+    #[test]
+    fn records_under_the_old_joined_key_move_on_load() {
+        let tmp = tempfile::tempdir().expect("temp dir");
+        let store = super::super::Store::open(&tmp.path().join("state")).expect("open");
+        let legacy = [
+            endpoint("c1", "eth0", 1),
+            endpoint("a\u{1f}b", "c", 2),
+            endpoint("\u{1e}1:", "x", 3),
+            endpoint("\u{1f}", "x", 4),
+        ];
+        let ops = legacy
+            .iter()
+            .map(|e| Op::Put {
+                table: Table::Endpoints,
+                key: lockstep_core::owner::legacy_attachment_key(&e.container_id, &e.ifname),
+                value: serde_json::to_vec(e).expect("json"),
+            })
+            .collect();
+        store.commit(ops).expect("old-format commit");
+        let sorted = |mut v: Vec<super::super::EndpointRecord>| {
+            v.sort_by_key(|e| e.addresses.clone());
+            v
+        };
+        assert_eq!(
+            sorted(store.load().expect("load").endpoints),
+            legacy.to_vec()
+        );
+        for e in &legacy {
+            store.remove_endpoint(Some(&e.key()), &[]).expect("remove");
+        }
+        assert!(
+            store.load().expect("load").endpoints.is_empty(),
+            "every record removed by its key"
+        );
+    }
+
+    /// The reviewer's pair: two attachments whose parts joined by the old
+    /// separator read the same are two records.
+    #[test]
+    fn attachments_that_joined_alike_are_two_records() {
+        let tmp = tempfile::tempdir().expect("temp dir");
+        let store = super::super::Store::open(&tmp.path().join("state")).expect("open");
+        let first = endpoint("a\u{1f}b", "c", 1);
+        let second = endpoint("a", "b\u{1f}c", 2);
+        for e in [&first, &second] {
+            let high = lockstep_core::owner::Generation(0);
+            store.put_endpoint(Some(e), &[], high).expect("put");
+        }
+        let mut got = store.load().expect("load").endpoints;
+        got.sort_by_key(|e| e.addresses.clone());
+        assert_eq!(got, vec![first.clone(), second.clone()]);
+        store
+            .remove_endpoint(Some(&second.key()), &[])
+            .expect("remove");
+        assert_eq!(store.load().expect("load").endpoints, vec![first]);
     }
 }
