@@ -686,7 +686,9 @@ fn gc_releases_attachments_not_listed_and_spares_other_owners() -> anyhow::Resul
         attached.push((ns, id, host));
     }
     // Other owners, made through the agent API: a resource (CLI), a
-    // LoadBalancer, and a delegated interface.
+    // LoadBalancer, and a resource in the second pool (the API refuses the
+    // agent-only `delegated` kind; delegated attachments are GC-tested in
+    // tests/tests/delegated.rs).
     agent.json([
         "allocate", "--kind", "node", "--name", "n1", "--family", "ipv4", "-o", "json",
     ])?;
@@ -702,7 +704,7 @@ fn gc_releases_attachments_not_listed_and_spares_other_owners() -> anyhow::Resul
         Method::POST,
         "/v1/allocations",
         Some(json!({"pool": "second", "family": "ipv4",
-                    "owner": {"owner": "delegated", "container_id": "other", "ifname": "eth0"}})),
+                    "owner": {"owner": "resource", "kind": "vm", "name": "other"}})),
     )?;
     let others = |allocs: &Value| -> Vec<Value> {
         allocs
