@@ -3,7 +3,15 @@
 //! Paths are versioned (`/v1/...`). Bodies are limited to [`MAX_BODY`]; every
 //! error is a JSON body `{"error": {"code": ..., "message": ...}}` with a
 //! stable code, including malformed JSON, unknown fields, wrong types,
-//! oversized bodies, unknown paths and wrong methods. Handlers run the agent's
+//! oversized bodies, unknown paths and wrong methods. A request head the
+//! server cannot take is refused before routing, in the same shape
+//! (`server::head`): `bad_request` (400: a malformed request line or
+//! header, a `Content-Length` that is not a length), `request_timeout`
+//! (408), `too_large` (413: a declared body over the limit),
+//! `uri_too_long` (414: over 8 KiB) and `headers_too_large` (431: over 100
+//! fields or 32 KiB). One request is served per connection. Owners are
+//! checked by the core's rules (`lockstep_core::owner`) before the agent
+//! sees them: `invalid_request` naming the field. Handlers run the agent's
 //! synchronous operations on the blocking pool, one at a time under its lock.
 
 use std::sync::{Arc, Mutex};

@@ -17,6 +17,8 @@ use crate::api::{AppState, metrics_router, router};
 use crate::config::Config;
 use crate::metrics::Metrics;
 
+mod head;
+
 /// Errors that stop the agent.
 #[derive(Debug, thiserror::Error)]
 pub enum ServerError {
@@ -165,7 +167,8 @@ impl Limits {
 /// of the agent's descriptors), each closed when it takes longer than
 /// `limits.header_timeout` to send a request's headers or stays idle that
 /// long between requests (hyper re-arms the header timer for every
-/// request), with request heads of at most 64 KiB. `axum::serve` has none
+/// request), with request heads of at most 32 KiB, checked before hyper
+/// sees them (`head`), and one request per connection. `axum::serve` has none
 /// of these: 1,100 idle connections once took every descriptor of an agent
 /// with a 1,024 limit, and its periodic reconcile failed.
 async fn serve_limited<L>(
@@ -194,9 +197,18 @@ async fn serve_limited<L>(
         let mut stop = stop.clone();
         conns.spawn(async move {
             let _permit = permit;
+            // Our own look at the head first, so every refusal has the
+            // API's JSON shape (hyper's own have no body).
+            let Some(io) = head::admit(io, limits.header_timeout, crate::api::MAX_BODY).await
+            else {
+                return;
+            };
+            // One request per connection (the plugin and the CLI make one
+            // each), so no later head escapes the check above.
             let conn = hyper::server::conn::http1::Builder::new()
                 .timer(hyper_util::rt::TokioTimer::new())
                 .header_read_timeout(limits.header_timeout)
+                .keep_alive(false)
                 .max_buf_size(64 * 1024)
                 .serve_connection(hyper_util::rt::TokioIo::new(io), service);
             let mut conn = std::pin::pin!(conn);
@@ -315,10 +327,6 @@ pub async fn run(config: Config) -> Result<(), ServerError> {
     };
     let pending = !agent.status().ready;
     *slot.lock().unwrap_or_else(|p| p.into_inner()) = Some(agent);
-    // Full DELs hand their veths to the reaper (`agent::reaper`).
-    if let Err(e) = crate::agent::reaper::spawn(&slot) {
-        tracing::error!(error = %e, "the reaper did not start; DELs delete their veths inline");
-    }
     // Delegated mode waits for its conflist and plugin without exiting:
     // status says why; set-up is retried every 200 ms until it succeeds, or
     // it refuses for good (then the agent stops with that error).
