@@ -14,7 +14,7 @@ use hyper::Method;
 use lockstep::agent::Agent;
 use lockstep::client::call;
 use lockstep::config::Config;
-use lockstep::datapath::{Datapath, DatapathOptions, PinnedMaps, sys};
+use lockstep::datapath::{Datapath, DatapathOptions, sys};
 use lockstep::store::Store;
 use lockstep_common::{IpcacheValue, identity, ipcache_flags, map_names};
 use lockstep_core::manager::Allocation;
@@ -260,8 +260,11 @@ fn main() {
         // The raw rate: the same 100k host entries, one batch syscall
         // chain, into an empty map of the same definition.
         let raw_scratch = Scratch::new(&format!("raw-{round}"));
-        let _dp = Datapath::open(DatapathOptions::new(&raw_scratch.pins)).expect("datapath");
-        let raw = PinnedMaps::raw(&raw_scratch.pins, map_names::IPCACHE_HOST_V4).expect("map");
+        let dp = Datapath::open(DatapathOptions::new(&raw_scratch.pins)).expect("datapath");
+        let raw = dp
+            .maps()
+            .and_then(|m| m.raw(map_names::IPCACHE_HOST_V4))
+            .expect("map");
         let started = Instant::now();
         sys::update_batch(raw.fd(), 4, 32, &keys, &values).expect("raw batch");
         raw_ms.push(started.elapsed().as_secs_f64() * 1e3);

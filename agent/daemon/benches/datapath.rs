@@ -8,7 +8,7 @@
 use std::net::Ipv4Addr;
 use std::time::Duration;
 
-use lockstep::datapath::{Datapath, DatapathOptions, PinnedMaps, sys};
+use lockstep::datapath::{Datapath, DatapathOptions, sys};
 use lockstep_common::{
     EndpointSlot, EndpointValue, IpcacheValue, L2RespSlot, L2RespValue, endpoint_flags, identity,
     ipcache_flags, program_names, slots,
@@ -129,7 +129,7 @@ fn run(pin_root: &std::path::Path) -> anyhow::Result<()> {
             )
         });
     }
-    let raw = PinnedMaps::raw(pin_root, lockstep_common::map_names::IPCACHE_HOST_V4)?;
+    let raw = maps.raw(lockstep_common::map_names::IPCACHE_HOST_V4)?;
     let started = std::time::Instant::now();
     sys::update_batch(raw.fd(), 4, size_of::<IpcacheValue>(), &keys, &values)?;
     let fill = started.elapsed();

@@ -55,6 +55,11 @@ pub enum Command {
         /// as `[datapath] migrate = true` does; reconcile refills them.
         #[arg(long)]
         migrate: bool,
+        /// Take the pin root over from another store's agent, as
+        /// `[datapath] take_over_pin_root = true` does: its owner record is
+        /// replaced and that agent stops writing maps (docs/datapath.md).
+        #[arg(long)]
+        take_over_pin_root: bool,
     },
     /// Agent status: readiness and why not.
     Status {
@@ -478,9 +483,14 @@ pub fn init_tracing(json: bool, verbose: u8) {
 pub fn run(cli: Cli) -> anyhow::Result<i32> {
     let socket = cli.socket.clone();
     match cli.command {
-        Command::Agent { config, migrate } => {
+        Command::Agent {
+            config,
+            migrate,
+            take_over_pin_root,
+        } => {
             let mut config = crate::config::Config::load(config.as_deref())?;
             config.datapath.migrate |= migrate;
+            config.datapath.take_over_pin_root |= take_over_pin_root;
             let rt = tokio::runtime::Builder::new_multi_thread()
                 .enable_all()
                 .build()?;
@@ -601,6 +611,9 @@ pub fn run(cli: Cli) -> anyhow::Result<i32> {
                 let mut out = String::from("verify: DRIFT\n");
                 for s in v["store"].as_array().into_iter().flatten() {
                     out.push_str(&format!("  store: {}\n", s.as_str().unwrap_or("?")));
+                }
+                for s in v["pins"].as_array().into_iter().flatten() {
+                    out.push_str(&format!("  pins: {}\n", s.as_str().unwrap_or("?")));
                 }
                 for d in v["maps"].as_array().into_iter().flatten() {
                     out.push_str(&format!(

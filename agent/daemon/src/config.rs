@@ -76,6 +76,9 @@ pub struct DatapathConfig {
     pub pin_root: PathBuf,
     /// Replace pinned maps whose definition changed.
     pub migrate: bool,
+    /// Take the pin root over when another store's agent owns it (its
+    /// owner record names another store); see `docs/datapath.md`.
+    pub take_over_pin_root: bool,
     /// How to attach programs to the uplink (TCX: pinned links).
     pub attach_mode: AttachModeConfig,
     /// How to attach `from_endpoint` to endpoint veths. Netlink (clsact) by
@@ -97,6 +100,7 @@ impl Default for DatapathConfig {
         Self {
             pin_root: PathBuf::from("/sys/fs/bpf/lockstep"),
             migrate: false,
+            take_over_pin_root: false,
             attach_mode: AttachModeConfig::Auto,
             endpoint_attach_mode: AttachModeConfig::Netlink,
             ipcache_max_entries: lockstep_common::max_entries::IPCACHE,

@@ -24,6 +24,7 @@ pub struct Metrics {
     free: Family<Labels, Gauge<f64, std::sync::atomic::AtomicU64>>,
     map_entries: Family<Labels, Gauge<i64>>,
     repairs: Family<Labels, Gauge<i64>>,
+    pin_repairs: Family<Labels, Gauge<i64>>,
     errors: Family<Labels, Gauge<i64>>,
     lb_pool: Family<Labels, Gauge<i64>>,
     lb_pending: Family<Labels, Gauge<i64>>,
@@ -50,6 +51,7 @@ impl Metrics {
         let free = Family::<Labels, Gauge<f64, std::sync::atomic::AtomicU64>>::default();
         let map_entries = Family::<Labels, Gauge<i64>>::default();
         let repairs = Family::<Labels, Gauge<i64>>::default();
+        let pin_repairs = Family::<Labels, Gauge<i64>>::default();
         let errors = Family::<Labels, Gauge<i64>>::default();
         let lb_pool = Family::<Labels, Gauge<i64>>::default();
         let lb_pending = Family::<Labels, Gauge<i64>>::default();
@@ -77,6 +79,11 @@ impl Metrics {
             repairs.clone(),
         );
         registry.register(
+            "pin_repairs_total",
+            "Map pins put back since start (removed, or replaced by another map), by map",
+            pin_repairs.clone(),
+        );
+        registry.register(
             "errors",
             "Failed operations since start, by error code",
             errors.clone(),
@@ -102,6 +109,7 @@ impl Metrics {
             free,
             map_entries,
             repairs,
+            pin_repairs,
             errors,
             lb_pool,
             lb_pending,
@@ -133,6 +141,11 @@ impl Metrics {
         }
         for (map, n) in &agent.stats.repairs {
             self.repairs
+                .get_or_create(&vec![("map".to_string(), map.clone())])
+                .set(*n as i64);
+        }
+        for (map, n) in &agent.stats.pin_repairs {
+            self.pin_repairs
                 .get_or_create(&vec![("map".to_string(), map.clone())])
                 .set(*n as i64);
         }

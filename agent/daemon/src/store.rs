@@ -309,6 +309,8 @@ pub struct Stored {
 /// The store.
 pub struct Store {
     path: PathBuf,
+    /// The database's random identity (also in the log's header).
+    id: u64,
     inner: Mutex<Inner>,
 }
 
@@ -505,6 +507,7 @@ impl Store {
         }
         let store = Self {
             path,
+            id: store_id,
             inner: Mutex::new(Inner {
                 db: Some(database),
                 wal,
@@ -562,6 +565,14 @@ impl Store {
     /// The database file.
     pub fn path(&self) -> &Path {
         &self.path
+    }
+
+    /// The store's identity: drawn at random when the database is created,
+    /// kept for its life (a log reset keeps it), so it tells this store from
+    /// any other, a copy's replacement included. The agent claims its pin
+    /// root under it (`datapath::owner`).
+    pub fn id(&self) -> u64 {
+        self.id
     }
 
     fn lock(&self) -> MutexGuard<'_, Inner> {

@@ -40,6 +40,7 @@ use crate::store::{EndpointMode, EndpointRecord, Store, StoreError};
 pub mod delegated;
 pub mod endpoints;
 pub mod lb;
+mod pins;
 pub mod release;
 
 /// Errors of agent operations. Each has a stable API code ([`AgentError::code`]).
@@ -296,6 +297,10 @@ pub struct VerifyReport {
     pub store: Vec<String>,
     /// Map entries that differ from the store.
     pub maps: Vec<Drift>,
+    /// Map pins that do not name the maps the programs use, and a pin root
+    /// this agent lost to another store.
+    #[serde(default)]
+    pub pins: Vec<String>,
 }
 
 /// Pool usage for the API and metrics.
@@ -342,6 +347,9 @@ pub struct Status {
     pub restored: ReconcileReport,
     /// Repairs made by periodic reconciles since start.
     pub repairs: u64,
+    /// Map pins put back (removed or replaced) since start.
+    #[serde(default)]
+    pub pin_repairs: u64,
     /// Delegated IPAM: how often each CNI command was run on the plugin
     /// (and `compensating_del`).
     #[serde(default)]
@@ -353,6 +361,8 @@ pub struct Status {
 pub struct Stats {
     /// Repairs per map by periodic reconciles.
     pub repairs: BTreeMap<String, u64>,
+    /// Map pins put back per map (removed or replaced).
+    pub pin_repairs: BTreeMap<String, u64>,
     /// Errors per code.
     pub errors: BTreeMap<&'static str, u64>,
     /// Entries per map at the last reconcile.
@@ -474,22 +484,18 @@ struct MapContents {
 }
 
 impl MapContents {
-    fn observe(maps: &PinnedMaps, pin_root: &std::path::Path) -> Result<Self, AgentError> {
+    fn observe(maps: &PinnedMaps) -> Result<Self, AgentError> {
         let mut c = MapContents {
-            l2: read_hash(pin_root, map_names::L2_RESP_V4)?,
-            endpoints: read_hash(pin_root, map_names::ENDPOINTS)?,
+            l2: read_hash(maps, map_names::L2_RESP_V4)?,
+            endpoints: read_hash(maps, map_names::ENDPOINTS)?,
             endpoint_slots: read_slots(
-                pin_root,
+                maps,
                 map_names::ENDPOINT_SLOTS,
                 max_entries::ENDPOINT_SLOTS,
             )?,
-            l2_slots: read_slots(
-                pin_root,
-                map_names::L2_RESP_SLOTS,
-                max_entries::L2_RESP_SLOTS,
-            )?,
-            host_v4: read_hash(pin_root, map_names::IPCACHE_HOST_V4)?,
-            host_v6: read_hash(pin_root, map_names::IPCACHE_HOST_V6)?,
+            l2_slots: read_slots(maps, map_names::L2_RESP_SLOTS, max_entries::L2_RESP_SLOTS)?,
+            host_v4: read_hash(maps, map_names::IPCACHE_HOST_V4)?,
+            host_v6: read_hash(maps, map_names::IPCACHE_HOST_V6)?,
             ..MapContents::default()
         };
         let map_err = |e| AgentError::Program {
@@ -532,20 +538,20 @@ impl MapContents {
 /// A map key readable from raw bytes.
 /// Reads a map in bulk and returns it sorted by key.
 fn read_hash<K: sys::RawKey, V: aya::Pod>(
-    pin_root: &std::path::Path,
+    maps: &PinnedMaps,
     map: &'static str,
 ) -> Result<Vec<(K, V)>, AgentError> {
-    let raw = PinnedMaps::raw(pin_root, map)?;
+    let raw = maps.raw(map)?;
     sys::read_entries(raw.fd(), K::SIZE).map_err(|source| AgentError::Reconcile { map, source })
 }
 
 /// The slots of a slot array that hold something, sorted by slot.
 fn read_slots<V: aya::Pod + Default + PartialEq>(
-    pin_root: &std::path::Path,
+    maps: &PinnedMaps,
     map: &'static str,
     slots: u32,
 ) -> Result<Vec<(u32, V)>, AgentError> {
-    let raw = PinnedMaps::raw(pin_root, map)?;
+    let raw = maps.raw(map)?;
     let mut all: Vec<(u32, V)> =
         sys::read_array(raw.fd(), slots).map_err(|source| AgentError::Reconcile { map, source })?;
     all.retain(|(_, v)| *v != V::default());
@@ -555,7 +561,7 @@ fn read_slots<V: aya::Pod + Default + PartialEq>(
 /// Applies one map's diff with batch syscalls: deletes first (frees room),
 /// then adds and updates.
 fn apply<K: Ord + Clone, V: aya::Pod + Clone>(
-    pin_root: &std::path::Path,
+    maps: &PinnedMaps,
     map: &'static str,
     d: &MapDiff<K, V>,
     key_bytes: impl Fn(&K) -> Vec<u8>,
@@ -564,7 +570,7 @@ fn apply<K: Ord + Clone, V: aya::Pod + Clone>(
     if d.is_empty() {
         return Ok(());
     }
-    let raw = PinnedMaps::raw(pin_root, map)?;
+    let raw = maps.raw(map)?;
     let mut key_size = 0;
     if !d.delete.is_empty() {
         let mut keys = Vec::new();
@@ -599,7 +605,7 @@ fn apply<K: Ord + Clone, V: aya::Pod + Clone>(
 /// First half of a slot array's diff: every slot that must lose what it
 /// holds (to nothing or to another entry) is zeroed.
 fn clear_slots<V: aya::Pod + Default>(
-    pin_root: &std::path::Path,
+    maps: &PinnedMaps,
     map: &'static str,
     d: &MapDiff<u32, V>,
 ) -> Result<(), AgentError> {
@@ -612,7 +618,7 @@ fn clear_slots<V: aya::Pod + Default>(
     if slots.is_empty() {
         return Ok(());
     }
-    let raw = PinnedMaps::raw(pin_root, map)?;
+    let raw = maps.raw(map)?;
     let keys: Vec<u8> = slots.iter().flat_map(|k| k.to_ne_bytes()).collect();
     let zero = V::default();
     let values: Vec<u8> = slots
@@ -626,7 +632,7 @@ fn clear_slots<V: aya::Pod + Default>(
 /// Second half: the slots that must hold an entry get it (all of them empty
 /// by now), and the whole diff is counted.
 fn fill_slots<V: aya::Pod + Default + Clone>(
-    pin_root: &std::path::Path,
+    maps: &PinnedMaps,
     map: &'static str,
     d: &MapDiff<u32, V>,
     report: &mut ReconcileReport,
@@ -637,7 +643,7 @@ fn fill_slots<V: aya::Pod + Default + Clone>(
         delete: Vec::new(),
     };
     apply(
-        pin_root,
+        maps,
         map,
         &writes,
         |k| k.to_ne_bytes().to_vec(),
@@ -683,7 +689,15 @@ impl Agent {
         // directory before `Datapath::open` may migrate (replace) pins the
         // running agent uses.
         let store = Store::open(&config.state_dir)?;
-        let datapath = Datapath::open(datapath_options(&config))?;
+        // The pin root is claimed for this store before anything under it
+        // is touched (`datapath::owner`).
+        let mut opts = datapath_options(&config);
+        opts.owner = Some(crate::datapath::PinOwner {
+            store_id: store.id(),
+            state_dir: config.state_dir.clone(),
+        });
+        opts.take_over_pin_root = config.datapath.take_over_pin_root;
+        let datapath = Datapath::open(opts)?;
         let maps = datapath.maps()?;
         let stored = store.load()?;
         let mut manager =
@@ -836,6 +850,9 @@ impl Agent {
     }
 
     fn check_ready(&self) -> Result<(), AgentError> {
+        if let Some(reason) = self.ownership_problem() {
+            return Err(AgentError::NotReady { reason });
+        }
         if self.ready {
             Ok(())
         } else {
@@ -1151,85 +1168,86 @@ impl Agent {
     }
 
     fn observed(&self) -> Result<MapContents, AgentError> {
-        MapContents::observe(&self.maps, &self.config.datapath.pin_root)
+        MapContents::observe(&self.maps)
     }
 
     fn reconcile_inner(&mut self) -> Result<ReconcileReport, AgentError> {
         let started = Instant::now();
         let want = self.desired()?;
         let have = self.observed()?;
-        let root = self.config.datapath.pin_root.clone();
+        // The maps the programs use, by descriptor: never a pin's path.
+        let root = &self.maps;
         let mut report = ReconcileReport::default();
         // Slots are cleared before and filled after their hashes change, so
         // a slot never holds what its hash does not (see
         // `lockstep_common::slots`).
         let endpoint_slots = diff_sorted(&want.endpoint_slots, &have.endpoint_slots);
         let l2_slots = diff_sorted(&want.l2_slots, &have.l2_slots);
-        clear_slots::<EndpointSlot>(&root, map_names::ENDPOINT_SLOTS, &endpoint_slots)?;
-        clear_slots::<L2RespSlot>(&root, map_names::L2_RESP_SLOTS, &l2_slots)?;
+        clear_slots::<EndpointSlot>(root, map_names::ENDPOINT_SLOTS, &endpoint_slots)?;
+        clear_slots::<L2RespSlot>(root, map_names::L2_RESP_SLOTS, &l2_slots)?;
         apply(
-            &root,
+            root,
             map_names::L2_RESP_V4,
             &diff_sorted(&want.l2, &have.l2),
             |k| k.to_vec(),
             &mut report,
         )?;
         apply(
-            &root,
+            root,
             map_names::ENDPOINTS,
             &diff_sorted(&want.endpoints, &have.endpoints),
             |k| k.to_ne_bytes().to_vec(),
             &mut report,
         )?;
         apply(
-            &root,
+            root,
             map_names::IPCACHE_HOST_V4,
             &diff_sorted(&want.host_v4, &have.host_v4),
             |k| k.to_vec(),
             &mut report,
         )?;
         apply(
-            &root,
+            root,
             map_names::IPCACHE_HOST_V6,
             &diff_sorted(&want.host_v6, &have.host_v6),
             |k| k.to_vec(),
             &mut report,
         )?;
         apply(
-            &root,
+            root,
             map_names::IPCACHE_V4,
             &diff(&want.prefix_v4, &have.prefix_v4),
             |n| lpm_key_bytes(n.prefix_len(), &n.network().octets()),
             &mut report,
         )?;
         apply(
-            &root,
+            root,
             map_names::IPCACHE_V6,
             &diff(&want.prefix_v6, &have.prefix_v6),
             |n| lpm_key_bytes(n.prefix_len(), &n.network().octets()),
             &mut report,
         )?;
         apply(
-            &root,
+            root,
             map_names::MASQ_SKIP_V4,
             &diff(&want.masq_v4, &have.masq_v4),
             |n| lpm_key_bytes(n.prefix_len(), &n.network().octets()),
             &mut report,
         )?;
         apply(
-            &root,
+            root,
             map_names::MASQ_SKIP_V6,
             &diff(&want.masq_v6, &have.masq_v6),
             |n| lpm_key_bytes(n.prefix_len(), &n.network().octets()),
             &mut report,
         )?;
         fill_slots(
-            &root,
+            root,
             map_names::ENDPOINT_SLOTS,
             &endpoint_slots,
             &mut report,
         )?;
-        fill_slots(&root, map_names::L2_RESP_SLOTS, &l2_slots, &mut report)?;
+        fill_slots(root, map_names::L2_RESP_SLOTS, &l2_slots, &mut report)?;
         self.stats.entries = BTreeMap::from([
             (map_names::IPCACHE_HOST_V4, want.host_v4.len()),
             (map_names::IPCACHE_HOST_V6, want.host_v6.len()),
@@ -1254,6 +1272,7 @@ impl Agent {
             tracing::warn!(error = %e, "the store is still failing");
         }
         self.settle();
+        self.guard_pins()?;
         let report = self.reconcile_inner()?;
         for (map, n) in &report.per_map {
             *self.stats.repairs.entry(map.clone()).or_default() += *n as u64;
@@ -1377,7 +1396,8 @@ impl Agent {
             |n| n.to_string(),
             &mut report.maps,
         );
-        report.ok = report.store.is_empty() && report.maps.is_empty();
+        report.pins = self.verify_pins();
+        report.ok = report.store.is_empty() && report.maps.is_empty() && report.pins.is_empty();
         Ok(report)
     }
 
@@ -1590,11 +1610,14 @@ impl Agent {
     /// Status.
     pub fn status(&self) -> Status {
         let store = self.store.health();
+        let pins = self.pin_problem();
         Status {
             version: crate::version::version(),
-            ready: self.ready && store.is_none(),
+            ready: self.ready && store.is_none() && pins.is_none(),
             reason: if self.ready {
-                store.map(|cause| format!("the store cannot commit: {cause}"))
+                store
+                    .map(|cause| format!("the store cannot commit: {cause}"))
+                    .or(pins)
             } else {
                 Some(
                     self.not_ready
@@ -1609,6 +1632,7 @@ impl Agent {
             generation: self.manager.generation(),
             restored: self.restored.clone(),
             repairs: self.stats.repairs.values().sum(),
+            pin_repairs: self.stats.pin_repairs.values().sum(),
             ipam_commands: self
                 .stats
                 .ipam_commands

@@ -1,8 +1,10 @@
 //! Typed access to lockstep's pinned maps.
 //!
-//! The maps are opened from their pins, not from a loaded object, so the CLI
-//! can read them while the agent is down and the agent sees exactly what the
-//! programs see. ENDPOINTS and L2_RESP_V4 are written only together with
+//! The CLI opens the maps from their pins ([`PinnedMaps::open`]), so it can
+//! read them while the agent is down. The agent opens them through the
+//! descriptors it loaded its programs with ([`PinnedMaps::open_held`]), so it
+//! reads and writes exactly what the programs see even when a pin is removed
+//! or replaced (see [`super::pins`]). ENDPOINTS and L2_RESP_V4 are written only together with
 //! their slot arrays (`endpoint_insert`, `l2_insert` and their removals), in
 //! the order and with the clear-first rule that `lockstep_common::slots`
 //! explains, so no caller can leave a slot behind its hash.
@@ -46,8 +48,52 @@ pub struct PinnedMaps {
     /// L2_RESP_SLOTS. Written through [`PinnedMaps::l2_insert`] and
     /// [`PinnedMaps::l2_remove`] (or a reconcile), never alone.
     pub l2_resp_slots: Array<MapData, L2RespSlot>,
-    /// `<pin_root>/maps`.
-    dir: PathBuf,
+    /// Where untyped handles come from.
+    source: Source,
+}
+
+/// Where a [`PinnedMaps`] opens its maps.
+enum Source {
+    /// The pins in `<pin_root>/maps`.
+    Pins(PathBuf),
+    /// The maps the agent's programs use, by descriptor.
+    Held(std::collections::BTreeMap<&'static str, MapData>),
+}
+
+impl Source {
+    fn open(&self, name: &str) -> Result<MapData, DatapathError> {
+        match self {
+            Source::Pins(dir) => {
+                let pin: PathBuf = dir.join(name);
+                MapData::from_pin(&pin).map_err(|source| DatapathError::OpenPin {
+                    pin,
+                    source: Box::new(source),
+                })
+            }
+            Source::Held(maps) => {
+                use std::os::fd::AsFd as _;
+                let (map, data) =
+                    maps.get_key_value(name)
+                        .ok_or_else(|| DatapathError::MapAccess {
+                            action: "open",
+                            map: "(unknown map)",
+                            source: format!("no map named {name}").into(),
+                        })?;
+                let access =
+                    |source: Box<dyn std::error::Error + Send + Sync>| DatapathError::MapAccess {
+                        action: "open",
+                        map,
+                        source,
+                    };
+                let fd = data
+                    .fd()
+                    .as_fd()
+                    .try_clone_to_owned()
+                    .map_err(|e| access(Box::new(e)))?;
+                MapData::from_fd(fd).map_err(|e| access(Box::new(e)))
+            }
+        }
+    }
 }
 
 impl std::fmt::Debug for PinnedMaps {
@@ -56,21 +102,19 @@ impl std::fmt::Debug for PinnedMaps {
     }
 }
 
-fn open_map(dir: &Path, name: &str) -> Result<Map, DatapathError> {
-    let pin: PathBuf = dir.join(name);
-    let open_err = |source| DatapathError::OpenPin {
-        pin: pin.clone(),
-        source: Box::new(source),
+fn open_map(source: &Source, name: &str) -> Result<Map, DatapathError> {
+    let open_err = |e| DatapathError::OpenPin {
+        pin: PathBuf::from(name),
+        source: Box::new(e),
     };
-    let data = MapData::from_pin(&pin).map_err(open_err)?;
-    Map::from_map_data(data).map_err(open_err)
+    Map::from_map_data(source.open(name)?).map_err(open_err)
 }
 
 macro_rules! typed {
-    ($dir:expr, $name:expr) => {{
-        let map = open_map($dir, $name)?;
+    ($source:expr, $name:expr) => {{
+        let map = open_map($source, $name)?;
         map.try_into().map_err(|source| DatapathError::OpenPin {
-            pin: $dir.join($name),
+            pin: PathBuf::from($name),
             source: Box::new(source),
         })?
     }};
@@ -82,20 +126,37 @@ impl PinnedMaps {
     /// # Errors
     /// A pin is missing or its type or sizes do not match.
     pub fn open(pin_root: &Path) -> Result<Self, DatapathError> {
-        let dir = pin_root.join("maps");
+        Self::from_source(Source::Pins(pin_root.join("maps")))
+    }
+
+    /// Opens the maps the agent's programs use, through the descriptors it
+    /// holds (duplicated), whatever their pins say.
+    ///
+    /// # Errors
+    /// A descriptor cannot be duplicated or a map's type does not match.
+    pub fn open_held(held: &super::pins::HeldMaps) -> Result<Self, DatapathError> {
+        let mut maps = std::collections::BTreeMap::new();
+        for name in map_names::ALL {
+            maps.insert(name, held.open(name)?);
+        }
+        Self::from_source(Source::Held(maps))
+    }
+
+    fn from_source(source: Source) -> Result<Self, DatapathError> {
+        let s = &source;
         Ok(Self {
-            ipcache_v4: typed!(&dir, map_names::IPCACHE_V4),
-            ipcache_v6: typed!(&dir, map_names::IPCACHE_V6),
-            ipcache_host_v4: typed!(&dir, map_names::IPCACHE_HOST_V4),
-            ipcache_host_v6: typed!(&dir, map_names::IPCACHE_HOST_V6),
-            masq_skip_v4: typed!(&dir, map_names::MASQ_SKIP_V4),
-            masq_skip_v6: typed!(&dir, map_names::MASQ_SKIP_V6),
-            endpoints: typed!(&dir, map_names::ENDPOINTS),
-            l2_resp_v4: typed!(&dir, map_names::L2_RESP_V4),
-            counters: typed!(&dir, map_names::COUNTERS),
-            endpoint_slots: typed!(&dir, map_names::ENDPOINT_SLOTS),
-            l2_resp_slots: typed!(&dir, map_names::L2_RESP_SLOTS),
-            dir,
+            ipcache_v4: typed!(s, map_names::IPCACHE_V4),
+            ipcache_v6: typed!(s, map_names::IPCACHE_V6),
+            ipcache_host_v4: typed!(s, map_names::IPCACHE_HOST_V4),
+            ipcache_host_v6: typed!(s, map_names::IPCACHE_HOST_V6),
+            masq_skip_v4: typed!(s, map_names::MASQ_SKIP_V4),
+            masq_skip_v6: typed!(s, map_names::MASQ_SKIP_V6),
+            endpoints: typed!(s, map_names::ENDPOINTS),
+            l2_resp_v4: typed!(s, map_names::L2_RESP_V4),
+            counters: typed!(s, map_names::COUNTERS),
+            endpoint_slots: typed!(s, map_names::ENDPOINT_SLOTS),
+            l2_resp_slots: typed!(s, map_names::L2_RESP_SLOTS),
+            source,
         })
     }
 
@@ -109,7 +170,7 @@ impl PinnedMaps {
             map,
             source,
         };
-        let raw = MapData::from_pin(self.dir.join(map)).map_err(|e| access(Box::new(e)))?;
+        let raw = self.source.open(map).map_err(|e| access(Box::new(e)))?;
         sys::read_entries(raw.fd(), K::SIZE).map_err(|e| access(Box::new(e)))
     }
 
@@ -206,16 +267,13 @@ impl PinnedMaps {
         )
     }
 
-    /// Opens one pinned map untyped, for raw (batch) operations.
+    /// Opens one of these maps untyped, for raw (batch) operations: by its
+    /// pin or by the descriptor held, as these maps were opened.
     ///
     /// # Errors
-    /// The pin is missing.
-    pub fn raw(pin_root: &Path, name: &str) -> Result<MapData, DatapathError> {
-        let pin = pin_root.join("maps").join(name);
-        MapData::from_pin(&pin).map_err(|source| DatapathError::OpenPin {
-            pin,
-            source: Box::new(source),
-        })
+    /// The pin is missing, or the descriptor cannot be duplicated.
+    pub fn raw(&self, name: &str) -> Result<MapData, DatapathError> {
+        self.source.open(name)
     }
 
     /// Writes an IPCACHE entry into the map that holds its prefix length: the

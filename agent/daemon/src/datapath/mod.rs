@@ -13,6 +13,12 @@
 //! when the layout changed the new map starts empty and reconcile refills it
 //! from the store.
 //!
+//! Before any of that, an agent claims the pin root for its store
+//! ([`owner`]): a pin root owned by another agent's store is refused unless
+//! taken over explicitly. The agent reads and writes its maps only through
+//! the descriptors it loaded the programs with, and checks that each pin
+//! still names that map ([`pins`]; repaired by re-pinning).
+//!
 //! Re-attaching a program to an interface whose link is already pinned updates
 //! the link in place (`BPF_LINK_UPDATE`), so an upgrade has no detach gap.
 //!
@@ -23,6 +29,8 @@
 
 pub mod events;
 pub mod maps;
+pub mod owner;
+pub mod pins;
 pub mod sys;
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -41,6 +49,8 @@ use lockstep_common::{
 };
 
 pub use maps::PinnedMaps;
+pub use owner::PinOwner;
+pub use pins::PinFault;
 
 /// The eBPF object built by `ebpf/programs`, embedded at build time.
 static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/lockstep.bpf.o"));
@@ -165,6 +175,9 @@ pub enum DatapathError {
         #[source]
         source: sys::SysError,
     },
+    /// The pin root belongs to another store, or its owner record failed.
+    #[error(transparent)]
+    Owner(#[from] owner::OwnerError),
     /// The interface does not exist in this network namespace.
     #[error("interface {iface} not found")]
     NoInterface {
@@ -399,16 +412,24 @@ pub struct DatapathOptions {
     pub migrate: bool,
     /// How to attach programs.
     pub attach_mode: AttachMode,
+    /// The store claiming the pin root ([`owner::claim`]); `None` (the
+    /// low-level `lockstep datapath` tools) claims nothing.
+    pub owner: Option<PinOwner>,
+    /// Take the pin root over from another store's agent.
+    pub take_over_pin_root: bool,
 }
 
 impl DatapathOptions {
-    /// Options with default capacities, no migration and automatic attach.
+    /// Options with default capacities, no migration, automatic attach and
+    /// no owner.
     pub fn new(pin_root: impl Into<PathBuf>) -> Self {
         Self {
             pin_root: pin_root.into(),
             capacities: MapCapacities::default(),
             migrate: false,
             attach_mode: AttachMode::Auto,
+            owner: None,
+            take_over_pin_root: false,
         }
     }
 
@@ -429,6 +450,10 @@ pub struct Datapath {
     opts: DatapathOptions,
     loaded: BTreeSet<String>,
     migrated: Vec<String>,
+    /// The maps the programs use, by descriptor.
+    held: pins::HeldMaps,
+    /// The claim on the pin root, when opened for a store.
+    owner: Option<owner::OwnerGuard>,
 }
 
 impl fmt::Debug for Datapath {
@@ -488,9 +513,17 @@ impl Datapath {
     pub fn open(opts: DatapathOptions) -> Result<Self, DatapathError> {
         check_bpffs(&opts.pin_root)?;
         let maps_dir = opts.maps_dir();
-        for dir in [&opts.pin_root, &maps_dir, &opts.links_dir()] {
+        std::fs::create_dir_all(&opts.pin_root).map_err(fs_err("create", &opts.pin_root))?;
+        // The claim comes before anything under the pin root is opened,
+        // created or migrated.
+        let owner = match &opts.owner {
+            Some(me) => Some(owner::claim(&opts.pin_root, me, opts.take_over_pin_root)?),
+            None => None,
+        };
+        for dir in [&maps_dir, &opts.links_dir()] {
             std::fs::create_dir_all(dir).map_err(fs_err("create", dir))?;
         }
+        pins::sweep_repair_temps(&maps_dir)?;
         let expected = expected_definitions(&opts.capacities);
         // Maps being replaced: their old contents, kept open until copied.
         let mut replaced: Vec<(&'static str, MapDefinition, MapData)> = Vec::new();
@@ -532,9 +565,23 @@ impl Datapath {
         for (name, def) in &expected {
             loader.map_max_entries(name, def.max_entries);
         }
-        let ebpf = loader.load(OBJECT).map_err(|source| DatapathError::Load {
+        let mut ebpf = loader.load(OBJECT).map_err(|source| DatapathError::Load {
             source: Box::new(source),
         })?;
+        // Taken out of the object and kept open for its whole life: the
+        // programs were relocated against these very descriptors.
+        let mut held = BTreeMap::new();
+        for name in expected.keys() {
+            let map = ebpf
+                .take_map(name)
+                .ok_or_else(|| DatapathError::MapAccess {
+                    action: "find",
+                    map: name,
+                    source: "the eBPF object has no such map".into(),
+                })?;
+            held.insert(*name, pins::map_data(name, map)?);
+        }
+        let held = pins::HeldMaps::new(held)?;
         let mut migrated = Vec::new();
         for (name, old_def, old) in replaced {
             let new_def = expected[name];
@@ -553,7 +600,34 @@ impl Datapath {
             opts,
             loaded: BTreeSet::new(),
             migrated,
+            held,
+            owner,
         })
+    }
+
+    /// The maps the programs use, held by descriptor.
+    pub fn held(&self) -> &pins::HeldMaps {
+        &self.held
+    }
+
+    /// The claim on the pin root (`None` when opened without an owner).
+    pub fn owner(&self) -> Option<&owner::OwnerGuard> {
+        self.owner.as_ref()
+    }
+
+    /// Every map pin that does not name the map the programs use: removed,
+    /// replaced by another object, or unreadable.
+    pub fn pin_faults(&self) -> Vec<PinFault> {
+        pins::faults(&self.held, &self.opts.maps_dir())
+    }
+
+    /// Pins the programs' map at the path of each fault again (replacing an
+    /// impostor); returns the maps repaired.
+    ///
+    /// # Errors
+    /// A pin could not be made or moved into place.
+    pub fn repair_pins(&self, faults: &[PinFault]) -> Result<Vec<String>, DatapathError> {
+        pins::repair(&self.held, &self.opts.maps_dir(), faults)
     }
 
     /// Maps replaced by migration during [`Datapath::open`].
@@ -566,12 +640,13 @@ impl Datapath {
         &self.opts
     }
 
-    /// Opens the pinned maps for typed access.
+    /// Opens the maps the programs use for typed access, through the
+    /// descriptors held (never by path: a pin can be removed or replaced).
     ///
     /// # Errors
-    /// A pin is missing or of the wrong type.
+    /// A descriptor cannot be duplicated or a map is of the wrong type.
     pub fn maps(&self) -> Result<PinnedMaps, DatapathError> {
-        PinnedMaps::open(&self.opts.pin_root)
+        PinnedMaps::open_held(&self.held)
     }
 
     fn program(&mut self, name: &str) -> Result<&mut SchedClassifier, DatapathError> {
@@ -734,7 +809,7 @@ impl Datapath {
     /// # Errors
     /// A pin that exists but cannot be removed.
     pub fn uninstall(pin_root: &Path, ifaces: &[String]) -> Result<usize, DatapathError> {
-        let mut removed = 0;
+        let mut removed = owner::remove(pin_root)?;
         let links = pin_root.join("links");
         if links.exists() {
             for entry in std::fs::read_dir(&links).map_err(fs_err("read", &links))? {
@@ -1045,8 +1120,8 @@ mod tests {
         assert_eq!(v4.key_size, 8);
         assert_eq!(v4.value_size, 32);
         assert_eq!(defs[map_names::IPCACHE_V6].key_size, 20);
-        assert_eq!(defs[map_names::ENDPOINTS].value_size, 40);
-        assert_eq!(defs[map_names::L2_RESP_V4].value_size, 12);
+        assert_eq!(defs[map_names::ENDPOINTS].value_size, 48);
+        assert_eq!(defs[map_names::L2_RESP_V4].value_size, 16);
         assert_eq!(defs[map_names::COUNTERS].max_entries, Counter::COUNT);
     }
 
@@ -1108,7 +1183,7 @@ mod tests {
             ..want
         }));
         assert!(!want.same_layout(&MapDefinition {
-            value_size: 48,
+            value_size: 56,
             ..want
         }));
     }

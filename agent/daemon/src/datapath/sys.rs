@@ -9,12 +9,18 @@
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
 
+const BPF_MAP_CREATE: libc::c_long = 0;
 const BPF_MAP_LOOKUP_ELEM: libc::c_long = 1;
 const BPF_MAP_UPDATE_ELEM: libc::c_long = 2;
 const BPF_MAP_GET_NEXT_KEY: libc::c_long = 4;
 const BPF_MAP_LOOKUP_BATCH: libc::c_long = 24;
 const BPF_MAP_UPDATE_BATCH: libc::c_long = 26;
 const BPF_MAP_DELETE_BATCH: libc::c_long = 27;
+const BPF_MAP_FREEZE: libc::c_long = 22;
+const BPF_MAP_TYPE_ARRAY: u32 = 2;
+
+/// `BPF_F_RDONLY_PROG`: programs may read the map, never write it.
+pub const BPF_F_RDONLY_PROG: u32 = 1 << 7;
 
 /// `BPF_ANY`: create or update.
 pub const BPF_ANY: u64 = 0;
@@ -76,7 +82,32 @@ pub enum SysError {
     },
 }
 
+/// The map-creation part of `union bpf_attr` (up to the name).
+#[repr(C)]
+#[derive(Default)]
+struct CreateAttr {
+    map_type: u32,
+    key_size: u32,
+    value_size: u32,
+    max_entries: u32,
+    map_flags: u32,
+    inner_map_fd: u32,
+    numa_node: u32,
+    map_name: [u8; 16],
+}
+
+/// The map-fd-only part of `union bpf_attr` (`BPF_MAP_FREEZE`).
+#[repr(C)]
+#[derive(Default)]
+struct FdAttr {
+    map_fd: u32,
+}
+
 fn bpf<T>(cmd: libc::c_long, attr: &mut T) -> io::Result<()> {
+    bpf_ret(cmd, attr).map(drop)
+}
+
+fn bpf_ret<T>(cmd: libc::c_long, attr: &mut T) -> io::Result<libc::c_long> {
     // SAFETY: `attr` is a valid, initialised, #[repr(C)] prefix of `bpf_attr`
     // that lives for the duration of the call; the kernel reads at most
     // `size_of::<T>()` bytes and zero-extends the rest.
@@ -91,8 +122,70 @@ fn bpf<T>(cmd: libc::c_long, attr: &mut T) -> io::Result<()> {
     if ret < 0 {
         Err(io::Error::last_os_error())
     } else {
-        Ok(())
+        Ok(ret)
     }
+}
+
+fn one(command: &'static str) -> impl FnOnce(io::Error) -> SysError {
+    move |source| SysError::Syscall {
+        command,
+        done: 0,
+        requested: 1,
+        source,
+    }
+}
+
+/// Creates an array map of `max_entries` values of `value_size` bytes
+/// (`BPF_MAP_CREATE`), named `name` (at most 15 bytes are kept).
+///
+/// # Errors
+/// The kernel refused the map.
+pub fn create_array(
+    name: &str,
+    value_size: u32,
+    max_entries: u32,
+    flags: u32,
+) -> Result<std::os::fd::OwnedFd, SysError> {
+    use std::os::fd::FromRawFd as _;
+    let mut attr = CreateAttr {
+        map_type: BPF_MAP_TYPE_ARRAY,
+        key_size: 4,
+        value_size,
+        max_entries,
+        map_flags: flags,
+        ..Default::default()
+    };
+    let n = name.len().min(15);
+    attr.map_name[..n].copy_from_slice(&name.as_bytes()[..n]);
+    let fd = bpf_ret(BPF_MAP_CREATE, &mut attr).map_err(one("BPF_MAP_CREATE"))?;
+    // SAFETY: a successful BPF_MAP_CREATE returns a new descriptor we own.
+    Ok(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd as i32) })
+}
+
+/// Freezes a map: no syscall may change it any more (`BPF_MAP_FREEZE`).
+///
+/// # Errors
+/// The syscall's error.
+pub fn freeze(fd: impl AsFd) -> Result<(), SysError> {
+    let mut attr = FdAttr {
+        map_fd: raw(fd.as_fd()),
+    };
+    bpf(BPF_MAP_FREEZE, &mut attr).map_err(one("BPF_MAP_FREEZE"))
+}
+
+/// Reads one raw element into `value` (`BPF_MAP_LOOKUP_ELEM`); `value`
+/// must be the map's value size.
+///
+/// # Errors
+/// The syscall's error (`ENOENT`: no such key).
+pub fn lookup_raw(fd: impl AsFd, key: &[u8], value: &mut [u8]) -> Result<(), SysError> {
+    let mut attr = ElemAttr {
+        map_fd: raw(fd.as_fd()),
+        key: key.as_ptr() as u64,
+        value_or_next_key: value.as_mut_ptr() as u64,
+        ..Default::default()
+    };
+    bpf(BPF_MAP_LOOKUP_ELEM, &mut attr).map_err(one("BPF_MAP_LOOKUP_ELEM"))
 }
 
 fn raw(fd: BorrowedFd<'_>) -> u32 {
