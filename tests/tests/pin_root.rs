@@ -9,6 +9,8 @@
 //!   a changed capacity included) is accepted.
 //! - A stale record (the owner's state directory is gone) is refused, and
 //!   says so; `--take-over-pin-root` takes it.
+//! - The record is a frozen map pinned 0600; a symbolic link planted at its
+//!   path is refused, not followed.
 //! - With `--take-over-pin-root` the second agent starts; the first goes not
 //!   ready naming who took over and writes no map again.
 //! - A map pin removed with `rm`, or replaced by another map of the same
@@ -18,6 +20,7 @@
 //!   its entries are back, and the repair is counted.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::os::unix::fs::PermissionsExt as _;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output};
 use std::time::{Duration, Instant};
@@ -245,6 +248,22 @@ fn a_second_agent_on_the_same_pin_root_is_refused_naming_both() -> anyhow::Resul
         held.insert(allocate(&first, &format!("first-{i}"))?);
     }
     let first_id = store_id(&first.dir.path().join("state"))?;
+    // The record: a pinned, frozen map, root-only.
+    let record = first.pins.path().join("owner");
+    let meta = std::fs::symlink_metadata(&record).context("no owner record")?;
+    ensure!(
+        meta.file_type().is_file() && meta.permissions().mode() & 0o777 == 0o600,
+        "owner record mode {:o}",
+        meta.permissions().mode()
+    );
+    let shown: serde_json::Value = serde_json::from_str(&sh(
+        "bpftool",
+        ["-j", "map", "show", "pinned", &record.display().to_string()],
+    )?)?;
+    ensure!(
+        shown["name"] == "lockstep_owner" && shown["frozen"] == 1,
+        "{shown}"
+    );
     for (datapath, how) in [
         ("", "without migrate"),
         (
@@ -307,6 +326,28 @@ fn a_stale_owner_is_refused_until_taken_over() -> anyhow::Result<()> {
     third.wait_ready()?;
     let verify = third.cli(&["verify"])?;
     ensure!(verify.status.success(), "{}", text(&verify));
+    Ok(())
+}
+
+#[test]
+fn a_symlink_at_the_owner_record_is_refused_not_followed() -> anyhow::Result<()> {
+    privileged!();
+    let node = Netns::new("pinlink")?;
+    let pins = lockstep_tests::PinRoot::new();
+    std::fs::create_dir_all(pins.path())?;
+    let target = pins.path().join("elsewhere");
+    std::os::unix::fs::symlink(&target, pins.path().join("owner"))?;
+    let mut agent = Other::spawn(&node, pins.path(), "", &[])?;
+    let log = agent.refused(Duration::from_secs(10))?;
+    ensure!(
+        log.contains("is not a lockstep owner record") && log.contains("symbolic link"),
+        "{log}"
+    );
+    ensure!(
+        !target.exists() && !pins.path().join("maps").exists(),
+        "the refused agent wrote under the pin root"
+    );
+    std::fs::remove_file(pins.path().join("owner"))?;
     Ok(())
 }
 
