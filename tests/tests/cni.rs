@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail, ensure};
 use hyper::Method;
-use lockstep_tests::{AgentProc, Netns, lockstep_bin, privileged, unique};
+use lockstep_tests::{AgentProc, Netns, lockstep_bin, privileged, unique, wait_for};
 use serde_json::{Value, json};
 
 const POOLS: &str = r#"
@@ -156,6 +156,25 @@ fn snapshot(agent: &AgentProc) -> anyhow::Result<(Value, Value)> {
         agent.json(["allocations", "-o", "json"])?,
         api(agent, Method::GET, "/v1/endpoints", None)?,
     ))
+}
+
+/// Waits for a full DEL's reaping: the host veth `host` gone from `node`,
+/// then `held` (addresses still held) empty; the addresses are never free
+/// while the veth exists.
+fn released(
+    node: &Netns,
+    host: &str,
+    held: impl Fn() -> anyhow::Result<BTreeSet<String>>,
+) -> anyhow::Result<()> {
+    wait_for(
+        "the host veth gone and its addresses released",
+        Duration::from_secs(5),
+        || {
+            let veth = links(node).ok()?.contains(host);
+            let held = held().ok()?;
+            (!veth && held.is_empty()).then_some(())
+        },
+    )
 }
 
 fn links(ns: &Netns) -> anyhow::Result<BTreeSet<String>> {
@@ -468,8 +487,9 @@ fn add_check_del_across_versions_and_the_containers_ping_each_other() -> anyhow:
         )?
         .ok()
         .with_context(|| format!("DEL A in {v}"))?;
-        ensure!(held_by(&agent, &a)?.is_empty(), "A's addresses released");
-        ensure!(!links(&node)?.contains(&host_a), "A's host veth gone");
+        // DEL is acknowledged once the map entries are gone; the reaper
+        // deletes the veth, then releases the addresses (docs/cni.md).
+        released(&node, &host_a, || held_by(&agent, &a))?;
     }
     // B's namespace goes first (the runtime tore the sandbox down): DEL with
     // the stale path, then without CNI_NETNS, both succeed.
@@ -488,7 +508,7 @@ fn add_check_del_across_versions_and_the_containers_ping_each_other() -> anyhow:
     )?
     .ok()
     .context("DEL without CNI_NETNS")?;
-    ensure!(!links(&node)?.contains(&host_b), "B's host veth gone");
+    released(&node, &host_b, || held_by(&agent, &b))?;
     let (allocs, eps) = snapshot(&agent)?;
     ensure!(allocs == json!([]), "nothing allocated: {allocs}");
     ensure!(eps == json!([]), "no endpoints: {eps}");
@@ -658,7 +678,9 @@ fn pools_and_requested_addresses_are_honoured_and_refusals_store_nothing() -> an
         )?
         .ok()?;
     }
-    ensure!(snapshot(&agent)? == (json!([]), json!([])), "all released");
+    wait_for("all released", Duration::from_secs(5), || {
+        (snapshot(&agent).ok()? == (json!([]), json!([]))).then_some(())
+    })?;
     verify(&agent)?;
     Ok(())
 }

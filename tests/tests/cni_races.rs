@@ -117,6 +117,16 @@ fn dels_racing_full_adds_are_answered_and_leave_no_veth() -> anyhow::Result<()> 
         "the agent panicked:\n{}",
         agent.log()
     );
+    // The last DEL's veth goes through the reaper, then its addresses.
+    let settled = lockstep_tests::wait_for(
+        "the last veth reaped",
+        std::time::Duration::from_secs(5),
+        || {
+            let held = agent.json(["allocations", "-o", "json"]).ok()?;
+            (host_veths(&node).ok()?.is_empty() && held.as_array().is_some_and(Vec::is_empty))
+                .then_some(())
+        },
+    );
     let left = host_veths(&node)?;
     ensure!(left.is_empty(), "host veths leaked: {left:?}");
     let held = agent.json(["allocations", "-o", "json"])?;
@@ -124,6 +134,7 @@ fn dels_racing_full_adds_are_answered_and_leave_no_veth() -> anyhow::Result<()> 
         held.as_array().is_some_and(Vec::is_empty),
         "allocations left: {held}"
     );
+    settled?;
     Ok(())
 }
 

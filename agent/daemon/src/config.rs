@@ -126,6 +126,13 @@ pub struct CniConfig {
     pub network_name: String,
     /// The conflist's `cniVersion`.
     pub cni_version: String,
+    /// How long the reaper gathers full DELs' host veths before deleting
+    /// them in one batch (one kernel grace period for all). DEL is
+    /// acknowledged at once either way; the addresses stay held until the
+    /// veth is gone. 0 (the default): a batch is what queued while the
+    /// previous one ran. At most 60s.
+    #[serde(with = "humantime_serde")]
+    pub teardown_batch_window: Duration,
 }
 
 impl Default for CniConfig {
@@ -139,6 +146,7 @@ impl Default for CniConfig {
             // 1.0.0, not 1.1.0: runtimes still shipping older libcni (podman
             // 4.3) refuse 1.1.0 results. The plugin speaks both.
             cni_version: "1.0.0".into(),
+            teardown_batch_window: Duration::ZERO,
         }
     }
 }
@@ -327,6 +335,12 @@ impl Config {
         };
         // An interval beyond a day turns drift repair (and a failed store's
         // recovery) off in all but name.
+        if self.cni.teardown_batch_window > Duration::from_secs(60) {
+            return Err(invalid(
+                "cni.teardown_batch_window".into(),
+                "must be at most 60s".into(),
+            ));
+        }
         if self.reconcile_interval < Duration::from_millis(100)
             || self.reconcile_interval > MAX_RECONCILE_INTERVAL
         {

@@ -327,6 +327,10 @@ pub async fn run(config: Config) -> Result<(), ServerError> {
     };
     let pending = !agent.status().ready;
     *slot.lock().unwrap_or_else(|p| p.into_inner()) = Some(agent);
+    // Full DELs hand their veths to the reaper (`agent::reaper`).
+    if let Err(e) = crate::agent::reaper::spawn(&slot) {
+        tracing::error!(error = %e, "the reaper did not start; DELs delete their veths inline");
+    }
     // Delegated mode waits for its conflist and plugin without exiting:
     // status says why; set-up is retried every 200 ms until it succeeds, or
     // it refuses for good (then the agent stops with that error).

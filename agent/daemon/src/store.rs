@@ -239,6 +239,12 @@ pub struct EndpointRecord {
     pub host_mac: [u8; 6],
     /// MAC of the interface inside the container.
     pub mac: [u8; 6],
+    /// DEL was acknowledged (map entries removed) but the host veth is not
+    /// yet confirmed gone: the addresses stay held until it is, and a start
+    /// finishes the release (`agent::reaper`). Written only when true, so
+    /// other records read as before.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub releasing: bool,
 }
 
 impl EndpointRecord {

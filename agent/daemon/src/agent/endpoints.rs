@@ -201,6 +201,8 @@ pub struct DelCleanup {
     /// A DEL that found no record: what a half-done ADD of this attachment
     /// (container id, ifname) may have made, found by its names.
     orphan: Option<(String, String)>,
+    /// Keeps an ADD of that attachment waiting until the removal is done.
+    orphan_guard: Option<super::reaper::OrphanGuard>,
 }
 
 impl DelCleanup {
@@ -218,13 +220,16 @@ impl DelCleanup {
     /// their names (see [`Agent::endpoint_del_begin`]).
     pub fn run(self) -> Result<(), AgentError> {
         if let Some((container_id, ifname)) = &self.orphan {
-            return remove_leftovers(
+            let removed = remove_leftovers(
                 &[
                     host_ifname(container_id, ifname),
                     temp_ifname(container_id, ifname),
                 ],
                 self.attach.as_ref(),
             );
+            // Done: an ADD of the attachment may go on.
+            drop(self.orphan_guard);
+            return removed;
         }
         let Some((name, index)) = self.host else {
             return Ok(());
@@ -397,6 +402,7 @@ pub enum Inline<T, R> {
 /// asked with the lock held by the caller that then does the work.
 fn inline_capable(agent: &Agent, key: &str, mode: Option<EndpointMode>) -> bool {
     mode.is_none_or(|m| m == EndpointMode::Ipam)
+        && !agent.reaper.holds_key(key)
         && !agent.delegated_mode()
         && !agent.delegated.contains_key(key)
         && agent
@@ -470,10 +476,20 @@ pub fn endpoint_add_concurrent(
     slot: &Mutex<Option<Agent>>,
     req: EndpointRequest,
 ) -> Result<EndpointReply, AgentError> {
-    let begun = lock(slot)
-        .as_mut()
-        .ok_or_else(not_ready)?
-        .endpoint_add_begin(req);
+    // The same attachment DEL'd a moment ago: its addresses come back only
+    // once its old veth is gone.
+    let key = endpoint_key(&req.container_id, &req.ifname);
+    let (netns, ifname) = (req.netns.clone(), req.ifname.clone());
+    let begun = super::reaper::lock_unblocked(
+        slot,
+        &key,
+        &netns,
+        &ifname,
+        std::time::Duration::from_secs(10),
+    )
+    .as_mut()
+    .ok_or_else(not_ready)?
+    .endpoint_add_begin(req);
     let prepared = match begun? {
         AddBegin::Done(reply) => return Ok(*reply),
         AddBegin::Interfaces(p) => p,
@@ -493,6 +509,7 @@ pub fn endpoint_add_concurrent(
                     host: Some((i.host_ifname, i.host_ifindex)),
                     attach: prepared.attach,
                     orphan: None,
+                    orphan_guard: None,
                 })
                 .run()
             {
@@ -582,7 +599,7 @@ impl Agent {
         if let Some(e) = self.parked_error(&key) {
             return Err(e);
         }
-        if self.pending.contains(&key) {
+        if self.pending.contains(&key) || self.reaper.holds_key(&key) {
             return Err(AgentError::Busy {
                 attachment: key.replace('\u{1f}', "/"),
             });
@@ -703,11 +720,13 @@ impl Agent {
             host_ifindex: 0,
             host_mac: [0; 6],
             mac: [0; 6],
+            releasing: false,
         };
         let undo_interfaces = |host: Option<(String, u32)>| DelCleanup {
             host,
             attach: attach.clone(),
             orphan: None,
+            orphan_guard: None,
         };
         if req.mode == EndpointMode::Full {
             match made {
@@ -973,6 +992,10 @@ impl Agent {
         ifname: &str,
     ) -> Result<DelCleanup, AgentError> {
         let key = endpoint_key(container_id, ifname);
+        if self.reaper.holds_key(&key) {
+            // DEL'd already; its veth is being deleted (`reaper`).
+            return Ok(DelCleanup::default());
+        }
         let owner = Owner::endpoint(container_id, ifname);
         let delegated = self.delegated.get(&key).cloned();
         let allocated: Vec<Allocation> = match &delegated {
@@ -997,6 +1020,15 @@ impl Agent {
             self.delegated_endpoint_del(d)?;
             self.store.remove_delegated(&key)?;
             self.delegated.remove(&key);
+        } else if let Some(r) = record
+            .as_ref()
+            .filter(|r| r.mode == EndpointMode::Full && r.host_ifname.is_some())
+        {
+            // Unprogrammed; the addresses stay held until the reaper has
+            // the veth deleted (the container's interface holds them until
+            // then), and the DEL is acknowledged now.
+            self.begin_release(r, allocated)?;
+            return Ok(DelCleanup::default());
         } else {
             self.store
                 .remove_endpoint(record.as_ref().map(|_| key.as_str()), &allocated)?;
@@ -1014,6 +1046,7 @@ impl Agent {
         // its names and removed (outside the lock).
         let orphan = (record.is_none() && delegated.is_none())
             .then(|| (container_id.to_string(), ifname.to_string()));
+        let orphan_guard = orphan.as_ref().map(|_| self.reaper.orphan_guard(&key));
         let host = record
             .filter(|r| r.mode == EndpointMode::Full)
             .and_then(|r| r.host_ifname.map(|n| (n, r.host_ifindex)));
@@ -1021,6 +1054,7 @@ impl Agent {
             host,
             attach: self.from_endpoint.clone(),
             orphan,
+            orphan_guard,
         })
     }
 
@@ -1284,6 +1318,7 @@ mod tests {
             host_ifindex: 7,
             host_mac: [0; 6],
             mac: [2, 0, 0, 0, 0, 1],
+            releasing: false,
         };
         let v = endpoint_value(&r, 9);
         assert_eq!(v.flags, endpoint_flags::HAS_V4 | endpoint_flags::HAS_V6);

@@ -41,6 +41,7 @@ pub mod delegated;
 pub mod endpoints;
 pub mod lb;
 mod pins;
+pub mod reaper;
 pub mod release;
 
 /// Errors of agent operations. Each has a stable API code ([`AgentError::code`]).
@@ -413,6 +414,8 @@ pub struct Agent {
     /// Releases the store refused during a rollback: held in the core and
     /// out of the maps until the store accepts them.
     parked: release::ParkedReleases,
+    /// Full endpoints DEL'd whose veths are being deleted: held, unmapped.
+    reaper: reaper::Reaper,
     /// The LB state in the store is not the one in memory (a rollback's
     /// write was refused); written again before the next change.
     lb_unsaved: bool,
@@ -753,6 +756,7 @@ impl Agent {
             not_ready: None,
             retry_at: None,
             parked: release::ParkedReleases::default(),
+            reaper: reaper::Reaper::default(),
             lb_unsaved: false,
             stats: Stats::default(),
         };
@@ -761,6 +765,9 @@ impl Agent {
             lockstep_common::program_names::FROM_ENDPOINT,
             attach_mode(agent.config.datapath.endpoint_attach_mode),
         )?);
+        // DELs acknowledged before a crash or stop whose veths were not
+        // confirmed gone: finished before anything is programmed.
+        agent.finish_stored_releases();
         // Role addresses before anything is served: the API answers "not
         // ready" until start() returns, so no endpoint can be handed one.
         agent.reserve_roles()?;
@@ -1296,7 +1303,9 @@ impl Agent {
         let mut in_store: Vec<&Allocation> = stored
             .allocations
             .iter()
-            .filter(|a| !self.parked.holds(a))
+            // A pending release (`reaper`) is held and stored, unmapped,
+            // for the moments its veth takes to go.
+            .filter(|a| !self.parked.holds(a) && !self.reaper.holds(a))
             .collect();
         let mut in_memory: Vec<&Allocation> = self.committed_allocations().collect();
         in_store.sort();
@@ -1579,7 +1588,7 @@ impl Agent {
     fn committed_allocations(&self) -> impl Iterator<Item = &Allocation> + '_ {
         self.manager
             .allocations()
-            .filter(|a| !self.parked.holds(a))
+            .filter(|a| !self.parked.holds(a) && !self.reaper.holds(a))
             .filter(|a| match &a.owner {
                 Owner::Endpoint {
                     container_id,

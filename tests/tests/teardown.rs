@@ -1,0 +1,301 @@
+//! Pod teardown through the reaper (`agent::reaper`): a full DEL is
+//! acknowledged once its map entries are gone, the host veth is deleted in a
+//! batch afterwards, and the addresses stay held until the kernel confirms
+//! the veth gone, across a SIGKILL too. `cni.teardown_batch_window` holds
+//! the veths for a while so the window in which they still exist is long
+//! and certain.
+
+use std::collections::BTreeSet;
+use std::io::Write;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, ensure};
+use lockstep_tests::{AgentProc, Netns, lockstep_bin, privileged, unique, wait_for};
+use serde_json::{Value, json};
+
+/// A pool of six usable addresses (a /29), filled by the test.
+fn config(window: &str) -> String {
+    format!(
+        r#"
+reconcile_interval = "200ms"
+default_pool = "small"
+[[pools]]
+name = "small"
+ipv4 = ["10.64.0.0/29"]
+[cni]
+teardown_batch_window = "{window}"
+"#
+    )
+}
+
+/// One plugin call as a runtime makes it; returns exit code and output.
+fn plugin(agent: &AgentProc, command: &str, id: &str, ns: &Netns) -> anyhow::Result<(i32, Value)> {
+    let conf = json!({"cniVersion": "1.0.0", "name": "teardown", "type": "lockstep",
+                      "agentSocket": agent.socket()});
+    let mut child = Command::new(lockstep_bin())
+        .env_clear()
+        .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+        .env("CNI_COMMAND", command)
+        .env("CNI_CONTAINERID", id)
+        .env("CNI_NETNS", ns.path())
+        .env("CNI_IFNAME", "eth0")
+        .env("CNI_PATH", "/opt/cni/bin")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .context("starting the plugin")?;
+    child
+        .stdin
+        .take()
+        .context("stdin")?
+        .write_all(conf.to_string().as_bytes())?;
+    let out = child.wait_with_output()?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    let v = if text.trim().is_empty() {
+        Value::Null
+    } else {
+        serde_json::from_str(&text).with_context(|| format!("not JSON: {text}"))?
+    };
+    Ok((out.status.code().unwrap_or(-1), v))
+}
+
+/// A successful ADD: its address and host interface name.
+fn added(v: &Value) -> anyhow::Result<(String, String)> {
+    let address = v["ips"][0]["address"]
+        .as_str()
+        .and_then(|a| a.split('/').next())
+        .context("address")?
+        .to_string();
+    let host = v["interfaces"][0]["name"]
+        .as_str()
+        .context("host interface")?
+        .to_string();
+    Ok((address, host))
+}
+
+fn links(ns: &Netns) -> anyhow::Result<BTreeSet<String>> {
+    let v: Value = serde_json::from_str(&ns.ip(["-j", "link", "show"])?)?;
+    Ok(v.as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|l| l["ifname"].as_str().map(str::to_string))
+        .collect())
+}
+
+fn held(agent: &AgentProc) -> anyhow::Result<BTreeSet<String>> {
+    Ok(agent
+        .json(["allocations", "-o", "json"])?
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|a| a["address"].as_str().map(str::to_string))
+        .collect())
+}
+
+/// Whether IPCACHE (through `maps dump`) has a host entry for `address`.
+fn in_ipcache(agent: &AgentProc, address: &str) -> anyhow::Result<bool> {
+    let dump = agent.maps_dump()?.to_string();
+    Ok(dump.contains(&format!("\"{address}/32\"")) || dump.contains(&format!("\"{address}\"")))
+}
+
+fn verify(agent: &AgentProc) -> anyhow::Result<()> {
+    let out = agent.cli(["verify"])?;
+    ensure!(
+        out.status.success(),
+        "verify: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(())
+}
+
+/// Fills the pool: ADDs until the agent answers "exhausted"; returns
+/// (namespace, id, address, host veth) of each.
+fn fill(agent: &AgentProc, tag: &str) -> anyhow::Result<Vec<(Netns, String, String, String)>> {
+    let mut made = Vec::new();
+    for i in 0..16 {
+        let ns = Netns::new(&format!("td{tag}{i}"))?;
+        let id = unique(&format!("td-{tag}-{i}"));
+        let (code, v) = plugin(agent, "ADD", &id, &ns)?;
+        if code != 0 {
+            ensure!(
+                v["msg"].as_str().unwrap_or_default().contains("exhaust")
+                    || v["details"]
+                        .as_str()
+                        .unwrap_or_default()
+                        .contains("exhaust"),
+                "ADD {i} failed for another reason than exhaustion: {v}"
+            );
+            break;
+        }
+        let (address, host) = added(&v)?;
+        made.push((ns, id, address, host));
+    }
+    ensure!(made.len() >= 2, "the pool held {} endpoints", made.len());
+    Ok(made)
+}
+
+#[test]
+fn del_is_acknowledged_at_once_and_no_address_returns_while_its_veth_exists() -> anyhow::Result<()>
+{
+    privileged!();
+    let node = Netns::new("tdnode")?;
+    let agent = AgentProc::start(&node, &config("1500ms"))?;
+    let made = fill(&agent, "a")?;
+    let old: BTreeSet<String> = made.iter().map(|m| m.2.clone()).collect();
+    let veths: BTreeSet<String> = made.iter().map(|m| m.3.clone()).collect();
+
+    // DEL every endpoint: acknowledged without waiting for the veths.
+    for (ns, id, address, _) in &made {
+        let started = Instant::now();
+        let (code, v) = plugin(&agent, "DEL", id, ns)?;
+        ensure!(code == 0, "DEL {id}: {v}");
+        ensure!(
+            started.elapsed() < Duration::from_millis(1000),
+            "DEL {id} waited {:?} (the batch window is 1.5 s)",
+            started.elapsed()
+        );
+        ensure!(
+            !in_ipcache(&agent, address)?,
+            "{address}: IPCACHE entry outlived the acknowledged DEL"
+        );
+    }
+    // The veths still exist (the window), so the addresses are still held.
+    let now = links(&node)?;
+    ensure!(
+        veths.is_subset(&now),
+        "the veths wait for the batch window: {veths:?} vs {now:?}"
+    );
+    ensure!(
+        old.is_subset(&held(&agent)?),
+        "addresses held while their veths exist"
+    );
+    verify(&agent)?;
+
+    // An ADD storm while the veths exist: every one is refused (exhausted);
+    // none is handed an address an existing veth's peer holds.
+    let storm: Vec<Netns> = (0..made.len())
+        .map(|i| Netns::new(&format!("tds{i}")))
+        .collect::<anyhow::Result<_>>()?;
+    let ids: Vec<String> = (0..storm.len())
+        .map(|i| unique(&format!("td-storm-{i}")))
+        .collect();
+    let results: Vec<anyhow::Result<(i32, Value, BTreeSet<String>)>> = std::thread::scope(|s| {
+        let handles: Vec<_> = storm
+            .iter()
+            .zip(&ids)
+            .map(|(ns, id)| {
+                let (agent, node) = (&agent, &node);
+                s.spawn(move || {
+                    let (code, v) = plugin(agent, "ADD", id, ns)?;
+                    // The node's interfaces right after the answer.
+                    Ok((code, v, links(node)?))
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("storm thread"))
+            .collect()
+    });
+    let mut served = 0;
+    for r in results {
+        let (code, v, after) = r?;
+        if code == 0 {
+            served += 1;
+            let (address, _) = added(&v)?;
+            if old.contains(&address) {
+                // Handed out again: only once the veth that held it is gone.
+                let holder = &made.iter().find(|m| m.2 == address).expect("old").3;
+                ensure!(
+                    !after.contains(holder),
+                    "{address} handed out while {holder} still exists"
+                );
+            }
+        }
+    }
+    ensure!(
+        served == 0,
+        "{served} ADDs were served while every address was held by an existing veth"
+    );
+
+    // The same attachment ADDed again right after its DEL waits for its own
+    // release, then succeeds (the new veth has the old one's name).
+    let (ns0, id0, _, host0) = &made[0];
+    let (code, v) = plugin(&agent, "ADD", id0, ns0)?;
+    ensure!(code == 0, "re-ADD of {id0} after DEL: {v}");
+    ensure!(added(&v)?.1 == *host0, "same host name: {v}");
+
+    // Once the batch ran: the old veths gone, their addresses free.
+    wait_for("the old veths gone", Duration::from_secs(10), || {
+        let now = links(&node).ok()?;
+        veths
+            .iter()
+            .filter(|v| *v != host0)
+            .all(|v| !now.contains(v))
+            .then_some(())
+    })?;
+    for (ns, id) in storm.iter().zip(&ids) {
+        let (code, v) = plugin(&agent, "ADD", id, ns)?;
+        if code == 0 {
+            served += 1;
+        } else {
+            ensure!(served >= made.len() - 1, "ADD {id} after the release: {v}");
+        }
+    }
+    ensure!(
+        served == made.len() - 1,
+        "all freed addresses are served again: {served} of {}",
+        made.len() - 1
+    );
+    verify(&agent)?;
+    for (ns, id) in storm.iter().zip(&ids).chain(std::iter::once((ns0, id0))) {
+        let (code, v) = plugin(&agent, "DEL", id, ns)?;
+        ensure!(code == 0, "DEL {id}: {v}");
+    }
+    wait_for("everything released", Duration::from_secs(10), || {
+        held(&agent).ok()?.is_empty().then_some(())
+    })?;
+    Ok(())
+}
+
+#[test]
+fn sigkill_with_releases_pending_finishes_them_at_restart() -> anyhow::Result<()> {
+    privileged!();
+    let node = Netns::new("tdknode")?;
+    let mut agent = AgentProc::start(&node, &config("60s"))?;
+    let made = fill(&agent, "k")?;
+    let veths: BTreeSet<String> = made.iter().map(|m| m.3.clone()).collect();
+    for (ns, id, _, _) in &made {
+        let (code, v) = plugin(&agent, "DEL", id, ns)?;
+        ensure!(code == 0, "DEL {id}: {v}");
+    }
+    ensure!(veths.is_subset(&links(&node)?), "veths pending deletion");
+    ensure!(held(&agent)?.len() == made.len(), "addresses still held");
+    agent.kill9();
+    ensure!(
+        veths.is_subset(&links(&node)?),
+        "the veths outlive the killed agent"
+    );
+    agent.restart()?;
+    // The restart finished every release before it was ready.
+    let now = links(&node)?;
+    ensure!(
+        veths.is_disjoint(&now),
+        "veths deleted at start: {veths:?} vs {now:?}"
+    );
+    ensure!(held(&agent)?.is_empty(), "addresses released at start");
+    let eps = agent.json(["allocations", "-o", "json"])?;
+    ensure!(eps == json!([]), "no allocation left: {eps}");
+    verify(&agent)?;
+    // No leak: the pool serves as many endpoints as before.
+    let again = fill(&agent, "k2")?;
+    ensure!(again.len() == made.len(), "pool size after restart");
+    for (ns, id, _, _) in &again {
+        let (code, v) = plugin(&agent, "DEL", id, ns)?;
+        ensure!(code == 0, "DEL {id}: {v}");
+    }
+    Ok(())
+}
