@@ -186,6 +186,14 @@ async fn pools(State(s): State<AppState>) -> Result<Response, ApiError> {
     Ok(ok(with_agent(&s, |a| Ok(a.pools())).await?))
 }
 
+async fn release_draining(
+    State(s): State<AppState>,
+    body: Result<Json<crate::agent::draining::ReleaseDrainingRequest>, JsonRejection>,
+) -> Result<Response, ApiError> {
+    let Json(req) = body?;
+    Ok(ok(with_agent(&s, move |a| a.release_draining(req)).await?))
+}
+
 async fn allocations(State(s): State<AppState>) -> Result<Response, ApiError> {
     Ok(ok(with_agent(&s, |a| Ok(a.allocations())).await?))
 }
@@ -342,6 +350,7 @@ pub fn router(state: AppState) -> Router {
     Router::new()
         .route("/v1/status", get(status))
         .route("/v1/pools", get(pools))
+        .route("/v1/pools/release-draining", post(release_draining))
         .route("/v1/allocations", get(allocations).post(allocate))
         .route("/v1/release", post(release))
         .route("/v1/verify", get(verify))

@@ -17,6 +17,8 @@ use lockstep_common::{
 };
 use serde_json::json;
 
+mod pools;
+
 use crate::datapath::maps::{v4_key, v6_key};
 use crate::datapath::{
     AttachMode, Datapath, DatapathOptions, Hook, MapCapacities, PinnedMaps, ifindex_of,
@@ -67,11 +69,14 @@ pub enum Command {
         #[arg(long, short, value_enum, default_value_t)]
         output: Output,
     },
-    /// Pools and their usage.
+    /// Pools and their usage, draining ranges with their holders.
     Pools {
         /// Output format.
         #[arg(long, short, value_enum, default_value_t)]
         output: Output,
+        /// What to do (show when absent).
+        #[command(subcommand)]
+        command: Option<pools::PoolsCommand>,
     },
     /// Every allocation.
     Allocations {
@@ -524,25 +529,7 @@ pub fn run(cli: Cli) -> anyhow::Result<i32> {
                 3
             })
         }
-        Command::Pools { output } => {
-            let v = api(&socket, Method::GET, "/v1/pools", None)?;
-            print(&v, output, |v| {
-                let mut out = String::new();
-                for p in v.as_array().into_iter().flatten() {
-                    out.push_str(&format!(
-                        "{:<16} v4 used/free {}/{}  v6 used/free {}/{}  cidrs {}\n",
-                        p["name"].as_str().unwrap_or("?"),
-                        p["v4"][0],
-                        p["v4"][1],
-                        p["v6"][0],
-                        p["v6"][1],
-                        p["cidrs"]
-                    ));
-                }
-                out.trim_end().to_string()
-            });
-            Ok(0)
-        }
+        Command::Pools { output, command } => pools::run(&socket, output, command),
         Command::Allocations { output } => {
             let v = api(&socket, Method::GET, "/v1/allocations", None)?;
             print(&v, output, |v| {
@@ -605,10 +592,14 @@ pub fn run(cli: Cli) -> anyhow::Result<i32> {
             let v = api(&socket, Method::GET, "/v1/verify", None)?;
             let ok = v["ok"].as_bool() == Some(true);
             print(&v, output, |v| {
+                // Draining ranges are informational: held on purpose.
+                let draining = pools::draining_text(&v["draining"], "  ");
                 if ok {
-                    return "verify: store, core and maps agree".to_string();
+                    return format!("verify: store, core and maps agree\n{draining}")
+                        .trim_end()
+                        .to_string();
                 }
-                let mut out = String::from("verify: DRIFT\n");
+                let mut out = format!("verify: DRIFT\n{draining}");
                 for s in v["store"].as_array().into_iter().flatten() {
                     out.push_str(&format!("  store: {}\n", s.as_str().unwrap_or("?")));
                 }

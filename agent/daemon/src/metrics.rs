@@ -29,6 +29,7 @@ pub struct Metrics {
     lb_pool: Family<Labels, Gauge<i64>>,
     lb_pending: Family<Labels, Gauge<i64>>,
     latency: Histogram,
+    draining: Family<Labels, Gauge<i64>>,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -93,6 +94,12 @@ impl Metrics {
             "LoadBalancer pools: used and free addresses, conflicting (1/0)",
             lb_pool.clone(),
         );
+        let draining = Family::<Labels, Gauge<i64>>::default();
+        registry.register(
+            "pool_draining",
+            "Holders left in each range the configuration dropped (draining), by pool and range",
+            draining.clone(),
+        );
         registry.register(
             "lb_pending_services",
             "LoadBalancer services without an address, by reason",
@@ -114,6 +121,7 @@ impl Metrics {
             lb_pool,
             lb_pending,
             latency,
+            draining,
         }
     }
 
@@ -173,6 +181,16 @@ impl Metrics {
             self.lb_pending
                 .get_or_create(&vec![("reason".to_string(), reason.clone())])
                 .set(*n as i64);
+        }
+        // Gone ranges disappear rather than read 0 forever.
+        self.draining.clear();
+        for r in agent.draining() {
+            self.draining
+                .get_or_create(&vec![
+                    ("pool".to_string(), r.pool.clone()),
+                    ("cidr".to_string(), r.cidr.to_string()),
+                ])
+                .set(r.holders.len() as i64);
         }
         let mut out = String::new();
         if let Ok(registry) = self.registry.lock() {

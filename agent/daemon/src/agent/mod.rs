@@ -38,6 +38,7 @@ use crate::netlink::{Netlink, NetlinkError};
 use crate::store::{EndpointMode, EndpointRecord, Store, StoreError};
 
 pub mod delegated;
+pub mod draining;
 pub mod endpoints;
 pub mod lb;
 mod pins;
@@ -298,6 +299,10 @@ pub struct VerifyReport {
     pub store: Vec<String>,
     /// Map entries that differ from the store.
     pub maps: Vec<Drift>,
+    /// Ranges the configuration dropped that still have holders
+    /// (informational: stored and programmed on purpose, not drift).
+    #[serde(default)]
+    pub draining: Vec<lockstep_core::manager::DrainingRange>,
     /// Map pins that do not name the maps the programs use, and a pin root
     /// this agent lost to another store.
     #[serde(default)]
@@ -313,6 +318,13 @@ pub struct PoolStatus {
     pub cidrs: Vec<IpNet>,
     /// CIDRs being drained.
     pub draining: Vec<IpNet>,
+    /// The configuration no longer lists the pool; it lives on while its
+    /// draining ranges have holders.
+    #[serde(default)]
+    pub retired: bool,
+    /// Each draining range with its holders.
+    #[serde(default)]
+    pub draining_ranges: Vec<lockstep_core::manager::DrainingRange>,
     /// Skip masquerade.
     pub skip_masquerade: bool,
     /// Per family: (allocated, free).
@@ -726,12 +738,15 @@ impl Agent {
             // As a snapshot that does not restore: refused, not served.
             return Err(AgentError::LbInconsistent { faults });
         }
-        let outcome = manager.restore(stored.generation, stored.allocations);
+        // What the configuration dropped drains; an edit that would take a
+        // held address is refused before anything changes.
+        let (outcome, kept) = manager.restore_keeping(stored.generation, stored.allocations);
+        draining::refuse_taking(&outcome)?;
+        draining::log_kept(&kept);
         for (a, why) in &outcome.rejected {
-            // The pool or CIDR it came from is gone from the configuration:
-            // the allocation is released, so nothing leaks; reconcile removes
-            // its map entries.
-            tracing::warn!(address = %a.address, owner = %a.owner, pool = %a.pool, reason = %why, "releasing an allocation its configuration no longer has");
+            // Clashes inside the store itself (two owners, one address):
+            // the loser is released; reconcile removes its map entries.
+            tracing::warn!(address = %a.address, owner = %a.owner, pool = %a.pool, reason = %why, "releasing an allocation that conflicts with another");
             store.remove(a)?;
         }
         manager.finish_restore();
@@ -1406,6 +1421,7 @@ impl Agent {
             &mut report.maps,
         );
         report.pins = self.verify_pins();
+        report.draining = self.draining();
         report.ok = report.store.is_empty() && report.maps.is_empty() && report.pins.is_empty();
         Ok(report)
     }
@@ -1437,6 +1453,12 @@ impl Agent {
                     name: p.name().to_string(),
                     cidrs,
                     draining,
+                    retired: p.is_retired(),
+                    draining_ranges: self
+                        .draining()
+                        .into_iter()
+                        .filter(|r| r.pool == p.name())
+                        .collect(),
                     skip_masquerade: p.skips_masquerade(),
                     v4: usage(Family::V4),
                     v6: usage(Family::V6),
