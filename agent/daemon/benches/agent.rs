@@ -4,7 +4,9 @@
 //! 1. allocate+release round trips per second with 1 and 16 clients;
 //! 2. restart with 10k allocations: time from exec to ready, median of 5;
 //! 3. reconcile of 100k IPCACHE entries into empty maps, beside the raw
-//!    batch-syscall rate for the same entries measured in the same run.
+//!    batch-syscall rate for the same entries measured in the same run;
+//! 4. RSS and open descriptors before and after 100k allocate/release
+//!    cycles ([`footprint`]).
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command};
@@ -20,6 +22,9 @@ use lockstep_common::{IpcacheValue, identity, ipcache_flags, map_names};
 use lockstep_core::manager::Allocation;
 use lockstep_core::owner::{Generation, Owner};
 use serde_json::json;
+
+#[path = "agent/footprint.rs"]
+mod footprint;
 
 const BIN: &str = env!("CARGO_BIN_EXE_lockstep");
 
@@ -149,6 +154,9 @@ fn main() {
     println!("allocate+release round trips (commit with fsync, maps programmed each way):");
     println!("  1 client:   {one:>8.0} /s");
     println!("  16 clients: {sixteen:>8.0} /s");
+
+    // 4. (run here, on a fresh agent, before the long parts) Footprint.
+    let footprint_ok = footprint::footprint(&rt);
 
     // 2. Restart with 10k allocations.
     let scratch = Scratch::new("restart");
@@ -284,6 +292,7 @@ fn main() {
         ratio * 100.0,
         if ratio >= 0.7 { "PASS" } else { "FAIL" }
     );
+    assert!(footprint_ok, "the footprint goal was missed (above)");
 }
 
 /// Rounds of the reconcile-versus-raw comparison.
