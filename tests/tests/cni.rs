@@ -769,8 +769,9 @@ fn gc_releases_attachments_not_listed_and_spares_other_owners() -> anyhow::Resul
             "the kept attachment keeps both"
         );
         for (ns, id, host) in &attached[1..] {
-            ensure!(held_by(&agent, id)?.is_empty(), "{id} released");
-            ensure!(!links(&node)?.contains(host), "{host} deleted");
+            // GC releases as DEL does: the reaper deletes the veth, then
+            // the addresses go.
+            released(&node, host, || held_by(&agent, id)).with_context(|| id.clone())?;
             ensure!(
                 addrs(ns, "eth0")?.is_none(),
                 "{id}'s eth0 went with its veth"
