@@ -25,6 +25,9 @@ struct Seen {
     text: String,
     /// The output ended (the ping exited).
     ended: bool,
+    /// The first sequence number the ping sends: 0 for busybox (`seq=`),
+    /// 1 for iputils (`icmp_seq=`).
+    first: u64,
 }
 
 /// A running ping (busybox or iputils output) whose replies are counted.
@@ -42,7 +45,8 @@ pub struct PingTally {
     pub received: usize,
     /// The highest sequence number answered.
     pub last: u64,
-    /// Sequence numbers up to `last` that got no reply.
+    /// Sequence numbers from the first the ping sends (0 for busybox, 1 for
+    /// iputils) up to `last` that got no reply.
     pub missing: Vec<u64>,
 }
 
@@ -84,6 +88,9 @@ impl SeqPing {
                     .unwrap_or_else(std::sync::PoisonError::into_inner);
                 if let Some(seq) = reply_seq(&line) {
                     s.seqs.insert(seq);
+                    if line.contains("icmp_seq=") {
+                        s.first = 1;
+                    }
                 }
                 s.text.push_str(&line);
                 s.text.push('\n');
@@ -178,7 +185,7 @@ impl SeqPing {
             .seqs
             .last()
             .with_context(|| format!("ping {}: no reply at all:\n{}", self.what, s.text))?;
-        let missing = (0..=last).filter(|n| !s.seqs.contains(n)).collect();
+        let missing = (s.first..=last).filter(|n| !s.seqs.contains(n)).collect();
         Ok(PingTally {
             received: s.seqs.len(),
             last,
