@@ -85,14 +85,18 @@ fn endpoint_entries_rewritten_under_traffic_are_never_read_torn() -> anyhow::Res
         let mut dp = Datapath::open(DatapathOptions::new(pins.path()))?;
         let mut writer_maps = dp.maps()?;
         let ifindex = IFINDEX;
-        writer_maps.endpoints.insert(ifindex, versions[0], 0)?;
+        writer_maps
+            .endpoints_mut()
+            .insert(ifindex, versions[0], 0)?;
         let packet = packet();
         let runs = std::thread::scope(|s| -> anyhow::Result<u64> {
             let writer = s.spawn(|| -> anyhow::Result<()> {
                 let mut i = 0usize;
                 while !stop.load(Ordering::Relaxed) {
                     i = (i + 1) % versions.len();
-                    writer_maps.endpoints.insert(ifindex, versions[i], 0)?;
+                    writer_maps
+                        .endpoints_mut()
+                        .insert(ifindex, versions[i], 0)?;
                     updates.fetch_add(1, Ordering::Relaxed);
                 }
                 Ok(())
@@ -114,7 +118,7 @@ fn endpoint_entries_rewritten_under_traffic_are_never_read_torn() -> anyhow::Res
         let maps = dp.maps()?;
         let sum = |c: Counter| -> anyhow::Result<u64> {
             Ok(maps
-                .counters
+                .counters_map()
                 .get(&(c as u32), 0)
                 .context("COUNTERS")?
                 .iter()
@@ -157,10 +161,10 @@ fn an_unsealed_endpoint_entry_reads_as_absent() -> anyhow::Result<()> {
             ipv6: SOURCE,
             ..Default::default()
         };
-        maps.endpoints.insert(IFINDEX, genuine, 0)?;
+        maps.endpoints_mut().insert(IFINDEX, genuine, 0)?;
         let sum = |maps: &lockstep::datapath::PinnedMaps, c: Counter| -> anyhow::Result<u64> {
             Ok(maps
-                .counters
+                .counters_map()
                 .get(&(c as u32), 0)
                 .context("COUNTERS")?
                 .iter()

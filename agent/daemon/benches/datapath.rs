@@ -151,7 +151,7 @@ fn run(pin_root: &std::path::Path) -> anyhow::Result<()> {
             ..Default::default()
         },
     )?;
-    maps.ipcache_host_v4.insert(
+    maps.ipcache_host_v4_mut().insert(
         ep,
         IpcacheValue {
             identity: identity::ENDPOINT,
@@ -244,9 +244,9 @@ fn run(pin_root: &std::path::Path) -> anyhow::Result<()> {
     // For the record, not a goal: the same paths when the slot does not hold
     // the key (another entry with a smaller key took it), so the program
     // falls back to the hash, as it does for the rare colliding endpoint.
-    maps.endpoint_slots
+    maps.endpoint_slots_mut()
         .set(slots::endpoint(1), EndpointSlot::default(), 0)?;
-    maps.l2_resp_slots
+    maps.l2_resp_slots_mut()
         .set(slots::l2_resp([10, 0, 0, 50]), L2RespSlot::default(), 0)?;
     for (name, prog, packet, want, single) in [
         (

@@ -769,14 +769,16 @@ fn datapath(cmd: DatapathCommand) -> anyhow::Result<i32> {
                 pool_id: 0,
             };
             match cidr.trunc() {
-                ipnet::IpNet::V4(n) => {
-                    maps.masq_skip_v4
-                        .insert(&v4_key(n.network(), n.prefix_len()), value, 0)?
-                }
-                ipnet::IpNet::V6(n) => {
-                    maps.masq_skip_v6
-                        .insert(&v6_key(n.network(), n.prefix_len()), value, 0)?
-                }
+                ipnet::IpNet::V4(n) => maps.masq_skip_v4_mut().insert(
+                    &v4_key(n.network(), n.prefix_len()),
+                    value,
+                    0,
+                )?,
+                ipnet::IpNet::V6(n) => maps.masq_skip_v6_mut().insert(
+                    &v6_key(n.network(), n.prefix_len()),
+                    value,
+                    0,
+                )?,
             }
             Ok(0)
         }
@@ -903,16 +905,16 @@ pub fn dump_maps(maps: &PinnedMaps) -> anyhow::Result<serde_json::Value> {
         }
     }
     let mut masq = Vec::new();
-    for item in maps.masq_skip_v4.iter() {
+    for item in maps.masq_skip_v4().iter() {
         let (k, v) = item?;
         masq.push(json!({"cidr": format!("{}/{}", Ipv4Addr::from(k.data()), k.prefix_len()), "reason": v.reason, "pool_id": v.pool_id}));
     }
-    for item in maps.masq_skip_v6.iter() {
+    for item in maps.masq_skip_v6().iter() {
         let (k, v) = item?;
         masq.push(json!({"cidr": format!("{}/{}", Ipv6Addr::from(k.data()), k.prefix_len()), "reason": v.reason, "pool_id": v.pool_id}));
     }
     let mut endpoints = Vec::new();
-    for item in maps.endpoints.iter() {
+    for item in maps.endpoints().iter() {
         let (ifindex, v) = item?;
         endpoints.push(json!({
             "ifindex": ifindex,
@@ -924,20 +926,20 @@ pub fn dump_maps(maps: &PinnedMaps) -> anyhow::Result<serde_json::Value> {
         }));
     }
     let mut l2 = Vec::new();
-    for item in maps.l2_resp_v4.iter() {
+    for item in maps.l2_resp_v4().iter() {
         let (addr, v) = item?;
         l2.push(json!({"address": Ipv4Addr::from(addr).to_string(), "ifindex": v.ifindex, "mac": fmt_mac(&v.mac), "sealed": v.is_sealed(addr)}));
     }
     // Slot arrays: only the slots that hold something.
     let mut endpoint_slots = Vec::new();
-    for item in maps.endpoint_slots.iter() {
+    for item in maps.endpoint_slots().iter() {
         let s = item?;
         if s != EndpointSlot::default() {
             endpoint_slots.push(json!({"slot": slots::endpoint(s.ifindex), "ifindex": s.ifindex, "ipv4": Ipv4Addr::from(s.ipv4).to_string(), "ipv6": Ipv6Addr::from(s.ipv6).to_string(), "flags": s.flags}));
         }
     }
     let mut l2_slots = Vec::new();
-    for item in maps.l2_resp_slots.iter() {
+    for item in maps.l2_resp_slots().iter() {
         let s = item?;
         if s != L2RespSlot::default() {
             l2_slots.push(json!({"slot": slots::l2_resp(s.addr), "address": Ipv4Addr::from(s.addr).to_string(), "ifindex": s.ifindex, "mac": fmt_mac(&s.mac)}));

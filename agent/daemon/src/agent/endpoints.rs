@@ -1129,7 +1129,7 @@ impl Agent {
                     }
                 },
             }
-            match self.maps.endpoints.get(&record.host_ifindex, 0) {
+            match self.maps.endpoints().get(&record.host_ifindex, 0) {
                 Ok(v) if v.mac == record.mac && v.is_sealed(record.host_ifindex) => {}
                 Ok(_) => problems.push("ENDPOINTS entry differs".into()),
                 Err(_) => problems.push("ENDPOINTS entry is missing".into()),
@@ -1137,8 +1137,8 @@ impl Agent {
         }
         for a in &record.addresses {
             let present = match a {
-                IpAddr::V4(v4) => self.maps.ipcache_host_v4.get(&v4.octets(), 0).is_ok(),
-                IpAddr::V6(v6) => self.maps.ipcache_host_v6.get(&v6.octets(), 0).is_ok(),
+                IpAddr::V4(v4) => self.maps.ipcache_host_v4().get(&v4.octets(), 0).is_ok(),
+                IpAddr::V6(v6) => self.maps.ipcache_host_v6().get(&v6.octets(), 0).is_ok(),
             };
             if !present {
                 problems.push(format!("IPCACHE entry for {a} is missing"));

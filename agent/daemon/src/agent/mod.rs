@@ -522,25 +522,25 @@ impl MapContents {
     }
 
     fn observe_tries(maps: &PinnedMaps, c: &mut MapContents) -> Result<(), aya::maps::MapError> {
-        for item in maps.ipcache_v4.iter() {
+        for item in maps.ipcache_v4().iter() {
             let (k, v) = item?;
             if let Ok(n) = Ipv4Net::new(k.data().into(), k.prefix_len() as u8) {
                 c.prefix_v4.insert(n, v);
             }
         }
-        for item in maps.ipcache_v6.iter() {
+        for item in maps.ipcache_v6().iter() {
             let (k, v) = item?;
             if let Ok(n) = Ipv6Net::new(k.data().into(), k.prefix_len() as u8) {
                 c.prefix_v6.insert(n, v);
             }
         }
-        for item in maps.masq_skip_v4.iter() {
+        for item in maps.masq_skip_v4().iter() {
             let (k, v) = item?;
             if let Ok(n) = Ipv4Net::new(k.data().into(), k.prefix_len() as u8) {
                 c.masq_v4.insert(n, v);
             }
         }
-        for item in maps.masq_skip_v6.iter() {
+        for item in maps.masq_skip_v6().iter() {
             let (k, v) = item?;
             if let Ok(n) = Ipv6Net::new(k.data().into(), k.prefix_len() as u8) {
                 c.masq_v6.insert(n, v);
@@ -855,11 +855,11 @@ impl Agent {
         let (map, result) = match a.address {
             IpAddr::V4(v4) => (
                 map_names::IPCACHE_HOST_V4,
-                self.maps.ipcache_host_v4.remove(&v4.octets()),
+                self.maps.ipcache_host_v4_mut().remove(&v4.octets()),
             ),
             IpAddr::V6(v6) => (
                 map_names::IPCACHE_HOST_V6,
-                self.maps.ipcache_host_v6.remove(&v6.octets()),
+                self.maps.ipcache_host_v6_mut().remove(&v6.octets()),
             ),
         };
         match result {

@@ -25,29 +25,29 @@ use super::{DatapathError, sys};
 /// Every pinned map, typed.
 pub struct PinnedMaps {
     /// IPCACHE_V4.
-    pub ipcache_v4: LpmTrie<MapData, V4Addr, IpcacheValue>,
+    ipcache_v4: LpmTrie<MapData, V4Addr, IpcacheValue>,
     /// IPCACHE_V6.
-    pub ipcache_v6: LpmTrie<MapData, V6Addr, IpcacheValue>,
+    ipcache_v6: LpmTrie<MapData, V6Addr, IpcacheValue>,
     /// IPCACHE_HOST_V4.
-    pub ipcache_host_v4: HashMap<MapData, V4Addr, IpcacheValue>,
+    ipcache_host_v4: HashMap<MapData, V4Addr, IpcacheValue>,
     /// IPCACHE_HOST_V6.
-    pub ipcache_host_v6: HashMap<MapData, V6Addr, IpcacheValue>,
+    ipcache_host_v6: HashMap<MapData, V6Addr, IpcacheValue>,
     /// MASQ_SKIP_V4.
-    pub masq_skip_v4: LpmTrie<MapData, V4Addr, MasqSkipValue>,
+    masq_skip_v4: LpmTrie<MapData, V4Addr, MasqSkipValue>,
     /// MASQ_SKIP_V6.
-    pub masq_skip_v6: LpmTrie<MapData, V6Addr, MasqSkipValue>,
+    masq_skip_v6: LpmTrie<MapData, V6Addr, MasqSkipValue>,
     /// ENDPOINTS.
-    pub endpoints: HashMap<MapData, u32, EndpointValue>,
+    endpoints: HashMap<MapData, u32, EndpointValue>,
     /// L2_RESP_V4.
-    pub l2_resp_v4: HashMap<MapData, V4Addr, L2RespValue>,
+    l2_resp_v4: HashMap<MapData, V4Addr, L2RespValue>,
     /// COUNTERS.
-    pub counters: PerCpuArray<MapData, u64>,
+    counters: PerCpuArray<MapData, u64>,
     /// ENDPOINT_SLOTS. Written through [`PinnedMaps::endpoint_insert`] and
     /// [`PinnedMaps::endpoint_remove`] (or a reconcile), never alone.
-    pub endpoint_slots: Array<MapData, EndpointSlot>,
+    endpoint_slots: Array<MapData, EndpointSlot>,
     /// L2_RESP_SLOTS. Written through [`PinnedMaps::l2_insert`] and
     /// [`PinnedMaps::l2_remove`] (or a reconcile), never alone.
-    pub l2_resp_slots: Array<MapData, L2RespSlot>,
+    l2_resp_slots: Array<MapData, L2RespSlot>,
     /// Where untyped handles come from.
     source: Source,
 }
@@ -120,7 +120,59 @@ macro_rules! typed {
     }};
 }
 
+/// Read access to every map, write access to the maps a caller may change
+/// alone. ENDPOINTS, L2_RESP_V4 and their slot arrays are written through
+/// [`PinnedMaps::endpoint_insert`] and [`PinnedMaps::l2_insert`] (see the
+/// module doc); their writable accessors exist for the tests and benchmarks
+/// that break that rule on purpose (a torn-read stress, an emptied slot).
+macro_rules! accessors {
+    ($($(#[$doc:meta])* $field:ident $(/ $field_mut:ident)?: $ty:ty;)*) => {
+        impl PinnedMaps {
+            $(
+                $(#[$doc])*
+                pub fn $field(&self) -> &$ty {
+                    &self.$field
+                }
+                $(
+                    /// The same map, writable.
+                    pub fn $field_mut(&mut self) -> &mut $ty {
+                        &mut self.$field
+                    }
+                )?
+            )*
+        }
+    };
+}
+
+accessors! {
+    /// IPCACHE_V4.
+    ipcache_v4 / ipcache_v4_mut: LpmTrie<MapData, V4Addr, IpcacheValue>;
+    /// IPCACHE_V6.
+    ipcache_v6 / ipcache_v6_mut: LpmTrie<MapData, V6Addr, IpcacheValue>;
+    /// IPCACHE_HOST_V4.
+    ipcache_host_v4 / ipcache_host_v4_mut: HashMap<MapData, V4Addr, IpcacheValue>;
+    /// IPCACHE_HOST_V6.
+    ipcache_host_v6 / ipcache_host_v6_mut: HashMap<MapData, V6Addr, IpcacheValue>;
+    /// MASQ_SKIP_V4.
+    masq_skip_v4 / masq_skip_v4_mut: LpmTrie<MapData, V4Addr, MasqSkipValue>;
+    /// MASQ_SKIP_V6.
+    masq_skip_v6 / masq_skip_v6_mut: LpmTrie<MapData, V6Addr, MasqSkipValue>;
+    /// ENDPOINTS (written through [`PinnedMaps::endpoint_insert`]).
+    endpoints / endpoints_mut: HashMap<MapData, u32, EndpointValue>;
+    /// L2_RESP_V4 (written through [`PinnedMaps::l2_insert`]).
+    l2_resp_v4 / l2_resp_v4_mut: HashMap<MapData, V4Addr, L2RespValue>;
+    /// ENDPOINT_SLOTS (written through [`PinnedMaps::endpoint_insert`]).
+    endpoint_slots / endpoint_slots_mut: Array<MapData, EndpointSlot>;
+    /// L2_RESP_SLOTS (written through [`PinnedMaps::l2_insert`]).
+    l2_resp_slots / l2_resp_slots_mut: Array<MapData, L2RespSlot>;
+}
+
 impl PinnedMaps {
+    /// COUNTERS, per CPU ([`PinnedMaps::counters`] sums them).
+    pub fn counters_map(&self) -> &PerCpuArray<MapData, u64> {
+        &self.counters
+    }
+
     /// Opens the maps pinned under `<pin_root>/maps`.
     ///
     /// # Errors
