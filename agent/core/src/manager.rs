@@ -11,6 +11,12 @@
 //! [`Allocation`]s and the [`generation`](PoolManager::generation) counter in
 //! its store, and calls [`restore`](PoolManager::restore) on start.
 //!
+//! This file holds the types, the [`PoolManager`] itself, queries and the
+//! allocation paths (allocate, release). Child modules add to the same type:
+//! `sync` (pool configuration from the source), `snapshot` (restore and the
+//! exact snapshot round trip), `demand` (demand tracking and giving CIDRs
+//! back) and `drain` (draining ranges kept for holders after a restart).
+//!
 //! Invariants (checked by the property tests):
 //! - an address is held by at most one owner;
 //! - an owner holds at most one address per pool and family, and asking again
@@ -24,13 +30,17 @@ use std::net::IpAddr;
 use ipnet::IpNet;
 use serde::{Deserialize, Serialize};
 
-use crate::cidr::{CidrAllocator, CidrError, CidrOptions, Family};
-use crate::demand::{Demand, DemandConfig, DemandError, DemandTracker, Usage};
+use crate::cidr::{CidrError, Family};
+use crate::demand::{Demand, DemandConfig, DemandError, DemandTracker};
 use crate::owner::{Generation, Owner};
-use crate::pool::{Pool, PoolError, PoolSpec, check_cidr, overlaps, pool_id};
+use crate::pool::{Pool, PoolError, PoolSpec, pool_id};
 
+mod demand;
 mod drain;
+mod snapshot;
+mod sync;
 pub use drain::{DrainError, DrainingRange, KeptReport, MAX_DRAINING_ADDRESSES};
+pub use snapshot::{CidrState, ManagerSnapshot, PoolState};
 
 /// Where a manager's pools come from. Implemented by the consumer: static
 /// config, a cloud prefix list, LoadBalancer pool objects, etcd blocks.
@@ -268,61 +278,6 @@ pub struct DemandDecision {
     pub release: Vec<(String, IpNet)>,
 }
 
-/// Plain-data state of one CIDR in a [`ManagerSnapshot`].
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct CidrState {
-    /// The CIDR.
-    pub cidr: IpNet,
-    /// Whether it is draining.
-    pub draining: bool,
-    /// Next-fit cursor.
-    pub cursor: IpAddr,
-    /// Whether first and last addresses are handed out. Per CIDR because a
-    /// pool flag change applies only to CIDRs added afterwards.
-    pub allow_first_last: bool,
-    /// Reserved addresses inside this CIDR (same reason).
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub reserved: Vec<IpAddr>,
-}
-
-/// Plain-data state of one pool in a [`ManagerSnapshot`].
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct PoolState {
-    /// Name.
-    pub name: String,
-    /// Flag.
-    pub allow_first_last: bool,
-    /// Flag.
-    #[serde(default)]
-    pub allow_link_local: bool,
-    /// Flag.
-    pub skip_masquerade: bool,
-    /// Reserved addresses.
-    pub reserved: Vec<IpAddr>,
-    /// Dropped by the source, draining.
-    pub retired: bool,
-    /// CIDRs in allocation order.
-    pub cidrs: Vec<CidrState>,
-}
-
-/// Everything needed to rebuild a manager exactly: pools (with draining state
-/// and cursors), allocations and the generation counter. Serialisable.
-/// Pending requests and demand hysteresis are transient and not included.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct ManagerSnapshot {
-    /// The last generation handed out.
-    pub generation: Generation,
-    /// Pools, by name.
-    pub pools: Vec<PoolState>,
-    /// Allocations, by address.
-    pub allocations: Vec<Allocation>,
-    /// CIDRs given back by demand that the source still lists.
-    pub released: Vec<IpNet>,
-}
-
 /// Key of an owner's holding: one address per (owner, pool, family).
 type HoldKey = (Owner, String, Family);
 
@@ -375,137 +330,6 @@ impl<S: PoolSource> PoolManager<S> {
     /// The configuration.
     pub fn config(&self) -> &ManagerConfig {
         &self.config
-    }
-
-    /// Brings the pools in line with the source: new pools and CIDRs are
-    /// added (overlaps refused), CIDRs and pools the source dropped start
-    /// draining and disappear once empty, a draining CIDR listed again is
-    /// active again, and flags are updated. `allow_first_last` and `reserved`
-    /// apply to CIDRs added from then on; remove and re-add a CIDR to change
-    /// them for it. Problems are collected in the report; everything else is
-    /// applied.
-    pub fn sync(&mut self) -> SyncReport {
-        let mut report = SyncReport::default();
-        let mut specs = self.source.pools();
-        let mut names = BTreeSet::new();
-        specs.retain(|spec| {
-            if spec.name.is_empty() {
-                report.errors.push(PoolError::EmptyName);
-                false
-            } else if !names.insert(spec.name.clone()) {
-                report.errors.push(PoolError::DuplicatePool {
-                    pool: spec.name.clone(),
-                });
-                false
-            } else {
-                true
-            }
-        });
-        // Forget released CIDRs the source no longer lists.
-        let listed: BTreeSet<IpNet> = specs.iter().flat_map(PoolSpec::cidrs).collect();
-        self.released.retain(|c| listed.contains(c));
-
-        // Drain first, so a CIDR moving between pools in one edit is refused
-        // only while the old one still holds addresses.
-        for pool in self.pools.values_mut() {
-            let spec = specs.iter().find(|s| s.name == pool.name);
-            pool.retired = spec.is_none();
-            for slot in &mut pool.cidrs {
-                let cidr = slot.alloc.cidr();
-                let wanted = spec.is_some_and(|s| s.cidrs().any(|c| c == cidr))
-                    && !self.released.contains(&cidr);
-                if !wanted && !slot.draining {
-                    slot.draining = true;
-                    report.draining.push((pool.name.clone(), cidr));
-                }
-            }
-        }
-        self.reap(&mut report.removed);
-
-        for spec in &specs {
-            let pool = self
-                .pools
-                .entry(spec.name.clone())
-                .or_insert_with(|| Pool::from_spec(spec));
-            pool.retired = false;
-            pool.skip_masquerade = spec.skip_masquerade;
-            pool.allow_first_last = spec.allow_first_last;
-            pool.allow_link_local = spec.allow_link_local;
-            pool.reserved.clone_from(&spec.reserved);
-            for cidr in spec.cidrs() {
-                if self.released.contains(&cidr) {
-                    continue;
-                }
-                match self.add_cidr(&spec.name, cidr) {
-                    Ok(true) => report.added.push((spec.name.clone(), cidr)),
-                    Ok(false) => {}
-                    Err(e) => report.errors.push(e),
-                }
-            }
-        }
-        // A pool listed with nothing valid stays (empty), so allocations name
-        // a known pool; a retired empty pool is gone.
-        self.pools.retain(|_, p| !(p.retired && p.cidrs.is_empty()));
-        report
-    }
-
-    /// Adds a CIDR to a pool, or takes it back from draining. Returns whether
-    /// anything changed.
-    ///
-    /// # Errors
-    /// [`PoolError::UnknownPool`], [`PoolError::InvalidCidr`] (host bits set)
-    /// or [`PoolError::OverlappingCidr`] naming both pools and both CIDRs.
-    pub fn add_cidr(&mut self, pool: &str, cidr: IpNet) -> Result<bool, PoolError> {
-        let allow_link_local = self.pools.get(pool).is_some_and(|p| p.allow_link_local);
-        check_cidr(pool, cidr, allow_link_local)?;
-        for (name, p) in &self.pools {
-            for slot in &p.cidrs {
-                let other = slot.alloc.cidr();
-                if name == pool && other == cidr {
-                    continue;
-                }
-                if overlaps(cidr, other) {
-                    return Err(PoolError::OverlappingCidr {
-                        pool: pool.to_owned(),
-                        cidr,
-                        other_pool: name.clone(),
-                        other_cidr: other,
-                    });
-                }
-            }
-        }
-        let dense_limit = self.config.dense_limit;
-        let p = self.pool_entry(pool)?;
-        if let Some(slot) = p.cidrs.iter_mut().find(|s| s.alloc.cidr() == cidr) {
-            let changed = slot.draining;
-            slot.draining = false;
-            return Ok(changed);
-        }
-        let slot = p.new_slot(cidr, dense_limit)?;
-        p.cidrs.push(slot);
-        Ok(true)
-    }
-
-    /// Starts draining a CIDR: no new allocations; it disappears once its
-    /// last allocation is released (at once if it is empty). Returns whether
-    /// the CIDR is gone already.
-    ///
-    /// # Errors
-    /// [`PoolError::UnknownPool`] or [`PoolError::UnknownCidr`].
-    pub fn remove_cidr(&mut self, pool: &str, cidr: IpNet) -> Result<bool, PoolError> {
-        let p = self.pool_entry(pool)?;
-        let slot = p
-            .cidrs
-            .iter_mut()
-            .find(|s| s.alloc.cidr() == cidr)
-            .ok_or_else(|| PoolError::UnknownCidr {
-                pool: pool.to_owned(),
-                cidr,
-            })?;
-        slot.draining = true;
-        let gone = slot.alloc.used() == 0;
-        p.reap();
-        Ok(gone)
     }
 
     /// Every pool, by name.
@@ -654,235 +478,6 @@ impl<S: PoolSource> PoolManager<S> {
         addrs.into_iter().map(|a| self.free(a)).collect()
     }
 
-    /// Puts persisted allocations back, e.g. on start after [`sync`]. Each is
-    /// placed as it was (draining CIDRs accepted); already present identical
-    /// allocations count as restored. Those that no longer fit (unknown pool,
-    /// CIDR gone, conflicting owner or address) are returned in
-    /// [`RestoreOutcome::rejected`]; the rest are restored regardless. The
-    /// generation counter becomes the largest of `generation` and every
-    /// restored allocation's. `O(n log n)`: 10k allocations take
-    /// milliseconds.
-    ///
-    /// [`sync`]: PoolManager::sync
-    pub fn restore(
-        &mut self,
-        generation: Generation,
-        allocations: impl IntoIterator<Item = Allocation>,
-    ) -> RestoreOutcome {
-        let mut outcome = RestoreOutcome::default();
-        self.generation = self.generation.max(generation);
-        for a in allocations {
-            match self.restore_one(&a) {
-                Ok(()) => {
-                    outcome.restored += 1;
-                    self.generation = self.generation.max(a.generation);
-                }
-                Err(e) => outcome.rejected.push((a, e)),
-            }
-        }
-        self.resume_next_fit();
-        outcome
-    }
-
-    /// After a restore (the store keeps allocations, not cursors): each
-    /// CIDR's next-fit search resumes at its most recently handed-out
-    /// allocation (the highest generation), so an address released before
-    /// the restart is not the first one handed out after it. Only a release
-    /// of the very newest allocation of a CIDR right before a restart can
-    /// still come round early.
-    fn resume_next_fit(&mut self) {
-        let mut newest: BTreeMap<(String, IpNet), (Generation, IpAddr)> = BTreeMap::new();
-        for a in self.by_addr.values() {
-            let Some(pool) = self.pools.get(&a.pool) else {
-                continue;
-            };
-            let Some(i) = pool.slot_of(a.address) else {
-                continue;
-            };
-            let key = (a.pool.clone(), pool.cidrs[i].alloc.cidr());
-            let entry = newest.entry(key).or_insert((a.generation, a.address));
-            if a.generation > entry.0 {
-                *entry = (a.generation, a.address);
-            }
-        }
-        for ((pool, cidr), (_, address)) in newest {
-            if let Some(slot) = self
-                .pools
-                .get_mut(&pool)
-                .and_then(|p| p.cidrs.iter_mut().find(|s| s.alloc.cidr() == cidr))
-            {
-                // An allocated address is a valid position: the search
-                // starts there and moves past it.
-                let _ = slot.alloc.set_cursor(address);
-            }
-        }
-    }
-
-    /// Plain-data copy of the whole state; see [`ManagerSnapshot`].
-    pub fn snapshot(&self) -> ManagerSnapshot {
-        ManagerSnapshot {
-            generation: self.generation,
-            pools: self
-                .pools
-                .values()
-                .map(|p| PoolState {
-                    name: p.name.clone(),
-                    allow_first_last: p.allow_first_last,
-                    allow_link_local: p.allow_link_local,
-                    skip_masquerade: p.skip_masquerade,
-                    reserved: p.reserved.clone(),
-                    retired: p.retired,
-                    cidrs: p
-                        .cidrs
-                        .iter()
-                        .map(|s| CidrState {
-                            cidr: s.alloc.cidr(),
-                            draining: s.draining,
-                            cursor: s.alloc.cursor(),
-                            allow_first_last: s.alloc.allows_first_last(),
-                            reserved: s.alloc.reserved().collect(),
-                        })
-                        .collect(),
-                })
-                .collect(),
-            allocations: self.by_addr.values().cloned().collect(),
-            released: self.released.iter().copied().collect(),
-        }
-    }
-
-    /// Rebuilds a manager exactly from a snapshot (the source is not read;
-    /// call [`PoolManager::sync`] afterwards to pick up changes).
-    ///
-    /// # Errors
-    /// The first pool or allocation that does not fit: an inconsistent
-    /// snapshot is refused whole.
-    pub fn from_snapshot(
-        source: S,
-        config: ManagerConfig,
-        snapshot: &ManagerSnapshot,
-    ) -> Result<Self, ManagerError> {
-        let mut m = PoolManager::new(source, config)?;
-        for ps in &snapshot.pools {
-            let spec = PoolSpec {
-                name: ps.name.clone(),
-                ipv4: Vec::new(),
-                ipv6: Vec::new(),
-                reserved: ps.reserved.clone(),
-                allow_first_last: ps.allow_first_last,
-                skip_masquerade: ps.skip_masquerade,
-                allow_link_local: ps.allow_link_local,
-            };
-            if m.pools.contains_key(&ps.name) {
-                return Err(PoolError::DuplicatePool {
-                    pool: ps.name.clone(),
-                }
-                .into());
-            }
-            let mut pool = Pool::from_spec(&spec);
-            pool.retired = ps.retired;
-            m.pools.insert(ps.name.clone(), pool);
-            for cs in &ps.cidrs {
-                if !m.add_cidr(&ps.name, cs.cidr)? {
-                    return Err(PoolError::OverlappingCidr {
-                        pool: ps.name.clone(),
-                        cidr: cs.cidr,
-                        other_pool: ps.name.clone(),
-                        other_cidr: cs.cidr,
-                    }
-                    .into());
-                }
-                // Rebuild the CIDR with the options it was created with.
-                let p = m.pools.get_mut(&ps.name).expect("inserted above");
-                let slot = p.cidrs.last_mut().expect("just added");
-                let options = CidrOptions {
-                    allow_first_last: cs.allow_first_last,
-                    dense_limit: config.dense_limit,
-                };
-                slot.alloc = CidrAllocator::new(cs.cidr, options, cs.reserved.iter().copied())
-                    .map_err(|source| PoolError::InvalidCidr {
-                        pool: ps.name.clone(),
-                        cidr: cs.cidr,
-                        source,
-                    })?;
-            }
-        }
-        m.generation = snapshot.generation;
-        for a in &snapshot.allocations {
-            m.restore_one(a)?;
-        }
-        // Cursors and draining flags last: restoring allocations must not
-        // move cursors, and draining CIDRs accept restored allocations anyway.
-        for ps in &snapshot.pools {
-            let pool = m.pools.get_mut(&ps.name).expect("inserted above");
-            for (slot, cs) in pool.cidrs.iter_mut().zip(&ps.cidrs) {
-                slot.draining = cs.draining;
-                slot.alloc.set_cursor(cs.cursor).map_err(|source| {
-                    ManagerError::AddressUnusable {
-                        pool: ps.name.clone(),
-                        address: cs.cursor,
-                        source,
-                    }
-                })?;
-            }
-        }
-        m.released = snapshot.released.iter().copied().collect();
-        Ok(m)
-    }
-
-    /// Records a request that could not be served (e.g. after
-    /// [`ManagerError::PoolExhausted`]), so demand counts it until it expires
-    /// or the owner gets an address of that family.
-    pub fn add_pending(&mut self, family: Family, owner: Owner, now_ms: u64) {
-        self.demand_mut(family).add_pending(owner, now_ms);
-    }
-
-    /// Allows demand to release surplus CIDRs; call once restore is done.
-    pub fn finish_restore(&mut self) {
-        self.demand_v4.finish_restore();
-        self.demand_v6.finish_restore();
-    }
-
-    /// Usage of a family over all pools: allocated addresses and the capacity
-    /// of active CIDRs.
-    pub fn usage(&self, family: Family) -> Usage {
-        let sat = |n: u128| u64::try_from(n).unwrap_or(u64::MAX);
-        Usage {
-            in_use: sat(self.pools.values().map(|p| p.used(family)).sum()),
-            available: sat(self.pools.values().map(|p| p.capacity(family)).sum()),
-        }
-    }
-
-    /// Evaluates demand for a family at `now_ms`. When the tracker allows a
-    /// release, empty active CIDRs (most recently added first) whose total
-    /// capacity fits the allowed surplus are taken out of service and listed
-    /// in [`DemandDecision::release`], for the caller to hand back.
-    pub fn evaluate_demand(&mut self, family: Family, now_ms: u64) -> DemandDecision {
-        let usage = self.usage(family);
-        let demand = self.demand_mut(family).evaluate(now_ms, usage);
-        let mut budget = u128::from(demand.release);
-        let mut release = Vec::new();
-        for pool in self.pools.values_mut() {
-            for slot in pool.cidrs.iter_mut().rev() {
-                let cap = slot.alloc.capacity();
-                if budget == 0 {
-                    break;
-                }
-                if !slot.draining
-                    && slot.alloc.family() == family
-                    && slot.alloc.used() == 0
-                    && cap <= budget
-                {
-                    budget -= cap;
-                    slot.draining = true;
-                    release.push((pool.name.clone(), slot.alloc.cidr()));
-                }
-            }
-            pool.reap();
-        }
-        self.released.extend(release.iter().map(|(_, c)| *c));
-        DemandDecision { demand, release }
-    }
-
     /// CIDRs that skip masquerading under this manager's [`MasqueradeRule`],
     /// with the pool id, draining ones included (their endpoints still send
     /// traffic).
@@ -899,13 +494,6 @@ impl<S: PoolSource> PoolManager<S> {
                 p.cidrs.iter().map(move |s| (s.alloc.cidr(), id))
             })
             .collect()
-    }
-
-    fn demand_mut(&mut self, family: Family) -> &mut DemandTracker {
-        match family {
-            Family::V4 => &mut self.demand_v4,
-            Family::V6 => &mut self.demand_v6,
-        }
     }
 
     fn owner_keys<'a>(
@@ -983,25 +571,6 @@ impl<S: PoolSource> PoolManager<S> {
         alloc
     }
 
-    fn restore_one(&mut self, a: &Allocation) -> Result<(), ManagerError> {
-        let key = (a.owner.clone(), a.pool.clone(), a.family());
-        if let Some(&held) = self.by_owner.get(&key) {
-            if self.by_addr.get(&held) == Some(a) {
-                return Ok(());
-            }
-            return Err(ManagerError::OwnerHoldsOther {
-                owner: a.owner.clone(),
-                pool: a.pool.clone(),
-                held,
-                requested: a.address,
-            });
-        }
-        self.place(&a.pool, a.address, true)?;
-        self.by_owner.insert(key, a.address);
-        self.by_addr.insert(a.address, a.clone());
-        Ok(())
-    }
-
     /// Unindexes and frees an allocated address; drops an emptied draining
     /// CIDR and an emptied retired pool.
     fn free(&mut self, address: IpAddr) -> Allocation {
@@ -1019,17 +588,6 @@ impl<S: PoolSource> PoolManager<S> {
             self.pools.remove(&alloc.pool);
         }
         alloc
-    }
-
-    fn reap(&mut self, removed: &mut Vec<(String, IpNet)>) {
-        for pool in self.pools.values_mut() {
-            for slot in &pool.cidrs {
-                if slot.draining && slot.alloc.used() == 0 {
-                    removed.push((pool.name.clone(), slot.alloc.cidr()));
-                }
-            }
-            pool.reap();
-        }
     }
 
     #[cfg(test)]
