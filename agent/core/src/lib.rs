@@ -48,6 +48,7 @@
 //! ```
 
 pub mod cidr;
+pub mod cluster;
 pub mod demand;
 pub mod lb;
 pub mod manager;

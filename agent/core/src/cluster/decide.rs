@@ -1,0 +1,186 @@
+//! What a node does with blocks: which to claim, when to claim, when to give
+//! one back; node removal and reclaim; fencing at start.
+
+use super::ClusterError;
+use super::layout::{block_addresses, block_at, block_index};
+use super::spec::ClusterPoolSpec;
+use crate::cidr::Family;
+use crate::demand::{DemandConfig, DemandMode, DemandTracker};
+use ipnet::IpNet;
+use std::collections::{BTreeMap, BTreeSet};
+
+/// The next block of `pool` (one family) that `node_blocks` (the blocks the
+/// node already holds) should be extended with, skipping every block in
+/// `claimed` (held by anyone). Deterministic: the free block right after the
+/// node's highest held block in the same CIDR first (blocks of one node stay
+/// near each other, so routes aggregate), else the first free block of the
+/// first CIDR with one. `None` when the family is full.
+pub fn next_block(
+    pool: &ClusterPoolSpec,
+    family: Family,
+    claimed: &BTreeSet<IpNet>,
+    node_blocks: &BTreeSet<IpNet>,
+) -> Option<IpNet> {
+    let block = pool.block_len(family);
+    let cidrs = match family {
+        Family::V4 => &pool.ipv4,
+        Family::V6 => &pool.ipv6,
+    };
+    let first_free = |cidr: IpNet, mut index: u128| loop {
+        let candidate = block_at(cidr, block, index)?;
+        if !claimed.contains(&candidate) {
+            return Some(candidate);
+        }
+        index += 1;
+    };
+    for &cidr in cidrs {
+        if let Some(highest) = node_blocks
+            .iter()
+            .filter_map(|b| block_index(cidr, block, *b))
+            .max()
+            && let Some(found) = first_free(cidr, highest + 1)
+        {
+            return Some(found);
+        }
+    }
+    cidrs.iter().find_map(|&cidr| first_free(cidr, 0))
+}
+
+/// How many blocks to claim now so the node holds enough addresses: the
+/// demand logic of [`crate::demand`] in ceil mode over blocks of
+/// `block_addrs` addresses, with `low_water` free addresses kept ready.
+pub fn blocks_to_claim(
+    in_use: u64,
+    pending: u64,
+    available: u64,
+    low_water: u64,
+    block_addrs: u64,
+) -> u64 {
+    let config = DemandConfig {
+        mode: DemandMode::Ceil {
+            block_size: block_addrs.max(1),
+        },
+        pre_allocate: low_water,
+        ..DemandConfig::default()
+    };
+    let Ok(tracker) = DemandTracker::new(config) else {
+        return 0;
+    };
+    let target = tracker.target(in_use, pending);
+    target
+        .saturating_sub(available)
+        .div_ceil(block_addrs.max(1))
+}
+
+/// One block a node holds, as the release decision sees it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BlockUse {
+    /// The block.
+    pub block: IpNet,
+    /// Addresses allocated from it.
+    pub used: u64,
+    /// Since when it has been empty (`None` while in use).
+    pub empty_since_ms: Option<u64>,
+    /// Fenced blocks are never given back by the node (they are no longer
+    /// its own) and never counted as free.
+    pub fenced: bool,
+}
+
+/// The empty blocks to give back at `now_ms`: each empty for at least
+/// `hysteresis_ms`, and only while the free addresses left in the other
+/// blocks stay at or above `low_water` (giving one back must not force a
+/// claim). Highest blocks first, so the node's blocks stay packed low.
+pub fn blocks_to_release(
+    blocks: &[BlockUse],
+    now_ms: u64,
+    hysteresis_ms: u64,
+    low_water: u64,
+) -> Vec<IpNet> {
+    let size = |b: &BlockUse| {
+        u64::try_from(block_addresses(b.block, b.block.prefix_len())).unwrap_or(u64::MAX)
+    };
+    let mut free: u64 = blocks
+        .iter()
+        .filter(|b| !b.fenced)
+        .map(|b| size(b).saturating_sub(b.used))
+        .fold(0, u64::saturating_add);
+    let mut due: Vec<&BlockUse> = blocks
+        .iter()
+        .filter(|b| !b.fenced && b.used == 0)
+        .filter(|b| {
+            b.empty_since_ms
+                .is_some_and(|t| now_ms.saturating_sub(t) >= hysteresis_ms)
+        })
+        .collect();
+    due.sort_by_key(|b| std::cmp::Reverse(b.block));
+    let mut out = Vec::new();
+    for b in due {
+        let left = free.saturating_sub(size(b));
+        if left < low_water {
+            break;
+        }
+        free = left;
+        out.push(b.block);
+    }
+    out
+}
+
+/// A node's lease as etcd shows it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NodeLease {
+    /// The node's key exists (its lease is alive).
+    Alive,
+    /// The key is gone; first seen gone at this time.
+    GoneSince(u64),
+}
+
+/// Whether an operator may remove a node (and free its blocks) now.
+///
+/// # Errors
+/// [`ClusterError::NodeAlive`] while its lease is alive and `force` is false.
+pub fn check_node_removal(node: &str, lease: NodeLease, force: bool) -> Result<(), ClusterError> {
+    match lease {
+        NodeLease::Alive if !force => Err(ClusterError::NodeAlive {
+            node: node.to_owned(),
+        }),
+        _ => Ok(()),
+    }
+}
+
+/// Whether a node's blocks may be reclaimed without an operator: its lease
+/// has been gone for at least `reclaim_after_ms`.
+pub fn reclaimable(lease: NodeLease, now_ms: u64, reclaim_after_ms: u64) -> bool {
+    match lease {
+        NodeLease::Alive => false,
+        NodeLease::GoneSince(t) => now_ms.saturating_sub(t) >= reclaim_after_ms,
+    }
+}
+
+/// Why a block in the local store may no longer be allocated from.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Fence {
+    /// etcd records another node as its owner.
+    OwnedBy(String),
+    /// etcd has no record of it: it was given back or reclaimed meanwhile.
+    Absent,
+}
+
+/// The fencing decision before a node serves: each block of its local store
+/// (`local`) whose owner in etcd (`owners`: block → node) is not `node`.
+/// Blocks absent from etcd are fenced too: the node cannot know whether
+/// another node claimed and released it meanwhile; claiming it again (a
+/// create-if-absent) is the only way back.
+pub fn fence(
+    node: &str,
+    local: &BTreeSet<IpNet>,
+    owners: &BTreeMap<IpNet, String>,
+) -> BTreeMap<IpNet, Fence> {
+    local
+        .iter()
+        .filter_map(|b| match owners.get(b) {
+            Some(owner) if owner == node => None,
+            Some(owner) => Some((*b, Fence::OwnedBy(owner.clone()))),
+            None => Some((*b, Fence::Absent)),
+        })
+        .collect()
+}

@@ -1,0 +1,73 @@
+//! Cluster mode decisions: cluster pools cut into blocks that nodes claim
+//! through a shared store (etcd), with no I/O here.
+//!
+//! - [`spec`]: [`ClusterPoolSpec`] (serde, validated) and the checks an
+//!   apply must pass against the blocks already claimed.
+//! - [`layout`]: block `i` of a CIDR and back.
+//! - [`decide`]: which block a node claims next, when to claim, when to give
+//!   an empty block back, node removal and reclaim, fencing at start.
+//!
+//! Time is passed in as milliseconds; the daemon's etcd door performs what
+//! these functions decide. Not wired into the agent yet (issue #12).
+
+pub mod decide;
+pub mod layout;
+pub mod spec;
+
+#[cfg(test)]
+mod tests;
+
+pub use decide::{
+    BlockUse, Fence, NodeLease, blocks_to_claim, blocks_to_release, check_node_removal, fence,
+    next_block, reclaimable,
+};
+pub use layout::{block_at, block_count, block_index};
+pub use spec::{ClusterPoolSpec, check_apply, validate_pools};
+
+use ipnet::IpNet;
+
+/// Errors in cluster pool definitions and cluster decisions.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum ClusterError {
+    /// The pool definition fails a single-node pool rule (name, canonical
+    /// CIDR, special range, overlap).
+    #[error(transparent)]
+    Pool(#[from] crate::pool::PoolError),
+    /// A block size that cannot cut the CIDR.
+    #[error("block size /{block} for cidr {cidr} of cluster pool {pool}: {reason}")]
+    BadBlockSize {
+        /// The pool.
+        pool: String,
+        /// The CIDR.
+        cidr: IpNet,
+        /// The block prefix length given.
+        block: u8,
+        /// What is wrong.
+        reason: &'static str,
+    },
+    /// An apply would take away (or re-cut) a CIDR that still has claimed
+    /// blocks.
+    #[error("cidr {cidr} of cluster pool {pool} still has claimed blocks: {}", list(.blocks))]
+    CidrInUse {
+        /// The pool.
+        pool: String,
+        /// The CIDR the apply removes or re-cuts.
+        cidr: IpNet,
+        /// Each claimed block and the node holding it.
+        blocks: Vec<(IpNet, String)>,
+    },
+    /// A node whose lease is alive cannot be removed without force.
+    #[error("node {node} is alive (its lease is held); stop it first or use --force")]
+    NodeAlive {
+        /// The node.
+        node: String,
+    },
+}
+
+fn list(blocks: &[(IpNet, String)]) -> String {
+    blocks
+        .iter()
+        .map(|(b, n)| format!("{b} (node {n})"))
+        .collect::<Vec<_>>()
+        .join(", ")
+}

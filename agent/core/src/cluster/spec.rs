@@ -1,0 +1,192 @@
+//! Cluster pool definitions, as stored in etcd, and the checks an apply
+//! must pass.
+
+use super::ClusterError;
+use super::layout::{block_count, block_index};
+use crate::cidr::Family;
+use crate::pool::{PoolSpec, validate_specs};
+use ipnet::IpNet;
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+
+/// Default IPv4 block prefix length (64 addresses).
+pub const DEFAULT_BLOCK_V4: u8 = 26;
+/// Default IPv6 block prefix length (64 addresses).
+pub const DEFAULT_BLOCK_V6: u8 = 122;
+/// Longest block prefix: a block holds at least 4 addresses.
+const MAX_BLOCK_V4: u8 = 30;
+const MAX_BLOCK_V6: u8 = 126;
+/// Most blocks one CIDR may be cut into (keeps the key space and a scan for
+/// a free block bounded).
+pub const MAX_BLOCKS_PER_CIDR: u128 = 1 << 20;
+
+fn default_v4() -> u8 {
+    DEFAULT_BLOCK_V4
+}
+fn default_v6() -> u8 {
+    DEFAULT_BLOCK_V6
+}
+
+/// One cluster pool: shared by every node, cut into blocks nodes claim.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ClusterPoolSpec {
+    /// Pool name (the single-node pool name rules apply).
+    pub name: String,
+    /// IPv4 CIDRs.
+    #[serde(default)]
+    pub ipv4: Vec<IpNet>,
+    /// IPv6 CIDRs.
+    #[serde(default)]
+    pub ipv6: Vec<IpNet>,
+    /// IPv4 block prefix length (default 26).
+    #[serde(default = "default_v4")]
+    pub block_v4: u8,
+    /// IPv6 block prefix length (default 122).
+    #[serde(default = "default_v6")]
+    pub block_v6: u8,
+    /// Hand out the first and last address of each CIDR.
+    #[serde(default)]
+    pub allow_first_last: bool,
+    /// Traffic from this pool is not masqueraded.
+    #[serde(default)]
+    pub skip_masquerade: bool,
+}
+
+impl ClusterPoolSpec {
+    /// A pool with no CIDRs and default block sizes.
+    pub fn new(name: impl Into<String>) -> Self {
+        ClusterPoolSpec {
+            name: name.into(),
+            ipv4: Vec::new(),
+            ipv6: Vec::new(),
+            block_v4: DEFAULT_BLOCK_V4,
+            block_v6: DEFAULT_BLOCK_V6,
+            allow_first_last: false,
+            skip_masquerade: false,
+        }
+    }
+
+    /// Adds a CIDR to the list of its family.
+    #[must_use]
+    pub fn with_cidr(mut self, cidr: IpNet) -> Self {
+        match cidr {
+            IpNet::V4(_) => self.ipv4.push(cidr),
+            IpNet::V6(_) => self.ipv6.push(cidr),
+        }
+        self
+    }
+
+    /// Every CIDR, IPv4 first.
+    pub fn cidrs(&self) -> impl Iterator<Item = IpNet> + '_ {
+        self.ipv4.iter().chain(&self.ipv6).copied()
+    }
+
+    /// The block prefix length of a family.
+    pub fn block_len(&self, family: Family) -> u8 {
+        match family {
+            Family::V4 => self.block_v4,
+            Family::V6 => self.block_v6,
+        }
+    }
+
+    /// The single-node pool the rules of [`crate::pool`] check.
+    fn as_pool_spec(&self) -> PoolSpec {
+        self.cidrs()
+            .fold(PoolSpec::new(self.name.clone()), PoolSpec::with_cidr)
+            .allow_first_last(self.allow_first_last)
+            .skip_masquerade(self.skip_masquerade)
+    }
+}
+
+/// Checks a whole set of cluster pools: the single-node pool rules (names,
+/// canonical CIDRs, special ranges, no overlap anywhere), CIDRs filed under
+/// their family, and block sizes that cut every CIDR into at most
+/// [`MAX_BLOCKS_PER_CIDR`] blocks of at least 4 addresses.
+///
+/// # Errors
+/// The first problem found.
+pub fn validate_pools(pools: &[ClusterPoolSpec]) -> Result<(), ClusterError> {
+    let singles: Vec<PoolSpec> = pools.iter().map(ClusterPoolSpec::as_pool_spec).collect();
+    validate_specs(&singles)?;
+    for pool in pools {
+        let misfiled = pool
+            .ipv4
+            .iter()
+            .find(|c| matches!(c, IpNet::V6(_)))
+            .or_else(|| pool.ipv6.iter().find(|c| matches!(c, IpNet::V4(_))));
+        if let Some(&cidr) = misfiled {
+            return Err(ClusterError::BadBlockSize {
+                pool: pool.name.clone(),
+                cidr,
+                block: cidr.prefix_len(),
+                reason: "the cidr is listed under the other family",
+            });
+        }
+        for cidr in pool.cidrs() {
+            let family = Family::of_net(cidr);
+            let block = pool.block_len(family);
+            let max = match family {
+                Family::V4 => MAX_BLOCK_V4,
+                Family::V6 => MAX_BLOCK_V6,
+            };
+            let bad = |reason| ClusterError::BadBlockSize {
+                pool: pool.name.clone(),
+                cidr,
+                block,
+                reason,
+            };
+            if block > max {
+                return Err(bad("a block must hold at least 4 addresses"));
+            }
+            if block < cidr.prefix_len() {
+                return Err(bad("the block is larger than the cidr"));
+            }
+            if block_count(cidr, block) > MAX_BLOCKS_PER_CIDR {
+                return Err(bad("the cidr would hold more than 2^20 blocks"));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Checks that replacing the stored pools `old` by `new` takes away no
+/// claimed block: every block in `claimed` (block → node) must still be a
+/// block of the same pool in `new`, with the same block size. Validates
+/// `new` first.
+///
+/// `claimed` maps each block to `(pool, node)`.
+///
+/// # Errors
+/// [`ClusterError::CidrInUse`] naming the CIDR, its claimed blocks and their
+/// nodes, or a validation error of `new`.
+pub fn check_apply(
+    new: &[ClusterPoolSpec],
+    claimed: &BTreeMap<IpNet, (String, String)>,
+) -> Result<(), ClusterError> {
+    validate_pools(new)?;
+    let mut orphans: BTreeMap<(String, IpNet), Vec<(IpNet, String)>> = BTreeMap::new();
+    for (&block, (pool, node)) in claimed {
+        let kept = new.iter().filter(|p| &p.name == pool).any(|p| {
+            p.cidrs()
+                .any(|cidr| block_index(cidr, p.block_len(Family::of_net(cidr)), block).is_some())
+        });
+        if !kept {
+            // Name the CIDR the block sits in, if any new pool would hold it,
+            // else the block's own network.
+            let cidr = new
+                .iter()
+                .flat_map(ClusterPoolSpec::cidrs)
+                .find(|c| c.contains(&block.network()))
+                .unwrap_or(block);
+            orphans
+                .entry((pool.clone(), cidr))
+                .or_default()
+                .push((block, node.clone()));
+        }
+    }
+    match orphans.into_iter().next() {
+        None => Ok(()),
+        Some(((pool, cidr), blocks)) => Err(ClusterError::CidrInUse { pool, cidr, blocks }),
+    }
+}

@@ -1,0 +1,272 @@
+use super::*;
+use crate::cidr::Family;
+use proptest::prelude::*;
+use std::collections::{BTreeMap, BTreeSet};
+
+fn net(s: &str) -> IpNet {
+    s.parse().unwrap()
+}
+
+#[test]
+fn layout_round_trips() {
+    let cidr = net("10.0.0.0/24");
+    assert_eq!(block_count(cidr, 26), 4);
+    assert_eq!(block_at(cidr, 26, 1), Some(net("10.0.0.64/26")));
+    assert_eq!(block_at(cidr, 26, 4), None);
+    assert_eq!(block_index(cidr, 26, net("10.0.0.192/26")), Some(3));
+    assert_eq!(block_index(cidr, 26, net("10.0.1.0/26")), None);
+    assert_eq!(block_index(cidr, 26, net("10.0.0.0/27")), None);
+    let v6 = net("fd00::/120");
+    assert_eq!(block_at(v6, 122, 2), Some(net("fd00::80/122")));
+    assert_eq!(block_count(v6, 119), 0);
+}
+
+#[test]
+fn validation_refuses_overlap_bad_blocks_and_special_ranges() {
+    let a = ClusterPoolSpec::new("a").with_cidr(net("10.0.0.0/16"));
+    let b = ClusterPoolSpec::new("b").with_cidr(net("10.0.128.0/24"));
+    assert!(validate_pools(std::slice::from_ref(&a)).is_ok());
+    let err = validate_pools(&[a.clone(), b]).unwrap_err();
+    assert!(err.to_string().contains("overlaps"), "{err}");
+    let mut tiny = a.clone();
+    tiny.block_v4 = 31;
+    assert!(matches!(
+        validate_pools(&[tiny]),
+        Err(ClusterError::BadBlockSize { .. })
+    ));
+    let mut big = ClusterPoolSpec::new("c").with_cidr(net("10.1.0.0/24"));
+    big.block_v4 = 23;
+    assert!(
+        validate_pools(&[big])
+            .unwrap_err()
+            .to_string()
+            .contains("larger than the cidr")
+    );
+    let lo = ClusterPoolSpec::new("lo").with_cidr(net("127.0.0.0/24"));
+    assert!(
+        validate_pools(&[lo])
+            .unwrap_err()
+            .to_string()
+            .contains("loopback")
+    );
+    let mut huge = ClusterPoolSpec::new("h").with_cidr(net("fd00::/64"));
+    huge.block_v6 = 122;
+    assert!(
+        validate_pools(&[huge])
+            .unwrap_err()
+            .to_string()
+            .contains("2^20")
+    );
+}
+
+#[test]
+fn spec_parses_with_defaults() {
+    let p: ClusterPoolSpec =
+        serde_json::from_str(r#"{"name":"p","ipv4":["10.0.0.0/24"]}"#).unwrap();
+    assert_eq!((p.block_v4, p.block_v6), (26, 122));
+    assert!(serde_json::from_str::<ClusterPoolSpec>(r#"{"name":"p","bogus":1}"#).is_err());
+}
+
+#[test]
+fn apply_refuses_removing_a_cidr_with_claimed_blocks_naming_them() {
+    let old = ClusterPoolSpec::new("p")
+        .with_cidr(net("10.0.0.0/24"))
+        .with_cidr(net("10.0.1.0/24"));
+    let claimed = BTreeMap::from([(net("10.0.1.64/26"), ("p".to_owned(), "node-b".to_owned()))]);
+    assert!(check_apply(&[old], &claimed).is_ok());
+    let new = ClusterPoolSpec::new("p").with_cidr(net("10.0.0.0/24"));
+    let err = check_apply(&[new], &claimed).unwrap_err();
+    let text = err.to_string();
+    assert!(
+        text.contains("10.0.1.64/26") && text.contains("node-b"),
+        "{text}"
+    );
+    // Re-cutting a CIDR with claimed blocks is refused too.
+    let mut recut = ClusterPoolSpec::new("p")
+        .with_cidr(net("10.0.0.0/24"))
+        .with_cidr(net("10.0.1.0/24"));
+    recut.block_v4 = 27;
+    assert!(matches!(
+        check_apply(&[recut], &claimed),
+        Err(ClusterError::CidrInUse { .. })
+    ));
+}
+
+#[test]
+fn next_block_prefers_the_nodes_neighbourhood() {
+    let p = ClusterPoolSpec::new("p").with_cidr(net("10.0.0.0/24"));
+    let claimed: BTreeSet<_> = [net("10.0.0.0/26"), net("10.0.0.64/26")].into();
+    let mine: BTreeSet<_> = [net("10.0.0.64/26")].into();
+    assert_eq!(
+        next_block(&p, Family::V4, &claimed, &mine),
+        Some(net("10.0.0.128/26"))
+    );
+    assert_eq!(
+        next_block(&p, Family::V4, &claimed, &BTreeSet::new()),
+        Some(net("10.0.0.128/26"))
+    );
+    let all: BTreeSet<_> = (0..4)
+        .map(|i| block_at(net("10.0.0.0/24"), 26, i).unwrap())
+        .collect();
+    assert_eq!(next_block(&p, Family::V4, &all, &BTreeSet::new()), None);
+    assert_eq!(
+        next_block(&p, Family::V6, &BTreeSet::new(), &BTreeSet::new()),
+        None
+    );
+}
+
+#[test]
+fn claim_below_low_water_release_after_hysteresis() {
+    // 64-address blocks, 8 free wanted: 60 in use of 64 → one more block.
+    assert_eq!(blocks_to_claim(60, 0, 64, 8, 64), 1);
+    assert_eq!(blocks_to_claim(50, 0, 64, 8, 64), 0);
+    assert_eq!(blocks_to_claim(0, 100, 0, 0, 64), 2);
+    let b = |s, used, since| BlockUse {
+        block: net(s),
+        used,
+        empty_since_ms: since,
+        fenced: false,
+    };
+    let blocks = [
+        b("10.0.0.0/26", 10, None),
+        b("10.0.0.64/26", 0, Some(1_000)),
+        b("10.0.0.128/26", 0, Some(1_000)),
+    ];
+    assert!(blocks_to_release(&blocks, 5_000, 10_000, 8).is_empty());
+    assert_eq!(
+        blocks_to_release(&blocks, 11_000, 10_000, 8),
+        vec![net("10.0.0.128/26"), net("10.0.0.64/26")]
+    );
+    // Keeping 60 free addresses forbids giving both back.
+    assert_eq!(
+        blocks_to_release(&blocks, 11_000, 10_000, 60),
+        vec![net("10.0.0.128/26")]
+    );
+}
+
+#[test]
+fn node_removal_and_reclaim() {
+    assert!(matches!(
+        check_node_removal("n", NodeLease::Alive, false),
+        Err(ClusterError::NodeAlive { .. })
+    ));
+    assert!(check_node_removal("n", NodeLease::Alive, true).is_ok());
+    assert!(check_node_removal("n", NodeLease::GoneSince(0), false).is_ok());
+    assert!(!reclaimable(NodeLease::Alive, u64::MAX, 0));
+    assert!(!reclaimable(NodeLease::GoneSince(1_000), 3_000, 3_600_000));
+    assert!(reclaimable(
+        NodeLease::GoneSince(1_000),
+        3_601_000,
+        3_600_000
+    ));
+}
+
+#[test]
+fn fencing_at_start() {
+    let local: BTreeSet<_> = [
+        net("10.0.0.0/26"),
+        net("10.0.0.64/26"),
+        net("10.0.0.128/26"),
+    ]
+    .into();
+    let owners = BTreeMap::from([
+        (net("10.0.0.0/26"), "me".to_owned()),
+        (net("10.0.0.64/26"), "other".to_owned()),
+    ]);
+    let fenced = fence("me", &local, &owners);
+    assert_eq!(fenced.len(), 2);
+    assert_eq!(fenced[&net("10.0.0.64/26")], Fence::OwnedBy("other".into()));
+    assert_eq!(fenced[&net("10.0.0.128/26")], Fence::Absent);
+}
+
+#[derive(Clone, Debug)]
+enum Op {
+    Claim(usize),
+    Release(usize),
+    /// The node dies and, after reclaim_after, its blocks are reclaimed in
+    /// etcd while its local store still lists them.
+    DieAndReclaim(usize),
+    /// The node starts again from its local store and fences.
+    Restart(usize),
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        4 => (0..4usize).prop_map(Op::Claim),
+        2 => (0..4usize).prop_map(Op::Release),
+        1 => (0..4usize).prop_map(Op::DieAndReclaim),
+        1 => (0..4usize).prop_map(Op::Restart),
+    ]
+}
+
+proptest! {
+    /// Random claims, releases, reclaims and restarts across 4 simulated
+    /// nodes sharing one create-if-absent store: no block is ever usable
+    /// (held and not fenced) by two running nodes, and fenced blocks never
+    /// allocate.
+    #[test]
+    fn blocks_never_have_two_users(ops in proptest::collection::vec(op(), 1..200)) {
+        let pool = ClusterPoolSpec::new("p").with_cidr(net("10.0.0.0/26")).with_cidr(net("10.0.1.0/27"));
+        let mut pool = pool;
+        pool.block_v4 = 29;
+        let mut etcd: BTreeMap<IpNet, String> = BTreeMap::new();
+        let mut local: Vec<BTreeSet<IpNet>> = vec![BTreeSet::new(); 4];
+        let mut fenced: Vec<BTreeMap<IpNet, Fence>> = vec![BTreeMap::new(); 4];
+        let mut up = [true; 4];
+        for op in ops {
+            match op {
+                Op::Claim(n) if up[n] => {
+                    let claimed: BTreeSet<_> = etcd.keys().copied().collect();
+                    if let Some(b) = next_block(&pool, Family::V4, &claimed, &local[n]) {
+                        prop_assert!(!claimed.contains(&b));
+                        prop_assert!(pool.ipv4.iter().any(|c| c.contains(&b.network())));
+                        // create-if-absent
+                        if let std::collections::btree_map::Entry::Vacant(slot) = etcd.entry(b) {
+ slot.insert(format!("n{n}"));
+                            local[n].insert(b);
+                            fenced[n].remove(&b);
+                        }
+                    }
+                }
+                Op::Release(n) if up[n] => {
+                    let mine = local[n].iter().find(|b| !fenced[n].contains_key(*b)).copied();
+                    if let Some(b) = mine {
+                        // compare on owner (stands for the mod revision)
+                        if etcd.get(&b) == Some(&format!("n{n}")) {
+                            etcd.remove(&b);
+                        }
+                        local[n].remove(&b);
+                    }
+                }
+                Op::DieAndReclaim(n) => {
+                    up[n] = false;
+                    etcd.retain(|_, owner| *owner != format!("n{n}"));
+                }
+                Op::Restart(n) => {
+                    up[n] = true;
+                    fenced[n] = fence(&format!("n{n}"), &local[n], &etcd);
+                }
+                _ => {}
+            }
+            let mut users: BTreeMap<IpNet, usize> = BTreeMap::new();
+            for n in (0..4).filter(|&n| up[n]) {
+                for b in local[n].iter().filter(|b| !fenced[n].contains_key(*b)) {
+                    prop_assert!(users.insert(*b, n).is_none(), "block {} usable by two nodes", b);
+                    prop_assert_eq!(etcd.get(b), Some(&format!("n{n}")));
+                }
+            }
+        }
+    }
+
+    /// Layout: block_at and block_index are inverse for every index.
+    #[test]
+    fn layout_inverse(prefix in 8u8..=28, extra in 0u8..=4, idx in 0u128..16) {
+        let cidr = IpNet::new("10.0.0.0".parse().unwrap(), prefix).unwrap().trunc();
+        let block = (prefix + extra).min(30);
+        if let Some(b) = block_at(cidr, block, idx) {
+            prop_assert_eq!(block_index(cidr, block, b), Some(idx));
+        } else {
+            prop_assert!(idx >= block_count(cidr, block));
+        }
+    }
+}
