@@ -24,7 +24,6 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde::Serialize;
-use serde_json::json;
 
 use crate::agent::endpoints::{
     DelRequest, EndpointRequest, GcRequest, Inline, endpoint_add_concurrent, endpoint_add_inline,
@@ -69,7 +68,12 @@ impl ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        let body = json!({"error": {"code": self.code, "message": self.message}});
+        let body = crate::wire::ErrorReply {
+            error: crate::wire::ErrorBody {
+                code: self.code.to_string(),
+                message: self.message,
+            },
+        };
         (self.status, Json(body)).into_response()
     }
 }
@@ -159,11 +163,12 @@ async fn status(State(s): State<AppState>) -> Result<Response, ApiError> {
     match with_agent(&s, |a| Ok(a.status())).await {
         Ok(st) => Ok(ok(st)),
         // Status is always answered, ready or not.
-        Err(e) if e.code == "not_ready" => Ok(ok(json!({
-            "version": crate::version::version(),
-            "ready": false,
-            "reason": e.message,
-        }))),
+        Err(e) if e.code == "not_ready" => Ok(ok(crate::wire::Readiness {
+            version: crate::version::version(),
+            ready: false,
+            reason: Some(e.message),
+            default_pool: None,
+        })),
         Err(e) => Err(e),
     }
 }
@@ -274,7 +279,7 @@ async fn cni_del(
                 .map_err(joined)??;
         }
     }
-    Ok(ok(json!({})))
+    Ok(ok(crate::wire::Empty {}))
 }
 
 fn joined(e: tokio::task::JoinError) -> ApiError {
@@ -288,7 +293,7 @@ async fn cni_check(
     let Json(req) = body?;
     attachment(&req.container_id, &req.ifname)?;
     with_agent(&s, move |a| a.endpoint_check(req)).await?;
-    Ok(ok(json!({})))
+    Ok(ok(crate::wire::Empty {}))
 }
 
 async fn cni_gc(

@@ -22,6 +22,7 @@ pub mod plugin;
 pub mod server;
 pub mod store;
 pub mod version;
+pub mod wire;
 
 /// An error and its causes on one line, `outer: cause: root cause`: what the
 /// API, status reasons and logs show, so the root cause (a full disk, a

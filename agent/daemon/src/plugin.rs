@@ -12,7 +12,11 @@
 use std::io::Write as _;
 use std::path::Path;
 
+use serde::Serialize;
+use serde::de::DeserializeOwned;
 use serde_json::{Value, json};
+
+use crate::wire::{DelRequest, EndpointReply, EndpointRequest, ErrorReply, GcRequest, Readiness};
 
 use crate::cni::{
     self, AttachmentRequest, CniError, CniResult, CniVersion, Interface, Invocation, IpConfig,
@@ -71,12 +75,16 @@ impl PluginError {
     }
 }
 
+/// One request to the agent: `body` is serialized from its wire type; a
+/// success answers with the raw reply (checked to be JSON), which the
+/// caller parses into its wire type ([`reply`]); an error reply is parsed
+/// as [`ErrorReply`].
 fn agent(
     options: &LockstepOptions,
     method: &str,
     path: &str,
-    body: Option<Value>,
-) -> Result<Value, PluginError> {
+    body: Option<&dyn erased::Body>,
+) -> Result<Vec<u8>, PluginError> {
     let socket = options.agent_socket.as_path();
     let unreachable = |e: std::io::Error| -> PluginError {
         use std::os::unix::fs::FileTypeExt as _;
@@ -112,8 +120,9 @@ fn agent(
         .into()
     };
     let deadline = options.agent_timeout;
-    let (status, value) =
-        exchange(socket, deadline, method, path, body.as_ref()).map_err(|e| match e {
+    let body = body.map(erased::Body::to_json).unwrap_or_default();
+    let (status, payload) =
+        exchange(socket, deadline, method, path, &body).map_err(|e| match e {
             Exchange::Connect(e) => unreachable(e),
             Exchange::Timeout => CniError::TryAgainLater {
                 reason: format!(
@@ -136,16 +145,12 @@ fn agent(
             .into(),
         })?;
     if (200..300).contains(&status) {
-        return Ok(value);
+        return Ok(payload);
     }
-    let code = value["error"]["code"]
-        .as_str()
-        .unwrap_or("unknown")
-        .to_string();
-    let message = value["error"]["message"]
-        .as_str()
-        .unwrap_or_default()
-        .to_string();
+    let (code, message) = match reply::<ErrorReply>(&payload) {
+        Ok(ErrorReply { error }) => (error.code, error.message),
+        Err(_) => ("unknown".to_string(), String::new()),
+    };
     Err(match code.as_str() {
         "not_ready" => CniError::TryAgainLater {
             reason: "the lockstep agent is restoring its state".into(),
@@ -183,12 +188,11 @@ fn exchange(
     deadline: std::time::Duration,
     method: &str,
     path: &str,
-    body: Option<&Value>,
-) -> Result<(u16, Value), Exchange> {
+    body: &str,
+) -> Result<(u16, Vec<u8>), Exchange> {
     use std::io::Read;
     let started = std::time::Instant::now();
     let mut stream = std::os::unix::net::UnixStream::connect(socket).map_err(Exchange::Connect)?;
-    let body = body.map(Value::to_string).unwrap_or_default();
     let request = format!(
         "{method} {path} HTTP/1.1\r\nhost: lockstep\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
         body.len()
@@ -257,12 +261,39 @@ fn exchange(
         payload =
             dechunk(&payload).ok_or_else(|| Exchange::Malformed("bad chunked body".into()))?;
     }
-    let value = if payload.is_empty() {
-        Value::Null
+    // Not JSON at all is a broken exchange (try again later); JSON of the
+    // wrong shape is judged by the caller against its wire type.
+    if !payload.is_empty() {
+        serde_json::from_slice::<serde::de::IgnoredAny>(&payload)
+            .map_err(|e| Exchange::Malformed(e.to_string()))?;
+    }
+    Ok((status, payload))
+}
+
+/// Parses a reply into its wire type (an empty body reads as `null`).
+fn reply<R: DeserializeOwned>(payload: &[u8]) -> Result<R, serde_json::Error> {
+    if payload.is_empty() {
+        serde_json::from_str("null")
     } else {
-        serde_json::from_slice(&payload).map_err(|e| Exchange::Malformed(e.to_string()))?
-    };
-    Ok((status, value))
+        serde_json::from_slice(payload)
+    }
+}
+
+/// Request bodies as trait objects, so GETs pass none.
+mod erased {
+    /// A request body: a wire type.
+    pub(super) trait Body {
+        /// Its JSON text.
+        fn to_json(&self) -> String;
+    }
+
+    impl<T: super::Serialize> Body for T {
+        fn to_json(&self) -> String {
+            // Wire types are plain structs of strings, addresses and
+            // numbers: serializing them cannot fail.
+            serde_json::to_string(self).unwrap_or_default()
+        }
+    }
 }
 
 fn dechunk(mut data: &[u8]) -> Option<Vec<u8>> {
@@ -280,63 +311,44 @@ fn dechunk(mut data: &[u8]) -> Option<Vec<u8>> {
     }
 }
 
-fn mode(req: &AttachmentRequest) -> &'static str {
-    match req.config.mode {
-        PluginMode::Full => "full",
-        PluginMode::Ipam => "ipam",
+/// The ADD (or CHECK) request for an invocation.
+fn endpoint_request(req: &AttachmentRequest) -> EndpointRequest {
+    EndpointRequest {
+        container_id: req.attachment.container_id.as_str().to_string(),
+        ifname: req.attachment.ifname.as_str().to_string(),
+        // No CNI_NETNS (IPAM-only ADDs may lack one) is sent as "".
+        netns: req.netns.clone().unwrap_or_default(),
+        mode: match req.config.mode {
+            PluginMode::Full => crate::store::EndpointMode::Full,
+            PluginMode::Ipam => crate::store::EndpointMode::Ipam,
+        },
+        pool: req.config.pool().map(str::to_owned),
+        requested: req.config.requested_ips.iter().map(|r| r.address).collect(),
+        mtu: req.config.options.mtu,
     }
 }
 
-fn endpoint_body(req: &AttachmentRequest) -> Value {
-    json!({
-        "container_id": req.attachment.container_id.as_str(),
-        "ifname": req.attachment.ifname.as_str(),
-        "netns": req.netns.as_ref().map(|p| p.display().to_string()).unwrap_or_default(),
-        "mode": mode(req),
-        "pool": req.config.pool(),
-        "requested": req.config.requested_ips.iter().map(|r| r.address).collect::<Vec<_>>(),
-        "mtu": req.config.options.mtu,
-    })
+/// The DEL request for an attachment.
+fn del_request(req: &AttachmentRequest) -> DelRequest {
+    DelRequest {
+        container_id: req.attachment.container_id.as_str().to_string(),
+        ifname: req.attachment.ifname.as_str().to_string(),
+    }
 }
 
-fn fmt_mac(v: &Value) -> Option<String> {
-    let bytes: Vec<u64> = v.as_array()?.iter().filter_map(Value::as_u64).collect();
-    (bytes.len() == 6).then(|| {
-        bytes
-            .iter()
-            .map(|b| format!("{b:02x}"))
-            .collect::<Vec<_>>()
-            .join(":")
-    })
-}
-
-/// The agent's answer to ADD, as far as the plugin uses it (unknown fields
-/// are ignored, so an agent newer than the plugin still works).
-#[derive(Debug, serde::Deserialize)]
-struct AddReply {
-    addresses: Vec<crate::agent::endpoints::EndpointAddress>,
-    #[serde(default)]
-    routes: Vec<(ipnet::IpNet, Option<std::net::IpAddr>)>,
-    #[serde(default)]
-    record: Option<AddRecord>,
-}
-
-/// The interface part of a full ADD's answer.
-#[derive(Debug, Default, serde::Deserialize)]
-struct AddRecord {
-    #[serde(default)]
-    host_ifname: Option<String>,
-    #[serde(default)]
-    host_mac: Option<[u8; 6]>,
-    #[serde(default)]
-    mac: Option<[u8; 6]>,
+fn fmt_mac(bytes: [u8; 6]) -> String {
+    bytes
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect::<Vec<_>>()
+        .join(":")
 }
 
 /// Turns the agent's answer into what a result needs; an answer that does
 /// not parse, holds no address, or (full mode) names no host interface is
 /// refused: a successful ADD with no address is worse than a failed one.
-fn parse_add_reply(req: &AttachmentRequest, reply: Value) -> Result<AddReply, PluginError> {
-    let parsed: AddReply = serde_json::from_value(reply).map_err(|e| PluginError::BadReply {
+fn parse_add_reply(req: &AttachmentRequest, payload: &[u8]) -> Result<EndpointReply, PluginError> {
+    let parsed: EndpointReply = reply(payload).map_err(|e| PluginError::BadReply {
         reason: "it does not parse",
         source: Some(e),
     })?;
@@ -349,8 +361,8 @@ fn parse_add_reply(req: &AttachmentRequest, reply: Value) -> Result<AddReply, Pl
     if req.config.mode == PluginMode::Full
         && parsed
             .record
-            .as_ref()
-            .and_then(|r| r.host_ifname.as_deref())
+            .host_ifname
+            .as_deref()
             .is_none_or(str::is_empty)
     {
         return Err(PluginError::BadReply {
@@ -369,10 +381,7 @@ fn give_back(req: &AttachmentRequest, error: PluginError) -> PluginError {
         &req.config.options,
         "POST",
         "/v1/cni/del",
-        Some(json!({
-            "container_id": req.attachment.container_id.as_str(),
-            "ifname": req.attachment.ifname.as_str(),
-        })),
+        Some(&del_request(req)),
     ) {
         // The runtime's DEL after this failed ADD tries again.
         let _ = writeln!(
@@ -404,9 +413,9 @@ fn add(req: &AttachmentRequest) -> Result<Value, PluginError> {
         &req.config.options,
         "POST",
         "/v1/cni/add",
-        Some(endpoint_body(req)),
+        Some(&endpoint_request(req)),
     )?;
-    let reply = parse_add_reply(req, reply).map_err(|e| give_back(req, e))?;
+    let reply = parse_add_reply(req, &reply).map_err(|e| give_back(req, e))?;
     let version = req.config.cni_version;
     let dns = req.config.dns.clone().unwrap_or_default();
     let addresses = reply.addresses;
@@ -426,13 +435,10 @@ fn add(req: &AttachmentRequest) -> Result<Value, PluginError> {
             Ok(result.to_json(version))
         }
         PluginMode::Full => {
-            let record = reply.record.unwrap_or_default();
+            let record = reply.record;
             let host = Interface {
                 name: record.host_ifname.unwrap_or_default(),
-                mac: record
-                    .host_mac
-                    .map(|m| fmt_mac(&json!(m)))
-                    .unwrap_or_default(),
+                mac: Some(fmt_mac(record.host_mac)),
                 mtu: req.config.options.mtu,
                 sandbox: None,
                 socket_path: None,
@@ -440,7 +446,7 @@ fn add(req: &AttachmentRequest) -> Result<Value, PluginError> {
             };
             let container = Interface {
                 name: req.attachment.ifname.as_str().to_string(),
-                mac: record.mac.map(|m| fmt_mac(&json!(m))).unwrap_or_default(),
+                mac: Some(fmt_mac(record.mac)),
                 mtu: req.config.options.mtu,
                 sandbox: req.netns.as_ref().map(|p| p.display().to_string()),
                 socket_path: None,
@@ -490,17 +496,14 @@ where
             &req.config.options,
             "POST",
             "/v1/cni/del",
-            Some(json!({
-                "container_id": req.attachment.container_id.as_str(),
-                "ifname": req.attachment.ifname.as_str(),
-            })),
+            Some(&del_request(req)),
         )
         .map(|_| None),
         Invocation::Check(req) => agent(
             &req.config.options,
             "POST",
             "/v1/cni/check",
-            Some(endpoint_body(req)),
+            Some(&endpoint_request(req)),
         )
         .map(|_| None),
         Invocation::Gc(req) => {
@@ -518,7 +521,7 @@ where
                 &req.config.options,
                 "POST",
                 "/v1/cni/gc",
-                Some(json!({ "valid": valid })),
+                Some(&GcRequest { valid }),
             )
             .map(|_| None)
         }
@@ -531,29 +534,34 @@ where
 }
 
 fn status(options: &LockstepOptions, pool: Option<&str>) -> Result<(), PluginError> {
+    let unreadable = |what: &str, e: serde_json::Error| -> PluginError {
+        CniError::PluginNotAvailable {
+            reason: format!("the lockstep agent's {what} cannot be read: {e}"),
+        }
+        .into()
+    };
     let st = agent(options, "GET", "/v1/status", None).map_err(|e| match e {
         PluginError::Cni(CniError::TryAgainLater { reason }) => {
             CniError::PluginNotAvailable { reason }.into()
         }
         other => other,
     })?;
-    if st["ready"] != true {
+    let st: Readiness = reply(&st).map_err(|e| unreadable("status", e))?;
+    if !st.ready {
         return Err(CniError::PluginNotAvailable {
-            reason: st["reason"].as_str().unwrap_or("not ready").to_string(),
+            reason: st.reason.unwrap_or_else(|| "not ready".into()),
         }
         .into());
     }
     // The pool an ADD would use: the one configured, else the agent's
     // default (summing every pool hid an exhausted default behind others).
-    let pool = pool
-        .map(str::to_owned)
-        .or_else(|| st["default_pool"].as_str().map(str::to_owned));
+    let pool = pool.map(str::to_owned).or(st.default_pool);
     let pools = agent(options, "GET", "/v1/pools", None)?;
+    let pools: Vec<crate::agent::PoolStatus> =
+        reply(&pools).map_err(|e| unreadable("pool list", e))?;
     let chosen = pools
-        .as_array()
-        .into_iter()
-        .flatten()
-        .find(|p| pool.as_deref().is_none_or(|name| p["name"] == name));
+        .iter()
+        .find(|p| pool.as_deref().is_none_or(|name| p.name == name));
     let Some(chosen) = chosen else {
         return Err(CniError::PluginNotAvailable {
             reason: format!(
@@ -565,17 +573,10 @@ fn status(options: &LockstepOptions, pool: Option<&str>) -> Result<(), PluginErr
     };
     // An ADD takes an address of every family the pool has: one family
     // with none free means no ADD can be served.
-    for family in ["v4", "v6"] {
-        let (used, free) = (
-            chosen[family][0].as_u64().unwrap_or(0),
-            chosen[family][1].as_u64().unwrap_or(0),
-        );
-        if used + free > 0 && free == 0 {
+    for (family, (used, free)) in [("v4", chosen.v4), ("v6", chosen.v6)] {
+        if used.saturating_add(free) > 0 && free == 0 {
             return Err(CniError::PluginNotAvailable {
-                reason: format!(
-                    "pool {} has no free IP{family} address",
-                    chosen["name"].as_str().unwrap_or("?")
-                ),
+                reason: format!("pool {} has no free IP{family} address", chosen.name),
             }
             .into());
         }
@@ -602,277 +603,4 @@ pub fn run() -> i32 {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn an_unreachable_agent_is_try_again_later() {
-        let stdin = br#"{"cniVersion":"1.0.0","name":"n","type":"lockstep","agentSocket":"/nonexistent/lockstep.sock"}"#;
-        let env = [
-            ("CNI_COMMAND", "ADD"),
-            ("CNI_CONTAINERID", "abc"),
-            ("CNI_NETNS", "/proc/self/ns/net"),
-            ("CNI_IFNAME", "eth0"),
-            ("CNI_PATH", "/opt/cni/bin"),
-        ];
-        let (out, code) = invoke(env, stdin);
-        assert_eq!(code, 1);
-        let out = out.expect("an error object");
-        assert_eq!(out["code"], 11, "{out}");
-        assert!(
-            out["msg"]
-                .as_str()
-                .unwrap_or_default()
-                .contains("/nonexistent/lockstep.sock"),
-            "{out}"
-        );
-        assert!(
-            out["msg"]
-                .as_str()
-                .unwrap_or_default()
-                .contains("is it running"),
-            "{out}"
-        );
-    }
-
-    #[test]
-    fn status_with_no_agent_is_not_available() {
-        let stdin = br#"{"cniVersion":"1.1.0","name":"n","type":"lockstep","agentSocket":"/nonexistent/lockstep.sock"}"#;
-        let (out, code) = invoke([("CNI_COMMAND", "STATUS")], stdin);
-        assert_eq!(code, 1);
-        assert_eq!(out.expect("error")["code"], 50);
-    }
-
-    /// A fake agent on a unix socket in a fresh directory: `serve` runs on
-    /// every accepted connection, in its own thread.
-    fn fake_agent(
-        serve: impl Fn(std::os::unix::net::UnixStream) + Send + Sync + 'static,
-    ) -> (tempfile::TempDir, std::path::PathBuf) {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let socket = dir.path().join("agent.sock");
-        let listener = std::os::unix::net::UnixListener::bind(&socket).expect("bind");
-        let serve = std::sync::Arc::new(serve);
-        std::thread::spawn(move || {
-            for stream in listener.incoming().flatten() {
-                let serve = serve.clone();
-                std::thread::spawn(move || serve(stream));
-            }
-        });
-        (dir, socket)
-    }
-
-    fn add_env() -> [(&'static str, &'static str); 5] {
-        [
-            ("CNI_COMMAND", "ADD"),
-            ("CNI_CONTAINERID", "abc"),
-            ("CNI_NETNS", "/proc/self/ns/net"),
-            ("CNI_IFNAME", "eth0"),
-            ("CNI_PATH", "/opt/cni/bin"),
-        ]
-    }
-
-    #[test]
-    fn an_agent_that_accepts_and_never_answers_is_try_again_later_by_the_deadline() {
-        let (_dir, socket) = fake_agent(|stream| {
-            // Hold the connection open, answer nothing.
-            std::thread::sleep(std::time::Duration::from_secs(30));
-            drop(stream);
-        });
-        let stdin = format!(
-            r#"{{"cniVersion":"1.0.0","name":"n","type":"lockstep","agentSocket":"{}","agentTimeout":1}}"#,
-            socket.display()
-        );
-        let started = std::time::Instant::now();
-        let (out, code) = invoke(add_env(), stdin.as_bytes());
-        let took = started.elapsed();
-        assert!(took < std::time::Duration::from_secs(5), "took {took:?}");
-        assert_eq!(code, 1);
-        let out = out.expect("an error object");
-        assert_eq!(out["code"], 11, "{out}");
-        assert!(
-            out["msg"]
-                .as_str()
-                .unwrap_or_default()
-                .contains("did not answer within"),
-            "{out}"
-        );
-    }
-
-    #[test]
-    fn an_oversized_reply_is_an_error_not_a_result() {
-        let (_dir, socket) = fake_agent(|mut stream| {
-            use std::io::Read as _;
-            let mut buf = [0u8; 4096];
-            let _ = stream.read(&mut buf);
-            let _ = stream.write_all(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n\r\n[");
-            let filler = vec![b' '; 64 * 1024];
-            // 200 MiB unless the plugin hangs up first.
-            for _ in 0..3200 {
-                if stream.write_all(&filler).is_err() {
-                    return;
-                }
-            }
-        });
-        let stdin = format!(
-            r#"{{"cniVersion":"1.0.0","name":"n","type":"lockstep","agentSocket":"{}"}}"#,
-            socket.display()
-        );
-        let (out, code) = invoke(add_env(), stdin.as_bytes());
-        assert_eq!(code, 1);
-        let out = out.expect("an error object");
-        assert_eq!(out["code"], 11, "{out}");
-        assert!(
-            out["msg"]
-                .as_str()
-                .unwrap_or_default()
-                .contains("larger than"),
-            "{out}"
-        );
-    }
-
-    /// A fake agent that answers every request with `body` (status 200),
-    /// and counts the DELs it gets.
-    fn answering(
-        body: &'static str,
-    ) -> (
-        tempfile::TempDir,
-        std::path::PathBuf,
-        std::sync::Arc<std::sync::atomic::AtomicUsize>,
-    ) {
-        let dels = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
-        let seen = dels.clone();
-        let (dir, socket) = fake_agent(move |mut stream| {
-            use std::io::Read as _;
-            let mut buf = [0u8; 4096];
-            let n = stream.read(&mut buf).unwrap_or(0);
-            if buf[..n].starts_with(b"POST /v1/cni/del") {
-                seen.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-            }
-            let _ = write!(
-                stream,
-                "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
-                body.len()
-            );
-        });
-        (dir, socket, dels)
-    }
-
-    #[test]
-    fn an_add_reply_without_usable_addresses_is_an_error_and_is_given_back() {
-        for (mode, body) in [
-            ("lockstep-ipam", r#"{"unexpected":true}"#),
-            ("lockstep-ipam", r#"{"addresses":"10.0.0.2/24"}"#),
-            ("lockstep-ipam", r#"{"addresses":[],"routes":[]}"#),
-            // One good address beside one that does not parse: the whole
-            // answer is refused, never a result with the good one alone.
-            (
-                "lockstep-ipam",
-                r#"{"addresses":[{"address":"10.0.0.2/24","gateway":null},{"address":"10.0.0.300/24","gateway":null}],"routes":[]}"#,
-            ),
-            (
-                "lockstep-ipam",
-                r#"{"addresses":[{"address":"10.0.0.2/24","gateway":null},{"address":"fd00::2","gateway":null}],"routes":[]}"#,
-            ),
-            (
-                "lockstep-ipam",
-                r#"{"addresses":[{"address":"10.0.0.2/24","gateway":"10.0.0.x"}],"routes":[]}"#,
-            ),
-            (
-                "lockstep-ipam",
-                r#"{"addresses":[{"address":"10.0.0.2/24","gateway":null}],"routes":[["0.0.0.0/0",null],["bogus",null]]}"#,
-            ),
-            (
-                "lockstep",
-                r#"{"addresses":[{"address":"10.0.0.2/32","gateway":null}],"routes":[],"record":{"host_ifname":"ls1","host_mac":[1,2,3,4,5,256],"mac":[1,2,3,4,5,6]}}"#,
-            ),
-            (
-                "lockstep",
-                r#"{"addresses":[{"address":"10.0.0.2/32","gateway":null}],"routes":[],"record":{}}"#,
-            ),
-        ] {
-            let (_dir, socket, dels) = answering(body);
-            let stdin = if mode == "lockstep" {
-                format!(
-                    r#"{{"cniVersion":"1.0.0","name":"n","type":"lockstep","agentSocket":"{}"}}"#,
-                    socket.display()
-                )
-            } else {
-                format!(
-                    r#"{{"cniVersion":"1.0.0","name":"n","type":"bridge","ipam":{{"type":"lockstep-ipam","agentSocket":"{}"}}}}"#,
-                    socket.display()
-                )
-            };
-            let (out, code) = invoke(add_env(), stdin.as_bytes());
-            let out = out.expect("an error object");
-            assert_eq!(code, 1, "{body}: {out}");
-            assert_eq!(out["code"], BAD_AGENT_REPLY, "{body}: {out}");
-            assert_eq!(
-                dels.load(std::sync::atomic::Ordering::SeqCst),
-                1,
-                "{body}: the allocation is given back"
-            );
-        }
-    }
-
-    #[test]
-    fn a_well_formed_add_reply_is_a_result() {
-        let (_dir, socket, dels) = answering(
-            r#"{"addresses":[{"address":"10.0.0.2/24","gateway":"10.0.0.1"}],"routes":[],"record":{"new_field":1}}"#,
-        );
-        let stdin = format!(
-            r#"{{"cniVersion":"1.0.0","name":"n","type":"bridge","ipam":{{"type":"lockstep-ipam","agentSocket":"{}"}}}}"#,
-            socket.display()
-        );
-        let (out, code) = invoke(add_env(), stdin.as_bytes());
-        let out = out.expect("a result");
-        assert_eq!(code, 0, "{out}");
-        assert_eq!(out["ips"][0]["address"], "10.0.0.2/24", "{out}");
-        assert_eq!(dels.load(std::sync::atomic::Ordering::SeqCst), 0);
-    }
-
-    #[test]
-    fn agent_timeout_is_checked() {
-        for bad in ["0", "601", "\"30s\""] {
-            let stdin = format!(
-                r#"{{"cniVersion":"1.0.0","name":"n","type":"lockstep","agentTimeout":{bad}}}"#
-            );
-            let (out, code) = invoke(add_env(), stdin.as_bytes());
-            assert_eq!(code, 1, "{bad}");
-            let out = out.expect("an error object");
-            assert!(
-                out["msg"]
-                    .as_str()
-                    .unwrap_or_default()
-                    .contains("agentTimeout")
-                    || out["details"]
-                        .as_str()
-                        .unwrap_or_default()
-                        .contains("agentTimeout"),
-                "{bad}: {out}"
-            );
-        }
-    }
-
-    #[test]
-    fn chunked_bodies_are_decoded() {
-        assert_eq!(
-            dechunk(b"4\r\nWiki\r\n5\r\npedia\r\n0\r\n\r\n").as_deref(),
-            Some(&b"Wikipedia"[..])
-        );
-        assert_eq!(dechunk(b"zz\r\n"), None);
-        assert_eq!(dechunk(b"5\r\nab"), None);
-    }
-
-    #[test]
-    fn version_needs_no_agent() {
-        let (out, code) = invoke([("CNI_COMMAND", "VERSION")], br#"{"cniVersion":"0.4.0"}"#);
-        assert_eq!(code, 0);
-        let out = out.expect("version info");
-        assert!(
-            out["supportedVersions"]
-                .as_array()
-                .is_some_and(|v| v.len() == 4),
-            "{out}"
-        );
-    }
-}
+mod tests;

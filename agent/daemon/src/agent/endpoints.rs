@@ -12,14 +12,12 @@
 
 use std::collections::BTreeSet;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
-use std::path::PathBuf;
 
 use ipnet::IpNet;
 use lockstep_common::{EndpointValue, endpoint_flags, map_names, program_names};
 use lockstep_core::cidr::Family;
 use lockstep_core::manager::Allocation;
 use lockstep_core::owner::Owner;
-use serde::{Deserialize, Serialize};
 
 use std::sync::Mutex;
 
@@ -34,74 +32,9 @@ pub const GATEWAY_V4: Ipv4Addr = Ipv4Addr::new(169, 254, 1, 1);
 /// The link-local IPv6 gateway every endpoint routes through.
 pub const GATEWAY_V6: Ipv6Addr = Ipv6Addr::new(0xfe80, 0, 0, 0, 0, 0, 0, 1);
 
-/// A CNI ADD (or CHECK) as the agent sees it.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct EndpointRequest {
-    /// `CNI_CONTAINERID`.
-    pub container_id: String,
-    /// `CNI_IFNAME`.
-    pub ifname: String,
-    /// `CNI_NETNS`.
-    pub netns: PathBuf,
-    /// Full (interfaces) or IPAM only.
-    pub mode: EndpointMode,
-    /// The pool; `None` is the default pool.
-    #[serde(default)]
-    pub pool: Option<String>,
-    /// Specific addresses asked for (`ips` capability / args).
-    #[serde(default)]
-    pub requested: Vec<IpAddr>,
-    /// MTU of the veth pair.
-    #[serde(default)]
-    pub mtu: Option<u32>,
-}
-
-/// One address of an ADD result.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct EndpointAddress {
-    /// Address with prefix: /32 or /128 in full mode, the pool CIDR's prefix
-    /// in IPAM mode.
-    pub address: IpNet,
-    /// Gateway, if any.
-    pub gateway: Option<IpAddr>,
-}
-
-/// What ADD returns.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct EndpointReply {
-    /// The record as stored.
-    pub record: EndpointRecord,
-    /// Addresses for the CNI result.
-    pub addresses: Vec<EndpointAddress>,
-    /// Routes for the CNI result: (destination, gateway).
-    pub routes: Vec<(IpNet, Option<IpAddr>)>,
-}
-
-/// A DEL.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct DelRequest {
-    /// `CNI_CONTAINERID`.
-    pub container_id: String,
-    /// `CNI_IFNAME`.
-    pub ifname: String,
-}
-
-/// A GC.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct GcRequest {
-    /// Attachments to keep: (container id, ifname).
-    pub valid: Vec<(String, String)>,
-}
-
-/// What GC released.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct GcReport {
-    /// Attachments released.
-    pub released: Vec<(String, String)>,
-}
+pub use crate::wire::{
+    DelRequest, EndpointAddress, EndpointReply, EndpointRequest, GcReport, GcRequest,
+};
 
 /// A stable, short host-side interface name for an attachment (`lxc` + 12
 /// hex digits of an FNV-1a hash), so a retried ADD finds a half-made veth.

@@ -1,0 +1,135 @@
+//! The typed contract between the CNI plugin and the agent: the request
+//! bodies the API's `/v1/cni/*` handlers deserialize and the plugin
+//! serializes, and the replies the handlers serialize and the plugin
+//! parses. One definition for both sides, so they cannot drift.
+//!
+//! Compatibility rules (the wire format is unchanged by having them here):
+//! - **Requests refuse unknown fields** (`deny_unknown_fields`): a field the
+//!   agent does not know is a plugin it does not understand, and it says so
+//!   (`bad_request` naming the field) instead of ignoring what was asked.
+//! - **Replies tolerate unknown fields** at their top level: an agent newer
+//!   than the plugin may add fields, and the plugin ignores them. The ADD
+//!   reply's `record` is the store's [`EndpointRecord`], which stays strict
+//!   (it is also the on-disk record); the plugin and the agent ship as one
+//!   binary, so a record the plugin cannot read is a mismatched install and
+//!   the ADD fails (code 101) and is given back, never a result without
+//!   addresses.
+
+use std::net::IpAddr;
+use std::path::PathBuf;
+
+use ipnet::IpNet;
+use serde::{Deserialize, Serialize};
+
+use crate::store::{EndpointMode, EndpointRecord};
+
+/// A CNI ADD (or CHECK) as the agent sees it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EndpointRequest {
+    /// `CNI_CONTAINERID`.
+    pub container_id: String,
+    /// `CNI_IFNAME`.
+    pub ifname: String,
+    /// `CNI_NETNS`.
+    pub netns: PathBuf,
+    /// Full (interfaces) or IPAM only.
+    pub mode: EndpointMode,
+    /// The pool; `None` is the default pool.
+    #[serde(default)]
+    pub pool: Option<String>,
+    /// Specific addresses asked for (`ips` capability / args).
+    #[serde(default)]
+    pub requested: Vec<IpAddr>,
+    /// MTU of the veth pair.
+    #[serde(default)]
+    pub mtu: Option<u32>,
+}
+
+/// One address of an ADD result.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EndpointAddress {
+    /// Address with prefix: /32 or /128 in full mode, the pool CIDR's prefix
+    /// in IPAM mode.
+    pub address: IpNet,
+    /// Gateway, if any.
+    pub gateway: Option<IpAddr>,
+}
+
+/// What ADD returns.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EndpointReply {
+    /// The record as stored.
+    pub record: EndpointRecord,
+    /// Addresses for the CNI result.
+    pub addresses: Vec<EndpointAddress>,
+    /// Routes for the CNI result: (destination, gateway).
+    pub routes: Vec<(IpNet, Option<IpAddr>)>,
+}
+
+/// A DEL.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DelRequest {
+    /// `CNI_CONTAINERID`.
+    pub container_id: String,
+    /// `CNI_IFNAME`.
+    pub ifname: String,
+}
+
+/// A GC.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GcRequest {
+    /// Attachments to keep: (container id, ifname).
+    pub valid: Vec<(String, String)>,
+}
+
+/// What GC released.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GcReport {
+    /// Attachments released.
+    pub released: Vec<(String, String)>,
+}
+
+/// Every API error body: `{"error": {"code": ..., "message": ...}}`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ErrorReply {
+    /// The error.
+    pub error: ErrorBody,
+}
+
+/// The error inside an [`ErrorReply`].
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ErrorBody {
+    /// The stable code (`not_ready`, `pool_exhausted`, ...).
+    pub code: String,
+    /// What is wrong, with its causes.
+    pub message: String,
+}
+
+/// What `GET /v1/status` answers, as far as readiness goes: the leading
+/// fields of the agent's full status ([`crate::agent::Status`]), which is
+/// all a not-ready agent answers with. The plugin's STATUS reads this; the
+/// rest of a ready agent's status is ignored (unknown fields are).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Readiness {
+    /// The agent's version.
+    #[serde(default)]
+    pub version: String,
+    /// Ready to serve.
+    pub ready: bool,
+    /// Why not, when not.
+    #[serde(default)]
+    pub reason: Option<String>,
+    /// The pool a request that names none uses (absent while not ready).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub default_pool: Option<String>,
+}
+
+/// The empty object DEL and CHECK answer with.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Empty {}
+
+#[cfg(test)]
+mod tests;
