@@ -5,50 +5,55 @@
 //! Everything here works on a map fd and plain byte buffers; typed access goes
 //! through aya. This module and the rest of `datapath` are the only code that
 //! talks to the kernel's BPF subsystem.
+//!
+//! The commands and the `union bpf_attr` members are the kernel bindings
+//! aya-obj generates (`aya_obj::generated`, the version aya 0.14 itself
+//! uses), not hand copies; only the syscall itself is made here, because aya
+//! keeps its own `bpf_*` wrappers private.
 
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
 
-const BPF_MAP_CREATE: libc::c_long = 0;
-const BPF_MAP_LOOKUP_ELEM: libc::c_long = 1;
-const BPF_MAP_UPDATE_ELEM: libc::c_long = 2;
-const BPF_MAP_GET_NEXT_KEY: libc::c_long = 4;
-const BPF_MAP_LOOKUP_BATCH: libc::c_long = 24;
-const BPF_MAP_UPDATE_BATCH: libc::c_long = 26;
-const BPF_MAP_DELETE_BATCH: libc::c_long = 27;
-const BPF_MAP_FREEZE: libc::c_long = 22;
-const BPF_MAP_TYPE_ARRAY: u32 = 2;
+use aya_obj::generated::bpf_cmd::{
+    self, BPF_MAP_CREATE, BPF_MAP_DELETE_BATCH, BPF_MAP_FREEZE, BPF_MAP_GET_NEXT_KEY,
+    BPF_MAP_LOOKUP_BATCH, BPF_MAP_LOOKUP_ELEM, BPF_MAP_UPDATE_BATCH, BPF_MAP_UPDATE_ELEM,
+};
+use aya_obj::generated::{
+    bpf_attr, bpf_attr__bindgen_ty_1 as CreateAttr, bpf_attr__bindgen_ty_2 as ElemAttr,
+    bpf_attr__bindgen_ty_2__bindgen_ty_1 as ElemValue, bpf_attr__bindgen_ty_3 as BatchAttr,
+    bpf_map_type,
+};
 
 /// `BPF_F_RDONLY_PROG`: programs may read the map, never write it.
-pub const BPF_F_RDONLY_PROG: u32 = 1 << 7;
+pub const BPF_F_RDONLY_PROG: u32 = aya_obj::generated::BPF_F_RDONLY_PROG;
 
 /// `BPF_ANY`: create or update.
-pub const BPF_ANY: u64 = 0;
+pub const BPF_ANY: u64 = aya_obj::generated::BPF_ANY as u64;
 
-/// The element-command part of `union bpf_attr`.
-#[repr(C)]
-#[derive(Default)]
-struct ElemAttr {
-    map_fd: u32,
-    _pad: u32,
-    key: u64,
-    value_or_next_key: u64,
-    flags: u64,
+/// The kernel's `union bpf_attr` or one of its members, as aya-obj generates
+/// them: every member starts at offset 0, so a pointer to one and its size is
+/// a valid `bpf_attr` prefix for the commands that use it (whose last field
+/// ends the member, so the kernel checks no padding of it).
+///
+/// # Safety
+/// Implemented only for the generated `#[repr(C)]` members, which hold
+/// integers (and unions of integers) only, so all-zero is a valid value.
+unsafe trait AttrPart: Copy {
+    /// The member with every field zero (the kernel's "unset").
+    fn zero() -> Self {
+        // SAFETY: see the trait: plain integers, all-zero is valid.
+        unsafe { std::mem::zeroed() }
+    }
 }
 
-/// The batch-command part of `union bpf_attr`.
-#[repr(C)]
-#[derive(Default)]
-struct BatchAttr {
-    in_batch: u64,
-    out_batch: u64,
-    keys: u64,
-    values: u64,
-    count: u32,
-    map_fd: u32,
-    elem_flags: u64,
-    flags: u64,
-}
+// SAFETY: generated #[repr(C)] members of `bpf_attr` holding integers only.
+unsafe impl AttrPart for CreateAttr {}
+// SAFETY: as above.
+unsafe impl AttrPart for ElemAttr {}
+// SAFETY: as above.
+unsafe impl AttrPart for BatchAttr {}
+// SAFETY: the whole union of such members.
+unsafe impl AttrPart for bpf_attr {}
 
 /// Why a raw map command failed.
 #[derive(Debug, thiserror::Error)]
@@ -82,39 +87,18 @@ pub enum SysError {
     },
 }
 
-/// The map-creation part of `union bpf_attr` (up to the name).
-#[repr(C)]
-#[derive(Default)]
-struct CreateAttr {
-    map_type: u32,
-    key_size: u32,
-    value_size: u32,
-    max_entries: u32,
-    map_flags: u32,
-    inner_map_fd: u32,
-    numa_node: u32,
-    map_name: [u8; 16],
-}
-
-/// The map-fd-only part of `union bpf_attr` (`BPF_MAP_FREEZE`).
-#[repr(C)]
-#[derive(Default)]
-struct FdAttr {
-    map_fd: u32,
-}
-
-fn bpf<T>(cmd: libc::c_long, attr: &mut T) -> io::Result<()> {
+fn bpf<T: AttrPart>(cmd: bpf_cmd, attr: &mut T) -> io::Result<()> {
     bpf_ret(cmd, attr).map(drop)
 }
 
-fn bpf_ret<T>(cmd: libc::c_long, attr: &mut T) -> io::Result<libc::c_long> {
-    // SAFETY: `attr` is a valid, initialised, #[repr(C)] prefix of `bpf_attr`
+fn bpf_ret<T: AttrPart>(cmd: bpf_cmd, attr: &mut T) -> io::Result<libc::c_long> {
+    // SAFETY: `attr` is a valid, initialised member of `bpf_attr` ([`AttrPart`])
     // that lives for the duration of the call; the kernel reads at most
     // `size_of::<T>()` bytes and zero-extends the rest.
     let ret = unsafe {
         libc::syscall(
             libc::SYS_bpf,
-            cmd,
+            cmd as libc::c_long,
             attr as *mut T as *mut libc::c_void,
             size_of::<T>() as libc::c_uint,
         )
@@ -148,15 +132,16 @@ pub fn create_array(
 ) -> Result<std::os::fd::OwnedFd, SysError> {
     use std::os::fd::FromRawFd as _;
     let mut attr = CreateAttr {
-        map_type: BPF_MAP_TYPE_ARRAY,
+        map_type: bpf_map_type::BPF_MAP_TYPE_ARRAY as u32,
         key_size: 4,
         value_size,
         max_entries,
         map_flags: flags,
-        ..Default::default()
+        ..AttrPart::zero()
     };
-    let n = name.len().min(15);
-    attr.map_name[..n].copy_from_slice(&name.as_bytes()[..n]);
+    for (to, from) in attr.map_name.iter_mut().zip(name.bytes().take(15)) {
+        *to = from as std::ffi::c_char;
+    }
     let fd = bpf_ret(BPF_MAP_CREATE, &mut attr).map_err(one("BPF_MAP_CREATE"))?;
     // SAFETY: a successful BPF_MAP_CREATE returns a new descriptor we own.
     Ok(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd as i32) })
@@ -167,9 +152,10 @@ pub fn create_array(
 /// # Errors
 /// The syscall's error.
 pub fn freeze(fd: impl AsFd) -> Result<(), SysError> {
-    let mut attr = FdAttr {
-        map_fd: raw(fd.as_fd()),
-    };
+    // The whole union, zeroed: the kernel refuses any non-zero byte after
+    // `map_fd`, and a member's padding is not guaranteed to be zero.
+    let mut attr = bpf_attr::zero();
+    attr.__bindgen_anon_2.map_fd = raw(fd.as_fd());
     bpf(BPF_MAP_FREEZE, &mut attr).map_err(one("BPF_MAP_FREEZE"))
 }
 
@@ -182,8 +168,10 @@ pub fn lookup_raw(fd: impl AsFd, key: &[u8], value: &mut [u8]) -> Result<(), Sys
     let mut attr = ElemAttr {
         map_fd: raw(fd.as_fd()),
         key: key.as_ptr() as u64,
-        value_or_next_key: value.as_mut_ptr() as u64,
-        ..Default::default()
+        __bindgen_anon_1: ElemValue {
+            value: value.as_mut_ptr() as u64,
+        },
+        ..AttrPart::zero()
     };
     bpf(BPF_MAP_LOOKUP_ELEM, &mut attr).map_err(one("BPF_MAP_LOOKUP_ELEM"))
 }
@@ -216,7 +204,7 @@ pub fn update_batch(
             count: (n - done) as u32,
             map_fd: raw(fd.as_fd()),
             elem_flags: BPF_ANY,
-            ..Default::default()
+            ..AttrPart::zero()
         };
         let result = bpf(BPF_MAP_UPDATE_BATCH, &mut attr);
         // The kernel writes back how many elements it processed, even on error.
@@ -265,7 +253,7 @@ pub fn lookup_batch(
             values: value_buf.as_mut_ptr() as u64,
             count: CHUNK as u32,
             map_fd: raw(fd.as_fd()),
-            ..Default::default()
+            ..AttrPart::zero()
         };
         let result = bpf(BPF_MAP_LOOKUP_BATCH, &mut attr);
         let n = attr.count as usize;
@@ -406,7 +394,7 @@ pub fn delete_batch(fd: impl AsFd, key_size: usize, keys: &[u8]) -> Result<(), S
             keys: keys[done * key_size..].as_ptr() as u64,
             count: (n - done) as u32,
             map_fd: raw(fd.as_fd()),
-            ..Default::default()
+            ..AttrPart::zero()
         };
         let result = bpf(BPF_MAP_DELETE_BATCH, &mut attr);
         done += attr.count as usize;
@@ -465,8 +453,10 @@ pub fn dump_raw(
         let mut attr = ElemAttr {
             map_fd: fd,
             key: key.as_ref().map_or(0, |k| k.as_ptr() as u64),
-            value_or_next_key: next.as_mut_ptr() as u64,
-            ..Default::default()
+            __bindgen_anon_1: ElemValue {
+                value: next.as_mut_ptr() as u64,
+            },
+            ..AttrPart::zero()
         };
         match bpf(BPF_MAP_GET_NEXT_KEY, &mut attr) {
             Ok(()) => {}
@@ -484,8 +474,10 @@ pub fn dump_raw(
         let mut attr = ElemAttr {
             map_fd: fd,
             key: next.as_ptr() as u64,
-            value_or_next_key: value.as_mut_ptr() as u64,
-            ..Default::default()
+            __bindgen_anon_1: ElemValue {
+                value: value.as_mut_ptr() as u64,
+            },
+            ..AttrPart::zero()
         };
         match bpf(BPF_MAP_LOOKUP_ELEM, &mut attr) {
             Ok(()) => out.push((next.clone(), value)),
@@ -513,9 +505,10 @@ pub fn update_raw(fd: impl AsFd, key: &[u8], value: &[u8]) -> Result<(), SysErro
     let mut attr = ElemAttr {
         map_fd: raw(fd.as_fd()),
         key: key.as_ptr() as u64,
-        value_or_next_key: value.as_ptr() as u64,
+        __bindgen_anon_1: ElemValue {
+            value: value.as_ptr() as u64,
+        },
         flags: BPF_ANY,
-        ..Default::default()
     };
     bpf(BPF_MAP_UPDATE_ELEM, &mut attr).map_err(|source| SysError::Syscall {
         command: "BPF_MAP_UPDATE_ELEM",
