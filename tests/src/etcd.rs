@@ -1,0 +1,200 @@
+//! A real multi-member etcd cluster on loopback for cluster-mode tests: the
+//! distribution's `/usr/bin/etcd`, free ports, a private data directory per
+//! member. Dropping it kills every member and removes every directory.
+
+use anyhow::{Context, Result, bail};
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+static NEXT: AtomicU32 = AtomicU32::new(0);
+
+/// One member: its URLs and, while running, its process.
+struct Member {
+    name: String,
+    client: String,
+    peer: String,
+    dir: PathBuf,
+    child: Option<Child>,
+}
+
+/// A running etcd cluster; members can be stopped and started again.
+pub struct EtcdCluster {
+    root: PathBuf,
+    token: String,
+    members: Vec<Member>,
+}
+
+fn free_port() -> Result<u16> {
+    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+impl EtcdCluster {
+    /// Starts `n` members and waits until every one answers healthy.
+    ///
+    /// # Errors
+    /// A member that fails to start or to become healthy within 30 s.
+    pub fn start(n: usize) -> Result<EtcdCluster> {
+        let token = format!(
+            "lockstep-test-{}-{}",
+            std::process::id(),
+            NEXT.fetch_add(1, Ordering::Relaxed)
+        );
+        let root = std::env::temp_dir().join(&token);
+        std::fs::create_dir_all(&root).with_context(|| format!("creating {}", root.display()))?;
+        let mut cluster = EtcdCluster {
+            root,
+            token,
+            members: Vec::new(),
+        };
+        for i in 0..n {
+            let dir = cluster.root.join(format!("m{i}"));
+            cluster.members.push(Member {
+                name: format!("m{i}"),
+                client: format!("http://127.0.0.1:{}", free_port()?),
+                peer: format!("http://127.0.0.1:{}", free_port()?),
+                dir,
+                child: None,
+            });
+        }
+        for i in 0..n {
+            cluster.start_member(i)?;
+        }
+        for i in 0..n {
+            cluster.wait_healthy(i, Duration::from_secs(30))?;
+        }
+        Ok(cluster)
+    }
+
+    /// Client URLs of every member, comma-separated order kept.
+    pub fn endpoints(&self) -> Vec<String> {
+        self.members.iter().map(|m| m.client.clone()).collect()
+    }
+
+    /// The client URL of member `i`.
+    pub fn endpoint(&self, i: usize) -> &str {
+        &self.members[i].client
+    }
+
+    /// Starts member `i` (again); its data directory is kept across stops.
+    ///
+    /// # Errors
+    /// When `etcd` cannot be spawned.
+    pub fn start_member(&mut self, i: usize) -> Result<()> {
+        let initial: Vec<String> = self
+            .members
+            .iter()
+            .map(|m| format!("{}={}", m.name, m.peer))
+            .collect();
+        let m = &mut self.members[i];
+        if m.child.is_some() {
+            return Ok(());
+        }
+        let log = std::fs::File::create(self.root.join(format!("{}.log", m.name)))?;
+        let child = Command::new("/usr/bin/etcd")
+            .arg("--name")
+            .arg(&m.name)
+            .arg("--data-dir")
+            .arg(&m.dir)
+            .arg("--listen-client-urls")
+            .arg(&m.client)
+            .arg("--advertise-client-urls")
+            .arg(&m.client)
+            .arg("--listen-peer-urls")
+            .arg(&m.peer)
+            .arg("--initial-advertise-peer-urls")
+            .arg(&m.peer)
+            .arg("--initial-cluster")
+            .arg(initial.join(","))
+            .arg("--initial-cluster-token")
+            .arg(&self.token)
+            .arg("--initial-cluster-state")
+            .arg("new")
+            .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            .spawn()
+            .context("spawning /usr/bin/etcd")?;
+        m.child = Some(child);
+        Ok(())
+    }
+
+    /// Stops member `i` (SIGKILL) and waits for it.
+    pub fn stop_member(&mut self, i: usize) {
+        if let Some(mut child) = self.members[i].child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Runs `etcdctl` against the given endpoints; its stdout on success.
+    ///
+    /// # Errors
+    /// A non-zero exit, with etcdctl's stderr.
+    pub fn etcdctl(endpoints: &[&str], args: &[&str]) -> Result<String> {
+        let out = Command::new("/usr/bin/etcdctl")
+            .env("ETCDCTL_API", "3")
+            .arg(format!("--endpoints={}", endpoints.join(",")))
+            .arg("--command-timeout=2s")
+            .args(args)
+            .output()
+            .context("running etcdctl")?;
+        if !out.status.success() {
+            bail!(
+                "etcdctl {args:?}: {}",
+                String::from_utf8_lossy(&out.stderr).trim()
+            );
+        }
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    }
+
+    /// Waits until member `i` reports healthy (it has a leader and serves a
+    /// quorum read).
+    ///
+    /// # Errors
+    /// Not healthy within `timeout`; the error carries the member's log tail.
+    pub fn wait_healthy(&self, i: usize, timeout: Duration) -> Result<()> {
+        let start = Instant::now();
+        loop {
+            if Self::etcdctl(&[self.endpoint(i)], &["endpoint", "health"]).is_ok() {
+                return Ok(());
+            }
+            if start.elapsed() > timeout {
+                let log = std::fs::read_to_string(self.root.join(format!("m{i}.log")))
+                    .unwrap_or_default();
+                let tail: Vec<&str> = log.lines().rev().take(20).collect();
+                bail!(
+                    "etcd member m{i} not healthy after {timeout:?}; log tail:\n{}",
+                    tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+                );
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// The directory holding every member's data and log.
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    /// Whether member `i`'s process is running.
+    pub fn is_running(&self, i: usize) -> bool {
+        self.members[i].child.is_some()
+    }
+
+    /// The pid of member `i`, while it runs.
+    pub fn pid(&self, i: usize) -> Option<u32> {
+        self.members[i].child.as_ref().map(Child::id)
+    }
+}
+
+impl Drop for EtcdCluster {
+    fn drop(&mut self) {
+        for i in 0..self.members.len() {
+            self.stop_member(i);
+        }
+        let _ = std::fs::remove_dir_all(&self.root);
+    }
+}
