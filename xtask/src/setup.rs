@@ -30,6 +30,9 @@ const PACKAGES: &[&str] = &[
     "runc",
     "etcd-server",
     "etcd-client",
+    // protoc: the etcd-client crate's build script compiles etcd's gRPC
+    // protocol (cluster mode's etcd door, #12).
+    "protobuf-compiler",
     "busybox-static",
 ];
 
