@@ -340,6 +340,7 @@ fn three_containers_get_pool_addresses_reach_each_other_and_free_them() -> anyho
     let mut rm = vec!["rm", "-f", "-t", "0"];
     rm.extend(names.iter().map(String::as_str));
     podman.ok(rm)?;
+    wait_released(&agent, &node)?;
     for id in &ids {
         let held = held_by(&agent, id)?;
         ensure!(held.is_empty(), "{id} still holds {held:?}");
@@ -443,8 +444,7 @@ fn podman_run_without_the_agent_fails_clearly_and_leaves_nothing() -> anyhow::Re
     );
     ping(&podman, &name, "10.63.255.1".parse()?, 3)?;
     podman.ok(["rm", "-f", "-t", "0", &name])?;
-    ensure!(endpoint_allocations(&agent)?.is_empty());
-    ensure!(lxc_links(Some(&node))?.is_empty());
+    wait_released(&agent, &node)?;
     Ok(())
 }
 
@@ -549,9 +549,23 @@ ipv6 = ["fd00:64::/120"]
     verify(&agent)?;
     assert_root_untouched()?;
     podman.ok(["rm", "-f", "-t", "0", &c1, &c2])?;
+    wait_released(&agent, &node)?;
     ensure!(held_by(&agent, &id1)?.is_empty() && held_by(&agent, &id2)?.is_empty());
-    ensure!(lxc_links(Some(&node))?.is_empty());
     Ok(())
+}
+
+/// Waits until the agent holds no endpoint address and no agent veth is
+/// left in `node`: a full DEL answers before its veth is gone, and the
+/// addresses wait for it (docs/teardown.md).
+fn wait_released(agent: &AgentProc, node: &Netns) -> anyhow::Result<()> {
+    lockstep_tests::wait_for(
+        "every endpoint address released and every veth gone",
+        Duration::from_secs(15),
+        || {
+            (endpoint_allocations(agent).ok()?.is_empty() && lxc_links(Some(node)).ok()?.is_empty())
+                .then_some(())
+        },
+    )
 }
 
 /// Runs a CNI plugin from inside `node`, as a runtime would.
