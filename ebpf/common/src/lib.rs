@@ -22,7 +22,13 @@
 
 use core::mem::size_of;
 
+pub mod nat;
 pub mod seal;
+
+pub use nat::{
+    LAST_SEEN_GRANULARITY_NS, MasqConfig, NatKeyV4, NatKeyV6, NatValueV4, NatValueV6, PORT_TRIES,
+    masq_flags, nat_state,
+};
 
 /// An IPv4 address in network byte order, as stored in every map.
 pub type V4Addr = [u8; 4];
@@ -63,8 +69,23 @@ pub mod map_names {
     /// spoofed packet dropped, an ARP request answered) through aya-log; see
     /// [`debug`](crate::debug). Pinned, so the switch outlives the agent.
     pub const DATAPATH_DEBUG: &str = "DATAPATH_DEBUG";
+    /// Hash: endpoint's tuple [`NatKeyV4`](crate::NatKeyV4) → translated
+    /// source [`NatValueV4`](crate::NatValueV4); see [`nat`](crate::nat).
+    pub const NAT_FWD_V4: &str = "NAT_FWD_V4";
+    /// Hash: [`NatKeyV6`](crate::NatKeyV6) → [`NatValueV6`](crate::NatValueV6),
+    /// like [`NAT_FWD_V4`].
+    pub const NAT_FWD_V6: &str = "NAT_FWD_V6";
+    /// Hash: reply's tuple [`NatKeyV4`](crate::NatKeyV4) → endpoint address
+    /// and port [`NatValueV4`](crate::NatValueV4); its keys are the claimed
+    /// translated ports.
+    pub const NAT_REV_V4: &str = "NAT_REV_V4";
+    /// Hash: [`NatKeyV6`](crate::NatKeyV6) → [`NatValueV6`](crate::NatValueV6),
+    /// like [`NAT_REV_V4`].
+    pub const NAT_REV_V6: &str = "NAT_REV_V6";
+    /// Array of one [`MasqConfig`](crate::MasqConfig), written by the agent.
+    pub const MASQ_CONFIG: &str = "MASQ_CONFIG";
     /// Every map, in a fixed order.
-    pub const ALL: [&str; 12] = [
+    pub const ALL: [&str; 17] = [
         IPCACHE_V4,
         IPCACHE_V6,
         IPCACHE_HOST_V4,
@@ -77,6 +98,11 @@ pub mod map_names {
         ENDPOINT_SLOTS,
         L2_RESP_SLOTS,
         DATAPATH_DEBUG,
+        NAT_FWD_V4,
+        NAT_FWD_V6,
+        NAT_REV_V4,
+        NAT_REV_V6,
+        MASQ_CONFIG,
     ];
 }
 
@@ -125,6 +151,14 @@ pub mod max_entries {
     pub const ENDPOINT_SLOTS: u32 = 16_384;
     /// L2_RESP_SLOTS. Fixed (the slot function depends on it); a power of two.
     pub const L2_RESP_SLOTS: u32 = 16_384;
+    /// Each of NAT_FWD_V4, NAT_FWD_V6, NAT_REV_V4 and NAT_REV_V6: one entry
+    /// per translated flow in each. 65,536 flows is 14 translated-port ranges
+    /// of the default 4,536 ports (61000-65535) towards one remote address and
+    /// port, or about 500 flows for each of 128 endpoints. The maps are
+    /// preallocated (a new flow's insert takes an element from a per-CPU free
+    /// list instead of allocating in the packet path and cannot fail for lack
+    /// of memory), which costs about 5 MiB (IPv4) and 8 MiB (IPv6) per map.
+    pub const NAT: u32 = 65_536;
 }
 
 /// Bits of [`IpcacheValue::flags`]: what kind of owner holds the prefix.
@@ -471,7 +505,8 @@ pub enum Counter {
     DstCluster = 7,
     /// from_endpoint: destination not in IPCACHE (world).
     DstWorld = 8,
-    /// to_native: endpoint traffic that would be masqueraded.
+    /// to_native: endpoint traffic to be masqueraded while MASQ_CONFIG
+    /// leaves masquerade off for its family (counted, not translated).
     MasqWouldTranslate = 9,
     /// to_native: endpoint traffic to a MASQ_SKIP destination.
     MasqSkipped = 10,
@@ -487,11 +522,22 @@ pub enum Counter {
     /// value failed its [`seal`] (torn by a concurrent rewrite, or damaged)
     /// and was looked up again.
     SealRetried = 15,
+    /// to_native: packet of a local endpoint source-translated (masqueraded).
+    MasqTranslated = 16,
+    /// from_native: reply reverse-translated to the endpoint.
+    MasqReversed = 17,
+    /// to_native: new flow dropped, no free translated port.
+    MasqExhausted = 18,
+    /// to_native: new flow dropped, a NAT map insert failed (full or no memory).
+    MasqTableFull = 19,
+    /// from_native: ICMP or ICMPv6 error quoting a translated packet
+    /// reverse-translated (outer and inner headers).
+    MasqIcmpErrorReversed = 20,
 }
 
 impl Counter {
     /// Number of counters (the COUNTERS map's max entries).
-    pub const COUNT: u32 = 16;
+    pub const COUNT: u32 = 21;
     /// Every counter, in index order.
     pub const ALL: [Counter; Self::COUNT as usize] = [
         Counter::FromEndpointPassed,
@@ -510,6 +556,11 @@ impl Counter {
         Counter::ArpIgnored,
         Counter::Malformed,
         Counter::SealRetried,
+        Counter::MasqTranslated,
+        Counter::MasqReversed,
+        Counter::MasqExhausted,
+        Counter::MasqTableFull,
+        Counter::MasqIcmpErrorReversed,
     ];
 
     /// Stable snake_case name, used in metrics and the CLI.
@@ -531,6 +582,11 @@ impl Counter {
             Counter::ArpIgnored => "arp_ignored",
             Counter::Malformed => "malformed",
             Counter::SealRetried => "seal_retried",
+            Counter::MasqTranslated => "masq_translated",
+            Counter::MasqReversed => "masq_reversed",
+            Counter::MasqExhausted => "masq_exhausted",
+            Counter::MasqTableFull => "masq_table_full",
+            Counter::MasqIcmpErrorReversed => "masq_icmp_error_reversed",
         }
     }
 }

@@ -28,8 +28,9 @@ use aya_ebpf::{
 };
 use aya_log_ebpf::info;
 use lockstep_common::{
-    Counter, EndpointSlot, EndpointValue, IpcacheValue, L2RespSlot, L2RespValue, MasqSkipValue,
-    V4Addr, V6Addr, endpoint_flags, ipcache_flags, max_entries, slots,
+    Counter, EndpointSlot, EndpointValue, IpcacheValue, L2RespSlot, L2RespValue, MasqConfig,
+    MasqSkipValue, NatKeyV4, NatKeyV6, NatValueV4, NatValueV6, V4Addr, V6Addr, endpoint_flags,
+    ipcache_flags, max_entries, slots,
 };
 
 #[btf_map]
@@ -77,6 +78,16 @@ static L2_RESP_SLOTS: Array<L2RespSlot, { max_entries::L2_RESP_SLOTS as usize },
 static COUNTERS: PerCpuArray<u64, { Counter::COUNT as usize }> = PerCpuArray::new();
 #[btf_map]
 static DATAPATH_DEBUG: Array<u32, 1> = Array::new();
+#[btf_map]
+static NAT_FWD_V4: HashMap<NatKeyV4, NatValueV4, { max_entries::NAT as usize }> = HashMap::new();
+#[btf_map]
+static NAT_FWD_V6: HashMap<NatKeyV6, NatValueV6, { max_entries::NAT as usize }> = HashMap::new();
+#[btf_map]
+static NAT_REV_V4: HashMap<NatKeyV4, NatValueV4, { max_entries::NAT as usize }> = HashMap::new();
+#[btf_map]
+static NAT_REV_V6: HashMap<NatKeyV6, NatValueV6, { max_entries::NAT as usize }> = HashMap::new();
+#[btf_map]
+static MASQ_CONFIG: Array<MasqConfig, 1> = Array::new();
 
 /// Whether rare events are reported (see `lockstep_common::debug`): one
 /// inlined array read, done only on the paths that report.

@@ -8,7 +8,8 @@ use std::net::{Ipv4Addr, Ipv6Addr};
 
 use clap::Subcommand;
 use lockstep_common::{
-    EndpointSlot, IpcacheValue, L2RespSlot, endpoint_flags, ipcache_flags, slots,
+    EndpointSlot, IpcacheValue, L2RespSlot, endpoint_flags, ipcache_flags, masq_flags, nat_state,
+    slots,
 };
 use serde_json::json;
 
@@ -28,6 +29,111 @@ pub enum MapsCommand {
         #[arg(long, short, value_enum, default_value_t)]
         output: Output,
     },
+}
+
+fn nat_state_names(state: u8) -> Vec<&'static str> {
+    [
+        (nat_state::FIN_OUT, "fin_out"),
+        (nat_state::FIN_IN, "fin_in"),
+        (nat_state::RST, "rst"),
+    ]
+    .into_iter()
+    .filter(|(bit, _)| state & bit != 0)
+    .map(|(_, name)| name)
+    .collect()
+}
+
+/// One NAT map entry as JSON: the key's tuple, the value's address and port.
+fn nat_entry(
+    (src, dst, sport, dport, proto): (String, String, u16, u16, u8),
+    (addr, port, last_seen_ns, state): (String, u16, u64, u8),
+) -> serde_json::Value {
+    json!({
+        "proto": proto,
+        "src": src,
+        "dst": dst,
+        "src_port": sport,
+        "dst_port": dport,
+        "to_addr": addr,
+        "to_port": port,
+        "last_seen_ns": last_seen_ns,
+        "state": nat_state_names(state),
+    })
+}
+
+/// NAT_FWD_*, NAT_REV_* and MASQ_CONFIG decoded.
+fn dump_nat(maps: &PinnedMaps) -> anyhow::Result<Vec<(&'static str, serde_json::Value)>> {
+    let v4 =
+        |map: &aya::maps::HashMap<_, lockstep_common::NatKeyV4, lockstep_common::NatValueV4>| {
+            map.iter()
+                .map(|item| {
+                    let (k, v) = item?;
+                    Ok(nat_entry(
+                        (
+                            Ipv4Addr::from(k.src_addr).to_string(),
+                            Ipv4Addr::from(k.dst_addr).to_string(),
+                            k.src_port,
+                            k.dst_port,
+                            k.proto,
+                        ),
+                        (
+                            Ipv4Addr::from(v.addr).to_string(),
+                            v.port,
+                            v.last_seen_ns,
+                            v.state,
+                        ),
+                    ))
+                })
+                .collect::<anyhow::Result<Vec<_>>>()
+        };
+    let v6 =
+        |map: &aya::maps::HashMap<_, lockstep_common::NatKeyV6, lockstep_common::NatValueV6>| {
+            map.iter()
+                .map(|item| {
+                    let (k, v) = item?;
+                    Ok(nat_entry(
+                        (
+                            Ipv6Addr::from(k.src_addr).to_string(),
+                            Ipv6Addr::from(k.dst_addr).to_string(),
+                            k.src_port,
+                            k.dst_port,
+                            k.proto,
+                        ),
+                        (
+                            Ipv6Addr::from(v.addr).to_string(),
+                            v.port,
+                            v.last_seen_ns,
+                            v.state,
+                        ),
+                    ))
+                })
+                .collect::<anyhow::Result<Vec<_>>>()
+        };
+    let cfg = maps.masq_config().get(&0, 0)?;
+    let families: Vec<&str> = [
+        (masq_flags::ENABLED_V4, "ipv4"),
+        (masq_flags::ENABLED_V6, "ipv6"),
+    ]
+    .into_iter()
+    .filter(|(bit, _)| cfg.flags & bit != 0)
+    .map(|(_, name)| name)
+    .collect();
+    Ok(vec![
+        ("NAT_FWD_V4", json!(v4(maps.nat_fwd_v4())?)),
+        ("NAT_FWD_V6", json!(v6(maps.nat_fwd_v6())?)),
+        ("NAT_REV_V4", json!(v4(maps.nat_rev_v4())?)),
+        ("NAT_REV_V6", json!(v6(maps.nat_rev_v6())?)),
+        (
+            "MASQ_CONFIG",
+            json!({
+                "enabled": families,
+                "node_v4": Ipv4Addr::from(cfg.node_v4).to_string(),
+                "node_v6": Ipv6Addr::from(cfg.node_v6).to_string(),
+                "port_min": cfg.port_min,
+                "port_max": cfg.port_max,
+            }),
+        ),
+    ])
 }
 
 fn flag_names(flags: u32) -> Vec<&'static str> {
@@ -114,7 +220,7 @@ pub fn dump_maps(maps: &PinnedMaps) -> anyhow::Result<serde_json::Value> {
         .into_iter()
         .map(|(c, v)| (c.name().to_string(), json!(v)))
         .collect();
-    Ok(json!({
+    let mut out = json!({
         "IPCACHE_V4": ipcache_v4,
         "IPCACHE_V6": ipcache_v6,
         "MASQ_SKIP": masq,
@@ -123,7 +229,13 @@ pub fn dump_maps(maps: &PinnedMaps) -> anyhow::Result<serde_json::Value> {
         "ENDPOINT_SLOTS": endpoint_slots,
         "L2_RESP_SLOTS": l2_slots,
         "COUNTERS": counters,
-    }))
+    });
+    if let Some(obj) = out.as_object_mut() {
+        for (name, value) in dump_nat(maps)? {
+            obj.insert(name.to_string(), value);
+        }
+    }
+    Ok(out)
 }
 
 /// Prints a [`dump_maps`] result as text.

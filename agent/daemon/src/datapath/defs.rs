@@ -12,7 +12,8 @@ use std::path::Path;
 use aya::maps::{MapData, MapInfo, MapType};
 use lockstep_common::{
     Counter, EndpointSlot, EndpointValue, IpcacheValue, L2RespSlot, L2RespValue, LPM_V4_KEY_SIZE,
-    LPM_V6_KEY_SIZE, MasqSkipValue, map_names, max_entries,
+    LPM_V6_KEY_SIZE, MasqConfig, MasqSkipValue, NatKeyV4, NatKeyV6, NatValueV4, NatValueV6,
+    map_names, max_entries,
 };
 
 use super::{DatapathError, sys};
@@ -70,6 +71,8 @@ pub struct MapCapacities {
     pub endpoints: u32,
     /// L2_RESP_V4.
     pub l2_resp: u32,
+    /// Each of NAT_FWD_V4, NAT_FWD_V6, NAT_REV_V4 and NAT_REV_V6.
+    pub nat: u32,
 }
 
 impl Default for MapCapacities {
@@ -79,6 +82,7 @@ impl Default for MapCapacities {
             masq_skip: max_entries::MASQ_SKIP,
             endpoints: max_entries::ENDPOINTS,
             l2_resp: max_entries::L2_RESP,
+            nat: max_entries::NAT,
         }
     }
 }
@@ -154,6 +158,23 @@ pub fn expected_definitions(caps: &MapCapacities) -> BTreeMap<&'static str, MapD
             },
         ),
         (map_names::DATAPATH_DEBUG, array(size_of::<u32>(), 1)),
+        (
+            map_names::NAT_FWD_V4,
+            hash(size_of::<NatKeyV4>(), size_of::<NatValueV4>(), caps.nat),
+        ),
+        (
+            map_names::NAT_FWD_V6,
+            hash(size_of::<NatKeyV6>(), size_of::<NatValueV6>(), caps.nat),
+        ),
+        (
+            map_names::NAT_REV_V4,
+            hash(size_of::<NatKeyV4>(), size_of::<NatValueV4>(), caps.nat),
+        ),
+        (
+            map_names::NAT_REV_V6,
+            hash(size_of::<NatKeyV6>(), size_of::<NatValueV6>(), caps.nat),
+        ),
+        (map_names::MASQ_CONFIG, array(size_of::<MasqConfig>(), 1)),
     ])
 }
 
@@ -220,6 +241,19 @@ mod tests {
         assert_eq!(defs[map_names::ENDPOINTS].value_size, 48);
         assert_eq!(defs[map_names::L2_RESP_V4].value_size, 16);
         assert_eq!(defs[map_names::COUNTERS].max_entries, Counter::COUNT);
+        let fwd = defs[map_names::NAT_FWD_V4];
+        assert_eq!(fwd.map_type, MapType::Hash);
+        assert_eq!((fwd.key_size, fwd.value_size), (16, 16));
+        assert_eq!(fwd, defs[map_names::NAT_REV_V4]);
+        let fwd6 = defs[map_names::NAT_FWD_V6];
+        assert_eq!((fwd6.key_size, fwd6.value_size), (40, 32));
+        assert_eq!(fwd6, defs[map_names::NAT_REV_V6]);
+        assert_eq!(fwd6.max_entries, max_entries::NAT);
+        let cfg = defs[map_names::MASQ_CONFIG];
+        assert_eq!(
+            (cfg.map_type, cfg.value_size, cfg.max_entries),
+            (MapType::Array, 32, 1)
+        );
     }
 
     #[test]

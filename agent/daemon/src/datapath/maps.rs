@@ -15,8 +15,8 @@ use std::path::{Path, PathBuf};
 use aya::maps::lpm_trie::Key;
 use aya::maps::{Array, HashMap, LpmTrie, Map, MapData, PerCpuArray};
 use lockstep_common::{
-    Counter, EndpointSlot, EndpointValue, IpcacheValue, L2RespSlot, L2RespValue, MasqSkipValue,
-    V4Addr, V6Addr, map_names, slots,
+    Counter, EndpointSlot, EndpointValue, IpcacheValue, L2RespSlot, L2RespValue, MasqConfig,
+    MasqSkipValue, NatKeyV4, NatKeyV6, NatValueV4, NatValueV6, V4Addr, V6Addr, map_names, slots,
 };
 use lockstep_core::plan::slot_holder;
 
@@ -48,6 +48,16 @@ pub struct PinnedMaps {
     /// L2_RESP_SLOTS. Written through [`PinnedMaps::l2_insert`] and
     /// [`PinnedMaps::l2_remove`] (or a reconcile), never alone.
     l2_resp_slots: Array<MapData, L2RespSlot>,
+    /// NAT_FWD_V4.
+    nat_fwd_v4: HashMap<MapData, NatKeyV4, NatValueV4>,
+    /// NAT_FWD_V6.
+    nat_fwd_v6: HashMap<MapData, NatKeyV6, NatValueV6>,
+    /// NAT_REV_V4.
+    nat_rev_v4: HashMap<MapData, NatKeyV4, NatValueV4>,
+    /// NAT_REV_V6.
+    nat_rev_v6: HashMap<MapData, NatKeyV6, NatValueV6>,
+    /// MASQ_CONFIG.
+    masq_config: Array<MapData, MasqConfig>,
     /// Where untyped handles come from.
     source: Source,
 }
@@ -165,6 +175,16 @@ accessors! {
     endpoint_slots / endpoint_slots_mut: Array<MapData, EndpointSlot>;
     /// L2_RESP_SLOTS (written through [`PinnedMaps::l2_insert`]).
     l2_resp_slots / l2_resp_slots_mut: Array<MapData, L2RespSlot>;
+    /// NAT_FWD_V4 (see `lockstep_common::nat`).
+    nat_fwd_v4 / nat_fwd_v4_mut: HashMap<MapData, NatKeyV4, NatValueV4>;
+    /// NAT_FWD_V6.
+    nat_fwd_v6 / nat_fwd_v6_mut: HashMap<MapData, NatKeyV6, NatValueV6>;
+    /// NAT_REV_V4.
+    nat_rev_v4 / nat_rev_v4_mut: HashMap<MapData, NatKeyV4, NatValueV4>;
+    /// NAT_REV_V6.
+    nat_rev_v6 / nat_rev_v6_mut: HashMap<MapData, NatKeyV6, NatValueV6>;
+    /// MASQ_CONFIG (one entry, key 0).
+    masq_config / masq_config_mut: Array<MapData, MasqConfig>;
 }
 
 impl PinnedMaps {
@@ -208,6 +228,11 @@ impl PinnedMaps {
             counters: typed!(s, map_names::COUNTERS),
             endpoint_slots: typed!(s, map_names::ENDPOINT_SLOTS),
             l2_resp_slots: typed!(s, map_names::L2_RESP_SLOTS),
+            nat_fwd_v4: typed!(s, map_names::NAT_FWD_V4),
+            nat_fwd_v6: typed!(s, map_names::NAT_FWD_V6),
+            nat_rev_v4: typed!(s, map_names::NAT_REV_V4),
+            nat_rev_v6: typed!(s, map_names::NAT_REV_V6),
+            masq_config: typed!(s, map_names::MASQ_CONFIG),
             source,
         })
     }

@@ -1,0 +1,240 @@
+//! Masquerade (source NAT) state: the translation maps' keys and values and
+//! the MASQ_CONFIG switch.
+//!
+//! A translated flow is one entry in each of two hashes per family:
+//!
+//! - NAT_FWD_V4 / NAT_FWD_V6, looked up by `to_native` (uplink egress): the
+//!   endpoint's tuple as it left the endpoint → the node address and
+//!   translated port it leaves with.
+//! - NAT_REV_V4 / NAT_REV_V6, looked up by `from_native` (uplink ingress):
+//!   the reply's tuple as it arrives (remote → node address, translated port)
+//!   → the endpoint's address and port. Its key is also what makes a
+//!   translated port taken: `to_native` claims a port by inserting the
+//!   reverse entry with `BPF_NOEXIST` and never overwrites one.
+//!
+//! Ports are stored in host byte order (so `bpftool map dump` prints them as
+//! numbers); addresses as network-order byte arrays like everywhere else.
+//! For ICMP echo (and ICMPv6 echo) the identifier plays the endpoint's port:
+//! a request's key is (endpoint, remote, identifier, 0); the reply's reverse
+//! key is (remote, node, 0, translated identifier).
+//!
+//! Each direction keeps its own `last_seen_ns` and `state` in the entry it
+//! looks up (one hash lookup per packet and no write to the other direction's
+//! entry): a flow's last activity is the later of its two entries'
+//! `last_seen_ns`, and its state is the union of their `state` bits. Programs
+//! refresh `last_seen_ns` only when it is more than
+//! [`LAST_SEEN_GRANULARITY_NS`] old, so an entry's age is exact to about a
+//! second and a busy flow does not write its entry on every packet.
+
+/// Bits of [`NatValueV4::state`] / [`NatValueV6::state`].
+pub mod nat_state {
+    /// A TCP FIN went from the endpoint to the remote (set in NAT_FWD).
+    pub const FIN_OUT: u8 = 1 << 0;
+    /// A TCP FIN came from the remote to the endpoint (set in NAT_REV).
+    pub const FIN_IN: u8 = 1 << 1;
+    /// A TCP RST went either way (set in the entry of its direction).
+    pub const RST: u8 = 1 << 2;
+    /// Every defined bit.
+    pub const ALL: u8 = FIN_OUT | FIN_IN | RST;
+}
+
+/// Bits of [`MasqConfig::flags`].
+pub mod masq_flags {
+    /// IPv4 traffic of local endpoints is masqueraded to
+    /// [`MasqConfig::node_v4`](crate::MasqConfig::node_v4).
+    pub const ENABLED_V4: u32 = 1 << 0;
+    /// IPv6 traffic of local endpoints is masqueraded to
+    /// [`MasqConfig::node_v6`](crate::MasqConfig::node_v6).
+    pub const ENABLED_V6: u32 = 1 << 1;
+    /// Every defined bit.
+    pub const ALL: u32 = ENABLED_V4 | ENABLED_V6;
+}
+
+/// How stale `last_seen_ns` may get before a packet of the flow rewrites it.
+pub const LAST_SEEN_GRANULARITY_NS: u64 = 1_000_000_000;
+
+/// How many candidate ports `to_native` tries (claiming each with
+/// `BPF_NOEXIST` in NAT_REV) before it drops a new flow as exhausted; fewer
+/// when the configured range is smaller.
+pub const PORT_TRIES: u32 = 16;
+
+/// Key of NAT_FWD_V4 (the endpoint's tuple) and of NAT_REV_V4 (the reply's
+/// tuple as it arrives: remote → node).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct NatKeyV4 {
+    /// Source address (NAT_FWD: the endpoint; NAT_REV: the remote).
+    pub src_addr: crate::V4Addr,
+    /// Destination address (NAT_FWD: the remote; NAT_REV: the node address).
+    pub dst_addr: crate::V4Addr,
+    /// Source port, host byte order (ICMP echo: the identifier in NAT_FWD,
+    /// 0 in NAT_REV).
+    pub src_port: u16,
+    /// Destination port, host byte order (ICMP echo: 0 in NAT_FWD, the
+    /// translated identifier in NAT_REV).
+    pub dst_port: u16,
+    /// IP protocol number: 6 TCP, 17 UDP, 1 ICMP.
+    pub proto: u8,
+    /// Explicit padding; always zero (it is part of the hashed key).
+    pub _pad: [u8; 3],
+}
+
+/// Key of NAT_FWD_V6 and NAT_REV_V6; see [`NatKeyV4`].
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct NatKeyV6 {
+    /// Source address (NAT_FWD: the endpoint; NAT_REV: the remote).
+    pub src_addr: crate::V6Addr,
+    /// Destination address (NAT_FWD: the remote; NAT_REV: the node address).
+    pub dst_addr: crate::V6Addr,
+    /// Source port, host byte order (ICMPv6 echo: see [`NatKeyV4::src_port`]).
+    pub src_port: u16,
+    /// Destination port, host byte order.
+    pub dst_port: u16,
+    /// IP protocol number: 6 TCP, 17 UDP, 58 ICMPv6.
+    pub proto: u8,
+    /// Explicit padding; always zero (it is part of the hashed key).
+    pub _pad: [u8; 3],
+}
+
+/// Value of NAT_FWD_V4 (the translated source: node address and port) and
+/// of NAT_REV_V4 (the original endpoint address and port).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct NatValueV4 {
+    /// `bpf_ktime_get_ns` (CLOCK_MONOTONIC) of this direction's latest packet,
+    /// to within [`LAST_SEEN_GRANULARITY_NS`].
+    pub last_seen_ns: u64,
+    /// NAT_FWD: the node address; NAT_REV: the endpoint's address.
+    pub addr: crate::V4Addr,
+    /// NAT_FWD: the translated port; NAT_REV: the endpoint's port (host
+    /// byte order; ICMP: the identifier).
+    pub port: u16,
+    /// [`nat_state`] bits seen in this direction.
+    pub state: u8,
+    /// Explicit padding; always zero.
+    pub _pad: u8,
+}
+
+/// Value of NAT_FWD_V6 and NAT_REV_V6; see [`NatValueV4`].
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct NatValueV6 {
+    /// See [`NatValueV4::last_seen_ns`].
+    pub last_seen_ns: u64,
+    /// NAT_FWD: the node address; NAT_REV: the endpoint's address.
+    pub addr: crate::V6Addr,
+    /// See [`NatValueV4::port`].
+    pub port: u16,
+    /// [`nat_state`] bits seen in this direction.
+    pub state: u8,
+    /// Explicit padding; always zero.
+    pub _pad: u8,
+    /// Explicit padding; always zero.
+    pub _pad2: u32,
+}
+
+/// The one value of MASQ_CONFIG (key 0), written by the agent. All zero (the
+/// array's initial state) means masquerade is off for both families and
+/// `to_native` only counts.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct MasqConfig {
+    /// Address IPv4 flows are translated to.
+    pub node_v4: crate::V4Addr,
+    /// Address IPv6 flows are translated to.
+    pub node_v6: crate::V6Addr,
+    /// Lowest translated port (and ICMP identifier), inclusive.
+    pub port_min: u16,
+    /// Highest translated port, inclusive; `port_min <= port_max`.
+    pub port_max: u16,
+    /// [`masq_flags`] bits.
+    pub flags: u32,
+    /// Explicit padding; always zero.
+    pub _pad: u32,
+}
+
+const _: () = assert!(size_of::<NatKeyV4>() == 16);
+const _: () = assert!(size_of::<NatKeyV6>() == 40);
+const _: () = assert!(size_of::<NatValueV4>() == 16);
+const _: () = assert!(size_of::<NatValueV6>() == 32);
+const _: () = assert!(size_of::<MasqConfig>() == 32);
+
+#[cfg(feature = "user")]
+mod pod {
+    // SAFETY: all five are `#[repr(C)]`, made only of integers and byte
+    // arrays, with every padding byte spelled out as a field (the size
+    // assertions above prove there is no implicit padding), so any bit
+    // pattern is a valid value and no byte is uninitialised.
+    unsafe impl aya::Pod for super::NatKeyV4 {}
+    unsafe impl aya::Pod for super::NatKeyV6 {}
+    unsafe impl aya::Pod for super::NatValueV4 {}
+    unsafe impl aya::Pod for super::NatValueV6 {}
+    unsafe impl aya::Pod for super::MasqConfig {}
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use core::mem::{align_of, offset_of};
+
+    #[test]
+    fn key_layouts() {
+        assert_eq!(offset_of!(NatKeyV4, src_addr), 0);
+        assert_eq!(offset_of!(NatKeyV4, dst_addr), 4);
+        assert_eq!(offset_of!(NatKeyV4, src_port), 8);
+        assert_eq!(offset_of!(NatKeyV4, dst_port), 10);
+        assert_eq!(offset_of!(NatKeyV4, proto), 12);
+        assert_eq!(offset_of!(NatKeyV4, _pad), 13);
+        assert_eq!(size_of::<NatKeyV4>(), 16);
+        assert_eq!(align_of::<NatKeyV4>(), 2);
+        assert_eq!(offset_of!(NatKeyV6, src_addr), 0);
+        assert_eq!(offset_of!(NatKeyV6, dst_addr), 16);
+        assert_eq!(offset_of!(NatKeyV6, src_port), 32);
+        assert_eq!(offset_of!(NatKeyV6, dst_port), 34);
+        assert_eq!(offset_of!(NatKeyV6, proto), 36);
+        assert_eq!(offset_of!(NatKeyV6, _pad), 37);
+        assert_eq!(size_of::<NatKeyV6>(), 40);
+    }
+
+    #[test]
+    fn value_layouts() {
+        assert_eq!(offset_of!(NatValueV4, last_seen_ns), 0);
+        assert_eq!(offset_of!(NatValueV4, addr), 8);
+        assert_eq!(offset_of!(NatValueV4, port), 12);
+        assert_eq!(offset_of!(NatValueV4, state), 14);
+        assert_eq!(offset_of!(NatValueV4, _pad), 15);
+        assert_eq!(size_of::<NatValueV4>(), 16);
+        assert_eq!(align_of::<NatValueV4>(), 8);
+        assert_eq!(offset_of!(NatValueV6, last_seen_ns), 0);
+        assert_eq!(offset_of!(NatValueV6, addr), 8);
+        assert_eq!(offset_of!(NatValueV6, port), 24);
+        assert_eq!(offset_of!(NatValueV6, state), 26);
+        assert_eq!(offset_of!(NatValueV6, _pad), 27);
+        assert_eq!(offset_of!(NatValueV6, _pad2), 28);
+        assert_eq!(size_of::<NatValueV6>(), 32);
+        assert_eq!(align_of::<NatValueV6>(), 8);
+    }
+
+    #[test]
+    fn masq_config_layout() {
+        assert_eq!(offset_of!(MasqConfig, node_v4), 0);
+        assert_eq!(offset_of!(MasqConfig, node_v6), 4);
+        assert_eq!(offset_of!(MasqConfig, port_min), 20);
+        assert_eq!(offset_of!(MasqConfig, port_max), 22);
+        assert_eq!(offset_of!(MasqConfig, flags), 24);
+        assert_eq!(offset_of!(MasqConfig, _pad), 28);
+        assert_eq!(size_of::<MasqConfig>(), 32);
+        assert_eq!(align_of::<MasqConfig>(), 4);
+        assert_eq!(MasqConfig::default().flags & masq_flags::ALL, 0);
+    }
+
+    #[test]
+    fn flag_bits_are_distinct() {
+        assert_eq!(nat_state::FIN_OUT & nat_state::FIN_IN, 0);
+        assert_eq!((nat_state::FIN_OUT | nat_state::FIN_IN) & nat_state::RST, 0);
+        assert_eq!(nat_state::ALL.count_ones(), 3);
+        assert_eq!(masq_flags::ENABLED_V4 & masq_flags::ENABLED_V6, 0);
+        assert_eq!(masq_flags::ALL.count_ones(), 2);
+    }
+}
