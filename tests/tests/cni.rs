@@ -1497,3 +1497,82 @@ ipv4 = ["10.67.1.0/30"]
     }
     Ok(())
 }
+
+/// A normal ADD looks no interface up before creating its pair, so the
+/// two ways a name can be taken are found on the kernel's `EEXIST`: the
+/// container's interface name in use (refused, nothing stored, nothing
+/// left), and the host name held by the leftovers of an ADD that crashed
+/// before its commit (removed, and the ADD goes on).
+#[test]
+fn taken_interface_names_are_refused_or_reclaimed() -> anyhow::Result<()> {
+    privileged!();
+    let node = node_with_forwarding()?;
+    let agent = AgentProc::start(&node, POOLS)?;
+    let sock = agent.socket();
+    let config = conf("1.0.0", &sock, json!({}));
+
+    // The container already has an eth0.
+    let taken = Netns::new("taken")?;
+    taken.ip(["link", "add", "eth0", "type", "veth", "peer", "name", "eth0peer"])?;
+    let id = unique("taken");
+    let before = links(&node)?;
+    let call = plugin(&env("ADD", &id, Some(&taken.path()), "eth0"), &config)?;
+    ensure!(
+        call.exit != 0,
+        "ADD over an existing eth0 succeeded: {}",
+        call.stdout
+    );
+    ensure!(
+        call.msg().contains("already exists") && call.msg().contains("eth0"),
+        "the refusal names the interface: {}",
+        call.stdout
+    );
+    ensure!(
+        held_by(&agent, &id)?.is_empty(),
+        "the refused ADD holds addresses"
+    );
+    ensure!(
+        links(&node)? == before,
+        "the refused ADD left host interfaces"
+    );
+    ensure!(
+        links(&taken)?.contains("eth0"),
+        "the container's own eth0 was touched"
+    );
+
+    // A crashed ADD's host veth, under the name this attachment's ADD uses.
+    let fresh = Netns::new("fresh")?;
+    let id = unique("left");
+    let host = lockstep::agent::endpoints::host_ifname(&id, "eth0");
+    node.ip([
+        "link",
+        "add",
+        &host,
+        "type",
+        "veth",
+        "peer",
+        "name",
+        "leftover0",
+    ])?;
+    let stale = node.ip(["-j", "link", "show", &host])?;
+    let result = plugin(&env("ADD", &id, Some(&fresh.path()), "eth0"), &config)?;
+    let result = result.ok()?;
+    let now = node.ip(["-j", "link", "show", &host])?;
+    ensure!(now != stale, "the leftover veth {host} was kept: {now}");
+    ensure!(
+        !links(&node)?.contains("leftover0"),
+        "the leftover's peer outlived it"
+    );
+    let addrs = result_addrs(result);
+    ensure!(!addrs.is_empty(), "no addresses: {result}");
+    ensure!(
+        addrs
+            .iter()
+            .all(|a| held_by(&agent, &id).is_ok_and(|h| h.contains(bare(a)))),
+        "the reply's addresses are not held: {addrs:?}"
+    );
+    verify(&agent)?;
+    plugin(&env("DEL", &id, Some(&fresh.path()), "eth0"), &config)?.ok()?;
+    released(&node, &host, || held_by(&agent, &id))?;
+    Ok(())
+}

@@ -24,7 +24,7 @@ use std::sync::Mutex;
 use super::{Agent, AgentError};
 use crate::datapath::Hook;
 use crate::datapath::ProgramPin;
-use crate::netlink::{Netlink, open_netns};
+use crate::netlink::{CreatedVeth, Netlink, Step, open_netns};
 use crate::store::{EndpointMode, EndpointRecord, endpoint_key};
 
 /// The link-local IPv4 gateway every endpoint routes through.
@@ -233,6 +233,11 @@ fn is_agent_ifname(name: &str) -> bool {
 /// `from_endpoint`. Runs without the agent lock: every step is a kernel call
 /// on interfaces no one else knows about yet.
 ///
+/// The container side runs on a thread of its own that enters the
+/// container's namespace and waits for the peer's index, while this thread
+/// creates the pair, then adds the host routes and attaches: the two sides'
+/// kernel work overlaps, and each side's changes go out as one batch.
+///
 /// # Errors
 /// The first failing step, with the host veth to delete if it was made.
 pub fn build_interfaces(
@@ -241,71 +246,155 @@ pub fn build_interfaces(
     attach: Option<&ProgramPin>,
 ) -> Result<Interfaces, InterfaceFailure> {
     let mut made: Option<u32> = None;
-    let result = (|| -> Result<Interfaces, AgentError> {
-        let host_name = host_ifname(&req.container_id, &req.ifname);
-        let netns_fd = open_netns(&req.netns)?;
-        let host = Netlink::current()?;
-        // Leftovers of an ADD that crashed half-way.
-        for stale in [&host_name, &temp_ifname(&req.container_id, &req.ifname)] {
-            if let Some(l) = host.link(stale)? {
-                host.delete_link(l.index)?;
-            }
-        }
-        let inside = Netlink::in_netns(&req.netns)?;
-        if inside.link(&req.ifname)?.is_some() {
-            return Err(invalid(format!(
-                "interface {} already exists in {}",
-                req.ifname,
-                req.netns.display()
-            )));
-        }
-        host.create_veth_into(&host_name, &req.ifname, &netns_fd, req.mtu)?;
-        let host_link = host
-            .link(&host_name)?
-            .ok_or_else(|| invalid(format!("veth {host_name} vanished after creation")))?;
-        made = Some(host_link.index);
-        let peer = inside.link(&req.ifname)?.ok_or_else(|| {
-            invalid(format!(
-                "{} did not appear in {}",
-                req.ifname,
-                req.netns.display()
-            ))
-        })?;
-        host.set_up(host_link.index)?;
-        inside.set_up(peer.index)?;
-        if let Some(lo) = inside.link("lo")? {
-            inside.set_up(lo.index)?;
-        }
-        for addr in addresses {
-            let (prefix, gw, any): (u8, IpAddr, IpNet) = match addr {
-                IpAddr::V4(_) => (32, GATEWAY_V4.into(), "0.0.0.0/0".parse().expect("literal")),
-                IpAddr::V6(_) => (128, GATEWAY_V6.into(), "::/0".parse().expect("literal")),
-            };
-            inside.add_address(peer.index, *addr, prefix)?;
-            // The gateway resolves to the host side statically: no ARP/NDP
-            // round trip before the first packet, and nothing to spoof.
-            inside.add_neighbour(peer.index, gw, host_link.mac)?;
-            if addr.is_ipv4() {
-                inside.add_route(IpNet::from(gw), None, peer.index)?;
-            }
-            inside.add_route(any, Some(gw), peer.index)?;
-            host.add_route(IpNet::from(*addr), None, host_link.index)?;
-            host.add_neighbour(host_link.index, *addr, peer.mac)?;
-        }
-        if let Some(pin) = attach {
-            pin.attach(&host_name, Hook::Ingress)?;
-        }
-        Ok(Interfaces {
-            host_ifname: host_name,
-            host_ifindex: host_link.index,
-            host_mac: host_link.mac,
-            mac: peer.mac,
-        })
-    })();
+    let result = open_netns(&req.netns)
+        .map_err(AgentError::from)
+        .and_then(|netns_fd| {
+            std::thread::scope(|s| {
+                let (tx, rx) = std::sync::mpsc::channel::<Vec<Step>>();
+                let fd = &netns_fd;
+                let inside = s.spawn(move || -> Result<(), AgentError> {
+                    let netlink = Netlink::enter(fd, &req.netns)?;
+                    // No steps: the host side failed before sending any.
+                    match rx.recv() {
+                        Ok(steps) => Ok(netlink.apply(&steps)?),
+                        Err(_) => Ok(()),
+                    }
+                });
+                let host = (|| {
+                    let host_name = host_ifname(&req.container_id, &req.ifname);
+                    let host = Netlink::current()?;
+                    let peer_mac = random_mac()?;
+                    let veth = make_veth(&host, req, &host_name, fd, peer_mac)?;
+                    made = Some(veth.host.index);
+                    let (inside_steps, host_steps) = endpoint_steps(addresses, &veth, peer_mac);
+                    // A send fails only if the thread is gone; its join says why.
+                    let _ = tx.send(inside_steps);
+                    host.apply(&host_steps)?;
+                    if let Some(pin) = attach {
+                        pin.attach(&host_name, Hook::Ingress)?;
+                    }
+                    Ok(Interfaces {
+                        host_ifname: host_name,
+                        host_ifindex: veth.host.index,
+                        host_mac: veth.host.mac,
+                        mac: peer_mac,
+                    })
+                })();
+                drop(tx);
+                let inside = inside
+                    .join()
+                    .unwrap_or_else(|_| Err(invalid("the container namespace thread panicked")));
+                // The host side's error first: it is the cause when both failed.
+                host.and_then(|i| inside.map(|()| i))
+            })
+        });
     result.map_err(|error| InterfaceFailure {
         error,
         host_ifindex: made,
     })
+}
+
+/// Creates the pair, host end up. A name already taken is either the
+/// container's interface (refused) or the leftovers of an ADD that crashed
+/// half-way (deleted, and the pair made again): looked up only then, so a
+/// normal ADD pays no lookup.
+fn make_veth(
+    host: &Netlink,
+    req: &EndpointRequest,
+    host_name: &str,
+    netns_fd: &std::os::fd::OwnedFd,
+    peer_mac: [u8; 6],
+) -> Result<CreatedVeth, AgentError> {
+    match host.create_veth_into(host_name, &req.ifname, netns_fd, req.mtu, peer_mac) {
+        Err(e) if e.errno() == Some(libc::EEXIST) => {
+            if Netlink::in_netns(&req.netns)?.link(&req.ifname)?.is_some() {
+                return Err(invalid(format!(
+                    "interface {} already exists in {}",
+                    req.ifname,
+                    req.netns.display()
+                )));
+            }
+            for stale in [host_name, &temp_ifname(&req.container_id, &req.ifname)] {
+                if let Some(l) = host.link(stale)? {
+                    host.delete_link(l.index)?;
+                }
+            }
+            Ok(host.create_veth_into(host_name, &req.ifname, netns_fd, req.mtu, peer_mac)?)
+        }
+        r => Ok(r?),
+    }
+}
+
+/// The container side's changes (peer and `lo` up, each address with its
+/// gateway neighbour and default route) and the host side's (a route and a
+/// neighbour per address). The gateway resolves to the host side
+/// statically: no ARP/NDP round trip before the first packet, and nothing
+/// to spoof.
+fn endpoint_steps(
+    addresses: &[IpAddr],
+    veth: &CreatedVeth,
+    peer_mac: [u8; 6],
+) -> (Vec<Step>, Vec<Step>) {
+    let peer = veth.peer_index;
+    // `lo` is interface 1 in every namespace (LOOPBACK_IFINDEX).
+    let mut inside = vec![Step::Up(peer), Step::Up(1)];
+    let mut host = Vec::new();
+    for addr in addresses {
+        let (prefix_len, gw, any): (u8, IpAddr, IpNet) = match addr {
+            IpAddr::V4(_) => (32, GATEWAY_V4.into(), IpNet::V4(Default::default())),
+            IpAddr::V6(_) => (128, GATEWAY_V6.into(), IpNet::V6(Default::default())),
+        };
+        inside.push(Step::Address {
+            index: peer,
+            address: *addr,
+            prefix_len,
+        });
+        inside.push(Step::Neighbour {
+            index: peer,
+            ip: gw,
+            mac: veth.host.mac,
+        });
+        if addr.is_ipv4() {
+            inside.push(Step::Route {
+                dst: IpNet::from(gw),
+                gateway: None,
+                oif: peer,
+            });
+        }
+        inside.push(Step::Route {
+            dst: any,
+            gateway: Some(gw),
+            oif: peer,
+        });
+        host.push(Step::Route {
+            dst: IpNet::from(*addr),
+            gateway: None,
+            oif: veth.host.index,
+        });
+        host.push(Step::Neighbour {
+            index: veth.host.index,
+            ip: *addr,
+            mac: peer_mac,
+        });
+    }
+    (inside, host)
+}
+
+/// A random, locally administered, unicast hardware address for the
+/// container end, chosen before the pair exists so the host side's
+/// neighbour entry needs no lookup.
+fn random_mac() -> Result<[u8; 6], AgentError> {
+    let mut mac = [0u8; 6];
+    // SAFETY: writes at most `mac.len()` bytes into `mac`.
+    let n = unsafe { libc::getrandom(mac.as_mut_ptr().cast(), mac.len(), 0) };
+    if usize::try_from(n).ok() != Some(mac.len()) {
+        return Err(invalid(format!(
+            "no random bytes for a MAC address: {}",
+            std::io::Error::last_os_error()
+        )));
+    }
+    mac[0] = (mac[0] & 0xfe) | 0x02;
+    Ok(mac)
 }
 
 fn lock(slot: &Mutex<Option<Agent>>) -> std::sync::MutexGuard<'_, Option<Agent>> {
@@ -1233,6 +1322,86 @@ mod tests {
         // The separator keeps ("ab","ceth0") and ("abc","eth0") apart.
         assert_ne!(host_ifname("ab", "ceth0"), host_ifname("abc", "eth0"));
         assert_ne!(a, temp_ifname("abc", "eth0"));
+    }
+
+    #[test]
+    fn endpoint_steps_route_each_family_through_the_static_gateway() {
+        let veth = CreatedVeth {
+            host: crate::netlink::Link {
+                index: 7,
+                name: "lxc".into(),
+                mac: [2, 0, 0, 0, 0, 7],
+                up: true,
+            },
+            peer_index: 3,
+        };
+        let peer_mac = [2, 0, 0, 0, 0, 3];
+        let v4: IpAddr = "10.0.0.2".parse().expect("v4");
+        let v6: IpAddr = "fd00::2".parse().expect("v6");
+        let (inside, host) = endpoint_steps(&[v4, v6], &veth, peer_mac);
+        let route = |dst: &str, gateway: Option<IpAddr>, oif| Step::Route {
+            dst: dst.parse().expect("net"),
+            gateway,
+            oif,
+        };
+        let gw4 = IpAddr::from(GATEWAY_V4);
+        let gw6 = IpAddr::from(GATEWAY_V6);
+        assert_eq!(
+            inside,
+            vec![
+                Step::Up(3),
+                Step::Up(1),
+                Step::Address {
+                    index: 3,
+                    address: v4,
+                    prefix_len: 32
+                },
+                Step::Neighbour {
+                    index: 3,
+                    ip: gw4,
+                    mac: veth.host.mac
+                },
+                route("169.254.1.1/32", None, 3),
+                route("0.0.0.0/0", Some(gw4), 3),
+                Step::Address {
+                    index: 3,
+                    address: v6,
+                    prefix_len: 128
+                },
+                Step::Neighbour {
+                    index: 3,
+                    ip: gw6,
+                    mac: veth.host.mac
+                },
+                route("::/0", Some(gw6), 3),
+            ]
+        );
+        assert_eq!(
+            host,
+            vec![
+                route("10.0.0.2/32", None, 7),
+                Step::Neighbour {
+                    index: 7,
+                    ip: v4,
+                    mac: peer_mac
+                },
+                route("fd00::2/128", None, 7),
+                Step::Neighbour {
+                    index: 7,
+                    ip: v6,
+                    mac: peer_mac
+                },
+            ]
+        );
+    }
+
+    #[test]
+    fn random_macs_are_unicast_local_and_differ() {
+        let (a, b) = (random_mac().expect("mac"), random_mac().expect("mac"));
+        assert_ne!(a, b);
+        for m in [a, b] {
+            assert_eq!(m[0] & 0x03, 0x02, "{m:?}");
+        }
     }
 
     #[test]
