@@ -6,16 +6,19 @@
 //! - `from_endpoint` (TC ingress on an endpoint's host-side veth): drops packets
 //!   whose source is not the endpoint's allocated address, classifies the
 //!   destination through IPCACHE, counts.
-//! - `to_native` (TC egress on the node's uplink): decides whether endpoint
-//!   traffic would be masqueraded (source is a local endpoint, destination not
-//!   in MASQ_SKIP) and counts; the translation itself is a later step.
-//! - `from_native` (TC ingress on the node's uplink): answers ARP requests for
+//! - `to_native` (TC egress on the node's uplink): masquerades local
+//!   endpoints' traffic to destinations outside the cluster and MASQ_SKIP
+//!   (module [`nat`]); counts only while MASQ_CONFIG leaves it off.
+//! - `from_native` (TC ingress on the node's uplink): reverse-translates
+//!   replies (and ICMP errors) of masqueraded flows; answers ARP requests for
 //!   addresses in L2_RESP_V4 with the announcing interface's MAC.
 //! - `noop`: returns "next"; the baseline of the datapath benchmark.
 //!
 //! Map layouts come from `lockstep-common`; nothing here redefines them.
 #![no_std]
 #![no_main]
+
+mod nat;
 
 use core::mem::size_of;
 
@@ -371,58 +374,32 @@ pub fn from_endpoint(ctx: TcContext) -> i32 {
     NEXT
 }
 
-/// Masquerade decision for traffic leaving the node.
+/// Masquerade for traffic leaving the node (see [`nat`]).
 #[classifier]
 pub fn to_native(ctx: TcContext) -> i32 {
-    let local_endpoint = |entry: Option<IpcacheValue>| matches!(entry, Some(v) if v.flags & ipcache_flags::ENDPOINT != 0);
-    let skip = match ethertype(&ctx) {
-        Some(ETH_P_IP) => {
-            let (Some(src), Some(dst)) =
-                (read::<V4Addr>(&ctx, IP4_SRC), read::<V4Addr>(&ctx, IP4_DST))
-            else {
-                count(Counter::Malformed);
-                return NEXT;
-            };
-            // Local endpoints are always host entries: the hash alone
-            // decides, and traffic of the node itself skips the trie.
-            // SAFETY: copied out at once.
-            if !local_endpoint(unsafe { IPCACHE_HOST_V4.get(src) }.copied()) {
-                count(Counter::MasqNotEndpoint);
-                return NEXT;
-            }
-            MASQ_SKIP_V4.get(&Key::new(32, dst)).is_some()
-        }
-        Some(ETH_P_IPV6) => {
-            let (Some(src), Some(dst)) =
-                (read::<V6Addr>(&ctx, IP6_SRC), read::<V6Addr>(&ctx, IP6_DST))
-            else {
-                count(Counter::Malformed);
-                return NEXT;
-            };
-            // SAFETY: copied out at once.
-            if !local_endpoint(unsafe { IPCACHE_HOST_V6.get(src) }.copied()) {
-                count(Counter::MasqNotEndpoint);
-                return NEXT;
-            }
-            MASQ_SKIP_V6.get(&Key::new(128, dst)).is_some()
-        }
-        _ => return NEXT,
-    };
-    count(if skip {
-        Counter::MasqSkipped
-    } else {
-        Counter::MasqWouldTranslate
-    });
-    NEXT
+    match ethertype(&ctx) {
+        Some(ETH_P_IP) => nat::egress_v4(&ctx),
+        Some(ETH_P_IPV6) => nat::egress_v6(&ctx),
+        _ => NEXT,
+    }
+}
+
+/// Traffic arriving at the node: reverse masquerade (see [`nat`]) and the
+/// ARP responder.
+#[classifier]
+pub fn from_native(ctx: TcContext) -> i32 {
+    match ethertype(&ctx) {
+        Some(ETH_P_ARP) => arp_reply(&ctx),
+        Some(ETH_P_IP) => nat::ingress_v4(&ctx),
+        Some(ETH_P_IPV6) => nat::ingress_v6(&ctx),
+        _ => NEXT,
+    }
 }
 
 /// ARP responder for announced addresses.
-#[classifier]
-pub fn from_native(ctx: TcContext) -> i32 {
-    if ethertype(&ctx) != Some(ETH_P_ARP) {
-        return NEXT;
-    }
-    let Some(frame) = read::<[u8; ARP_FRAME_LEN]>(&ctx, 0) else {
+#[inline(always)]
+fn arp_reply(ctx: &TcContext) -> i32 {
+    let Some(frame) = read::<[u8; ARP_FRAME_LEN]>(ctx, 0) else {
         count(Counter::Malformed);
         return NEXT;
     };
@@ -438,7 +415,7 @@ pub fn from_native(ctx: TcContext) -> i32 {
     if spa == tpa {
         return NEXT;
     }
-    let here = ifindex(&ctx);
+    let here = ifindex(ctx);
     let mac = match l2_resp(tpa) {
         Some((ifindex, mac)) if ifindex == here => mac,
         _ => {
@@ -465,7 +442,7 @@ pub fn from_native(ctx: TcContext) -> i32 {
     count(Counter::ArpReplied);
     if events_on() {
         info!(
-            &ctx,
+            ctx,
             "from_native: answered ARP for {:i} to {:i} ({:mac}) on ifindex {}",
             tpa,
             spa,
