@@ -161,6 +161,7 @@ pub fn validate_pools(pools: &[ClusterPoolSpec]) -> Result<(), ClusterError> {
 /// [`ClusterError::CidrInUse`] naming the CIDR, its claimed blocks and their
 /// nodes, or a validation error of `new`.
 pub fn check_apply(
+    old: &[ClusterPoolSpec],
     new: &[ClusterPoolSpec],
     claimed: &BTreeMap<IpNet, (String, String)>,
 ) -> Result<(), ClusterError> {
@@ -172,12 +173,21 @@ pub fn check_apply(
                 .any(|cidr| block_index(cidr, p.block_len(Family::of_net(cidr)), block).is_some())
         });
         if !kept {
-            // Name the CIDR the block sits in, if any new pool would hold it,
-            // else the block's own network.
-            let cidr = new
-                .iter()
-                .flat_map(ClusterPoolSpec::cidrs)
-                .find(|c| c.contains(&block.network()))
+            // Name the CIDR the block sits in: the stored pool's (the one
+            // being removed or re-cut), else a new pool's, else the block.
+            let in_pool = |specs: &[ClusterPoolSpec]| {
+                specs
+                    .iter()
+                    .filter(|p| &p.name == pool)
+                    .flat_map(ClusterPoolSpec::cidrs)
+                    .find(|c| c.contains(&block.network()))
+            };
+            let cidr = in_pool(old)
+                .or_else(|| {
+                    new.iter()
+                        .flat_map(ClusterPoolSpec::cidrs)
+                        .find(|c| c.contains(&block.network()))
+                })
                 .unwrap_or(block);
             orphans
                 .entry((pool.clone(), cidr))

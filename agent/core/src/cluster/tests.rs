@@ -73,12 +73,17 @@ fn apply_refuses_removing_a_cidr_with_claimed_blocks_naming_them() {
         .with_cidr(net("10.0.0.0/24"))
         .with_cidr(net("10.0.1.0/24"));
     let claimed = BTreeMap::from([(net("10.0.1.64/26"), ("p".to_owned(), "node-b".to_owned()))]);
-    assert!(check_apply(&[old], &claimed).is_ok());
+    assert!(check_apply(&[old.clone()], &[old.clone()], &claimed).is_ok());
     let new = ClusterPoolSpec::new("p").with_cidr(net("10.0.0.0/24"));
-    let err = check_apply(&[new], &claimed).unwrap_err();
+    let err = check_apply(&[old.clone()], &[new], &claimed).unwrap_err();
+    // The removed CIDR is named, not only its block.
+    assert!(
+        matches!(&err, ClusterError::CidrInUse { cidr, .. } if *cidr == net("10.0.1.0/24")),
+        "{err:?}"
+    );
     let text = err.to_string();
     assert!(
-        text.contains("10.0.1.64/26") && text.contains("node-b"),
+        text.contains("10.0.1.0/24") && text.contains("10.0.1.64/26") && text.contains("node-b"),
         "{text}"
     );
     // Re-cutting a CIDR with claimed blocks is refused too.
@@ -87,7 +92,7 @@ fn apply_refuses_removing_a_cidr_with_claimed_blocks_naming_them() {
         .with_cidr(net("10.0.1.0/24"));
     recut.block_v4 = 27;
     assert!(matches!(
-        check_apply(&[recut], &claimed),
+        check_apply(&[old], &[recut], &claimed),
         Err(ClusterError::CidrInUse { .. })
     ));
 }
