@@ -26,8 +26,8 @@ pub mod nat;
 pub mod seal;
 
 pub use nat::{
-    LAST_SEEN_GRANULARITY_NS, MasqConfig, NatKeyV4, NatKeyV6, NatValueV4, NatValueV6, PORT_TRIES,
-    masq_flags, nat_state,
+    LAST_SEEN_GRANULARITY_NS, MasqConfig, NatClock, NatKeyV4, NatKeyV6, NatValueV4, NatValueV6,
+    PORT_TRIES, masq_flags, nat_state,
 };
 
 /// An IPv4 address in network byte order, as stored in every map.
@@ -84,8 +84,11 @@ pub mod map_names {
     pub const NAT_REV_V6: &str = "NAT_REV_V6";
     /// Array of one [`MasqConfig`](crate::MasqConfig), written by the agent.
     pub const MASQ_CONFIG: &str = "MASQ_CONFIG";
+    /// Per-CPU array of one [`NatClock`](crate::NatClock): the programs'
+    /// clock cache (internal, no state worth keeping).
+    pub const NAT_CLOCK: &str = "NAT_CLOCK";
     /// Every map, in a fixed order.
-    pub const ALL: [&str; 17] = [
+    pub const ALL: [&str; 18] = [
         IPCACHE_V4,
         IPCACHE_V6,
         IPCACHE_HOST_V4,
@@ -103,6 +106,7 @@ pub mod map_names {
         NAT_REV_V4,
         NAT_REV_V6,
         MASQ_CONFIG,
+        NAT_CLOCK,
     ];
 }
 

@@ -134,6 +134,18 @@ pub struct NatValueV6 {
     pub _pad2: u32,
 }
 
+/// Value of NAT_CLOCK, a per-CPU array of one: each CPU's cache of
+/// `bpf_ktime_get_ns()` as of a jiffy, so the programs read the clock once
+/// per jiffy rather than once per packet. Internal to the programs.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct NatClock {
+    /// `bpf_jiffies64()` when `now_ns` was read.
+    pub jiffies: u64,
+    /// `bpf_ktime_get_ns()` at that jiffy.
+    pub now_ns: u64,
+}
+
 /// The one value of MASQ_CONFIG (key 0), written by the agent. All zero (the
 /// array's initial state) means masquerade is off for both families and
 /// `to_native` only counts.
@@ -159,10 +171,11 @@ const _: () = assert!(size_of::<NatKeyV6>() == 40);
 const _: () = assert!(size_of::<NatValueV4>() == 16);
 const _: () = assert!(size_of::<NatValueV6>() == 32);
 const _: () = assert!(size_of::<MasqConfig>() == 32);
+const _: () = assert!(size_of::<NatClock>() == 16);
 
 #[cfg(feature = "user")]
 mod pod {
-    // SAFETY: all five are `#[repr(C)]`, made only of integers and byte
+    // SAFETY: all six are `#[repr(C)]`, made only of integers and byte
     // arrays, with every padding byte spelled out as a field (the size
     // assertions above prove there is no implicit padding), so any bit
     // pattern is a valid value and no byte is uninitialised.
@@ -171,6 +184,7 @@ mod pod {
     unsafe impl aya::Pod for super::NatValueV4 {}
     unsafe impl aya::Pod for super::NatValueV6 {}
     unsafe impl aya::Pod for super::MasqConfig {}
+    unsafe impl aya::Pod for super::NatClock {}
 }
 
 #[cfg(test)]

@@ -32,8 +32,8 @@ use aya_ebpf::{
 use aya_log_ebpf::info;
 use lockstep_common::{
     Counter, EndpointSlot, EndpointValue, IpcacheValue, L2RespSlot, L2RespValue, MasqConfig,
-    MasqSkipValue, NatKeyV4, NatKeyV6, NatValueV4, NatValueV6, V4Addr, V6Addr, endpoint_flags,
-    ipcache_flags, max_entries, slots,
+    MasqSkipValue, NatClock, NatKeyV4, NatKeyV6, NatValueV4, NatValueV6, V4Addr, V6Addr,
+    endpoint_flags, ipcache_flags, max_entries, slots,
 };
 
 #[btf_map]
@@ -91,6 +91,8 @@ static NAT_REV_V4: HashMap<NatKeyV4, NatValueV4, { max_entries::NAT as usize }> 
 static NAT_REV_V6: HashMap<NatKeyV6, NatValueV6, { max_entries::NAT as usize }> = HashMap::new();
 #[btf_map]
 static MASQ_CONFIG: Array<MasqConfig, 1> = Array::new();
+#[btf_map]
+static NAT_CLOCK: PerCpuArray<NatClock, 1> = PerCpuArray::new();
 
 /// Whether rare events are reported (see `lockstep_common::debug`): one
 /// inlined array read, done only on the paths that report.
@@ -378,8 +380,8 @@ pub fn from_endpoint(ctx: TcContext) -> i32 {
 #[classifier]
 pub fn to_native(ctx: TcContext) -> i32 {
     match ethertype(&ctx) {
-        Some(ETH_P_IP) => nat::egress_v4(&ctx),
-        Some(ETH_P_IPV6) => nat::egress_v6(&ctx),
+        Some(ETH_P_IP) => nat::to_native_v4(&ctx),
+        Some(ETH_P_IPV6) => nat::to_native_v6(&ctx),
         _ => NEXT,
     }
 }
@@ -391,7 +393,7 @@ pub fn from_native(ctx: TcContext) -> i32 {
     match ethertype(&ctx) {
         Some(ETH_P_ARP) => arp_reply(&ctx),
         Some(ETH_P_IP) => nat::ingress_v4(&ctx),
-        Some(ETH_P_IPV6) => nat::ingress_v6(&ctx),
+        Some(ETH_P_IPV6) => nat::from_native_v6(&ctx),
         _ => NEXT,
     }
 }

@@ -12,8 +12,8 @@ use std::path::Path;
 use aya::maps::{MapData, MapInfo, MapType};
 use lockstep_common::{
     Counter, EndpointSlot, EndpointValue, IpcacheValue, L2RespSlot, L2RespValue, LPM_V4_KEY_SIZE,
-    LPM_V6_KEY_SIZE, MasqConfig, MasqSkipValue, NatKeyV4, NatKeyV6, NatValueV4, NatValueV6,
-    map_names, max_entries,
+    LPM_V6_KEY_SIZE, MasqConfig, MasqSkipValue, NatClock, NatKeyV4, NatKeyV6, NatValueV4,
+    NatValueV6, map_names, max_entries,
 };
 
 use super::{DatapathError, sys};
@@ -175,6 +175,15 @@ pub fn expected_definitions(caps: &MapCapacities) -> BTreeMap<&'static str, MapD
             hash(size_of::<NatKeyV6>(), size_of::<NatValueV6>(), caps.nat),
         ),
         (map_names::MASQ_CONFIG, array(size_of::<MasqConfig>(), 1)),
+        (
+            map_names::NAT_CLOCK,
+            MapDefinition {
+                map_type: MapType::PerCpuArray,
+                key_size: 4,
+                value_size: size_of::<NatClock>() as u32,
+                max_entries: 1,
+            },
+        ),
     ])
 }
 

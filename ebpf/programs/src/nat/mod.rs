@@ -11,26 +11,31 @@
 //! next header is not TCP, UDP or ICMPv6, and every other protocol.
 //!
 //! Checksums are updated incrementally: the IPv4 header checksum here (it is
-//! always complete in the header), L4 checksums through
-//! `bpf_l4_csum_replace` (with `BPF_F_PSEUDO_HDR` for addresses), which does
-//! the right thing under `CHECKSUM_PARTIAL` (veth offload, GSO) and
-//! `CHECKSUM_COMPLETE`.
+//! always complete in the header); L4 checksums through
+//! `bpf_l4_csum_replace` with `BPF_F_PSEUDO_HDR` for the address, which does
+//! the right thing under `CHECKSUM_PARTIAL` (veth offload, GSO),
+//! `CHECKSUM_COMPLETE` and a complete checksum alike. See [`l4_fix`] for how
+//! the port's share costs no second helper call.
 //!
-//! `to_native` writes packets with `bpf_skb_store_bytes`, never directly: a
-//! direct write makes the verifier unclone every skb the program sees, and
-//! the node's own TCP traffic (clones kept for retransmission) would pay a
-//! header copy per packet without being translated. `from_native` already
-//! writes directly (the ARP responder), so it does here too.
+//! Packets are written by direct packet access: a helper call costs ~30 ns
+//! on the project's machines (every kernel return pays the SRSO
+//! mitigation), a direct store nothing. The price is the verifier's
+//! "unclone" prologue, which for a cloned skb makes its header writable; the
+//! node's own TCP clones have private headers (`nohdr`), so it copies
+//! nothing for them.
+//!
+//! Time (`last_seen_ns`) comes from a per-CPU cache, NAT_CLOCK, refreshed by
+//! `bpf_ktime_get_ns` once per jiffy and read against `bpf_jiffies64` (which
+//! the verifier inlines): the clock helper would cost ~35 ns per packet.
 
 mod v4;
 mod v6;
 
-pub(crate) use v4::{egress_v4, ingress_v4};
-pub(crate) use v6::{egress_v6, ingress_v6};
+pub(crate) use v4::ingress_v4;
 
 use aya_ebpf::{
-    bindings::BPF_F_MARK_MANGLED_0,
-    helpers::{bpf_get_prandom_u32, bpf_ktime_get_ns},
+    bindings::{BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR},
+    helpers::{bpf_get_prandom_u32, bpf_jiffies64, bpf_ktime_get_ns},
     programs::TcContext,
 };
 use lockstep_common::{
@@ -38,7 +43,69 @@ use lockstep_common::{
     nat_state,
 };
 
-use crate::{ETH_HLEN, MASQ_CONFIG, read};
+use crate::{ETH_HLEN, MASQ_CONFIG, NAT_CLOCK, read};
+
+/// Internal verdicts (never returned to the kernel): `egress_*` found no
+/// forward entry; `new_flow_*` made one.
+pub(super) const NEW_FLOW: i32 = -1000;
+pub(super) const CLAIMED: i32 = -1001;
+/// `admit_v6`: a new flow to translate.
+pub(super) const ADMITTED: i32 = -1002;
+/// `ingress_v6`: an ICMPv6 packet that may be an error to translate.
+pub(super) const ICMP_ERROR: i32 = -1003;
+
+/// `from_native` for IPv6: replies, then ICMPv6 errors, each in a frame of
+/// its own (see [`to_native_v4`]).
+#[inline(always)]
+pub(crate) fn from_native_v6(ctx: &TcContext) -> i32 {
+    match v6::ingress_v6(ctx) {
+        ICMP_ERROR => v6::icmp_error_v6(ctx),
+        verdict => verdict,
+    }
+}
+
+/// `to_native` for IPv4: the established flow's translation inline; a new
+/// flow's checks and port claim in a function of its own (the verifier
+/// allows 512 bytes of stack over a whole call chain, and the two would
+/// not fit in one frame), after which the established path runs again.
+#[inline(always)]
+pub(crate) fn to_native_v4(ctx: &TcContext) -> i32 {
+    match v4::egress_v4(ctx) {
+        NEW_FLOW => {}
+        verdict => return verdict,
+    }
+    match v4::new_flow_v4(ctx) {
+        CLAIMED => {}
+        verdict => return verdict,
+    }
+    match v4::egress_v4(ctx) {
+        // Gone already (a collector raced): never let it out untranslated.
+        NEW_FLOW => crate::DROP,
+        verdict => verdict,
+    }
+}
+
+/// [`to_native_v4`] for IPv6, whose established path has a function of its
+/// own too (IPv6 keys and addresses are larger).
+#[inline(always)]
+pub(crate) fn to_native_v6(ctx: &TcContext) -> i32 {
+    match v6::egress_v6(ctx) {
+        NEW_FLOW => {}
+        verdict => return verdict,
+    }
+    match v6::admit_v6(ctx) {
+        ADMITTED => {}
+        verdict => return verdict,
+    }
+    match v6::claim_v6(ctx) {
+        CLAIMED => {}
+        verdict => return verdict,
+    }
+    match v6::egress_v6(ctx) {
+        NEW_FLOW => crate::DROP,
+        verdict => verdict,
+    }
+}
 
 /// `BPF_F_IPV6` for `bpf_l4_csum_replace` (Linux 6.16+; not in the
 /// bindings of aya-ebpf 0.2): the packet is IPv6, so a pseudo-header change
@@ -183,6 +250,19 @@ pub(super) fn csum_replace4(check: u16, from: u32, to: u32) -> u16 {
     !csum_fold(csum_add(csum_add(u32::from(!check), !from), to))
 }
 
+/// The checksum field after 2 bytes it covers changed from `from` to `to`.
+#[inline(always)]
+pub(super) fn csum_replace2(check: u16, from: u16, to: u16) -> u16 {
+    !csum_fold(u32::from(!check) + u32::from(!from) + u32::from(to))
+}
+
+/// The partial sum that turns a checksum over `from` into one over `to`
+/// (the kernel's `csum_diff` for two 4-byte buffers).
+#[inline(always)]
+pub(super) fn csum_diff4(from: V4Addr, to: V4Addr) -> u32 {
+    csum_add(!u32::from_ne_bytes(from), u32::from_ne_bytes(to))
+}
+
 /// The partial sum that turns a checksum over `from` into one over `to`
 /// (the kernel's `csum_diff` for two 16-byte buffers).
 #[inline(always)]
@@ -198,24 +278,82 @@ pub(super) fn csum_diff16(from: &V6Addr, to: &V6Addr) -> u32 {
     s
 }
 
-/// `bpf_l4_csum_replace` for IPv6, falling back to no `BPF_F_IPV6` on a
-/// kernel that does not know the flag.
+/// `bpf_l4_csum_replace`; with `BPF_F_IPV6` in `flags`, again without it
+/// on a kernel that does not know the flag.
 #[inline(always)]
-pub(super) fn l4_csum_v6(
+pub(super) fn l4_csum(
     ctx: &TcContext,
     off: usize,
     from: u64,
     to: u64,
     flags: u64,
 ) -> Result<(), i64> {
-    match ctx.l4_csum_replace(off, from, to, flags | BPF_F_IPV6) {
-        Ok(()) => Ok(()),
-        Err(-22) => ctx.l4_csum_replace(off, from, to, flags),
-        Err(e) => Err(e),
+    match ctx.l4_csum_replace(off, from, to, flags) {
+        Err(-22) if flags & BPF_F_IPV6 != 0 => {
+            ctx.l4_csum_replace(off, from, to, flags & !BPF_F_IPV6)
+        }
+        other => other,
     }
 }
 
-/// Writes `v` at `offset` by direct packet access (from_native only).
+/// `a ≡ b` in one's-complement arithmetic (0 and 0xffff are both zero).
+#[inline(always)]
+fn same16(a: u16, b: u16) -> bool {
+    a == b || (a | b == 0xffff && (a == 0 || b == 0))
+}
+
+/// Brings the L4 checksum at `off` up to date after the packet's address
+/// (`diff`, a partial sum as from [`csum_diff4`] / [`csum_diff16`]; part of
+/// the pseudo-header) and port (`from` → `to`, as loaded, not part of it)
+/// were rewritten, with one helper call where two would be the obvious way.
+///
+/// The address's share must go through `bpf_l4_csum_replace` with
+/// `BPF_F_PSEUDO_HDR`: only the kernel knows whether the skb is
+/// `CHECKSUM_PARTIAL` (the field then holds the pseudo-header sum and the
+/// port is summed later, by the NIC or the stack) or carries a complete
+/// checksum (the port's change must enter it too). The helper applies
+/// `old + diff` in the first case and `old - diff` in the second, so the
+/// field it leaves behind says which case it was whenever `diff ≢ 0`; the
+/// port's share is then added here, or not at all. When it cannot tell
+/// (`diff ≡ 0`, a UDP checksum of 0 left alone) a second helper call adds
+/// the port's share the kernel's way.
+#[inline(always)]
+pub(super) fn l4_fix(
+    ctx: &TcContext,
+    off: usize,
+    diff: u32,
+    from: u16,
+    to: u16,
+    flags: u64,
+) -> Option<()> {
+    let old = u16::from_ne_bytes(read::<[u8; 2]>(ctx, off)?);
+    l4_csum(
+        ctx,
+        off,
+        0,
+        u64::from(diff),
+        u64::from(BPF_F_PSEUDO_HDR) | flags,
+    )
+    .ok()?;
+    let new = u16::from_ne_bytes(read::<[u8; 2]>(ctx, off)?);
+    let d = csum_fold(diff);
+    if !same16(d, 0) {
+        if same16(new, csum_fold(u32::from(old) + u32::from(d))) {
+            // CHECKSUM_PARTIAL: the port is summed when the checksum is.
+            return Some(());
+        }
+        if same16(new, csum_fold(u32::from(old) + u32::from(!d))) {
+            let mut check = csum_replace2(new, from, to);
+            if check == 0 && flags & u64::from(BPF_F_MARK_MANGLED_0) != 0 {
+                check = 0xffff;
+            }
+            return write(ctx, off, check.to_ne_bytes());
+        }
+    }
+    l4_csum(ctx, off, u64::from(from), u64::from(to), 2 | flags).ok()
+}
+
+/// Writes `v` at `offset` by direct packet access.
 #[inline(always)]
 pub(super) fn write<T: Copy>(ctx: &TcContext, offset: usize, v: T) -> Option<()> {
     if ctx.data() + offset + size_of::<T>() > ctx.data_end() {
@@ -226,11 +364,13 @@ pub(super) fn write<T: Copy>(ctx: &TcContext, offset: usize, v: T) -> Option<()>
     Some(())
 }
 
+/// A port (host order) as `bpf_l4_csum_replace` wants it: as loaded.
 #[inline(always)]
-pub(super) fn ne16(port: u16) -> u64 {
-    u64::from(u16::from_ne_bytes(port.to_be_bytes()))
+pub(super) fn ne16(port: u16) -> u16 {
+    u16::from_ne_bytes(port.to_be_bytes())
 }
 
+/// An address as `bpf_l4_csum_replace` wants it: as loaded.
 #[inline(always)]
 pub(super) fn ne32(addr: V4Addr) -> u64 {
     u64::from(u32::from_ne_bytes(addr))
@@ -242,16 +382,38 @@ pub(super) fn config() -> MasqConfig {
     MASQ_CONFIG.get(0).copied().unwrap_or_default()
 }
 
+/// `bpf_ktime_get_ns()` as of this CPU's latest jiffy (see the module
+/// doc): behind the clock by at most one jiffy, never ahead of it.
+#[inline(always)]
+pub(super) fn now_ns() -> u64 {
+    // SAFETY: plain helper calls (the verifier inlines bpf_jiffies64).
+    let jiffies = unsafe { bpf_jiffies64() };
+    let Some(clock) = NAT_CLOCK.get_ptr_mut(0) else {
+        // SAFETY: as above.
+        return unsafe { bpf_ktime_get_ns() };
+    };
+    // SAFETY: this CPU's slot of a per-CPU array, for this run; nothing
+    // else on this CPU runs a program meanwhile.
+    unsafe {
+        if (*clock).jiffies != jiffies {
+            (*clock).now_ns = bpf_ktime_get_ns();
+            (*clock).jiffies = jiffies;
+        }
+        (*clock).now_ns
+    }
+}
+
 /// Refreshes a NAT entry's `last_seen_ns` when it is more than a second
 /// old, and adds `bits` to its state; writes nothing otherwise.
 #[inline(always)]
 pub(super) fn touch(last_seen: *mut u64, state: *mut u8, bits: u8) {
-    // SAFETY: plain helper call.
-    let now = unsafe { bpf_ktime_get_ns() };
+    let now = now_ns();
     // SAFETY: both point into a map value for this run; a racing writer can
     // at worst lose a state bit set at the same instant by another CPU.
+    // Another CPU's clock may be a jiffy ahead of this one's: "older" is
+    // judged with a saturating difference, so time never goes back.
     unsafe {
-        if now.wrapping_sub(*last_seen) > LAST_SEEN_GRANULARITY_NS {
+        if now.saturating_sub(*last_seen) > LAST_SEEN_GRANULARITY_NS {
             *last_seen = now;
         }
         if *state & bits != bits {
@@ -293,5 +455,58 @@ pub(super) fn candidates(cfg: &MasqConfig) -> (u32, u32, u32) {
         } else {
             PORT_TRIES
         },
+    )
+}
+
+/// Rewrites an IPv4 packet's address at `addr_at` (`IP + V4_SRC` or
+/// `IP + V4_DST`) from `old` to `new` and its port (or ICMP identifier) at
+/// `port_at` from `old_port` to `new_port`, with the IPv4 header checksum
+/// (`ip_check`, as loaded) and the L4 checksum.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+pub(super) fn rewrite_v4(
+    ctx: &TcContext,
+    flow: &Flow,
+    ip_check: u16,
+    addr_at: usize,
+    (old, new): (V4Addr, V4Addr),
+    port_at: usize,
+    (old_port, new_port): (u16, u16),
+) -> Option<()> {
+    let check = csum_replace4(ip_check, u32::from_ne_bytes(old), u32::from_ne_bytes(new));
+    write(ctx, addr_at, new)?;
+    write(ctx, IP + V4_CSUM, check.to_ne_bytes())?;
+    write(ctx, port_at, new_port.to_be_bytes())?;
+    let csum = L4_V4 + flow.csum_off();
+    let (from, to) = (ne16(old_port), ne16(new_port));
+    if flow.proto == ICMP {
+        // No pseudo-header: the identifier is the only change it sees.
+        return ctx
+            .l4_csum_replace(csum, u64::from(from), u64::from(to), 2)
+            .ok();
+    }
+    l4_fix(ctx, csum, csum_diff4(old, new), from, to, flow.mangled())
+}
+
+/// [`rewrite_v4`] for IPv6 (no header checksum; ICMPv6 has a pseudo-header).
+#[inline(always)]
+pub(super) fn rewrite_v6(
+    ctx: &TcContext,
+    flow: &Flow,
+    addr_at: usize,
+    (old, new): (&V6Addr, &V6Addr),
+    port_at: usize,
+    (old_port, new_port): (u16, u16),
+) -> Option<()> {
+    write(ctx, addr_at, *new)?;
+    write(ctx, port_at, new_port.to_be_bytes())?;
+    let csum = L4_V6 + flow.csum_off();
+    l4_fix(
+        ctx,
+        csum,
+        csum_diff16(old, new),
+        ne16(old_port),
+        ne16(new_port),
+        flow.mangled() | BPF_F_IPV6,
     )
 }

@@ -3,36 +3,33 @@
 
 use core::ptr::addr_of_mut;
 
-use aya_ebpf::{
-    bindings::{BPF_F_PSEUDO_HDR, BPF_NOEXIST},
-    btf_maps::lpm_trie::Key,
-    helpers::bpf_ktime_get_ns,
-    programs::TcContext,
-};
+use aya_ebpf::{bindings::BPF_NOEXIST, btf_maps::lpm_trie::Key, programs::TcContext};
 use aya_log_ebpf::info;
 use lockstep_common::{
     Counter, MasqConfig, NatKeyV4, NatValueV4, PORT_TRIES, V4Addr, masq_flags, nat_state,
 };
 
 use super::{
-    EEXIST, Flow, ICMP, IP, L4_V4, V4_CSUM, V4_DST, V4_SRC, candidates, config, csum_replace4,
-    is_cluster, is_local_endpoint, ne16, ne32, parse_l4, touch, write,
+    CLAIMED, EEXIST, Flow, ICMP, IP, L4_V4, NEW_FLOW, V4_CSUM, V4_DST, V4_SRC, candidates, config,
+    csum_replace4, is_cluster, is_local_endpoint, ne16, ne32, now_ns, parse_l4, rewrite_v4, touch,
+    write,
 };
 use crate::{
     DROP, IPCACHE_HOST_V4, MASQ_SKIP_V4, NAT_FWD_V4, NAT_REV_V4, NEXT, count, events_on,
     ipcache_v4, read,
 };
 
-/// `to_native` for IPv4.
+/// The flow of an IPv4 packet leaving the node, with its IP header
+/// checksum, when masquerade is on for IPv4 and the packet is of a kind it
+/// translates; otherwise the verdict, counted as before masquerade existed.
 #[inline(always)]
-pub(crate) fn egress_v4(ctx: &TcContext) -> i32 {
+fn outgoing_v4(ctx: &TcContext, cfg: &MasqConfig) -> Result<(NatKeyV4, Flow, u16), i32> {
     let Some(ip) = read::<[u8; 20]>(ctx, IP) else {
         count(Counter::Malformed);
-        return NEXT;
+        return Err(NEXT);
     };
     let src: V4Addr = [ip[12], ip[13], ip[14], ip[15]];
     let dst: V4Addr = [ip[16], ip[17], ip[18], ip[19]];
-    let cfg = config();
     let frag = u16::from_be_bytes([ip[6], ip[7]]) & 0x3fff != 0;
     let flow = if cfg.flags & masq_flags::ENABLED_V4 == 0 || ip[0] != 0x45 || frag {
         None
@@ -40,7 +37,7 @@ pub(crate) fn egress_v4(ctx: &TcContext) -> i32 {
         parse_l4(ctx, L4_V4, ip[9], 8, false)
     };
     let Some(flow) = flow else {
-        return count_only_v4(src, dst);
+        return Err(count_only_v4(src, dst));
     };
     let key = NatKeyV4 {
         src_addr: src,
@@ -50,35 +47,40 @@ pub(crate) fn egress_v4(ctx: &TcContext) -> i32 {
         proto: flow.proto,
         _pad: [0; 3],
     };
-    let (addr, port) = match NAT_FWD_V4.get_ptr_mut(key) {
-        Some(v) => {
-            // SAFETY: `v` points at the map value for this run.
-            unsafe {
-                touch(
-                    addr_of_mut!((*v).last_seen_ns),
-                    addr_of_mut!((*v).state),
-                    flow.state_bits(nat_state::FIN_OUT),
-                );
-                ((*v).addr, (*v).port)
-            }
-        }
-        None => {
-            // SAFETY: copied out at once.
-            if !is_local_endpoint(unsafe { IPCACHE_HOST_V4.get(src) }) {
-                count(Counter::MasqNotEndpoint);
-                return NEXT;
-            }
-            if MASQ_SKIP_V4.get(&Key::new(32, dst)).is_some() || is_cluster(ipcache_v4(dst)) {
-                count(Counter::MasqSkipped);
-                return NEXT;
-            }
-            match claim_v4(ctx, &key, &cfg, flow.state_bits(nat_state::FIN_OUT)) {
-                Ok(found) => found,
-                Err(verdict) => return verdict,
-            }
-        }
+    Ok((key, flow, u16::from_ne_bytes([ip[10], ip[11]])))
+}
+
+/// `to_native` for IPv4.
+#[inline(always)]
+pub(crate) fn egress_v4(ctx: &TcContext) -> i32 {
+    let cfg = config();
+    let (key, flow, ip_check) = match outgoing_v4(ctx, &cfg) {
+        Ok(found) => found,
+        Err(verdict) => return verdict,
     };
-    if snat_v4(ctx, &ip, &flow, addr, port).is_err() {
+    let Some(v) = NAT_FWD_V4.get_ptr_mut(key) else {
+        return NEW_FLOW;
+    };
+    // SAFETY: `v` points at the map value for this run.
+    let (addr, port) = unsafe {
+        touch(
+            addr_of_mut!((*v).last_seen_ns),
+            addr_of_mut!((*v).state),
+            flow.state_bits(nat_state::FIN_OUT),
+        );
+        ((*v).addr, (*v).port)
+    };
+    let port_at = if flow.proto == ICMP { L4_V4 + 4 } else { L4_V4 };
+    let rewritten = rewrite_v4(
+        ctx,
+        &flow,
+        ip_check,
+        IP + V4_SRC,
+        (key.src_addr, addr),
+        port_at,
+        (flow.sport, port),
+    );
+    if rewritten.is_none() {
         count(Counter::Malformed);
         return DROP;
     }
@@ -102,19 +104,34 @@ fn count_only_v4(src: V4Addr, dst: V4Addr) -> i32 {
     NEXT
 }
 
-/// Claims a translated port for a new flow (the reverse entry, inserted
-/// with `BPF_NOEXIST`), then records the forward entry. Returns the node
-/// address and port, or the verdict for a flow that cannot be translated.
-#[inline(always)]
-fn claim_v4(
-    ctx: &TcContext,
-    key: &NatKeyV4,
-    cfg: &MasqConfig,
-    state: u8,
-) -> Result<(V4Addr, u16), i32> {
-    let (start, range, tries) = candidates(cfg);
-    // SAFETY: plain helper call.
-    let now = unsafe { bpf_ktime_get_ns() };
+/// A flow without a forward entry: translated only when its source is a
+/// local endpoint and its destination neither in MASQ_SKIP nor inside the
+/// cluster; then claims a translated port (the reverse entry, inserted
+/// with `BPF_NOEXIST`) and records the forward entry. Returns
+/// [`CLAIMED`] (the forward entry exists now) or the verdict of a packet
+/// not to translate or to drop.
+// Not inlined: a rare path, with its own stack frame.
+#[inline(never)]
+pub(crate) fn new_flow_v4(ctx: &TcContext) -> i32 {
+    let cfg = config();
+    let (key, flow) = match outgoing_v4(ctx, &cfg) {
+        Ok(found) => (found.0, found.1),
+        Err(verdict) => return verdict,
+    };
+    let state = flow.state_bits(nat_state::FIN_OUT);
+    // SAFETY: copied out at once.
+    if !is_local_endpoint(unsafe { IPCACHE_HOST_V4.get(key.src_addr) }) {
+        count(Counter::MasqNotEndpoint);
+        return NEXT;
+    }
+    if MASQ_SKIP_V4.get(&Key::new(32, key.dst_addr)).is_some()
+        || is_cluster(ipcache_v4(key.dst_addr))
+    {
+        count(Counter::MasqSkipped);
+        return NEXT;
+    }
+    let (start, range, tries) = candidates(&cfg);
+    let now = now_ns();
     let back = NatValueV4 {
         last_seen_ns: now,
         addr: key.src_addr,
@@ -143,7 +160,7 @@ fn claim_v4(
             Err(e) if e == -EEXIST => continue,
             Err(_) => {
                 count(Counter::MasqTableFull);
-                return Err(DROP);
+                return DROP;
             }
         }
         let fwd = NatValueV4 {
@@ -154,76 +171,25 @@ fn claim_v4(
             _pad: 0,
         };
         return match NAT_FWD_V4.insert(key, fwd, u64::from(BPF_NOEXIST)) {
-            Ok(()) => Ok((cfg.node_v4, port)),
-            Err(e) => {
+            Ok(()) => CLAIMED,
+            // Another CPU translated the same new flow first: its entry
+            // serves, this port goes back.
+            Err(e) if e == -EEXIST => {
                 let _ = NAT_REV_V4.remove(rkey);
-                // Another CPU translated the same new flow first: use its port.
-                // SAFETY: copied out at once.
-                match (e == -EEXIST)
-                    .then(|| unsafe { NAT_FWD_V4.get(key) })
-                    .flatten()
-                {
-                    Some(v) => Ok((v.addr, v.port)),
-                    None => {
-                        count(Counter::MasqTableFull);
-                        Err(DROP)
-                    }
-                }
+                CLAIMED
+            }
+            Err(_) => {
+                let _ = NAT_REV_V4.remove(rkey);
+                count(Counter::MasqTableFull);
+                DROP
             }
         };
     }
     count(Counter::MasqExhausted);
     if events_on() {
-        info!(
-            ctx,
-            "to_native: no free masquerade port for {:i}:{} to {:i}:{} (protocol {}), dropped",
-            key.src_addr,
-            key.src_port,
-            key.dst_addr,
-            key.dst_port,
-            key.proto
-        );
+        exhausted_event(ctx, &key);
     }
-    Err(DROP)
-}
-
-/// Rewrites the source of an IPv4 packet to `addr`:`port`.
-#[inline(always)]
-fn snat_v4(
-    ctx: &TcContext,
-    ip: &[u8; 20],
-    flow: &Flow,
-    addr: V4Addr,
-    port: u16,
-) -> Result<(), i64> {
-    let old: V4Addr = [ip[12], ip[13], ip[14], ip[15]];
-    let check = csum_replace4(
-        u16::from_ne_bytes([ip[10], ip[11]]),
-        u32::from_ne_bytes(old),
-        u32::from_ne_bytes(addr),
-    );
-    let c = check.to_ne_bytes();
-    let p = port.to_be_bytes();
-    let csum = L4_V4 + flow.csum_off();
-    if flow.proto == ICMP {
-        let head = [c[0], c[1], addr[0], addr[1], addr[2], addr[3]];
-        ctx.store(IP + V4_CSUM, &head, 0)?;
-        ctx.store(L4_V4 + 4, &p, 0)?;
-    } else {
-        // Checksum, source, destination (unchanged) and source port: one write.
-        let d = [ip[16], ip[17], ip[18], ip[19]];
-        let bytes = [
-            c[0], c[1], addr[0], addr[1], addr[2], addr[3], d[0], d[1], d[2], d[3], p[0], p[1],
-        ];
-        ctx.store(IP + V4_CSUM, &bytes, 0)?;
-        ctx.l4_csum_replace(
-            csum,
-            ne32(old),
-            ne32(addr),
-            u64::from(BPF_F_PSEUDO_HDR) | 4 | flow.mangled(),
-        )?;
-    }
-    ctx.l4_csum_replace(csum, ne16(flow.sport), ne16(port), 2 | flow.mangled())
+    DROP
 }
 
 /// `from_native` for IPv4: reverse-translates replies and ICMP errors of
@@ -270,33 +236,21 @@ pub(crate) fn ingress_v4(ctx: &TcContext) -> i32 {
         );
         ((*v).addr, (*v).port)
     };
-    let check = csum_replace4(
-        u16::from_ne_bytes([ip[10], ip[11]]),
-        u32::from_ne_bytes(dst),
-        u32::from_ne_bytes(addr),
-    );
     let port_at = if flow.proto == ICMP {
         L4_V4 + 4
     } else {
         L4_V4 + 2
     };
-    let written = write(ctx, IP + V4_DST, addr)
-        .and_then(|()| write(ctx, IP + V4_CSUM, check.to_ne_bytes()))
-        .and_then(|()| write(ctx, port_at, port.to_be_bytes()));
-    let csum = L4_V4 + flow.csum_off();
-    let fixed = written.is_some()
-        && (flow.proto == ICMP
-            || ctx
-                .l4_csum_replace(
-                    csum,
-                    ne32(dst),
-                    ne32(addr),
-                    u64::from(BPF_F_PSEUDO_HDR) | 4 | flow.mangled(),
-                )
-                .is_ok())
-        && ctx
-            .l4_csum_replace(csum, ne16(flow.dport), ne16(port), 2 | flow.mangled())
-            .is_ok();
+    let fixed = rewrite_v4(
+        ctx,
+        &flow,
+        u16::from_ne_bytes([ip[10], ip[11]]),
+        IP + V4_DST,
+        (dst, addr),
+        port_at,
+        (flow.dport, port),
+    )
+    .is_some();
     if !fixed {
         count(Counter::Malformed);
         return DROP;
@@ -310,7 +264,8 @@ pub(crate) fn ingress_v4(ctx: &TcContext) -> i32 {
 /// quoted source address and port, the quoted IP checksum and the ICMP
 /// checksum are rewritten for the endpoint. The quoted L4 checksum is left
 /// as it is (often not quoted at all; no stack checks it).
-#[inline(always)]
+// Not inlined: a rare path, with its own stack frame.
+#[inline(never)]
 fn icmp_error_v4(ctx: &TcContext, ip: &[u8; 20], cfg: &MasqConfig) -> i32 {
     const INNER: usize = L4_V4 + 8;
     const INNER_L4: usize = INNER + 20;
@@ -375,7 +330,12 @@ fn icmp_error_v4(ctx: &TcContext, ip: &[u8; 20], cfg: &MasqConfig) -> i32 {
             .l4_csum_replace(csum, u64::from(inner_old), u64::from(inner_check), 2)
             .is_ok()
         && ctx
-            .l4_csum_replace(csum, ne16(quoted.sport), ne16(e.port), 2)
+            .l4_csum_replace(
+                csum,
+                u64::from(ne16(quoted.sport)),
+                u64::from(ne16(e.port)),
+                2,
+            )
             .is_ok();
     if !done {
         count(Counter::Malformed);
@@ -383,4 +343,19 @@ fn icmp_error_v4(ctx: &TcContext, ip: &[u8; 20], cfg: &MasqConfig) -> i32 {
     }
     count(Counter::MasqIcmpErrorReversed);
     NEXT
+}
+
+/// The aya-log event of a new flow dropped for want of a port; a function
+/// of its own so its stack stays out of the packet path's frame.
+#[inline(never)]
+fn exhausted_event(ctx: &TcContext, key: &NatKeyV4) {
+    info!(
+        ctx,
+        "to_native: no free masquerade port for {:i}:{} to {:i}:{} (protocol {}), dropped",
+        key.src_addr,
+        key.src_port,
+        key.dst_addr,
+        key.dst_port,
+        key.proto
+    );
 }

@@ -6,7 +6,6 @@ use core::ptr::addr_of_mut;
 use aya_ebpf::{
     bindings::{BPF_F_PSEUDO_HDR, BPF_NOEXIST},
     btf_maps::lpm_trie::Key,
-    helpers::bpf_ktime_get_ns,
     programs::TcContext,
 };
 use aya_log_ebpf::info;
@@ -15,33 +14,33 @@ use lockstep_common::{
 };
 
 use super::{
-    EEXIST, Flow, ICMPV6, IP, L4_V6, V6_DST, V6_SRC, candidates, config, csum_diff16, is_cluster,
-    is_local_endpoint, l4_csum_v6, ne16, parse_l4, touch, write,
+    ADMITTED, BPF_F_IPV6, CLAIMED, EEXIST, Flow, ICMP_ERROR, ICMPV6, IP, L4_V6, NEW_FLOW, V6_DST,
+    V6_SRC, candidates, config, csum_add, csum_diff16, is_cluster, is_local_endpoint, l4_csum,
+    ne16, now_ns, parse_l4, rewrite_v6, touch, write,
 };
 use crate::{
     DROP, IPCACHE_HOST_V6, MASQ_SKIP_V6, NAT_FWD_V6, NAT_REV_V6, NEXT, count, events_on,
     ipcache_v6, read,
 };
 
-/// `to_native` for IPv6.
+/// See [`outgoing_v4`](super::v4).
 #[inline(always)]
-pub(crate) fn egress_v6(ctx: &TcContext) -> i32 {
-    let Some(ip) = read::<[u8; 40]>(ctx, IP) else {
+fn outgoing_v6(ctx: &TcContext, cfg: &MasqConfig) -> Result<(NatKeyV6, Flow), i32> {
+    let (Some(next), Some(src), Some(dst)) = (
+        read::<u8>(ctx, IP + 6),
+        read::<V6Addr>(ctx, IP + V6_SRC),
+        read::<V6Addr>(ctx, IP + V6_DST),
+    ) else {
         count(Counter::Malformed);
-        return NEXT;
+        return Err(NEXT);
     };
-    let mut src: V6Addr = [0; 16];
-    let mut dst: V6Addr = [0; 16];
-    src.copy_from_slice(&ip[V6_SRC..V6_SRC + 16]);
-    dst.copy_from_slice(&ip[V6_DST..V6_DST + 16]);
-    let cfg = config();
     let flow = if cfg.flags & masq_flags::ENABLED_V6 == 0 {
         None
     } else {
-        parse_l4(ctx, L4_V6, ip[6], 128, false)
+        parse_l4(ctx, L4_V6, next, 128, false)
     };
     let Some(flow) = flow else {
-        return count_only_v6(src, dst);
+        return Err(count_only_v6(&src, &dst));
     };
     let key = NatKeyV6 {
         src_addr: src,
@@ -51,35 +50,45 @@ pub(crate) fn egress_v6(ctx: &TcContext) -> i32 {
         proto: flow.proto,
         _pad: [0; 3],
     };
-    let (addr, port) = match NAT_FWD_V6.get_ptr_mut(key) {
-        Some(v) => {
-            // SAFETY: `v` points at the map value for this run.
-            unsafe {
-                touch(
-                    addr_of_mut!((*v).last_seen_ns),
-                    addr_of_mut!((*v).state),
-                    flow.state_bits(nat_state::FIN_OUT),
-                );
-                ((*v).addr, (*v).port)
-            }
-        }
-        None => {
-            // SAFETY: copied out at once.
-            if !is_local_endpoint(unsafe { IPCACHE_HOST_V6.get(src) }) {
-                count(Counter::MasqNotEndpoint);
-                return NEXT;
-            }
-            if MASQ_SKIP_V6.get(&Key::new(128, dst)).is_some() || is_cluster(ipcache_v6(dst)) {
-                count(Counter::MasqSkipped);
-                return NEXT;
-            }
-            match claim_v6(ctx, &key, &cfg, flow.state_bits(nat_state::FIN_OUT)) {
-                Ok(found) => found,
-                Err(verdict) => return verdict,
-            }
-        }
+    Ok((key, flow))
+}
+
+/// `to_native` for IPv6.
+// Not inlined: to_native calls it and new_flow_v6 side by side, so only
+// the larger of their frames adds to its own.
+#[inline(never)]
+pub(crate) fn egress_v6(ctx: &TcContext) -> i32 {
+    let cfg = config();
+    let (key, flow) = match outgoing_v6(ctx, &cfg) {
+        Ok(found) => found,
+        Err(verdict) => return verdict,
     };
-    if snat_v6(ctx, &src, &dst, &flow, &addr, port).is_err() {
+    let Some(v) = NAT_FWD_V6.get_ptr_mut(key) else {
+        return NEW_FLOW;
+    };
+    // SAFETY: `v` points at the map value for this run.
+    let (addr, port) = unsafe {
+        touch(
+            addr_of_mut!((*v).last_seen_ns),
+            addr_of_mut!((*v).state),
+            flow.state_bits(nat_state::FIN_OUT),
+        );
+        ((*v).addr, (*v).port)
+    };
+    let port_at = if flow.proto == ICMPV6 {
+        L4_V6 + 4
+    } else {
+        L4_V6
+    };
+    let rewritten = rewrite_v6(
+        ctx,
+        &flow,
+        IP + V6_SRC,
+        (&key.src_addr, &addr),
+        port_at,
+        (flow.sport, port),
+    );
+    if rewritten.is_none() {
         count(Counter::Malformed);
         return DROP;
     }
@@ -89,11 +98,11 @@ pub(crate) fn egress_v6(ctx: &TcContext) -> i32 {
 
 /// See [`count_only_v4`].
 #[inline(always)]
-fn count_only_v6(src: V6Addr, dst: V6Addr) -> i32 {
+fn count_only_v6(src: &V6Addr, dst: &V6Addr) -> i32 {
     // SAFETY: copied out at once.
     if !is_local_endpoint(unsafe { IPCACHE_HOST_V6.get(src) }) {
         count(Counter::MasqNotEndpoint);
-    } else if MASQ_SKIP_V6.get(&Key::new(128, dst)).is_some() {
+    } else if MASQ_SKIP_V6.get(&Key::new(128, *dst)).is_some() {
         count(Counter::MasqSkipped);
     } else {
         count(Counter::MasqWouldTranslate);
@@ -101,17 +110,44 @@ fn count_only_v6(src: V6Addr, dst: V6Addr) -> i32 {
     NEXT
 }
 
-/// See [`claim_v4`].
-#[inline(always)]
-fn claim_v6(
-    ctx: &TcContext,
-    key: &NatKeyV6,
-    cfg: &MasqConfig,
-    state: u8,
-) -> Result<(V6Addr, u16), i32> {
-    let (start, range, tries) = candidates(cfg);
-    // SAFETY: plain helper call.
-    let now = unsafe { bpf_ktime_get_ns() };
+/// The first half of [`new_flow_v4`] for IPv6: whether the flow is to be
+/// translated ([`ADMITTED`]) or passes as it is. IPv6's larger keys make
+/// the two halves too large for one frame.
+// Not inlined: a rare path, with its own stack frame.
+#[inline(never)]
+pub(crate) fn admit_v6(ctx: &TcContext) -> i32 {
+    let cfg = config();
+    let (key, _) = match outgoing_v6(ctx, &cfg) {
+        Ok(found) => found,
+        Err(verdict) => return verdict,
+    };
+    // SAFETY: copied out at once.
+    if !is_local_endpoint(unsafe { IPCACHE_HOST_V6.get(key.src_addr) }) {
+        count(Counter::MasqNotEndpoint);
+        return NEXT;
+    }
+    if MASQ_SKIP_V6.get(&Key::new(128, key.dst_addr)).is_some()
+        || is_cluster(ipcache_v6(key.dst_addr))
+    {
+        count(Counter::MasqSkipped);
+        return NEXT;
+    }
+    ADMITTED
+}
+
+/// The second half of [`new_flow_v4`] for IPv6: claims a port and records
+/// the flow; [`CLAIMED`] or the verdict.
+// Not inlined: a rare path, with its own stack frame.
+#[inline(never)]
+pub(crate) fn claim_v6(ctx: &TcContext) -> i32 {
+    let cfg = config();
+    let (key, flow) = match outgoing_v6(ctx, &cfg) {
+        Ok(found) => found,
+        Err(verdict) => return verdict,
+    };
+    let state = flow.state_bits(nat_state::FIN_OUT);
+    let (start, range, tries) = candidates(&cfg);
+    let now = now_ns();
     let back = NatValueV6 {
         last_seen_ns: now,
         addr: key.src_addr,
@@ -141,7 +177,7 @@ fn claim_v6(
             Err(e) if e == -EEXIST => continue,
             Err(_) => {
                 count(Counter::MasqTableFull);
-                return Err(DROP);
+                return DROP;
             }
         }
         let fwd = NatValueV6 {
@@ -153,100 +189,56 @@ fn claim_v6(
             _pad2: 0,
         };
         return match NAT_FWD_V6.insert(key, fwd, u64::from(BPF_NOEXIST)) {
-            Ok(()) => Ok((cfg.node_v6, port)),
-            Err(e) => {
+            Ok(()) => CLAIMED,
+            // Another CPU translated the same new flow first: its entry
+            // serves, this port goes back.
+            Err(e) if e == -EEXIST => {
                 let _ = NAT_REV_V6.remove(rkey);
-                // SAFETY: copied out at once.
-                match (e == -EEXIST)
-                    .then(|| unsafe { NAT_FWD_V6.get(key) })
-                    .flatten()
-                {
-                    Some(v) => Ok((v.addr, v.port)),
-                    None => {
-                        count(Counter::MasqTableFull);
-                        Err(DROP)
-                    }
-                }
+                CLAIMED
+            }
+            Err(_) => {
+                let _ = NAT_REV_V6.remove(rkey);
+                count(Counter::MasqTableFull);
+                DROP
             }
         };
     }
     count(Counter::MasqExhausted);
     if events_on() {
-        info!(
-            ctx,
-            "to_native: no free masquerade port for [{:i}]:{} to [{:i}]:{} (protocol {}), dropped",
-            key.src_addr,
-            key.src_port,
-            key.dst_addr,
-            key.dst_port,
-            key.proto
-        );
+        exhausted_event(ctx, &key);
     }
-    Err(DROP)
+    DROP
 }
 
-/// Rewrites the source of an IPv6 packet to `addr`:`port`.
-#[inline(always)]
-fn snat_v6(
-    ctx: &TcContext,
-    src: &V6Addr,
-    dst: &V6Addr,
-    flow: &Flow,
-    addr: &V6Addr,
-    port: u16,
-) -> Result<(), i64> {
-    let p = port.to_be_bytes();
-    // Source, destination (unchanged) and source port (or, for ICMPv6, the
-    // source alone and then the identifier).
-    if flow.proto == ICMPV6 {
-        ctx.store(IP + V6_SRC, addr, 0)?;
-        ctx.store(L4_V6 + 4, &p, 0)?;
-    } else {
-        let mut bytes = [0u8; 34];
-        bytes[..16].copy_from_slice(addr);
-        bytes[16..32].copy_from_slice(dst);
-        bytes[32] = p[0];
-        bytes[33] = p[1];
-        ctx.store(IP + V6_SRC, &bytes, 0)?;
-    }
-    let csum = L4_V6 + flow.csum_off();
-    let diff = csum_diff16(src, addr);
-    l4_csum_v6(
-        ctx,
-        csum,
-        0,
-        u64::from(diff),
-        u64::from(BPF_F_PSEUDO_HDR) | flow.mangled(),
-    )?;
-    l4_csum_v6(ctx, csum, ne16(flow.sport), ne16(port), 2 | flow.mangled())
-}
-
-/// `from_native` for IPv6; see [`ingress_v4`].
-#[inline(always)]
+/// `from_native` for IPv6; see [`ingress_v4`]. An ICMPv6 packet that is
+/// no echo reply comes back as [`ICMP_ERROR`], for `icmp_error_v6`.
+// Not inlined: from_native calls it and icmp_error_v6 side by side, so
+// only the larger of their frames adds to its own.
+#[inline(never)]
 pub(crate) fn ingress_v6(ctx: &TcContext) -> i32 {
     let cfg = config();
     if cfg.flags & masq_flags::ENABLED_V6 == 0 {
         return NEXT;
     }
-    let Some(ip) = read::<[u8; 40]>(ctx, IP) else {
+    let (Some(next), Some(src), Some(dst)) = (
+        read::<u8>(ctx, IP + 6),
+        read::<V6Addr>(ctx, IP + V6_SRC),
+        read::<V6Addr>(ctx, IP + V6_DST),
+    ) else {
         return NEXT;
     };
-    let mut dst: V6Addr = [0; 16];
-    dst.copy_from_slice(&ip[V6_DST..V6_DST + 16]);
     if dst != cfg.node_v6 {
         return NEXT;
     }
-    let Some(flow) = parse_l4(ctx, L4_V6, ip[6], 129, true) else {
-        if ip[6] == ICMPV6 {
-            return icmp_error_v6(ctx, &dst, &cfg);
+    let Some(flow) = parse_l4(ctx, L4_V6, next, 129, true) else {
+        if next == ICMPV6 {
+            return ICMP_ERROR;
         }
         return NEXT;
     };
     if flow.dport < cfg.port_min || flow.dport > cfg.port_max {
         return NEXT;
     }
-    let mut src: V6Addr = [0; 16];
-    src.copy_from_slice(&ip[V6_SRC..V6_SRC + 16]);
     let key = NatKeyV6 {
         src_addr: src,
         dst_addr: dst,
@@ -272,19 +264,15 @@ pub(crate) fn ingress_v6(ctx: &TcContext) -> i32 {
     } else {
         L4_V6 + 2
     };
-    let written =
-        write(ctx, IP + V6_DST, addr).and_then(|()| write(ctx, port_at, port.to_be_bytes()));
-    let csum = L4_V6 + flow.csum_off();
-    let fixed = written.is_some()
-        && l4_csum_v6(
-            ctx,
-            csum,
-            0,
-            u64::from(csum_diff16(&dst, &addr)),
-            u64::from(BPF_F_PSEUDO_HDR) | flow.mangled(),
-        )
-        .is_ok()
-        && l4_csum_v6(ctx, csum, ne16(flow.dport), ne16(port), 2 | flow.mangled()).is_ok();
+    let fixed = rewrite_v6(
+        ctx,
+        &flow,
+        IP + V6_DST,
+        (&dst, &addr),
+        port_at,
+        (flow.dport, port),
+    )
+    .is_some();
     if !fixed {
         count(Counter::Malformed);
         return DROP;
@@ -296,29 +284,28 @@ pub(crate) fn ingress_v6(ctx: &TcContext) -> i32 {
 /// See [`icmp_error_v4`]: destination unreachable (1), packet too big (2)
 /// and time exceeded (3). The ICMPv6 checksum covers the pseudo-header, so
 /// the outer destination's change enters it too.
-#[inline(always)]
-fn icmp_error_v6(ctx: &TcContext, outer_dst: &V6Addr, cfg: &MasqConfig) -> i32 {
+// Not inlined: a rare path, with its own stack frame.
+#[inline(never)]
+pub(crate) fn icmp_error_v6(ctx: &TcContext) -> i32 {
     const INNER: usize = L4_V6 + 8;
     const INNER_L4: usize = INNER + 40;
-    let Some(icmp) = read::<[u8; 2]>(ctx, L4_V6) else {
+    let cfg = config();
+    // The outer destination and the quoted source are both the node address.
+    let (Some(outer_dst), Some(icmp), Some(next), Some(node), Some(remote)) = (
+        read::<V6Addr>(ctx, IP + V6_DST),
+        read::<u8>(ctx, L4_V6),
+        read::<u8>(ctx, INNER + 6),
+        read::<V6Addr>(ctx, INNER + V6_SRC),
+        read::<V6Addr>(ctx, INNER + V6_DST),
+    ) else {
         return NEXT;
     };
-    if !(1..=3).contains(&icmp[0]) {
+    if outer_dst != cfg.node_v6 || node != cfg.node_v6 || !(1..=3).contains(&icmp) {
         return NEXT;
     }
-    let Some(inner) = read::<[u8; 40]>(ctx, INNER) else {
+    let Some(quoted) = parse_l4(ctx, INNER_L4, next, 128, false) else {
         return NEXT;
     };
-    let mut node: V6Addr = [0; 16];
-    node.copy_from_slice(&inner[V6_SRC..V6_SRC + 16]);
-    if node != cfg.node_v6 {
-        return NEXT;
-    }
-    let Some(quoted) = parse_l4(ctx, INNER_L4, inner[6], 128, false) else {
-        return NEXT;
-    };
-    let mut remote: V6Addr = [0; 16];
-    remote.copy_from_slice(&inner[V6_DST..V6_DST + 16]);
     let key = NatKeyV6 {
         src_addr: remote,
         dst_addr: node,
@@ -337,24 +324,51 @@ fn icmp_error_v6(ctx: &TcContext, outer_dst: &V6Addr, cfg: &MasqConfig) -> i32 {
         INNER_L4
     };
     let csum = L4_V6 + 2;
+    let diff = csum_diff16(&cfg.node_v6, &e.addr);
     let done = write(ctx, IP + V6_DST, e.addr)
         .and_then(|()| write(ctx, INNER + V6_SRC, e.addr))
         .and_then(|()| write(ctx, port_at, e.port.to_be_bytes()))
         .is_some()
-        && l4_csum_v6(
+        // The outer destination: in the pseudo-header.
+        && l4_csum(
             ctx,
             csum,
             0,
-            u64::from(csum_diff16(outer_dst, &e.addr)),
-            u64::from(BPF_F_PSEUDO_HDR),
+            u64::from(diff),
+            u64::from(BPF_F_PSEUDO_HDR) | BPF_F_IPV6,
         )
         .is_ok()
-        && l4_csum_v6(ctx, csum, 0, u64::from(csum_diff16(&node, &e.addr)), 0).is_ok()
-        && l4_csum_v6(ctx, csum, ne16(quoted.sport), ne16(e.port), 2).is_ok();
+        // The quoted source and port: in the ICMPv6 payload.
+        && l4_csum(
+            ctx,
+            csum,
+            0,
+            u64::from(csum_add(
+                diff,
+                u32::from(!ne16(quoted.sport)) + u32::from(ne16(e.port)),
+            )),
+            BPF_F_IPV6,
+        )
+        .is_ok();
     if !done {
         count(Counter::Malformed);
         return DROP;
     }
     count(Counter::MasqIcmpErrorReversed);
     NEXT
+}
+
+/// The aya-log event of a new flow dropped for want of a port; a function
+/// of its own so its stack stays out of the packet path's frame.
+#[inline(never)]
+fn exhausted_event(ctx: &TcContext, key: &NatKeyV6) {
+    info!(
+        ctx,
+        "to_native: no free masquerade port for [{:i}]:{} to [{:i}]:{} (protocol {}), dropped",
+        key.src_addr,
+        key.src_port,
+        key.dst_addr,
+        key.dst_port,
+        key.proto
+    );
 }
