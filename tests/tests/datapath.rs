@@ -6,7 +6,10 @@ use std::net::{IpAddr, SocketAddr, UdpSocket};
 use std::time::Duration;
 
 use anyhow::{Context, ensure};
-use lockstep_common::{EndpointSlot, EndpointValue, endpoint_flags, map_names, slots};
+use lockstep_common::{
+    EndpointSlot, EndpointValue, NatKeyV4, NatKeyV6, NatValueV4, NatValueV6, endpoint_flags,
+    map_names, slots,
+};
 use lockstep_tests::{Netns, PinRoot, counter, lockstep_in, lockstep_output, privileged, sh, veth};
 
 /// A node namespace with two endpoint namespaces behind veths, routed the way
@@ -566,6 +569,35 @@ fn bpftool_dumps_every_pinned_map_as_structured_json() -> anyhow::Result<()> {
     topo.lockstep(&["datapath", "masq-skip-add", "--cidr", "fd00::/8"])?;
     // Traffic so COUNTERS holds something other than zeros.
     send_and_receive(&topo, EP2_V4, &[(EP1_V4, "x")])?;
+    // One flow in each masquerade map (no uplink here to make them).
+    let mut pinned = lockstep::datapath::PinnedMaps::open(topo.pins.path())?;
+    let k4 = NatKeyV4 {
+        src_addr: [10, 200, 0, 1],
+        dst_addr: [192, 0, 2, 9],
+        src_port: 40_000,
+        dst_port: 443,
+        proto: 6,
+        _pad: [0; 3],
+    };
+    let v4 = NatValueV4 {
+        addr: [192, 0, 2, 1],
+        port: 61_000,
+        ..Default::default()
+    };
+    pinned.nat_fwd_v4_mut().insert(k4, v4, 0)?;
+    pinned.nat_rev_v4_mut().insert(k4, v4, 0)?;
+    let k6 = NatKeyV6 {
+        src_port: 40_000,
+        dst_port: 443,
+        proto: 6,
+        ..Default::default()
+    };
+    let v6 = NatValueV6 {
+        port: 61_000,
+        ..Default::default()
+    };
+    pinned.nat_fwd_v6_mut().insert(k6, v6, 0)?;
+    pinned.nat_rev_v6_mut().insert(k6, v6, 0)?;
     let maps = topo.pins.path().join("maps");
     for name in map_names::ALL {
         let pin = maps.join(name);
@@ -615,6 +647,10 @@ fn bpftool_dumps_every_pinned_map_as_structured_json() -> anyhow::Result<()> {
         }
         if name == "IPCACHE_V4" {
             assert!(dump.to_string().contains("\"prefix_len\":12"), "{dump}");
+        }
+        if name == "NAT_FWD_V4" {
+            assert!(dump.to_string().contains("\"src_port\":40000"), "{dump}");
+            assert!(dump.to_string().contains("\"port\":61000"), "{dump}");
         }
         if name == "IPCACHE_HOST_V4" {
             assert!(dump.to_string().contains("[10,200,0,1]"), "{dump}");
