@@ -21,6 +21,7 @@ pub mod ledger;
 pub mod lossyfs;
 pub mod podman;
 pub mod seqping;
+pub mod world;
 
 static COUNTER: AtomicU32 = AtomicU32::new(0);
 

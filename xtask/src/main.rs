@@ -58,7 +58,7 @@ enum Task {
         /// Only run integration tests whose name contains this.
         filter: Option<String>,
     },
-    /// Run a benchmark suite: core, lb, datapath, agent, cni, image, all.
+    /// Run a benchmark suite: core, lb, datapath, agent, cni, image, masquerade, all.
     Bench {
         /// The suite.
         suite: String,
@@ -335,6 +335,15 @@ fn bench(suite: &str) -> anyhow::Result<()> {
                 .args(["bench", "-p", "lockstep", "--bench", "cni"])
                 .env("LOCKSTEP_CNI_BIN", plugin))
         }
+        "masquerade" => {
+            // lockstep's BPF masquerade beside nftables `masquerade`, in
+            // identical namespaces; the test prints the medians and ratios.
+            run(cargo().args(["build", "-p", "lockstep", "--bins"]))?;
+            run(cargo()
+                .args(["test", "-p", "lockstep-tests", "--test", "masq_bench"])
+                .args(["--", "--ignored", "--nocapture", "--test-threads", "1"])
+                .env("LOCKSTEP_BIN", root().join("target/debug/lockstep")))
+        }
         "image" => {
             // The image test prints the figures: image size, and container
             // start to ready with 10k allocations in the store.
@@ -350,7 +359,15 @@ fn bench(suite: &str) -> anyhow::Result<()> {
             // Every suite runs even when an earlier one misses a goal, so one
             // run gives the whole picture; the misses are listed at the end.
             let mut missed = Vec::new();
-            for suite in ["core", "lb", "datapath", "agent", "cni", "image"] {
+            for suite in [
+                "core",
+                "lb",
+                "datapath",
+                "agent",
+                "cni",
+                "image",
+                "masquerade",
+            ] {
                 if let Err(e) = bench(suite) {
                     eprintln!("bench {suite}: {e}");
                     missed.push(suite);
@@ -366,7 +383,9 @@ fn bench(suite: &str) -> anyhow::Result<()> {
             }
         }
         other => {
-            bail!("unknown bench suite {other}; known: core, lb, datapath, agent, cni, image, all")
+            bail!(
+                "unknown bench suite {other}; known: core, lb, datapath, agent, cni, image, masquerade, all"
+            )
         }
     }
 }

@@ -34,6 +34,10 @@ const PACKAGES: &[&str] = &[
     // protocol (cluster mode's etcd door, #12).
     "protobuf-compiler",
     "busybox-static",
+    // The masquerade bench (#14): iperf3 for TCP throughput, nft for the
+    // kernel's own masquerade it is measured against.
+    "iperf3",
+    "nftables",
 ];
 
 const BPF_LINKER_VERSION: &str = "0.13.0";

@@ -1,0 +1,333 @@
+//! `cargo xtask bench masquerade`: lockstep's BPF masquerade beside the
+//! kernel's own (nftables `masquerade`, conntrack), in two identical
+//! [`World`] topologies built side by side, rounds alternating between them.
+//! In the nftables world lockstep's programs are not attached. Figures:
+//! TCP throughput (iperf3), TCP connections per second (connect, 16-byte
+//! request, 64-byte reply, close), UDP packets per second (64-byte
+//! datagrams, counted at the receiver). Medians of the rounds and the
+//! ratios are printed; the goals (throughput ≥ nftables, connections/s ≥
+//! 1.3× nftables) are checked.
+//!
+//! Ignored in the test suite (it takes about a minute); the xtask runs it.
+
+use std::io::{BufRead, Read, Write};
+use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream, UdpSocket};
+use std::process::{Child, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, ensure};
+use lockstep::datapath::PinnedMaps;
+use lockstep_common::{MasqConfig, masq_flags};
+use lockstep_tests::world::{NODE_V4, NODE_V6, WORLD_V4, World};
+use lockstep_tests::{Netns, PinRoot, counter, lockstep_in, privileged};
+
+const EP_V4: &str = "10.200.0.2";
+const EP_V6: &str = "fd00:200::2";
+const ROUNDS: usize = 5;
+const CLIENT_THREADS: usize = 4;
+const ROUND: Duration = Duration::from_secs(2);
+
+/// One side of the comparison: a world, its endpoint, the servers in the
+/// world that the rounds use.
+struct Side {
+    name: &'static str,
+    w: World,
+    ep: Netns,
+    iperf: Child,
+    rr: SocketAddr,
+    _pins: Option<PinRoot>,
+}
+
+impl Drop for Side {
+    fn drop(&mut self) {
+        let _ = self.iperf.kill();
+        let _ = self.iperf.wait();
+    }
+}
+
+fn build(name: &'static str, lockstep: bool) -> anyhow::Result<Side> {
+    let w = World::new()?;
+    let ep = w.plain_endpoint("h1", EP_V4, EP_V6)?;
+    // The endpoint's own ephemeral ports: fewer than the masquerade range,
+    // so a connection-rate round reuses tuples (as a busy client does)
+    // instead of filling the tables with one-off ones.
+    ep.sysctl("net.ipv4.ip_local_port_range", "50000 53999")?;
+    let pins = if lockstep {
+        let pins = PinRoot::new();
+        let cli = |args: &[&str]| -> anyhow::Result<String> {
+            let mut all: Vec<String> = args.iter().map(|s| s.to_string()).collect();
+            all.extend(pins.arg());
+            lockstep_in(&w.node, all)
+        };
+        cli(&["datapath", "install", "--uplink", "u0"])?;
+        cli(&[
+            "datapath", "endpoint", "--iface", "h1", "--ipv4", EP_V4, "--ipv6", EP_V6,
+        ])?;
+        let v4: std::net::Ipv4Addr = NODE_V4.parse()?;
+        let v6: std::net::Ipv6Addr = NODE_V6.parse()?;
+        PinnedMaps::open(pins.path())?.masq_config_mut().set(
+            0,
+            MasqConfig {
+                node_v4: v4.octets(),
+                node_v6: v6.octets(),
+                port_min: 61_000,
+                port_max: 65_535,
+                flags: masq_flags::ENABLED_V4 | masq_flags::ENABLED_V6,
+                _pad: 0,
+            },
+            0,
+        )?;
+        Some(pins)
+    } else {
+        let rules = "table inet mqbench {\n chain post {\n  type nat hook postrouting priority srcnat; policy accept;\n  oifname \"u0\" masquerade\n }\n}\n";
+        let mut nft = w
+            .node
+            .command("nft")
+            .args(["-f", "-"])
+            .stdin(Stdio::piped())
+            .spawn()?;
+        nft.stdin
+            .take()
+            .context("nft stdin")?
+            .write_all(rules.as_bytes())?;
+        ensure!(nft.wait()?.success(), "nft refused the ruleset");
+        None
+    };
+    let mut iperf = w
+        .world
+        .command("iperf3")
+        .args(["-s", "-B", WORLD_V4, "--forceflush"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()?;
+    let out = iperf.stdout.take().context("iperf3 stdout")?;
+    let mut lines = std::io::BufReader::new(out).lines();
+    // The server is ready once it says it listens.
+    loop {
+        let line = lines
+            .next()
+            .context("iperf3 -s exited before listening")??;
+        if line.contains("listening") {
+            break;
+        }
+    }
+    std::thread::spawn(move || lines.for_each(drop));
+    let rr = request_reply_server(&w.world)?;
+    Ok(Side {
+        name,
+        w,
+        ep,
+        iperf,
+        rr,
+        _pins: pins,
+    })
+}
+
+/// A request/reply server in `ns` (threads that live as long as the
+/// process): reads a 16-byte request, writes a 64-byte reply, closes first.
+fn request_reply_server(ns: &Netns) -> anyhow::Result<SocketAddr> {
+    let ip: IpAddr = WORLD_V4.parse()?;
+    let listener = ns.run(|| Ok(TcpListener::bind(SocketAddr::new(ip, 0))?))?;
+    let addr = listener.local_addr()?;
+    for _ in 0..CLIENT_THREADS {
+        let l = listener.try_clone()?;
+        std::thread::spawn(move || {
+            let mut req = [0u8; 16];
+            while let Ok((mut s, _)) = l.accept() {
+                let _ = s.set_nodelay(true);
+                if s.read_exact(&mut req).is_ok() {
+                    let _ = s.write_all(&[7u8; 64]);
+                }
+            }
+        });
+    }
+    Ok(addr)
+}
+
+fn throughput(side: &Side) -> anyhow::Result<f64> {
+    let out = side
+        .ep
+        .command("iperf3")
+        .args(["-c", WORLD_V4, "-t", "3", "-J"])
+        .output()?;
+    ensure!(
+        out.status.success(),
+        "{}: iperf3 -c failed: {}",
+        side.name,
+        String::from_utf8_lossy(&out.stdout)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+    v["end"]["sum_received"]["bits_per_second"]
+        .as_f64()
+        .context("iperf3 JSON without end.sum_received")
+}
+
+/// Connections per second and the number of failed attempts.
+fn connections(side: &Side) -> anyhow::Result<(f64, u64)> {
+    let done = Arc::new(AtomicU64::new(0));
+    let failed = Arc::new(AtomicU64::new(0));
+    let started = Instant::now();
+    std::thread::scope(|s| {
+        for _ in 0..CLIENT_THREADS {
+            let (done, failed, to) = (done.clone(), failed.clone(), side.rr);
+            s.spawn(move || {
+                side.ep.run(|| {
+                    let mut reply = [0u8; 64];
+                    while started.elapsed() < ROUND {
+                        let ok = (|| -> std::io::Result<()> {
+                            let mut c = TcpStream::connect_timeout(&to, Duration::from_secs(1))?;
+                            c.set_nodelay(true)?;
+                            c.set_read_timeout(Some(Duration::from_secs(1)))?;
+                            c.write_all(&[1u8; 16])?;
+                            c.read_exact(&mut reply)?;
+                            // The server closes first: EOF.
+                            let extra = c.read(&mut [0u8; 1])?;
+                            if extra == 0 {
+                                Ok(())
+                            } else {
+                                Err(std::io::ErrorKind::InvalidData.into())
+                            }
+                        })();
+                        match ok {
+                            Ok(()) => done.fetch_add(1, Ordering::Relaxed),
+                            Err(_) => failed.fetch_add(1, Ordering::Relaxed),
+                        };
+                    }
+                    Ok(())
+                })
+            });
+        }
+    });
+    let secs = started.elapsed().as_secs_f64();
+    Ok((
+        done.load(Ordering::Relaxed) as f64 / secs,
+        failed.load(Ordering::Relaxed),
+    ))
+}
+
+/// UDP datagrams per second received in the world.
+fn udp(side: &Side) -> anyhow::Result<f64> {
+    let ip: IpAddr = WORLD_V4.parse()?;
+    let srv = side
+        .w
+        .world
+        .run(|| Ok(UdpSocket::bind(SocketAddr::new(ip, 0))?))?;
+    srv.set_read_timeout(Some(Duration::from_millis(200)))?;
+    let to = srv.local_addr()?;
+    let stop = AtomicBool::new(false);
+    let received = AtomicU64::new(0);
+    let mut window = Duration::ZERO;
+    let started = Instant::now();
+    std::thread::scope(|s| -> anyhow::Result<()> {
+        s.spawn(|| {
+            let mut buf = [0u8; 128];
+            while !stop.load(Ordering::Relaxed) {
+                if srv.recv(&mut buf).is_ok() {
+                    received.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        });
+        let senders: Vec<_> = (0..CLIENT_THREADS - 1)
+            .map(|_| {
+                s.spawn(|| {
+                    side.ep.run(|| {
+                        let started = &started;
+                        let sock = UdpSocket::bind("0.0.0.0:0")?;
+                        sock.connect(to)?;
+                        let payload = [3u8; 64];
+                        while started.elapsed() < ROUND {
+                            let _ = sock.send(&payload);
+                        }
+                        Ok(())
+                    })
+                })
+            })
+            .collect();
+        for t in senders {
+            t.join().map_err(|_| anyhow::anyhow!("sender panicked"))??;
+        }
+        window = started.elapsed();
+        // What is still in flight arrives within the receiver's timeout.
+        std::thread::sleep(Duration::from_millis(300));
+        stop.store(true, Ordering::Relaxed);
+        Ok(())
+    })?;
+    Ok(received.load(Ordering::Relaxed) as f64 / window.as_secs_f64())
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+#[test]
+#[ignore = "a benchmark: cargo xtask bench masquerade"]
+fn masquerade_bpf_beside_nftables() -> anyhow::Result<()> {
+    privileged!();
+    let sides = [build("lockstep", true)?, build("nftables", false)?];
+    // [side][metric] per round.
+    let mut figures = [[vec![], vec![], vec![]], [vec![], vec![], vec![]]];
+    let mut failed = [0u64; 2];
+    for round in 0..ROUNDS {
+        // Alternate which side goes first, so drift hurts both alike.
+        let order = if round % 2 == 0 { [0, 1] } else { [1, 0] };
+        for i in order {
+            let side = &sides[i];
+            figures[i][0].push(throughput(side)? / 1e9);
+            let (cps, f) = connections(side)?;
+            figures[i][1].push(cps);
+            failed[i] += f;
+            figures[i][2].push(udp(side)?);
+        }
+    }
+    let translated = counter(sides[0]._pins.as_ref().context("pins")?, "masq_translated")?;
+    ensure!(
+        translated > 0,
+        "lockstep's side translated nothing: the bench measured no masquerade"
+    );
+    let med: Vec<[f64; 3]> = figures
+        .iter_mut()
+        .map(|f| [median(&mut f[0]), median(&mut f[1]), median(&mut f[2])])
+        .collect();
+    println!(
+        "masquerade bench, {ROUNDS} rounds, medians (lockstep BPF | nftables masquerade | ratio):"
+    );
+    for (k, (what, unit)) in [
+        ("TCP throughput", "Gbit/s"),
+        ("TCP connections", "/s"),
+        ("UDP packets", "/s"),
+    ]
+    .iter()
+    .enumerate()
+    {
+        println!(
+            "  {what:<16} {:>12.2} {unit:<7} | {:>12.2} {unit:<7} | {:.2}x",
+            med[0][k],
+            med[1][k],
+            med[0][k] / med[1][k]
+        );
+    }
+    println!(
+        "  failed connection attempts: lockstep {}, nftables {}; rounds: {figures:?}",
+        failed[0], failed[1]
+    );
+    let mut missed = vec![];
+    if med[0][0] < med[1][0] {
+        missed.push("throughput ≥ nftables");
+    }
+    if med[0][1] < 1.3 * med[1][1] {
+        missed.push("connections/s ≥ 1.3× nftables");
+    }
+    println!(
+        "  goals: {}",
+        if missed.is_empty() {
+            "met".to_string()
+        } else {
+            format!("MISSED: {}", missed.join(", "))
+        }
+    );
+    ensure!(missed.is_empty(), "goals missed: {}", missed.join(", "));
+    Ok(())
+}
