@@ -163,6 +163,11 @@ pub mod max_entries {
     /// list instead of allocating in the packet path and cannot fail for lack
     /// of memory), which costs about 5 MiB (IPv4) and 8 MiB (IPv6) per map.
     pub const NAT: u32 = 65_536;
+    /// COUNTERS: room for [`Counter::COUNT`](crate::Counter::COUNT) and for
+    /// counters later builds add, so adding one needs no `migrate` of the
+    /// pin (an array's size is part of its definition). 64 per-CPU `u64`s
+    /// cost 512 bytes a CPU.
+    pub const COUNTERS: u32 = 64;
 }
 
 /// Bits of [`IpcacheValue::flags`]: what kind of owner holds the prefix.
@@ -540,7 +545,8 @@ pub enum Counter {
 }
 
 impl Counter {
-    /// Number of counters (the COUNTERS map's max entries).
+    /// Number of counters defined (the COUNTERS map has room for
+    /// [`max_entries::COUNTERS`](crate::max_entries::COUNTERS)).
     pub const COUNT: u32 = 21;
     /// Every counter, in index order.
     pub const ALL: [Counter; Self::COUNT as usize] = [
@@ -611,6 +617,7 @@ const _: () = assert!(size_of::<L2RespSlot>() == 32);
 const _: () = assert!(max_entries::ENDPOINT_SLOTS.is_power_of_two());
 const _: () = assert!(max_entries::L2_RESP_SLOTS.is_power_of_two());
 const _: () = assert!(Counter::ALL.len() == Counter::COUNT as usize);
+const _: () = assert!(Counter::COUNT <= max_entries::COUNTERS);
 
 #[cfg(feature = "user")]
 mod pod {

@@ -78,7 +78,7 @@ static ENDPOINT_SLOTS: Array<EndpointSlot, { max_entries::ENDPOINT_SLOTS as usiz
 static L2_RESP_SLOTS: Array<L2RespSlot, { max_entries::L2_RESP_SLOTS as usize }, MMAPABLE> =
     Array::new();
 #[btf_map]
-static COUNTERS: PerCpuArray<u64, { Counter::COUNT as usize }> = PerCpuArray::new();
+static COUNTERS: PerCpuArray<u64, { max_entries::COUNTERS as usize }> = PerCpuArray::new();
 #[btf_map]
 static DATAPATH_DEBUG: Array<u32, 1> = Array::new();
 #[btf_map]

@@ -154,7 +154,7 @@ pub fn expected_definitions(caps: &MapCapacities) -> BTreeMap<&'static str, MapD
                 map_type: MapType::PerCpuArray,
                 key_size: 4,
                 value_size: 8,
-                max_entries: Counter::COUNT,
+                max_entries: max_entries::COUNTERS,
             },
         ),
         (map_names::DATAPATH_DEBUG, array(size_of::<u32>(), 1)),
@@ -249,7 +249,7 @@ mod tests {
         assert_eq!(defs[map_names::IPCACHE_V6].key_size, 20);
         assert_eq!(defs[map_names::ENDPOINTS].value_size, 48);
         assert_eq!(defs[map_names::L2_RESP_V4].value_size, 16);
-        assert_eq!(defs[map_names::COUNTERS].max_entries, Counter::COUNT);
+        assert_eq!(defs[map_names::COUNTERS].max_entries, max_entries::COUNTERS);
         let fwd = defs[map_names::NAT_FWD_V4];
         assert_eq!(fwd.map_type, MapType::Hash);
         assert_eq!((fwd.key_size, fwd.value_size), (16, 16));
