@@ -34,7 +34,7 @@ pub const ROUTER_V6: &str = "2001:db8::4";
 pub const FAR_V4: &str = "198.51.100.2";
 /// The far address, IPv6.
 pub const FAR_V6: &str = "2001:db8:100::2";
-/// The MTU of the router → far link.
+/// The MTU of the router's side of the router → far link.
 pub const NARROW_MTU: u32 = 1280;
 
 /// The namespaces of the masquerade topology.
@@ -116,9 +116,12 @@ impl World {
         route(&w.skip, "fd00::/8", NODE_V6)?;
         // The narrow hop: router r1 (MTU 1280) → far f0.
         veth(&w.router, "r1", &w.far, "f0")?;
-        for (ns, dev) in [(&w.router, "r1"), (&w.far, "f0")] {
-            ns.ip(["link", "set", dev, "mtu", &NARROW_MTU.to_string()])?;
-        }
+        // Only the router's side is narrow: `far` announces a 1500-byte
+        // path's MSS, so the endpoint's full-size segments meet the narrow
+        // link at the router, which answers "fragmentation needed" /
+        // "packet too big" to the node address.
+        w.router
+            .ip(["link", "set", "r1", "mtu", &NARROW_MTU.to_string()])?;
         addr(&w.router, "198.51.100.1/24", "r1")?;
         addr(&w.router, "2001:db8:100::1/64", "r1")?;
         addr(&w.far, &format!("{FAR_V4}/24"), "f0")?;

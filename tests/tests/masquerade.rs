@@ -1,0 +1,489 @@
+//! Masquerade end to end (#14), with the agent: endpoints made by the real
+//! CNI ADD, the agent on the node with `[datapath] uplink = "u0"` writing
+//! MASQ_CONFIG and collecting expired entries, the [`World`] topology beyond
+//! the uplink (a world with no route back to the pools, a skip destination
+//! listed in `non_masquerade_cidrs` that routes back, a router in front of
+//! a reduced-MTU link).
+
+use std::collections::BTreeSet;
+use std::io::{Read, Write};
+use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream, UdpSocket};
+use std::process::{Command, Stdio};
+use std::sync::mpsc;
+use std::time::Duration;
+
+use anyhow::{Context, bail, ensure};
+use lockstep_tests::world::{
+    FAR_V4, FAR_V6, NARROW_MTU, NODE_V4, NODE_V6, SKIP_V4, SKIP_V6, Sink, WORLD_V4, WORLD_V6,
+    World, transfer,
+};
+use lockstep_tests::{AgentProc, Netns, counter, lockstep_bin, privileged, sh, unique, wait_for};
+use serde_json::{Value, json};
+
+const POOLS: &str = r#"
+[[pools]]
+name = "pods"
+ipv4 = ["10.88.0.0/24"]
+ipv6 = ["fd00:88::/120"]
+"#;
+
+/// An endpoint the agent made through CNI ADD.
+struct Endpoint {
+    ns: Netns,
+    v4: IpAddr,
+    v6: IpAddr,
+}
+
+impl Endpoint {
+    fn addr(&self, v4: bool) -> IpAddr {
+        if v4 { self.v4 } else { self.v6 }
+    }
+}
+
+/// CNI ADD as a runtime runs it (a plugin process, the config on stdin).
+fn add_endpoint(agent: &AgentProc) -> anyhow::Result<Endpoint> {
+    let ns = Netns::new("mqep")?;
+    let conf = json!({
+        "cniVersion": "1.0.0",
+        "name": "lockstep-masq",
+        "type": "lockstep",
+        "agentSocket": agent.socket().display().to_string(),
+    });
+    let mut child = Command::new(lockstep_bin())
+        .env_clear()
+        .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+        .env("CNI_COMMAND", "ADD")
+        .env("CNI_CONTAINERID", unique("mq"))
+        .env("CNI_NETNS", ns.path())
+        .env("CNI_IFNAME", "eth0")
+        .env("CNI_PATH", "/opt/cni/bin")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()?;
+    child
+        .stdin
+        .take()
+        .context("stdin")?
+        .write_all(conf.to_string().as_bytes())?;
+    let out = child.wait_with_output()?;
+    ensure!(
+        out.status.success(),
+        "CNI ADD failed: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let result: Value = serde_json::from_slice(&out.stdout)?;
+    let mut v4 = None;
+    let mut v6 = None;
+    for ip in result["ips"].as_array().context("no ips")? {
+        let a: IpAddr = ip["address"]
+            .as_str()
+            .and_then(|a| a.split('/').next())
+            .context("ip without address")?
+            .parse()?;
+        if a.is_ipv4() {
+            v4 = Some(a);
+        } else {
+            v6 = Some(a);
+        }
+    }
+    Ok(Endpoint {
+        ns,
+        v4: v4.context("no IPv4 address")?,
+        v6: v6.context("no IPv6 address")?,
+    })
+}
+
+fn start(w: &World, extra: &str) -> anyhow::Result<AgentProc> {
+    AgentProc::start(&w.node, &World::agent_config(POOLS, extra))
+}
+
+fn node(v4: bool) -> IpAddr {
+    if v4 { NODE_V4 } else { NODE_V6 }.parse().expect("literal")
+}
+
+/// One datagram from `ep` (bound to `sport`, 0: any) to a socket in `to_ns`
+/// at `to`: the source the receiver saw, and whether its answer came back.
+fn udp_exchange(
+    ep: &Endpoint,
+    v4: bool,
+    sport: u16,
+    to_ns: &Netns,
+    to: &str,
+) -> anyhow::Result<(SocketAddr, bool)> {
+    let to_ip: IpAddr = to.parse()?;
+    let srv = to_ns.run(|| Ok(UdpSocket::bind(SocketAddr::new(to_ip, 0))?))?;
+    srv.set_read_timeout(Some(Duration::from_secs(3)))?;
+    let dst = srv.local_addr()?;
+    let src = SocketAddr::new(ep.addr(v4), sport);
+    let cli = ep.ns.run(|| Ok(UdpSocket::bind(src)?))?;
+    cli.set_read_timeout(Some(Duration::from_secs(3)))?;
+    cli.send_to(b"ping", dst)?;
+    let mut buf = [0u8; 8];
+    let (_, from) = srv
+        .recv_from(&mut buf)
+        .with_context(|| format!("{to} got nothing from {src}"))?;
+    srv.send_to(b"pong", from)?;
+    let back = matches!(cli.recv_from(&mut buf), Ok((4, _)));
+    Ok((from, back))
+}
+
+/// `ping` from the endpoint; the world has no route back, so an answer
+/// means the echo was translated both ways.
+fn ping(ep: &Endpoint, to: &str) -> anyhow::Result<()> {
+    let out = ep
+        .ns
+        .command("ping")
+        .args(["-c", "3", "-i", "0.2", "-W", "2", to])
+        .output()?;
+    ensure!(
+        out.status.success(),
+        "ping {to} from the endpoint: {}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    Ok(())
+}
+
+/// a. and f.: TCP (50 MB, checksum at both ends), UDP and ICMP echo, IPv4
+/// and IPv6, to the world as the node's address; to the skip destination
+/// as the endpoint's own. Then the translation maps as bpftool's JSON and
+/// `lockstep maps dump`.
+#[test]
+fn endpoints_reach_the_world_as_the_node_and_skip_destinations_as_themselves() -> anyhow::Result<()>
+{
+    privileged!();
+    let w = World::new()?;
+    let agent = start(&w, "")?;
+    let ep = add_endpoint(&agent)?;
+    for (v4, world, skip) in [(true, WORLD_V4, SKIP_V4), (false, WORLD_V6, SKIP_V6)] {
+        let got = transfer(&ep.ns, Sink::listen(&w.world, world)?, 50, |_| Ok(()))?;
+        ensure!(
+            got.peer.ip() == node(v4),
+            "TCP to {world}: the world saw {}",
+            got.peer
+        );
+        let (from, back) = udp_exchange(&ep, v4, 0, &w.world, world)?;
+        ensure!(
+            from.ip() == node(v4),
+            "UDP to {world}: the world saw {from}"
+        );
+        ensure!(back, "UDP to {world}: the answer did not come back");
+        ping(&ep, world)?;
+
+        let got = transfer(&ep.ns, Sink::listen(&w.skip, skip)?, 1, |_| Ok(()))?;
+        ensure!(
+            got.peer.ip() == ep.addr(v4),
+            "TCP to the skip destination {skip}: it saw {}",
+            got.peer
+        );
+        let (from, back) = udp_exchange(&ep, v4, 0, &w.skip, skip)?;
+        ensure!(
+            from.ip() == ep.addr(v4) && back,
+            "UDP to the skip destination {skip}: it saw {from}, answer back: {back}"
+        );
+    }
+    ensure!(counter(&agent.pins, "masq_translated")? > 0);
+    ensure!(counter(&agent.pins, "masq_reversed")? > 0);
+
+    // f. bpftool prints the NAT maps as typed JSON (BTF) ...
+    for (map, ep_addr) in [("NAT_FWD_V4", ep.v4), ("NAT_FWD_V6", ep.v6)] {
+        let pin = agent.pins.path().join("maps").join(map);
+        let dump: Value = serde_json::from_str(&sh(
+            "bpftool",
+            [
+                "-j",
+                "map",
+                "dump",
+                "pinned",
+                pin.to_str().context("utf-8")?,
+            ],
+        )?)?;
+        let entries = dump.as_array().context("bpftool: not an array")?;
+        let protos: BTreeSet<u64> = entries
+            .iter()
+            .filter_map(|e| e["formatted"]["key"]["proto"].as_u64())
+            .collect();
+        ensure!(
+            protos.is_superset(&[6, 17].into()),
+            "{map}: bpftool shows no typed TCP and UDP keys: {dump}"
+        );
+        ensure!(
+            entries
+                .iter()
+                .all(|e| e["formatted"]["value"]["port"].as_u64().is_some()),
+            "{map}: values not typed: {dump}"
+        );
+        // ... and lockstep decodes them: addresses as text, ports, states.
+        let decoded = agent.maps_dump()?;
+        let flows = decoded[map].as_array().context("no map in the dump")?;
+        for proto in [6, 17, if map.ends_with("V4") { 1 } else { 58 }] {
+            ensure!(
+                flows.iter().any(|f| f["proto"] == proto
+                    && f["src"] == ep_addr.to_string()
+                    && f["to_addr"] == node(ep_addr.is_ipv4()).to_string()),
+                "{map}: no decoded flow of proto {proto} from {ep_addr}: {flows:?}"
+            );
+        }
+    }
+    Ok(())
+}
+
+/// b. Two endpoints with the same source port to one destination get
+/// distinct translated ports; 2,000 concurrent connections all work.
+#[test]
+fn same_source_ports_get_distinct_translations_and_2000_connections_work() -> anyhow::Result<()> {
+    privileged!();
+    let w = World::new()?;
+    let agent = start(&w, "")?;
+    let a = add_endpoint(&agent)?;
+    let b = add_endpoint(&agent)?;
+    for (v4, world) in [(true, WORLD_V4), (false, WORLD_V6)] {
+        let ip: IpAddr = world.parse()?;
+        let srv = w
+            .world
+            .run(|| Ok(UdpSocket::bind(SocketAddr::new(ip, 0))?))?;
+        srv.set_read_timeout(Some(Duration::from_secs(3)))?;
+        let to = srv.local_addr()?;
+        let mut seen = Vec::new();
+        for ep in [&a, &b] {
+            let src = SocketAddr::new(ep.addr(v4), 40_000);
+            let s = ep.ns.run(|| Ok(UdpSocket::bind(src)?))?;
+            s.send_to(b"x", to)?;
+            let (_, from) = srv.recv_from(&mut [0u8; 4])?;
+            ensure!(from.ip() == node(v4), "{world} saw {from}");
+            seen.push(from.port());
+        }
+        ensure!(
+            seen[0] != seen[1],
+            "{world}: both endpoints' port 40000 became {seen:?}"
+        );
+    }
+
+    // 2,000 connections open at once, each echoing its own number.
+    const N: usize = 2_000;
+    let ip: IpAddr = WORLD_V4.parse()?;
+    let listener = w
+        .world
+        .run(|| Ok(TcpListener::bind(SocketAddr::new(ip, 0))?))?;
+    let to = listener.local_addr()?;
+    let server = std::thread::spawn(move || -> anyhow::Result<Vec<TcpStream>> {
+        (0..N)
+            .map(|_| Ok(listener.accept()?.0))
+            .collect::<anyhow::Result<_>>()
+    });
+    let clients: Vec<TcpStream> = a.ns.run(|| {
+        (0..N)
+            .map(|i| {
+                TcpStream::connect_timeout(&to, Duration::from_secs(5))
+                    .with_context(|| format!("connection {i}"))
+            })
+            .collect()
+    })?;
+    let accepted = server.join().map_err(|_| anyhow::anyhow!("server"))??;
+    let echo = std::thread::spawn(move || -> anyhow::Result<BTreeSet<SocketAddr>> {
+        let mut peers = BTreeSet::new();
+        for mut s in accepted {
+            s.set_read_timeout(Some(Duration::from_secs(10)))?;
+            let mut buf = [0u8; 4];
+            s.read_exact(&mut buf)?;
+            s.write_all(&buf)?;
+            peers.insert(s.peer_addr()?);
+        }
+        Ok(peers)
+    });
+    for (i, mut c) in clients.iter().enumerate() {
+        c.write_all(&(i as u32).to_be_bytes())?;
+    }
+    for (i, mut c) in clients.iter().enumerate() {
+        c.set_read_timeout(Some(Duration::from_secs(10)))?;
+        let mut buf = [0u8; 4];
+        c.read_exact(&mut buf)
+            .with_context(|| format!("connection {i} got no echo"))?;
+        ensure!(
+            u32::from_be_bytes(buf) == i as u32,
+            "connection {i}: {buf:?}"
+        );
+    }
+    let peers = echo.join().map_err(|_| anyhow::anyhow!("echo"))??;
+    ensure!(
+        peers.len() == N && peers.iter().all(|p| p.ip() == node(true)),
+        "{} distinct peers, all the node's address: {}",
+        peers.len(),
+        peers.iter().all(|p| p.ip() == node(true))
+    );
+    Ok(())
+}
+
+/// c. A four-port range: four flows take it, a fifth is dropped and counted
+/// while the four keep working; once their entries expire (UDP timeout 2 s,
+/// collected every 500 ms) a new flow works again.
+#[test]
+fn an_exhausted_port_range_drops_new_flows_until_entries_expire() -> anyhow::Result<()> {
+    privileged!();
+    let w = World::new()?;
+    let agent = start(
+        &w,
+        "[masquerade]\nports = \"62000-62003\"\nudp_timeout = \"2s\"\ngc_interval = \"500ms\"\n",
+    )?;
+    let ep = add_endpoint(&agent)?;
+    let ip: IpAddr = WORLD_V4.parse()?;
+    let srv = w
+        .world
+        .run(|| Ok(UdpSocket::bind(SocketAddr::new(ip, 0))?))?;
+    let to = srv.local_addr()?;
+    let socks: Vec<UdpSocket> = (0..5)
+        .map(|i| {
+            ep.ns
+                .run(|| Ok(UdpSocket::bind(SocketAddr::new(ep.v4, 41_000 + i))?))
+        })
+        .collect::<anyhow::Result<_>>()?;
+    srv.set_read_timeout(Some(Duration::from_secs(3)))?;
+    let mut ports = BTreeSet::new();
+    for s in &socks[..4] {
+        s.send_to(b"x", to)?;
+        ports.insert(srv.recv_from(&mut [0u8; 4])?.1.port());
+    }
+    ensure!(
+        ports == (62_000..=62_003).collect(),
+        "four flows, four ports of the range: {ports:?}"
+    );
+    let exhausted = counter(&agent.pins, "masq_exhausted")?;
+    socks[4].send_to(b"5", to)?;
+    // The drop is an event: the counter moves.
+    wait_for(
+        "masq_exhausted to count the fifth flow",
+        Duration::from_secs(5),
+        || (counter(&agent.pins, "masq_exhausted").ok()? > exhausted).then_some(()),
+    )?;
+    // The four still work and keep their ports; the fifth never arrived.
+    srv.set_read_timeout(Some(Duration::from_secs(3)))?;
+    let mut again = BTreeSet::new();
+    for s in &socks[..4] {
+        s.send_to(b"y", to)?;
+        let mut buf = [0u8; 4];
+        let (n, from) = srv.recv_from(&mut buf)?;
+        ensure!(
+            &buf[..n] == b"y",
+            "the fifth flow's datagram arrived: {:?}",
+            &buf[..n]
+        );
+        again.insert(from.port());
+    }
+    ensure!(again == ports, "existing flows changed ports: {again:?}");
+    // After the UDP timeout the collector frees the ports: the fifth works.
+    srv.set_read_timeout(Some(Duration::from_millis(200)))?;
+    let from = wait_for(
+        "the fifth flow to get a port after expiry",
+        Duration::from_secs(20),
+        || {
+            socks[4].send_to(b"z", to).ok()?;
+            loop {
+                let mut buf = [0u8; 4];
+                let (n, from) = srv.recv_from(&mut buf).ok()?;
+                if &buf[..n] == b"z" {
+                    return Some(from);
+                }
+            }
+        },
+    )?;
+    ensure!(
+        from.ip() == node(true) && (62_000..=62_003).contains(&from.port()),
+        "after expiry the world saw {from}"
+    );
+    Ok(())
+}
+
+/// d. The router in front of `far` has a 1280-byte link: the endpoint gets
+/// "fragmentation needed" / "packet too big" (its route learns the MTU)
+/// and a 20 MB transfer completes, IPv4 and IPv6.
+#[test]
+fn a_reduced_mtu_hop_reaches_the_endpoint_and_large_transfers_complete() -> anyhow::Result<()> {
+    privileged!();
+    let w = World::new()?;
+    let agent = start(&w, "")?;
+    let ep = add_endpoint(&agent)?;
+    let before = counter(&agent.pins, "masq_icmp_error_reversed")?;
+    for (v4, far) in [(true, FAR_V4), (false, FAR_V6)] {
+        let got = transfer(&ep.ns, Sink::listen(&w.far, far)?, 20, |_| Ok(()))?;
+        ensure!(got.peer.ip() == node(v4), "{far} saw {}", got.peer);
+        let route = ep.ns.ip(["route", "get", far])?;
+        ensure!(
+            route.contains(&format!("mtu {NARROW_MTU}")),
+            "the endpoint did not learn the path MTU to {far}: {route}"
+        );
+    }
+    ensure!(
+        counter(&agent.pins, "masq_icmp_error_reversed")? >= before + 2,
+        "no ICMP error was reverse-translated"
+    );
+    Ok(())
+}
+
+/// e. A TCP transfer runs while the uplink programs are replaced and the
+/// agent is SIGKILLed and restarted: it completes, intact, without reset.
+#[test]
+fn a_transfer_survives_a_program_upgrade_and_an_agent_kill() -> anyhow::Result<()> {
+    privileged!();
+    let w = World::new()?;
+    let mut agent = start(&w, "")?;
+    let ep = add_endpoint(&agent)?;
+    const MIB: usize = 60;
+    let (tx, rx) = mpsc::channel::<usize>();
+    let (go_tx, go_rx) = mpsc::channel::<()>();
+    let sink = Sink::listen(&w.world, WORLD_V4)?;
+    let mover = std::thread::scope(|s| -> anyhow::Result<_> {
+        let ep_ns = &ep.ns;
+        let mover = s.spawn(move || {
+            transfer(ep_ns, sink, MIB, |i| {
+                let _ = tx.send(i);
+                // Paced, so the upgrade and the restart happen mid-stream;
+                // at MiB 10 and 20 it waits for them to have begun.
+                if i == 10 || i == 20 {
+                    go_rx
+                        .recv_timeout(Duration::from_secs(30))
+                        .context("no go from the test")?;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+                Ok(())
+            })
+        });
+        let progress = |at: usize| -> anyhow::Result<()> {
+            loop {
+                let i = rx.recv_timeout(Duration::from_secs(30))?;
+                if i >= at {
+                    return Ok(());
+                }
+            }
+        };
+        progress(10)?;
+        let mut args = vec![
+            "datapath".to_string(),
+            "install".into(),
+            "--uplink".into(),
+            "u0".into(),
+        ];
+        args.extend(agent.pins.arg());
+        let _ = go_tx.send(());
+        let out = lockstep_tests::lockstep_in(&w.node, args)?;
+        ensure!(
+            out.contains("Replaced"),
+            "the uplink programs were not replaced: {out}"
+        );
+        progress(20)?;
+        agent.kill9();
+        let _ = go_tx.send(());
+        agent.restart()?;
+        Ok(mover.join())
+    })?;
+    let got = mover.map_err(|_| anyhow::anyhow!("transfer thread panicked"))??;
+    ensure!(got.peer.ip() == node(true), "the world saw {}", got.peer);
+    ensure!(
+        agent.json(["status", "-o", "json"]).is_ok(),
+        "the restarted agent does not answer"
+    );
+    if counter(&agent.pins, "masq_exhausted")? != 0 {
+        bail!("a flow was dropped for want of a port");
+    }
+    Ok(())
+}
