@@ -11,7 +11,7 @@ use std::path::Path;
 
 use aya::maps::{MapData, MapInfo, MapType};
 use lockstep_common::{
-    Counter, EndpointSlot, EndpointValue, IpcacheValue, L2RespSlot, L2RespValue, LPM_V4_KEY_SIZE,
+    EndpointSlot, EndpointValue, IpcacheValue, L2RespSlot, L2RespValue, LPM_V4_KEY_SIZE,
     LPM_V6_KEY_SIZE, MasqConfig, MasqSkipValue, NatClock, NatKeyV4, NatKeyV6, NatValueV4,
     NatValueV6, map_names, max_entries,
 };
