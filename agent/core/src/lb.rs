@@ -33,6 +33,7 @@
 
 mod index;
 mod ipam;
+mod node_pools;
 mod range;
 mod spec;
 mod status;
@@ -50,6 +51,7 @@ pub use ipam::{
     Assignment, ChangeCause, ChangeReason, Holding, LbIpam, LbMetrics, LbPlan, LbPoolSource,
     LbSnapshot, PendingReason, PoolMetrics, PoolRecord, PoolStatus, ServiceRecord, ServiceStatus,
 };
+pub use node_pools::check_against_node_pools;
 pub use range::range_to_cidrs;
 pub use spec::{
     AddrRange, Announce, IpFamily, IpFamilyPolicy, LabelRequirement, LabelSelector, LbPoolSpec,
@@ -170,6 +172,19 @@ pub enum LbError {
         /// Why (boxed: keeps every `Result` of this module small).
         #[source]
         source: Box<ManagerError>,
+    },
+    /// A block of the pool overlaps a CIDR of one of the node's endpoint
+    /// pools: the two allocators would hand out the same address.
+    #[error("lb pool {pool}: {block} overlaps {node_cidr} of node pool {node_pool}")]
+    OverlapsNodePool {
+        /// The LB pool.
+        pool: String,
+        /// Its block (a CIDR, or one CIDR of a range).
+        block: IpNet,
+        /// The node pool's CIDR it overlaps.
+        node_cidr: IpNet,
+        /// The node pool.
+        node_pool: String,
     },
     /// The snapshot's pools, services and allocations disagree.
     #[error("lb snapshot is inconsistent at {item}: {problem}")]

@@ -11,9 +11,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::{IpAddr, Ipv4Addr};
 
-use ipnet::IpNet;
 use lockstep_core::lb::{LbIpam, LbPoolSpec, PoolStatus, ServiceSpec, ServiceStatus};
-use lockstep_core::pool::overlaps;
 use serde::{Deserialize, Serialize};
 
 use super::{Agent, AgentError};
@@ -80,28 +78,6 @@ impl Agent {
         self.lb.plan().l2_announce_v4.into_keys().collect()
     }
 
-    /// Refuses an LB pool that overlaps one of the node's endpoint pools:
-    /// the two allocators would hand out the same address.
-    fn check_against_node_pools(&self, spec: &LbPoolSpec) -> Result<(), AgentError> {
-        let mut blocks: Vec<IpNet> = spec.cidrs.clone();
-        for r in &spec.ranges {
-            blocks.extend(lockstep_core::lb::range_to_cidrs(r.start, r.stop));
-        }
-        for pool in &self.config.pools {
-            for node in pool.cidrs() {
-                if let Some(b) = blocks.iter().find(|b| overlaps(**b, node)) {
-                    return Err(AgentError::Invalid {
-                        reason: format!(
-                            "lb pool {}: {b} overlaps {node} of node pool {}",
-                            spec.name, pool.name
-                        ),
-                    });
-                }
-            }
-        }
-        Ok(())
-    }
-
     /// Applies pools and services, then commits, programs and announces.
     ///
     /// # Errors
@@ -110,7 +86,7 @@ impl Agent {
     pub fn lb_apply(&mut self, req: LbApply) -> Result<LbView, AgentError> {
         self.check_ready()?;
         for p in &req.pools {
-            self.check_against_node_pools(p)?;
+            lockstep_core::lb::check_against_node_pools(p, &self.config.pools).map_err(lb_err)?;
         }
         self.lb_change(|lb| {
             if !req.pools.is_empty() {

@@ -439,11 +439,19 @@ impl PinnedMaps {
     }
 }
 
-fn write_err(map: &'static str, e: aya::maps::MapError) -> DatapathError {
-    DatapathError::MapAccess {
-        action: "write",
-        map,
-        source: Box::new(e),
+/// A failed write to `map` as a datapath error: a full map (`E2BIG`) is
+/// [`DatapathError::MapFull`], anything else [`DatapathError::MapAccess`].
+/// Callers match the variant, never aya's or libc's codes.
+pub fn write_err(map: &'static str, e: aya::maps::MapError) -> DatapathError {
+    match &e {
+        aya::maps::MapError::SyscallError(s) if s.io_error.raw_os_error() == Some(libc::E2BIG) => {
+            DatapathError::MapFull { map }
+        }
+        _ => DatapathError::MapAccess {
+            action: "write",
+            map,
+            source: Box::new(e),
+        },
     }
 }
 
@@ -517,5 +525,37 @@ mod tests {
         let k6 = v6_key("fd00::1:2".parse().expect("literal"), 64);
         assert_eq!(k6.data()[..8], [0xfd, 0, 0, 0, 0, 0, 0, 0]);
         assert_eq!(k6.data()[8..], [0; 8]);
+    }
+
+    fn syscall_error(errno: i32) -> aya::maps::MapError {
+        aya::maps::MapError::SyscallError(aya::sys::SyscallError {
+            call: "bpf_map_update_elem",
+            io_error: std::io::Error::from_raw_os_error(errno),
+        })
+    }
+
+    #[test]
+    fn a_full_map_is_a_datapath_map_full() {
+        let e = write_err(map_names::ENDPOINTS, syscall_error(libc::E2BIG));
+        assert!(matches!(e, DatapathError::MapFull { map } if map == map_names::ENDPOINTS));
+        assert_eq!(
+            e.to_string(),
+            format!("map {} is full", map_names::ENDPOINTS)
+        );
+    }
+
+    #[test]
+    fn other_write_failures_keep_their_cause() {
+        let e = write_err(map_names::L2_RESP_V4, syscall_error(libc::EPERM));
+        assert!(matches!(
+            e,
+            DatapathError::MapAccess {
+                action: "write",
+                ..
+            }
+        ));
+        let chain = crate::error_chain(&e);
+        assert!(chain.starts_with("cannot write L2_RESP_V4"), "{chain}");
+        assert!(chain.contains("Operation not permitted"), "{chain}");
     }
 }

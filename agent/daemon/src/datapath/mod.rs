@@ -113,6 +113,12 @@ pub enum DatapathError {
         #[source]
         source: Box<aya::maps::MapError>,
     },
+    /// A map has no room for another entry (the kernel's `E2BIG`).
+    #[error("map {map} is full")]
+    MapFull {
+        /// The map.
+        map: &'static str,
+    },
     /// Reading or writing entries of a map failed.
     #[error("cannot {action} {map}")]
     MapAccess {

@@ -87,26 +87,89 @@ pub enum SysError {
     },
 }
 
+impl SysError {
+    /// The map had no room for another element (`E2BIG`).
+    pub fn is_map_full(&self) -> bool {
+        matches!(self, SysError::Syscall { source, .. } if source.raw_os_error() == Some(libc::E2BIG))
+    }
+}
+
 fn bpf<T: AttrPart>(cmd: bpf_cmd, attr: &mut T) -> io::Result<()> {
     bpf_ret(cmd, attr).map(drop)
 }
 
 fn bpf_ret<T: AttrPart>(cmd: bpf_cmd, attr: &mut T) -> io::Result<libc::c_long> {
-    // SAFETY: `attr` is a valid, initialised member of `bpf_attr` ([`AttrPart`])
-    // that lives for the duration of the call; the kernel reads at most
-    // `size_of::<T>()` bytes and zero-extends the rest.
+    syscall(
+        cmd,
+        (attr as *mut T).cast::<libc::c_void>(),
+        size_of::<T>() as u32,
+    )
+}
+
+/// The one place a `bpf(2)` syscall is made, as aya's `sys::syscall`: unit
+/// tests replace it on their thread ([`testing::with_syscall`]) to drive
+/// every caller's error paths without root or a kernel map.
+fn syscall(cmd: bpf_cmd, attr: *mut libc::c_void, size: u32) -> io::Result<libc::c_long> {
+    #[cfg(test)]
+    if let Some(r) = testing::call(cmd, attr, size) {
+        return r;
+    }
+    // SAFETY: `attr` points to a valid, initialised member of `bpf_attr`
+    // ([`AttrPart`], from `bpf_ret`) of `size` bytes that lives for the
+    // duration of the call; the kernel reads at most `size` bytes and
+    // zero-extends the rest.
     let ret = unsafe {
         libc::syscall(
             libc::SYS_bpf,
             cmd as libc::c_long,
-            attr as *mut T as *mut libc::c_void,
-            size_of::<T>() as libc::c_uint,
+            attr,
+            size as libc::c_uint,
         )
     };
     if ret < 0 {
         Err(io::Error::last_os_error())
     } else {
         Ok(ret)
+    }
+}
+
+/// A stand-in for the `bpf(2)` syscall in unit tests (test builds only).
+#[cfg(test)]
+pub(crate) mod testing {
+    use std::cell::RefCell;
+    use std::io;
+
+    use super::bpf_cmd;
+
+    /// What a fake syscall gets: the command, the attribute's address and
+    /// size (a `bpf_attr` member; cast it to the one the command uses).
+    pub(crate) type Fake =
+        Box<dyn FnMut(bpf_cmd, *mut libc::c_void, u32) -> io::Result<libc::c_long>>;
+
+    thread_local! {
+        static FAKE: RefCell<Option<Fake>> = const { RefCell::new(None) };
+    }
+
+    /// Runs `body` with every `bpf(2)` call on this thread answered by
+    /// `fake`, then puts the real syscall back.
+    pub(crate) fn with_syscall<R>(fake: Fake, body: impl FnOnce() -> R) -> R {
+        struct Restore;
+        impl Drop for Restore {
+            fn drop(&mut self) {
+                FAKE.with(|f| *f.borrow_mut() = None);
+            }
+        }
+        FAKE.with(|f| *f.borrow_mut() = Some(fake));
+        let _restore = Restore;
+        body()
+    }
+
+    pub(super) fn call(
+        cmd: bpf_cmd,
+        attr: *mut libc::c_void,
+        size: u32,
+    ) -> Option<io::Result<libc::c_long>> {
+        FAKE.with(|f| f.borrow_mut().as_mut().map(|fake| fake(cmd, attr, size)))
     }
 }
 
@@ -537,5 +600,119 @@ mod tests {
             check_shape(0, 32, &[], &[]),
             Err(SysError::BufferShape { .. })
         ));
+    }
+
+    use std::cell::RefCell;
+    use std::rc::Rc;
+
+    /// Any descriptor: the fake syscall never uses it.
+    fn some_fd() -> std::fs::File {
+        std::fs::File::open("/dev/null").expect("/dev/null")
+    }
+
+    /// The batch attribute a fake syscall was given.
+    ///
+    /// # Safety
+    /// `attr` must be the `BatchAttr` of a batch command.
+    unsafe fn batch<'a>(attr: *mut libc::c_void) -> &'a mut BatchAttr {
+        // SAFETY: the caller's promise; the attribute outlives the call.
+        unsafe { &mut *attr.cast::<BatchAttr>() }
+    }
+
+    /// Keys of 4 bytes 0..n, values of 8 bytes.
+    fn elements(n: u32) -> (Vec<u8>, Vec<u8>) {
+        let keys = (0..n).flat_map(u32::to_ne_bytes).collect();
+        let values = (0..n).flat_map(|i| u64::from(i).to_ne_bytes()).collect();
+        (keys, values)
+    }
+
+    #[test]
+    fn update_batch_continues_where_the_kernel_stopped() {
+        // A kernel that takes at most two elements per call: every call
+        // starts at the first element not yet written.
+        let seen = Rc::new(RefCell::new(Vec::new()));
+        let log = seen.clone();
+        let fake: testing::Fake = Box::new(move |cmd, attr, _| {
+            assert_eq!(cmd, BPF_MAP_UPDATE_BATCH);
+            // SAFETY: an update batch gets a `BatchAttr`.
+            let a = unsafe { batch(attr) };
+            // SAFETY: `keys` points into the caller's key buffer, 4 bytes a key.
+            let first = unsafe { *(a.keys as *const u32) };
+            log.borrow_mut().push((first, a.count));
+            a.count = a.count.min(2);
+            Ok(0)
+        });
+        let (keys, values) = elements(5);
+        testing::with_syscall(fake, || update_batch(some_fd(), 4, 8, &keys, &values))
+            .expect("all written");
+        assert_eq!(*seen.borrow(), vec![(0, 5), (2, 3), (4, 1)]);
+    }
+
+    #[test]
+    fn a_full_map_mid_batch_says_how_many_went_in() {
+        let fake: testing::Fake = Box::new(|_, attr, _| {
+            // SAFETY: an update batch gets a `BatchAttr`.
+            unsafe { batch(attr) }.count = 3;
+            Err(io::Error::from_raw_os_error(libc::E2BIG))
+        });
+        let (keys, values) = elements(5);
+        let e = testing::with_syscall(fake, || update_batch(some_fd(), 4, 8, &keys, &values))
+            .expect_err("full");
+        assert!(e.is_map_full(), "{e}");
+        assert!(matches!(
+            e,
+            SysError::Syscall {
+                command: "BPF_MAP_UPDATE_BATCH",
+                done: 3,
+                requested: 5,
+                ..
+            }
+        ));
+        assert_eq!(
+            e.to_string(),
+            "bpf(BPF_MAP_UPDATE_BATCH) failed after 3 of 5 elements"
+        );
+    }
+
+    #[test]
+    fn delete_batch_reports_the_refusal_and_what_was_deleted() {
+        let calls = Rc::new(RefCell::new(0));
+        let count = calls.clone();
+        let fake: testing::Fake = Box::new(move |cmd, attr, _| {
+            assert_eq!(cmd, BPF_MAP_DELETE_BATCH);
+            *count.borrow_mut() += 1;
+            // SAFETY: a delete batch gets a `BatchAttr`.
+            unsafe { batch(attr) }.count = 1;
+            Err(io::Error::from_raw_os_error(libc::EPERM))
+        });
+        let (keys, _) = elements(4);
+        let e =
+            testing::with_syscall(fake, || delete_batch(some_fd(), 4, &keys)).expect_err("refused");
+        assert_eq!(*calls.borrow(), 1, "no retry after a refusal");
+        assert!(!e.is_map_full());
+        assert!(matches!(
+            e,
+            SysError::Syscall {
+                done: 1,
+                requested: 4,
+                ..
+            }
+        ));
+    }
+
+    #[test]
+    fn a_bad_shape_makes_no_syscall() {
+        let fake: testing::Fake = Box::new(|_, _, _| panic!("no syscall expected"));
+        let e = testing::with_syscall(fake, || update_batch(some_fd(), 4, 8, &[0; 7], &[0; 8]))
+            .expect_err("shape");
+        assert!(matches!(e, SysError::BufferShape { keys: 7, .. }));
+    }
+
+    #[test]
+    fn the_real_syscall_is_back_after_a_fake() {
+        let fake: testing::Fake = Box::new(|_, _, _| Ok(0));
+        testing::with_syscall(fake, || freeze(some_fd())).expect("faked");
+        // /dev/null is no map: the kernel (or a refused bpf()) says so.
+        assert!(freeze(some_fd()).is_err());
     }
 }
