@@ -25,7 +25,7 @@ use lockstep_tests::{Netns, PinRoot, counter, lockstep_in, privileged};
 
 const EP_V4: &str = "10.200.0.2";
 const EP_V6: &str = "fd00:200::2";
-const ROUNDS: usize = 5;
+const ROUNDS: usize = 7;
 const CLIENT_THREADS: usize = 4;
 const ROUND: Duration = Duration::from_secs(2);
 
