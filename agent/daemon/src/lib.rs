@@ -11,6 +11,7 @@ pub mod api;
 pub mod arp;
 pub mod cli;
 pub mod client;
+pub mod cluster;
 pub mod cni;
 pub mod config;
 pub mod datapath;

@@ -1,0 +1,476 @@
+//! The etcd requests of cluster mode, each bounded in time and guarded.
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::time::Duration;
+
+use etcd_client::{
+    Client, Compare, CompareOp, ConnectOptions, GetOptions, PutOptions, Txn, TxnOp, TxnOpResponse,
+};
+use ipnet::IpNet;
+use lockstep_core::cluster::{ClusterPoolSpec, check_apply};
+
+use super::{Block, BlockRecord, Claim, ClusterStoreError, Node, NodeRecord, escape, unescape};
+
+/// How the door reaches etcd.
+#[derive(Clone, Debug)]
+pub struct DoorOptions {
+    /// Client URLs of the etcd members (`http://127.0.0.1:2379`).
+    pub endpoints: Vec<String>,
+    /// Key prefix, ending in `/` (default `/lockstep/v1/`).
+    pub prefix: String,
+    /// Bound on every request, connection included.
+    pub timeout: Duration,
+}
+
+impl DoorOptions {
+    /// Options with the default prefix and a 2 s bound.
+    pub fn new(endpoints: Vec<String>) -> Self {
+        DoorOptions {
+            endpoints,
+            prefix: "/lockstep/v1/".to_string(),
+            timeout: Duration::from_secs(2),
+        }
+    }
+}
+
+/// A connection to etcd and the key layout under the prefix.
+pub struct Door {
+    client: Client,
+    opts: DoorOptions,
+}
+
+impl std::fmt::Debug for Door {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Door").field("opts", &self.opts).finish()
+    }
+}
+
+fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+impl Door {
+    /// Connects (lazily: the first request dials) to `opts.endpoints`.
+    ///
+    /// # Errors
+    /// No endpoint, a prefix that does not start and end with `/`, or an
+    /// unusable endpoint URL.
+    pub async fn connect(opts: DoorOptions) -> Result<Self, ClusterStoreError> {
+        if opts.endpoints.is_empty() {
+            return Err(ClusterStoreError::Invalid(
+                "cluster.etcd lists no endpoint".into(),
+            ));
+        }
+        if !(opts.prefix.starts_with('/') && opts.prefix.ends_with('/')) {
+            return Err(ClusterStoreError::Invalid(format!(
+                "cluster.prefix {:?} must start and end with /",
+                opts.prefix
+            )));
+        }
+        let options = ConnectOptions::new()
+            .with_connect_timeout(opts.timeout)
+            .with_timeout(opts.timeout)
+            .with_require_leader(true);
+        let client = tokio::time::timeout(
+            opts.timeout,
+            Client::connect(opts.endpoints.clone(), Some(options)),
+        )
+        .await
+        .map_err(|_| unavailable(&opts, "connect", "timed out", false))?
+        .map_err(|e| unavailable(&opts, "connect", &e.to_string(), false))?;
+        Ok(Door { client, opts })
+    }
+
+    /// The options the door was made with.
+    pub fn options(&self) -> &DoorOptions {
+        &self.opts
+    }
+
+    fn key(&self, rest: &str) -> String {
+        format!("{}{rest}", self.opts.prefix)
+    }
+
+    fn block_key(&self, pool: &str, cidr: IpNet) -> String {
+        self.key(&format!("blocks/{pool}/{}", escape(cidr)))
+    }
+
+    /// Runs one request within the door's timeout.
+    async fn bounded<T>(
+        &self,
+        what: &str,
+        write: bool,
+        request: impl Future<Output = Result<T, etcd_client::Error>>,
+    ) -> Result<T, ClusterStoreError> {
+        match tokio::time::timeout(self.opts.timeout, request).await {
+            Ok(Ok(v)) => Ok(v),
+            Ok(Err(e)) => Err(unavailable(&self.opts, what, &e.to_string(), write)),
+            Err(_) => Err(unavailable(&self.opts, what, "timed out", write)),
+        }
+    }
+
+    /// Every cluster pool, with each key's mod revision, and the store
+    /// revision of the read.
+    ///
+    /// # Errors
+    /// etcd unavailable, or a stored pool unreadable.
+    pub async fn pools(
+        &mut self,
+    ) -> Result<(Vec<ClusterPoolSpec>, BTreeMap<String, i64>, i64), ClusterStoreError> {
+        let prefix = self.key("pools/");
+        let mut client = self.client.clone();
+        let resp = self
+            .bounded(
+                "read pools",
+                false,
+                client.get(prefix.clone(), Some(GetOptions::new().with_prefix())),
+            )
+            .await?;
+        let revision = resp.header().map_or(0, |h| h.revision());
+        let mut specs = Vec::new();
+        let mut revisions = BTreeMap::new();
+        for kv in resp.kvs() {
+            let key = String::from_utf8_lossy(kv.key()).into_owned();
+            let spec: ClusterPoolSpec =
+                serde_json::from_slice(kv.value()).map_err(|e| ClusterStoreError::Corrupt {
+                    key: key.clone(),
+                    reason: e.to_string(),
+                })?;
+            revisions.insert(spec.name.clone(), kv.mod_revision());
+            specs.push(spec);
+        }
+        Ok((specs, revisions, revision))
+    }
+
+    /// Replaces the cluster pools by `new`: validated and checked against
+    /// the claimed blocks by the core ([`check_apply`]), then written in
+    /// one transaction that holds only if no pool and no block changed since
+    /// they were read. Returns the new store revision.
+    ///
+    /// # Errors
+    /// [`ClusterStoreError::Refused`] (invalid pools, overlap, a CIDR with
+    /// claimed blocks removed or re-cut: named with its blocks and nodes),
+    /// [`ClusterStoreError::Conflict`] (a concurrent change: nothing
+    /// written), or etcd unavailable.
+    pub async fn apply_pools(&mut self, new: &[ClusterPoolSpec]) -> Result<i64, ClusterStoreError> {
+        let (old, revisions, read_at) = self.pools().await?;
+        let (blocks, blocks_at) = self.blocks().await?;
+        let claimed: BTreeMap<IpNet, (String, String)> = blocks
+            .iter()
+            .map(|b| (b.cidr, (b.pool.clone(), b.node.clone())))
+            .collect();
+        check_apply(&old, new, &claimed)?;
+        let mut guards = Vec::new();
+        let mut ops = Vec::new();
+        for spec in new {
+            let key = self.key(&format!("pools/{}", spec.name));
+            guards.push(match revisions.get(&spec.name) {
+                Some(&rev) => Compare::mod_revision(key.clone(), CompareOp::Equal, rev),
+                None => Compare::create_revision(key.clone(), CompareOp::Equal, 0),
+            });
+            let value = serde_json::to_vec(spec).map_err(|e| ClusterStoreError::Corrupt {
+                key: key.clone(),
+                reason: e.to_string(),
+            })?;
+            ops.push(TxnOp::put(key, value, None));
+        }
+        for (name, &rev) in &revisions {
+            if !new.iter().any(|p| &p.name == name) {
+                let key = self.key(&format!("pools/{name}"));
+                guards.push(Compare::mod_revision(key.clone(), CompareOp::Equal, rev));
+                ops.push(TxnOp::delete(key, None));
+            }
+        }
+        // No pool written since the read (a pool this apply does not name
+        // but another apply created meanwhile would otherwise survive it),
+        // and no block claimed or changed since the blocks were read.
+        guards.push(
+            Compare::mod_revision(self.key("pools/"), CompareOp::Less, read_at + 1).with_prefix(),
+        );
+        guards.push(
+            Compare::mod_revision(
+                self.key("blocks/"),
+                CompareOp::Less,
+                blocks_at.max(read_at) + 1,
+            )
+            .with_prefix(),
+        );
+        let txn = Txn::new().when(guards).and_then(ops);
+        let mut client = self.client.clone();
+        let resp = self.bounded("apply pools", true, client.txn(txn)).await?;
+        if !resp.succeeded() {
+            return Err(ClusterStoreError::Conflict {
+                what: "the cluster pools".into(),
+            });
+        }
+        Ok(resp.header().map_or(0, |h| h.revision()))
+    }
+
+    /// Every claimed block, and the store revision of the read.
+    ///
+    /// # Errors
+    /// etcd unavailable, or a block key or value unreadable.
+    pub async fn blocks(&mut self) -> Result<(Vec<Block>, i64), ClusterStoreError> {
+        let prefix = self.key("blocks/");
+        let mut client = self.client.clone();
+        let resp = self
+            .bounded(
+                "read blocks",
+                false,
+                client.get(prefix.clone(), Some(GetOptions::new().with_prefix())),
+            )
+            .await?;
+        let revision = resp.header().map_or(0, |h| h.revision());
+        let mut out = Vec::new();
+        for kv in resp.kvs() {
+            let key = String::from_utf8_lossy(kv.key()).into_owned();
+            out.push(parse_block(&prefix, &key, kv.value(), kv.mod_revision())?);
+        }
+        Ok((out, revision))
+    }
+
+    /// Claims `cidr` of `pool` for `node`: created only if no one holds it.
+    /// An answer that does not come in time is read back: the claim may
+    /// have been logged and committed (or may commit once quorum returns).
+    ///
+    /// # Errors
+    /// etcd unavailable (with `maybe_written` when even the read-back
+    /// failed: the caller must count the block as possibly its own), or a
+    /// stored value unreadable.
+    pub async fn claim_block(
+        &mut self,
+        pool: &str,
+        cidr: IpNet,
+        node: &str,
+    ) -> Result<Claim, ClusterStoreError> {
+        let key = self.block_key(pool, cidr);
+        let record = BlockRecord {
+            node: node.to_string(),
+            claimed_at_ms: now_ms(),
+        };
+        let value = serde_json::to_vec(&record).map_err(|e| ClusterStoreError::Corrupt {
+            key: key.clone(),
+            reason: e.to_string(),
+        })?;
+        let txn = Txn::new()
+            .when([Compare::create_revision(key.clone(), CompareOp::Equal, 0)])
+            .and_then([TxnOp::put(key.clone(), value, None)])
+            .or_else([TxnOp::get(key.clone(), None)]);
+        let mut client = self.client.clone();
+        let what = format!("claim block {cidr} of pool {pool}");
+        match self.bounded(&what, true, client.txn(txn)).await {
+            Ok(resp) if resp.succeeded() => Ok(Claim::Claimed {
+                revision: resp.header().map_or(0, |h| h.revision()),
+            }),
+            Ok(resp) => {
+                let holder = resp.op_responses().into_iter().find_map(|r| match r {
+                    TxnOpResponse::Get(g) => g
+                        .kvs()
+                        .first()
+                        .map(|kv| (kv.value().to_vec(), kv.mod_revision())),
+                    _ => None,
+                });
+                match holder {
+                    // Ours already (a restart re-claiming): claimed at its revision.
+                    Some((v, rev)) => self.claim_of(&key, &v, node, rev),
+                    // Given back between the compare and the get: try again.
+                    None => Err(ClusterStoreError::Conflict { what }),
+                }
+            }
+            Err(ClusterStoreError::Unavailable { .. }) => self.read_back_claim(&key, node).await,
+            Err(e) => Err(e),
+        }
+    }
+
+    async fn read_back_claim(&mut self, key: &str, node: &str) -> Result<Claim, ClusterStoreError> {
+        let mut client = self.client.clone();
+        let what = format!("read back the claim {key}");
+        let resp = self
+            .bounded(&what, false, client.get(key.to_string(), None))
+            .await
+            .map_err(|e| match e {
+                ClusterStoreError::Unavailable {
+                    endpoints, what, ..
+                } => ClusterStoreError::Unavailable {
+                    endpoints,
+                    what,
+                    maybe_written: true,
+                },
+                other => other,
+            })?;
+        match resp.kvs().first() {
+            Some(kv) => self.claim_of(key, kv.value(), node, kv.mod_revision()),
+            None => Err(unavailable(
+                &self.opts,
+                &format!("claim {key}"),
+                "the claim timed out and is not stored (yet); it may still commit",
+                true,
+            )),
+        }
+    }
+
+    fn claim_of(
+        &self,
+        key: &str,
+        value: &[u8],
+        node: &str,
+        revision: i64,
+    ) -> Result<Claim, ClusterStoreError> {
+        let rec: BlockRecord =
+            serde_json::from_slice(value).map_err(|e| ClusterStoreError::Corrupt {
+                key: key.to_string(),
+                reason: e.to_string(),
+            })?;
+        Ok(if rec.node == node {
+            Claim::Claimed { revision }
+        } else {
+            Claim::Taken { by: rec.node }
+        })
+    }
+
+    /// Gives `block` back: deleted only if its key is still at the revision
+    /// the caller holds (an operator's reclaim and another node's claim
+    /// meanwhile change it). Returns whether it was deleted.
+    ///
+    /// # Errors
+    /// etcd unavailable.
+    pub async fn release_block(&mut self, block: &Block) -> Result<bool, ClusterStoreError> {
+        let key = self.block_key(&block.pool, block.cidr);
+        let txn = Txn::new()
+            .when([Compare::mod_revision(
+                key.clone(),
+                CompareOp::Equal,
+                block.revision,
+            )])
+            .and_then([TxnOp::delete(key, None)]);
+        let mut client = self.client.clone();
+        let what = format!("give back block {} of pool {}", block.cidr, block.pool);
+        Ok(self
+            .bounded(&what, true, client.txn(txn))
+            .await?
+            .succeeded())
+    }
+
+    /// Registers `record` under a new lease of `ttl` (whole seconds, at
+    /// least 1) and returns the lease; [`Door::keep_alive`] keeps it.
+    ///
+    /// # Errors
+    /// etcd unavailable.
+    pub async fn register_node(
+        &mut self,
+        record: &NodeRecord,
+        ttl: Duration,
+    ) -> Result<i64, ClusterStoreError> {
+        let secs = i64::try_from(ttl.as_secs().max(1)).unwrap_or(i64::MAX);
+        let mut client = self.client.clone();
+        let lease = self
+            .bounded("grant the node lease", true, client.lease_grant(secs, None))
+            .await?
+            .id();
+        let key = self.key(&format!("nodes/{}", record.name));
+        let value = serde_json::to_vec(record).map_err(|e| ClusterStoreError::Corrupt {
+            key: key.clone(),
+            reason: e.to_string(),
+        })?;
+        let mut client = self.client.clone();
+        self.bounded(
+            "register the node",
+            true,
+            client.put(key, value, Some(PutOptions::new().with_lease(lease))),
+        )
+        .await?;
+        Ok(lease)
+    }
+
+    /// Refreshes `lease` once. A lease etcd no longer knows (expired while
+    /// the node was cut off) answers `Ok(false)`: register again.
+    ///
+    /// # Errors
+    /// etcd unavailable.
+    pub async fn keep_alive(&mut self, lease: i64) -> Result<bool, ClusterStoreError> {
+        let mut client = self.client.clone();
+        // Opening the keep-alive stream sends one refresh and reads its
+        // answer; a lease etcd no longer knows answers with a TTL of 0,
+        // which the client reports as "lease not found".
+        match self
+            .bounded(
+                "refresh the node lease",
+                true,
+                client.lease_keep_alive(lease),
+            )
+            .await
+        {
+            Ok(_) => Ok(true),
+            Err(ClusterStoreError::Unavailable { what, .. })
+                if what.ends_with("lease not found") =>
+            {
+                Ok(false)
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Every registered (live) node.
+    ///
+    /// # Errors
+    /// etcd unavailable, or a node record unreadable.
+    pub async fn nodes(&mut self) -> Result<Vec<Node>, ClusterStoreError> {
+        let prefix = self.key("nodes/");
+        let mut client = self.client.clone();
+        let resp = self
+            .bounded(
+                "read nodes",
+                false,
+                client.get(prefix, Some(GetOptions::new().with_prefix())),
+            )
+            .await?;
+        resp.kvs()
+            .iter()
+            .map(|kv| {
+                let record: NodeRecord =
+                    serde_json::from_slice(kv.value()).map_err(|e| ClusterStoreError::Corrupt {
+                        key: String::from_utf8_lossy(kv.key()).into_owned(),
+                        reason: e.to_string(),
+                    })?;
+                Ok(Node {
+                    record,
+                    lease: kv.lease(),
+                })
+            })
+            .collect()
+    }
+}
+
+fn parse_block(
+    prefix: &str,
+    key: &str,
+    value: &[u8],
+    revision: i64,
+) -> Result<Block, ClusterStoreError> {
+    let corrupt = |reason: String| ClusterStoreError::Corrupt {
+        key: key.to_string(),
+        reason,
+    };
+    let rest = key.strip_prefix(prefix).unwrap_or(key);
+    let (pool, cidr) = rest
+        .split_once('/')
+        .ok_or_else(|| corrupt("not blocks/<pool>/<cidr>".into()))?;
+    let cidr = unescape(cidr).ok_or_else(|| corrupt(format!("{cidr:?} is not a CIDR")))?;
+    let rec: BlockRecord = serde_json::from_slice(value).map_err(|e| corrupt(e.to_string()))?;
+    Ok(Block {
+        pool: pool.to_string(),
+        cidr,
+        node: rec.node,
+        revision,
+    })
+}
+
+fn unavailable(opts: &DoorOptions, what: &str, why: &str, write: bool) -> ClusterStoreError {
+    ClusterStoreError::Unavailable {
+        endpoints: opts.endpoints.join(","),
+        what: format!("{what}: {why}"),
+        maybe_written: write,
+    }
+}

@@ -1,0 +1,165 @@
+//! Cluster mode's door to etcd: the only module that talks to etcd.
+//!
+//! Why a door of its own: in cluster mode etcd is the cluster's source of
+//! truth for pools, for which node owns which block of addresses and for
+//! which nodes are alive, while every address inside a block is still
+//! allocated, committed and programmed locally. Keeping every etcd request
+//! in one module means one place decides how a request is bounded in time,
+//! how an answer that never came is read back, and how each write is
+//! guarded; the decisions themselves (which block to claim, when to give
+//! one back, what to fence) are the core's (`lockstep_core::cluster`).
+//!
+//! Key layout under the prefix (default `/lockstep/v1/`; docs/cluster.md):
+//!
+//! ```text
+//! pools/<name>                  → ClusterPoolSpec (JSON)
+//! blocks/<pool>/<cidr-escaped>  → BlockRecord (JSON), no lease
+//! nodes/<node>                  → NodeRecord (JSON), bound to the node's lease
+//! ```
+//!
+//! Every write is a transaction with a guard: a pool apply compares the
+//! revision of every pool it read and that no block changed since; a claim is
+//! create-if-absent; a give-back compares the block's revision. Every request
+//! is bounded by the door's timeout; a write whose answer did not come in
+//! time is read back, because without quorum the leader may still have
+//! logged it and commit it later (docs/cluster.md, "A lesson from the
+//! harness").
+
+mod door;
+
+pub use door::{Door, DoorOptions};
+
+use std::net::IpAddr;
+
+use ipnet::IpNet;
+use serde::{Deserialize, Serialize};
+
+/// Errors of the cluster door.
+#[derive(Debug, thiserror::Error)]
+pub enum ClusterStoreError {
+    /// etcd did not answer within the door's timeout, or could not be
+    /// reached. `maybe_written`: a write was sent and its outcome is unknown.
+    #[error("etcd at {endpoints} is unavailable ({what}){}", if *.maybe_written { "; the write may still commit" } else { "" })]
+    Unavailable {
+        /// The endpoints tried.
+        endpoints: String,
+        /// What was asked, and etcd's or the transport's answer.
+        what: String,
+        /// A write was sent and may still be applied.
+        maybe_written: bool,
+    },
+    /// A guarded write lost against a concurrent one: re-read and decide again.
+    #[error("etcd changed under {what}; re-read and try again")]
+    Conflict {
+        /// What was being written.
+        what: String,
+    },
+    /// The requested change breaks a cluster rule (the core's check).
+    #[error(transparent)]
+    Refused(#[from] lockstep_core::cluster::ClusterError),
+    /// A stored value is not what this build writes.
+    #[error("etcd key {key} holds an unreadable value: {reason}")]
+    Corrupt {
+        /// The key.
+        key: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// The options are unusable (no endpoint, a bad prefix).
+    #[error("invalid cluster option: {0}")]
+    Invalid(String),
+}
+
+/// The value of a block key: who holds the block. Deliberately not bound to
+/// a lease (see docs/cluster.md, "Why blocks are not bound to leases").
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BlockRecord {
+    /// The node holding the block.
+    pub node: String,
+    /// Wall-clock time of the claim, milliseconds since the epoch (for
+    /// operators; no decision reads it).
+    pub claimed_at_ms: u64,
+}
+
+/// A claimed block as read from etcd.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Block {
+    /// Its pool.
+    pub pool: String,
+    /// The block's prefix.
+    pub cidr: IpNet,
+    /// Who holds it.
+    pub node: String,
+    /// The key's mod revision: a give-back compares it.
+    pub revision: i64,
+}
+
+/// What a claim got.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Claim {
+    /// The block is this node's, at this key revision.
+    Claimed {
+        /// The key's mod revision.
+        revision: i64,
+    },
+    /// Another node holds it.
+    Taken {
+        /// The holder.
+        by: String,
+    },
+}
+
+/// The value of a node key: what a node tells the others about itself.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NodeRecord {
+    /// The node's name.
+    pub name: String,
+    /// Underlay addresses other nodes route this node's blocks to.
+    pub ips: Vec<IpAddr>,
+    /// The agent's version.
+    pub version: String,
+    /// Blocks the node holds.
+    pub blocks: Vec<IpNet>,
+    /// Addresses in use.
+    pub in_use: u64,
+    /// Addresses wanted (in use + pending + pre-allocation).
+    pub wanted: u64,
+}
+
+/// A registered node as read from etcd: its record and its lease.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Node {
+    /// What the node published.
+    pub record: NodeRecord,
+    /// The lease its key is bound to.
+    pub lease: i64,
+}
+
+/// `/` in a CIDR becomes `-` in a key (`10.0.0.64/26` → `10.0.0.64-26`).
+fn escape(cidr: IpNet) -> String {
+    cidr.to_string().replace('/', "-")
+}
+
+/// The inverse of [`escape`].
+fn unescape(text: &str) -> Option<IpNet> {
+    let (addr, len) = text.rsplit_once('-')?;
+    format!("{addr}/{len}").parse().ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn block_keys_escape_and_come_back() {
+        for c in ["10.0.0.64/26", "fd00::40/122", "0.0.0.0/0"] {
+            let net: IpNet = c.parse().expect("net");
+            assert!(!escape(net).contains('/'));
+            assert_eq!(unescape(&escape(net)), Some(net));
+        }
+        assert_eq!(unescape("10.0.0.64"), None);
+        assert_eq!(unescape("x-26"), None);
+    }
+}

@@ -1,0 +1,337 @@
+//! The cluster door against a real 3-member etcd cluster (#12): racing
+//! claims have one winner, pool applies are validated and guarded, a stale
+//! give-back deletes nothing, node keys die with their lease while blocks
+//! stay, and a claim without quorum fails within its bound and is settled
+//! by reading back once quorum returns.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, ensure};
+use ipnet::IpNet;
+use lockstep::cluster::{Claim, ClusterStoreError, Door, DoorOptions, NodeRecord};
+use lockstep_core::cluster::{ClusterError, ClusterPoolSpec, validate_pools};
+use lockstep_tests::etcd::EtcdCluster;
+
+fn rt() -> anyhow::Result<tokio::runtime::Runtime> {
+    Ok(tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?)
+}
+
+fn net(s: &str) -> IpNet {
+    s.parse().expect("net")
+}
+
+/// A door to `endpoints` under a prefix of its own (tests share nothing).
+async fn door(endpoints: Vec<String>, prefix: &str, timeout: Duration) -> anyhow::Result<Door> {
+    let mut opts = DoorOptions::new(endpoints);
+    opts.prefix = prefix.to_string();
+    opts.timeout = timeout;
+    Ok(Door::connect(opts).await?)
+}
+
+#[test]
+fn racing_claims_have_one_winner_and_the_holder_may_claim_again() -> anyhow::Result<()> {
+    let cluster = EtcdCluster::start(3)?;
+    let rt = rt()?;
+    rt.block_on(async {
+        let blocks: Vec<IpNet> = (0..24)
+            .map(|i| net(&format!("10.20.{}.{}/26", i / 4, (i % 4) * 64)))
+            .collect();
+        let mut tasks = Vec::new();
+        for (i, ep) in cluster.endpoints().into_iter().enumerate() {
+            let mut d = door(vec![ep], "/race/", Duration::from_secs(2)).await?;
+            let blocks = blocks.clone();
+            tasks.push(tokio::spawn(async move {
+                let node = format!("node-{i}");
+                let mut got = Vec::new();
+                for b in blocks {
+                    got.push((b, d.claim_block("p", b, &node).await));
+                }
+                (node, got)
+            }));
+        }
+        let mut winners: BTreeMap<IpNet, Vec<String>> = BTreeMap::new();
+        let mut losers: BTreeMap<IpNet, Vec<String>> = BTreeMap::new();
+        for t in tasks {
+            let (node, got) = t.await?;
+            for (b, claim) in got {
+                match claim.with_context(|| format!("{node} claiming {b}"))? {
+                    Claim::Claimed { .. } => winners.entry(b).or_default().push(node.clone()),
+                    Claim::Taken { by } => losers.entry(b).or_default().push(by),
+                }
+            }
+        }
+        for b in &blocks {
+            let w = winners.get(b).cloned().unwrap_or_default();
+            ensure!(w.len() == 1, "block {b} won by {w:?}");
+            let named = losers.get(b).cloned().unwrap_or_default();
+            ensure!(
+                named.len() == 2 && named.iter().all(|n| n == &w[0]),
+                "losers of {b} were told {named:?}, the winner is {}",
+                w[0]
+            );
+        }
+        let mut d = door(cluster.endpoints(), "/race/", Duration::from_secs(2)).await?;
+        let (stored, _) = d.blocks().await?;
+        ensure!(stored.len() == blocks.len(), "{stored:?}");
+        for s in &stored {
+            ensure!(winners[&s.cidr] == vec![s.node.clone()], "{s:?}");
+            // The holder claiming again (a restart) gets it at its revision.
+            let again = d.claim_block("p", s.cidr, &s.node).await?;
+            ensure!(
+                again
+                    == Claim::Claimed {
+                        revision: s.revision
+                    },
+                "re-claim of {}: {again:?}",
+                s.cidr
+            );
+        }
+        Ok(())
+    })
+}
+
+#[test]
+fn pool_applies_are_validated_guarded_and_keep_claimed_cidrs() -> anyhow::Result<()> {
+    let cluster = EtcdCluster::start(3)?;
+    let rt = rt()?;
+    rt.block_on(async {
+        let eps = cluster.endpoints();
+        let mut d = door(eps.clone(), "/pools/", Duration::from_secs(2)).await?;
+        let a = ClusterPoolSpec::new("a")
+            .with_cidr(net("10.30.0.0/24"))
+            .with_cidr(net("10.30.1.0/24"));
+        d.apply_pools(std::slice::from_ref(&a)).await?;
+        let (read, _, _) = d.pools().await?;
+        ensure!(read == vec![a.clone()], "{read:?}");
+
+        // Overlap: refused by the core, nothing written.
+        let b = ClusterPoolSpec::new("b").with_cidr(net("10.30.1.128/25"));
+        let err = d.apply_pools(&[a.clone(), b]).await.unwrap_err();
+        ensure!(
+            matches!(err, ClusterStoreError::Refused(_)),
+            "overlap: {err:?}"
+        );
+        ensure!(
+            d.pools().await?.0 == vec![a.clone()],
+            "the refused apply wrote"
+        );
+
+        // A claimed block keeps its CIDR: removing it is refused, naming the
+        // CIDR, the block and its node.
+        let claim = d.claim_block("a", net("10.30.1.64/26"), "node-x").await?;
+        ensure!(matches!(claim, Claim::Claimed { .. }), "{claim:?}");
+        let shrunk = ClusterPoolSpec::new("a").with_cidr(net("10.30.0.0/24"));
+        let err = d
+            .apply_pools(std::slice::from_ref(&shrunk))
+            .await
+            .unwrap_err();
+        match &err {
+            ClusterStoreError::Refused(ClusterError::CidrInUse { cidr, blocks, .. }) => {
+                ensure!(*cidr == net("10.30.1.0/24"), "{err}");
+                ensure!(
+                    blocks == &vec![(net("10.30.1.64/26"), "node-x".to_string())],
+                    "{err}"
+                );
+            }
+            other => anyhow::bail!("removing a claimed CIDR: {other:?}"),
+        }
+        ensure!(
+            d.pools().await?.0 == vec![a.clone()],
+            "the refused apply wrote"
+        );
+
+        // Racing applies of two pools over the same CIDR (each valid alone),
+        // through two doors under a prefix of their own: the guard lets no
+        // mix of the two be stored.
+        let mut d = door(eps.clone(), "/pools-race/", Duration::from_secs(2)).await?;
+        let mut d2 = door(eps.clone(), "/pools-race/", Duration::from_secs(2)).await?;
+        for round in 0..10 {
+            let x = vec![ClusterPoolSpec::new(format!("x{round}")).with_cidr(net("10.40.0.0/24"))];
+            let y = vec![ClusterPoolSpec::new(format!("y{round}")).with_cidr(net("10.40.0.0/24"))];
+            let (rx, ry) = tokio::join!(d.apply_pools(&x), d2.apply_pools(&y));
+            for r in [&rx, &ry] {
+                ensure!(
+                    matches!(
+                        r,
+                        Ok(_)
+                            | Err(
+                                ClusterStoreError::Conflict { .. } | ClusterStoreError::Refused(_)
+                            )
+                    ),
+                    "round {round}: {r:?}"
+                );
+            }
+            ensure!(rx.is_ok() || ry.is_ok(), "round {round}: neither applied");
+            let (now, _, _) = d.pools().await?;
+            validate_pools(&now).with_context(|| format!("round {round}: stored {now:?}"))?;
+            ensure!(now == x || now == y, "round {round}: stored {now:?}");
+        }
+        Ok(())
+    })
+}
+
+#[test]
+fn a_stale_give_back_deletes_nothing() -> anyhow::Result<()> {
+    let cluster = EtcdCluster::start(3)?;
+    let rt = rt()?;
+    rt.block_on(async {
+        let mut d = door(cluster.endpoints(), "/give/", Duration::from_secs(2)).await?;
+        let b = net("10.50.0.0/26");
+        ensure!(matches!(
+            d.claim_block("p", b, "node-a").await?,
+            Claim::Claimed { .. }
+        ));
+        let (held, _) = d.blocks().await?;
+        let mine = held.first().context("the claimed block")?.clone();
+        // An operator reclaims it and node-b claims it.
+        let eps = cluster.endpoints();
+        let eps: Vec<&str> = eps.iter().map(String::as_str).collect();
+        EtcdCluster::etcdctl(&eps, &["del", "/give/blocks/p/10.50.0.0-26"])?;
+        ensure!(matches!(
+            d.claim_block("p", b, "node-b").await?,
+            Claim::Claimed { .. }
+        ));
+        ensure!(
+            !d.release_block(&mine).await?,
+            "node-a's stale give-back deleted node-b's block"
+        );
+        let (now, _) = d.blocks().await?;
+        ensure!(now.len() == 1 && now[0].node == "node-b", "{now:?}");
+        // node-b's own give-back, at its revision, deletes it.
+        ensure!(d.release_block(&now[0]).await?);
+        ensure!(d.blocks().await?.0.is_empty());
+        Ok(())
+    })
+}
+
+#[test]
+fn node_keys_die_with_their_lease_and_blocks_stay() -> anyhow::Result<()> {
+    let cluster = EtcdCluster::start(3)?;
+    let rt = rt()?;
+    rt.block_on(async {
+        let mut d = door(cluster.endpoints(), "/lease/", Duration::from_secs(2)).await?;
+        let record = |name: &str| NodeRecord {
+            name: name.to_string(),
+            ips: vec!["192.0.2.10".parse().expect("ip")],
+            version: "test".into(),
+            blocks: vec![net("10.60.0.0/26")],
+            in_use: 3,
+            wanted: 8,
+        };
+        let gone = d
+            .register_node(&record("gone"), Duration::from_secs(2))
+            .await?;
+        let kept = d
+            .register_node(&record("kept"), Duration::from_secs(2))
+            .await?;
+        ensure!(matches!(
+            d.claim_block("p", net("10.60.0.0/26"), "gone").await?,
+            Claim::Claimed { .. }
+        ));
+        let names = |nodes: &[lockstep::cluster::Node]| -> BTreeSet<String> {
+            nodes.iter().map(|n| n.record.name.clone()).collect()
+        };
+        let listed = d.nodes().await?;
+        ensure!(names(&listed) == BTreeSet::from(["gone".into(), "kept".into()]));
+        ensure!(
+            listed
+                .iter()
+                .any(|n| n.record == record("gone") && n.lease == gone)
+        );
+        // `kept` is refreshed, `gone` is not: only `gone` expires.
+        let started = Instant::now();
+        loop {
+            ensure!(d.keep_alive(kept).await?, "a live lease was not refreshed");
+            let now = names(&d.nodes().await?);
+            if now == BTreeSet::from(["kept".to_string()]) {
+                break;
+            }
+            ensure!(
+                started.elapsed() < Duration::from_secs(10),
+                "gone's key outlived its lease: {now:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(400)).await;
+        }
+        ensure!(!d.keep_alive(gone).await?, "an expired lease was refreshed");
+        // The block outlives the lease.
+        let (blocks, _) = d.blocks().await?;
+        ensure!(
+            blocks.len() == 1 && blocks[0].node == "gone",
+            "the block went with the lease: {blocks:?}"
+        );
+        Ok(())
+    })
+}
+
+#[test]
+fn without_quorum_a_claim_fails_in_bound_and_settles_by_reading_back() -> anyhow::Result<()> {
+    let mut cluster = EtcdCluster::start(3)?;
+    let rt = rt()?;
+    let bound = Duration::from_secs(1);
+    let b = net("10.70.0.0/26");
+    let last = cluster.endpoint(2).to_string();
+    rt.block_on(async {
+        let mut d = door(vec![last.clone()], "/quorum/", bound).await?;
+        ensure!(d.blocks().await?.0.is_empty());
+        Ok::<_, anyhow::Error>(())
+    })?;
+    cluster.stop_member(0);
+    cluster.stop_member(1);
+    let err = rt.block_on(async {
+        let mut d = door(vec![last.clone()], "/quorum/", bound).await?;
+        let started = Instant::now();
+        let r = d.claim_block("p", b, "node-a").await;
+        // The claim and its read-back, each bounded.
+        ensure!(
+            started.elapsed() < 2 * bound + Duration::from_millis(500),
+            "took {:?}",
+            started.elapsed()
+        );
+        Ok::<_, anyhow::Error>(r)
+    })?;
+    match err {
+        Err(ClusterStoreError::Unavailable {
+            maybe_written,
+            what,
+            ..
+        }) => {
+            ensure!(
+                maybe_written,
+                "a claim without an answer must count as maybe written: {what}"
+            );
+        }
+        other => anyhow::bail!("claim without quorum: {other:?}"),
+    }
+    cluster.start_member(0)?;
+    cluster.start_member(1)?;
+    for i in 0..3 {
+        cluster.wait_healthy(i, Duration::from_secs(30))?;
+    }
+    rt.block_on(async {
+        let mut d = door(cluster.endpoints(), "/quorum/", Duration::from_secs(2)).await?;
+        let started = Instant::now();
+        // Whether or not the timed-out claim committed, claiming again
+        // settles it: ours, once.
+        let claim = loop {
+            match d.claim_block("p", b, "node-a").await {
+                Ok(c) => break c,
+                Err(e) => ensure!(
+                    started.elapsed() < Duration::from_secs(15),
+                    "no claim after quorum returned: {e}"
+                ),
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        };
+        ensure!(matches!(claim, Claim::Claimed { .. }), "{claim:?}");
+        let (blocks, _) = d.blocks().await?;
+        ensure!(
+            blocks.len() == 1 && blocks[0].node == "node-a",
+            "{blocks:?}"
+        );
+        Ok(())
+    })
+}
