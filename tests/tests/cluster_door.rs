@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, ensure};
 use ipnet::IpNet;
-use lockstep::cluster::{Claim, ClusterStoreError, Door, DoorOptions, NodeRecord};
+use lockstep::cluster::{Change, Claim, ClusterStoreError, Door, DoorOptions, NodeRecord};
 use lockstep_core::cluster::{ClusterError, ClusterPoolSpec, validate_pools};
 use lockstep_tests::etcd::EtcdCluster;
 
@@ -333,5 +333,105 @@ fn without_quorum_a_claim_fails_in_bound_and_settles_by_reading_back() -> anyhow
             "{blocks:?}"
         );
         Ok(())
+    })
+}
+
+/// Collects changes from `w` until one satisfies `want` (5 s at most).
+async fn wait_change(
+    w: &mut lockstep::cluster::Watch,
+    what: &str,
+    want: impl Fn(&Change) -> bool,
+) -> anyhow::Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let batch = tokio::time::timeout(left, w.next())
+            .await
+            .with_context(|| format!("no change {what} within 5 s"))??;
+        if batch.iter().any(&want) {
+            return Ok(());
+        }
+    }
+}
+
+#[test]
+fn watches_follow_every_change_and_compaction_forces_a_resync() -> anyhow::Result<()> {
+    let cluster = EtcdCluster::start(3)?;
+    let rt = rt()?;
+    rt.block_on(async {
+        let eps = cluster.endpoints();
+        let mut a = door(eps.clone(), "/watch/", Duration::from_secs(2)).await?;
+        let mut b = door(eps.clone(), "/watch/", Duration::from_secs(2)).await?;
+        let (_, read_at) = a.blocks().await?;
+        let mut w = a.watch(read_at + 1).await?;
+
+        let x = net("10.80.0.0/26");
+        ensure!(matches!(
+            b.claim_block("p", x, "node-b").await?,
+            Claim::Claimed { .. }
+        ));
+        wait_change(&mut w, "claim", |c| {
+            matches!(c, Change::Block { cidr, node: Some(n), .. } if *cidr == x && n == "node-b")
+        })
+        .await?;
+        let (held, _) = b.blocks().await?;
+        ensure!(b.release_block(&held[0]).await?);
+        wait_change(
+            &mut w,
+            "give-back",
+            |c| matches!(c, Change::Block { cidr, node: None, .. } if *cidr == x),
+        )
+        .await?;
+        let rec = NodeRecord {
+            name: "node-b".into(),
+            ips: vec!["192.0.2.11".parse()?],
+            version: "test".into(),
+            blocks: Vec::new(),
+            in_use: 0,
+            wanted: 0,
+        };
+        b.register_node(&rec, Duration::from_secs(5)).await?;
+        wait_change(
+            &mut w,
+            "node",
+            |c| matches!(c, Change::Node { record: Some(r), .. } if *r == rec),
+        )
+        .await?;
+        let spec = ClusterPoolSpec::new("p").with_cidr(net("10.80.0.0/24"));
+        b.apply_pools(std::slice::from_ref(&spec)).await?;
+        wait_change(
+            &mut w,
+            "pool",
+            |c| matches!(c, Change::Pool { spec: Some(s), .. } if *s == spec),
+        )
+        .await?;
+        ensure!(w.resume_from() > read_at + 1, "resume point never moved");
+
+        // History compacted past a watcher's revision: it is told to resync.
+        let (_, now) = a.blocks().await?;
+        let eps_ref: Vec<&str> = eps.iter().map(String::as_str).collect();
+        EtcdCluster::etcdctl(&eps_ref, &["compact", &now.to_string()])?;
+        let mut stale = a.watch(read_at + 1).await?;
+        match tokio::time::timeout(Duration::from_secs(5), stale.next()).await? {
+            Err(ClusterStoreError::Compacted { compacted }) => {
+                ensure!(compacted >= now, "compacted at {compacted}, asked {now}");
+            }
+            other => anyhow::bail!("a watch below the compaction: {other:?}"),
+        }
+        // The resync: read the state, watch from after the read.
+        let (blocks, at) = a.blocks().await?;
+        ensure!(blocks.is_empty(), "{blocks:?}");
+        let mut fresh = a.watch(at + 1).await?;
+        let y = net("10.80.0.64/26");
+        ensure!(matches!(
+            b.claim_block("p", y, "node-b").await?,
+            Claim::Claimed { .. }
+        ));
+        wait_change(
+            &mut fresh,
+            "claim after resync",
+            |c| matches!(c, Change::Block { cidr, .. } if *cidr == y),
+        )
+        .await
     })
 }

@@ -89,6 +89,11 @@ impl Door {
         &self.opts
     }
 
+    /// A handle on the connection (cheap: shares the channel).
+    pub(super) fn client(&self) -> Client {
+        self.client.clone()
+    }
+
     fn key(&self, rest: &str) -> String {
         format!("{}{rest}", self.opts.prefix)
     }
@@ -98,7 +103,7 @@ impl Door {
     }
 
     /// Runs one request within the door's timeout.
-    async fn bounded<T>(
+    pub(super) async fn bounded<T>(
         &self,
         what: &str,
         write: bool,

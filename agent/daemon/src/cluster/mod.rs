@@ -26,8 +26,10 @@
 //! harness").
 
 mod door;
+mod watch;
 
 pub use door::{Door, DoorOptions};
+pub use watch::{Change, Watch};
 
 use std::net::IpAddr;
 
@@ -64,6 +66,13 @@ pub enum ClusterStoreError {
         key: String,
         /// What is wrong with it.
         reason: String,
+    },
+    /// A watch asked for history etcd has compacted away: read the state
+    /// again and watch from after that read (a resync by diff).
+    #[error("etcd compacted its history up to revision {compacted}; resync")]
+    Compacted {
+        /// The compaction revision.
+        compacted: i64,
     },
     /// The options are unusable (no endpoint, a bad prefix).
     #[error("invalid cluster option: {0}")]

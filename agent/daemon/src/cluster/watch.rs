@@ -1,0 +1,192 @@
+//! Changes under the prefix as they happen: what every agent follows to
+//! learn where the other nodes' blocks live and who is alive.
+
+use etcd_client::{EventType, WatchOptions, WatchStream};
+use ipnet::IpNet;
+use lockstep_core::cluster::ClusterPoolSpec;
+
+use super::door::Door;
+use super::{BlockRecord, ClusterStoreError, NodeRecord, unescape};
+
+/// One change under the prefix. `None` means the key was deleted.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Change {
+    /// A pool written or removed.
+    Pool {
+        /// Its name.
+        name: String,
+        /// The new spec.
+        spec: Option<ClusterPoolSpec>,
+    },
+    /// A block claimed or given back.
+    Block {
+        /// Its pool.
+        pool: String,
+        /// Its prefix.
+        cidr: IpNet,
+        /// Its new holder.
+        node: Option<String>,
+        /// The revision of the change.
+        revision: i64,
+    },
+    /// A node registered, updated, or gone (its lease expired or revoked).
+    Node {
+        /// Its name.
+        name: String,
+        /// What it published.
+        record: Option<NodeRecord>,
+    },
+}
+
+/// A watch of everything under the door's prefix.
+pub struct Watch {
+    stream: WatchStream,
+    prefix: String,
+    next: i64,
+}
+
+impl std::fmt::Debug for Watch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Watch")
+            .field("prefix", &self.prefix)
+            .field("next", &self.next)
+            .finish()
+    }
+}
+
+impl Door {
+    /// Watches every key under the prefix from revision `from` (inclusive):
+    /// `from` is one past the revision of the read the caller's state came
+    /// from, so nothing between the read and the watch is missed.
+    ///
+    /// # Errors
+    /// etcd unavailable.
+    pub async fn watch(&mut self, from: i64) -> Result<Watch, ClusterStoreError> {
+        let prefix = self.options().prefix.clone();
+        let mut client = self.client();
+        let options = WatchOptions::new()
+            .with_prefix()
+            .with_start_revision(from)
+            .with_progress_notify();
+        let stream = self
+            .bounded("watch", false, client.watch(prefix.clone(), Some(options)))
+            .await?;
+        Ok(Watch {
+            stream,
+            prefix,
+            next: from,
+        })
+    }
+}
+
+impl Watch {
+    /// The revision to resume from after the changes returned so far.
+    pub fn resume_from(&self) -> i64 {
+        self.next
+    }
+
+    /// Waits for the next batch of changes (possibly empty: a progress
+    /// notification).
+    ///
+    /// # Errors
+    /// [`ClusterStoreError::Compacted`] when the history asked for is gone
+    /// (resync), [`ClusterStoreError::Unavailable`] when the stream broke
+    /// (watch again from [`Watch::resume_from`]), or an unreadable value.
+    pub async fn next(&mut self) -> Result<Vec<Change>, ClusterStoreError> {
+        let broke = |why: String| ClusterStoreError::Unavailable {
+            endpoints: String::new(),
+            what: format!("watch of {}: {why}", self.prefix),
+            maybe_written: false,
+        };
+        let resp = loop {
+            match self.stream.message().await {
+                // The watch's creation is acknowledged with no events; a
+                // refusal (compaction) follows it.
+                Ok(Some(r)) if r.created() && !r.canceled() && r.events().is_empty() => {}
+                Ok(Some(r)) => break r,
+                Ok(None) => return Err(broke("the stream ended".into())),
+                Err(e) => return Err(broke(e.to_string())),
+            }
+        };
+        if resp.compact_revision() > 0 {
+            return Err(ClusterStoreError::Compacted {
+                compacted: resp.compact_revision(),
+            });
+        }
+        if resp.canceled() {
+            return Err(broke(format!("cancelled: {}", resp.cancel_reason())));
+        }
+        let mut out = Vec::new();
+        for event in resp.events() {
+            let Some(kv) = event.kv() else { continue };
+            let key = String::from_utf8_lossy(kv.key()).into_owned();
+            let deleted = matches!(event.event_type(), EventType::Delete);
+            self.next = self.next.max(kv.mod_revision() + 1);
+            if let Some(change) = parse(&self.prefix, &key, kv.value(), deleted, kv.mod_revision())?
+            {
+                out.push(change);
+            }
+        }
+        if let Some(h) = resp.header() {
+            self.next = self.next.max(h.revision() + 1);
+        }
+        Ok(out)
+    }
+}
+
+fn parse(
+    prefix: &str,
+    key: &str,
+    value: &[u8],
+    deleted: bool,
+    revision: i64,
+) -> Result<Option<Change>, ClusterStoreError> {
+    let corrupt = |reason: String| ClusterStoreError::Corrupt {
+        key: key.to_string(),
+        reason,
+    };
+    let rest = key.strip_prefix(prefix).unwrap_or(key);
+    let json = |what: &str| -> Result<serde_json::Value, ClusterStoreError> {
+        serde_json::from_slice(value).map_err(|e| corrupt(format!("{what}: {e}")))
+    };
+    Ok(if let Some(name) = rest.strip_prefix("pools/") {
+        Some(Change::Pool {
+            name: name.to_string(),
+            spec: if deleted {
+                None
+            } else {
+                Some(serde_json::from_value(json("pool")?).map_err(|e| corrupt(e.to_string()))?)
+            },
+        })
+    } else if let Some(block) = rest.strip_prefix("blocks/") {
+        let (pool, cidr) = block
+            .split_once('/')
+            .ok_or_else(|| corrupt("not blocks/<pool>/<cidr>".into()))?;
+        let cidr = unescape(cidr).ok_or_else(|| corrupt(format!("{cidr:?} is not a CIDR")))?;
+        let node = if deleted {
+            None
+        } else {
+            let rec: BlockRecord =
+                serde_json::from_value(json("block")?).map_err(|e| corrupt(e.to_string()))?;
+            Some(rec.node)
+        };
+        Some(Change::Block {
+            pool: pool.to_string(),
+            cidr,
+            node,
+            revision,
+        })
+    } else if let Some(name) = rest.strip_prefix("nodes/") {
+        Some(Change::Node {
+            name: name.to_string(),
+            record: if deleted {
+                None
+            } else {
+                Some(serde_json::from_value(json("node")?).map_err(|e| corrupt(e.to_string()))?)
+            },
+        })
+    } else {
+        // Not a key of this layout (another version's, or an operator's).
+        None
+    })
+}
