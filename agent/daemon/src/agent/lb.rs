@@ -11,7 +11,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::{IpAddr, Ipv4Addr};
 
-use lockstep_core::lb::{LbIpam, LbPoolSpec, PoolStatus, ServiceSpec, ServiceStatus};
+use lockstep_core::lb::{LbIpam, LbPoolSpec, LbSnapshot, PoolStatus, ServiceSpec, ServiceStatus};
 use serde::{Deserialize, Serialize};
 
 use super::{Agent, AgentError};
@@ -73,11 +73,6 @@ impl Agent {
         self.lb.metrics()
     }
 
-    /// The announced IPv4 addresses right now.
-    fn announced(&self) -> BTreeSet<Ipv4Addr> {
-        self.lb.plan().l2_announce_v4.into_keys().collect()
-    }
-
     /// Applies pools and services, then commits, programs and announces.
     ///
     /// # Errors
@@ -118,68 +113,14 @@ impl Agent {
     }
 
     /// Runs `change` on the LB state; if it fails, nothing changes; if it
-    /// succeeds, commits, programs and announces.
+    /// succeeds, commits, programs and announces ([`lb_transaction`]).
     fn lb_change(
         &mut self,
         change: impl FnOnce(&mut LbIpam) -> Result<(), AgentError>,
     ) -> Result<LbView, AgentError> {
         self.settle();
-        let before = self.lb.snapshot();
-        let announced_before = self.announced();
-        if let Err(e) = change(&mut self.lb) {
-            self.lb = LbIpam::restore(&before).map_err(lb_err)?;
-            return Err(e);
-        }
-        // Holdings and allocator apart: never committed, never programmed.
-        let faults = self.lb.take_faults();
-        if !faults.is_empty() {
-            tracing::error!(
-                ?faults,
-                "LB IPAM's allocator disagreed with its holdings; change refused"
-            );
-            self.lb = LbIpam::restore(&before).map_err(lb_err)?;
-            return Err(AgentError::LbInconsistent { faults });
-        }
-        self.lb_commit(before, announced_before)?;
+        lb_transaction(self, change)?;
         Ok(self.lb_view())
-    }
-
-    fn lb_commit(
-        &mut self,
-        before: lockstep_core::lb::LbSnapshot,
-        announced_before: BTreeSet<Ipv4Addr>,
-    ) -> Result<(), AgentError> {
-        let after = self.lb.snapshot();
-        if let Err(e) = self.store.put_lb(&after) {
-            self.lb = LbIpam::restore(&before).map_err(lb_err)?;
-            return Err(e.into());
-        }
-        // Removals first inside reconcile: a released address stops being
-        // answered as soon as this returns.
-        if let Err(e) = self.reconcile_inner() {
-            // Every undo step is tried and every failure reported. A store
-            // that refuses the old state leaves memory (the old state, what
-            // the caller was told) and store apart: `lb_unsaved` has the
-            // store written again before the next change.
-            let mut more = Vec::new();
-            self.lb = LbIpam::restore(&before).map_err(lb_err)?;
-            if let Err(s) = self.store.put_lb(&before) {
-                self.lb_unsaved = true;
-                more.push(s.into());
-            }
-            if let Err(r) = self.reconcile_inner() {
-                more.push(r);
-            }
-            return Err(AgentError::with_more(e, more));
-        }
-        if let Some(up) = self.uplink.clone() {
-            for addr in self.announced().difference(&announced_before) {
-                if let Err(e) = crate::arp::announce(up.index, up.mac, *addr) {
-                    tracing::warn!(error = %e, %addr, "gratuitous ARP failed");
-                }
-            }
-        }
-        Ok(())
     }
 
     /// LB addresses, for the planner: (address, value) host entries.
@@ -196,3 +137,122 @@ impl Agent {
             .collect()
     }
 }
+
+/// What an LB change needs besides the LB state itself: the store, the maps
+/// and the uplink. The agent is one; unit tests put the doors' doubles
+/// behind another.
+pub(crate) trait LbHost {
+    /// The LB state.
+    fn lb_state(&mut self) -> &mut LbIpam;
+    /// Commits the whole LB state.
+    fn put_lb(&mut self, state: &LbSnapshot) -> Result<(), AgentError>;
+    /// Brings the maps to the current state (a reconcile).
+    fn program(&mut self) -> Result<(), AgentError>;
+    /// Notes that the store holds another LB state than memory: it is
+    /// written again before the next change.
+    fn set_unsaved(&mut self);
+    /// Announces a newly served address (gratuitous ARP), best effort.
+    fn announce(&mut self, addr: Ipv4Addr);
+}
+
+/// The IPv4 addresses the state announces.
+fn announced(lb: &LbIpam) -> BTreeSet<Ipv4Addr> {
+    lb.plan().l2_announce_v4.into_keys().collect()
+}
+
+/// Runs `change` on the LB state, then commits, programs and announces.
+///
+/// Order, and what each failure leaves:
+/// - `change` fails, or leaves the allocator apart from its holdings: the
+///   previous state is put back; nothing was committed or programmed.
+/// - the commit fails: the previous state is put back in memory; the store
+///   kept it.
+/// - programming fails: the previous state is put back in memory and in the
+///   store, and the maps are programmed to it again. Every undo step is
+///   tried and every failure reported; a store that refuses the old state
+///   is marked unsaved ([`LbHost::set_unsaved`]), never silently apart.
+///
+/// # Errors
+/// The first failure, with every undo step's failure after it.
+pub(crate) fn lb_transaction(
+    host: &mut impl LbHost,
+    change: impl FnOnce(&mut LbIpam) -> Result<(), AgentError>,
+) -> Result<(), AgentError> {
+    let before = host.lb_state().snapshot();
+    let announced_before = announced(host.lb_state());
+    // Putting the previous state back in memory; a failure to (a snapshot
+    // that does not restore) is reported after the cause.
+    let undo = |host: &mut dyn LbHost, e: AgentError| -> AgentError {
+        match LbIpam::restore(&before) {
+            Ok(lb) => {
+                *host.lb_state() = lb;
+                e
+            }
+            Err(r) => AgentError::with_more(e, vec![lb_err(r)]),
+        }
+    };
+    if let Err(e) = change(host.lb_state()) {
+        return Err(undo(host, e));
+    }
+    // Holdings and allocator apart: never committed, never programmed.
+    let faults = host.lb_state().take_faults();
+    if !faults.is_empty() {
+        tracing::error!(
+            ?faults,
+            "LB IPAM's allocator disagreed with its holdings; change refused"
+        );
+        return Err(undo(host, AgentError::LbInconsistent { faults }));
+    }
+    let after = host.lb_state().snapshot();
+    if let Err(e) = host.put_lb(&after) {
+        return Err(undo(host, e));
+    }
+    // Removals first inside a reconcile: a released address stops being
+    // answered as soon as this returns.
+    if let Err(e) = host.program() {
+        let e = undo(host, e);
+        let mut more = Vec::new();
+        if let Err(s) = host.put_lb(&before) {
+            host.set_unsaved();
+            more.push(s);
+        }
+        if let Err(r) = host.program() {
+            more.push(r);
+        }
+        return Err(AgentError::with_more(e, more));
+    }
+    let now = announced(host.lb_state());
+    for addr in now.difference(&announced_before) {
+        host.announce(*addr);
+    }
+    Ok(())
+}
+
+impl LbHost for Agent {
+    fn lb_state(&mut self) -> &mut LbIpam {
+        &mut self.lb
+    }
+
+    fn put_lb(&mut self, state: &LbSnapshot) -> Result<(), AgentError> {
+        Ok(self.store.put_lb(state)?)
+    }
+
+    fn program(&mut self) -> Result<(), AgentError> {
+        self.reconcile_inner().map(drop)
+    }
+
+    fn set_unsaved(&mut self) {
+        self.lb_unsaved = true;
+    }
+
+    fn announce(&mut self, addr: Ipv4Addr) {
+        if let Some(up) = self.uplink.clone()
+            && let Err(e) = crate::arp::announce(up.index, up.mac, addr)
+        {
+            tracing::warn!(error = %e, %addr, "gratuitous ARP failed");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -38,6 +38,7 @@ use crate::netlink::{Netlink, NetlinkError};
 use crate::store::{EndpointMode, EndpointRecord, Store, StoreError};
 
 pub mod delegated;
+pub mod doors;
 pub mod draining;
 pub mod endpoints;
 pub mod lb;
