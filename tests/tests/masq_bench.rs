@@ -1,6 +1,8 @@
 //! `cargo xtask bench masquerade`: lockstep's BPF masquerade beside the
 //! kernel's own (nftables `masquerade`, conntrack), in two identical
-//! [`World`] topologies built side by side, rounds alternating between them.
+//! [`World`] topologies built side by side (and a third without any
+//! translation, its world routing back, as the reference), rounds rotating
+//! between them.
 //! In the nftables world lockstep's programs are not attached. Figures:
 //! TCP throughput (iperf3), TCP connections per second (connect, 16-byte
 //! request, 64-byte reply, close), UDP packets per second (64-byte
@@ -47,14 +49,29 @@ impl Drop for Side {
     }
 }
 
-fn build(name: &'static str, lockstep: bool) -> anyhow::Result<Side> {
+/// What translates on a side.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    /// lockstep's programs and MASQ_CONFIG.
+    Lockstep,
+    /// An nftables masquerade rule (kernel conntrack).
+    Nftables,
+    /// Nothing: the world routes the endpoint back (the reference the two
+    /// are measured against, not a goal).
+    Plain,
+}
+
+fn build(name: &'static str, mode: Mode) -> anyhow::Result<Side> {
     let w = World::new()?;
     let ep = w.plain_endpoint("h1", EP_V4, EP_V6)?;
     // The endpoint's own ephemeral ports: fewer than the masquerade range,
     // so a connection-rate round reuses tuples (as a busy client does)
     // instead of filling the tables with one-off ones.
     ep.sysctl("net.ipv4.ip_local_port_range", "50000 53999")?;
-    let pins = if lockstep {
+    let pins = if mode == Mode::Plain {
+        w.world.ip(["route", "add", EP_V4, "via", NODE_V4])?;
+        None
+    } else if mode == Mode::Lockstep {
         let pins = PinRoot::new();
         let cli = |args: &[&str]| -> anyhow::Result<String> {
             let mut all: Vec<String> = args.iter().map(|s| s.to_string()).collect();
@@ -266,14 +283,17 @@ fn median(v: &mut [f64]) -> f64 {
 #[ignore = "a benchmark: cargo xtask bench masquerade"]
 fn masquerade_bpf_beside_nftables() -> anyhow::Result<()> {
     privileged!();
-    let sides = [build("lockstep", true)?, build("nftables", false)?];
+    let sides = [
+        build("lockstep", Mode::Lockstep)?,
+        build("nftables", Mode::Nftables)?,
+        build("no translation", Mode::Plain)?,
+    ];
     // [side][metric] per round.
-    let mut figures = [[vec![], vec![], vec![]], [vec![], vec![], vec![]]];
-    let mut failed = [0u64; 2];
+    let mut figures: [[Vec<f64>; 3]; 3] = Default::default();
+    let mut failed = [0u64; 3];
     for round in 0..ROUNDS {
-        // Alternate which side goes first, so drift hurts both alike.
-        let order = if round % 2 == 0 { [0, 1] } else { [1, 0] };
-        for i in order {
+        // Rotate which side goes first, so drift hurts all alike.
+        for i in (0..3).map(|k| (k + round) % 3) {
             let side = &sides[i];
             figures[i][0].push(throughput(side)? / 1e9);
             let (cps, f) = connections(side)?;
@@ -292,7 +312,7 @@ fn masquerade_bpf_beside_nftables() -> anyhow::Result<()> {
         .map(|f| [median(&mut f[0]), median(&mut f[1]), median(&mut f[2])])
         .collect();
     println!(
-        "masquerade bench, {ROUNDS} rounds, medians (lockstep BPF | nftables masquerade | ratio):"
+        "masquerade bench, {ROUNDS} rounds, medians (lockstep BPF | nftables masquerade | ratio | no translation, for reference):"
     );
     for (k, (what, unit)) in [
         ("TCP throughput", "Gbit/s"),
@@ -303,15 +323,16 @@ fn masquerade_bpf_beside_nftables() -> anyhow::Result<()> {
     .enumerate()
     {
         println!(
-            "  {what:<16} {:>12.2} {unit:<7} | {:>12.2} {unit:<7} | {:.2}x",
+            "  {what:<16} {:>12.2} {unit:<7} | {:>12.2} {unit:<7} | {:.2}x | {:>12.2}",
             med[0][k],
             med[1][k],
-            med[0][k] / med[1][k]
+            med[0][k] / med[1][k],
+            med[2][k]
         );
     }
     println!(
-        "  failed connection attempts: lockstep {}, nftables {}; rounds: {figures:?}",
-        failed[0], failed[1]
+        "  failed connection attempts: lockstep {}, nftables {}, none {}; rounds: {figures:?}",
+        failed[0], failed[1], failed[2]
     );
     let mut missed = vec![];
     if med[0][0] < med[1][0] {
