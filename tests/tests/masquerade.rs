@@ -95,6 +95,22 @@ fn add_endpoint(agent: &AgentProc) -> anyhow::Result<Endpoint> {
     })
 }
 
+/// The value of the metric `name` (its first series) on the agent's
+/// metrics endpoint (the only TCP listener in the node namespace).
+fn metric(node: &Netns, name: &str) -> anyhow::Result<Option<f64>> {
+    let text = node.exec(
+        "sh",
+        [
+            "-c",
+            "curl -s http://$(ss -ltnH | awk '{print $4}' | head -1)/metrics",
+        ],
+    )?;
+    Ok(text
+        .lines()
+        .find(|l| l.starts_with(name) && !l.starts_with('#'))
+        .and_then(|l| l.split_whitespace().last()?.parse().ok()))
+}
+
 fn start(w: &World, extra: &str) -> anyhow::Result<AgentProc> {
     AgentProc::start(&w.node, &World::agent_config(POOLS, extra))
 }
@@ -371,6 +387,11 @@ fn an_exhausted_port_range_drops_new_flows_until_entries_expire() -> anyhow::Res
         again.insert(from.port());
     }
     ensure!(again == ports, "existing flows changed ports: {again:?}");
+    wait_for(
+        "lockstep_masq_exhausted_total to count the drop",
+        Duration::from_secs(5),
+        || (metric(&w.node, "lockstep_masq_exhausted_total").ok()?? >= 1.0).then_some(()),
+    )?;
     // After the UDP timeout the collector frees the ports: the fifth works.
     srv.set_read_timeout(Some(Duration::from_millis(200)))?;
     let from = wait_for(
@@ -390,6 +411,11 @@ fn an_exhausted_port_range_drops_new_flows_until_entries_expire() -> anyhow::Res
     ensure!(
         from.ip() == node(true) && (62_000..=62_003).contains(&from.port()),
         "after expiry the world saw {from}"
+    );
+    let deleted = metric(&w.node, "lockstep_masq_gc_deleted_total")?;
+    ensure!(
+        deleted.is_some_and(|d| d >= 4.0),
+        "the collector's deletions are not counted: {deleted:?}"
     );
     Ok(())
 }
