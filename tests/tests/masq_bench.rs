@@ -240,9 +240,13 @@ fn udp(side: &Side) -> anyhow::Result<f64> {
     std::thread::scope(|s| -> anyhow::Result<()> {
         s.spawn(|| {
             let mut buf = [0u8; 128];
-            while !stop.load(Ordering::Relaxed) {
+            // Until the senders are done and nothing more arrives for the
+            // read timeout (what was in flight has landed).
+            loop {
                 if srv.recv(&mut buf).is_ok() {
                     received.fetch_add(1, Ordering::Relaxed);
+                } else if stop.load(Ordering::Relaxed) {
+                    break;
                 }
             }
         });
@@ -266,8 +270,6 @@ fn udp(side: &Side) -> anyhow::Result<f64> {
             t.join().map_err(|_| anyhow::anyhow!("sender panicked"))??;
         }
         window = started.elapsed();
-        // What is still in flight arrives within the receiver's timeout.
-        std::thread::sleep(Duration::from_millis(300));
         stop.store(true, Ordering::Relaxed);
         Ok(())
     })?;
