@@ -435,3 +435,97 @@ fn watches_follow_every_change_and_compaction_forces_a_resync() -> anyhow::Resul
         .await
     })
 }
+
+/// `lockstep cluster --etcd URLS ... ARGS`: exit status, stdout, stderr.
+fn cli(eps: &[String], args: &[&str]) -> anyhow::Result<(bool, String, String)> {
+    let out = std::process::Command::new(lockstep_tests::lockstep_bin())
+        .args(["cluster", "--etcd", &eps.join(","), "--prefix", "/cli/"])
+        .args(args)
+        .output()?;
+    Ok((
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    ))
+}
+
+#[test]
+fn the_cluster_cli_applies_pools_lists_blocks_and_nodes_and_removes_nodes() -> anyhow::Result<()> {
+    let cluster = EtcdCluster::start(3)?;
+    let eps = cluster.endpoints();
+    let dir = lockstep_tests::TempDir::new("cluster-cli")?;
+    let file = dir.path().join("pools.toml");
+    std::fs::write(
+        &file,
+        "[[pools]]\nname = \"default\"\nipv4 = [\"10.90.0.0/24\"]\nipv6 = [\"fd00:90::/120\"]\n",
+    )?;
+    let f = file.display().to_string();
+    let (ok, out, err) = cli(&eps, &["pools", "apply", "-f", &f, "-o", "json"])?;
+    ensure!(ok, "apply: {out}{err}");
+    let (ok, out, err) = cli(&eps, &["pools", "get", "-o", "json"])?;
+    ensure!(ok, "get: {err}");
+    let pools: serde_json::Value = serde_json::from_str(&out)?;
+    ensure!(
+        pools[0]["name"] == "default" && pools[0]["ipv4"][0] == "10.90.0.0/24",
+        "{pools}"
+    );
+    // A bad file names what is wrong and changes nothing.
+    std::fs::write(
+        &file,
+        "[[pools]]\nname = \"bad\"\nipv4 = [\"10.90.0.1/24\"]\n",
+    )?;
+    let (ok, out, err) = cli(&eps, &["pools", "apply", "-f", &f])?;
+    ensure!(!ok && err.contains("10.90.0.1/24"), "bad CIDR: {out}{err}");
+    let (_, after, _) = cli(&eps, &["pools", "get", "-o", "json"])?;
+    ensure!(
+        serde_json::from_str::<serde_json::Value>(&after)? == pools,
+        "{after}"
+    );
+
+    let rt = rt()?;
+    rt.block_on(async {
+        let mut d = door(eps.clone(), "/cli/", Duration::from_secs(2)).await?;
+        d.claim_block("default", net("10.90.0.64/26"), "node-a")
+            .await?;
+        d.register_node(
+            &NodeRecord {
+                name: "node-a".into(),
+                ips: vec!["192.0.2.20".parse()?],
+                version: "test".into(),
+                blocks: vec![net("10.90.0.64/26")],
+                in_use: 1,
+                wanted: 2,
+            },
+            Duration::from_secs(30),
+        )
+        .await?;
+        Ok::<_, anyhow::Error>(())
+    })?;
+    let (ok, out, _) = cli(&eps, &["blocks", "-o", "json"])?;
+    let blocks: serde_json::Value = serde_json::from_str(&out)?;
+    ensure!(
+        ok && blocks[0]["cidr"] == "10.90.0.64/26" && blocks[0]["node"] == "node-a",
+        "{blocks}"
+    );
+    let (ok, out, _) = cli(&eps, &["nodes", "-o", "json"])?;
+    let nodes: serde_json::Value = serde_json::from_str(&out)?;
+    ensure!(ok && nodes[0]["node"]["name"] == "node-a", "{nodes}");
+    // Alive: refused, nothing freed; forced: its block is free.
+    let (ok, out, err) = cli(&eps, &["node", "remove", "node-a"])?;
+    ensure!(
+        !ok && err.contains("node-a"),
+        "removing a live node: {out}{err}"
+    );
+    let (_, out, _) = cli(&eps, &["blocks", "-o", "json"])?;
+    ensure!(serde_json::from_str::<serde_json::Value>(&out)? == blocks);
+    let (ok, out, err) = cli(&eps, &["node", "remove", "node-a", "--force"])?;
+    ensure!(
+        ok && out.contains("10.90.0.64/26"),
+        "forced removal: {out}{err}"
+    );
+    let (_, out, _) = cli(&eps, &["blocks", "-o", "json"])?;
+    ensure!(out.trim() == "[]", "blocks left: {out}");
+    let (_, out, _) = cli(&eps, &["nodes", "-o", "json"])?;
+    ensure!(out.trim() == "[]", "node left: {out}");
+    Ok(())
+}

@@ -8,7 +8,8 @@
 //! This file is the dispatcher: the top-level arguments and `run`. Each
 //! command family with arguments or output of its own has a child module:
 //! `datapath` (low-level datapath tooling), `maps` (the maps dump), `lb`
-//! (LoadBalancer IPAM) and `pools` (pools and draining).
+//! (LoadBalancer IPAM), `pools` (pools and draining) and `cluster` (the
+//! cluster's pools, blocks and nodes in etcd).
 
 use std::path::PathBuf;
 
@@ -16,11 +17,13 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 use hyper::Method;
 use serde_json::json;
 
+mod cluster;
 mod datapath;
 mod lb;
 mod maps;
 mod pools;
 
+pub use cluster::{ClusterCommand, EtcdArgs};
 pub use datapath::{AttachModeArg, DatapathCommand, LoadArgs, mac_of, parse_mac};
 pub use lb::{LbCommand, read_lb_file};
 pub use maps::{MapsCommand, dump_maps};
@@ -143,6 +146,15 @@ pub enum Command {
     /// Read the pinned maps.
     #[command(subcommand)]
     Maps(MapsCommand),
+    /// Cluster mode: pools, blocks and nodes in etcd (no agent needed).
+    Cluster {
+        /// Where etcd is.
+        #[command(flatten)]
+        etcd: EtcdArgs,
+        /// What to do.
+        #[command(subcommand)]
+        command: ClusterCommand,
+    },
     /// Operator tools for the store (with the agent stopped).
     #[command(subcommand)]
     Store(StoreCommand),
@@ -389,6 +401,7 @@ pub fn run(cli: Cli) -> anyhow::Result<i32> {
             Ok(0)
         }
         Command::Datapath(cmd) => datapath::run(cmd),
+        Command::Cluster { etcd, command } => cluster::run(etcd, command),
         Command::Store(StoreCommand::ResetLog { state_dir }) => {
             let (moved, applied) = crate::store::Store::reset_log(&state_dir)?;
             match moved {

@@ -448,6 +448,66 @@ impl Door {
     }
 }
 
+impl Door {
+    /// An operator's removal of node `name`: its blocks are deleted (each
+    /// compared on the revision read, in one transaction) so other nodes can
+    /// claim them, and with `force` its node key too. Refused while the
+    /// node's key (its lease) is alive, unless `force` (the core's
+    /// [`check_node_removal`](lockstep_core::cluster::check_node_removal)).
+    /// Returns the blocks freed.
+    ///
+    /// # Errors
+    /// [`ClusterStoreError::Refused`] (alive, no force),
+    /// [`ClusterStoreError::Conflict`] (a block changed meanwhile: nothing
+    /// deleted), or etcd unavailable.
+    pub async fn remove_node(
+        &mut self,
+        name: &str,
+        force: bool,
+    ) -> Result<Vec<Block>, ClusterStoreError> {
+        use lockstep_core::cluster::{NodeLease, check_node_removal};
+        let alive = self.nodes().await?.iter().any(|n| n.record.name == name);
+        let lease = if alive {
+            NodeLease::Alive
+        } else {
+            NodeLease::GoneSince(0)
+        };
+        check_node_removal(name, lease, force)?;
+        let (blocks, _) = self.blocks().await?;
+        let freed: Vec<Block> = blocks.into_iter().filter(|b| b.node == name).collect();
+        let mut guards = Vec::new();
+        let mut ops = Vec::new();
+        for b in &freed {
+            let key = self.block_key(&b.pool, b.cidr);
+            guards.push(Compare::mod_revision(
+                key.clone(),
+                CompareOp::Equal,
+                b.revision,
+            ));
+            ops.push(TxnOp::delete(key, None));
+        }
+        if force {
+            ops.push(TxnOp::delete(self.key(&format!("nodes/{name}")), None));
+        }
+        if ops.is_empty() {
+            return Ok(freed);
+        }
+        let mut client = self.client.clone();
+        let what = format!("remove node {name}");
+        let resp = self
+            .bounded(
+                &what,
+                true,
+                client.txn(Txn::new().when(guards).and_then(ops)),
+            )
+            .await?;
+        if !resp.succeeded() {
+            return Err(ClusterStoreError::Conflict { what });
+        }
+        Ok(freed)
+    }
+}
+
 fn parse_block(
     prefix: &str,
     key: &str,

@@ -1,0 +1,205 @@
+//! `lockstep cluster ...`: the cluster's pools, blocks and nodes, read and
+//! changed in etcd through the cluster door (no agent needed).
+//!
+//! Kept apart so the dispatcher only routes: the etcd connection, the apply
+//! file and the text layout live here.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::{Args, Subcommand};
+use lockstep_core::cluster::ClusterPoolSpec;
+use serde::Deserialize;
+use serde_json::json;
+
+use super::{Output, print};
+use crate::cluster::{Door, DoorOptions};
+
+/// Where etcd is.
+#[derive(Debug, Args)]
+pub struct EtcdArgs {
+    /// etcd client URLs (repeat, or comma-separated).
+    #[arg(long, required = true, value_delimiter = ',')]
+    pub etcd: Vec<String>,
+    /// Key prefix.
+    #[arg(long, default_value = "/lockstep/v1/")]
+    pub prefix: String,
+    /// Bound on each etcd request.
+    #[arg(long, default_value = "2s", value_parser = humantime_serde::re::humantime::parse_duration)]
+    pub timeout: Duration,
+}
+
+/// `lockstep cluster ...`.
+#[derive(Debug, Subcommand)]
+pub enum ClusterCommand {
+    /// Cluster pools.
+    #[command(subcommand)]
+    Pools(PoolsCommand),
+    /// Claimed blocks and their nodes.
+    Blocks {
+        /// Output format.
+        #[arg(long, short, value_enum, default_value_t)]
+        output: Output,
+    },
+    /// Live (registered) nodes.
+    Nodes {
+        /// Output format.
+        #[arg(long, short, value_enum, default_value_t)]
+        output: Output,
+    },
+    /// One node.
+    #[command(subcommand)]
+    Node(NodeCommand),
+}
+
+/// `lockstep cluster pools ...`.
+#[derive(Debug, Subcommand)]
+pub enum PoolsCommand {
+    /// Replace the cluster pools by the file's `pools` list (JSON, or TOML
+    /// when the name ends in `.toml`): validated, refused if it overlaps or
+    /// takes a CIDR with claimed blocks away, written in one guarded
+    /// transaction.
+    Apply {
+        /// The file (`-` for stdin).
+        #[arg(long, short)]
+        file: PathBuf,
+        /// Output format.
+        #[arg(long, short, value_enum, default_value_t)]
+        output: Output,
+    },
+    /// The cluster pools.
+    Get {
+        /// Output format.
+        #[arg(long, short, value_enum, default_value_t)]
+        output: Output,
+    },
+}
+
+/// `lockstep cluster node ...`.
+#[derive(Debug, Subcommand)]
+pub enum NodeCommand {
+    /// Free a node's blocks for others to claim; refused while the node is
+    /// alive (its lease holds) unless `--force`.
+    Remove {
+        /// The node's name.
+        name: String,
+        /// Remove it even though its lease is alive (and its key with it).
+        #[arg(long)]
+        force: bool,
+    },
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PoolsFile {
+    pools: Vec<ClusterPoolSpec>,
+}
+
+fn read_pools(path: &std::path::Path) -> anyhow::Result<Vec<ClusterPoolSpec>> {
+    let text = if path == std::path::Path::new("-") {
+        std::io::read_to_string(std::io::stdin())?
+    } else {
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?
+    };
+    let file: PoolsFile = if path.extension().is_some_and(|e| e == "toml") {
+        toml::from_str(&text).with_context(|| format!("{} is not a pools file", path.display()))?
+    } else {
+        serde_json::from_str(&text)
+            .with_context(|| format!("{} is not a pools file", path.display()))?
+    };
+    Ok(file.pools)
+}
+
+/// Runs a `cluster` command; returns the exit code.
+///
+/// # Errors
+/// etcd unavailable, a refused change, an unreadable file.
+pub fn run(etcd: EtcdArgs, cmd: ClusterCommand) -> anyhow::Result<i32> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    rt.block_on(async move {
+        let mut opts = DoorOptions::new(etcd.etcd);
+        opts.prefix = etcd.prefix;
+        opts.timeout = etcd.timeout;
+        let mut door = Door::connect(opts).await?;
+        match cmd {
+            ClusterCommand::Pools(PoolsCommand::Apply { file, output }) => {
+                let pools = read_pools(&file)?;
+                let revision = door.apply_pools(&pools).await?;
+                let names: Vec<&str> = pools.iter().map(|p| p.name.as_str()).collect();
+                print(
+                    &json!({"applied": names, "revision": revision}),
+                    output,
+                    |v| format!("applied {} at revision {}", v["applied"], v["revision"]),
+                );
+            }
+            ClusterCommand::Pools(PoolsCommand::Get { output }) => {
+                let (pools, _, _) = door.pools().await?;
+                print(&serde_json::to_value(&pools)?, output, |_| {
+                    pools
+                        .iter()
+                        .map(|p| {
+                            let cidrs: Vec<String> = p.cidrs().map(|c| c.to_string()).collect();
+                            format!(
+                                "{}\t{}\tblocks /{} /{}",
+                                p.name,
+                                cidrs.join(","),
+                                p.block_v4,
+                                p.block_v6
+                            )
+                        })
+                        .collect::<Vec<_>>()
+                        .join("\n")
+                });
+            }
+            ClusterCommand::Blocks { output } => {
+                let (blocks, _) = door.blocks().await?;
+                let v: Vec<_> = blocks
+                    .iter()
+                    .map(|b| json!({"pool": b.pool, "cidr": b.cidr, "node": b.node, "revision": b.revision}))
+                    .collect();
+                print(&json!(v), output, |_| {
+                    blocks
+                        .iter()
+                        .map(|b| format!("{}\t{}\t{}", b.pool, b.cidr, b.node))
+                        .collect::<Vec<_>>()
+                        .join("\n")
+                });
+            }
+            ClusterCommand::Nodes { output } => {
+                let nodes = door.nodes().await?;
+                let v: Vec<_> = nodes
+                    .iter()
+                    .map(|n| json!({"node": n.record, "lease": n.lease}))
+                    .collect();
+                print(&json!(v), output, |_| {
+                    nodes
+                        .iter()
+                        .map(|n| {
+                            let ips: Vec<String> =
+                                n.record.ips.iter().map(ToString::to_string).collect();
+                            format!(
+                                "{}\t{}\t{} blocks\t{} in use",
+                                n.record.name,
+                                ips.join(","),
+                                n.record.blocks.len(),
+                                n.record.in_use
+                            )
+                        })
+                        .collect::<Vec<_>>()
+                        .join("\n")
+                });
+            }
+            ClusterCommand::Node(NodeCommand::Remove { name, force }) => {
+                let freed = door.remove_node(&name, force).await?;
+                for b in &freed {
+                    println!("freed {} ({}) of {name}", b.cidr, b.pool);
+                }
+                println!("node {name} removed: {} block(s) freed", freed.len());
+            }
+        }
+        Ok(0)
+    })
+}
