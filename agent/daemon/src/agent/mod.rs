@@ -37,6 +37,7 @@ use crate::datapath::{
 use crate::netlink::{Netlink, NetlinkError};
 use crate::store::{EndpointMode, EndpointRecord, Store, StoreError};
 
+pub mod allocation;
 pub mod delegated;
 pub mod doors;
 pub mod draining;
