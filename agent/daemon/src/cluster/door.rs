@@ -5,7 +5,8 @@ use std::future::Future;
 use std::time::Duration;
 
 use etcd_client::{
-    Client, Compare, CompareOp, ConnectOptions, GetOptions, PutOptions, Txn, TxnOp, TxnOpResponse,
+    Client, Compare, CompareOp, ConnectOptions, GetOptions, GetResponse, PutOptions, Txn, TxnOp,
+    TxnOpResponse,
 };
 use ipnet::IpNet;
 use lockstep_core::cluster::{ClusterPoolSpec, check_apply};
@@ -116,6 +117,20 @@ impl Door {
         }
     }
 
+    /// Every key under `prefix/` (one read), and the store revision of it.
+    async fn list(&self, what: &str, rest: &str) -> Result<(GetResponse, i64), ClusterStoreError> {
+        let mut client = self.client.clone();
+        let resp = self
+            .bounded(
+                what,
+                false,
+                client.get(self.key(rest), Some(GetOptions::new().with_prefix())),
+            )
+            .await?;
+        let revision = resp.header().map_or(0, |h| h.revision());
+        Ok((resp, revision))
+    }
+
     /// Every cluster pool, with each key's mod revision, and the store
     /// revision of the read.
     ///
@@ -124,16 +139,7 @@ impl Door {
     pub async fn pools(
         &mut self,
     ) -> Result<(Vec<ClusterPoolSpec>, BTreeMap<String, i64>, i64), ClusterStoreError> {
-        let prefix = self.key("pools/");
-        let mut client = self.client.clone();
-        let resp = self
-            .bounded(
-                "read pools",
-                false,
-                client.get(prefix.clone(), Some(GetOptions::new().with_prefix())),
-            )
-            .await?;
-        let revision = resp.header().map_or(0, |h| h.revision());
+        let (resp, revision) = self.list("read pools", "pools/").await?;
         let mut specs = Vec::new();
         let mut revisions = BTreeMap::new();
         for kv in resp.kvs() {
@@ -219,15 +225,7 @@ impl Door {
     /// etcd unavailable, or a block key or value unreadable.
     pub async fn blocks(&mut self) -> Result<(Vec<Block>, i64), ClusterStoreError> {
         let prefix = self.key("blocks/");
-        let mut client = self.client.clone();
-        let resp = self
-            .bounded(
-                "read blocks",
-                false,
-                client.get(prefix.clone(), Some(GetOptions::new().with_prefix())),
-            )
-            .await?;
-        let revision = resp.header().map_or(0, |h| h.revision());
+        let (resp, revision) = self.list("read blocks", "blocks/").await?;
         let mut out = Vec::new();
         for kv in resp.kvs() {
             let key = String::from_utf8_lossy(kv.key()).into_owned();
@@ -422,15 +420,7 @@ impl Door {
     /// # Errors
     /// etcd unavailable, or a node record unreadable.
     pub async fn nodes(&mut self) -> Result<Vec<Node>, ClusterStoreError> {
-        let prefix = self.key("nodes/");
-        let mut client = self.client.clone();
-        let resp = self
-            .bounded(
-                "read nodes",
-                false,
-                client.get(prefix, Some(GetOptions::new().with_prefix())),
-            )
-            .await?;
+        let (resp, _) = self.list("read nodes", "nodes/").await?;
         resp.kvs()
             .iter()
             .map(|kv| {
