@@ -131,6 +131,19 @@ pub fn ipcache_map(prefix: IpNet) -> &'static str {
     }
 }
 
+/// The host side of an endpoint's interfaces, as an ADD's undo needs it:
+/// detach the endpoint program and delete the veth. (Making them stays with
+/// `endpoints::build_interfaces`, outside the agent lock; the netlink,
+/// ioctl and namespace work itself lives in `netlink`.)
+pub trait LinkDoor {
+    /// Detaches the endpoint program from, and deletes, host veth `name`
+    /// (index `ifindex`); already gone is fine. Both steps are tried.
+    ///
+    /// # Errors
+    /// Every step that failed.
+    fn remove_host(&mut self, name: &str, ifindex: u32) -> Result<(), super::AgentError>;
+}
+
 /// The store's commits the agent makes (each one fsync'd transaction).
 pub trait StoreDoor: ReleaseStore {
     /// Records one allocation and raises the generation high-water mark.

@@ -40,6 +40,7 @@ use crate::store::{EndpointMode, EndpointRecord, Store, StoreError};
 pub mod allocation;
 pub mod delegated;
 pub mod doors;
+pub mod endpoint_effects;
 pub mod draining;
 pub mod endpoints;
 pub mod lb;

@@ -192,6 +192,29 @@ impl MapDoor for MapDouble {
     }
 }
 
+/// Host interfaces in memory: the veths an ADD made, by name.
+#[derive(Debug, Default)]
+pub(crate) struct LinkDouble {
+    /// Host veths that exist: name → index.
+    pub(crate) hosts: BTreeMap<String, u32>,
+    /// Which calls fail (`"remove_host"`).
+    pub(crate) faults: Faults,
+}
+
+impl super::LinkDoor for LinkDouble {
+    fn remove_host(&mut self, name: &str, ifindex: u32) -> Result<(), crate::agent::AgentError> {
+        if self.faults.hit("remove_host") {
+            return Err(crate::agent::AgentError::Datapath(DatapathError::LinkPin {
+                action: "remove",
+                path: format!("/sys/fs/bpf/lockstep/links/{ifindex}").into(),
+                source: Box::new(std::io::Error::from_raw_os_error(libc::EBUSY)),
+            }));
+        }
+        self.hosts.remove(name);
+        Ok(())
+    }
+}
+
 /// The real store in a temporary directory (removed on drop), whose commits
 /// can be made to fail: a refused commit writes nothing, as the real
 /// store's failed fsync.
