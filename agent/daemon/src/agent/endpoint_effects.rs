@@ -70,7 +70,7 @@ impl<P: PoolSource, S: StoreDoor, M: MapDoor, L: LinkDoor> EndpointEffects<'_, P
     }
 
     /// ADD after its interfaces: `interfaces` is their outcome (on failure,
-    /// the host veth made before it, if any); `record` carries the
+    /// the host veth made before it, by name and index, if any); `record` carries the
     /// interfaces' names and MACs. Commits the record with `allocated`
     /// (held in the core, not stored yet), then programs IPCACHE and
     /// ENDPOINTS.
@@ -83,12 +83,11 @@ impl<P: PoolSource, S: StoreDoor, M: MapDoor, L: LinkDoor> EndpointEffects<'_, P
         &mut self,
         record: &EndpointRecord,
         allocated: &[Allocation],
-        interfaces: Result<(), (AgentError, Option<u32>)>,
+        interfaces: Result<(), (AgentError, Option<(String, u32)>)>,
     ) -> Result<(), AgentError> {
         if let Err((e, made)) = interfaces {
             let mut more = Vec::new();
-            let name = record.host_ifname.as_deref();
-            self.remove_host(name.zip(made), &mut more);
+            self.remove_host(made.as_ref().map(|(n, i)| (n.as_str(), *i)), &mut more);
             // Nothing was committed: the core alone held them.
             more.extend(release_core(self.core, allocated));
             return Err(AgentError::with_more(e, more));

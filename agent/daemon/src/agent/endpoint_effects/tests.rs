@@ -167,10 +167,16 @@ fn an_ipam_add_programs_ipcache_without_ifindex_and_no_endpoint() {
 #[test]
 fn failed_interfaces_remove_the_veth_made_and_release_the_core() {
     let mut rig = Rig::new();
-    let (record, allocated) = rig.prepare("c1", EndpointMode::Full);
+    let (mut record, allocated) = rig.prepare("c1", EndpointMode::Full);
+    // The interfaces failed: the record never learnt the veth's name.
+    record.host_ifname = None;
     let e = rig
         .fx()
-        .finish_add(&record, &allocated, Err((interface_error(), Some(IFINDEX))))
+        .finish_add(
+            &record,
+            &allocated,
+            Err((interface_error(), Some((HOST.into(), IFINDEX)))),
+        )
         .expect_err("failed");
     assert_eq!(
         e.to_string(),
@@ -187,11 +193,17 @@ fn failed_interfaces_remove_the_veth_made_and_release_the_core() {
 #[test]
 fn failed_interfaces_whose_veth_cannot_be_removed_report_both() {
     let mut rig = Rig::new();
-    let (record, allocated) = rig.prepare("c1", EndpointMode::Full);
+    let (mut record, allocated) = rig.prepare("c1", EndpointMode::Full);
+    // The interfaces failed: the record never learnt the veth's name.
+    record.host_ifname = None;
     rig.links.faults.fail_next("remove_host");
     let e = rig
         .fx()
-        .finish_add(&record, &allocated, Err((interface_error(), Some(IFINDEX))))
+        .finish_add(
+            &record,
+            &allocated,
+            Err((interface_error(), Some((HOST.into(), IFINDEX)))),
+        )
         .expect_err("failed");
     let errors = several(&e);
     assert_eq!(errors.len(), 2);
