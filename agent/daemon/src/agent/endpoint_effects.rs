@@ -120,8 +120,7 @@ impl<P: PoolSource, S: StoreDoor, M: MapDoor, L: LinkDoor> EndpointEffects<'_, P
         Ok(())
     }
 
-    /// Writes the endpoint's IPCACHE host entries (a full endpoint's carry
-    /// its host ifindex, as the planner has them) and its ENDPOINTS entry.
+    /// [`program`] through these doors.
     ///
     /// # Errors
     /// The first write that failed.
@@ -130,47 +129,16 @@ impl<P: PoolSource, S: StoreDoor, M: MapDoor, L: LinkDoor> EndpointEffects<'_, P
         record: &EndpointRecord,
         allocated: &[Allocation],
     ) -> Result<(), AgentError> {
-        let ifindex = match record.mode {
-            EndpointMode::Full => record.host_ifindex,
-            EndpointMode::Ipam => 0,
-        };
-        for a in allocated {
-            let Some(mut value) = value_for(a) else {
-                continue;
-            };
-            value.ifindex = ifindex;
-            self.maps
-                .ipcache_insert(a.address.into(), value)
-                .map_err(|e| datapath_error(e, self.capacity))?;
-        }
-        if record.mode == EndpointMode::Full {
-            let generation = allocated.iter().map(|a| a.generation.0).max().unwrap_or(0);
-            self.maps
-                .endpoint_insert(record.host_ifindex, &endpoint_value(record, generation))
-                .map_err(|e| datapath_error(e, self.capacity))?;
-        }
-        Ok(())
+        program(self.maps, self.capacity, record, allocated)
     }
 
-    /// Removes the endpoint's map entries; every entry is tried.
-    /// Returns what failed.
+    /// [`unprogram`] through these doors.
     pub fn unprogram(
         &mut self,
         record: &EndpointRecord,
         allocated: &[Allocation],
     ) -> Vec<AgentError> {
-        let mut errors = Vec::new();
-        if record.mode == EndpointMode::Full
-            && let Err(e) = self.maps.endpoint_remove(record.host_ifindex)
-        {
-            errors.push(AgentError::Datapath(e));
-        }
-        for a in allocated {
-            if let Err(e) = super::allocation::unprogram(self.maps, a) {
-                errors.push(e);
-            }
-        }
-        errors
+        unprogram(self.maps, record, allocated)
     }
 
     /// DEL of an endpoint whose addresses go at once (IPAM mode, or no
@@ -204,6 +172,59 @@ impl<P: PoolSource, S: StoreDoor, M: MapDoor, L: LinkDoor> EndpointEffects<'_, P
         }
         Ok(())
     }
+}
+
+/// Writes an endpoint's IPCACHE host entries (a full endpoint's carry its
+/// host ifindex, as the planner has them: written without it, `verify`
+/// would report every new endpoint as drift) and its ENDPOINTS entry.
+///
+/// # Errors
+/// The first write that failed ([`AgentError::MapFull`] for a full map).
+pub fn program(
+    maps: &mut impl MapDoor,
+    capacity: u32,
+    record: &EndpointRecord,
+    allocated: &[Allocation],
+) -> Result<(), AgentError> {
+    let ifindex = match record.mode {
+        EndpointMode::Full => record.host_ifindex,
+        EndpointMode::Ipam => 0,
+    };
+    for a in allocated {
+        let Some(mut value) = value_for(a) else {
+            continue;
+        };
+        value.ifindex = ifindex;
+        maps.ipcache_insert(a.address.into(), value)
+            .map_err(|e| datapath_error(e, capacity))?;
+    }
+    if record.mode == EndpointMode::Full {
+        let generation = allocated.iter().map(|a| a.generation.0).max().unwrap_or(0);
+        maps.endpoint_insert(record.host_ifindex, &endpoint_value(record, generation))
+            .map_err(|e| datapath_error(e, capacity))?;
+    }
+    Ok(())
+}
+
+/// Removes an endpoint's map entries (the program's link and the veth go
+/// with the interfaces); every entry is tried. Returns what failed.
+pub fn unprogram(
+    maps: &mut impl MapDoor,
+    record: &EndpointRecord,
+    allocated: &[Allocation],
+) -> Vec<AgentError> {
+    let mut errors = Vec::new();
+    if record.mode == EndpointMode::Full
+        && let Err(e) = maps.endpoint_remove(record.host_ifindex)
+    {
+        errors.push(AgentError::Datapath(e));
+    }
+    for a in allocated {
+        if let Err(e) = super::allocation::unprogram(maps, a) {
+            errors.push(e);
+        }
+    }
+    errors
 }
 
 #[cfg(test)]
