@@ -331,6 +331,17 @@ fn masquerade_bpf_beside_nftables() -> anyhow::Result<()> {
             med[0][k] / med[1][k],
             med[2][k]
         );
+        // The best round of each side: on a shared machine the least
+        // disturbed one (the rounds are sorted by median()).
+        let best = |i: usize| figures[i][k].last().copied().unwrap_or(f64::NAN);
+        println!(
+            "  {:<16} {:>12.2} {unit:<7} | {:>12.2} {unit:<7} | {:.2}x | {:>12.2}   (best round)",
+            "",
+            best(0),
+            best(1),
+            best(0) / best(1),
+            best(2)
+        );
     }
     println!(
         "  failed connection attempts: lockstep {}, nftables {}, none {}; rounds: {figures:?}",
