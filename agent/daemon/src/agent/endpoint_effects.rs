@@ -144,7 +144,9 @@ impl<P: PoolSource, S: StoreDoor, M: MapDoor, L: LinkDoor> EndpointEffects<'_, P
     /// DEL of an endpoint whose addresses go at once (IPAM mode, or no
     /// record): unprograms every entry, and only if all went, removes the
     /// record and allocations from the store, then releases them in the
-    /// core. No map entry outlives its allocation.
+    /// core. No map entry outlives its allocation. Returns the core's
+    /// faults (it did not hold what the store let go): reported, not a
+    /// reason to fail the DEL.
     ///
     /// # Errors
     /// Every entry that could not be removed (nothing is committed then, a
@@ -155,7 +157,7 @@ impl<P: PoolSource, S: StoreDoor, M: MapDoor, L: LinkDoor> EndpointEffects<'_, P
         key: &str,
         record: Option<&EndpointRecord>,
         allocated: &[Allocation],
-    ) -> Result<(), AgentError> {
+    ) -> Result<Vec<AgentError>, AgentError> {
         let unprogrammed = match record {
             Some(r) => self.unprogram(r, allocated),
             None => allocated
@@ -165,12 +167,7 @@ impl<P: PoolSource, S: StoreDoor, M: MapDoor, L: LinkDoor> EndpointEffects<'_, P
         };
         AgentError::all(unprogrammed)?;
         self.store.remove_endpoint(record.map(|_| key), allocated)?;
-        // The store let go; a core that did not hold them is a fault to
-        // report, not a reason to fail the DEL.
-        if let Err(e) = AgentError::all(release_core(self.core, allocated)) {
-            tracing::error!(error = %crate::error_chain(&e), "the core did not hold what DEL released");
-        }
-        Ok(())
+        Ok(release_core(self.core, allocated))
     }
 }
 

@@ -346,9 +346,11 @@ fn every_undo_failure_is_collected_after_the_cause() {
 fn a_del_unprograms_removes_and_releases() {
     let mut rig = Rig::new();
     let (record, allocated) = rig.added("c1");
-    rig.fx()
+    let faults = rig
+        .fx()
         .del(&record.key(), Some(&record), &allocated)
         .expect("deleted");
+    assert!(faults.is_empty());
     assert!(rig.nothing_held());
     assert!(rig.maps.ipcache.is_empty());
     assert!(rig.maps.endpoints.is_empty());
@@ -414,8 +416,29 @@ fn a_del_without_record_releases_the_owner_allocations() {
     let (record, allocated) = rig.added("c1");
     // A record lost (an older agent stored allocations only).
     let key = record.key();
-    rig.fx().del(&key, None, &allocated).expect("deleted");
+    let faults = rig.fx().del(&key, None, &allocated).expect("deleted");
+    assert!(faults.is_empty());
     assert!(rig.nothing_held());
     assert!(rig.maps.ipcache.is_empty());
     assert!(rig.store.load().allocations.is_empty());
+}
+
+#[test]
+fn a_del_of_what_the_core_does_not_hold_reports_the_fault_and_goes_on() {
+    let mut rig = Rig::new();
+    let (record, allocated) = rig.added("c1");
+    // The core lost them (a fault); the store and maps still had them.
+    for a in &allocated {
+        rig.core
+            .release(&a.pool, a.family(), &a.owner, a.generation)
+            .expect("held");
+    }
+    let faults = rig
+        .fx()
+        .del(&record.key(), Some(&record), &allocated)
+        .expect("the DEL goes on");
+    assert_eq!(faults.len(), 2, "{faults:?}");
+    assert!(faults.iter().all(|f| f.code() == "not_found"));
+    assert!(rig.store.load().endpoints.is_empty());
+    assert!(rig.maps.ipcache.is_empty());
 }
