@@ -39,11 +39,7 @@ pub fn datapath_error(e: DatapathError, capacity: u32) -> AgentError {
 ///
 /// # Errors
 /// The write failed ([`AgentError::MapFull`] when the map is full).
-pub fn program(
-    maps: &mut impl MapDoor,
-    a: &Allocation,
-    capacity: u32,
-) -> Result<(), AgentError> {
+pub fn program(maps: &mut impl MapDoor, a: &Allocation, capacity: u32) -> Result<(), AgentError> {
     let Some(value) = value_for(a) else {
         return Ok(());
     };

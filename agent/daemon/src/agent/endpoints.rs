@@ -14,13 +14,15 @@ use std::collections::BTreeSet;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use ipnet::IpNet;
-use lockstep_common::{EndpointValue, endpoint_flags, map_names, program_names};
+use lockstep_common::{EndpointValue, endpoint_flags, program_names};
 use lockstep_core::cidr::Family;
 use lockstep_core::manager::Allocation;
 use lockstep_core::owner::Owner;
 
 use std::sync::Mutex;
 
+use super::doors::LinkDoor;
+use super::endpoint_effects::EndpointEffects;
 use super::{Agent, AgentError};
 use crate::datapath::Hook;
 use crate::datapath::ProgramPin;
@@ -124,6 +126,24 @@ pub enum AddBegin {
     Done(Box<EndpointReply>),
     /// Interfaces to make outside the lock, then [`Agent::endpoint_add_finish`].
     Interfaces(Box<PreparedAdd>),
+}
+
+/// The host interfaces through the kernel: an ADD's undo detaches the
+/// endpoint program and deletes the veth ([`DelCleanup::run`]).
+struct KernelLinks {
+    attach: Option<ProgramPin>,
+}
+
+impl LinkDoor for KernelLinks {
+    fn remove_host(&mut self, name: &str, ifindex: u32) -> Result<(), AgentError> {
+        DelCleanup {
+            host: Some((name.to_string(), ifindex)),
+            attach: self.attach.clone(),
+            orphan: None,
+            orphan_guard: None,
+        }
+        .run()
+    }
 }
 
 /// Kernel work left after DEL committed: detach the program, delete the veth.
@@ -744,6 +764,11 @@ impl Agent {
             mac: [0; 6],
             releasing: false,
         };
+        // Local IPAM: [`EndpointEffects::finish_add`]. What follows is the
+        // delegated plugin's attachment.
+        let Some(d) = delegated else {
+            return self.finish_add_local(req, key, record, allocated, attach, made);
+        };
         let undo_interfaces = |host: Option<(String, u32)>| DelCleanup {
             host,
             attach: attach.clone(),
@@ -765,7 +790,7 @@ impl Agent {
                     let mut more: Vec<AgentError> =
                         undo_interfaces(host).run().err().into_iter().collect();
                     // Nothing was committed: the core alone held them.
-                    more.extend(self.undo_allocated(&allocated, delegated.as_ref()));
+                    more.extend(self.undo_allocated(&allocated, Some(&d)));
                     let e = AgentError::with_more(f.error, more);
                     self.note_error(&e);
                     return Err(e);
@@ -773,60 +798,83 @@ impl Agent {
             }
         }
         let made_host = record.host_ifname.clone().map(|n| (n, record.host_ifindex));
-        let committed = match &delegated {
-            Some(d) => self.store.put_delegated(d, Some(&record)),
-            None => self
-                .store
-                .put_endpoint(Some(&record), &allocated, self.manager.generation()),
-        };
-        if let Err(e) = committed {
+        if let Err(e) = self.store.put_delegated(&d, Some(&record)) {
             let mut more: Vec<AgentError> =
                 undo_interfaces(made_host).run().err().into_iter().collect();
-            more.extend(self.undo_allocated(&allocated, delegated.as_ref()));
+            more.extend(self.undo_allocated(&allocated, Some(&d)));
             let e = AgentError::with_more(e.into(), more);
             self.note_error(&e);
             return Err(e);
         }
         self.endpoints.insert(key.clone(), record.clone());
-        if let Some(d) = &delegated {
-            self.delegated.insert(key.clone(), d.clone());
-        }
+        self.delegated.insert(key.clone(), d.clone());
         if let Err(e) = self.program_endpoint(&record, &allocated) {
             // Every undo step is tried; each failure is reported with the
-            // cause. Core and store never part silently: a removal the
-            // store refuses keeps the addresses held (parked, see
-            // `release`) until it accepts it.
+            // cause.
             let mut more = self.unprogram_endpoint(&record, &allocated);
             self.endpoints.remove(&key);
             if let Err(c) = undo_interfaces(made_host).run() {
                 more.push(c);
             }
-            match &delegated {
-                Some(d) => match self.store.remove_delegated(&key) {
-                    Ok(()) => {
-                        self.delegated.remove(&key);
-                        self.delegated_undo(d);
-                    }
-                    // Stored, and the plugin keeps the address: the DEL a
-                    // runtime sends after a failed ADD releases both.
-                    Err(s) => more.push(s.into()),
-                },
-                None => {
-                    if let Err(s) = self.parked.release(
-                        key.clone(),
-                        Some(key.clone()),
-                        allocated.clone(),
-                        &self.store,
-                        &mut self.manager,
-                    ) {
-                        more.push(s.into());
-                    }
+            match self.store.remove_delegated(&key) {
+                Ok(()) => {
+                    self.delegated.remove(&key);
+                    self.delegated_undo(&d);
                 }
+                // Stored, and the plugin keeps the address: the DEL a
+                // runtime sends after a failed ADD releases both.
+                Err(s) => more.push(s.into()),
             }
             let e = AgentError::with_more(e, more);
             self.note_error(&e);
             return Err(e);
         }
+        Ok(self.reply(record))
+    }
+
+    /// [`Agent::endpoint_add_finish`] of a local-IPAM attachment: commit →
+    /// program, every undo step tried and reported
+    /// ([`EndpointEffects::finish_add`]).
+    fn finish_add_local(
+        &mut self,
+        req: EndpointRequest,
+        key: String,
+        mut record: EndpointRecord,
+        allocated: Vec<Allocation>,
+        attach: Option<ProgramPin>,
+        made: Result<Interfaces, InterfaceFailure>,
+    ) -> Result<EndpointReply, AgentError> {
+        let interfaces = match made {
+            _ if req.mode != EndpointMode::Full => Ok(()),
+            Ok(i) => {
+                record.host_ifname = Some(i.host_ifname);
+                record.host_ifindex = i.host_ifindex;
+                record.host_mac = i.host_mac;
+                record.mac = i.mac;
+                Ok(())
+            }
+            Err(f) => Err((
+                f.error,
+                f.host_ifindex
+                    .map(|i| (host_ifname(&req.container_id, &req.ifname), i)),
+            )),
+        };
+        let mut links = KernelLinks { attach };
+        let capacity = self.config.datapath.ipcache_max_entries;
+        let done = EndpointEffects {
+            core: &mut self.manager,
+            store: &self.store,
+            maps: &mut self.maps,
+            links: &mut links,
+            parked: &mut self.parked,
+            capacity,
+        }
+        .finish_add(&record, &allocated, interfaces);
+        if let Err(e) = done {
+            self.note_error(&e);
+            return Err(e);
+        }
+        self.endpoints.insert(key, record.clone());
         Ok(self.reply(record))
     }
 
@@ -849,15 +897,7 @@ impl Agent {
     /// Releases `allocated` in the core, every one tried; the failures (the
     /// core did not hold what it was asked to release) are returned.
     fn release_core(&mut self, allocated: &[Allocation]) -> Vec<AgentError> {
-        allocated
-            .iter()
-            .filter_map(|a| {
-                self.manager
-                    .release(&a.pool, a.family(), &a.owner, a.generation)
-                    .err()
-                    .map(AgentError::from)
-            })
-            .collect()
+        super::endpoint_effects::release_core(&mut self.manager, allocated)
     }
 
     fn reply(&self, record: EndpointRecord) -> EndpointReply {
@@ -905,49 +945,12 @@ impl Agent {
         record: &EndpointRecord,
         allocated: &[Allocation],
     ) -> Result<(), AgentError> {
-        let ifindex = match record.mode {
-            EndpointMode::Full => record.host_ifindex,
-            EndpointMode::Ipam => 0,
-        };
-        for a in allocated {
-            self.program_address(a, ifindex)?;
-        }
-        if record.mode == EndpointMode::Full {
-            let generation = allocated.iter().map(|a| a.generation.0).max().unwrap_or(0);
-            self.maps
-                .endpoint_insert(record.host_ifindex, &endpoint_value(record, generation))?;
-        }
-        Ok(())
-    }
-
-    /// Writes an endpoint address's IPCACHE host entry as the plan has it
-    /// (`desired`): a full endpoint's value carries its host-side ifindex.
-    /// Written without it, `verify` reports every new endpoint as drift and
-    /// the next reconcile "repairs" it.
-    fn program_address(&mut self, a: &Allocation, ifindex: u32) -> Result<(), AgentError> {
-        let Some(mut value) = Self::value_for(a) else {
-            return Ok(());
-        };
-        value.ifindex = ifindex;
-        let map = match a.address {
-            IpAddr::V4(_) => map_names::IPCACHE_HOST_V4,
-            IpAddr::V6(_) => map_names::IPCACHE_HOST_V6,
-        };
-        match self.maps.ipcache_insert(IpNet::from(a.address), value) {
-            Ok(()) => Ok(()),
-            Err(aya::maps::MapError::SyscallError(e))
-                if e.io_error.raw_os_error() == Some(libc::E2BIG) =>
-            {
-                Err(AgentError::MapFull {
-                    map,
-                    capacity: self.config.datapath.ipcache_max_entries,
-                })
-            }
-            Err(e) => Err(AgentError::Program {
-                map,
-                source: Box::new(e),
-            }),
-        }
+        super::endpoint_effects::program(
+            &mut self.maps,
+            self.config.datapath.ipcache_max_entries,
+            record,
+            allocated,
+        )
     }
 
     /// Removes an endpoint's map entries (the program's link and the veth go
@@ -957,18 +960,7 @@ impl Agent {
         record: &EndpointRecord,
         allocated: &[Allocation],
     ) -> Vec<AgentError> {
-        let mut errors = Vec::new();
-        if record.mode == EndpointMode::Full
-            && let Err(e) = self.maps.endpoint_remove(record.host_ifindex)
-        {
-            errors.push(e.into());
-        }
-        for a in allocated {
-            if let Err(e) = self.unprogram(a) {
-                errors.push(e);
-            }
-        }
-        errors
+        super::endpoint_effects::unprogram(&mut self.maps, record, allocated)
     }
 
     /// CNI DEL: idempotent; already gone is success.
@@ -1025,6 +1017,28 @@ impl Agent {
             None => self.manager.owned_by(&owner).cloned().collect(),
         };
         let record = self.endpoints.get(&key).cloned();
+        let reaped = record
+            .as_ref()
+            .is_some_and(|r| r.mode == EndpointMode::Full && r.host_ifname.is_some());
+        if delegated.is_none() && !reaped {
+            // Unprogram (every entry tried; nothing committed if one
+            // stays) → commit → release ([`EndpointEffects::del`]).
+            let capacity = self.config.datapath.ipcache_max_entries;
+            let faults = EndpointEffects {
+                core: &mut self.manager,
+                store: &self.store,
+                maps: &mut self.maps,
+                links: &mut KernelLinks { attach: None },
+                parked: &mut self.parked,
+                capacity,
+            }
+            .del(&key, record.as_ref(), &allocated)?;
+            if let Err(e) = AgentError::all(faults) {
+                tracing::error!(error = %crate::error_chain(&e), "the core did not hold what DEL released");
+                self.note_error(&e);
+            }
+            return Ok(self.del_cleanup(&key, container_id, ifname, record, None));
+        }
         // Every entry is tried; if any could not be removed nothing is
         // committed (no map entry may outlive its allocation): the DEL
         // fails with every error and reconcile puts back what went.
@@ -1051,33 +1065,36 @@ impl Agent {
             // then), and the DEL is acknowledged now.
             self.begin_release(r, allocated)?;
             return Ok(DelCleanup::default());
-        } else {
-            self.store
-                .remove_endpoint(record.as_ref().map(|_| key.as_str()), &allocated)?;
-            // The store let go; a core that did not hold them is a fault to
-            // report, not a reason to keep the interface (the DEL goes on).
-            let faults = self.release_core(&allocated);
-            if let Err(e) = AgentError::all(faults) {
-                tracing::error!(error = %crate::error_chain(&e), "the core did not hold what DEL released");
-                self.note_error(&e);
-            }
         }
-        self.endpoints.remove(&key);
+        Ok(self.del_cleanup(&key, container_id, ifname, record, delegated))
+    }
+
+    /// After DEL committed: forgets the record and returns the kernel work
+    /// left.
+    fn del_cleanup(
+        &mut self,
+        key: &str,
+        container_id: &str,
+        ifname: &str,
+        record: Option<EndpointRecord>,
+        delegated: Option<crate::store::DelegatedRecord>,
+    ) -> DelCleanup {
+        self.endpoints.remove(key);
         // No record (nor a delegated one): an ADD may have died between
         // making the interfaces and its commit; what it made is found by
         // its names and removed (outside the lock).
         let orphan = (record.is_none() && delegated.is_none())
             .then(|| (container_id.to_string(), ifname.to_string()));
-        let orphan_guard = orphan.as_ref().map(|_| self.reaper.orphan_guard(&key));
+        let orphan_guard = orphan.as_ref().map(|_| self.reaper.orphan_guard(key));
         let host = record
             .filter(|r| r.mode == EndpointMode::Full)
             .and_then(|r| r.host_ifname.map(|n| (n, r.host_ifindex)));
-        Ok(DelCleanup {
+        DelCleanup {
             host,
             attach: self.from_endpoint.clone(),
             orphan,
             orphan_guard,
-        })
+        }
     }
 
     /// CNI CHECK: the interfaces, addresses, routes and map entries of the

@@ -26,7 +26,7 @@ use lockstep_core::cidr::Family;
 use lockstep_core::manager::{Allocation, ManagerConfig, ManagerError, PoolManager, StaticPools};
 use lockstep_core::owner::{Generation, Owner};
 use lockstep_core::plan::{
-    EntryExtra, MapDiff, PlanBuilder, classify, diff, diff_sorted, direct_mapped, host_entries,
+    EntryExtra, MapDiff, PlanBuilder, diff, diff_sorted, direct_mapped, host_entries,
 };
 use serde::{Deserialize, Serialize};
 
@@ -40,8 +40,8 @@ use crate::store::{EndpointMode, EndpointRecord, Store, StoreError};
 pub mod allocation;
 pub mod delegated;
 pub mod doors;
-pub mod endpoint_effects;
 pub mod draining;
+pub mod endpoint_effects;
 pub mod endpoints;
 pub mod lb;
 mod pins;
@@ -815,63 +815,24 @@ impl Agent {
         &mut self.datapath
     }
 
-    fn value_for(a: &Allocation) -> Option<IpcacheValue> {
-        classify(&a.owner).map(|(identity, flags)| IpcacheValue {
-            identity,
-            flags,
-            ..Default::default()
-        })
+    /// The doors one allocation's effects go through (static dispatch: the
+    /// real store and maps).
+    fn effects(&mut self) -> allocation::Effects<'_, StaticPools, Store, PinnedMaps> {
+        allocation::Effects {
+            core: &mut self.manager,
+            store: &self.store,
+            maps: &mut self.maps,
+            parked: &mut self.parked,
+            capacity: self.config.datapath.ipcache_max_entries,
+        }
     }
 
     fn program(&mut self, a: &Allocation) -> Result<(), AgentError> {
-        let Some(value) = Self::value_for(a) else {
-            return Ok(());
-        };
-        let (map, capacity) = match a.address {
-            IpAddr::V4(_) => (
-                map_names::IPCACHE_HOST_V4,
-                self.config.datapath.ipcache_max_entries,
-            ),
-            IpAddr::V6(_) => (
-                map_names::IPCACHE_HOST_V6,
-                self.config.datapath.ipcache_max_entries,
-            ),
-        };
-        match self.maps.ipcache_insert(IpNet::from(a.address), value) {
-            Ok(()) => Ok(()),
-            Err(aya::maps::MapError::SyscallError(e))
-                if e.io_error.raw_os_error() == Some(libc::E2BIG) =>
-            {
-                Err(AgentError::MapFull { map, capacity })
-            }
-            Err(e) => Err(AgentError::Program {
-                map,
-                source: Box::new(e),
-            }),
-        }
+        allocation::program(&mut self.maps, a, self.config.datapath.ipcache_max_entries)
     }
 
     fn unprogram(&mut self, a: &Allocation) -> Result<(), AgentError> {
-        if Self::value_for(a).is_none() {
-            return Ok(());
-        }
-        let (map, result) = match a.address {
-            IpAddr::V4(v4) => (
-                map_names::IPCACHE_HOST_V4,
-                self.maps.ipcache_host_v4_mut().remove(&v4.octets()),
-            ),
-            IpAddr::V6(v6) => (
-                map_names::IPCACHE_HOST_V6,
-                self.maps.ipcache_host_v6_mut().remove(&v6.octets()),
-            ),
-        };
-        match result {
-            Ok(()) | Err(aya::maps::MapError::KeyNotFound) => Ok(()),
-            Err(e) => Err(AgentError::Program {
-                map,
-                source: Box::new(e),
-            }),
-        }
+        allocation::unprogram(&mut self.maps, a)
     }
 
     fn check_ready(&self) -> Result<(), AgentError> {
@@ -984,30 +945,8 @@ impl Agent {
             Some(addr) => self.manager.allocate(&pool, addr, req.owner)?,
             None => self.manager.allocate_next(&pool, family, req.owner)?,
         };
-        if let Err(e) = self.store.put(&a, self.manager.generation()) {
-            self.manager
-                .release(&a.pool, family, &a.owner, a.generation)?;
-            return Err(e.into());
-        }
-        if let Err(e) = self.program(&a) {
-            // Roll back in reverse order; the entry was not written. A
-            // removal the store refuses keeps the address held (parked).
-            let mut more = Vec::new();
-            if let Err(u) = self.unprogram(&a) {
-                more.push(u);
-            }
-            if let Err(s) = self.parked.release(
-                crate::store::key_of(&a),
-                None,
-                vec![a],
-                &self.store,
-                &mut self.manager,
-            ) {
-                more.push(s.into());
-            }
-            return Err(AgentError::with_more(e, more));
-        }
-        Ok(a)
+        // Commit → program; every undo step tried and reported.
+        self.effects().commit_and_program(a)
     }
 
     /// Releases: unprogram → commit → acknowledge. A stale generation frees
@@ -1048,17 +987,9 @@ impl Agent {
             }
             .into());
         }
-        self.unprogram(&current)?;
-        if let Err(e) = self.store.remove(&current) {
-            let _ = self.program(&current);
-            return Err(e.into());
-        }
-        Ok(self.manager.release(
-            &current.pool,
-            req.family,
-            &current.owner,
-            current.generation,
-        )?)
+        // Unprogram → commit → release; a refused removal programs the
+        // entry again, and a failure to is reported too.
+        self.effects().unprogram_and_release(&current)
     }
 
     fn desired(&self) -> Result<MapContents, AgentError> {
@@ -1508,25 +1439,9 @@ impl Agent {
     fn reserve_roles(&mut self) -> Result<(), AgentError> {
         let wanted = self.wanted_roles()?;
         let plan = lockstep_core::roles::plan(wanted, self.manager.allocations());
-        for a in plan.release {
-            tracing::info!(role = %a.owner, address = %a.address, "role disabled or moved; releasing its address");
-            self.store.remove(&a)?;
-            self.manager
-                .release(&a.pool, a.family(), &a.owner, a.generation)?;
-        }
-        for w in plan.reserve {
-            let a = self
-                .manager
-                .allocate_next(&w.pool, w.family, Owner::agent(w.role))?;
-            if let Err(e) = self.store.put(&a, self.manager.generation()) {
-                self.manager
-                    .release(&a.pool, a.family(), &a.owner, a.generation)?;
-                return Err(e.into());
-            }
-            tracing::info!(role = %w.role, address = %a.address, "reserved a role address");
-        }
-        // The maps follow in the start-up reconcile.
-        Ok(())
+        // Every step tried, every failure reported; the maps follow in the
+        // start-up reconcile.
+        self.effects().apply_roles(plan)
     }
 
     /// The role addresses held: role → addresses.
