@@ -513,3 +513,69 @@ fn a_transfer_survives_a_program_upgrade_and_an_agent_kill() -> anyhow::Result<(
     }
     Ok(())
 }
+
+/// Issue item 6: a change of the skip sets applies to new flows at once,
+/// while an established flow keeps its translation until it ends. The
+/// world's address joins `non_masquerade_cidrs` (applied by a restart, as
+/// config edits are): an open connection to it goes on as the node's
+/// address; a new flow arrives with the endpoint's own.
+#[test]
+fn a_skip_set_change_applies_to_new_flows_and_spares_established_ones() -> anyhow::Result<()> {
+    privileged!();
+    let w = World::new()?;
+    let mut agent = start(&w, "")?;
+    let ep = add_endpoint(&agent)?;
+    let ip: IpAddr = WORLD_V4.parse()?;
+    let listener = w
+        .world
+        .run(|| Ok(TcpListener::bind(SocketAddr::new(ip, 0))?))?;
+    let to = listener.local_addr()?;
+    let mut c = ep
+        .ns
+        .run(|| Ok(TcpStream::connect_timeout(&to, Duration::from_secs(5))?))?;
+    let (mut s, peer) = listener.accept()?;
+    ensure!(
+        peer.ip() == node(true),
+        "before the change the world saw {peer}"
+    );
+    for stream in [&c, &s] {
+        stream.set_read_timeout(Some(Duration::from_secs(10)))?;
+    }
+    let round_trip = |c: &mut TcpStream, s: &mut TcpStream, b: u8| -> anyhow::Result<()> {
+        c.write_all(&[b])?;
+        let mut got = [0u8; 1];
+        s.read_exact(&mut got)?;
+        s.write_all(&got)?;
+        c.read_exact(&mut got)?;
+        ensure!(got == [b], "echo {got:?}");
+        Ok(())
+    };
+    round_trip(&mut c, &mut s, 1)?;
+
+    agent.rewrite_config(|text| {
+        text.replace(
+            &format!("\"{SKIP_V4}/32\""),
+            &format!("\"{SKIP_V4}/32\", \"{WORLD_V4}/32\""),
+        )
+    })?;
+    agent.restart()?;
+    // The established flow keeps going, still as the node (the world has no
+    // route to the endpoint: an untranslated segment would never be answered).
+    round_trip(&mut c, &mut s, 2)
+        .context("the established connection broke when the skip set changed")?;
+    // A new flow to the world is not translated any more.
+    let srv = w
+        .world
+        .run(|| Ok(UdpSocket::bind(SocketAddr::new(ip, 0))?))?;
+    srv.set_read_timeout(Some(Duration::from_secs(3)))?;
+    let u = ep
+        .ns
+        .run(|| Ok(UdpSocket::bind(SocketAddr::new(ep.v4, 0))?))?;
+    u.send_to(b"new", srv.local_addr()?)?;
+    let (_, from) = srv.recv_from(&mut [0u8; 4])?;
+    ensure!(
+        from.ip() == ep.v4,
+        "a new flow after the change still left as {from}"
+    );
+    Ok(())
+}
