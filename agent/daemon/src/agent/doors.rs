@@ -9,13 +9,13 @@
 //! for the agent to match.
 
 use ipnet::IpNet;
-use lockstep_common::{EndpointValue, IpcacheValue, L2RespValue, V4Addr, map_names};
+use lockstep_common::{EndpointValue, IpcacheValue, L2RespValue, V4Addr};
 use lockstep_core::lb::LbSnapshot;
 use lockstep_core::manager::Allocation;
 use lockstep_core::owner::Generation;
 
 use super::release::ReleaseStore;
-use crate::datapath::maps::{v4_key, v6_key, write_err};
+pub use crate::datapath::maps::ipcache_map;
 use crate::datapath::{DatapathError, PinnedMaps};
 use crate::store::{EndpointRecord, Store, StoreError};
 
@@ -66,38 +66,13 @@ pub trait MapDoor {
     fn l2_remove(&mut self, addr: V4Addr) -> Result<bool, DatapathError>;
 }
 
-/// A removal's result: a missing key is `false`, not an error.
-fn removed(map: &'static str, r: Result<(), aya::maps::MapError>) -> Result<bool, DatapathError> {
-    match r {
-        Ok(()) => Ok(true),
-        Err(aya::maps::MapError::KeyNotFound) => Ok(false),
-        Err(e) => Err(write_err(map, e)),
-    }
-}
-
 impl MapDoor for PinnedMaps {
     fn ipcache_insert(&mut self, prefix: IpNet, value: IpcacheValue) -> Result<(), DatapathError> {
-        let map = ipcache_map(prefix);
-        PinnedMaps::ipcache_insert(self, prefix, value).map_err(|e| write_err(map, e))
+        PinnedMaps::ipcache_insert(self, prefix, value)
     }
 
     fn ipcache_remove(&mut self, prefix: IpNet) -> Result<bool, DatapathError> {
-        let map = ipcache_map(prefix);
-        let r = match prefix.trunc() {
-            IpNet::V4(n) if n.prefix_len() == 32 => {
-                self.ipcache_host_v4_mut().remove(&n.addr().octets())
-            }
-            IpNet::V4(n) => self
-                .ipcache_v4_mut()
-                .remove(&v4_key(n.network(), n.prefix_len())),
-            IpNet::V6(n) if n.prefix_len() == 128 => {
-                self.ipcache_host_v6_mut().remove(&n.addr().octets())
-            }
-            IpNet::V6(n) => self
-                .ipcache_v6_mut()
-                .remove(&v6_key(n.network(), n.prefix_len())),
-        };
-        removed(map, r)
+        PinnedMaps::ipcache_remove(self, prefix)
     }
 
     fn endpoint_insert(
@@ -118,16 +93,6 @@ impl MapDoor for PinnedMaps {
 
     fn l2_remove(&mut self, addr: V4Addr) -> Result<bool, DatapathError> {
         PinnedMaps::l2_remove(self, addr)
-    }
-}
-
-/// The IPCACHE map that holds `prefix`.
-pub fn ipcache_map(prefix: IpNet) -> &'static str {
-    match prefix {
-        IpNet::V4(n) if n.prefix_len() == 32 => map_names::IPCACHE_HOST_V4,
-        IpNet::V4(_) => map_names::IPCACHE_V4,
-        IpNet::V6(n) if n.prefix_len() == 128 => map_names::IPCACHE_HOST_V6,
-        IpNet::V6(_) => map_names::IPCACHE_V6,
     }
 }
 

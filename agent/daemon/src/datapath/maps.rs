@@ -354,15 +354,17 @@ impl PinnedMaps {
     }
 
     /// Writes an IPCACHE entry into the map that holds its prefix length: the
-    /// host hash for /32, the trie otherwise.
+    /// host hash for /32 and /128, the trie otherwise.
     ///
     /// # Errors
-    /// The map update failed (e.g. the map is full).
+    /// [`DatapathError::MapFull`] when the map is full, or another refused
+    /// write.
     pub fn ipcache_insert(
         &mut self,
         prefix: ipnet::IpNet,
         value: IpcacheValue,
-    ) -> Result<(), aya::maps::MapError> {
+    ) -> Result<(), DatapathError> {
+        let map = ipcache_map(prefix);
         match prefix.trunc() {
             ipnet::IpNet::V4(n) if n.prefix_len() == 32 => {
                 self.ipcache_host_v4.insert(n.addr().octets(), value, 0)
@@ -378,6 +380,30 @@ impl PinnedMaps {
                 self.ipcache_v6
                     .insert(&v6_key(n.network(), n.prefix_len()), value, 0)
             }
+        }
+        .map_err(|e| write_err(map, e))
+    }
+
+    /// Removes the IPCACHE entry of `prefix`; returns whether it existed.
+    ///
+    /// # Errors
+    /// A refused delete.
+    pub fn ipcache_remove(&mut self, prefix: ipnet::IpNet) -> Result<bool, DatapathError> {
+        let map = ipcache_map(prefix);
+        let r = match prefix.trunc() {
+            ipnet::IpNet::V4(n) if n.prefix_len() == 32 => {
+                self.ipcache_host_v4.remove(&n.addr().octets())
+            }
+            ipnet::IpNet::V4(n) => self.ipcache_v4.remove(&v4_key(n.network(), n.prefix_len())),
+            ipnet::IpNet::V6(n) if n.prefix_len() == 128 => {
+                self.ipcache_host_v6.remove(&n.addr().octets())
+            }
+            ipnet::IpNet::V6(n) => self.ipcache_v6.remove(&v6_key(n.network(), n.prefix_len())),
+        };
+        match r {
+            Ok(()) => Ok(true),
+            Err(aya::maps::MapError::KeyNotFound) => Ok(false),
+            Err(e) => Err(write_err(map, e)),
         }
     }
 
@@ -436,6 +462,17 @@ impl PinnedMaps {
                 Ok((*c, values.iter().sum()))
             })
             .collect()
+    }
+}
+
+/// The IPCACHE map that holds `prefix`: a host hash for /32 and /128, a
+/// trie otherwise.
+pub fn ipcache_map(prefix: ipnet::IpNet) -> &'static str {
+    match prefix {
+        ipnet::IpNet::V4(n) if n.prefix_len() == 32 => map_names::IPCACHE_HOST_V4,
+        ipnet::IpNet::V4(_) => map_names::IPCACHE_V4,
+        ipnet::IpNet::V6(n) if n.prefix_len() == 128 => map_names::IPCACHE_HOST_V6,
+        ipnet::IpNet::V6(_) => map_names::IPCACHE_V6,
     }
 }
 
