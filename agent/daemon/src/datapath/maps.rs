@@ -572,6 +572,16 @@ mod tests {
     }
 
     #[test]
+    fn host_prefixes_go_to_the_host_hashes_and_others_to_the_tries() {
+        let map = |p: &str| ipcache_map(p.parse().expect("cidr"));
+        assert_eq!(map("10.0.0.1/32"), map_names::IPCACHE_HOST_V4);
+        assert_eq!(map("10.0.0.0/24"), map_names::IPCACHE_V4);
+        assert_eq!(map("fd00::1/128"), map_names::IPCACHE_HOST_V6);
+        assert_eq!(map("fd00::/64"), map_names::IPCACHE_V6);
+        assert_eq!(map("0.0.0.0/0"), map_names::IPCACHE_V4);
+    }
+
+    #[test]
     fn a_full_map_is_a_datapath_map_full() {
         let e = write_err(map_names::ENDPOINTS, syscall_error(libc::E2BIG));
         assert!(matches!(e, DatapathError::MapFull { map } if map == map_names::ENDPOINTS));
