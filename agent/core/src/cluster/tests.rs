@@ -73,9 +73,10 @@ fn apply_refuses_removing_a_cidr_with_claimed_blocks_naming_them() {
         .with_cidr(net("10.0.0.0/24"))
         .with_cidr(net("10.0.1.0/24"));
     let claimed = BTreeMap::from([(net("10.0.1.64/26"), ("p".to_owned(), "node-b".to_owned()))]);
-    assert!(check_apply(&[old.clone()], &[old.clone()], &claimed).is_ok());
+    let olds = std::slice::from_ref(&old);
+    assert!(check_apply(olds, olds, &claimed).is_ok());
     let new = ClusterPoolSpec::new("p").with_cidr(net("10.0.0.0/24"));
-    let err = check_apply(&[old.clone()], &[new], &claimed).unwrap_err();
+    let err = check_apply(olds, &[new], &claimed).unwrap_err();
     // The removed CIDR is named, not only its block.
     assert!(
         matches!(&err, ClusterError::CidrInUse { cidr, .. } if *cidr == net("10.0.1.0/24")),
