@@ -52,6 +52,7 @@ pub mod cluster;
 pub mod demand;
 pub mod lb;
 pub mod manager;
+pub mod masquerade;
 pub mod owner;
 pub mod plan;
 pub mod pool;

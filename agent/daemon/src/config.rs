@@ -110,6 +110,56 @@ impl Default for DatapathConfig {
     }
 }
 
+/// `[masquerade]`: source NAT of endpoint traffic leaving through the
+/// uplink, in BPF (docs/masquerade.md). Acts only with `datapath.uplink`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct MasqueradeConfig {
+    /// Translate at all (default on; without an uplink nothing is).
+    pub enabled: bool,
+    /// The IPv4 address flows leave with (default: the uplink's first
+    /// global IPv4 address; none: IPv4 is not translated).
+    pub address_v4: Option<std::net::Ipv4Addr>,
+    /// The IPv6 address flows leave with (default: the uplink's first
+    /// global IPv6 address).
+    pub address_v6: Option<std::net::Ipv6Addr>,
+    /// Translated source ports (and ICMP identifiers), `LOW-HIGH`; must not
+    /// meet the node's `net.ipv4.ip_local_port_range`.
+    pub ports: String,
+    /// Idle time after which an open TCP translation ends.
+    #[serde(with = "humantime_serde")]
+    pub tcp_timeout: Duration,
+    /// Idle time after which a TCP translation closed by FIN both ways, or
+    /// reset, ends.
+    #[serde(with = "humantime_serde")]
+    pub tcp_closing_timeout: Duration,
+    /// Idle time after which a UDP translation ends.
+    #[serde(with = "humantime_serde")]
+    pub udp_timeout: Duration,
+    /// Idle time after which an ICMP echo translation ends.
+    #[serde(with = "humantime_serde")]
+    pub icmp_timeout: Duration,
+    /// How often the agent collects ended translations.
+    #[serde(with = "humantime_serde")]
+    pub gc_interval: Duration,
+}
+
+impl Default for MasqueradeConfig {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            address_v4: None,
+            address_v6: None,
+            ports: "61000-65535".into(),
+            tcp_timeout: Duration::from_secs(7200),
+            tcp_closing_timeout: Duration::from_secs(10),
+            udp_timeout: Duration::from_secs(60),
+            icmp_timeout: Duration::from_secs(30),
+            gc_interval: Duration::from_secs(5),
+        }
+    }
+}
+
 /// `[cni]`: installing the plugin and conflist (the DaemonSet pattern).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -249,6 +299,8 @@ pub struct Config {
     pub api_max_connections: usize,
     /// CIDRs that endpoint traffic reaches without masquerading.
     pub non_masquerade_cidrs: Vec<IpNet>,
+    /// Masquerade (source NAT) settings.
+    pub masquerade: MasqueradeConfig,
     /// Datapath settings.
     pub datapath: DatapathConfig,
     /// CNI plugin installation.
@@ -275,6 +327,7 @@ impl Default for Config {
             api_header_timeout: Duration::from_secs(10),
             api_max_connections: 0,
             non_masquerade_cidrs: Vec::new(),
+            masquerade: MasqueradeConfig::default(),
             datapath: DatapathConfig::default(),
             cni: CniConfig::default(),
             roles: RolesConfig::default(),
@@ -401,6 +454,30 @@ impl Config {
         for (field, p) in [("state_dir", &self.state_dir), ("socket", &self.socket)] {
             if !p.is_absolute() {
                 return Err(invalid(field.into(), "must be an absolute path".into()));
+            }
+        }
+        if let Err(e) = self
+            .masquerade
+            .ports
+            .parse::<lockstep_core::masquerade::PortRange>()
+        {
+            return Err(invalid("masquerade.ports".into(), e.to_string()));
+        }
+        for (key, d) in [
+            ("masquerade.tcp_timeout", self.masquerade.tcp_timeout),
+            (
+                "masquerade.tcp_closing_timeout",
+                self.masquerade.tcp_closing_timeout,
+            ),
+            ("masquerade.udp_timeout", self.masquerade.udp_timeout),
+            ("masquerade.icmp_timeout", self.masquerade.icmp_timeout),
+            ("masquerade.gc_interval", self.masquerade.gc_interval),
+        ] {
+            if d < Duration::from_millis(100) || d > Duration::from_secs(7 * 24 * 3600) {
+                return Err(invalid(
+                    key.into(),
+                    "must be between 100ms and 7 days".into(),
+                ));
             }
         }
         for (i, cidr) in self.non_masquerade_cidrs.iter().enumerate() {
@@ -590,6 +667,13 @@ mod tests {
                 "non_masquerade_cidrs = [\"10.0.0.1/8\"]",
                 "non_masquerade_cidrs[0]",
             ),
+            ("[masquerade]\nports = \"80-90\"", "masquerade.ports"),
+            ("[masquerade]\nports = \"61000\"", "masquerade.ports"),
+            (
+                "[masquerade]\nudp_timeout = \"1ms\"",
+                "masquerade.udp_timeout",
+            ),
+            ("[masquerade]\nbogus = 1", "bogus"),
             (
                 "non_masquerade_cidrs = [\"10.0.0.0/33\"]",
                 "non_masquerade_cidrs",

@@ -20,6 +20,12 @@ type Labels = Vec<(String, String)>;
 /// The agent's metrics.
 pub struct Metrics {
     registry: Mutex<Registry>,
+    /// The masquerade collector's counts, once it runs.
+    masq: Mutex<Option<std::sync::Arc<crate::masquerade::Stats>>>,
+    masq_entries: Family<Labels, Gauge<i64>>,
+    masq_deleted: prometheus_client::metrics::counter::Counter,
+    masq_translated: prometheus_client::metrics::counter::Counter,
+    masq_exhausted: prometheus_client::metrics::counter::Counter,
     allocated: Family<Labels, Gauge<i64>>,
     free: Family<Labels, Gauge<f64, std::sync::atomic::AtomicU64>>,
     map_entries: Family<Labels, Gauge<i64>>,
@@ -110,8 +116,37 @@ impl Metrics {
             "Time to allocate through the API (commit, program, acknowledge)",
             latency.clone(),
         );
+        let masq_entries = Family::<Labels, Gauge<i64>>::default();
+        registry.register(
+            "masq_entries",
+            "Masquerade translations (NAT_FWD entries) at the last collection, by family",
+            masq_entries.clone(),
+        );
+        let masq_deleted = prometheus_client::metrics::counter::Counter::default();
+        registry.register(
+            "masq_gc_deleted",
+            "NAT entries the collector deleted (forward and reverse)",
+            masq_deleted.clone(),
+        );
+        let masq_translated = prometheus_client::metrics::counter::Counter::default();
+        registry.register(
+            "masq_translations",
+            "Packets to_native translated (COUNTERS)",
+            masq_translated.clone(),
+        );
+        let masq_exhausted = prometheus_client::metrics::counter::Counter::default();
+        registry.register(
+            "masq_exhausted",
+            "New flows dropped for want of a free translated port (COUNTERS)",
+            masq_exhausted.clone(),
+        );
         Self {
             registry: Mutex::new(registry),
+            masq: Mutex::new(None),
+            masq_entries,
+            masq_deleted,
+            masq_translated,
+            masq_exhausted,
             allocated,
             free,
             map_entries,
@@ -122,6 +157,32 @@ impl Metrics {
             lb_pending,
             latency,
             draining,
+        }
+    }
+
+    /// Reports the masquerade collector's counts from now on.
+    pub fn set_masquerade(&self, stats: std::sync::Arc<crate::masquerade::Stats>) {
+        *self.masq.lock().unwrap_or_else(|p| p.into_inner()) = Some(stats);
+    }
+
+    fn render_masquerade(&self) {
+        use std::sync::atomic::Ordering::Relaxed;
+        let Some(m) = self.masq.lock().unwrap_or_else(|p| p.into_inner()).clone() else {
+            return;
+        };
+        for (family, n) in [("ipv4", &m.entries_v4), ("ipv6", &m.entries_v6)] {
+            self.masq_entries
+                .get_or_create(&vec![("family".to_string(), family.to_string())])
+                .set(i64::try_from(n.load(Relaxed)).unwrap_or(i64::MAX));
+        }
+        // Counters follow monotonic sources: add what is new.
+        for (counter, source) in [
+            (&self.masq_deleted, &m.gc_deleted),
+            (&self.masq_translated, &m.translated),
+            (&self.masq_exhausted, &m.exhausted),
+        ] {
+            let now = source.load(Relaxed);
+            counter.inc_by(now.saturating_sub(counter.get()));
         }
     }
 
@@ -192,6 +253,7 @@ impl Metrics {
                 ])
                 .set(r.holders.len() as i64);
         }
+        self.render_masquerade();
         let mut out = String::new();
         if let Ok(registry) = self.registry.lock() {
             let _ = encode(&mut out, &registry);

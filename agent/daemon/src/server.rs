@@ -43,6 +43,9 @@ pub enum ServerError {
     /// The start-up task died.
     #[error("agent start-up task failed")]
     Join(#[source] tokio::task::JoinError),
+    /// Masquerade settings refused, or its set-up failed.
+    #[error("masquerade cannot start")]
+    Masquerade(#[source] crate::masquerade::MasqueradeError),
 }
 
 fn listen_err(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> ServerError {
@@ -236,6 +239,11 @@ pub async fn run(config: Config) -> Result<(), ServerError> {
     // Before anything writes into the state directory (the CNI install's
     // manifest): made 0700, or refused when unsafe.
     crate::store::prepare_state_dir(&config.state_dir).map_err(ServerError::State)?;
+    // Refused before anything starts: a port range that meets the node's
+    // own ephemeral ports would hand a local socket's port to a flow.
+    let masquerade =
+        crate::masquerade::Settings::resolve(&config).map_err(ServerError::Masquerade)?;
+    let pin_root = config.datapath.pin_root.clone();
     let (api_listener, _socket_file) = bind_socket(&socket)?;
     let slot: Arc<Mutex<Option<Agent>>> = Arc::new(Mutex::new(None));
     let metrics = Arc::new(Metrics::new());
@@ -327,6 +335,20 @@ pub async fn run(config: Config) -> Result<(), ServerError> {
     };
     let pending = !agent.status().ready;
     *slot.lock().unwrap_or_else(|p| p.into_inner()) = Some(agent);
+    // The maps exist now; the collector runs beside the agent, not in it.
+    let _masquerade = match masquerade {
+        Some(settings) => {
+            // Netlink blocks on a runtime of its own: not on this one.
+            let m =
+                tokio::task::spawn_blocking(move || crate::masquerade::start(settings, &pin_root))
+                    .await
+                    .map_err(ServerError::Join)?
+                    .map_err(ServerError::Masquerade)?;
+            state.metrics.set_masquerade(m.stats.clone());
+            Some(m)
+        }
+        None => None,
+    };
     // Full DELs hand their veths to the reaper (`agent::reaper`).
     if let Err(e) = crate::agent::reaper::spawn(&slot) {
         tracing::error!(error = %e, "the reaper did not start; DELs delete their veths inline");

@@ -37,6 +37,7 @@ mod attach;
 mod defs;
 pub mod events;
 pub mod maps;
+mod nat;
 pub mod owner;
 pub mod pins;
 pub mod sys;
@@ -53,6 +54,7 @@ use aya::{Ebpf, EbpfLoader};
 pub use attach::{AttachMode, Attached, Hook, ProgramPin, ifindex_of};
 pub use defs::{MapCapacities, MapDefinition, check_pin, expected_definitions};
 pub use maps::PinnedMaps;
+pub use nat::NatSweep;
 pub use owner::PinOwner;
 pub use pins::PinFault;
 

@@ -1,0 +1,235 @@
+//! Masquerade decisions: the translated port range and when a translation
+//! has ended.
+//!
+//! Why in the core: the datapath translates and the agent's collector
+//! deletes, but what a valid port range is, which ranges may not meet, and
+//! whether a flow is over are plain arithmetic on numbers read from the
+//! maps and sysctls; kept here they are tested without a kernel.
+
+use std::fmt;
+use std::str::FromStr;
+
+use lockstep_common::nat_state;
+
+/// Errors of masquerade settings.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum MasqError {
+    /// A port range is not `LOW-HIGH` with 1024 ≤ LOW ≤ HIGH ≤ 65535.
+    #[error("masquerade.ports {text:?}: {reason}")]
+    Ports {
+        /// The text given.
+        text: String,
+        /// What is wrong.
+        reason: String,
+    },
+    /// The translated range meets the node's own ephemeral ports: a
+    /// translation could take a port a local socket uses.
+    #[error(
+        "masquerade.ports {ports} overlaps the node's ephemeral ports {ephemeral} (net.ipv4.ip_local_port_range); choose a range outside it"
+    )]
+    Overlap {
+        /// The masquerade range.
+        ports: PortRange,
+        /// The node's range.
+        ephemeral: PortRange,
+    },
+}
+
+/// An inclusive port range.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PortRange {
+    /// Lowest port.
+    pub low: u16,
+    /// Highest port.
+    pub high: u16,
+}
+
+impl PortRange {
+    /// Whether the two ranges share a port.
+    pub fn overlaps(&self, other: &PortRange) -> bool {
+        self.low <= other.high && other.low <= self.high
+    }
+
+    /// How many ports the range holds.
+    pub fn len(&self) -> u32 {
+        u32::from(self.high) - u32::from(self.low) + 1
+    }
+
+    /// Never: a range holds at least one port.
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+
+    /// Parses the kernel's `ip_local_port_range` ("32768\t60999").
+    pub fn from_sysctl(text: &str) -> Option<PortRange> {
+        let mut it = text.split_whitespace().map(str::parse::<u16>);
+        let (Some(Ok(low)), Some(Ok(high)), None) = (it.next(), it.next(), it.next()) else {
+            return None;
+        };
+        (low <= high).then_some(PortRange { low, high })
+    }
+}
+
+impl fmt::Display for PortRange {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}-{}", self.low, self.high)
+    }
+}
+
+impl FromStr for PortRange {
+    type Err = MasqError;
+
+    fn from_str(text: &str) -> Result<Self, MasqError> {
+        let bad = |reason: &str| MasqError::Ports {
+            text: text.to_string(),
+            reason: reason.to_string(),
+        };
+        let (low, high) = text
+            .split_once('-')
+            .ok_or_else(|| bad("expected LOW-HIGH, e.g. 61000-65535"))?;
+        let port = |s: &str| {
+            s.trim()
+                .parse::<u16>()
+                .map_err(|_| bad(&format!("{s:?} is not a port number")))
+        };
+        let (low, high) = (port(low)?, port(high)?);
+        if low < 1024 {
+            return Err(bad("ports below 1024 are privileged service ports"));
+        }
+        if low > high {
+            return Err(bad("the low port is above the high one"));
+        }
+        Ok(PortRange { low, high })
+    }
+}
+
+/// Refuses a masquerade range that meets the node's ephemeral range.
+///
+/// # Errors
+/// [`MasqError::Overlap`] naming both ranges.
+pub fn check_disjoint(ports: PortRange, ephemeral: PortRange) -> Result<(), MasqError> {
+    if ports.overlaps(&ephemeral) {
+        return Err(MasqError::Overlap { ports, ephemeral });
+    }
+    Ok(())
+}
+
+/// How long a translation may stay idle, in nanoseconds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Timeouts {
+    /// An open TCP connection.
+    pub tcp_ns: u64,
+    /// A TCP connection closed both ways by FIN, or reset.
+    pub tcp_closing_ns: u64,
+    /// UDP.
+    pub udp_ns: u64,
+    /// ICMP and ICMPv6 echo.
+    pub icmp_ns: u64,
+}
+
+/// Whether a translation is over: idle (`now_ns - last_seen_ns`, both on
+/// the monotonic clock the programs read) past the timeout of its protocol
+/// and state. `state` is the union of both directions' [`nat_state`] bits;
+/// `last_seen_ns` the later of both directions' times.
+pub fn expired(proto: u8, state: u8, last_seen_ns: u64, now_ns: u64, t: &Timeouts) -> bool {
+    let idle = now_ns.saturating_sub(last_seen_ns);
+    let closed = state & nat_state::RST != 0
+        || state & (nat_state::FIN_IN | nat_state::FIN_OUT)
+            == nat_state::FIN_IN | nat_state::FIN_OUT;
+    let limit = match proto {
+        6 if closed => t.tcp_closing_ns,
+        6 => t.tcp_ns,
+        17 => t.udp_ns,
+        _ => t.icmp_ns,
+    };
+    idle >= limit
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    const T: Timeouts = Timeouts {
+        tcp_ns: 7_200_000_000_000,
+        tcp_closing_ns: 10_000_000_000,
+        udp_ns: 60_000_000_000,
+        icmp_ns: 30_000_000_000,
+    };
+
+    #[test]
+    fn port_ranges_parse_or_say_what_is_wrong() {
+        assert_eq!(
+            "61000-65535".parse::<PortRange>(),
+            Ok(PortRange {
+                low: 61000,
+                high: 65535
+            })
+        );
+        for (text, says) in [
+            ("61000", "LOW-HIGH"),
+            ("x-65535", "not a port"),
+            ("61000-70000", "not a port"),
+            ("80-90", "below 1024"),
+            ("65000-61000", "above"),
+        ] {
+            let e = text.parse::<PortRange>().unwrap_err().to_string();
+            assert!(e.contains(says) && e.contains(text), "{text}: {e}");
+        }
+    }
+
+    #[test]
+    fn the_range_may_not_meet_the_ephemeral_ports() {
+        let eph = PortRange::from_sysctl("32768\t60999\n").expect("sysctl");
+        assert!(check_disjoint("61000-65535".parse().unwrap(), eph).is_ok());
+        let e = check_disjoint("60000-65535".parse().unwrap(), eph)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("60000-65535") && e.contains("32768-60999"),
+            "{e}"
+        );
+        assert_eq!(PortRange::from_sysctl("1 2 3"), None);
+        assert_eq!(PortRange::from_sysctl("9 2"), None);
+    }
+
+    #[test]
+    fn closed_tcp_ends_sooner_than_open_tcp() {
+        let s = 1_000_000_000;
+        let both = nat_state::FIN_IN | nat_state::FIN_OUT;
+        assert!(!expired(6, 0, 0, 11 * s, &T));
+        assert!(expired(6, both, 0, 11 * s, &T));
+        assert!(expired(6, nat_state::RST, 0, 11 * s, &T));
+        // Half-closed stays open.
+        assert!(!expired(6, nat_state::FIN_OUT, 0, 11 * s, &T));
+        assert!(expired(17, 0, 0, 60 * s, &T) && !expired(17, 0, 0, 59 * s, &T));
+        assert!(expired(1, 0, 0, 30 * s, &T) && !expired(58, 0, 0, 29 * s, &T));
+        // A clock read before the packet's time is not idle.
+        assert!(!expired(17, 0, 100 * s, 50 * s, &T));
+    }
+
+    proptest! {
+        #[test]
+        fn later_activity_never_expires_sooner(
+            proto in prop::sample::select(vec![1u8, 6, 17, 58]),
+            state in 0u8..8,
+            seen in 0u64..1u64 << 50,
+            later in 0u64..1u64 << 40,
+            now in 0u64..1u64 << 51,
+        ) {
+            // If a flow seen later has expired, the same flow seen earlier has too.
+            if expired(proto, state, seen + later, now, &T) {
+                prop_assert!(expired(proto, state, seen, now, &T));
+            }
+        }
+
+        #[test]
+        fn overlap_is_symmetric_and_matches_membership(a in 1024u16.., b in 1024u16.., c in 1024u16.., d in 1024u16..) {
+            let r1 = PortRange { low: a.min(b), high: a.max(b) };
+            let r2 = PortRange { low: c.min(d), high: c.max(d) };
+            prop_assert_eq!(r1.overlaps(&r2), r2.overlaps(&r1));
+            let shared = (r1.low.max(r2.low)..=r1.high.min(r2.high)).next().is_some();
+            prop_assert_eq!(r1.overlaps(&r2), shared);
+        }
+    }
+}

@@ -1,0 +1,171 @@
+//! The agent's side of the masquerade maps: writing MASQ_CONFIG and
+//! collecting translations that have ended.
+//!
+//! Why here: the datapath module is the agent's only aya user; the
+//! decision of what has ended is the core's (`lockstep_core::masquerade`),
+//! handed in as a closure over plain numbers.
+
+use aya::maps::{HashMap, MapData};
+use lockstep_common::{MasqConfig, NatKeyV4, NatKeyV6, NatValueV4, NatValueV6};
+
+use super::{DatapathError, PinnedMaps};
+
+/// What one collection found and did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct NatSweep {
+    /// Translations (forward entries) left, IPv4.
+    pub v4: u64,
+    /// Translations left, IPv6.
+    pub v6: u64,
+    /// Entries deleted (forward and reverse counted apart).
+    pub deleted: u64,
+}
+
+/// A NAT key and value of either family, as the collector needs them.
+trait Tuple: Copy + aya::Pod {
+    type Value: Copy + aya::Pod;
+    /// The reverse key of a forward entry (the reply's tuple), and the
+    /// forward key of a reverse entry: the same swap both ways.
+    fn reverse(&self, v: &Self::Value) -> Self;
+    fn proto(&self) -> u8;
+    fn seen(v: &Self::Value) -> (u64, u8);
+}
+
+macro_rules! tuple {
+    ($key:ty, $value:ty) => {
+        impl Tuple for $key {
+            type Value = $value;
+            fn reverse(&self, v: &$value) -> Self {
+                Self {
+                    src_addr: self.dst_addr,
+                    dst_addr: v.addr,
+                    src_port: self.dst_port,
+                    dst_port: v.port,
+                    proto: self.proto,
+                    _pad: [0; 3],
+                }
+            }
+            fn proto(&self) -> u8 {
+                self.proto
+            }
+            fn seen(v: &$value) -> (u64, u8) {
+                (v.last_seen_ns, v.state)
+            }
+        }
+    };
+}
+tuple!(NatKeyV4, NatValueV4);
+tuple!(NatKeyV6, NatValueV6);
+
+fn err(map: &'static str) -> impl Fn(aya::maps::MapError) -> DatapathError {
+    move |source| DatapathError::OpenPin {
+        pin: std::path::PathBuf::from(map),
+        source: Box::new(source),
+    }
+}
+
+/// One family's collection: a flow's activity is the later of its two
+/// entries' times, its state the union of their bits. An ended flow loses
+/// its forward entry first, then its reverse one: the translated port is
+/// free (the reverse entry is what claims it) only once nothing translates
+/// to it. A reverse entry whose forward one is gone (a new flow's claim
+/// that lost its second insert) is collected by its own time.
+type Pick<K> = fn(&mut PinnedMaps) -> &mut HashMap<MapData, K, <K as Tuple>::Value>;
+
+fn remove<K: Tuple>(
+    maps: &mut PinnedMaps,
+    pick: Pick<K>,
+    name: &'static str,
+    key: &K,
+) -> Result<u64, DatapathError> {
+    match pick(maps).remove(key) {
+        Ok(()) => Ok(1),
+        Err(aya::maps::MapError::KeyNotFound) => Ok(0),
+        Err(aya::maps::MapError::SyscallError(e))
+            if e.io_error.raw_os_error() == Some(libc::ENOENT) =>
+        {
+            Ok(0)
+        }
+        Err(e) => Err(err(name)(e)),
+    }
+}
+
+fn sweep<K: Tuple>(
+    maps: &mut PinnedMaps,
+    fwd: Pick<K>,
+    rev: Pick<K>,
+    names: (&'static str, &'static str),
+    ended: &impl Fn(u8, u8, u64) -> bool,
+) -> Result<(u64, u64), DatapathError> {
+    let mut left = 0;
+    let mut deleted = 0;
+    let forward: Vec<(K, K::Value)> = fwd(maps).iter().filter_map(Result::ok).collect();
+    for (k, v) in forward {
+        let rk = k.reverse(&v);
+        let (mut seen, mut state) = K::seen(&v);
+        if let Ok(rv) = rev(maps).get(&rk, 0) {
+            let (rs, rst) = K::seen(&rv);
+            seen = seen.max(rs);
+            state |= rst;
+        }
+        if !ended(k.proto(), state, seen) {
+            left += 1;
+            continue;
+        }
+        deleted += remove(maps, fwd, names.0, &k)?;
+        deleted += remove(maps, rev, names.1, &rk)?;
+    }
+    let reverse: Vec<(K, K::Value)> = rev(maps).iter().filter_map(Result::ok).collect();
+    for (rk, rv) in reverse {
+        let (seen, state) = K::seen(&rv);
+        let orphan = fwd(maps).get(&rk.reverse(&rv), 0).is_err();
+        if orphan && ended(rk.proto(), state, seen) {
+            deleted += remove(maps, rev, names.1, &rk)?;
+        }
+    }
+    Ok((left, deleted))
+}
+
+impl PinnedMaps {
+    /// Writes MASQ_CONFIG (key 0). The programs read it per packet; a new
+    /// value applies to new flows at once.
+    ///
+    /// # Errors
+    /// The write was refused.
+    pub fn set_masq_config(&mut self, config: MasqConfig) -> Result<(), DatapathError> {
+        self.masq_config_mut()
+            .set(0, config, 0)
+            .map_err(err(lockstep_common::map_names::MASQ_CONFIG))
+    }
+
+    /// Deletes every translation `ended(proto, state, last_seen_ns)` says
+    /// is over, in both families.
+    ///
+    /// # Errors
+    /// A delete was refused for another reason than "already gone".
+    pub fn collect_nat(
+        &mut self,
+        ended: impl Fn(u8, u8, u64) -> bool,
+    ) -> Result<NatSweep, DatapathError> {
+        use lockstep_common::map_names as n;
+        let (v4, d4) = sweep::<NatKeyV4>(
+            self,
+            PinnedMaps::nat_fwd_v4_mut,
+            PinnedMaps::nat_rev_v4_mut,
+            (n::NAT_FWD_V4, n::NAT_REV_V4),
+            &ended,
+        )?;
+        let (v6, d6) = sweep::<NatKeyV6>(
+            self,
+            PinnedMaps::nat_fwd_v6_mut,
+            PinnedMaps::nat_rev_v6_mut,
+            (n::NAT_FWD_V6, n::NAT_REV_V6),
+            &ended,
+        )?;
+        Ok(NatSweep {
+            v4,
+            v6,
+            deleted: d4 + d6,
+        })
+    }
+}
