@@ -79,6 +79,16 @@ step "ARP for 10.201.0.50 from the neighbour: answered by from_native (no kernel
 echo "node uplink MAC: $(ip -n $NODE -j link show u0 | sed -E 's/.*"address":"([^"]+)".*/\1/')"
 ip netns exec $NB arping -c 2 -w 3 -I n0 10.201.0.50
 
+step "Masquerade in BPF: ep1 reaches the neighbour, which has no route back to 10.200.0.0/16"
+# The node's uplink address; MASQ_CONFIG (node address 10.201.0.1, ports
+# 61000-65535, IPv4 on) as the agent writes it, here by hand with bpftool.
+ip -n $NODE addr add 10.201.0.1/24 dev u0
+bpftool map update pinned "$PINS/maps/MASQ_CONFIG" key 0 0 0 0 value \
+  10 201 0 1  0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0  72 238 255 255  1 0 0 0  0 0 0 0
+ip netns exec $EP1 ping -c 3 -i 0.2 -I 10.200.0.1 10.201.0.2
+echo "the translation (endpoint tuple -> node address and port):"
+bpftool map dump pinned "$PINS/maps/NAT_FWD_V4"
+
 step "The maps through bpftool (BTF-formatted)"
 bpftool map dump pinned "$PINS/maps/IPCACHE_HOST_V4"
 bpftool map dump pinned "$PINS/maps/L2_RESP_V4"
