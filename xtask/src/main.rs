@@ -338,11 +338,13 @@ fn bench(suite: &str) -> anyhow::Result<()> {
         "masquerade" => {
             // lockstep's BPF masquerade beside nftables `masquerade`, in
             // identical namespaces; the test prints the medians and ratios.
-            run(cargo().args(["build", "-p", "lockstep", "--bins"]))?;
+            // Optimised: a debug client and server would be what limits
+            // connections per second on every side alike.
+            run(cargo().args(["build", "--release", "-p", "lockstep", "--bins"]))?;
             run(cargo()
-                .args(["test", "-p", "lockstep-tests", "--test", "masq_bench"])
+                .args(["test", "--release", "-p", "lockstep-tests", "--test", "masq_bench"])
                 .args(["--", "--ignored", "--nocapture", "--test-threads", "1"])
-                .env("LOCKSTEP_BIN", root().join("target/debug/lockstep")))
+                .env("LOCKSTEP_BIN", root().join("target/release/lockstep")))
         }
         "image" => {
             // The image test prints the figures: image size, and container
