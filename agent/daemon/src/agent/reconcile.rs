@@ -1,0 +1,380 @@
+//! Verify and reconcile: the desired contents of the maps (from the core's
+//! allocations, the pools and the config), the observed contents (read from
+//! the pins), and the diff between them, either reported (verify) or applied
+//! (reconcile, at start-up and periodically).
+//!
+//! It exists apart from the operations in `mod.rs` because it is the one
+//! place that compares the whole state against the datapath.
+
+use super::maps::{apply, clear_slots, drift, fill_slots, lpm_key_bytes};
+use super::*;
+
+impl Agent {
+    pub(super) fn desired(&self) -> Result<MapContents, AgentError> {
+        let invalid = |e: lockstep_core::plan::PlanError| AgentError::Invalid {
+            reason: e.to_string(),
+        };
+        // Allocations are host entries (the flat, sorted form); the tries
+        // carry pools' and config's prefixes.
+        let ifindex: BTreeMap<(&str, &str), u32> = self
+            .endpoints
+            .values()
+            .filter(|e| e.mode == EndpointMode::Full)
+            .map(|e| ((e.container_id.as_str(), e.ifname.as_str()), e.host_ifindex))
+            .collect();
+        let delegated = self.delegated_allocations();
+        let all = self.committed_allocations().chain(delegated.iter());
+        let hosts = host_entries(all, |a| match &a.owner {
+            Owner::Endpoint {
+                container_id,
+                ifname,
+            }
+            | Owner::Delegated {
+                container_id,
+                ifname,
+            } => EntryExtra {
+                ifindex: ifindex
+                    .get(&(container_id.as_str(), ifname.as_str()))
+                    .copied()
+                    .unwrap_or(0),
+                ..EntryExtra::default()
+            },
+            _ => EntryExtra::default(),
+        })
+        .map_err(invalid)?;
+        let hosts = self.merge_lb(hosts);
+        let announced_ingress = self
+            .config
+            .roles
+            .ingress
+            .announce
+            .then(|| {
+                self.manager
+                    .allocations()
+                    .find_map(|a| match (&a.owner, a.address) {
+                        (
+                            Owner::Agent {
+                                role: lockstep_core::owner::AgentRole::Ingress,
+                            },
+                            IpAddr::V4(v4),
+                        ) => Some(v4),
+                        _ => None,
+                    })
+            })
+            .flatten();
+        let mut l2: Vec<(V4Addr, L2RespValue)> = match &self.uplink {
+            Some(up) => self
+                .lb
+                .plan()
+                .l2_announce_v4
+                .into_keys()
+                .chain(announced_ingress)
+                .map(|a| {
+                    (
+                        a.octets(),
+                        L2RespValue {
+                            ifindex: up.index,
+                            mac: up.mac,
+                            ..Default::default()
+                        },
+                    )
+                })
+                .collect(),
+            None => Vec::new(),
+        };
+        l2.sort_unstable_by_key(|e| e.0);
+        let mut endpoint_entries: Vec<(u32, EndpointValue)> = self
+            .endpoints
+            .values()
+            .filter(|e| e.mode == EndpointMode::Full)
+            .map(|e| {
+                let owner = Owner::endpoint(&e.container_id, &e.ifname);
+                let generation = self
+                    .manager
+                    .owned_by(&owner)
+                    .map(|a| a.generation.0)
+                    .max()
+                    .or_else(|| self.delegated.get(&e.key()).map(|d| d.generation.0))
+                    .unwrap_or(0);
+                (e.host_ifindex, endpoints::endpoint_value(e, generation))
+            })
+            .collect();
+        endpoint_entries.sort_unstable_by_key(|e| e.0);
+        // The hashes hold sealed values (`lockstep_common::seal`): desired
+        // values are sealed too, so a value whose seal fails (which the
+        // programs read as absent) is drift, and reconcile writes seals.
+        for (ifindex, v) in &mut endpoint_entries {
+            *v = v.sealed(*ifindex);
+        }
+        for (addr, v) in &mut l2 {
+            *v = v.sealed(*addr);
+        }
+        let mut b = PlanBuilder::default();
+        for (cidr, pool_id) in self.manager.masq_skip_cidrs() {
+            b.masq_skip([cidr], masq_reason::POOL, pool_id);
+        }
+        b.masq_skip(
+            self.config.non_masquerade_cidrs.iter().copied(),
+            masq_reason::CONFIG,
+            0,
+        );
+        let plan = b.finish();
+        let endpoint_slots = direct_mapped(&endpoint_entries, |k| slots::endpoint(*k))
+            .into_iter()
+            .map(|(slot, k, v)| (slot, EndpointSlot::new(k, &v)))
+            .collect();
+        let l2_slots = direct_mapped(&l2, |k| slots::l2_resp(*k))
+            .into_iter()
+            .map(|(slot, k, v)| (slot, L2RespSlot::new(k, &v)))
+            .collect();
+        Ok(MapContents {
+            l2,
+            endpoints: endpoint_entries,
+            endpoint_slots,
+            l2_slots,
+            host_v4: hosts.v4,
+            host_v6: hosts.v6,
+            prefix_v4: plan.ipcache_v4,
+            prefix_v6: plan.ipcache_v6,
+            masq_v4: plan.masq_skip_v4,
+            masq_v6: plan.masq_skip_v6,
+        })
+    }
+
+    pub(super) fn observed(&self) -> Result<MapContents, AgentError> {
+        MapContents::observe(&self.maps)
+    }
+
+    pub(super) fn reconcile_inner(&mut self) -> Result<ReconcileReport, AgentError> {
+        let started = Instant::now();
+        let want = self.desired()?;
+        let have = self.observed()?;
+        // The maps the programs use, by descriptor: never a pin's path.
+        let root = &self.maps;
+        let mut report = ReconcileReport::default();
+        // Slots are cleared before and filled after their hashes change, so
+        // a slot never holds what its hash does not (see
+        // `lockstep_common::slots`).
+        let endpoint_slots = diff_sorted(&want.endpoint_slots, &have.endpoint_slots);
+        let l2_slots = diff_sorted(&want.l2_slots, &have.l2_slots);
+        clear_slots::<EndpointSlot>(root, map_names::ENDPOINT_SLOTS, &endpoint_slots)?;
+        clear_slots::<L2RespSlot>(root, map_names::L2_RESP_SLOTS, &l2_slots)?;
+        apply(
+            root,
+            map_names::L2_RESP_V4,
+            &diff_sorted(&want.l2, &have.l2),
+            |k| k.to_vec(),
+            &mut report,
+        )?;
+        apply(
+            root,
+            map_names::ENDPOINTS,
+            &diff_sorted(&want.endpoints, &have.endpoints),
+            |k| k.to_ne_bytes().to_vec(),
+            &mut report,
+        )?;
+        apply(
+            root,
+            map_names::IPCACHE_HOST_V4,
+            &diff_sorted(&want.host_v4, &have.host_v4),
+            |k| k.to_vec(),
+            &mut report,
+        )?;
+        apply(
+            root,
+            map_names::IPCACHE_HOST_V6,
+            &diff_sorted(&want.host_v6, &have.host_v6),
+            |k| k.to_vec(),
+            &mut report,
+        )?;
+        apply(
+            root,
+            map_names::IPCACHE_V4,
+            &diff(&want.prefix_v4, &have.prefix_v4),
+            |n| lpm_key_bytes(n.prefix_len(), &n.network().octets()),
+            &mut report,
+        )?;
+        apply(
+            root,
+            map_names::IPCACHE_V6,
+            &diff(&want.prefix_v6, &have.prefix_v6),
+            |n| lpm_key_bytes(n.prefix_len(), &n.network().octets()),
+            &mut report,
+        )?;
+        apply(
+            root,
+            map_names::MASQ_SKIP_V4,
+            &diff(&want.masq_v4, &have.masq_v4),
+            |n| lpm_key_bytes(n.prefix_len(), &n.network().octets()),
+            &mut report,
+        )?;
+        apply(
+            root,
+            map_names::MASQ_SKIP_V6,
+            &diff(&want.masq_v6, &have.masq_v6),
+            |n| lpm_key_bytes(n.prefix_len(), &n.network().octets()),
+            &mut report,
+        )?;
+        fill_slots(
+            root,
+            map_names::ENDPOINT_SLOTS,
+            &endpoint_slots,
+            &mut report,
+        )?;
+        fill_slots(root, map_names::L2_RESP_SLOTS, &l2_slots, &mut report)?;
+        self.stats.entries = BTreeMap::from([
+            (map_names::IPCACHE_HOST_V4, want.host_v4.len()),
+            (map_names::IPCACHE_HOST_V6, want.host_v6.len()),
+            (map_names::IPCACHE_V4, want.prefix_v4.len()),
+            (map_names::IPCACHE_V6, want.prefix_v6.len()),
+            (map_names::MASQ_SKIP_V4, want.masq_v4.len()),
+            (map_names::MASQ_SKIP_V6, want.masq_v6.len()),
+        ]);
+        report.micros = started.elapsed().as_micros() as u64;
+        Ok(report)
+    }
+
+    /// Compares the maps with the store-derived plan and applies the
+    /// difference (batch syscalls). Counts the changes as repairs.
+    ///
+    /// # Errors
+    /// A map could not be read or written.
+    pub fn reconcile(&mut self) -> Result<ReconcileReport, AgentError> {
+        // A store that failed (a full disk) recovers here too, so the agent
+        // becomes ready again without waiting for a request.
+        if let Err(e) = self.store.recover() {
+            tracing::warn!(error = %e, "the store is still failing");
+        }
+        self.settle();
+        self.guard_pins()?;
+        let report = self.reconcile_inner()?;
+        for (map, n) in &report.per_map {
+            *self.stats.repairs.entry(map.clone()).or_default() += *n as u64;
+        }
+        if report.total() > 0 {
+            tracing::warn!(?report, "reconcile repaired drift");
+        }
+        Ok(report)
+    }
+
+    /// Compares store, core and maps without changing anything.
+    ///
+    /// # Errors
+    /// The store or a map could not be read.
+    pub fn verify(&self) -> Result<VerifyReport, AgentError> {
+        let mut report = VerifyReport::default();
+        let stored = self.store.load()?;
+        // A parked release is held in memory and stored, on purpose, until
+        // the store accepts its removal: named, never silent.
+        report.store.extend(self.parked.describe());
+        let mut in_store: Vec<&Allocation> = stored
+            .allocations
+            .iter()
+            // A pending release (`reaper`) is held and stored, unmapped,
+            // for the moments its veth takes to go.
+            .filter(|a| !self.parked.holds(a) && !self.reaper.holds(a))
+            .collect();
+        let mut in_memory: Vec<&Allocation> = self.committed_allocations().collect();
+        in_store.sort();
+        in_memory.sort();
+        for a in &in_memory {
+            if in_store.binary_search(a).is_err() {
+                report.store.push(format!(
+                    "{} {} held in memory but not stored",
+                    a.address, a.owner
+                ));
+            }
+        }
+        for a in &in_store {
+            if in_memory.binary_search(a).is_err() {
+                report
+                    .store
+                    .push(format!("{} {} stored but not held", a.address, a.owner));
+            }
+        }
+        let want = self.desired()?;
+        let have = self.observed()?;
+        let show4 = |k: &V4Addr| std::net::Ipv4Addr::from(*k).to_string();
+        let show6 = |k: &V6Addr| std::net::Ipv6Addr::from(*k).to_string();
+        drift(
+            map_names::L2_RESP_V4,
+            &diff_sorted(&want.l2, &have.l2),
+            |k| std::net::Ipv4Addr::from(*k).to_string(),
+            &mut report.maps,
+        );
+        drift(
+            map_names::ENDPOINTS,
+            &diff_sorted(&want.endpoints, &have.endpoints),
+            |k| format!("ifindex {k}"),
+            &mut report.maps,
+        );
+        drift(
+            map_names::ENDPOINT_SLOTS,
+            &diff_sorted(&want.endpoint_slots, &have.endpoint_slots),
+            |k| format!("slot {k}"),
+            &mut report.maps,
+        );
+        drift(
+            map_names::L2_RESP_SLOTS,
+            &diff_sorted(&want.l2_slots, &have.l2_slots),
+            |k| format!("slot {k}"),
+            &mut report.maps,
+        );
+        if let Some(host) = self.netlink.as_ref() {
+            for e in self
+                .endpoints
+                .values()
+                .filter(|e| e.mode == EndpointMode::Full)
+            {
+                let name = e.host_ifname.clone().unwrap_or_default();
+                match host.link(&name) {
+                    Ok(Some(l)) if l.index == e.host_ifindex => {}
+                    _ => report.store.push(format!(
+                        "interface {name} of {}/{} is missing",
+                        e.container_id, e.ifname
+                    )),
+                }
+            }
+        }
+        drift(
+            map_names::IPCACHE_HOST_V4,
+            &diff_sorted(&want.host_v4, &have.host_v4),
+            show4,
+            &mut report.maps,
+        );
+        drift(
+            map_names::IPCACHE_HOST_V6,
+            &diff_sorted(&want.host_v6, &have.host_v6),
+            show6,
+            &mut report.maps,
+        );
+        drift(
+            map_names::IPCACHE_V4,
+            &diff(&want.prefix_v4, &have.prefix_v4),
+            |n| n.to_string(),
+            &mut report.maps,
+        );
+        drift(
+            map_names::IPCACHE_V6,
+            &diff(&want.prefix_v6, &have.prefix_v6),
+            |n| n.to_string(),
+            &mut report.maps,
+        );
+        drift(
+            map_names::MASQ_SKIP_V4,
+            &diff(&want.masq_v4, &have.masq_v4),
+            |n| n.to_string(),
+            &mut report.maps,
+        );
+        drift(
+            map_names::MASQ_SKIP_V6,
+            &diff(&want.masq_v6, &have.masq_v6),
+            |n| n.to_string(),
+            &mut report.maps,
+        );
+        report.pins = self.verify_pins();
+        report.draining = self.draining();
+        report.ok = report.store.is_empty() && report.maps.is_empty() && report.pins.is_empty();
+        Ok(report)
+    }
+}
