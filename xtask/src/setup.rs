@@ -38,6 +38,8 @@ const PACKAGES: &[&str] = &[
     // kernel's own masquerade it is measured against.
     "iperf3",
     "nftables",
+    // The masquerade test with checksum offload switched off on every veth.
+    "ethtool",
 ];
 
 const BPF_LINKER_VERSION: &str = "0.13.0";
