@@ -1,0 +1,168 @@
+//! How the API runs a CNI call against the shared agent: inline on the async
+//! worker when the work is bounded, or in phases around the agent lock when
+//! interfaces must be made or removed.
+//!
+//! It exists apart from ADD and DEL themselves because it is about locking
+//! and where work runs, not about what an ADD or a DEL does.
+
+use super::*;
+
+pub(super) fn lock(slot: &Mutex<Option<Agent>>) -> std::sync::MutexGuard<'_, Option<Agent>> {
+    slot.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+pub(super) fn not_ready() -> AgentError {
+    AgentError::NotReady {
+        reason: "restoring allocations and maps".into(),
+    }
+}
+
+/// What a CNI call's step on the API's async worker came to (see
+/// [`endpoint_add_inline`] and [`endpoint_del_inline`]).
+#[derive(Debug)]
+pub enum Inline<T, R> {
+    /// Served: store and map work only, done under the lock.
+    Done(Result<T, AgentError>),
+    /// Nothing was done: the request needs kernel work or an external
+    /// plugin, and must run on the blocking pool.
+    Blocking(R),
+}
+
+/// Whether serving this attachment, as the agent holds it right now, is
+/// store and map work only: IPAM mode, addresses from the agent's own pools
+/// (no external plugin to run), no interfaces to check or remove. Only ever
+/// asked with the lock held by the caller that then does the work.
+pub(super) fn inline_capable(agent: &Agent, key: &str, mode: Option<EndpointMode>) -> bool {
+    mode.is_none_or(|m| m == EndpointMode::Ipam)
+        && !agent.reaper.holds_key(key)
+        && !agent.delegated_mode()
+        && !agent.delegated.contains_key(key)
+        && agent
+            .endpoints
+            .get(key)
+            .is_none_or(|e| e.mode == EndpointMode::Ipam)
+}
+
+/// CNI ADD from the API's async worker. The attachment's state is judged
+/// and the ADD served under one hold of the agent lock, so nothing can
+/// change in between: an IPAM-only ADD (a commit and a few map writes, which
+/// the lock serialises anyway) is served here, without the two thread
+/// wake-ups a hop to the blocking pool costs (`cargo xtask bench cni`);
+/// anything else is handed back untouched, for [`endpoint_add_concurrent`]
+/// on the blocking pool.
+pub fn endpoint_add_inline(
+    slot: &Mutex<Option<Agent>>,
+    req: EndpointRequest,
+) -> Inline<EndpointReply, EndpointRequest> {
+    let mut guard = lock(slot);
+    let Some(agent) = guard.as_mut() else {
+        return Inline::Done(Err(not_ready()));
+    };
+    let key = endpoint_key(&req.container_id, &req.ifname);
+    if !inline_capable(agent, &key, Some(req.mode)) {
+        return Inline::Blocking(req);
+    }
+    Inline::Done(match agent.endpoint_add_begin(req) {
+        Ok(AddBegin::Done(reply)) => Ok(*reply),
+        // IPAM mode finishes in the first phase; were that ever to change,
+        // the interfaces are not made here.
+        Ok(AddBegin::Interfaces(p)) => {
+            let failure = InterfaceFailure {
+                error: invalid("an IPAM-only ADD asked for interfaces"),
+                host_ifindex: None,
+            };
+            agent.endpoint_add_finish(*p, Err(failure))
+        }
+        Err(e) => Err(e),
+    })
+}
+
+/// CNI DEL from the API's async worker: judged and committed under one hold
+/// of the agent lock (as [`endpoint_add_inline`]). The kernel work a full
+/// attachment leaves (detach, veth deletion) is never run here: it comes
+/// back as a [`DelCleanup`] for the blocking pool ([`DelCleanup::is_empty`]
+/// says whether there is any). A delegated attachment (an external plugin
+/// to run) is handed back untouched.
+pub fn endpoint_del_inline(
+    slot: &Mutex<Option<Agent>>,
+    req: DelRequest,
+) -> Inline<DelCleanup, DelRequest> {
+    let mut guard = lock(slot);
+    let Some(agent) = guard.as_mut() else {
+        return Inline::Done(Err(not_ready()));
+    };
+    let key = endpoint_key(&req.container_id, &req.ifname);
+    if agent.delegated_mode() || agent.delegated.contains_key(&key) {
+        return Inline::Blocking(req);
+    }
+    Inline::Done(agent.endpoint_del_begin(req))
+}
+
+/// CNI ADD with the agent lock held only to decide and to commit: the
+/// interfaces and the program attach (each waiting on the kernel) run
+/// unlocked, so concurrent ADDs overlap their waits.
+///
+/// # Errors
+/// As [`Agent::endpoint_add`].
+pub fn endpoint_add_concurrent(
+    slot: &Mutex<Option<Agent>>,
+    req: EndpointRequest,
+) -> Result<EndpointReply, AgentError> {
+    // The same attachment DEL'd a moment ago: its addresses come back only
+    // once its old veth is gone.
+    let key = endpoint_key(&req.container_id, &req.ifname);
+    let (netns, ifname) = (req.netns.clone(), req.ifname.clone());
+    let begun = crate::agent::reaper::lock_unblocked(
+        slot,
+        &key,
+        &netns,
+        &ifname,
+        std::time::Duration::from_secs(10),
+    )
+    .as_mut()
+    .ok_or_else(not_ready)?
+    .endpoint_add_begin(req);
+    let prepared = match begun? {
+        AddBegin::Done(reply) => return Ok(*reply),
+        AddBegin::Interfaces(p) => p,
+    };
+    let made = build_interfaces(
+        &prepared.req,
+        &prepared.addresses(),
+        prepared.attach.as_ref(),
+    );
+    let mut guard = lock(slot);
+    match guard.as_mut() {
+        Some(agent) => agent.endpoint_add_finish(*prepared, made),
+        None => {
+            let mut errors = vec![not_ready()];
+            if let Ok(i) = made
+                && let Err(e) = (DelCleanup {
+                    host: Some((i.host_ifname, i.host_ifindex)),
+                    attach: prepared.attach,
+                    orphan: None,
+                    orphan_guard: None,
+                })
+                .run()
+            {
+                errors.push(e);
+            }
+            Err(AgentError::all(errors).expect_err("one error at least"))
+        }
+    }
+}
+
+/// CNI DEL with the kernel work (detach, veth deletion) outside the lock.
+///
+/// # Errors
+/// As [`Agent::endpoint_del`].
+pub fn endpoint_del_concurrent(
+    slot: &Mutex<Option<Agent>>,
+    req: DelRequest,
+) -> Result<(), AgentError> {
+    let cleanup = lock(slot)
+        .as_mut()
+        .ok_or_else(not_ready)?
+        .endpoint_del_begin(req)?;
+    cleanup.run()
+}
