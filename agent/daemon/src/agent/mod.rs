@@ -45,6 +45,7 @@ pub mod endpoint_effects;
 pub mod endpoints;
 mod error;
 pub mod lb;
+mod map_table;
 mod maps;
 mod pins;
 pub mod reaper;

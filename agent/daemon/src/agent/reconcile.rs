@@ -6,7 +6,7 @@
 //! It exists apart from the operations in `mod.rs` because it is the one
 //! place that compares the whole state against the datapath.
 
-use super::maps::{apply, clear_slots, drift, fill_slots, lpm_key_bytes};
+use super::map_table::MAPS;
 use super::*;
 
 impl Agent {
@@ -155,81 +155,19 @@ impl Agent {
         // Slots are cleared before and filled after their hashes change, so
         // a slot never holds what its hash does not (see
         // `lockstep_common::slots`).
-        let endpoint_slots = diff_sorted(&want.endpoint_slots, &have.endpoint_slots);
-        let l2_slots = diff_sorted(&want.l2_slots, &have.l2_slots);
-        clear_slots::<EndpointSlot>(root, map_names::ENDPOINT_SLOTS, &endpoint_slots)?;
-        clear_slots::<L2RespSlot>(root, map_names::L2_RESP_SLOTS, &l2_slots)?;
-        apply(
-            root,
-            map_names::L2_RESP_V4,
-            &diff_sorted(&want.l2, &have.l2),
-            |k| k.to_vec(),
-            &mut report,
-        )?;
-        apply(
-            root,
-            map_names::ENDPOINTS,
-            &diff_sorted(&want.endpoints, &have.endpoints),
-            |k| k.to_ne_bytes().to_vec(),
-            &mut report,
-        )?;
-        apply(
-            root,
-            map_names::IPCACHE_HOST_V4,
-            &diff_sorted(&want.host_v4, &have.host_v4),
-            |k| k.to_vec(),
-            &mut report,
-        )?;
-        apply(
-            root,
-            map_names::IPCACHE_HOST_V6,
-            &diff_sorted(&want.host_v6, &have.host_v6),
-            |k| k.to_vec(),
-            &mut report,
-        )?;
-        apply(
-            root,
-            map_names::IPCACHE_V4,
-            &diff(&want.prefix_v4, &have.prefix_v4),
-            |n| lpm_key_bytes(n.prefix_len(), &n.network().octets()),
-            &mut report,
-        )?;
-        apply(
-            root,
-            map_names::IPCACHE_V6,
-            &diff(&want.prefix_v6, &have.prefix_v6),
-            |n| lpm_key_bytes(n.prefix_len(), &n.network().octets()),
-            &mut report,
-        )?;
-        apply(
-            root,
-            map_names::MASQ_SKIP_V4,
-            &diff(&want.masq_v4, &have.masq_v4),
-            |n| lpm_key_bytes(n.prefix_len(), &n.network().octets()),
-            &mut report,
-        )?;
-        apply(
-            root,
-            map_names::MASQ_SKIP_V6,
-            &diff(&want.masq_v6, &have.masq_v6),
-            |n| lpm_key_bytes(n.prefix_len(), &n.network().octets()),
-            &mut report,
-        )?;
-        fill_slots(
-            root,
-            map_names::ENDPOINT_SLOTS,
-            &endpoint_slots,
-            &mut report,
-        )?;
-        fill_slots(root, map_names::L2_RESP_SLOTS, &l2_slots, &mut report)?;
-        self.stats.entries = BTreeMap::from([
-            (map_names::IPCACHE_HOST_V4, want.host_v4.len()),
-            (map_names::IPCACHE_HOST_V6, want.host_v6.len()),
-            (map_names::IPCACHE_V4, want.prefix_v4.len()),
-            (map_names::IPCACHE_V6, want.prefix_v6.len()),
-            (map_names::MASQ_SKIP_V4, want.masq_v4.len()),
-            (map_names::MASQ_SKIP_V6, want.masq_v6.len()),
-        ]);
+        for m in MAPS {
+            m.clear(root, &want, &have)?;
+        }
+        for m in MAPS {
+            m.apply(root, &want, &have, &mut report)?;
+        }
+        for m in MAPS {
+            m.fill(root, &want, &have, &mut report)?;
+        }
+        self.stats.entries = MAPS
+            .iter()
+            .filter_map(|m| Some((m.name(), m.counted(&want)?)))
+            .collect();
         report.micros = started.elapsed().as_micros() as u64;
         Ok(report)
     }
@@ -294,32 +232,6 @@ impl Agent {
         }
         let want = self.desired()?;
         let have = self.observed()?;
-        let show4 = |k: &V4Addr| std::net::Ipv4Addr::from(*k).to_string();
-        let show6 = |k: &V6Addr| std::net::Ipv6Addr::from(*k).to_string();
-        drift(
-            map_names::L2_RESP_V4,
-            &diff_sorted(&want.l2, &have.l2),
-            |k| std::net::Ipv4Addr::from(*k).to_string(),
-            &mut report.maps,
-        );
-        drift(
-            map_names::ENDPOINTS,
-            &diff_sorted(&want.endpoints, &have.endpoints),
-            |k| format!("ifindex {k}"),
-            &mut report.maps,
-        );
-        drift(
-            map_names::ENDPOINT_SLOTS,
-            &diff_sorted(&want.endpoint_slots, &have.endpoint_slots),
-            |k| format!("slot {k}"),
-            &mut report.maps,
-        );
-        drift(
-            map_names::L2_RESP_SLOTS,
-            &diff_sorted(&want.l2_slots, &have.l2_slots),
-            |k| format!("slot {k}"),
-            &mut report.maps,
-        );
         if let Some(host) = self.netlink.as_ref() {
             for e in self
                 .endpoints
@@ -336,42 +248,9 @@ impl Agent {
                 }
             }
         }
-        drift(
-            map_names::IPCACHE_HOST_V4,
-            &diff_sorted(&want.host_v4, &have.host_v4),
-            show4,
-            &mut report.maps,
-        );
-        drift(
-            map_names::IPCACHE_HOST_V6,
-            &diff_sorted(&want.host_v6, &have.host_v6),
-            show6,
-            &mut report.maps,
-        );
-        drift(
-            map_names::IPCACHE_V4,
-            &diff(&want.prefix_v4, &have.prefix_v4),
-            |n| n.to_string(),
-            &mut report.maps,
-        );
-        drift(
-            map_names::IPCACHE_V6,
-            &diff(&want.prefix_v6, &have.prefix_v6),
-            |n| n.to_string(),
-            &mut report.maps,
-        );
-        drift(
-            map_names::MASQ_SKIP_V4,
-            &diff(&want.masq_v4, &have.masq_v4),
-            |n| n.to_string(),
-            &mut report.maps,
-        );
-        drift(
-            map_names::MASQ_SKIP_V6,
-            &diff(&want.masq_v6, &have.masq_v6),
-            |n| n.to_string(),
-            &mut report.maps,
-        );
+        for m in MAPS {
+            m.drift(&want, &have, &mut report.maps);
+        }
         report.pins = self.verify_pins();
         report.draining = self.draining();
         report.ok = report.store.is_empty() && report.maps.is_empty() && report.pins.is_empty();
