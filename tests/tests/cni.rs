@@ -1513,7 +1513,9 @@ fn taken_interface_names_are_refused_or_reclaimed() -> anyhow::Result<()> {
 
     // The container already has an eth0.
     let taken = Netns::new("taken")?;
-    taken.ip(["link", "add", "eth0", "type", "veth", "peer", "name", "eth0peer"])?;
+    taken.ip([
+        "link", "add", "eth0", "type", "veth", "peer", "name", "eth0peer",
+    ])?;
     let id = unique("taken");
     let before = links(&node)?;
     let call = plugin(&env("ADD", &id, Some(&taken.path()), "eth0"), &config)?;

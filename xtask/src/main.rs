@@ -342,7 +342,14 @@ fn bench(suite: &str) -> anyhow::Result<()> {
             // connections per second on every side alike.
             run(cargo().args(["build", "--release", "-p", "lockstep", "--bins"]))?;
             run(cargo()
-                .args(["test", "--release", "-p", "lockstep-tests", "--test", "masq_bench"])
+                .args([
+                    "test",
+                    "--release",
+                    "-p",
+                    "lockstep-tests",
+                    "--test",
+                    "masq_bench",
+                ])
                 .args(["--", "--ignored", "--nocapture", "--test-threads", "1"])
                 .env("LOCKSTEP_BIN", root().join("target/release/lockstep")))
         }
