@@ -451,5 +451,7 @@ pub fn slot_holder<K: Ord + Copy, V: Copy>(
         .min_by_key(|(k, _)| *k)
 }
 
+pub mod desired;
+
 #[cfg(test)]
 mod tests;

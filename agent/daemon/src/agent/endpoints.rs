@@ -14,7 +14,7 @@ use std::collections::BTreeSet;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use ipnet::IpNet;
-use lockstep_common::{EndpointValue, endpoint_flags, program_names};
+use lockstep_common::{EndpointValue, program_names};
 use lockstep_core::cidr::Family;
 use lockstep_core::manager::Allocation;
 use lockstep_core::owner::Owner;
@@ -47,24 +47,7 @@ pub use interfaces::*;
 
 /// The endpoint's ENDPOINTS value.
 pub(super) fn endpoint_value(record: &EndpointRecord, generation: u64) -> EndpointValue {
-    let mut v = EndpointValue {
-        generation,
-        mac: record.mac,
-        ..Default::default()
-    };
-    for a in &record.addresses {
-        match a {
-            IpAddr::V4(v4) => {
-                v.ipv4 = v4.octets();
-                v.flags |= endpoint_flags::HAS_V4;
-            }
-            IpAddr::V6(v6) => {
-                v.ipv6 = v6.octets();
-                v.flags |= endpoint_flags::HAS_V6;
-            }
-        }
-    }
-    v
+    lockstep_core::plan::desired::endpoint_value(record.mac, &record.addresses, generation)
 }
 
 fn invalid(reason: impl Into<String>) -> AgentError {

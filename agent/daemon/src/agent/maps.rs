@@ -5,6 +5,7 @@
 //! It exists so that the reconcile logic deals in whole map contents and the
 //! byte-level reading and writing of each map kind stays in one place.
 
+use super::map_table::MAPS;
 use super::*;
 
 /// Raw bytes of a plain-data map value.
@@ -19,84 +20,18 @@ pub(super) fn lpm_key_bytes(prefix_len: u8, addr: &[u8]) -> Vec<u8> {
     k
 }
 
-/// The desired contents of every map the agent owns, split the way the
-/// datapath stores them (host entries in hashes, prefixes in tries).
-#[derive(Debug, Default, PartialEq)]
-pub(super) struct MapContents {
-    /// L2_RESP_V4, sorted by address.
-    pub(super) l2: Vec<(V4Addr, L2RespValue)>,
-    /// ENDPOINTS, sorted by ifindex.
-    pub(super) endpoints: Vec<(u32, EndpointValue)>,
-    /// ENDPOINT_SLOTS that hold something, sorted by slot.
-    pub(super) endpoint_slots: Vec<(u32, EndpointSlot)>,
-    /// L2_RESP_SLOTS that hold something, sorted by slot.
-    pub(super) l2_slots: Vec<(u32, L2RespSlot)>,
-    /// Sorted by address, unique.
-    pub(super) host_v4: Vec<(V4Addr, IpcacheValue)>,
-    /// Sorted by address, unique.
-    pub(super) host_v6: Vec<(V6Addr, IpcacheValue)>,
-    pub(super) prefix_v4: BTreeMap<Ipv4Net, IpcacheValue>,
-    pub(super) prefix_v6: BTreeMap<Ipv6Net, IpcacheValue>,
-    pub(super) masq_v4: BTreeMap<Ipv4Net, MasqSkipValue>,
-    pub(super) masq_v6: BTreeMap<Ipv6Net, MasqSkipValue>,
+pub(super) use lockstep_core::plan::desired::MapContents;
+
+/// Reads every map the agent owns from its pins (the table in
+/// `map_table`).
+pub(super) fn observe(maps: &PinnedMaps) -> Result<MapContents, AgentError> {
+    let mut c = MapContents::default();
+    for m in MAPS {
+        m.observe(maps, &mut c)?;
+    }
+    Ok(c)
 }
 
-impl MapContents {
-    pub(super) fn observe(maps: &PinnedMaps) -> Result<Self, AgentError> {
-        let mut c = MapContents {
-            l2: read_hash(maps, map_names::L2_RESP_V4)?,
-            endpoints: read_hash(maps, map_names::ENDPOINTS)?,
-            endpoint_slots: read_slots(
-                maps,
-                map_names::ENDPOINT_SLOTS,
-                max_entries::ENDPOINT_SLOTS,
-            )?,
-            l2_slots: read_slots(maps, map_names::L2_RESP_SLOTS, max_entries::L2_RESP_SLOTS)?,
-            host_v4: read_hash(maps, map_names::IPCACHE_HOST_V4)?,
-            host_v6: read_hash(maps, map_names::IPCACHE_HOST_V6)?,
-            ..MapContents::default()
-        };
-        let map_err = |e| AgentError::Program {
-            map: "IPCACHE",
-            source: Box::new(e),
-        };
-        Self::observe_tries(maps, &mut c).map_err(map_err)?;
-        Ok(c)
-    }
-
-    pub(super) fn observe_tries(
-        maps: &PinnedMaps,
-        c: &mut MapContents,
-    ) -> Result<(), aya::maps::MapError> {
-        for item in maps.ipcache_v4().iter() {
-            let (k, v) = item?;
-            if let Ok(n) = Ipv4Net::new(k.data().into(), k.prefix_len() as u8) {
-                c.prefix_v4.insert(n, v);
-            }
-        }
-        for item in maps.ipcache_v6().iter() {
-            let (k, v) = item?;
-            if let Ok(n) = Ipv6Net::new(k.data().into(), k.prefix_len() as u8) {
-                c.prefix_v6.insert(n, v);
-            }
-        }
-        for item in maps.masq_skip_v4().iter() {
-            let (k, v) = item?;
-            if let Ok(n) = Ipv4Net::new(k.data().into(), k.prefix_len() as u8) {
-                c.masq_v4.insert(n, v);
-            }
-        }
-        for item in maps.masq_skip_v6().iter() {
-            let (k, v) = item?;
-            if let Ok(n) = Ipv6Net::new(k.data().into(), k.prefix_len() as u8) {
-                c.masq_v6.insert(n, v);
-            }
-        }
-        Ok(())
-    }
-}
-
-/// A map key readable from raw bytes.
 /// Reads a map in bulk and returns it sorted by key.
 pub(super) fn read_hash<K: sys::RawKey, V: aya::Pod>(
     maps: &PinnedMaps,

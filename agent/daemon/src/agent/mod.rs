@@ -18,16 +18,11 @@ use std::net::IpAddr;
 use std::time::Instant;
 
 use ipnet::{IpNet, Ipv4Net, Ipv6Net};
-use lockstep_common::{
-    EndpointSlot, EndpointValue, IpcacheValue, L2RespSlot, L2RespValue, MasqSkipValue, V4Addr,
-    V6Addr, map_names, masq_reason, max_entries, slots,
-};
+use lockstep_common::{V4Addr, V6Addr, map_names, max_entries};
 use lockstep_core::cidr::Family;
 use lockstep_core::manager::{Allocation, ManagerConfig, ManagerError, PoolManager, StaticPools};
 use lockstep_core::owner::{Generation, Owner};
-use lockstep_core::plan::{
-    EntryExtra, MapDiff, PlanBuilder, diff, diff_sorted, direct_mapped, host_entries,
-};
+use lockstep_core::plan::{MapDiff, diff, diff_sorted};
 use serde::{Deserialize, Serialize};
 
 use crate::config::{AttachModeConfig, Config};
@@ -722,39 +717,6 @@ impl Agent {
             mac: link.mac,
         });
         Ok(())
-    }
-
-    /// Adds LoadBalancer addresses to the node's host entries. An address
-    /// held by both (impossible while LB pools are refused when they overlap
-    /// node pools) keeps the node's entry and is logged.
-    fn merge_lb(
-        &self,
-        mut hosts: lockstep_core::plan::HostEntries,
-    ) -> lockstep_core::plan::HostEntries {
-        let mut extra = false;
-        for (addr, value) in self.lb_host_entries() {
-            match addr {
-                IpAddr::V4(a) => match hosts.v4.binary_search_by_key(&a.octets(), |e| e.0) {
-                    Ok(_) => tracing::error!(%a, "an LB address is also a node allocation"),
-                    Err(_) => {
-                        hosts.v4.push((a.octets(), value));
-                        extra = true;
-                    }
-                },
-                IpAddr::V6(a) => match hosts.v6.binary_search_by_key(&a.octets(), |e| e.0) {
-                    Ok(_) => tracing::error!(%a, "an LB address is also a node allocation"),
-                    Err(_) => {
-                        hosts.v6.push((a.octets(), value));
-                        extra = true;
-                    }
-                },
-            }
-        }
-        if extra {
-            hosts.v4.sort_unstable_by_key(|e| e.0);
-            hosts.v6.sort_unstable_by_key(|e| e.0);
-        }
-        hosts
     }
 
     /// Allocations that are committed: all but those of attachments between

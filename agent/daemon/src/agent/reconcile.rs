@@ -1,5 +1,5 @@
-//! Verify and reconcile: the desired contents of the maps (from the core's
-//! allocations, the pools and the config), the observed contents (read from
+//! Verify and reconcile: the desired contents of the maps (decided by the
+//! core's `plan::desired` from the agent's state), the observed contents (read from
 //! the pins), and the diff between them, either reported (verify) or applied
 //! (reconcile, at start-up and periodically).
 //!
@@ -8,41 +8,36 @@
 
 use super::map_table::MAPS;
 use super::*;
+use lockstep_core::plan::desired::{DesiredInput, LocalEndpoint, Uplink, desired};
 
 impl Agent {
+    /// Gathers the agent's state for the core's [`desired`], which decides
+    /// every map's contents.
     pub(super) fn desired(&self) -> Result<MapContents, AgentError> {
-        let invalid = |e: lockstep_core::plan::PlanError| AgentError::Invalid {
-            reason: e.to_string(),
-        };
-        // Allocations are host entries (the flat, sorted form); the tries
-        // carry pools' and config's prefixes.
-        let ifindex: BTreeMap<(&str, &str), u32> = self
+        let delegated = self.delegated_allocations();
+        let endpoints = self
             .endpoints
             .values()
             .filter(|e| e.mode == EndpointMode::Full)
-            .map(|e| ((e.container_id.as_str(), e.ifname.as_str()), e.host_ifindex))
+            .map(|e| {
+                let owner = Owner::endpoint(&e.container_id, &e.ifname);
+                let generation = self
+                    .manager
+                    .owned_by(&owner)
+                    .map(|a| a.generation.0)
+                    .max()
+                    .or_else(|| self.delegated.get(&e.key()).map(|d| d.generation.0))
+                    .unwrap_or(0);
+                LocalEndpoint {
+                    container_id: &e.container_id,
+                    ifname: &e.ifname,
+                    host_ifindex: e.host_ifindex,
+                    mac: e.mac,
+                    addresses: &e.addresses,
+                    generation,
+                }
+            })
             .collect();
-        let delegated = self.delegated_allocations();
-        let all = self.committed_allocations().chain(delegated.iter());
-        let hosts = host_entries(all, |a| match &a.owner {
-            Owner::Endpoint {
-                container_id,
-                ifname,
-            }
-            | Owner::Delegated {
-                container_id,
-                ifname,
-            } => EntryExtra {
-                ifindex: ifindex
-                    .get(&(container_id.as_str(), ifname.as_str()))
-                    .copied()
-                    .unwrap_or(0),
-                ..EntryExtra::default()
-            },
-            _ => EntryExtra::default(),
-        })
-        .map_err(invalid)?;
-        let hosts = self.merge_lb(hosts);
         let announced_ingress = self
             .config
             .roles
@@ -62,87 +57,35 @@ impl Agent {
                     })
             })
             .flatten();
-        let mut l2: Vec<(V4Addr, L2RespValue)> = match &self.uplink {
-            Some(up) => self
+        let input = DesiredInput {
+            allocations: self.committed_allocations().chain(delegated.iter()),
+            endpoints,
+            lb_hosts: self.lb_host_entries(),
+            announce_v4: self
                 .lb
                 .plan()
                 .l2_announce_v4
                 .into_keys()
                 .chain(announced_ingress)
-                .map(|a| {
-                    (
-                        a.octets(),
-                        L2RespValue {
-                            ifindex: up.index,
-                            mac: up.mac,
-                            ..Default::default()
-                        },
-                    )
-                })
                 .collect(),
-            None => Vec::new(),
+            uplink: self.uplink.as_ref().map(|up| Uplink {
+                ifindex: up.index,
+                mac: up.mac,
+            }),
+            masq_skip_pools: self.manager.masq_skip_cidrs(),
+            non_masquerade: &self.config.non_masquerade_cidrs,
         };
-        l2.sort_unstable_by_key(|e| e.0);
-        let mut endpoint_entries: Vec<(u32, EndpointValue)> = self
-            .endpoints
-            .values()
-            .filter(|e| e.mode == EndpointMode::Full)
-            .map(|e| {
-                let owner = Owner::endpoint(&e.container_id, &e.ifname);
-                let generation = self
-                    .manager
-                    .owned_by(&owner)
-                    .map(|a| a.generation.0)
-                    .max()
-                    .or_else(|| self.delegated.get(&e.key()).map(|d| d.generation.0))
-                    .unwrap_or(0);
-                (e.host_ifindex, endpoints::endpoint_value(e, generation))
-            })
-            .collect();
-        endpoint_entries.sort_unstable_by_key(|e| e.0);
-        // The hashes hold sealed values (`lockstep_common::seal`): desired
-        // values are sealed too, so a value whose seal fails (which the
-        // programs read as absent) is drift, and reconcile writes seals.
-        for (ifindex, v) in &mut endpoint_entries {
-            *v = v.sealed(*ifindex);
+        let d = desired(input).map_err(|e| AgentError::Invalid {
+            reason: e.to_string(),
+        })?;
+        for a in &d.lb_conflicts {
+            tracing::error!(%a, "an LB address is also a node allocation");
         }
-        for (addr, v) in &mut l2 {
-            *v = v.sealed(*addr);
-        }
-        let mut b = PlanBuilder::default();
-        for (cidr, pool_id) in self.manager.masq_skip_cidrs() {
-            b.masq_skip([cidr], masq_reason::POOL, pool_id);
-        }
-        b.masq_skip(
-            self.config.non_masquerade_cidrs.iter().copied(),
-            masq_reason::CONFIG,
-            0,
-        );
-        let plan = b.finish();
-        let endpoint_slots = direct_mapped(&endpoint_entries, |k| slots::endpoint(*k))
-            .into_iter()
-            .map(|(slot, k, v)| (slot, EndpointSlot::new(k, &v)))
-            .collect();
-        let l2_slots = direct_mapped(&l2, |k| slots::l2_resp(*k))
-            .into_iter()
-            .map(|(slot, k, v)| (slot, L2RespSlot::new(k, &v)))
-            .collect();
-        Ok(MapContents {
-            l2,
-            endpoints: endpoint_entries,
-            endpoint_slots,
-            l2_slots,
-            host_v4: hosts.v4,
-            host_v6: hosts.v6,
-            prefix_v4: plan.ipcache_v4,
-            prefix_v6: plan.ipcache_v6,
-            masq_v4: plan.masq_skip_v4,
-            masq_v6: plan.masq_skip_v6,
-        })
+        Ok(d.maps)
     }
 
     pub(super) fn observed(&self) -> Result<MapContents, AgentError> {
-        MapContents::observe(&self.maps)
+        maps::observe(&self.maps)
     }
 
     pub(super) fn reconcile_inner(&mut self) -> Result<ReconcileReport, AgentError> {

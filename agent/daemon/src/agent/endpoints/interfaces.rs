@@ -458,7 +458,10 @@ mod tests {
             releasing: false,
         };
         let v = endpoint_value(&r, 9);
-        assert_eq!(v.flags, endpoint_flags::HAS_V4 | endpoint_flags::HAS_V6);
+        assert_eq!(
+            v.flags,
+            lockstep_common::endpoint_flags::HAS_V4 | lockstep_common::endpoint_flags::HAS_V6
+        );
         assert_eq!(v.ipv4, [10, 0, 0, 2]);
         assert_eq!(v.generation, 9);
         assert_eq!(v.mac, [2, 0, 0, 0, 0, 1]);
