@@ -390,6 +390,29 @@ fn add_check_del_across_versions_and_the_containers_ping_each_other() -> anyhow:
         .context("host")?
         .to_string();
     ensure!(links(&node)?.contains(&host_a) && links(&node)?.contains(&host_b));
+    // Each host veth carries exactly one filter: the pinned from_endpoint,
+    // direct-action, attached by the ADD's own netlink batch.
+    let pinned = agent.pins.path().join("progs/from_endpoint");
+    let prog: Value = serde_json::from_slice(
+        &Command::new("bpftool")
+            .args(["-j", "prog", "show", "pinned"])
+            .arg(&pinned)
+            .output()?
+            .stdout,
+    )?;
+    let id = prog["id"].as_u64().context("pinned from_endpoint id")?;
+    for host in [&host_a, &host_b] {
+        let filters = node.exec("tc", ["filter", "show", "dev", host, "ingress"])?;
+        let ours: Vec<&str> = filters.lines().filter(|l| l.contains(" handle ")).collect();
+        ensure!(ours.len() == 1, "one bpf filter on {host}: {filters}");
+        ensure!(
+            ours[0].contains("from_endpoint")
+                && ours[0].contains("direct-action")
+                && ours[0].contains(&format!(" id {id} ")),
+            "{host}: the pinned from_endpoint (id {id}), direct-action: {filters}"
+        );
+    }
+    let passed = lockstep_tests::counter(&agent.pins, "from_endpoint_passed")?;
 
     for addr in &b_addrs {
         ping(&a_ns, bare(addr))?;
@@ -397,6 +420,11 @@ fn add_check_del_across_versions_and_the_containers_ping_each_other() -> anyhow:
     for addr in &a_addrs {
         ping(&b_ns, bare(addr))?;
     }
+    let now = lockstep_tests::counter(&agent.pins, "from_endpoint_passed")?;
+    ensure!(
+        now > passed,
+        "the pings went through from_endpoint: {passed} -> {now}"
+    );
 
     // ADD again (0.4.0 and 1.1.0 now): the same addresses and interfaces.
     let a_again = plugin(
