@@ -58,7 +58,7 @@ enum Task {
         /// Only run integration tests whose name contains this.
         filter: Option<String>,
     },
-    /// Run a benchmark suite: core, lb, datapath, agent, cni, image, masquerade, all.
+    /// Run a benchmark suite: core, lb, datapath, agent, cni, image, masquerade, cluster, all.
     Bench {
         /// The suite.
         suite: String,
@@ -353,6 +353,20 @@ fn bench(suite: &str) -> anyhow::Result<()> {
                 .args(["--", "--ignored", "--nocapture", "--test-threads", "1"])
                 .env("LOCKSTEP_BIN", root().join("target/release/lockstep")))
         }
+        "cluster" => {
+            // Block claims through the cluster door against a real 3-member
+            // etcd started by the test, up to 5,000 simulated nodes.
+            run(cargo()
+                .args([
+                    "test",
+                    "--release",
+                    "-p",
+                    "lockstep-tests",
+                    "--test",
+                    "cluster_bench",
+                ])
+                .args(["--", "--ignored", "--nocapture", "--test-threads", "1"]))
+        }
         "image" => {
             // The image test prints the figures: image size, and container
             // start to ready with 10k allocations in the store.
@@ -376,6 +390,7 @@ fn bench(suite: &str) -> anyhow::Result<()> {
                 "cni",
                 "image",
                 "masquerade",
+                "cluster",
             ] {
                 if let Err(e) = bench(suite) {
                     eprintln!("bench {suite}: {e}");
@@ -393,7 +408,7 @@ fn bench(suite: &str) -> anyhow::Result<()> {
         }
         other => {
             bail!(
-                "unknown bench suite {other}; known: core, lb, datapath, agent, cni, image, masquerade, all"
+                "unknown bench suite {other}; known: core, lb, datapath, agent, cni, image, masquerade, cluster, all"
             )
         }
     }

@@ -19,7 +19,7 @@ mod tests;
 
 pub use decide::{
     BlockUse, Fence, NodeLease, blocks_to_claim, blocks_to_release, check_node_removal, fence,
-    next_block, reclaimable,
+    next_block, reclaimable, spread,
 };
 pub use layout::{block_at, block_count, block_index};
 pub use spec::{ClusterPoolSpec, check_apply, validate_pools};

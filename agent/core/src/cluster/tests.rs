@@ -104,21 +104,104 @@ fn next_block_prefers_the_nodes_neighbourhood() {
     let claimed: BTreeSet<_> = [net("10.0.0.0/26"), net("10.0.0.64/26")].into();
     let mine: BTreeSet<_> = [net("10.0.0.64/26")].into();
     assert_eq!(
-        next_block(&p, Family::V4, &claimed, &mine),
+        next_block(&p, Family::V4, &claimed, &mine, "n1"),
         Some(net("10.0.0.128/26"))
     );
-    assert_eq!(
-        next_block(&p, Family::V4, &claimed, &BTreeSet::new()),
-        Some(net("10.0.0.128/26"))
-    );
+    // Without a block: a free one, wherever the name starts it.
+    for node in ["n1", "n2", "n3", "a-much-longer-node-name"] {
+        let b = next_block(&p, Family::V4, &claimed, &BTreeSet::new(), node).unwrap();
+        assert!(!claimed.contains(&b), "{node}: {b}");
+    }
     let all: BTreeSet<_> = (0..4)
         .map(|i| block_at(net("10.0.0.0/24"), 26, i).unwrap())
         .collect();
-    assert_eq!(next_block(&p, Family::V4, &all, &BTreeSet::new()), None);
     assert_eq!(
-        next_block(&p, Family::V6, &BTreeSet::new(), &BTreeSet::new()),
+        next_block(&p, Family::V4, &all, &BTreeSet::new(), "n1"),
         None
     );
+    // The last free block is found from any start, wrapping round.
+    let but_first: BTreeSet<_> = all.iter().skip(1).copied().collect();
+    for node in ["n1", "n2", "n3", "n4", "n5"] {
+        assert_eq!(
+            next_block(&p, Family::V4, &but_first, &BTreeSet::new(), node),
+            Some(net("10.0.0.0/26"))
+        );
+    }
+    assert_eq!(
+        next_block(&p, Family::V6, &BTreeSet::new(), &BTreeSet::new(), "n1"),
+        None
+    );
+}
+
+#[test]
+fn new_nodes_start_spread_over_the_pool() {
+    // 64 nodes with no block pick among 1024 blocks: few pick the same one
+    // (all 64 would, starting at the first free block).
+    let p = ClusterPoolSpec::new("p").with_cidr(net("10.0.0.0/16"));
+    let picks: BTreeSet<IpNet> = (0..64)
+        .map(|i| {
+            next_block(
+                &p,
+                Family::V4,
+                &BTreeSet::new(),
+                &BTreeSet::new(),
+                &format!("node-{i:05}"),
+            )
+            .unwrap()
+        })
+        .collect();
+    assert!(picks.len() >= 56, "{} distinct starts of 64", picks.len());
+    // Across several CIDRs, starts land in each.
+    let q = ClusterPoolSpec::new("q")
+        .with_cidr(net("10.1.0.0/24"))
+        .with_cidr(net("10.2.0.0/24"));
+    let in_second = (0..64)
+        .filter_map(|i| {
+            next_block(
+                &q,
+                Family::V4,
+                &BTreeSet::new(),
+                &BTreeSet::new(),
+                &format!("n{i}"),
+            )
+        })
+        .filter(|b| net("10.2.0.0/24").contains(&b.network()))
+        .count();
+    assert!(
+        (8..=56).contains(&in_second),
+        "{in_second} of 64 in the second cidr"
+    );
+}
+
+proptest! {
+    /// Whatever is claimed, the node and its blocks, the pick is a free
+    /// block of the pool, and `None` only when every block is claimed.
+    #[test]
+    fn next_block_is_free_and_exists_unless_full(
+        taken in proptest::collection::btree_set(0u128..16, 0..=16),
+        mine in proptest::collection::btree_set(0u128..16, 0..3),
+        node in "[a-z0-9-]{1,20}",
+    ) {
+        let mut p = ClusterPoolSpec::new("p")
+            .with_cidr(net("10.0.0.0/26"))
+            .with_cidr(net("10.0.1.0/27"));
+        p.block_v4 = 28;
+        let at = |i: u128| if i < 4 {
+            block_at(net("10.0.0.0/26"), 28, i).unwrap()
+        } else {
+            block_at(net("10.0.1.0/27"), 28, (i - 4) % 2).unwrap()
+        };
+        let claimed: BTreeSet<IpNet> = taken.iter().chain(&mine).map(|&i| at(i)).collect();
+        let held: BTreeSet<IpNet> = mine.iter().map(|&i| at(i)).collect();
+        let got = next_block(&p, Family::V4, &claimed, &held, &node);
+        match got {
+            Some(b) => {
+                prop_assert!(!claimed.contains(&b));
+                prop_assert!(p.ipv4.iter().any(|c| c.contains(&b.network())));
+            }
+            None => prop_assert_eq!(claimed.len(), 6, "None with free blocks left"),
+        }
+    }
 }
 
 #[test]
@@ -223,7 +306,7 @@ proptest! {
             match op {
                 Op::Claim(n) if up[n] => {
                     let claimed: BTreeSet<_> = etcd.keys().copied().collect();
-                    if let Some(b) = next_block(&pool, Family::V4, &claimed, &local[n]) {
+                    if let Some(b) = next_block(&pool, Family::V4, &claimed, &local[n], &format!("n{n}")) {
                         prop_assert!(!claimed.contains(&b));
                         prop_assert!(pool.ipv4.iter().any(|c| c.contains(&b.network())));
                         // create-if-absent

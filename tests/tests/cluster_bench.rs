@@ -1,0 +1,322 @@
+//! `cargo xtask bench cluster` (#12): block claims through the cluster
+//! door against a real 3-member etcd cluster started here, at the scale of
+//! a large cluster. Run with `--ignored --nocapture`; prints a table.
+//!
+//! a. One node claiming blocks one after another: claim p50 / p99 (goal:
+//!    p99 ≤ 50 ms).
+//! b. 5,000 simulated nodes (the same door the agent uses, no datapath),
+//!    each registering under a lease and claiming the blocks 110 endpoints
+//!    need (the core's `blocks_to_claim` and `next_block`), 32 at a time,
+//!    in waves that take the cluster to 100, 1,000 and 5,000 nodes: claim
+//!    p99 in each wave (goal: at 5,000 ≤ 2× at 100), retries after a lost
+//!    race, total time and etcd's database size.
+
+use std::collections::BTreeSet;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, ensure};
+use ipnet::IpNet;
+use lockstep::cluster::{Claim, Door, DoorOptions, NodeRecord};
+use lockstep_core::cidr::Family;
+use lockstep_core::cluster::{ClusterPoolSpec, blocks_to_claim, next_block};
+use lockstep_tests::etcd::EtcdCluster;
+
+/// Addresses each simulated node needs.
+const ENDPOINTS: u64 = 110;
+/// Free addresses a node keeps ready (the agent's default low water mark).
+const LOW_WATER: u64 = 8;
+/// Nodes working at once.
+const CONCURRENCY: usize = 32;
+/// The cluster's size after each wave.
+const WAVES: [usize; 3] = [100, 1_000, 5_000];
+
+fn rt() -> anyhow::Result<tokio::runtime::Runtime> {
+    Ok(tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?)
+}
+
+async fn door(endpoints: Vec<String>, prefix: &str) -> anyhow::Result<Door> {
+    let mut opts = DoorOptions::new(endpoints);
+    opts.prefix = prefix.to_string();
+    Ok(Door::connect(opts).await?)
+}
+
+fn pct(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return f64::NAN;
+    }
+    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted[i]
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+fn pool() -> anyhow::Result<ClusterPoolSpec> {
+    // /10 cut into /26 blocks: 65,536 blocks, room for 5,000 nodes × 2.
+    Ok(serde_json::from_value(serde_json::json!({
+        "name": "scale",
+        "ipv4": ["10.64.0.0/10"],
+    }))?)
+}
+
+/// etcd's database size in bytes, as the first member reports it.
+fn db_size(cluster: &EtcdCluster) -> anyhow::Result<u64> {
+    let out = EtcdCluster::etcdctl(
+        &[cluster.endpoint(0)],
+        &["endpoint", "status", "-w", "json"],
+    )?;
+    let v: serde_json::Value = serde_json::from_str(&out)?;
+    v[0]["Status"]["dbSize"]
+        .as_u64()
+        .context("etcdctl endpoint status: no dbSize")
+}
+
+/// What one simulated node did: each claim's time, races lost.
+struct NodeRun {
+    claims: Vec<Duration>,
+    lost: u32,
+    blocks: Vec<IpNet>,
+}
+
+/// One node: register, then claim what 110 endpoints need, picking each
+/// block as the agent does from the blocks it knows are taken (`seen`, the
+/// watch's view, shared by the simulated nodes).
+async fn node(
+    d: &mut Door,
+    name: String,
+    pool: &ClusterPoolSpec,
+    seen: &Mutex<BTreeSet<IpNet>>,
+) -> anyhow::Result<NodeRun> {
+    let record = NodeRecord {
+        name: name.clone(),
+        ips: vec![],
+        version: "bench".into(),
+        blocks: vec![],
+        in_use: 0,
+        wanted: ENDPOINTS,
+    };
+    d.register_node(&record, Duration::from_secs(3600)).await?;
+    let block_addrs = 1u64 << (32 - pool.block_len(Family::V4));
+    let mut run = NodeRun {
+        claims: Vec::new(),
+        lost: 0,
+        blocks: Vec::new(),
+    };
+    let mut held: BTreeSet<IpNet> = BTreeSet::new();
+    loop {
+        let available = held.len() as u64 * block_addrs;
+        if blocks_to_claim(ENDPOINTS, 0, available, LOW_WATER, block_addrs) == 0 {
+            return Ok(run);
+        }
+        let candidate = {
+            let seen = seen.lock().map_err(|_| anyhow::anyhow!("poisoned"))?;
+            next_block(pool, Family::V4, &seen, &held, &name).context("pool full")?
+        };
+        let started = Instant::now();
+        let got = d.claim_block(&pool.name, candidate, &name).await?;
+        run.claims.push(started.elapsed());
+        seen.lock()
+            .map_err(|_| anyhow::anyhow!("poisoned"))?
+            .insert(candidate);
+        match got {
+            Claim::Claimed { .. } => {
+                held.insert(candidate);
+                run.blocks.push(candidate);
+            }
+            Claim::Taken { .. } => run.lost += 1,
+        }
+    }
+}
+
+#[test]
+#[ignore = "a benchmark: cargo xtask bench cluster"]
+fn cluster_claims_at_scale() -> anyhow::Result<()> {
+    let cluster = EtcdCluster::start(3)?;
+    let rt = rt()?;
+    let pool = pool()?;
+    let mut rows: Vec<String> = Vec::new();
+
+    // a. Sequential claims by one node.
+    let seq: Vec<f64> = rt.block_on(async {
+        let mut d = door(cluster.endpoints(), "/bench-seq/").await?;
+        let mut v = Vec::new();
+        for i in 0..300u32 {
+            let block: IpNet =
+                format!("10.{}.{}.{}/26", 64 + i / 1024, (i / 4) % 256, (i % 4) * 64).parse()?;
+            let started = Instant::now();
+            let got = d.claim_block("seq", block, "one").await?;
+            v.push(ms(started.elapsed()));
+            ensure!(matches!(got, Claim::Claimed { .. }), "{block}: {got:?}");
+        }
+        anyhow::Ok(v)
+    })?;
+    let mut seq = seq;
+    seq.sort_by(f64::total_cmp);
+    println!(
+        "\na. 300 sequential block claims by one node (3-member etcd on loopback):\n   p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms",
+        pct(&seq, 0.5),
+        pct(&seq, 0.99),
+        pct(&seq, 1.0)
+    );
+    rows.push(format!(
+        "{:<48} {:>18} {:>10} {}",
+        "block claim p50 / p99",
+        format!("{:.2} / {:.2} ms", pct(&seq, 0.5), pct(&seq, 0.99)),
+        "p99 <= 50",
+        if pct(&seq, 0.99) <= 50.0 {
+            "PASS"
+        } else {
+            "FAIL"
+        }
+    ));
+
+    // b. Waves of simulated nodes, under a pool applied as an operator would.
+    rt.block_on(async {
+        let mut d = door(cluster.endpoints(), "/bench-scale/").await?;
+        d.apply_pools(std::slice::from_ref(&pool)).await?;
+        anyhow::Ok(())
+    })?;
+    let seen: Arc<Mutex<BTreeSet<IpNet>>> = Arc::default();
+    let all_blocks: Arc<Mutex<Vec<(String, IpNet)>>> = Arc::default();
+    let started_all = Instant::now();
+    let mut from = 0usize;
+    let mut p99s = Vec::new();
+    println!(
+        "\nb. simulated nodes, {CONCURRENCY} at a time, each registering and claiming for {ENDPOINTS} endpoints (/26 blocks):"
+    );
+    for &to in &WAVES {
+        let started = Instant::now();
+        let next = Arc::new(Mutex::new(from));
+        let runs: Vec<NodeRun> = rt.block_on(async {
+            let mut workers = Vec::new();
+            for _ in 0..CONCURRENCY {
+                let mut d = door(cluster.endpoints(), "/bench-scale/").await?;
+                let (next, seen, pool, all) =
+                    (next.clone(), seen.clone(), pool.clone(), all_blocks.clone());
+                workers.push(tokio::spawn(async move {
+                    let mut out = Vec::new();
+                    loop {
+                        let i = {
+                            let mut n = next.lock().map_err(|_| anyhow::anyhow!("poisoned"))?;
+                            if *n >= to {
+                                break;
+                            }
+                            *n += 1;
+                            *n - 1
+                        };
+                        let name = format!("node-{i:05}");
+                        let run = node(&mut d, name.clone(), &pool, &seen).await?;
+                        all.lock()
+                            .map_err(|_| anyhow::anyhow!("poisoned"))?
+                            .extend(run.blocks.iter().map(|b| (name.clone(), *b)));
+                        out.push(run);
+                    }
+                    anyhow::Ok(out)
+                }));
+            }
+            let mut runs = Vec::new();
+            for w in workers {
+                runs.extend(w.await??);
+            }
+            anyhow::Ok(runs)
+        })?;
+        let took = started.elapsed();
+        let mut claims: Vec<f64> = runs
+            .iter()
+            .flat_map(|r| r.claims.iter().map(|d| ms(*d)))
+            .collect();
+        claims.sort_by(f64::total_cmp);
+        let lost: u32 = runs.iter().map(|r| r.lost).sum();
+        let blocks: usize = runs.iter().map(|r| r.blocks.len()).sum();
+        ensure!(
+            blocks == (to - from) * 2,
+            "{blocks} blocks for {} nodes",
+            to - from
+        );
+        let (p50, p99) = (pct(&claims, 0.5), pct(&claims, 0.99));
+        println!(
+            "   nodes {:>5} → {:>5}: {:>6} claims ({lost} lost races) in {:.1} s; claim p50 {p50:.2} ms, p99 {p99:.2} ms, max {:.2} ms; db {:.1} MiB",
+            from,
+            to,
+            claims.len(),
+            took.as_secs_f64(),
+            pct(&claims, 1.0),
+            db_size(&cluster)? as f64 / 1048576.0
+        );
+        rows.push(format!(
+            "{:<48} {:>18} {:>10} (info)",
+            format!("claim p50 / p99 growing to {to} nodes"),
+            format!("{p50:.2} / {p99:.2} ms"),
+            ""
+        ));
+        p99s.push(p99);
+        from = to;
+    }
+    let total = started_all.elapsed();
+    // Every block has exactly one holder, and etcd agrees with the runs.
+    let claimed = all_blocks.lock().map_err(|_| anyhow::anyhow!("poisoned"))?;
+    let unique: BTreeSet<IpNet> = claimed.iter().map(|(_, b)| *b).collect();
+    ensure!(unique.len() == claimed.len(), "a block claimed twice");
+    let stored = rt.block_on(async {
+        let mut d = door(cluster.endpoints(), "/bench-scale/").await?;
+        let (blocks, _) = d.blocks().await?;
+        let nodes = d.nodes().await?;
+        anyhow::Ok((blocks, nodes.len()))
+    })?;
+    ensure!(
+        stored.0.len() == claimed.len(),
+        "etcd holds {} blocks, the nodes claimed {}",
+        stored.0.len(),
+        claimed.len()
+    );
+    ensure!(stored.1 == WAVES[2], "{} nodes registered", stored.1);
+    for b in &stored.0 {
+        ensure!(
+            claimed.contains(&(b.node.clone(), b.cidr)),
+            "etcd gives {} to {}, which did not claim it",
+            b.cidr,
+            b.node
+        );
+    }
+    let ratio = p99s[2] / p99s[0];
+    let db = db_size(&cluster)?;
+    rows.push(format!(
+        "{:<48} {:>18} {:>10} {}",
+        "claim p99 at 5,000 nodes / at 100",
+        format!("{ratio:.2}x"),
+        "<= 2x",
+        if ratio <= 2.0 { "PASS" } else { "FAIL" }
+    ));
+    rows.push(format!(
+        "{:<48} {:>18} {:>10} (info)",
+        "5,000 nodes, 10,000 blocks: total time",
+        format!("{:.1} s", total.as_secs_f64()),
+        ""
+    ));
+    rows.push(format!(
+        "{:<48} {:>18} {:>10} (info)",
+        "etcd database size",
+        format!("{:.1} MiB", db as f64 / 1048576.0),
+        ""
+    ));
+    let hostname = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+    println!("\n{:<48} {:>18} {:>10} result", "measure", "value", "goal");
+    for r in &rows {
+        println!("{r}");
+    }
+    println!(
+        "machine: {}, {} CPUs; etcd {} members on loopback, data on {}",
+        hostname.trim(),
+        std::thread::available_parallelism().map_or(0, |n| n.get()),
+        3,
+        cluster.root().display()
+    );
+    let missed: Vec<&String> = rows.iter().filter(|r| r.ends_with("FAIL")).collect();
+    ensure!(missed.is_empty(), "goals missed: {missed:?}");
+    Ok(())
+}
