@@ -25,6 +25,125 @@ pub struct EtcdCluster {
     root: PathBuf,
     token: String,
     members: Vec<Member>,
+    tls: Option<Pki>,
+}
+
+/// Certificates made with `openssl` for a TLS cluster: a CA, etcd's
+/// serving certificate (for 127.0.0.1), a client certificate the CA
+/// signed, and a second CA that signed nothing etcd knows.
+#[derive(Clone, Debug)]
+pub struct Pki {
+    /// The CA etcd and its clients trust.
+    pub ca: PathBuf,
+    /// etcd's serving certificate and key.
+    pub server_cert: PathBuf,
+    /// Its key.
+    pub server_key: PathBuf,
+    /// A client certificate signed by `ca`.
+    pub client_cert: PathBuf,
+    /// Its key.
+    pub client_key: PathBuf,
+    /// A CA that signed none of the above.
+    pub other_ca: PathBuf,
+}
+
+fn openssl(dir: &Path, args: &[&str]) -> Result<()> {
+    let out = Command::new("openssl")
+        .current_dir(dir)
+        .args(args)
+        .output()
+        .context("running openssl")?;
+    if !out.status.success() {
+        bail!(
+            "openssl {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    Ok(())
+}
+
+impl Pki {
+    /// Makes every certificate under `dir`.
+    ///
+    /// # Errors
+    /// openssl fails.
+    pub fn make(dir: &Path) -> Result<Pki> {
+        std::fs::create_dir_all(dir)?;
+        for ca in ["ca", "other-ca"] {
+            openssl(
+                dir,
+                &[
+                    "req",
+                    "-x509",
+                    "-newkey",
+                    "ec",
+                    "-pkeyopt",
+                    "ec_paramgen_curve:P-256",
+                    "-nodes",
+                    "-days",
+                    "2",
+                    "-subj",
+                    &format!("/CN=lockstep test {ca}"),
+                    "-keyout",
+                    &format!("{ca}.key"),
+                    "-out",
+                    &format!("{ca}.pem"),
+                ],
+            )?;
+        }
+        std::fs::write(
+            dir.join("server.ext"),
+            "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth,clientAuth\n",
+        )?;
+        std::fs::write(dir.join("client.ext"), "extendedKeyUsage=clientAuth\n")?;
+        for who in ["server", "client"] {
+            openssl(
+                dir,
+                &[
+                    "req",
+                    "-newkey",
+                    "ec",
+                    "-pkeyopt",
+                    "ec_paramgen_curve:P-256",
+                    "-nodes",
+                    "-subj",
+                    &format!("/CN=lockstep test {who}"),
+                    "-keyout",
+                    &format!("{who}.key"),
+                    "-out",
+                    &format!("{who}.csr"),
+                ],
+            )?;
+            openssl(
+                dir,
+                &[
+                    "x509",
+                    "-req",
+                    "-in",
+                    &format!("{who}.csr"),
+                    "-CA",
+                    "ca.pem",
+                    "-CAkey",
+                    "ca.key",
+                    "-CAcreateserial",
+                    "-days",
+                    "2",
+                    "-extfile",
+                    &format!("{who}.ext"),
+                    "-out",
+                    &format!("{who}.pem"),
+                ],
+            )?;
+        }
+        Ok(Pki {
+            ca: dir.join("ca.pem"),
+            server_cert: dir.join("server.pem"),
+            server_key: dir.join("server.key"),
+            client_cert: dir.join("client.pem"),
+            client_key: dir.join("client.key"),
+            other_ca: dir.join("other-ca.pem"),
+        })
+    }
 }
 
 fn free_port() -> Result<u16> {
@@ -37,6 +156,25 @@ impl EtcdCluster {
     /// # Errors
     /// A member that fails to start or to become healthy within 30 s.
     pub fn start(n: usize) -> Result<EtcdCluster> {
+        Self::start_with(n, false)
+    }
+
+    /// Starts `n` members serving clients over TLS only, checking client
+    /// certificates (`--client-cert-auth`); [`EtcdCluster::pki`] has the
+    /// files.
+    ///
+    /// # Errors
+    /// As [`EtcdCluster::start`], or the certificates cannot be made.
+    pub fn start_tls(n: usize) -> Result<EtcdCluster> {
+        Self::start_with(n, true)
+    }
+
+    /// The certificates of a TLS cluster.
+    pub fn pki(&self) -> Option<&Pki> {
+        self.tls.as_ref()
+    }
+
+    fn start_with(n: usize, tls: bool) -> Result<EtcdCluster> {
         let token = format!(
             "lockstep-test-{}-{}",
             std::process::id(),
@@ -44,16 +182,23 @@ impl EtcdCluster {
         );
         let root = std::env::temp_dir().join(&token);
         std::fs::create_dir_all(&root).with_context(|| format!("creating {}", root.display()))?;
+        let tls = if tls {
+            Some(Pki::make(&root.join("pki"))?)
+        } else {
+            None
+        };
+        let scheme = if tls.is_some() { "https" } else { "http" };
         let mut cluster = EtcdCluster {
             root,
             token,
             members: Vec::new(),
+            tls,
         };
         for i in 0..n {
             let dir = cluster.root.join(format!("m{i}"));
             cluster.members.push(Member {
                 name: format!("m{i}"),
-                client: format!("http://127.0.0.1:{}", free_port()?),
+                client: format!("{scheme}://127.0.0.1:{}", free_port()?),
                 peer: format!("http://127.0.0.1:{}", free_port()?),
                 dir,
                 child: None,
@@ -93,7 +238,17 @@ impl EtcdCluster {
             return Ok(());
         }
         let log = std::fs::File::create(self.root.join(format!("{}.log", m.name)))?;
-        let child = Command::new("/usr/bin/etcd")
+        let mut etcd = Command::new("/usr/bin/etcd");
+        if let Some(pki) = &self.tls {
+            etcd.arg("--cert-file")
+                .arg(&pki.server_cert)
+                .arg("--key-file")
+                .arg(&pki.server_key)
+                .arg("--trusted-ca-file")
+                .arg(&pki.ca)
+                .arg("--client-cert-auth");
+        }
+        let child = etcd
             .arg("--name")
             .arg(&m.name)
             .arg("--data-dir")
@@ -150,6 +305,24 @@ impl EtcdCluster {
         Ok(String::from_utf8_lossy(&out.stdout).into_owned())
     }
 
+    /// Runs `etcdctl` with this cluster's client certificate, if it has TLS.
+    ///
+    /// # Errors
+    /// As [`EtcdCluster::etcdctl`].
+    pub fn ctl(&self, endpoints: &[&str], args: &[&str]) -> Result<String> {
+        let Some(pki) = &self.tls else {
+            return Self::etcdctl(endpoints, args);
+        };
+        let (ca, cert, key) = (
+            format!("--cacert={}", pki.ca.display()),
+            format!("--cert={}", pki.client_cert.display()),
+            format!("--key={}", pki.client_key.display()),
+        );
+        let mut all: Vec<&str> = vec![&ca, &cert, &key];
+        all.extend_from_slice(args);
+        Self::etcdctl(endpoints, &all)
+    }
+
     /// Waits until member `i` reports healthy (it has a leader and serves a
     /// quorum read).
     ///
@@ -158,7 +331,10 @@ impl EtcdCluster {
     pub fn wait_healthy(&self, i: usize, timeout: Duration) -> Result<()> {
         let start = Instant::now();
         loop {
-            if Self::etcdctl(&[self.endpoint(i)], &["endpoint", "health"]).is_ok() {
+            if self
+                .ctl(&[self.endpoint(i)], &["endpoint", "health"])
+                .is_ok()
+            {
                 return Ok(());
             }
             if start.elapsed() > timeout {

@@ -33,6 +33,11 @@ const PACKAGES: &[&str] = &[
     // protoc: the etcd-client crate's build script compiles etcd's gRPC
     // protocol (cluster mode's etcd door, #12).
     "protobuf-compiler",
+    // musl-gcc: ring (rustls' crypto, TLS to etcd) compiles C for the
+    // static musl target the agent ships as; openssl makes the cluster
+    // tests' certificates.
+    "musl-tools",
+    "openssl",
     "busybox-static",
     // The masquerade bench (#14): iperf3 for TCP throughput, nft for the
     // kernel's own masquerade it is measured against.

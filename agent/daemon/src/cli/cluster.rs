@@ -14,7 +14,7 @@ use serde::Deserialize;
 use serde_json::json;
 
 use super::{Output, print};
-use crate::cluster::{Door, DoorOptions};
+use crate::cluster::{Door, DoorOptions, TlsFiles};
 
 /// Where etcd is.
 #[derive(Debug, Args)]
@@ -28,6 +28,15 @@ pub struct EtcdArgs {
     /// Bound on each etcd request.
     #[arg(long, default_value = "2s", value_parser = humantime_serde::re::humantime::parse_duration)]
     pub timeout: Duration,
+    /// CA certificate (PEM) for `https://` endpoints.
+    #[arg(long, value_name = "FILE")]
+    pub cacert: Option<PathBuf>,
+    /// Client certificate (PEM), when etcd checks clients; with `--key`.
+    #[arg(long, value_name = "FILE", requires = "cacert")]
+    pub cert: Option<PathBuf>,
+    /// The client certificate's private key (PEM).
+    #[arg(long, value_name = "FILE", requires = "cacert")]
+    pub key: Option<PathBuf>,
 }
 
 /// `lockstep cluster ...`.
@@ -123,6 +132,11 @@ pub fn run(etcd: EtcdArgs, cmd: ClusterCommand) -> anyhow::Result<i32> {
         let mut opts = DoorOptions::new(etcd.etcd);
         opts.prefix = etcd.prefix;
         opts.timeout = etcd.timeout;
+        opts.tls = etcd.cacert.map(|ca| TlsFiles {
+            ca,
+            cert: etcd.cert,
+            key: etcd.key,
+        });
         let mut door = Door::connect(opts).await?;
         match cmd {
             ClusterCommand::Pools(PoolsCommand::Apply { file, output }) => {

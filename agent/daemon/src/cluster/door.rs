@@ -4,9 +4,11 @@ use std::collections::BTreeMap;
 use std::future::Future;
 use std::time::Duration;
 
+use std::path::{Path, PathBuf};
+
 use etcd_client::{
-    Client, Compare, CompareOp, ConnectOptions, GetOptions, GetResponse, PutOptions, Txn, TxnOp,
-    TxnOpResponse,
+    Certificate, Client, Compare, CompareOp, ConnectOptions, GetOptions, GetResponse, Identity,
+    PutOptions, TlsOptions, Txn, TxnOp, TxnOpResponse,
 };
 use ipnet::IpNet;
 use lockstep_core::cluster::{ClusterPoolSpec, check_apply};
@@ -22,6 +24,71 @@ pub struct DoorOptions {
     pub prefix: String,
     /// Bound on every request, connection included.
     pub timeout: Duration,
+    /// TLS to etcd (`https://` endpoints), or `None` for plain `http://`.
+    pub tls: Option<TlsFiles>,
+}
+
+/// The PEM files of TLS to etcd: the CA that signed etcd's serving
+/// certificates and, when etcd checks clients (`--client-cert-auth`), the
+/// agent's own certificate and key.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TlsFiles {
+    /// CA certificate(s) trusted for etcd's server certificates.
+    pub ca: PathBuf,
+    /// Client certificate; given with `key` or not at all.
+    pub cert: Option<PathBuf>,
+    /// The client certificate's private key.
+    pub key: Option<PathBuf>,
+}
+
+impl TlsFiles {
+    /// Reads and checks the files: each must exist and hold the PEM block
+    /// it should, and a certificate comes with its key.
+    ///
+    /// # Errors
+    /// [`ClusterStoreError::Invalid`] naming the option and the file.
+    pub fn load(&self) -> Result<TlsOptions, ClusterStoreError> {
+        let ca = read_pem("cluster.tls.ca", &self.ca, "CERTIFICATE")?;
+        let mut tls = TlsOptions::new().ca_certificate(Certificate::from_pem(ca));
+        match (&self.cert, &self.key) {
+            (Some(cert), Some(key)) => {
+                let cert = read_pem("cluster.tls.cert", cert, "CERTIFICATE")?;
+                let key = read_pem("cluster.tls.key", key, "PRIVATE KEY")?;
+                tls = tls.identity(Identity::from_pem(cert, key));
+            }
+            (None, None) => {}
+            (Some(_), None) => {
+                return Err(ClusterStoreError::Invalid(
+                    "cluster.tls.cert is given without cluster.tls.key".into(),
+                ));
+            }
+            (None, Some(_)) => {
+                return Err(ClusterStoreError::Invalid(
+                    "cluster.tls.key is given without cluster.tls.cert".into(),
+                ));
+            }
+        }
+        Ok(tls)
+    }
+}
+
+/// The bytes of a PEM file that must hold a `-----BEGIN ...{kind}-----`
+/// block.
+fn read_pem(option: &str, path: &Path, kind: &str) -> Result<Vec<u8>, ClusterStoreError> {
+    let bytes = std::fs::read(path).map_err(|e| {
+        ClusterStoreError::Invalid(format!("{option} {}: {e}", path.display()))
+    })?;
+    let text = String::from_utf8_lossy(&bytes);
+    let found = text
+        .lines()
+        .any(|l| l.starts_with("-----BEGIN ") && l.ends_with(&format!("{kind}-----")));
+    if !found {
+        return Err(ClusterStoreError::Invalid(format!(
+            "{option} {}: no PEM {kind} in it",
+            path.display()
+        )));
+    }
+    Ok(bytes)
 }
 
 impl DoorOptions {
@@ -31,6 +98,7 @@ impl DoorOptions {
             endpoints,
             prefix: "/lockstep/v1/".to_string(),
             timeout: Duration::from_secs(2),
+            tls: None,
         }
     }
 }
@@ -71,10 +139,26 @@ impl Door {
                 opts.prefix
             )));
         }
-        let options = ConnectOptions::new()
+        // The scheme and the TLS files agree: a plain endpoint with TLS
+        // configured (or the reverse) is a mistake, not a fallback.
+        let want = if opts.tls.is_some() { "https://" } else { "http://" };
+        if let Some(bad) = opts.endpoints.iter().find(|e| !e.starts_with(want)) {
+            return Err(ClusterStoreError::Invalid(format!(
+                "cluster.etcd endpoint {bad:?} must start with {want}{}",
+                if opts.tls.is_some() {
+                    " (cluster.tls is given)"
+                } else {
+                    " (https needs cluster.tls.ca)"
+                }
+            )));
+        }
+        let mut options = ConnectOptions::new()
             .with_connect_timeout(opts.timeout)
             .with_timeout(opts.timeout)
             .with_require_leader(true);
+        if let Some(tls) = &opts.tls {
+            options = options.with_tls(tls.load()?);
+        }
         let client = tokio::time::timeout(
             opts.timeout,
             Client::connect(opts.endpoints.clone(), Some(options)),

@@ -28,7 +28,7 @@
 mod door;
 mod watch;
 
-pub use door::{Door, DoorOptions};
+pub use door::{Door, DoorOptions, TlsFiles};
 pub use watch::{Change, Watch};
 
 use std::net::IpAddr;
