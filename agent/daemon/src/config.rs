@@ -19,6 +19,11 @@ pub const MAX_RECONCILE_INTERVAL: Duration = Duration::from_secs(24 * 3600);
 pub const MAX_IPAM_TIMEOUT: Duration = Duration::from_secs(600);
 use serde::{Deserialize, Serialize};
 
+mod cluster;
+pub use cluster::{ClusterConfig, ClusterTlsConfig};
+mod lb;
+pub use lb::LbConfig;
+
 /// Default config file.
 pub const DEFAULT_CONFIG: &str = "/etc/lockstep/config.toml";
 
@@ -314,6 +319,10 @@ pub struct Config {
     pub pools: Vec<PoolSpec>,
     /// Local or delegated IPAM.
     pub ipam: IpamConfig,
+    /// LoadBalancer announcements.
+    pub lb: LbConfig,
+    /// Cluster mode (absent: single-node mode).
+    pub cluster: Option<ClusterConfig>,
 }
 
 impl Default for Config {
@@ -338,6 +347,8 @@ impl Default for Config {
                     .with_cidr("fd00:10:244::/112".parse().expect("literal")),
             ],
             ipam: IpamConfig::default(),
+            lb: LbConfig::default(),
+            cluster: None,
         }
     }
 }
@@ -559,7 +570,17 @@ impl Config {
                 "must be between 100ms and 10m".into(),
             ));
         }
+        self.lb
+            .validate()
+            .map_err(|(field, reason)| invalid(field, reason))?;
+        if let Some(c) = &self.cluster {
+            c.validate(self.datapath.uplink.is_some())
+                .map_err(|(field, reason)| invalid(field, reason))?;
+        }
+        // In cluster mode the default pool may be a cluster pool, known
+        // only once etcd answers.
         if let Some(d) = &self.default_pool
+            && self.cluster.is_none()
             && !self.pools.iter().any(|p| &p.name == d)
         {
             return Err(invalid(

@@ -6,12 +6,14 @@
 //! - [`layout`]: block `i` of a CIDR and back.
 //! - [`decide`]: which block a node claims next, when to claim, when to give
 //!   an empty block back, node removal and reclaim, fencing at start.
+//! - [`local`]: the cluster pools as local pools of the blocks a node holds.
 //!
 //! Time is passed in as milliseconds; the daemon's etcd door performs what
-//! these functions decide. Not wired into the agent yet (issue #12).
+//! these functions decide (`agent/daemon/src/cluster/node.rs`).
 
 pub mod decide;
 pub mod layout;
+pub mod local;
 pub mod spec;
 
 #[cfg(test)]
@@ -22,6 +24,7 @@ pub use decide::{
     next_block, reclaimable, spread,
 };
 pub use layout::{block_at, block_count, block_index};
+pub use local::{block_size, local_pools, low_water};
 pub use spec::{ClusterPoolSpec, check_apply, validate_pools};
 
 use ipnet::IpNet;

@@ -1,0 +1,137 @@
+//! A node's view of the cluster pools as local pools: each cluster pool
+//! becomes a local pool whose CIDRs are the blocks the node holds, so the
+//! single-node allocator serves them unchanged (blocks added or dropped go
+//! through the manager's sync: a dropped block drains until empty).
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use ipnet::IpNet;
+
+use super::layout::block_addresses;
+use super::spec::ClusterPoolSpec;
+use crate::cidr::Family;
+use crate::pool::PoolSpec;
+
+/// Free addresses a node keeps ready per cluster pool and family before it
+/// claims another block (at most a quarter of a block).
+pub fn low_water(block_addrs: u64) -> u64 {
+    (block_addrs / 4).clamp(1, 16)
+}
+
+/// The local pools serving `pools` from the blocks in `held` (pool →
+/// blocks), leaving out every block in `fenced`: a fenced block is not
+/// listed, so the manager drains it (its holders stay, nothing new is handed
+/// out). A cluster pool whose name a local pool in `taken` already uses is
+/// left out (the config's pool wins) and named in the second list.
+///
+/// Blocks cut a CIDR, so a block's first and last addresses are ordinary
+/// addresses: every block allows them, and unless the cluster pool sets
+/// `allow_first_last` the first and last addresses of each of its CIDRs
+/// are reserved instead.
+pub fn local_pools(
+    pools: &[ClusterPoolSpec],
+    held: &BTreeMap<String, BTreeSet<IpNet>>,
+    fenced: &BTreeSet<IpNet>,
+    taken: &BTreeSet<String>,
+) -> (Vec<PoolSpec>, Vec<String>) {
+    let mut out = Vec::new();
+    let mut clashes = Vec::new();
+    for pool in pools {
+        if taken.contains(&pool.name) {
+            clashes.push(pool.name.clone());
+            continue;
+        }
+        let mut spec = PoolSpec::new(pool.name.clone());
+        spec.allow_first_last = true;
+        spec.skip_masquerade = pool.skip_masquerade;
+        let blocks = held.get(&pool.name).into_iter().flatten();
+        for b in blocks.filter(|b| !fenced.contains(b)) {
+            match b {
+                IpNet::V4(n) => spec.ipv4.push(*n),
+                IpNet::V6(n) => spec.ipv6.push(*n),
+            }
+        }
+        if !pool.allow_first_last {
+            for cidr in pool.cidrs() {
+                spec.reserved.push(cidr.network());
+                spec.reserved.push(cidr.broadcast());
+            }
+        }
+        out.push(spec);
+    }
+    (out, clashes)
+}
+
+/// Addresses of a block of `pool` in `family`.
+pub fn block_size(pool: &ClusterPoolSpec, family: Family) -> u64 {
+    let len = pool.block_len(family);
+    let any = match family {
+        Family::V4 => pool.ipv4.first(),
+        Family::V6 => pool.ipv6.first(),
+    };
+    any.map_or(0, |c| {
+        u64::try_from(block_addresses(*c, len)).unwrap_or(u64::MAX)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn net(s: &str) -> IpNet {
+        s.parse().expect("net")
+    }
+
+    fn pool() -> ClusterPoolSpec {
+        ClusterPoolSpec::new("pods")
+            .with_cidr(net("10.1.0.0/16"))
+            .with_cidr(net("fd00:1::/112"))
+    }
+
+    #[test]
+    fn held_blocks_become_the_local_pool_and_fenced_ones_are_left_out() {
+        let held = BTreeMap::from([(
+            "pods".to_string(),
+            BTreeSet::from([net("10.1.0.0/26"), net("10.1.0.64/26"), net("fd00:1::/122")]),
+        )]);
+        let fenced = BTreeSet::from([net("10.1.0.64/26")]);
+        let (specs, clashes) = local_pools(&[pool()], &held, &fenced, &BTreeSet::new());
+        assert!(clashes.is_empty());
+        assert_eq!(specs.len(), 1);
+        let s = &specs[0];
+        assert_eq!(s.name, "pods");
+        assert_eq!(s.ipv4, vec!["10.1.0.0/26".parse().expect("v4")]);
+        assert_eq!(s.ipv6, vec!["fd00:1::/122".parse().expect("v6")]);
+        assert!(s.allow_first_last);
+        // The cluster CIDR's own first and last stay out.
+        assert!(s.reserved.contains(&"10.1.0.0".parse().expect("ip")));
+        assert!(s.reserved.contains(&"10.1.255.255".parse().expect("ip")));
+        assert!(s.validate().is_ok());
+    }
+
+    #[test]
+    fn a_pool_with_no_block_is_listed_empty_and_a_name_clash_is_named() {
+        let (specs, _) = local_pools(
+            &[pool()],
+            &BTreeMap::new(),
+            &BTreeSet::new(),
+            &BTreeSet::new(),
+        );
+        assert_eq!(specs.len(), 1);
+        assert!(specs[0].ipv4.is_empty() && specs[0].ipv6.is_empty());
+        let taken = BTreeSet::from(["pods".to_string()]);
+        let (specs, clashes) = local_pools(&[pool()], &BTreeMap::new(), &BTreeSet::new(), &taken);
+        assert!(specs.is_empty());
+        assert_eq!(clashes, vec!["pods".to_string()]);
+    }
+
+    #[test]
+    fn block_sizes_and_low_water() {
+        assert_eq!(block_size(&pool(), Family::V4), 64);
+        assert_eq!(block_size(&pool(), Family::V6), 64);
+        assert_eq!(block_size(&ClusterPoolSpec::new("x"), Family::V4), 0);
+        assert_eq!(low_water(64), 16);
+        assert_eq!(low_water(4), 1);
+        assert_eq!(low_water(0), 1);
+    }
+}

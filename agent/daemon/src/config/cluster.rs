@@ -1,0 +1,301 @@
+//! `[cluster]`: cluster mode's settings (issue #12, docs/cluster.md).
+//!
+//! Without the section the agent runs single-node, on its own pools. With
+//! it, the agent registers itself in etcd and takes blocks of the cluster
+//! pools there; [`ClusterConfig::validate`] checks what can be checked
+//! without the system (the node addresses' default, the uplink's first
+//! global address, is resolved at start).
+
+use std::net::{Ipv4Addr, Ipv6Addr};
+use std::path::PathBuf;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+/// `[cluster.tls]`: PEM files for `https://` etcd endpoints.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ClusterTlsConfig {
+    /// CA certificate trusted for etcd's serving certificates.
+    pub ca: PathBuf,
+    /// Client certificate, when etcd checks clients (with `key`).
+    #[serde(default)]
+    pub cert: Option<PathBuf>,
+    /// The client certificate's private key (with `cert`).
+    #[serde(default)]
+    pub key: Option<PathBuf>,
+}
+
+/// `[cluster]`: pools and block ownership shared through etcd.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ClusterConfig {
+    /// Client URLs of the etcd members (required, at least one).
+    pub etcd: Vec<String>,
+    /// Key prefix, starting and ending with `/`.
+    #[serde(default = "default_prefix")]
+    pub prefix: String,
+    /// This node's name in etcd (default: the top-level `node_name`, else
+    /// the host name).
+    #[serde(default)]
+    pub node_name: Option<String>,
+    /// The IPv4 address other nodes route this node's blocks to (default:
+    /// the uplink's first global IPv4 address).
+    #[serde(default)]
+    pub node_ip_v4: Option<Ipv4Addr>,
+    /// The IPv6 address other nodes route this node's blocks to (default:
+    /// the uplink's first global IPv6 address).
+    #[serde(default)]
+    pub node_ip_v6: Option<Ipv6Addr>,
+    /// TTL of the node's lease (the node key dies this long after the
+    /// agent stops renewing it).
+    #[serde(default = "default_lease_ttl", with = "humantime_serde")]
+    pub lease_ttl: Duration,
+    /// How long a node's lease must be gone before its blocks may be
+    /// reclaimed.
+    #[serde(default = "default_reclaim_after", with = "humantime_serde")]
+    pub reclaim_after: Duration,
+    /// How long an empty block is kept before it is given back.
+    #[serde(default = "default_release_after", with = "humantime_serde")]
+    pub release_after: Duration,
+    /// TLS to etcd.
+    #[serde(default)]
+    pub tls: Option<ClusterTlsConfig>,
+}
+
+fn default_prefix() -> String {
+    "/lockstep/v1/".into()
+}
+
+fn default_lease_ttl() -> Duration {
+    Duration::from_secs(15)
+}
+
+fn default_reclaim_after() -> Duration {
+    Duration::from_secs(3600)
+}
+
+fn default_release_after() -> Duration {
+    Duration::from_secs(30)
+}
+
+impl ClusterConfig {
+    /// Checks the section; `has_uplink`: `datapath.uplink` is set, so the
+    /// node addresses have a default.
+    ///
+    /// # Errors
+    /// `(field, reason)` naming the dotted field.
+    pub fn validate(&self, has_uplink: bool) -> Result<(), (String, String)> {
+        let bad = |f: &str, r: String| Err((format!("cluster.{f}"), r));
+        if self.etcd.is_empty() {
+            return bad("etcd", "list at least one etcd endpoint URL".into());
+        }
+        let scheme = if self.tls.is_some() {
+            "https://"
+        } else {
+            "http://"
+        };
+        for (i, url) in self.etcd.iter().enumerate() {
+            let rest = url.strip_prefix(scheme);
+            if rest.is_none_or(|r| r.is_empty() || r.contains('/') && !r.ends_with('/')) {
+                return bad(
+                    &format!("etcd[{i}]"),
+                    format!(
+                        "{url:?} is not an endpoint URL starting with {scheme}{}",
+                        if self.tls.is_some() {
+                            " (cluster.tls is given)"
+                        } else {
+                            " (https:// needs cluster.tls)"
+                        }
+                    ),
+                );
+            }
+        }
+        if !(self.prefix.len() > 1 && self.prefix.starts_with('/') && self.prefix.ends_with('/')) {
+            return bad(
+                "prefix",
+                format!(
+                    "{:?} must start and end with / and name something",
+                    self.prefix
+                ),
+            );
+        }
+        if let Some(name) = &self.node_name
+            && (name.is_empty() || name.contains('/') || name.chars().any(char::is_whitespace))
+        {
+            return bad(
+                "node_name",
+                format!("{name:?} must be non-empty, without / or white space"),
+            );
+        }
+        if !has_uplink && self.node_ip_v4.is_none() && self.node_ip_v6.is_none() {
+            return bad(
+                "node_ip_v4",
+                "give node_ip_v4 or node_ip_v6 (the address other nodes route to), or set \
+                 datapath.uplink so the uplink's first global address is used"
+                    .into(),
+            );
+        }
+        if let Some(ip) = self.node_ip_v4
+            && (ip.is_unspecified() || ip.is_loopback() || ip.is_multicast() || ip.is_broadcast())
+        {
+            return bad("node_ip_v4", format!("{ip} is not a unicast node address"));
+        }
+        if let Some(ip) = self.node_ip_v6
+            && (ip.is_unspecified() || ip.is_loopback() || ip.is_multicast())
+        {
+            return bad("node_ip_v6", format!("{ip} is not a unicast node address"));
+        }
+        if self.lease_ttl < Duration::from_secs(2) || self.lease_ttl > Duration::from_secs(600) {
+            return bad("lease_ttl", "must be between 2s and 10m".into());
+        }
+        if self.reclaim_after < self.lease_ttl {
+            return bad(
+                "reclaim_after",
+                format!("must be at least lease_ttl ({:?})", self.lease_ttl),
+            );
+        }
+        if self.release_after > Duration::from_secs(24 * 3600) {
+            return bad("release_after", "must be at most 24h".into());
+        }
+        if let Some(tls) = &self.tls {
+            for (f, p) in [
+                ("tls.ca", Some(&tls.ca)),
+                ("tls.cert", tls.cert.as_ref()),
+                ("tls.key", tls.key.as_ref()),
+            ] {
+                if p.is_some_and(|p| !p.is_absolute()) {
+                    return bad(f, "must be an absolute path".into());
+                }
+            }
+            if tls.cert.is_some() != tls.key.is_some() {
+                return bad(
+                    if tls.cert.is_some() {
+                        "tls.key"
+                    } else {
+                        "tls.cert"
+                    },
+                    "a client certificate needs its key, and a key its certificate".into(),
+                );
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use crate::config::{Config, ConfigError};
+
+    fn field_of(text: &str) -> String {
+        match Config::parse(Path::new("/etc/lockstep/c.toml"), text) {
+            Err(ConfigError::Invalid { field, .. }) => field,
+            other => panic!("expected an invalid field, got {other:?}"),
+        }
+    }
+
+    const OK: &str = "[cluster]\netcd = [\"http://127.0.0.1:2379\"]\nnode_ip_v4 = \"192.0.2.1\"\n";
+
+    #[test]
+    fn a_minimal_section_takes_the_defaults() {
+        let c = Config::parse(Path::new("/c.toml"), OK).expect("valid");
+        let cl = c.cluster.expect("cluster");
+        assert_eq!(cl.prefix, "/lockstep/v1/");
+        assert_eq!(cl.lease_ttl, std::time::Duration::from_secs(15));
+        assert_eq!(cl.reclaim_after, std::time::Duration::from_secs(3600));
+        assert_eq!(cl.node_name, None);
+        assert_eq!(
+            Config::parse(Path::new("/c.toml"), "")
+                .expect("empty")
+                .cluster,
+            None
+        );
+    }
+
+    #[test]
+    fn the_uplink_stands_in_for_node_ips() {
+        let text = "[datapath]\nuplink = \"eth0\"\n[cluster]\netcd = [\"http://e:2379\"]\n";
+        assert!(Config::parse(Path::new("/c.toml"), text).is_ok());
+        assert_eq!(
+            field_of("[cluster]\netcd = [\"http://e:2379\"]\n"),
+            "cluster.node_ip_v4"
+        );
+    }
+
+    #[test]
+    fn every_validation_error_names_its_field() {
+        let cases = [
+            (
+                "[cluster]\netcd = []\nnode_ip_v4 = \"192.0.2.1\"\n",
+                "cluster.etcd",
+            ),
+            (
+                "[cluster]\netcd = [\"e:2379\"]\nnode_ip_v4 = \"192.0.2.1\"\n",
+                "cluster.etcd[0]",
+            ),
+            (
+                "[cluster]\netcd = [\"http://a:1\", \"https://b:2\"]\nnode_ip_v4 = \"192.0.2.1\"\n",
+                "cluster.etcd[1]",
+            ),
+            (
+                "[cluster]\netcd = [\"http://\"]\nnode_ip_v4 = \"192.0.2.1\"\n",
+                "cluster.etcd[0]",
+            ),
+            (&format!("{OK}prefix = \"lockstep\"\n"), "cluster.prefix"),
+            (&format!("{OK}prefix = \"/\"\n"), "cluster.prefix"),
+            (&format!("{OK}node_name = \"a b\"\n"), "cluster.node_name"),
+            (&format!("{OK}node_name = \"\"\n"), "cluster.node_name"),
+            (
+                "[cluster]\netcd = [\"http://e:1\"]\nnode_ip_v4 = \"127.0.0.1\"\n",
+                "cluster.node_ip_v4",
+            ),
+            (
+                "[cluster]\netcd = [\"http://e:1\"]\nnode_ip_v6 = \"::1\"\n",
+                "cluster.node_ip_v6",
+            ),
+            (&format!("{OK}lease_ttl = \"1s\"\n"), "cluster.lease_ttl"),
+            (&format!("{OK}lease_ttl = \"1h\"\n"), "cluster.lease_ttl"),
+            (
+                &format!("{OK}reclaim_after = \"5s\"\n"),
+                "cluster.reclaim_after",
+            ),
+            (
+                &format!("{OK}release_after = \"2d\"\n"),
+                "cluster.release_after",
+            ),
+            (
+                "[cluster]\netcd = [\"http://e:1\"]\nnode_ip_v4 = \"192.0.2.1\"\n[cluster.tls]\nca = \"/ca.pem\"\n",
+                "cluster.etcd[0]",
+            ),
+            (
+                "[cluster]\netcd = [\"https://e:1\"]\nnode_ip_v4 = \"192.0.2.1\"\n[cluster.tls]\nca = \"ca.pem\"\n",
+                "cluster.tls.ca",
+            ),
+            (
+                "[cluster]\netcd = [\"https://e:1\"]\nnode_ip_v4 = \"192.0.2.1\"\n[cluster.tls]\nca = \"/ca.pem\"\ncert = \"/c.pem\"\n",
+                "cluster.tls.key",
+            ),
+        ];
+        for (text, field) in cases {
+            assert_eq!(field_of(text), field, "for {text}");
+        }
+    }
+
+    #[test]
+    fn tls_with_https_is_accepted_and_unknown_fields_are_refused() {
+        let text = "[cluster]\netcd = [\"https://e:1\"]\nnode_ip_v4 = \"192.0.2.1\"\n[cluster.tls]\nca = \"/ca.pem\"\ncert = \"/c.pem\"\nkey = \"/k.pem\"\n";
+        assert!(Config::parse(Path::new("/c.toml"), text).is_ok());
+        let bad = format!("{OK}etcd_endpoints = []\n");
+        assert!(matches!(
+            Config::parse(Path::new("/c.toml"), &bad),
+            Err(ConfigError::Parse { .. })
+        ));
+        // etcd is required.
+        assert!(matches!(
+            Config::parse(Path::new("/c.toml"), "[cluster]\nnode_ip_v4 = \"192.0.2.1\"\n"),
+            Err(ConfigError::Parse { message, .. }) if message.contains("etcd")
+        ));
+    }
+}
