@@ -19,6 +19,7 @@ use anyhow::{Context, bail};
 pub mod etcd;
 pub mod ledger;
 pub mod lossyfs;
+pub mod ndp;
 pub mod podman;
 pub mod seqping;
 pub mod world;

@@ -31,12 +31,21 @@ pub fn frame(mac: [u8; 6], addr: Ipv4Addr) -> [u8; 42] {
 /// # Errors
 /// The socket could not be opened or the frame not sent.
 pub fn announce(ifindex: u32, mac: [u8; 6], addr: Ipv4Addr) -> io::Result<()> {
+    send_frame(ifindex, ETH_P_ARP, [0xff; 6], &frame(mac, addr))
+}
+
+/// Sends one whole Ethernet frame of `protocol` to `dst` out of interface
+/// `ifindex`, through a raw `AF_PACKET` socket opened for the call.
+///
+/// # Errors
+/// The socket could not be opened or the frame not sent.
+pub fn send_frame(ifindex: u32, protocol: u16, dst: [u8; 6], f: &[u8]) -> io::Result<()> {
     // SAFETY: plain socket(2).
     let raw = unsafe {
         libc::socket(
             libc::AF_PACKET,
             libc::SOCK_RAW | libc::SOCK_CLOEXEC,
-            i32::from(ETH_P_ARP.to_be()),
+            i32::from(protocol.to_be()),
         )
     };
     if raw < 0 {
@@ -47,11 +56,10 @@ pub fn announce(ifindex: u32, mac: [u8; 6], addr: Ipv4Addr) -> io::Result<()> {
     // SAFETY: sockaddr_ll is plain data.
     let mut sll: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
     sll.sll_family = libc::AF_PACKET as u16;
-    sll.sll_protocol = ETH_P_ARP.to_be();
+    sll.sll_protocol = protocol.to_be();
     sll.sll_ifindex = ifindex as i32;
     sll.sll_halen = 6;
-    sll.sll_addr[..6].copy_from_slice(&[0xff; 6]);
-    let f = frame(mac, addr);
+    sll.sll_addr[..6].copy_from_slice(&dst);
     // SAFETY: valid fd, buffer and address for the call's duration.
     let sent = unsafe {
         libc::sendto(

@@ -19,6 +19,7 @@ pub mod delegate;
 pub mod install;
 pub mod masquerade;
 pub mod metrics;
+pub mod ndp;
 pub mod netlink;
 pub mod plugin;
 pub mod server;

@@ -410,6 +410,8 @@ pub async fn run(config: Config) -> Result<(), ServerError> {
         })
     };
 
+    let renewer = crate::agent::announce::spawn_renewer(&slot, stop_rx.clone());
+
     let mut term = signal(SignalKind::terminate()).map_err(listen_err("SIGTERM"))?;
     let mut int = signal(SignalKind::interrupt()).map_err(listen_err("SIGINT"))?;
     let mut fatal = None;
@@ -424,6 +426,7 @@ pub async fn run(config: Config) -> Result<(), ServerError> {
         let _ = m.await;
     }
     let _ = reconciler.await;
+    let _ = renewer.await;
     if let Some(t) = events {
         let _ = t.await;
     }

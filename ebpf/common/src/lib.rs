@@ -55,6 +55,10 @@ pub mod map_names {
     pub const ENDPOINTS: &str = "ENDPOINTS";
     /// Hash: IPv4 address → [`L2RespValue`](crate::L2RespValue).
     pub const L2_RESP_V4: &str = "L2_RESP_V4";
+    /// Hash: IPv6 address → [`L2RespValue`](crate::L2RespValue) (sealed
+    /// with [`L2RespValue::sealed_v6`](crate::L2RespValue::sealed_v6)); the
+    /// addresses `from_native` answers Neighbor Solicitations for.
+    pub const L2_RESP_V6: &str = "L2_RESP_V6";
     /// Per-CPU array: [`Counter`](crate::Counter) index → packets.
     pub const COUNTERS: &str = "COUNTERS";
     /// Array: [`slots::endpoint`](crate::slots::endpoint) of an ifindex →
@@ -88,7 +92,7 @@ pub mod map_names {
     /// clock cache (internal, no state worth keeping).
     pub const NAT_CLOCK: &str = "NAT_CLOCK";
     /// Every map, in a fixed order.
-    pub const ALL: [&str; 18] = [
+    pub const ALL: [&str; 19] = [
         IPCACHE_V4,
         IPCACHE_V6,
         IPCACHE_HOST_V4,
@@ -107,6 +111,7 @@ pub mod map_names {
         NAT_REV_V6,
         MASQ_CONFIG,
         NAT_CLOCK,
+        L2_RESP_V6,
     ];
 }
 
@@ -149,7 +154,7 @@ pub mod max_entries {
     pub const MASQ_SKIP: u32 = 1_024;
     /// ENDPOINTS.
     pub const ENDPOINTS: u32 = 16_384;
-    /// L2_RESP_V4.
+    /// L2_RESP_V4 and L2_RESP_V6.
     pub const L2_RESP: u32 = 4_096;
     /// ENDPOINT_SLOTS. Fixed (the slot function depends on it); a power of two.
     pub const ENDPOINT_SLOTS: u32 = 16_384;
@@ -276,7 +281,8 @@ pub struct EndpointValue {
     pub _pad2: u32,
 }
 
-/// Value of L2_RESP_V4, keyed by the announced IPv4 address.
+/// Value of L2_RESP_V4 (keyed by the announced IPv4 address) and of
+/// L2_RESP_V6 (keyed by the announced IPv6 address).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
 pub struct L2RespValue {
@@ -290,6 +296,20 @@ pub struct L2RespValue {
     /// Seal over the key and every other word (see [`seal`]); 0 in values
     /// the agent compares, set only as the value is written.
     pub check: u32,
+    /// When the announcement ends: kernel `CLOCK_MONOTONIC` nanoseconds (what
+    /// `bpf_ktime_get_ns` returns). The programs stop answering once the
+    /// clock has reached it; the agent renews it while it runs. 0: never.
+    pub expires_ns: u64,
+}
+
+impl L2RespValue {
+    /// Whether an announcement expiring at `expires_ns` is over at `now_ns`
+    /// (both `CLOCK_MONOTONIC` nanoseconds; 0 never expires).
+    #[inline(always)]
+    #[must_use]
+    pub const fn expired(expires_ns: u64, now_ns: u64) -> bool {
+        expires_ns != 0 && now_ns >= expires_ns
+    }
 }
 
 /// Direct-mapped slot arrays in front of the ENDPOINTS and L2_RESP_V4 hashes.
@@ -456,7 +476,15 @@ pub struct L2RespSlot {
     pub _pad: [u8; 2],
     /// Complement of the eight bytes `mac` and `_pad`.
     pub mac_check: [u8; 8],
+    /// [`L2RespValue::expires_ns`].
+    pub expires_ns: u64,
+    /// `!expires_ns`.
+    pub expires_check: u64,
 }
+
+/// What the ARP and NDP responders need of an announcement: the interface,
+/// the MAC and the expiry ([`L2RespValue::expires_ns`]).
+pub type L2Resp = (u32, [u8; 6], u64);
 
 impl L2RespSlot {
     /// Size in 32-bit words.
@@ -474,21 +502,31 @@ impl L2RespSlot {
             mac: m,
             _pad: [0; 2],
             mac_check: slots::not([m[0], m[1], m[2], m[3], m[4], m[5], 0, 0]),
+            expires_ns: value.expires_ns,
+            expires_check: !value.expires_ns,
         }
     }
 
-    /// Checks a word-by-word copy of a slot: the announcing interface and MAC
-    /// when the copy holds `addr` and no field of it is torn.
+    /// Checks a word-by-word copy of a slot: the announcing interface, MAC
+    /// and expiry when the copy holds `addr` and no field of it is torn.
     #[inline(always)]
     #[must_use]
-    pub fn check(w: &[u32; Self::WORDS], addr: V4Addr) -> Option<(u32, [u8; 6])> {
+    pub fn check(w: &[u32; Self::WORDS], addr: V4Addr) -> Option<L2Resp> {
         let key = u32::from_ne_bytes(addr);
-        let intact = w[0] == key && w[1] == !key && w[2] == !w[3] && w[4] == !w[6] && w[5] == !w[7];
+        let intact = w[0] == key
+            && w[1] == !key
+            && w[2] == !w[3]
+            && w[4] == !w[6]
+            && w[5] == !w[7]
+            && w[8] == !w[10]
+            && w[9] == !w[11];
         if !intact {
             return None;
         }
         let (a, b) = (w[4].to_ne_bytes(), w[5].to_ne_bytes());
-        Some((w[2], [a[0], a[1], a[2], a[3], b[0], b[1]]))
+        let (lo, hi) = (w[8].to_ne_bytes(), w[9].to_ne_bytes());
+        let expires = u64::from_ne_bytes([lo[0], lo[1], lo[2], lo[3], hi[0], hi[1], hi[2], hi[3]]);
+        Some((w[2], [a[0], a[1], a[2], a[3], b[0], b[1]], expires))
     }
 }
 
@@ -523,7 +561,8 @@ pub enum Counter {
     MasqNotEndpoint = 11,
     /// from_native: ARP request answered from L2_RESP_V4.
     ArpReplied = 12,
-    /// from_native: ARP request for an address not announced here.
+    /// from_native: ARP request for an address not announced here (or whose
+    /// announcement has expired, see [`Counter::AnnounceExpired`]).
     ArpIgnored = 13,
     /// Packets too short or malformed to parse.
     Malformed = 14,
@@ -542,12 +581,24 @@ pub enum Counter {
     /// from_native: ICMP or ICMPv6 error quoting a translated packet
     /// reverse-translated (outer and inner headers).
     MasqIcmpErrorReversed = 20,
+    /// from_native: Neighbor Solicitation answered from L2_RESP_V6.
+    NdpReplied = 21,
+    /// from_native: well-formed Neighbor Solicitation for an address not
+    /// announced here (or expired).
+    NdpIgnored = 22,
+    /// from_native: Neighbor Solicitation dropped from the responder's
+    /// consideration as malformed (hop limit not 255, code not 0, too short,
+    /// multicast target, unspecified source); left to the stack.
+    NdpMalformed = 23,
+    /// from_native: ARP or NDP request for an address whose announcement
+    /// expired (the agent stopped renewing it); not answered.
+    AnnounceExpired = 24,
 }
 
 impl Counter {
     /// Number of counters defined (the COUNTERS map has room for
     /// [`max_entries::COUNTERS`](crate::max_entries::COUNTERS)).
-    pub const COUNT: u32 = 21;
+    pub const COUNT: u32 = 25;
     /// Every counter, in index order.
     pub const ALL: [Counter; Self::COUNT as usize] = [
         Counter::FromEndpointPassed,
@@ -571,6 +622,10 @@ impl Counter {
         Counter::MasqExhausted,
         Counter::MasqTableFull,
         Counter::MasqIcmpErrorReversed,
+        Counter::NdpReplied,
+        Counter::NdpIgnored,
+        Counter::NdpMalformed,
+        Counter::AnnounceExpired,
     ];
 
     /// Stable snake_case name, used in metrics and the CLI.
@@ -597,6 +652,10 @@ impl Counter {
             Counter::MasqExhausted => "masq_exhausted",
             Counter::MasqTableFull => "masq_table_full",
             Counter::MasqIcmpErrorReversed => "masq_icmp_error_reversed",
+            Counter::NdpReplied => "ndp_replied",
+            Counter::NdpIgnored => "ndp_ignored",
+            Counter::NdpMalformed => "ndp_malformed",
+            Counter::AnnounceExpired => "announce_expired",
         }
     }
 }
@@ -611,9 +670,9 @@ pub const LPM_V6_KEY_SIZE: usize = 4 + 16;
 const _: () = assert!(size_of::<IpcacheValue>() == 32);
 const _: () = assert!(size_of::<MasqSkipValue>() == 8);
 const _: () = assert!(size_of::<EndpointValue>() == 48);
-const _: () = assert!(size_of::<L2RespValue>() == 16);
+const _: () = assert!(size_of::<L2RespValue>() == 24);
 const _: () = assert!(size_of::<EndpointSlot>() == 56);
-const _: () = assert!(size_of::<L2RespSlot>() == 32);
+const _: () = assert!(size_of::<L2RespSlot>() == 48);
 const _: () = assert!(max_entries::ENDPOINT_SLOTS.is_power_of_two());
 const _: () = assert!(max_entries::L2_RESP_SLOTS.is_power_of_two());
 const _: () = assert!(Counter::ALL.len() == Counter::COUNT as usize);
@@ -682,7 +741,8 @@ mod tests {
         assert_eq!(offset_of!(L2RespValue, mac), 4);
         assert_eq!(offset_of!(L2RespValue, _pad), 10);
         assert_eq!(offset_of!(L2RespValue, check), 12);
-        assert_eq!(size_of::<L2RespValue>(), 16);
+        assert_eq!(offset_of!(L2RespValue, expires_ns), 16);
+        assert_eq!(size_of::<L2RespValue>(), 24);
     }
 
     #[test]
@@ -704,8 +764,10 @@ mod tests {
         assert_eq!(offset_of!(L2RespSlot, mac), 16);
         assert_eq!(offset_of!(L2RespSlot, _pad), 22);
         assert_eq!(offset_of!(L2RespSlot, mac_check), 24);
-        assert_eq!(size_of::<L2RespSlot>(), 32);
-        assert_eq!(align_of::<L2RespSlot>(), 4);
+        assert_eq!(offset_of!(L2RespSlot, expires_ns), 32);
+        assert_eq!(offset_of!(L2RespSlot, expires_check), 40);
+        assert_eq!(size_of::<L2RespSlot>(), 48);
+        assert_eq!(align_of::<L2RespSlot>(), 8);
     }
 
     fn bytes<T: Copy, const N: usize>(v: &T) -> [u8; N] {
@@ -756,14 +818,18 @@ mod tests {
         let l2 = L2RespValue {
             ifindex: 4,
             mac: [2, 0, 0, 0, 0, 0x50],
+            expires_ns: 0x0000_0012_3456_789a,
             ..Default::default()
         };
         let addr = [10, 0, 0, 50];
         let slot = L2RespSlot::new(addr, &l2);
-        let w = words::<32, 8>(&bytes::<_, 32>(&slot));
-        assert_eq!(L2RespSlot::check(&w, addr), Some((4, l2.mac)));
+        let w = words::<48, 12>(&bytes::<_, 48>(&slot));
+        assert_eq!(
+            L2RespSlot::check(&w, addr),
+            Some((4, l2.mac, l2.expires_ns))
+        );
         assert_eq!(L2RespSlot::check(&w, [10, 0, 0, 51]), None);
-        assert_eq!(L2RespSlot::check(&[0; 8], [0; 4]), None);
+        assert_eq!(L2RespSlot::check(&[0; 12], [0; 4]), None);
     }
 
     /// The property the datapath relies on: a slot read while it goes from
@@ -780,10 +846,11 @@ mod tests {
             &L2RespValue {
                 ifindex: 4,
                 mac: [2, 0, 0, 0, 0, 0x50],
+                expires_ns: 0x0000_0012_3456_789a,
                 ..Default::default()
             },
         );
-        let l2full = bytes::<_, 32>(&l2);
+        let l2full = bytes::<_, 48>(&l2);
         let mut masks: [u64; 3] = [0; 3];
         let mut seed = 0x1234_5678_9abc_def0u64;
         let mut check = |mask: u64| {
@@ -798,9 +865,9 @@ mod tests {
             if EndpointSlot::check_v4(&w4, ifindex).is_some() {
                 assert_eq!(torn[..24], full[..24], "mask {mask:#x}: v4 words torn");
             }
-            let torn: [u8; 32] =
+            let torn: [u8; 48] =
                 core::array::from_fn(|i| if mask >> i & 1 == 1 { l2full[i] } else { 0 });
-            if L2RespSlot::check(&words::<32, 8>(&torn), [10, 0, 0, 50]).is_some() {
+            if L2RespSlot::check(&words::<48, 12>(&torn), [10, 0, 0, 50]).is_some() {
                 assert_eq!(torn, l2full, "mask {mask:#x} checked out torn (L2)");
                 masks[1] += 1;
             }

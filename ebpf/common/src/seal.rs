@@ -1,5 +1,5 @@
 //! Tear protection for the hash values programs read while the agent
-//! rewrites them (ENDPOINTS, L2_RESP_V4).
+//! rewrites them (ENDPOINTS, L2_RESP_V4, L2_RESP_V6).
 //!
 //! Why it exists: a program gets a pointer into a hash element and copies the
 //! value out, while the agent may replace that key's value from another CPU.
@@ -119,12 +119,59 @@ impl crate::L2RespValue {
     pub const fn words(&self) -> [u32; Self::WORDS] {
         let m = self.mac;
         let p = self._pad;
+        let e = self.expires_ns.to_ne_bytes();
         [
             self.ifindex,
             word([m[0], m[1], m[2], m[3]]),
             word([m[4], m[5], p[0], p[1]]),
             self.check,
+            word([e[0], e[1], e[2], e[3]]),
+            word([e[4], e[5], e[6], e[7]]),
         ]
+    }
+
+    /// The seal key of an L2_RESP_V6 address: its four words mixed.
+    #[inline(always)]
+    #[must_use]
+    pub const fn v6_key(addr: crate::V6Addr) -> u32 {
+        let a = addr;
+        mix(
+            0,
+            &[
+                word([a[0], a[1], a[2], a[3]]),
+                word([a[4], a[5], a[6], a[7]]),
+                word([a[8], a[9], a[10], a[11]]),
+                word([a[12], a[13], a[14], a[15]]),
+            ],
+            usize::MAX,
+        )
+    }
+
+    /// The value as written to L2_RESP_V6 under `addr`: check word set.
+    #[must_use]
+    pub const fn sealed_v6(mut self, addr: crate::V6Addr) -> Self {
+        self.check = mix(Self::v6_key(addr), &self.words(), Self::CHECK);
+        self
+    }
+
+    /// Whether the check word matches the IPv6 key and the rest of the value.
+    #[must_use]
+    pub const fn is_sealed_v6(&self, addr: crate::V6Addr) -> bool {
+        self.check == mix(Self::v6_key(addr), &self.words(), Self::CHECK)
+    }
+
+    /// [`Self::open`] for an L2_RESP_V6 value, under the key's
+    /// [`Self::v6_key`].
+    #[inline(always)]
+    #[must_use]
+    pub fn open_keyed(w: &[u32; Self::WORDS], key: u32) -> Option<crate::L2Resp> {
+        if w[Self::CHECK] != mix(key, w, Self::CHECK) {
+            return None;
+        }
+        let (a, b) = (w[1].to_ne_bytes(), w[2].to_ne_bytes());
+        let (lo, hi) = (w[4].to_ne_bytes(), w[5].to_ne_bytes());
+        let expires = u64::from_ne_bytes([lo[0], lo[1], lo[2], lo[3], hi[0], hi[1], hi[2], hi[3]]);
+        Some((w[0], [a[0], a[1], a[2], a[3], b[0], b[1]], expires))
     }
 
     /// The value as written to L2_RESP_V4 under `addr`: check word set.
@@ -141,15 +188,11 @@ impl crate::L2RespValue {
     }
 
     /// Checks a word-by-word copy of the L2_RESP_V4 value of `addr`: the
-    /// announcing interface and MAC when the seal holds.
+    /// announcing interface, MAC and expiry when the seal holds.
     #[inline(always)]
     #[must_use]
-    pub fn open(w: &[u32; Self::WORDS], addr: crate::V4Addr) -> Option<(u32, [u8; 6])> {
-        if w[Self::CHECK] != mix(word(addr), w, Self::CHECK) {
-            return None;
-        }
-        let (a, b) = (w[1].to_ne_bytes(), w[2].to_ne_bytes());
-        Some((w[0], [a[0], a[1], a[2], a[3], b[0], b[1]]))
+    pub fn open(w: &[u32; Self::WORDS], addr: crate::V4Addr) -> Option<crate::L2Resp> {
+        Self::open_keyed(w, word(addr))
     }
 }
 
@@ -184,7 +227,7 @@ mod tests {
             ..Default::default()
         }
         .sealed([10, 0, 0, 9]);
-        assert_eq!(l2.words(), in_memory::<_, 4>(&l2));
+        assert_eq!(l2.words(), in_memory::<_, 6>(&l2));
     }
 
     #[test]
@@ -206,9 +249,28 @@ mod tests {
         let sl = l2.sealed([10, 0, 0, 9]);
         assert_eq!(
             L2RespValue::open(&sl.words(), [10, 0, 0, 9]),
-            Some((9, l2.mac))
+            Some((9, l2.mac, 0))
         );
         assert_eq!(L2RespValue::open(&sl.words(), [10, 0, 0, 8]), None);
+        // IPv6 keys, and the expiry under the seal.
+        let a6 = [0xfd, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 9];
+        let mut b6 = a6;
+        b6[15] = 8;
+        let l2 = L2RespValue {
+            expires_ns: 77_000_000_000,
+            ..l2
+        };
+        let s6 = l2.sealed_v6(a6);
+        assert!(s6.is_sealed_v6(a6) && !s6.is_sealed_v6(b6));
+        let k = L2RespValue::v6_key;
+        assert_eq!(
+            L2RespValue::open_keyed(&s6.words(), k(a6)),
+            Some((9, l2.mac, 77_000_000_000))
+        );
+        assert_eq!(L2RespValue::open_keyed(&s6.words(), k(b6)), None);
+        let mut later = s6;
+        later.expires_ns += 1;
+        assert_eq!(L2RespValue::open_keyed(&later.words(), k(a6)), None);
     }
 
     /// A copy that mixes two versions of one key's value word by word (every

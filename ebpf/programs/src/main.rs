@@ -11,7 +11,9 @@
 //!   (module [`nat`]); counts only while MASQ_CONFIG leaves it off.
 //! - `from_native` (TC ingress on the node's uplink): reverse-translates
 //!   replies (and ICMP errors) of masqueraded flows; answers ARP requests for
-//!   addresses in L2_RESP_V4 with the announcing interface's MAC.
+//!   addresses in L2_RESP_V4 and Neighbor Solicitations for addresses in
+//!   L2_RESP_V6 (module [`ndp`]) with the announcing interface's MAC, until
+//!   the entry's `expires_ns` has passed.
 //! - `noop`: returns "next"; the baseline of the datapath benchmark.
 //!
 //! Map layouts come from `lockstep-common`; nothing here redefines them.
@@ -19,6 +21,7 @@
 #![no_main]
 
 mod nat;
+mod ndp;
 
 use core::mem::size_of;
 
@@ -31,9 +34,9 @@ use aya_ebpf::{
 };
 use aya_log_ebpf::info;
 use lockstep_common::{
-    Counter, EndpointSlot, EndpointValue, IpcacheValue, L2RespSlot, L2RespValue, MasqConfig,
-    MasqSkipValue, NatClock, NatKeyV4, NatKeyV6, NatValueV4, NatValueV6, V4Addr, V6Addr,
-    endpoint_flags, ipcache_flags, max_entries, slots,
+    Counter, EndpointSlot, EndpointValue, IpcacheValue, L2Resp, L2RespSlot, L2RespValue,
+    MasqConfig, MasqSkipValue, NatClock, NatKeyV4, NatKeyV6, NatValueV4, NatValueV6, V4Addr,
+    V6Addr, endpoint_flags, ipcache_flags, max_entries, slots,
 };
 
 #[btf_map]
@@ -68,6 +71,8 @@ static MASQ_SKIP_V6: LpmTrie<V6Addr, MasqSkipValue, { max_entries::MASQ_SKIP as 
 static ENDPOINTS: HashMap<u32, EndpointValue, { max_entries::ENDPOINTS as usize }> = HashMap::new();
 #[btf_map]
 static L2_RESP_V4: HashMap<V4Addr, L2RespValue, { max_entries::L2_RESP as usize }> = HashMap::new();
+#[btf_map]
+static L2_RESP_V6: HashMap<V6Addr, L2RespValue, { max_entries::L2_RESP as usize }> = HashMap::new();
 /// `BPF_F_MMAPABLE`: the agent reads the slot arrays through a mapping
 /// when it reconciles, instead of one kernel copy per slot.
 const MMAPABLE: usize = 1 << 10;
@@ -218,7 +223,7 @@ fn endpoint_hash(ifindex: u32) -> Option<(u32, V4Addr, V6Addr)> {
 
 /// The L2_RESP_V4 entry for `addr`, through its slot first (see [`endpoint`]).
 #[inline(always)]
-fn l2_resp(addr: V4Addr) -> Option<(u32, [u8; 6])> {
+fn l2_resp(addr: V4Addr) -> Option<L2Resp> {
     if let Some(p) = L2_RESP_SLOTS.get_ptr(slots::l2_resp(addr)) {
         let p = p.cast::<[u32; L2RespSlot::WORDS]>();
         // SAFETY: as in `endpoint`.
@@ -393,6 +398,10 @@ pub fn from_native(ctx: TcContext) -> i32 {
     match ethertype(&ctx) {
         Some(ETH_P_ARP) => arp_reply(&ctx),
         Some(ETH_P_IP) => nat::ingress_v4(&ctx),
+        Some(ETH_P_IPV6) if ndp::is_solicitation(&ctx) => match ndp::ndp_reply(&ctx) {
+            NEXT => nat::from_native_v6(&ctx),
+            verdict => verdict,
+        },
         Some(ETH_P_IPV6) => nat::from_native_v6(&ctx),
         _ => NEXT,
     }
@@ -419,7 +428,15 @@ fn arp_reply(ctx: &TcContext) -> i32 {
     }
     let here = ifindex(ctx);
     let mac = match l2_resp(tpa) {
-        Some((ifindex, mac)) if ifindex == here => mac,
+        Some((ifindex, mac, expires)) if ifindex == here => {
+            // The clock is read only for entries that can expire.
+            if expires != 0 && L2RespValue::expired(expires, nat::now_ns()) {
+                count(Counter::AnnounceExpired);
+                count(Counter::ArpIgnored);
+                return NEXT;
+            }
+            mac
+        }
         _ => {
             count(Counter::ArpIgnored);
             return NEXT;

@@ -4,7 +4,7 @@
 
 use std::collections::BTreeMap;
 use std::fmt;
-use std::net::{IpAddr, Ipv4Addr};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use ipnet::{Ipv4Net, Ipv6Net};
 use lockstep_common::IpcacheValue;
@@ -313,6 +313,9 @@ pub struct LbPlan {
     /// IPv4 addresses of `announce = "l2"` pools → pool name; the daemon
     /// turns each into an L2_RESP_V4 entry with its interface and MAC.
     pub l2_announce_v4: BTreeMap<Ipv4Addr, String>,
+    /// IPv6 addresses of `announce = "l2"` pools → pool name; the daemon
+    /// turns each into an L2_RESP_V6 entry (the NDP responder's).
+    pub l2_announce_v6: BTreeMap<Ipv6Addr, String>,
 }
 
 /// A pool in an [`LbSnapshot`].

@@ -816,6 +816,12 @@ fn plan_has_ipcache_and_l2_entries() {
         plan.l2_announce_v4,
         BTreeMap::from([("10.0.0.1".parse().unwrap(), "l2".to_owned())])
     );
+    // The IPv6 address of an l2 pool is announced too (NDP).
+    let v6: Vec<_> = plan.ipcache_v6.keys().map(|n| n.addr()).collect();
+    assert_eq!(
+        plan.l2_announce_v6,
+        BTreeMap::from([(v6[0], "l2".to_owned())])
+    );
     // Diffable against the kernel's view.
     let d = crate::plan::diff(&plan.ipcache_v4, &BTreeMap::new());
     assert_eq!(d.add.len(), 2);

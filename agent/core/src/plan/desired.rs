@@ -7,7 +7,7 @@
 //! ([`DesiredInput`]), reads the maps and applies the difference.
 
 use std::collections::BTreeMap;
-use std::net::{IpAddr, Ipv4Addr};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use ipnet::{IpNet, Ipv4Net, Ipv6Net};
 use lockstep_common::{
@@ -27,6 +27,8 @@ use crate::owner::Owner;
 pub struct MapContents {
     /// L2_RESP_V4, sorted by address.
     pub l2: Vec<(V4Addr, L2RespValue)>,
+    /// L2_RESP_V6, sorted by address.
+    pub l2_v6: Vec<(V6Addr, L2RespValue)>,
     /// ENDPOINTS, sorted by ifindex.
     pub endpoints: Vec<(u32, EndpointValue)>,
     /// ENDPOINT_SLOTS that hold something, sorted by slot.
@@ -64,13 +66,16 @@ pub struct LocalEndpoint<'a> {
     pub generation: u64,
 }
 
-/// The interface that answers ARP for announced addresses.
+/// The interface that answers ARP and NDP for announced addresses.
 #[derive(Clone, Copy, Debug)]
 pub struct Uplink {
     /// Its interface index.
     pub ifindex: u32,
     /// Its MAC.
     pub mac: [u8; 6],
+    /// When its announcements end unless renewed
+    /// ([`L2RespValue::expires_ns`]: kernel monotonic nanoseconds, 0 never).
+    pub expires_ns: u64,
 }
 
 /// Everything [`desired`] reads.
@@ -84,6 +89,8 @@ pub struct DesiredInput<'a, A> {
     pub lb_hosts: Vec<(IpAddr, IpcacheValue)>,
     /// IPv4 addresses the uplink answers ARP for.
     pub announce_v4: Vec<Ipv4Addr>,
+    /// IPv6 addresses the uplink answers Neighbor Solicitations for.
+    pub announce_v6: Vec<Ipv6Addr>,
     /// The uplink, if the agent has one; without it nothing is announced.
     pub uplink: Option<Uplink>,
     /// Pool CIDRs with `skip_masquerade`, and their pool ids.
@@ -158,23 +165,28 @@ where
     })?;
     let (hosts, lb_conflicts) = merge_hosts(hosts, input.lb_hosts);
 
-    let mut l2: Vec<(V4Addr, L2RespValue)> = match input.uplink {
-        Some(up) => input
-            .announce_v4
-            .iter()
-            .map(|a| {
-                let v = L2RespValue {
-                    ifindex: up.ifindex,
-                    mac: up.mac,
-                    ..Default::default()
-                };
-                (a.octets(), v)
-            })
-            .collect(),
+    let announcement = input.uplink.map(|up| L2RespValue {
+        ifindex: up.ifindex,
+        mac: up.mac,
+        expires_ns: up.expires_ns,
+        ..Default::default()
+    });
+    let mut l2: Vec<(V4Addr, L2RespValue)> = match announcement {
+        Some(v) => input.announce_v4.iter().map(|a| (a.octets(), v)).collect(),
         None => Vec::new(),
     };
     l2.sort_unstable_by_key(|e| e.0);
     l2.dedup_by_key(|e| e.0);
+    let mut l2_v6: Vec<(V6Addr, L2RespValue)> = match announcement {
+        Some(v) => input
+            .announce_v6
+            .iter()
+            .map(|a| (a.octets(), v.sealed_v6(a.octets())))
+            .collect(),
+        None => Vec::new(),
+    };
+    l2_v6.sort_unstable_by_key(|e| e.0);
+    l2_v6.dedup_by_key(|e| e.0);
     let mut endpoints: Vec<(u32, EndpointValue)> = input
         .endpoints
         .iter()
@@ -208,6 +220,7 @@ where
     Ok(Desired {
         maps: MapContents {
             l2,
+            l2_v6,
             endpoints,
             endpoint_slots,
             l2_slots,

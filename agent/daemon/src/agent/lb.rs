@@ -1,6 +1,7 @@
 //! LoadBalancer IPAM in the agent: the core's [`LbIpam`] decides; this
-//! module persists its state, programs IPCACHE and L2_RESP_V4, and sends a
-//! gratuitous ARP when an address is newly announced.
+//! module persists its state, programs IPCACHE, L2_RESP_V4 and L2_RESP_V6,
+//! and sends a gratuitous ARP (IPv4) or an unsolicited Neighbor
+//! Advertisement (IPv6) when an address is newly announced.
 //!
 //! Order, as everywhere: decide → commit (the whole LB state, fsync) →
 //! program → acknowledge; if programming fails, the previous state is put
@@ -9,7 +10,7 @@
 //! status (the race peers have).
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::net::{IpAddr, Ipv4Addr};
+use std::net::IpAddr;
 
 use lockstep_core::lb::{LbIpam, LbPoolSpec, LbSnapshot, PoolStatus, ServiceSpec, ServiceStatus};
 use serde::{Deserialize, Serialize};
@@ -151,13 +152,19 @@ pub(crate) trait LbHost {
     /// Notes that the store holds another LB state than memory: it is
     /// written again before the next change.
     fn set_unsaved(&mut self);
-    /// Announces a newly served address (gratuitous ARP), best effort.
-    fn announce(&mut self, addr: Ipv4Addr);
+    /// Announces a newly served address (gratuitous ARP, unsolicited
+    /// NA), best effort.
+    fn announce(&mut self, addr: IpAddr);
 }
 
-/// The IPv4 addresses the state announces.
-fn announced(lb: &LbIpam) -> BTreeSet<Ipv4Addr> {
-    lb.plan().l2_announce_v4.into_keys().collect()
+/// The addresses the state announces, both families.
+fn announced(lb: &LbIpam) -> BTreeSet<IpAddr> {
+    let plan = lb.plan();
+    plan.l2_announce_v4
+        .into_keys()
+        .map(IpAddr::V4)
+        .chain(plan.l2_announce_v6.into_keys().map(IpAddr::V6))
+        .collect()
 }
 
 /// Runs `change` on the LB state, then commits, programs and announces.
@@ -245,12 +252,8 @@ impl LbHost for Agent {
         self.lb_unsaved = true;
     }
 
-    fn announce(&mut self, addr: Ipv4Addr) {
-        if let Some(up) = self.uplink.clone()
-            && let Err(e) = crate::arp::announce(up.index, up.mac, addr)
-        {
-            tracing::warn!(error = %e, %addr, "gratuitous ARP failed");
-        }
+    fn announce(&mut self, addr: IpAddr) {
+        self.send_announcement(addr);
     }
 }
 

@@ -226,6 +226,14 @@ pub(super) static MAPS: &[&dyn MapSpec] = &[
         counted: false,
     },
     &Hash {
+        name: map_names::L2_RESP_V6,
+        part: |c| &c.l2_v6,
+        part_mut: |c| &mut c.l2_v6,
+        key: v6_key,
+        show: show_v6,
+        counted: false,
+    },
+    &Hash {
         name: map_names::ENDPOINTS,
         part: |c| &c.endpoints,
         part_mut: |c| &mut c.endpoints,

@@ -33,6 +33,7 @@ use crate::netlink::{Netlink, NetlinkError};
 use crate::store::{EndpointMode, EndpointRecord, Store, StoreError};
 
 pub mod allocation;
+pub mod announce;
 pub mod delegated;
 pub mod doors;
 pub mod draining;
@@ -259,6 +260,8 @@ pub struct Agent {
     /// The LB state in the store is not the one in memory (a rollback's
     /// write was refused); written again before the next change.
     lb_unsaved: bool,
+    /// The expiry of the L2 announcements, renewed periodically.
+    announce: announce::Lease,
     /// Counters for metrics.
     pub stats: Stats,
 }
@@ -351,6 +354,7 @@ impl Agent {
         }
         manager.finish_restore();
         let node = config.node_name();
+        let announce = announce::Lease::new(config.lb.announce_lease);
         let mut agent = Self {
             config,
             node,
@@ -373,6 +377,7 @@ impl Agent {
             parked: release::ParkedReleases::default(),
             reaper: reaper::Reaper::default(),
             lb_unsaved: false,
+            announce,
             stats: Stats::default(),
         };
         agent.attach_uplink()?;

@@ -68,9 +68,11 @@ impl Agent {
                 .into_keys()
                 .chain(announced_ingress)
                 .collect(),
+            announce_v6: self.lb.plan().l2_announce_v6.into_keys().collect(),
             uplink: self.uplink.as_ref().map(|up| Uplink {
                 ifindex: up.index,
                 mac: up.mac,
+                expires_ns: self.announce.expires_ns(),
             }),
             masq_skip_pools: self.manager.masq_skip_cidrs(),
             non_masquerade: &self.config.non_masquerade_cidrs,

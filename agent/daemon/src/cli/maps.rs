@@ -198,7 +198,12 @@ pub fn dump_maps(maps: &PinnedMaps) -> anyhow::Result<serde_json::Value> {
     let mut l2 = Vec::new();
     for item in maps.l2_resp_v4().iter() {
         let (addr, v) = item?;
-        l2.push(json!({"address": Ipv4Addr::from(addr).to_string(), "ifindex": v.ifindex, "mac": fmt_mac(&v.mac), "sealed": v.is_sealed(addr)}));
+        l2.push(json!({"address": Ipv4Addr::from(addr).to_string(), "ifindex": v.ifindex, "mac": fmt_mac(&v.mac), "expires_ns": v.expires_ns, "sealed": v.is_sealed(addr)}));
+    }
+    let mut l2_v6 = Vec::new();
+    for item in maps.l2_resp_v6().iter() {
+        let (addr, v) = item?;
+        l2_v6.push(json!({"address": Ipv6Addr::from(addr).to_string(), "ifindex": v.ifindex, "mac": fmt_mac(&v.mac), "expires_ns": v.expires_ns, "sealed": v.is_sealed_v6(addr)}));
     }
     // Slot arrays: only the slots that hold something.
     let mut endpoint_slots = Vec::new();
@@ -226,6 +231,7 @@ pub fn dump_maps(maps: &PinnedMaps) -> anyhow::Result<serde_json::Value> {
         "MASQ_SKIP": masq,
         "ENDPOINTS": endpoints,
         "L2_RESP_V4": l2,
+        "L2_RESP_V6": l2_v6,
         "ENDPOINT_SLOTS": endpoint_slots,
         "L2_RESP_SLOTS": l2_slots,
         "COUNTERS": counters,

@@ -141,6 +141,10 @@ pub fn expected_definitions(caps: &MapCapacities) -> BTreeMap<&'static str, MapD
             hash(4, size_of::<L2RespValue>(), caps.l2_resp),
         ),
         (
+            map_names::L2_RESP_V6,
+            hash(16, size_of::<L2RespValue>(), caps.l2_resp),
+        ),
+        (
             map_names::ENDPOINT_SLOTS,
             array(size_of::<EndpointSlot>(), max_entries::ENDPOINT_SLOTS),
         ),
@@ -248,7 +252,12 @@ mod tests {
         assert_eq!(v4.value_size, 32);
         assert_eq!(defs[map_names::IPCACHE_V6].key_size, 20);
         assert_eq!(defs[map_names::ENDPOINTS].value_size, 48);
-        assert_eq!(defs[map_names::L2_RESP_V4].value_size, 16);
+        assert_eq!(defs[map_names::L2_RESP_V4].value_size, 24);
+        let v6 = defs[map_names::L2_RESP_V6];
+        assert_eq!(
+            (v6.map_type, v6.key_size, v6.value_size),
+            (MapType::Hash, 16, 24)
+        );
         assert_eq!(defs[map_names::COUNTERS].max_entries, max_entries::COUNTERS);
         let fwd = defs[map_names::NAT_FWD_V4];
         assert_eq!(fwd.map_type, MapType::Hash);

@@ -40,6 +40,8 @@ pub struct PinnedMaps {
     endpoints: HashMap<MapData, u32, EndpointValue>,
     /// L2_RESP_V4.
     l2_resp_v4: HashMap<MapData, V4Addr, L2RespValue>,
+    /// L2_RESP_V6.
+    l2_resp_v6: HashMap<MapData, V6Addr, L2RespValue>,
     /// COUNTERS.
     counters: PerCpuArray<MapData, u64>,
     /// ENDPOINT_SLOTS. Written through [`PinnedMaps::endpoint_insert`] and
@@ -171,6 +173,8 @@ accessors! {
     endpoints / endpoints_mut: HashMap<MapData, u32, EndpointValue>;
     /// L2_RESP_V4 (written through [`PinnedMaps::l2_insert`]).
     l2_resp_v4 / l2_resp_v4_mut: HashMap<MapData, V4Addr, L2RespValue>;
+    /// L2_RESP_V6 (values sealed with `L2RespValue::sealed_v6`).
+    l2_resp_v6 / l2_resp_v6_mut: HashMap<MapData, V6Addr, L2RespValue>;
     /// ENDPOINT_SLOTS (written through [`PinnedMaps::endpoint_insert`]).
     endpoint_slots / endpoint_slots_mut: Array<MapData, EndpointSlot>;
     /// L2_RESP_SLOTS (written through [`PinnedMaps::l2_insert`]).
@@ -225,6 +229,7 @@ impl PinnedMaps {
             masq_skip_v6: typed!(s, map_names::MASQ_SKIP_V6),
             endpoints: typed!(s, map_names::ENDPOINTS),
             l2_resp_v4: typed!(s, map_names::L2_RESP_V4),
+            l2_resp_v6: typed!(s, map_names::L2_RESP_V6),
             counters: typed!(s, map_names::COUNTERS),
             endpoint_slots: typed!(s, map_names::ENDPOINT_SLOTS),
             l2_resp_slots: typed!(s, map_names::L2_RESP_SLOTS),

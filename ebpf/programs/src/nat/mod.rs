@@ -385,7 +385,7 @@ pub(super) fn config() -> MasqConfig {
 /// `bpf_ktime_get_ns()` as of this CPU's latest jiffy (see the module
 /// doc): behind the clock by at most one jiffy, never ahead of it.
 #[inline(always)]
-pub(super) fn now_ns() -> u64 {
+pub(crate) fn now_ns() -> u64 {
     // SAFETY: plain helper calls (the verifier inlines bpf_jiffies64).
     let jiffies = unsafe { bpf_jiffies64() };
     let Some(clock) = NAT_CLOCK.get_ptr_mut(0) else {

@@ -72,19 +72,22 @@ impl LbIpam {
                 flags,
                 ..IpcacheValue::default()
             };
+            let l2 = self
+                .pools
+                .get(&a.pool)
+                .is_some_and(|p| p.spec.announce == Some(Announce::L2));
             match a.address {
                 IpAddr::V4(v4) => {
                     plan.ipcache_v4.insert(Ipv4Net::from(v4), value);
-                    let l2 = self
-                        .pools
-                        .get(&a.pool)
-                        .is_some_and(|p| p.spec.announce == Some(Announce::L2));
                     if l2 {
                         plan.l2_announce_v4.insert(v4, a.pool.clone());
                     }
                 }
                 IpAddr::V6(v6) => {
                     plan.ipcache_v6.insert(Ipv6Net::from(v6), value);
+                    if l2 {
+                        plan.l2_announce_v6.insert(v6, a.pool.clone());
+                    }
                 }
             }
         }

@@ -21,6 +21,7 @@ fn input<'a>(
         endpoints,
         lb_hosts: Vec::new(),
         announce_v4: Vec::new(),
+        announce_v6: Vec::new(),
         uplink: None,
         masq_skip_pools: Vec::new(),
         non_masquerade: &[],
@@ -30,6 +31,7 @@ fn input<'a>(
 const UPLINK: Uplink = Uplink {
     ifindex: 3,
     mac: [2, 0, 0, 0, 0, 3],
+    expires_ns: 5_000_000_000,
 };
 
 #[test]
@@ -135,8 +137,33 @@ fn announcements_need_an_uplink_and_are_sealed_with_slots() {
     let (k, v) = m.l2[0];
     assert_eq!(k, a.octets());
     assert_eq!((v.ifindex, v.mac), (UPLINK.ifindex, UPLINK.mac));
+    assert_eq!(v.expires_ns, UPLINK.expires_ns, "the uplink's expiry");
     assert_eq!(v, v.sealed(k));
     assert_eq!(m.l2_slots[0].0, slots::l2_resp(k));
+    assert_eq!(m.l2_slots[0].1.expires_ns, UPLINK.expires_ns);
+    assert!(m.l2_v6.is_empty());
+}
+
+#[test]
+fn ipv6_announcements_are_sealed_under_their_address_and_expire_alike() {
+    let a: Ipv6Addr = "fd00:5::10".parse().unwrap();
+    let b: Ipv6Addr = "fd00:5::9".parse().unwrap();
+    let mut i = input(&[], Vec::new());
+    i.announce_v6 = vec![a, b, a];
+    assert!(
+        desired(i.clone()).unwrap().maps.l2_v6.is_empty(),
+        "no uplink"
+    );
+    i.uplink = Some(UPLINK);
+    let m = desired(i).unwrap().maps;
+    let keys: Vec<V6Addr> = m.l2_v6.iter().map(|e| e.0).collect();
+    assert_eq!(keys, vec![b.octets(), a.octets()], "sorted, unique");
+    for (k, v) in &m.l2_v6 {
+        assert_eq!((v.ifindex, v.mac), (UPLINK.ifindex, UPLINK.mac));
+        assert_eq!(v.expires_ns, UPLINK.expires_ns);
+        assert!(v.is_sealed_v6(*k));
+    }
+    assert!(m.l2.is_empty() && m.l2_slots.is_empty());
 }
 
 #[test]

@@ -21,7 +21,7 @@ struct Rig {
     store: FlakyStore,
     maps: MapDouble,
     unsaved: bool,
-    announced: Vec<Ipv4Addr>,
+    announced: Vec<std::net::IpAddr>,
 }
 
 /// The L2_RESP_V4 value the rig writes for an announced address.
@@ -30,6 +30,7 @@ const L2: L2RespValue = L2RespValue {
     mac: [2, 0, 0, 0, 0, 1],
     _pad: [0; 2],
     check: 0,
+    expires_ns: 0,
 };
 
 impl LbHost for Rig {
@@ -89,7 +90,7 @@ impl LbHost for Rig {
         self.unsaved = true;
     }
 
-    fn announce(&mut self, addr: Ipv4Addr) {
+    fn announce(&mut self, addr: std::net::IpAddr) {
         self.announced.push(addr);
     }
 }
@@ -170,7 +171,11 @@ fn a_change_commits_programs_and_announces_the_new_address() {
     assert_eq!(rig.stored(), Some(rig.lb.snapshot()));
     assert!(rig.maps.ipcache.contains_key(&host(b)));
     assert!(rig.maps.l2.contains_key(&b.octets()));
-    assert_eq!(rig.announced, vec![b], "only the new address is announced");
+    assert_eq!(
+        rig.announced,
+        vec![std::net::IpAddr::V4(b)],
+        "only the new address is announced"
+    );
 }
 
 #[test]

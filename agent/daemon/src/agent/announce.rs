@@ -1,0 +1,201 @@
+//! Announcement leases: every L2_RESP_V4 and L2_RESP_V6 entry carries an
+//! expiry (`expires_ns`, kernel `CLOCK_MONOTONIC`) past which `from_native`
+//! stops answering ARP and NDP for it. The agent renews all of them every
+//! third of `[lb] announce_lease`; an agent that dies or hangs stops renewing,
+//! so its node stops answering within one lease though the pinned programs
+//! and maps live on (docs/datapath.md, "Announcement leases").
+//!
+//! One expiry serves all of a node's entries: the desired plan takes it from
+//! here ([`Lease::expires_ns`]), so verify and reconcile compare it like any
+//! other field, and a renewal is a reconcile of the announcement maps alone.
+
+use std::net::IpAddr;
+use std::time::Duration;
+
+use super::map_table::MAPS;
+use super::*;
+
+/// The kernel's `CLOCK_MONOTONIC` in nanoseconds: the clock
+/// `bpf_ktime_get_ns` reads.
+#[must_use]
+pub fn monotonic_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: valid pointer for the call; CLOCK_MONOTONIC always exists.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+/// The announcements' lease.
+#[derive(Clone, Debug)]
+pub struct Lease {
+    /// How long an entry is answered without a renewal.
+    lease: Duration,
+    /// The expiry the entries carry (and the plan writes).
+    expires_ns: u64,
+    /// Whether the entries may have lapsed since they were last renewed
+    /// (true at start): the next renewal announces every address again.
+    lapsed: bool,
+}
+
+impl Lease {
+    /// A lease of `lease`, starting now.
+    #[must_use]
+    pub fn new(lease: Duration) -> Self {
+        Self {
+            lease,
+            expires_ns: monotonic_ns() + lease.as_nanos() as u64,
+            lapsed: true,
+        }
+    }
+
+    /// The expiry the announcement entries carry.
+    #[must_use]
+    pub fn expires_ns(&self) -> u64 {
+        self.expires_ns
+    }
+
+    /// Moves the expiry to one lease from `now_ns`; returns whether the
+    /// previous one had passed (or the entries were never renewed).
+    fn renew(&mut self, now_ns: u64) -> bool {
+        let lapsed = self.lapsed || now_ns >= self.expires_ns;
+        self.expires_ns = now_ns + self.lease.as_nanos() as u64;
+        self.lapsed = false;
+        lapsed
+    }
+}
+
+/// Whether `name` is one of the maps a renewal rewrites.
+fn announcement_map(name: &str) -> bool {
+    [
+        map_names::L2_RESP_V4,
+        map_names::L2_RESP_SLOTS,
+        map_names::L2_RESP_V6,
+    ]
+    .contains(&name)
+}
+
+impl Agent {
+    /// Renews every announcement: a new expiry, written into L2_RESP_V4,
+    /// its slots and L2_RESP_V6 in the order reconcile uses (slots cleared
+    /// first, filled last). When the previous expiry had passed (a hung
+    /// agent resumed, or a start), every announced address is announced
+    /// again (gratuitous ARP, unsolicited NA). Returns the entries written.
+    ///
+    /// # Errors
+    /// A map could not be read or written; the next renewal tries again.
+    pub fn renew_announcements(&mut self) -> Result<usize, AgentError> {
+        let lapsed = self.announce.renew(monotonic_ns());
+        let want = self.desired()?;
+        let root = &self.maps;
+        let mut have = MapContents::default();
+        let specs: Vec<_> = MAPS.iter().filter(|m| announcement_map(m.name())).collect();
+        for m in &specs {
+            m.observe(root, &mut have)?;
+        }
+        let mut report = ReconcileReport::default();
+        for m in &specs {
+            m.clear(root, &want, &have)?;
+        }
+        for m in &specs {
+            m.apply(root, &want, &have, &mut report)?;
+        }
+        for m in &specs {
+            m.fill(root, &want, &have, &mut report)?;
+        }
+        if lapsed {
+            let addrs = want
+                .l2
+                .iter()
+                .map(|(a, _)| IpAddr::from(*a))
+                .chain(want.l2_v6.iter().map(|(a, _)| IpAddr::from(*a)));
+            for addr in addrs {
+                self.send_announcement(addr);
+            }
+        }
+        Ok(want.l2.len() + want.l2_v6.len())
+    }
+
+    /// The announcement lease's renewal period (a third of the lease).
+    #[must_use]
+    pub fn announce_renew_every(&self) -> Duration {
+        self.config.lb.renew_every()
+    }
+
+    /// Announces `addr` on the uplink: gratuitous ARP (IPv4) or unsolicited
+    /// Neighbor Advertisement (IPv6), best effort.
+    pub(super) fn send_announcement(&self, addr: IpAddr) {
+        let Some(up) = &self.uplink else {
+            return;
+        };
+        let sent = match addr {
+            IpAddr::V4(a) => crate::arp::announce(up.index, up.mac, a),
+            IpAddr::V6(a) => crate::ndp::announce(up.index, up.mac, a),
+        };
+        if let Err(e) = sent {
+            tracing::warn!(error = %e, %addr, "announcement (gratuitous ARP / unsolicited NA) failed");
+        }
+    }
+}
+
+/// Runs [`Agent::renew_announcements`] every third of the lease, on the
+/// blocking pool, until `stop` turns true. Renewals that are late (the agent
+/// lock held long, the process stopped) do not pile up: the next runs one
+/// period after the late one.
+pub fn spawn_renewer(
+    slot: &std::sync::Arc<std::sync::Mutex<Option<Agent>>>,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) -> tokio::task::JoinHandle<()> {
+    let every = slot
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .as_ref()
+        .map_or(Duration::from_secs(1), Agent::announce_renew_every);
+    let slot = slot.clone();
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(every);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = tick.tick() => {}
+                _ = stop.wait_for(|s| *s) => break,
+            }
+            let slot = slot.clone();
+            let _ = tokio::task::spawn_blocking(move || {
+                let mut guard = slot.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+                if let Some(agent) = guard.as_mut()
+                    && let Err(e) = agent.renew_announcements()
+                {
+                    tracing::error!(error = %crate::error_chain(&e), "renewing the announcements failed");
+                }
+            })
+            .await;
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_renewal_moves_the_expiry_one_lease_ahead_and_tells_if_it_had_lapsed() {
+        let mut l = Lease::new(Duration::from_secs(3));
+        assert!(l.expires_ns() > monotonic_ns(), "starts one lease ahead");
+        assert!(l.renew(1_000), "the first renewal announces");
+        assert_eq!(l.expires_ns(), 3_000_001_000);
+        assert!(!l.renew(2_000_000_000), "renewed in time");
+        assert_eq!(l.expires_ns(), 5_000_000_000);
+        assert!(l.renew(5_000_000_000), "renewed after the expiry");
+    }
+
+    #[test]
+    fn the_clock_is_the_kernels_monotonic_one() {
+        let a = monotonic_ns();
+        std::thread::sleep(Duration::from_millis(5));
+        let b = monotonic_ns();
+        assert!(b >= a + 5_000_000 && b < a + 5_000_000_000);
+    }
+}

@@ -1,0 +1,254 @@
+//! L2 announcements' datapath: from_native answers Neighbor Solicitations
+//! for announced IPv6 LoadBalancer addresses (one advertisement, the node's
+//! MAC, a checksum checked here), ignores malformed ones, and both the ARP
+//! and the NDP responder stop answering within one announcement lease of
+//! the agent hanging (SIGSTOP) and resume once it runs again (SIGCONT).
+
+use std::net::Ipv6Addr;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, ensure};
+use lockstep_tests::ndp::{Prober, checksum_ok, solicitation};
+use lockstep_tests::{AgentProc, Netns, counter, privileged, veth};
+
+/// The lease under test: short, so the test is too.
+const LEASE: Duration = Duration::from_millis(900);
+const NB_MAC: [u8; 6] = [2, 0, 0, 0x91, 0, 2];
+
+fn config() -> String {
+    format!(
+        "[[pools]]\nname = \"pods\"\nipv4 = [\"10.80.0.0/24\"]\n\n[lb]\nannounce_lease = \"{}ms\"\n\n[datapath]\nuplink = \"u0\"\n",
+        LEASE.as_millis()
+    )
+}
+
+fn apply(agent: &AgentProc, doc: &serde_json::Value) -> anyhow::Result<serde_json::Value> {
+    let path = agent.dir.path().join("lb.json");
+    std::fs::write(&path, doc.to_string())?;
+    agent.json([
+        "lb",
+        "apply",
+        "-f",
+        path.to_str().context("utf-8")?,
+        "-o",
+        "json",
+    ])
+}
+
+fn arp_answered(nb: &Netns, addr: &str) -> anyhow::Result<bool> {
+    let out = nb
+        .command("arping")
+        .args(["-c", "1", "-w", "1", "-I", "n0", addr])
+        .output()?;
+    Ok(out.status.success())
+}
+
+fn mac_bytes(mac: &str) -> anyhow::Result<[u8; 6]> {
+    let v: Vec<u8> = mac
+        .split(':')
+        .map(|h| u8::from_str_radix(h, 16))
+        .collect::<Result<_, _>>()?;
+    v.try_into()
+        .map_err(|_| anyhow::anyhow!("not a MAC: {mac}"))
+}
+
+/// Sends one solicitation (valid unless `hop_limit`/`code` say otherwise)
+/// and returns the advertisements received within `wait`.
+fn solicit(
+    nb: &Netns,
+    target: Ipv6Addr,
+    hop_limit: u8,
+    code: u8,
+    wait: Duration,
+) -> anyhow::Result<Vec<Vec<u8>>> {
+    nb.run(|| {
+        let p = Prober::open("n0")?;
+        p.send(&solicitation(
+            NB_MAC,
+            "fd00:91::2".parse()?,
+            target,
+            hop_limit,
+            code,
+        ))?;
+        p.advertisements(target, wait)
+    })
+}
+
+/// How long after `since` each responder's probes (NDP, then ARP, over and
+/// over) first give `want` and keep giving it: the later of the two
+/// probes' start times, so a probe's own wait (arping's 1 s deadline when
+/// unanswered) is not counted. Gives up after `limit`.
+fn until(
+    nb: &Netns,
+    v4: &str,
+    v6: Ipv6Addr,
+    want: bool,
+    since: Instant,
+    limit: Duration,
+) -> anyhow::Result<Duration> {
+    let (mut ndp_at, mut arp_at) = (None, None);
+    loop {
+        let t = since.elapsed();
+        let ndp = !solicit(nb, v6, 255, 0, Duration::from_millis(150))?.is_empty();
+        ndp_at = if ndp == want { ndp_at.or(Some(t)) } else { None };
+        let t = since.elapsed();
+        let arp = arp_answered(nb, v4)?;
+        arp_at = if arp == want { arp_at.or(Some(t)) } else { None };
+        if let (Some(a), Some(b)) = (ndp_at, arp_at) {
+            return Ok(a.max(b));
+        }
+        ensure!(
+            since.elapsed() < limit,
+            "answers still {} after {:?} (ndp {ndp}, arp {arp})",
+            !want,
+            since.elapsed()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn signal(pid: u32, sig: &str) -> anyhow::Result<()> {
+    let out = std::process::Command::new("kill")
+        .args([sig, &pid.to_string()])
+        .output()?;
+    ensure!(out.status.success(), "kill {sig} {pid} failed");
+    Ok(())
+}
+
+#[test]
+fn ndp_is_answered_once_with_the_node_mac_and_both_responders_honour_the_lease()
+-> anyhow::Result<()> {
+    privileged!();
+    let node = Netns::new("ndpnode")?;
+    let nb = Netns::new("ndpnb")?;
+    veth(&node, "u0", &nb, "n0")?;
+    nb.ip(["addr", "add", "10.91.0.2/24", "dev", "n0"])?;
+    let node_mac = mac_bytes(&node.mac("u0")?)?;
+    let mut agent = AgentProc::start(&node, &config())?;
+    apply(
+        &agent,
+        &serde_json::json!({"pools": [{
+            "name": "public", "cidrs": ["10.91.0.16/28", "fd00:91::10/124"], "announce": "l2"
+        }]}),
+    )?;
+
+    // The unsolicited advertisement on assignment: listen first.
+    let v6: Ipv6Addr = "fd00:91::11".parse()?;
+    let unsolicited = std::thread::scope(|s| -> anyhow::Result<Vec<Vec<u8>>> {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let nb = &nb;
+        let listener = s.spawn(move || {
+            nb.run(move || {
+                let p = Prober::open("n0")?;
+                tx.send(()).ok();
+                p.advertisements(v6, Duration::from_secs(3))
+            })
+        });
+        rx.recv_timeout(Duration::from_secs(5))?;
+        let view = apply(
+            &agent,
+            &serde_json::json!({"services": [{
+                "namespace": "shop", "name": "web", "ipFamilyPolicy": "RequireDualStack",
+                "ports": [{"protocol": "TCP", "port": 443}]
+            }]}),
+        )?;
+        let addrs = &view["services"]["shop/web"]["assignment"]["addresses"];
+        ensure!(
+            addrs.as_array().is_some_and(|a| a.len() == 2)
+                && addrs
+                    .as_array()
+                    .unwrap()
+                    .contains(&serde_json::json!("10.91.0.17"))
+                && addrs
+                    .as_array()
+                    .unwrap()
+                    .contains(&serde_json::json!(v6.to_string())),
+            "both families assigned: {view}"
+        );
+        listener
+            .join()
+            .map_err(|_| anyhow::anyhow!("listener panicked"))?
+    })?;
+    ensure!(!unsolicited.is_empty(), "no unsolicited NA on assignment");
+    let na = &unsolicited[0];
+    ensure!(checksum_ok(na), "unsolicited NA checksum: {na:02x?}");
+    ensure!(na[6..12] == node_mac && na[80..86] == node_mac, "{na:02x?}");
+    ensure!(na[58] & 0x60 == 0x20, "override, not solicited: {na:02x?}");
+
+    // One solicitation, exactly one advertisement, every field checked.
+    let got = solicit(&nb, v6, 255, 0, Duration::from_secs(1))?;
+    ensure!(got.len() == 1, "{} advertisements: {got:02x?}", got.len());
+    let na = &got[0];
+    ensure!(na.len() == 86, "NA frame of {} bytes", na.len());
+    ensure!(na[0..6] == NB_MAC, "to the solicitor's MAC: {na:02x?}");
+    ensure!(na[6..12] == node_mac, "from the node's MAC: {na:02x?}");
+    ensure!(na[21] == 255, "hop limit {}", na[21]);
+    ensure!(na[22..38] == v6.octets(), "from the target");
+    ensure!(
+        na[38..54] == "fd00:91::2".parse::<Ipv6Addr>()?.octets(),
+        "to the solicitor's address"
+    );
+    ensure!((na[54], na[55]) == (136, 0), "NA, code 0");
+    ensure!(na[58] == 0x60, "solicited and override: {:#x}", na[58]);
+    ensure!(
+        na[78..80] == [2, 1] && na[80..86] == node_mac,
+        "target link-layer option"
+    );
+    ensure!(checksum_ok(na), "NA checksum does not hold: {na:02x?}");
+    ensure!(counter(&agent.pins, "ndp_replied")? >= 1);
+
+    // Malformed solicitations are left alone.
+    let before = counter(&agent.pins, "ndp_malformed")?;
+    for (hop, code) in [(64, 0), (255, 1)] {
+        let got = solicit(&nb, v6, hop, code, Duration::from_millis(400))?;
+        ensure!(got.is_empty(), "answered hop {hop} code {code}: {got:02x?}");
+    }
+    ensure!(counter(&agent.pins, "ndp_malformed")? >= before + 2);
+    // An address not announced is not answered.
+    let other: Ipv6Addr = "fd00:91::1e".parse()?;
+    ensure!(solicit(&nb, other, 255, 0, Duration::from_millis(400))?.is_empty());
+    ensure!(arp_answered(&nb, "10.91.0.17")?, "ARP answered");
+    let out = agent.cli(["verify"])?;
+    ensure!(
+        out.status.success(),
+        "verify with leases: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    // A hung agent: both responders stop within one lease.
+    let pid = agent.pid().context("agent pid")?;
+    signal(pid, "-STOP")?;
+    let stopped = Instant::now();
+    let silent = until(&nb, "10.91.0.17", v6, false, stopped, LEASE * 3);
+    let resumed = Instant::now();
+    signal(pid, "-CONT")?;
+    let silent = silent?;
+    ensure!(counter(&agent.pins, "announce_expired")? >= 1);
+    // It runs again: answers resume within a renewal period (plus probes).
+    let back = until(&nb, "10.91.0.17", v6, true, resumed, LEASE * 3)?;
+    eprintln!(
+        "lease {LEASE:?}: silent {silent:?} after SIGSTOP, answering again {back:?} after SIGCONT"
+    );
+    // Silence came no later than one lease after the stop (the last renewal
+    // was before it), plus one probe round while still answered (~250 ms).
+    ensure!(
+        silent <= LEASE + Duration::from_millis(400),
+        "still answering {silent:?} after SIGSTOP"
+    );
+    // And not before the lease could have passed: a third of it at least.
+    ensure!(silent >= LEASE / 3, "silent after only {silent:?}");
+
+    // A deleted service's addresses stop at once: the next probe is silent.
+    let out = agent.cli(["lb", "delete", "--service", "shop/web"])?;
+    ensure!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    ensure!(solicit(&nb, v6, 255, 0, Duration::from_millis(400))?.is_empty());
+    ensure!(!arp_answered(&nb, "10.91.0.17")?, "ARP after delete");
+    ensure!(agent.cli(["verify"])?.status.success());
+    agent.stop()?;
+    Ok(())
+}
