@@ -412,6 +412,12 @@ fn add_check_del_across_versions_and_the_containers_ping_each_other() -> anyhow:
             "{host}: the pinned from_endpoint (id {id}), direct-action: {filters}"
         );
     }
+    // The host sides only forward: no IPv6 link-local address of their own
+    // (the IPv6 pings below cross them all the same).
+    for host in [&host_a, &host_b] {
+        let v6 = node.exec("ip", ["-6", "-o", "addr", "show", "dev", host])?;
+        ensure!(v6.trim().is_empty(), "{host} has IPv6 addresses: {v6}");
+    }
     let passed = lockstep_tests::counter(&agent.pins, "from_endpoint_passed")?;
 
     for addr in &b_addrs {

@@ -91,6 +91,12 @@ pub struct CreatedVeth {
 pub enum Step {
     /// Sets interface `index` up.
     Up(u32),
+    /// Gives interface `index` no IPv6 link-local address
+    /// (`addr_gen_mode` none): before it goes up, this spares the kernel
+    /// making the address and starting duplicate address detection,
+    /// multicast joins and router solicitation on it. For interfaces that
+    /// only forward (an endpoint's host side); IPv6 still flows through.
+    NoLinkLocal(u32),
     /// Adds `address/prefix_len` to interface `index`; IPv6 addresses skip
     /// duplicate address detection (the address is ours by allocation).
     Address {
@@ -333,7 +339,8 @@ impl Netlink {
             .map_err(req(format!("create veth {host}")))
     }
 
-    /// Creates a veth pair `host` (here, up) ↔ `peer`, the peer made
+    /// Creates a veth pair `host` (here, down: the caller configures it
+    /// before raising it) ↔ `peer`, the peer made
     /// directly inside the namespace `peer_netns` under its final name with
     /// the hardware address `peer_mac`. Moving an existing interface between
     /// namespaces waits for an RCU grace period (~25 ms measured here);
@@ -364,8 +371,7 @@ impl Netlink {
             .address(peer_mac.to_vec())
             .setns_by_fd(peer_netns.as_raw_fd());
         let mut msg = LinkMessageBuilder::<LinkVeth>::new_with_info_kind(InfoKind::Veth)
-            .name(host.to_string())
-            .up();
+            .name(host.to_string());
         if let Some(mtu) = mtu {
             peer_msg = peer_msg.mtu(mtu);
             msg = msg.mtu(mtu);
@@ -598,6 +604,24 @@ impl Netlink {
     fn request(&self, step: &Step) -> Result<StepFuture, NetlinkError> {
         let handle = self.handle.clone();
         Ok(match *step {
+            Step::NoLinkLocal(index) => {
+                use netlink_packet_route::link::{AfSpecInet6, AfSpecUnspec};
+                /// `IN6_ADDR_GEN_MODE_NONE`.
+                const ADDR_GEN_MODE_NONE: u8 = 1;
+                let msg = LinkUnspec::new_with_index(index)
+                    .append_extra_attribute(LinkAttribute::AfSpecUnspec(vec![AfSpecUnspec::Inet6(
+                        vec![AfSpecInet6::AddrGenMode(ADDR_GEN_MODE_NONE)],
+                    )]))
+                    .build();
+                Box::pin(async move {
+                    handle
+                        .link()
+                        .set(msg)
+                        .execute()
+                        .await
+                        .map_err(req(format!("set link {index} addr_gen_mode none")))
+                })
+            }
             Step::Up(index) => {
                 let msg = LinkUnspec::new_with_index(index).up().build();
                 Box::pin(async move {

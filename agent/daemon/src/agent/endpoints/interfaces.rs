@@ -281,7 +281,8 @@ pub(super) fn endpoint_steps(
     let peer = veth.peer_index;
     // `lo` is interface 1 in every namespace (LOOPBACK_IFINDEX).
     let mut inside = vec![Step::Up(peer), Step::Up(1)];
-    let mut host = Vec::new();
+    // The host side only forwards: no link-local address, then up.
+    let mut host = vec![Step::NoLinkLocal(veth.host.index), Step::Up(veth.host.index)];
     for addr in addresses {
         let (prefix_len, gw, any): (u8, IpAddr, IpNet) = match addr {
             IpAddr::V4(_) => (32, GATEWAY_V4.into(), IpNet::V4(Default::default())),
@@ -414,6 +415,8 @@ mod tests {
         assert_eq!(
             host,
             vec![
+                Step::NoLinkLocal(7),
+                Step::Up(7),
                 route("10.0.0.2/32", None, 7),
                 Step::Neighbour {
                     index: 7,
