@@ -46,6 +46,8 @@ pub struct AppState {
     pub held: Arc<Mutex<Option<String>>>,
     /// Metrics.
     pub metrics: Arc<Metrics>,
+    /// Cluster mode's state, once started (never set in single-node mode).
+    pub cluster: Arc<std::sync::OnceLock<Arc<crate::cluster::ClusterHandle>>>,
 }
 
 /// An API error: HTTP status, stable code, message.
@@ -81,7 +83,7 @@ impl IntoResponse for ApiError {
 impl From<AgentError> for ApiError {
     fn from(e: AgentError) -> Self {
         let status = match e.code() {
-            "not_ready" => StatusCode::SERVICE_UNAVAILABLE,
+            "not_ready" | "etcd_unavailable" => StatusCode::SERVICE_UNAVAILABLE,
             "unknown_pool" | "not_found" => StatusCode::NOT_FOUND,
             "pool_exhausted" | "map_full" => StatusCode::INSUFFICIENT_STORAGE,
             "check_failed" | "busy" => StatusCode::CONFLICT,
@@ -161,13 +163,29 @@ fn ok<T: Serialize>(v: T) -> Response {
 
 async fn status(State(s): State<AppState>) -> Result<Response, ApiError> {
     match with_agent(&s, |a| Ok(a.status())).await {
-        Ok(st) => Ok(ok(st)),
+        Ok(st) => match s.cluster.get() {
+            // Cluster mode adds what STATUS needs: whether etcd answers, and
+            // which pools claim blocks on demand.
+            Some(c) => {
+                let mut v = serde_json::to_value(&st).map_err(|e| {
+                    ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", e.to_string())
+                })?;
+                v["cluster"] = serde_json::json!(crate::wire::ClusterStatus {
+                    etcd_unreachable: c.etcd_problem(),
+                    pools: c.pools(),
+                    fenced: c.fenced(),
+                });
+                Ok(ok(v))
+            }
+            None => Ok(ok(st)),
+        },
         // Status is always answered, ready or not.
         Err(e) if e.code == "not_ready" => Ok(ok(crate::wire::Readiness {
             version: crate::version::version(),
             ready: false,
             reason: Some(e.message),
             default_pool: None,
+            cluster: None,
         })),
         Err(e) => Err(e),
     }
@@ -175,7 +193,10 @@ async fn status(State(s): State<AppState>) -> Result<Response, ApiError> {
 
 async fn metrics(State(s): State<AppState>) -> Result<Response, ApiError> {
     let m = s.metrics.clone();
-    let text = with_agent(&s, move |a| Ok(m.render(a))).await?;
+    let mut text = with_agent(&s, move |a| Ok(m.render(a))).await?;
+    if let Some(c) = s.cluster.get() {
+        text.push_str(&crate::cluster::render_metrics(c));
+    }
     Ok(([("content-type", "text/plain; version=0.0.4")], text).into_response())
 }
 
@@ -239,6 +260,51 @@ async fn cni_add(
     let Json(req) = body?;
     attachment(&req.container_id, &req.ifname)?;
     let started = Instant::now();
+    let retry = s.cluster.get().map(|c| (c.clone(), req.clone()));
+    let result = add_once(&s, req).await;
+    // Cluster mode: a cluster pool with no free address waits (at most
+    // about 2 s) for the block a claim brings, then tries once more; etcd
+    // unreachable answers "try again later" naming etcd.
+    let result = match (result, retry) {
+        (Err(e), Some((cluster, req))) if let Some(pool) = exhausted_cluster_pool(&e, &cluster) => {
+            match cluster
+                .need_block(&pool, std::time::Duration::from_millis(1800))
+                .await
+            {
+                Ok(()) => add_once(&s, req).await,
+                Err(why) => Err(ApiError::new(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "etcd_unavailable",
+                    format!(
+                        "cluster pool {pool} has no free address on this node and a new block \
+                         could not be claimed from etcd: {why}"
+                    ),
+                )),
+            }
+        }
+        (r, _) => r,
+    };
+    s.metrics.observe_allocation(started.elapsed());
+    Ok(ok(result?))
+}
+
+/// The cluster pool an ADD found without a free address, if that is why
+/// it failed.
+fn exhausted_cluster_pool(e: &ApiError, cluster: &crate::cluster::ClusterHandle) -> Option<String> {
+    if e.code != "pool_exhausted" {
+        return None;
+    }
+    cluster
+        .pools()
+        .into_iter()
+        .map(|p| p.name)
+        .find(|p| e.message.contains(&format!("pool {p} has no free")))
+}
+
+async fn add_once(
+    s: &AppState,
+    req: EndpointRequest,
+) -> Result<crate::wire::EndpointReply, ApiError> {
     let slot = s.agent.clone();
     // IPAM-only ADDs are served here (a commit and a few map writes under
     // the lock); whether one is is judged under the same lock hold that
@@ -251,8 +317,7 @@ async fn cni_add(
                 .map_err(joined)?
         }
     };
-    s.metrics.observe_allocation(started.elapsed());
-    Ok(ok(result?))
+    Ok(result?)
 }
 
 async fn cni_del(

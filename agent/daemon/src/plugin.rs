@@ -156,7 +156,7 @@ fn agent(
             reason: "the lockstep agent is restoring its state".into(),
         }
         .into(),
-        "busy" => CniError::TryAgainLater { reason: message }.into(),
+        "busy" | "etcd_unavailable" => CniError::TryAgainLater { reason: message }.into(),
         _ => PluginError::Refused { code, message },
     })
 }
@@ -572,14 +572,31 @@ fn status(options: &LockstepOptions, pool: Option<&str>) -> Result<(), PluginErr
         .into());
     };
     // An ADD takes an address of every family the pool has: one family
-    // with none free means no ADD can be served.
+    // with none free means no ADD can be served. In cluster mode a cluster
+    // pool with no free address claims a block on demand while etcd
+    // answers; etcd unreachable is 51 (existing endpoints keep working).
+    let cluster = st.cluster.as_ref();
+    let claims = cluster.and_then(|c| c.pools.iter().find(|p| p.name == chosen.name));
+    let unreachable = cluster.is_some_and(|c| c.etcd_unreachable.is_some());
     for (family, (used, free)) in [("v4", chosen.v4), ("v6", chosen.v6)] {
-        if used.saturating_add(free) > 0 && free == 0 {
+        let exhausted = if let Some(p) = claims {
+            let has = if family == "v4" { p.ipv4 } else { p.ipv6 };
+            has && free == 0 && unreachable
+        } else {
+            used.saturating_add(free) > 0 && free == 0
+        };
+        if exhausted {
             return Err(CniError::PluginNotAvailable {
                 reason: format!("pool {} has no free IP{family} address", chosen.name),
             }
             .into());
         }
+    }
+    if let Some(why) = cluster.and_then(|c| c.etcd_unreachable.clone()) {
+        return Err(CniError::LimitedConnectivity {
+            reason: format!("etcd is unreachable (new blocks cannot be claimed): {why}"),
+        }
+        .into());
     }
     Ok(())
 }

@@ -251,6 +251,7 @@ pub async fn run(config: Config) -> Result<(), ServerError> {
         agent: slot.clone(),
         held: Arc::new(Mutex::new(None)),
         metrics,
+        cluster: Arc::new(std::sync::OnceLock::new()),
     };
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let shutdown = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
@@ -297,6 +298,7 @@ pub async fn run(config: Config) -> Result<(), ServerError> {
             tracing::info!(path = %path.display(), "removed a CNI file this agent had installed");
         }
     }
+    let cluster_config = config.clone();
     let started = tokio::task::spawn_blocking(move || Agent::start(config))
         .await
         .map_err(ServerError::Join)?;
@@ -334,7 +336,21 @@ pub async fn run(config: Config) -> Result<(), ServerError> {
         }
     };
     let pending = !agent.status().ready;
+    // Cluster mode: blocks etcd no longer gives this node are fenced before
+    // the agent serves (or once etcd answers, when it is down now).
+    let cluster = match &cluster_config.cluster {
+        Some(_) => Some(
+            crate::cluster::ClusterNode::start(&cluster_config, &mut agent)
+                .await
+                .map_err(|reason| ServerError::Start(AgentError::Invalid { reason }))?,
+        ),
+        None => None,
+    };
+    if let Some(node) = &cluster {
+        let _ = state.cluster.set(node.handle());
+    }
     *slot.lock().unwrap_or_else(|p| p.into_inner()) = Some(agent);
+    let cluster_task = cluster.map(|node| node.spawn(slot.clone(), stop_rx.clone()));
     // The maps exist now; the collector runs beside the agent, not in it.
     let _masquerade = match masquerade {
         Some(settings) => {
@@ -427,6 +443,9 @@ pub async fn run(config: Config) -> Result<(), ServerError> {
     }
     let _ = reconciler.await;
     let _ = renewer.await;
+    if let Some(t) = cluster_task {
+        let _ = t.await;
+    }
     if let Some(t) = events {
         let _ = t.await;
     }

@@ -125,6 +125,34 @@ pub struct Readiness {
     /// The pool a request that names none uses (absent while not ready).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub default_pool: Option<String>,
+    /// Cluster mode's part of the status (absent in single-node mode).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cluster: Option<ClusterStatus>,
+}
+
+/// A cluster pool and the families it has CIDRs of.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ClusterPoolFamilies {
+    /// The pool.
+    pub name: String,
+    /// It has IPv4 CIDRs.
+    pub ipv4: bool,
+    /// It has IPv6 CIDRs.
+    pub ipv6: bool,
+}
+
+/// Cluster mode in the status answer.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ClusterStatus {
+    /// Why etcd is unreachable, while it is.
+    #[serde(default)]
+    pub etcd_unreachable: Option<String>,
+    /// The cluster pools (blocks are claimed for them on demand).
+    #[serde(default)]
+    pub pools: Vec<ClusterPoolFamilies>,
+    /// Blocks fenced on this node.
+    #[serde(default)]
+    pub fenced: usize,
 }
 
 /// The empty object DEL and CHECK answer with.

@@ -95,7 +95,9 @@ impl Agent {
         self.config
             .default_pool
             .clone()
-            .or_else(|| self.config.pools.first().map(|p| p.name.clone()))
+            // The configuration's pools, then cluster mode's (the same list
+            // in single-node mode).
+            .or_else(|| self.manager.source().0.first().map(|p| p.name.clone()))
             .ok_or_else(|| invalid("no pool is configured"))
     }
 

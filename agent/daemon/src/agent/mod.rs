@@ -33,6 +33,7 @@ use crate::netlink::{Netlink, NetlinkError};
 use crate::store::{EndpointMode, EndpointRecord, Store, StoreError};
 
 pub mod allocation;
+pub mod cluster_pools;
 pub mod announce;
 pub mod delegated;
 pub mod doors;
@@ -136,6 +137,10 @@ pub struct VerifyReport {
     /// this agent lost to another store.
     #[serde(default)]
     pub pins: Vec<String>,
+    /// Cluster blocks this node may no longer allocate from (another node
+    /// holds them, or etcd no longer records them).
+    #[serde(default)]
+    pub fenced: Vec<String>,
 }
 
 /// Pool usage for the API and metrics.
@@ -262,6 +267,8 @@ pub struct Agent {
     lb_unsaved: bool,
     /// The expiry of the L2 announcements, renewed periodically.
     announce: announce::Lease,
+    /// Cluster mode's fenced blocks (`cluster_pools`).
+    cluster: cluster_pools::ClusterView,
     /// Counters for metrics.
     pub stats: Stats,
 }
@@ -319,7 +326,10 @@ impl Agent {
         let maps = datapath.maps()?;
         let stored = store.load()?;
         let mut manager =
-            PoolManager::new(StaticPools(config.pools.clone()), ManagerConfig::default())?;
+            PoolManager::new(
+            StaticPools(cluster_pools::start_pools(&config)?),
+            ManagerConfig::default(),
+        )?;
         let report = manager.sync();
         if !report.errors.is_empty() {
             return Err(AgentError::Invalid {
@@ -378,6 +388,7 @@ impl Agent {
             reaper: reaper::Reaper::default(),
             lb_unsaved: false,
             announce,
+            cluster: cluster_pools::ClusterView::default(),
             stats: Stats::default(),
         };
         agent.attach_uplink()?;
@@ -643,11 +654,19 @@ impl Agent {
             // from an earlier local-mode run are released.
             return Ok(Vec::new());
         }
+        let r = &self.config.roles;
+        let any = [&r.router, &r.health, &r.ingress]
+            .iter()
+            .any(|c| c.ipv4 || c.ipv6);
+        if !any {
+            // No pool is needed (cluster mode may have none before etcd
+            // answers).
+            return Ok(Vec::new());
+        }
         let pool = match &self.config.roles.pool {
             Some(p) => p.clone(),
             None => self.default_pool()?,
         };
-        let r = &self.config.roles;
         let mut out = Vec::new();
         for (role, cfg) in [
             (AgentRole::Router, &r.router),

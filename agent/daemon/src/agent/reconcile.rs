@@ -198,7 +198,11 @@ impl Agent {
         }
         report.pins = self.verify_pins();
         report.draining = self.draining();
-        report.ok = report.store.is_empty() && report.maps.is_empty() && report.pins.is_empty();
+        report.fenced = self.cluster_fenced();
+        report.ok = report.store.is_empty()
+            && report.maps.is_empty()
+            && report.pins.is_empty()
+            && report.fenced.is_empty();
         Ok(report)
     }
 }

@@ -26,9 +26,13 @@
 //! harness").
 
 mod door;
+mod held;
+mod node;
 mod watch;
 
 pub use door::{Door, DoorOptions, TlsFiles};
+pub use held::{Held, HeldBlock, HeldError};
+pub use node::{ClusterHandle, ClusterNode, local_specs, render_metrics};
 pub use watch::{Change, Watch};
 
 use std::net::IpAddr;

@@ -89,6 +89,7 @@ fn replies_round_trip() {
         ready: false,
         reason: Some("restoring".into()),
         default_pool: None,
+        cluster: None,
     });
 }
 
@@ -150,6 +151,7 @@ fn a_ready_status_reads_as_readiness() {
         ready: false,
         reason: Some("restoring".into()),
         default_pool: None,
+        cluster: None,
     };
     assert_eq!(
         serde_json::to_value(&not_ready).unwrap(),

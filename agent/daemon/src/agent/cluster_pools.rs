@@ -1,0 +1,101 @@
+//! Cluster mode's narrow door into the agent: the cluster pools (the blocks
+//! this node holds, as local pools) go through the same manager sync as the
+//! configuration's pools, so a block added disturbs no allocation and a
+//! block dropped (given back or fenced) drains until empty, as a CIDR the
+//! configuration dropped does (`draining`).
+
+use std::collections::BTreeMap;
+
+use ipnet::IpNet;
+use lockstep_core::pool::PoolSpec;
+
+use super::{Agent, AgentError};
+
+/// What the agent knows of cluster mode: the blocks fenced at start or
+/// since (block → why), named by `verify`.
+#[derive(Clone, Debug, Default)]
+pub struct ClusterView {
+    fenced: BTreeMap<IpNet, String>,
+}
+
+/// The pools the manager starts with: the configuration's, then the
+/// cluster pools of the blocks recorded in the state directory (so stored
+/// allocations in them restore into their blocks, not into draining
+/// ranges). An unreadable record is an error: serving without it could
+/// hand out what the node does not hold.
+///
+/// # Errors
+/// [`AgentError::Invalid`] naming the file.
+pub(super) fn start_pools(config: &crate::config::Config) -> Result<Vec<PoolSpec>, AgentError> {
+    let mut pools = config.pools.clone();
+    if config.cluster.is_some() {
+        let held =
+            crate::cluster::Held::load(&config.state_dir).map_err(|e| AgentError::Invalid {
+                reason: crate::error_chain(&e),
+            })?;
+        pools.extend(crate::cluster::local_specs(config, &held));
+    }
+    Ok(pools)
+}
+
+impl Agent {
+    /// Makes the cluster pools `cluster` (on top of the configuration's
+    /// pools) and records `fenced`. Blocks left out drain: their holders
+    /// stay, nothing new comes from them.
+    ///
+    /// # Errors
+    /// [`AgentError::Invalid`] when the manager refused a block (an
+    /// overlap); the rest of the change is applied.
+    pub fn set_cluster_pools(
+        &mut self,
+        cluster: Vec<PoolSpec>,
+        fenced: BTreeMap<IpNet, String>,
+    ) -> Result<(), AgentError> {
+        let mut all = self.config.pools.clone();
+        all.extend(cluster);
+        self.manager.source_mut().0 = all;
+        let report = self.manager.sync();
+        self.cluster.fenced = fenced;
+        if !(report.added.is_empty() && report.removed.is_empty() && report.draining.is_empty())
+            && let Err(e) = self.reconcile()
+        {
+            tracing::warn!(error = %crate::error_chain(&e), "reconcile after a block change failed");
+        }
+        if report.errors.is_empty() {
+            Ok(())
+        } else {
+            Err(AgentError::Invalid {
+                reason: format!(
+                    "cluster blocks refused: {}",
+                    report
+                        .errors
+                        .iter()
+                        .map(ToString::to_string)
+                        .collect::<Vec<_>>()
+                        .join("; ")
+                ),
+            })
+        }
+    }
+
+    /// Addresses held in each of `blocks` (every holder: committed,
+    /// pending, draining).
+    pub fn block_usage(&self, blocks: &[IpNet]) -> Vec<u64> {
+        let mut used = vec![0u64; blocks.len()];
+        for a in self.manager.allocations() {
+            if let Some(i) = blocks.iter().position(|b| b.contains(&a.address)) {
+                used[i] += 1;
+            }
+        }
+        used
+    }
+
+    /// The fenced blocks, each with why, for `verify`.
+    pub fn cluster_fenced(&self) -> Vec<String> {
+        self.cluster
+            .fenced
+            .iter()
+            .map(|(b, why)| format!("block {b} is fenced: {why}"))
+            .collect()
+    }
+}

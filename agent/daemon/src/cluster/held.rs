@@ -1,0 +1,146 @@
+//! The blocks this node holds, kept durably in the state directory
+//! (`cluster.json`) so a restart serves its blocks before etcd answers, and
+//! knows which of them to check (fence) once it does.
+//!
+//! Written whole to a temporary file, synced and renamed over the old one:
+//! a crash leaves the old or the new list, never a mix. A block is recorded
+//! before it is added to the allocator and forgotten only after etcd took
+//! it back, so the file never lists less than the node may hand out.
+
+use std::io::Write as _;
+use std::path::{Path, PathBuf};
+
+use ipnet::IpNet;
+use lockstep_core::cluster::ClusterPoolSpec;
+use serde::{Deserialize, Serialize};
+
+/// The file's name in the state directory.
+pub const FILE: &str = "cluster.json";
+
+/// Errors of reading or writing the held-blocks file.
+#[derive(Debug, thiserror::Error)]
+pub enum HeldError {
+    /// The file could not be read or written.
+    #[error("cluster state {path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The file does not hold what this build writes.
+    #[error("cluster state {path} is unreadable: {reason}")]
+    Corrupt {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong.
+        reason: String,
+    },
+}
+
+/// One block the node holds.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HeldBlock {
+    /// Its cluster pool.
+    pub pool: String,
+    /// The block.
+    pub cidr: IpNet,
+    /// The block key's mod revision when claimed (a give-back compares it).
+    pub revision: i64,
+    /// Why no new address may come from it, once etcd said it is not this
+    /// node's (kept until the block is empty).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fenced: Option<String>,
+}
+
+/// What the node knows of the cluster without etcd.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Held {
+    /// The node name the blocks were claimed as.
+    pub node: String,
+    /// The cluster pools as last read.
+    pub pools: Vec<ClusterPoolSpec>,
+    /// The blocks.
+    pub blocks: Vec<HeldBlock>,
+}
+
+impl Held {
+    /// Reads `<state_dir>/cluster.json`; none yet is an empty list.
+    ///
+    /// # Errors
+    /// The file exists but cannot be read or parsed.
+    pub fn load(state_dir: &Path) -> Result<Self, HeldError> {
+        let path = state_dir.join(FILE);
+        match std::fs::read(&path) {
+            Ok(bytes) => serde_json::from_slice(&bytes).map_err(|e| HeldError::Corrupt {
+                path,
+                reason: e.to_string(),
+            }),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Self::default()),
+            Err(source) => Err(HeldError::Io { path, source }),
+        }
+    }
+
+    /// Writes the list durably (temporary file, fsync, rename, fsync of
+    /// the directory).
+    ///
+    /// # Errors
+    /// Any step failed; the old file is then unchanged.
+    pub fn save(&self, state_dir: &Path) -> Result<(), HeldError> {
+        let path = state_dir.join(FILE);
+        let tmp = state_dir.join(format!("{FILE}.tmp"));
+        let io = |source| HeldError::Io {
+            path: path.clone(),
+            source,
+        };
+        let bytes = serde_json::to_vec_pretty(self).map_err(|e| HeldError::Corrupt {
+            path: path.clone(),
+            reason: e.to_string(),
+        })?;
+        let mut f = std::fs::File::create(&tmp).map_err(io)?;
+        f.write_all(&bytes).map_err(io)?;
+        f.sync_all().map_err(io)?;
+        std::fs::rename(&tmp, &path).map_err(io)?;
+        std::fs::File::open(state_dir)
+            .and_then(|d| d.sync_all())
+            .map_err(io)?;
+        Ok(())
+    }
+
+    /// The blocks of `pool` that are not fenced.
+    pub fn serving(&self) -> impl Iterator<Item = &HeldBlock> + '_ {
+        self.blocks.iter().filter(|b| b.fenced.is_none())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn saved_blocks_come_back_and_a_missing_file_is_empty() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        assert_eq!(Held::load(dir.path()).expect("none"), Held::default());
+        let held = Held {
+            node: "a".into(),
+            pools: vec![ClusterPoolSpec::new("p").with_cidr("10.0.0.0/24".parse().expect("net"))],
+            blocks: vec![HeldBlock {
+                pool: "p".into(),
+                cidr: "10.0.0.64/26".parse().expect("net"),
+                revision: 7,
+                fenced: Some("held by b".into()),
+            }],
+        };
+        held.save(dir.path()).expect("save");
+        assert_eq!(Held::load(dir.path()).expect("load"), held);
+        assert_eq!(held.serving().count(), 0);
+        std::fs::write(dir.path().join(FILE), b"{").expect("write");
+        assert!(matches!(
+            Held::load(dir.path()),
+            Err(HeldError::Corrupt { .. })
+        ));
+    }
+}

@@ -1,0 +1,733 @@
+//! Cluster mode in the running agent: one background task that registers
+//! the node under a lease and keeps it alive, reads the cluster pools and
+//! blocks, fences the blocks of the local record that etcd no longer gives
+//! this node, claims blocks as the core's demand logic asks and gives empty
+//! ones back after `release_after`. The allocator sees only local pools
+//! (`Agent::set_cluster_pools`): an ADD served from a held block never
+//! waits for etcd.
+//!
+//! Order of every change, so the local record never lists less than the
+//! node may hand out: a claim is committed in etcd, then recorded
+//! (`cluster.json`), then served; a give-back is first taken out of the
+//! allocator (only when it holds no address), then deleted in etcd (compare
+//! on its revision), then forgotten.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::IpAddr;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use ipnet::IpNet;
+use lockstep_core::cidr::Family;
+use lockstep_core::cluster::{
+    BlockUse, ClusterPoolSpec, block_size, blocks_to_claim, blocks_to_release, fence, local_pools,
+    low_water, next_block,
+};
+use lockstep_core::pool::PoolSpec;
+use tokio::sync::Notify;
+
+use super::held::{Held, HeldBlock};
+use super::{Block, Claim, ClusterStoreError, Door, DoorOptions, NodeRecord, TlsFiles};
+use crate::agent::Agent;
+use crate::config::{ClusterConfig, Config};
+
+/// The bound on each etcd request of the agent: short, so an ADD that
+/// needs a block answers "try again" within 2 s when etcd cannot.
+const REQUEST_TIMEOUT: Duration = Duration::from_millis(600);
+/// How often the task looks at demand, etcd and the lease when nothing
+/// wakes it.
+const TICK: Duration = Duration::from_secs(1);
+
+/// What the API and metrics read of cluster mode.
+#[derive(Debug, Default)]
+pub struct ClusterHandle {
+    shared: Mutex<Shared>,
+    wake: Notify,
+    changed: Notify,
+}
+
+#[derive(Debug, Default)]
+struct Shared {
+    /// Why etcd is unreachable (`None`: the last request succeeded).
+    problem: Option<String>,
+    /// Fenced blocks.
+    fenced: usize,
+    /// Cluster pools and their families.
+    pools: Vec<crate::wire::ClusterPoolFamilies>,
+    /// Pools an ADD waits on a block for.
+    wanted: BTreeSet<String>,
+    /// Blocks claimed per pool since start.
+    claims: BTreeMap<String, u64>,
+    /// Rounds done since start.
+    rounds: u64,
+}
+
+impl ClusterHandle {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Shared> {
+        self.shared
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Why etcd is unreachable, while it is.
+    pub fn etcd_problem(&self) -> Option<String> {
+        self.lock().problem.clone()
+    }
+
+    /// How many blocks are fenced.
+    pub fn fenced(&self) -> usize {
+        self.lock().fenced
+    }
+
+    /// The cluster pools and their families.
+    pub fn pools(&self) -> Vec<crate::wire::ClusterPoolFamilies> {
+        self.lock().pools.clone()
+    }
+
+    /// Asks for a block of `pool` now and waits for it, at most `within`.
+    ///
+    /// # Errors
+    /// Why not: etcd unreachable (named), or no block came in time.
+    pub async fn need_block(&self, pool: &str, within: Duration) -> Result<(), String> {
+        let deadline = tokio::time::Instant::now() + within;
+        let (claims, rounds) = {
+            let mut s = self.lock();
+            s.wanted.insert(pool.to_string());
+            (s.claims.get(pool).copied().unwrap_or(0), s.rounds)
+        };
+        self.wake.notify_one();
+        loop {
+            let changed = self.changed.notified();
+            {
+                let s = self.lock();
+                if s.claims.get(pool).copied().unwrap_or(0) > claims {
+                    return Ok(());
+                }
+                // A whole round after the request, and etcd failed.
+                if s.rounds > rounds + 1
+                    && let Some(p) = &s.problem
+                {
+                    return Err(p.clone());
+                }
+                if s.rounds > rounds + 1 && !s.wanted.contains(pool) {
+                    return Err(format!(
+                        "cluster pool {pool} has no free block left in etcd"
+                    ));
+                }
+            }
+            if tokio::time::timeout_at(deadline, changed).await.is_err() {
+                let s = self.lock();
+                return Err(s.problem.clone().unwrap_or_else(|| {
+                    format!("etcd did not give a block of cluster pool {pool} within {within:?}")
+                }));
+            }
+        }
+    }
+}
+
+/// Cluster mode's metrics, in the Prometheus text format.
+pub fn render_metrics(c: &ClusterHandle) -> String {
+    let s = c.lock();
+    let claims: u64 = s.claims.values().sum();
+    format!(
+        "# HELP lockstep_cluster_fenced_blocks Blocks in the local record that etcd no longer gives this node: nothing new is allocated from them.\n\
+         # TYPE lockstep_cluster_fenced_blocks gauge\n\
+         lockstep_cluster_fenced_blocks {}\n\
+         # HELP lockstep_cluster_etcd_reachable Whether the last etcd request succeeded.\n\
+         # TYPE lockstep_cluster_etcd_reachable gauge\n\
+         lockstep_cluster_etcd_reachable {}\n\
+         # HELP lockstep_cluster_block_claims_total Blocks claimed since start.\n\
+         # TYPE lockstep_cluster_block_claims_total counter\n\
+         lockstep_cluster_block_claims_total {claims}\n",
+        s.fenced,
+        u8::from(s.problem.is_none()),
+    )
+}
+
+/// The cluster pools as the allocator's local pools, from what `held`
+/// records (the configuration's pools win a name clash).
+pub fn local_specs(config: &Config, held: &Held) -> Vec<PoolSpec> {
+    let mut blocks: BTreeMap<String, BTreeSet<IpNet>> = BTreeMap::new();
+    for b in &held.blocks {
+        blocks.entry(b.pool.clone()).or_default().insert(b.cidr);
+    }
+    let fenced: BTreeSet<IpNet> = held
+        .blocks
+        .iter()
+        .filter(|b| b.fenced.is_some())
+        .map(|b| b.cidr)
+        .collect();
+    let taken = config.pools.iter().map(|p| p.name.clone()).collect();
+    let (specs, clashes) = local_pools(&held.pools, &blocks, &fenced, &taken);
+    for name in clashes {
+        tracing::error!(pool = %name, "a cluster pool has the name of a configured pool; the configured pool is used");
+    }
+    specs
+}
+
+/// The node's addresses: configured, else the uplink's first global ones.
+///
+/// # Errors
+/// Neither configured nor found on the uplink, naming the field.
+fn node_ips(config: &Config, cluster: &ClusterConfig) -> Result<Vec<IpAddr>, String> {
+    let mut ips: Vec<IpAddr> = Vec::new();
+    ips.extend(cluster.node_ip_v4.map(IpAddr::V4));
+    ips.extend(cluster.node_ip_v6.map(IpAddr::V6));
+    if !ips.is_empty() {
+        return Ok(ips);
+    }
+    let Some(uplink) = &config.datapath.uplink else {
+        return Err("cluster.node_ip_v4: not set and no datapath.uplink to take it from".into());
+    };
+    let nl = crate::netlink::Netlink::current().map_err(|e| e.to_string())?;
+    let link = nl
+        .link(uplink)
+        .map_err(|e| e.to_string())?
+        .ok_or_else(|| format!("cluster.node_ip_v4: uplink {uplink} does not exist"))?;
+    for net in nl.addresses(link.index).map_err(|e| e.to_string())? {
+        let a = net.addr();
+        let global = match a {
+            IpAddr::V4(v) => !v.is_loopback() && !v.is_link_local(),
+            IpAddr::V6(v) => !v.is_loopback() && !v.is_unicast_link_local(),
+        };
+        if global && !ips.iter().any(|i| i.is_ipv4() == a.is_ipv4()) {
+            ips.push(a);
+        }
+    }
+    if ips.is_empty() {
+        return Err(format!(
+            "cluster.node_ip_v4: uplink {uplink} has no global address; set node_ip_v4 or node_ip_v6"
+        ));
+    }
+    Ok(ips)
+}
+
+/// The running cluster part of the agent.
+pub struct ClusterNode {
+    config: Config,
+    cluster: ClusterConfig,
+    name: String,
+    ips: Vec<IpAddr>,
+    door: Option<Door>,
+    held: Held,
+    lease: Option<(i64, Instant)>,
+    /// Record published with the lease (re-published when it changes).
+    published: Option<NodeRecord>,
+    /// Every claimed block (anyone's), as last read.
+    claimed: BTreeSet<IpNet>,
+    /// Claims whose outcome etcd did not tell: settled by the next read.
+    maybe: BTreeSet<(String, IpNet)>,
+    empty_since: BTreeMap<IpNet, u64>,
+    handle: Arc<ClusterHandle>,
+}
+
+impl std::fmt::Debug for ClusterNode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ClusterNode")
+            .field("name", &self.name)
+            .finish_non_exhaustive()
+    }
+}
+
+fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+fn lock_agent(slot: &Mutex<Option<Agent>>) -> std::sync::MutexGuard<'_, Option<Agent>> {
+    slot.lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+impl ClusterNode {
+    /// Before the agent serves: reads the local record and, if etcd answers
+    /// within its bound, fences what etcd no longer gives this node, so no
+    /// address of a fenced block is ever handed out. With etcd down the
+    /// agent serves its recorded blocks and fences once etcd answers.
+    ///
+    /// # Errors
+    /// The node addresses cannot be found, or the record is unreadable.
+    pub async fn start(config: &Config, agent: &mut Agent) -> Result<Self, String> {
+        let cluster = config.cluster.clone().ok_or("no [cluster] section")?;
+        let name = cluster
+            .node_name
+            .clone()
+            .unwrap_or_else(|| config.node_name());
+        let ips = node_ips(config, &cluster)?;
+        let held = Held::load(&config.state_dir).map_err(|e| crate::error_chain(&e))?;
+        if !held.node.is_empty() && held.node != name {
+            return Err(format!(
+                "cluster.node_name: the state directory's blocks were claimed as node {}, this agent is {name}",
+                held.node
+            ));
+        }
+        let mut node = ClusterNode {
+            config: config.clone(),
+            cluster,
+            name,
+            ips,
+            door: None,
+            held,
+            lease: None,
+            published: None,
+            claimed: BTreeSet::new(),
+            maybe: BTreeSet::new(),
+            empty_since: BTreeMap::new(),
+            handle: Arc::new(ClusterHandle::default()),
+        };
+        node.held.node = node.name.clone();
+        if node.sync().await {
+            node.apply(agent);
+        } else {
+            tracing::warn!(problem = ?node.handle.etcd_problem(), "etcd unreachable at start; serving the blocks recorded locally until it answers");
+            node.apply(agent);
+        }
+        Ok(node)
+    }
+
+    /// The handle the API and metrics read.
+    pub fn handle(&self) -> Arc<ClusterHandle> {
+        self.handle.clone()
+    }
+
+    fn set_problem(&self, e: Option<&ClusterStoreError>) {
+        let mut s = self.handle.lock();
+        s.problem = e.map(|e| crate::error_chain(e));
+    }
+
+    fn options(&self) -> DoorOptions {
+        DoorOptions {
+            endpoints: self.cluster.etcd.clone(),
+            prefix: self.cluster.prefix.clone(),
+            timeout: REQUEST_TIMEOUT,
+            tls: self.cluster.tls.as_ref().map(|t| TlsFiles {
+                ca: t.ca.clone(),
+                cert: t.cert.clone(),
+                key: t.key.clone(),
+            }),
+        }
+    }
+
+    /// Reads pools and blocks; fences held blocks etcd does not give this
+    /// node; settles unknown claims. Returns whether etcd answered.
+    async fn sync(&mut self) -> bool {
+        if self.door.is_none() {
+            match Door::connect(self.options()).await {
+                Ok(d) => self.door = Some(d),
+                Err(e) => {
+                    self.set_problem(Some(&e));
+                    return false;
+                }
+            }
+        }
+        let door = self.door.as_mut().expect("connected above");
+        let read = async {
+            let (pools, _, _) = door.pools().await?;
+            let (blocks, _) = door.blocks().await?;
+            Ok::<_, ClusterStoreError>((pools, blocks))
+        };
+        let (pools, blocks) = match read.await {
+            Ok(r) => r,
+            Err(e) => {
+                self.set_problem(Some(&e));
+                return false;
+            }
+        };
+        self.set_problem(None);
+        self.held.pools = pools;
+        self.claimed = blocks.iter().map(|b| b.cidr).collect();
+        let owners: BTreeMap<IpNet, String> =
+            blocks.iter().map(|b| (b.cidr, b.node.clone())).collect();
+        // Claims whose answer never came: ours if etcd says so.
+        for (pool, cidr) in std::mem::take(&mut self.maybe) {
+            if let Some(b) = blocks
+                .iter()
+                .find(|b| b.cidr == cidr && b.node == self.name)
+            {
+                tracing::info!(%cidr, %pool, "a claim whose answer was lost is ours");
+                self.held.blocks.push(HeldBlock {
+                    pool,
+                    cidr,
+                    revision: b.revision,
+                    fenced: None,
+                });
+            }
+        }
+        let local: BTreeSet<IpNet> = self.held.serving().map(|b| b.cidr).collect();
+        let fenced = fence(&self.name, &local, &owners);
+        for hb in &mut self.held.blocks {
+            if let Some(b) = blocks
+                .iter()
+                .find(|b| b.cidr == hb.cidr && b.node == self.name)
+            {
+                hb.revision = b.revision;
+            }
+            if let Some(why) = fenced.get(&hb.cidr) {
+                let reason = match why {
+                    lockstep_core::cluster::Fence::OwnedBy(n) => {
+                        format!("etcd gives it to node {n}")
+                    }
+                    lockstep_core::cluster::Fence::Absent => {
+                        "etcd no longer records it (given back or reclaimed)".into()
+                    }
+                };
+                tracing::error!(block = %hb.cidr, pool = %hb.pool, reason = %reason, "FENCED: this node's block is no longer its own; no new address comes from it");
+                hb.fenced = Some(reason);
+            }
+        }
+        if !fenced.is_empty()
+            && let Err(e) = self.held.save(&self.config.state_dir)
+        {
+            tracing::error!(error = %crate::error_chain(&e), "the fenced blocks are not recorded");
+        }
+        {
+            let mut s = self.handle.lock();
+            s.pools = self
+                .held
+                .pools
+                .iter()
+                .map(|p| crate::wire::ClusterPoolFamilies {
+                    name: p.name.clone(),
+                    ipv4: !p.ipv4.is_empty(),
+                    ipv6: !p.ipv6.is_empty(),
+                })
+                .collect();
+            s.fenced = self
+                .held
+                .blocks
+                .iter()
+                .filter(|b| b.fenced.is_some())
+                .count();
+        }
+        true
+    }
+
+    /// Gives the allocator the pools of the record.
+    fn apply(&self, agent: &mut Agent) {
+        let fenced = self
+            .held
+            .blocks
+            .iter()
+            .filter_map(|b| b.fenced.clone().map(|w| (b.cidr, w)))
+            .collect();
+        if let Err(e) = agent.set_cluster_pools(local_specs(&self.config, &self.held), fenced) {
+            tracing::error!(error = %crate::error_chain(&e), "cluster blocks not all served");
+        }
+    }
+
+    /// Registers the node, or refreshes its lease; re-registers when the
+    /// record changed or the lease is gone.
+    async fn lease(&mut self, record: NodeRecord) {
+        let Some(door) = self.door.as_mut() else {
+            return;
+        };
+        let ttl = self.cluster.lease_ttl;
+        let refresh = ttl / 3;
+        let result = match self.lease {
+            Some((lease, at)) if self.published.as_ref() == Some(&record) => {
+                if at.elapsed() < refresh {
+                    return;
+                }
+                match door.keep_alive(lease).await {
+                    Ok(true) => {
+                        self.lease = Some((lease, Instant::now()));
+                        return;
+                    }
+                    Ok(false) => door.register_node(&record, ttl).await,
+                    Err(e) => Err(e),
+                }
+            }
+            _ => door.register_node(&record, ttl).await,
+        };
+        match result {
+            Ok(lease) => {
+                if let Some((old, _)) = self.lease
+                    && old != lease
+                {
+                    tracing::debug!(old, lease, "node re-registered under a new lease");
+                }
+                self.lease = Some((lease, Instant::now()));
+                self.published = Some(record);
+            }
+            Err(e) => self.set_problem(Some(&e)),
+        }
+    }
+
+    /// One round: read etcd, keep the lease, claim and give back.
+    async fn round(&mut self, slot: &Arc<Mutex<Option<Agent>>>) {
+        let reachable = self.sync().await;
+        // What the allocator holds, per pool and family, under one lock.
+        let blocks: Vec<HeldBlock> = self.held.blocks.clone();
+        let cidrs: Vec<IpNet> = blocks.iter().map(|b| b.cidr).collect();
+        let used = {
+            let slot = slot.clone();
+            let asked = cidrs.clone();
+            tokio::task::spawn_blocking(move || {
+                lock_agent(&slot).as_ref().map(|a| a.block_usage(&asked))
+            })
+            .await
+            .ok()
+            .flatten()
+            .unwrap_or_else(|| vec![0; cidrs.len()])
+        };
+        let now = now_ms();
+        let mut fenced_done = false;
+        for (b, u) in blocks.iter().zip(&used) {
+            if *u == 0 {
+                self.empty_since.entry(b.cidr).or_insert(now);
+            } else {
+                self.empty_since.remove(&b.cidr);
+            }
+            // A fenced block is not ours: forgotten once nothing uses it.
+            if b.fenced.is_some() && *u == 0 {
+                self.held.blocks.retain(|h| h.cidr != b.cidr);
+                fenced_done = true;
+            }
+        }
+        let in_use: u64 = used.iter().sum();
+        let wanted_pools = self.handle.lock().wanted.clone();
+        let mut wanted_total = in_use;
+        let mut claims: Vec<(ClusterPoolSpec, Family, u64)> = Vec::new();
+        let mut releases: Vec<HeldBlock> = Vec::new();
+        for pool in &self.held.pools {
+            for family in [Family::V4, Family::V6] {
+                let size = block_size(pool, family);
+                if size == 0 {
+                    continue;
+                }
+                let mine: Vec<(usize, &HeldBlock)> = blocks
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, b)| b.pool == pool.name && Family::of_net(b.cidr) == family)
+                    .collect();
+                let serving: Vec<&(usize, &HeldBlock)> =
+                    mine.iter().filter(|(_, b)| b.fenced.is_none()).collect();
+                let fam_used: u64 = serving.iter().map(|(i, _)| used[*i]).sum();
+                let available = (serving.len() as u64 * size).saturating_sub(fam_used);
+                let pending = u64::from(wanted_pools.contains(&pool.name));
+                let low = low_water(size);
+                let n = blocks_to_claim(fam_used, pending, available, low, size);
+                wanted_total = wanted_total.saturating_add(pending + low);
+                if n > 0 {
+                    claims.push((pool.clone(), family, n));
+                }
+                let uses: Vec<BlockUse> = mine
+                    .iter()
+                    .map(|(i, b)| BlockUse {
+                        block: b.cidr,
+                        used: used[*i],
+                        empty_since_ms: self.empty_since.get(&b.cidr).copied(),
+                        fenced: b.fenced.is_some(),
+                    })
+                    .collect();
+                let hysteresis =
+                    u64::try_from(self.cluster.release_after.as_millis()).unwrap_or(u64::MAX);
+                for cidr in blocks_to_release(&uses, now, hysteresis, low) {
+                    if let Some((_, b)) = mine.iter().find(|(_, b)| b.cidr == cidr) {
+                        releases.push((*b).clone());
+                    }
+                }
+            }
+        }
+        let mut changed = fenced_done;
+        if reachable {
+            let record = NodeRecord {
+                name: self.name.clone(),
+                ips: self.ips.clone(),
+                version: crate::version::version(),
+                blocks: self.held.serving().map(|b| b.cidr).collect(),
+                in_use,
+                wanted: wanted_total,
+            };
+            self.lease(record).await;
+            for (pool, family, n) in claims {
+                for _ in 0..n {
+                    if self.claim(&pool, family).await {
+                        changed = true;
+                        let mut s = self.handle.lock();
+                        *s.claims.entry(pool.name.clone()).or_default() += 1;
+                        s.wanted.remove(&pool.name);
+                    } else {
+                        break;
+                    }
+                }
+            }
+        }
+        if changed {
+            if let Err(e) = self.held.save(&self.config.state_dir) {
+                tracing::error!(error = %crate::error_chain(&e), "the held blocks are not recorded");
+            }
+            self.apply_locked(slot).await;
+        }
+        if reachable {
+            for b in releases {
+                self.give_back(slot, b).await;
+            }
+        }
+        let mut s = self.handle.lock();
+        s.rounds += 1;
+        s.fenced = self
+            .held
+            .blocks
+            .iter()
+            .filter(|b| b.fenced.is_some())
+            .count();
+        // Nothing to claim for a wanted pool that has room: the ADD retries.
+        drop(s);
+        self.handle.changed.notify_waiters();
+    }
+
+    async fn apply_locked(&self, slot: &Arc<Mutex<Option<Agent>>>) {
+        let specs = local_specs(&self.config, &self.held);
+        let fenced: BTreeMap<IpNet, String> = self
+            .held
+            .blocks
+            .iter()
+            .filter_map(|b| b.fenced.clone().map(|w| (b.cidr, w)))
+            .collect();
+        let slot = slot.clone();
+        let _ = tokio::task::spawn_blocking(move || {
+            if let Some(a) = lock_agent(&slot).as_mut()
+                && let Err(e) = a.set_cluster_pools(specs, fenced)
+            {
+                tracing::error!(error = %crate::error_chain(&e), "cluster blocks not all served");
+            }
+        })
+        .await;
+    }
+
+    /// Claims one block of `pool` in `family`: the core picks, etcd
+    /// decides; a lost race re-reads and picks again. Returns whether a
+    /// block was claimed and recorded.
+    async fn claim(&mut self, pool: &ClusterPoolSpec, family: Family) -> bool {
+        for _ in 0..8 {
+            let mine: BTreeSet<IpNet> = self
+                .held
+                .blocks
+                .iter()
+                .filter(|b| b.pool == pool.name)
+                .map(|b| b.cidr)
+                .collect();
+            let Some(cidr) = next_block(pool, family, &self.claimed, &mine, &self.name) else {
+                tracing::warn!(pool = %pool.name, ?family, "cluster pool has no free block");
+                self.handle.lock().wanted.remove(&pool.name);
+                return false;
+            };
+            let Some(door) = self.door.as_mut() else {
+                return false;
+            };
+            match door.claim_block(&pool.name, cidr, &self.name).await {
+                Ok(Claim::Claimed { revision }) => {
+                    self.claimed.insert(cidr);
+                    self.held.blocks.push(HeldBlock {
+                        pool: pool.name.clone(),
+                        cidr,
+                        revision,
+                        fenced: None,
+                    });
+                    // Recorded before it is served.
+                    if let Err(e) = self.held.save(&self.config.state_dir) {
+                        tracing::error!(error = %crate::error_chain(&e), %cidr, "a claimed block is not recorded; not serving it");
+                        self.held.blocks.retain(|b| b.cidr != cidr);
+                        return false;
+                    }
+                    tracing::info!(%cidr, pool = %pool.name, revision, "claimed a block");
+                    return true;
+                }
+                Ok(Claim::Taken { by }) => {
+                    tracing::debug!(%cidr, %by, "lost a claim race; picking again");
+                    self.claimed.insert(cidr);
+                }
+                Err(e) => {
+                    if matches!(
+                        e,
+                        ClusterStoreError::Unavailable {
+                            maybe_written: true,
+                            ..
+                        }
+                    ) {
+                        self.maybe.insert((pool.name.clone(), cidr));
+                        self.claimed.insert(cidr);
+                    }
+                    self.set_problem(Some(&e));
+                    return false;
+                }
+            }
+        }
+        false
+    }
+
+    /// Gives an empty block back: out of the allocator first (only if it
+    /// still holds no address), then out of etcd, then out of the record.
+    async fn give_back(&mut self, slot: &Arc<Mutex<Option<Agent>>>, b: HeldBlock) {
+        let mut without = self.held.clone();
+        without.blocks.retain(|h| h.cidr != b.cidr);
+        let specs = local_specs(&self.config, &without);
+        let fenced: BTreeMap<IpNet, String> = BTreeMap::new();
+        let cidr = b.cidr;
+        let slot2 = slot.clone();
+        let taken_out = tokio::task::spawn_blocking(move || {
+            let mut guard = lock_agent(&slot2);
+            let Some(a) = guard.as_mut() else {
+                return false;
+            };
+            if a.block_usage(&[cidr]) != [0] {
+                return false;
+            }
+            a.set_cluster_pools(specs, fenced).is_ok()
+        })
+        .await
+        .unwrap_or(false);
+        if !taken_out {
+            return;
+        }
+        let block = Block {
+            pool: b.pool.clone(),
+            cidr,
+            node: self.name.clone(),
+            revision: b.revision,
+        };
+        let Some(door) = self.door.as_mut() else {
+            return;
+        };
+        match door.release_block(&block).await {
+            Ok(deleted) => {
+                if !deleted {
+                    tracing::warn!(%cidr, "the block changed in etcd before its give-back; forgetting it");
+                }
+                tracing::info!(%cidr, pool = %b.pool, "gave a block back");
+                self.held = without;
+                self.empty_since.remove(&cidr);
+                if let Err(e) = self.held.save(&self.config.state_dir) {
+                    tracing::error!(error = %crate::error_chain(&e), "the held blocks are not recorded");
+                }
+            }
+            Err(e) => {
+                self.set_problem(Some(&e));
+                // Still ours: served again.
+                self.apply_locked(slot).await;
+            }
+        }
+    }
+
+    /// Runs rounds until `stop`: every second, and at once when an ADD
+    /// waits for a block.
+    pub fn spawn(
+        mut self,
+        slot: Arc<Mutex<Option<Agent>>>,
+        mut stop: tokio::sync::watch::Receiver<bool>,
+    ) -> tokio::task::JoinHandle<()> {
+        tokio::spawn(async move {
+            loop {
+                self.round(&slot).await;
+                let handle = self.handle.clone();
+                tokio::select! {
+                    _ = tokio::time::sleep(TICK) => {}
+                    _ = handle.wake.notified() => {}
+                    _ = stop.wait_for(|s| *s) => break,
+                }
+            }
+        })
+    }
+}

@@ -1,0 +1,409 @@
+//! Cluster mode wired into the agent (#12): two agents in their own node
+//! namespaces on one real 3-member etcd take distinct blocks of one cluster
+//! pool, record them, and keep them across a restart.
+//!
+//! etcd listens on the test's loopback; each node namespace reaches it
+//! through a forwarder the test runs (a listener made inside the namespace
+//! on the member's port, relayed to the member's real socket).
+
+use std::collections::BTreeSet;
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::time::Duration;
+
+use anyhow::Context;
+use lockstep_tests::etcd::EtcdCluster;
+use lockstep_tests::{AgentProc, Netns, privileged};
+
+/// Relays every member's port inside `node` to the member itself, for as
+/// long as the test runs (the threads end with the process).
+fn forward(node: &Netns, cluster: &EtcdCluster) -> anyhow::Result<()> {
+    for ep in cluster.endpoints() {
+        let port: u16 = ep.rsplit(':').next().context("port")?.parse()?;
+        let listener = node.run(move || {
+            let _ = std::process::Command::new("ip")
+                .args(["link", "set", "lo", "up"])
+                .status();
+            Ok(TcpListener::bind(("127.0.0.1", port))?)
+        })?;
+        std::thread::spawn(move || {
+            for inner in listener.incoming().flatten() {
+                let Ok(outer) = TcpStream::connect(("127.0.0.1", port)) else {
+                    continue;
+                };
+                let (mut a, mut b) = (
+                    inner.try_clone().expect("clone"),
+                    outer.try_clone().expect("clone"),
+                );
+                let (mut c, mut d) = (outer, inner);
+                std::thread::spawn(move || pipe(&mut a, &mut b));
+                std::thread::spawn(move || pipe(&mut c, &mut d));
+            }
+        });
+    }
+    Ok(())
+}
+
+fn pipe(from: &mut TcpStream, to: &mut TcpStream) {
+    let mut buf = [0u8; 16384];
+    while let Ok(n) = from.read(&mut buf) {
+        if n == 0 || to.write_all(&buf[..n]).is_err() {
+            break;
+        }
+    }
+    let _ = to.shutdown(std::net::Shutdown::Both);
+}
+
+fn cli(eps: &[String], args: &[&str]) -> anyhow::Result<String> {
+    cli_at(eps, "/ca/", args)
+}
+
+fn cli_at(eps: &[String], prefix: &str, args: &[&str]) -> anyhow::Result<String> {
+    let out = std::process::Command::new(lockstep_tests::lockstep_bin())
+        .args(["cluster", "--etcd", &eps.join(","), "--prefix", prefix])
+        .args(args)
+        .output()?;
+    anyhow::ensure!(
+        out.status.success(),
+        "lockstep cluster {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// Runs the CNI plugin once (`command` ADD or STATUS) against `agent`.
+fn plugin(
+    agent: &AgentProc,
+    command: &str,
+    id: &str,
+    netns: Option<&Netns>,
+) -> anyhow::Result<(i32, serde_json::Value, Duration)> {
+    let conf = serde_json::json!({
+        "cniVersion": "1.1.0",
+        "name": "lockstep-cluster",
+        "type": "lockstep",
+        "agentSocket": agent.socket().display().to_string(),
+    });
+    let mut cmd = std::process::Command::new(lockstep_tests::lockstep_bin());
+    cmd.env_clear()
+        .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+        .env("CNI_COMMAND", command)
+        .env("CNI_PATH", "/opt/cni/bin")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
+    if let Some(ns) = netns {
+        cmd.env("CNI_CONTAINERID", id)
+            .env("CNI_IFNAME", "eth0")
+            .env("CNI_NETNS", ns.path());
+    }
+    let started = std::time::Instant::now();
+    let mut child = cmd.spawn()?;
+    child
+        .stdin
+        .take()
+        .context("stdin")?
+        .write_all(conf.to_string().as_bytes())?;
+    let out = child.wait_with_output()?;
+    let took = started.elapsed();
+    let text = String::from_utf8_lossy(&out.stdout);
+    let v = if text.trim().is_empty() {
+        serde_json::Value::Null
+    } else {
+        serde_json::from_str(&text).with_context(|| format!("plugin stdout {text:?}"))?
+    };
+    Ok((out.status.code().unwrap_or(-1), v, took))
+}
+
+fn allocate(agent: &AgentProc, name: &str) -> anyhow::Result<String> {
+    // The first block is claimed in the background just after start.
+    let mut last = String::new();
+    for _ in 0..50 {
+        let out = agent.cli([
+            "allocate", "--kind", "endpoint", "--name", name, "--family", "ipv4", "-o", "json",
+        ])?;
+        if out.status.success() {
+            let v: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+            return Ok(v["address"].as_str().context("address")?.to_string());
+        }
+        last = String::from_utf8_lossy(&out.stderr).into_owned();
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    anyhow::bail!("no address for {name}: {last}")
+}
+
+fn config(eps: &[String], node: &str) -> String {
+    config_at(eps, node, "/ca/")
+}
+
+fn config_at(eps: &[String], node: &str, prefix: &str) -> String {
+    format!(
+        "pools = []\n[cluster]\netcd = [{}]\nprefix = \"{prefix}\"\nnode_name = \"{node}\"\nnode_ip_v4 = \"192.0.2.{}\"\n",
+        eps.iter()
+            .map(|e| format!("\"{e}\""))
+            .collect::<Vec<_>>()
+            .join(", "),
+        if node.ends_with('a') { 1 } else { 2 }
+    )
+}
+
+#[test]
+fn two_agents_take_distinct_blocks_and_keep_them_across_a_restart() -> anyhow::Result<()> {
+    privileged!();
+    let cluster = EtcdCluster::start(3)?;
+    let eps = cluster.endpoints();
+    let dir = lockstep_tests::TempDir::new("cluster-agent")?;
+    let file = dir.path().join("pools.toml");
+    std::fs::write(
+        &file,
+        "[[pools]]\nname = \"pods\"\nipv4 = [\"10.91.0.0/24\"]\nblock_v4 = 28\n",
+    )?;
+    cli(
+        &eps,
+        &["pools", "apply", "-f", file.to_str().context("path")?],
+    )?;
+    let (na, nb) = (Netns::new("cla")?, Netns::new("clb")?);
+    forward(&na, &cluster)?;
+    forward(&nb, &cluster)?;
+    let mut a = AgentProc::start(&na, &config(&eps, "node-a"))?;
+    let b = AgentProc::start(&nb, &config(&eps, "node-b"))?;
+    let mut held = BTreeSet::new();
+    let mut by_node: Vec<Vec<String>> = vec![Vec::new(), Vec::new()];
+    for i in 0..6 {
+        for (k, agent) in [&a, &b].into_iter().enumerate() {
+            let ip = allocate(agent, &format!("e{k}-{i}"))?;
+            assert!(held.insert(ip.clone()), "{ip} handed out twice");
+            by_node[k].push(ip);
+        }
+    }
+    // Blocks as etcd has them: each node's addresses lie in its own blocks.
+    let blocks: serde_json::Value = serde_json::from_str(&cli(&eps, &["blocks", "-o", "json"])?)?;
+    let list = blocks.as_array().context("blocks list")?;
+    let owner_of = |ip: &str| -> Option<String> {
+        let ip: std::net::IpAddr = ip.parse().ok()?;
+        list.iter().find_map(|b| {
+            let net: ipnet::IpNet = b["cidr"].as_str()?.parse().ok()?;
+            net.contains(&ip)
+                .then(|| b["node"].as_str().map(str::to_string))?
+        })
+    };
+    for ip in &by_node[0] {
+        assert_eq!(owner_of(ip).as_deref(), Some("node-a"), "{ip}: {blocks}");
+    }
+    for ip in &by_node[1] {
+        assert_eq!(owner_of(ip).as_deref(), Some("node-b"), "{ip}: {blocks}");
+    }
+    // The node keys carry their blocks.
+    let nodes = cli(&eps, &["nodes", "-o", "json"])?;
+    assert!(
+        nodes.contains("node-a") && nodes.contains("node-b"),
+        "{nodes}"
+    );
+    // A restart keeps the blocks: the same addresses, nothing fenced.
+    let before: Vec<String> = list
+        .iter()
+        .filter(|b| b["node"] == "node-a")
+        .filter_map(|b| b["cidr"].as_str().map(str::to_string))
+        .collect();
+    a.restart()?;
+    let again = allocate(&a, "e0-0")?;
+    assert_eq!(again, by_node[0][0], "the same owner keeps its address");
+    let verify = a.cli(["verify"])?;
+    assert!(
+        verify.status.success(),
+        "verify after restart: {}",
+        String::from_utf8_lossy(&verify.stdout)
+    );
+    let after: serde_json::Value = serde_json::from_str(&cli(&eps, &["blocks", "-o", "json"])?)?;
+    for cidr in &before {
+        assert!(
+            after
+                .as_array()
+                .context("blocks")?
+                .iter()
+                .any(|b| b["cidr"] == cidr.as_str() && b["node"] == "node-a"),
+            "{cidr} still node-a's: {after}"
+        );
+    }
+    drop(b);
+    Ok(())
+}
+
+/// Waits until the agent's status says etcd is unreachable.
+fn wait_unreachable(agent: &AgentProc) -> anyhow::Result<()> {
+    for _ in 0..100 {
+        if let Some(st) = agent.status_json()
+            && st["cluster"]["etcd_unreachable"].is_string()
+        {
+            return Ok(());
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    anyhow::bail!(
+        "the agent never saw etcd unreachable: {:?}",
+        agent.status_json()
+    )
+}
+
+#[test]
+fn without_quorum_held_blocks_serve_and_a_new_block_is_try_again_later() -> anyhow::Result<()> {
+    privileged!();
+    let mut cluster = EtcdCluster::start(3)?;
+    let eps = cluster.endpoints();
+    let dir = lockstep_tests::TempDir::new("cluster-quorum")?;
+    let file = dir.path().join("pools.toml");
+    // Blocks of 16 addresses.
+    std::fs::write(
+        &file,
+        "[[pools]]\nname = \"pods\"\nipv4 = [\"10.92.0.0/24\"]\nblock_v4 = 28\n",
+    )?;
+    cli_at(
+        &eps,
+        "/cq/",
+        &["pools", "apply", "-f", file.to_str().context("path")?],
+    )?;
+    let node = Netns::new("clq")?;
+    node.sysctl("net.ipv4.ip_forward", "1")?;
+    forward(&node, &cluster)?;
+    let agent = AgentProc::start(&node, &config_at(&eps, "node-q", "/cq/"))?;
+    let first = allocate(&agent, "warm")?;
+    let (code, _, _) = plugin(&agent, "STATUS", "", None)?;
+    assert_eq!(code, 0, "STATUS with etcd up");
+
+    cluster.stop_member(1);
+    cluster.stop_member(2);
+    wait_unreachable(&agent)?;
+    // STATUS: etcd unreachable, addresses left: 51.
+    let (code, out, _) = plugin(&agent, "STATUS", "", None)?;
+    assert_eq!(code, 1, "{out}");
+    assert_eq!(out["code"], 51, "{out}");
+    assert!(
+        out["msg"].as_str().unwrap_or_default().contains("etcd"),
+        "{out}"
+    );
+    // An ADD from the held block works without etcd.
+    let c1 = Netns::new("clq1")?;
+    let (code, out, _) = plugin(&agent, "ADD", "ctr-q1", Some(&c1))?;
+    assert_eq!(code, 0, "ADD from a held block: {out}");
+    let ip = out["ips"][0]["address"]
+        .as_str()
+        .context("address")?
+        .to_string();
+    let block: ipnet::IpNet = "10.92.0.0/24".parse()?;
+    let held: ipnet::IpNet = format!("{}/28", first).parse::<ipnet::IpNet>()?.trunc();
+    let ip_addr: std::net::IpAddr = ip.split('/').next().context("ip")?.parse()?;
+    assert!(
+        block.contains(&ip_addr) && held.contains(&ip_addr),
+        "{ip} from {held}"
+    );
+    // Fill what is held, then an ADD needs a new block: 11 within 2 s.
+    let mut n = 0;
+    loop {
+        let out = agent.cli([
+            "allocate",
+            "--kind",
+            "endpoint",
+            "--name",
+            &format!("fill{n}"),
+            "--family",
+            "ipv4",
+        ])?;
+        if !out.status.success() {
+            let err = String::from_utf8_lossy(&out.stderr);
+            assert!(err.contains("pool_exhausted"), "{err}");
+            break;
+        }
+        n += 1;
+        assert!(n < 64, "the held blocks never ran out");
+    }
+    let c2 = Netns::new("clq2")?;
+    let (code, out, took) = plugin(&agent, "ADD", "ctr-q2", Some(&c2))?;
+    assert_eq!(code, 1, "{out}");
+    assert_eq!(out["code"], 11, "{out}");
+    assert!(
+        out["msg"].as_str().unwrap_or_default().contains("etcd"),
+        "{out}"
+    );
+    assert!(took < Duration::from_secs(2), "answered in {took:?}");
+    // Nothing free and etcd unreachable: STATUS 50.
+    let (_, out, _) = plugin(&agent, "STATUS", "", None)?;
+    assert_eq!(out["code"], 50, "{out}");
+
+    // Quorum back: the same ADD gets a new block.
+    cluster.start_member(1)?;
+    cluster.wait_healthy(1, Duration::from_secs(30))?;
+    let mut ok = None;
+    for _ in 0..50 {
+        let (code, out, _) = plugin(&agent, "ADD", "ctr-q2", Some(&c2))?;
+        if code == 0 {
+            ok = Some(out);
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let out = ok.context("no ADD after quorum came back")?;
+    let ip = out["ips"][0]["address"].as_str().context("address")?;
+    let ip_addr: std::net::IpAddr = ip.split('/').next().context("ip")?.parse()?;
+    assert!(!held.contains(&ip_addr), "{ip} comes from a new block");
+    let verify = agent.cli(["verify"])?;
+    assert!(
+        verify.status.success(),
+        "{}",
+        String::from_utf8_lossy(&verify.stdout)
+    );
+    Ok(())
+}
+
+#[test]
+fn a_block_reclaimed_while_its_node_was_away_is_fenced() -> anyhow::Result<()> {
+    privileged!();
+    let cluster = EtcdCluster::start(3)?;
+    let eps = cluster.endpoints();
+    let dir = lockstep_tests::TempDir::new("cluster-fence")?;
+    let file = dir.path().join("pools.toml");
+    std::fs::write(
+        &file,
+        "[[pools]]\nname = \"pods\"\nipv4 = [\"10.93.0.0/24\"]\nblock_v4 = 28\n",
+    )?;
+    cli_at(
+        &eps,
+        "/cf/",
+        &["pools", "apply", "-f", file.to_str().context("path")?],
+    )?;
+    let node = Netns::new("clf")?;
+    forward(&node, &cluster)?;
+    let mut agent = AgentProc::start(&node, &config_at(&eps, "node-f", "/cf/"))?;
+    let ip = allocate(&agent, "kept")?;
+    let block: ipnet::IpNet = format!("{ip}/28").parse::<ipnet::IpNet>()?.trunc();
+    // The node goes away; an operator removes it and another node claims
+    // its block.
+    agent.stop()?;
+    let out = cli_at(&eps, "/cf/", &["node", "remove", "node-f", "--force"])?;
+    assert!(out.contains("node-f"), "{out}");
+    let key = format!("/cf/blocks/pods/{}", block.to_string().replace('/', "-"));
+    cluster.ctl(
+        &[cluster.endpoint(0)],
+        &["put", &key, r#"{"node":"node-g","claimed_at_ms":0}"#],
+    )?;
+    // Back: the block is fenced before anything is served.
+    agent.restart()?;
+    let verify = agent.cli(["verify"])?;
+    let text = String::from_utf8_lossy(&verify.stdout).into_owned();
+    assert_eq!(verify.status.code(), Some(1), "{text}");
+    assert!(
+        text.contains(&block.to_string()) && text.contains("node-g"),
+        "{text}"
+    );
+    let st = agent.status_json().context("status")?;
+    assert_eq!(st["cluster"]["fenced"], 1, "{st}");
+    // Its holder keeps its address; nothing new comes from the block.
+    let again = allocate(&agent, "kept")?;
+    assert_eq!(again, ip);
+    let fresh = allocate(&agent, "new")?;
+    let fresh_ip: std::net::IpAddr = fresh.parse()?;
+    assert!(
+        !block.contains(&fresh_ip),
+        "{fresh} came from the fenced {block}"
+    );
+    Ok(())
+}
