@@ -49,30 +49,11 @@ fn single_node_manifest_config_is_accepted() {
 }
 
 #[test]
-fn cluster_manifest_config_is_accepted_with_its_cluster_keys_commented() {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../deploy/daemonset-cluster.yaml");
-    let text = std::fs::read_to_string(path).expect("manifest");
-    let block = config_block(&text).expect("a config.toml block");
-    for key in [
-        "[cluster]",
-        "etcd_endpoints",
-        "ca_file",
-        "cert_file",
-        "key_file",
-        "node_ip",
-        "lease_ttl",
-        "reclaim_after",
-        "prefix",
-    ] {
-        assert!(
-            block
-                .lines()
-                .any(|l| l.trim_start().starts_with(&format!("# {key}"))),
-            "{key} is not documented (commented) in the cluster config"
-        );
-    }
-    check("daemonset-cluster.yaml");
-    // Uncommented, the agent refuses the table: why it stays commented.
-    let live = block.replace("# [cluster]", "[cluster]");
-    assert!(Config::parse(Path::new("cluster.toml"), &live).is_err());
+fn cluster_manifest_config_is_accepted_in_cluster_mode() {
+    let c = check("daemonset-cluster.yaml");
+    let cluster = c.cluster.expect("the cluster manifest runs cluster mode");
+    assert_eq!(cluster.etcd.len(), 3);
+    assert!(cluster.tls.is_some_and(|t| t.cert.is_some() && t.key.is_some()));
+    assert!(c.pools.is_empty(), "pools come from etcd");
+    assert_eq!(c.datapath.uplink.as_deref(), Some("eth0"));
 }
