@@ -53,7 +53,11 @@ fn cluster_manifest_config_is_accepted_in_cluster_mode() {
     let c = check("daemonset-cluster.yaml");
     let cluster = c.cluster.expect("the cluster manifest runs cluster mode");
     assert_eq!(cluster.etcd.len(), 3);
-    assert!(cluster.tls.is_some_and(|t| t.cert.is_some() && t.key.is_some()));
+    assert!(
+        cluster
+            .tls
+            .is_some_and(|t| t.cert.is_some() && t.key.is_some())
+    );
     assert!(c.pools.is_empty(), "pools come from etcd");
     assert_eq!(c.datapath.uplink.as_deref(), Some("eth0"));
 }
