@@ -15,6 +15,7 @@
 //! pools/<name>                  → ClusterPoolSpec (JSON)
 //! blocks/<pool>/<cidr-escaped>  → BlockRecord (JSON), no lease
 //! nodes/<node>                  → NodeRecord (JSON), bound to the node's lease
+//! lb/...                        → LoadBalancer pools, services, state (`lb`)
 //! ```
 //!
 //! Every write is a transaction with a guard: a pool apply compares the
@@ -27,11 +28,13 @@
 
 mod door;
 mod held;
+mod lb;
 mod node;
 mod watch;
 
 pub use door::{Door, DoorOptions, TlsFiles};
 pub use held::{Held, HeldBlock, HeldError};
+pub use lb::{LbView, NEW_SERVICES_PER_ROUND, Round};
 pub use node::{ClusterHandle, ClusterNode, local_specs, render_metrics};
 pub use watch::{Change, Watch};
 

@@ -1,0 +1,147 @@
+use super::*;
+use proptest::prelude::*;
+
+fn pool(name: &str, cidr: &str) -> LbPoolSpec {
+    LbPoolSpec::new(name).cidr(cidr)
+}
+
+fn svc(name: &str) -> ServiceSpec {
+    ServiceSpec::new("default", name)
+}
+
+fn nodes(n: usize) -> Vec<Candidate> {
+    (0..n)
+        .map(|i| Candidate {
+            name: format!("node-{i}"),
+            labels: BTreeMap::from([("zone".to_string(), format!("z{}", i % 2))]),
+        })
+        .collect()
+}
+
+#[test]
+fn from_nothing_every_service_gets_its_own_address_and_all_are_added() {
+    let services: Vec<ServiceSpec> = (0..10).map(|i| svc(&format!("s{i}"))).collect();
+    let c = reconcile(None, vec![pool("p", "192.0.2.0/28")], services).unwrap();
+    assert!(c.changed);
+    assert_eq!(c.added.len(), 10);
+    assert!(c.added.values().all(|s| s.len() == 1));
+    assert!(c.removed.is_empty());
+}
+
+#[test]
+fn applying_the_same_again_changes_nothing_and_assignments_stick() {
+    let services: Vec<ServiceSpec> = (0..5).map(|i| svc(&format!("s{i}"))).collect();
+    let first = reconcile(None, vec![pool("p", "192.0.2.0/28")], services.clone()).unwrap();
+    let again = reconcile(
+        Some(&first.state),
+        vec![pool("p", "192.0.2.0/28")],
+        services,
+    )
+    .unwrap();
+    assert!(!again.changed, "a repeat stores nothing");
+    assert!(again.added.is_empty() && again.removed.is_empty());
+    // One more service: the others keep theirs.
+    let mut more: Vec<ServiceSpec> = (0..6).map(|i| svc(&format!("s{i}"))).collect();
+    more.rotate_left(3);
+    let grown = reconcile(Some(&first.state), vec![pool("p", "192.0.2.0/28")], more).unwrap();
+    assert_eq!(grown.added.len(), 1);
+    assert_eq!(
+        grown.added.values().next().unwrap(),
+        &BTreeSet::from(["default/s5".to_string()])
+    );
+    let before = assigned(&LbIpam::restore(&first.state).unwrap());
+    let after = assigned(&LbIpam::restore(&grown.state).unwrap());
+    for (a, s) in before {
+        assert_eq!(after.get(&a), Some(&s), "{a} moved");
+    }
+}
+
+#[test]
+fn a_service_gone_from_the_store_frees_its_address() {
+    let c = reconcile(
+        None,
+        vec![pool("p", "192.0.2.0/30")],
+        vec![svc("a"), svc("b")],
+    )
+    .unwrap();
+    let b_addr = *c
+        .added
+        .iter()
+        .find(|(_, s)| s.contains("default/b"))
+        .unwrap()
+        .0;
+    let d = reconcile(
+        Some(&c.state),
+        vec![pool("p", "192.0.2.0/30")],
+        vec![svc("a")],
+    )
+    .unwrap();
+    assert_eq!(d.removed, BTreeSet::from([b_addr]));
+    assert!(d.added.is_empty());
+}
+
+#[test]
+fn a_pool_gone_leaves_its_services_pending_and_frees_their_addresses() {
+    let c = reconcile(None, vec![pool("p", "192.0.2.0/30")], vec![svc("a")]).unwrap();
+    let d = reconcile(Some(&c.state), vec![], vec![svc("a")]).unwrap();
+    assert_eq!(d.removed.len(), 1);
+    let lb = LbIpam::restore(&d.state).unwrap();
+    assert!(lb.service_status("default/a").unwrap().pending().is_some());
+}
+
+#[test]
+fn an_invalid_service_is_an_error_and_nothing_is_decided() {
+    let mut bad = svc("x");
+    bad.load_balancer_ips = vec!["192.0.2.1".parse().unwrap(), "192.0.2.2".parse().unwrap()];
+    assert!(reconcile(None, vec![pool("p", "192.0.2.0/30")], vec![bad]).is_err());
+}
+
+#[test]
+fn the_announcer_is_one_admitted_node_and_stable() {
+    let ns = nodes(5);
+    let a: IpAddr = "192.0.2.7".parse().unwrap();
+    let all = LabelSelector::default();
+    let chosen = announcer(a, &all, &ns).unwrap().name.clone();
+    assert_eq!(
+        announcer(a, &all, &ns).unwrap().name,
+        chosen,
+        "deterministic"
+    );
+    // Order of the list does not matter.
+    let mut rev = ns.clone();
+    rev.reverse();
+    assert_eq!(announcer(a, &all, &rev).unwrap().name, chosen);
+    // A selector admits only matching nodes.
+    let z1: LabelSelector =
+        serde_json::from_value(serde_json::json!({"matchLabels": {"zone": "z1"}})).unwrap();
+    let n = announcer(a, &z1, &ns).unwrap();
+    assert_eq!(n.labels["zone"], "z1");
+    let none: LabelSelector =
+        serde_json::from_value(serde_json::json!({"matchLabels": {"zone": "z9"}})).unwrap();
+    assert!(announcer(a, &none, &ns).is_none());
+    assert!(announcer(a, &all, &[]).is_none());
+}
+
+proptest! {
+    /// Removing a node moves only the addresses it announced; adding one
+    /// moves addresses only to the new node. Across many addresses every
+    /// node gets some.
+    #[test]
+    fn rendezvous_moves_only_what_it_must(n in 2usize..8, gone in 0usize..8) {
+        let ns = nodes(n);
+        let gone = gone % n;
+        let fewer: Vec<Candidate> = ns.iter().enumerate().filter(|(i, _)| *i != gone).map(|(_, c)| c.clone()).collect();
+        let all = LabelSelector::default();
+        let mut per_node: BTreeMap<String, usize> = BTreeMap::new();
+        for i in 0..512u32 {
+            let a = IpAddr::from(std::net::Ipv4Addr::from(0xC000_0200 + i));
+            let before = announcer(a, &all, &ns).unwrap().name.clone();
+            let after = announcer(a, &all, &fewer).unwrap().name.clone();
+            if before != ns[gone].name {
+                prop_assert_eq!(&before, &after, "{} moved without cause", a);
+            }
+            *per_node.entry(before).or_default() += 1;
+        }
+        prop_assert_eq!(per_node.len(), n, "some node announces nothing: {:?}", per_node);
+    }
+}

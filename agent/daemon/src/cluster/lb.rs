@@ -1,0 +1,327 @@
+//! LoadBalancer IPAM in etcd (#13): pools and services stored by `lockstep
+//! lb` in cluster mode, one assigner elected under a lease, and its state
+//! written in transactions fenced by that election, with every newly
+//! assigned address's key created only if absent. The decisions are the
+//! core's (`lockstep_core::lb::cluster`); this module reads, elects and
+//! writes.
+//!
+//! Keys under the prefix:
+//!
+//! ```text
+//! lb/pools/<name>             → LbPoolSpec (JSON)
+//! lb/services/<ns>/<name>     → ServiceSpec (JSON)
+//! lb/state                    → LbSnapshot (JSON): the assigner's state
+//! lb/addresses/<ip>           → the services holding it (JSON list)
+//! lb/assigner                 → the elected node's name, bound to its lease
+//! ```
+//!
+//! Uniqueness by construction: an address key is created in the same
+//! transaction that stores the state assigning it, compared absent; the
+//! transaction also compares the assigner key's create revision (the
+//! fencing token of this election) and the state's revision read. A
+//! deposed assigner, or two that both believe they lead, cannot store a
+//! state, and no transaction can create an address key twice.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::IpAddr;
+use std::time::Duration;
+
+use etcd_client::{Compare, CompareOp, GetOptions, PutOptions, Txn, TxnOp};
+use lockstep_core::lb::cluster::{LbChange, reconcile};
+use lockstep_core::lb::{LbPoolSpec, LbSnapshot, ServiceSpec};
+
+use super::{ClusterStoreError, Door};
+
+/// At most this many services join the state per transaction: etcd refuses
+/// a transaction with more than 128 operations of a kind by default.
+pub const NEW_SERVICES_PER_ROUND: usize = 100;
+
+/// Everything under `lb/`, read at one revision.
+#[derive(Clone, Debug, Default)]
+pub struct LbView {
+    /// Pools by name.
+    pub pools: BTreeMap<String, LbPoolSpec>,
+    /// Services by `namespace/name`.
+    pub services: BTreeMap<String, ServiceSpec>,
+    /// The stored state and its mod revision.
+    pub state: Option<(LbSnapshot, i64)>,
+    /// Address keys: address → services.
+    pub addresses: BTreeMap<IpAddr, BTreeSet<String>>,
+    /// The elected assigner and its key's create revision.
+    pub assigner: Option<(String, i64)>,
+    /// The store revision of the read.
+    pub revision: i64,
+}
+
+/// What one assigner round did.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Round {
+    /// Another node is the assigner.
+    Follower {
+        /// It.
+        assigner: String,
+    },
+    /// This node leads; nothing to change.
+    Idle,
+    /// This node stored a new state.
+    Stored {
+        /// Addresses assigned.
+        added: usize,
+        /// Addresses freed.
+        removed: usize,
+    },
+    /// The fenced write lost (a new election, or a concurrent state
+    /// write): read again next round.
+    Lost,
+}
+
+fn corrupt(key: &str, e: impl std::fmt::Display) -> ClusterStoreError {
+    ClusterStoreError::Corrupt {
+        key: key.to_string(),
+        reason: e.to_string(),
+    }
+}
+
+impl Door {
+    fn lb_key(&self, rest: &str) -> String {
+        format!("{}lb/{rest}", self.options().prefix)
+    }
+
+    /// Stores a pool (validated first: nothing is written for a bad one).
+    ///
+    /// # Errors
+    /// An invalid pool, or etcd unavailable.
+    pub async fn lb_put_pool(&mut self, spec: &LbPoolSpec) -> Result<(), ClusterStoreError> {
+        spec.validate()
+            .map_err(|e| ClusterStoreError::Invalid(e.to_string()))?;
+        let key = self.lb_key(&format!("pools/{}", spec.name));
+        let value = serde_json::to_vec(spec).map_err(|e| corrupt(&key, e))?;
+        let mut client = self.client();
+        self.bounded("store an lb pool", true, client.put(key, value, None))
+            .await?;
+        Ok(())
+    }
+
+    /// Stores a service (validated first).
+    ///
+    /// # Errors
+    /// An invalid service, or etcd unavailable.
+    pub async fn lb_put_service(&mut self, spec: &ServiceSpec) -> Result<(), ClusterStoreError> {
+        spec.validate()
+            .map_err(|e| ClusterStoreError::Invalid(e.to_string()))?;
+        let key = self.lb_key(&format!("services/{}", spec.id()));
+        let value = serde_json::to_vec(spec).map_err(|e| corrupt(&key, e))?;
+        let mut client = self.client();
+        self.bounded("store an lb service", true, client.put(key, value, None))
+            .await?;
+        Ok(())
+    }
+
+    /// Deletes a service (`namespace/name`); returns whether it existed.
+    ///
+    /// # Errors
+    /// etcd unavailable.
+    pub async fn lb_delete_service(&mut self, id: &str) -> Result<bool, ClusterStoreError> {
+        let key = self.lb_key(&format!("services/{id}"));
+        let mut client = self.client();
+        Ok(self
+            .bounded("delete an lb service", true, client.delete(key, None))
+            .await?
+            .deleted()
+            > 0)
+    }
+
+    /// Reads everything under `lb/` at one revision.
+    ///
+    /// # Errors
+    /// etcd unavailable, or a stored value unreadable.
+    pub async fn lb_read(&mut self) -> Result<LbView, ClusterStoreError> {
+        let base = self.lb_key("");
+        let mut client = self.client();
+        let resp = self
+            .bounded(
+                "read lb state",
+                false,
+                client.get(base.clone(), Some(GetOptions::new().with_prefix())),
+            )
+            .await?;
+        let mut view = LbView {
+            revision: resp.header().map_or(0, |h| h.revision()),
+            ..LbView::default()
+        };
+        for kv in resp.kvs() {
+            let key = String::from_utf8_lossy(kv.key()).into_owned();
+            let rest = &key[base.len()..];
+            if let Some(name) = rest.strip_prefix("pools/") {
+                let spec: LbPoolSpec =
+                    serde_json::from_slice(kv.value()).map_err(|e| corrupt(&key, e))?;
+                view.pools.insert(name.to_string(), spec);
+            } else if let Some(id) = rest.strip_prefix("services/") {
+                let spec: ServiceSpec =
+                    serde_json::from_slice(kv.value()).map_err(|e| corrupt(&key, e))?;
+                view.services.insert(id.to_string(), spec);
+            } else if rest == "state" {
+                let state: LbSnapshot =
+                    serde_json::from_slice(kv.value()).map_err(|e| corrupt(&key, e))?;
+                view.state = Some((state, kv.mod_revision()));
+            } else if let Some(addr) = rest.strip_prefix("addresses/") {
+                let a: IpAddr = addr.parse().map_err(|e| corrupt(&key, e))?;
+                let users: BTreeSet<String> =
+                    serde_json::from_slice(kv.value()).map_err(|e| corrupt(&key, e))?;
+                view.addresses.insert(a, users);
+            } else if rest == "assigner" {
+                view.assigner = Some((
+                    String::from_utf8_lossy(kv.value()).into_owned(),
+                    kv.create_revision(),
+                ));
+            }
+        }
+        Ok(view)
+    }
+
+    /// Runs for assigner under `lease`: creates the assigner key if absent.
+    /// Returns the election's fencing revision when this node holds it
+    /// (now or already), `None` when another does.
+    ///
+    /// # Errors
+    /// etcd unavailable.
+    pub async fn lb_campaign(
+        &mut self,
+        node: &str,
+        lease: i64,
+    ) -> Result<Option<i64>, ClusterStoreError> {
+        let key = self.lb_key("assigner");
+        let txn = Txn::new()
+            .when([Compare::create_revision(key.clone(), CompareOp::Equal, 0)])
+            .and_then([TxnOp::put(
+                key.clone(),
+                node.as_bytes().to_vec(),
+                Some(PutOptions::new().with_lease(lease)),
+            )])
+            .or_else([TxnOp::get(key.clone(), None)]);
+        let mut client = self.client();
+        let resp = self
+            .bounded("campaign for lb assigner", true, client.txn(txn))
+            .await?;
+        if resp.succeeded() {
+            return Ok(Some(resp.header().map_or(0, |h| h.revision())));
+        }
+        Ok(resp.op_responses().into_iter().find_map(|r| match r {
+            etcd_client::TxnOpResponse::Get(g) => g
+                .kvs()
+                .first()
+                .filter(|kv| kv.value() == node.as_bytes() && kv.lease() == lease)
+                .map(|kv| kv.create_revision()),
+            _ => None,
+        }))
+    }
+
+    /// Grants a lease of `ttl` for the assigner key.
+    ///
+    /// # Errors
+    /// etcd unavailable.
+    pub async fn lb_lease(&mut self, ttl: Duration) -> Result<i64, ClusterStoreError> {
+        let secs = i64::try_from(ttl.as_secs().max(1)).unwrap_or(i64::MAX);
+        let mut client = self.client();
+        Ok(self
+            .bounded(
+                "grant the assigner lease",
+                true,
+                client.lease_grant(secs, None),
+            )
+            .await?
+            .id())
+    }
+
+    /// Stores `change` if this node still holds the election of `fence`,
+    /// the state is still at `state_rev` (0: absent) and no added address
+    /// has a key yet. Returns whether it was stored.
+    ///
+    /// # Errors
+    /// etcd unavailable.
+    pub async fn lb_commit(
+        &mut self,
+        fence: i64,
+        state_rev: i64,
+        change: &LbChange,
+    ) -> Result<bool, ClusterStoreError> {
+        let state_key = self.lb_key("state");
+        let mut when = vec![
+            Compare::create_revision(self.lb_key("assigner"), CompareOp::Equal, fence),
+            Compare::mod_revision(state_key.clone(), CompareOp::Equal, state_rev),
+        ];
+        let value = serde_json::to_vec(&change.state).map_err(|e| corrupt(&state_key, e))?;
+        let mut ops = vec![TxnOp::put(state_key.clone(), value, None)];
+        for (a, users) in &change.added {
+            let key = self.lb_key(&format!("addresses/{a}"));
+            when.push(Compare::create_revision(key.clone(), CompareOp::Equal, 0));
+            let v = serde_json::to_vec(users).map_err(|e| corrupt(&key, e))?;
+            ops.push(TxnOp::put(key, v, None));
+        }
+        for (a, users) in &change.updated {
+            let key = self.lb_key(&format!("addresses/{a}"));
+            let v = serde_json::to_vec(users).map_err(|e| corrupt(&key, e))?;
+            ops.push(TxnOp::put(key, v, None));
+        }
+        for a in &change.removed {
+            ops.push(TxnOp::delete(self.lb_key(&format!("addresses/{a}")), None));
+        }
+        let mut client = self.client();
+        Ok(self
+            .bounded(
+                "store the lb state",
+                true,
+                client.txn(Txn::new().when(when).and_then(ops)),
+            )
+            .await?
+            .succeeded())
+    }
+
+    /// One assigner round for `node` holding `lease`: campaign, and if this
+    /// node leads, bring the stored state to the stored pools and services
+    /// (at most [`NEW_SERVICES_PER_ROUND`] new services at a time) and store
+    /// it fenced.
+    ///
+    /// # Errors
+    /// etcd unavailable, a stored value unreadable, or the core refusing
+    /// the stored definitions (a bad pool or service: named).
+    pub async fn lb_round(&mut self, node: &str, lease: i64) -> Result<Round, ClusterStoreError> {
+        let Some(fence) = self.lb_campaign(node, lease).await? else {
+            let view = self.lb_read().await?;
+            return Ok(Round::Follower {
+                assigner: view.assigner.map(|a| a.0).unwrap_or_default(),
+            });
+        };
+        let view = self.lb_read().await?;
+        let (state, state_rev) = match &view.state {
+            Some((s, rev)) => (Some(s), *rev),
+            None => (None, 0),
+        };
+        let in_state: BTreeSet<String> = state
+            .map(|s| s.services.iter().map(|r| r.spec.id()).collect())
+            .unwrap_or_default();
+        let mut services: Vec<ServiceSpec> = Vec::new();
+        let mut new = 0;
+        for (id, spec) in &view.services {
+            if in_state.contains(id) {
+                services.push(spec.clone());
+            } else if new < NEW_SERVICES_PER_ROUND {
+                services.push(spec.clone());
+                new += 1;
+            }
+        }
+        let change = reconcile(state, view.pools.values().cloned().collect(), services)
+            .map_err(|e| ClusterStoreError::Invalid(e.to_string()))?;
+        if !change.changed {
+            return Ok(Round::Idle);
+        }
+        if self.lb_commit(fence, state_rev, &change).await? {
+            Ok(Round::Stored {
+                added: change.added.len(),
+                removed: change.removed.len(),
+            })
+        } else {
+            Ok(Round::Lost)
+        }
+    }
+}

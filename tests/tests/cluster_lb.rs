@@ -1,0 +1,269 @@
+//! LoadBalancer IPAM in etcd (#13 items 1-2), against a real 3-member etcd:
+//! two agents' assigners campaign at once and 50 services are stored from
+//! two writers at once; every address is assigned once (its key created
+//! once, matching the stored state), one assigner leads, a deposed
+//! assigner's write is refused, the survivor takes over within its lease
+//! and keeps every assignment, and a deleted service's address key goes.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::IpAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, ensure};
+use lockstep::cluster::{Door, DoorOptions, LbView, Round};
+use lockstep_core::lb::cluster::{LbChange, assigned};
+use lockstep_core::lb::{LbIpam, LbPoolSpec, ServiceSpec};
+use lockstep_tests::etcd::EtcdCluster;
+
+const TTL: Duration = Duration::from_secs(2);
+
+fn rt() -> anyhow::Result<tokio::runtime::Runtime> {
+    Ok(tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?)
+}
+
+async fn door(eps: Vec<String>) -> anyhow::Result<Door> {
+    let mut o = DoorOptions::new(eps);
+    o.prefix = "/lbtest/".into();
+    Ok(Door::connect(o).await?)
+}
+
+/// An agent's assigner: a lease kept alive and a round every 50 ms until
+/// `stop`. Returns the rounds it saw.
+fn assigner(
+    rt: &tokio::runtime::Runtime,
+    eps: Vec<String>,
+    node: &'static str,
+    stop: Arc<AtomicBool>,
+) -> tokio::task::JoinHandle<anyhow::Result<(i64, Vec<Round>)>> {
+    rt.spawn(async move {
+        let mut d = door(eps).await?;
+        let lease = d.lb_lease(TTL).await?;
+        let mut rounds = Vec::new();
+        while !stop.load(Ordering::Relaxed) {
+            d.keep_alive(lease).await?;
+            rounds.push(d.lb_round(node, lease).await?);
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        Ok((lease, rounds))
+    })
+}
+
+/// Waits until `ok(view)` holds.
+async fn until(d: &mut Door, what: &str, ok: impl Fn(&LbView) -> bool) -> anyhow::Result<LbView> {
+    let started = Instant::now();
+    loop {
+        let v = d.lb_read().await?;
+        if ok(&v) {
+            return Ok(v);
+        }
+        ensure!(
+            started.elapsed() < Duration::from_secs(15),
+            "{what}: not within 15 s"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// The stored state's assignments, and checks that the address keys say
+/// exactly the same and no address has two services.
+fn check_unique(v: &LbView) -> anyhow::Result<BTreeMap<IpAddr, BTreeSet<String>>> {
+    let (state, _) = v.state.as_ref().context("no state")?;
+    let lb = LbIpam::restore(state)?;
+    let by_addr = assigned(&lb);
+    ensure!(
+        by_addr == v.addresses,
+        "address keys {:?} != state {:?}",
+        v.addresses,
+        by_addr
+    );
+    for (a, users) in &by_addr {
+        ensure!(users.len() == 1, "{a} held by {users:?}");
+    }
+    let mut seen = BTreeSet::new();
+    for (id, st) in lb.services() {
+        for a in st.addresses() {
+            ensure!(seen.insert(*a), "{a} twice (second: {id})");
+        }
+    }
+    Ok(by_addr)
+}
+
+fn assigned_count(v: &LbView) -> usize {
+    v.state
+        .as_ref()
+        .and_then(|(s, _)| LbIpam::restore(s).ok())
+        .map_or(0, |lb| {
+            lb.services()
+                .filter(|(_, st)| !st.addresses().is_empty())
+                .count()
+        })
+}
+
+#[test]
+fn addresses_are_assigned_once_by_one_fenced_assigner_across_failover() -> anyhow::Result<()> {
+    let cluster = EtcdCluster::start(3)?;
+    let eps = cluster.endpoints();
+    let rt = rt()?;
+    rt.block_on(async {
+        let mut w = door(eps.clone()).await?;
+        w.lb_put_pool(&LbPoolSpec::new("pub").cidr("192.0.2.0/26"))
+            .await?;
+        anyhow::Ok(())
+    })?;
+    let (stop_a, stop_b) = (
+        Arc::new(AtomicBool::new(false)),
+        Arc::new(AtomicBool::new(false)),
+    );
+    let a = assigner(&rt, eps.clone(), "node-a", stop_a.clone());
+    let b = assigner(&rt, eps.clone(), "node-b", stop_b.clone());
+    // 50 services from two writers at once.
+    rt.block_on(async {
+        let mut writers = Vec::new();
+        for w in 0..2 {
+            let eps = eps.clone();
+            writers.push(tokio::spawn(async move {
+                let mut d = door(eps).await?;
+                for i in 0..25 {
+                    d.lb_put_service(&ServiceSpec::new("web", format!("s{w}-{i:02}")))
+                        .await?;
+                }
+                anyhow::Ok(())
+            }));
+        }
+        for t in writers {
+            t.await??;
+        }
+        anyhow::Ok(())
+    })?;
+    let (first, leader) = rt.block_on(async {
+        let mut d = door(eps.clone()).await?;
+        let v = until(&mut d, "50 services assigned", |v| assigned_count(v) == 50).await?;
+        let leader = v.assigner.clone().context("no assigner")?;
+        anyhow::Ok((check_unique(&v)?, leader))
+    })?;
+    ensure!(first.len() == 50, "{} addresses", first.len());
+    for addr in first.keys() {
+        ensure!(
+            "192.0.2.0/26".parse::<ipnet::IpNet>()?.contains(addr),
+            "{addr} outside the pool"
+        );
+    }
+
+    // The leader dies (its rounds and keep-alives stop); the other takes
+    // over once the lease is gone, and keeps every assignment.
+    let (dead, dead_task, survivor) = if leader.0 == "node-a" {
+        (stop_a.clone(), a, b)
+    } else {
+        (stop_b.clone(), b, a)
+    };
+    dead.store(true, Ordering::Relaxed);
+    let (dead_lease, dead_rounds) = rt.block_on(dead_task)??;
+    ensure!(
+        dead_rounds
+            .iter()
+            .any(|r| matches!(r, Round::Stored { .. })),
+        "the leader stored nothing: {dead_rounds:?}"
+    );
+    let took_over = Instant::now();
+    rt.block_on(async {
+        let mut d = door(eps.clone()).await?;
+        for i in 0..5 {
+            d.lb_put_service(&ServiceSpec::new("web", format!("late-{i}")))
+                .await?;
+        }
+        let v = until(&mut d, "the survivor assigns the late services", |v| {
+            assigned_count(v) == 55
+        })
+        .await?;
+        let new_leader = v.assigner.clone().context("no assigner")?;
+        ensure!(new_leader.0 != leader.0, "still {leader:?}");
+        let now = check_unique(&v)?;
+        for (addr, users) in &first {
+            ensure!(now.get(addr) == Some(users), "{addr} moved in the failover");
+        }
+        // The deposed assigner's fence no longer writes anything.
+        let (state, rev) = v.state.clone().context("state")?;
+        let stale = LbChange {
+            state,
+            added: BTreeMap::from([(
+                "192.0.2.63".parse::<IpAddr>()?,
+                BTreeSet::from(["web/intruder".to_string()]),
+            )]),
+            updated: BTreeMap::new(),
+            removed: BTreeSet::new(),
+            changed: true,
+        };
+        ensure!(
+            !d.lb_commit(leader.1, rev, &stale).await?,
+            "a deposed assigner stored a state"
+        );
+        let after = d.lb_read().await?;
+        ensure!(
+            !after
+                .addresses
+                .contains_key(&"192.0.2.63".parse::<IpAddr>()?),
+            "the deposed write created an address key"
+        );
+
+        // A deleted service's address key goes.
+        let (gone_addr, gone_id) = first
+            .iter()
+            .next()
+            .map(|(a, u)| (*a, u.iter().next().cloned().unwrap_or_default()))
+            .context("first")?;
+        ensure!(d.lb_delete_service(&gone_id).await?, "{gone_id} not stored");
+        let v = until(&mut d, "a deleted service's address freed", |v| {
+            !v.addresses.contains_key(&gone_addr)
+        })
+        .await?;
+        check_unique(&v)?;
+        anyhow::Ok(())
+    })?;
+    println!(
+        "takeover after the leader's death: {:?} (lease {} s); dead lease {dead_lease}",
+        took_over.elapsed(),
+        TTL.as_secs()
+    );
+    stop_a.store(true, Ordering::Relaxed);
+    stop_b.store(true, Ordering::Relaxed);
+    let (_, rounds) = rt.block_on(survivor)??;
+    ensure!(
+        rounds.iter().any(|r| matches!(r, Round::Follower { .. })),
+        "the survivor never followed: both led at once?"
+    );
+    Ok(())
+}
+
+#[test]
+fn a_bad_pool_or_service_is_refused_before_anything_is_written() -> anyhow::Result<()> {
+    let cluster = EtcdCluster::start(1)?;
+    let rt = rt()?;
+    rt.block_on(async {
+        let mut d = door(cluster.endpoints()).await?;
+        let e = d
+            .lb_put_pool(&LbPoolSpec::new("bad").cidr("192.0.2.1/24"))
+            .await
+            .err()
+            .context("a pool with host bits stored")?;
+        ensure!(e.to_string().contains("192.0.2.1/24"), "{e}");
+        let mut s = ServiceSpec::new("web", "two-v4");
+        s.load_balancer_ips = vec!["192.0.2.1".parse()?, "192.0.2.2".parse()?];
+        let e = d
+            .lb_put_service(&s)
+            .await
+            .err()
+            .context("a bad service stored")?;
+        ensure!(
+            e.to_string().contains("two-v4") || e.to_string().contains("192.0.2"),
+            "{e}"
+        );
+        let v = d.lb_read().await?;
+        ensure!(v.pools.is_empty() && v.services.is_empty(), "{v:?}");
+        anyhow::Ok(())
+    })
+}
