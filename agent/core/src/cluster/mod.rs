@@ -7,6 +7,8 @@
 //! - [`decide`]: which block a node claims next, when to claim, when to give
 //!   an empty block back, node removal and reclaim, fencing at start.
 //! - [`local`]: the cluster pools as local pools of the blocks a node holds.
+//! - [`remote`]: what a node programs for the other nodes' blocks (IPCACHE,
+//!   routes, MASQ_SKIP) and the diff against what is there.
 //!
 //! Time is passed in as milliseconds; the daemon's etcd door performs what
 //! these functions decide (`agent/daemon/src/cluster/node.rs`).
@@ -14,6 +16,7 @@
 pub mod decide;
 pub mod layout;
 pub mod local;
+pub mod remote;
 pub mod spec;
 
 #[cfg(test)]

@@ -1,0 +1,386 @@
+//! The remote state a node programs for the rest of the cluster: where
+//! every other node's blocks live (IPCACHE prefix entries flagged
+//! [`REMOTE`](ipcache_flags::REMOTE), kernel routes `block via node_ip`) and
+//! which cluster CIDRs skip masquerade. Pure: the daemon reads blocks,
+//! nodes and pools from etcd, asks [`remote_state`] what should exist and
+//! [`diff`] what to change, and applies it.
+
+use std::collections::BTreeMap;
+use std::net::IpAddr;
+
+use ipnet::{IpNet, Ipv4Net, Ipv6Net};
+use lockstep_common::{IpcacheValue, MasqSkipValue, identity, ipcache_flags, masq_reason};
+
+use super::ClusterPoolSpec;
+
+/// A claimed block as the remote state needs it.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct RemoteBlock {
+    /// The block's prefix.
+    pub cidr: IpNet,
+    /// The node holding it.
+    pub node: String,
+}
+
+/// Why a block of another node gets no entry and no route.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Unroutable {
+    /// The holder is not registered (never was, or its lease ended).
+    NodeUnknown {
+        /// The block.
+        block: IpNet,
+        /// Its holder.
+        node: String,
+    },
+    /// The holder published no address of the block's family.
+    NoAddressOfFamily {
+        /// The block.
+        block: IpNet,
+        /// Its holder.
+        node: String,
+    },
+}
+
+impl std::fmt::Display for Unroutable {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Unroutable::NodeUnknown { block, node } => {
+                write!(
+                    f,
+                    "block {block} of node {node}: node {node} is not registered"
+                )
+            }
+            Unroutable::NoAddressOfFamily { block, node } => write!(
+                f,
+                "block {block} of node {node}: node {node} has no {} address",
+                if block.addr().is_ipv4() {
+                    "IPv4"
+                } else {
+                    "IPv6"
+                }
+            ),
+        }
+    }
+}
+
+/// What a node should program for the other nodes.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RemoteState {
+    /// IPCACHE_V4 prefix entries of other nodes' IPv4 blocks.
+    pub ipcache_v4: BTreeMap<Ipv4Net, IpcacheValue>,
+    /// IPCACHE_V6 prefix entries of other nodes' IPv6 blocks.
+    pub ipcache_v6: BTreeMap<Ipv6Net, IpcacheValue>,
+    /// Kernel routes: block → the holder's node address (same family).
+    pub routes: BTreeMap<IpNet, IpAddr>,
+    /// MASQ_SKIP_V4 entries of cluster pools with `skip_masquerade`.
+    pub masq_v4: BTreeMap<Ipv4Net, MasqSkipValue>,
+    /// MASQ_SKIP_V6 entries of cluster pools with `skip_masquerade`.
+    pub masq_v6: BTreeMap<Ipv6Net, MasqSkipValue>,
+    /// Blocks of other nodes left out, and why (for the log and STATUS).
+    pub unroutable: Vec<Unroutable>,
+}
+
+/// The IPCACHE value of a block living on the node at `node_ip`.
+pub fn remote_value(node_ip: IpAddr) -> IpcacheValue {
+    let mut node_addr = [0u8; 16];
+    match node_ip {
+        IpAddr::V4(a) => node_addr[..4].copy_from_slice(&a.octets()),
+        IpAddr::V6(a) => node_addr = a.octets(),
+    }
+    IpcacheValue {
+        identity: identity::ENDPOINT,
+        flags: ipcache_flags::REMOTE,
+        ifindex: 0,
+        _pad: 0,
+        node_addr,
+    }
+}
+
+/// The desired remote state of node `me`: for every block held by another
+/// node, an IPCACHE entry and a route via that node's first address of the
+/// block's family (a block whose node is unknown or has no such address is
+/// left out and reported in [`RemoteState::unroutable`]); this node's own
+/// blocks are local and get nothing here. Every CIDR of a pool with
+/// `skip_masquerade` gets a MASQ_SKIP entry (reason
+/// [`masq_reason::CLUSTER`]).
+pub fn remote_state(
+    me: &str,
+    blocks: &[RemoteBlock],
+    nodes: &BTreeMap<String, Vec<IpAddr>>,
+    pools: &[ClusterPoolSpec],
+) -> RemoteState {
+    let mut out = RemoteState::default();
+    for b in blocks {
+        if b.node == me {
+            continue;
+        }
+        let Some(ips) = nodes.get(&b.node) else {
+            out.unroutable.push(Unroutable::NodeUnknown {
+                block: b.cidr,
+                node: b.node.clone(),
+            });
+            continue;
+        };
+        let via = ips
+            .iter()
+            .find(|ip| ip.is_ipv4() == b.cidr.addr().is_ipv4());
+        let Some(&via) = via else {
+            out.unroutable.push(Unroutable::NoAddressOfFamily {
+                block: b.cidr,
+                node: b.node.clone(),
+            });
+            continue;
+        };
+        let cidr = b.cidr.trunc();
+        match cidr {
+            IpNet::V4(n) => {
+                out.ipcache_v4.insert(n, remote_value(via));
+            }
+            IpNet::V6(n) => {
+                out.ipcache_v6.insert(n, remote_value(via));
+            }
+        }
+        out.routes.insert(cidr, via);
+    }
+    let skip = MasqSkipValue {
+        reason: masq_reason::CLUSTER,
+        pool_id: 0,
+    };
+    for cidr in pools
+        .iter()
+        .filter(|p| p.skip_masquerade)
+        .flat_map(ClusterPoolSpec::cidrs)
+    {
+        match cidr.trunc() {
+            IpNet::V4(n) => {
+                out.masq_v4.insert(n, skip);
+            }
+            IpNet::V6(n) => {
+                out.masq_v6.insert(n, skip);
+            }
+        }
+    }
+    out.unroutable.sort();
+    out
+}
+
+/// What turns an observed map (or route table) into the desired one.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Diff<K, V> {
+    /// Keys desired and absent, with their values.
+    pub adds: Vec<(K, V)>,
+    /// Keys present and not desired.
+    pub removes: Vec<K>,
+    /// Keys present with another value, with the desired value.
+    pub changes: Vec<(K, V)>,
+}
+
+impl<K, V> Diff<K, V> {
+    /// Nothing to do.
+    pub fn is_empty(&self) -> bool {
+        self.adds.is_empty() && self.removes.is_empty() && self.changes.is_empty()
+    }
+}
+
+/// The difference from `observed` to `desired`, in key order.
+pub fn diff<K: Ord + Clone, V: PartialEq + Clone>(
+    desired: &BTreeMap<K, V>,
+    observed: &BTreeMap<K, V>,
+) -> Diff<K, V> {
+    let mut d = Diff {
+        adds: Vec::new(),
+        removes: Vec::new(),
+        changes: Vec::new(),
+    };
+    for (k, v) in desired {
+        match observed.get(k) {
+            None => d.adds.push((k.clone(), v.clone())),
+            Some(o) if o != v => d.changes.push((k.clone(), v.clone())),
+            Some(_) => {}
+        }
+    }
+    d.removes = observed
+        .keys()
+        .filter(|k| !desired.contains_key(*k))
+        .cloned()
+        .collect();
+    d
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn net(s: &str) -> IpNet {
+        s.parse().expect("net")
+    }
+    fn ip(s: &str) -> IpAddr {
+        s.parse().expect("ip")
+    }
+    fn block(cidr: &str, node: &str) -> RemoteBlock {
+        RemoteBlock {
+            cidr: net(cidr),
+            node: node.into(),
+        }
+    }
+
+    #[test]
+    fn other_nodes_blocks_get_entries_and_routes_own_blocks_none() {
+        let nodes: BTreeMap<String, Vec<IpAddr>> = [
+            ("a".to_string(), vec![ip("192.0.2.1"), ip("2001:db8::1")]),
+            ("b".to_string(), vec![ip("2001:db8::2"), ip("192.0.2.2")]),
+        ]
+        .into();
+        let blocks = [
+            block("10.0.0.0/26", "a"),
+            block("10.0.0.64/26", "b"),
+            block("10.0.0.128/26", "me"),
+            block("fd00::/122", "b"),
+        ];
+        let s = remote_state("me", &blocks, &nodes, &[]);
+        assert_eq!(s.unroutable, vec![]);
+        assert_eq!(
+            s.routes,
+            [
+                (net("10.0.0.0/26"), ip("192.0.2.1")),
+                (net("10.0.0.64/26"), ip("192.0.2.2")),
+                (net("fd00::/122"), ip("2001:db8::2")),
+            ]
+            .into()
+        );
+        let v = s.ipcache_v4[&"10.0.0.64/26".parse().expect("n")];
+        assert_eq!(v.flags, ipcache_flags::REMOTE);
+        assert_eq!(&v.node_addr[..4], &[192, 0, 2, 2]);
+        assert_eq!(v.node_addr[4..], [0u8; 12]);
+        let v6 = s.ipcache_v6[&"fd00::/122".parse().expect("n")];
+        assert_eq!(IpAddr::from(v6.node_addr), ip("2001:db8::2"));
+        assert_eq!(s.ipcache_v4.len(), 2);
+    }
+
+    #[test]
+    fn blocks_without_a_usable_node_address_are_reported_not_routed() {
+        let nodes: BTreeMap<String, Vec<IpAddr>> =
+            [("v4only".to_string(), vec![ip("192.0.2.1")])].into();
+        let blocks = [block("fd00::/122", "v4only"), block("10.0.0.0/26", "gone")];
+        let s = remote_state("me", &blocks, &nodes, &[]);
+        assert!(s.routes.is_empty() && s.ipcache_v4.is_empty() && s.ipcache_v6.is_empty());
+        assert_eq!(
+            s.unroutable,
+            vec![
+                Unroutable::NodeUnknown {
+                    block: net("10.0.0.0/26"),
+                    node: "gone".into()
+                },
+                Unroutable::NoAddressOfFamily {
+                    block: net("fd00::/122"),
+                    node: "v4only".into()
+                },
+            ]
+        );
+        assert_eq!(
+            s.unroutable[1].to_string(),
+            "block fd00::/122 of node v4only: node v4only has no IPv6 address"
+        );
+    }
+
+    #[test]
+    fn skip_masquerade_pools_give_masq_skip_entries() {
+        let mut p = ClusterPoolSpec::new("p")
+            .with_cidr(net("10.1.0.0/16"))
+            .with_cidr(net("fd01::/64"));
+        p.skip_masquerade = true;
+        let q = ClusterPoolSpec::new("q").with_cidr(net("10.2.0.0/16"));
+        let s = remote_state("me", &[], &BTreeMap::new(), &[p, q]);
+        assert_eq!(
+            s.masq_v4.keys().collect::<Vec<_>>(),
+            vec![&"10.1.0.0/16".parse::<Ipv4Net>().expect("n")]
+        );
+        assert_eq!(s.masq_v6.len(), 1);
+        assert_eq!(
+            s.masq_v4.values().next().map(|v| v.reason),
+            Some(masq_reason::CLUSTER)
+        );
+    }
+
+    #[test]
+    fn diff_names_adds_removes_changes() {
+        let desired: BTreeMap<u8, u8> = [(1, 1), (2, 2), (3, 3)].into();
+        let observed: BTreeMap<u8, u8> = [(2, 2), (3, 9), (4, 4)].into();
+        let d = diff(&desired, &observed);
+        assert_eq!(d.adds, vec![(1, 1)]);
+        assert_eq!(d.changes, vec![(3, 3)]);
+        assert_eq!(d.removes, vec![4]);
+        assert!(diff(&desired, &desired).is_empty());
+    }
+
+    fn apply(observed: &mut BTreeMap<u8, u8>, d: &Diff<u8, u8>) {
+        for k in &d.removes {
+            observed.remove(k);
+        }
+        for (k, v) in d.adds.iter().chain(&d.changes) {
+            observed.insert(*k, *v);
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn applying_the_diff_yields_the_desired_state(
+            desired in proptest::collection::btree_map(any::<u8>(), 0u8..4, 0..40),
+            observed in proptest::collection::btree_map(any::<u8>(), 0u8..4, 0..40),
+        ) {
+            let d = diff(&desired, &observed);
+            let mut o = observed.clone();
+            apply(&mut o, &d);
+            prop_assert_eq!(&o, &desired);
+            prop_assert!(diff(&desired, &o).is_empty());
+            // Every key is in at most one list.
+            prop_assert_eq!(d.adds.len() + d.changes.len() + d.removes.len(),
+                desired.keys().chain(observed.keys())
+                    .collect::<std::collections::BTreeSet<_>>().len()
+                    - desired.iter().filter(|(k, v)| observed.get(k) == Some(v)).count());
+        }
+
+        #[test]
+        fn no_route_to_own_blocks_and_every_route_matches_family(
+            owners in proptest::collection::vec(0usize..4, 0..30),
+            v6 in proptest::collection::vec(any::<bool>(), 0..30),
+        ) {
+            let names = ["me", "a", "b", "c"];
+            let nodes: BTreeMap<String, Vec<IpAddr>> = [
+                ("a".to_string(), vec![ip("192.0.2.1")]),
+                ("b".to_string(), vec![ip("2001:db8::2")]),
+                ("c".to_string(), vec![ip("2001:db8::3"), ip("192.0.2.3")]),
+            ].into();
+            let blocks: Vec<RemoteBlock> = owners.iter().zip(v6.iter().chain(std::iter::repeat(&false)))
+                .enumerate()
+                .map(|(i, (o, six))| RemoteBlock {
+                    cidr: if *six { net(&format!("fd00::{:x}00/120", i + 1)) }
+                          else { net(&format!("10.0.{i}.0/24")) },
+                    node: names[*o].to_string(),
+                })
+                .collect();
+            let s = remote_state("me", &blocks, &nodes, &[]);
+            for b in &blocks {
+                let routed = s.routes.get(&b.cidr);
+                if b.node == "me" {
+                    prop_assert!(routed.is_none());
+                    continue;
+                }
+                match routed {
+                    Some(via) => {
+                        prop_assert_eq!(via.is_ipv4(), b.cidr.addr().is_ipv4());
+                        prop_assert!(nodes[&b.node].contains(via));
+                    }
+                    None => {
+                        let reported = s.unroutable.iter().any(|u| {
+                            matches!(u, Unroutable::NoAddressOfFamily { block, .. } if *block == b.cidr)
+                        });
+                        prop_assert!(reported);
+                    }
+                }
+            }
+            prop_assert_eq!(s.routes.len(), s.ipcache_v4.len() + s.ipcache_v6.len());
+        }
+    }
+}
