@@ -407,3 +407,123 @@ fn a_block_reclaimed_while_its_node_was_away_is_fenced() -> anyhow::Result<()> {
     );
     Ok(())
 }
+
+#[test]
+fn a_block_emptied_is_given_back_after_release_after_and_the_node_key_says_what_it_holds()
+-> anyhow::Result<()> {
+    privileged!();
+    let cluster = EtcdCluster::start(3)?;
+    let eps = cluster.endpoints();
+    let dir = lockstep_tests::TempDir::new("cluster-release")?;
+    let file = dir.path().join("pools.toml");
+    // Blocks of 16 addresses: 4 kept free, so the 13th address claims a
+    // second block.
+    std::fs::write(
+        &file,
+        "[[pools]]\nname = \"pods\"\nipv4 = [\"10.94.0.0/24\"]\nblock_v4 = 28\n",
+    )?;
+    cli_at(
+        &eps,
+        "/cr/",
+        &["pools", "apply", "-f", file.to_str().context("path")?],
+    )?;
+    let node = Netns::new("clr")?;
+    forward(&node, &cluster)?;
+    let agent = AgentProc::start(
+        &node,
+        &format!(
+            "{}release_after = \"1s\"\n",
+            config_at(&eps, "node-r", "/cr/")
+        ),
+    )?;
+    let mine = |eps: &[String]| -> anyhow::Result<Vec<String>> {
+        let v: serde_json::Value =
+            serde_json::from_str(&cli_at(eps, "/cr/", &["blocks", "-o", "json"])?)?;
+        Ok(v.as_array()
+            .context("blocks")?
+            .iter()
+            .filter(|b| b["node"] == "node-r")
+            .filter_map(|b| b["cidr"].as_str().map(str::to_string))
+            .collect())
+    };
+    for i in 0..14 {
+        allocate(&agent, &format!("r{i}"))?;
+    }
+    let mut two = Vec::new();
+    for _ in 0..50 {
+        two = mine(&eps)?;
+        if two.len() == 2 {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_eq!(
+        two.len(),
+        2,
+        "a second block before the first runs out: {two:?}"
+    );
+    // The node key: name, IPs, version, blocks, addresses in use and wanted.
+    let mut record = serde_json::Value::Null;
+    for _ in 0..100 {
+        let nodes: serde_json::Value =
+            serde_json::from_str(&cli_at(&eps, "/cr/", &["nodes", "-o", "json"])?)?;
+        record = nodes
+            .as_array()
+            .context("nodes")?
+            .iter()
+            .find(|n| n.to_string().contains("node-r"))
+            .cloned()
+            .unwrap_or_default();
+        let text = record.to_string();
+        if text.contains("\"in_use\":14") && text.contains(&two[0]) && text.contains(&two[1]) {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let text = record.to_string();
+    for want in ["192.0.2.2", "\"in_use\":14", &two[0], &two[1], "version"] {
+        assert!(text.contains(want), "{want} in {text}");
+    }
+    for i in 0..14 {
+        let out = agent.cli([
+            "release",
+            "--kind",
+            "endpoint",
+            "--name",
+            &format!("r{i}"),
+            "--family",
+            "ipv4",
+        ])?;
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    // Empty for release_after: one block goes back (the other keeps the
+    // free addresses the node wants ready).
+    let mut left = two.clone();
+    for _ in 0..100 {
+        left = mine(&eps)?;
+        if left.len() == 1 {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_eq!(left.len(), 1, "one block given back: {left:?}");
+    // And nothing is handed out from the block given back.
+    let given: ipnet::IpNet = two
+        .iter()
+        .find(|b| !left.contains(b))
+        .context("gone")?
+        .parse()?;
+    let ip: std::net::IpAddr = allocate(&agent, "after")?.parse()?;
+    assert!(!given.contains(&ip), "{ip} from the given-back {given}");
+    let verify = agent.cli(["verify"])?;
+    assert!(
+        verify.status.success(),
+        "{}",
+        String::from_utf8_lossy(&verify.stdout)
+    );
+    Ok(())
+}

@@ -424,11 +424,15 @@ impl ClusterNode {
         };
         let ttl = self.cluster.lease_ttl;
         let refresh = ttl / 3;
+        // The counts change with every ADD: published with the next refresh;
+        // a change of blocks or addresses at once.
+        let same_blocks = self
+            .published
+            .as_ref()
+            .is_some_and(|p| p.blocks == record.blocks && p.ips == record.ips);
         let result = match self.lease {
-            Some((lease, at)) if self.published.as_ref() == Some(&record) => {
-                if at.elapsed() < refresh {
-                    return;
-                }
+            Some((_, at)) if same_blocks && at.elapsed() < refresh => return,
+            Some((lease, _)) if self.published.as_ref() == Some(&record) => {
                 match door.keep_alive(lease).await {
                     Ok(true) => {
                         self.lease = Some((lease, Instant::now()));
@@ -532,15 +536,6 @@ impl ClusterNode {
         }
         let mut changed = fenced_done;
         if reachable {
-            let record = NodeRecord {
-                name: self.name.clone(),
-                ips: self.ips.clone(),
-                version: crate::version::version(),
-                blocks: self.held.serving().map(|b| b.cidr).collect(),
-                in_use,
-                wanted: wanted_total,
-            };
-            self.lease(record).await;
             for (pool, family, n) in claims {
                 for _ in 0..n {
                     if self.claim(&pool, family).await {
@@ -553,6 +548,16 @@ impl ClusterNode {
                     }
                 }
             }
+            // Published after the claims, so the key lists them.
+            let record = NodeRecord {
+                name: self.name.clone(),
+                ips: self.ips.clone(),
+                version: crate::version::version(),
+                blocks: self.held.serving().map(|b| b.cidr).collect(),
+                in_use,
+                wanted: wanted_total,
+            };
+            self.lease(record).await;
         }
         if changed {
             if let Err(e) = self.held.save(&self.config.state_dir) {
@@ -664,7 +669,11 @@ impl ClusterNode {
         let mut without = self.held.clone();
         without.blocks.retain(|h| h.cidr != b.cidr);
         let specs = local_specs(&self.config, &without);
-        let fenced: BTreeMap<IpNet, String> = BTreeMap::new();
+        let fenced: BTreeMap<IpNet, String> = without
+            .blocks
+            .iter()
+            .filter_map(|b| b.fenced.clone().map(|w| (b.cidr, w)))
+            .collect();
         let cidr = b.cidr;
         let slot2 = slot.clone();
         let taken_out = tokio::task::spawn_blocking(move || {
