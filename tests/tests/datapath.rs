@@ -598,6 +598,14 @@ fn bpftool_dumps_every_pinned_map_as_structured_json() -> anyhow::Result<()> {
     };
     pinned.nat_fwd_v6_mut().insert(k6, v6, 0)?;
     pinned.nat_rev_v6_mut().insert(k6, v6, 0)?;
+    // One IPv6 announcement (no agent here to make one).
+    let a6: [u8; 16] = "fd00:96::50".parse::<std::net::Ipv6Addr>()?.octets();
+    let l2 = lockstep_common::L2RespValue {
+        ifindex: 1,
+        mac: [2, 0, 0, 0, 0, 0x50],
+        ..Default::default()
+    };
+    pinned.l2_resp_v6_mut().insert(a6, l2.sealed_v6(a6), 0)?;
     let maps = topo.pins.path().join("maps");
     for name in map_names::ALL {
         let pin = maps.join(name);
