@@ -135,3 +135,51 @@ mod tests {
         assert_eq!(low_water(0), 1);
     }
 }
+
+#[cfg(test)]
+mod props {
+    use super::*;
+    use crate::cluster::layout::block_at;
+    use crate::manager::{ManagerConfig, PoolManager, StaticPools};
+    use proptest::prelude::*;
+
+    proptest! {
+        /// Whatever is held and fenced, the local pool lists exactly the
+        /// held blocks that are not fenced, is a valid pool, and a manager
+        /// serving it never hands out an address outside those blocks or
+        /// the cluster CIDR's first or last address.
+        #[test]
+        fn the_local_pool_is_the_unfenced_blocks(
+            held in proptest::collection::btree_set(0u128..16, 0..=16),
+            fenced in proptest::collection::btree_set(0u128..16, 0..=16),
+            allow_first_last in any::<bool>(),
+        ) {
+            let cidr: IpNet = "10.7.0.0/24".parse().expect("net");
+            let mut pool = ClusterPoolSpec::new("p").with_cidr(cidr);
+            pool.block_v4 = 28;
+            pool.allow_first_last = allow_first_last;
+            let block = |i: u128| block_at(cidr, 28, i).expect("block");
+            let held_set: BTreeSet<IpNet> = held.iter().map(|i| block(*i)).collect();
+            let fenced_set: BTreeSet<IpNet> = fenced.iter().map(|i| block(*i)).collect();
+            let map = BTreeMap::from([("p".to_string(), held_set.clone())]);
+            let (specs, _) = local_pools(&[pool], &map, &fenced_set, &BTreeSet::new());
+            prop_assert_eq!(specs.len(), 1);
+            let listed: BTreeSet<IpNet> = specs[0].cidrs().collect();
+            let want: BTreeSet<IpNet> = held_set.difference(&fenced_set).copied().collect();
+            prop_assert_eq!(&listed, &want);
+            prop_assert!(specs[0].validate().is_ok());
+            let mut m = PoolManager::new(StaticPools(specs), ManagerConfig::default()).expect("manager");
+            prop_assert!(m.sync().errors.is_empty());
+            for n in 0..300u32 {
+                let owner = crate::owner::Owner::endpoint(format!("c{n}"), "eth0");
+                let Ok(a) = m.allocate_next("p", crate::cidr::Family::V4, owner) else {
+                    break;
+                };
+                prop_assert!(want.iter().any(|b| b.contains(&a.address)), "{} outside", a.address);
+                if !allow_first_last {
+                    prop_assert!(a.address != cidr.network() && a.address != cidr.broadcast());
+                }
+            }
+        }
+    }
+}
