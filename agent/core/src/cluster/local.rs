@@ -172,7 +172,7 @@ mod props {
             prop_assert!(m.sync().errors.is_empty());
             for n in 0..300u32 {
                 let owner = crate::owner::Owner::endpoint(format!("c{n}"), "eth0");
-                let Ok(a) = m.allocate_next("p", crate::cidr::Family::V4, owner) else {
+                let Ok(a) = m.allocate_next("p", Family::V4, owner) else {
                     break;
                 };
                 prop_assert!(want.iter().any(|b| b.contains(&a.address)), "{} outside", a.address);
