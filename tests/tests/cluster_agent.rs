@@ -527,3 +527,60 @@ fn a_block_emptied_is_given_back_after_release_after_and_the_node_key_says_what_
     );
     Ok(())
 }
+
+#[test]
+fn with_etcd_down_at_start_the_agent_serves_its_recorded_blocks_and_reconnects()
+-> anyhow::Result<()> {
+    privileged!();
+    let mut cluster = EtcdCluster::start(3)?;
+    let eps = cluster.endpoints();
+    let dir = lockstep_tests::TempDir::new("cluster-down")?;
+    let file = dir.path().join("pools.toml");
+    std::fs::write(
+        &file,
+        "[[pools]]\nname = \"pods\"\nipv4 = [\"10.95.0.0/24\"]\nblock_v4 = 28\n",
+    )?;
+    cli_at(
+        &eps,
+        "/cd/",
+        &["pools", "apply", "-f", file.to_str().context("path")?],
+    )?;
+    let node = Netns::new("cld")?;
+    forward(&node, &cluster)?;
+    let mut agent = AgentProc::start(&node, &config_at(&eps, "node-d", "/cd/"))?;
+    let first: std::net::IpAddr = allocate(&agent, "d0")?.parse()?;
+    let block: ipnet::IpNet = format!("{first}/28").parse::<ipnet::IpNet>()?.trunc();
+    agent.stop()?;
+    cluster.stop_member(1);
+    cluster.stop_member(2);
+    // Starts without quorum, from its record: ready, the old address kept,
+    // new ones from the recorded block.
+    agent.restart()?;
+    assert_eq!(allocate(&agent, "d0")?, first.to_string());
+    let second: std::net::IpAddr = allocate(&agent, "d1")?.parse()?;
+    assert!(
+        block.contains(&second),
+        "{second} from the recorded {block}"
+    );
+    wait_unreachable(&agent)?;
+    // Quorum back: reachable again by itself, nothing fenced.
+    cluster.start_member(1)?;
+    cluster.wait_healthy(1, Duration::from_secs(30))?;
+    let mut st = serde_json::Value::Null;
+    for _ in 0..100 {
+        st = agent.status_json().context("status")?;
+        if st["cluster"]["etcd_unreachable"].is_null() {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(st["cluster"]["etcd_unreachable"].is_null(), "{st}");
+    assert_eq!(st["cluster"]["fenced"], 0, "{st}");
+    let verify = agent.cli(["verify"])?;
+    assert!(
+        verify.status.success(),
+        "{}",
+        String::from_utf8_lossy(&verify.stdout)
+    );
+    Ok(())
+}
