@@ -19,6 +19,9 @@ use netlink_packet_route::neighbour::NeighbourState;
 use netlink_packet_route::route::{RouteAttribute, RouteScope};
 use rtnetlink::{Handle, LinkUnspec, LinkVeth, RouteMessageBuilder};
 
+mod proto_routes;
+pub use proto_routes::LOCKSTEP_ROUTE_PROTOCOL;
+
 /// Errors of netlink operations.
 #[derive(Debug, thiserror::Error)]
 pub enum NetlinkError {

@@ -30,12 +30,14 @@ mod door;
 mod held;
 mod lb;
 mod node;
+mod remote;
 mod watch;
 
 pub use door::{Door, DoorOptions, TlsFiles};
 pub use held::{Held, HeldBlock, HeldError};
 pub use lb::{LbView, NEW_SERVICES_PER_ROUND, Round};
 pub use node::{ClusterHandle, ClusterNode, local_specs, render_metrics};
+pub use remote::{RemoteError, RemoteTask, RemoteView, RouteSync, sync_routes};
 pub use watch::{Change, Watch};
 
 use std::net::IpAddr;
