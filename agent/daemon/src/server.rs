@@ -349,8 +349,15 @@ pub async fn run(config: Config) -> Result<(), ServerError> {
     if let Some(node) = &cluster {
         let _ = state.cluster.set(node.handle());
     }
+    // Cluster mode: the other nodes' blocks (routes, IPCACHE) and the
+    // skip-masquerade cluster CIDRs, followed from etcd (`cluster::remote`).
+    let remote = crate::cluster::RemoteTask::from_config(&cluster_config, interval);
+    if let Some(r) = &remote {
+        agent.set_remote_view(r.view());
+    }
     *slot.lock().unwrap_or_else(|p| p.into_inner()) = Some(agent);
     let cluster_task = cluster.map(|node| node.spawn(slot.clone(), stop_rx.clone()));
+    let remote_task = remote.map(|r| r.spawn(slot.clone(), stop_rx.clone()));
     // The maps exist now; the collector runs beside the agent, not in it.
     let _masquerade = match masquerade {
         Some(settings) => {
@@ -443,6 +450,9 @@ pub async fn run(config: Config) -> Result<(), ServerError> {
     }
     let _ = reconciler.await;
     let _ = renewer.await;
+    if let Some(t) = remote_task {
+        let _ = t.await;
+    }
     if let Some(t) = cluster_task {
         let _ = t.await;
     }

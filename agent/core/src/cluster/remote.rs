@@ -164,6 +164,26 @@ pub fn remote_state(
     out
 }
 
+impl RemoteState {
+    /// Adds the remote entries to the agent's desired map contents; an
+    /// entry the agent's own state already decides for the same key wins
+    /// (a local decision is never replaced by a remote one).
+    pub fn merge_into(&self, maps: &mut crate::plan::desired::MapContents) {
+        for (k, v) in &self.ipcache_v4 {
+            maps.prefix_v4.entry(*k).or_insert(*v);
+        }
+        for (k, v) in &self.ipcache_v6 {
+            maps.prefix_v6.entry(*k).or_insert(*v);
+        }
+        for (k, v) in &self.masq_v4 {
+            maps.masq_v4.entry(*k).or_insert(*v);
+        }
+        for (k, v) in &self.masq_v6 {
+            maps.masq_v6.entry(*k).or_insert(*v);
+        }
+    }
+}
+
 /// What turns an observed map (or route table) into the desired one.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Diff<K, V> {
@@ -301,6 +321,34 @@ mod tests {
             s.masq_v4.values().next().map(|v| v.reason),
             Some(masq_reason::CLUSTER)
         );
+    }
+
+    #[test]
+    fn merge_adds_remote_entries_and_keeps_local_ones() {
+        let nodes: BTreeMap<String, Vec<IpAddr>> =
+            [("a".to_string(), vec![ip("192.0.2.1")])].into();
+        let mut p = ClusterPoolSpec::new("p").with_cidr(net("10.0.0.0/16"));
+        p.skip_masquerade = true;
+        let s = remote_state(
+            "me",
+            &[block("10.0.0.0/26", "a"), block("10.0.0.64/26", "a")],
+            &nodes,
+            &[p],
+        );
+        let mut maps = crate::plan::desired::MapContents::default();
+        let local = IpcacheValue {
+            identity: 7,
+            ..IpcacheValue::default()
+        };
+        let k: Ipv4Net = "10.0.0.0/26".parse().expect("n");
+        maps.prefix_v4.insert(k, local);
+        s.merge_into(&mut maps);
+        assert_eq!(maps.prefix_v4[&k], local);
+        assert_eq!(
+            maps.prefix_v4[&"10.0.0.64/26".parse().expect("n")].flags,
+            ipcache_flags::REMOTE
+        );
+        assert_eq!(maps.masq_v4.len(), 1);
     }
 
     #[test]

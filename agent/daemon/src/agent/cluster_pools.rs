@@ -16,6 +16,9 @@ use super::{Agent, AgentError};
 #[derive(Clone, Debug, Default)]
 pub struct ClusterView {
     fenced: BTreeMap<IpNet, String>,
+    /// The other nodes' blocks and the cluster's skip-masquerade CIDRs
+    /// (`cluster::remote`), part of the desired maps.
+    remote: Option<crate::cluster::RemoteView>,
 }
 
 /// The pools the manager starts with: the configuration's, then the
@@ -97,5 +100,20 @@ impl Agent {
             .iter()
             .map(|(b, why)| format!("block {b} is fenced: {why}"))
             .collect()
+    }
+}
+
+impl Agent {
+    /// Makes cluster mode's remote state (`cluster::remote`) part of the
+    /// desired maps: reconcile writes its entries and verify reports them.
+    pub fn set_remote_view(&mut self, view: crate::cluster::RemoteView) {
+        self.cluster.remote = Some(view);
+    }
+
+    /// Adds the remote entries to `maps` (the agent's own entries win).
+    pub(super) fn add_remote(&self, maps: &mut lockstep_core::plan::desired::MapContents) {
+        if let Some(view) = &self.cluster.remote {
+            view.snapshot().merge_into(maps);
+        }
     }
 }

@@ -83,7 +83,9 @@ impl Agent {
         for a in &d.lb_conflicts {
             tracing::error!(%a, "an LB address is also a node allocation");
         }
-        Ok(d.maps)
+        let mut maps = d.maps;
+        self.add_remote(&mut maps);
+        Ok(maps)
     }
 
     pub(super) fn observed(&self) -> Result<MapContents, AgentError> {
