@@ -84,6 +84,24 @@ pub fn solicitation(
     f
 }
 
+/// `ns` (from [`solicitation`]) without its source link-layer option
+/// (`options` 0) or with a nonce option after it (`options` 2): other sizes
+/// the responder must trim or grow to its 86-byte advertisement.
+pub fn with_options(mut ns: Vec<u8>, options: usize) -> Vec<u8> {
+    match options {
+        0 => ns.truncate(78),
+        _ => ns.extend_from_slice(&[14, 1, 1, 2, 3, 4, 5, 6]),
+    }
+    let payload = (ns.len() - 54) as u16;
+    ns[18..20].copy_from_slice(&payload.to_be_bytes());
+    ns[56..58].copy_from_slice(&[0, 0]);
+    let src: [u8; 16] = ns[22..38].try_into().expect("16 bytes");
+    let dst: [u8; 16] = ns[38..54].try_into().expect("16 bytes");
+    let c = checksum(&src, &dst, &ns[54..]);
+    ns[56..58].copy_from_slice(&c.to_be_bytes());
+    ns
+}
+
 /// A raw IPv6 socket on one interface (call from inside its namespace).
 pub struct Prober {
     fd: OwnedFd,
@@ -236,6 +254,11 @@ mod tests {
             &f[38..54],
             &"ff02::1:ff00:11".parse::<Ipv6Addr>().unwrap().octets()
         );
+        for n in [0, 2] {
+            let g = with_options(f.clone(), n);
+            assert_eq!(g.len(), [78, 86, 94][n]);
+            assert!(checksum_ok(&g), "{n} options");
+        }
         f[70] ^= 1;
         assert!(!checksum_ok(&f));
     }

@@ -8,7 +8,7 @@ use std::net::Ipv6Addr;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, ensure};
-use lockstep_tests::ndp::{Prober, checksum_ok, solicitation};
+use lockstep_tests::ndp::{Prober, checksum_ok, solicitation, with_options};
 use lockstep_tests::{AgentProc, Netns, counter, privileged, veth};
 
 /// The lease under test: short, so the test is too.
@@ -90,10 +90,18 @@ fn until(
     loop {
         let t = since.elapsed();
         let ndp = !solicit(nb, v6, 255, 0, Duration::from_millis(150))?.is_empty();
-        ndp_at = if ndp == want { ndp_at.or(Some(t)) } else { None };
+        ndp_at = if ndp == want {
+            ndp_at.or(Some(t))
+        } else {
+            None
+        };
         let t = since.elapsed();
         let arp = arp_answered(nb, v4)?;
-        arp_at = if arp == want { arp_at.or(Some(t)) } else { None };
+        arp_at = if arp == want {
+            arp_at.or(Some(t))
+        } else {
+            None
+        };
         if let (Some(a), Some(b)) = (ndp_at, arp_at) {
             return Ok(a.max(b));
         }
@@ -196,6 +204,23 @@ fn ndp_is_answered_once_with_the_node_mac_and_both_responders_honour_the_lease()
     );
     ensure!(checksum_ok(na), "NA checksum does not hold: {na:02x?}");
     ensure!(counter(&agent.pins, "ndp_replied")? >= 1);
+    // Solicitations of other sizes (no option; an extra nonce option) get
+    // the same 86-byte advertisement: the program grows or trims the frame.
+    for options in [0, 2] {
+        let got = nb.run(|| {
+            let p = Prober::open("n0")?;
+            let ns = solicitation(NB_MAC, "fd00:91::2".parse()?, v6, 255, 0);
+            p.send(&with_options(ns, options))?;
+            p.advertisements(v6, Duration::from_secs(1))
+        })?;
+        ensure!(got.len() == 1, "{options} options: {got:02x?}");
+        let na = &got[0];
+        ensure!(
+            na.len() == 86 && na[58] == 0x60 && checksum_ok(na),
+            "{na:02x?}"
+        );
+        ensure!(na[80..86] == node_mac, "{na:02x?}");
+    }
 
     // Malformed solicitations are left alone.
     let before = counter(&agent.pins, "ndp_malformed")?;
