@@ -641,8 +641,19 @@ impl ClusterNode {
                     return true;
                 }
                 Ok(Claim::Taken { by }) => {
-                    tracing::debug!(%cidr, %by, "lost a claim race; picking again");
+                    tracing::debug!(%cidr, %by, "lost a claim race; re-reading and picking again");
                     self.claimed.insert(cidr);
+                    // Others may have claimed more meanwhile: pick from
+                    // what etcd holds now.
+                    match door.blocks().await {
+                        Ok((blocks, _)) => {
+                            self.claimed.extend(blocks.iter().map(|b| b.cidr));
+                        }
+                        Err(e) => {
+                            self.set_problem(Some(&e));
+                            return false;
+                        }
+                    }
                 }
                 Err(e) => {
                     if matches!(
