@@ -267,3 +267,177 @@ fn a_bad_pool_or_service_is_refused_before_anything_is_written() -> anyhow::Resu
         anyhow::Ok(())
     })
 }
+
+/// A node's announcement loop: its node key and announcements under one
+/// lease kept alive, a plan every 100 ms, acted on (no datapath here: the
+/// door-level half of the handover).
+fn announcer_loop(
+    rt: &tokio::runtime::Runtime,
+    eps: Vec<String>,
+    node: String,
+    stop: Arc<AtomicBool>,
+) -> tokio::task::JoinHandle<anyhow::Result<()>> {
+    rt.spawn(async move {
+        let mut d = door(eps).await?;
+        let record = lockstep::cluster::NodeRecord {
+            name: node.clone(),
+            ips: vec![],
+            version: "test".into(),
+            blocks: vec![],
+            in_use: 0,
+            wanted: 0,
+        };
+        let lease = d.register_node(&record, TTL).await?;
+        while !stop.load(Ordering::Relaxed) {
+            d.keep_alive(lease).await?;
+            let plan = d.lb_announce_plan(&node).await?;
+            for a in plan.drop {
+                d.lb_withdraw(a, &node).await?;
+            }
+            for a in plan.take {
+                d.lb_announce(a, &node, lease).await?;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        Ok(())
+    })
+}
+
+#[test]
+fn each_address_is_announced_by_its_one_chosen_node_and_handed_over_after_the_lease()
+-> anyhow::Result<()> {
+    use lockstep_core::lb::LabelSelector;
+    use lockstep_core::lb::cluster::{Candidate, announcer};
+    let cluster = EtcdCluster::start(3)?;
+    let eps = cluster.endpoints();
+    let rt = rt()?;
+    // 30 services assigned by one assigner.
+    rt.block_on(async {
+        let mut d = door(eps.clone()).await?;
+        d.lb_put_pool(&LbPoolSpec::new("pub").cidr("198.51.100.0/26"))
+            .await?;
+        for i in 0..30 {
+            d.lb_put_service(&ServiceSpec::new("web", format!("s{i:02}")))
+                .await?;
+        }
+        let lease = d.lb_lease(Duration::from_secs(30)).await?;
+        for _ in 0..5 {
+            d.lb_round("assigner", lease).await?;
+        }
+        let v = until(&mut d, "30 assigned", |v| assigned_count(v) == 30).await?;
+        check_unique(&v)?;
+        anyhow::Ok(())
+    })?;
+    let names = ["node-0", "node-1", "node-2"];
+    let stops: Vec<Arc<AtomicBool>> = names.iter().map(|_| Arc::default()).collect();
+    let tasks: Vec<_> = names
+        .iter()
+        .zip(&stops)
+        .map(|(n, s)| announcer_loop(&rt, eps.clone(), n.to_string(), s.clone()))
+        .collect();
+    let all = LabelSelector::default();
+    let cands = |live: &[&str]| -> Vec<Candidate> {
+        live.iter()
+            .map(|n| Candidate {
+                name: n.to_string(),
+                labels: BTreeMap::new(),
+            })
+            .collect()
+    };
+    // Converged: every address announced, each by its chosen node.
+    let converged = |live: &'static [&'static str]| {
+        let eps = eps.clone();
+        let cands = cands(live);
+        let all = all.clone();
+        async move {
+            let mut d = door(eps).await?;
+            let started = Instant::now();
+            loop {
+                let v = d.lb_read().await?;
+                let held = d.lb_announcements().await?;
+                let want: BTreeMap<IpAddr, String> = v
+                    .addresses
+                    .keys()
+                    .map(|a| {
+                        (
+                            *a,
+                            announcer(*a, &all, &cands).map_or(String::new(), |c| c.name.clone()),
+                        )
+                    })
+                    .collect();
+                let have: BTreeMap<IpAddr, String> =
+                    held.into_iter().map(|(a, (n, _))| (a, n)).collect();
+                if want == have && want.len() == 30 {
+                    return anyhow::Ok(started.elapsed());
+                }
+                ensure!(
+                    started.elapsed() < Duration::from_secs(15),
+                    "not converged: want {want:?}, have {have:?}"
+                );
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    };
+    rt.block_on(converged(&["node-0", "node-1", "node-2"]))?;
+    let of1: BTreeSet<IpAddr> = rt.block_on(async {
+        let mut d = door(eps.clone()).await?;
+        let held = d.lb_announcements().await?;
+        anyhow::Ok(
+            held.into_iter()
+                .filter(|(_, (n, _))| n == "node-1")
+                .map(|(a, _)| a)
+                .collect(),
+        )
+    })?;
+    ensure!(!of1.is_empty(), "node-1 announces nothing");
+
+    // node-1 dies: its keys stand until its lease ends (no other node
+    // takes them meanwhile), then the others take them.
+    stops[1].store(true, Ordering::Relaxed);
+    let died = Instant::now();
+    let mut last_seen = Duration::ZERO;
+    rt.block_on(async {
+        let mut d = door(eps.clone()).await?;
+        loop {
+            let held = d.lb_announcements().await?;
+            let still: Vec<&IpAddr> = of1
+                .iter()
+                .filter(|a| held.get(*a).is_some_and(|(n, _)| n == "node-1"))
+                .collect();
+            for a in &of1 {
+                if let Some((n, _)) = held.get(a) {
+                    ensure!(
+                        n == "node-1" || still.is_empty() || !still.contains(&a),
+                        "{a} taken by {n} while node-1's key stands"
+                    );
+                }
+            }
+            if still.is_empty() {
+                break;
+            }
+            last_seen = died.elapsed();
+            ensure!(
+                died.elapsed() < Duration::from_secs(10),
+                "node-1's keys outlive its lease"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        anyhow::Ok(())
+    })?;
+    let took = rt.block_on(converged(&["node-0", "node-2"]))?;
+    println!(
+        "node-1's announcements stood {last_seen:?} after it stopped (lease {} s); all re-announced {took:?} later",
+        TTL.as_secs()
+    );
+    ensure!(
+        last_seen >= Duration::from_millis(500),
+        "withdrawn too early: {last_seen:?}"
+    );
+    for s in &stops {
+        s.store(true, Ordering::Relaxed);
+    }
+    for t in tasks {
+        rt.block_on(t)??;
+    }
+    Ok(())
+}

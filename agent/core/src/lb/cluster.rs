@@ -145,6 +145,52 @@ pub fn announcer<'a>(
         .max_by_key(|n| (weight(address, &n.name), n.name.as_str()))
 }
 
+/// What one node does about announcements, from the addresses to announce
+/// (each with its pool's node selector), the live nodes, and who holds
+/// each announcement key now ([`announce_plan`]).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct AnnouncePlan {
+    /// Chosen and free: create the key, then program the responder and
+    /// send a gratuitous ARP / unsolicited NA.
+    pub take: Vec<IpAddr>,
+    /// Chosen, but another node's key still stands: wait for it to be
+    /// withdrawn or for that node's lease to end (its datapath entry
+    /// expires before its lease can), never answer meanwhile.
+    pub wait: Vec<IpAddr>,
+    /// Held but no longer this node's (another node chosen, or the address
+    /// gone): stop answering first, then withdraw the key.
+    pub drop: Vec<IpAddr>,
+    /// Held and still this node's: keep renewing.
+    pub keep: Vec<IpAddr>,
+}
+
+/// Plans `me`'s announcements. An address's node is [`announcer`]'s
+/// choice; `held` maps each announcement key to its node.
+pub fn announce_plan(
+    addresses: &BTreeMap<IpAddr, LabelSelector>,
+    nodes: &[Candidate],
+    me: &str,
+    held: &BTreeMap<IpAddr, String>,
+) -> AnnouncePlan {
+    let mut plan = AnnouncePlan::default();
+    for (a, selector) in addresses {
+        let chosen = announcer(*a, selector, nodes).is_some_and(|n| n.name == me);
+        match (chosen, held.get(a).map(String::as_str)) {
+            (true, None) => plan.take.push(*a),
+            (true, Some(h)) if h == me => plan.keep.push(*a),
+            (true, Some(_)) => plan.wait.push(*a),
+            (false, Some(h)) if h == me => plan.drop.push(*a),
+            (false, _) => {}
+        }
+    }
+    for (a, h) in held {
+        if h == me && !addresses.contains_key(a) {
+            plan.drop.push(*a);
+        }
+    }
+    plan
+}
+
 /// The rendezvous weight of (`address`, `node`): FNV-1a over both, then
 /// splitmix64's finaliser.
 fn weight(address: IpAddr, node: &str) -> u64 {

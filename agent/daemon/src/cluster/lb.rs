@@ -13,6 +13,7 @@
 //! lb/state                    → LbSnapshot (JSON): the assigner's state
 //! lb/addresses/<ip>           → the services holding it (JSON list)
 //! lb/assigner                 → the elected node's name, bound to its lease
+//! lb/announce/<ip>            → the announcing node's name, bound to its lease
 //! ```
 //!
 //! Uniqueness by construction: an address key is created in the same
@@ -27,8 +28,10 @@ use std::net::IpAddr;
 use std::time::Duration;
 
 use etcd_client::{Compare, CompareOp, GetOptions, PutOptions, Txn, TxnOp};
-use lockstep_core::lb::cluster::{LbChange, reconcile};
-use lockstep_core::lb::{LbPoolSpec, LbSnapshot, ServiceSpec};
+use lockstep_core::lb::cluster::{
+    AnnouncePlan, Candidate, LbChange, announce_plan, assigned, reconcile,
+};
+use lockstep_core::lb::{LabelSelector, LbIpam, LbPoolSpec, LbSnapshot, ServiceSpec};
 
 use super::{ClusterStoreError, Door};
 
@@ -275,6 +278,128 @@ impl Door {
             )
             .await?
             .succeeded())
+    }
+
+    /// Every announcement key: address → (node, lease).
+    ///
+    /// # Errors
+    /// etcd unavailable, or a key unreadable.
+    pub async fn lb_announcements(
+        &mut self,
+    ) -> Result<BTreeMap<IpAddr, (String, i64)>, ClusterStoreError> {
+        let base = self.lb_key("announce/");
+        let mut client = self.client();
+        let resp = self
+            .bounded(
+                "read lb announcements",
+                false,
+                client.get(base.clone(), Some(GetOptions::new().with_prefix())),
+            )
+            .await?;
+        let mut out = BTreeMap::new();
+        for kv in resp.kvs() {
+            let key = String::from_utf8_lossy(kv.key()).into_owned();
+            let a: IpAddr = key[base.len()..].parse().map_err(|e| corrupt(&key, e))?;
+            out.insert(
+                a,
+                (String::from_utf8_lossy(kv.value()).into_owned(), kv.lease()),
+            );
+        }
+        Ok(out)
+    }
+
+    /// Takes the announcement of `address` for `node` under `lease`, only
+    /// if no node holds it; returns whether this node holds it now.
+    ///
+    /// # Errors
+    /// etcd unavailable.
+    pub async fn lb_announce(
+        &mut self,
+        address: IpAddr,
+        node: &str,
+        lease: i64,
+    ) -> Result<bool, ClusterStoreError> {
+        let key = self.lb_key(&format!("announce/{address}"));
+        let txn = Txn::new()
+            .when([Compare::create_revision(key.clone(), CompareOp::Equal, 0)])
+            .and_then([TxnOp::put(
+                key.clone(),
+                node.as_bytes().to_vec(),
+                Some(PutOptions::new().with_lease(lease)),
+            )])
+            .or_else([TxnOp::get(key.clone(), None)]);
+        let mut client = self.client();
+        let resp = self
+            .bounded("take an lb announcement", true, client.txn(txn))
+            .await?;
+        Ok(resp.succeeded()
+            || resp.op_responses().into_iter().any(|r| match r {
+                etcd_client::TxnOpResponse::Get(g) => g
+                    .kvs()
+                    .first()
+                    .is_some_and(|kv| kv.value() == node.as_bytes() && kv.lease() == lease),
+                _ => false,
+            }))
+    }
+
+    /// Withdraws `node`'s announcement of `address` (only if it is still
+    /// `node`'s); call after the responder stopped answering. Returns
+    /// whether a key was deleted.
+    ///
+    /// # Errors
+    /// etcd unavailable.
+    pub async fn lb_withdraw(
+        &mut self,
+        address: IpAddr,
+        node: &str,
+    ) -> Result<bool, ClusterStoreError> {
+        let key = self.lb_key(&format!("announce/{address}"));
+        let txn = Txn::new()
+            .when([Compare::value(key.clone(), CompareOp::Equal, node.as_bytes().to_vec())])
+            .and_then([TxnOp::delete(key, None)]);
+        let mut client = self.client();
+        Ok(self
+            .bounded("withdraw an lb announcement", true, client.txn(txn))
+            .await?
+            .succeeded())
+    }
+
+    /// What `me` should do about announcements now: the addresses of the
+    /// stored state, the live nodes (their lease-bound node keys) and the
+    /// announcement keys, through the core's [`announce_plan`]. The caller
+    /// acts on it: stops answering before [`Door::lb_withdraw`], answers
+    /// only after [`Door::lb_announce`] succeeded.
+    ///
+    /// # Errors
+    /// etcd unavailable, or stored values unreadable.
+    pub async fn lb_announce_plan(&mut self, me: &str) -> Result<AnnouncePlan, ClusterStoreError> {
+        let view = self.lb_read().await?;
+        let addresses: BTreeMap<IpAddr, LabelSelector> = match &view.state {
+            Some((state, _)) => {
+                let lb = LbIpam::restore(state).map_err(|e| corrupt("lb/state", e))?;
+                assigned(&lb)
+                    .into_keys()
+                    .map(|a| (a, LabelSelector::default()))
+                    .collect()
+            }
+            None => BTreeMap::new(),
+        };
+        let nodes: Vec<Candidate> = self
+            .nodes()
+            .await?
+            .into_iter()
+            .map(|n| Candidate {
+                name: n.record.name,
+                labels: BTreeMap::new(),
+            })
+            .collect();
+        let held = self
+            .lb_announcements()
+            .await?
+            .into_iter()
+            .map(|(a, (n, _))| (a, n))
+            .collect();
+        Ok(announce_plan(&addresses, &nodes, me, &held))
     }
 
     /// One assigner round for `node` holding `lease`: campaign, and if this

@@ -122,6 +122,64 @@ fn the_announcer_is_one_admitted_node_and_stable() {
     assert!(announcer(a, &all, &[]).is_none());
 }
 
+#[test]
+fn the_announce_plan_takes_keeps_waits_and_drops() {
+    let ns = nodes(3);
+    let all = LabelSelector::default();
+    let addrs: BTreeMap<IpAddr, LabelSelector> = (0..64u32)
+        .map(|i| {
+            (
+                IpAddr::from(std::net::Ipv4Addr::from(0xC000_0200 + i)),
+                all.clone(),
+            )
+        })
+        .collect();
+    // Nobody holds anything: each address is taken by exactly one node.
+    let plans: Vec<AnnouncePlan> = ns
+        .iter()
+        .map(|n| announce_plan(&addrs, &ns, &n.name, &BTreeMap::new()))
+        .collect();
+    let mut taken: Vec<IpAddr> = plans.iter().flat_map(|p| p.take.clone()).collect();
+    taken.sort();
+    assert_eq!(taken, addrs.keys().copied().collect::<Vec<_>>());
+    assert!(plans.iter().all(|p| p.wait.is_empty() && p.drop.is_empty()));
+    // Everything held as planned: all keep.
+    let held: BTreeMap<IpAddr, String> = ns
+        .iter()
+        .zip(&plans)
+        .flat_map(|(n, p)| p.take.iter().map(|a| (*a, n.name.clone())))
+        .collect();
+    for n in &ns {
+        let p = announce_plan(&addrs, &ns, &n.name, &held);
+        assert!(p.take.is_empty() && p.wait.is_empty() && p.drop.is_empty());
+    }
+    // node-0 leaves the live set while its keys still stand: the others
+    // wait for them; node-0 (if it still runs) drops them.
+    let rest: Vec<Candidate> = ns[1..].to_vec();
+    let of0: BTreeSet<IpAddr> = held
+        .iter()
+        .filter(|(_, n)| *n == "node-0")
+        .map(|(a, _)| *a)
+        .collect();
+    let waits: BTreeSet<IpAddr> = rest
+        .iter()
+        .flat_map(|n| announce_plan(&addrs, &rest, &n.name, &held).wait)
+        .collect();
+    assert_eq!(waits, of0);
+    let p0 = announce_plan(&addrs, &rest, "node-0", &held);
+    assert_eq!(p0.drop.iter().copied().collect::<BTreeSet<_>>(), of0);
+    // An address gone from the state is dropped by its holder.
+    let mut fewer = addrs.clone();
+    let gone = *addrs.keys().next().unwrap();
+    fewer.remove(&gone);
+    let holder = &held[&gone];
+    assert!(
+        announce_plan(&fewer, &ns, holder, &held)
+            .drop
+            .contains(&gone)
+    );
+}
+
 proptest! {
     /// Removing a node moves only the addresses it announced; adding one
     /// moves addresses only to the new node. Across many addresses every
