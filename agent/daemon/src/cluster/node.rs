@@ -37,6 +37,10 @@ const REQUEST_TIMEOUT: Duration = Duration::from_millis(600);
 /// How often the task looks at demand, etcd and the lease when nothing
 /// wakes it.
 const TICK: Duration = Duration::from_secs(1);
+/// How often pools and blocks are read when nothing asks sooner (a claim
+/// due, an ADD waiting, etcd failing): every node reading every block
+/// every second would load etcd with the cluster's size squared.
+const READ_EVERY: Duration = Duration::from_secs(5);
 
 /// What the API and metrics read of cluster mode.
 #[derive(Debug, Default)]
@@ -218,6 +222,10 @@ pub struct ClusterNode {
     /// Claims whose outcome etcd did not tell: settled by the next read.
     maybe: BTreeSet<(String, IpNet)>,
     empty_since: BTreeMap<IpNet, u64>,
+    /// When pools and blocks were last read successfully.
+    last_read: Option<Instant>,
+    /// A claim is due: read at the next round.
+    read_next: bool,
     handle: Arc<ClusterHandle>,
 }
 
@@ -274,6 +282,8 @@ impl ClusterNode {
             claimed: BTreeSet::new(),
             maybe: BTreeSet::new(),
             empty_since: BTreeMap::new(),
+            last_read: None,
+            read_next: false,
             handle: Arc::new(ClusterHandle::default()),
         };
         node.held.node = node.name.clone();
@@ -460,7 +470,17 @@ impl ClusterNode {
 
     /// One round: read etcd, keep the lease, claim and give back.
     async fn round(&mut self, slot: &Arc<Mutex<Option<Agent>>>) {
-        let reachable = self.sync().await;
+        let must_read = self.read_next
+            || self.last_read.is_none_or(|t| t.elapsed() >= READ_EVERY)
+            || self.handle.etcd_problem().is_some()
+            || !self.handle.lock().wanted.is_empty();
+        let reachable = if must_read { self.sync().await } else { true };
+        if must_read && reachable {
+            self.last_read = Some(Instant::now());
+            self.read_next = false;
+        }
+        // Claims pick from the blocks just read.
+        let fresh = must_read && reachable;
         // What the allocator holds, per pool and family, under one lock.
         let blocks: Vec<HeldBlock> = self.held.blocks.clone();
         let cidrs: Vec<IpNet> = blocks.iter().map(|b| b.cidr).collect();
@@ -535,6 +555,11 @@ impl ClusterNode {
             }
         }
         let mut changed = fenced_done;
+        if !claims.is_empty() && !fresh {
+            self.read_next = true;
+            claims.clear();
+            self.handle.wake.notify_one();
+        }
         if reachable {
             for (pool, family, n) in claims {
                 for _ in 0..n {
