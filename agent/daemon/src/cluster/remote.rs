@@ -111,13 +111,13 @@ pub fn sync_routes(desired: &BTreeMap<IpNet, IpAddr>) -> Result<RouteSync, Netli
     }
     for (dst, via) in &d.adds {
         count(
-            nl.replace_route_via(*dst, *via, LOCKSTEP_ROUTE_PROTOCOL),
+            nl.add_route_via(*dst, *via, LOCKSTEP_ROUTE_PROTOCOL, false),
             &mut added,
         );
     }
     for (dst, via) in &d.changes {
         count(
-            nl.replace_route_via(*dst, *via, LOCKSTEP_ROUTE_PROTOCOL),
+            nl.add_route_via(*dst, *via, LOCKSTEP_ROUTE_PROTOCOL, true),
             &mut changed,
         );
     }

@@ -71,17 +71,33 @@ impl Netlink {
         Ok(out)
     }
 
-    /// Adds or replaces the route `dst via gw` with protocol `proto`.
+    /// Adds the route `dst via gw` with protocol `proto`; with `replace`,
+    /// replaces the route to `dst` (for a route of this protocol whose next
+    /// hop changed). Without it a route to `dst` of any protocol makes the
+    /// add fail (EEXIST), so another program's route is never replaced.
     ///
     /// # Errors
-    /// The kernel refused (e.g. the gateway is not reachable on a link), or
-    /// a family mismatch.
-    pub fn replace_route_via(&self, dst: IpNet, gw: IpAddr, proto: u8) -> Result<(), NetlinkError> {
+    /// The kernel refused (a route to `dst` exists, the gateway is not
+    /// reachable on a link), or a family mismatch.
+    pub fn add_route_via(
+        &self,
+        dst: IpNet,
+        gw: IpAddr,
+        proto: u8,
+        replace: bool,
+    ) -> Result<(), NetlinkError> {
         let msg = Self::route_via(dst, gw, proto)?;
         let handle = self.handle.clone();
         self.rt
-            .block_on(async move { handle.route().add(msg).replace().execute().await })
-            .map_err(req(format!("replace route {dst} via {gw} proto {proto}")))
+            .block_on(async move {
+                let add = handle.route().add(msg);
+                if replace {
+                    add.replace().execute().await
+                } else {
+                    add.execute().await
+                }
+            })
+            .map_err(req(format!("add route {dst} via {gw} proto {proto}")))
     }
 
     /// Deletes the route `dst via gw` with protocol `proto`; a route that

@@ -1,0 +1,307 @@
+//! Cluster mode's remote state (#12 item 5): an agent in its node namespace
+//! learns the other nodes' blocks from a real 3-member etcd and programs an
+//! IPCACHE entry (flag remote, the holder's node address) and a route
+//! `block via node_ip proto 213` for each; a node removed takes its entries
+//! and routes with it; a route or an entry deleted by hand comes back.
+//!
+//! The other nodes are real agents in their own namespaces; etcd is reached
+//! from every namespace through a forwarder (as in `cluster_agent`).
+
+use std::collections::BTreeMap;
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use lockstep_tests::etcd::EtcdCluster;
+use lockstep_tests::{AgentProc, Netns, privileged, sh};
+
+/// lockstep's route protocol number (docs/cluster.md).
+const PROTO: &str = "213";
+
+fn forward(node: &Netns, cluster: &EtcdCluster) -> anyhow::Result<()> {
+    for ep in cluster.endpoints() {
+        let port: u16 = ep.rsplit(':').next().context("port")?.parse()?;
+        let listener = node.run(move || {
+            let _ = std::process::Command::new("ip")
+                .args(["link", "set", "lo", "up"])
+                .status();
+            Ok(TcpListener::bind(("127.0.0.1", port))?)
+        })?;
+        std::thread::spawn(move || {
+            for inner in listener.incoming().flatten() {
+                let Ok(outer) = TcpStream::connect(("127.0.0.1", port)) else {
+                    continue;
+                };
+                let (mut a, mut b) = (
+                    inner.try_clone().expect("clone"),
+                    outer.try_clone().expect("clone"),
+                );
+                let (mut c, mut d) = (outer, inner);
+                std::thread::spawn(move || pipe(&mut a, &mut b));
+                std::thread::spawn(move || pipe(&mut c, &mut d));
+            }
+        });
+    }
+    Ok(())
+}
+
+fn pipe(from: &mut TcpStream, to: &mut TcpStream) {
+    let mut buf = [0u8; 16384];
+    while let Ok(n) = from.read(&mut buf) {
+        if n == 0 || to.write_all(&buf[..n]).is_err() {
+            break;
+        }
+    }
+    let _ = to.shutdown(std::net::Shutdown::Both);
+}
+
+fn cli(eps: &[String], args: &[&str]) -> anyhow::Result<String> {
+    let out = std::process::Command::new(lockstep_tests::lockstep_bin())
+        .args(["cluster", "--etcd", &eps.join(","), "--prefix", "/cr/"])
+        .args(args)
+        .output()?;
+    anyhow::ensure!(
+        out.status.success(),
+        "lockstep cluster {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+fn config(eps: &[String], node: &str, ip: &str) -> String {
+    format!(
+        "pools = []\nreconcile_interval = \"300ms\"\n[cluster]\netcd = [{}]\nprefix = \"/cr/\"\nnode_name = \"{node}\"\nnode_ip_v4 = \"{ip}\"\n",
+        eps.iter()
+            .map(|e| format!("\"{e}\""))
+            .collect::<Vec<_>>()
+            .join(", "),
+    )
+}
+
+fn allocate(agent: &AgentProc, name: &str) -> anyhow::Result<()> {
+    let mut last = String::new();
+    for _ in 0..50 {
+        let out = agent.cli([
+            "allocate", "--kind", "endpoint", "--name", name, "--family", "ipv4", "-o", "json",
+        ])?;
+        if out.status.success() {
+            return Ok(());
+        }
+        last = String::from_utf8_lossy(&out.stderr).into_owned();
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    anyhow::bail!("no address for {name}: {last}")
+}
+
+/// Blocks by holder, as etcd has them.
+fn blocks(eps: &[String]) -> anyhow::Result<BTreeMap<String, String>> {
+    let v: serde_json::Value = serde_json::from_str(&cli(eps, &["blocks", "-o", "json"])?)?;
+    Ok(v.as_array()
+        .context("blocks")?
+        .iter()
+        .filter_map(|b| {
+            Some((
+                b["cidr"].as_str()?.to_string(),
+                b["node"].as_str()?.to_string(),
+            ))
+        })
+        .collect())
+}
+
+/// lockstep's routes in `ns`: destination → gateway.
+fn routes(ns: &Netns) -> anyhow::Result<BTreeMap<String, String>> {
+    let text = ns.ip(["-j", "-4", "route", "show", "proto", PROTO])?;
+    let v: serde_json::Value = serde_json::from_str(&text)?;
+    Ok(v.as_array()
+        .context("routes")?
+        .iter()
+        .filter_map(|r| {
+            Some((
+                r["dst"].as_str()?.to_string(),
+                r["gateway"].as_str()?.to_string(),
+            ))
+        })
+        .collect())
+}
+
+fn hex_bytes(v: &serde_json::Value) -> Option<Vec<u8>> {
+    v.as_array()?
+        .iter()
+        .map(|b| u8::from_str_radix(b.as_str()?.trim_start_matches("0x"), 16).ok())
+        .collect()
+}
+
+/// A pinned IPv4 LPM trie read with bpftool: "a.b.c.d/len" → value bytes.
+fn lpm_v4(agent: &AgentProc, map: &str) -> anyhow::Result<BTreeMap<String, Vec<u8>>> {
+    let pin = agent.pins.path().join("maps").join(map);
+    let text = sh(
+        "bpftool",
+        [
+            "-j",
+            "map",
+            "dump",
+            "pinned",
+            pin.to_str().context("utf-8")?,
+        ],
+    )?;
+    let v: serde_json::Value = serde_json::from_str(&text)?;
+    let mut out = BTreeMap::new();
+    for e in v.as_array().context("dump")? {
+        let k = hex_bytes(&e["key"]).context("key")?;
+        let val = hex_bytes(&e["value"]).context("value")?;
+        let len = u32::from_le_bytes(k[..4].try_into()?);
+        out.insert(format!("{}.{}.{}.{}/{len}", k[4], k[5], k[6], k[7]), val);
+    }
+    Ok(out)
+}
+
+/// What node `a` should have for the other nodes' blocks: block → node IP.
+fn expected(
+    eps: &[String],
+    ips: &BTreeMap<&str, &str>,
+) -> anyhow::Result<BTreeMap<String, String>> {
+    Ok(blocks(eps)?
+        .into_iter()
+        .filter(|(_, n)| n != "node-a")
+        .filter_map(|(c, n)| Some((c, ips.get(n.as_str())?.to_string())))
+        .collect())
+}
+
+/// Waits until `a`'s routes and IPCACHE remote entries are `want`.
+fn wait_remote(
+    na: &Netns,
+    a: &AgentProc,
+    want: &BTreeMap<String, String>,
+) -> anyhow::Result<Duration> {
+    let start = Instant::now();
+    loop {
+        let r = routes(na)?;
+        let ipc = lpm_v4(a, "IPCACHE_V4")?;
+        let remote: BTreeMap<String, String> = ipc
+            .iter()
+            .filter(|(_, v)| u32::from_le_bytes(v[4..8].try_into().expect("4")) & (1 << 6) != 0)
+            .map(|(k, v)| {
+                (
+                    k.clone(),
+                    format!("{}.{}.{}.{}", v[16], v[17], v[18], v[19]),
+                )
+            })
+            .collect();
+        if &r == want && &remote == want {
+            return Ok(start.elapsed());
+        }
+        anyhow::ensure!(
+            start.elapsed() < Duration::from_secs(15),
+            "routes {r:?} and remote IPCACHE {remote:?}, want {want:?}\nlog: {}",
+            a.log()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+#[test]
+fn other_nodes_blocks_become_routes_and_entries_and_go_with_their_node() -> anyhow::Result<()> {
+    privileged!();
+    let cluster = EtcdCluster::start(3)?;
+    let eps = cluster.endpoints();
+    let dir = lockstep_tests::TempDir::new("cluster-remote")?;
+    let file = dir.path().join("pools.toml");
+    std::fs::write(
+        &file,
+        "[[pools]]\nname = \"pods\"\nipv4 = [\"10.93.0.0/24\"]\nblock_v4 = 28\nskip_masquerade = true\n",
+    )?;
+    cli(
+        &eps,
+        &["pools", "apply", "-f", file.to_str().context("path")?],
+    )?;
+    let (na, nb, nc) = (Netns::new("cra")?, Netns::new("crb")?, Netns::new("crc")?);
+    for ns in [&na, &nb, &nc] {
+        forward(ns, &cluster)?;
+    }
+    // The node addresses of b and c are on-link in a's namespace.
+    na.ip(["link", "add", "d0", "type", "veth", "peer", "name", "d1"])?;
+    na.ip(["link", "set", "d1", "up"])?;
+    na.ip(["addr", "add", "192.0.2.1/24", "dev", "d0"])?;
+    na.ip(["link", "set", "d0", "up"])?;
+    // A route of another protocol the agent must leave alone.
+    na.ip([
+        "route",
+        "add",
+        "10.93.1.0/28",
+        "via",
+        "192.0.2.9",
+        "proto",
+        "static",
+    ])?;
+    let ips: BTreeMap<&str, &str> = [("node-b", "192.0.2.2"), ("node-c", "192.0.2.3")].into();
+    let a = AgentProc::start(&na, &config(&eps, "node-a", "192.0.2.1"))?;
+    let b = AgentProc::start(&nb, &config(&eps, "node-b", ips["node-b"]))?;
+    let mut c = AgentProc::start(&nc, &config(&eps, "node-c", ips["node-c"]))?;
+    allocate(&a, "ea")?;
+    allocate(&b, "eb")?;
+    allocate(&c, "ec")?;
+
+    let want = expected(&eps, &ips)?;
+    assert!(
+        want.values().any(|v| v == "192.0.2.2") && want.values().any(|v| v == "192.0.2.3"),
+        "b and c hold blocks: {want:?}"
+    );
+    let took = wait_remote(&na, &a, &want)?;
+    eprintln!("remote state programmed {took:?} after the claims were read");
+    // The skip-masquerade cluster CIDR is in MASQ_SKIP_V4.
+    let masq = lpm_v4(&a, "MASQ_SKIP_V4")?;
+    assert!(masq.contains_key("10.93.0.0/24"), "{masq:?}");
+    // a's own block has no route and no remote entry; the static route stays.
+    let own = sh("ip", ["-n", na.name(), "route", "show", "proto", "static"])?;
+    assert!(own.contains("10.93.1.0/28"), "{own}");
+    assert!(
+        a.cli(["verify"])?.status.success(),
+        "verify with remote state"
+    );
+
+    // A route deleted by hand comes back.
+    let (dst, via) = want.iter().next().context("a block")?;
+    na.ip(["route", "del", dst, "via", via, "proto", PROTO])?;
+    let took = wait_remote(&na, &a, &want)?;
+    eprintln!("deleted route restored in {took:?}");
+    // An IPCACHE entry deleted by hand comes back (reconcile).
+    let pin = a.pins.path().join("maps/IPCACHE_V4");
+    let net: ipnet::Ipv4Net = dst.parse()?;
+    let mut key = vec![
+        net.prefix_len().to_string(),
+        "0".into(),
+        "0".into(),
+        "0".into(),
+    ];
+    key.extend(net.network().octets().iter().map(u8::to_string));
+    let mut del = vec![
+        "map",
+        "delete",
+        "pinned",
+        pin.to_str().context("utf-8")?,
+        "key",
+    ];
+    del.extend(key.iter().map(String::as_str));
+    sh("bpftool", &del)?;
+    let took = wait_remote(&na, &a, &want)?;
+    eprintln!("deleted IPCACHE entry restored in {took:?}");
+
+    // Node c goes: its blocks' routes and entries go with it.
+    c.kill9();
+    cli(&eps, &["node", "remove", "node-c", "--force"])?;
+    let want_b: BTreeMap<String, String> = want
+        .iter()
+        .filter(|(_, v)| *v == "192.0.2.2")
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    assert_eq!(expected(&eps, &ips)?, want_b, "etcd holds b's blocks only");
+    let took = wait_remote(&na, &a, &want_b)?;
+    eprintln!("removed node's state gone in {took:?}");
+    assert!(
+        sh("ip", ["-n", na.name(), "route", "show", "proto", "static"])?.contains("10.93.1.0/28"),
+        "the static route is untouched"
+    );
+    drop(b);
+    Ok(())
+}
