@@ -194,6 +194,20 @@ impl Door {
         lease: i64,
     ) -> Result<Option<i64>, ClusterStoreError> {
         let key = self.lb_key("assigner");
+        self.hold_under_lease(key, node, lease, "campaign for lb assigner")
+            .await
+    }
+
+    /// Creates `key` = `node` under `lease` if absent. Returns the key's
+    /// create revision when `node` holds it under `lease` (made now, or
+    /// already), `None` when another holder has it.
+    async fn hold_under_lease(
+        &mut self,
+        key: String,
+        node: &str,
+        lease: i64,
+        what: &str,
+    ) -> Result<Option<i64>, ClusterStoreError> {
         let txn = Txn::new()
             .when([Compare::create_revision(key.clone(), CompareOp::Equal, 0)])
             .and_then([TxnOp::put(
@@ -201,11 +215,9 @@ impl Door {
                 node.as_bytes().to_vec(),
                 Some(PutOptions::new().with_lease(lease)),
             )])
-            .or_else([TxnOp::get(key.clone(), None)]);
+            .or_else([TxnOp::get(key, None)]);
         let mut client = self.client();
-        let resp = self
-            .bounded("campaign for lb assigner", true, client.txn(txn))
-            .await?;
+        let resp = self.bounded(what, true, client.txn(txn)).await?;
         if resp.succeeded() {
             return Ok(Some(resp.header().map_or(0, |h| h.revision())));
         }
@@ -320,26 +332,10 @@ impl Door {
         lease: i64,
     ) -> Result<bool, ClusterStoreError> {
         let key = self.lb_key(&format!("announce/{address}"));
-        let txn = Txn::new()
-            .when([Compare::create_revision(key.clone(), CompareOp::Equal, 0)])
-            .and_then([TxnOp::put(
-                key.clone(),
-                node.as_bytes().to_vec(),
-                Some(PutOptions::new().with_lease(lease)),
-            )])
-            .or_else([TxnOp::get(key.clone(), None)]);
-        let mut client = self.client();
-        let resp = self
-            .bounded("take an lb announcement", true, client.txn(txn))
-            .await?;
-        Ok(resp.succeeded()
-            || resp.op_responses().into_iter().any(|r| match r {
-                etcd_client::TxnOpResponse::Get(g) => g
-                    .kvs()
-                    .first()
-                    .is_some_and(|kv| kv.value() == node.as_bytes() && kv.lease() == lease),
-                _ => false,
-            }))
+        Ok(self
+            .hold_under_lease(key, node, lease, "take an lb announcement")
+            .await?
+            .is_some())
     }
 
     /// Withdraws `node`'s announcement of `address` (only if it is still
@@ -355,7 +351,11 @@ impl Door {
     ) -> Result<bool, ClusterStoreError> {
         let key = self.lb_key(&format!("announce/{address}"));
         let txn = Txn::new()
-            .when([Compare::value(key.clone(), CompareOp::Equal, node.as_bytes().to_vec())])
+            .when([Compare::value(
+                key.clone(),
+                CompareOp::Equal,
+                node.as_bytes().to_vec(),
+            )])
             .and_then([TxnOp::delete(key, None)]);
         let mut client = self.client();
         Ok(self
