@@ -325,6 +325,7 @@ fn without_quorum_held_blocks_serve_and_a_new_block_is_try_again_later() -> anyh
         "{out}"
     );
     assert!(took < Duration::from_secs(2), "answered in {took:?}");
+    eprintln!("an ADD needing a block without quorum: CNI 11 after {took:?}");
     // Nothing free and etcd unreachable: STATUS 50.
     let (_, out, _) = plugin(&agent, "STATUS", "", None)?;
     assert_eq!(out["code"], 50, "{out}");
