@@ -585,3 +585,59 @@ fn with_etcd_down_at_start_the_agent_serves_its_recorded_blocks_and_reconnects()
     );
     Ok(())
 }
+
+#[test]
+fn the_agent_reaches_a_tls_etcd_with_the_configured_certificates() -> anyhow::Result<()> {
+    privileged!();
+    let cluster = EtcdCluster::start_tls(3)?;
+    let eps = cluster.endpoints();
+    let pki = cluster.pki().context("pki")?.clone();
+    let tls = |args: &[&str]| -> anyhow::Result<String> {
+        let out = std::process::Command::new(lockstep_tests::lockstep_bin())
+            .args(["cluster", "--etcd", &eps.join(","), "--prefix", "/ct/"])
+            .arg("--cacert")
+            .arg(&pki.ca)
+            .arg("--cert")
+            .arg(&pki.client_cert)
+            .arg("--key")
+            .arg(&pki.client_key)
+            .args(args)
+            .output()?;
+        anyhow::ensure!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    };
+    let dir = lockstep_tests::TempDir::new("cluster-tlsagent")?;
+    let file = dir.path().join("pools.toml");
+    std::fs::write(
+        &file,
+        "[[pools]]\nname = \"pods\"\nipv4 = [\"10.96.0.0/24\"]\nblock_v4 = 28\n",
+    )?;
+    tls(&["pools", "apply", "-f", file.to_str().context("path")?])?;
+    let node = Netns::new("clt")?;
+    forward(&node, &cluster)?;
+    let agent = AgentProc::start(
+        &node,
+        &format!(
+            "{}[cluster.tls]\nca = \"{}\"\ncert = \"{}\"\nkey = \"{}\"\n",
+            config_at(&eps, "node-t", "/ct/"),
+            pki.ca.display(),
+            pki.client_cert.display(),
+            pki.client_key.display()
+        ),
+    )?;
+    let ip: std::net::IpAddr = allocate(&agent, "t0")?.parse()?;
+    let blocks: serde_json::Value = serde_json::from_str(&tls(&["blocks", "-o", "json"])?)?;
+    let owned = blocks.as_array().context("blocks")?.iter().any(|b| {
+        b["node"] == "node-t"
+            && b["cidr"]
+                .as_str()
+                .and_then(|c| c.parse::<ipnet::IpNet>().ok())
+                .is_some_and(|n| n.contains(&ip))
+    });
+    assert!(owned, "{ip} in a block of node-t: {blocks}");
+    Ok(())
+}
