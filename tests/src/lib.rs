@@ -16,6 +16,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 
 use anyhow::{Context, bail};
 
+pub mod cluster;
 pub mod etcd;
 pub mod ledger;
 pub mod lossyfs;

@@ -355,7 +355,10 @@ fn bench(suite: &str) -> anyhow::Result<()> {
         }
         "cluster" => {
             // Block claims through the cluster door against a real 3-member
-            // etcd started by the test, up to 5,000 simulated nodes.
+            // etcd started by the test, up to 5,000 simulated nodes; then
+            // agents in node namespaces (convergence, ADD in cluster mode,
+            // 100 parallel ADDs without a block), optimised as shipped.
+            run(cargo().args(["build", "--release", "-p", "lockstep", "--bins"]))?;
             run(cargo()
                 .args([
                     "test",
@@ -365,7 +368,8 @@ fn bench(suite: &str) -> anyhow::Result<()> {
                     "--test",
                     "cluster_bench",
                 ])
-                .args(["--", "--ignored", "--nocapture", "--test-threads", "1"]))
+                .args(["--", "--ignored", "--nocapture", "--test-threads", "1"])
+                .env("LOCKSTEP_BIN", root().join("target/release/lockstep")))
         }
         "image" => {
             // The image test prints the figures: image size, and container
