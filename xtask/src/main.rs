@@ -75,11 +75,15 @@ enum Task {
         #[arg(long, default_value_t = 40)]
         max_k: u64,
     },
-    /// Set up and run the demo node.
+    /// Set up and run the demo node (`--cluster`: three nodes and etcd).
     Demo {
         /// Skip `setup` (already done).
         #[arg(long)]
         no_setup: bool,
+        /// Run the cluster demo instead: three node namespaces sharing
+        /// pools through a 3-member etcd, pods pinging across nodes.
+        #[arg(long)]
+        cluster: bool,
     },
 }
 
@@ -476,13 +480,18 @@ fn main() -> anyhow::Result<()> {
             rounds,
             max_k,
         } => crash(&suite, rounds, max_k),
-        Task::Demo { no_setup } => {
+        Task::Demo { no_setup, cluster } => {
             if !no_setup {
                 setup::setup()?;
             }
             let agent = stage_agent_with_shipped_plugin()?;
+            let script = if cluster {
+                "deploy/demo-cluster.sh"
+            } else {
+                "deploy/demo.sh"
+            };
             run(Command::new("bash")
-                .arg(root().join("deploy/demo.sh"))
+                .arg(root().join(script))
                 .env("LOCKSTEP_BIN", agent))
         }
     }
