@@ -10,6 +10,8 @@
 use std::collections::BTreeMap;
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
@@ -19,7 +21,28 @@ use lockstep_tests::{AgentProc, Netns, privileged, sh};
 /// lockstep's route protocol number (docs/cluster.md).
 const PROTO: &str = "213";
 
-fn forward(node: &Netns, cluster: &EtcdCluster) -> anyhow::Result<()> {
+/// A forwarder's switch: while `cut`, every relayed connection is shut
+/// and new ones are refused (the node loses etcd; etcd itself runs on).
+#[derive(Default)]
+struct Cut {
+    on: AtomicBool,
+    conns: Mutex<Vec<TcpStream>>,
+}
+
+impl Cut {
+    fn set(&self, on: bool) {
+        self.on.store(on, Ordering::SeqCst);
+        if on {
+            for c in self.conns.lock().expect("lock").drain(..) {
+                let _ = c.shutdown(std::net::Shutdown::Both);
+            }
+        }
+    }
+}
+
+/// Relays every member's port inside `node` to the member itself.
+fn forward(node: &Netns, cluster: &EtcdCluster) -> anyhow::Result<Arc<Cut>> {
+    let cut = Arc::new(Cut::default());
     for ep in cluster.endpoints() {
         let port: u16 = ep.rsplit(':').next().context("port")?.parse()?;
         let listener = node.run(move || {
@@ -28,11 +51,20 @@ fn forward(node: &Netns, cluster: &EtcdCluster) -> anyhow::Result<()> {
                 .status();
             Ok(TcpListener::bind(("127.0.0.1", port))?)
         })?;
+        let cut = cut.clone();
         std::thread::spawn(move || {
             for inner in listener.incoming().flatten() {
+                if cut.on.load(Ordering::SeqCst) {
+                    continue;
+                }
                 let Ok(outer) = TcpStream::connect(("127.0.0.1", port)) else {
                     continue;
                 };
+                {
+                    let mut conns = cut.conns.lock().expect("lock");
+                    conns.extend(inner.try_clone().ok());
+                    conns.extend(outer.try_clone().ok());
+                }
                 let (mut a, mut b) = (
                     inner.try_clone().expect("clone"),
                     outer.try_clone().expect("clone"),
@@ -43,7 +75,7 @@ fn forward(node: &Netns, cluster: &EtcdCluster) -> anyhow::Result<()> {
             }
         });
     }
-    Ok(())
+    Ok(cut)
 }
 
 fn pipe(from: &mut TcpStream, to: &mut TcpStream) {
@@ -172,10 +204,14 @@ fn expected(
 fn wait_remote(
     na: &Netns,
     a: &AgentProc,
-    want: &BTreeMap<String, String>,
-) -> anyhow::Result<Duration> {
+    eps: &[String],
+    ips: &BTreeMap<&str, &str>,
+) -> anyhow::Result<(Duration, BTreeMap<String, String>)> {
     let start = Instant::now();
     loop {
+        // The other nodes may claim more blocks meanwhile: etcd says what
+        // should be there now.
+        let want = &expected(eps, ips)?;
         let r = routes(na)?;
         let ipc = lpm_v4(a, "IPCACHE_V4")?;
         let remote: BTreeMap<String, String> = ipc
@@ -189,7 +225,7 @@ fn wait_remote(
             })
             .collect();
         if &r == want && &remote == want {
-            return Ok(start.elapsed());
+            return Ok((start.elapsed(), want.clone()));
         }
         anyhow::ensure!(
             start.elapsed() < Duration::from_secs(15),
@@ -242,12 +278,11 @@ fn other_nodes_blocks_become_routes_and_entries_and_go_with_their_node() -> anyh
     allocate(&b, "eb")?;
     allocate(&c, "ec")?;
 
-    let want = expected(&eps, &ips)?;
+    let (took, want) = wait_remote(&na, &a, &eps, &ips)?;
     assert!(
         want.values().any(|v| v == "192.0.2.2") && want.values().any(|v| v == "192.0.2.3"),
         "b and c hold blocks: {want:?}"
     );
-    let took = wait_remote(&na, &a, &want)?;
     eprintln!("remote state programmed {took:?} after the claims were read");
     // The skip-masquerade cluster CIDR is in MASQ_SKIP_V4.
     let masq = lpm_v4(&a, "MASQ_SKIP_V4")?;
@@ -263,7 +298,7 @@ fn other_nodes_blocks_become_routes_and_entries_and_go_with_their_node() -> anyh
     // A route deleted by hand comes back.
     let (dst, via) = want.iter().next().context("a block")?;
     na.ip(["route", "del", dst, "via", via, "proto", PROTO])?;
-    let took = wait_remote(&na, &a, &want)?;
+    let (took, _) = wait_remote(&na, &a, &eps, &ips)?;
     eprintln!("deleted route restored in {took:?}");
     // An IPCACHE entry deleted by hand comes back (reconcile).
     let pin = a.pins.path().join("maps/IPCACHE_V4");
@@ -284,24 +319,100 @@ fn other_nodes_blocks_become_routes_and_entries_and_go_with_their_node() -> anyh
     ];
     del.extend(key.iter().map(String::as_str));
     sh("bpftool", &del)?;
-    let took = wait_remote(&na, &a, &want)?;
+    let (took, _) = wait_remote(&na, &a, &eps, &ips)?;
     eprintln!("deleted IPCACHE entry restored in {took:?}");
 
     // Node c goes: its blocks' routes and entries go with it.
     c.kill9();
     cli(&eps, &["node", "remove", "node-c", "--force"])?;
-    let want_b: BTreeMap<String, String> = want
-        .iter()
-        .filter(|(_, v)| *v == "192.0.2.2")
-        .map(|(k, v)| (k.clone(), v.clone()))
-        .collect();
-    assert_eq!(expected(&eps, &ips)?, want_b, "etcd holds b's blocks only");
-    let took = wait_remote(&na, &a, &want_b)?;
+    let (took, want_b) = wait_remote(&na, &a, &eps, &ips)?;
+    assert!(
+        !want_b.is_empty() && want_b.values().all(|v| v == "192.0.2.2"),
+        "b's blocks only: {want_b:?}"
+    );
     eprintln!("removed node's state gone in {took:?}");
     assert!(
         sh("ip", ["-n", na.name(), "route", "show", "proto", "static"])?.contains("10.93.1.0/28"),
         "the static route is untouched"
     );
+    drop(b);
+    Ok(())
+}
+
+/// The store's current revision.
+fn revision(cluster: &EtcdCluster) -> anyhow::Result<i64> {
+    let out = cluster.ctl(&[cluster.endpoint(0)], &["get", "none", "-w", "json"])?;
+    let v: serde_json::Value = serde_json::from_str(&out)?;
+    v["header"]["revision"].as_i64().context("revision")
+}
+
+#[test]
+fn a_watch_whose_history_was_compacted_resyncs_by_a_full_read() -> anyhow::Result<()> {
+    privileged!();
+    let cluster = EtcdCluster::start(3)?;
+    let eps = cluster.endpoints();
+    let dir = lockstep_tests::TempDir::new("cluster-remote-compact")?;
+    let file = dir.path().join("pools.toml");
+    std::fs::write(
+        &file,
+        "[[pools]]\nname = \"pods\"\nipv4 = [\"10.94.0.0/24\"]\nblock_v4 = 28\n",
+    )?;
+    cli(
+        &eps,
+        &["pools", "apply", "-f", file.to_str().context("path")?],
+    )?;
+    let (na, nb, nc) = (Netns::new("cxa")?, Netns::new("cxb")?, Netns::new("cxc")?);
+    let cut_a = forward(&na, &cluster)?;
+    forward(&nb, &cluster)?;
+    forward(&nc, &cluster)?;
+    na.ip(["link", "add", "d0", "type", "veth", "peer", "name", "d1"])?;
+    na.ip(["link", "set", "d1", "up"])?;
+    na.ip(["addr", "add", "192.0.2.1/24", "dev", "d0"])?;
+    na.ip(["link", "set", "d0", "up"])?;
+    let ips: BTreeMap<&str, &str> = [("node-b", "192.0.2.2"), ("node-c", "192.0.2.3")].into();
+    let a = AgentProc::start(&na, &config(&eps, "node-a", "192.0.2.1"))?;
+    let b = AgentProc::start(&nb, &config(&eps, "node-b", ips["node-b"]))?;
+    let mut c = AgentProc::start(&nc, &config(&eps, "node-c", ips["node-c"]))?;
+    allocate(&b, "eb")?;
+    allocate(&c, "ec")?;
+    let (_, want) = wait_remote(&na, &a, &eps, &ips)?;
+
+    // Node a loses etcd; meanwhile c is removed and the history compacted
+    // past a's watch.
+    cut_a.set(true);
+    let start = Instant::now();
+    while !a.log().contains("watch broke") {
+        anyhow::ensure!(
+            start.elapsed() < Duration::from_secs(10),
+            "a's watch did not break"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    c.kill9();
+    cli(&eps, &["node", "remove", "node-c", "--force"])?;
+    // One more write, so the compaction lies past the removal (a watch
+    // resuming exactly at a compaction revision misses a delete made at it:
+    // etcd drops tombstones at that revision).
+    cluster.ctl(&[cluster.endpoint(0)], &["put", "/unrelated", "x"])?;
+    let rev = revision(&cluster)?;
+    cluster.ctl(&[cluster.endpoint(0)], &["compact", &rev.to_string()])?;
+    eprintln!("compacted at {rev}");
+    // While cut, a keeps what it had (nothing is dropped for lack of etcd).
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(routes(&na)?, want, "routes kept while etcd is unreachable");
+    cut_a.set(false);
+    let (took, want_b) = wait_remote(&na, &a, &eps, &ips)?;
+    assert!(
+        !want_b.is_empty() && want_b.values().all(|v| v == "192.0.2.2"),
+        "b's blocks only: {want_b:?}"
+    );
+    eprintln!("resynced after compaction in {took:?} after etcd came back");
+    assert!(
+        a.log().contains("compacted"),
+        "the resync went through the compaction path: {}",
+        a.log()
+    );
+    assert!(a.cli(["verify"])?.status.success(), "no drift after resync");
     drop(b);
     Ok(())
 }

@@ -380,6 +380,7 @@ impl RemoteTask {
             }
         };
         *watch = Some(d.watch(start).await?);
+        tracing::info!(from = start, "remote state: watching etcd");
         Ok(())
     }
 }
