@@ -297,7 +297,20 @@ fn other_nodes_blocks_become_routes_and_entries_and_go_with_their_node() -> anyh
 
     // A route deleted by hand comes back.
     let (dst, via) = want.iter().next().context("a block")?;
-    na.ip(["route", "del", dst, "via", via, "proto", PROTO])?;
+    // verify names it (deleted again if the task restored it first).
+    let mut named = false;
+    for _ in 0..20 {
+        let _ = na.ip(["route", "del", dst, "via", via, "proto", PROTO]);
+        let out = a.cli(["verify"])?;
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        if !out.status.success()
+            && text.contains(&format!("route {dst} via {via} proto {PROTO} is missing"))
+        {
+            named = true;
+            break;
+        }
+    }
+    assert!(named, "verify never named the deleted route");
     let (took, _) = wait_remote(&na, &a, &eps, &ips)?;
     eprintln!("deleted route restored in {took:?}");
     // An IPCACHE entry deleted by hand comes back (reconcile).

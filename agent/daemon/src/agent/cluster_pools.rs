@@ -116,4 +116,17 @@ impl Agent {
             view.snapshot().merge_into(maps);
         }
     }
+
+    /// Drift of cluster mode's remote routes (none outside cluster mode).
+    pub(super) fn remote_route_drift(&self) -> Vec<String> {
+        match &self.cluster.remote {
+            Some(view) => view.route_drift().unwrap_or_else(|e| {
+                vec![format!(
+                    "remote routes not read: {}",
+                    crate::error_chain(&e)
+                )]
+            }),
+            None => Vec::new(),
+        }
+    }
 }

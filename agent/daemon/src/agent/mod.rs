@@ -141,6 +141,10 @@ pub struct VerifyReport {
     /// holds them, or etcd no longer records them).
     #[serde(default)]
     pub fenced: Vec<String>,
+    /// Cluster mode's routes to other nodes' blocks (protocol 213) that
+    /// differ from etcd's state.
+    #[serde(default)]
+    pub routes: Vec<String>,
 }
 
 /// Pool usage for the API and metrics.

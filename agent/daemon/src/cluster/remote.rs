@@ -59,6 +59,35 @@ impl RemoteView {
             .clone()
     }
 
+    /// How lockstep's routes in the calling thread's namespace differ from
+    /// the snapshot, one line each (for `verify`). Blocking.
+    ///
+    /// # Errors
+    /// The routes could not be listed.
+    pub fn route_drift(&self) -> Result<Vec<String>, NetlinkError> {
+        let want = self.snapshot().routes.clone();
+        let have = Netlink::current()?.routes_of_protocol(LOCKSTEP_ROUTE_PROTOCOL)?;
+        let d = diff(&want, &have);
+        let p = LOCKSTEP_ROUTE_PROTOCOL;
+        let mut out: Vec<String> = d
+            .adds
+            .iter()
+            .map(|(dst, via)| format!("route {dst} via {via} proto {p} is missing"))
+            .collect();
+        out.extend(d.changes.iter().map(|(dst, via)| {
+            format!(
+                "route {dst} proto {p} goes via {}, want via {via}",
+                have[dst]
+            )
+        }));
+        out.extend(
+            d.removes
+                .iter()
+                .map(|dst| format!("route {dst} via {} proto {p} is not expected", have[dst])),
+        );
+        Ok(out)
+    }
+
     fn set(&self, state: RemoteState) -> bool {
         let mut cur = self
             .0
