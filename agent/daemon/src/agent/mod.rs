@@ -33,8 +33,8 @@ use crate::netlink::{Netlink, NetlinkError};
 use crate::store::{EndpointMode, EndpointRecord, Store, StoreError};
 
 pub mod allocation;
-pub mod cluster_pools;
 pub mod announce;
+pub mod cluster_pools;
 pub mod delegated;
 pub mod doors;
 pub mod draining;
@@ -329,8 +329,7 @@ impl Agent {
         let datapath = Datapath::open(opts)?;
         let maps = datapath.maps()?;
         let stored = store.load()?;
-        let mut manager =
-            PoolManager::new(
+        let mut manager = PoolManager::new(
             StaticPools(cluster_pools::start_pools(&config)?),
             ManagerConfig::default(),
         )?;

@@ -75,9 +75,8 @@ impl TlsFiles {
 /// The bytes of a PEM file that must hold a `-----BEGIN ...{kind}-----`
 /// block.
 fn read_pem(option: &str, path: &Path, kind: &str) -> Result<Vec<u8>, ClusterStoreError> {
-    let bytes = std::fs::read(path).map_err(|e| {
-        ClusterStoreError::Invalid(format!("{option} {}: {e}", path.display()))
-    })?;
+    let bytes = std::fs::read(path)
+        .map_err(|e| ClusterStoreError::Invalid(format!("{option} {}: {e}", path.display())))?;
     let text = String::from_utf8_lossy(&bytes);
     let found = text
         .lines()
@@ -141,7 +140,11 @@ impl Door {
         }
         // The scheme and the TLS files agree: a plain endpoint with TLS
         // configured (or the reverse) is a mistake, not a fallback.
-        let want = if opts.tls.is_some() { "https://" } else { "http://" };
+        let want = if opts.tls.is_some() {
+            "https://"
+        } else {
+            "http://"
+        };
         if let Some(bad) = opts.endpoints.iter().find(|e| !e.starts_with(want)) {
             return Err(ClusterStoreError::Invalid(format!(
                 "cluster.etcd endpoint {bad:?} must start with {want}{}",

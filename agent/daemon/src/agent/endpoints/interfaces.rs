@@ -282,7 +282,10 @@ pub(super) fn endpoint_steps(
     // `lo` is interface 1 in every namespace (LOOPBACK_IFINDEX).
     let mut inside = vec![Step::Up(peer), Step::Up(1)];
     // The host side only forwards: no link-local address, then up.
-    let mut host = vec![Step::NoLinkLocal(veth.host.index), Step::Up(veth.host.index)];
+    let mut host = vec![
+        Step::NoLinkLocal(veth.host.index),
+        Step::Up(veth.host.index),
+    ];
     for addr in addresses {
         let (prefix_len, gw, any): (u8, IpAddr, IpNet) = match addr {
             IpAddr::V4(_) => (32, GATEWAY_V4.into(), IpNet::V4(Default::default())),
