@@ -63,3 +63,55 @@ pub fn cluster_config(eps: &[String], prefix: &str, node: &str, node_ip_v4: &str
             .join(", ")
     )
 }
+
+/// One call of the CNI plugin (`command` ADD, CHECK or DEL) against the
+/// agent at `socket` for container `id` in `netns`, as a runtime makes it:
+/// the time it took and its answer (stdout as JSON, `Null` when empty).
+///
+/// # Errors
+/// The plugin did not run, or exited non-zero (the error carries its
+/// answer).
+pub fn cni(
+    socket: &std::path::Path,
+    command: &str,
+    id: &str,
+    netns: &std::path::Path,
+) -> anyhow::Result<(std::time::Duration, serde_json::Value)> {
+    let conf = serde_json::json!({
+        "cniVersion": "1.1.0",
+        "name": "cluster",
+        "type": "lockstep",
+        "agentSocket": socket.display().to_string(),
+    });
+    let started = std::time::Instant::now();
+    let mut child = std::process::Command::new(crate::lockstep_bin())
+        .env_clear()
+        .env("CNI_COMMAND", command)
+        .env("CNI_CONTAINERID", id)
+        .env("CNI_IFNAME", "eth0")
+        .env("CNI_NETNS", netns)
+        .env("CNI_PATH", "/opt/cni/bin")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()?;
+    child
+        .stdin
+        .take()
+        .context("stdin")?
+        .write_all(conf.to_string().as_bytes())?;
+    let out = child.wait_with_output()?;
+    let took = started.elapsed();
+    let text = String::from_utf8_lossy(&out.stdout);
+    anyhow::ensure!(
+        out.status.success(),
+        "{command} {id}: {text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v = if text.trim().is_empty() {
+        serde_json::Value::Null
+    } else {
+        serde_json::from_str(&text).with_context(|| format!("plugin stdout {text:?}"))?
+    };
+    Ok((took, v))
+}

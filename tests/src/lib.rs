@@ -555,6 +555,7 @@ impl AgentProc {
         limit: std::time::Duration,
     ) -> anyhow::Result<std::time::Duration> {
         let started = std::time::Instant::now();
+        let mut last = String::new();
         while started.elapsed() < limit {
             if let Some(child) = self.child.as_mut()
                 && let Some(status) = child.try_wait()?
@@ -565,9 +566,17 @@ impl AgentProc {
             if out.status.success() {
                 return Ok(started.elapsed());
             }
+            last = format!(
+                "{}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
             std::thread::sleep(std::time::Duration::from_millis(20));
         }
-        bail!("agent not ready within {limit:?}:\n{}", self.log())
+        bail!(
+            "agent not ready within {limit:?}; last status: {last}\n{}",
+            self.log()
+        )
     }
 
     /// Runs a lockstep CLI command against this agent.

@@ -330,47 +330,14 @@ fn cluster_claims_at_scale() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// One CNI call of the plugin (`ADD` or `DEL`) against `agent` for `id` in
-/// `netns`; its time.
+/// One CNI call's time (see `lockstep_tests::cluster::cni`).
 fn cni(
     agent: &lockstep_tests::AgentProc,
     command: &str,
     id: &str,
     netns: &std::path::Path,
 ) -> anyhow::Result<Duration> {
-    use std::io::Write;
-    let conf = serde_json::json!({
-        "cniVersion": "1.1.0",
-        "name": "bench",
-        "type": "lockstep",
-        "agentSocket": agent.socket().display().to_string(),
-    });
-    let started = Instant::now();
-    let mut child = std::process::Command::new(lockstep_tests::lockstep_bin())
-        .env_clear()
-        .env("CNI_COMMAND", command)
-        .env("CNI_CONTAINERID", id)
-        .env("CNI_IFNAME", "eth0")
-        .env("CNI_NETNS", netns)
-        .env("CNI_PATH", "/opt/cni/bin")
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()?;
-    child
-        .stdin
-        .take()
-        .context("stdin")?
-        .write_all(conf.to_string().as_bytes())?;
-    let out = child.wait_with_output()?;
-    let took = started.elapsed();
-    ensure!(
-        out.status.success(),
-        "{command} {id}: {}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    Ok(took)
+    Ok(lockstep_tests::cluster::cni(&agent.socket(), command, id, netns)?.0)
 }
 
 /// A node namespace with an underlay address (so other nodes' IPs are on

@@ -355,6 +355,10 @@ pub async fn run(config: Config) -> Result<(), ServerError> {
     if let Some(r) = &remote {
         agent.set_remote_view(r.view());
     }
+    // Full DELs hand their veths to the reaper (`agent::reaper`): its
+    // queue is in place before any request can reach the agent, so a DEL
+    // never deletes a veth inline on an async worker.
+    let reaper = crate::agent::reaper::prepare(&mut agent);
     *slot.lock().unwrap_or_else(|p| p.into_inner()) = Some(agent);
     let cluster_task = cluster.map(|node| node.spawn(slot.clone(), stop_rx.clone()));
     let remote_task = remote.map(|r| r.spawn(slot.clone(), stop_rx.clone()));
@@ -372,10 +376,7 @@ pub async fn run(config: Config) -> Result<(), ServerError> {
         }
         None => None,
     };
-    // Full DELs hand their veths to the reaper (`agent::reaper`).
-    if let Err(e) = crate::agent::reaper::spawn(&slot) {
-        tracing::error!(error = %e, "the reaper did not start; DELs delete their veths inline");
-    }
+    crate::agent::reaper::start(reaper, &slot).map_err(ServerError::Start)?;
     // Delegated mode waits for its conflist and plugin without exiting:
     // status says why; set-up is retried every 200 ms until it succeeds, or
     // it refuses for good (then the agent stops with that error).

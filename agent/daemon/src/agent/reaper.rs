@@ -181,21 +181,28 @@ impl Drop for Reaper {
     }
 }
 
-/// Starts the reaper thread for the agent in `slot` (once it is there).
-/// The thread ends when the agent is dropped.
+/// The reaper's queue, handed out before the agent serves: from then on a
+/// DEL only queues its veth ([`Agent::queue_release`] never deletes it
+/// inline), so no DEL on an async worker can reach netlink, whatever the
+/// moment; [`start`] then runs the thread that empties the queue (jobs
+/// queued meanwhile wait for it).
+pub struct Prepared(Arc<Shared>);
+
+/// Switches `agent` to the reaper's queue. Call before the agent is put
+/// where requests reach it.
+pub fn prepare(agent: &mut Agent) -> Prepared {
+    agent.reaper.attached = true;
+    agent.reaper.window = agent.config.cni.teardown_batch_window;
+    Prepared(agent.reaper.shared.clone())
+}
+
+/// Starts the reaper thread for the agent in `slot`. The thread ends when
+/// the agent is dropped.
 ///
 /// # Errors
-/// No agent in the slot, or the thread could not be started.
-pub fn spawn(slot: &Arc<Mutex<Option<Agent>>>) -> Result<(), AgentError> {
-    let shared = {
-        let mut guard = slot.lock().unwrap_or_else(PoisonError::into_inner);
-        let agent = guard.as_mut().ok_or_else(|| AgentError::Invalid {
-            reason: "the reaper needs a started agent".into(),
-        })?;
-        agent.reaper.attached = true;
-        agent.reaper.window = agent.config.cni.teardown_batch_window;
-        agent.reaper.shared.clone()
-    };
+/// The thread could not be started.
+pub fn start(prepared: Prepared, slot: &Arc<Mutex<Option<Agent>>>) -> Result<(), AgentError> {
+    let shared = prepared.0;
     let weak = Arc::downgrade(slot);
     std::thread::Builder::new()
         .name("lockstep-reaper".into())
