@@ -7,52 +7,13 @@
 //! on the member's port, relayed to the member's real socket).
 
 use std::collections::BTreeSet;
-use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream};
+use std::io::Write;
 use std::time::Duration;
 
 use anyhow::Context;
+use lockstep_tests::cluster::forward;
 use lockstep_tests::etcd::EtcdCluster;
 use lockstep_tests::{AgentProc, Netns, privileged};
-
-/// Relays every member's port inside `node` to the member itself, for as
-/// long as the test runs (the threads end with the process).
-fn forward(node: &Netns, cluster: &EtcdCluster) -> anyhow::Result<()> {
-    for ep in cluster.endpoints() {
-        let port: u16 = ep.rsplit(':').next().context("port")?.parse()?;
-        let listener = node.run(move || {
-            let _ = std::process::Command::new("ip")
-                .args(["link", "set", "lo", "up"])
-                .status();
-            Ok(TcpListener::bind(("127.0.0.1", port))?)
-        })?;
-        std::thread::spawn(move || {
-            for inner in listener.incoming().flatten() {
-                let Ok(outer) = TcpStream::connect(("127.0.0.1", port)) else {
-                    continue;
-                };
-                let (mut a, mut b) = (
-                    inner.try_clone().expect("clone"),
-                    outer.try_clone().expect("clone"),
-                );
-                let (mut c, mut d) = (outer, inner);
-                std::thread::spawn(move || pipe(&mut a, &mut b));
-                std::thread::spawn(move || pipe(&mut c, &mut d));
-            }
-        });
-    }
-    Ok(())
-}
-
-fn pipe(from: &mut TcpStream, to: &mut TcpStream) {
-    let mut buf = [0u8; 16384];
-    while let Ok(n) = from.read(&mut buf) {
-        if n == 0 || to.write_all(&buf[..n]).is_err() {
-            break;
-        }
-    }
-    let _ = to.shutdown(std::net::Shutdown::Both);
-}
 
 fn cli(eps: &[String], args: &[&str]) -> anyhow::Result<String> {
     cli_at(eps, "/ca/", args)
