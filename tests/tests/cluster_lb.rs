@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, ensure};
-use lockstep::cluster::{Door, DoorOptions, LbView, Round};
+use lockstep::cluster::{ClusterStoreError, Door, DoorOptions, LbView, Round};
 use lockstep_core::lb::cluster::{LbChange, assigned};
 use lockstep_core::lb::{LbIpam, LbPoolSpec, ServiceSpec};
 use lockstep_tests::etcd::EtcdCluster;
@@ -29,7 +29,14 @@ fn rt() -> anyhow::Result<tokio::runtime::Runtime> {
 async fn door(eps: Vec<String>) -> anyhow::Result<Door> {
     let mut o = DoorOptions::new(eps);
     o.prefix = "/lbtest/".into();
+    // A loaded CI machine can hold etcd's fsync past the 2 s default.
+    o.timeout = Duration::from_secs(10);
     Ok(Door::connect(o).await?)
+}
+
+/// etcd did not answer in time: an agent's loop tries again next round.
+fn transient(e: &ClusterStoreError) -> bool {
+    matches!(e, ClusterStoreError::Unavailable { .. })
 }
 
 /// An agent's assigner: a lease kept alive and a round every 50 ms until
@@ -45,8 +52,15 @@ fn assigner(
         let lease = d.lb_lease(TTL).await?;
         let mut rounds = Vec::new();
         while !stop.load(Ordering::Relaxed) {
-            d.keep_alive(lease).await?;
-            rounds.push(d.lb_round(node, lease).await?);
+            match d.keep_alive(lease).await {
+                Err(e) if !transient(&e) => return Err(e.into()),
+                _ => {}
+            }
+            match d.lb_round(node, lease).await {
+                Ok(r) => rounds.push(r),
+                Err(e) if transient(&e) => {}
+                Err(e) => return Err(e.into()),
+            }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
         Ok((lease, rounds))
@@ -57,9 +71,10 @@ fn assigner(
 async fn until(d: &mut Door, what: &str, ok: impl Fn(&LbView) -> bool) -> anyhow::Result<LbView> {
     let started = Instant::now();
     loop {
-        let v = d.lb_read().await?;
-        if ok(&v) {
-            return Ok(v);
+        match d.lb_read().await {
+            Ok(v) if ok(&v) => return Ok(v),
+            Err(e) if !transient(&e) => return Err(e.into()),
+            _ => {}
         }
         ensure!(
             started.elapsed() < Duration::from_secs(15),
@@ -289,13 +304,20 @@ fn announcer_loop(
         };
         let lease = d.register_node(&record, TTL).await?;
         while !stop.load(Ordering::Relaxed) {
-            d.keep_alive(lease).await?;
-            let plan = d.lb_announce_plan(&node).await?;
-            for a in plan.drop {
-                d.lb_withdraw(a, &node).await?;
-            }
-            for a in plan.take {
-                d.lb_announce(a, &node, lease).await?;
+            let round = async {
+                d.keep_alive(lease).await?;
+                let plan = d.lb_announce_plan(&node).await?;
+                for a in plan.drop {
+                    d.lb_withdraw(a, &node).await?;
+                }
+                for a in plan.take {
+                    d.lb_announce(a, &node, lease).await?;
+                }
+                Ok::<(), ClusterStoreError>(())
+            };
+            match round.await {
+                Err(e) if !transient(&e) => return Err(e.into()),
+                _ => {}
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
