@@ -359,7 +359,7 @@ fn swap<'a>(
     let forth = ping(pods.0, to.1)?;
     let back = ping(pods.1, to.0)?;
     for p in [&forth, &back] {
-        p.wait_replies(50, Duration::from_secs(30))?;
+        p.wait_replies(50, Duration::from_secs(120))?;
     }
     let started = Instant::now();
     old.stop()?;
@@ -367,7 +367,7 @@ fn swap<'a>(
     new.wait_ready(node)?;
     let took = started.elapsed();
     for p in [&forth, &back] {
-        p.wait_replies(100, Duration::from_secs(30))?;
+        p.wait_replies(100, Duration::from_secs(120))?;
     }
     let mut lost = 0;
     for (p, what) in [(forth, "forth"), (back, "back")] {
