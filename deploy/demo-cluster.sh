@@ -48,7 +48,9 @@ ip -n "$UL" addr add 10.250.0.254/24 dev br0
 ip -n "$UL" link set br0 up
 initial=m1=http://10.250.0.254:23801,m2=http://10.250.0.254:23802,m3=http://10.250.0.254:23803
 for m in 1 2 3; do
-  in_ul "$ETCD" --name m$m --data-dir "$DIR/etcd-m$m" \
+  # Started directly (not through a function): $! is the process itself,
+  # so the cleanup's kill reaches it.
+  nsenter --net=/run/netns/$UL -- "$ETCD" --name m$m --data-dir "$DIR/etcd-m$m" \
     --listen-client-urls http://10.250.0.254:2379$m --advertise-client-urls http://10.250.0.254:2379$m \
     --listen-peer-urls http://10.250.0.254:2380$m --initial-advertise-peer-urls http://10.250.0.254:2380$m \
     --initial-cluster "$initial" --initial-cluster-token "$TAG" --initial-cluster-state new \
@@ -97,7 +99,7 @@ etcd = ["http://10.250.0.254:23791", "http://10.250.0.254:23792", "http://10.250
 node_name = "node-$n"
 node_ip_v4 = "10.250.0.$n"
 TOML
-  in_node "$n" "$BIN" agent --config "$DIR/n$n/config.toml" >"$DIR/n$n/agent.log" 2>&1 &
+  nsenter --net=/run/netns/$TAG-n$n -- "$BIN" agent --config "$DIR/n$n/config.toml" >"$DIR/n$n/agent.log" 2>&1 &
   PIDS+=($!)
 done
 for n in "${NODES[@]}"; do
