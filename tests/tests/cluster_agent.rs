@@ -602,3 +602,61 @@ fn the_agent_reaches_a_tls_etcd_with_the_configured_certificates() -> anyhow::Re
     assert!(owned, "{ip} in a block of node-t: {blocks}");
     Ok(())
 }
+
+/// The moment before a node's first block: the pool is known (from etcd)
+/// but the node holds nothing of it. An ADD then must wait for a block or
+/// fail naming why; it must never be acknowledged without an address (the
+/// bug a 3-node run found: a pool with no CIDR yet served no family, so an
+/// ADD "succeeded" with no address). Made deterministic by a pool of one
+/// block that another node already holds.
+#[test]
+fn an_add_on_a_node_without_a_block_is_never_acknowledged_without_an_address() -> anyhow::Result<()>
+{
+    privileged!();
+    let cluster = EtcdCluster::start(3)?;
+    let eps = cluster.endpoints();
+    let dir = lockstep_tests::TempDir::new("cluster-noblock")?;
+    let file = dir.path().join("pools.toml");
+    // One block of 16 addresses in the whole pool.
+    std::fs::write(
+        &file,
+        "[[pools]]\nname = \"pods\"\nipv4 = [\"10.94.0.0/28\"]\nblock_v4 = 28\n",
+    )?;
+    cli_at(
+        &eps,
+        "/cn/",
+        &["pools", "apply", "-f", file.to_str().context("path")?],
+    )?;
+    let (na, nb) = (Netns::new("clna")?, Netns::new("clnb")?);
+    forward(&na, &cluster)?;
+    forward(&nb, &cluster)?;
+    let a = AgentProc::start(&na, &config_at(&eps, "node-a", "/cn/"))?;
+    let held = allocate(&a, "first")?;
+    let b = AgentProc::start(&nb, &config_at(&eps, "node-b", "/cn/"))?;
+    let c = Netns::new("clnc")?;
+    let (code, out, took) = plugin(&b, "ADD", "ctr-nb", Some(&c))?;
+    assert_eq!(code, 1, "an ADD with no block to give must fail: {out}");
+    assert_eq!(out["code"], 11, "try again later: {out}");
+    let msg = out["msg"].as_str().unwrap_or_default();
+    assert!(msg.contains("pods") && msg.contains("block"), "{out}");
+    assert!(took < Duration::from_secs(3), "answered in {took:?}");
+    // Node B holds nothing and its maps say so; node A keeps its block.
+    let list = b.cli(["list", "-o", "json"])?;
+    let text = String::from_utf8_lossy(&list.stdout);
+    assert!(
+        !text.contains("ctr-nb"),
+        "node-b recorded the failed ADD: {text}"
+    );
+    let dump = b.maps_dump()?;
+    let endpoints = dump["ENDPOINTS"]
+        .as_array()
+        .context("ENDPOINTS in the dump")?;
+    assert!(endpoints.is_empty(), "node-b programmed {endpoints:?}");
+    let blocks = cli_at(&eps, "/cn/", &["blocks", "-o", "json"])?;
+    assert!(
+        blocks.contains("node-a") && !blocks.contains("node-b"),
+        "{blocks}"
+    );
+    assert_eq!(allocate(&a, "first")?, held);
+    Ok(())
+}

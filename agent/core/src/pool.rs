@@ -128,6 +128,13 @@ pub struct PoolSpec {
     /// which are refused otherwise.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub allow_link_local: bool,
+    /// Families the pool serves even while it holds no CIDR of them (a
+    /// cluster pool before its first block arrives): an endpoint asks for
+    /// an address of each and is told the pool is exhausted, never given
+    /// fewer addresses than the pool serves. Set by pool sources, not
+    /// written in config.
+    #[serde(skip)]
+    pub families: Vec<Family>,
 }
 
 impl PoolSpec {
@@ -141,6 +148,7 @@ impl PoolSpec {
             allow_first_last: false,
             skip_masquerade: false,
             allow_link_local: false,
+            families: Vec::new(),
         }
     }
 
@@ -388,6 +396,8 @@ pub struct Pool {
     pub(crate) allow_link_local: bool,
     pub(crate) skip_masquerade: bool,
     pub(crate) reserved: Vec<IpAddr>,
+    /// Families served with or without a CIDR ([`PoolSpec::families`]).
+    pub(crate) declared: Vec<Family>,
     /// The source no longer lists the pool: every CIDR drains and the pool
     /// goes away with its last CIDR.
     pub(crate) retired: bool,
@@ -402,6 +412,7 @@ impl Pool {
             allow_link_local: spec.allow_link_local,
             skip_masquerade: spec.skip_masquerade,
             reserved: spec.reserved.clone(),
+            declared: spec.families.clone(),
             retired: false,
             cidrs: Vec::new(),
         }
@@ -435,6 +446,17 @@ impl Pool {
             capacity: slot.alloc.capacity(),
             used: slot.alloc.used(),
         })
+    }
+
+    /// The families an endpoint of this pool gets an address of: those of
+    /// its CIDRs (draining ones too) and those it declares
+    /// ([`PoolSpec::families`]).
+    pub fn families(&self) -> std::collections::BTreeSet<Family> {
+        self.cidrs
+            .iter()
+            .map(|s| s.alloc.family())
+            .chain(self.declared.iter().copied())
+            .collect()
     }
 
     /// Capacity of the active (non-draining) CIDRs of a family.

@@ -44,6 +44,10 @@ pub fn local_pools(
         let mut spec = PoolSpec::new(pool.name.clone());
         spec.allow_first_last = true;
         spec.skip_masquerade = pool.skip_masquerade;
+        // Before its first block the pool still serves its families: an
+        // endpoint waits for a block instead of getting no address.
+        spec.families = pool.cidrs().map(Family::of_net).collect();
+        spec.families.dedup();
         let blocks = held.get(&pool.name).into_iter().flatten();
         for b in blocks.filter(|b| !fenced.contains(b)) {
             match b {
@@ -119,6 +123,9 @@ mod tests {
         );
         assert_eq!(specs.len(), 1);
         assert!(specs[0].ipv4.is_empty() && specs[0].ipv6.is_empty());
+        // Still serving both families: an endpoint waits for a block
+        // rather than being given no address.
+        assert_eq!(specs[0].families, vec![Family::V4, Family::V6]);
         let taken = BTreeSet::from(["pods".to_string()]);
         let (specs, clashes) = local_pools(&[pool()], &BTreeMap::new(), &BTreeSet::new(), &taken);
         assert!(specs.is_empty());

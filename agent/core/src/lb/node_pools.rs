@@ -47,6 +47,7 @@ mod tests {
             allow_first_last: false,
             skip_masquerade: false,
             allow_link_local: false,
+            families: Vec::new(),
         }
     }
 

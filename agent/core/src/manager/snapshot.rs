@@ -191,6 +191,7 @@ impl<S: PoolSource> PoolManager<S> {
                 allow_first_last: ps.allow_first_last,
                 skip_masquerade: ps.skip_masquerade,
                 allow_link_local: ps.allow_link_local,
+                families: Vec::new(),
             };
             if m.pools.contains_key(&ps.name) {
                 return Err(PoolError::DuplicatePool {

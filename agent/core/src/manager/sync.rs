@@ -68,6 +68,7 @@ impl<S: PoolSource> PoolManager<S> {
             pool.allow_first_last = spec.allow_first_last;
             pool.allow_link_local = spec.allow_link_local;
             pool.reserved.clone_from(&spec.reserved);
+            pool.declared.clone_from(&spec.families);
             for cidr in spec.cidrs() {
                 if self.released.contains(&cidr) {
                     continue;

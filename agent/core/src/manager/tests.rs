@@ -882,3 +882,34 @@ fn after_a_restore_a_released_address_is_not_handed_out_first() {
         "a just-released address must not be handed out first after a restart"
     );
 }
+
+#[test]
+fn a_pool_serves_its_declared_families_before_it_has_a_cidr() {
+    let mut empty = PoolSpec::new("pods");
+    empty.families = vec![Family::V4];
+    let mut m =
+        PoolManager::new(StaticPools(vec![empty.clone()]), ManagerConfig::default()).unwrap();
+    m.sync().into_result().unwrap();
+    let pool = m.pool("pods").unwrap();
+    assert_eq!(pool.families(), BTreeSet::from([Family::V4]));
+    // Asked for, the family is exhausted: never an answer with no address.
+    assert_eq!(
+        m.allocate_next("pods", Family::V4, ep("a")).unwrap_err(),
+        ManagerError::PoolExhausted {
+            pool: "pods".into(),
+            family: Family::V4,
+            capacity: 0,
+        }
+    );
+    // A block arrives: its family joins, the declared one stays.
+    m.source_mut().0 = vec![empty.with_cidr(net("fd00::/120"))];
+    m.sync().into_result().unwrap();
+    assert_eq!(
+        m.pool("pods").unwrap().families(),
+        BTreeSet::from([Family::V4, Family::V6])
+    );
+    // A pool declaring nothing and holding nothing serves no family.
+    let m = manager(vec![PoolSpec::new("bare")]);
+    assert!(m.pool("bare").unwrap().families().is_empty());
+    m.check_invariants();
+}

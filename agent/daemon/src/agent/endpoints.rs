@@ -207,7 +207,13 @@ impl Agent {
                 pool: pool_name.to_string(),
             })
         })?;
-        let mut families: BTreeSet<Family> = pool.cidrs().map(|c| Family::of_net(c.cidr)).collect();
+        let mut families: BTreeSet<Family> = pool.families();
+        if families.is_empty() && req.requested.is_empty() {
+            // Never acknowledge an endpoint with no address.
+            return Err(AgentError::Invalid {
+                reason: format!("pool {pool_name} has no CIDR: there is no address to give"),
+            });
+        }
         let owner = Owner::endpoint(&req.container_id, &req.ifname);
         let mut allocated: Vec<Allocation> = Vec::new();
         let result = (|| -> Result<(), AgentError> {

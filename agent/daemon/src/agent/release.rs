@@ -205,6 +205,7 @@ mod tests {
             allow_first_last: true,
             skip_masquerade: false,
             allow_link_local: false,
+            families: Vec::new(),
         };
         let mut m =
             PoolManager::new(StaticPools(vec![spec]), ManagerConfig::default()).expect("manager");

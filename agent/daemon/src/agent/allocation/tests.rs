@@ -37,6 +37,7 @@ impl Rig {
             allow_first_last: true,
             skip_masquerade: false,
             allow_link_local: false,
+            families: Vec::new(),
         };
         let mut core =
             PoolManager::new(StaticPools(vec![spec]), ManagerConfig::default()).expect("manager");
