@@ -74,10 +74,11 @@ fn solicit(
     })
 }
 
-/// How long after `since` each responder's probes (NDP, then ARP, over and
-/// over) first give `want` and keep giving it: the later of the two
-/// probes' start times, so a probe's own wait (arping's 1 s deadline when
-/// unanswered) is not counted. Gives up after `limit`.
+/// How long after `since` each responder's probes first give `want` and
+/// keep giving it (twice in a row): the later of the two responders' times.
+/// Each responder is probed on its own thread, so neither probe's wait
+/// (arping's 1 s deadline when unanswered) delays the other's, and a time
+/// is a probe's start. Gives up after `limit`.
 fn until(
     nb: &Netns,
     v4: &str,
@@ -86,33 +87,40 @@ fn until(
     since: Instant,
     limit: Duration,
 ) -> anyhow::Result<Duration> {
-    let (mut ndp_at, mut arp_at) = (None, None);
-    loop {
-        let t = since.elapsed();
-        let ndp = !solicit(nb, v6, 255, 0, Duration::from_millis(150))?.is_empty();
-        ndp_at = if ndp == want {
-            ndp_at.or(Some(t))
-        } else {
-            None
-        };
-        let t = since.elapsed();
-        let arp = arp_answered(nb, v4)?;
-        arp_at = if arp == want {
-            arp_at.or(Some(t))
-        } else {
-            None
-        };
-        if let (Some(a), Some(b)) = (ndp_at, arp_at) {
-            return Ok(a.max(b));
+    let streak = |name: &str, probe: &dyn Fn() -> anyhow::Result<bool>| {
+        let (mut first, mut seen) = (None, 0);
+        loop {
+            let t = since.elapsed();
+            let got = probe()?;
+            if got == want {
+                first = first.or(Some(t));
+                seen += 1;
+                if seen == 2 {
+                    return first.context("set above");
+                }
+            } else {
+                (first, seen) = (None, 0);
+            }
+            ensure!(
+                since.elapsed() < limit,
+                "{name} answers still {got} after {:?}",
+                since.elapsed()
+            );
+            std::thread::sleep(Duration::from_millis(20));
         }
-        ensure!(
-            since.elapsed() < limit,
-            "answers still {} after {:?} (ndp {ndp}, arp {arp})",
-            !want,
-            since.elapsed()
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    };
+    std::thread::scope(|s| {
+        let ndp = s.spawn(|| {
+            streak("NDP", &|| {
+                Ok(!solicit(nb, v6, 255, 0, Duration::from_millis(150))?.is_empty())
+            })
+        });
+        let arp = streak("ARP", &|| arp_answered(nb, v4));
+        let ndp = ndp
+            .join()
+            .map_err(|_| anyhow::anyhow!("the NDP prober panicked"))?;
+        Ok(ndp?.max(arp?))
+    })
 }
 
 fn signal(pid: u32, sig: &str) -> anyhow::Result<()> {
