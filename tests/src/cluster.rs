@@ -3,13 +3,16 @@
 //! listener made inside the namespace on the member's port, relayed to the
 //! member's real socket).
 
+use std::collections::{BTreeMap, BTreeSet};
 use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream};
+use std::net::{IpAddr, TcpListener, TcpStream};
+use std::time::{Duration, Instant};
 
 use anyhow::Context;
+use ipnet::IpNet;
 
-use crate::Netns;
 use crate::etcd::EtcdCluster;
+use crate::{AgentProc, Netns};
 
 /// Relays every member's port inside `node` to the member itself, for as
 /// long as the test runs (the threads end with the process).
@@ -76,25 +79,45 @@ pub fn cni(
     command: &str,
     id: &str,
     netns: &std::path::Path,
-) -> anyhow::Result<(std::time::Duration, serde_json::Value)> {
+) -> anyhow::Result<(Duration, serde_json::Value)> {
+    let (code, v, took) = cni_raw(socket, command, Some((id, netns)))?;
+    anyhow::ensure!(code == 0, "{command} {id}: {v}");
+    Ok((took, v))
+}
+
+/// One call of the CNI plugin, whatever its outcome: its exit code, its
+/// answer (stdout as JSON, `Null` when empty; stderr as a string when
+/// stdout is empty and the call failed) and the time it took. `attachment`
+/// (container ID, netns) is left out for STATUS.
+///
+/// # Errors
+/// The plugin did not run, or printed something that is not JSON.
+pub fn cni_raw(
+    socket: &std::path::Path,
+    command: &str,
+    attachment: Option<(&str, &std::path::Path)>,
+) -> anyhow::Result<(i32, serde_json::Value, Duration)> {
     let conf = serde_json::json!({
         "cniVersion": "1.1.0",
         "name": "cluster",
         "type": "lockstep",
         "agentSocket": socket.display().to_string(),
     });
-    let started = std::time::Instant::now();
-    let mut child = std::process::Command::new(crate::lockstep_bin())
-        .env_clear()
+    let started = Instant::now();
+    let mut cmd = std::process::Command::new(crate::lockstep_bin());
+    cmd.env_clear()
+        .env("PATH", std::env::var_os("PATH").unwrap_or_default())
         .env("CNI_COMMAND", command)
-        .env("CNI_CONTAINERID", id)
-        .env("CNI_IFNAME", "eth0")
-        .env("CNI_NETNS", netns)
         .env("CNI_PATH", "/opt/cni/bin")
         .stdin(std::process::Stdio::piped())
         .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()?;
+        .stderr(std::process::Stdio::piped());
+    if let Some((id, netns)) = attachment {
+        cmd.env("CNI_CONTAINERID", id)
+            .env("CNI_IFNAME", "eth0")
+            .env("CNI_NETNS", netns);
+    }
+    let mut child = cmd.spawn()?;
     child
         .stdin
         .take()
@@ -103,15 +126,260 @@ pub fn cni(
     let out = child.wait_with_output()?;
     let took = started.elapsed();
     let text = String::from_utf8_lossy(&out.stdout);
-    anyhow::ensure!(
-        out.status.success(),
-        "{command} {id}: {text}{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let v = if text.trim().is_empty() {
+    let v = if !text.trim().is_empty() {
+        serde_json::from_str(&text).with_context(|| format!("plugin stdout {text:?}"))?
+    } else if out.status.success() {
         serde_json::Value::Null
     } else {
-        serde_json::from_str(&text).with_context(|| format!("plugin stdout {text:?}"))?
+        serde_json::Value::String(String::from_utf8_lossy(&out.stderr).into_owned())
     };
-    Ok((took, v))
+    Ok((out.status.code().unwrap_or(-1), v, took))
+}
+
+/// The node address of node `i` on the underlay of [`ClusterNodes`].
+pub fn node_ip(i: usize) -> String {
+    format!("10.251.0.{}", i + 1)
+}
+
+/// Runs `lockstep cluster --etcd EPS --prefix PREFIX ARGS` and gives its
+/// stdout.
+///
+/// # Errors
+/// The command failed (its stderr named).
+pub fn cluster_cli(eps: &[String], prefix: &str, args: &[&str]) -> anyhow::Result<String> {
+    let out = std::process::Command::new(crate::lockstep_bin())
+        .args(["cluster", "--etcd", &eps.join(","), "--prefix", prefix])
+        .args(args)
+        .output()?;
+    anyhow::ensure!(
+        out.status.success(),
+        "lockstep cluster {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// The IPv4 address a CNI ADD answered with.
+///
+/// # Errors
+/// The answer holds no address.
+pub fn address_of(answer: &serde_json::Value) -> anyhow::Result<IpAddr> {
+    let a = answer["ips"][0]["address"]
+        .as_str()
+        .context("no address in the answer")?;
+    Ok(a.parse::<IpNet>()?.addr())
+}
+
+/// Three node namespaces (`node-0`..`node-2`, underlay address
+/// [`node_ip`]) whose `u0` sits on the bridge `br0` of an underlay
+/// namespace, each running an agent in cluster mode on one etcd.
+pub struct ClusterNodes {
+    /// The underlay namespace holding the bridge `br0` (attach a
+    /// neighbour's veth to it).
+    pub underlay: Netns,
+    /// The node namespaces.
+    pub ns: Vec<Netns>,
+    /// The agents, one per node.
+    pub agents: Vec<AgentProc>,
+    /// The etcd endpoints.
+    pub eps: Vec<String>,
+    /// The cluster key prefix.
+    pub prefix: String,
+}
+
+impl ClusterNodes {
+    /// Applies `pools` (a cluster pools file) and starts the three nodes.
+    ///
+    /// # Errors
+    /// A namespace, link, forwarder or agent could not be made.
+    pub fn build(cluster: &EtcdCluster, prefix: &str, pools: &str) -> anyhow::Result<Self> {
+        Self::build_with(cluster, prefix, pools, "")
+    }
+
+    /// As [`ClusterNodes::build`], with `extra` (TOML sections, e.g.
+    /// `[lb]`) appended to every agent's configuration.
+    ///
+    /// # Errors
+    /// As [`ClusterNodes::build`].
+    pub fn build_with(
+        cluster: &EtcdCluster,
+        prefix: &str,
+        pools: &str,
+        extra: &str,
+    ) -> anyhow::Result<Self> {
+        let eps = cluster.endpoints();
+        let dir = crate::TempDir::new("cluster-pools")?;
+        let file = dir.path().join("pools.toml");
+        std::fs::write(&file, pools)?;
+        cluster_cli(
+            &eps,
+            prefix,
+            &["pools", "apply", "-f", file.to_str().context("path")?],
+        )?;
+        let underlay = Netns::new("ceul")?;
+        underlay.exec("ip", ["link", "add", "br0", "type", "bridge"])?;
+        underlay.exec("ip", ["link", "set", "br0", "up"])?;
+        let mut ns = Vec::new();
+        let mut agents = Vec::new();
+        for i in 0..3 {
+            let node = Netns::new(&format!("cen{i}"))?;
+            let peer = format!("ul{i}");
+            node.exec(
+                "ip",
+                [
+                    "link",
+                    "add",
+                    "u0",
+                    "type",
+                    "veth",
+                    "peer",
+                    "name",
+                    &peer,
+                    "netns",
+                    underlay.name(),
+                ],
+            )?;
+            underlay.exec("ip", ["link", "set", &peer, "master", "br0", "up"])?;
+            node.exec(
+                "ip",
+                ["addr", "add", &format!("{}/24", node_ip(i)), "dev", "u0"],
+            )?;
+            node.exec("ip", ["link", "set", "u0", "up"])?;
+            node.exec(
+                "sysctl",
+                [
+                    "-qw",
+                    "net.ipv4.ip_forward=1",
+                    "net.ipv4.conf.all.rp_filter=0",
+                ],
+            )?;
+            forward(&node, cluster)?;
+            let config = format!(
+                "reconcile_interval = \"1s\"\n{}[datapath]\nuplink = \"u0\"\n{extra}",
+                cluster_config(&eps, prefix, &format!("node-{i}"), &node_ip(i))
+            );
+            agents.push(AgentProc::start(&node, &config)?);
+            ns.push(node);
+        }
+        Ok(Self {
+            underlay,
+            ns,
+            agents,
+            eps,
+            prefix: prefix.to_string(),
+        })
+    }
+
+    /// Runs `lockstep cluster ARGS` against this cluster's etcd and prefix.
+    ///
+    /// # Errors
+    /// As [`cluster_cli`].
+    pub fn cli(&self, args: &[&str]) -> anyhow::Result<String> {
+        cluster_cli(&self.eps, &self.prefix, args)
+    }
+
+    /// Blocks as etcd has them: block → node.
+    ///
+    /// # Errors
+    /// The CLI failed or its JSON was not a block list.
+    pub fn blocks(&self) -> anyhow::Result<BTreeMap<IpNet, String>> {
+        let v: serde_json::Value = serde_json::from_str(&self.cli(&["blocks", "-o", "json"])?)?;
+        v.as_array()
+            .context("blocks")?
+            .iter()
+            .map(|b| {
+                Ok((
+                    b["cidr"].as_str().context("cidr")?.parse()?,
+                    b["node"].as_str().context("node")?.to_string(),
+                ))
+            })
+            .collect()
+    }
+
+    /// Every allocation of every running agent: address → owners (to find
+    /// doubles).
+    ///
+    /// # Errors
+    /// An agent's allocation list could not be read.
+    pub fn holders(&self) -> anyhow::Result<BTreeMap<IpAddr, Vec<String>>> {
+        let mut out: BTreeMap<IpAddr, Vec<String>> = BTreeMap::new();
+        for (i, a) in self.agents.iter().enumerate() {
+            if a.pid().is_none() {
+                continue;
+            }
+            let v = a.json(["allocations", "-o", "json"])?;
+            for x in v.as_array().context("allocations")? {
+                let addr: IpAddr = x["address"].as_str().context("address")?.parse()?;
+                out.entry(addr)
+                    .or_default()
+                    .push(format!("node-{i}: {}", x["owner"]));
+            }
+        }
+        Ok(out)
+    }
+
+    /// Waits (at most `within`) until every running node's routes (protocol
+    /// 213) and IPCACHE prefixes hold exactly the blocks etcd gives the
+    /// other nodes, each via / with its node's address, and no block of a
+    /// node etcd no longer lists.
+    ///
+    /// # Errors
+    /// Still incomplete after `within`, naming what is missing or extra.
+    pub fn wait_remote_within(&self, within: Duration) -> anyhow::Result<()> {
+        let started = Instant::now();
+        loop {
+            let problems = self.remote_problems()?;
+            if problems.is_empty() {
+                return Ok(());
+            }
+            anyhow::ensure!(
+                started.elapsed() < within,
+                "remote state not converged after {within:?}: {problems:?}"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// [`ClusterNodes::wait_remote_within`] 15 s.
+    ///
+    /// # Errors
+    /// As [`ClusterNodes::wait_remote_within`].
+    pub fn wait_remote(&self) -> anyhow::Result<()> {
+        self.wait_remote_within(Duration::from_secs(15))
+    }
+
+    fn remote_problems(&self) -> anyhow::Result<Vec<String>> {
+        let all = self.blocks()?;
+        let mut problems = Vec::new();
+        for (i, ns) in self.ns.iter().enumerate() {
+            if self.agents[i].pid().is_none() {
+                continue;
+            }
+            let routes = ns.exec("ip", ["-4", "route", "show", "proto", "213"])?;
+            let dump = self.agents[i].maps_dump()?;
+            let prefixes = dump["IPCACHE_V4"].to_string();
+            let mut want_routes = BTreeSet::new();
+            for (b, owner) in &all {
+                if *owner == format!("node-{i}") {
+                    continue;
+                }
+                let k: usize = owner.trim_start_matches("node-").parse()?;
+                let want = format!("{b} via {} dev u0", node_ip(k));
+                if !routes.lines().any(|l| l.trim().starts_with(&want)) {
+                    problems.push(format!("node-{i} route {want} missing"));
+                }
+                if !prefixes.contains(&format!("\"prefix\":\"{b}\"")) {
+                    problems.push(format!("node-{i} IPCACHE {b} missing"));
+                }
+                want_routes.insert(b.to_string());
+            }
+            for l in routes.lines() {
+                let dst = l.split_whitespace().next().unwrap_or_default();
+                if !want_routes.contains(dst) {
+                    problems.push(format!("node-{i} route {l:?} not in etcd"));
+                }
+            }
+        }
+        Ok(problems)
+    }
 }

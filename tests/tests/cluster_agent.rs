@@ -7,11 +7,10 @@
 //! on the member's port, relayed to the member's real socket).
 
 use std::collections::BTreeSet;
-use std::io::Write;
 use std::time::Duration;
 
 use anyhow::Context;
-use lockstep_tests::cluster::forward;
+use lockstep_tests::cluster::{cni_raw, forward};
 use lockstep_tests::etcd::EtcdCluster;
 use lockstep_tests::{AgentProc, Netns, privileged};
 
@@ -39,41 +38,8 @@ fn plugin(
     id: &str,
     netns: Option<&Netns>,
 ) -> anyhow::Result<(i32, serde_json::Value, Duration)> {
-    let conf = serde_json::json!({
-        "cniVersion": "1.1.0",
-        "name": "lockstep-cluster",
-        "type": "lockstep",
-        "agentSocket": agent.socket().display().to_string(),
-    });
-    let mut cmd = std::process::Command::new(lockstep_tests::lockstep_bin());
-    cmd.env_clear()
-        .env("PATH", std::env::var_os("PATH").unwrap_or_default())
-        .env("CNI_COMMAND", command)
-        .env("CNI_PATH", "/opt/cni/bin")
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped());
-    if let Some(ns) = netns {
-        cmd.env("CNI_CONTAINERID", id)
-            .env("CNI_IFNAME", "eth0")
-            .env("CNI_NETNS", ns.path());
-    }
-    let started = std::time::Instant::now();
-    let mut child = cmd.spawn()?;
-    child
-        .stdin
-        .take()
-        .context("stdin")?
-        .write_all(conf.to_string().as_bytes())?;
-    let out = child.wait_with_output()?;
-    let took = started.elapsed();
-    let text = String::from_utf8_lossy(&out.stdout);
-    let v = if text.trim().is_empty() {
-        serde_json::Value::Null
-    } else {
-        serde_json::from_str(&text).with_context(|| format!("plugin stdout {text:?}"))?
-    };
-    Ok((out.status.code().unwrap_or(-1), v, took))
+    let path = netns.map(Netns::path);
+    cni_raw(&agent.socket(), command, path.as_deref().map(|p| (id, p)))
 }
 
 fn allocate(agent: &AgentProc, name: &str) -> anyhow::Result<String> {

@@ -13,184 +13,18 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::{Context, ensure};
-use ipnet::IpNet;
-use lockstep_tests::cluster::{cluster_config, cni, forward};
+use lockstep_tests::cluster::{ClusterNodes, address_of, cni};
 use lockstep_tests::etcd::EtcdCluster;
-use lockstep_tests::{AgentProc, Netns, privileged};
-
-/// The three nodes: underlay, node namespaces, agents.
-struct Nodes {
-    _ul: Netns,
-    ns: Vec<Netns>,
-    agents: Vec<AgentProc>,
-    eps: Vec<String>,
-    prefix: String,
-}
-
-fn node_ip(i: usize) -> String {
-    format!("10.251.0.{}", i + 1)
-}
-
-fn cli(eps: &[String], prefix: &str, args: &[&str]) -> anyhow::Result<String> {
-    let out = std::process::Command::new(lockstep_tests::lockstep_bin())
-        .args(["cluster", "--etcd", &eps.join(","), "--prefix", prefix])
-        .args(args)
-        .output()?;
-    ensure!(
-        out.status.success(),
-        "lockstep cluster {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
-}
-
-fn build(cluster: &EtcdCluster, prefix: &str, pools: &str) -> anyhow::Result<Nodes> {
-    let eps = cluster.endpoints();
-    let dir = lockstep_tests::TempDir::new("e2e-pools")?;
-    let file = dir.path().join("pools.toml");
-    std::fs::write(&file, pools)?;
-    cli(
-        &eps,
-        prefix,
-        &["pools", "apply", "-f", file.to_str().context("path")?],
-    )?;
-    let ul = Netns::new("ceul")?;
-    ul.exec("ip", ["link", "add", "br0", "type", "bridge"])?;
-    ul.exec("ip", ["link", "set", "br0", "up"])?;
-    let mut ns = Vec::new();
-    let mut agents = Vec::new();
-    for i in 0..3 {
-        let node = Netns::new(&format!("cen{i}"))?;
-        let peer = format!("ul{i}");
-        node.exec(
-            "ip",
-            [
-                "link",
-                "add",
-                "u0",
-                "type",
-                "veth",
-                "peer",
-                "name",
-                &peer,
-                "netns",
-                ul.name(),
-            ],
-        )?;
-        ul.exec("ip", ["link", "set", &peer, "master", "br0", "up"])?;
-        node.exec(
-            "ip",
-            ["addr", "add", &format!("{}/24", node_ip(i)), "dev", "u0"],
-        )?;
-        node.exec("ip", ["link", "set", "u0", "up"])?;
-        node.exec(
-            "sysctl",
-            [
-                "-qw",
-                "net.ipv4.ip_forward=1",
-                "net.ipv4.conf.all.rp_filter=0",
-            ],
-        )?;
-        forward(&node, cluster)?;
-        let config = format!(
-            "reconcile_interval = \"1s\"\n{}[datapath]\nuplink = \"u0\"\n",
-            cluster_config(&eps, prefix, &format!("node-{i}"), &node_ip(i))
-        );
-        agents.push(AgentProc::start(&node, &config)?);
-        ns.push(node);
-    }
-    Ok(Nodes {
-        _ul: ul,
-        ns,
-        agents,
-        eps,
-        prefix: prefix.to_string(),
-    })
-}
-
-/// The IPv4 address a CNI ADD answered with.
-fn address_of(answer: &serde_json::Value) -> anyhow::Result<IpAddr> {
-    let a = answer["ips"][0]["address"]
-        .as_str()
-        .context("no address in the answer")?;
-    Ok(a.parse::<IpNet>()?.addr())
-}
-
-/// Blocks as etcd has them: block → node.
-fn blocks(n: &Nodes) -> anyhow::Result<BTreeMap<IpNet, String>> {
-    let v: serde_json::Value =
-        serde_json::from_str(&cli(&n.eps, &n.prefix, &["blocks", "-o", "json"])?)?;
-    v.as_array()
-        .context("blocks")?
-        .iter()
-        .map(|b| {
-            Ok((
-                b["cidr"].as_str().context("cidr")?.parse()?,
-                b["node"].as_str().context("node")?.to_string(),
-            ))
-        })
-        .collect()
-}
-
-/// Every allocation of every agent: address → owners (to find doubles).
-fn holders(n: &Nodes) -> anyhow::Result<BTreeMap<IpAddr, Vec<String>>> {
-    let mut out: BTreeMap<IpAddr, Vec<String>> = BTreeMap::new();
-    for (i, a) in n.agents.iter().enumerate() {
-        let v = a.json(["allocations", "-o", "json"])?;
-        for x in v.as_array().context("allocations")? {
-            let addr: IpAddr = x["address"].as_str().context("address")?.parse()?;
-            out.entry(addr)
-                .or_default()
-                .push(format!("node-{i}: {}", x["owner"]));
-        }
-    }
-    Ok(out)
-}
-
-/// Waits until every node's routes (protocol 213) and IPCACHE prefixes hold
-/// exactly the other nodes' blocks, each via / with its node's address.
-fn wait_remote(n: &Nodes) -> anyhow::Result<()> {
-    let started = Instant::now();
-    loop {
-        let all = blocks(n)?;
-        let mut missing = Vec::new();
-        for (i, ns) in n.ns.iter().enumerate() {
-            let routes = ns.exec("ip", ["-4", "route", "show", "proto", "213"])?;
-            let dump = n.agents[i].maps_dump()?;
-            let prefixes = dump["IPCACHE_V4"].to_string();
-            for (b, owner) in &all {
-                if *owner == format!("node-{i}") {
-                    continue;
-                }
-                let k: usize = owner.trim_start_matches("node-").parse()?;
-                let want = format!("{b} via {} dev u0", node_ip(k));
-                if !routes.lines().any(|l| l.trim().starts_with(&want)) {
-                    missing.push(format!("node-{i} route {want}"));
-                }
-                if !prefixes.contains(&format!("\"prefix\":\"{b}\"")) {
-                    missing.push(format!("node-{i} IPCACHE {b}"));
-                }
-            }
-        }
-        if missing.is_empty() {
-            return Ok(());
-        }
-        ensure!(
-            started.elapsed() < Duration::from_secs(15),
-            "remote state incomplete: {missing:?}"
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
-}
+use lockstep_tests::{Netns, privileged};
 
 #[test]
 fn endpoints_ping_across_nodes_and_every_node_knows_every_block() -> anyhow::Result<()> {
     privileged!();
     let cluster = EtcdCluster::start(3)?;
-    let n = build(
+    let n = ClusterNodes::build(
         &cluster,
         "/e2e-a/",
         "[[pools]]\nname = \"pods\"\nipv4 = [\"10.96.0.0/16\"]\nblock_v4 = 28\n",
@@ -210,11 +44,11 @@ fn endpoints_ping_across_nodes_and_every_node_knows_every_block() -> anyhow::Res
     }
     let addrs: BTreeSet<IpAddr> = pods.iter().map(|p| p.2).collect();
     ensure!(addrs.len() == 6, "an address handed out twice: {addrs:?}");
-    for (addr, owners) in holders(&n)? {
+    for (addr, owners) in n.holders()? {
         ensure!(owners.len() == 1, "{addr} held by {owners:?}");
     }
     // Each node's pods lie in that node's blocks.
-    let all = blocks(&n)?;
+    let all = n.blocks()?;
     for (i, _, a) in &pods {
         let owner = all
             .iter()
@@ -225,7 +59,7 @@ fn endpoints_ping_across_nodes_and_every_node_knows_every_block() -> anyhow::Res
             "{a} of node-{i} lies in {owner:?}'s block"
         );
     }
-    wait_remote(&n)?;
+    n.wait_remote()?;
     for (i, from, src) in &pods {
         for (k, _, dst) in &pods {
             if src == dst {
@@ -255,7 +89,7 @@ fn churn_with_agents_killed_holds_no_address_twice_and_loses_nothing() -> anyhow
     privileged!();
     let cluster = EtcdCluster::start(3)?;
     // Small blocks, so churn claims and gives back.
-    let mut n = build(
+    let mut n = ClusterNodes::build(
         &cluster,
         "/e2e-b/",
         "[[pools]]\nname = \"pods\"\nipv4 = [\"10.97.0.0/20\"]\nblock_v4 = 28\n",
@@ -370,7 +204,7 @@ fn churn_with_agents_killed_holds_no_address_twice_and_loses_nothing() -> anyhow
             );
         }
     }
-    for (addr, owners) in holders(&n)? {
+    for (addr, owners) in n.holders()? {
         ensure!(owners.len() == 1, "{addr} held twice: {owners:?}");
     }
     for (i, a) in n.agents.iter().enumerate() {
