@@ -680,6 +680,29 @@ impl AgentProc {
 }
 
 impl AgentProc {
+    /// Waits (at most `within`) until `lockstep verify` is clean: state
+    /// the agent converges on in the background (cluster mode's remote
+    /// routes after a start) may take a moment.
+    ///
+    /// # Errors
+    /// Still drifting after `within`, with the last report.
+    pub fn verify_within(&self, within: std::time::Duration) -> anyhow::Result<()> {
+        let started = std::time::Instant::now();
+        loop {
+            let out = self.cli(["verify"])?;
+            if out.status.success() {
+                return Ok(());
+            }
+            anyhow::ensure!(
+                started.elapsed() < within,
+                "verify not clean after {within:?}: {}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+            std::thread::sleep(std::time::Duration::from_millis(200));
+        }
+    }
+
     /// `lockstep maps dump -o json` of this agent's pins: it reads the pinned
     /// maps directly, so it works while the agent is down.
     ///

@@ -260,15 +260,20 @@ async fn cni_add(
     let Json(req) = body?;
     attachment(&req.container_id, &req.ifname)?;
     let started = Instant::now();
-    let retry = s.cluster.get().map(|c| (c.clone(), req.clone()));
+    let retry = s
+        .cluster
+        .get()
+        .map(|c| (c.clone(), req.clone(), c.claims_seen()));
     let result = add_once(&s, req).await;
     // Cluster mode: a cluster pool with no free address waits (at most
     // about 2 s) for the block a claim brings, then tries once more; etcd
     // unreachable answers "try again later" naming etcd.
     let result = match (result, retry) {
-        (Err(e), Some((cluster, req))) if let Some(pool) = exhausted_cluster_pool(&e, &cluster) => {
+        (Err(e), Some((cluster, req, seen)))
+            if let Some(pool) = exhausted_cluster_pool(&e, &cluster) =>
+        {
             match cluster
-                .need_block(&pool, std::time::Duration::from_millis(1800))
+                .need_block(&pool, std::time::Duration::from_millis(1800), &seen)
                 .await
             {
                 Ok(()) => add_once(&s, req).await,

@@ -90,10 +90,12 @@ pub fn spread(node: &str) -> u128 {
 /// How many blocks to claim now so the node holds enough addresses: the
 /// demand logic of [`crate::demand`] in ceil mode over blocks of
 /// `block_addrs` addresses, with `low_water` free addresses kept ready.
+/// `held` is the capacity of the blocks the node serves (in use and free
+/// together), not the free count.
 pub fn blocks_to_claim(
     in_use: u64,
     pending: u64,
-    available: u64,
+    held: u64,
     low_water: u64,
     block_addrs: u64,
 ) -> u64 {
@@ -108,9 +110,7 @@ pub fn blocks_to_claim(
         return 0;
     };
     let target = tracker.target(in_use, pending);
-    target
-        .saturating_sub(available)
-        .div_ceil(block_addrs.max(1))
+    target.saturating_sub(held).div_ceil(block_addrs.max(1))
 }
 
 /// One block a node holds, as the release decision sees it.

@@ -210,6 +210,9 @@ fn claim_below_low_water_release_after_hysteresis() {
     assert_eq!(blocks_to_claim(60, 0, 64, 8, 64), 1);
     assert_eq!(blocks_to_claim(50, 0, 64, 8, 64), 0);
     assert_eq!(blocks_to_claim(0, 100, 0, 0, 64), 2);
+    // `held` is capacity: one block with one address in use is enough.
+    assert_eq!(blocks_to_claim(1, 0, 64, 16, 64), 0);
+    assert_eq!(blocks_to_claim(49, 0, 64, 16, 64), 1);
     let b = |s, used, since| BlockUse {
         block: net(s),
         used,

@@ -88,16 +88,36 @@ impl ClusterHandle {
         self.lock().pools.clone()
     }
 
+    /// How many blocks have been claimed so far, per pool: taken before an
+    /// allocation attempt, it tells [`ClusterHandle::need_block`] whether a
+    /// block came after it.
+    pub fn claims_seen(&self) -> BTreeMap<String, u64> {
+        self.lock().claims.clone()
+    }
+
     /// Asks for a block of `pool` now and waits for it, at most `within`.
+    /// `seen` is [`ClusterHandle::claims_seen`] from before the attempt
+    /// that found the pool full: a block claimed since (even before this
+    /// call) answers at once, so a claim landing between the attempt and
+    /// this call is not waited for in vain.
     ///
     /// # Errors
     /// Why not: etcd unreachable (named), or no block came in time.
-    pub async fn need_block(&self, pool: &str, within: Duration) -> Result<(), String> {
+    pub async fn need_block(
+        &self,
+        pool: &str,
+        within: Duration,
+        seen: &BTreeMap<String, u64>,
+    ) -> Result<(), String> {
         let deadline = tokio::time::Instant::now() + within;
-        let (claims, rounds) = {
+        let claims = seen.get(pool).copied().unwrap_or(0);
+        let rounds = {
             let mut s = self.lock();
+            if s.claims.get(pool).copied().unwrap_or(0) > claims {
+                return Ok(());
+            }
             s.wanted.insert(pool.to_string());
-            (s.claims.get(pool).copied().unwrap_or(0), s.rounds)
+            s.rounds
         };
         self.wake.notify_one();
         loop {
@@ -528,10 +548,13 @@ impl ClusterNode {
                 let serving: Vec<&(usize, &HeldBlock)> =
                     mine.iter().filter(|(_, b)| b.fenced.is_none()).collect();
                 let fam_used: u64 = serving.iter().map(|(i, _)| used[*i]).sum();
-                let available = (serving.len() as u64 * size).saturating_sub(fam_used);
+                // What the serving blocks hold in all (the demand logic
+                // compares its target with capacity, not with what is free:
+                // passing the free count claimed one block too many).
+                let capacity = serving.len() as u64 * size;
                 let pending = u64::from(wanted_pools.contains(&pool.name));
                 let low = low_water(size);
-                let n = blocks_to_claim(fam_used, pending, available, low, size);
+                let n = blocks_to_claim(fam_used, pending, capacity, low, size);
                 wanted_total = wanted_total.saturating_add(pending + low);
                 if n > 0 {
                     claims.push((pool.clone(), family, n));
@@ -556,18 +579,24 @@ impl ClusterNode {
         }
         let mut changed = fenced_done;
         if !claims.is_empty() && !fresh {
+            // Claims pick from a fresh read: read next round. At once only
+            // when etcd answers; unreachable, the next tick retries (waking
+            // here spun the loop against a dead etcd).
             self.read_next = true;
             claims.clear();
-            self.handle.wake.notify_one();
+            if reachable {
+                self.handle.wake.notify_one();
+            }
         }
+        // Blocks claimed per pool: counted (and the waiting ADDs told) only
+        // once the allocator serves them, below.
+        let mut claimed: BTreeMap<String, u64> = BTreeMap::new();
         if reachable {
             for (pool, family, n) in claims {
                 for _ in 0..n {
                     if self.claim(&pool, family).await {
                         changed = true;
-                        let mut s = self.handle.lock();
-                        *s.claims.entry(pool.name.clone()).or_default() += 1;
-                        s.wanted.remove(&pool.name);
+                        *claimed.entry(pool.name.clone()).or_default() += 1;
                     } else {
                         break;
                     }
@@ -589,6 +618,13 @@ impl ClusterNode {
                 tracing::error!(error = %crate::error_chain(&e), "the held blocks are not recorded");
             }
             self.apply_locked(slot).await;
+        }
+        {
+            let mut s = self.handle.lock();
+            for (pool, n) in claimed {
+                *s.claims.entry(pool.clone()).or_default() += n;
+                s.wanted.remove(&pool);
+            }
         }
         if reachable {
             for b in releases {
