@@ -204,15 +204,78 @@ impl Door {
         }
     }
 
+    /// Runs one request within the door's timeout, made again (the client
+    /// picks an endpoint anew) when it failed without effect: for reads
+    /// (`write` false) on any transient failure, for writes only when no
+    /// connection could be made to the member it was routed to (such a
+    /// request never left the node). Without this, every request the
+    /// client's balancer routed to a stopped member failed: one member down
+    /// out of three failed a third of them.
+    pub(super) async fn retrying<T, F, Fut>(
+        &self,
+        what: &str,
+        write: bool,
+        request: F,
+    ) -> Result<T, ClusterStoreError>
+    where
+        F: FnMut(Client) -> Fut,
+        Fut: Future<Output = Result<T, etcd_client::Error>>,
+    {
+        let again = if write { never_sent } else { transient };
+        self.bounded(what, write, self.attempts(again, request))
+            .await
+    }
+
+    /// As [`Door::retrying`], for a write whose repetition does what one
+    /// does (a lease refresh, a put of the same value, a transaction whose
+    /// compare makes a second run a no-op the caller recognises): made
+    /// again on any transient failure.
+    pub(super) async fn retrying_idempotent<T, F, Fut>(
+        &self,
+        what: &str,
+        request: F,
+    ) -> Result<T, ClusterStoreError>
+    where
+        F: FnMut(Client) -> Fut,
+        Fut: Future<Output = Result<T, etcd_client::Error>>,
+    {
+        self.bounded(what, true, self.attempts(transient, request))
+            .await
+    }
+
+    /// Up to two tries per endpoint and one more, while `again` says the
+    /// failure may be tried again.
+    async fn attempts<T, F, Fut>(
+        &self,
+        again: fn(&etcd_client::Error) -> bool,
+        mut request: F,
+    ) -> Result<T, etcd_client::Error>
+    where
+        F: FnMut(Client) -> Fut,
+        Fut: Future<Output = Result<T, etcd_client::Error>>,
+    {
+        let attempts = self.opts.endpoints.len() * 2 + 1;
+        let mut result = request(self.client.clone()).await;
+        for _ in 1..attempts {
+            match &result {
+                Err(e) if again(e) => {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                    result = request(self.client.clone()).await;
+                }
+                _ => break,
+            }
+        }
+        result
+    }
+
     /// Every key under `prefix/` (one read), and the store revision of it.
     async fn list(&self, what: &str, rest: &str) -> Result<(GetResponse, i64), ClusterStoreError> {
-        let mut client = self.client.clone();
+        let key = self.key(rest);
         let resp = self
-            .bounded(
-                what,
-                false,
-                client.get(self.key(rest), Some(GetOptions::new().with_prefix())),
-            )
+            .retrying(what, false, |mut c| {
+                let key = key.clone();
+                async move { c.get(key, Some(GetOptions::new().with_prefix())).await }
+            })
             .await?;
         let revision = resp.header().map_or(0, |h| h.revision());
         Ok((resp, revision))
@@ -296,8 +359,12 @@ impl Door {
             .with_prefix(),
         );
         let txn = Txn::new().when(guards).and_then(ops);
-        let mut client = self.client.clone();
-        let resp = self.bounded("apply pools", true, client.txn(txn)).await?;
+        let resp = self
+            .retrying("apply pools", true, |mut c| {
+                let txn = txn.clone();
+                async move { c.txn(txn).await }
+            })
+            .await?;
         if !resp.succeeded() {
             return Err(ClusterStoreError::Conflict {
                 what: "the cluster pools".into(),
@@ -348,9 +415,13 @@ impl Door {
             .when([Compare::create_revision(key.clone(), CompareOp::Equal, 0)])
             .and_then([TxnOp::put(key.clone(), value, None)])
             .or_else([TxnOp::get(key.clone(), None)]);
-        let mut client = self.client.clone();
         let what = format!("claim block {cidr} of pool {pool}");
-        match self.bounded(&what, true, client.txn(txn)).await {
+        // Run twice, the create-if-absent finds the key ours: claimed.
+        let sent = self.retrying_idempotent(&what, |mut c| {
+            let txn = txn.clone();
+            async move { c.txn(txn).await }
+        });
+        match sent.await {
             Ok(resp) if resp.succeeded() => Ok(Claim::Claimed {
                 revision: resp.header().map_or(0, |h| h.revision()),
             }),
@@ -375,10 +446,12 @@ impl Door {
     }
 
     async fn read_back_claim(&mut self, key: &str, node: &str) -> Result<Claim, ClusterStoreError> {
-        let mut client = self.client.clone();
         let what = format!("read back the claim {key}");
         let resp = self
-            .bounded(&what, false, client.get(key.to_string(), None))
+            .retrying(&what, false, |mut c| {
+                let key = key.to_string();
+                async move { c.get(key, None).await }
+            })
             .await
             .map_err(|e| match e {
                 ClusterStoreError::Unavailable {
@@ -435,10 +508,14 @@ impl Door {
                 block.revision,
             )])
             .and_then([TxnOp::delete(key, None)]);
-        let mut client = self.client.clone();
         let what = format!("give back block {} of pool {}", block.cidr, block.pool);
+        // Run twice, the revision compare fails on the deleted key: the
+        // caller forgets the block either way.
         Ok(self
-            .bounded(&what, true, client.txn(txn))
+            .retrying_idempotent(&what, |mut c| {
+                let txn = txn.clone();
+                async move { c.txn(txn).await }
+            })
             .await?
             .succeeded())
     }
@@ -454,9 +531,11 @@ impl Door {
         ttl: Duration,
     ) -> Result<i64, ClusterStoreError> {
         let secs = i64::try_from(ttl.as_secs().max(1)).unwrap_or(i64::MAX);
-        let mut client = self.client.clone();
         let lease = self
-            .bounded("grant the node lease", true, client.lease_grant(secs, None))
+            // A lease granted twice: the unused one expires by itself.
+            .retrying_idempotent("grant the node lease", |mut c| async move {
+                c.lease_grant(secs, None).await
+            })
             .await?
             .id();
         let key = self.key(&format!("nodes/{}", record.name));
@@ -464,12 +543,13 @@ impl Door {
             key: key.clone(),
             reason: e.to_string(),
         })?;
-        let mut client = self.client.clone();
-        self.bounded(
-            "register the node",
-            true,
-            client.put(key, value, Some(PutOptions::new().with_lease(lease))),
-        )
+        self.retrying_idempotent("register the node", |mut c| {
+            let (key, value) = (key.clone(), value.clone());
+            async move {
+                c.put(key, value, Some(PutOptions::new().with_lease(lease)))
+                    .await
+            }
+        })
         .await?;
         Ok(lease)
     }
@@ -480,16 +560,13 @@ impl Door {
     /// # Errors
     /// etcd unavailable.
     pub async fn keep_alive(&mut self, lease: i64) -> Result<bool, ClusterStoreError> {
-        let mut client = self.client.clone();
         // Opening the keep-alive stream sends one refresh and reads its
         // answer; a lease etcd no longer knows answers with a TTL of 0,
         // which the client reports as "lease not found".
         match self
-            .bounded(
-                "refresh the node lease",
-                true,
-                client.lease_keep_alive(lease),
-            )
+            .retrying_idempotent("refresh the node lease", |mut c| async move {
+                c.lease_keep_alive(lease).await
+            })
             .await
         {
             Ok(_) => Ok(true),
@@ -569,14 +646,13 @@ impl Door {
         if ops.is_empty() {
             return Ok(freed);
         }
-        let mut client = self.client.clone();
         let what = format!("remove node {name}");
+        let txn = Txn::new().when(guards).and_then(ops);
         let resp = self
-            .bounded(
-                &what,
-                true,
-                client.txn(Txn::new().when(guards).and_then(ops)),
-            )
+            .retrying(&what, true, |mut c| {
+                let txn = txn.clone();
+                async move { c.txn(txn).await }
+            })
             .await?;
         if !resp.succeeded() {
             return Err(ClusterStoreError::Conflict { what });
@@ -607,6 +683,28 @@ fn parse_block(
         node: rec.node,
         revision,
     })
+}
+
+/// Whether `e` says the request was never sent: the connection to the
+/// member could not be made (hyper's "tcp connect error", surfaced by tonic
+/// as an Unavailable status or a transport error).
+fn never_sent(e: &etcd_client::Error) -> bool {
+    match e {
+        etcd_client::Error::GRpcStatus(s) => s.message().contains("tcp connect error"),
+        etcd_client::Error::TransportError(t) => t.to_string().contains("tcp connect error"),
+        _ => false,
+    }
+}
+
+/// Whether `e` may pass by itself: the connection failed or broke (a member
+/// stopped under the request), or etcd answered Unavailable (no leader for
+/// a moment). gRPC codes: 1 cancelled, 14 unavailable.
+fn transient(e: &etcd_client::Error) -> bool {
+    match e {
+        etcd_client::Error::GRpcStatus(s) => matches!(i32::from(s.code()), 1 | 14),
+        etcd_client::Error::TransportError(_) => true,
+        _ => false,
+    }
 }
 
 fn unavailable(opts: &DoorOptions, what: &str, why: &str, write: bool) -> ClusterStoreError {

@@ -63,13 +63,17 @@ impl Door {
     /// etcd unavailable.
     pub async fn watch(&mut self, from: i64) -> Result<Watch, ClusterStoreError> {
         let prefix = self.options().prefix.clone();
-        let mut client = self.client();
-        let options = WatchOptions::new()
-            .with_prefix()
-            .with_start_revision(from)
-            .with_progress_notify();
         let stream = self
-            .bounded("watch", false, client.watch(prefix.clone(), Some(options)))
+            .retrying("watch", false, |mut c| {
+                let prefix = prefix.clone();
+                async move {
+                    let options = WatchOptions::new()
+                        .with_prefix()
+                        .with_start_revision(from)
+                        .with_progress_notify();
+                    c.watch(prefix, Some(options)).await
+                }
+            })
             .await?;
         Ok(Watch {
             stream,
