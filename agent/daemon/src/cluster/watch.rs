@@ -59,17 +59,26 @@ impl Door {
     /// `from` is one past the revision of the read the caller's state came
     /// from, so nothing between the read and the watch is missed.
     ///
+    /// The watch starts one revision earlier, at `from - 1`, whose changes
+    /// the caller has seen (they come again; every change states a key's
+    /// whole value, so a repeat changes nothing). That is how a compaction
+    /// at exactly `from` shows: etcd accepts a watch from the compaction
+    /// revision but has dropped the deletions made at it, so a watch from
+    /// `from` would miss a block or node deleted then; from `from - 1` it
+    /// is refused as compacted, and the caller reads everything again.
+    ///
     /// # Errors
     /// etcd unavailable.
     pub async fn watch(&mut self, from: i64) -> Result<Watch, ClusterStoreError> {
         let prefix = self.options().prefix.clone();
+        let start = if from > 1 { from - 1 } else { from };
         let stream = self
             .retrying("watch", false, |mut c| {
                 let prefix = prefix.clone();
                 async move {
                     let options = WatchOptions::new()
                         .with_prefix()
-                        .with_start_revision(from)
+                        .with_start_revision(start)
                         .with_progress_notify();
                     c.watch(prefix, Some(options)).await
                 }
