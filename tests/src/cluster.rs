@@ -319,9 +319,9 @@ impl ClusterNodes {
     }
 
     /// Waits (at most `within`) until every running node's routes (protocol
-    /// 213) and IPCACHE prefixes hold exactly the blocks etcd gives the
-    /// other nodes, each via / with its node's address, and no block of a
-    /// node etcd no longer lists.
+    /// 213, `ip route`) and remote IPCACHE entries (bpftool on the pinned
+    /// map) hold exactly the blocks etcd gives the other nodes, each via /
+    /// with its node's address, and nothing etcd no longer lists.
     ///
     /// # Errors
     /// Still incomplete after `within`, naming what is missing or extra.
@@ -356,8 +356,7 @@ impl ClusterNodes {
                 continue;
             }
             let routes = ns.exec("ip", ["-4", "route", "show", "proto", "213"])?;
-            let dump = self.agents[i].maps_dump()?;
-            let prefixes = dump["IPCACHE_V4"].to_string();
+            let remote = remote_entries(&lpm_v4(&self.agents[i], "IPCACHE_V4")?);
             let mut want_routes = BTreeSet::new();
             for (b, owner) in &all {
                 if *owner == format!("node-{i}") {
@@ -368,8 +367,12 @@ impl ClusterNodes {
                 if !routes.lines().any(|l| l.trim().starts_with(&want)) {
                     problems.push(format!("node-{i} route {want} missing"));
                 }
-                if !prefixes.contains(&format!("\"prefix\":\"{b}\"")) {
-                    problems.push(format!("node-{i} IPCACHE {b} missing"));
+                if remote.get(&b.to_string()) != Some(&node_ip(k)) {
+                    problems.push(format!(
+                        "node-{i} IPCACHE {b}: {:?}, want remote via {}",
+                        remote.get(&b.to_string()),
+                        node_ip(k)
+                    ));
                 }
                 want_routes.insert(b.to_string());
             }
@@ -379,7 +382,64 @@ impl ClusterNodes {
                     problems.push(format!("node-{i} route {l:?} not in etcd"));
                 }
             }
+            for prefix in remote.keys() {
+                if !want_routes.contains(prefix) {
+                    problems.push(format!("node-{i} remote IPCACHE {prefix} not in etcd"));
+                }
+            }
         }
         Ok(problems)
     }
+}
+
+fn hex_bytes(v: &serde_json::Value) -> Option<Vec<u8>> {
+    v.as_array()?
+        .iter()
+        .map(|b| u8::from_str_radix(b.as_str()?.trim_start_matches("0x"), 16).ok())
+        .collect()
+}
+
+/// A pinned IPv4 LPM trie of `agent`, read with bpftool: "a.b.c.d/len" →
+/// value bytes.
+///
+/// # Errors
+/// bpftool failed or printed something else than a key/value dump.
+pub fn lpm_v4(agent: &AgentProc, map: &str) -> anyhow::Result<BTreeMap<String, Vec<u8>>> {
+    let pin = agent.pins.path().join("maps").join(map);
+    let text = crate::sh(
+        "bpftool",
+        [
+            "-j",
+            "map",
+            "dump",
+            "pinned",
+            pin.to_str().context("utf-8")?,
+        ],
+    )?;
+    let v: serde_json::Value = serde_json::from_str(&text)?;
+    let mut out = BTreeMap::new();
+    for e in v.as_array().context("dump")? {
+        let k = hex_bytes(&e["key"]).context("key")?;
+        let val = hex_bytes(&e["value"]).context("value")?;
+        let len = u32::from_le_bytes(k[..4].try_into()?);
+        out.insert(format!("{}.{}.{}.{}/{len}", k[4], k[5], k[6], k[7]), val);
+    }
+    Ok(out)
+}
+
+/// The IPCACHE_V4 entries (from [`lpm_v4`]) flagged remote (bit 6 of the
+/// flags word), each with its `node_addr`: prefix → node address.
+pub fn remote_entries(ipcache: &BTreeMap<String, Vec<u8>>) -> BTreeMap<String, String> {
+    ipcache
+        .iter()
+        .filter(|(_, v)| {
+            v.len() >= 20 && u32::from_le_bytes([v[4], v[5], v[6], v[7]]) & (1 << 6) != 0
+        })
+        .map(|(k, v)| {
+            (
+                k.clone(),
+                format!("{}.{}.{}.{}", v[16], v[17], v[18], v[19]),
+            )
+        })
+        .collect()
 }

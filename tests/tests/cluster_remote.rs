@@ -15,6 +15,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
+use lockstep_tests::cluster::{lpm_v4, remote_entries};
 use lockstep_tests::etcd::EtcdCluster;
 use lockstep_tests::{AgentProc, Netns, privileged, sh};
 
@@ -157,37 +158,6 @@ fn routes(ns: &Netns) -> anyhow::Result<BTreeMap<String, String>> {
         .collect())
 }
 
-fn hex_bytes(v: &serde_json::Value) -> Option<Vec<u8>> {
-    v.as_array()?
-        .iter()
-        .map(|b| u8::from_str_radix(b.as_str()?.trim_start_matches("0x"), 16).ok())
-        .collect()
-}
-
-/// A pinned IPv4 LPM trie read with bpftool: "a.b.c.d/len" → value bytes.
-fn lpm_v4(agent: &AgentProc, map: &str) -> anyhow::Result<BTreeMap<String, Vec<u8>>> {
-    let pin = agent.pins.path().join("maps").join(map);
-    let text = sh(
-        "bpftool",
-        [
-            "-j",
-            "map",
-            "dump",
-            "pinned",
-            pin.to_str().context("utf-8")?,
-        ],
-    )?;
-    let v: serde_json::Value = serde_json::from_str(&text)?;
-    let mut out = BTreeMap::new();
-    for e in v.as_array().context("dump")? {
-        let k = hex_bytes(&e["key"]).context("key")?;
-        let val = hex_bytes(&e["value"]).context("value")?;
-        let len = u32::from_le_bytes(k[..4].try_into()?);
-        out.insert(format!("{}.{}.{}.{}/{len}", k[4], k[5], k[6], k[7]), val);
-    }
-    Ok(out)
-}
-
 /// What node `a` should have for the other nodes' blocks: block → node IP.
 fn expected(
     eps: &[String],
@@ -214,16 +184,7 @@ fn wait_remote(
         let want = &expected(eps, ips)?;
         let r = routes(na)?;
         let ipc = lpm_v4(a, "IPCACHE_V4")?;
-        let remote: BTreeMap<String, String> = ipc
-            .iter()
-            .filter(|(_, v)| u32::from_le_bytes(v[4..8].try_into().expect("4")) & (1 << 6) != 0)
-            .map(|(k, v)| {
-                (
-                    k.clone(),
-                    format!("{}.{}.{}.{}", v[16], v[17], v[18], v[19]),
-                )
-            })
-            .collect();
+        let remote = remote_entries(&ipc);
         if &r == want && &remote == want {
             return Ok((start.elapsed(), want.clone()));
         }
