@@ -159,6 +159,23 @@ pub fn cluster_cli(eps: &[String], prefix: &str, args: &[&str]) -> anyhow::Resul
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
+/// Applies `pools` (a cluster pools file, TOML) under `prefix` with
+/// `lockstep cluster pools apply`.
+///
+/// # Errors
+/// The file could not be written or the CLI refused it.
+pub fn apply_pools(eps: &[String], prefix: &str, pools: &str) -> anyhow::Result<()> {
+    let dir = crate::TempDir::new("cluster-pools")?;
+    let file = dir.path().join("pools.toml");
+    std::fs::write(&file, pools)?;
+    cluster_cli(
+        eps,
+        prefix,
+        &["pools", "apply", "-f", file.to_str().context("path")?],
+    )?;
+    Ok(())
+}
+
 /// The IPv4 address a CNI ADD answered with.
 ///
 /// # Errors
@@ -208,14 +225,7 @@ impl ClusterNodes {
         extra: &str,
     ) -> anyhow::Result<Self> {
         let eps = cluster.endpoints();
-        let dir = crate::TempDir::new("cluster-pools")?;
-        let file = dir.path().join("pools.toml");
-        std::fs::write(&file, pools)?;
-        cluster_cli(
-            &eps,
-            prefix,
-            &["pools", "apply", "-f", file.to_str().context("path")?],
-        )?;
+        apply_pools(&eps, prefix, pools)?;
         let underlay = Netns::new("ceul")?;
         underlay.exec("ip", ["link", "add", "br0", "type", "bridge"])?;
         underlay.exec("ip", ["link", "set", "br0", "up"])?;

@@ -10,7 +10,7 @@ use std::collections::BTreeSet;
 use std::time::Duration;
 
 use anyhow::Context;
-use lockstep_tests::cluster::{cni_raw, forward};
+use lockstep_tests::cluster::{apply_pools, cni_raw, forward};
 use lockstep_tests::etcd::EtcdCluster;
 use lockstep_tests::{AgentProc, Netns, privileged};
 
@@ -93,15 +93,10 @@ fn two_agents_take_distinct_blocks_and_keep_them_across_a_restart() -> anyhow::R
     privileged!();
     let cluster = EtcdCluster::start(3)?;
     let eps = cluster.endpoints();
-    let dir = lockstep_tests::TempDir::new("cluster-agent")?;
-    let file = dir.path().join("pools.toml");
-    std::fs::write(
-        &file,
-        "[[pools]]\nname = \"pods\"\nipv4 = [\"10.91.0.0/24\"]\nblock_v4 = 28\n",
-    )?;
-    cli(
+    apply_pools(
         &eps,
-        &["pools", "apply", "-f", file.to_str().context("path")?],
+        "/ca/",
+        "[[pools]]\nname = \"pods\"\nipv4 = [\"10.91.0.0/24\"]\nblock_v4 = 28\n",
     )?;
     let (na, nb) = (node_ns("cla", &cluster)?, node_ns("clb", &cluster)?);
     let mut a = AgentProc::start(&na, &config(&eps, "node-a"))?;
@@ -193,17 +188,11 @@ fn without_quorum_held_blocks_serve_and_a_new_block_is_try_again_later() -> anyh
     privileged!();
     let mut cluster = EtcdCluster::start(3)?;
     let eps = cluster.endpoints();
-    let dir = lockstep_tests::TempDir::new("cluster-quorum")?;
-    let file = dir.path().join("pools.toml");
     // Blocks of 16 addresses.
-    std::fs::write(
-        &file,
-        "[[pools]]\nname = \"pods\"\nipv4 = [\"10.92.0.0/24\"]\nblock_v4 = 28\n",
-    )?;
-    cli_at(
+    apply_pools(
         &eps,
         "/cq/",
-        &["pools", "apply", "-f", file.to_str().context("path")?],
+        "[[pools]]\nname = \"pods\"\nipv4 = [\"10.92.0.0/24\"]\nblock_v4 = 28\n",
     )?;
     let node = node_ns("clq", &cluster)?;
     node.sysctl("net.ipv4.ip_forward", "1")?;
@@ -297,16 +286,10 @@ fn a_block_reclaimed_while_its_node_was_away_is_fenced() -> anyhow::Result<()> {
     privileged!();
     let cluster = EtcdCluster::start(3)?;
     let eps = cluster.endpoints();
-    let dir = lockstep_tests::TempDir::new("cluster-fence")?;
-    let file = dir.path().join("pools.toml");
-    std::fs::write(
-        &file,
-        "[[pools]]\nname = \"pods\"\nipv4 = [\"10.93.0.0/24\"]\nblock_v4 = 28\n",
-    )?;
-    cli_at(
+    apply_pools(
         &eps,
         "/cf/",
-        &["pools", "apply", "-f", file.to_str().context("path")?],
+        "[[pools]]\nname = \"pods\"\nipv4 = [\"10.93.0.0/24\"]\nblock_v4 = 28\n",
     )?;
     let node = node_ns("clf", &cluster)?;
     let mut agent = AgentProc::start(&node, &config_at(&eps, "node-f", "/cf/"))?;
@@ -351,18 +334,12 @@ fn a_block_emptied_is_given_back_after_release_after_and_the_node_key_says_what_
     privileged!();
     let cluster = EtcdCluster::start(3)?;
     let eps = cluster.endpoints();
-    let dir = lockstep_tests::TempDir::new("cluster-release")?;
-    let file = dir.path().join("pools.toml");
     // Blocks of 16 addresses: 4 kept free, so the 13th address claims a
     // second block.
-    std::fs::write(
-        &file,
-        "[[pools]]\nname = \"pods\"\nipv4 = [\"10.94.0.0/24\"]\nblock_v4 = 28\n",
-    )?;
-    cli_at(
+    apply_pools(
         &eps,
         "/cr/",
-        &["pools", "apply", "-f", file.to_str().context("path")?],
+        "[[pools]]\nname = \"pods\"\nipv4 = [\"10.94.0.0/24\"]\nblock_v4 = 28\n",
     )?;
     let node = node_ns("clr", &cluster)?;
     let agent = AgentProc::start(
@@ -465,16 +442,10 @@ fn with_etcd_down_at_start_the_agent_serves_its_recorded_blocks_and_reconnects()
     privileged!();
     let mut cluster = EtcdCluster::start(3)?;
     let eps = cluster.endpoints();
-    let dir = lockstep_tests::TempDir::new("cluster-down")?;
-    let file = dir.path().join("pools.toml");
-    std::fs::write(
-        &file,
-        "[[pools]]\nname = \"pods\"\nipv4 = [\"10.95.0.0/24\"]\nblock_v4 = 28\n",
-    )?;
-    cli_at(
+    apply_pools(
         &eps,
         "/cd/",
-        &["pools", "apply", "-f", file.to_str().context("path")?],
+        "[[pools]]\nname = \"pods\"\nipv4 = [\"10.95.0.0/24\"]\nblock_v4 = 28\n",
     )?;
     let node = node_ns("cld", &cluster)?;
     let mut agent = AgentProc::start(&node, &config_at(&eps, "node-d", "/cd/"))?;
@@ -577,17 +548,11 @@ fn an_add_on_a_node_without_a_block_is_never_acknowledged_without_an_address() -
     privileged!();
     let cluster = EtcdCluster::start(3)?;
     let eps = cluster.endpoints();
-    let dir = lockstep_tests::TempDir::new("cluster-noblock")?;
-    let file = dir.path().join("pools.toml");
     // One block of 16 addresses in the whole pool.
-    std::fs::write(
-        &file,
-        "[[pools]]\nname = \"pods\"\nipv4 = [\"10.94.0.0/28\"]\nblock_v4 = 28\n",
-    )?;
-    cli_at(
+    apply_pools(
         &eps,
         "/cn/",
-        &["pools", "apply", "-f", file.to_str().context("path")?],
+        "[[pools]]\nname = \"pods\"\nipv4 = [\"10.94.0.0/28\"]\nblock_v4 = 28\n",
     )?;
     let (na, nb) = (node_ns("clna", &cluster)?, node_ns("clnb", &cluster)?);
     let a = AgentProc::start(&na, &config_at(&eps, "node-a", "/cn/"))?;
@@ -644,16 +609,10 @@ fn with_every_etcd_member_gone_the_agent_retries_at_a_pace() -> anyhow::Result<(
     privileged!();
     let mut cluster = EtcdCluster::start(3)?;
     let eps = cluster.endpoints();
-    let dir = lockstep_tests::TempDir::new("cluster-gone")?;
-    let file = dir.path().join("pools.toml");
-    std::fs::write(
-        &file,
-        "[[pools]]\nname = \"pods\"\nipv4 = [\"10.95.0.0/24\"]\nblock_v4 = 28\n",
-    )?;
-    cli_at(
+    apply_pools(
         &eps,
         "/cg/",
-        &["pools", "apply", "-f", file.to_str().context("path")?],
+        "[[pools]]\nname = \"pods\"\nipv4 = [\"10.95.0.0/24\"]\nblock_v4 = 28\n",
     )?;
     let node = node_ns("clg", &cluster)?;
     let agent = AgentProc::start(&node, &config_at(&eps, "node-g", "/cg/"))?;
