@@ -231,9 +231,51 @@ async fn allocate(
     let Json(req) = body?;
     req.owner.validate_requested()?;
     let started = Instant::now();
-    let result = with_agent(&s, move |a| a.allocate(req)).await;
+    let result = with_block(&s, || {
+        let req = req.clone();
+        with_agent(&s, move |a| a.allocate(req))
+    })
+    .await;
     s.metrics.observe_allocation(started.elapsed());
     Ok((StatusCode::OK, Json(result?)).into_response())
+}
+
+/// Runs `attempt`; in cluster mode, when it found a cluster pool with no
+/// free address, waits (at most 1.8 s) for the block a claim brings and
+/// runs it once more, so an allocation on a node whose blocks ran out (or
+/// that has none yet) is served as soon as etcd gives a block; etcd
+/// unreachable answers "try again later" (503, `etcd_unavailable`) naming
+/// etcd.
+async fn with_block<T, F, Fut>(s: &AppState, mut attempt: F) -> Result<T, ApiError>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<T, ApiError>>,
+{
+    let Some(cluster) = s.cluster.get() else {
+        return attempt().await;
+    };
+    // Taken before the attempt: a claim landing between the attempt and
+    // the wait is not waited for in vain.
+    let seen = cluster.claims_seen();
+    match attempt().await {
+        Err(e) if let Some(pool) = exhausted_cluster_pool(&e, cluster) => {
+            match cluster
+                .need_block(&pool, std::time::Duration::from_millis(1800), &seen)
+                .await
+            {
+                Ok(()) => attempt().await,
+                Err(why) => Err(ApiError::new(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "etcd_unavailable",
+                    format!(
+                        "cluster pool {pool} has no free address on this node and a new block \
+                         could not be claimed from etcd: {why}"
+                    ),
+                )),
+            }
+        }
+        r => r,
+    }
 }
 
 async fn release(
@@ -260,35 +302,7 @@ async fn cni_add(
     let Json(req) = body?;
     attachment(&req.container_id, &req.ifname)?;
     let started = Instant::now();
-    let retry = s
-        .cluster
-        .get()
-        .map(|c| (c.clone(), req.clone(), c.claims_seen()));
-    let result = add_once(&s, req).await;
-    // Cluster mode: a cluster pool with no free address waits (at most
-    // about 2 s) for the block a claim brings, then tries once more; etcd
-    // unreachable answers "try again later" naming etcd.
-    let result = match (result, retry) {
-        (Err(e), Some((cluster, req, seen)))
-            if let Some(pool) = exhausted_cluster_pool(&e, &cluster) =>
-        {
-            match cluster
-                .need_block(&pool, std::time::Duration::from_millis(1800), &seen)
-                .await
-            {
-                Ok(()) => add_once(&s, req).await,
-                Err(why) => Err(ApiError::new(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    "etcd_unavailable",
-                    format!(
-                        "cluster pool {pool} has no free address on this node and a new block \
-                         could not be claimed from etcd: {why}"
-                    ),
-                )),
-            }
-        }
-        (r, _) => r,
-    };
+    let result = with_block(&s, || add_once(&s, req.clone())).await;
     s.metrics.observe_allocation(started.elapsed());
     Ok(ok(result?))
 }
