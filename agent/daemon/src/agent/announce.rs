@@ -8,7 +8,14 @@
 //! One expiry serves all of a node's entries: the desired plan takes it from
 //! here ([`Lease::expires_ns`]), so verify and reconcile compare it like any
 //! other field, and a renewal is a reconcile of the announcement maps alone.
+//!
+//! Cluster mode (`cluster::lb_agent`) adds the addresses this node holds the
+//! lease-bound etcd key of, and caps the expiry at what that etcd lease
+//! guarantees ([`Agent::set_cluster_announcements`]): the entries stop being
+//! answered before etcd can give the address to another node, whatever
+//! this agent does meanwhile.
 
+use std::collections::BTreeSet;
 use std::net::IpAddr;
 use std::time::Duration;
 
@@ -38,6 +45,11 @@ pub struct Lease {
     /// Whether the entries may have lapsed since they were last renewed
     /// (true at start): the next renewal announces every address again.
     lapsed: bool,
+    /// Cluster mode: no expiry is written past this (kernel monotonic ns),
+    /// the time up to which etcd keeps this node's announcement keys.
+    cap_ns: Option<u64>,
+    /// Cluster mode: the addresses this node announces (holds the keys of).
+    cluster: BTreeSet<IpAddr>,
 }
 
 impl Lease {
@@ -48,7 +60,14 @@ impl Lease {
             lease,
             expires_ns: monotonic_ns() + lease.as_nanos() as u64,
             lapsed: true,
+            cap_ns: None,
+            cluster: BTreeSet::new(),
         }
+    }
+
+    /// Cluster mode's announced addresses (`cluster::lb_agent`).
+    pub fn cluster(&self) -> &BTreeSet<IpAddr> {
+        &self.cluster
     }
 
     /// The expiry the announcement entries carry.
@@ -61,8 +80,10 @@ impl Lease {
     /// previous one had passed (or the entries were never renewed).
     fn renew(&mut self, now_ns: u64) -> bool {
         let lapsed = self.lapsed || now_ns >= self.expires_ns;
-        self.expires_ns = now_ns + self.lease.as_nanos() as u64;
-        self.lapsed = false;
+        let ahead = now_ns + self.lease.as_nanos() as u64;
+        self.expires_ns = self.cap_ns.map_or(ahead, |cap| ahead.min(cap));
+        // Entries already past their cap are not answered: not renewed.
+        self.lapsed = self.expires_ns <= now_ns;
         lapsed
     }
 }
@@ -87,7 +108,11 @@ impl Agent {
     /// # Errors
     /// A map could not be read or written; the next renewal tries again.
     pub fn renew_announcements(&mut self) -> Result<usize, AgentError> {
-        let lapsed = self.announce.renew(monotonic_ns());
+        let now = monotonic_ns();
+        let lapsed = self.announce.renew(now);
+        // Past the cap (cluster mode, etcd lease not renewed): nothing is
+        // answered, so nothing is announced either.
+        let lapsed = lapsed && self.announce.expires_ns() > now;
         let want = self.desired()?;
         let root = &self.maps;
         let mut have = MapContents::default();
@@ -116,6 +141,34 @@ impl Agent {
             }
         }
         Ok(want.l2.len() + want.l2_v6.len())
+    }
+
+    /// Cluster mode: announces exactly `addrs` (this node holds their
+    /// lease-bound etcd keys) with no entry answered past `valid_until_ns`
+    /// (kernel monotonic ns; the etcd lease's guaranteed life), then sends
+    /// a gratuitous ARP / unsolicited NA for each address new to the set
+    /// while the entries are live. Removals are out of the maps when this
+    /// returns (the caller withdraws their keys only after).
+    ///
+    /// # Errors
+    /// A map could not be read or written.
+    pub fn set_cluster_announcements(
+        &mut self,
+        addrs: BTreeSet<IpAddr>,
+        valid_until_ns: u64,
+    ) -> Result<(), AgentError> {
+        let before = std::mem::replace(&mut self.announce.cluster, addrs);
+        self.announce.cap_ns = Some(valid_until_ns);
+        let was_lapsed = self.announce.lapsed || monotonic_ns() >= self.announce.expires_ns();
+        self.renew_announcements()?;
+        // A lapsed renewal announced everything already.
+        if !was_lapsed && self.announce.expires_ns() > monotonic_ns() {
+            let new: Vec<IpAddr> = self.announce.cluster.difference(&before).copied().collect();
+            for a in new {
+                self.send_announcement(a);
+            }
+        }
+        Ok(())
     }
 
     /// The announcement lease's renewal period (a third of the lease).
@@ -189,6 +242,27 @@ mod tests {
         assert!(!l.renew(2_000_000_000), "renewed in time");
         assert_eq!(l.expires_ns(), 5_000_000_000);
         assert!(l.renew(5_000_000_000), "renewed after the expiry");
+    }
+
+    #[test]
+    fn a_cap_bounds_every_renewal_and_a_passed_cap_stays_lapsed() {
+        let mut l = Lease::new(Duration::from_secs(3));
+        l.cap_ns = Some(2_000_000_000);
+        l.renew(1_000_000_000);
+        assert_eq!(l.expires_ns(), 2_000_000_000, "capped, not one lease ahead");
+        assert!(!l.renew(1_500_000_000));
+        assert_eq!(l.expires_ns(), 2_000_000_000);
+        // Past the cap: the entries are dead, and stay so until a new cap.
+        assert!(l.renew(2_500_000_000));
+        assert_eq!(l.expires_ns(), 2_000_000_000, "never moved past the cap");
+        assert!(
+            l.renew(2_600_000_000),
+            "still lapsed: announced again once live"
+        );
+        l.cap_ns = Some(9_000_000_000);
+        assert!(l.renew(3_000_000_000), "the first live renewal announces");
+        assert_eq!(l.expires_ns(), 6_000_000_000);
+        assert!(!l.renew(4_000_000_000));
     }
 
     #[test]

@@ -67,8 +67,21 @@ impl Agent {
                 .l2_announce_v4
                 .into_keys()
                 .chain(announced_ingress)
+                .chain(self.announce.cluster().iter().filter_map(|a| match a {
+                    IpAddr::V4(v) => Some(*v),
+                    IpAddr::V6(_) => None,
+                }))
                 .collect(),
-            announce_v6: self.lb.plan().l2_announce_v6.into_keys().collect(),
+            announce_v6: self
+                .lb
+                .plan()
+                .l2_announce_v6
+                .into_keys()
+                .chain(self.announce.cluster().iter().filter_map(|a| match a {
+                    IpAddr::V6(v) => Some(*v),
+                    IpAddr::V4(_) => None,
+                }))
+                .collect(),
             uplink: self.uplink.as_ref().map(|up| Uplink {
                 ifindex: up.index,
                 mac: up.mac,
