@@ -14,6 +14,8 @@
 //! lb/addresses/<ip>           → the services holding it (JSON list)
 //! lb/assigner                 → the elected node's name, bound to its lease
 //! lb/announce/<ip>            → the announcing node's name, bound to its lease
+//! lb/members/<node>           → the node's name, bound to its LB lease: the
+//!                               candidates for announcing (`lb_agent`)
 //! ```
 //!
 //! Uniqueness by construction: an address key is created in the same
@@ -52,6 +54,10 @@ pub struct LbView {
     pub addresses: BTreeMap<IpAddr, BTreeSet<String>>,
     /// The elected assigner and its key's create revision.
     pub assigner: Option<(String, i64)>,
+    /// Announcement keys: address → (node, lease).
+    pub announcements: BTreeMap<IpAddr, (String, i64)>,
+    /// Nodes running the LB agent: node → lease.
+    pub members: BTreeMap<String, i64>,
     /// The store revision of the read.
     pub revision: i64,
 }
@@ -172,6 +178,14 @@ impl Door {
                 let users: BTreeSet<String> =
                     serde_json::from_slice(kv.value()).map_err(|e| corrupt(&key, e))?;
                 view.addresses.insert(a, users);
+            } else if let Some(addr) = rest.strip_prefix("announce/") {
+                let a: IpAddr = addr.parse().map_err(|e| corrupt(&key, e))?;
+                view.announcements.insert(
+                    a,
+                    (String::from_utf8_lossy(kv.value()).into_owned(), kv.lease()),
+                );
+            } else if let Some(node) = rest.strip_prefix("members/") {
+                view.members.insert(node.to_string(), kv.lease());
             } else if rest == "assigner" {
                 view.assigner = Some((
                     String::from_utf8_lossy(kv.value()).into_owned(),
@@ -362,6 +376,177 @@ impl Door {
             .bounded("withdraw an lb announcement", true, client.txn(txn))
             .await?
             .succeeded())
+    }
+
+    /// Grants a lease of `ttl` (whole seconds, at least 1) for this node's
+    /// LB keys; returns its id and the TTL etcd granted (etcd may raise a
+    /// short one to its minimum: the datapath's expiry is computed from
+    /// what was granted).
+    ///
+    /// # Errors
+    /// etcd unavailable.
+    pub async fn lb_grant(&mut self, ttl: Duration) -> Result<(i64, Duration), ClusterStoreError> {
+        let secs = i64::try_from(ttl.as_secs().max(1)).unwrap_or(i64::MAX);
+        let mut client = self.client();
+        let resp = self
+            .bounded("grant the lb lease", true, client.lease_grant(secs, None))
+            .await?;
+        let granted = u64::try_from(resp.ttl()).unwrap_or(0).max(1);
+        Ok((resp.id(), Duration::from_secs(granted)))
+    }
+
+    /// Revokes `lease`: every key bound to it (announcements, membership,
+    /// the assigner key) is deleted at once.
+    ///
+    /// # Errors
+    /// etcd unavailable.
+    pub async fn lb_revoke(&mut self, lease: i64) -> Result<(), ClusterStoreError> {
+        let mut client = self.client();
+        self.bounded("revoke the lb lease", true, client.lease_revoke(lease))
+            .await?;
+        Ok(())
+    }
+
+    /// Seconds left on `lease` as etcd counts them (`None`: gone).
+    ///
+    /// # Errors
+    /// etcd unavailable.
+    pub async fn lb_lease_left(&mut self, lease: i64) -> Result<Option<i64>, ClusterStoreError> {
+        let mut client = self.client();
+        let ttl = self
+            .bounded(
+                "read an lb lease",
+                false,
+                client.lease_time_to_live(lease, None),
+            )
+            .await?
+            .ttl();
+        Ok((ttl > 0).then_some(ttl))
+    }
+
+    /// Makes `node` a candidate announcer for as long as `lease` lives.
+    ///
+    /// # Errors
+    /// etcd unavailable.
+    pub async fn lb_join(&mut self, node: &str, lease: i64) -> Result<(), ClusterStoreError> {
+        let key = self.lb_key(&format!("members/{node}"));
+        let mut client = self.client();
+        self.bounded(
+            "join the lb announcers",
+            true,
+            client.put(
+                key,
+                node.as_bytes().to_vec(),
+                Some(PutOptions::new().with_lease(lease)),
+            ),
+        )
+        .await?;
+        Ok(())
+    }
+
+    /// Stores `pools` and `services` in one transaction (at most 128 of
+    /// them: etcd's default limit).
+    ///
+    /// # Errors
+    /// Too many at once, or etcd unavailable.
+    pub async fn lb_put(
+        &mut self,
+        pools: &[LbPoolSpec],
+        services: &[ServiceSpec],
+    ) -> Result<(), ClusterStoreError> {
+        if pools.len() + services.len() > 128 {
+            return Err(ClusterStoreError::Invalid(format!(
+                "{} pools and services in one apply; at most 128",
+                pools.len() + services.len()
+            )));
+        }
+        let mut ops = Vec::new();
+        for p in pools {
+            let key = self.lb_key(&format!("pools/{}", p.name));
+            let v = serde_json::to_vec(p).map_err(|e| corrupt(&key, e))?;
+            ops.push(TxnOp::put(key, v, None));
+        }
+        for s in services {
+            let key = self.lb_key(&format!("services/{}", s.id()));
+            let v = serde_json::to_vec(s).map_err(|e| corrupt(&key, e))?;
+            ops.push(TxnOp::put(key, v, None));
+        }
+        let mut client = self.client();
+        self.bounded(
+            "store lb pools and services",
+            true,
+            client.txn(Txn::new().and_then(ops)),
+        )
+        .await?;
+        Ok(())
+    }
+
+    /// Deletes services (`namespace/name`) and pools, all or none: a name
+    /// that does not exist deletes nothing and is named.
+    ///
+    /// # Errors
+    /// An unknown name, a concurrent delete, or etcd unavailable.
+    pub async fn lb_delete(
+        &mut self,
+        services: &[String],
+        pools: &[String],
+    ) -> Result<(), ClusterStoreError> {
+        let keys: Vec<(String, String)> = services
+            .iter()
+            .map(|s| {
+                (
+                    format!("service {s}"),
+                    self.lb_key(&format!("services/{s}")),
+                )
+            })
+            .chain(
+                pools
+                    .iter()
+                    .map(|p| (format!("pool {p}"), self.lb_key(&format!("pools/{p}")))),
+            )
+            .collect();
+        if keys.len() > 128 {
+            return Err(ClusterStoreError::Invalid(format!(
+                "{} deletions in one request; at most 128",
+                keys.len()
+            )));
+        }
+        let view = self.lb_read().await?;
+        for (what, _) in &keys {
+            let known = match what.split_once(' ') {
+                Some(("service", id)) => view.services.contains_key(id),
+                Some((_, name)) => view.pools.contains_key(name),
+                None => false,
+            };
+            if !known {
+                return Err(ClusterStoreError::Invalid(format!(
+                    "no such {what} in etcd; nothing deleted"
+                )));
+            }
+        }
+        let when: Vec<Compare> = keys
+            .iter()
+            .map(|(_, k)| Compare::create_revision(k.clone(), CompareOp::Greater, 0))
+            .collect();
+        let ops: Vec<TxnOp> = keys
+            .iter()
+            .map(|(_, k)| TxnOp::delete(k.clone(), None))
+            .collect();
+        let mut client = self.client();
+        let done = self
+            .bounded(
+                "delete lb services and pools",
+                true,
+                client.txn(Txn::new().when(when).and_then(ops)),
+            )
+            .await?
+            .succeeded();
+        if !done {
+            return Err(ClusterStoreError::Conflict {
+                what: "an lb delete (a name was deleted meanwhile)".into(),
+            });
+        }
+        Ok(())
     }
 
     /// What `me` should do about announcements now: the addresses of the
