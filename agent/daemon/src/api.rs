@@ -48,6 +48,9 @@ pub struct AppState {
     pub metrics: Arc<Metrics>,
     /// Cluster mode's state, once started (never set in single-node mode).
     pub cluster: Arc<std::sync::OnceLock<Arc<crate::cluster::ClusterHandle>>>,
+    /// Cluster mode's LB agent, once started: `lockstep lb` reads and
+    /// writes etcd through it.
+    pub lb_cluster: Arc<std::sync::OnceLock<Arc<crate::cluster::LbHandle>>>,
 }
 
 /// An API error: HTTP status, stable code, message.
@@ -196,6 +199,9 @@ async fn metrics(State(s): State<AppState>) -> Result<Response, ApiError> {
     let mut text = with_agent(&s, move |a| Ok(m.render(a))).await?;
     if let Some(c) = s.cluster.get() {
         text.push_str(&crate::cluster::render_metrics(c));
+    }
+    if let Some(lb) = s.lb_cluster.get() {
+        text.push_str(&crate::cluster::lb_agent::render_metrics(lb));
     }
     Ok(([("content-type", "text/plain; version=0.0.4")], text).into_response())
 }
@@ -398,7 +404,27 @@ async fn endpoints(State(s): State<AppState>) -> Result<Response, ApiError> {
     Ok(ok(with_agent(&s, |a| Ok(a.endpoints())).await?))
 }
 
+/// How long `lb apply` and `lb delete` in cluster mode wait for the
+/// assigner (and, for a delete, the announcers) to act before answering.
+const LB_APPLY_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+
+impl From<crate::cluster::ClusterStoreError> for ApiError {
+    fn from(e: crate::cluster::ClusterStoreError) -> Self {
+        use crate::cluster::ClusterStoreError as E;
+        let (status, code) = match &e {
+            E::Unavailable { .. } => (StatusCode::SERVICE_UNAVAILABLE, "etcd_unavailable"),
+            E::Conflict { .. } => (StatusCode::CONFLICT, "busy"),
+            E::Invalid(_) | E::Refused(_) => (StatusCode::BAD_REQUEST, "invalid_request"),
+            _ => (StatusCode::INTERNAL_SERVER_ERROR, "internal"),
+        };
+        ApiError::new(status, code, crate::error_chain(&e))
+    }
+}
+
 async fn lb_get(State(s): State<AppState>) -> Result<Response, ApiError> {
+    if let Some(lb) = s.lb_cluster.get() {
+        return Ok(ok(lb.view().await?));
+    }
     Ok(ok(with_agent(&s, |a| Ok(a.lb_view())).await?))
 }
 
@@ -407,6 +433,9 @@ async fn lb_apply(
     body: Result<Json<LbApply>, JsonRejection>,
 ) -> Result<Response, ApiError> {
     let Json(req) = body?;
+    if let Some(lb) = s.lb_cluster.get() {
+        return Ok(ok(lb.apply(req.pools, req.services, LB_APPLY_WAIT).await?));
+    }
     Ok(ok(with_agent(&s, move |a| a.lb_apply(req)).await?))
 }
 
@@ -415,6 +444,11 @@ async fn lb_delete(
     body: Result<Json<LbDelete>, JsonRejection>,
 ) -> Result<Response, ApiError> {
     let Json(req) = body?;
+    if let Some(lb) = s.lb_cluster.get() {
+        return Ok(ok(lb
+            .delete(req.services, req.pools, LB_APPLY_WAIT)
+            .await?));
+    }
     Ok(ok(with_agent(&s, move |a| a.lb_delete(req)).await?))
 }
 

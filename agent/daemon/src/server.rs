@@ -252,6 +252,7 @@ pub async fn run(config: Config) -> Result<(), ServerError> {
         held: Arc::new(Mutex::new(None)),
         metrics,
         cluster: Arc::new(std::sync::OnceLock::new()),
+        lb_cluster: Arc::new(std::sync::OnceLock::new()),
     };
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let shutdown = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
@@ -349,6 +350,12 @@ pub async fn run(config: Config) -> Result<(), ServerError> {
     if let Some(node) = &cluster {
         let _ = state.cluster.set(node.handle());
     }
+    // Cluster mode: LoadBalancer pools and services in etcd, the elected
+    // assigner and this node's announcements (`cluster::lb_agent`).
+    let lb_agent = crate::cluster::LbAgent::from_config(&cluster_config);
+    if let Some(lb) = &lb_agent {
+        let _ = state.lb_cluster.set(lb.handle());
+    }
     // Cluster mode: the other nodes' blocks (routes, IPCACHE) and the
     // skip-masquerade cluster CIDRs, followed from etcd (`cluster::remote`).
     let remote = crate::cluster::RemoteTask::from_config(&cluster_config, interval);
@@ -361,6 +368,7 @@ pub async fn run(config: Config) -> Result<(), ServerError> {
     let reaper = crate::agent::reaper::prepare(&mut agent);
     *slot.lock().unwrap_or_else(|p| p.into_inner()) = Some(agent);
     let cluster_task = cluster.map(|node| node.spawn(slot.clone(), stop_rx.clone()));
+    let lb_task = lb_agent.map(|lb| lb.spawn(slot.clone(), stop_rx.clone()));
     let remote_task = remote.map(|r| r.spawn(slot.clone(), stop_rx.clone()));
     // The maps exist now; the collector runs beside the agent, not in it.
     let _masquerade = match masquerade {
@@ -455,6 +463,9 @@ pub async fn run(config: Config) -> Result<(), ServerError> {
         let _ = t.await;
     }
     if let Some(t) = cluster_task {
+        let _ = t.await;
+    }
+    if let Some(t) = lb_task {
         let _ = t.await;
     }
     if let Some(t) = events {

@@ -24,7 +24,9 @@ pub enum LbCommand {
         #[arg(long, short, value_enum, default_value_t)]
         output: Output,
     },
-    /// Pools (with conflicts and usage) and service statuses.
+    /// Pools (with conflicts and usage) and service statuses; in cluster
+    /// mode as etcd holds them, with the assigner and which node announces
+    /// each address (and its lease left).
     Get {
         /// Output format.
         #[arg(long, short, value_enum, default_value_t)]
@@ -81,6 +83,33 @@ pub(super) fn print_lb(v: &serde_json::Value, output: Output) {
         for (id, st) in v["services"].as_object().into_iter().flatten() {
             let a = &st["assignment"];
             out.push_str(&format!("  {id:<24} {a}\n"));
+        }
+        // Cluster mode: the assigner and who announces what.
+        let c = &v["cluster"];
+        if c.is_object() {
+            out.push_str(&format!(
+                "cluster:\n  assigner {}\n  announcers {}\n",
+                c["assigner"].as_str().unwrap_or("(none)"),
+                c["members"]
+                    .as_array()
+                    .map(|m| m
+                        .iter()
+                        .filter_map(|n| n.as_str())
+                        .collect::<Vec<_>>()
+                        .join(","))
+                    .unwrap_or_default()
+            ));
+            if let Some(p) = c["pending"].as_array().filter(|p| !p.is_empty()) {
+                out.push_str(&format!("  pending {}\n", p.len()));
+            }
+            out.push_str("announcements:\n");
+            for (addr, a) in c["announcements"].as_object().into_iter().flatten() {
+                out.push_str(&format!(
+                    "  {addr:<24} {} lease {}s\n",
+                    a["node"].as_str().unwrap_or("?"),
+                    a["lease_left_s"]
+                ));
+            }
         }
         out.trim_end().to_string()
     });

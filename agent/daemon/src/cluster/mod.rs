@@ -29,6 +29,7 @@
 mod door;
 mod held;
 mod lb;
+pub mod lb_agent;
 mod node;
 mod remote;
 mod watch;
@@ -36,6 +37,7 @@ mod watch;
 pub use door::{Door, DoorOptions, TlsFiles};
 pub use held::{Held, HeldBlock, HeldError};
 pub use lb::{LbView, NEW_SERVICES_PER_ROUND, Round};
+pub use lb_agent::{LbAgent, LbHandle};
 pub use node::{ClusterHandle, ClusterNode, local_specs, render_metrics};
 pub use remote::{RemoteError, RemoteTask, RemoteView, RouteSync, sync_routes};
 pub use watch::{Change, Watch};
