@@ -330,7 +330,24 @@ fn build_shipped(bin: &str) -> anyhow::Result<PathBuf> {
 fn bench(suite: &str) -> anyhow::Result<()> {
     match suite {
         "core" => run(cargo().args(["bench", "-p", "lockstep-core", "--bench", "core"])),
-        "lb" => run(cargo().args(["bench", "-p", "lockstep-core", "--bench", "lb"])),
+        "lb" => {
+            run(cargo().args(["bench", "-p", "lockstep-core", "--bench", "lb"]))?;
+            // Failover in cluster mode: gap p50/p99 over at least 50
+            // handovers with the default lease, overlaps counted (three
+            // node namespaces, a real 3-member etcd; docs/cluster.md).
+            run(cargo().args(["build", "--release", "-p", "lockstep", "--bins"]))?;
+            run(cargo()
+                .args([
+                    "test",
+                    "--release",
+                    "-p",
+                    "lockstep-tests",
+                    "--test",
+                    "cluster_lb_e2e",
+                ])
+                .args(["--", "--ignored", "--nocapture", "--test-threads", "1"])
+                .env("LOCKSTEP_BIN", root().join("target/release/lockstep")))
+        }
         "datapath" => run(cargo().args(["bench", "-p", "lockstep", "--bench", "datapath"])),
         "agent" => run(cargo().args(["bench", "-p", "lockstep", "--bench", "agent"])),
         "cni" => {
