@@ -7,14 +7,18 @@
 //! 1. keeps the lease (a refresh every third of its TTL); the time up to
 //!    which etcd is sure to keep it is the datapath's cap: no L2_RESP entry
 //!    of this node is answered past it ([`Agent::set_cluster_announcements`]);
-//! 2. runs an assigner round ([`Door::lb_round`], campaigning with the same
-//!    lease) at most every [`ROUND_EVERY`], at once again while it stores;
-//! 3. plans its announcements (the core's [`announce_plan`] over the
+//! 2. plans its announcements (the core's [`announce_plan`] over the
 //!    members) and acts in the safe order: an address it must stop
 //!    announcing leaves the datapath first, then its key is withdrawn; an
 //!    address it must start announcing is taken only when no key stands
 //!    (the previous holder withdrew, or its lease ended), then programmed,
-//!    then announced by gratuitous ARP / unsolicited NA.
+//!    then announced by gratuitous ARP / unsolicited NA;
+//! 3. runs an assigner round ([`Door::lb_round`], campaigning with the same
+//!    lease) at most every [`ROUND_EVERY`], at once again while it stores.
+//!
+//! Steps 2 and 3 are bounded by a quarter of the TTL, so a slow etcd never
+//! holds the next refresh back; each step is idempotent and ordered after
+//! what it depends on, so a round cut short is finished by the next.
 //!
 //! Why never two nodes answer: an entry's expiry is at most `t + TTL -
 //! margin`, `t` the moment the last lease refresh (or grant) was *sent*;
@@ -507,46 +511,34 @@ impl LbAgent {
         let Some(lease) = self.lease else {
             return false;
         };
-        match self.act(slot, lease.id).await {
-            Ok(again) => {
+        // Bounded, so a slow etcd never delays the next lease refresh past
+        // its slack: every step of `act` is idempotent and each comes after
+        // the one it depends on, so one cut short is finished next tick.
+        let bound = lease.ttl / 4;
+        match tokio::time::timeout(bound, self.act(slot, lease.id)).await {
+            Ok(Ok(again)) => {
                 self.problem(None);
                 again
             }
-            Err(e) => {
+            Ok(Err(e)) => {
                 self.problem(Some(&e));
+                false
+            }
+            Err(_) => {
+                tracing::debug!(?bound, "lb round cut short to refresh the lease in time");
                 false
             }
         }
     }
 
-    /// The assigner round when due, then the announcement plan.
+    /// The announcement plan first (what answers), then the assigner
+    /// round when due.
     async fn act(
         &mut self,
         slot: &Arc<Mutex<Option<Agent>>>,
         lease: i64,
     ) -> Result<bool, ClusterStoreError> {
         let door = self.door.as_mut().expect("connected");
-        let mut again = false;
-        if self.last_round.is_none_or(|t| t.elapsed() >= ROUND_EVERY) {
-            let round = door.lb_round(&self.name, lease).await;
-            self.last_round = Some(Instant::now());
-            match round {
-                Ok(Round::Stored { added, removed }) => {
-                    tracing::info!(added, removed, "lb state stored");
-                    self.handle.lock().assigner = true;
-                    again = true;
-                    self.last_round = None;
-                }
-                Ok(Round::Idle) => self.handle.lock().assigner = true,
-                Ok(Round::Lost) => self.last_round = None,
-                Ok(Round::Follower { .. }) => self.handle.lock().assigner = false,
-                // A refused definition is named; announcing goes on.
-                Err(ClusterStoreError::Invalid(why)) => {
-                    tracing::error!(reason = %why, "lb assigner: the stored pools and services are refused");
-                }
-                Err(e) => return Err(e),
-            }
-        }
         let view = door.lb_read().await?;
         let addresses: BTreeMap<IpAddr, LabelSelector> = match &view.state {
             Some((state, _)) => {
@@ -614,12 +606,38 @@ impl LbAgent {
                 took = true;
             }
         }
-        // Kept addresses the datapath lost (a restart): back in.
+        // Held keys not in the datapath (a take whose answer was cut
+        // short, see `tick`): programmed now, and counted as taken.
         for a in &plan.keep {
-            took |= self.announcing.insert(*a);
+            if self.announcing.insert(*a) {
+                self.handle.lock().takes += 1;
+                took = true;
+            }
         }
         if took {
             self.push(slot).await;
+        }
+        let mut again = false;
+        let door = self.door.as_mut().expect("connected");
+        if self.last_round.is_none_or(|t| t.elapsed() >= ROUND_EVERY) {
+            let round = door.lb_round(&self.name, lease).await;
+            self.last_round = Some(Instant::now());
+            match round {
+                Ok(Round::Stored { added, removed }) => {
+                    tracing::info!(added, removed, "lb state stored");
+                    self.handle.lock().assigner = true;
+                    again = true;
+                    self.last_round = None;
+                }
+                Ok(Round::Idle) => self.handle.lock().assigner = true,
+                Ok(Round::Lost) => self.last_round = None,
+                Ok(Round::Follower { .. }) => self.handle.lock().assigner = false,
+                // A refused definition is named; announcing goes on.
+                Err(ClusterStoreError::Invalid(why)) => {
+                    tracing::error!(reason = %why, "lb assigner: the stored pools and services are refused");
+                }
+                Err(e) => return Err(e),
+            }
         }
         Ok(again)
     }
