@@ -48,10 +48,7 @@ pub(super) fn read_slots<V: aya::Pod + Default + PartialEq>(
     slots: u32,
 ) -> Result<Vec<(u32, V)>, AgentError> {
     let raw = maps.raw(map)?;
-    let mut all: Vec<(u32, V)> =
-        sys::read_array(raw.fd(), slots).map_err(|source| AgentError::Reconcile { map, source })?;
-    all.retain(|(_, v)| *v != V::default());
-    Ok(all)
+    sys::read_array(raw.fd(), slots).map_err(|source| AgentError::Reconcile { map, source })
 }
 
 /// Applies one map's diff with batch syscalls: deletes first (frees room),
