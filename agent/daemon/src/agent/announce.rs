@@ -137,7 +137,7 @@ impl Agent {
                 .map(|(a, _)| IpAddr::from(*a))
                 .chain(want.l2_v6.iter().map(|(a, _)| IpAddr::from(*a)));
             for addr in addrs {
-                self.send_announcement(addr);
+                self.send_live_announcement(addr);
             }
         }
         Ok(want.l2.len() + want.l2_v6.len())
@@ -165,10 +165,20 @@ impl Agent {
         if !was_lapsed && self.announce.expires_ns() > monotonic_ns() {
             let new: Vec<IpAddr> = self.announce.cluster.difference(&before).copied().collect();
             for a in new {
-                self.send_announcement(a);
+                self.send_live_announcement(a);
             }
         }
         Ok(())
+    }
+
+    /// Announces `addr` only while the entries are answered: checked just
+    /// before each frame, so an agent stopped (SIGSTOP) past its expiry,
+    /// whose address another node may announce by now, does not send a
+    /// stale gratuitous ARP / NA when it resumes in the middle of a list.
+    fn send_live_announcement(&self, addr: IpAddr) {
+        if monotonic_ns() < self.announce.expires_ns() {
+            self.send_announcement(addr);
+        }
     }
 
     /// The announcement lease's renewal period (a third of the lease).
