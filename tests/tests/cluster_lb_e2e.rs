@@ -886,6 +886,9 @@ enum Fault {
     Cut,
     /// SIGTERM: the agent unprograms and revokes its lease on the way out.
     Term,
+    /// The uplink alone down, etcd still reachable: the agent stops
+    /// refreshing its LB lease, so its addresses move.
+    LinkDown,
 }
 
 /// One fault on the node announcing the most of `total` addresses, its
@@ -922,6 +925,9 @@ fn fault_once(
             lab.ns[x].exec("ip", ["link", "set", "u0", "down"])?;
             lab.cuts[x].set(true);
         }
+        Fault::LinkDown => {
+            lab.ns[x].exec("ip", ["link", "set", "u0", "down"])?;
+        }
     }
     let old = lab.macs[x];
     let moved = wait_for(
@@ -946,6 +952,9 @@ fn fault_once(
         Fault::Stop => signal(pid, "-CONT")?,
         Fault::Cut => {
             lab.cuts[x].set(false);
+            lab.ns[x].exec("ip", ["link", "set", "u0", "up"])?;
+        }
+        Fault::LinkDown => {
             lab.ns[x].exec("ip", ["link", "set", "u0", "up"])?;
         }
     }
@@ -1006,7 +1015,13 @@ fn failover_never_answers_from_two_nodes() -> anyhow::Result<()> {
         (lab.announcers(0).ok()?.len() == 24).then_some(())
     })?;
     let mut all_overlaps = 0;
-    for fault in [Fault::Kill, Fault::Stop, Fault::Cut, Fault::Term] {
+    for fault in [
+        Fault::Kill,
+        Fault::Stop,
+        Fault::Cut,
+        Fault::Term,
+        Fault::LinkDown,
+    ] {
         let (x, overlaps, handovers) = fault_once(&mut lab, fault, 24)?;
         all_overlaps += overlaps;
         let mut gaps: Vec<Duration> = handovers.iter().map(|h| h.gap).collect();

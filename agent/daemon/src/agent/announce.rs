@@ -171,6 +171,22 @@ impl Agent {
         Ok(())
     }
 
+    /// Whether the uplink is administratively up (`None`: no uplink, or
+    /// netlink could not tell). Cluster mode stops refreshing its LB lease
+    /// while it is down, so its addresses move to a node that can answer.
+    pub fn uplink_up(&mut self) -> Option<bool> {
+        let name = self.uplink.as_ref()?.name.clone();
+        if self.netlink.is_none() {
+            self.netlink = Netlink::current().ok();
+        }
+        self.netlink
+            .as_ref()?
+            .link(&name)
+            .ok()
+            .flatten()
+            .map(|l| l.up)
+    }
+
     /// Announces `addr` only while the entries are answered: checked just
     /// before each frame, so an agent stopped (SIGSTOP) past its expiry,
     /// whose address another node may announce by now, does not send a

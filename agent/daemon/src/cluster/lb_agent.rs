@@ -348,6 +348,8 @@ pub struct LbAgent {
     /// Addresses in the datapath (keys held under `lease`).
     announcing: BTreeSet<IpAddr>,
     last_round: Option<Instant>,
+    /// The uplink was seen down (logged once).
+    uplink_down: bool,
     handle: Arc<LbHandle>,
 }
 
@@ -377,6 +379,7 @@ impl LbAgent {
             lease: None,
             announcing: BTreeSet::new(),
             last_round: None,
+            uplink_down: false,
             handle: Arc::new(LbHandle {
                 opts,
                 door: tokio::sync::Mutex::new(None),
@@ -497,6 +500,23 @@ impl LbAgent {
                 }
             }
         }
+        // An uplink that is down answers nobody: no refresh (the lease runs
+        // out and the addresses move to nodes that can answer), no round.
+        let slot2 = slot.clone();
+        let up = tokio::task::spawn_blocking(move || lock_agent(&slot2).as_mut()?.uplink_up())
+            .await
+            .ok()
+            .flatten();
+        if up == Some(false) {
+            if !self.uplink_down {
+                tracing::warn!(
+                    "uplink down: LB lease no longer refreshed; announcements move to other nodes"
+                );
+                self.uplink_down = true;
+            }
+            return false;
+        }
+        self.uplink_down = false;
         let moved = match self.keep_lease().await {
             Ok(m) => m,
             Err(e) => {
