@@ -27,6 +27,7 @@
 //! harness").
 
 mod door;
+mod handle;
 mod held;
 mod lb;
 pub mod lb_agent;
@@ -35,10 +36,11 @@ mod remote;
 mod watch;
 
 pub use door::{Door, DoorOptions, TlsFiles};
+pub use handle::{ClusterHandle, render_metrics};
 pub use held::{Held, HeldBlock, HeldError};
 pub use lb::{LbView, NEW_SERVICES_PER_ROUND, Round};
 pub use lb_agent::{LbAgent, LbHandle};
-pub use node::{ClusterHandle, ClusterNode, local_specs, render_metrics};
+pub use node::{ClusterNode, local_specs};
 pub use remote::{RemoteError, RemoteTask, RemoteView, RouteSync, sync_routes};
 pub use watch::{Change, Watch};
 

@@ -1,0 +1,137 @@
+//! What the rest of the agent sees of cluster mode's claim loop
+//! (`cluster::node`): whether etcd answers, the fenced blocks, the pools, and
+//! a way for an allocation that found a cluster pool full to ask for a block
+//! and wait for it. Kept apart from the loop so the API and metrics depend
+//! on this narrow handle, not on the loop's state.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Mutex;
+use std::time::Duration;
+
+use tokio::sync::Notify;
+
+/// What the API and metrics read of cluster mode.
+#[derive(Debug, Default)]
+pub struct ClusterHandle {
+    shared: Mutex<Shared>,
+    pub(super) wake: Notify,
+    pub(super) changed: Notify,
+}
+
+#[derive(Debug, Default)]
+pub(super) struct Shared {
+    /// Why etcd is unreachable (`None`: the last request succeeded).
+    pub(super) problem: Option<String>,
+    /// Fenced blocks.
+    pub(super) fenced: usize,
+    /// Cluster pools and their families.
+    pub(super) pools: Vec<crate::wire::ClusterPoolFamilies>,
+    /// Pools an ADD waits on a block for.
+    pub(super) wanted: BTreeSet<String>,
+    /// Blocks claimed per pool since start.
+    pub(super) claims: BTreeMap<String, u64>,
+    /// Rounds done since start.
+    pub(super) rounds: u64,
+}
+
+impl ClusterHandle {
+    pub(super) fn lock(&self) -> std::sync::MutexGuard<'_, Shared> {
+        self.shared
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Why etcd is unreachable, while it is.
+    pub fn etcd_problem(&self) -> Option<String> {
+        self.lock().problem.clone()
+    }
+
+    /// How many blocks are fenced.
+    pub fn fenced(&self) -> usize {
+        self.lock().fenced
+    }
+
+    /// The cluster pools and their families.
+    pub fn pools(&self) -> Vec<crate::wire::ClusterPoolFamilies> {
+        self.lock().pools.clone()
+    }
+
+    /// How many blocks have been claimed so far, per pool: taken before an
+    /// allocation attempt, it tells [`ClusterHandle::need_block`] whether a
+    /// block came after it.
+    pub fn claims_seen(&self) -> BTreeMap<String, u64> {
+        self.lock().claims.clone()
+    }
+
+    /// Asks for a block of `pool` now and waits for it, at most `within`.
+    /// `seen` is [`ClusterHandle::claims_seen`] from before the attempt
+    /// that found the pool full: a block claimed since (even before this
+    /// call) answers at once, so a claim landing between the attempt and
+    /// this call is not waited for in vain.
+    ///
+    /// # Errors
+    /// Why not: etcd unreachable (named), or no block came in time.
+    pub async fn need_block(
+        &self,
+        pool: &str,
+        within: Duration,
+        seen: &BTreeMap<String, u64>,
+    ) -> Result<(), String> {
+        let deadline = tokio::time::Instant::now() + within;
+        let claims = seen.get(pool).copied().unwrap_or(0);
+        let rounds = {
+            let mut s = self.lock();
+            if s.claims.get(pool).copied().unwrap_or(0) > claims {
+                return Ok(());
+            }
+            s.wanted.insert(pool.to_string());
+            s.rounds
+        };
+        self.wake.notify_one();
+        loop {
+            let changed = self.changed.notified();
+            {
+                let s = self.lock();
+                if s.claims.get(pool).copied().unwrap_or(0) > claims {
+                    return Ok(());
+                }
+                // A whole round after the request, and etcd failed.
+                if s.rounds > rounds + 1
+                    && let Some(p) = &s.problem
+                {
+                    return Err(p.clone());
+                }
+                if s.rounds > rounds + 1 && !s.wanted.contains(pool) {
+                    return Err(format!(
+                        "cluster pool {pool} has no free block left in etcd"
+                    ));
+                }
+            }
+            if tokio::time::timeout_at(deadline, changed).await.is_err() {
+                let s = self.lock();
+                return Err(s.problem.clone().unwrap_or_else(|| {
+                    format!("etcd did not give a block of cluster pool {pool} within {within:?}")
+                }));
+            }
+        }
+    }
+}
+
+/// Cluster mode's metrics, in the Prometheus text format.
+pub fn render_metrics(c: &ClusterHandle) -> String {
+    let s = c.lock();
+    let claims: u64 = s.claims.values().sum();
+    format!(
+        "# HELP lockstep_cluster_fenced_blocks Blocks in the local record that etcd no longer gives this node: nothing new is allocated from them.\n\
+         # TYPE lockstep_cluster_fenced_blocks gauge\n\
+         lockstep_cluster_fenced_blocks {}\n\
+         # HELP lockstep_cluster_etcd_reachable Whether the last etcd request succeeded.\n\
+         # TYPE lockstep_cluster_etcd_reachable gauge\n\
+         lockstep_cluster_etcd_reachable {}\n\
+         # HELP lockstep_cluster_block_claims_total Blocks claimed since start.\n\
+         # TYPE lockstep_cluster_block_claims_total counter\n\
+         lockstep_cluster_block_claims_total {claims}\n",
+        s.fenced,
+        u8::from(s.problem.is_none()),
+    )
+}
