@@ -1,0 +1,132 @@
+//! The COUNTERS per-CPU array's indices: one per event the programs count,
+//! read by `lockstep counters` and the agent's metrics.
+
+/// Indices into the COUNTERS per-CPU array.
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Counter {
+    /// from_endpoint: packet passed the source check.
+    FromEndpointPassed = 0,
+    /// from_endpoint: IPv4 packet dropped, source not the endpoint's.
+    SpoofDroppedV4 = 1,
+    /// from_endpoint: IPv6 packet dropped, source not the endpoint's.
+    SpoofDroppedV6 = 2,
+    /// from_endpoint: ARP packet dropped, sender address not the endpoint's.
+    SpoofDroppedArp = 3,
+    /// from_endpoint: interface has no ENDPOINTS entry; packet dropped.
+    UnknownEndpoint = 4,
+    /// from_endpoint: destination found in IPCACHE as a local endpoint.
+    DstEndpoint = 5,
+    /// from_endpoint: destination found in IPCACHE as an agent or LB address.
+    DstService = 6,
+    /// from_endpoint: destination found in IPCACHE as a host or remote prefix.
+    DstCluster = 7,
+    /// from_endpoint: destination not in IPCACHE (world).
+    DstWorld = 8,
+    /// to_native: endpoint traffic to be masqueraded while MASQ_CONFIG
+    /// leaves masquerade off for its family (counted, not translated).
+    MasqWouldTranslate = 9,
+    /// to_native: endpoint traffic to a MASQ_SKIP destination.
+    MasqSkipped = 10,
+    /// to_native: traffic not from a local endpoint.
+    MasqNotEndpoint = 11,
+    /// from_native: ARP request answered from L2_RESP_V4.
+    ArpReplied = 12,
+    /// from_native: ARP request for an address not announced here (or whose
+    /// announcement has expired, see [`Counter::AnnounceExpired`]).
+    ArpIgnored = 13,
+    /// Packets too short or malformed to parse.
+    Malformed = 14,
+    /// from_endpoint / from_native: a copy of an ENDPOINTS or L2_RESP_V4
+    /// value failed its [`seal`] (torn by a concurrent rewrite, or damaged)
+    /// and was looked up again.
+    SealRetried = 15,
+    /// to_native: packet of a local endpoint source-translated (masqueraded).
+    MasqTranslated = 16,
+    /// from_native: reply reverse-translated to the endpoint.
+    MasqReversed = 17,
+    /// to_native: new flow dropped, no free translated port.
+    MasqExhausted = 18,
+    /// to_native: new flow dropped, a NAT map insert failed (full or no memory).
+    MasqTableFull = 19,
+    /// from_native: ICMP or ICMPv6 error quoting a translated packet
+    /// reverse-translated (outer and inner headers).
+    MasqIcmpErrorReversed = 20,
+    /// from_native: Neighbor Solicitation answered from L2_RESP_V6.
+    NdpReplied = 21,
+    /// from_native: well-formed Neighbor Solicitation for an address not
+    /// announced here (or expired).
+    NdpIgnored = 22,
+    /// from_native: Neighbor Solicitation dropped from the responder's
+    /// consideration as malformed (hop limit not 255, code not 0, too short,
+    /// multicast target, unspecified source); left to the stack.
+    NdpMalformed = 23,
+    /// from_native: ARP or NDP request for an address whose announcement
+    /// expired (the agent stopped renewing it); not answered.
+    AnnounceExpired = 24,
+}
+
+impl Counter {
+    /// Number of counters defined (the COUNTERS map has room for
+    /// [`max_entries::COUNTERS`](crate::max_entries::COUNTERS)).
+    pub const COUNT: u32 = 25;
+    /// Every counter, in index order.
+    pub const ALL: [Counter; Self::COUNT as usize] = [
+        Counter::FromEndpointPassed,
+        Counter::SpoofDroppedV4,
+        Counter::SpoofDroppedV6,
+        Counter::SpoofDroppedArp,
+        Counter::UnknownEndpoint,
+        Counter::DstEndpoint,
+        Counter::DstService,
+        Counter::DstCluster,
+        Counter::DstWorld,
+        Counter::MasqWouldTranslate,
+        Counter::MasqSkipped,
+        Counter::MasqNotEndpoint,
+        Counter::ArpReplied,
+        Counter::ArpIgnored,
+        Counter::Malformed,
+        Counter::SealRetried,
+        Counter::MasqTranslated,
+        Counter::MasqReversed,
+        Counter::MasqExhausted,
+        Counter::MasqTableFull,
+        Counter::MasqIcmpErrorReversed,
+        Counter::NdpReplied,
+        Counter::NdpIgnored,
+        Counter::NdpMalformed,
+        Counter::AnnounceExpired,
+    ];
+
+    /// Stable snake_case name, used in metrics and the CLI.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Counter::FromEndpointPassed => "from_endpoint_passed",
+            Counter::SpoofDroppedV4 => "spoof_dropped_v4",
+            Counter::SpoofDroppedV6 => "spoof_dropped_v6",
+            Counter::SpoofDroppedArp => "spoof_dropped_arp",
+            Counter::UnknownEndpoint => "unknown_endpoint",
+            Counter::DstEndpoint => "dst_endpoint",
+            Counter::DstService => "dst_service",
+            Counter::DstCluster => "dst_cluster",
+            Counter::DstWorld => "dst_world",
+            Counter::MasqWouldTranslate => "masq_would_translate",
+            Counter::MasqSkipped => "masq_skipped",
+            Counter::MasqNotEndpoint => "masq_not_endpoint",
+            Counter::ArpReplied => "arp_replied",
+            Counter::ArpIgnored => "arp_ignored",
+            Counter::Malformed => "malformed",
+            Counter::SealRetried => "seal_retried",
+            Counter::MasqTranslated => "masq_translated",
+            Counter::MasqReversed => "masq_reversed",
+            Counter::MasqExhausted => "masq_exhausted",
+            Counter::MasqTableFull => "masq_table_full",
+            Counter::MasqIcmpErrorReversed => "masq_icmp_error_reversed",
+            Counter::NdpReplied => "ndp_replied",
+            Counter::NdpIgnored => "ndp_ignored",
+            Counter::NdpMalformed => "ndp_malformed",
+            Counter::AnnounceExpired => "announce_expired",
+        }
+    }
+}
