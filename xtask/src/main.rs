@@ -254,7 +254,9 @@ fn integration(filter: Option<String>, tally: &mut Tally) -> anyhow::Result<()> 
     // they ship), in its own podman storage.
     let context = image::stage(&image::default_version())?;
     let mut cmd = cargo();
-    cmd.args(["test", "-p", "lockstep-tests"])
+    // Every test binary runs even when one fails, so one CI run shows
+    // every failure.
+    cmd.args(["test", "-p", "lockstep-tests", "--no-fail-fast"])
         .env("LOCKSTEP_BIN", &bin)
         .env("LOCKSTEP_IMAGE_CONTEXT", &context)
         .arg("--");
