@@ -103,11 +103,14 @@ fn churn_with_agents_killed_holds_no_address_twice_and_loses_nothing() -> anyhow
         .collect::<anyhow::Result<_>>()?;
     // Acknowledged state per node: container id → address.
     let acked: Vec<Arc<Mutex<BTreeMap<String, IpAddr>>>> = (0..3).map(|_| Arc::default()).collect();
+    // Endpoints whose last DEL failed: whether the agent did it is unknown.
+    let unsure: Vec<Arc<Mutex<BTreeSet<String>>>> = (0..3).map(|_| Arc::default()).collect();
     let stop = Arc::new(AtomicBool::new(false));
     let kills = std::thread::scope(|s| -> anyhow::Result<usize> {
         let mut workers = Vec::new();
         for i in 0..3 {
             let (acked, stop, pods) = (acked[i].clone(), stop.clone(), &pods[i]);
+            let unsure_del = unsure[i].clone();
             let socket = n.agents[i].socket();
             let agent = socket.as_path().to_path_buf();
             workers.push(s.spawn(move || -> anyhow::Result<(usize, usize)> {
@@ -123,14 +126,24 @@ fn churn_with_agents_killed_holds_no_address_twice_and_loses_nothing() -> anyhow
                         .map_err(|_| anyhow::anyhow!("poisoned"))?
                         .contains_key(&id);
                     if held {
-                        // A DEL counts once acknowledged; a failed one (the
-                        // agent down) leaves the endpoint held.
+                        // A DEL counts once acknowledged. A failed one (the
+                        // agent killed meanwhile) may or may not have been
+                        // done: the endpoint stays in `acked`, marked
+                        // unsure, and its DEL is retried (as a runtime
+                        // retries a DEL until it succeeds).
+                        let mut acked = acked.lock().map_err(|_| anyhow::anyhow!("poisoned"))?;
                         if cni(agent, "DEL", &id, &ns).is_ok() {
-                            acked
+                            acked.remove(&id);
+                            unsure_del
                                 .lock()
                                 .map_err(|_| anyhow::anyhow!("poisoned"))?
                                 .remove(&id);
                             dels += 1;
+                        } else {
+                            unsure_del
+                                .lock()
+                                .map_err(|_| anyhow::anyhow!("poisoned"))?
+                                .insert(id);
                         }
                     } else if let Ok((_, answer)) = cni(agent, "ADD", &id, &ns) {
                         let a = address_of(&answer)?;
@@ -180,8 +193,21 @@ fn churn_with_agents_killed_holds_no_address_twice_and_loses_nothing() -> anyhow
         Ok(kills)
     })?;
     ensure!(kills >= 15, "{kills} kills");
-    // Afterwards: every acknowledged endpoint is held by its node with its
-    // address; no address is held twice anywhere; verify is clean.
+    // The runtime's retry of every DEL whose outcome was unknown: it must
+    // succeed now that every agent runs.
+    for (i, (acked, unsure)) in acked.iter().zip(&unsure).enumerate() {
+        let unsure = unsure.lock().map_err(|_| anyhow::anyhow!("poisoned"))?;
+        let mut acked = acked.lock().map_err(|_| anyhow::anyhow!("poisoned"))?;
+        eprintln!("node-{i}: {} DELs of unknown outcome retried", unsure.len());
+        for id in unsure.iter() {
+            let slot: usize = id.rsplit('-').next().context("slot")?.parse()?;
+            cni(&n.agents[i].socket(), "DEL", id, &pods[i][slot].path())?;
+            acked.remove(id);
+        }
+    }
+    // Afterwards: every endpoint whose last change was an acknowledged ADD
+    // is held by its node with its address; no address is held twice
+    // anywhere; verify is clean.
     for (i, (acked, agent)) in acked.iter().zip(&n.agents).enumerate() {
         let want = acked.lock().map_err(|_| anyhow::anyhow!("poisoned"))?;
         let allocs = agent.json(["allocations", "-o", "json"])?;
