@@ -145,6 +145,59 @@ pub fn announcer<'a>(
         .max_by_key(|n| (weight(address, &n.name), n.name.as_str()))
 }
 
+/// An address to announce, as the announcer choice needs it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ToAnnounce {
+    /// The pool it was assigned from.
+    pub pool: String,
+    /// That pool's node selector: the nodes that may announce it.
+    pub node_selector: LabelSelector,
+}
+
+/// The addresses `lb` announces (those of its `announce = "l2"` pools),
+/// each with its pool and that pool's node selector.
+pub fn to_announce(lb: &LbIpam) -> BTreeMap<IpAddr, ToAnnounce> {
+    let selectors: BTreeMap<String, LabelSelector> = lb
+        .pools()
+        .map(|p| (p.spec.name.clone(), p.spec.node_selector.clone()))
+        .collect();
+    let plan = lb.plan();
+    let v4 = plan
+        .l2_announce_v4
+        .into_iter()
+        .map(|(a, p)| (IpAddr::V4(a), p));
+    let v6 = plan
+        .l2_announce_v6
+        .into_iter()
+        .map(|(a, p)| (IpAddr::V6(a), p));
+    v4.chain(v6)
+        .map(|(a, pool)| {
+            let node_selector = selectors.get(&pool).cloned().unwrap_or_default();
+            (
+                a,
+                ToAnnounce {
+                    pool,
+                    node_selector,
+                },
+            )
+        })
+        .collect()
+}
+
+/// The addresses of `addresses` that no node of `nodes` is admitted to
+/// announce, with their pools: nobody answers for them until a node whose
+/// labels match the pool's node selector joins.
+pub fn unannounced(
+    addresses: &BTreeMap<IpAddr, ToAnnounce>,
+    nodes: &[Candidate],
+) -> BTreeMap<IpAddr, String> {
+    addresses
+        .iter()
+        .filter(|(a, t)| announcer(**a, &t.node_selector, nodes).is_none())
+        .map(|(a, t)| (*a, t.pool.clone()))
+        .collect()
+}
+
 /// What one node does about announcements, from the addresses to announce
 /// (each with its pool's node selector), the live nodes, and who holds
 /// each announcement key now ([`announce_plan`]).

@@ -65,6 +65,7 @@ mod tests {
             allow_first_last: false,
             disabled: false,
             service_selector: Default::default(),
+            node_selector: Default::default(),
             announce: None,
         }
     }

@@ -197,6 +197,15 @@ pub struct LbPoolSpec {
         skip_serializing_if = "LabelSelector::is_empty"
     )]
     pub service_selector: LabelSelector,
+    /// In cluster mode, which nodes may announce its addresses (matched
+    /// against each node's `[cluster] node_labels`); empty admits every
+    /// node. Single-node mode ignores it: the node announces its pools.
+    #[serde(
+        default,
+        alias = "nodeSelector",
+        skip_serializing_if = "LabelSelector::is_empty"
+    )]
+    pub node_selector: LabelSelector,
     /// How its addresses are announced (none: routed by other means).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub announce: Option<Announce>,
@@ -222,6 +231,7 @@ impl LbPoolSpec {
             allow_first_last: false,
             disabled: false,
             service_selector: LabelSelector::default(),
+            node_selector: LabelSelector::default(),
             announce: None,
         }
     }
@@ -245,6 +255,12 @@ impl LbPoolSpec {
     /// Sets the selector (builder style).
     pub fn selector(mut self, selector: LabelSelector) -> LbPoolSpec {
         self.service_selector = selector;
+        self
+    }
+
+    /// Sets the announcer node selector (builder style).
+    pub fn node_selector(mut self, selector: LabelSelector) -> LbPoolSpec {
+        self.node_selector = selector;
         self
     }
 
@@ -316,7 +332,8 @@ impl LbPoolSpec {
             }
         }
         self.service_selector
-            .validate(&self.name, "service_selector")
+            .validate(&self.name, "service_selector")?;
+        self.node_selector.validate(&self.name, "node_selector")
     }
 
     /// Blocks in written order: CIDRs first, then ranges.

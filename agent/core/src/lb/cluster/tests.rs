@@ -180,7 +180,112 @@ fn the_announce_plan_takes_keeps_waits_and_drops() {
     );
 }
 
+fn zone(z: &str) -> LabelSelector {
+    serde_json::from_value(serde_json::json!({"matchLabels": {"zone": z}})).unwrap()
+}
+
+#[test]
+fn each_announced_address_carries_its_pools_node_selector() {
+    let mut a = pool("a", "192.0.2.0/30").node_selector(zone("z1"));
+    a.announce = Some(crate::lb::Announce::L2);
+    let mut b = pool("b", "198.51.100.0/30");
+    b.announce = Some(crate::lb::Announce::L2);
+    // Not announced at all (routed by other means): not in the map.
+    let c = pool("c", "203.0.113.0/30");
+    let s = |n: &str, p: &str| {
+        let mut s = svc(n);
+        s.labels.insert("pool".into(), p.into());
+        s
+    };
+    let sel = |p: &str| {
+        serde_json::from_value::<LabelSelector>(serde_json::json!({"matchLabels": {"pool": p}}))
+            .unwrap()
+    };
+    let pools = vec![
+        a.selector(sel("a")),
+        b.selector(sel("b")),
+        c.selector(sel("c")),
+    ];
+    let ch = reconcile(None, pools, vec![s("x", "a"), s("y", "b"), s("z", "c")]).unwrap();
+    let lb = LbIpam::restore(&ch.state).unwrap();
+    let t = to_announce(&lb);
+    assert_eq!(t.len(), 2, "{t:?}");
+    let of = |pool: &str| t.values().find(|v| v.pool == pool).unwrap().clone();
+    assert_eq!(of("a").node_selector, zone("z1"));
+    assert!(of("b").node_selector.is_empty());
+    // With nodes of zone z0 only, pool a's address is announced by nobody
+    // and named; pool b's is announced.
+    let only_z0: Vec<Candidate> = nodes(4)
+        .into_iter()
+        .filter(|n| n.labels["zone"] == "z0")
+        .collect();
+    let un = unannounced(&t, &only_z0);
+    assert_eq!(
+        un.values().cloned().collect::<Vec<_>>(),
+        vec!["a".to_string()]
+    );
+    assert!(unannounced(&t, &nodes(4)).is_empty());
+    let selectors: BTreeMap<IpAddr, LabelSelector> = t
+        .iter()
+        .map(|(a, v)| (*a, v.node_selector.clone()))
+        .collect();
+    let plans: Vec<AnnouncePlan> = only_z0
+        .iter()
+        .map(|n| announce_plan(&selectors, &only_z0, &n.name, &BTreeMap::new()))
+        .collect();
+    let taken: BTreeSet<IpAddr> = plans.iter().flat_map(|p| p.take.clone()).collect();
+    assert_eq!(taken.len(), 1, "only pool b's address is taken");
+    assert!(!un.contains_key(taken.iter().next().unwrap()));
+}
+
+#[test]
+fn a_bad_node_selector_is_refused_naming_the_field() {
+    let bad: LabelSelector = serde_json::from_value(
+        serde_json::json!({"matchExpressions": [{"key": "zone", "operator": "In", "values": []}]}),
+    )
+    .unwrap();
+    let e = pool("p", "192.0.2.0/30")
+        .node_selector(bad)
+        .validate()
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("node_selector.match_expressions[0]"), "{e}");
+    // JSON takes either spelling, and a pool without one reads as before.
+    let p: LbPoolSpec = serde_json::from_value(
+        serde_json::json!({"name": "p", "cidrs": ["192.0.2.0/30"], "nodeSelector": {"matchLabels": {"zone": "b"}}}),
+    )
+    .unwrap();
+    assert_eq!(p.node_selector, zone("b"));
+    let back = serde_json::to_value(&p).unwrap();
+    assert_eq!(back["node_selector"]["match_labels"]["zone"], "b");
+    let old: LbPoolSpec =
+        serde_json::from_value(serde_json::json!({"name": "p", "cidrs": ["192.0.2.0/30"]}))
+            .unwrap();
+    assert!(old.node_selector.is_empty());
+    assert!(
+        serde_json::to_value(&old)
+            .unwrap()
+            .get("node_selector")
+            .is_none()
+    );
+}
+
 proptest! {
+    /// The announcer, when there is one, is admitted by the selector; there
+    /// is none exactly when no node is admitted.
+    #[test]
+    fn the_announcer_is_admitted_or_there_is_none(n in 0usize..6, z in 0usize..3, i in 0u32..256) {
+        let ns = nodes(n);
+        let sel = zone(&format!("z{z}"));
+        let a = IpAddr::from(std::net::Ipv4Addr::from(0xC000_0200 + i));
+        let admitted = ns.iter().any(|c| sel.matches(&c.labels));
+        match announcer(a, &sel, &ns) {
+            Some(c) => prop_assert!(sel.matches(&c.labels)),
+            None => prop_assert!(!admitted),
+        }
+    }
+
+
     /// Removing a node moves only the addresses it announced; adding one
     /// moves addresses only to the new node. Across many addresses every
     /// node gets some.
