@@ -14,8 +14,11 @@
 //! lb/addresses/<ip>           → the services holding it (JSON list)
 //! lb/assigner                 → the elected node's name, bound to its lease
 //! lb/announce/<ip>            → the announcing node's name, bound to its lease
-//! lb/members/<node>           → the node's name, bound to its LB lease: the
-//!                               candidates for announcing (`lb_agent`)
+//! lb/members/<node>           → {"name", "labels"} (JSON; an older agent's
+//!                               plain name reads as no labels), bound to its
+//!                               LB lease: the candidates for announcing
+//!                               (`lb_agent`), matched against each pool's
+//!                               `node_selector`
 //! ```
 //!
 //! Uniqueness by construction: an address key is created in the same
@@ -31,7 +34,7 @@ use std::time::Duration;
 
 use etcd_client::{Compare, CompareOp, GetOptions, PutOptions, Txn, TxnOp};
 use lockstep_core::lb::cluster::{
-    AnnouncePlan, Candidate, LbChange, announce_plan, assigned, reconcile,
+    AnnouncePlan, Candidate, LbChange, ToAnnounce, announce_plan, reconcile, to_announce,
 };
 use lockstep_core::lb::{LabelSelector, LbIpam, LbPoolSpec, LbSnapshot, ServiceSpec};
 
@@ -40,6 +43,49 @@ use super::{ClusterStoreError, Door};
 /// At most this many services join the state per transaction: etcd refuses
 /// a transaction with more than 128 operations of a kind by default.
 pub const NEW_SERVICES_PER_ROUND: usize = 100;
+
+/// The value of `lb/members/<node>`.
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
+struct Member {
+    name: String,
+    #[serde(default)]
+    labels: BTreeMap<String, String>,
+}
+
+/// Each address's node selector, as [`announce_plan`] takes them.
+pub fn selectors(to: &BTreeMap<IpAddr, ToAnnounce>) -> BTreeMap<IpAddr, LabelSelector> {
+    to.iter()
+        .map(|(a, t)| (*a, t.node_selector.clone()))
+        .collect()
+}
+
+impl LbView {
+    /// The live members as announcer candidates, with their labels.
+    pub fn candidates(&self) -> Vec<Candidate> {
+        self.members
+            .keys()
+            .map(|n| Candidate {
+                name: n.clone(),
+                labels: self.member_labels.get(n).cloned().unwrap_or_default(),
+            })
+            .collect()
+    }
+
+    /// The stored state's announced addresses, each with its pool and
+    /// that pool's node selector.
+    ///
+    /// # Errors
+    /// The stored state does not restore.
+    pub fn to_announce(&self) -> Result<BTreeMap<IpAddr, ToAnnounce>, ClusterStoreError> {
+        match &self.state {
+            Some((state, _)) => {
+                let lb = LbIpam::restore(state).map_err(|e| corrupt("lb/state", e))?;
+                Ok(to_announce(&lb))
+            }
+            None => Ok(BTreeMap::new()),
+        }
+    }
+}
 
 /// Everything under `lb/`, read at one revision.
 #[derive(Clone, Debug, Default)]
@@ -58,6 +104,8 @@ pub struct LbView {
     pub announcements: BTreeMap<IpAddr, (String, i64)>,
     /// Nodes running the LB agent: node → lease.
     pub members: BTreeMap<String, i64>,
+    /// Their labels (`[cluster] node_labels`), for pools' node selectors.
+    pub member_labels: BTreeMap<String, BTreeMap<String, String>>,
     /// The store revision of the read.
     pub revision: i64,
 }
@@ -185,7 +233,16 @@ impl Door {
                     (String::from_utf8_lossy(kv.value()).into_owned(), kv.lease()),
                 );
             } else if let Some(node) = rest.strip_prefix("members/") {
+                // An agent before node labels stored its plain name.
+                let labels = if kv.value().starts_with(b"{") {
+                    serde_json::from_slice::<Member>(kv.value())
+                        .map_err(|e| corrupt(&key, e))?
+                        .labels
+                } else {
+                    BTreeMap::new()
+                };
                 view.members.insert(node.to_string(), kv.lease());
+                view.member_labels.insert(node.to_string(), labels);
             } else if rest == "assigner" {
                 view.assigner = Some((
                     String::from_utf8_lossy(kv.value()).into_owned(),
@@ -424,21 +481,28 @@ impl Door {
         Ok((ttl > 0).then_some(ttl))
     }
 
-    /// Makes `node` a candidate announcer for as long as `lease` lives.
+    /// Makes `node`, with its `labels`, a candidate announcer for as long
+    /// as `lease` lives.
     ///
     /// # Errors
     /// etcd unavailable.
-    pub async fn lb_join(&mut self, node: &str, lease: i64) -> Result<(), ClusterStoreError> {
+    pub async fn lb_join(
+        &mut self,
+        node: &str,
+        labels: &BTreeMap<String, String>,
+        lease: i64,
+    ) -> Result<(), ClusterStoreError> {
         let key = self.lb_key(&format!("members/{node}"));
+        let value = serde_json::to_vec(&Member {
+            name: node.to_string(),
+            labels: labels.clone(),
+        })
+        .map_err(|e| ClusterStoreError::Invalid(e.to_string()))?;
         let mut client = self.client();
         self.bounded(
             "join the lb announcers",
             true,
-            client.put(
-                key,
-                node.as_bytes().to_vec(),
-                Some(PutOptions::new().with_lease(lease)),
-            ),
+            client.put(key, value, Some(PutOptions::new().with_lease(lease))),
         )
         .await?;
         Ok(())
@@ -559,32 +623,17 @@ impl Door {
     /// etcd unavailable, or stored values unreadable.
     pub async fn lb_announce_plan(&mut self, me: &str) -> Result<AnnouncePlan, ClusterStoreError> {
         let view = self.lb_read().await?;
-        let addresses: BTreeMap<IpAddr, LabelSelector> = match &view.state {
-            Some((state, _)) => {
-                let lb = LbIpam::restore(state).map_err(|e| corrupt("lb/state", e))?;
-                assigned(&lb)
-                    .into_keys()
-                    .map(|a| (a, LabelSelector::default()))
-                    .collect()
-            }
-            None => BTreeMap::new(),
-        };
-        let nodes: Vec<Candidate> = self
-            .nodes()
-            .await?
-            .into_iter()
-            .map(|n| Candidate {
-                name: n.record.name,
-                labels: BTreeMap::new(),
-            })
+        let held = view
+            .announcements
+            .iter()
+            .map(|(a, (n, _))| (*a, n.clone()))
             .collect();
-        let held = self
-            .lb_announcements()
-            .await?
-            .into_iter()
-            .map(|(a, (n, _))| (a, n))
-            .collect();
-        Ok(announce_plan(&addresses, &nodes, me, &held))
+        Ok(announce_plan(
+            &selectors(&view.to_announce()?),
+            &view.candidates(),
+            me,
+            &held,
+        ))
     }
 
     /// One assigner round for `node` holding `lease`: campaign, and if this

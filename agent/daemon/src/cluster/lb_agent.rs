@@ -32,8 +32,8 @@ use std::net::IpAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use lockstep_core::lb::cluster::{Candidate, announce_plan, assigned, reconcile};
-use lockstep_core::lb::{LabelSelector, LbIpam, LbPoolSpec, ServiceSpec};
+use lockstep_core::lb::cluster::{announce_plan, assigned, reconcile, unannounced};
+use lockstep_core::lb::{LbIpam, LbPoolSpec, ServiceSpec};
 use serde::Serialize;
 
 use super::{ClusterStoreError, Door, DoorOptions, LbView, Round};
@@ -74,6 +74,9 @@ struct Shared {
     assigner: bool,
     /// Why etcd did not answer, while it does not.
     problem: Option<String>,
+    /// Addresses no live node is admitted to announce (their pool's node
+    /// selector matches none): address → pool.
+    unannounced: BTreeMap<IpAddr, String>,
 }
 
 /// An address's announcement as `lockstep lb get` shows it.
@@ -96,6 +99,12 @@ pub struct ClusterLbView {
     pub pending: Vec<String>,
     /// Announced addresses.
     pub announcements: BTreeMap<IpAddr, Announcement>,
+    /// Addresses to announce that no live node may announce (their pool's
+    /// `node_selector` matches no member's labels): address → pool.
+    /// Nobody answers for them.
+    pub unannounced: BTreeMap<IpAddr, String>,
+    /// Members' labels (`[cluster] node_labels`), those that have any.
+    pub member_labels: BTreeMap<String, BTreeMap<String, String>>,
 }
 
 fn invalid(reason: impl Into<String>) -> ClusterStoreError {
@@ -263,7 +272,15 @@ fn render_view(
             .map(|(id, st)| (id.to_string(), st.clone()))
             .collect(),
     };
+    let unannounced = unannounced(&view.to_announce()?, &view.candidates());
     let cluster = ClusterLbView {
+        unannounced,
+        member_labels: view
+            .member_labels
+            .iter()
+            .filter(|(_, l)| !l.is_empty())
+            .map(|(n, l)| (n.clone(), l.clone()))
+            .collect(),
         assigner: view.assigner.as_ref().map(|a| a.0.clone()),
         members: view.members.keys().cloned().collect(),
         pending: view
@@ -314,11 +331,18 @@ pub fn render_metrics(h: &LbHandle) -> String {
          lockstep_lb_withdrawals_total {}\n\
          # HELP lockstep_lb_assigner Whether this node is the elected LB assigner.\n\
          # TYPE lockstep_lb_assigner gauge\n\
-         lockstep_lb_assigner {}\n",
+         lockstep_lb_assigner {}\n\
+         # HELP lockstep_lb_unannounced Addresses to announce that no live node's labels admit (their pool's node_selector matches none): nobody answers for them.\n\
+         # TYPE lockstep_lb_unannounced gauge\n",
         s.takes,
         s.withdrawals,
         u8::from(s.assigner)
     ));
+    for (a, pool) in &s.unannounced {
+        out.push_str(&format!(
+            "lockstep_lb_unannounced{{address=\"{a}\",pool=\"{pool}\"}} 1\n"
+        ));
+    }
     out
 }
 
@@ -342,6 +366,8 @@ fn margin(ttl: Duration) -> Duration {
 /// The running LB agent of one node.
 pub struct LbAgent {
     name: String,
+    /// Published with the membership, for pools' node selectors.
+    labels: BTreeMap<String, String>,
     ttl: Duration,
     door: Option<Door>,
     lease: Option<Held>,
@@ -374,6 +400,7 @@ impl LbAgent {
         let ttl = Duration::from_secs(secs).max(MIN_LEASE);
         LbAgent {
             name,
+            labels: BTreeMap::new(),
             ttl,
             door: None,
             lease: None,
@@ -407,7 +434,16 @@ impl LbAgent {
                 key: t.key.clone(),
             }),
         };
-        Some(Self::new(name, config.lb.announce_lease, opts))
+        Some(
+            Self::new(name, config.lb.announce_lease, opts)
+                .with_labels(cluster.node_labels.clone()),
+        )
+    }
+
+    /// Sets the labels published with the membership (builder style).
+    pub fn with_labels(mut self, labels: BTreeMap<String, String>) -> Self {
+        self.labels = labels;
+        self
     }
 
     /// The handle the API and metrics read.
@@ -454,7 +490,7 @@ impl LbAgent {
                 let sent = Instant::now();
                 let sent_ns = monotonic_ns();
                 let (id, granted) = door.lb_grant(ttl).await?;
-                door.lb_join(&self.name, id).await?;
+                door.lb_join(&self.name, &self.labels, id).await?;
                 let valid_until_ns = sent_ns + (granted - margin(granted)).as_nanos() as u64;
                 tracing::info!(lease = id, ttl = ?granted, "lb lease granted; joined the announcers");
                 self.lease = Some(Held {
@@ -560,27 +596,24 @@ impl LbAgent {
     ) -> Result<bool, ClusterStoreError> {
         let door = self.door.as_mut().expect("connected");
         let view = door.lb_read().await?;
-        let addresses: BTreeMap<IpAddr, LabelSelector> = match &view.state {
-            Some((state, _)) => {
-                let lb = restore(state)?;
-                let plan = lb.plan();
-                plan.l2_announce_v4
-                    .into_keys()
-                    .map(IpAddr::V4)
-                    .chain(plan.l2_announce_v6.into_keys().map(IpAddr::V6))
-                    .map(|a| (a, LabelSelector::default()))
-                    .collect()
+        // Each address with its pool's node selector; the members with
+        // their labels.
+        let to_announce = view.to_announce()?;
+        let addresses = super::lb::selectors(&to_announce);
+        let nodes = view.candidates();
+        let nobody = unannounced(&to_announce, &nodes);
+        {
+            let mut s = self.handle.lock();
+            if s.unannounced != nobody {
+                for (a, pool) in nobody
+                    .iter()
+                    .filter(|(a, _)| !s.unannounced.contains_key(*a))
+                {
+                    tracing::warn!(address = %a, pool = %pool, "lb address announced by nobody: its pool's node_selector admits no live node");
+                }
+                s.unannounced = nobody;
             }
-            None => BTreeMap::new(),
-        };
-        let nodes: Vec<Candidate> = view
-            .members
-            .keys()
-            .map(|n| Candidate {
-                name: n.clone(),
-                labels: BTreeMap::new(),
-            })
-            .collect();
+        }
         // A key of this node's under another lease (a lease this agent
         // lost track of) is not this node's to keep: out of the datapath,
         // withdrawn, and taken again under the current lease.

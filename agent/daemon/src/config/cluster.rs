@@ -6,6 +6,7 @@
 //! without the system (the node addresses' default, the uplink's first
 //! global address, is resolved at start).
 
+use std::collections::BTreeMap;
 use std::net::{Ipv4Addr, Ipv6Addr};
 use std::path::PathBuf;
 use std::time::Duration;
@@ -61,6 +62,64 @@ pub struct ClusterConfig {
     /// TLS to etcd.
     #[serde(default)]
     pub tls: Option<ClusterTlsConfig>,
+    /// This node's labels, published with its LB membership: an LB pool's
+    /// `node_selector` admits the nodes whose labels it matches as
+    /// announcers of its addresses (`node_labels = { zone = "a" }`).
+    /// Keys and values follow Kubernetes label syntax.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub node_labels: BTreeMap<String, String>,
+}
+
+/// Why `key` is not a Kubernetes label key: an optional DNS-subdomain
+/// prefix and `/`, then a name of at most 63 characters.
+fn label_key_problem(key: &str) -> Option<String> {
+    let (prefix, name) = match key.rsplit_once('/') {
+        Some((p, n)) => (Some(p), n),
+        None => (None, key),
+    };
+    if let Some(p) = prefix {
+        let dns_ok = !p.is_empty()
+            && p.len() <= 253
+            && p.split('.').all(|l| {
+                !l.is_empty()
+                    && l.len() <= 63
+                    && l.bytes()
+                        .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+                    && !l.starts_with('-')
+                    && !l.ends_with('-')
+            });
+        if !dns_ok {
+            return Some(format!(
+                "the prefix {p:?} is not a lower-case DNS subdomain"
+            ));
+        }
+    }
+    if name.is_empty() {
+        return Some("the name part is empty".into());
+    }
+    label_value_problem(name)
+}
+
+/// Why `value` is not a Kubernetes label value: at most 63 characters of
+/// `[A-Za-z0-9._-]`, beginning and ending alphanumeric (or empty).
+fn label_value_problem(value: &str) -> Option<String> {
+    if value.is_empty() {
+        return None;
+    }
+    let alnum = |c: Option<char>| c.is_some_and(|c| c.is_ascii_alphanumeric());
+    if value.len() > 63
+        || !value
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+        || !alnum(value.chars().next())
+        || !alnum(value.chars().last())
+    {
+        return Some(format!(
+            "{value:?} must be at most 63 characters of A-Z a-z 0-9 - _ ., \
+             beginning and ending alphanumeric"
+        ));
+    }
+    None
 }
 
 fn default_prefix() -> String {
@@ -158,6 +217,17 @@ impl ClusterConfig {
         if self.release_after > Duration::from_secs(24 * 3600) {
             return bad("release_after", "must be at most 24h".into());
         }
+        for (k, v) in &self.node_labels {
+            if let Some(p) = label_key_problem(k) {
+                return bad(&format!("node_labels.{k:?}"), format!("bad label key: {p}"));
+            }
+            if let Some(p) = label_value_problem(v) {
+                return bad(
+                    &format!("node_labels.{k:?}"),
+                    format!("bad label value: {p}"),
+                );
+            }
+        }
         if let Some(tls) = &self.tls {
             for (f, p) in [
                 ("tls.ca", Some(&tls.ca)),
@@ -206,6 +276,17 @@ mod tests {
         assert_eq!(cl.lease_ttl, std::time::Duration::from_secs(15));
         assert_eq!(cl.reclaim_after, std::time::Duration::from_secs(3600));
         assert_eq!(cl.node_name, None);
+        assert!(cl.node_labels.is_empty());
+        let labelled = format!(
+            "{OK}node_labels = {{ zone = \"a\", \"topology.kubernetes.io/rack\" = \"r-1\", edge = \"\" }}\n"
+        );
+        let cl = Config::parse(Path::new("/c.toml"), &labelled)
+            .expect("valid labels")
+            .cluster
+            .expect("cluster");
+        assert_eq!(cl.node_labels["zone"], "a");
+        assert_eq!(cl.node_labels["topology.kubernetes.io/rack"], "r-1");
+        assert_eq!(cl.node_labels["edge"], "");
         assert_eq!(
             Config::parse(Path::new("/c.toml"), "")
                 .expect("empty")
@@ -256,6 +337,22 @@ mod tests {
                 "cluster.node_ip_v6",
             ),
             (&format!("{OK}lease_ttl = \"1s\"\n"), "cluster.lease_ttl"),
+            (
+                &format!("{OK}node_labels = {{ \"-zone\" = \"a\" }}\n"),
+                "cluster.node_labels.\"-zone\"",
+            ),
+            (
+                &format!("{OK}node_labels = {{ \"\" = \"a\" }}\n"),
+                "cluster.node_labels.\"\"",
+            ),
+            (
+                &format!("{OK}node_labels = {{ \"Ex.com/zone\" = \"a\" }}\n"),
+                "cluster.node_labels.\"Ex.com/zone\"",
+            ),
+            (
+                &format!("{OK}node_labels = {{ zone = \"a b\" }}\n"),
+                "cluster.node_labels.\"zone\"",
+            ),
             (&format!("{OK}lease_ttl = \"1h\"\n"), "cluster.lease_ttl"),
             (
                 &format!("{OK}reclaim_after = \"5s\"\n"),
