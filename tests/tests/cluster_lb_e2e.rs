@@ -8,6 +8,11 @@
 //!   Neighbor Solicitation per address from the neighbour get exactly one
 //!   answer, from the MAC of the node `lb get` names; a deleted service's
 //!   addresses are not answered once `lb delete` returned.
+//! - `node_selector_admits_only_matching_announcers`: nodes labelled
+//!   zone=a, b, b; a pool selecting zone=b is answered only by node-1 or
+//!   node-2's MAC, and when its announcer is SIGKILLed the addresses move
+//!   to the other zone=b node, never node-0; a pool selecting zone=c (no
+//!   such node) is answered by nobody and `lb get` / metrics name it.
 //! - `failover_never_answers_from_two_nodes`: the announcing agent is
 //!   SIGKILLed, SIGSTOPped, and its namespace cut from the underlay (link
 //!   down, etcd unreachable) while the neighbour probes every 50 ms and
@@ -121,6 +126,16 @@ fn mac_bytes(mac: &str) -> anyhow::Result<[u8; 6]> {
 
 impl Lab {
     fn build(cluster: &EtcdCluster, prefix: &str, lease: Option<&str>) -> anyhow::Result<Self> {
+        Self::build_labelled(cluster, prefix, lease, ["", "", ""])
+    }
+
+    /// As [`Lab::build`], node `i` with `[cluster] node_labels = { labels[i] }`.
+    fn build_labelled(
+        cluster: &EtcdCluster,
+        prefix: &str,
+        lease: Option<&str>,
+        labels: [&str; 3],
+    ) -> anyhow::Result<Self> {
         let eps = cluster.endpoints();
         let underlay = Netns::new("lbul")?;
         underlay.exec("ip", ["link", "add", "br0", "type", "bridge"])?;
@@ -163,7 +178,7 @@ impl Lab {
         nb.exec("ip", ["addr", "add", &format!("{NB_V4}/24"), "dev", "n0"])?;
         let nb_mac = mac_bytes(&nb.mac("n0")?)?;
         let (mut ns, mut cuts, mut macs, mut agents) = (vec![], vec![], vec![], vec![]);
-        for i in 0..3 {
+        for (i, labels) in labels.iter().enumerate() {
             let node = Netns::new(&format!("lbn{i}"))?;
             plug(&node, "u0", &format!("ul{i}"))?;
             node.exec(
@@ -176,8 +191,8 @@ impl Lab {
                 format!("[lb]\nannounce_lease = \"{l}\"\n")
             });
             let config = format!(
-                "reconcile_interval = \"1s\"\n{}[datapath]\nuplink = \"u0\"\n{lb}",
-                cluster_config(&eps, prefix, &format!("node-{i}"), &node_ip(i))
+                "reconcile_interval = \"1s\"\n{}node_labels = {{ {labels} }}\n[datapath]\nuplink = \"u0\"\n{lb}",
+                cluster_config(&eps, prefix, &format!("node-{i}"), &node_ip(i)),
             );
             agents.push(AgentProc::start(&node, &config)?);
             ns.push(node);
@@ -1001,6 +1016,178 @@ fn fault_once(
 fn pct(sorted: &[Duration], p: f64) -> Duration {
     let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
     sorted[i.min(sorted.len() - 1)]
+}
+
+/// Pools for `node_selector_admits_only_matching_announcers`: `zb`'s
+/// addresses may be announced by zone=b nodes only, `zc`'s by zone=c nodes
+/// (there are none).
+const ZONED: &str = r#"{"pools": [
+  {"name": "zb", "cidrs": ["10.251.0.128/26"], "announce": "l2",
+   "serviceSelector": {"matchLabels": {"app": "b"}}, "nodeSelector": {"matchLabels": {"zone": "b"}}},
+  {"name": "zc", "cidrs": ["10.251.0.192/26"], "announce": "l2",
+   "serviceSelector": {"matchLabels": {"app": "c"}}, "node_selector": {"match_labels": {"zone": "c"}}}
+]}"#;
+
+fn zoned_service(name: &str, app: &str) -> String {
+    format!(
+        r#"{{"namespace": "zone", "name": "{name}", "labels": {{"app": "{app}"}}, "ports": [{{"protocol": "TCP", "port": 80}}]}}"#
+    )
+}
+
+#[test]
+fn node_selector_admits_only_matching_announcers() -> anyhow::Result<()> {
+    privileged!();
+    let cluster = EtcdCluster::start(3)?;
+    let prefix = format!("/{}/", lockstep_tests::unique("lbsel"));
+    let mut lab = Lab::build_labelled(
+        &cluster,
+        &prefix,
+        Some(LEASE),
+        [
+            "zone = \"a\"",
+            "zone = \"b\"",
+            "zone = \"b\", rack = \"r2\"",
+        ],
+    )?;
+    lab.apply(0, ZONED)?;
+    let list: Vec<String> = (0..8)
+        .map(|i| zoned_service(&format!("b{i}"), "b"))
+        .chain([zoned_service("c0", "c")])
+        .collect();
+    lab.apply(0, &format!(r#"{{"services": [{}]}}"#, list.join(", ")))?;
+    let view = wait_for(
+        "8 zone-b addresses announced, the zone-c one reported unannounced",
+        Duration::from_secs(60),
+        || {
+            let v = lab.get(0).ok()?;
+            let a = addresses(&v).ok()?;
+            let announced = v["cluster"]["announcements"].as_object()?.len();
+            let un = v["cluster"]["unannounced"].as_object()?.len();
+            (a.len() == 9 && a.values().all(|x| x.len() == 1) && announced == 8 && un == 1)
+                .then_some(v)
+        },
+    )?;
+    let by_service = addresses(&view)?;
+    let c_addr = by_service["zone/c0"][0];
+    let b_addrs: Vec<IpAddr> = by_service
+        .iter()
+        .filter(|(id, _)| id.starts_with("zone/b"))
+        .flat_map(|(_, a)| a.iter().copied())
+        .collect();
+    // `lb get` names the address nobody announces and its pool, and the
+    // members' labels.
+    ensure!(
+        view["cluster"]["unannounced"][c_addr.to_string()] == "zc",
+        "{}",
+        view["cluster"]
+    );
+    ensure!(
+        view["cluster"]["member_labels"]["node-2"]["rack"] == "r2",
+        "{}",
+        view["cluster"]
+    );
+    let announcers = lab.announcers(0)?;
+    ensure!(
+        !announcers.contains_key(&c_addr),
+        "{c_addr} (pool zc) announced: {announcers:?}"
+    );
+    ensure!(
+        b_addrs
+            .iter()
+            .all(|a| matches!(announcers.get(a), Some(1 | 2))),
+        "zone-b addresses announced outside zone b: {announcers:?}"
+    );
+    // Answered once each, by the zone-b announcer's MAC; the zone-c
+    // address by nobody.
+    let mut targets = b_addrs.clone();
+    targets.push(c_addr);
+    let answers = probe_once(&lab, &targets, Duration::from_millis(1500))?;
+    for a in &b_addrs {
+        let got = answers.get(a).cloned().unwrap_or_default();
+        let n = announcers[a];
+        ensure!(
+            got.len() == 1 && got[0] == lab.macs[n],
+            "{a}: answers from {:?}, announcer node-{n}",
+            got.iter().map(|m| lab.node_of(*m)).collect::<Vec<_>>()
+        );
+    }
+    ensure!(
+        !answers.contains_key(&c_addr),
+        "{c_addr} answered: {answers:?}"
+    );
+    // Every node's metrics report it (node-0 too: it announces nothing).
+    for i in 0..3 {
+        let m = lab.metrics(i)?;
+        ensure!(
+            m.contains(&format!(
+                "lockstep_lb_unannounced{{address=\"{c_addr}\",pool=\"zc\"}} 1"
+            )),
+            "node-{i} metrics do not report {c_addr}: {m}"
+        );
+    }
+
+    // Kill the busier zone-b announcer: everything moves to the other
+    // zone-b node, never to node-0, while the neighbour probes every 50 ms.
+    let x = if announcers.values().filter(|n| **n == 1).count()
+        >= announcers.values().filter(|n| **n == 2).count()
+    {
+        1
+    } else {
+        2
+    };
+    let y = 3 - x;
+    let cap = Capture::start(&lab, targets.clone(), Duration::from_millis(50))?;
+    std::thread::sleep(Duration::from_millis(300));
+    let t0 = Instant::now();
+    lab.agents[x].kill9();
+    let moved = wait_for(
+        "every zone-b address announced by the other zone-b node",
+        Duration::from_secs(30),
+        || {
+            let a = lab.announcers(0).ok()?;
+            b_addrs.iter().all(|b| a.get(b) == Some(&y)).then_some(())
+        },
+    );
+    let answered = wait_for(
+        "every zone-b address answered by the other zone-b node",
+        Duration::from_secs(15),
+        || {
+            let seen = cap.seen();
+            b_addrs
+                .iter()
+                .all(|b| {
+                    seen.iter().any(|s| {
+                        s.addr == *b && s.kind == Kind::Reply && s.mac == lab.macs[y] && s.at > t0
+                    })
+                })
+                .then_some(())
+        },
+    );
+    std::thread::sleep(Duration::from_millis(500));
+    let (seen, _) = cap.finish()?;
+    eprintln!(
+        "node-{x} killed; zone-b addresses moved to node-{y} in {:?}",
+        t0.elapsed()
+    );
+    moved?;
+    answered?;
+    let wrong: Vec<String> = seen
+        .iter()
+        .filter(|s| s.mac == lab.macs[0] || s.addr == c_addr)
+        .map(|s| format!("{} {:?} from {}", s.addr, s.kind, lab.node_of(s.mac)))
+        .collect();
+    ensure!(
+        wrong.is_empty(),
+        "answers from node-0 or for the zone-c address: {wrong:?}"
+    );
+    let v = lab.get(0)?;
+    ensure!(
+        v["cluster"]["unannounced"][c_addr.to_string()] == "zc",
+        "{}",
+        v["cluster"]
+    );
+    drop(lab);
+    Ok(())
 }
 
 #[test]
