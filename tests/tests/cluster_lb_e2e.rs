@@ -1291,6 +1291,90 @@ fn lb_failover_bench() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `cargo xtask bench lb`: assignment latency in cluster mode. 200
+/// services applied one at a time through `lockstep lb apply` on node-0
+/// (three agents, a real 3-member etcd, the assigner wherever elected);
+/// for each, the time from starting the apply to its address showing in
+/// `lb get` (the apply itself waits for the assigner's state), and to the
+/// neighbour's ARP request for it being answered.
+#[test]
+#[ignore = "a benchmark: cargo xtask bench lb"]
+fn lb_assignment_bench() -> anyhow::Result<()> {
+    privileged!();
+    const N: usize = 200;
+    let cluster = EtcdCluster::start(3)?;
+    let prefix = format!("/{}/", lockstep_tests::unique("lbab"));
+    let lab = Lab::build(&cluster, &prefix, None)?;
+    lab.apply(
+        0,
+        r#"{"pools": [{"name": "bench", "cidrs": ["10.251.4.0/23"], "announce": "l2"}]}"#,
+    )?;
+    let address_of = |v: &serde_json::Value, id: &str| -> Option<IpAddr> {
+        v["services"][id]["assignment"]["addresses"][0]
+            .as_str()?
+            .parse()
+            .ok()
+    };
+    let (mut visible, mut answered) = (Vec::with_capacity(N), Vec::with_capacity(N));
+    let started = Instant::now();
+    for i in 0..N {
+        let id = format!("bench/a{i:03}");
+        let doc = format!(
+            r#"{{"services": [{{"namespace": "bench", "name": "a{i:03}", "ports": [{{"protocol": "TCP", "port": 80}}]}}]}}"#
+        );
+        let t0 = Instant::now();
+        let applied = lab.apply(0, &doc)?;
+        let addr = match address_of(&applied, &id) {
+            Some(a) => a,
+            None => wait_for(
+                &format!("{id} assigned in lb get"),
+                Duration::from_secs(30),
+                || address_of(&lab.get(0).ok()?, &id),
+            )?,
+        };
+        visible.push(t0.elapsed());
+        let cap = Capture::start(&lab, vec![addr], Duration::from_millis(10))?;
+        let got = wait_for(
+            &format!("{id} ({addr}) answered by ARP"),
+            Duration::from_secs(30),
+            || {
+                cap.seen()
+                    .iter()
+                    .find(|s| s.addr == addr && s.kind == Kind::Reply)
+                    .map(|s| s.at)
+            },
+        );
+        cap.finish()?;
+        answered.push(got?.saturating_duration_since(t0));
+    }
+    let total = started.elapsed();
+    visible.sort();
+    answered.sort();
+    let ms = |d: Duration| d.as_secs_f64() * 1e3;
+    println!("| LB assignment in cluster mode ({N} services, one lb apply each) | value |");
+    println!("|---|---|");
+    println!(
+        "| apply -> in lb get: p50 / p99 / max | {:.0} / {:.0} / {:.0} ms |",
+        ms(pct(&visible, 0.5)),
+        ms(pct(&visible, 0.99)),
+        ms(*visible.last().context("none")?)
+    );
+    println!(
+        "| apply -> answered by ARP: p50 / p99 / max | {:.0} / {:.0} / {:.0} ms |",
+        ms(pct(&answered, 0.5)),
+        ms(pct(&answered, 0.99)),
+        ms(*answered.last().context("none")?)
+    );
+    println!(
+        "assignment p99 in cluster mode: {:.0} ms to lb get, {:.0} ms to an ARP answer ({N} services in {:.1} s)",
+        ms(pct(&visible, 0.99)),
+        ms(pct(&answered, 0.99)),
+        total.as_secs_f64()
+    );
+    drop(lab);
+    Ok(())
+}
+
 fn signal(pid: u32, sig: &str) -> anyhow::Result<()> {
     let out = std::process::Command::new("kill")
         .args([sig, &pid.to_string()])

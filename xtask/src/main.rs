@@ -334,9 +334,13 @@ fn bench(suite: &str) -> anyhow::Result<()> {
         "core" => run(cargo().args(["bench", "-p", "lockstep-core", "--bench", "core"])),
         "lb" => {
             run(cargo().args(["bench", "-p", "lockstep-core", "--bench", "lb"]))?;
-            // Failover in cluster mode: gap p50/p99 over at least 50
-            // handovers with the default lease, overlaps counted (three
-            // node namespaces, a real 3-member etcd; docs/cluster.md).
+            // Cluster mode (three node namespaces, a real 3-member etcd;
+            // docs/cluster.md), every ignored test of cluster_lb_e2e:
+            // failover gap p50/p99 over at least 50 handovers with the
+            // default lease, overlaps counted (lb_failover_bench); and the
+            // assignment p99 in cluster mode, 200 services applied one by
+            // one, apply to `lb get` and to an ARP answer
+            // (lb_assignment_bench).
             run(cargo().args(["build", "--release", "-p", "lockstep", "--bins"]))?;
             run(cargo()
                 .args([
