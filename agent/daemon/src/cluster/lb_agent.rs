@@ -248,6 +248,17 @@ impl LbHandle {
     }
 }
 
+/// Whether services are stored that the state does not have, or the
+/// state has services no longer stored.
+fn has_pending(view: &LbView) -> bool {
+    let in_state: BTreeSet<String> = view
+        .state
+        .as_ref()
+        .map(|(s, _)| s.services.iter().map(|r| r.spec.id()).collect())
+        .unwrap_or_default();
+    in_state.len() != view.services.len() || view.services.keys().any(|id| !in_state.contains(id))
+}
+
 fn restore(state: &lockstep_core::lb::LbSnapshot) -> Result<LbIpam, ClusterStoreError> {
     LbIpam::restore(state).map_err(|e| ClusterStoreError::Corrupt {
         key: "lb/state".into(),
@@ -376,6 +387,9 @@ pub struct LbAgent {
     last_round: Option<Instant>,
     /// The uplink was seen down (logged once).
     uplink_down: bool,
+    /// The last round refused the stored definitions: rounds keep their
+    /// pace even with services pending.
+    refused: bool,
     handle: Arc<LbHandle>,
 }
 
@@ -407,6 +421,7 @@ impl LbAgent {
             announcing: BTreeSet::new(),
             last_round: None,
             uplink_down: false,
+            refused: false,
             handle: Arc::new(LbHandle {
                 opts,
                 door: tokio::sync::Mutex::new(None),
@@ -672,9 +687,13 @@ impl LbAgent {
         }
         let mut again = false;
         let door = self.door.as_mut().expect("connected");
-        if self.last_round.is_none_or(|t| t.elapsed() >= ROUND_EVERY) {
+        // The assigner does not wait out ROUND_EVERY for a service stored
+        // but not in its state (a `lb apply` waiting on it).
+        let pending = !self.refused && self.handle.lock().assigner && has_pending(&view);
+        if pending || self.last_round.is_none_or(|t| t.elapsed() >= ROUND_EVERY) {
             let round = door.lb_round(&self.name, lease).await;
             self.last_round = Some(Instant::now());
+            self.refused = matches!(round, Err(ClusterStoreError::Invalid(_)));
             match round {
                 Ok(Round::Stored { added, removed }) => {
                     tracing::info!(added, removed, "lb state stored");
