@@ -34,7 +34,7 @@ use std::time::Duration;
 
 use etcd_client::{Compare, CompareOp, GetOptions, PutOptions, Txn, TxnOp};
 use lockstep_core::lb::cluster::{
-    AnnouncePlan, Candidate, LbChange, ToAnnounce, announce_plan, reconcile, to_announce,
+    AnnouncePlan, Candidate, LbChange, ToAnnounce, announce_plan, assigned, reconcile, to_announce,
 };
 use lockstep_core::lb::{LabelSelector, LbIpam, LbPoolSpec, LbSnapshot, ServiceSpec};
 
@@ -50,6 +50,18 @@ struct Member {
     name: String,
     #[serde(default)]
     labels: BTreeMap<String, String>,
+}
+
+/// The labels of a `lb/members/<node>` value. An agent before node labels
+/// stored its plain name: no labels.
+fn member_labels(key: &str, value: &[u8]) -> Result<BTreeMap<String, String>, ClusterStoreError> {
+    if value.starts_with(b"{") {
+        Ok(serde_json::from_slice::<Member>(value)
+            .map_err(|e| corrupt(key, e))?
+            .labels)
+    } else {
+        Ok(BTreeMap::new())
+    }
 }
 
 /// Each address's node selector, as [`announce_plan`] takes them.
@@ -233,14 +245,7 @@ impl Door {
                     (String::from_utf8_lossy(kv.value()).into_owned(), kv.lease()),
                 );
             } else if let Some(node) = rest.strip_prefix("members/") {
-                // An agent before node labels stored its plain name.
-                let labels = if kv.value().starts_with(b"{") {
-                    serde_json::from_slice::<Member>(kv.value())
-                        .map_err(|e| corrupt(&key, e))?
-                        .labels
-                } else {
-                    BTreeMap::new()
-                };
+                let labels = member_labels(&key, kv.value())?;
                 view.members.insert(node.to_string(), kv.lease());
                 view.member_labels.insert(node.to_string(), labels);
             } else if rest == "assigner" {
@@ -623,17 +628,39 @@ impl Door {
     /// etcd unavailable, or stored values unreadable.
     pub async fn lb_announce_plan(&mut self, me: &str) -> Result<AnnouncePlan, ClusterStoreError> {
         let view = self.lb_read().await?;
+        // Every assigned address, each with its pool's node selector when
+        // the pool announces (none otherwise); the registered nodes, with
+        // the labels their LB membership publishes.
+        let selectors = selectors(&view.to_announce()?);
+        let addresses: BTreeMap<IpAddr, LabelSelector> = match &view.state {
+            Some((state, _)) => {
+                let lb = LbIpam::restore(state).map_err(|e| corrupt("lb/state", e))?;
+                assigned(&lb)
+                    .into_keys()
+                    .map(|a| (a, selectors.get(&a).cloned().unwrap_or_default()))
+                    .collect()
+            }
+            None => BTreeMap::new(),
+        };
+        let nodes: Vec<Candidate> = self
+            .nodes()
+            .await?
+            .into_iter()
+            .map(|n| Candidate {
+                labels: view
+                    .member_labels
+                    .get(&n.record.name)
+                    .cloned()
+                    .unwrap_or_default(),
+                name: n.record.name,
+            })
+            .collect();
         let held = view
             .announcements
             .iter()
             .map(|(a, (n, _))| (*a, n.clone()))
             .collect();
-        Ok(announce_plan(
-            &selectors(&view.to_announce()?),
-            &view.candidates(),
-            me,
-            &held,
-        ))
+        Ok(announce_plan(&addresses, &nodes, me, &held))
     }
 
     /// One assigner round for `node` holding `lease`: campaign, and if this
@@ -682,5 +709,27 @@ impl Door {
         } else {
             Ok(Round::Lost)
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_member_value_with_labels_and_an_older_plain_one_both_read() {
+        let labels = BTreeMap::from([("zone".to_string(), "b".to_string())]);
+        let v = serde_json::to_vec(&Member {
+            name: "node-1".into(),
+            labels: labels.clone(),
+        })
+        .unwrap();
+        assert_eq!(member_labels("k", &v).unwrap(), labels);
+        // Written by an agent before node labels: the plain name.
+        assert!(member_labels("k", b"node-1").unwrap().is_empty());
+        assert!(member_labels("k", br#"{"name": "n"}"#).unwrap().is_empty());
+        // A broken value is named, not taken as "no labels".
+        let e = member_labels("/p/lb/members/n", b"{\"name\": 1}").unwrap_err();
+        assert!(e.to_string().contains("/p/lb/members/n"), "{e}");
     }
 }
