@@ -100,6 +100,22 @@ impl DoorOptions {
             tls: None,
         }
     }
+
+    /// Options from the `[cluster]` section (endpoints, prefix, TLS
+    /// files), each request bounded by `timeout`: the agent's tasks (node,
+    /// remote routes, LB) share it, each with its own bound.
+    pub fn from_cluster_config(cluster: &crate::config::ClusterConfig, timeout: Duration) -> Self {
+        DoorOptions {
+            endpoints: cluster.etcd.clone(),
+            prefix: cluster.prefix.clone(),
+            timeout,
+            tls: cluster.tls.as_ref().map(|t| TlsFiles {
+                ca: t.ca.clone(),
+                cert: t.cert.clone(),
+                key: t.key.clone(),
+            }),
+        }
+    }
 }
 
 /// A connection to etcd and the key layout under the prefix.
@@ -712,5 +728,33 @@ fn unavailable(opts: &DoorOptions, what: &str, why: &str, write: bool) -> Cluste
         endpoints: opts.endpoints.join(","),
         what: format!("{what}: {why}"),
         maybe_written: write,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::{Path, PathBuf};
+
+    use super::*;
+
+    #[test]
+    fn options_from_the_cluster_section_carry_endpoints_prefix_tls_and_the_bound() {
+        let text = "[cluster]\netcd = [\"https://e:1\", \"https://f:2\"]\nprefix = \"/x/\"\nnode_ip_v4 = \"192.0.2.1\"\n[cluster.tls]\nca = \"/ca.pem\"\ncert = \"/c.pem\"\nkey = \"/k.pem\"\n";
+        let config = crate::config::Config::parse(Path::new("/c.toml"), text).expect("valid");
+        let o = DoorOptions::from_cluster_config(
+            config.cluster.as_ref().expect("cluster"),
+            Duration::from_millis(600),
+        );
+        assert_eq!(o.endpoints, ["https://e:1", "https://f:2"]);
+        assert_eq!(o.prefix, "/x/");
+        assert_eq!(o.timeout, Duration::from_millis(600));
+        assert_eq!(
+            o.tls,
+            Some(TlsFiles {
+                ca: PathBuf::from("/ca.pem"),
+                cert: Some(PathBuf::from("/c.pem")),
+                key: Some(PathBuf::from("/k.pem")),
+            })
+        );
     }
 }

@@ -439,16 +439,7 @@ impl LbAgent {
             .node_name
             .clone()
             .unwrap_or_else(|| config.node_name());
-        let opts = DoorOptions {
-            endpoints: cluster.etcd.clone(),
-            prefix: cluster.prefix.clone(),
-            timeout: REQUEST_TIMEOUT,
-            tls: cluster.tls.as_ref().map(|t| super::TlsFiles {
-                ca: t.ca.clone(),
-                cert: t.cert.clone(),
-                key: t.key.clone(),
-            }),
-        };
+        let opts = DoorOptions::from_cluster_config(cluster, REQUEST_TIMEOUT);
         Some(
             Self::new(name, config.lb.announce_lease, opts)
                 .with_labels(cluster.node_labels.clone()),

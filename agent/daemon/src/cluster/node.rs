@@ -27,7 +27,7 @@ use lockstep_core::pool::PoolSpec;
 
 use super::handle::ClusterHandle;
 use super::held::{Held, HeldBlock};
-use super::{Block, Claim, ClusterStoreError, Door, DoorOptions, NodeRecord, TlsFiles};
+use super::{Block, Claim, ClusterStoreError, Door, DoorOptions, NodeRecord};
 use crate::agent::Agent;
 use crate::config::{ClusterConfig, Config};
 
@@ -201,16 +201,7 @@ impl ClusterNode {
     }
 
     fn options(&self) -> DoorOptions {
-        DoorOptions {
-            endpoints: self.cluster.etcd.clone(),
-            prefix: self.cluster.prefix.clone(),
-            timeout: REQUEST_TIMEOUT,
-            tls: self.cluster.tls.as_ref().map(|t| TlsFiles {
-                ca: t.ca.clone(),
-                cert: t.cert.clone(),
-                key: t.key.clone(),
-            }),
-        }
+        DoorOptions::from_cluster_config(&self.cluster, REQUEST_TIMEOUT)
     }
 
     /// Reads pools and blocks; fences held blocks etcd does not give this

@@ -200,16 +200,7 @@ impl RemoteTask {
     pub fn from_config(config: &crate::config::Config, interval: Duration) -> Option<Self> {
         let c = config.cluster.as_ref()?;
         let me = c.node_name.clone().unwrap_or_else(|| config.node_name());
-        let opts = DoorOptions {
-            endpoints: c.etcd.clone(),
-            prefix: c.prefix.clone(),
-            timeout: REQUEST_TIMEOUT,
-            tls: c.tls.as_ref().map(|t| super::TlsFiles {
-                ca: t.ca.clone(),
-                cert: t.cert.clone(),
-                key: t.key.clone(),
-            }),
-        };
+        let opts = DoorOptions::from_cluster_config(c, REQUEST_TIMEOUT);
         Some(Self::new(me, opts, interval))
     }
 
