@@ -115,8 +115,16 @@ fn drift_is_reported_by_verify_and_repaired_by_reconcile() -> anyhow::Result<()>
     ];
     slot.extend(std::iter::repeat_n("9", 56));
     sh("bpftool", &slot)?;
+    // The same in the NDP responder's slot array (no L2_RESP_V6 entry here).
+    let slots6_pin = agent.pins.path().join("maps/L2_RESP6_SLOTS");
+    let slots6_pin = slots6_pin.to_str().context("utf-8")?;
+    let mut slot6 = vec![
+        "map", "update", "pinned", slots6_pin, "key", "7", "0", "0", "0", "value",
+    ];
+    slot6.extend(std::iter::repeat_n("9", 72));
+    sh("bpftool", &slot6)?;
 
-    // verify sees all three right away (the reconcile interval is 300 ms, so
+    // verify sees them all right away (the reconcile interval is 300 ms, so
     // run it before that can repair; retry if a reconcile raced us).
     let mut found = None;
     for _ in 0..20 {
@@ -129,6 +137,7 @@ fn drift_is_reported_by_verify_and_repaired_by_reconcile() -> anyhow::Result<()>
         sh("bpftool", &upd)?;
         sh("bpftool", &plant)?;
         sh("bpftool", &slot)?;
+        sh("bpftool", &slot6)?;
     }
     let text = found.context("verify never reported the drift")?;
     assert!(
@@ -144,6 +153,7 @@ fn drift_is_reported_by_verify_and_repaired_by_reconcile() -> anyhow::Result<()>
         "{text}"
     );
     assert!(text.contains("ENDPOINT_SLOTS slot 7 unexpected"), "{text}");
+    assert!(text.contains("L2_RESP6_SLOTS slot 7 unexpected"), "{text}");
 
     // The periodic reconcile repairs it and counts the repairs.
     let started = std::time::Instant::now();
@@ -158,7 +168,7 @@ fn drift_is_reported_by_verify_and_repaired_by_reconcile() -> anyhow::Result<()>
         std::thread::sleep(Duration::from_millis(50));
     }
     let status = agent.json(["status", "-o", "json"])?;
-    assert!(status["repairs"].as_u64().unwrap_or(0) >= 4, "{status}");
+    assert!(status["repairs"].as_u64().unwrap_or(0) >= 5, "{status}");
     let metrics = node.exec(
         "sh",
         [

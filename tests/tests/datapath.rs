@@ -605,7 +605,7 @@ fn bpftool_dumps_every_pinned_map_as_structured_json() -> anyhow::Result<()> {
         mac: [2, 0, 0, 0, 0, 0x50],
         ..Default::default()
     };
-    pinned.l2_resp_v6_mut().insert(a6, l2.sealed_v6(a6), 0)?;
+    pinned.l2_insert_v6(a6, &l2)?;
     let maps = topo.pins.path().join("maps");
     for name in map_names::ALL {
         let pin = maps.join(name);

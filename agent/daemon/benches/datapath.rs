@@ -347,8 +347,7 @@ fn run(pin_root: &std::path::Path) -> anyhow::Result<()> {
     };
     maps.l2_insert([10, 0, 0, 52], &expiring)?;
     let v6: [u8; 16] = [0xfd, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0x52];
-    maps.l2_resp_v6_mut()
-        .insert(v6, expiring.sealed_v6(v6), 0)?;
+    maps.l2_insert_v6(v6, &expiring)?;
     for (name, prog, packet, want, single) in [
         (
             "from_native (ARP reply, expiring entry)",

@@ -28,7 +28,7 @@ pub mod seal;
 pub mod slots;
 
 pub use counter::Counter;
-pub use slots::{EndpointAddrs, EndpointSlot, L2Resp, L2RespSlot};
+pub use slots::{EndpointAddrs, EndpointSlot, L2Resp, L2RespSlot, L2RespSlotV6};
 
 pub use nat::{
     LAST_SEEN_GRANULARITY_NS, MasqConfig, NatClock, NatKeyV4, NatKeyV6, NatValueV4, NatValueV6,
@@ -74,6 +74,10 @@ pub mod map_names {
     /// [`L2RespSlot`](crate::L2RespSlot), a direct-mapped copy of
     /// [`L2_RESP_V4`] in front of it.
     pub const L2_RESP_SLOTS: &str = "L2_RESP_SLOTS";
+    /// Array: [`slots::l2_resp_v6`](crate::slots::l2_resp_v6) of an IPv6
+    /// address → [`L2RespSlotV6`](crate::L2RespSlotV6), a direct-mapped copy
+    /// of [`L2_RESP_V6`] in front of it (the NDP responder's).
+    pub const L2_RESP6_SLOTS: &str = "L2_RESP6_SLOTS";
     /// Array of one `u32`: whether the programs report rare events (a
     /// spoofed packet dropped, an ARP request answered) through aya-log; see
     /// [`debug`](crate::debug). Pinned, so the switch outlives the agent.
@@ -97,7 +101,7 @@ pub mod map_names {
     /// clock cache (internal, no state worth keeping).
     pub const NAT_CLOCK: &str = "NAT_CLOCK";
     /// Every map, in a fixed order.
-    pub const ALL: [&str; 19] = [
+    pub const ALL: [&str; 20] = [
         IPCACHE_V4,
         IPCACHE_V6,
         IPCACHE_HOST_V4,
@@ -117,6 +121,7 @@ pub mod map_names {
         MASQ_CONFIG,
         NAT_CLOCK,
         L2_RESP_V6,
+        L2_RESP6_SLOTS,
     ];
 }
 
@@ -165,6 +170,8 @@ pub mod max_entries {
     pub const ENDPOINT_SLOTS: u32 = 16_384;
     /// L2_RESP_SLOTS. Fixed (the slot function depends on it); a power of two.
     pub const L2_RESP_SLOTS: u32 = 16_384;
+    /// L2_RESP6_SLOTS. Fixed (the slot function depends on it); a power of two.
+    pub const L2_RESP6_SLOTS: u32 = 16_384;
     /// Each of NAT_FWD_V4, NAT_FWD_V6, NAT_REV_V4 and NAT_REV_V6: one entry
     /// per translated flow in each. 65,536 flows is 14 translated-port ranges
     /// of the default 4,536 ports (61000-65535) towards one remote address and
@@ -330,6 +337,8 @@ const _: () = assert!(size_of::<EndpointValue>() == 48);
 const _: () = assert!(size_of::<L2RespValue>() == 24);
 const _: () = assert!(size_of::<EndpointSlot>() == 56);
 const _: () = assert!(size_of::<L2RespSlot>() == 48);
+const _: () = assert!(size_of::<L2RespSlotV6>() == 72);
+const _: () = assert!(max_entries::L2_RESP6_SLOTS.is_power_of_two());
 const _: () = assert!(max_entries::ENDPOINT_SLOTS.is_power_of_two());
 const _: () = assert!(max_entries::L2_RESP_SLOTS.is_power_of_two());
 const _: () = assert!(Counter::ALL.len() == Counter::COUNT as usize);
@@ -337,7 +346,7 @@ const _: () = assert!(Counter::COUNT <= max_entries::COUNTERS);
 
 #[cfg(feature = "user")]
 mod pod {
-    // SAFETY: all six are `#[repr(C)]`, made only of integers and byte arrays,
+    // SAFETY: all seven are `#[repr(C)]`, made only of integers and byte arrays,
     // with every padding byte spelled out as a field, so any bit pattern is a
     // valid value and no byte is uninitialised.
     unsafe impl aya::Pod for super::IpcacheValue {}
@@ -346,6 +355,7 @@ mod pod {
     unsafe impl aya::Pod for super::L2RespValue {}
     unsafe impl aya::Pod for super::EndpointSlot {}
     unsafe impl aya::Pod for super::L2RespSlot {}
+    unsafe impl aya::Pod for super::L2RespSlotV6 {}
 
     const _: () = assert!(
         core::mem::size_of::<aya::maps::lpm_trie::Key<super::V4Addr>>() == super::LPM_V4_KEY_SIZE
@@ -547,6 +557,63 @@ mod tests {
         assert!(masks[2] > 100_000);
     }
 
+    /// The IPv6 slot: intact copies check out for their own address only,
+    /// and a copy torn over zeros (every single byte missing, every prefix
+    /// and suffix, 100k pseudo-random byte masks) only when whole.
+    #[test]
+    fn v6_slots_check_out_only_whole_and_for_their_address() {
+        assert_eq!(size_of::<L2RespSlotV6>(), 72);
+        assert_eq!(align_of::<L2RespSlotV6>(), 8);
+        assert_eq!(offset_of!(L2RespSlotV6, addr_check), 16);
+        assert_eq!(offset_of!(L2RespSlotV6, ifindex), 32);
+        assert_eq!(offset_of!(L2RespSlotV6, mac), 40);
+        assert_eq!(offset_of!(L2RespSlotV6, mac_check), 48);
+        assert_eq!(offset_of!(L2RespSlotV6, expires_ns), 56);
+        assert_eq!(offset_of!(L2RespSlotV6, expires_check), 64);
+        let addr: V6Addr = [0xfd, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0x50];
+        let l2 = L2RespValue {
+            ifindex: 4,
+            mac: [2, 0, 0, 0, 0, 0x50],
+            expires_ns: 0x0000_0012_3456_789a,
+            ..Default::default()
+        };
+        let full = bytes::<_, 72>(&L2RespSlotV6::new(addr, &l2));
+        let w = words::<72, 18>(&full);
+        assert_eq!(
+            L2RespSlotV6::check(&w, addr),
+            Some((4, l2.mac, l2.expires_ns))
+        );
+        let mut other = addr;
+        other[3] = 1;
+        assert_eq!(L2RespSlotV6::check(&w, other), None);
+        assert_eq!(L2RespSlotV6::check(&[0; 18], [0; 16]), None);
+        let mut whole = 0;
+        let mut check = |mask: u128| {
+            let torn: [u8; 72] =
+                core::array::from_fn(|i| if mask >> i & 1 == 1 { full[i] } else { 0 });
+            if L2RespSlotV6::check(&words::<72, 18>(&torn), addr).is_some() {
+                assert_eq!(torn, full, "mask {mask:#x} checked out torn");
+                whole += 1;
+            }
+        };
+        let all = (1u128 << 72) - 1;
+        for i in 0..72 {
+            check(all & !(1 << i));
+            check(all >> i);
+            check((all << i) & all);
+        }
+        let mut seed = 0x1234_5678_9abc_def0u64;
+        for _ in 0..100_000 {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            let hi = seed.rotate_left(17);
+            check((u128::from(hi) << 64 | u128::from(seed)) & all);
+        }
+        check(all);
+        assert!(whole >= 2, "the intact slot checks out");
+    }
+
     #[test]
     fn slot_functions_stay_in_range_and_spread_a_range() {
         for i in 0..100_000u32 {
@@ -562,6 +629,19 @@ mod tests {
             used[slots::l2_resp((base + i).to_be_bytes()) as usize] = true;
         }
         assert!(used.iter().filter(|u| **u).count() > 900);
+        // The same for IPv6: a range differing in the last word, and one
+        // differing only in an upper word, each spread over the array.
+        for (at, shift) in [(12, 0), (4, 0)] {
+            let mut used = [false; max_entries::L2_RESP6_SLOTS as usize];
+            for i in 0..1024u32 {
+                let mut a: V6Addr = [0x20, 1, 0xd, 0xb8, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0];
+                a[at..at + 4].copy_from_slice(&(i << shift).to_be_bytes());
+                let s = slots::l2_resp_v6(a);
+                assert!(s < max_entries::L2_RESP6_SLOTS);
+                used[s as usize] = true;
+            }
+            assert!(used.iter().filter(|u| **u).count() > 900, "word at {at}");
+        }
     }
 
     #[test]

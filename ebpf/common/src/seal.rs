@@ -135,16 +135,20 @@ impl crate::L2RespValue {
     #[must_use]
     pub const fn v6_key(addr: crate::V6Addr) -> u32 {
         let a = addr;
-        mix(
-            0,
-            &[
-                word([a[0], a[1], a[2], a[3]]),
-                word([a[4], a[5], a[6], a[7]]),
-                word([a[8], a[9], a[10], a[11]]),
-                word([a[12], a[13], a[14], a[15]]),
-            ],
-            usize::MAX,
-        )
+        Self::v6_key_words([
+            word([a[0], a[1], a[2], a[3]]),
+            word([a[4], a[5], a[6], a[7]]),
+            word([a[8], a[9], a[10], a[11]]),
+            word([a[12], a[13], a[14], a[15]]),
+        ])
+    }
+
+    /// [`Self::v6_key`] of the address whose native words
+    /// ([`slots::v6_words`](crate::slots::v6_words)) are `w`.
+    #[inline(always)]
+    #[must_use]
+    pub const fn v6_key_words(w: [u32; 4]) -> u32 {
+        mix(0, &w, usize::MAX)
     }
 
     /// The value as written to L2_RESP_V6 under `addr`: check word set.

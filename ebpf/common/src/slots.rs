@@ -1,4 +1,5 @@
-//! Direct-mapped slot arrays in front of the ENDPOINTS and L2_RESP_V4 hashes.
+//! Direct-mapped slot arrays in front of the ENDPOINTS, L2_RESP_V4 and
+//! L2_RESP_V6 hashes.
 //!
 //! Why they exist: on the kernels lockstep targets, a hash lookup from a BPF
 //! program is a call into the kernel (~30 ns on the project VM, whose CPU runs
@@ -38,6 +39,41 @@ pub const fn endpoint(ifindex: u32) -> u32 {
 pub const fn l2_resp(addr: V4Addr) -> u32 {
     u32::from_be_bytes(addr).wrapping_mul(0x9E37_79B1)
         >> (32 - max_entries::L2_RESP_SLOTS.trailing_zeros())
+}
+
+/// Slot of L2_RESP6_SLOTS for an announced IPv6 address: its four words
+/// mixed (each multiplied in, so addresses that differ in any word spread),
+/// then Fibonacci hashing like [`l2_resp`].
+#[inline(always)]
+#[must_use]
+pub const fn l2_resp_v6(addr: V6Addr) -> u32 {
+    l2_resp_v6_words(v6_words(addr))
+}
+
+/// The address as the four native-endian words a program loads from a
+/// packet or a map value (the memory order of its bytes kept).
+#[inline(always)]
+#[must_use]
+pub const fn v6_words(a: V6Addr) -> [u32; 4] {
+    [
+        u32::from_ne_bytes([a[0], a[1], a[2], a[3]]),
+        u32::from_ne_bytes([a[4], a[5], a[6], a[7]]),
+        u32::from_ne_bytes([a[8], a[9], a[10], a[11]]),
+        u32::from_ne_bytes([a[12], a[13], a[14], a[15]]),
+    ]
+}
+
+/// [`l2_resp_v6`] of the address whose [`v6_words`] are `w`: what the NDP
+/// responder computes from the words it loaded, without taking the address
+/// apart into bytes.
+#[inline(always)]
+#[must_use]
+pub const fn l2_resp_v6_words(w: [u32; 4]) -> u32 {
+    let mut h = u32::from_be(w[0]).wrapping_mul(0x9E37_79B1);
+    h = (h ^ u32::from_be(w[1])).wrapping_mul(0x9E37_79B1);
+    h = (h ^ u32::from_be(w[2])).wrapping_mul(0x9E37_79B1);
+    h = (h ^ u32::from_be(w[3])).wrapping_mul(0x9E37_79B1);
+    h >> (32 - max_entries::L2_RESP6_SLOTS.trailing_zeros())
 }
 
 /// The bitwise complement of every byte.
@@ -212,5 +248,92 @@ impl L2RespSlot {
         let (lo, hi) = (w[8].to_ne_bytes(), w[9].to_ne_bytes());
         let expires = u64::from_ne_bytes([lo[0], lo[1], lo[2], lo[3], hi[0], hi[1], hi[2], hi[3]]);
         Some((w[2], [a[0], a[1], a[2], a[3], b[0], b[1]], expires))
+    }
+}
+
+/// One slot of L2_RESP6_SLOTS: an L2_RESP_V6 entry, each field beside its
+/// complement, like [`L2RespSlot`] for IPv4. All zero means empty.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct L2RespSlotV6 {
+    /// The announced address (the L2_RESP_V6 key).
+    pub addr: V6Addr,
+    /// Complement of `addr`.
+    pub addr_check: V6Addr,
+    /// Interface the address is announced on.
+    pub ifindex: u32,
+    /// `!ifindex`.
+    pub ifindex_check: u32,
+    /// MAC address to answer with.
+    pub mac: [u8; 6],
+    /// Explicit padding; always zero.
+    pub _pad: [u8; 2],
+    /// Complement of the eight bytes `mac` and `_pad`.
+    pub mac_check: [u8; 8],
+    /// [`L2RespValue::expires_ns`].
+    pub expires_ns: u64,
+    /// `!expires_ns`.
+    pub expires_check: u64,
+}
+
+impl L2RespSlotV6 {
+    /// Size in 32-bit words.
+    pub const WORDS: usize = size_of::<Self>() / 4;
+
+    /// The slot holding the L2_RESP_V6 entry `addr` → `value`.
+    #[must_use]
+    pub const fn new(addr: V6Addr, value: &L2RespValue) -> Self {
+        let m = value.mac;
+        Self {
+            addr,
+            addr_check: not(addr),
+            ifindex: value.ifindex,
+            ifindex_check: !value.ifindex,
+            mac: m,
+            _pad: [0; 2],
+            mac_check: not([m[0], m[1], m[2], m[3], m[4], m[5], 0, 0]),
+            expires_ns: value.expires_ns,
+            expires_check: !value.expires_ns,
+        }
+    }
+
+    /// Checks a slot read a word at a time through `word` (word `i` of the
+    /// slot, each read exactly once and in ascending order, so reading the
+    /// array value in place is as good as a copy and needs no stack): the
+    /// announcing interface, MAC and expiry when the slot holds the address
+    /// whose [`v6_words`] are `key` and no field of it is torn. The caller re-reads the key afterwards (see
+    /// [`slots`](self)).
+    #[inline(always)]
+    #[must_use]
+    pub fn check_with(mut word: impl FnMut(usize) -> u32, key: [u32; 4]) -> Option<L2Resp> {
+        let [k0, k1, k2, k3] = key;
+        if word(0) != k0 || word(1) != k1 || word(2) != k2 || word(3) != k3 {
+            return None;
+        }
+        if word(4) != !k0 || word(5) != !k1 || word(6) != !k2 || word(7) != !k3 {
+            return None;
+        }
+        let ifindex = word(8);
+        if word(9) != !ifindex {
+            return None;
+        }
+        let (m0, m1) = (word(10), word(11));
+        if word(12) != !m0 || word(13) != !m1 {
+            return None;
+        }
+        let (lo, hi) = (word(14), word(15));
+        if word(16) != !lo || word(17) != !hi {
+            return None;
+        }
+        let (a, b) = (m0.to_ne_bytes(), m1.to_ne_bytes());
+        let (lo, hi) = (lo.to_ne_bytes(), hi.to_ne_bytes());
+        let expires = u64::from_ne_bytes([lo[0], lo[1], lo[2], lo[3], hi[0], hi[1], hi[2], hi[3]]);
+        Some((ifindex, [a[0], a[1], a[2], a[3], b[0], b[1]], expires))
+    }
+
+    /// [`Self::check_with`] over a word-by-word copy.
+    #[must_use]
+    pub fn check(w: &[u32; Self::WORDS], addr: V6Addr) -> Option<L2Resp> {
+        Self::check_with(|i| w[i], v6_words(addr))
     }
 }

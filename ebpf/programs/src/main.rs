@@ -19,6 +19,8 @@
 //! Map layouts come from `lockstep-common`; nothing here redefines them.
 #![no_std]
 #![no_main]
+// `ndp` loads and stores misaligned packet words with `asm!` (see there).
+#![feature(asm_experimental_arch)]
 
 mod nat;
 mod ndp;
@@ -34,9 +36,9 @@ use aya_ebpf::{
 };
 use aya_log_ebpf::info;
 use lockstep_common::{
-    Counter, EndpointSlot, EndpointValue, IpcacheValue, L2Resp, L2RespSlot, L2RespValue,
-    MasqConfig, MasqSkipValue, NatClock, NatKeyV4, NatKeyV6, NatValueV4, NatValueV6, V4Addr,
-    V6Addr, endpoint_flags, ipcache_flags, max_entries, slots,
+    Counter, EndpointSlot, EndpointValue, IpcacheValue, L2Resp, L2RespSlot, L2RespSlotV6,
+    L2RespValue, MasqConfig, MasqSkipValue, NatClock, NatKeyV4, NatKeyV6, NatValueV4, NatValueV6,
+    V4Addr, V6Addr, endpoint_flags, ipcache_flags, max_entries, slots,
 };
 
 #[btf_map]
@@ -81,6 +83,9 @@ static ENDPOINT_SLOTS: Array<EndpointSlot, { max_entries::ENDPOINT_SLOTS as usiz
     Array::new();
 #[btf_map]
 static L2_RESP_SLOTS: Array<L2RespSlot, { max_entries::L2_RESP_SLOTS as usize }, MMAPABLE> =
+    Array::new();
+#[btf_map]
+static L2_RESP6_SLOTS: Array<L2RespSlotV6, { max_entries::L2_RESP6_SLOTS as usize }, MMAPABLE> =
     Array::new();
 #[btf_map]
 static COUNTERS: PerCpuArray<u64, { max_entries::COUNTERS as usize }> = PerCpuArray::new();

@@ -16,9 +16,11 @@ use aya_ebpf::{
     programs::TcContext,
 };
 use aya_log_ebpf::info;
-use lockstep_common::{Counter, L2Resp, L2RespValue, V6Addr};
+use lockstep_common::{Counter, L2Resp, L2RespSlotV6, L2RespValue, V6Addr, slots};
 
-use crate::{ETH_HLEN, L2_RESP_V6, NEXT, SEAL_TRIES, count, events_on, ifindex, nat, read};
+use crate::{
+    ETH_HLEN, L2_RESP_V6, L2_RESP6_SLOTS, NEXT, SEAL_TRIES, count, events_on, ifindex, nat, read,
+};
 
 /// Offsets from the start of the frame.
 const IP: usize = ETH_HLEN;
@@ -41,10 +43,33 @@ pub(crate) fn is_solicitation(ctx: &TcContext) -> bool {
     read::<u8>(ctx, NEXT_HEADER) == Some(ICMPV6) && read::<u8>(ctx, ICMP) == Some(NS)
 }
 
-/// The L2_RESP_V6 entry of `addr` whose seal holds (see `endpoint_hash`).
+/// The L2_RESP_V6 entry of the address whose native words are `key` and
+/// whose bytes `addr` points at (in the packet): through its slot first (an
+/// inlined array lookup, read in place word by word; see
+/// `lockstep_common::slots`), else the hash entry whose seal holds.
 #[inline(always)]
-fn l2_resp_v6(addr: V6Addr) -> Option<L2Resp> {
-    let key = L2RespValue::v6_key(addr);
+fn l2_resp_v6(key: [u32; 4], addr: &V6Addr) -> Option<L2Resp> {
+    if let Some(p) = L2_RESP6_SLOTS.get_ptr(slots::l2_resp_v6_words(key)) {
+        let p = p.cast::<u32>();
+        // SAFETY: `p` points into the array's value area (8-aligned) for
+        // this run and every index is below `L2RespSlotV6::WORDS`; each word
+        // is read once, volatile, in order, then the key again.
+        let read = |i: usize| unsafe { core::ptr::read_volatile(p.add(i)) };
+        if let Some(found) = L2RespSlotV6::check_with(read, key) {
+            if read(0) == key[0] && read(1) == key[1] && read(2) == key[2] && read(3) == key[3] {
+                return Some(found);
+            }
+        }
+    }
+    l2_resp_v6_hash(addr, L2RespValue::v6_key_words(key))
+}
+
+/// The L2_RESP_V6 hash entry of `addr` whose seal (under `seal`, the
+/// address's seal key) holds; see `endpoint_hash`. Not inlined, and keyed
+/// straight from the packet (a map key may live in packet memory), so the
+/// slot path's frame stays small: the verifier's 512 bytes cover the chain.
+#[inline(never)]
+fn l2_resp_v6_hash(addr: &V6Addr, seal: u32) -> Option<L2Resp> {
     for _ in 0..SEAL_TRIES {
         let p = L2_RESP_V6
             .get_ptr(addr)?
@@ -52,7 +77,7 @@ fn l2_resp_v6(addr: V6Addr) -> Option<L2Resp> {
         // SAFETY: `p` points at a value of the map for this run; copied once
         // and judged by its seal.
         let copy = unsafe { core::ptr::read_volatile(p) };
-        if let Some(found) = L2RespValue::open_keyed(&copy, key) {
+        if let Some(found) = L2RespValue::open_keyed(&copy, seal) {
             return Some(found);
         }
         count(Counter::SealRetried);
@@ -60,66 +85,230 @@ fn l2_resp_v6(addr: V6Addr) -> Option<L2Resp> {
     None
 }
 
-/// One's-complement sum of 16 bytes as big-endian 16-bit words.
-#[inline(always)]
-fn sum16(b: &[u8; 16]) -> u32 {
-    let mut s = 0u32;
-    let mut i = 0;
-    while i < 16 {
-        s += u32::from(u16::from_be_bytes([b[i], b[i + 1]]));
-        i += 2;
-    }
-    s
-}
-
-/// The ICMPv6 checksum of the advertisement this module sends: from
+/// The ICMPv6 checksum of the advertisement this module sends, from
 /// `target` (the announced address, also the IPv6 source) to `dst`, with
-/// `mac` in the target link-layer option.
+/// `mac` in the target link-layer option, as it goes into the packet
+/// (memory order). The one's-complement sum is taken over native 32-bit
+/// words and folded: RFC 1071 §2(B), byte-order independence, so no byte is
+/// swapped and the whole sum is a dozen additions.
 #[inline(always)]
-pub(crate) fn na_checksum(target: &V6Addr, dst: &V6Addr, mac: &[u8; 6]) -> u16 {
-    // Pseudo-header: source, destination, upper-layer length 32, next header.
-    let mut s = sum16(target) + sum16(dst) + 32 + u32::from(ICMPV6);
-    // Type/code, flags, reserved, target, option type/length, MAC.
-    s += u32::from(u16::from_be_bytes([NA, 0]));
-    s += u32::from(u16::from_be_bytes([SOLICITED_OVERRIDE, 0]));
-    s += sum16(target);
-    s += 0x0201;
-    s += u32::from(u16::from_be_bytes([mac[0], mac[1]]))
-        + u32::from(u16::from_be_bytes([mac[2], mac[3]]))
-        + u32::from(u16::from_be_bytes([mac[4], mac[5]]));
+pub(crate) fn na_checksum(target: [u32; 4], dst: [u32; 4], mac: &[u8; 6]) -> u16 {
+    let addr = |w: [u32; 4]| {
+        u64::from(w[0]) + u64::from(w[1]) + u64::from(w[2]) + u64::from(w[3])
+    };
+    let word = |b: [u8; 4]| u64::from(u32::from_ne_bytes(b));
+    // Pseudo-header: source (the target), destination, upper-layer length
+    // 32, next header; then type/code, flags, the target again and the
+    // target link-layer option.
+    let mut s = 2 * addr(target)
+        + addr(dst)
+        + word([0, 0, 0, 32])
+        + word([0, 0, 0, ICMPV6])
+        + word([NA, 0, 0, 0])
+        + word([SOLICITED_OVERRIDE, 0, 0, 0])
+        + word([2, 1, mac[0], mac[1]])
+        + word([mac[2], mac[3], mac[4], mac[5]]);
+    s = (s & 0xffff_ffff) + (s >> 32);
+    s = (s & 0xffff) + (s >> 16);
     s = (s & 0xffff) + (s >> 16);
     s = (s & 0xffff) + (s >> 16);
     !(s as u16)
 }
 
+/// A 32-bit load from the frame at `data + OFF`, at any alignment.
+///
+/// Why assembly: the IPv6 addresses sit at frame offsets 22, 38 and 62, not
+/// 4-aligned, and Rust's unaligned reads compile for BPF into a byte load,
+/// shift and or per byte (sixteen of each per address, and a stack frame
+/// the verifier's 512-byte budget could not hold). The verifier allows
+/// misaligned packet access, so one `ldxw` per word, its offset an
+/// immediate, is what we write.
+///
+/// # Safety
+/// `OFF + 4` bytes from `data` must be inside the linear packet data.
+#[inline(always)]
+unsafe fn ld32<const OFF: usize>(data: usize) -> u32 {
+    let v: u64;
+    // SAFETY: the caller's bounds; a plain load, no other effect.
+    unsafe {
+        core::arch::asm!(
+            "{v} = *(u32 *)({p} + {off})",
+            v = lateout(reg) v,
+            p = in(reg) data,
+            off = const OFF,
+            options(pure, readonly, nostack, preserves_flags)
+        );
+    }
+    v as u32
+}
+
+/// A 16-bit load, as [`ld32`].
+///
+/// # Safety
+/// As [`ld32`], for 2 bytes.
+#[inline(always)]
+unsafe fn ld16<const OFF: usize>(data: usize) -> u16 {
+    let v: u64;
+    // SAFETY: as in `ld32`.
+    unsafe {
+        core::arch::asm!(
+            "{v} = *(u16 *)({p} + {off})",
+            v = lateout(reg) v,
+            p = in(reg) data,
+            off = const OFF,
+            options(pure, readonly, nostack, preserves_flags)
+        );
+    }
+    v as u16
+}
+
+/// A 32-bit store into the frame, as [`ld32`].
+///
+/// # Safety
+/// As [`ld32`]; TC programs may write packet data.
+#[inline(always)]
+unsafe fn st32<const OFF: usize>(data: usize, v: u32) {
+    // SAFETY: the caller's bounds.
+    unsafe {
+        core::arch::asm!(
+            "*(u32 *)({p} + {off}) = {v}",
+            p = in(reg) data,
+            v = in(reg) u64::from(v),
+            off = const OFF,
+            options(nostack, preserves_flags)
+        );
+    }
+}
+
+/// A 16-bit store, as [`st32`].
+///
+/// # Safety
+/// As [`st32`], for 2 bytes.
+#[inline(always)]
+unsafe fn st16<const OFF: usize>(data: usize, v: u16) {
+    // SAFETY: the caller's bounds.
+    unsafe {
+        core::arch::asm!(
+            "*(u16 *)({p} + {off}) = {v}",
+            p = in(reg) data,
+            v = in(reg) u64::from(v),
+            off = const OFF,
+            options(nostack, preserves_flags)
+        );
+    }
+}
+
+/// The four native words of the IPv6 address at `OFF`.
+///
+/// # Safety
+/// As [`ld32`], for 16 bytes.
+#[inline(always)]
+unsafe fn ld_addr<const OFF: usize>(data: usize) -> [u32; 4] {
+    let (a, b, c, d): (u64, u64, u64, u64);
+    // SAFETY: the caller's bounds; plain loads.
+    unsafe {
+        core::arch::asm!(
+            "{a} = *(u32 *)({p} + {o0})",
+            "{b} = *(u32 *)({p} + {o1})",
+            "{c} = *(u32 *)({p} + {o2})",
+            "{d} = *(u32 *)({p} + {o3})",
+            a = lateout(reg) a,
+            b = lateout(reg) b,
+            c = lateout(reg) c,
+            d = lateout(reg) d,
+            p = in(reg) data,
+            o0 = const OFF,
+            o1 = const OFF + 4,
+            o2 = const OFF + 8,
+            o3 = const OFF + 12,
+            options(pure, readonly, nostack, preserves_flags)
+        );
+    }
+    [a as u32, b as u32, c as u32, d as u32]
+}
+
+/// Stores an address's four native words at `OFF`.
+///
+/// # Safety
+/// As [`st32`], for 16 bytes.
+#[inline(always)]
+unsafe fn st_addr<const OFF: usize>(data: usize, w: [u32; 4]) {
+    // SAFETY: the caller's bounds.
+    unsafe {
+        core::arch::asm!(
+            "*(u32 *)({p} + {o0}) = {a}",
+            "*(u32 *)({p} + {o1}) = {b}",
+            "*(u32 *)({p} + {o2}) = {c}",
+            "*(u32 *)({p} + {o3}) = {d}",
+            p = in(reg) data,
+            a = in(reg) u64::from(w[0]),
+            b = in(reg) u64::from(w[1]),
+            c = in(reg) u64::from(w[2]),
+            d = in(reg) u64::from(w[3]),
+            o0 = const OFF,
+            o1 = const OFF + 4,
+            o2 = const OFF + 8,
+            o3 = const OFF + 12,
+            options(nostack, preserves_flags)
+        );
+    }
+}
+
+/// A MAC as the native word and half-word that hold its bytes in order.
+#[inline(always)]
+fn mac_words(m: [u8; 6]) -> (u32, u16) {
+    (
+        u32::from_ne_bytes([m[0], m[1], m[2], m[3]]),
+        u16::from_ne_bytes([m[4], m[5]]),
+    )
+}
+
 /// Answers a Neighbor Solicitation for an announced address; "next" for
-/// anything it does not answer.
-// Not inlined: a frame of its own, apart from the masquerade's.
-#[inline(never)]
+/// anything it does not answer. The solicitation is turned into the
+/// advertisement in place, a word at a time: its target stays where it is
+/// (the NA carries it at the same offset), the rest is a handful of stores.
+#[inline(always)]
 pub(crate) fn ndp_reply(ctx: &TcContext) -> i32 {
-    let (Some(eth_src), Some(ip), Some(icmp)) = (
-        read::<[u8; 6]>(ctx, 6),
-        read::<[u8; 40]>(ctx, IP),
-        read::<[u8; 24]>(ctx, ICMP),
-    ) else {
+    // The solicitation's fixed part: Ethernet, IPv6, the 24-byte NS.
+    const NS_LEN: usize = ICMP + 24;
+    if ctx.data() + NS_LEN > ctx.data_end()
+        && (ctx.pull_data(NS_LEN as u32).is_err() || ctx.data() + NS_LEN > ctx.data_end())
+    {
         count(Counter::NdpMalformed);
         return NEXT;
+    }
+    let (d, end) = (ctx.data(), ctx.data_end());
+    if d + NS_LEN > end {
+        count(Counter::NdpMalformed);
+        return NEXT;
+    }
+    // SAFETY: every read below is inside the NS_LEN bytes checked above.
+    let (hop, code, payload, src, target) = unsafe {
+        (
+            *((d + IP + 7) as *const u8),
+            *((d + ICMP + 1) as *const u8),
+            usize::from(u16::from_be(ld16::<{ IP + 4 }>(d))),
+            ld_addr::<{ IP + 8 }>(d),
+            ld_addr::<{ ICMP + 8 }>(d),
+        )
     };
-    let payload = usize::from(u16::from_be_bytes([ip[4], ip[5]]));
-    let src: V6Addr = core::array::from_fn(|i| ip[8 + i]);
-    let target: V6Addr = core::array::from_fn(|i| icmp[8 + i]);
-    let well_formed = ip[7] == 255
-        && icmp[1] == 0
+    let well_formed = hop == 255
+        && code == 0
         && payload >= 24
         && ICMP + payload <= ctx.len() as usize
-        && target[0] != 0xff
-        && src != [0; 16];
+        // Not multicast (ff00::/8: the first byte, the low byte of the
+        // first native word), and a specified source.
+        && target[0].to_le() & 0xff != 0xff
+        && (src[0] | src[1] | src[2] | src[3]) != 0;
     if !well_formed {
         count(Counter::NdpMalformed);
         return NEXT;
     }
     let here = ifindex(ctx);
-    let mac = match l2_resp_v6(target) {
+    // SAFETY: the target's 16 bytes are inside the NS_LEN checked above;
+    // a byte array needs no alignment.
+    let target_bytes = unsafe { &*((d + ICMP + 8) as *const V6Addr) };
+    let mac = match l2_resp_v6(target, target_bytes) {
         Some((ifindex, mac, expires)) if ifindex == here => {
             if expires != 0 && L2RespValue::expired(expires, nat::now_ns()) {
                 count(Counter::AnnounceExpired);
@@ -140,41 +329,62 @@ pub(crate) fn ndp_reply(ctx: &TcContext) -> i32 {
             return NEXT;
         }
     }
-    let csum = na_checksum(&target, &src, &mac).to_be_bytes();
     if ctx.data() + NA_FRAME_LEN > ctx.data_end() && ctx.pull_data(NA_FRAME_LEN as u32).is_err() {
         count(Counter::Malformed);
         return NEXT;
     }
     // The check the verifier sees, right before the writes.
-    let (start, end) = (ctx.data(), ctx.data_end());
-    if start + NA_FRAME_LEN > end {
+    let (d, end) = (ctx.data(), ctx.data_end());
+    if d + NA_FRAME_LEN > end {
         count(Counter::Malformed);
         return NEXT;
     }
-    // SAFETY: bounds checked just above; TC programs may write packet data.
-    let out = unsafe { &mut *(start as *mut [u8; NA_FRAME_LEN]) };
-    out[0..6].copy_from_slice(&eth_src);
-    out[6..12].copy_from_slice(&mac);
-    // IPv6: version 6, no traffic class or flow label, payload 32, ICMPv6,
-    // hop limit 255, from the target to the solicitation's source.
-    out[14..22].copy_from_slice(&[0x60, 0, 0, 0, 0, 32, ICMPV6, 255]);
-    out[22..38].copy_from_slice(&target);
-    out[38..54].copy_from_slice(&src);
-    out[54..62].copy_from_slice(&[NA, 0, csum[0], csum[1], SOLICITED_OVERRIDE, 0, 0, 0]);
-    out[62..78].copy_from_slice(&target);
-    out[78..80].copy_from_slice(&[2, 1]);
-    out[80..86].copy_from_slice(&mac);
+    // SAFETY: bounds checked just above.
+    let asker = unsafe { (ld32::<6>(d), ld16::<10>(d)) };
+    let csum = na_checksum(target, src, &mac).to_ne_bytes();
+    let (mac_lo, mac_hi) = mac_words(mac);
+    // SAFETY: bounds checked just above.
+    unsafe {
+        // Ethernet: back to the asker, from the announcing interface.
+        st32::<0>(d, asker.0);
+        st16::<4>(d, asker.1);
+        st32::<6>(d, mac_lo);
+        st16::<10>(d, mac_hi);
+        // IPv6: version 6, no traffic class or flow label, payload 32,
+        // ICMPv6, hop limit 255, from the target to the asker. The target
+        // field of the NS (offset 62) is the NA's target already.
+        st32::<IP>(d, u32::from_ne_bytes([0x60, 0, 0, 0]));
+        st32::<{ IP + 4 }>(d, u32::from_ne_bytes([0, 32, ICMPV6, 255]));
+        st_addr::<{ IP + 8 }>(d, target);
+        st_addr::<{ IP + 24 }>(d, src);
+        st32::<ICMP>(d, u32::from_ne_bytes([NA, 0, csum[0], csum[1]]));
+        st32::<{ ICMP + 4 }>(d, u32::from_ne_bytes([SOLICITED_OVERRIDE, 0, 0, 0]));
+        st16::<{ ICMP + 24 }>(d, u16::from_ne_bytes([2, 1]));
+        st32::<{ ICMP + 26 }>(d, mac_lo);
+        st16::<{ ICMP + 30 }>(d, mac_hi);
+    }
     count(Counter::NdpReplied);
     if events_on() {
-        info!(
-            ctx,
-            "from_native: answered NDP for {:i} to {:i} ({:mac}) on ifindex {}",
-            target,
-            src,
-            eth_src,
-            here
-        );
+        replied_event(ctx, here);
     }
     // SAFETY: plain helper call; egress of the interface the request came in on.
     unsafe { bpf_redirect(here, 0) as i32 }
+}
+
+/// The aya-log event of an answered solicitation, read back from the
+/// advertisement just written, in a frame of its own so the reply's stack
+/// stays small (the verifier's 512 bytes cover the whole call chain).
+#[inline(never)]
+fn replied_event(ctx: &TcContext, here: u32) {
+    let (Some(asker), Some(target), Some(to)) = (
+        read::<[u8; 6]>(ctx, 0),
+        read::<V6Addr>(ctx, IP + 8),
+        read::<V6Addr>(ctx, IP + 24),
+    ) else {
+        return;
+    };
+    info!(
+        ctx,
+        "from_native: answered NDP for {:i} to {:i} ({:mac}) on ifindex {}", target, to, asker, here
+    );
 }

@@ -11,8 +11,8 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use ipnet::{IpNet, Ipv4Net, Ipv6Net};
 use lockstep_common::{
-    EndpointSlot, EndpointValue, IpcacheValue, L2RespSlot, L2RespValue, MasqSkipValue, V4Addr,
-    V6Addr, endpoint_flags, masq_reason, slots,
+    EndpointSlot, EndpointValue, IpcacheValue, L2RespSlot, L2RespSlotV6, L2RespValue,
+    MasqSkipValue, V4Addr, V6Addr, endpoint_flags, masq_reason, slots,
 };
 
 use super::{EntryExtra, HostEntries, PlanBuilder, PlanError, direct_mapped, host_entries};
@@ -35,6 +35,8 @@ pub struct MapContents {
     pub endpoint_slots: Vec<(u32, EndpointSlot)>,
     /// L2_RESP_SLOTS that hold something, sorted by slot.
     pub l2_slots: Vec<(u32, L2RespSlot)>,
+    /// L2_RESP6_SLOTS that hold something, sorted by slot.
+    pub l2_v6_slots: Vec<(u32, L2RespSlotV6)>,
     /// IPCACHE_HOST_V4: sorted by address, unique.
     pub host_v4: Vec<(V4Addr, IpcacheValue)>,
     /// IPCACHE_HOST_V6: sorted by address, unique.
@@ -217,6 +219,10 @@ where
         .into_iter()
         .map(|(slot, k, v)| (slot, L2RespSlot::new(k, &v)))
         .collect();
+    let l2_v6_slots = direct_mapped(&l2_v6, |k| slots::l2_resp_v6(*k))
+        .into_iter()
+        .map(|(slot, k, v)| (slot, L2RespSlotV6::new(k, &v)))
+        .collect();
     Ok(Desired {
         maps: MapContents {
             l2,
@@ -224,6 +230,7 @@ where
             endpoints,
             endpoint_slots,
             l2_slots,
+            l2_v6_slots,
             host_v4: hosts.v4,
             host_v6: hosts.v6,
             prefix_v4: plan.ipcache_v4,

@@ -94,13 +94,14 @@ fn announcement_map(name: &str) -> bool {
         map_names::L2_RESP_V4,
         map_names::L2_RESP_SLOTS,
         map_names::L2_RESP_V6,
+        map_names::L2_RESP6_SLOTS,
     ]
     .contains(&name)
 }
 
 impl Agent {
     /// Renews every announcement: a new expiry, written into L2_RESP_V4,
-    /// its slots and L2_RESP_V6 in the order reconcile uses (slots cleared
+    /// L2_RESP_V6 and their slots in the order reconcile uses (slots cleared
     /// first, filled last). When the previous expiry had passed (a hung
     /// agent resumed, or a start), every announced address is announced
     /// again (gratuitous ARP, unsolicited NA). Returns the entries written.

@@ -253,6 +253,12 @@ pub(super) static MAPS: &[&dyn MapSpec] = &[
         part: |c| &c.l2_slots,
         part_mut: |c| &mut c.l2_slots,
     },
+    &Slots {
+        name: map_names::L2_RESP6_SLOTS,
+        len: max_entries::L2_RESP6_SLOTS,
+        part: |c| &c.l2_v6_slots,
+        part_mut: |c| &mut c.l2_v6_slots,
+    },
     &Hash {
         name: map_names::IPCACHE_HOST_V4,
         part: |c| &c.host_v4,

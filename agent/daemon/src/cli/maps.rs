@@ -8,8 +8,8 @@ use std::net::{Ipv4Addr, Ipv6Addr};
 
 use clap::Subcommand;
 use lockstep_common::{
-    EndpointSlot, IpcacheValue, L2RespSlot, endpoint_flags, ipcache_flags, masq_flags, nat_state,
-    slots,
+    EndpointSlot, IpcacheValue, L2RespSlot, L2RespSlotV6, endpoint_flags, ipcache_flags,
+    masq_flags, nat_state, slots,
 };
 use serde_json::json;
 
@@ -220,6 +220,13 @@ pub fn dump_maps(maps: &PinnedMaps) -> anyhow::Result<serde_json::Value> {
             l2_slots.push(json!({"slot": slots::l2_resp(s.addr), "address": Ipv4Addr::from(s.addr).to_string(), "ifindex": s.ifindex, "mac": fmt_mac(&s.mac)}));
         }
     }
+    let mut l2_v6_slots = Vec::new();
+    for item in maps.l2_resp6_slots().iter() {
+        let s = item?;
+        if s != L2RespSlotV6::default() {
+            l2_v6_slots.push(json!({"slot": slots::l2_resp_v6(s.addr), "address": Ipv6Addr::from(s.addr).to_string(), "ifindex": s.ifindex, "mac": fmt_mac(&s.mac)}));
+        }
+    }
     let counters: serde_json::Map<String, serde_json::Value> = maps
         .counters()?
         .into_iter()
@@ -234,6 +241,7 @@ pub fn dump_maps(maps: &PinnedMaps) -> anyhow::Result<serde_json::Value> {
         "L2_RESP_V6": l2_v6,
         "ENDPOINT_SLOTS": endpoint_slots,
         "L2_RESP_SLOTS": l2_slots,
+        "L2_RESP6_SLOTS": l2_v6_slots,
         "COUNTERS": counters,
     });
     if let Some(obj) = out.as_object_mut() {

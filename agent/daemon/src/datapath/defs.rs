@@ -11,9 +11,9 @@ use std::path::Path;
 
 use aya::maps::{MapData, MapInfo, MapType};
 use lockstep_common::{
-    EndpointSlot, EndpointValue, IpcacheValue, L2RespSlot, L2RespValue, LPM_V4_KEY_SIZE,
-    LPM_V6_KEY_SIZE, MasqConfig, MasqSkipValue, NatClock, NatKeyV4, NatKeyV6, NatValueV4,
-    NatValueV6, map_names, max_entries,
+    EndpointSlot, EndpointValue, IpcacheValue, L2RespSlot, L2RespSlotV6, L2RespValue,
+    LPM_V4_KEY_SIZE, LPM_V6_KEY_SIZE, MasqConfig, MasqSkipValue, NatClock, NatKeyV4, NatKeyV6,
+    NatValueV4, NatValueV6, map_names, max_entries,
 };
 
 use super::{DatapathError, sys};
@@ -151,6 +151,10 @@ pub fn expected_definitions(caps: &MapCapacities) -> BTreeMap<&'static str, MapD
         (
             map_names::L2_RESP_SLOTS,
             array(size_of::<L2RespSlot>(), max_entries::L2_RESP_SLOTS),
+        ),
+        (
+            map_names::L2_RESP6_SLOTS,
+            array(size_of::<L2RespSlotV6>(), max_entries::L2_RESP6_SLOTS),
         ),
         (
             map_names::COUNTERS,

@@ -15,8 +15,9 @@ use std::path::{Path, PathBuf};
 use aya::maps::lpm_trie::Key;
 use aya::maps::{Array, HashMap, LpmTrie, Map, MapData, PerCpuArray};
 use lockstep_common::{
-    Counter, EndpointSlot, EndpointValue, IpcacheValue, L2RespSlot, L2RespValue, MasqConfig,
-    MasqSkipValue, NatKeyV4, NatKeyV6, NatValueV4, NatValueV6, V4Addr, V6Addr, map_names, slots,
+    Counter, EndpointSlot, EndpointValue, IpcacheValue, L2RespSlot, L2RespSlotV6, L2RespValue,
+    MasqConfig, MasqSkipValue, NatKeyV4, NatKeyV6, NatValueV4, NatValueV6, V4Addr, V6Addr,
+    map_names, slots,
 };
 use lockstep_core::plan::slot_holder;
 
@@ -50,6 +51,9 @@ pub struct PinnedMaps {
     /// L2_RESP_SLOTS. Written through [`PinnedMaps::l2_insert`] and
     /// [`PinnedMaps::l2_remove`] (or a reconcile), never alone.
     l2_resp_slots: Array<MapData, L2RespSlot>,
+    /// L2_RESP6_SLOTS. Written through [`PinnedMaps::l2_insert_v6`] and
+    /// [`PinnedMaps::l2_remove_v6`] (or a reconcile), never alone.
+    l2_resp6_slots: Array<MapData, L2RespSlotV6>,
     /// NAT_FWD_V4.
     nat_fwd_v4: HashMap<MapData, NatKeyV4, NatValueV4>,
     /// NAT_FWD_V6.
@@ -173,12 +177,14 @@ accessors! {
     endpoints / endpoints_mut: HashMap<MapData, u32, EndpointValue>;
     /// L2_RESP_V4 (written through [`PinnedMaps::l2_insert`]).
     l2_resp_v4 / l2_resp_v4_mut: HashMap<MapData, V4Addr, L2RespValue>;
-    /// L2_RESP_V6 (values sealed with `L2RespValue::sealed_v6`).
+    /// L2_RESP_V6 (written through [`PinnedMaps::l2_insert_v6`]).
     l2_resp_v6 / l2_resp_v6_mut: HashMap<MapData, V6Addr, L2RespValue>;
     /// ENDPOINT_SLOTS (written through [`PinnedMaps::endpoint_insert`]).
     endpoint_slots / endpoint_slots_mut: Array<MapData, EndpointSlot>;
     /// L2_RESP_SLOTS (written through [`PinnedMaps::l2_insert`]).
     l2_resp_slots / l2_resp_slots_mut: Array<MapData, L2RespSlot>;
+    /// L2_RESP6_SLOTS (written through [`PinnedMaps::l2_insert_v6`]).
+    l2_resp6_slots / l2_resp6_slots_mut: Array<MapData, L2RespSlotV6>;
     /// NAT_FWD_V4 (see `lockstep_common::nat`).
     nat_fwd_v4 / nat_fwd_v4_mut: HashMap<MapData, NatKeyV4, NatValueV4>;
     /// NAT_FWD_V6.
@@ -233,6 +239,7 @@ impl PinnedMaps {
             counters: typed!(s, map_names::COUNTERS),
             endpoint_slots: typed!(s, map_names::ENDPOINT_SLOTS),
             l2_resp_slots: typed!(s, map_names::L2_RESP_SLOTS),
+            l2_resp6_slots: typed!(s, map_names::L2_RESP6_SLOTS),
             nat_fwd_v4: typed!(s, map_names::NAT_FWD_V4),
             nat_fwd_v6: typed!(s, map_names::NAT_FWD_V6),
             nat_rev_v4: typed!(s, map_names::NAT_REV_V4),
@@ -314,6 +321,32 @@ impl PinnedMaps {
         }
     }
 
+    /// Inserts (or replaces) the L2_RESP_V6 entry of `addr`, sealed, then
+    /// its slot.
+    ///
+    /// # Errors
+    /// A map could not be read or written (the hash may be full).
+    pub fn l2_insert_v6(&mut self, addr: V6Addr, value: &L2RespValue) -> Result<(), DatapathError> {
+        self.l2_resp_v6
+            .insert(addr, value.sealed_v6(addr), 0)
+            .map_err(|e| write_err(map_names::L2_RESP_V6, e))?;
+        self.sync_l2_v6_slot(slots::l2_resp_v6(addr), None)
+    }
+
+    /// Removes the L2_RESP_V6 entry of `addr`, its slot first. Returns
+    /// whether the entry existed.
+    ///
+    /// # Errors
+    /// A map could not be read or written.
+    pub fn l2_remove_v6(&mut self, addr: V6Addr) -> Result<bool, DatapathError> {
+        self.sync_l2_v6_slot(slots::l2_resp_v6(addr), Some(addr))?;
+        match self.l2_resp_v6.remove(&addr) {
+            Ok(()) => Ok(true),
+            Err(aya::maps::MapError::KeyNotFound) => Ok(false),
+            Err(e) => Err(write_err(map_names::L2_RESP_V6, e)),
+        }
+    }
+
     /// Makes `slot` hold what [`slot_holder`] picks from the hash as it is
     /// now, leaving out `without` (about to be removed).
     fn sync_endpoint_slot(&mut self, slot: u32, without: Option<u32>) -> Result<(), DatapathError> {
@@ -344,6 +377,23 @@ impl PinnedMaps {
         write_slot(
             &mut self.l2_resp_slots,
             map_names::L2_RESP_SLOTS,
+            slot,
+            want,
+        )
+    }
+
+    /// [`Self::sync_endpoint_slot`] for L2_RESP6_SLOTS.
+    fn sync_l2_v6_slot(&mut self, slot: u32, without: Option<V6Addr>) -> Result<(), DatapathError> {
+        let entries: Vec<(V6Addr, L2RespValue)> = self.entries(map_names::L2_RESP_V6)?;
+        let want = slot_holder(
+            entries.into_iter().filter(|(k, _)| Some(*k) != without),
+            slot,
+            |k: &V6Addr| slots::l2_resp_v6(*k),
+        )
+        .map(|(k, v)| L2RespSlotV6::new(k, &v));
+        write_slot(
+            &mut self.l2_resp6_slots,
+            map_names::L2_RESP6_SLOTS,
             slot,
             want,
         )

@@ -487,6 +487,32 @@ impl Datapath {
         ifindex: u32,
         repeat: u32,
     ) -> Result<(i32, std::time::Duration), DatapathError> {
+        self.test_run_inner(program, packet, ifindex, repeat)
+            .map(|(ret, took, _)| (ret, took))
+    }
+
+    /// One [`Self::test_run`] that also returns the packet as the program
+    /// left it (a reply written in place, a translated header).
+    ///
+    /// # Errors
+    /// As [`Self::test_run`].
+    pub fn test_run_packet(
+        &mut self,
+        program: &str,
+        packet: &[u8],
+        ifindex: u32,
+    ) -> Result<(i32, Vec<u8>), DatapathError> {
+        self.test_run_inner(program, packet, ifindex, 1)
+            .map(|(ret, _, out)| (ret, out))
+    }
+
+    fn test_run_inner(
+        &mut self,
+        program: &str,
+        packet: &[u8],
+        ifindex: u32,
+        repeat: u32,
+    ) -> Result<(i32, std::time::Duration, Vec<u8>), DatapathError> {
         use aya::programs::{TestRun, TestRunOptions};
         /// `sizeof(struct __sk_buff)` and the offset of its `ifindex` field.
         const SKB_CTX_SIZE: usize = 192;
@@ -507,6 +533,7 @@ impl Datapath {
                 name: program.to_string(),
                 source: Box::new(source),
             })?;
-        Ok((result.return_value as i32, result.duration))
+        out.truncate(result.data_size_out as usize);
+        Ok((result.return_value as i32, result.duration, out))
     }
 }

@@ -164,6 +164,17 @@ fn ipv6_announcements_are_sealed_under_their_address_and_expire_alike() {
         assert!(v.is_sealed_v6(*k));
     }
     assert!(m.l2.is_empty() && m.l2_slots.is_empty());
+    // Each address has the slot the NDP responder looks in first, holding
+    // a copy of its entry that checks out for it alone.
+    assert_eq!(m.l2_v6_slots.len(), 2);
+    for (k, v) in &m.l2_v6 {
+        let (slot, s) = m
+            .l2_v6_slots
+            .iter()
+            .find(|(slot, _)| *slot == slots::l2_resp_v6(*k))
+            .expect("a slot per address");
+        assert_eq!(*s, L2RespSlotV6::new(*k, v), "slot {slot}");
+    }
 }
 
 #[test]
