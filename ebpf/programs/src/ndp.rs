@@ -93,9 +93,7 @@ fn l2_resp_v6_hash(addr: &V6Addr, seal: u32) -> Option<L2Resp> {
 /// swapped and the whole sum is a dozen additions.
 #[inline(always)]
 pub(crate) fn na_checksum(target: [u32; 4], dst: [u32; 4], mac: &[u8; 6]) -> u16 {
-    let addr = |w: [u32; 4]| {
-        u64::from(w[0]) + u64::from(w[1]) + u64::from(w[2]) + u64::from(w[3])
-    };
+    let addr = |w: [u32; 4]| u64::from(w[0]) + u64::from(w[1]) + u64::from(w[2]) + u64::from(w[3]);
     let word = |b: [u8; 4]| u64::from(u32::from_ne_bytes(b));
     // Pseudo-header: source (the target), destination, upper-layer length
     // 32, next header; then type/code, flags, the target again and the
@@ -385,6 +383,10 @@ fn replied_event(ctx: &TcContext, here: u32) {
     };
     info!(
         ctx,
-        "from_native: answered NDP for {:i} to {:i} ({:mac}) on ifindex {}", target, to, asker, here
+        "from_native: answered NDP for {:i} to {:i} ({:mac}) on ifindex {}",
+        target,
+        to,
+        asker,
+        here
     );
 }
