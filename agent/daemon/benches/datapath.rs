@@ -365,7 +365,22 @@ fn run(pin_root: &std::path::Path) -> anyhow::Result<()> {
         ),
     ] {
         let (ns, over) = paired(&mut dp, prog, packet, want, single)?;
-        println!("{name:<40} {ns:>10.1} {over:>12.1} {:>8}", "(info)");
+        // The NDP reply has the ARP reply's goal (issue 13): < 50 ns over
+        // the empty program, for the entries the agent writes (they expire).
+        let verdict = if !name.contains("NDP") {
+            "(info)"
+        } else if over < 50.0 {
+            "PASS"
+        } else {
+            ok = false;
+            "FAIL"
+        };
+        println!("{name:<40} {ns:>10.1} {over:>12.1} {verdict:>8}");
+    }
+    // `cargo xtask bench lb` wants the responders' rows only.
+    if std::env::var_os("LOCKSTEP_BENCH_RESPONDERS_ONLY").is_some() {
+        anyhow::ensure!(ok, "a program costs 50 ns or more over the empty program");
+        return Ok(());
     }
     let masq_ok = masquerade_rows(&mut dp)?;
     anyhow::ensure!(ok, "a program costs 50 ns or more over the empty program");
