@@ -345,6 +345,23 @@ pub fn counter(pins: &PinRoot, name: &str) -> anyhow::Result<u64> {
         .with_context(|| format!("no counter {name}"))
 }
 
+/// One counter summed over every CPU, read straight from COUNTERS through
+/// maps this process holds open (no pin root or CLI needed).
+///
+/// # Errors
+/// COUNTERS could not be read.
+pub fn counter_sum(
+    maps: &lockstep::datapath::PinnedMaps,
+    c: lockstep_common::Counter,
+) -> anyhow::Result<u64> {
+    Ok(maps
+        .counters_map()
+        .get(&(c as u32), 0)
+        .context("COUNTERS")?
+        .iter()
+        .sum())
+}
+
 /// A scratch directory under /tmp, removed on drop.
 #[derive(Debug)]
 pub struct TempDir {

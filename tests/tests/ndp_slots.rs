@@ -13,11 +13,11 @@
 use std::net::Ipv6Addr;
 
 use anyhow::{Context, ensure};
-use lockstep::datapath::{Datapath, DatapathOptions, PinnedMaps};
+use lockstep::datapath::{Datapath, DatapathOptions};
 use lockstep_common::{
     Counter, L2RespSlotV6, L2RespValue, V6Addr, max_entries, program_names, slots,
 };
-use lockstep_tests::{Netns, PinRoot, privileged};
+use lockstep_tests::{Netns, PinRoot, counter_sum, privileged};
 
 /// Loopback in the test's namespace: the interface the runs come from, and
 /// the one the entries announce on.
@@ -94,15 +94,6 @@ fn ask(dp: &mut Datapath, target: V6Addr) -> anyhow::Result<Option<[u8; 6]>> {
     Ok(Some(mac))
 }
 
-fn counter(maps: &PinnedMaps, c: Counter) -> anyhow::Result<u64> {
-    Ok(maps
-        .counters_map()
-        .get(&(c as u32), 0)
-        .context("COUNTERS")?
-        .iter()
-        .sum())
-}
-
 fn entry(last: u8) -> L2RespValue {
     L2RespValue {
         ifindex: IFINDEX,
@@ -152,7 +143,7 @@ fn addresses_sharing_a_slot_torn_slots_and_removal_all_answer_right() -> anyhow:
             ask(&mut dp, high)? == Some(entry(0xbb).mac),
             "the hash's address"
         );
-        ensure!(counter(&dp.maps()?, Counter::NdpReplied)? == 2);
+        ensure!(counter_sum(&dp.maps()?, Counter::NdpReplied)? == 2);
 
         // A torn slot: the holder's key intact, a MAC whose complement is
         // still the genuine one's. Never believed: the hash answers.
@@ -185,12 +176,12 @@ fn addresses_sharing_a_slot_torn_slots_and_removal_all_answer_right() -> anyhow:
             held == L2RespSlotV6::new(high, &entry(0xbb)),
             "slot holds {held:?}"
         );
-        let ignored = counter(&dp.maps()?, Counter::NdpIgnored)?;
+        let ignored = counter_sum(&dp.maps()?, Counter::NdpIgnored)?;
         ensure!(
             ask(&mut dp, low)?.is_none(),
             "a removed address is answered"
         );
-        ensure!(counter(&dp.maps()?, Counter::NdpIgnored)? == ignored + 1);
+        ensure!(counter_sum(&dp.maps()?, Counter::NdpIgnored)? == ignored + 1);
         ensure!(
             ask(&mut dp, high)? == Some(entry(0xbb).mac),
             "the new holder"

@@ -29,10 +29,10 @@
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, ensure};
+use anyhow::ensure;
 use lockstep::datapath::{Datapath, DatapathOptions};
 use lockstep_common::{Counter, EndpointValue, endpoint_flags, program_names};
-use lockstep_tests::{Netns, PinRoot, privileged};
+use lockstep_tests::{Netns, PinRoot, counter_sum, privileged};
 
 const SOURCE: [u8; 16] = [0xfd, 0, 0x67, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 5];
 
@@ -116,14 +116,7 @@ fn endpoint_entries_rewritten_under_traffic_are_never_read_torn() -> anyhow::Res
             Ok(runs)
         })?;
         let maps = dp.maps()?;
-        let sum = |c: Counter| -> anyhow::Result<u64> {
-            Ok(maps
-                .counters_map()
-                .get(&(c as u32), 0)
-                .context("COUNTERS")?
-                .iter()
-                .sum())
-        };
+        let sum = |c: Counter| counter_sum(&maps, c);
         Ok((
             runs,
             sum(Counter::FromEndpointPassed)?,
@@ -162,14 +155,7 @@ fn an_unsealed_endpoint_entry_reads_as_absent() -> anyhow::Result<()> {
             ..Default::default()
         };
         maps.endpoints_mut().insert(IFINDEX, genuine, 0)?;
-        let sum = |maps: &lockstep::datapath::PinnedMaps, c: Counter| -> anyhow::Result<u64> {
-            Ok(maps
-                .counters_map()
-                .get(&(c as u32), 0)
-                .context("COUNTERS")?
-                .iter()
-                .sum())
-        };
+        let sum = counter_sum;
         dp.test_run(program_names::FROM_ENDPOINT, &packet(), IFINDEX, 1)?;
         let maps = dp.maps()?;
         ensure!(
