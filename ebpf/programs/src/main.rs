@@ -24,6 +24,7 @@
 
 mod nat;
 mod ndp;
+mod pkt;
 
 use core::mem::size_of;
 
