@@ -180,6 +180,9 @@ fn sigkill_during_full_adds_leaves_no_interface_or_link_pin() -> anyhow::Result<
         .enable_all()
         .build()?;
     let tried: Mutex<Vec<String>> = Mutex::new(Vec::new());
+    // ADDs whose DEL failed (the agent was down): DEL'd again once it is
+    // back, as the runtime retries.
+    let undone: Mutex<Vec<String>> = Mutex::new(Vec::new());
     let mut acked = 0usize;
     for round in 0..ROUNDS {
         let stop = AtomicBool::new(false);
@@ -188,7 +191,7 @@ fn sigkill_during_full_adds_leaves_no_interface_or_link_pin() -> anyhow::Result<
                 .iter()
                 .enumerate()
                 .map(|(c, pod)| {
-                    let (socket, stop, tried) = (&socket, &stop, &tried);
+                    let (socket, stop, tried, undone) = (&socket, &stop, &tried, &undone);
                     s.spawn(move || -> anyhow::Result<usize> {
                         let rt = tokio::runtime::Builder::new_current_thread()
                             .enable_all()
@@ -206,17 +209,25 @@ fn sigkill_during_full_adds_leaves_no_interface_or_link_pin() -> anyhow::Result<
                                 Some(json!({"container_id": id, "ifname": "eth0",
                                     "netns": pod.path(), "mode": "full"})),
                             ));
-                            if add.is_err() {
-                                std::thread::sleep(Duration::from_millis(5));
-                                continue;
-                            }
-                            acked += 1;
-                            let _ = rt.block_on(call(
+                            // Every ADD is DEL'd, as a runtime does after a
+                            // failed one too (it may have committed and died
+                            // before answering; its eth0 would block the pod).
+                            // A DEL the kill cut short is retried once the
+                            // agent is back.
+                            let del = rt.block_on(call(
                                 socket,
                                 Method::POST,
                                 "/v1/cni/del",
                                 Some(json!({"container_id": id, "ifname": "eth0"})),
                             ));
+                            if del.is_err() {
+                                undone.lock().expect("lock").push(id);
+                            }
+                            if add.is_ok() {
+                                acked += 1;
+                            } else {
+                                std::thread::sleep(Duration::from_millis(5));
+                            }
                         }
                         Ok(acked)
                     })
@@ -260,6 +271,15 @@ fn sigkill_during_full_adds_leaves_no_interface_or_link_pin() -> anyhow::Result<
             pins.is_subset(&owned_index),
             "round {round}: link pins {pins:?} include some no record owns ({owned_index:?})"
         );
+        for id in std::mem::take(&mut *undone.lock().expect("lock")) {
+            rt.block_on(call(
+                &socket,
+                Method::POST,
+                "/v1/cni/del",
+                Some(json!({"container_id": id, "ifname": "eth0"})),
+            ))
+            .with_context(|| format!("round {round}: DEL of the failed ADD {id}"))?;
+        }
     }
     // A DEL of every attachment ever tried removes everything.
     for id in tried.lock().expect("lock").iter() {
@@ -271,6 +291,16 @@ fn sigkill_during_full_adds_leaves_no_interface_or_link_pin() -> anyhow::Result<
         ))
         .with_context(|| format!("DEL of {id}"))?;
     }
+    // A full DEL's veth goes through the reaper, then its addresses.
+    let _ = lockstep_tests::wait_for(
+        "the last veth reaped and its addresses released",
+        Duration::from_secs(5),
+        || {
+            let held = agent.json(["allocations", "-o", "json"]).ok()?;
+            (agent_veths(&node).ok()?.is_empty() && held.as_array().is_some_and(Vec::is_empty))
+                .then_some(())
+        },
+    );
     let veths = agent_veths(&node)?;
     ensure!(
         veths.is_empty(),
