@@ -219,8 +219,11 @@ fn print(v: &serde_json::Value, output: Output, text: impl Fn(&serde_json::Value
 
 /// Sets up tracing on stderr.
 pub fn init_tracing(json: bool, verbose: u8) {
+    // netlink-packet-route warns on every link dump that a newer kernel's
+    // attribute carries more than it knows (IFLA_INET6_CONF and the like):
+    // harmless, and thousands of lines on a busy node, so only with -v.
     let default = match verbose {
-        0 => "info",
+        0 => "info,netlink_packet_route=error",
         1 => "debug",
         _ => "trace",
     };
