@@ -283,6 +283,90 @@ fn a_bad_pool_or_service_is_refused_before_anything_is_written() -> anyhow::Resu
     })
 }
 
+/// An LB pool may not share an address with a cluster (endpoint) pool,
+/// whichever is applied first: `lb apply` in cluster mode refuses the LB
+/// pool, `pools apply` the cluster pool, both naming the two pools and
+/// storing nothing; and an LB pool checked against cluster pools that
+/// changed before it was stored is not stored (the transaction's guard).
+#[test]
+fn lb_pools_and_cluster_pools_never_overlap_whichever_comes_first() -> anyhow::Result<()> {
+    use lockstep::cluster::LbAgent;
+    use lockstep_core::cluster::ClusterPoolSpec;
+
+    let cluster = EtcdCluster::start(1)?;
+    let rt = rt()?;
+    rt.block_on(async {
+        let mut d = door(cluster.endpoints()).await?;
+        let mut pods = ClusterPoolSpec::new("pods");
+        pods.ipv4 = vec!["10.70.0.0/16".parse()?];
+        pods.ipv6 = vec!["fd00:70::/112".parse()?];
+        d.apply_pools(std::slice::from_ref(&pods)).await?;
+        let mut o = DoorOptions::new(cluster.endpoints());
+        o.prefix = "/lbtest/".into();
+        o.timeout = Duration::from_secs(10);
+        let lb = LbAgent::new("node-a".into(), TTL, o).handle();
+        // The LB pool overlaps the cluster pool by one CIDR of two: refused,
+        // both named, nothing stored (not even the good service).
+        let bad = LbPoolSpec::new("public")
+            .cidr("192.0.2.0/24")
+            .cidr("fd00:70::100/120");
+        let svc = ServiceSpec::new("web", "front");
+        let e = lb
+            .apply(vec![bad], vec![svc.clone()], Duration::ZERO)
+            .await
+            .err()
+            .context("an LB pool inside a cluster pool was stored")?;
+        ensure!(
+            e.to_string().contains(
+                "lb pool public: fd00:70::100/120 overlaps fd00:70::/112 of cluster pool pods"
+            ),
+            "{e}"
+        );
+        let v = d.lb_read().await?;
+        ensure!(v.pools.is_empty() && v.services.is_empty(), "{v:?}");
+        // A disjoint LB pool is stored; a cluster pool grown over it is then
+        // refused, naming both, and the cluster pools stay as they were.
+        let good = LbPoolSpec::new("public").cidr("192.0.2.0/24");
+        lb.apply(vec![good.clone()], vec![svc], Duration::ZERO)
+            .await?;
+        let mut grown = pods.clone();
+        grown.ipv4.push("192.0.0.0/22".parse()?);
+        let e = d
+            .apply_pools(&[grown])
+            .await
+            .err()
+            .context("a cluster pool over an LB pool was stored")?;
+        ensure!(
+            e.to_string().contains(
+                "lb pool public: 192.0.2.0/24 overlaps 192.0.0.0/22 of cluster pool pods"
+            ),
+            "{e}"
+        );
+        let (now, _, _) = d.pools().await?;
+        ensure!(now == vec![pods.clone()], "cluster pools changed: {now:?}");
+        // The guard: LB pools checked against the cluster pools of an
+        // earlier revision are not stored once a cluster pool was written.
+        let (_, _, checked_at) = d.pools().await?;
+        let mut more = pods.clone();
+        more.ipv4.push("10.71.0.0/16".parse()?);
+        d.apply_pools(&[more]).await?;
+        let late = LbPoolSpec::new("late").cidr("198.51.100.0/24");
+        let e = d
+            .lb_put(std::slice::from_ref(&late), &[], checked_at)
+            .await
+            .err()
+            .context("stored against stale cluster pools")?;
+        ensure!(matches!(e, ClusterStoreError::Conflict { .. }), "{e}");
+        let v = d.lb_read().await?;
+        ensure!(
+            v.pools.keys().collect::<Vec<_>>() == ["public"],
+            "{:?}",
+            v.pools.keys()
+        );
+        anyhow::Ok(())
+    })
+}
+
 /// A node's announcement loop: its node key and announcements under one
 /// lease kept alive, a plan every 100 ms, acted on (no datapath here: the
 /// door-level half of the handover).

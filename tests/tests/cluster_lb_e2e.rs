@@ -21,7 +21,10 @@
 //!   measured and printed; the same holds when the node comes back and
 //!   takes its addresses back. Then SIGTERM: the agent unprograms and
 //!   revokes its lease on the way out, so the gap is under 1.5 s (a tick,
-//!   not a lease).
+//!   not a lease). Then the uplink alone set down, and the uplink's carrier
+//!   lost (its switch port, the bridge-side veth, set down) with etcd still
+//!   reachable: the agent stops refreshing its lease and the addresses
+//!   move as for a kill.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::{Read, Write};
@@ -112,7 +115,7 @@ struct Lab {
     ns: Vec<Netns>,
     nb: Netns,
     nb_mac: [u8; 6],
-    _underlay: Netns,
+    underlay: Netns,
 }
 
 fn mac_bytes(mac: &str) -> anyhow::Result<[u8; 6]> {
@@ -198,7 +201,7 @@ impl Lab {
             ns.push(node);
         }
         Ok(Self {
-            _underlay: underlay,
+            underlay,
             nb,
             nb_mac,
             ns,
@@ -904,6 +907,9 @@ enum Fault {
     /// The uplink alone down, etcd still reachable: the agent stops
     /// refreshing its LB lease, so its addresses move.
     LinkDown,
+    /// The uplink's far end (its switch port) down: the uplink is up but
+    /// without carrier, etcd still reachable; as `LinkDown`.
+    CarrierLoss,
 }
 
 /// One fault on the node announcing the most of `total` addresses, its
@@ -943,6 +949,10 @@ fn fault_once(
         Fault::LinkDown => {
             lab.ns[x].exec("ip", ["link", "set", "u0", "down"])?;
         }
+        Fault::CarrierLoss => {
+            lab.underlay
+                .exec("ip", ["link", "set", &format!("ul{x}"), "down"])?;
+        }
     }
     let old = lab.macs[x];
     let moved = wait_for(
@@ -971,6 +981,10 @@ fn fault_once(
         }
         Fault::LinkDown => {
             lab.ns[x].exec("ip", ["link", "set", "u0", "up"])?;
+        }
+        Fault::CarrierLoss => {
+            lab.underlay
+                .exec("ip", ["link", "set", &format!("ul{x}"), "up"])?;
         }
     }
     std::thread::sleep(Duration::from_secs(6));
@@ -1208,6 +1222,7 @@ fn failover_never_answers_from_two_nodes() -> anyhow::Result<()> {
         Fault::Cut,
         Fault::Term,
         Fault::LinkDown,
+        Fault::CarrierLoss,
     ] {
         let (x, overlaps, handovers) = fault_once(&mut lab, fault, 24)?;
         all_overlaps += overlaps;

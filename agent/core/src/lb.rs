@@ -52,7 +52,7 @@ pub use ipam::{
     Assignment, ChangeCause, ChangeReason, Holding, LbIpam, LbMetrics, LbPlan, LbPoolSource,
     LbSnapshot, PendingReason, PoolMetrics, PoolRecord, PoolStatus, ServiceRecord, ServiceStatus,
 };
-pub use node_pools::check_against_node_pools;
+pub use node_pools::{check_against_cluster_pools, check_against_node_pools};
 pub use range::range_to_cidrs;
 pub use spec::{
     AddrRange, Announce, IpFamily, IpFamilyPolicy, LabelRequirement, LabelSelector, LbPoolSpec,
@@ -186,6 +186,19 @@ pub enum LbError {
         node_cidr: IpNet,
         /// The node pool.
         node_pool: String,
+    },
+    /// A block of the pool overlaps a CIDR of one of the cluster's pools
+    /// (cluster mode): the two allocators would hand out the same address.
+    #[error("lb pool {pool}: {block} overlaps {cluster_cidr} of cluster pool {cluster_pool}")]
+    OverlapsClusterPool {
+        /// The LB pool.
+        pool: String,
+        /// Its block (a CIDR, or one CIDR of a range).
+        block: IpNet,
+        /// The cluster pool's CIDR it overlaps.
+        cluster_cidr: IpNet,
+        /// The cluster pool.
+        cluster_pool: String,
     },
     /// The snapshot's pools, services and allocations disagree.
     #[error("lb snapshot is inconsistent at {item}: {problem}")]

@@ -434,6 +434,8 @@ async fn lb_apply(
 ) -> Result<Response, ApiError> {
     let Json(req) = body?;
     if let Some(lb) = s.lb_cluster.get() {
+        let pools = req.pools.clone();
+        with_agent(&s, move |a| a.lb_check_node_pools(&pools)).await?;
         return Ok(ok(lb.apply(req.pools, req.services, LB_APPLY_WAIT).await?));
     }
     Ok(ok(with_agent(&s, move |a| a.lb_apply(req)).await?))

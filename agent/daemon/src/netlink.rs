@@ -78,6 +78,9 @@ pub struct Link {
     pub mac: [u8; 6],
     /// Administratively up.
     pub up: bool,
+    /// Has carrier (`IFF_LOWER_UP`): a veth whose peer is down, or a NIC
+    /// with its cable out, is up but has none.
+    pub carrier: bool,
 }
 
 /// What [`Netlink::create_veth_into`] made, as the kernel echoed it.
@@ -170,6 +173,10 @@ fn link_of(msg: &LinkMessage) -> Link {
             .header
             .flags
             .contains(netlink_packet_route::link::LinkFlags::Up),
+        carrier: msg
+            .header
+            .flags
+            .contains(netlink_packet_route::link::LinkFlags::LowerUp),
     }
 }
 

@@ -1,10 +1,11 @@
-//! LB pools against the node's endpoint pools: an LB pool may not share an
-//! address with a node pool, or the two allocators would hand out the same
-//! address twice.
+//! LB pools against the endpoint pools: an LB pool may not share an
+//! address with a node pool (single-node mode) or a cluster pool (cluster
+//! mode), or the two allocators would hand out the same address twice.
 
 use ipnet::IpNet;
 
 use super::{LbError, LbPoolSpec, range_to_cidrs};
+use crate::cluster::ClusterPoolSpec;
 use crate::pool::{PoolSpec, overlaps};
 
 /// Refuses an LB pool that overlaps a CIDR of one of `node_pools`, naming
@@ -14,23 +15,60 @@ use crate::pool::{PoolSpec, overlaps};
 /// # Errors
 /// [`LbError::OverlapsNodePool`].
 pub fn check_against_node_pools(spec: &LbPoolSpec, node_pools: &[PoolSpec]) -> Result<(), LbError> {
+    let named = node_pools
+        .iter()
+        .flat_map(|p| p.cidrs().map(move |c| (p.name.as_str(), c)));
+    match first_overlap(spec, named) {
+        Some((block, node_cidr, node_pool)) => Err(LbError::OverlapsNodePool {
+            pool: spec.name.clone(),
+            block,
+            node_cidr,
+            node_pool: node_pool.to_string(),
+        }),
+        None => Ok(()),
+    }
+}
+
+/// Refuses an LB pool that overlaps a CIDR of one of the cluster's pools
+/// (cluster mode: every node's endpoints are allocated from them), naming
+/// the first such pair as [`check_against_node_pools`] does.
+///
+/// # Errors
+/// [`LbError::OverlapsClusterPool`].
+pub fn check_against_cluster_pools(
+    spec: &LbPoolSpec,
+    cluster_pools: &[ClusterPoolSpec],
+) -> Result<(), LbError> {
+    let named = cluster_pools
+        .iter()
+        .flat_map(|p| p.cidrs().map(move |c| (p.name.as_str(), c)));
+    match first_overlap(spec, named) {
+        Some((block, cluster_cidr, cluster_pool)) => Err(LbError::OverlapsClusterPool {
+            pool: spec.name.clone(),
+            block,
+            cluster_cidr,
+            cluster_pool: cluster_pool.to_string(),
+        }),
+        None => Ok(()),
+    }
+}
+
+/// The first (LB block, endpoint CIDR, endpoint pool) that overlap, in the
+/// order of `named`.
+fn first_overlap<'a>(
+    spec: &LbPoolSpec,
+    named: impl Iterator<Item = (&'a str, IpNet)>,
+) -> Option<(IpNet, IpNet, &'a str)> {
     let mut blocks: Vec<IpNet> = spec.cidrs.clone();
     for r in &spec.ranges {
         blocks.extend(range_to_cidrs(r.start, r.stop));
     }
-    for pool in node_pools {
-        for node_cidr in pool.cidrs() {
-            if let Some(block) = blocks.iter().find(|b| overlaps(**b, node_cidr)) {
-                return Err(LbError::OverlapsNodePool {
-                    pool: spec.name.clone(),
-                    block: *block,
-                    node_cidr,
-                    node_pool: pool.name.clone(),
-                });
-            }
+    for (pool, cidr) in named {
+        if let Some(block) = blocks.iter().find(|b| overlaps(**b, cidr)) {
+            return Some((*block, cidr, pool));
         }
     }
-    Ok(())
+    None
 }
 
 #[cfg(test)]
@@ -157,5 +195,41 @@ mod tests {
             check_against_node_pools(&lb(&["10.0.0.0/8"], &[]), &[]),
             Ok(())
         );
+    }
+
+    fn cluster(name: &str, cidrs: &[&str]) -> ClusterPoolSpec {
+        let mut p = ClusterPoolSpec::new(name);
+        for c in cidrs {
+            let c: IpNet = c.parse().expect("cidr");
+            match c {
+                IpNet::V4(_) => p.ipv4.push(c),
+                IpNet::V6(_) => p.ipv6.push(c),
+            }
+        }
+        p
+    }
+
+    #[test]
+    fn a_block_overlapping_a_cluster_pool_is_refused_naming_both() {
+        let pools = [
+            cluster("pods", &["10.0.0.0/16"]),
+            cluster("pods6", &["fd00:9::/64"]),
+        ];
+        assert_eq!(
+            check_against_cluster_pools(&lb(&["192.0.2.0/24", "fd01::/120"], &[]), &pools),
+            Ok(())
+        );
+        let e = check_against_cluster_pools(&lb(&["192.0.2.0/24", "fd00:9::/120"], &[]), &pools)
+            .unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "lb pool public: fd00:9::/120 overlaps fd00:9::/64 of cluster pool pods6"
+        );
+        let spec = lb(&[], &[("9.255.255.255", "10.0.0.0")]);
+        assert!(matches!(
+            check_against_cluster_pools(&spec, &pools),
+            Err(LbError::OverlapsClusterPool { block, ref cluster_pool, .. })
+                if block == "10.0.0.0/32".parse::<IpNet>().expect("cidr") && cluster_pool == "pods"
+        ));
     }
 }

@@ -172,9 +172,11 @@ impl Agent {
         Ok(())
     }
 
-    /// Whether the uplink is administratively up (`None`: no uplink, or
-    /// netlink could not tell). Cluster mode stops refreshing its LB lease
-    /// while it is down, so its addresses move to a node that can answer.
+    /// Whether the uplink can answer: administratively up and with carrier
+    /// (`None`: no uplink, or netlink could not tell). Cluster mode stops
+    /// refreshing its LB lease while it cannot, so its addresses move to a
+    /// node that can answer: an uplink set down and one whose cable (or
+    /// veth peer, or switch port) went down are alike to the neighbours.
     pub fn uplink_up(&mut self) -> Option<bool> {
         let name = self.uplink.as_ref()?.name.clone();
         if self.netlink.is_none() {
@@ -185,7 +187,7 @@ impl Agent {
             .link(&name)
             .ok()
             .flatten()
-            .map(|l| l.up)
+            .map(|l| l.up && l.carrier)
     }
 
     /// Announces `addr` only while the entries are answered: checked just

@@ -74,6 +74,18 @@ impl Agent {
         self.lb.metrics()
     }
 
+    /// Refuses LB pools that overlap one of this node's configured pools
+    /// (in cluster mode too, before the check against the cluster's).
+    ///
+    /// # Errors
+    /// The first overlap, both pools named.
+    pub fn lb_check_node_pools(&self, pools: &[LbPoolSpec]) -> Result<(), AgentError> {
+        for p in pools {
+            lockstep_core::lb::check_against_node_pools(p, &self.config.pools).map_err(lb_err)?;
+        }
+        Ok(())
+    }
+
     /// Applies pools and services, then commits, programs and announces.
     ///
     /// # Errors
@@ -81,9 +93,7 @@ impl Agent {
     /// (the previous state is restored).
     pub fn lb_apply(&mut self, req: LbApply) -> Result<LbView, AgentError> {
         self.check_ready()?;
-        for p in &req.pools {
-            lockstep_core::lb::check_against_node_pools(p, &self.config.pools).map_err(lb_err)?;
-        }
+        self.lb_check_node_pools(&req.pools)?;
         self.lb_change(|lb| {
             if !req.pools.is_empty() {
                 lb.apply_pools(req.pools).map_err(lb_err)?;

@@ -322,13 +322,16 @@ impl Door {
     }
 
     /// Replaces the cluster pools by `new`: validated and checked against
-    /// the claimed blocks by the core ([`check_apply`]), then written in
+    /// the claimed blocks by the core ([`check_apply`]) and against the LB
+    /// pools, then written in
     /// one transaction that holds only if no pool and no block changed since
     /// they were read. Returns the new store revision.
     ///
     /// # Errors
     /// [`ClusterStoreError::Refused`] (invalid pools, overlap, a CIDR with
     /// claimed blocks removed or re-cut: named with its blocks and nodes),
+    /// [`ClusterStoreError::Invalid`] (a pool overlapping an LB pool, both
+    /// named),
     /// [`ClusterStoreError::Conflict`] (a concurrent change: nothing
     /// written), or etcd unavailable.
     pub async fn apply_pools(&mut self, new: &[ClusterPoolSpec]) -> Result<i64, ClusterStoreError> {
@@ -339,6 +342,17 @@ impl Door {
             .map(|b| (b.cidr, (b.pool.clone(), b.node.clone())))
             .collect();
         check_apply(&old, new, &claimed)?;
+        // No endpoint pool may share an address with an LB pool.
+        let (lb_pools, lb_pools_at) = self.list("read lb pools", "lb/pools/").await?;
+        for kv in lb_pools.kvs() {
+            let lb: lockstep_core::lb::LbPoolSpec =
+                serde_json::from_slice(kv.value()).map_err(|e| ClusterStoreError::Corrupt {
+                    key: String::from_utf8_lossy(kv.key()).into_owned(),
+                    reason: e.to_string(),
+                })?;
+            lockstep_core::lb::check_against_cluster_pools(&lb, new)
+                .map_err(|e| ClusterStoreError::Invalid(e.to_string()))?;
+        }
         let mut guards = Vec::new();
         let mut ops = Vec::new();
         for spec in new {
@@ -362,9 +376,14 @@ impl Door {
         }
         // No pool written since the read (a pool this apply does not name
         // but another apply created meanwhile would otherwise survive it),
-        // and no block claimed or changed since the blocks were read.
+        // no LB pool since they were checked, and no block claimed or
+        // changed since the blocks were read.
         guards.push(
             Compare::mod_revision(self.key("pools/"), CompareOp::Less, read_at + 1).with_prefix(),
+        );
+        guards.push(
+            Compare::mod_revision(self.key("lb/pools/"), CompareOp::Less, lb_pools_at + 1)
+                .with_prefix(),
         );
         guards.push(
             Compare::mod_revision(

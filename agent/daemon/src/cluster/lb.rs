@@ -514,14 +514,18 @@ impl Door {
     }
 
     /// Stores `pools` and `services` in one transaction (at most 128 of
-    /// them: etcd's default limit).
+    /// them: etcd's default limit), only if no cluster pool was written
+    /// after revision `cluster_pools_read_at` (the LB pools were checked
+    /// against the cluster pools read then).
     ///
     /// # Errors
-    /// Too many at once, or etcd unavailable.
+    /// Too many at once, a cluster pool changed since (nothing stored), or
+    /// etcd unavailable.
     pub async fn lb_put(
         &mut self,
         pools: &[LbPoolSpec],
         services: &[ServiceSpec],
+        cluster_pools_read_at: i64,
     ) -> Result<(), ClusterStoreError> {
         if pools.len() + services.len() > 128 {
             return Err(ClusterStoreError::Invalid(format!(
@@ -540,13 +544,26 @@ impl Door {
             let v = serde_json::to_vec(s).map_err(|e| corrupt(&key, e))?;
             ops.push(TxnOp::put(key, v, None));
         }
-        let mut client = self.client();
-        self.bounded(
-            "store lb pools and services",
-            true,
-            client.txn(Txn::new().and_then(ops)),
+        let unchanged = Compare::mod_revision(
+            format!("{}pools/", self.options().prefix),
+            CompareOp::Less,
+            cluster_pools_read_at + 1,
         )
-        .await?;
+        .with_prefix();
+        let mut client = self.client();
+        let resp = self
+            .bounded(
+                "store lb pools and services",
+                true,
+                client.txn(Txn::new().when([unchanged]).and_then(ops)),
+            )
+            .await?;
+        if !resp.succeeded() {
+            return Err(ClusterStoreError::Conflict {
+                what: "the cluster pools (changed while the lb pools were checked against them)"
+                    .into(),
+            });
+        }
         Ok(())
     }
 

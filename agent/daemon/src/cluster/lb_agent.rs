@@ -153,12 +153,16 @@ impl LbHandle {
     }
 
     /// `lockstep lb apply` in cluster mode: checks the pools and services
-    /// (alone and with everything stored, through the core's
-    /// [`reconcile`]), stores them in one transaction, and waits (at most
-    /// `within`) for the assigner to take them into its state.
+    /// (alone, against the cluster's endpoint pools, and with everything
+    /// stored, through the core's [`reconcile`]), stores them in one
+    /// transaction that holds only if no cluster pool changed since it was
+    /// read, and waits (at most `within`) for the assigner to take them
+    /// into its state.
     ///
     /// # Errors
-    /// A bad pool or service (named; nothing stored), or etcd unavailable.
+    /// A bad pool or service, or a pool overlapping a cluster pool (named;
+    /// nothing stored), a cluster pool changed meanwhile (nothing stored;
+    /// retry), or etcd unavailable.
     pub async fn apply(
         &self,
         pools: Vec<LbPoolSpec>,
@@ -173,6 +177,11 @@ impl LbHandle {
         }
         let ids: BTreeSet<String> = services.iter().map(ServiceSpec::id).collect();
         let mut d = self.door().await?;
+        let (cluster_pools, _, cluster_pools_at) = d.pools().await?;
+        for p in &pools {
+            lockstep_core::lb::check_against_cluster_pools(p, &cluster_pools)
+                .map_err(|e| invalid(e.to_string()))?;
+        }
         let view = d.lb_read().await?;
         let mut all_pools = view.pools.clone();
         for p in &pools {
@@ -190,7 +199,7 @@ impl LbHandle {
             all_services.into_values().collect(),
         )
         .map_err(|e| invalid(e.to_string()))?;
-        d.lb_put(&pools, &services).await?;
+        d.lb_put(&pools, &services, cluster_pools_at).await?;
         let deadline = Instant::now() + within;
         loop {
             let view = d.lb_read().await?;
@@ -542,8 +551,9 @@ impl LbAgent {
                 }
             }
         }
-        // An uplink that is down answers nobody: no refresh (the lease runs
-        // out and the addresses move to nodes that can answer), no round.
+        // An uplink that is down or without carrier answers nobody: no
+        // refresh (the lease runs out and the addresses move to nodes that
+        // can answer), no round.
         let slot2 = slot.clone();
         let up = tokio::task::spawn_blocking(move || lock_agent(&slot2).as_mut()?.uplink_up())
             .await
@@ -552,13 +562,15 @@ impl LbAgent {
         if up == Some(false) {
             if !self.uplink_down {
                 tracing::warn!(
-                    "uplink down: LB lease no longer refreshed; announcements move to other nodes"
+                    "uplink down or without carrier: LB lease no longer refreshed; announcements move to other nodes"
                 );
                 self.uplink_down = true;
             }
             return false;
         }
-        self.uplink_down = false;
+        if std::mem::take(&mut self.uplink_down) {
+            tracing::info!("uplink up with carrier again: LB lease refreshed");
+        }
         let moved = match self.keep_lease().await {
             Ok(m) => m,
             Err(e) => {

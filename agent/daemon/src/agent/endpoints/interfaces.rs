@@ -371,6 +371,7 @@ mod tests {
                 name: "lxc".into(),
                 mac: [2, 0, 0, 0, 0, 7],
                 up: true,
+                carrier: true,
             },
             peer_index: 3,
         };
