@@ -26,12 +26,16 @@ fn rt() -> anyhow::Result<tokio::runtime::Runtime> {
         .build()?)
 }
 
-async fn door(eps: Vec<String>) -> anyhow::Result<Door> {
+fn options(eps: Vec<String>) -> DoorOptions {
     let mut o = DoorOptions::new(eps);
     o.prefix = "/lbtest/".into();
     // A loaded CI machine can hold etcd's fsync past the 2 s default.
     o.timeout = Duration::from_secs(10);
-    Ok(Door::connect(o).await?)
+    o
+}
+
+async fn door(eps: Vec<String>) -> anyhow::Result<Door> {
+    Ok(Door::connect(options(eps)).await?)
 }
 
 /// etcd did not answer in time: an agent's loop tries again next round.
@@ -301,10 +305,7 @@ fn lb_pools_and_cluster_pools_never_overlap_whichever_comes_first() -> anyhow::R
         pods.ipv4 = vec!["10.70.0.0/16".parse()?];
         pods.ipv6 = vec!["fd00:70::/112".parse()?];
         d.apply_pools(std::slice::from_ref(&pods)).await?;
-        let mut o = DoorOptions::new(cluster.endpoints());
-        o.prefix = "/lbtest/".into();
-        o.timeout = Duration::from_secs(10);
-        let lb = LbAgent::new("node-a".into(), TTL, o).handle();
+        let lb = LbAgent::new("node-a".into(), TTL, options(cluster.endpoints())).handle();
         // The LB pool overlaps the cluster pool by one CIDR of two: refused,
         // both named, nothing stored (not even the good service).
         let bad = LbPoolSpec::new("public")
