@@ -969,6 +969,14 @@ fn fault_once(
                 .then_some(())
         },
     );
+    let uplink_fault = matches!(fault, Fault::LinkDown | Fault::CarrierLoss);
+    if uplink_fault && moved.is_ok() {
+        let m = lab.metrics(x)?;
+        ensure!(
+            m.contains("lockstep_lb_uplink_down 1"),
+            "{fault:?}: node-{x} does not report its uplink down:\n{m}"
+        );
+    }
     // The node comes back (and takes its addresses back: probed too).
     match fault {
         Fault::Kill | Fault::Term => {
@@ -990,6 +998,13 @@ fn fault_once(
     std::thread::sleep(Duration::from_secs(6));
     let (seen, rounds) = cap.finish()?;
     moved?;
+    if uplink_fault {
+        let m = lab.metrics(x)?;
+        ensure!(
+            m.contains("lockstep_lb_uplink_down 0"),
+            "{fault:?}: node-{x} still reports its uplink down:\n{m}"
+        );
+    }
     let (overlaps, handovers, problems) = judge(lab, &seen, &rounds, &targets, old);
     ensure!(problems.is_empty(), "{fault:?}: {problems:#?}");
     // Settled again: every address answered once, by its announcer.

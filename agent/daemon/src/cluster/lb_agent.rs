@@ -77,6 +77,9 @@ struct Shared {
     /// Addresses no live node is admitted to announce (their pool's node
     /// selector matches none): address → pool.
     unannounced: BTreeMap<IpAddr, String>,
+    /// The uplink is down or without carrier: the LB lease is not
+    /// refreshed, so this node's addresses move to others.
+    uplink_down: bool,
 }
 
 /// An address's announcement as `lockstep lb get` shows it.
@@ -352,11 +355,15 @@ pub fn render_metrics(h: &LbHandle) -> String {
          # HELP lockstep_lb_assigner Whether this node is the elected LB assigner.\n\
          # TYPE lockstep_lb_assigner gauge\n\
          lockstep_lb_assigner {}\n\
+         # HELP lockstep_lb_uplink_down Whether the uplink is down or without carrier: this node stopped refreshing its LB lease, so its announcements move to other nodes.\n\
+         # TYPE lockstep_lb_uplink_down gauge\n\
+         lockstep_lb_uplink_down {}\n\
          # HELP lockstep_lb_unannounced Addresses to announce that no live node's labels admit (their pool's node_selector matches none): nobody answers for them.\n\
          # TYPE lockstep_lb_unannounced gauge\n",
         s.takes,
         s.withdrawals,
-        u8::from(s.assigner)
+        u8::from(s.assigner),
+        u8::from(s.uplink_down)
     ));
     for (a, pool) in &s.unannounced {
         out.push_str(&format!(
@@ -394,8 +401,6 @@ pub struct LbAgent {
     /// Addresses in the datapath (keys held under `lease`).
     announcing: BTreeSet<IpAddr>,
     last_round: Option<Instant>,
-    /// The uplink was seen down (logged once).
-    uplink_down: bool,
     /// The last round refused the stored definitions: rounds keep their
     /// pace even with services pending.
     refused: bool,
@@ -429,7 +434,6 @@ impl LbAgent {
             lease: None,
             announcing: BTreeSet::new(),
             last_round: None,
-            uplink_down: false,
             refused: false,
             handle: Arc::new(LbHandle {
                 opts,
@@ -559,16 +563,16 @@ impl LbAgent {
             .await
             .ok()
             .flatten();
+        let was_down = std::mem::replace(&mut self.handle.lock().uplink_down, up == Some(false));
         if up == Some(false) {
-            if !self.uplink_down {
+            if !was_down {
                 tracing::warn!(
                     "uplink down or without carrier: LB lease no longer refreshed; announcements move to other nodes"
                 );
-                self.uplink_down = true;
             }
             return false;
         }
-        if std::mem::take(&mut self.uplink_down) {
+        if was_down {
             tracing::info!("uplink up with carrier again: LB lease refreshed");
         }
         let moved = match self.keep_lease().await {
