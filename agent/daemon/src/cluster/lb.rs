@@ -32,7 +32,9 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
 use std::time::Duration;
 
-use etcd_client::{Compare, CompareOp, GetOptions, PutOptions, Txn, TxnOp};
+use etcd_client::{
+    Compare, CompareOp, GetOptions, PutOptions, Txn, TxnOp, WatchOptions, WatchStream,
+};
 use lockstep_core::lb::cluster::{
     AnnouncePlan, Candidate, LbChange, ToAnnounce, announce_plan, assigned, reconcile, to_announce,
 };
@@ -198,6 +200,22 @@ impl Door {
             .await?
             .deleted()
             > 0)
+    }
+
+    /// A watch of everything under `lb/` from now on, for the LB loop's
+    /// wake-ups: a message only says that something changed (the loop reads
+    /// everything again), so what a broken watch misses does not matter;
+    /// the loop's tick stays the fallback.
+    ///
+    /// # Errors
+    /// etcd unavailable.
+    pub async fn lb_watch(&mut self) -> Result<WatchStream, ClusterStoreError> {
+        let key = self.lb_key("");
+        self.retrying("watch lb", false, |mut c| {
+            let key = key.clone();
+            async move { c.watch(key, Some(WatchOptions::new().with_prefix())).await }
+        })
+        .await
     }
 
     /// Reads everything under `lb/` at one revision.

@@ -16,6 +16,11 @@
 //! 3. runs an assigner round ([`Door::lb_round`], campaigning with the same
 //!    lease) at most every [`ROUND_EVERY`], at once again while it stores.
 //!
+//! A tick also comes at once when anything under `lb/` changes (an etcd
+//! watch that only wakes the loop): a service stored by `lb apply` is
+//! assigned, and an address assigned or withdrawn is taken, without
+//! waiting out the 200 ms.
+//!
 //! Steps 2 and 3 are bounded by a quarter of the TTL, so a slow etcd never
 //! holds the next refresh back; each step is idempotent and ordered after
 //! what it depends on, so a round cut short is finished by the next.
@@ -202,6 +207,12 @@ impl LbHandle {
             all_services.into_values().collect(),
         )
         .map_err(|e| invalid(e.to_string()))?;
+        // Watched from before the write, so the assigner's state is read
+        // as soon as it is stored (every 100 ms too, without a watch).
+        let mut wake = tokio::time::timeout(TICK, d.lb_watch())
+            .await
+            .ok()
+            .and_then(Result::ok);
         d.lb_put(&pools, &services, cluster_pools_at).await?;
         let deadline = Instant::now() + within;
         loop {
@@ -214,7 +225,11 @@ impl LbHandle {
             if ids.is_subset(&in_state) || Instant::now() >= deadline {
                 return render_view(&view, &BTreeMap::new());
             }
-            tokio::time::sleep(Duration::from_millis(100)).await;
+            if let Ok(false) =
+                tokio::time::timeout(Duration::from_millis(100), changed(&mut wake)).await
+            {
+                wake = None;
+            }
         }
     }
 
@@ -404,7 +419,34 @@ pub struct LbAgent {
     /// The last round refused the stored definitions: rounds keep their
     /// pace even with services pending.
     refused: bool,
+    /// Wakes the loop when anything under `lb/` changes (`None` until
+    /// connected, or after it broke: opened again next tick).
+    wake: Option<etcd_client::WatchStream>,
+    /// When opening `wake` was last tried (at most once a second, so an
+    /// etcd that does not answer slows no tick).
+    wake_tried: Option<Instant>,
     handle: Arc<LbHandle>,
+}
+
+/// What ended the loop's wait.
+enum Woke {
+    /// The tick's time.
+    Tick,
+    /// Something under `lb/` changed.
+    Change,
+    /// The wake-up watch broke.
+    Broken,
+    /// The agent stops.
+    Stop,
+}
+
+/// The next message of the wake-up watch: whether one came (`false`: the
+/// stream broke or ended). Never ready without a watch.
+async fn changed(wake: &mut Option<etcd_client::WatchStream>) -> bool {
+    match wake {
+        Some(stream) => matches!(stream.message().await, Ok(Some(_))),
+        None => std::future::pending().await,
+    }
 }
 
 impl std::fmt::Debug for LbAgent {
@@ -435,6 +477,8 @@ impl LbAgent {
             announcing: BTreeSet::new(),
             last_round: None,
             refused: false,
+            wake: None,
+            wake_tried: None,
             handle: Arc::new(LbHandle {
                 opts,
                 door: tokio::sync::Mutex::new(None),
@@ -747,11 +791,32 @@ impl LbAgent {
                 if again {
                     continue;
                 }
-                tokio::select! {
-                    _ = tokio::time::sleep(TICK) => {}
-                    _ = stop.wait_for(|s| *s) => break,
+                if self.wake.is_none()
+                    && self
+                        .wake_tried
+                        .is_none_or(|t| t.elapsed() >= Duration::from_secs(1))
+                    && let Some(door) = self.door.as_mut()
+                {
+                    // Bounded by a tick: a slow etcd never delays the next
+                    // lease refresh for a wake-up.
+                    self.wake_tried = Some(Instant::now());
+                    self.wake = tokio::time::timeout(TICK, door.lb_watch())
+                        .await
+                        .ok()
+                        .and_then(Result::ok);
+                }
+                let woke = tokio::select! {
+                    _ = tokio::time::sleep(TICK) => Woke::Tick,
+                    came = changed(&mut self.wake) => if came { Woke::Change } else { Woke::Broken },
+                    _ = stop.wait_for(|s| *s) => Woke::Stop,
+                };
+                match woke {
+                    Woke::Stop => break,
+                    Woke::Broken => self.wake = None,
+                    Woke::Tick | Woke::Change => {}
                 }
             }
+            self.wake = None;
             self.stop(&slot).await;
         })
     }
