@@ -12,7 +12,9 @@
 //!   them bounded): `startup` (kills aimed at start-up), `power` (power cuts).
 //! - `demo`: a sandbox node made of network namespaces.
 
+mod fresh_root;
 mod image;
+mod protoc;
 mod setup;
 
 use std::path::{Path, PathBuf};
@@ -50,6 +52,10 @@ enum Task {
     ValidateManifests,
     /// Check that lockstep-core depends on no I/O, kernel or clock crate.
     CheckCore,
+    /// Setup, the build of every binary and of the eBPF object, and the
+    /// unit tests, inside a throwaway Debian root holding only what a fresh
+    /// machine has plus what setup installs (root; cached by setup's list).
+    FreshRoot,
     /// Setup, lints, unit tests and the privileged integration tests.
     Test {
         /// Skip `setup` (already done).
@@ -199,10 +205,32 @@ fn test(no_setup: bool, filter: Option<String>) -> anyhow::Result<()> {
         &mut tally,
     )
     .and_then(|()| integration(filter, &mut tally));
+    // After the integration tests, so a failure of either still shows the
+    // other's outcome.
+    let fresh = fresh_root_unless_skipped();
+    match &fresh {
+        Ok(()) => tally.passed += 1,
+        Err(e) => {
+            tally.failed += 1;
+            eprintln!("{e:#}");
+        }
+    }
     // One closing line over every suite: the last runner line alone would
     // be the (empty) doc-test run of the test crate.
     println!("tests: {} passed, {} failed", tally.passed, tally.failed);
-    outcome
+    outcome.and(fresh)
+}
+
+/// The fresh-root check (`cargo xtask fresh-root`), unless
+/// `LOCKSTEP_SKIP_FRESH_ROOT=1` skips it explicitly (it says so).
+fn fresh_root_unless_skipped() -> anyhow::Result<()> {
+    if std::env::var_os("LOCKSTEP_SKIP_FRESH_ROOT").is_some_and(|v| v == "1") {
+        println!(
+            "fresh-root: SKIPPED (LOCKSTEP_SKIP_FRESH_ROOT=1): the build was not checked in a fresh root"
+        );
+        return Ok(());
+    }
+    fresh_root::check()
 }
 
 /// Tests counted over several `cargo test` runs.
@@ -485,6 +513,8 @@ fn crash(suite: &str, rounds: usize, max_k: u64) -> anyhow::Result<()> {
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
+    // Every task may build the agent, whose etcd door needs protoc.
+    protoc::install()?;
     match cli.task {
         Task::Setup => setup::setup(),
         Task::BuildEbpf => {
@@ -502,6 +532,7 @@ fn main() -> anyhow::Result<()> {
         Task::Image { version } => image::build(version),
         Task::ValidateManifests => setup::validate_manifests(),
         Task::CheckCore => check_core(),
+        Task::FreshRoot => fresh_root::check(),
         Task::Test { no_setup, filter } => test(no_setup, filter),
         Task::Bench { suite } => bench(&suite),
         Task::Crash {

@@ -11,7 +11,7 @@ use anyhow::{Context, bail};
 /// Debian packages: LLVM for bpf-linker, bpftool, network tools, and the real
 /// peers of the integration tests (CNI plugins, podman, etcd, busybox for a
 /// local container image).
-const PACKAGES: &[&str] = &[
+pub const PACKAGES: &[&str] = &[
     "llvm-22-dev",
     "libpolly-22-dev",
     "bpftool",
@@ -30,9 +30,6 @@ const PACKAGES: &[&str] = &[
     "runc",
     "etcd-server",
     "etcd-client",
-    // protoc: the etcd-client crate's build script compiles etcd's gRPC
-    // protocol (cluster mode's etcd door, #12).
-    "protobuf-compiler",
     // musl-gcc: ring (rustls' crypto, TLS to etcd) compiles C for the
     // static musl target the agent ships as; openssl makes the cluster
     // tests' certificates.
@@ -45,6 +42,9 @@ const PACKAGES: &[&str] = &[
     "nftables",
     // The masquerade test with checksum offload switched off on every veth.
     "ethtool",
+    // `cargo xtask fresh-root` (run by `cargo xtask test`): a throwaway
+    // Debian root in which setup, the build and the unit tests must pass.
+    "debootstrap",
 ];
 
 const BPF_LINKER_VERSION: &str = "0.13.0";
