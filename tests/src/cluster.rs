@@ -205,6 +205,34 @@ pub struct ClusterNodes {
 }
 
 impl ClusterNodes {
+    /// Allocates `count` IPAM-only endpoint addresses on node `i` through
+    /// the CLI; returns how many were given (the error that stopped it
+    /// printed).
+    ///
+    /// # Errors
+    /// The CLI could not be run.
+    pub fn fill(&self, i: usize, tag: &str, count: usize) -> anyhow::Result<usize> {
+        for k in 0..count {
+            let out = self.agents[i].cli([
+                "allocate",
+                "--kind",
+                "endpoint",
+                "--name",
+                &format!("{tag}{k}"),
+                "--family",
+                "ipv4",
+            ])?;
+            if !out.status.success() {
+                eprintln!(
+                    "allocate {tag}{k} on node-{i}: {}",
+                    String::from_utf8_lossy(&out.stderr)
+                );
+                return Ok(k);
+            }
+        }
+        Ok(count)
+    }
+
     /// Applies `pools` (a cluster pools file) and starts the three nodes.
     ///
     /// # Errors
@@ -222,6 +250,22 @@ impl ClusterNodes {
         cluster: &EtcdCluster,
         prefix: &str,
         pools: &str,
+        extra: &str,
+    ) -> anyhow::Result<Self> {
+        Self::build_full(cluster, prefix, pools, "", extra)
+    }
+
+    /// As [`ClusterNodes::build_with`], with `cluster_extra` (keys of the
+    /// `[cluster]` section, e.g. `lease_ttl = "3s"`) in every agent's
+    /// `[cluster]` section.
+    ///
+    /// # Errors
+    /// As [`ClusterNodes::build`].
+    pub fn build_full(
+        cluster: &EtcdCluster,
+        prefix: &str,
+        pools: &str,
+        cluster_extra: &str,
         extra: &str,
     ) -> anyhow::Result<Self> {
         let eps = cluster.endpoints();
@@ -265,7 +309,7 @@ impl ClusterNodes {
             )?;
             forward(&node, cluster)?;
             let config = format!(
-                "reconcile_interval = \"1s\"\n{}[datapath]\nuplink = \"u0\"\n{extra}",
+                "reconcile_interval = \"1s\"\n{}{cluster_extra}[datapath]\nuplink = \"u0\"\n{extra}",
                 cluster_config(&eps, prefix, &format!("node-{i}"), &node_ip(i))
             );
             agents.push(AgentProc::start(&node, &config)?);
@@ -304,6 +348,21 @@ impl ClusterNodes {
                 ))
             })
             .collect()
+    }
+
+    /// Node `i`'s agent metrics (the default loopback listener in its
+    /// namespace).
+    ///
+    /// # Errors
+    /// curl failed.
+    pub fn metrics(&self, i: usize) -> anyhow::Result<String> {
+        self.ns[i].exec(
+            "sh",
+            [
+                "-c",
+                "curl -s http://$(ss -ltnpH | grep '\"lockstep\"' | awk '{print $4}' | head -1)/metrics",
+            ],
+        )
     }
 
     /// Every allocation of every running agent: address → owners (to find

@@ -137,7 +137,7 @@ async fn node(
                 held.insert(candidate);
                 run.blocks.push(candidate);
             }
-            Claim::Taken { .. } => run.lost += 1,
+            Claim::Taken { .. } | Claim::Unreadable { .. } => run.lost += 1,
         }
     }
 }

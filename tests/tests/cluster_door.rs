@@ -61,6 +61,11 @@ fn racing_claims_have_one_winner_and_the_holder_may_claim_again() -> anyhow::Res
                 match claim.with_context(|| format!("{node} claiming {b}"))? {
                     Claim::Claimed { .. } => winners.entry(b).or_default().push(node.clone()),
                     Claim::Taken { by } => losers.entry(b).or_default().push(by),
+                    Claim::Unreadable { reason } => {
+                        anyhow::bail!(
+                            "{node} claiming {b} read its own writes as garbage: {reason}"
+                        )
+                    }
                 }
             }
         }
@@ -527,5 +532,54 @@ fn the_cluster_cli_applies_pools_lists_blocks_and_nodes_and_removes_nodes() -> a
     ensure!(out.trim() == "[]", "blocks left: {out}");
     let (_, out, _) = cli(&eps, &["nodes", "-o", "json"])?;
     ensure!(out.trim() == "[]", "node left: {out}");
+    Ok(())
+}
+
+/// #26 item 13: 2,000 pools in one apply exceed etcd's operations per
+/// transaction (`--max-txn-ops`, 128 by default). The CLI used to say
+/// "etcd unavailable, the write may still commit"; it must say what etcd
+/// refused, that nothing was written, and answer at once.
+#[test]
+fn the_cli_names_what_etcd_refused() -> anyhow::Result<()> {
+    let cluster = EtcdCluster::start(3)?;
+    let eps = cluster.endpoints();
+    let dir = lockstep_tests::TempDir::new("cluster-refused")?;
+    let file = dir.path().join("pools.toml");
+    std::fs::write(
+        &file,
+        "[[pools]]\nname = \"first\"\nipv4 = [\"10.80.0.0/24\"]\n",
+    )?;
+    let f = file.display().to_string();
+    let (ok, out, err) = cli(&eps, &["pools", "apply", "-f", &f])?;
+    ensure!(ok, "apply: {out}{err}");
+    let (_, before, _) = cli(&eps, &["pools", "get", "-o", "json"])?;
+
+    let mut many = String::from("default_pool = \"p0\"\n");
+    for i in 0..2000u32 {
+        let base = u32::from(std::net::Ipv4Addr::new(10, 81, 0, 0)) + i * 64;
+        many.push_str(&format!(
+            "[[pools]]\nname = \"p{i}\"\nipv4 = [\"{}/26\"]\n",
+            std::net::Ipv4Addr::from(base)
+        ));
+    }
+    std::fs::write(&file, many)?;
+    let started = Instant::now();
+    let (ok, out, err) = cli(&eps, &["pools", "apply", "-f", &f])?;
+    let took = started.elapsed();
+    eprintln!("2,000 pools: {took:?}: {err}");
+    ensure!(!ok, "2,000 pools applied in one transaction: {out}");
+    ensure!(
+        err.contains("etcd refused apply pools (2000 pools")
+            && err.contains("too many operations in txn request")
+            && err.contains("nothing was written"),
+        "the refusal is not named: {err}"
+    );
+    ensure!(
+        !err.contains("unavailable") && !err.contains("may still commit"),
+        "a refusal reported as an outage: {err}"
+    );
+    ensure!(took < Duration::from_secs(2), "answered after {took:?}");
+    let (_, after, _) = cli(&eps, &["pools", "get", "-o", "json"])?;
+    ensure!(after == before, "something was stored: {after}");
     Ok(())
 }

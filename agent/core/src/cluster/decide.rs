@@ -2,10 +2,9 @@
 //! one back; node removal and reclaim; fencing at start.
 
 use super::ClusterError;
-use super::layout::{block_addresses, block_at, block_count, block_index};
+use super::layout::{block_at, block_count, block_index};
 use super::spec::ClusterPoolSpec;
 use crate::cidr::Family;
-use crate::demand::{DemandConfig, DemandMode, DemandTracker};
 use ipnet::IpNet;
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -88,10 +87,18 @@ pub fn spread(node: &str) -> u128 {
 }
 
 /// How many blocks to claim now so the node holds enough addresses: the
-/// demand logic of [`crate::demand`] in ceil mode over blocks of
-/// `block_addrs` addresses, with `low_water` free addresses kept ready.
-/// `held` is the capacity of the blocks the node serves (in use and free
-/// together), not the free count.
+/// addresses wanted (`in_use` + `pending` + `low_water` kept ready) less
+/// `held`, in blocks of `block_addrs`, rounded up. `held` is the usable
+/// capacity of the blocks the node serves (in use and free together, less
+/// reserved addresses: [`super::usable_in_block`]), not the free count.
+///
+/// For blocks whose every address is usable this is the demand logic of
+/// [`crate::demand`] in ceil mode (target rounded up to whole blocks, less
+/// what is held). That rounding compared a multiple of the block size
+/// with the capacity: with reserved addresses in a block (a /30 block of a
+/// /30 CIDR holds 2) it claimed a spare block, and with capacity counted
+/// as whole blocks it never claimed at all; the difference itself is
+/// correct for both.
 pub fn blocks_to_claim(
     in_use: u64,
     pending: u64,
@@ -99,18 +106,11 @@ pub fn blocks_to_claim(
     low_water: u64,
     block_addrs: u64,
 ) -> u64 {
-    let config = DemandConfig {
-        mode: DemandMode::Ceil {
-            block_size: block_addrs.max(1),
-        },
-        pre_allocate: low_water,
-        ..DemandConfig::default()
-    };
-    let Ok(tracker) = DemandTracker::new(config) else {
-        return 0;
-    };
-    let target = tracker.target(in_use, pending);
-    target.saturating_sub(held).div_ceil(block_addrs.max(1))
+    in_use
+        .saturating_add(pending)
+        .saturating_add(low_water)
+        .saturating_sub(held)
+        .div_ceil(block_addrs.max(1))
 }
 
 /// One block a node holds, as the release decision sees it.
@@ -120,6 +120,9 @@ pub struct BlockUse {
     pub block: IpNet,
     /// Addresses allocated from it.
     pub used: u64,
+    /// Addresses it can hand out ([`super::usable_in_block`]): the free
+    /// count is this less `used`.
+    pub usable: u64,
     /// Since when it has been empty (`None` while in use).
     pub empty_since_ms: Option<u64>,
     /// Fenced blocks are never given back by the node (they are no longer
@@ -137,9 +140,7 @@ pub fn blocks_to_release(
     hysteresis_ms: u64,
     low_water: u64,
 ) -> Vec<IpNet> {
-    let size = |b: &BlockUse| {
-        u64::try_from(block_addresses(b.block, b.block.prefix_len())).unwrap_or(u64::MAX)
-    };
+    let size = |b: &BlockUse| b.usable;
     let mut free: u64 = blocks
         .iter()
         .filter(|b| !b.fenced)

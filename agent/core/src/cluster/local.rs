@@ -8,6 +8,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use ipnet::IpNet;
 
 use super::layout::block_addresses;
+
 use super::spec::ClusterPoolSpec;
 use crate::cidr::Family;
 use crate::pool::PoolSpec;
@@ -64,6 +65,46 @@ pub fn local_pools(
         out.push(spec);
     }
     (out, clashes)
+}
+
+/// Addresses of `block` (a block of `pool`) the node can hand out: all of
+/// them, less the first and last address of the pool's CIDR when they fall
+/// in the block and the pool does not allow them ([`local_pools`]
+/// reserves exactly those). A /30 block of a /30 CIDR holds 2, not 4:
+/// counting 4 once made a node with two addresses in use believe it still
+/// had room, so it never claimed again while free blocks existed.
+pub fn usable_in_block(pool: &ClusterPoolSpec, block: IpNet) -> u64 {
+    let all = u64::try_from(block_addresses(block, block.prefix_len())).unwrap_or(u64::MAX);
+    if pool.allow_first_last {
+        return all;
+    }
+    let reserved = pool
+        .cidrs()
+        .flat_map(|c| [c.network(), c.broadcast()])
+        .filter(|a| block.contains(a))
+        .collect::<BTreeSet<_>>()
+        .len();
+    all.saturating_sub(reserved as u64)
+}
+
+/// How many blocks of `pool` in `family` to claim now: `serving` lists
+/// each block the node serves with the addresses in use in it, `pending`
+/// the allocations waiting for an address. Capacity is counted in usable
+/// addresses ([`usable_in_block`]), so a node whose blocks are full asks
+/// for another whenever an allocation waits.
+pub fn blocks_wanted(
+    pool: &ClusterPoolSpec,
+    family: Family,
+    serving: &[(IpNet, u64)],
+    pending: u64,
+) -> u64 {
+    let size = block_size(pool, family);
+    if size == 0 {
+        return 0;
+    }
+    let used: u64 = serving.iter().map(|(_, u)| *u).sum();
+    let capacity: u64 = serving.iter().map(|(b, _)| usable_in_block(pool, *b)).sum();
+    super::decide::blocks_to_claim(used, pending, capacity, low_water(size), size)
 }
 
 /// Addresses of a block of `pool` in `family`.

@@ -3,9 +3,11 @@
 //!
 //! - [`spec`]: [`ClusterPoolSpec`] (serde, validated) and the checks an
 //!   apply must pass against the blocks already claimed.
+//! - [`default`]: which pool serves requests that name none.
 //! - [`layout`]: block `i` of a CIDR and back.
 //! - [`decide`]: which block a node claims next, when to claim, when to give
 //!   an empty block back, node removal and reclaim, fencing at start.
+//! - [`names`]: names that become one segment of an etcd key.
 //! - [`local`]: the cluster pools as local pools of the blocks a node holds.
 //! - [`remote`]: what a node programs for the other nodes' blocks (IPCACHE,
 //!   routes, MASQ_SKIP) and the diff against what is there.
@@ -14,8 +16,10 @@
 //! these functions decide (`agent/daemon/src/cluster/node.rs`).
 
 pub mod decide;
+pub mod default;
 pub mod layout;
 pub mod local;
+pub mod names;
 pub mod remote;
 pub mod spec;
 
@@ -26,8 +30,10 @@ pub use decide::{
     BlockUse, Fence, NodeLease, blocks_to_claim, blocks_to_release, check_node_removal, fence,
     next_block, reclaimable, spread,
 };
+pub use default::{default_for_apply, default_pool};
 pub use layout::{block_at, block_count, block_index};
-pub use local::{block_size, local_pools, low_water};
+pub use local::{block_size, blocks_wanted, local_pools, low_water, usable_in_block};
+pub use names::{check_key_name, key_name_problem};
 pub use spec::{ClusterPoolSpec, check_apply, validate_pools};
 
 use ipnet::IpNet;
@@ -61,6 +67,35 @@ pub enum ClusterError {
         cidr: IpNet,
         /// Each claimed block and the node holding it.
         blocks: Vec<(IpNet, String)>,
+    },
+    /// A name that cannot be one segment of an etcd key (a `/`, a control
+    /// character): the key it makes could not be read back.
+    #[error("{what} name {name:?} is not usable in cluster mode: {reason}")]
+    BadName {
+        /// What carries the name (`cluster pool`, `node`).
+        what: &'static str,
+        /// The name as given.
+        name: String,
+        /// What is wrong.
+        reason: &'static str,
+    },
+    /// Several cluster pools and none recorded as the default.
+    #[error("cluster pools {} and none is the default: apply them with default_pool = NAME (or set default_pool in the agent's configuration)", .pools.join(", "))]
+    NoDefault {
+        /// The pools.
+        pools: Vec<String>,
+    },
+    /// The default named is not one of the pools.
+    #[error("default_pool {pool} is not a cluster pool")]
+    DefaultUnknown {
+        /// The name given or recorded.
+        pool: String,
+    },
+    /// An apply that drops the default pool without naming another.
+    #[error("the apply removes cluster pool {pool}, the default; name another with default_pool")]
+    DefaultRemoved {
+        /// The default the apply drops.
+        pool: String,
     },
     /// A node whose lease is alive cannot be removed without force.
     #[error("node {node} is alive (its lease is held); stop it first or use --force")]

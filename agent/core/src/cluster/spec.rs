@@ -99,7 +99,8 @@ impl ClusterPoolSpec {
     }
 }
 
-/// Checks a whole set of cluster pools: the single-node pool rules (names,
+/// Checks a whole set of cluster pools: names usable as one etcd key
+/// segment ([`super::names`]), the single-node pool rules (names,
 /// canonical CIDRs, special ranges, no overlap anywhere), CIDRs filed under
 /// their family, and block sizes that cut every CIDR into at most
 /// [`MAX_BLOCKS_PER_CIDR`] blocks of at least 4 addresses.
@@ -107,6 +108,11 @@ impl ClusterPoolSpec {
 /// # Errors
 /// The first problem found.
 pub fn validate_pools(pools: &[ClusterPoolSpec]) -> Result<(), ClusterError> {
+    // Key-name rules first: a `/` passes the single-node rules, and its
+    // block keys could never be read back.
+    for pool in pools {
+        super::names::check_key_name("cluster pool", &pool.name)?;
+    }
     let singles: Vec<PoolSpec> = pools.iter().map(ClusterPoolSpec::as_pool_spec).collect();
     validate_specs(&singles)?;
     for pool in pools {

@@ -216,6 +216,7 @@ fn claim_below_low_water_release_after_hysteresis() {
     let b = |s, used, since| BlockUse {
         block: net(s),
         used,
+        usable: 64,
         empty_since_ms: since,
         fenced: false,
     };
@@ -360,5 +361,187 @@ proptest! {
         } else {
             prop_assert!(idx >= block_count(cidr, block));
         }
+    }
+}
+
+#[test]
+fn a_pool_name_with_a_slash_or_a_control_character_is_refused_naming_it() {
+    for (name, why) in [
+        ("team/a", "'/'"),
+        ("a\u{7}b", "control"),
+        ("a b", "white space"),
+        ("", "empty"),
+    ] {
+        let pool = ClusterPoolSpec::new(name).with_cidr(net("10.0.0.0/24"));
+        let err = validate_pools(&[pool]).unwrap_err();
+        assert!(
+            matches!(&err, ClusterError::BadName { name: n, .. } if n == name),
+            "{err}"
+        );
+        assert!(err.to_string().contains(why), "{err}");
+    }
+    let long = "p".repeat(129);
+    assert!(check_key_name("node", &long).is_err());
+    assert!(check_key_name("node", &long[..128]).is_ok());
+}
+
+proptest! {
+    /// Every name the rule accepts is exactly one key segment, printable
+    /// and unchanged by trimming; every name holding a `/` or a control
+    /// character is refused.
+    #[test]
+    fn accepted_names_are_one_printable_key_segment(name in "\\PC{0,40}|[a-z/\\x00-\\x1f]{0,8}") {
+        match key_name_problem(&name) {
+            None => {
+                prop_assert!(!name.is_empty());
+                prop_assert_eq!(format!("pools/{name}").split('/').count(), 2);
+                prop_assert!(!name.chars().any(char::is_control));
+                prop_assert_eq!(name.trim(), name.as_str());
+            }
+            Some(_) => prop_assert!(
+                name.is_empty()
+                    || name.contains('/')
+                    || name.chars().any(|c| c.is_control() || c.is_whitespace())
+                    || name.len() > 128
+            ),
+        }
+    }
+}
+
+#[test]
+fn capacity_counts_usable_addresses_so_full_30_blocks_claim_again() {
+    // Four /30 CIDRs cut in /30 blocks: each block holds 2 usable
+    // addresses (its CIDR's first and last are reserved).
+    let mut pool = ClusterPoolSpec::new("p");
+    pool.block_v4 = 30;
+    for c in ["10.9.0.0/30", "10.9.0.4/30", "10.9.0.8/30", "10.9.0.12/30"] {
+        pool = pool.with_cidr(net(c));
+    }
+    assert_eq!(usable_in_block(&pool, net("10.9.0.4/30")), 2);
+    // One block, both addresses in use, one ADD waiting: claim.
+    assert_eq!(
+        blocks_wanted(&pool, Family::V4, &[(net("10.9.0.0/30"), 2)], 1),
+        1
+    );
+    // A /28 cut in /30 blocks: the first and last blocks hold 3.
+    let mut wide = ClusterPoolSpec::new("w").with_cidr(net("10.9.1.0/28"));
+    wide.block_v4 = 30;
+    assert_eq!(usable_in_block(&wide, net("10.9.1.0/30")), 3);
+    assert_eq!(usable_in_block(&wide, net("10.9.1.4/30")), 4);
+    assert_eq!(usable_in_block(&wide, net("10.9.1.12/30")), 3);
+    wide.allow_first_last = true;
+    assert_eq!(usable_in_block(&wide, net("10.9.1.12/30")), 4);
+}
+
+proptest! {
+    /// Whatever the pool's cut, a node whose served blocks are all full
+    /// asks for a block while an allocation waits, and one with the
+    /// waiting allocations and the low-water mark free asks for none.
+    /// The usable addresses of all blocks are the pool's usable addresses.
+    #[test]
+    fn full_blocks_with_a_waiting_allocation_always_claim(
+        cidr_len in 24u8..=30,
+        block in 26u8..=30,
+        cidrs in 1usize..4,
+        allow in any::<bool>(),
+        take in 1usize..8,
+        pending in 1u64..4,
+    ) {
+        prop_assume!(block >= cidr_len);
+        let mut pool = ClusterPoolSpec::new("p");
+        pool.block_v4 = block;
+        pool.allow_first_last = allow;
+        for i in 0..cidrs {
+            let base = u32::from(std::net::Ipv4Addr::new(10, 20 + i as u8, 0, 0));
+            pool = pool.with_cidr(IpNet::new(std::net::Ipv4Addr::from(base).into(), cidr_len).unwrap());
+        }
+        let all: Vec<IpNet> = pool
+            .ipv4
+            .iter()
+            .flat_map(|&c| (0..block_count(c, block)).filter_map(move |i| block_at(c, block, i)))
+            .collect();
+        let usable: u64 = all.iter().map(|&b| usable_in_block(&pool, b)).sum();
+        let per_cidr = 1u64 << (32 - cidr_len);
+        let want = cidrs as u64 * if allow { per_cidr } else { per_cidr - 2 };
+        prop_assert_eq!(usable, want);
+        let held: Vec<(IpNet, u64)> = all
+            .iter()
+            .take(take)
+            .map(|&b| (b, usable_in_block(&pool, b)))
+            .collect();
+        prop_assert!(blocks_wanted(&pool, Family::V4, &held, pending) >= 1);
+        let size = block_size(&pool, Family::V4);
+        let roomy: Vec<(IpNet, u64)> = held.iter().map(|&(b, _)| (b, 0)).collect();
+        let free: u64 = held.iter().map(|&(_, u)| u).sum();
+        if free >= pending + low_water(size) {
+            prop_assert_eq!(blocks_wanted(&pool, Family::V4, &roomy, pending), 0);
+        }
+    }
+}
+
+#[test]
+fn the_default_pool_is_recorded_and_adding_a_pool_never_moves_it() {
+    let pods = ClusterPoolSpec::new("pods").with_cidr(net("10.1.0.0/24"));
+    let aaa = ClusterPoolSpec::new("aaa").with_cidr(net("10.2.0.0/24"));
+    // A single-pool set stored by an older version: that pool.
+    assert_eq!(
+        default_pool(std::slice::from_ref(&pods), None),
+        Ok(Some("pods".into()))
+    );
+    assert_eq!(default_pool(&[], None), Ok(None));
+    // The first apply of one pool records it; adding `aaa` (before it in
+    // key order) keeps it.
+    let first = default_for_apply(std::slice::from_ref(&pods), None, None).unwrap();
+    assert_eq!(first.as_deref(), Some("pods"));
+    let both = [aaa.clone(), pods.clone()];
+    assert_eq!(
+        default_for_apply(&both, first.as_deref(), None),
+        Ok(Some("pods".into()))
+    );
+    assert_eq!(default_pool(&both, Some("pods")), Ok(Some("pods".into())));
+    // Several pools, nothing recorded: no guess.
+    assert!(matches!(
+        default_pool(&both, None),
+        Err(ClusterError::NoDefault { .. })
+    ));
+    assert!(matches!(
+        default_for_apply(&both, None, None),
+        Err(ClusterError::NoDefault { .. })
+    ));
+    // Named: moved; unknown: refused; dropping it without another: refused.
+    assert_eq!(
+        default_for_apply(&both, Some("pods"), Some("aaa")),
+        Ok(Some("aaa".into()))
+    );
+    assert!(matches!(
+        default_for_apply(&both, Some("pods"), Some("nope")),
+        Err(ClusterError::DefaultUnknown { .. })
+    ));
+    let bbb = ClusterPoolSpec::new("bbb").with_cidr(net("10.3.0.0/24"));
+    assert!(matches!(
+        default_for_apply(&[aaa.clone(), bbb], Some("pods"), None),
+        Err(ClusterError::DefaultRemoved { .. })
+    ));
+    // Replaced by a single pool: that one, there is no other.
+    assert_eq!(
+        default_for_apply(std::slice::from_ref(&aaa), Some("pods"), None),
+        Ok(Some("aaa".into()))
+    );
+    assert_eq!(default_for_apply(&[], Some("pods"), None), Ok(None));
+}
+
+proptest! {
+    /// Whatever pools are added (in any key order), an apply that names no
+    /// default keeps the recorded one.
+    #[test]
+    fn adding_pools_keeps_the_default(extra in proptest::collection::btree_set("[a-z]{1,6}", 0..6)) {
+        let mut pools = vec![ClusterPoolSpec::new("pods").with_cidr(net("10.1.0.0/24"))];
+        for (i, name) in extra.iter().filter(|n| n.as_str() != "pods").enumerate() {
+            let cidr = IpNet::new(std::net::Ipv4Addr::new(10, 2, i as u8, 0).into(), 24).unwrap();
+            pools.push(ClusterPoolSpec::new(name.clone()).with_cidr(cidr));
+        }
+        pools.sort_by(|a, b| a.name.cmp(&b.name));
+        prop_assert_eq!(default_for_apply(&pools, Some("pods"), None), Ok(Some("pods".to_string())));
+        prop_assert_eq!(default_pool(&pools, Some("pods")), Ok(Some("pods".to_string())));
     }
 }

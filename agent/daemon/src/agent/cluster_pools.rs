@@ -19,6 +19,9 @@ pub struct ClusterView {
     /// The other nodes' blocks and the cluster's skip-masquerade CIDRs
     /// (`cluster::remote`), part of the desired maps.
     remote: Option<crate::cluster::RemoteView>,
+    /// The cluster pool serving requests that name none, as etcd records
+    /// it (`Err`: why there is none); `None` outside cluster mode.
+    default: Option<Result<Option<String>, String>>,
 }
 
 /// The pools the manager starts with: the configuration's, then the
@@ -91,6 +94,25 @@ impl Agent {
             }
         }
         used
+    }
+
+    /// Records the cluster pool that serves requests naming none (the
+    /// core's `cluster::default_pool` over what etcd records).
+    pub fn set_cluster_default(&mut self, default: Result<Option<String>, String>) {
+        if self.cluster.default.as_ref() != Some(&default) {
+            tracing::info!(?default, "cluster default pool");
+        }
+        self.cluster.default = Some(default);
+    }
+
+    /// In cluster mode, the default pool etcd records, when the
+    /// configuration has no pool of its own: `None` outside cluster mode
+    /// (or before cluster mode told).
+    ///
+    /// # Errors
+    /// Why there is no default (several cluster pools, none recorded).
+    pub(super) fn cluster_default(&self) -> Option<Result<Option<String>, String>> {
+        self.cluster.default.clone()
     }
 
     /// The fenced blocks, each with why, for `verify`.

@@ -68,6 +68,10 @@ pub struct VerifyReport {
     /// differ from etcd's state.
     #[serde(default)]
     pub routes: Vec<String>,
+    /// Cluster mode: etcd keys this build cannot read, skipped by every
+    /// read (`cluster::Unreadable`).
+    #[serde(default)]
+    pub unreadable: Vec<String>,
 }
 
 /// Pool usage for the API and metrics.

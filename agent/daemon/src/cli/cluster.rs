@@ -60,6 +60,27 @@ pub enum ClusterCommand {
     /// One node.
     #[command(subcommand)]
     Node(NodeCommand),
+    /// Keys under pools/, blocks/ or nodes/ this version cannot read (every
+    /// reader skips them); `unreadable delete KEY` removes one.
+    Unreadable {
+        /// What to do (default: list them).
+        #[command(subcommand)]
+        action: Option<UnreadableCommand>,
+        /// Output format.
+        #[arg(long, short, value_enum, default_value_t)]
+        output: Output,
+    },
+}
+
+/// `lockstep cluster unreadable ...`.
+#[derive(Debug, Subcommand)]
+pub enum UnreadableCommand {
+    /// Delete one unreadable key (refused for a key that reads fine, and
+    /// compared on the revision read).
+    Delete {
+        /// The whole key, prefix included, as listed.
+        key: String,
+    },
 }
 
 /// `lockstep cluster pools ...`.
@@ -102,10 +123,14 @@ pub enum NodeCommand {
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct PoolsFile {
+    /// The pool serving requests that name none; without it the recorded
+    /// default stays (the first apply of a single pool records that one).
+    #[serde(default)]
+    default_pool: Option<String>,
     pools: Vec<ClusterPoolSpec>,
 }
 
-fn read_pools(path: &std::path::Path) -> anyhow::Result<Vec<ClusterPoolSpec>> {
+fn read_pools(path: &std::path::Path) -> anyhow::Result<PoolsFile> {
     let text = if path == std::path::Path::new("-") {
         std::io::read_to_string(std::io::stdin())?
     } else {
@@ -117,7 +142,7 @@ fn read_pools(path: &std::path::Path) -> anyhow::Result<Vec<ClusterPoolSpec>> {
         serde_json::from_str(&text)
             .with_context(|| format!("{} is not a pools file", path.display()))?
     };
-    Ok(file.pools)
+    Ok(file)
 }
 
 /// Runs a `cluster` command; returns the exit code.
@@ -140,28 +165,47 @@ pub fn run(etcd: EtcdArgs, cmd: ClusterCommand) -> anyhow::Result<i32> {
         let mut door = Door::connect(opts).await?;
         match cmd {
             ClusterCommand::Pools(PoolsCommand::Apply { file, output }) => {
-                let pools = read_pools(&file)?;
-                let revision = door.apply_pools(&pools).await?;
-                let names: Vec<&str> = pools.iter().map(|p| p.name.as_str()).collect();
+                let file = read_pools(&file)?;
+                let revision = door
+                    .apply_pools_default(&file.pools, file.default_pool.as_deref())
+                    .await?;
+                let (default, _) = door.stored_default().await?;
+                let names: Vec<&str> = file.pools.iter().map(|p| p.name.as_str()).collect();
                 print(
-                    &json!({"applied": names, "revision": revision}),
+                    &json!({"applied": names, "revision": revision, "default_pool": default}),
                     output,
-                    |v| format!("applied {} at revision {}", v["applied"], v["revision"]),
+                    |v| {
+                        format!(
+                            "applied {} at revision {}; default pool {}",
+                            v["applied"], v["revision"], v["default_pool"]
+                        )
+                    },
                 );
             }
             ClusterCommand::Pools(PoolsCommand::Get { output }) => {
                 let (pools, _, _) = door.pools().await?;
+                let (stored, _) = door.stored_default().await?;
+                let default = lockstep_core::cluster::default_pool(&pools, stored.as_deref())
+                    .unwrap_or_else(|e| {
+                        eprintln!("warning: {e}");
+                        None
+                    });
                 print(&serde_json::to_value(&pools)?, output, |_| {
                     pools
                         .iter()
                         .map(|p| {
                             let cidrs: Vec<String> = p.cidrs().map(|c| c.to_string()).collect();
                             format!(
-                                "{}\t{}\tblocks /{} /{}",
+                                "{}\t{}\tblocks /{} /{}{}",
                                 p.name,
                                 cidrs.join(","),
                                 p.block_v4,
-                                p.block_v6
+                                p.block_v6,
+                                if default.as_deref() == Some(p.name.as_str()) {
+                                    "\tdefault"
+                                } else {
+                                    ""
+                                }
                             )
                         })
                         .collect::<Vec<_>>()
@@ -170,6 +214,14 @@ pub fn run(etcd: EtcdArgs, cmd: ClusterCommand) -> anyhow::Result<i32> {
             }
             ClusterCommand::Blocks { output } => {
                 let (blocks, _) = door.blocks().await?;
+                // Skipped keys are named on stderr, so the list stays a
+                // list of blocks.
+                for u in door.unreadable() {
+                    eprintln!(
+                        "warning: etcd key {} is unreadable ({}); skipped (`lockstep cluster unreadable delete KEY` removes it)",
+                        u.key, u.reason
+                    );
+                }
                 let v: Vec<_> = blocks
                     .iter()
                     .map(|b| json!({"pool": b.pool, "cidr": b.cidr, "node": b.node, "revision": b.revision}))
@@ -206,7 +258,27 @@ pub fn run(etcd: EtcdArgs, cmd: ClusterCommand) -> anyhow::Result<i32> {
                         .join("\n")
                 });
             }
+            ClusterCommand::Unreadable {
+                action: None,
+                output,
+            } => {
+                let keys = door.read_unreadable().await?;
+                print(&serde_json::to_value(&keys)?, output, |_| {
+                    keys.iter()
+                        .map(|u| format!("{}\t{}", u.key, u.reason))
+                        .collect::<Vec<_>>()
+                        .join("\n")
+                });
+            }
+            ClusterCommand::Unreadable {
+                action: Some(UnreadableCommand::Delete { key }),
+                ..
+            } => {
+                door.delete_unreadable(&key).await?;
+                println!("deleted {key}");
+            }
             ClusterCommand::Node(NodeCommand::Remove { name, force }) => {
+                lockstep_core::cluster::check_key_name("node", &name)?;
                 let freed = door.remove_node(&name, force).await?;
                 for b in &freed {
                     println!("freed {} ({}) of {name}", b.cidr, b.pool);

@@ -13,7 +13,14 @@ use etcd_client::{
 use ipnet::IpNet;
 use lockstep_core::cluster::{ClusterPoolSpec, check_apply};
 
-use super::{Block, BlockRecord, Claim, ClusterStoreError, Node, NodeRecord, escape, unescape};
+use super::{
+    Block, BlockRecord, Claim, ClusterStoreError, Node, NodeRecord, Unreadable, escape, unescape,
+};
+use lockstep_core::cluster::{default_for_apply, key_name_problem};
+
+/// The key (under the prefix) recording the default cluster pool: outside
+/// `pools/`, so agents that predate it never read it.
+const DEFAULT_KEY: &str = "default_pool";
 
 /// How the door reaches etcd.
 #[derive(Clone, Debug)]
@@ -122,6 +129,8 @@ impl DoorOptions {
 pub struct Door {
     client: Client,
     opts: DoorOptions,
+    /// Keys the last read of each area skipped, by key.
+    unreadable: BTreeMap<String, Unreadable>,
 }
 
 impl std::fmt::Debug for Door {
@@ -185,7 +194,11 @@ impl Door {
         .await
         .map_err(|_| unavailable(&opts, "connect", "timed out", false))?
         .map_err(|e| unavailable(&opts, "connect", &e.to_string(), false))?;
-        Ok(Door { client, opts })
+        Ok(Door {
+            client,
+            opts,
+            unreadable: BTreeMap::new(),
+        })
     }
 
     /// The options the door was made with.
@@ -215,7 +228,13 @@ impl Door {
     ) -> Result<T, ClusterStoreError> {
         match tokio::time::timeout(self.opts.timeout, request).await {
             Ok(Ok(v)) => Ok(v),
-            Ok(Err(e)) => Err(unavailable(&self.opts, what, &e.to_string(), write)),
+            Ok(Err(e)) => Err(match refusal(&e) {
+                Some(reason) => ClusterStoreError::Rejected {
+                    what: what.to_string(),
+                    reason,
+                },
+                None => unavailable(&self.opts, what, &e.to_string(), write),
+            }),
             Err(_) => Err(unavailable(&self.opts, what, "timed out", write)),
         }
     }
@@ -298,27 +317,169 @@ impl Door {
     }
 
     /// Every cluster pool, with each key's mod revision, and the store
-    /// revision of the read.
+    /// revision of the read. A key whose name or value this build cannot
+    /// read is skipped and kept in [`Door::unreadable`].
     ///
     /// # Errors
-    /// etcd unavailable, or a stored pool unreadable.
+    /// etcd unavailable.
     pub async fn pools(
         &mut self,
     ) -> Result<(Vec<ClusterPoolSpec>, BTreeMap<String, i64>, i64), ClusterStoreError> {
         let (resp, revision) = self.list("read pools", "pools/").await?;
+        let area = self.key("pools/");
         let mut specs = Vec::new();
         let mut revisions = BTreeMap::new();
+        let mut bad = Vec::new();
         for kv in resp.kvs() {
             let key = String::from_utf8_lossy(kv.key()).into_owned();
-            let spec: ClusterPoolSpec =
-                serde_json::from_slice(kv.value()).map_err(|e| ClusterStoreError::Corrupt {
-                    key: key.clone(),
-                    reason: e.to_string(),
-                })?;
-            revisions.insert(spec.name.clone(), kv.mod_revision());
-            specs.push(spec);
+            match parse_pool(&area, &key, kv.value()) {
+                Ok(spec) => {
+                    revisions.insert(spec.name.clone(), kv.mod_revision());
+                    specs.push(spec);
+                }
+                Err(reason) => bad.push(Unreadable {
+                    key,
+                    reason,
+                    block: None,
+                }),
+            }
         }
+        self.note_unreadable(&area, bad);
         Ok((specs, revisions, revision))
+    }
+
+    /// The default pool etcd records (`default_pool`, a JSON string), and
+    /// the key's mod revision (0: absent). An unreadable value counts as
+    /// absent and is kept in [`Door::unreadable`].
+    ///
+    /// # Errors
+    /// etcd unavailable.
+    pub async fn stored_default(&mut self) -> Result<(Option<String>, i64), ClusterStoreError> {
+        let key = self.key(DEFAULT_KEY);
+        let resp = self
+            .retrying("read the default pool", false, |mut c| {
+                let key = key.clone();
+                async move { c.get(key, None).await }
+            })
+            .await?;
+        let Some(kv) = resp.kvs().first() else {
+            self.note_unreadable(&key, Vec::new());
+            return Ok((None, 0));
+        };
+        match parse_default(kv.value()) {
+            Ok(name) => {
+                self.note_unreadable(&key, Vec::new());
+                Ok((Some(name), kv.mod_revision()))
+            }
+            Err(reason) => {
+                let u = Unreadable {
+                    key: key.clone(),
+                    reason,
+                    block: None,
+                };
+                self.note_unreadable(&key, vec![u]);
+                Ok((None, kv.mod_revision()))
+            }
+        }
+    }
+
+    /// The keys the last reads skipped (pools, blocks and nodes read by
+    /// this door), each with why.
+    pub fn unreadable(&self) -> Vec<Unreadable> {
+        self.unreadable.values().cloned().collect()
+    }
+
+    /// Replaces what is known unreadable under `area` by `found`; logs the
+    /// keys not seen before.
+    fn note_unreadable(&mut self, area: &str, found: Vec<Unreadable>) {
+        let before: BTreeMap<String, Unreadable> = self
+            .unreadable
+            .extract_if(.., |k, _| k.starts_with(area))
+            .collect();
+        for u in found {
+            if !before.contains_key(&u.key) {
+                tracing::warn!(key = %u.key, reason = %u.reason, "etcd key unreadable; skipped (remove it with `lockstep cluster unreadable delete KEY`)");
+            }
+            self.unreadable.insert(u.key.clone(), u);
+        }
+    }
+
+    /// Every key under `pools/`, `blocks/` and `nodes/` this build cannot
+    /// read (three reads).
+    ///
+    /// # Errors
+    /// etcd unavailable.
+    pub async fn read_unreadable(&mut self) -> Result<Vec<Unreadable>, ClusterStoreError> {
+        self.pools().await?;
+        self.blocks().await?;
+        self.nodes().await?;
+        self.stored_default().await?;
+        Ok(self.unreadable())
+    }
+
+    /// Deletes `key`, one this build cannot read (`pools/`, `blocks/` or
+    /// `nodes/` under the prefix), compared on the revision it was read
+    /// at: the operator's way out of a key an older version or a hand
+    /// wrote. A key that reads fine is refused (pools, blocks and nodes
+    /// have commands of their own, which keep their rules).
+    ///
+    /// # Errors
+    /// [`ClusterStoreError::Invalid`] (not such a key, absent, or
+    /// readable), [`ClusterStoreError::Conflict`] (changed meanwhile), or
+    /// etcd unavailable.
+    pub async fn delete_unreadable(&mut self, key: &str) -> Result<(), ClusterStoreError> {
+        let resp = self
+            .retrying("read the key to delete", false, |mut c| {
+                let key = key.to_string();
+                async move { c.get(key, None).await }
+            })
+            .await?;
+        let Some(kv) = resp.kvs().first() else {
+            return Err(ClusterStoreError::Invalid(format!(
+                "etcd key {key:?} does not exist"
+            )));
+        };
+        let problem = if key.starts_with(&self.key("pools/")) {
+            parse_pool(&self.key("pools/"), key, kv.value()).err()
+        } else if key.starts_with(&self.key("blocks/")) {
+            parse_block(&self.key("blocks/"), key, kv.value(), 0)
+                .err()
+                .map(|u| u.reason)
+        } else if key.starts_with(&self.key("nodes/")) {
+            parse_node(&self.key("nodes/"), key, kv.value()).err()
+        } else if key == self.key(DEFAULT_KEY) {
+            parse_default(kv.value()).err()
+        } else {
+            return Err(ClusterStoreError::Invalid(format!(
+                "etcd key {key:?} is not under {0}pools/, {0}blocks/ or {0}nodes/, nor {0}{DEFAULT_KEY}",
+                self.opts.prefix
+            )));
+        };
+        let Some(reason) = problem else {
+            return Err(ClusterStoreError::Invalid(format!(
+                "etcd key {key:?} is readable; change it with the command that owns it"
+            )));
+        };
+        let txn = Txn::new()
+            .when([Compare::mod_revision(
+                key,
+                CompareOp::Equal,
+                kv.mod_revision(),
+            )])
+            .and_then([TxnOp::delete(key, None)]);
+        let what = format!("delete the unreadable key {key}");
+        let resp = self
+            .retrying_idempotent(&what, |mut c| {
+                let txn = txn.clone();
+                async move { c.txn(txn).await }
+            })
+            .await?;
+        if !resp.succeeded() {
+            return Err(ClusterStoreError::Conflict { what });
+        }
+        tracing::info!(%key, %reason, "deleted an unreadable key");
+        self.unreadable.remove(key);
+        Ok(())
     }
 
     /// Replaces the cluster pools by `new`: validated and checked against
@@ -335,12 +496,46 @@ impl Door {
     /// [`ClusterStoreError::Conflict`] (a concurrent change: nothing
     /// written), or etcd unavailable.
     pub async fn apply_pools(&mut self, new: &[ClusterPoolSpec]) -> Result<i64, ClusterStoreError> {
+        self.apply_pools_default(new, None).await
+    }
+
+    /// As [`Door::apply_pools`], naming the default pool (`default`) or
+    /// keeping the one recorded (the core's [`default_for_apply`]: the
+    /// first apply of a single pool records it; adding pools never moves
+    /// it). The default key is written in the same transaction, compared
+    /// on its revision.
+    ///
+    /// # Errors
+    /// As [`Door::apply_pools`]; [`ClusterStoreError::Refused`] for a
+    /// default that is not among `new`, an apply that drops the default
+    /// without naming another, or several pools with none named or
+    /// recorded.
+    pub async fn apply_pools_default(
+        &mut self,
+        new: &[ClusterPoolSpec],
+        default: Option<&str>,
+    ) -> Result<i64, ClusterStoreError> {
+        let (stored_default, default_rev) = self.stored_default().await?;
         let (old, revisions, read_at) = self.pools().await?;
+        // A pool whose key holds something unreadable: the guard
+        // (create-if-absent) would fail as a conflict for ever; name it.
+        for spec in new {
+            let key = self.key(&format!("pools/{}", spec.name));
+            if let Some(u) = self.unreadable.get(&key) {
+                return Err(ClusterStoreError::Invalid(format!(
+                    "etcd key {key} of pool {} is unreadable ({}); remove it first with `lockstep cluster unreadable delete {key}`",
+                    spec.name, u.reason
+                )));
+            }
+        }
         let (blocks, blocks_at) = self.blocks().await?;
         let claimed: BTreeMap<IpNet, (String, String)> = blocks
             .iter()
             .map(|b| (b.cidr, (b.pool.clone(), b.node.clone())))
             .collect();
+        // The default first: an apply dropping it is refused for that,
+        // whatever else it would take away.
+        let recorded = default_for_apply(new, stored_default.as_deref(), default)?;
         check_apply(&old, new, &claimed)?;
         // No endpoint pool may share an address with an LB pool.
         let (lb_pools, lb_pools_at) = self.list("read lb pools", "lb/pools/").await?;
@@ -374,6 +569,27 @@ impl Door {
                 ops.push(TxnOp::delete(key, None));
             }
         }
+        // The default, compared on the revision read (a concurrent apply
+        // naming another fails this one).
+        let default_key = self.key(DEFAULT_KEY);
+        guards.push(if default_rev == 0 {
+            Compare::create_revision(default_key.clone(), CompareOp::Equal, 0)
+        } else {
+            Compare::mod_revision(default_key.clone(), CompareOp::Equal, default_rev)
+        });
+        if recorded != stored_default || (default_rev != 0 && stored_default.is_none()) {
+            match &recorded {
+                Some(name) => {
+                    let value =
+                        serde_json::to_vec(name).map_err(|e| ClusterStoreError::Corrupt {
+                            key: default_key.clone(),
+                            reason: e.to_string(),
+                        })?;
+                    ops.push(TxnOp::put(default_key, value, None));
+                }
+                None => ops.push(TxnOp::delete(default_key, None)),
+            }
+        }
         // No pool written since the read (a pool this apply does not name
         // but another apply created meanwhile would otherwise survive it),
         // no LB pool since they were checked, and no block claimed or
@@ -393,9 +609,15 @@ impl Door {
             )
             .with_prefix(),
         );
+        let what = format!(
+            "apply pools ({} pools: {} writes and deletes, {} compares in one transaction)",
+            new.len(),
+            ops.len(),
+            guards.len()
+        );
         let txn = Txn::new().when(guards).and_then(ops);
         let resp = self
-            .retrying("apply pools", true, |mut c| {
+            .retrying(&what, true, |mut c| {
                 let txn = txn.clone();
                 async move { c.txn(txn).await }
             })
@@ -408,18 +630,26 @@ impl Door {
         Ok(resp.header().map_or(0, |h| h.revision()))
     }
 
-    /// Every claimed block, and the store revision of the read.
+    /// Every claimed block, and the store revision of the read. A key
+    /// whose name or value this build cannot read is skipped and kept in
+    /// [`Door::unreadable`] (with its block when the key names one: no
+    /// claim may pick it).
     ///
     /// # Errors
-    /// etcd unavailable, or a block key or value unreadable.
+    /// etcd unavailable.
     pub async fn blocks(&mut self) -> Result<(Vec<Block>, i64), ClusterStoreError> {
         let prefix = self.key("blocks/");
         let (resp, revision) = self.list("read blocks", "blocks/").await?;
         let mut out = Vec::new();
+        let mut bad = Vec::new();
         for kv in resp.kvs() {
             let key = String::from_utf8_lossy(kv.key()).into_owned();
-            out.push(parse_block(&prefix, &key, kv.value(), kv.mod_revision())?);
+            match parse_block(&prefix, &key, kv.value(), kv.mod_revision()) {
+                Ok(b) => out.push(b),
+                Err(u) => bad.push(u),
+            }
         }
+        self.note_unreadable(&prefix, bad);
         Ok((out, revision))
     }
 
@@ -516,11 +746,15 @@ impl Door {
         node: &str,
         revision: i64,
     ) -> Result<Claim, ClusterStoreError> {
-        let rec: BlockRecord =
-            serde_json::from_slice(value).map_err(|e| ClusterStoreError::Corrupt {
-                key: key.to_string(),
-                reason: e.to_string(),
-            })?;
+        let rec: BlockRecord = match serde_json::from_slice(value) {
+            Ok(rec) => rec,
+            Err(e) => {
+                tracing::warn!(%key, reason = %e, "a claim found an unreadable block key; picking another block");
+                return Ok(Claim::Unreadable {
+                    reason: e.to_string(),
+                });
+            }
+        };
         Ok(if rec.node == node {
             Claim::Claimed { revision }
         } else {
@@ -614,26 +848,32 @@ impl Door {
         }
     }
 
-    /// Every registered (live) node.
+    /// Every registered (live) node. A key whose name or record this
+    /// build cannot read is skipped and kept in [`Door::unreadable`].
     ///
     /// # Errors
-    /// etcd unavailable, or a node record unreadable.
+    /// etcd unavailable.
     pub async fn nodes(&mut self) -> Result<Vec<Node>, ClusterStoreError> {
         let (resp, _) = self.list("read nodes", "nodes/").await?;
-        resp.kvs()
-            .iter()
-            .map(|kv| {
-                let record: NodeRecord =
-                    serde_json::from_slice(kv.value()).map_err(|e| ClusterStoreError::Corrupt {
-                        key: String::from_utf8_lossy(kv.key()).into_owned(),
-                        reason: e.to_string(),
-                    })?;
-                Ok(Node {
+        let area = self.key("nodes/");
+        let mut out = Vec::new();
+        let mut bad = Vec::new();
+        for kv in resp.kvs() {
+            let key = String::from_utf8_lossy(kv.key()).into_owned();
+            match parse_node(&area, &key, kv.value()) {
+                Ok(record) => out.push(Node {
                     record,
                     lease: kv.lease(),
-                })
-            })
-            .collect()
+                }),
+                Err(reason) => bad.push(Unreadable {
+                    key,
+                    reason,
+                    block: None,
+                }),
+            }
+        }
+        self.note_unreadable(&area, bad);
+        Ok(out)
     }
 }
 
@@ -696,28 +936,78 @@ impl Door {
     }
 }
 
-fn parse_block(
-    prefix: &str,
-    key: &str,
-    value: &[u8],
-    revision: i64,
-) -> Result<Block, ClusterStoreError> {
-    let corrupt = |reason: String| ClusterStoreError::Corrupt {
+/// A block key and value, or why they cannot be read (with the block
+/// when the key names one).
+fn parse_block(prefix: &str, key: &str, value: &[u8], revision: i64) -> Result<Block, Unreadable> {
+    let rest = key.strip_prefix(prefix).unwrap_or(key);
+    let unreadable = |reason: String, block: Option<IpNet>| Unreadable {
         key: key.to_string(),
         reason,
+        block,
     };
-    let rest = key.strip_prefix(prefix).unwrap_or(key);
-    let (pool, cidr) = rest
-        .split_once('/')
-        .ok_or_else(|| corrupt("not blocks/<pool>/<cidr>".into()))?;
-    let cidr = unescape(cidr).ok_or_else(|| corrupt(format!("{cidr:?} is not a CIDR")))?;
-    let rec: BlockRecord = serde_json::from_slice(value).map_err(|e| corrupt(e.to_string()))?;
+    let Some((pool, cidr)) = rest.split_once('/') else {
+        return Err(unreadable("not blocks/<pool>/<cidr>".into(), None));
+    };
+    if let Some(why) = key_name_problem(pool) {
+        return Err(unreadable(format!("pool name {pool:?}: {why}"), None));
+    }
+    let Some(cidr) = unescape(cidr) else {
+        return Err(unreadable(
+            format!("{cidr:?} is not a block (<address>-<prefix length>, canonical)"),
+            None,
+        ));
+    };
+    let rec: BlockRecord =
+        serde_json::from_slice(value).map_err(|e| unreadable(format!("value: {e}"), Some(cidr)))?;
     Ok(Block {
         pool: pool.to_string(),
         cidr,
         node: rec.node,
         revision,
     })
+}
+
+/// A pool key and value, or why they cannot be read: the key's name must
+/// be a usable name and the value a pool of that name.
+fn parse_pool(prefix: &str, key: &str, value: &[u8]) -> Result<ClusterPoolSpec, String> {
+    let name = key.strip_prefix(prefix).unwrap_or(key);
+    if let Some(why) = key_name_problem(name) {
+        return Err(format!("pool name {name:?}: {why}"));
+    }
+    let spec: ClusterPoolSpec = serde_json::from_slice(value).map_err(|e| format!("value: {e}"))?;
+    if spec.name != name {
+        return Err(format!(
+            "holds pool {:?} under the key of pool {name:?}",
+            spec.name
+        ));
+    }
+    Ok(spec)
+}
+
+/// The default pool key's value (a JSON string naming a usable pool
+/// name), or why it cannot be read.
+fn parse_default(value: &[u8]) -> Result<String, String> {
+    let name: String = serde_json::from_slice(value).map_err(|e| format!("value: {e}"))?;
+    match key_name_problem(&name) {
+        Some(why) => Err(format!("pool name {name:?}: {why}")),
+        None => Ok(name),
+    }
+}
+
+/// A node key and record, or why they cannot be read.
+fn parse_node(prefix: &str, key: &str, value: &[u8]) -> Result<NodeRecord, String> {
+    let name = key.strip_prefix(prefix).unwrap_or(key);
+    if let Some(why) = key_name_problem(name) {
+        return Err(format!("node name {name:?}: {why}"));
+    }
+    let record: NodeRecord = serde_json::from_slice(value).map_err(|e| format!("value: {e}"))?;
+    if record.name != name {
+        return Err(format!(
+            "holds node {:?} under the key of node {name:?}",
+            record.name
+        ));
+    }
+    Ok(record)
 }
 
 /// Whether `e` says the request was never sent: the connection to the
@@ -729,6 +1019,31 @@ fn never_sent(e: &etcd_client::Error) -> bool {
         etcd_client::Error::TransportError(t) => t.to_string().contains("tcp connect error"),
         _ => false,
     }
+}
+
+/// What etcd answered when it refused the request outright — checked it
+/// and said no before proposing anything, so nothing was written and
+/// asking again will be refused again: an invalid request (too many
+/// operations in a transaction, a request too large, a key or range
+/// etcd does not accept), no permission, the space quota exceeded, a
+/// precondition or range it will not serve. gRPC codes: 3 invalid
+/// argument, 5 not found, 6 already exists, 7 permission denied, 8
+/// resource exhausted, 9 failed precondition, 11 out of range, 16
+/// unauthenticated. `None` for anything whose outcome is unknown
+/// (unavailable, deadline, cancelled, internal, a transport failure).
+fn refusal(e: &etcd_client::Error) -> Option<String> {
+    match e {
+        etcd_client::Error::GRpcStatus(s) if refused_code(i32::from(s.code())) => {
+            Some(s.message().to_string())
+        }
+        _ => None,
+    }
+}
+
+/// Whether a gRPC status code from etcd is a definite refusal
+/// ([`refusal`]).
+fn refused_code(code: i32) -> bool {
+    matches!(code, 3 | 5..=9 | 11 | 16)
 }
 
 /// Whether `e` may pass by itself: the connection failed or broke (a member
@@ -755,6 +1070,65 @@ mod tests {
     use std::path::{Path, PathBuf};
 
     use super::*;
+
+    #[test]
+    fn a_refusal_is_told_from_an_unknown_outcome() {
+        // Refused outright: invalid argument (too many operations in a
+        // txn, request too large), not found, already exists, permission
+        // denied, resource exhausted (space quota), failed precondition,
+        // out of range, unauthenticated.
+        for code in [3, 5, 6, 7, 8, 9, 11, 16] {
+            assert!(refused_code(code), "{code}");
+        }
+        // Outcome unknown: cancelled, unknown, deadline, aborted,
+        // unimplemented, internal, unavailable, data loss.
+        for code in [1, 2, 4, 10, 12, 13, 14, 15] {
+            assert!(!refused_code(code), "{code}");
+        }
+        // The client's own errors (a lease etcd no longer knows) are not
+        // refusals: keep_alive reads them as before.
+        assert!(
+            refusal(&etcd_client::Error::LeaseKeepAliveError(
+                "lease not found".into()
+            ))
+            .is_none()
+        );
+    }
+
+    #[test]
+    fn unreadable_keys_are_named_and_keep_the_block_they_name() {
+        let p = "/x/blocks/";
+        let ok = br#"{"node":"n1","claimed_at_ms":1}"#;
+        let b = parse_block(p, "/x/blocks/pods/10.0.0.16-28", ok, 7).expect("readable");
+        assert_eq!(
+            (b.pool.as_str(), b.node.as_str(), b.revision),
+            ("pods", "n1", 7)
+        );
+        // A pool name with a '/' (an older version's `team/a`): no block.
+        let u = parse_block(p, "/x/blocks/team/a/10.0.0.0-28", ok, 1).unwrap_err();
+        assert_eq!(u.block, None);
+        assert!(u.reason.contains("is not a block"), "{}", u.reason);
+        // A key that names a block, with a value this build cannot read:
+        // the block is kept so no claim picks it.
+        let u = parse_block(p, "/x/blocks/pods/10.0.0.16-28", b"garbage", 1).unwrap_err();
+        assert_eq!(u.block, Some("10.0.0.16/28".parse().expect("net")));
+        assert!(parse_block(p, "/x/blocks/pods/10.0.0.17-28", ok, 1).is_err());
+        assert!(parse_block(p, "/x/blocks/a\u{7}b/10.0.0.16-28", ok, 1).is_err());
+        // Pools and nodes: the key's name is checked and must be the
+        // value's.
+        let spec = br#"{"name":"pods","ipv4":["10.0.0.0/24"]}"#;
+        assert!(parse_pool("/x/pools/", "/x/pools/pods", spec).is_ok());
+        let e = parse_pool("/x/pools/", "/x/pools/other", spec).unwrap_err();
+        assert!(e.contains("under the key of pool \"other\""), "{e}");
+        let e = parse_pool(
+            "/x/pools/",
+            "/x/pools/team/a",
+            br#"{"name":"team/a","ipv4":["10.0.0.0/24"]}"#,
+        )
+        .unwrap_err();
+        assert!(e.contains("'/'"), "{e}");
+        assert!(parse_node("/x/nodes/", "/x/nodes/n1", b"{}").is_err());
+    }
 
     #[test]
     fn options_from_the_cluster_section_carry_endpoints_prefix_tls_and_the_bound() {

@@ -32,6 +32,8 @@ pub(super) struct Shared {
     pub(super) claims: BTreeMap<String, u64>,
     /// Rounds done since start.
     pub(super) rounds: u64,
+    /// etcd keys the last read skipped as unreadable: key → why.
+    pub(super) unreadable: BTreeMap<String, String>,
 }
 
 impl ClusterHandle {
@@ -49,6 +51,20 @@ impl ClusterHandle {
     /// How many blocks are fenced.
     pub fn fenced(&self) -> usize {
         self.lock().fenced
+    }
+
+    /// The etcd keys the last read skipped because this build cannot read
+    /// them, each as `etcd key K is unreadable (why): ...`, for `verify`.
+    pub fn unreadable(&self) -> Vec<String> {
+        self.lock()
+            .unreadable
+            .iter()
+            .map(|(k, why)| {
+                format!(
+                    "etcd key {k} is unreadable ({why}); skipped by every read, remove it with `lockstep cluster unreadable delete {k}`"
+                )
+            })
+            .collect()
     }
 
     /// The cluster pools and their families.
@@ -130,8 +146,12 @@ pub fn render_metrics(c: &ClusterHandle) -> String {
          lockstep_cluster_etcd_reachable {}\n\
          # HELP lockstep_cluster_block_claims_total Blocks claimed since start.\n\
          # TYPE lockstep_cluster_block_claims_total counter\n\
-         lockstep_cluster_block_claims_total {claims}\n",
+         lockstep_cluster_block_claims_total {claims}\n\
+         # HELP lockstep_cluster_unreadable_keys etcd keys under pools/, blocks/ or nodes/ this build cannot read (skipped; `lockstep cluster unreadable`).\n\
+         # TYPE lockstep_cluster_unreadable_keys gauge\n\
+         lockstep_cluster_unreadable_keys {}\n",
         s.fenced,
         u8::from(s.problem.is_none()),
+        s.unreadable.len(),
     )
 }

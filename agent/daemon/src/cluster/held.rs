@@ -63,6 +63,10 @@ pub struct Held {
     pub node: String,
     /// The cluster pools as last read.
     pub pools: Vec<ClusterPoolSpec>,
+    /// The default pool etcd recorded, as last read (`None`: none
+    /// recorded; the only pool then is the default).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub default_pool: Option<String>,
     /// The blocks.
     pub blocks: Vec<HeldBlock>,
 }
@@ -127,6 +131,7 @@ mod tests {
         let held = Held {
             node: "a".into(),
             pools: vec![ClusterPoolSpec::new("p").with_cidr("10.0.0.0/24".parse().expect("net"))],
+            default_pool: Some("p".into()),
             blocks: vec![HeldBlock {
                 pool: "p".into(),
                 cidr: "10.0.0.64/26".parse().expect("net"),

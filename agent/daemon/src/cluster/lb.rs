@@ -35,6 +35,7 @@ use std::time::Duration;
 use etcd_client::{
     Compare, CompareOp, GetOptions, PutOptions, Txn, TxnOp, WatchOptions, WatchStream,
 };
+use lockstep_core::cluster::check_key_name;
 use lockstep_core::lb::cluster::{
     AnnouncePlan, Candidate, LbChange, ToAnnounce, announce_plan, assigned, reconcile, to_announce,
 };
@@ -165,6 +166,7 @@ impl Door {
     pub async fn lb_put_pool(&mut self, spec: &LbPoolSpec) -> Result<(), ClusterStoreError> {
         spec.validate()
             .map_err(|e| ClusterStoreError::Invalid(e.to_string()))?;
+        check_key_name("lb pool", &spec.name)?;
         let key = self.lb_key(&format!("pools/{}", spec.name));
         let value = serde_json::to_vec(spec).map_err(|e| corrupt(&key, e))?;
         let mut client = self.client();
@@ -180,6 +182,8 @@ impl Door {
     pub async fn lb_put_service(&mut self, spec: &ServiceSpec) -> Result<(), ClusterStoreError> {
         spec.validate()
             .map_err(|e| ClusterStoreError::Invalid(e.to_string()))?;
+        check_key_name("service namespace", &spec.namespace)?;
+        check_key_name("service", &spec.name)?;
         let key = self.lb_key(&format!("services/{}", spec.id()));
         let value = serde_json::to_vec(spec).map_err(|e| corrupt(&key, e))?;
         let mut client = self.client();
@@ -550,6 +554,13 @@ impl Door {
                 "{} pools and services in one apply; at most 128",
                 pools.len() + services.len()
             )));
+        }
+        for p in pools {
+            check_key_name("lb pool", &p.name)?;
+        }
+        for s in services {
+            check_key_name("service namespace", &s.namespace)?;
+            check_key_name("service", &s.name)?;
         }
         let mut ops = Vec::new();
         for p in pools {

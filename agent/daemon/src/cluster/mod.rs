@@ -63,6 +63,17 @@ pub enum ClusterStoreError {
         /// A write was sent and may still be applied.
         maybe_written: bool,
     },
+    /// etcd checked the request and refused it (too many operations in a
+    /// transaction, a request too large, no permission, its space quota
+    /// exceeded): nothing was written, and the same request will be
+    /// refused again. Not "unavailable": retrying does not help.
+    #[error("etcd refused {what}: {reason}; nothing was written")]
+    Rejected {
+        /// What was asked.
+        what: String,
+        /// etcd's answer.
+        reason: String,
+    },
     /// A guarded write lost against a concurrent one: re-read and decide again.
     #[error("etcd changed under {what}; re-read and try again")]
     Conflict {
@@ -117,6 +128,24 @@ pub struct Block {
     pub revision: i64,
 }
 
+/// A key under `pools/`, `blocks/` or `nodes/` this build cannot read: a
+/// name with a `/` (an older version accepted `team/a`), a value that is
+/// not what this build writes, a key written by hand. Readers skip it and
+/// report it (log, `lockstep_cluster_unreadable_keys`, `verify`, `lockstep
+/// cluster blocks`) instead of failing: one such key once stopped every
+/// node's reads, and with them its lease refreshes and its claims.
+/// `lockstep cluster unreadable delete KEY` removes it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Unreadable {
+    /// The whole key.
+    pub key: String,
+    /// Why it cannot be read.
+    pub reason: String,
+    /// The block it names, when its key parses but its value does not: a
+    /// claim must not pick that block (its holder is unknown).
+    pub block: Option<IpNet>,
+}
+
 /// What a claim got.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Claim {
@@ -129,6 +158,12 @@ pub enum Claim {
     Taken {
         /// The holder.
         by: String,
+    },
+    /// The key exists with a value this build cannot read: not ours, and
+    /// its holder is unknown; pick another block.
+    Unreadable {
+        /// Why the value cannot be read.
+        reason: String,
     },
 }
 
@@ -164,10 +199,12 @@ fn escape(cidr: IpNet) -> String {
     cidr.to_string().replace('/', "-")
 }
 
-/// The inverse of [`escape`].
+/// The inverse of [`escape`]; `None` for anything [`escape`] never
+/// writes (host bits set, a `/` left in it).
 fn unescape(text: &str) -> Option<IpNet> {
     let (addr, len) = text.rsplit_once('-')?;
-    format!("{addr}/{len}").parse().ok()
+    let net: IpNet = format!("{addr}/{len}").parse().ok()?;
+    (net.trunc() == net && escape(net) == text).then_some(net)
 }
 
 #[cfg(test)]
@@ -183,5 +220,7 @@ mod tests {
         }
         assert_eq!(unescape("10.0.0.64"), None);
         assert_eq!(unescape("x-26"), None);
+        assert_eq!(unescape("10.0.0.65-26"), None);
+        assert_eq!(unescape("a/10.0.0.64-26"), None);
     }
 }

@@ -20,8 +20,8 @@ use std::time::{Duration, Instant};
 use ipnet::IpNet;
 use lockstep_core::cidr::Family;
 use lockstep_core::cluster::{
-    BlockUse, ClusterPoolSpec, block_size, blocks_to_claim, blocks_to_release, fence, local_pools,
-    low_water, next_block,
+    BlockUse, ClusterPoolSpec, block_size, blocks_to_release, blocks_wanted, fence, local_pools,
+    low_water, next_block, usable_in_block,
 };
 use lockstep_core::pool::PoolSpec;
 
@@ -120,6 +120,8 @@ pub struct ClusterNode {
     last_read: Option<Instant>,
     /// A claim is due: read at the next round.
     read_next: bool,
+    /// The default pool last given to the agent.
+    pushed_default: Option<Result<Option<String>, String>>,
     handle: Arc<ClusterHandle>,
 }
 
@@ -156,6 +158,13 @@ impl ClusterNode {
             .node_name
             .clone()
             .unwrap_or_else(|| config.node_name());
+        // The host name stands in when none is configured: it must make
+        // one key segment too (`nodes/<node>`).
+        if let Some(why) = lockstep_core::cluster::key_name_problem(&name) {
+            return Err(format!(
+                "cluster.node_name: {name:?} is not usable as an etcd key segment: {why}; set cluster.node_name"
+            ));
+        }
         let ips = node_ips(config, &cluster)?;
         let held = Held::load(&config.state_dir).map_err(|e| crate::error_chain(&e))?;
         if !held.node.is_empty() && held.node != name {
@@ -178,6 +187,7 @@ impl ClusterNode {
             empty_since: BTreeMap::new(),
             last_read: None,
             read_next: false,
+            pushed_default: None,
             handle: Arc::new(ClusterHandle::default()),
         };
         node.held.node = node.name.clone();
@@ -218,11 +228,12 @@ impl ClusterNode {
         }
         let door = self.door.as_mut().expect("connected above");
         let read = async {
+            let (default, _) = door.stored_default().await?;
             let (pools, _, _) = door.pools().await?;
             let (blocks, _) = door.blocks().await?;
-            Ok::<_, ClusterStoreError>((pools, blocks))
+            Ok::<_, ClusterStoreError>((pools, default, blocks, door.unreadable()))
         };
-        let (pools, blocks) = match read.await {
+        let (pools, default, blocks, unreadable) = match read.await {
             Ok(r) => r,
             Err(e) => {
                 self.set_problem(Some(&e));
@@ -231,7 +242,17 @@ impl ClusterNode {
         };
         self.set_problem(None);
         self.held.pools = pools;
+        self.held.default_pool = default;
         self.claimed = blocks.iter().map(|b| b.cidr).collect();
+        // A key this build cannot read was skipped by the read (it no
+        // longer stops it); a block it names has an unknown holder: never
+        // picked.
+        self.claimed
+            .extend(unreadable.iter().filter_map(|u| u.block));
+        self.handle.lock().unreadable = unreadable
+            .iter()
+            .map(|u| (u.key.clone(), u.reason.clone()))
+            .collect();
         let owners: BTreeMap<IpNet, String> =
             blocks.iter().map(|b| (b.cidr, b.node.clone())).collect();
         // Claims whose answer never came: ours if etcd says so.
@@ -309,6 +330,14 @@ impl ClusterNode {
         if let Err(e) = agent.set_cluster_pools(local_specs(&self.config, &self.held), fenced) {
             tracing::error!(error = %crate::error_chain(&e), "cluster blocks not all served");
         }
+        agent.set_cluster_default(self.default());
+    }
+
+    /// The cluster pool serving requests that name none, as the core
+    /// decides it from what etcd records (`Err`: why there is none).
+    fn default(&self) -> Result<Option<String>, String> {
+        lockstep_core::cluster::default_pool(&self.held.pools, self.held.default_pool.as_deref())
+            .map_err(|e| e.to_string())
     }
 
     /// Registers the node, or refreshes its lease; re-registers when the
@@ -410,16 +439,17 @@ impl ClusterNode {
                     .enumerate()
                     .filter(|(_, b)| b.pool == pool.name && Family::of_net(b.cidr) == family)
                     .collect();
-                let serving: Vec<&(usize, &HeldBlock)> =
-                    mine.iter().filter(|(_, b)| b.fenced.is_none()).collect();
-                let fam_used: u64 = serving.iter().map(|(i, _)| used[*i]).sum();
-                // What the serving blocks hold in all (the demand logic
-                // compares its target with capacity, not with what is free:
-                // passing the free count claimed one block too many).
-                let capacity = serving.len() as u64 * size;
+                // The serving blocks and their use: the core counts their
+                // capacity in usable addresses (a /30 block of a /30 CIDR
+                // holds 2; counted as 4, a node stalled at 2 addresses).
+                let serving: Vec<(IpNet, u64)> = mine
+                    .iter()
+                    .filter(|(_, b)| b.fenced.is_none())
+                    .map(|(i, b)| (b.cidr, used[*i]))
+                    .collect();
                 let pending = u64::from(wanted_pools.contains(&pool.name));
                 let low = low_water(size);
-                let n = blocks_to_claim(fam_used, pending, capacity, low, size);
+                let n = blocks_wanted(pool, family, &serving, pending);
                 wanted_total = wanted_total.saturating_add(pending + low);
                 if n > 0 {
                     claims.push((pool.clone(), family, n));
@@ -429,6 +459,7 @@ impl ClusterNode {
                     .map(|(i, b)| BlockUse {
                         block: b.cidr,
                         used: used[*i],
+                        usable: usable_in_block(pool, b.cidr),
                         empty_since_ms: self.empty_since.get(&b.cidr).copied(),
                         fenced: b.fenced.is_some(),
                     })
@@ -442,7 +473,11 @@ impl ClusterNode {
                 }
             }
         }
-        let mut changed = fenced_done;
+        // A new default (an apply naming another) reaches the agent even
+        // when no block changed.
+        let default = self.default();
+        let mut changed = fenced_done || self.pushed_default.as_ref() != Some(&default);
+        self.pushed_default = Some(default);
         if !claims.is_empty() && !fresh {
             // Claims pick from a fresh read: read next round. At once only
             // when etcd answers; unreachable, the next tick retries (waking
@@ -517,12 +552,14 @@ impl ClusterNode {
             .iter()
             .filter_map(|b| b.fenced.clone().map(|w| (b.cidr, w)))
             .collect();
+        let default = self.default();
         let slot = slot.clone();
         let _ = tokio::task::spawn_blocking(move || {
-            if let Some(a) = lock_agent(&slot).as_mut()
-                && let Err(e) = a.set_cluster_pools(specs, fenced)
-            {
-                tracing::error!(error = %crate::error_chain(&e), "cluster blocks not all served");
+            if let Some(a) = lock_agent(&slot).as_mut() {
+                if let Err(e) = a.set_cluster_pools(specs, fenced) {
+                    tracing::error!(error = %crate::error_chain(&e), "cluster blocks not all served");
+                }
+                a.set_cluster_default(default);
             }
         })
         .await;
@@ -566,14 +603,16 @@ impl ClusterNode {
                     tracing::info!(%cidr, pool = %pool.name, revision, "claimed a block");
                     return true;
                 }
-                Ok(Claim::Taken { by }) => {
-                    tracing::debug!(%cidr, %by, "lost a claim race; re-reading and picking again");
+                Ok(taken @ (Claim::Taken { .. } | Claim::Unreadable { .. })) => {
+                    tracing::debug!(%cidr, ?taken, "lost a claim race; re-reading and picking again");
                     self.claimed.insert(cidr);
                     // Others may have claimed more meanwhile: pick from
                     // what etcd holds now.
                     match door.blocks().await {
                         Ok((blocks, _)) => {
                             self.claimed.extend(blocks.iter().map(|b| b.cidr));
+                            self.claimed
+                                .extend(door.unreadable().iter().filter_map(|u| u.block));
                         }
                         Err(e) => {
                             self.set_problem(Some(&e));

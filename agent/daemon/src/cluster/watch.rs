@@ -3,7 +3,7 @@
 
 use etcd_client::{EventType, WatchOptions, WatchStream};
 use ipnet::IpNet;
-use lockstep_core::cluster::ClusterPoolSpec;
+use lockstep_core::cluster::{ClusterPoolSpec, key_name_problem};
 
 use super::door::Door;
 use super::{BlockRecord, ClusterStoreError, NodeRecord, unescape};
@@ -103,8 +103,9 @@ impl Watch {
     ///
     /// # Errors
     /// [`ClusterStoreError::Compacted`] when the history asked for is gone
-    /// (resync), [`ClusterStoreError::Unavailable`] when the stream broke
-    /// (watch again from [`Watch::resume_from`]), or an unreadable value.
+    /// (resync), or [`ClusterStoreError::Unavailable`] when the stream broke
+    /// (watch again from [`Watch::resume_from`]). A change this build
+    /// cannot read is skipped (logged).
     pub async fn next(&mut self) -> Result<Vec<Change>, ClusterStoreError> {
         let broke = |why: String| ClusterStoreError::Unavailable {
             endpoints: String::new(),
@@ -135,9 +136,15 @@ impl Watch {
             let key = String::from_utf8_lossy(kv.key()).into_owned();
             let deleted = matches!(event.event_type(), EventType::Delete);
             self.next = self.next.max(kv.mod_revision() + 1);
-            if let Some(change) = parse(&self.prefix, &key, kv.value(), deleted, kv.mod_revision())?
-            {
-                out.push(change);
+            // A key this build cannot read is skipped, as the reads skip
+            // it (`Door::unreadable`): failing here made every follower
+            // re-read and watch again, forever.
+            match parse(&self.prefix, &key, kv.value(), deleted, kv.mod_revision()) {
+                Ok(Some(change)) => out.push(change),
+                Ok(None) => {}
+                Err(e) => {
+                    tracing::warn!(error = %e, "watch: an unreadable change is skipped");
+                }
             }
         }
         if let Some(h) = resp.header() {
@@ -162,7 +169,12 @@ fn parse(
     let json = |what: &str| -> Result<serde_json::Value, ClusterStoreError> {
         serde_json::from_slice(value).map_err(|e| corrupt(format!("{what}: {e}")))
     };
+    let named = |what: &str, name: &str| match key_name_problem(name) {
+        Some(why) => Err(corrupt(format!("{what} name {name:?}: {why}"))),
+        None => Ok(()),
+    };
     Ok(if let Some(name) = rest.strip_prefix("pools/") {
+        named("pool", name)?;
         Some(Change::Pool {
             name: name.to_string(),
             spec: if deleted {
@@ -175,6 +187,7 @@ fn parse(
         let (pool, cidr) = block
             .split_once('/')
             .ok_or_else(|| corrupt("not blocks/<pool>/<cidr>".into()))?;
+        named("pool", pool)?;
         let cidr = unescape(cidr).ok_or_else(|| corrupt(format!("{cidr:?} is not a CIDR")))?;
         let node = if deleted {
             None
@@ -190,6 +203,7 @@ fn parse(
             revision,
         })
     } else if let Some(name) = rest.strip_prefix("nodes/") {
+        named("node", name)?;
         Some(Change::Node {
             name: name.to_string(),
             record: if deleted {

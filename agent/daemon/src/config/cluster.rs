@@ -180,11 +180,11 @@ impl ClusterConfig {
             );
         }
         if let Some(name) = &self.node_name
-            && (name.is_empty() || name.contains('/') || name.chars().any(char::is_whitespace))
+            && let Some(why) = lockstep_core::cluster::key_name_problem(name)
         {
             return bad(
                 "node_name",
-                format!("{name:?} must be non-empty, without / or white space"),
+                format!("{name:?} is not usable as an etcd key segment: {why}"),
             );
         }
         if !has_uplink && self.node_ip_v4.is_none() && self.node_ip_v6.is_none() {
@@ -328,6 +328,11 @@ mod tests {
             (&format!("{OK}prefix = \"/\"\n"), "cluster.prefix"),
             (&format!("{OK}node_name = \"a b\"\n"), "cluster.node_name"),
             (&format!("{OK}node_name = \"\"\n"), "cluster.node_name"),
+            (&format!("{OK}node_name = \"a/b\"\n"), "cluster.node_name"),
+            (
+                &format!("{OK}node_name = \"a\\u0007b\"\n"),
+                "cluster.node_name",
+            ),
             (
                 "[cluster]\netcd = [\"http://e:1\"]\nnode_ip_v4 = \"127.0.0.1\"\n",
                 "cluster.node_ip_v4",
