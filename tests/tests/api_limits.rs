@@ -2,10 +2,13 @@
 //! that never finish their headers, or sit idle, are closed after
 //! `api_header_timeout`, and at most `api_max_connections` are served at
 //! once, so an agent under a 1,024-descriptor limit keeps serving and
-//! reconciling while 1,100 clients hold idle connections.
+//! reconciling while 1,100 clients hold idle connections. The metrics port
+//! is bounded the same way.
 
 use std::io::{Read as _, Write as _};
+use std::net::TcpStream;
 use std::os::unix::net::UnixStream;
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, ensure};
@@ -53,15 +56,7 @@ fn idle_and_unfinished_connections_cannot_starve_the_agent() -> anyhow::Result<(
     );
 
     // 1,100 idle connections (the test raises its own limit to hold them).
-    let mut limit = libc::rlimit {
-        rlim_cur: 4096,
-        rlim_max: 4096,
-    };
-    // SAFETY: setrlimit reads the struct it is given.
-    unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &limit) };
-    // SAFETY: getrlimit writes the struct it is given.
-    unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) };
-    ensure!(limit.rlim_cur >= 2048, "the test needs 2,048 descriptors");
+    raise_own_nofile()?;
     let idle: Vec<UnixStream> = (0..1100)
         .map(|_| UnixStream::connect(&socket))
         .collect::<Result<_, _>>()
@@ -96,6 +91,184 @@ fn idle_and_unfinished_connections_cannot_starve_the_agent() -> anyhow::Result<(
     eprintln!("agent held {fds} descriptors with 1,100 idle clients; the API answered again");
     let verify = agent.cli(["verify"])?;
     ensure!(verify.status.success(), "verify after the flood");
+    agent.stop()?;
+    Ok(())
+}
+
+/// Raises this test process's descriptor limit to hold 1,100 connections.
+fn raise_own_nofile() -> anyhow::Result<()> {
+    let mut limit = libc::rlimit {
+        rlim_cur: 4096,
+        rlim_max: 4096,
+    };
+    // SAFETY: setrlimit reads the struct it is given.
+    unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &limit) };
+    // SAFETY: getrlimit writes the struct it is given.
+    unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) };
+    ensure!(limit.rlim_cur >= 2048, "the test needs 2,048 descriptors");
+    Ok(())
+}
+
+/// The agent's metrics address in `node` (it binds port 0 in the tests).
+fn metrics_addr(node: &Netns) -> anyhow::Result<std::net::SocketAddr> {
+    let listening = node.exec("ss", ["-ltnpH"])?;
+    let line = listening
+        .lines()
+        .find(|l| l.contains("\"lockstep\""))
+        .with_context(|| format!("no lockstep listener in:\n{listening}"))?;
+    let addr = line
+        .split_whitespace()
+        .nth(3)
+        .with_context(|| format!("no local address in {line:?}"))?;
+    Ok(addr.parse()?)
+}
+
+/// The metrics port is bounded like the API socket (#27 item 9): before,
+/// it was served by `axum::serve` with no connection or header limits, and
+/// 1,100 idle connections to it took every descriptor of an agent with a
+/// 1,024 limit (accept failing, the periodic reconcile failing, the API
+/// answering nothing).
+#[test]
+fn idle_metrics_connections_cannot_starve_the_agent() -> anyhow::Result<()> {
+    privileged!();
+    let node = Netns::new("mlimits")?;
+    let mut agent = AgentProc::start(&node, CONFIG)?;
+    agent.kill9();
+    agent.spawn_under(["sh", "-c", "ulimit -n 1024; exec \"$0\" \"$@\""])?;
+    agent.wait_ready()?;
+    let pid = agent.pid().context("agent pid")?;
+    let addr = metrics_addr(&node)?;
+    raise_own_nofile()?;
+    let idle: Vec<TcpStream> = node.run(|| {
+        (0..1100)
+            .map(|_| TcpStream::connect_timeout(&addr, Duration::from_secs(5)))
+            .take_while(Result::is_ok)
+            .map(|c| c.map_err(anyhow::Error::from))
+            .collect()
+    })?;
+    eprintln!("{} idle connections to the metrics port {addr}", idle.len());
+    std::thread::sleep(Duration::from_millis(500));
+    let fds = open_fds(pid);
+    ensure!(
+        fds < 1024 - 64,
+        "the agent holds {fds} descriptors with {} idle metrics clients: no room left for its own work",
+        idle.len()
+    );
+    let before = agent.log().matches("periodic reconcile failed").count();
+    // The API answers while the metrics clients sit idle.
+    agent
+        .status_json()
+        .filter(|s| s["ready"] == true)
+        .context("the API did not answer with idle metrics clients")?;
+    std::thread::sleep(Duration::from_secs(3));
+    let after = agent.log().matches("periodic reconcile failed").count();
+    ensure!(
+        after == before,
+        "the periodic reconcile failed while metrics clients were idle:\n{}",
+        agent.log()
+    );
+    drop(idle);
+    // Once they are gone (or timed out) a scrape answers.
+    let scraped = wait_for("a metrics scrape", Duration::from_secs(30), || {
+        node.exec("curl", ["-s", "-m", "5", &format!("http://{addr}/metrics")])
+            .ok()
+            .filter(|t| t.contains("lockstep_"))
+            .map(|_| ())
+    });
+    scraped?;
+    eprintln!("agent held {fds} descriptors with idle metrics clients; scrapes answer again");
+    let verify = agent.cli(["verify"])?;
+    ensure!(verify.status.success(), "verify after the metrics flood");
+    agent.stop()?;
+    Ok(())
+}
+
+/// A scrape never waits for the agent's lock (#27 item 9), which CNI calls
+/// and commits hold. strace delays every fdatasync of the agent by 3 s, so
+/// an allocation (committed under the lock) holds the lock that long; a
+/// scrape meanwhile answers at once, from gauges at most one refresh old.
+/// Before, every scrape took the lock and waited out the commit.
+#[test]
+fn a_scrape_never_waits_for_the_agent_lock() -> anyhow::Result<()> {
+    privileged!();
+    let node = Netns::new("mlock")?;
+    let mut agent = AgentProc::start(&node, CONFIG)?;
+    let pid = agent.pid().context("agent pid")?;
+    let addr = metrics_addr(&node)?;
+    let scrape = || -> anyhow::Result<(Duration, String)> {
+        let started = Instant::now();
+        let url = format!("http://{addr}/metrics");
+        let text = node.exec("curl", ["-s", "-m", "20", url.as_str()])?;
+        Ok((started.elapsed(), text))
+    };
+    let (_, text) = scrape()?;
+    ensure!(
+        text.contains("lockstep_pool_allocated"),
+        "first scrape:\n{text}"
+    );
+    let mut strace = Command::new("strace")
+        .args([
+            "-f",
+            "-qq",
+            "-o",
+            "/dev/null",
+            "-e",
+            "trace=fdatasync,fsync",
+        ])
+        .args(["-e", "inject=fdatasync,fsync:delay_enter=3000000"])
+        .arg("-p")
+        .arg(pid.to_string())
+        .spawn()
+        .context("strace (installed by setup)")?;
+    std::thread::sleep(Duration::from_millis(800));
+    let (allocated, during) = std::thread::scope(|s| {
+        let alloc = s.spawn(|| {
+            let started = Instant::now();
+            let out = agent.cli([
+                "allocate", "--kind", "endpoint", "--name", "slow", "--family", "ipv4",
+            ]);
+            (started.elapsed(), out)
+        });
+        std::thread::sleep(Duration::from_millis(500));
+        let during = scrape();
+        (alloc.join(), during)
+    });
+    // SAFETY: kill has no memory preconditions; SIGINT makes strace detach.
+    unsafe { libc::kill(strace.id() as i32, libc::SIGINT) };
+    let _ = strace.wait();
+    let (took, out) = allocated.map_err(|_| anyhow::anyhow!("the allocating thread panicked"))?;
+    ensure!(out?.status.success(), "the slow allocation failed");
+    let (scraped_in, text) = during?;
+    eprintln!("allocation held the agent {took:?}; a scrape meanwhile took {scraped_in:?}");
+    ensure!(
+        took >= Duration::from_millis(2500),
+        "the allocation took {took:?}: its commit was not delayed, so this proves nothing"
+    );
+    ensure!(
+        scraped_in < Duration::from_secs(1),
+        "a scrape waited {scraped_in:?} for the agent's lock"
+    );
+    ensure!(
+        text.contains("lockstep_pool_allocated"),
+        "scrape during the commit:\n{text}"
+    );
+    // Within a refresh the gauges show the allocation.
+    wait_for(
+        "the gauges to show the allocation",
+        Duration::from_secs(10),
+        || {
+            scrape()
+                .ok()?
+                .1
+                .lines()
+                .any(|l| {
+                    l.starts_with("lockstep_pool_allocated{")
+                        && l.contains("ipv4")
+                        && l.ends_with(" 1")
+                })
+                .then_some(())
+        },
+    )?;
     agent.stop()?;
     Ok(())
 }

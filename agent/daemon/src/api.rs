@@ -131,6 +131,17 @@ fn attachment(container_id: &str, ifname: &str) -> Result<(), ApiError> {
 }
 
 /// Runs an agent operation on the blocking pool.
+/// Why the agent answers nothing yet: held for an operator, or restoring.
+fn not_ready(held: &Mutex<Option<String>>) -> AgentError {
+    AgentError::NotReady {
+        reason: held
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
+            .unwrap_or_else(|| "restoring allocations and maps".into()),
+    }
+}
+
 async fn with_agent<T: Send + 'static>(
     state: &AppState,
     f: impl FnOnce(&mut Agent) -> Result<T, AgentError> + Send + 'static,
@@ -147,13 +158,7 @@ async fn with_agent<T: Send + 'static>(
         })?;
         match guard.as_mut() {
             Some(agent) => f(agent).map_err(ApiError::from),
-            None => Err(ApiError::from(AgentError::NotReady {
-                reason: held
-                    .lock()
-                    .unwrap_or_else(std::sync::PoisonError::into_inner)
-                    .clone()
-                    .unwrap_or_else(|| "restoring allocations and maps".into()),
-            })),
+            None => Err(ApiError::from(not_ready(&held))),
         }
     })
     .await
@@ -194,9 +199,18 @@ async fn status(State(s): State<AppState>) -> Result<Response, ApiError> {
     }
 }
 
+/// Never waits for the agent's lock (CNI calls and commits hold it): the
+/// gauges are refreshed here only if the lock is free this instant, and are
+/// otherwise at most [`crate::metrics::REFRESH_EVERY`] old.
 async fn metrics(State(s): State<AppState>) -> Result<Response, ApiError> {
-    let m = s.metrics.clone();
-    let mut text = with_agent(&s, move |a| Ok(m.render(a))).await?;
+    let (m, slot) = (s.metrics.clone(), s.agent.clone());
+    tokio::task::spawn_blocking(move || m.refresh_if_free(&slot))
+        .await
+        .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", e.to_string()))?;
+    if !s.metrics.refreshed() {
+        return Err(ApiError::from(not_ready(&s.held)));
+    }
+    let mut text = s.metrics.encode();
     if let Some(c) = s.cluster.get() {
         text.push_str(&crate::cluster::render_metrics(c));
     }
@@ -294,7 +308,14 @@ async fn release(
 }
 
 async fn verify(State(s): State<AppState>) -> Result<Response, ApiError> {
-    Ok(ok(with_agent(&s, |a| a.verify()).await?))
+    let mut report = with_agent(&s, |a| a.verify()).await?;
+    // Cluster mode: etcd keys every read skips are not drift of this node,
+    // but nobody may overlook them.
+    if let Some(c) = s.cluster.get() {
+        report.unreadable = c.unreadable();
+        report.ok &= report.unreadable.is_empty();
+    }
+    Ok(ok(report))
 }
 
 async fn reconcile(State(s): State<AppState>) -> Result<Response, ApiError> {
@@ -414,7 +435,9 @@ impl From<crate::cluster::ClusterStoreError> for ApiError {
         let (status, code) = match &e {
             E::Unavailable { .. } => (StatusCode::SERVICE_UNAVAILABLE, "etcd_unavailable"),
             E::Conflict { .. } => (StatusCode::CONFLICT, "busy"),
-            E::Invalid(_) | E::Refused(_) => (StatusCode::BAD_REQUEST, "invalid_request"),
+            E::Invalid(_) | E::Refused(_) | E::Rejected { .. } => {
+                (StatusCode::BAD_REQUEST, "invalid_request")
+            }
             _ => (StatusCode::INTERNAL_SERVER_ERROR, "internal"),
         };
         ApiError::new(status, code, crate::error_chain(&e))

@@ -1,10 +1,18 @@
 //! Prometheus metrics, served on a loopback address by default.
 //!
-//! Gauges (pool usage, map entries) are refreshed from the agent at scrape
-//! time, so they can never disagree with the state they describe; counters
-//! (repairs, errors) come from the agent's own tallies.
+//! Gauges (pool usage, map entries) are refreshed from the agent; counters
+//! (repairs, errors) come from the agent's own tallies. A scrape never waits
+//! for the agent's lock, which CNI calls and commits hold (#27 item 9): it
+//! refreshes the gauges itself when the lock is free at that instant (so
+//! they agree with the state an API call just returned), and serves what it
+//! has otherwise. [`spawn_refresher`] refreshes them every [`REFRESH_EVERY`]
+//! off the scrape path, so they are never older than that plus one lock
+//! wait. Scrapes take the lock only when nobody holds it, for the time of a
+//! refresh, and at most as many at once as the metrics listener's
+//! connection limit.
 
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, TryLockError};
 use std::time::Duration;
 
 use prometheus_client::encoding::text::encode;
@@ -17,11 +25,14 @@ use crate::agent::Agent;
 
 type Labels = Vec<(String, String)>;
 
+/// The background refresh period ([`spawn_refresher`]).
+pub const REFRESH_EVERY: Duration = Duration::from_secs(2);
+
 /// The agent's metrics.
 pub struct Metrics {
     registry: Mutex<Registry>,
     /// The masquerade collector's counts, once it runs.
-    masq: Mutex<Option<std::sync::Arc<crate::masquerade::Stats>>>,
+    masq: Mutex<Option<Arc<crate::masquerade::Stats>>>,
     masq_entries: Family<Labels, Gauge<i64>>,
     masq_deleted: prometheus_client::metrics::counter::Counter,
     masq_translated: prometheus_client::metrics::counter::Counter,
@@ -36,6 +47,8 @@ pub struct Metrics {
     lb_pending: Family<Labels, Gauge<i64>>,
     latency: Histogram,
     draining: Family<Labels, Gauge<i64>>,
+    /// Whether the gauges were ever refreshed from a running agent.
+    refreshed: AtomicBool,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -157,11 +170,12 @@ impl Metrics {
             lb_pending,
             latency,
             draining,
+            refreshed: AtomicBool::new(false),
         }
     }
 
     /// Reports the masquerade collector's counts from now on.
-    pub fn set_masquerade(&self, stats: std::sync::Arc<crate::masquerade::Stats>) {
+    pub fn set_masquerade(&self, stats: Arc<crate::masquerade::Stats>) {
         *self.masq.lock().unwrap_or_else(|p| p.into_inner()) = Some(stats);
     }
 
@@ -191,8 +205,26 @@ impl Metrics {
         self.latency.observe(d.as_secs_f64());
     }
 
-    /// Refreshes the gauges from the agent and renders the text format.
-    pub fn render(&self, agent: &Agent) -> String {
+    /// Whether the gauges were ever refreshed from a running agent.
+    pub fn refreshed(&self) -> bool {
+        self.refreshed.load(Ordering::Acquire)
+    }
+
+    /// A scrape's refresh: from the agent in `slot` only if its lock is free
+    /// now; never waits for the lock.
+    pub fn refresh_if_free(&self, slot: &Mutex<Option<Agent>>) {
+        let guard = match slot.try_lock() {
+            Ok(g) => g,
+            Err(TryLockError::Poisoned(p)) => p.into_inner(),
+            Err(TryLockError::WouldBlock) => return,
+        };
+        if let Some(agent) = guard.as_ref() {
+            self.refresh(agent);
+        }
+    }
+
+    /// Refreshes the gauges from the agent (its lock held by the caller).
+    pub fn refresh(&self, agent: &Agent) {
         for p in agent.pools() {
             for (family, (used, free)) in [("ipv4", p.v4), ("ipv6", p.v6)] {
                 let labels = vec![
@@ -253,6 +285,12 @@ impl Metrics {
                 ])
                 .set(r.holders.len() as i64);
         }
+        self.refreshed.store(true, Ordering::Release);
+    }
+
+    /// Renders the text format from what the metrics hold (the agent's
+    /// lock is not needed).
+    pub fn encode(&self) -> String {
         self.render_masquerade();
         let mut out = String::new();
         if let Ok(registry) = self.registry.lock() {
@@ -260,4 +298,34 @@ impl Metrics {
         }
         out
     }
+}
+
+/// Refreshes the gauges from the agent every [`REFRESH_EVERY`], waiting for
+/// its lock on the blocking pool (never on a scrape's path), until `stop`
+/// turns true.
+pub fn spawn_refresher(
+    metrics: Arc<Metrics>,
+    slot: Arc<Mutex<Option<Agent>>>,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(REFRESH_EVERY);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = tick.tick() => {}
+                _ = stop.wait_for(|s| *s) => break,
+            }
+            let (m, slot) = (metrics.clone(), slot.clone());
+            let _ = tokio::task::spawn_blocking(move || {
+                let guard = slot
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner);
+                if let Some(agent) = guard.as_ref() {
+                    m.refresh(agent);
+                }
+            })
+            .await;
+        }
+    })
 }

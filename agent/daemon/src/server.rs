@@ -255,9 +255,6 @@ pub async fn run(config: Config) -> Result<(), ServerError> {
         lb_cluster: Arc::new(std::sync::OnceLock::new()),
     };
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    let shutdown = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
-        let _ = rx.wait_for(|stop| *stop).await;
-    };
     let limits = Limits::new(&config);
     tracing::info!(
         max_connections = limits.max_connections,
@@ -276,11 +273,16 @@ pub async fn run(config: Config) -> Result<(), ServerError> {
                 .await
                 .map_err(listen_err(addr.to_string()))?;
             tracing::info!(%addr, "metrics listening");
-            Some(tokio::spawn(
-                axum::serve(listener, metrics_router(state.clone()))
-                    .with_graceful_shutdown(shutdown(stop_rx.clone()))
-                    .into_future(),
-            ))
+            // Bounded like the API socket, with a budget of its own, so a
+            // scraper (or anyone who can reach the port) holding idle
+            // connections can take neither the agent's descriptors nor
+            // the API's connections (#27 item 9).
+            Some(tokio::spawn(serve_limited(
+                listener,
+                metrics_router(state.clone()),
+                limits,
+                stop_rx.clone(),
+            )))
         }
         None => None,
     };
@@ -382,7 +384,14 @@ pub async fn run(config: Config) -> Result<(), ServerError> {
             state.metrics.set_masquerade(m.stats.clone());
             Some(m)
         }
-        None => None,
+        // Off now, but a previous run may have left MASQ_CONFIG on.
+        None => {
+            tokio::task::spawn_blocking(move || crate::masquerade::turn_off(&pin_root))
+                .await
+                .map_err(ServerError::Join)?
+                .map_err(ServerError::Masquerade)?;
+            None
+        }
     };
     crate::agent::reaper::start(reaper, &slot).map_err(ServerError::Start)?;
     // Delegated mode waits for its conflist and plugin without exiting:
@@ -443,6 +452,8 @@ pub async fn run(config: Config) -> Result<(), ServerError> {
     };
 
     let renewer = crate::agent::announce::spawn_renewer(&slot, stop_rx.clone());
+    let metrics_refresher =
+        crate::metrics::spawn_refresher(state.metrics.clone(), slot.clone(), stop_rx.clone());
 
     let mut term = signal(SignalKind::terminate()).map_err(listen_err("SIGTERM"))?;
     let mut int = signal(SignalKind::interrupt()).map_err(listen_err("SIGINT"))?;
@@ -459,6 +470,7 @@ pub async fn run(config: Config) -> Result<(), ServerError> {
     }
     let _ = reconciler.await;
     let _ = renewer.await;
+    let _ = metrics_refresher.await;
     if let Some(t) = remote_task {
         let _ = t.await;
     }

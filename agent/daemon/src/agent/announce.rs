@@ -35,6 +35,11 @@ pub fn monotonic_ns() -> u64 {
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
+/// The earliest expiry ever written: 1 ns after boot, long past. 0 is the
+/// datapath's "never expires" ([`lockstep_common::L2RespValue::expired`]),
+/// which no announcement of this agent may carry.
+const EXPIRED_NS: u64 = 1;
+
 /// The announcements' lease.
 #[derive(Clone, Debug)]
 pub struct Lease {
@@ -81,7 +86,13 @@ impl Lease {
     fn renew(&mut self, now_ns: u64) -> bool {
         let lapsed = self.lapsed || now_ns >= self.expires_ns;
         let ahead = now_ns + self.lease.as_nanos() as u64;
-        self.expires_ns = self.cap_ns.map_or(ahead, |cap| ahead.min(cap));
+        // The datapath reads an expiry of 0 as "never expires": a cap of 0
+        // (cluster mode after SIGTERM or a lost etcd lease) must be written
+        // as long past, never as forever.
+        self.expires_ns = self
+            .cap_ns
+            .map_or(ahead, |cap| ahead.min(cap))
+            .max(EXPIRED_NS);
         // Entries already past their cap are not answered: not renewed.
         self.lapsed = self.expires_ns <= now_ns;
         lapsed
@@ -292,6 +303,23 @@ mod tests {
         assert!(l.renew(3_000_000_000), "the first live renewal announces");
         assert_eq!(l.expires_ns(), 6_000_000_000);
         assert!(!l.renew(4_000_000_000));
+    }
+
+    #[test]
+    fn a_cap_of_zero_is_written_as_expired_never_as_forever() {
+        // SIGTERM and a lost etcd lease set the cap to 0 (#27 item 3): the
+        // entries written then must stop being answered, not answer for
+        // ever once the agent is gone.
+        let mut l = Lease::new(Duration::from_secs(3));
+        l.cap_ns = Some(0);
+        assert!(l.renew(5_000_000_000));
+        assert_ne!(l.expires_ns(), 0, "0 is the datapath's 'never expires'");
+        assert!(lockstep_common::L2RespValue::expired(
+            l.expires_ns(),
+            5_000_000_000
+        ));
+        assert!(l.renew(6_000_000_000), "lapsed: nothing is answered");
+        assert_eq!(l.expires_ns(), EXPIRED_NS, "stays expired");
     }
 
     #[test]
