@@ -102,6 +102,42 @@ pub fn with_options(mut ns: Vec<u8>, options: usize) -> Vec<u8> {
     ns
 }
 
+/// Sends `frame` as is on interface `ifindex` through the AF_PACKET socket
+/// `fd`, addressed to the frame's own destination MAC, with `protocol` as
+/// the link-layer protocol (0: none given).
+///
+/// # Errors
+/// `sendto` failed.
+pub fn send_frame(fd: &OwnedFd, ifindex: u32, protocol: u16, frame: &[u8]) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        frame.len() >= 14,
+        "a frame of {} bytes has no Ethernet header",
+        frame.len()
+    );
+    // SAFETY: sockaddr_ll is plain data.
+    let mut sll: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
+    sll.sll_family = libc::AF_PACKET as u16;
+    sll.sll_protocol = protocol.to_be();
+    sll.sll_ifindex = ifindex as i32;
+    sll.sll_halen = 6;
+    sll.sll_addr[..6].copy_from_slice(&frame[0..6]);
+    // SAFETY: valid fd, buffer and address.
+    let sent = unsafe {
+        libc::sendto(
+            fd.as_raw_fd(),
+            frame.as_ptr().cast(),
+            frame.len(),
+            0,
+            (&sll as *const libc::sockaddr_ll).cast(),
+            size_of::<libc::sockaddr_ll>() as u32,
+        )
+    };
+    if sent < 0 {
+        return Err(std::io::Error::last_os_error()).context("sendto");
+    }
+    Ok(())
+}
+
 /// A raw IPv6 socket on one interface (call from inside its namespace).
 pub struct Prober {
     fd: OwnedFd,
@@ -157,28 +193,7 @@ impl Prober {
     /// # Errors
     /// `sendto` failed.
     pub fn send(&self, frame: &[u8]) -> anyhow::Result<()> {
-        // SAFETY: sockaddr_ll is plain data.
-        let mut sll: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
-        sll.sll_family = libc::AF_PACKET as u16;
-        sll.sll_protocol = ETH_P_IPV6.to_be();
-        sll.sll_ifindex = self.ifindex as i32;
-        sll.sll_halen = 6;
-        sll.sll_addr[..6].copy_from_slice(&frame[0..6]);
-        // SAFETY: valid fd, buffer and address.
-        let sent = unsafe {
-            libc::sendto(
-                self.fd.as_raw_fd(),
-                frame.as_ptr().cast(),
-                frame.len(),
-                0,
-                (&sll as *const libc::sockaddr_ll).cast(),
-                size_of::<libc::sockaddr_ll>() as u32,
-            )
-        };
-        if sent < 0 {
-            return Err(std::io::Error::last_os_error()).context("sendto");
-        }
-        Ok(())
+        send_frame(&self.fd, self.ifindex, ETH_P_IPV6, frame)
     }
 
     /// Incoming Neighbor Advertisements for `target` received within `wait`

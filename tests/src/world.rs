@@ -8,11 +8,13 @@
 
 use std::io::{Read, Write};
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
+use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use anyhow::{Context, ensure};
+use serde_json::{Value, json};
 
-use crate::{Netns, veth};
+use crate::{AgentProc, Netns, lockstep_bin, sh, unique, veth};
 
 /// The node's uplink address (its primary global one), IPv4.
 pub const NODE_V4: &str = "192.0.2.1";
@@ -310,4 +312,116 @@ pub fn transfer(
         "the sender got the answer {answer:?}"
     );
     Ok(got)
+}
+
+/// An endpoint the agent made through CNI ADD.
+pub struct Endpoint {
+    /// Its namespace.
+    pub ns: Netns,
+    /// Its IPv4 address.
+    pub v4: IpAddr,
+    /// Its IPv6 address.
+    pub v6: IpAddr,
+    /// The CNI container id it was added under (for its DEL).
+    pub container: String,
+}
+
+impl Endpoint {
+    /// Its address of the family (`v4`: IPv4, else IPv6).
+    pub fn addr(&self, v4: bool) -> IpAddr {
+        if v4 { self.v4 } else { self.v6 }
+    }
+}
+
+/// CNI ADD as a runtime runs it (a plugin process, the config on stdin).
+///
+/// # Errors
+/// The plugin failed or printed no IPv4 and IPv6 address.
+pub fn add_endpoint(agent: &AgentProc) -> anyhow::Result<Endpoint> {
+    let ns = Netns::new("mqep")?;
+    let container = unique("mq");
+    let out = cni(agent, "ADD", &container, &ns)?;
+    let result: Value = serde_json::from_slice(&out)?;
+    let mut v4 = None;
+    let mut v6 = None;
+    for ip in result["ips"].as_array().context("no ips")? {
+        let a: IpAddr = ip["address"]
+            .as_str()
+            .and_then(|a| a.split('/').next())
+            .context("ip without address")?
+            .parse()?;
+        if a.is_ipv4() {
+            v4 = Some(a);
+        } else {
+            v6 = Some(a);
+        }
+    }
+    Ok(Endpoint {
+        ns,
+        v4: v4.context("no IPv4 address")?,
+        v6: v6.context("no IPv6 address")?,
+        container,
+    })
+}
+
+/// One CNI call through the plugin; its stdout.
+///
+/// # Errors
+/// The plugin could not run or failed.
+pub fn cni(
+    agent: &AgentProc,
+    command: &str,
+    container: &str,
+    ns: &Netns,
+) -> anyhow::Result<Vec<u8>> {
+    let conf = json!({
+        "cniVersion": "1.0.0",
+        "name": "lockstep-masq",
+        "type": "lockstep",
+        "agentSocket": agent.socket().display().to_string(),
+    });
+    let mut child = Command::new(lockstep_bin())
+        .env_clear()
+        .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+        .env("CNI_COMMAND", command)
+        .env("CNI_CONTAINERID", container)
+        .env("CNI_NETNS", ns.path())
+        .env("CNI_IFNAME", "eth0")
+        .env("CNI_PATH", "/opt/cni/bin")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()?;
+    child
+        .stdin
+        .take()
+        .context("stdin")?
+        .write_all(conf.to_string().as_bytes())?;
+    let out = child.wait_with_output()?;
+    ensure!(
+        out.status.success(),
+        "CNI {command} failed: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(out.stdout)
+}
+
+/// A pinned map of `agent` as bpftool's JSON entries.
+///
+/// # Errors
+/// bpftool failed or printed no array.
+pub fn bpftool_dump(agent: &AgentProc, map: &str) -> anyhow::Result<Vec<Value>> {
+    let pin = agent.pins.path().join("maps").join(map);
+    let dump: Value = serde_json::from_str(&sh(
+        "bpftool",
+        [
+            "-j",
+            "map",
+            "dump",
+            "pinned",
+            pin.to_str().context("utf-8")?,
+        ],
+    )?)?;
+    Ok(dump.as_array().context("bpftool: not an array")?.clone())
 }

@@ -92,7 +92,8 @@ fn build(name: &'static str, mode: Mode) -> anyhow::Result<Side> {
                 port_min: 61_000,
                 port_max: 65_535,
                 flags: masq_flags::ENABLED_V4 | masq_flags::ENABLED_V6,
-                _pad: 0,
+                reply_min: 0,
+                reply_max: 0,
             },
             0,
         )?;

@@ -151,7 +151,8 @@ impl World {
             } else {
                 0
             },
-            _pad: 0,
+            reply_min: 0,
+            reply_max: 0,
         };
         maps.masq_config_mut().set(0, cfg, 0)?;
         Ok(())

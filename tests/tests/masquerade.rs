@@ -8,16 +8,15 @@
 use std::collections::BTreeSet;
 use std::io::{Read, Write};
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream, UdpSocket};
-use std::process::{Command, Stdio};
 use std::sync::mpsc;
 use std::time::Duration;
 
 use anyhow::{Context, bail, ensure};
 use lockstep_tests::world::{
-    FAR_V4, FAR_V6, NARROW_MTU, NODE_V4, NODE_V6, SKIP_V4, SKIP_V6, Sink, WORLD_V4, WORLD_V6,
-    World, transfer,
+    Endpoint, FAR_V4, FAR_V6, NARROW_MTU, NODE_V4, NODE_V6, SKIP_V4, SKIP_V6, Sink, WORLD_V4,
+    WORLD_V6, World, add_endpoint, bpftool_dump, cni, transfer,
 };
-use lockstep_tests::{AgentProc, Netns, counter, lockstep_bin, privileged, sh, unique, wait_for};
+use lockstep_tests::{AgentProc, Netns, counter, privileged, sh, wait_for};
 use serde_json::{Value, json};
 
 const POOLS: &str = r#"
@@ -26,74 +25,6 @@ name = "pods"
 ipv4 = ["10.88.0.0/24"]
 ipv6 = ["fd00:88::/120"]
 "#;
-
-/// An endpoint the agent made through CNI ADD.
-struct Endpoint {
-    ns: Netns,
-    v4: IpAddr,
-    v6: IpAddr,
-}
-
-impl Endpoint {
-    fn addr(&self, v4: bool) -> IpAddr {
-        if v4 { self.v4 } else { self.v6 }
-    }
-}
-
-/// CNI ADD as a runtime runs it (a plugin process, the config on stdin).
-fn add_endpoint(agent: &AgentProc) -> anyhow::Result<Endpoint> {
-    let ns = Netns::new("mqep")?;
-    let conf = json!({
-        "cniVersion": "1.0.0",
-        "name": "lockstep-masq",
-        "type": "lockstep",
-        "agentSocket": agent.socket().display().to_string(),
-    });
-    let mut child = Command::new(lockstep_bin())
-        .env_clear()
-        .env("PATH", std::env::var_os("PATH").unwrap_or_default())
-        .env("CNI_COMMAND", "ADD")
-        .env("CNI_CONTAINERID", unique("mq"))
-        .env("CNI_NETNS", ns.path())
-        .env("CNI_IFNAME", "eth0")
-        .env("CNI_PATH", "/opt/cni/bin")
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()?;
-    child
-        .stdin
-        .take()
-        .context("stdin")?
-        .write_all(conf.to_string().as_bytes())?;
-    let out = child.wait_with_output()?;
-    ensure!(
-        out.status.success(),
-        "CNI ADD failed: {}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let result: Value = serde_json::from_slice(&out.stdout)?;
-    let mut v4 = None;
-    let mut v6 = None;
-    for ip in result["ips"].as_array().context("no ips")? {
-        let a: IpAddr = ip["address"]
-            .as_str()
-            .and_then(|a| a.split('/').next())
-            .context("ip without address")?
-            .parse()?;
-        if a.is_ipv4() {
-            v4 = Some(a);
-        } else {
-            v6 = Some(a);
-        }
-    }
-    Ok(Endpoint {
-        ns,
-        v4: v4.context("no IPv4 address")?,
-        v6: v6.context("no IPv6 address")?,
-    })
-}
 
 /// The value of the metric `name` (its first series) on the agent's
 /// metrics endpoint (the only TCP listener in the node namespace).
@@ -514,6 +445,40 @@ fn a_transfer_survives_a_program_upgrade_and_an_agent_kill() -> anyhow::Result<(
     Ok(())
 }
 
+/// A TCP connection from `ep` to a listener in the world at `ip`: the
+/// listener (for more flows), the endpoint's side, the world's side (both
+/// reading with `timeout`) and the address the world saw.
+fn world_tcp(
+    w: &World,
+    ep: &Endpoint,
+    ip: IpAddr,
+    timeout: Duration,
+) -> anyhow::Result<(TcpListener, TcpStream, TcpStream, SocketAddr)> {
+    let listener = w
+        .world
+        .run(|| Ok(TcpListener::bind(SocketAddr::new(ip, 0))?))?;
+    let to = listener.local_addr()?;
+    let c = ep
+        .ns
+        .run(|| Ok(TcpStream::connect_timeout(&to, Duration::from_secs(5))?))?;
+    let (s, peer) = listener.accept()?;
+    for stream in [&c, &s] {
+        stream.set_read_timeout(Some(timeout))?;
+    }
+    Ok((listener, c, s, peer))
+}
+
+/// One byte from the endpoint's side, echoed back by the world's.
+fn round_trip(c: &mut TcpStream, s: &mut TcpStream, b: u8) -> anyhow::Result<()> {
+    c.write_all(&[b])?;
+    let mut got = [0u8; 1];
+    s.read_exact(&mut got)?;
+    s.write_all(&got)?;
+    c.read_exact(&mut got)?;
+    ensure!(got == [b], "echo {got:?}");
+    Ok(())
+}
+
 /// Issue item 6: a change of the skip sets applies to new flows at once,
 /// while an established flow keeps its translation until it ends. The
 /// world's address joins `non_masquerade_cidrs` (applied by a restart, as
@@ -526,30 +491,11 @@ fn a_skip_set_change_applies_to_new_flows_and_spares_established_ones() -> anyho
     let mut agent = start(&w, "")?;
     let ep = add_endpoint(&agent)?;
     let ip: IpAddr = WORLD_V4.parse()?;
-    let listener = w
-        .world
-        .run(|| Ok(TcpListener::bind(SocketAddr::new(ip, 0))?))?;
-    let to = listener.local_addr()?;
-    let mut c = ep
-        .ns
-        .run(|| Ok(TcpStream::connect_timeout(&to, Duration::from_secs(5))?))?;
-    let (mut s, peer) = listener.accept()?;
+    let (_listener, mut c, mut s, peer) = world_tcp(&w, &ep, ip, Duration::from_secs(10))?;
     ensure!(
         peer.ip() == node(true),
         "before the change the world saw {peer}"
     );
-    for stream in [&c, &s] {
-        stream.set_read_timeout(Some(Duration::from_secs(10)))?;
-    }
-    let round_trip = |c: &mut TcpStream, s: &mut TcpStream, b: u8| -> anyhow::Result<()> {
-        c.write_all(&[b])?;
-        let mut got = [0u8; 1];
-        s.read_exact(&mut got)?;
-        s.write_all(&got)?;
-        c.read_exact(&mut got)?;
-        ensure!(got == [b], "echo {got:?}");
-        Ok(())
-    };
     round_trip(&mut c, &mut s, 1)?;
 
     agent.rewrite_config(|text| {
@@ -577,6 +523,204 @@ fn a_skip_set_change_applies_to_new_flows_and_spares_established_ones() -> anyho
         from.ip() == ep.v4,
         "a new flow after the change still left as {from}"
     );
+    Ok(())
+}
+
+/// #31 item 7: `enabled = false` turns translation off. MASQ_CONFIG is
+/// pinned, so an agent restarted with masquerade off used to leave the last
+/// configuration on: flows kept leaving as the node, with no collector to
+/// end them. Now MASQ_CONFIG has no family enabled, the NAT maps are empty,
+/// and the endpoint's next datagram reaches the world from its own address.
+#[test]
+fn disabling_masquerade_turns_translation_off_and_clears_the_translations() -> anyhow::Result<()> {
+    privileged!();
+    let w = World::new()?;
+    let mut agent = start(&w, "")?;
+    let ep = add_endpoint(&agent)?;
+    for v4 in [true, false] {
+        let to = if v4 { WORLD_V4 } else { WORLD_V6 };
+        let (from, back) = udp_exchange(&ep, v4, 0, &w.world, to)?;
+        ensure!(from.ip() == node(v4) && back, "on: {from}, answered {back}");
+    }
+    ensure!(!bpftool_dump(&agent, "NAT_FWD_V4")?.is_empty());
+
+    agent.rewrite_config(|text| format!("{text}\n[masquerade]\nenabled = false\n"))?;
+    agent.restart()?;
+    let config = bpftool_dump(&agent, "MASQ_CONFIG")?;
+    ensure!(
+        config[0]["formatted"]["value"]["flags"] == 0,
+        "MASQ_CONFIG after enabled = false: {config:?}"
+    );
+    for map in ["NAT_FWD_V4", "NAT_REV_V4", "NAT_FWD_V6", "NAT_REV_V6"] {
+        let left = bpftool_dump(&agent, map)?;
+        ensure!(left.is_empty(), "{map} after enabled = false: {left:?}");
+    }
+    // The world has no route back: only where the datagram came from is
+    // looked at.
+    for to in [WORLD_V4, WORLD_V6] {
+        let to: IpAddr = to.parse()?;
+        let srv = w
+            .world
+            .run(|| Ok(UdpSocket::bind(SocketAddr::new(to, 0))?))?;
+        srv.set_read_timeout(Some(Duration::from_secs(3)))?;
+        let cli = ep
+            .ns
+            .run(|| Ok(UdpSocket::bind(SocketAddr::new(ep.addr(to.is_ipv4()), 0))?))?;
+        cli.send_to(b"off", srv.local_addr()?)?;
+        let (_, from) = srv
+            .recv_from(&mut [0u8; 4])
+            .context("the world got nothing with masquerade off")?;
+        ensure!(
+            from.ip() == ep.addr(to.is_ipv4()),
+            "with masquerade off a new flow still left as {from}"
+        );
+    }
+    Ok(())
+}
+
+/// The entries of the four NAT maps that belong to `addr`: forward keys
+/// from it, reverse values leading to it.
+fn translations_of(agent: &AgentProc, addr: IpAddr) -> anyhow::Result<Vec<Value>> {
+    let want = match addr {
+        IpAddr::V4(a) => json!(a.octets()),
+        IpAddr::V6(a) => json!(a.octets()),
+    };
+    let mut found = Vec::new();
+    for map in ["NAT_FWD_V4", "NAT_FWD_V6"] {
+        for e in bpftool_dump(agent, map)? {
+            if e["formatted"]["key"]["src_addr"] == want {
+                found.push(e);
+            }
+        }
+    }
+    for map in ["NAT_REV_V4", "NAT_REV_V6"] {
+        for e in bpftool_dump(agent, map)? {
+            if e["formatted"]["value"]["addr"] == want {
+                found.push(e);
+            }
+        }
+    }
+    Ok(found)
+}
+
+/// #31 item 7: a pod's DEL removes its translations. Before, they stayed
+/// until they idled out, so a reply to the old pod's flow was still
+/// reverse-translated to its address, and whoever got the address next
+/// would receive it.
+#[test]
+fn a_del_removes_the_pods_translations_and_late_replies_are_not_reversed() -> anyhow::Result<()> {
+    privileged!();
+    let w = World::new()?;
+    let agent = start(&w, "")?;
+    let ep = add_endpoint(&agent)?;
+    // One UDP flow per family; the world keeps its sockets to answer late.
+    let mut late = Vec::new();
+    for v4 in [true, false] {
+        let to: IpAddr = if v4 { WORLD_V4 } else { WORLD_V6 }.parse()?;
+        let srv = w
+            .world
+            .run(|| Ok(UdpSocket::bind(SocketAddr::new(to, 0))?))?;
+        srv.set_read_timeout(Some(Duration::from_secs(3)))?;
+        let cli = ep
+            .ns
+            .run(|| Ok(UdpSocket::bind(SocketAddr::new(ep.addr(v4), 0))?))?;
+        cli.send_to(b"ping", srv.local_addr()?)?;
+        let (_, from) = srv.recv_from(&mut [0u8; 8])?;
+        ensure!(from.ip() == node(v4), "not translated: {from}");
+        late.push((srv, from));
+    }
+    for v4 in [true, false] {
+        ensure!(
+            translations_of(&agent, ep.addr(v4))?.len() >= 2,
+            "no translations of {}",
+            ep.addr(v4)
+        );
+    }
+
+    cni(&agent, "DEL", &ep.container, &ep.ns)?;
+    for v4 in [true, false] {
+        let left = translations_of(&agent, ep.addr(v4))?;
+        ensure!(
+            left.is_empty(),
+            "after DEL, translations of {}: {left:?}",
+            ep.addr(v4)
+        );
+    }
+    // The world answers the old flows: nothing is reverse-translated.
+    let reversed = counter(&agent.pins, "masq_reversed")?;
+    for (srv, from) in &late {
+        srv.send_to(b"late", from)?;
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    ensure!(
+        counter(&agent.pins, "masq_reversed")? == reversed,
+        "a late reply was reverse-translated after DEL"
+    );
+    Ok(())
+}
+
+/// MASQ_CONFIG's reply range, "LOW-HIGH", from `lockstep maps dump`.
+fn reply_ports(agent: &AgentProc) -> anyhow::Result<String> {
+    let dump = agent.maps_dump()?;
+    dump["MASQ_CONFIG"]["reply_ports"]
+        .as_str()
+        .map(str::to_string)
+        .with_context(|| format!("no reply_ports in {}", dump["MASQ_CONFIG"]))
+}
+
+/// #31 item 7: a changed port range spares established flows. An open TCP
+/// connection translated to a port of the old range keeps working after
+/// the agent restarts with a disjoint range (its replies used to be
+/// ignored, the old port being outside the range `from_native` looked up);
+/// a new flow gets a port of the new range; once the old connection has
+/// ended and been collected, the reply range is the new range alone.
+#[test]
+fn a_changed_port_range_keeps_established_flows_on_their_old_ports() -> anyhow::Result<()> {
+    privileged!();
+    let w = World::new()?;
+    let mut agent = start(
+        &w,
+        "[masquerade]\nports = \"61100-61199\"\ntcp_closing_timeout = \"200ms\"\ngc_interval = \"100ms\"\n",
+    )?;
+    let ep = add_endpoint(&agent)?;
+    let ip: IpAddr = WORLD_V4.parse()?;
+    let (listener, mut c, mut s, peer) = world_tcp(&w, &ep, ip, Duration::from_secs(5))?;
+    let to = listener.local_addr()?;
+    ensure!(
+        peer.ip() == node(true) && (61100..=61199).contains(&peer.port()),
+        "before the change the world saw {peer}"
+    );
+    round_trip(&mut c, &mut s, 1)?;
+
+    agent.rewrite_config(|text| text.replace("61100-61199", "62000-62099"))?;
+    agent.restart()?;
+    let during = reply_ports(&agent)?;
+    println!("reply range with the old flow live: {during}");
+    ensure!(
+        during == format!("{}-62099", peer.port()),
+        "reply range {during}"
+    );
+    round_trip(&mut c, &mut s, 2)
+        .context("the established connection broke when the port range changed")?;
+    // A new flow takes a port of the new range.
+    let c2 = ep
+        .ns
+        .run(|| Ok(TcpStream::connect_timeout(&to, Duration::from_secs(5))?))?;
+    let (_s2, peer2) = listener.accept()?;
+    ensure!(
+        (62000..=62099).contains(&peer2.port()),
+        "a new flow left as {peer2}"
+    );
+    // The old connection ends (FIN both ways); once collected, the reply
+    // range narrows to the new range.
+    drop(c);
+    drop(s);
+    wait_for(
+        "the reply range to narrow to 62000-62099",
+        Duration::from_secs(10),
+        || (reply_ports(&agent).ok()? == "62000-62099").then_some(()),
+    )?;
+    drop(c2);
     Ok(())
 }
 

@@ -70,6 +70,21 @@ impl PortRange {
     }
 }
 
+/// The ports whose replies the programs must look up: the configured
+/// range, widened to every port a live translation holds (`live`, the
+/// lowest and highest translated port in NAT_REV, `None` when it is
+/// empty). A changed range thus keeps the established flows of the old one
+/// working until they end, and shrinks back to `configured` once they have.
+pub fn reply_range(configured: PortRange, live: Option<(u16, u16)>) -> PortRange {
+    match live {
+        None => configured,
+        Some((low, high)) => PortRange {
+            low: configured.low.min(low),
+            high: configured.high.max(high),
+        },
+    }
+}
+
 impl fmt::Display for PortRange {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}-{}", self.low, self.high)
@@ -156,6 +171,30 @@ mod tests {
         udp_ns: 60_000_000_000,
         icmp_ns: 30_000_000_000,
     };
+
+    proptest! {
+        /// The reply range holds the configured range and every live port,
+        /// and nothing outside their hull.
+        #[test]
+        fn the_reply_range_covers_the_range_and_every_live_port(
+            a in 1024u16..=65535, b in 1024u16..=65535,
+            live in proptest::collection::vec(1u16..=65535, 0..20),
+        ) {
+            let configured = PortRange { low: a.min(b), high: a.max(b) };
+            let hull = live.iter().fold(None, |h: Option<(u16, u16)>, &p| {
+                Some(h.map_or((p, p), |(l, hi)| (l.min(p), hi.max(p))))
+            });
+            let r = reply_range(configured, hull);
+            prop_assert!(r.low <= configured.low && r.high >= configured.high);
+            for p in &live {
+                prop_assert!(r.low <= *p && *p <= r.high);
+            }
+            let lowest = live.iter().copied().chain([configured.low]).min();
+            let highest = live.iter().copied().chain([configured.high]).max();
+            prop_assert_eq!(Some(r.low), lowest);
+            prop_assert_eq!(Some(r.high), highest);
+        }
+    }
 
     #[test]
     fn port_ranges_parse_or_say_what_is_wrong() {

@@ -446,7 +446,8 @@ fn masquerade_rows(dp: &mut Datapath) -> anyhow::Result<bool> {
             port_min: 61_000,
             port_max: 65_535,
             flags: masq_flags::ENABLED_V4 | masq_flags::ENABLED_V6,
-            _pad: 0,
+            reply_min: 0,
+            reply_max: 0,
         },
         0,
     )?;

@@ -17,7 +17,9 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use lockstep_common::{Counter, MasqConfig, masq_flags};
-use lockstep_core::masquerade::{MasqError, PortRange, Timeouts, check_disjoint, expired};
+use lockstep_core::masquerade::{
+    MasqError, PortRange, Timeouts, check_disjoint, expired, reply_range,
+};
 
 use crate::config::Config;
 use crate::datapath::{DatapathError, PinnedMaps};
@@ -217,21 +219,35 @@ pub fn start(settings: Settings, pin_root: &Path) -> Result<Masquerade, Masquera
         }
     }
     let mut maps = PinnedMaps::open(pin_root)?;
-    maps.set_masq_config(MasqConfig {
+    // Translations a previous run left (pinned maps outlive the agent) may
+    // hold ports of an earlier range: their replies are still looked up
+    // until they end (the collector narrows the reply range then).
+    let live = maps.collect_nat(|_, _, _| false)?.reply_ports;
+    let reply = reply_range(settings.ports, live);
+    if reply != settings.ports {
+        tracing::info!(
+            ports = %settings.ports,
+            replies = %reply,
+            "established translations hold ports outside the range: their replies are still reverse-translated until they end"
+        );
+    }
+    let config = MasqConfig {
         node_v4: v4.map_or([0; 4], |a| a.octets()),
         node_v6: v6.map_or([0; 16], |a| a.octets()),
         port_min: settings.ports.low,
         port_max: settings.ports.high,
         flags,
-        _pad: 0,
-    })?;
+        reply_min: reply.low,
+        reply_max: reply.high,
+    };
+    maps.set_masq_config(config)?;
     let stats = Arc::new(Stats::default());
     let stop = Arc::new(AtomicBool::new(false));
     let thread = {
         let (stats, stop) = (stats.clone(), stop.clone());
         std::thread::Builder::new()
             .name("masq-gc".into())
-            .spawn(move || collect_loop(&mut maps, &settings, &stats, &stop))
+            .spawn(move || collect_loop(&mut maps, config, &settings, &stats, &stop))
             .map_err(|e| MasqueradeError::Sysctl {
                 path: PathBuf::from("masq-gc thread"),
                 source: e,
@@ -245,7 +261,67 @@ pub fn start(settings: Settings, pin_root: &Path) -> Result<Masquerade, Masquera
     })
 }
 
-fn collect_loop(maps: &mut PinnedMaps, s: &Settings, stats: &Stats, stop: &AtomicBool) {
+/// Turns translation off when the configuration leaves masquerade off
+/// (`enabled = false`, or no `datapath.uplink`): MASQ_CONFIG is pinned and
+/// outlives the agent, so a configuration that only stops writing it would
+/// leave the programs translating with the last one — and with no collector
+/// to end the flows. MASQ_CONFIG gets no enabled family (the programs then
+/// neither translate nor reverse-translate, established flows included),
+/// and every translation left in the NAT maps is deleted: nothing would
+/// ever end it, and a later `enabled = true` must not find ports claimed by
+/// flows that are long gone. Returns how many entries were deleted.
+///
+/// # Errors
+/// The maps could not be opened or written.
+pub fn turn_off(pin_root: &Path) -> Result<u64, MasqueradeError> {
+    let mut maps = PinnedMaps::open(pin_root)?;
+    maps.set_masq_config(MasqConfig::default())?;
+    let sweep = maps.collect_nat(|_, _, _| true)?;
+    if sweep.deleted > 0 {
+        tracing::info!(
+            deleted = sweep.deleted,
+            "masquerade is off: translation stopped, translations deleted"
+        );
+    }
+    Ok(sweep.deleted)
+}
+
+/// Rewrites MASQ_CONFIG's reply range when the live translations no
+/// longer need what it holds (an earlier range's flows have ended). A
+/// program reading the value mid-write sees fields of the old and the new
+/// value; both reply ranges hold the configured one and every live port, so
+/// any mix of them does too.
+fn narrow_replies(
+    maps: &mut PinnedMaps,
+    config: &mut MasqConfig,
+    ports: PortRange,
+    live: Option<(u16, u16)>,
+) {
+    let reply = reply_range(ports, live);
+    if (reply.low, reply.high) == (config.reply_min, config.reply_max) {
+        return;
+    }
+    let next = MasqConfig {
+        reply_min: reply.low,
+        reply_max: reply.high,
+        ..*config
+    };
+    match maps.set_masq_config(next) {
+        Ok(()) => {
+            tracing::info!(replies = %reply, "masquerade reply range follows the live translations");
+            *config = next;
+        }
+        Err(e) => tracing::error!(error = %e, "cannot narrow the masquerade reply range"),
+    }
+}
+
+fn collect_loop(
+    maps: &mut PinnedMaps,
+    mut config: MasqConfig,
+    s: &Settings,
+    stats: &Stats,
+    stop: &AtomicBool,
+) {
     let step = Duration::from_millis(50).min(s.gc_interval);
     let mut waited = Duration::ZERO;
     while !stop.load(Ordering::Relaxed) {
@@ -261,6 +337,7 @@ fn collect_loop(maps: &mut PinnedMaps, s: &Settings, stats: &Stats, stop: &Atomi
                 stats.entries_v4.store(sweep.v4, Ordering::Relaxed);
                 stats.entries_v6.store(sweep.v6, Ordering::Relaxed);
                 stats.gc_deleted.fetch_add(sweep.deleted, Ordering::Relaxed);
+                narrow_replies(maps, &mut config, s.ports, sweep.reply_ports);
             }
             Err(e) => tracing::error!(error = %e, "masquerade collection failed"),
         }

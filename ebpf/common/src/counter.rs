@@ -11,7 +11,9 @@ pub enum Counter {
     SpoofDroppedV4 = 1,
     /// from_endpoint: IPv6 packet dropped, source not the endpoint's.
     SpoofDroppedV6 = 2,
-    /// from_endpoint: ARP packet dropped, sender address not the endpoint's.
+    /// from_endpoint: ARP packet dropped: sender protocol address not the
+    /// endpoint's (nor 0.0.0.0, a probe), or sender hardware address not the
+    /// frame's Ethernet source.
     SpoofDroppedArp = 3,
     /// from_endpoint: interface has no ENDPOINTS entry; packet dropped.
     UnknownEndpoint = 4,
@@ -64,12 +66,21 @@ pub enum Counter {
     /// from_native: ARP or NDP request for an address whose announcement
     /// expired (the agent stopped renewing it); not answered.
     AnnounceExpired = 24,
+    /// from_endpoint: frame dropped because it carries a VLAN tag (802.1Q,
+    /// 802.1ad or pre-standard QinQ), whether the kernel already moved the
+    /// outer tag into the skb's metadata or the tag is still in the frame.
+    /// Any tag, ID 0 included: the stack strips priority tags after TC and
+    /// routes the inner packet, whose source was never checked.
+    VlanDropped = 25,
+    /// from_endpoint: untagged frame dropped because its ethertype is none
+    /// of IPv4, IPv6 and ARP (or disagrees with the skb's protocol).
+    EthertypeDropped = 26,
 }
 
 impl Counter {
     /// Number of counters defined (the COUNTERS map has room for
     /// [`max_entries::COUNTERS`](crate::max_entries::COUNTERS)).
-    pub const COUNT: u32 = 25;
+    pub const COUNT: u32 = 27;
     /// Every counter, in index order.
     pub const ALL: [Counter; Self::COUNT as usize] = [
         Counter::FromEndpointPassed,
@@ -97,6 +108,8 @@ impl Counter {
         Counter::NdpIgnored,
         Counter::NdpMalformed,
         Counter::AnnounceExpired,
+        Counter::VlanDropped,
+        Counter::EthertypeDropped,
     ];
 
     /// Stable snake_case name, used in metrics and the CLI.
@@ -127,6 +140,8 @@ impl Counter {
             Counter::NdpIgnored => "ndp_ignored",
             Counter::NdpMalformed => "ndp_malformed",
             Counter::AnnounceExpired => "announce_expired",
+            Counter::VlanDropped => "vlan_dropped",
+            Counter::EthertypeDropped => "ethertype_dropped",
         }
     }
 }

@@ -162,8 +162,28 @@ pub struct MasqConfig {
     pub port_max: u16,
     /// [`masq_flags`] bits.
     pub flags: u32,
-    /// Explicit padding; always zero.
-    pub _pad: u32,
+    /// Lowest port whose replies `from_native` looks up, inclusive: the
+    /// range's and that of every translation still live, which may hold
+    /// ports of an earlier range (a changed `ports` spares established
+    /// flows). 0 in both `reply_min` and `reply_max` (a value written by a
+    /// build that had padding here): `port_min`..`port_max`.
+    pub reply_min: u16,
+    /// Highest port whose replies are looked up, inclusive.
+    pub reply_max: u16,
+}
+
+impl MasqConfig {
+    /// The ports whose replies are looked up in NAT_REV (see
+    /// [`MasqConfig::reply_min`]).
+    #[inline(always)]
+    #[must_use]
+    pub const fn reply_ports(&self) -> (u16, u16) {
+        if self.reply_max == 0 {
+            (self.port_min, self.port_max)
+        } else {
+            (self.reply_min, self.reply_max)
+        }
+    }
 }
 
 const _: () = assert!(size_of::<NatKeyV4>() == 16);
@@ -237,10 +257,27 @@ mod tests {
         assert_eq!(offset_of!(MasqConfig, port_min), 20);
         assert_eq!(offset_of!(MasqConfig, port_max), 22);
         assert_eq!(offset_of!(MasqConfig, flags), 24);
-        assert_eq!(offset_of!(MasqConfig, _pad), 28);
+        assert_eq!(offset_of!(MasqConfig, reply_min), 28);
+        assert_eq!(offset_of!(MasqConfig, reply_max), 30);
         assert_eq!(size_of::<MasqConfig>(), 32);
         assert_eq!(align_of::<MasqConfig>(), 4);
         assert_eq!(MasqConfig::default().flags & masq_flags::ALL, 0);
+    }
+
+    #[test]
+    fn a_reply_range_of_zeros_means_the_port_range() {
+        let old = MasqConfig {
+            port_min: 61000,
+            port_max: 65535,
+            ..MasqConfig::default()
+        };
+        assert_eq!(old.reply_ports(), (61000, 65535));
+        let wider = MasqConfig {
+            reply_min: 60000,
+            reply_max: 65535,
+            ..old
+        };
+        assert_eq!(wider.reply_ports(), (60000, 65535));
     }
 
     #[test]

@@ -3,9 +3,10 @@
 //! All programs live in one object so they share one set of maps; the agent
 //! loads the object, pins the maps and attaches each program with TCX.
 //!
-//! - `from_endpoint` (TC ingress on an endpoint's host-side veth): drops packets
-//!   whose source is not the endpoint's allocated address, classifies the
-//!   destination through IPCACHE, counts.
+//! - `from_endpoint` (TC ingress on an endpoint's host-side veth): passes
+//!   only untagged IPv4, IPv6 and ARP whose source is the endpoint's
+//!   allocated address (drops VLAN-tagged frames and every other ethertype),
+//!   classifies the destination through IPCACHE, counts.
 //! - `to_native` (TC egress on the node's uplink): masquerades local
 //!   endpoints' traffic to destinations outside the cluster and MASQ_SKIP
 //!   (module [`nat`]); counts only while MASQ_CONFIG leaves it off.
@@ -122,6 +123,8 @@ const ETH_HLEN: usize = 14;
 const ETH_P_IP: u16 = 0x0800;
 const ETH_P_IPV6: u16 = 0x86DD;
 const ETH_P_ARP: u16 = 0x0806;
+const ETH_P_8021Q: u16 = 0x8100;
+const ETH_P_8021AD: u16 = 0x88A8;
 /// Offsets from the start of the frame.
 const IP4_SRC: usize = ETH_HLEN + 12;
 const IP4_DST: usize = ETH_HLEN + 16;
@@ -129,7 +132,6 @@ const IP6_SRC: usize = ETH_HLEN + 8;
 const IP6_DST: usize = ETH_HLEN + 24;
 /// Ethernet + ARP for IPv4 over Ethernet.
 const ARP_FRAME_LEN: usize = ETH_HLEN + 28;
-const ARP_SPA: usize = ETH_HLEN + 14;
 
 #[inline(always)]
 fn count(counter: Counter) {
@@ -303,14 +305,57 @@ fn is_link_local_or_unspecified(addr: &V6Addr) -> bool {
     (addr[0] == 0xfe && addr[1] & 0xc0 == 0x80) || *addr == [0u8; 16]
 }
 
+/// Whether the frame carries a VLAN tag: in the skb's metadata (on receive
+/// the kernel moves the outer 802.1Q/802.1ad tag there before TC runs, and
+/// the bytes at offset 12 are then the *next* ethertype, possibly another
+/// tag or the inner IPv4), or still in the frame.
+#[inline(always)]
+fn vlan_tagged(ctx: &TcContext, proto: u16) -> bool {
+    // SAFETY: the context pointer is valid for the program's run.
+    let in_metadata = unsafe { (*ctx.skb.skb).vlan_present } != 0;
+    in_metadata || matches!(proto, ETH_P_8021Q | ETH_P_8021AD | 0x9100 | 0x9200 | 0x9300)
+}
+
 /// Anti-spoofing and destination classification for traffic leaving an
-/// endpoint. Fails closed: an interface without an ENDPOINTS entry drops.
+/// endpoint. Fails closed: only untagged IPv4, IPv6 and ARP frames from the
+/// endpoint's own addresses pass; any VLAN tag (ID 0 included, which the
+/// stack strips after TC and then routes the inner packet unchecked), any
+/// other ethertype, and an interface without an ENDPOINTS entry drop, each
+/// counted.
 #[classifier]
 pub fn from_endpoint(ctx: TcContext) -> i32 {
     let Some(proto) = ethertype(&ctx) else {
         count(Counter::Malformed);
         return DROP;
     };
+    if vlan_tagged(&ctx, proto) {
+        count(Counter::VlanDropped);
+        if events_on() {
+            info!(
+                &ctx,
+                "from_endpoint: dropped a VLAN-tagged frame (ethertype {:x}) on ifindex {}",
+                proto,
+                ifindex(&ctx)
+            );
+        }
+        return DROP;
+    }
+    // The stack dispatches on skb->protocol, not on the bytes: both must be
+    // one of the three families this program checks.
+    if !matches!(proto, ETH_P_IP | ETH_P_IPV6 | ETH_P_ARP)
+        || ctx.skb.protocol() != u32::from(proto.to_be())
+    {
+        count(Counter::EthertypeDropped);
+        if events_on() {
+            info!(
+                &ctx,
+                "from_endpoint: dropped a frame of ethertype {:x} on ifindex {}",
+                proto,
+                ifindex(&ctx)
+            );
+        }
+        return DROP;
+    }
     let Some((ep_flags, ep_v4, ep_v6)) = endpoint(ifindex(&ctx), proto == ETH_P_IPV6) else {
         count(Counter::UnknownEndpoint);
         return DROP;
@@ -362,13 +407,23 @@ pub fn from_endpoint(ctx: TcContext) -> i32 {
             }
             classify(ipcache_v6(dst));
         }
-        ETH_P_ARP => {
-            let Some(spa) = read::<V4Addr>(&ctx, ARP_SPA) else {
+        _ => {
+            // ARP: Ethernet/IPv4 only (what the kernel's ARP accepts on a
+            // veth); the sender hardware address must be the frame's source.
+            let Some(frame) = read::<[u8; ARP_FRAME_LEN]>(&ctx, 0) else {
                 count(Counter::Malformed);
                 return DROP;
             };
+            let arp = &frame[ETH_HLEN..];
+            if arp[0..6] != [0, 1, 0x08, 0x00, 6, 4] {
+                count(Counter::Malformed);
+                return DROP;
+            }
+            let spa: V4Addr = [arp[14], arp[15], arp[16], arp[17]];
             // 0.0.0.0 is an ARP probe (RFC 5227); anything else must be ours.
-            if spa != [0; 4] && (ep_flags & endpoint_flags::HAS_V4 == 0 || spa != ep_v4) {
+            if arp[8..14] != frame[6..12]
+                || (spa != [0; 4] && (ep_flags & endpoint_flags::HAS_V4 == 0 || spa != ep_v4))
+            {
                 count(Counter::SpoofDroppedArp);
                 if events_on() {
                     info!(
@@ -381,7 +436,6 @@ pub fn from_endpoint(ctx: TcContext) -> i32 {
                 return DROP;
             }
         }
-        _ => {}
     }
     count(Counter::FromEndpointPassed);
     NEXT

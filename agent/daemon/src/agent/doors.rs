@@ -64,6 +64,13 @@ pub trait MapDoor {
     /// # Errors
     /// A refused write.
     fn l2_remove(&mut self, addr: V4Addr) -> Result<bool, DatapathError>;
+
+    /// Removes every masquerade translation of the endpoint address `addr`
+    /// (forward and reverse); returns how many entries went.
+    ///
+    /// # Errors
+    /// A refused delete.
+    fn nat_remove(&mut self, addr: std::net::IpAddr) -> Result<u64, DatapathError>;
 }
 
 impl MapDoor for PinnedMaps {
@@ -93,6 +100,10 @@ impl MapDoor for PinnedMaps {
 
     fn l2_remove(&mut self, addr: V4Addr) -> Result<bool, DatapathError> {
         PinnedMaps::l2_remove(self, addr)
+    }
+
+    fn nat_remove(&mut self, addr: std::net::IpAddr) -> Result<u64, DatapathError> {
+        PinnedMaps::remove_nat_of(self, addr)
     }
 }
 

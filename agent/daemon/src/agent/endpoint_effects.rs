@@ -203,8 +203,9 @@ pub fn program(
     Ok(())
 }
 
-/// Removes an endpoint's map entries (the program's link and the veth go
-/// with the interfaces); every entry is tried. Returns what failed.
+/// Removes an endpoint's map entries, its masquerade translations included
+/// (the program's link and the veth go with the interfaces); every entry is
+/// tried. Returns what failed.
 pub fn unprogram(
     maps: &mut impl MapDoor,
     record: &EndpointRecord,
@@ -219,6 +220,14 @@ pub fn unprogram(
     for a in allocated {
         if let Err(e) = super::allocation::unprogram(maps, a) {
             errors.push(e);
+        }
+    }
+    // After the IPCACHE entries: no new flow of the address is translated
+    // now. Its translations go before the address can be handed out again,
+    // or replies to the old pod's flows would reach the next holder.
+    for a in allocated {
+        if let Err(e) = maps.nat_remove(a.address) {
+            errors.push(AgentError::Datapath(e));
         }
     }
     errors

@@ -91,14 +91,32 @@ impl Agent {
         Ok(self.netlink.as_ref().expect("just set"))
     }
 
+    /// The pool of a request that names none: the configuration's
+    /// `default_pool`, else its first pool, else (cluster mode) the
+    /// default etcd records — never the first cluster pool read, whose
+    /// order is etcd's key order (adding pool `aaa` moved every such
+    /// request to it).
     pub(super) fn default_pool(&self) -> Result<String, AgentError> {
-        self.config
-            .default_pool
-            .clone()
-            // The configuration's pools, then cluster mode's (the same list
-            // in single-node mode).
-            .or_else(|| self.manager.source().0.first().map(|p| p.name.clone()))
-            .ok_or_else(|| invalid("no pool is configured"))
+        if let Some(d) = &self.config.default_pool {
+            return Ok(d.clone());
+        }
+        if let Some(p) = self.config.pools.first() {
+            return Ok(p.name.clone());
+        }
+        match self.cluster_default() {
+            Some(Ok(Some(name))) => Ok(name),
+            Some(Ok(None)) => Err(invalid(
+                "no pool is configured and etcd holds no cluster pool",
+            )),
+            Some(Err(reason)) => Err(AgentError::Invalid { reason }),
+            None => self
+                .manager
+                .source()
+                .0
+                .first()
+                .map(|p| p.name.clone())
+                .ok_or_else(|| invalid("no pool is configured")),
+        }
     }
 
     /// The endpoint records.

@@ -131,6 +131,7 @@ fn dump_nat(maps: &PinnedMaps) -> anyhow::Result<Vec<(&'static str, serde_json::
                 "node_v6": Ipv6Addr::from(cfg.node_v6).to_string(),
                 "port_min": cfg.port_min,
                 "port_max": cfg.port_max,
+                "reply_ports": format!("{}-{}", cfg.reply_ports().0, cfg.reply_ports().1),
             }),
         ),
     ])

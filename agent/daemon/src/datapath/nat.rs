@@ -19,6 +19,17 @@ pub struct NatSweep {
     pub v6: u64,
     /// Entries deleted (forward and reverse counted apart).
     pub deleted: u64,
+    /// The lowest and highest translated port among the reverse entries
+    /// left (both families), `None` when there are none.
+    pub reply_ports: Option<(u16, u16)>,
+}
+
+/// One family's sweep: translations left, entries deleted, the hull of the
+/// translated ports of the reverse entries left.
+type Swept = (u64, u64, Option<(u16, u16)>);
+
+fn widen(hull: Option<(u16, u16)>, port: u16) -> Option<(u16, u16)> {
+    Some(hull.map_or((port, port), |(l, h)| (l.min(port), h.max(port))))
 }
 
 /// A NAT key and value of either family, as the collector needs them.
@@ -29,6 +40,12 @@ trait Tuple: Copy + aya::Pod {
     fn reverse(&self, v: &Self::Value) -> Self;
     fn proto(&self) -> u8;
     fn seen(v: &Self::Value) -> (u64, u8);
+    /// A forward key's source: the endpoint's address.
+    fn src(&self) -> std::net::IpAddr;
+    /// A reverse value's address: the endpoint's.
+    fn endpoint(v: &Self::Value) -> std::net::IpAddr;
+    /// A reverse key's destination port: the translated port.
+    fn dst_port(&self) -> u16;
 }
 
 macro_rules! tuple {
@@ -50,6 +67,15 @@ macro_rules! tuple {
             }
             fn seen(v: &$value) -> (u64, u8) {
                 (v.last_seen_ns, v.state)
+            }
+            fn src(&self) -> std::net::IpAddr {
+                self.src_addr.into()
+            }
+            fn endpoint(v: &$value) -> std::net::IpAddr {
+                v.addr.into()
+            }
+            fn dst_port(&self) -> u16 {
+                self.dst_port
             }
         }
     };
@@ -96,7 +122,7 @@ fn sweep<K: Tuple>(
     rev: Pick<K>,
     names: (&'static str, &'static str),
     ended: &impl Fn(u8, u8, u64) -> bool,
-) -> Result<(u64, u64), DatapathError> {
+) -> Result<Swept, DatapathError> {
     let mut left = 0;
     let mut deleted = 0;
     let forward: Vec<(K, K::Value)> = fwd(maps).iter().filter_map(Result::ok).collect();
@@ -116,14 +142,50 @@ fn sweep<K: Tuple>(
         deleted += remove(maps, rev, names.1, &rk)?;
     }
     let reverse: Vec<(K, K::Value)> = rev(maps).iter().filter_map(Result::ok).collect();
+    let mut ports = None;
     for (rk, rv) in reverse {
         let (seen, state) = K::seen(&rv);
         let orphan = fwd(maps).get(&rk.reverse(&rv), 0).is_err();
         if orphan && ended(rk.proto(), state, seen) {
             deleted += remove(maps, rev, names.1, &rk)?;
+        } else {
+            ports = widen(ports, rk.dst_port());
         }
     }
-    Ok((left, deleted))
+    Ok((left, deleted, ports))
+}
+
+/// One family's translations of the endpoint `addr`: forward entries whose
+/// source it is first (nothing is translated for it any more), then reverse
+/// entries that lead back to it (the ports are free, and a reply can no
+/// longer reach whoever holds the address next).
+fn remove_endpoint<K: Tuple>(
+    maps: &mut PinnedMaps,
+    fwd: Pick<K>,
+    rev: Pick<K>,
+    names: (&'static str, &'static str),
+    addr: std::net::IpAddr,
+) -> Result<u64, DatapathError> {
+    let mut deleted = 0;
+    let forward: Vec<K> = fwd(maps)
+        .iter()
+        .filter_map(Result::ok)
+        .filter(|(k, _)| k.src() == addr)
+        .map(|(k, _)| k)
+        .collect();
+    for k in forward {
+        deleted += remove(maps, fwd, names.0, &k)?;
+    }
+    let reverse: Vec<K> = rev(maps)
+        .iter()
+        .filter_map(Result::ok)
+        .filter(|(_, v)| K::endpoint(v) == addr)
+        .map(|(k, _)| k)
+        .collect();
+    for k in reverse {
+        deleted += remove(maps, rev, names.1, &k)?;
+    }
+    Ok(deleted)
 }
 
 impl PinnedMaps {
@@ -148,24 +210,55 @@ impl PinnedMaps {
         ended: impl Fn(u8, u8, u64) -> bool,
     ) -> Result<NatSweep, DatapathError> {
         use lockstep_common::map_names as n;
-        let (v4, d4) = sweep::<NatKeyV4>(
+        let (v4, d4, p4) = sweep::<NatKeyV4>(
             self,
             PinnedMaps::nat_fwd_v4_mut,
             PinnedMaps::nat_rev_v4_mut,
             (n::NAT_FWD_V4, n::NAT_REV_V4),
             &ended,
         )?;
-        let (v6, d6) = sweep::<NatKeyV6>(
+        let (v6, d6, p6) = sweep::<NatKeyV6>(
             self,
             PinnedMaps::nat_fwd_v6_mut,
             PinnedMaps::nat_rev_v6_mut,
             (n::NAT_FWD_V6, n::NAT_REV_V6),
             &ended,
         )?;
+        let reply_ports = match (p4, p6) {
+            (Some((l, h)), other) | (other, Some((l, h))) => widen(widen(other, l), h),
+            (None, None) => None,
+        };
         Ok(NatSweep {
             v4,
             v6,
             deleted: d4 + d6,
+            reply_ports,
         })
+    }
+
+    /// Deletes every translation of the endpoint address `addr` (a DEL):
+    /// its forward entries, then the reverse entries that lead to it.
+    /// Returns how many entries went. Walks the family's two NAT maps.
+    ///
+    /// # Errors
+    /// A delete was refused for another reason than "already gone".
+    pub fn remove_nat_of(&mut self, addr: std::net::IpAddr) -> Result<u64, DatapathError> {
+        use lockstep_common::map_names as n;
+        match addr {
+            std::net::IpAddr::V4(_) => remove_endpoint::<NatKeyV4>(
+                self,
+                PinnedMaps::nat_fwd_v4_mut,
+                PinnedMaps::nat_rev_v4_mut,
+                (n::NAT_FWD_V4, n::NAT_REV_V4),
+                addr,
+            ),
+            std::net::IpAddr::V6(_) => remove_endpoint::<NatKeyV6>(
+                self,
+                PinnedMaps::nat_fwd_v6_mut,
+                PinnedMaps::nat_rev_v6_mut,
+                (n::NAT_FWD_V6, n::NAT_REV_V6),
+                addr,
+            ),
+        }
     }
 }

@@ -236,7 +236,9 @@ pub(crate) fn ingress_v6(ctx: &TcContext) -> i32 {
         }
         return NEXT;
     };
-    if flow.dport < cfg.port_min || flow.dport > cfg.port_max {
+    // The replies of every live translation, an earlier range's included.
+    let (lo, hi) = cfg.reply_ports();
+    if flow.dport < lo || flow.dport > hi {
         return NEXT;
     }
     let key = NatKeyV6 {

@@ -101,6 +101,8 @@ pub(crate) struct MapDouble {
     pub(crate) endpoints: BTreeMap<u32, EndpointValue>,
     /// L2_RESP_V4.
     pub(crate) l2: BTreeMap<V4Addr, L2RespValue>,
+    /// NAT entries (forward and reverse) per endpoint address.
+    pub(crate) nat: BTreeMap<std::net::IpAddr, u64>,
     /// Entries per map.
     pub(crate) capacity: usize,
     /// Which calls fail.
@@ -113,6 +115,7 @@ impl Default for MapDouble {
             ipcache: BTreeMap::new(),
             endpoints: BTreeMap::new(),
             l2: BTreeMap::new(),
+            nat: BTreeMap::new(),
             capacity: usize::MAX,
             faults: Faults::default(),
         }
@@ -189,6 +192,17 @@ impl MapDoor for MapDouble {
             return Err(refused(map_names::L2_RESP_V4));
         }
         Ok(self.l2.remove(&addr).is_some())
+    }
+
+    fn nat_remove(&mut self, addr: std::net::IpAddr) -> Result<u64, DatapathError> {
+        if self.faults.hit("nat_remove") {
+            return Err(refused(if addr.is_ipv4() {
+                map_names::NAT_FWD_V4
+            } else {
+                map_names::NAT_FWD_V6
+            }));
+        }
+        Ok(self.nat.remove(&addr).unwrap_or(0))
     }
 }
 

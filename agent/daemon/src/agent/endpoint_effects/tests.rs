@@ -360,6 +360,32 @@ fn a_del_unprograms_removes_and_releases() {
 }
 
 #[test]
+fn a_del_removes_the_translations_of_every_address_and_a_refusal_commits_nothing() {
+    let mut rig = Rig::new();
+    let (record, allocated) = rig.added("c1");
+    for a in &allocated {
+        rig.maps.nat.insert(a.address, 2);
+    }
+    rig.maps.nat.insert("10.9.0.3".parse().expect("ip"), 2);
+    rig.maps.faults.fail_next("nat_remove");
+    rig.fx()
+        .del(&record.key(), Some(&record), &allocated)
+        .expect_err("a translation stayed");
+    // Nothing committed while a translation of the address may remain.
+    assert_eq!(rig.store.load().endpoints, vec![record.clone()]);
+    assert_eq!(rig.core.allocations().count(), 2);
+    rig.fx()
+        .del(&record.key(), Some(&record), &allocated)
+        .expect("deleted");
+    // Only the other address's translations are left.
+    assert_eq!(
+        rig.maps.nat.keys().copied().collect::<Vec<_>>(),
+        vec!["10.9.0.3".parse::<std::net::IpAddr>().expect("ip")]
+    );
+    assert!(rig.nothing_held());
+}
+
+#[test]
 fn a_del_tries_every_entry_and_commits_nothing_if_one_stays() {
     let mut rig = Rig::new();
     let (record, allocated) = rig.added("c1");
