@@ -1048,13 +1048,32 @@ fn refused_code(code: i32) -> bool {
 
 /// Whether `e` may pass by itself: the connection failed or broke (a member
 /// stopped under the request), or etcd answered Unavailable (no leader for
-/// a moment). gRPC codes: 1 cancelled, 14 unavailable.
+/// a moment). gRPC codes: 1 cancelled, 14 unavailable. tonic reports a
+/// connection that broke under a request in flight (a broken pipe, a reset
+/// from a member just stopped) as code 2, Unknown, with the I/O error in
+/// its source chain: that is a broken connection too, not an answer.
 fn transient(e: &etcd_client::Error) -> bool {
     match e {
-        etcd_client::Error::GRpcStatus(s) => matches!(i32::from(s.code()), 1 | 14),
+        etcd_client::Error::GRpcStatus(s) => {
+            matches!(i32::from(s.code()), 1 | 14)
+                || (i32::from(s.code()) == 2 && broken_connection(s))
+        }
         etcd_client::Error::TransportError(_) => true,
         _ => false,
     }
+}
+
+/// Whether an I/O error lies in `e`'s source chain: the request's
+/// connection failed, rather than etcd answering.
+fn broken_connection(e: &(dyn std::error::Error + 'static)) -> bool {
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        if c.downcast_ref::<std::io::Error>().is_some() {
+            return true;
+        }
+        cause = c.source();
+    }
+    false
 }
 
 fn unavailable(opts: &DoorOptions, what: &str, why: &str, write: bool) -> ClusterStoreError {
@@ -1070,6 +1089,41 @@ mod tests {
     use std::path::{Path, PathBuf};
 
     use super::*;
+
+    #[test]
+    fn a_connection_broken_under_a_request_may_be_tried_again() {
+        // What tonic reported when a member stopped under a request in
+        // flight (CI, cluster_failures): code Unknown, "transport error",
+        // the I/O error two sources down.
+        #[derive(Debug)]
+        struct Transport(std::io::Error);
+        impl std::fmt::Display for Transport {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("transport error")
+            }
+        }
+        impl std::error::Error for Transport {
+            fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+                Some(&self.0)
+            }
+        }
+        let broken = std::io::Error::new(
+            std::io::ErrorKind::BrokenPipe,
+            "stream closed because of a broken pipe",
+        );
+        let status = tonic::Status::from_error(Box::new(Transport(broken)));
+        assert_eq!(status.code(), tonic::Code::Unknown);
+        let e = etcd_client::Error::GRpcStatus(status);
+        assert!(transient(&e), "{e}");
+        // Not a write that never left the node: it may have been sent.
+        assert!(!never_sent(&e), "{e}");
+        // Unknown from etcd itself, without a broken connection, is an
+        // answer and is not tried again.
+        let answered = etcd_client::Error::GRpcStatus(tonic::Status::unknown("boom"));
+        assert!(!transient(&answered));
+        let unavailable = etcd_client::Error::GRpcStatus(tonic::Status::unavailable("no leader"));
+        assert!(transient(&unavailable));
+    }
 
     #[test]
     fn a_refusal_is_told_from_an_unknown_outcome() {
