@@ -18,6 +18,7 @@ use anyhow::{Context, bail};
 
 pub mod cluster;
 pub mod etcd;
+pub mod lb_lab;
 pub mod ledger;
 pub mod lossyfs;
 pub mod ndp;
