@@ -448,6 +448,7 @@ fn each_address_is_announced_by_its_one_chosen_node_and_handed_over_after_the_le
             .map(|n| Candidate {
                 name: n.to_string(),
                 labels: BTreeMap::new(),
+                answers: true,
             })
             .collect()
     };

@@ -129,11 +129,16 @@ pub struct Candidate {
     pub name: String,
     /// Its labels (for a pool's node selector).
     pub labels: BTreeMap<String, String>,
+    /// Whether it can answer for an address at all: it has an uplink with
+    /// the responder attached. A node without one still runs for assigner
+    /// but never holds an announcement (nobody would answer).
+    pub answers: bool,
 }
 
-/// The node that announces `address`: among `nodes` the selector admits
-/// (an empty selector admits all), the one with the highest rendezvous
-/// weight for the address. `None` when no node is admitted.
+/// The node that announces `address`: among the `nodes` that can answer
+/// and the selector admits (an empty selector admits all), the one with
+/// the highest rendezvous weight for the address. `None` when no node is
+/// admitted.
 pub fn announcer<'a>(
     address: IpAddr,
     selector: &LabelSelector,
@@ -141,6 +146,7 @@ pub fn announcer<'a>(
 ) -> Option<&'a Candidate> {
     nodes
         .iter()
+        .filter(|n| n.answers)
         .filter(|n| selector.is_empty() || selector.matches(&n.labels))
         .max_by_key(|n| (weight(address, &n.name), n.name.as_str()))
 }
@@ -185,8 +191,8 @@ pub fn to_announce(lb: &LbIpam) -> BTreeMap<IpAddr, ToAnnounce> {
 }
 
 /// The addresses of `addresses` that no node of `nodes` is admitted to
-/// announce, with their pools: nobody answers for them until a node whose
-/// labels match the pool's node selector joins.
+/// announce, with their pools: nobody answers for them until a node that
+/// can answer, with labels that match the pool's node selector, joins.
 pub fn unannounced(
     addresses: &BTreeMap<IpAddr, ToAnnounce>,
     nodes: &[Candidate],

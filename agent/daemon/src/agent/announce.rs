@@ -40,6 +40,21 @@ pub fn monotonic_ns() -> u64 {
 /// which no announcement of this agent may carry.
 const EXPIRED_NS: u64 = 1;
 
+/// Whether this node's uplink can answer ARP and NDP for an address
+/// ([`Agent::uplink_health`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum UplinkHealth {
+    /// No uplink configured: this node never answers for an address.
+    None,
+    /// Up, with carrier, the programs attached.
+    Answering,
+    /// It cannot answer now (down, without carrier, gone, or created again
+    /// and not attached): why.
+    Silent(String),
+    /// Netlink could not tell.
+    Unknown,
+}
+
 /// The announcements' lease.
 #[derive(Clone, Debug)]
 pub struct Lease {
@@ -183,22 +198,60 @@ impl Agent {
         Ok(())
     }
 
-    /// Whether the uplink can answer: administratively up and with carrier
-    /// (`None`: no uplink, or netlink could not tell). Cluster mode stops
-    /// refreshing its LB lease while it cannot, so its addresses move to a
-    /// node that can answer: an uplink set down and one whose cable (or
-    /// veth peer, or switch port) went down are alike to the neighbours.
-    pub fn uplink_up(&mut self) -> Option<bool> {
-        let name = self.uplink.as_ref()?.name.clone();
+    /// Whether the uplink can answer for an address: it exists, is
+    /// administratively up, has carrier, and carries this agent's programs.
+    /// Cluster mode stops refreshing its LB lease while it cannot, so its
+    /// addresses move to a node that can answer: an uplink set down, one
+    /// whose cable (or veth peer, or switch port) went down and one deleted
+    /// are alike to the neighbours. An uplink deleted and created again
+    /// under its name (a new interface index) has lost the programs with
+    /// the old interface: they are attached to the new one here, and the
+    /// old one's link pins removed.
+    pub fn uplink_health(&mut self) -> UplinkHealth {
+        let Some(up) = self.uplink.as_ref() else {
+            return UplinkHealth::None;
+        };
+        let (name, index) = (up.name.clone(), up.index);
         if self.netlink.is_none() {
             self.netlink = Netlink::current().ok();
         }
-        self.netlink
-            .as_ref()?
-            .link(&name)
-            .ok()
-            .flatten()
-            .map(|l| l.up && l.carrier)
+        let Some(netlink) = self.netlink.as_ref() else {
+            return UplinkHealth::Unknown;
+        };
+        let link = match netlink.link(&name) {
+            Ok(Some(link)) => link,
+            Ok(None) => return UplinkHealth::Silent(format!("uplink {name} is gone")),
+            Err(_) => return UplinkHealth::Unknown,
+        };
+        if link.index != index {
+            if let Err(e) = self.attach_uplink() {
+                return UplinkHealth::Silent(format!(
+                    "uplink {name} was created again (index {index} -> {}) and the programs could not be attached to it: {}",
+                    link.index,
+                    crate::error_chain(&e)
+                ));
+            }
+            for (program, hook) in [
+                (
+                    lockstep_common::program_names::TO_NATIVE,
+                    crate::datapath::Hook::Egress,
+                ),
+                (
+                    lockstep_common::program_names::FROM_NATIVE,
+                    crate::datapath::Hook::Ingress,
+                ),
+            ] {
+                if let Err(e) = self.datapath.detach_index(program, index, hook) {
+                    tracing::warn!(error = %crate::error_chain(&e), program, index, "the gone uplink's link pin is not removed");
+                }
+            }
+            tracing::info!(uplink = %name, old = index, new = link.index, "uplink created again: programs attached to the new interface");
+        }
+        match (link.up, link.carrier) {
+            (true, true) => UplinkHealth::Answering,
+            (false, _) => UplinkHealth::Silent(format!("uplink {name} is down")),
+            (true, false) => UplinkHealth::Silent(format!("uplink {name} has no carrier")),
+        }
     }
 
     /// Announces `addr` only while the entries are answered: checked just

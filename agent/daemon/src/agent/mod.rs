@@ -50,6 +50,7 @@ mod reconcile;
 pub mod release;
 mod report;
 
+pub use announce::UplinkHealth;
 pub use error::AgentError;
 use maps::MapContents;
 pub use report::{Drift, PoolStatus, ReconcileReport, Stats, Status, Uplink, VerifyReport};

@@ -14,11 +14,13 @@
 //! lb/addresses/<ip>           → the services holding it (JSON list)
 //! lb/assigner                 → the elected node's name, bound to its lease
 //! lb/announce/<ip>            → the announcing node's name, bound to its lease
-//! lb/members/<node>           → {"name", "labels"} (JSON; an older agent's
-//!                               plain name reads as no labels), bound to its
-//!                               LB lease: the candidates for announcing
-//!                               (`lb_agent`), matched against each pool's
-//!                               `node_selector`
+//! lb/members/<node>           → {"name", "labels", "answers"} (JSON; an
+//!                               older agent's plain name reads as no labels,
+//!                               and a value without "answers" as one that
+//!                               answers), bound to its LB lease: the
+//!                               candidates for announcing (`lb_agent`), those
+//!                               that answer (have an uplink) matched against
+//!                               each pool's `node_selector`
 //! ```
 //!
 //! Uniqueness by construction: an address key is created in the same
@@ -53,17 +55,28 @@ struct Member {
     name: String,
     #[serde(default)]
     labels: BTreeMap<String, String>,
+    /// Whether the node can answer for an address (it has an uplink). An
+    /// agent before this field joined only with an uplink configured or
+    /// not at all: absent reads as true.
+    #[serde(default = "answers_by_default")]
+    answers: bool,
 }
 
-/// The labels of a `lb/members/<node>` value. An agent before node labels
-/// stored its plain name: no labels.
-fn member_labels(key: &str, value: &[u8]) -> Result<BTreeMap<String, String>, ClusterStoreError> {
+fn answers_by_default() -> bool {
+    true
+}
+
+/// A `lb/members/<node>` value read: its labels and whether it answers.
+/// An agent before node labels stored its plain name: no labels, answers.
+fn read_member(
+    key: &str,
+    value: &[u8],
+) -> Result<(BTreeMap<String, String>, bool), ClusterStoreError> {
     if value.starts_with(b"{") {
-        Ok(serde_json::from_slice::<Member>(value)
-            .map_err(|e| corrupt(key, e))?
-            .labels)
+        let m = serde_json::from_slice::<Member>(value).map_err(|e| corrupt(key, e))?;
+        Ok((m.labels, m.answers))
     } else {
-        Ok(BTreeMap::new())
+        Ok((BTreeMap::new(), true))
     }
 }
 
@@ -75,15 +88,21 @@ pub fn selectors(to: &BTreeMap<IpAddr, ToAnnounce>) -> BTreeMap<IpAddr, LabelSel
 }
 
 impl LbView {
-    /// The live members as announcer candidates, with their labels.
+    /// The live members as announcer candidates, with their labels and
+    /// whether they answer.
     pub fn candidates(&self) -> Vec<Candidate> {
-        self.members
-            .keys()
-            .map(|n| Candidate {
-                name: n.clone(),
-                labels: self.member_labels.get(n).cloned().unwrap_or_default(),
-            })
-            .collect()
+        self.members.keys().map(|n| self.candidate(n)).collect()
+    }
+
+    /// `node` as an announcer candidate: its membership's labels and
+    /// whether it answers (a node without membership answers: only the
+    /// membership says otherwise).
+    pub fn candidate(&self, node: &str) -> Candidate {
+        Candidate {
+            name: node.to_string(),
+            labels: self.member_labels.get(node).cloned().unwrap_or_default(),
+            answers: !self.silent.contains(node),
+        }
     }
 
     /// The stored state's announced addresses, each with its pool and
@@ -121,6 +140,9 @@ pub struct LbView {
     pub members: BTreeMap<String, i64>,
     /// Their labels (`[cluster] node_labels`), for pools' node selectors.
     pub member_labels: BTreeMap<String, BTreeMap<String, String>>,
+    /// Members that cannot answer for an address (no uplink): they may be
+    /// the assigner but never announce.
+    pub silent: BTreeSet<String>,
     /// The store revision of the read.
     pub revision: i64,
 }
@@ -267,9 +289,12 @@ impl Door {
                     (String::from_utf8_lossy(kv.value()).into_owned(), kv.lease()),
                 );
             } else if let Some(node) = rest.strip_prefix("members/") {
-                let labels = member_labels(&key, kv.value())?;
+                let (labels, answers) = read_member(&key, kv.value())?;
                 view.members.insert(node.to_string(), kv.lease());
                 view.member_labels.insert(node.to_string(), labels);
+                if !answers {
+                    view.silent.insert(node.to_string());
+                }
             } else if rest == "assigner" {
                 view.assigner = Some((
                     String::from_utf8_lossy(kv.value()).into_owned(),
@@ -508,8 +533,9 @@ impl Door {
         Ok((ttl > 0).then_some(ttl))
     }
 
-    /// Makes `node`, with its `labels`, a candidate announcer for as long
-    /// as `lease` lives.
+    /// Makes `node`, with its `labels`, a member for as long as `lease`
+    /// lives: a candidate announcer if it `answers` (has an uplink), a
+    /// candidate assigner either way.
     ///
     /// # Errors
     /// etcd unavailable.
@@ -517,12 +543,14 @@ impl Door {
         &mut self,
         node: &str,
         labels: &BTreeMap<String, String>,
+        answers: bool,
         lease: i64,
     ) -> Result<(), ClusterStoreError> {
         let key = self.lb_key(&format!("members/{node}"));
         let value = serde_json::to_vec(&Member {
             name: node.to_string(),
             labels: labels.clone(),
+            answers,
         })
         .map_err(|e| ClusterStoreError::Invalid(e.to_string()))?;
         let mut client = self.client();
@@ -692,14 +720,7 @@ impl Door {
             .nodes()
             .await?
             .into_iter()
-            .map(|n| Candidate {
-                labels: view
-                    .member_labels
-                    .get(&n.record.name)
-                    .cloned()
-                    .unwrap_or_default(),
-                name: n.record.name,
-            })
+            .map(|n| view.candidate(&n.record.name))
             .collect();
         let held = view
             .announcements
@@ -765,17 +786,29 @@ mod tests {
     #[test]
     fn a_member_value_with_labels_and_an_older_plain_one_both_read() {
         let labels = BTreeMap::from([("zone".to_string(), "b".to_string())]);
-        let v = serde_json::to_vec(&Member {
-            name: "node-1".into(),
-            labels: labels.clone(),
-        })
-        .unwrap();
-        assert_eq!(member_labels("k", &v).unwrap(), labels);
-        // Written by an agent before node labels: the plain name.
-        assert!(member_labels("k", b"node-1").unwrap().is_empty());
-        assert!(member_labels("k", br#"{"name": "n"}"#).unwrap().is_empty());
+        for answers in [true, false] {
+            let v = serde_json::to_vec(&Member {
+                name: "node-1".into(),
+                labels: labels.clone(),
+                answers,
+            })
+            .unwrap();
+            assert_eq!(read_member("k", &v).unwrap(), (labels.clone(), answers));
+        }
+        // Written by an agent before node labels: the plain name; before
+        // "answers": a node that answers.
+        assert_eq!(
+            read_member("k", b"node-1").unwrap(),
+            (BTreeMap::new(), true)
+        );
+        assert_eq!(
+            read_member("k", br#"{"name": "n"}"#).unwrap(),
+            (BTreeMap::new(), true)
+        );
         // A broken value is named, not taken as "no labels".
-        let e = member_labels("/p/lb/members/n", b"{\"name\": 1}").unwrap_err();
+        let e = read_member("/p/lb/members/n", b"{\"name\": 1}").unwrap_err();
+        assert!(e.to_string().contains("/p/lb/members/n"), "{e}");
+        let e = read_member("/p/lb/members/n", br#"{"name": "n", "answers": "yes"}"#).unwrap_err();
         assert!(e.to_string().contains("/p/lb/members/n"), "{e}");
     }
 }

@@ -42,8 +42,8 @@ use lockstep_core::lb::{LbIpam, LbPoolSpec, ServiceSpec};
 use serde::Serialize;
 
 use super::{ClusterStoreError, Door, DoorOptions, LbView, Round};
-use crate::agent::Agent;
 use crate::agent::announce::monotonic_ns;
+use crate::agent::{Agent, UplinkHealth};
 
 /// The bound on each etcd request: well under a third of the shortest
 /// lease, so a refresh that cannot be answered is known in time.
@@ -82,8 +82,8 @@ struct Shared {
     /// Addresses no live node is admitted to announce (their pool's node
     /// selector matches none): address → pool.
     unannounced: BTreeMap<IpAddr, String>,
-    /// The uplink is down or without carrier: the LB lease is not
-    /// refreshed, so this node's addresses move to others.
+    /// The uplink cannot answer (down, without carrier, gone): the LB
+    /// lease is not refreshed, so this node's addresses move to others.
     uplink_down: bool,
 }
 
@@ -113,6 +113,9 @@ pub struct ClusterLbView {
     pub unannounced: BTreeMap<IpAddr, String>,
     /// Members' labels (`[cluster] node_labels`), those that have any.
     pub member_labels: BTreeMap<String, BTreeMap<String, String>>,
+    /// Members that cannot answer for an address (no uplink configured):
+    /// candidate assigners, never announcers.
+    pub silent: Vec<String>,
 }
 
 fn invalid(reason: impl Into<String>) -> ClusterStoreError {
@@ -319,6 +322,7 @@ fn render_view(
             .filter(|(_, l)| !l.is_empty())
             .map(|(n, l)| (n.clone(), l.clone()))
             .collect(),
+        silent: view.silent.iter().cloned().collect(),
         assigner: view.assigner.as_ref().map(|a| a.0.clone()),
         members: view.members.keys().cloned().collect(),
         pending: view
@@ -410,6 +414,10 @@ pub struct LbAgent {
     name: String,
     /// Published with the membership, for pools' node selectors.
     labels: BTreeMap<String, String>,
+    /// Published with the membership: whether this node can answer for
+    /// an address at all (it has an uplink). A node without one runs for
+    /// assigner but never announces.
+    answers: bool,
     ttl: Duration,
     door: Option<Door>,
     lease: Option<Held>,
@@ -471,6 +479,7 @@ impl LbAgent {
         LbAgent {
             name,
             labels: BTreeMap::new(),
+            answers: true,
             ttl,
             door: None,
             lease: None,
@@ -499,8 +508,16 @@ impl LbAgent {
         let opts = DoorOptions::from_cluster_config(cluster, REQUEST_TIMEOUT);
         Some(
             Self::new(name, config.lb.announce_lease, opts)
-                .with_labels(cluster.node_labels.clone()),
+                .with_labels(cluster.node_labels.clone())
+                .with_answers(config.datapath.uplink.is_some()),
         )
+    }
+
+    /// Sets whether this node can answer for an address (builder style):
+    /// false without an uplink.
+    pub fn with_answers(mut self, answers: bool) -> Self {
+        self.answers = answers;
+        self
     }
 
     /// Sets the labels published with the membership (builder style).
@@ -553,7 +570,8 @@ impl LbAgent {
                 let sent = Instant::now();
                 let sent_ns = monotonic_ns();
                 let (id, granted) = door.lb_grant(ttl).await?;
-                door.lb_join(&self.name, &self.labels, id).await?;
+                door.lb_join(&self.name, &self.labels, self.answers, id)
+                    .await?;
                 let valid_until_ns = sent_ns + (granted - margin(granted)).as_nanos() as u64;
                 tracing::info!(lease = id, ttl = ?granted, "lb lease granted; joined the announcers");
                 self.lease = Some(Held {
@@ -599,25 +617,31 @@ impl LbAgent {
                 }
             }
         }
-        // An uplink that is down or without carrier answers nobody: no
-        // refresh (the lease runs out and the addresses move to nodes that
-        // can answer), no round.
+        // An uplink that is down, without carrier or gone answers nobody:
+        // no refresh (the lease runs out and the addresses move to nodes
+        // that can answer), no round. One created again gets the programs
+        // attached anew first (`Agent::uplink_health`).
         let slot2 = slot.clone();
-        let up = tokio::task::spawn_blocking(move || lock_agent(&slot2).as_mut()?.uplink_up())
-            .await
-            .ok()
-            .flatten();
-        let was_down = std::mem::replace(&mut self.handle.lock().uplink_down, up == Some(false));
-        if up == Some(false) {
+        let health = tokio::task::spawn_blocking(move || {
+            lock_agent(&slot2)
+                .as_mut()
+                .map_or(UplinkHealth::Unknown, Agent::uplink_health)
+        })
+        .await
+        .unwrap_or(UplinkHealth::Unknown);
+        let silent = matches!(health, UplinkHealth::Silent(_));
+        let was_down = std::mem::replace(&mut self.handle.lock().uplink_down, silent);
+        if let UplinkHealth::Silent(why) = &health {
             if !was_down {
                 tracing::warn!(
-                    "uplink down or without carrier: LB lease no longer refreshed; announcements move to other nodes"
+                    reason = %why,
+                    "the uplink cannot answer: LB lease no longer refreshed; announcements move to other nodes"
                 );
             }
             return false;
         }
         if was_down {
-            tracing::info!("uplink up with carrier again: LB lease refreshed");
+            tracing::info!("the uplink answers again: LB lease refreshed");
         }
         let moved = match self.keep_lease().await {
             Ok(m) => m,

@@ -14,6 +14,7 @@ fn nodes(n: usize) -> Vec<Candidate> {
         .map(|i| Candidate {
             name: format!("node-{i}"),
             labels: BTreeMap::from([("zone".to_string(), format!("z{}", i % 2))]),
+            answers: true,
         })
         .collect()
 }
@@ -285,6 +286,34 @@ proptest! {
         }
     }
 
+
+    /// A node that cannot answer (no uplink) is never the announcer, and
+    /// takes nothing from the others: the announcer among all nodes is the
+    /// announcer among those that answer. With none that answers, the
+    /// address is unannounced.
+    #[test]
+    fn a_node_that_cannot_answer_never_announces(n in 1usize..6, silent in 0u32..64, i in 0u32..256) {
+        let mut ns = nodes(n);
+        for (k, c) in ns.iter_mut().enumerate() {
+            c.answers = silent & (1 << k) == 0;
+        }
+        let answering: Vec<Candidate> = ns.iter().filter(|c| c.answers).cloned().collect();
+        let all = LabelSelector::default();
+        let a = IpAddr::from(std::net::Ipv4Addr::from(0xC000_0200 + i));
+        let chosen = announcer(a, &all, &ns);
+        prop_assert!(chosen.is_none_or(|c| c.answers));
+        prop_assert_eq!(chosen, announcer(a, &all, &answering));
+        let to = BTreeMap::from([(a, ToAnnounce { pool: "p".into(), node_selector: all.clone() })]);
+        prop_assert_eq!(unannounced(&to, &ns).is_empty(), !answering.is_empty());
+        // The plan of a node that cannot answer takes nothing and gives up
+        // what it holds.
+        for c in ns.iter().filter(|c| !c.answers) {
+            let held = BTreeMap::from([(a, c.name.clone())]);
+            let plan = announce_plan(&BTreeMap::from([(a, all.clone())]), &ns, &c.name, &held);
+            prop_assert!(plan.take.is_empty() && plan.keep.is_empty());
+            prop_assert_eq!(plan.drop, vec![a]);
+        }
+    }
 
     /// Removing a node moves only the addresses it announced; adding one
     /// moves addresses only to the new node. Across many addresses every
