@@ -214,7 +214,7 @@ fn a_stale_give_back_deletes_nothing() -> anyhow::Result<()> {
 }
 
 #[test]
-fn node_keys_die_with_their_lease_and_blocks_stay() -> anyhow::Result<()> {
+fn node_keys_die_with_their_lease_and_blocks_and_routing_keys_stay() -> anyhow::Result<()> {
     let cluster = EtcdCluster::start(3)?;
     let rt = rt()?;
     rt.block_on(async {
@@ -268,6 +268,23 @@ fn node_keys_die_with_their_lease_and_blocks_stay() -> anyhow::Result<()> {
             blocks.len() == 1 && blocks[0].node == "gone",
             "the block went with the lease: {blocks:?}"
         );
+        // So does the routing key (#26 item 9): the others keep routing
+        // `gone`'s block to its address. Removing the node takes both.
+        let addrs = d.node_addrs().await?;
+        ensure!(
+            addrs
+                .iter()
+                .any(|a| a.name == "gone" && a.ips == record("gone").ips),
+            "the routing key went with the lease: {addrs:?}"
+        );
+        let freed = d.remove_node("gone", false).await?;
+        ensure!(freed.len() == 1, "{freed:?}");
+        let addrs = d.node_addrs().await?;
+        ensure!(
+            addrs.iter().all(|a| a.name != "gone"),
+            "node remove left the routing key: {addrs:?}"
+        );
+        ensure!(d.blocks().await?.0.is_empty());
         Ok(())
     })
 }

@@ -10,6 +10,10 @@
 //!    (forced) the node's blocks become claimable and another node claims
 //!    one; the others drop its routes and IPCACHE entries; the node, back,
 //!    fences the block it lost.
+//! #26 item 9. A node cut off from etcd only (its underlay up): well past
+//!    its node key's expiry the others keep its routes and IPCACHE entries
+//!    and pods still ping across; healed, nothing is worse. Blocks belong
+//!    to nodes, not leases.
 
 use std::collections::BTreeSet;
 use std::net::IpAddr;
@@ -19,7 +23,7 @@ use anyhow::{Context, ensure};
 use ipnet::IpNet;
 use lockstep_tests::cluster::{ClusterNodes, address_of, cni, cni_raw};
 use lockstep_tests::etcd::EtcdCluster;
-use lockstep_tests::{AgentProc, Netns, privileged};
+use lockstep_tests::{AgentProc, Netns, privileged, unique};
 
 /// Allocates IPAM-only endpoint addresses on `agent` (the CLI's allocate,
 /// which in cluster mode waits for a claimed block as a CNI ADD does)
@@ -310,5 +314,172 @@ fn a_removed_nodes_blocks_are_claimed_by_another_and_it_fences_them_when_back() 
     ensure!(st["cluster"]["fenced"] == lost.len(), "{st}");
     let again = add(&n, 2, "r-2", &pods[2])?;
     ensure!(again == addrs[2], "r-2 moved from {} to {again}", addrs[2]);
+    Ok(())
+}
+
+/// Cuts `node` off from etcd, and only from etcd: nftables in its
+/// namespace drops every TCP packet to or from the etcd ports its
+/// forwarder listens on (established connections stall as on a real
+/// partition); the underlay and the pods' traffic pass.
+fn cut_from_etcd(node: &Netns, eps: &[String], table: &str) -> anyhow::Result<()> {
+    let ports: Vec<&str> = eps
+        .iter()
+        .map(|e| e.rsplit(':').next().context("port"))
+        .collect::<anyhow::Result<_>>()?;
+    let ports = ports.join(", ");
+    let rules = format!(
+        "table inet {table} {{\n chain out {{\n  type filter hook output priority 0; policy accept;\n  tcp dport {{ {ports} }} drop\n  tcp sport {{ {ports} }} drop\n }}\n}}\n"
+    );
+    let file = std::env::temp_dir().join(format!("{table}.nft"));
+    std::fs::write(&file, rules)?;
+    let r = node.exec("nft", ["-f", file.to_str().context("path")?]);
+    let _ = std::fs::remove_file(&file);
+    r.map(|_| ())
+}
+
+/// The live nodes etcd lists (`cluster nodes`).
+fn live_nodes(n: &ClusterNodes) -> anyhow::Result<BTreeSet<String>> {
+    let v: serde_json::Value = serde_json::from_str(&n.cli(&["nodes", "-o", "json"])?)?;
+    Ok(v.as_array()
+        .context("nodes")?
+        .iter()
+        .filter_map(|x| x["node"]["name"].as_str().map(str::to_string))
+        .collect())
+}
+
+#[test]
+fn a_node_cut_off_from_etcd_only_keeps_its_routes_on_the_others() -> anyhow::Result<()> {
+    privileged!();
+    let cluster = EtcdCluster::start(3)?;
+    let prefix = "/fail-cut/";
+    let mut n = ClusterNodes::build_full(
+        &cluster,
+        prefix,
+        "[[pools]]\nname = \"pods\"\nipv4 = [\"10.97.0.0/24\"]\nblock_v4 = 28\n",
+        "lease_ttl = \"3s\"\n",
+        "",
+    )?;
+    let pods: Vec<Netns> = (0..3)
+        .map(|i| Netns::new(&format!("cfx{i}")))
+        .collect::<anyhow::Result<_>>()?;
+    let mut addrs = Vec::new();
+    for (i, ns) in pods.iter().enumerate() {
+        addrs.push(add(&n, i, &format!("x-{i}"), ns)?);
+    }
+    n.wait_remote()?;
+    ping(&pods[0], addrs[2])?;
+    let cut_blocks = blocks_of(&n, "node-2")?;
+    ensure!(!cut_blocks.is_empty(), "node-2 holds no block");
+    let ep0 = n.eps[0].clone();
+
+    // A node whose routing key is gone (as one written by an agent that
+    // predates them) is still routed through its live node key.
+    cluster.ctl(&[&ep0], &["del", &format!("{prefix}node_addrs/node-1")])?;
+    std::thread::sleep(Duration::from_secs(1));
+    n.wait_remote_within(Duration::from_millis(1))
+        .context("a node without a routing key lost its routes")?;
+
+    // node-2 loses etcd; its underlay stays up.
+    let table = unique("lscut").replace('-', "_");
+    cut_from_etcd(&n.ns[2], &n.eps, &table)?;
+    let cut_at = Instant::now();
+    wait_reachable(&n.agents[2], false)?;
+    // Its node key expires (lease_ttl 3 s)...
+    let gone_after = loop {
+        if !live_nodes(&n)?.contains("node-2") {
+            break cut_at.elapsed();
+        }
+        ensure!(
+            cut_at.elapsed() < Duration::from_secs(20),
+            "node-2's key outlived its lease by far: {:?}",
+            live_nodes(&n)?
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    eprintln!("node-2's key expired {gone_after:?} after the cut");
+    // ... and for 6 s after that, checked every 500 ms, every node still
+    // routes node-2's blocks via node-2 with the remote IPCACHE entries
+    // (the previous build withdrew them within a watch event).
+    let expired = Instant::now();
+    while expired.elapsed() < Duration::from_secs(6) {
+        n.wait_remote_within(Duration::from_millis(1))
+            .with_context(|| {
+                format!(
+                    "{:?} after node-2's key expired ({:?} after the cut)",
+                    expired.elapsed(),
+                    cut_at.elapsed()
+                )
+            })?;
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    for i in 0..2 {
+        let routes = n.ns[i].exec("ip", ["-4", "route", "show", "proto", "213"])?;
+        for b in &cut_blocks {
+            ensure!(
+                routes.contains(&format!("{b} via 10.251.0.3")),
+                "node-{i} lost the route to {b}: {routes}"
+            );
+        }
+    }
+    // Pods on the others still reach the cut node's pod, and back.
+    ping(&pods[0], addrs[2])?;
+    ping(&pods[1], addrs[2])?;
+    ping(&pods[2], addrs[0])?;
+    eprintln!(
+        "{:?} after the cut ({:?} past node-2's key expiry): routes, IPCACHE and pings kept",
+        cut_at.elapsed(),
+        expired.elapsed()
+    );
+
+    // Healed: node-2 registers again, everything converges, nothing worse.
+    n.ns[2].exec("nft", ["delete", "table", "inet", &table])?;
+    wait_reachable(&n.agents[2], true)?;
+    let started = Instant::now();
+    while !live_nodes(&n)?.contains("node-2") {
+        ensure!(
+            started.elapsed() < Duration::from_secs(20),
+            "node-2 not registered again"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    n.wait_remote()?;
+    ensure!(
+        blocks_of(&n, "node-2")? == cut_blocks,
+        "node-2's blocks changed across the cut"
+    );
+    let later = Netns::new("cfxl")?;
+    let a = add(&n, 2, "x-later", &later)?;
+    ensure!(!addrs.contains(&a), "{a} handed out twice");
+    n.wait_remote()?;
+    ping(&pods[0], a)?;
+    ping(&later, addrs[1])?;
+    for (addr, owners) in n.holders()? {
+        ensure!(owners.len() == 1, "{addr} held by {owners:?}");
+    }
+    for (i, agent) in n.agents.iter().enumerate() {
+        agent
+            .verify_within(Duration::from_secs(10))
+            .with_context(|| format!("node-{i} verify after the heal"))?;
+    }
+    // The routing key is the node's until it is removed: `node remove`
+    // takes it with the blocks, and the others drop the routes.
+    let key = format!("{prefix}node_addrs/node-2");
+    ensure!(
+        !cluster
+            .ctl(&[&ep0], &["get", &key, "--print-value-only"])?
+            .trim()
+            .is_empty(),
+        "node-2 has no routing key"
+    );
+    n.agents[2].kill9();
+    n.cli(&["node", "remove", "node-2", "--force"])?;
+    ensure!(
+        cluster
+            .ctl(&[&ep0], &["get", &key, "--print-value-only"])?
+            .trim()
+            .is_empty(),
+        "node remove left {key}"
+    );
+    n.wait_remote()?;
     Ok(())
 }

@@ -34,6 +34,7 @@ pub use default::{default_for_apply, default_pool};
 pub use layout::{block_at, block_count, block_index};
 pub use local::{block_size, blocks_wanted, local_pools, low_water, usable_in_block};
 pub use names::{check_key_name, key_name_problem};
+pub use remote::{NodeDirectory, node_addresses_problem};
 pub use spec::{ClusterPoolSpec, check_apply, validate_pools};
 
 use ipnet::IpNet;

@@ -4,6 +4,14 @@
 //! which cluster CIDRs skip masquerade. Pure: the daemon reads blocks,
 //! nodes and pools from etcd, asks [`remote_state`] what should exist and
 //! [`diff`] what to change, and applies it.
+//!
+//! Blocks belong to nodes, not leases: a block is routed as long as etcd
+//! says a node holds it, whether or not that node's lease lives. The
+//! address a block is routed to comes from the node's lease-bound key
+//! while it lives, else from its routing key (no lease: it outlives a
+//! node cut off from etcd, and goes with `cluster node remove`), see
+//! [`NodeDirectory`]. Withdrawing a cut-off node's routes would cut its
+//! pods off from the cluster for a control-plane fault.
 
 use std::collections::BTreeMap;
 use std::net::IpAddr;
@@ -22,10 +30,57 @@ pub struct RemoteBlock {
     pub node: String,
 }
 
+/// Where etcd says each node is reached: the two keys a node publishes.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct NodeDirectory {
+    /// From the lease-bound node keys (`nodes/<name>`): live nodes only.
+    pub live: BTreeMap<String, Vec<IpAddr>>,
+    /// From the routing keys (`node_addrs/<name>`, bound to no lease):
+    /// every node that registered with a build that writes them, until
+    /// it is removed.
+    pub routing: BTreeMap<String, Vec<IpAddr>>,
+}
+
+impl NodeDirectory {
+    /// The addresses `node`'s blocks are routed to: its live key's while
+    /// its lease lives (the freshest: every version rewrites it at each
+    /// registration, so an agent downgraded to one that predates routing
+    /// keys and moved to another address is still followed), else its
+    /// routing key's (a node cut off from etcd, whose lease ended, keeps
+    /// its routes). `None`: the node published neither (a node of an
+    /// older version whose lease ended, or none at all).
+    pub fn addresses(&self, node: &str) -> Option<&[IpAddr]> {
+        self.live
+            .get(node)
+            .or_else(|| self.routing.get(node))
+            .map(Vec::as_slice)
+    }
+}
+
+/// Why a routing key's addresses cannot be used: none at all, or one no
+/// route can go via (unspecified, multicast, the IPv4 broadcast).
+/// `None` when they are usable.
+pub fn node_addresses_problem(ips: &[IpAddr]) -> Option<String> {
+    if ips.is_empty() {
+        return Some("no address".into());
+    }
+    for ip in ips {
+        let bad = ip.is_unspecified()
+            || ip.is_multicast()
+            || matches!(ip, IpAddr::V4(a) if a.is_broadcast());
+        if bad {
+            return Some(format!("{ip} is not a unicast address"));
+        }
+    }
+    None
+}
+
 /// Why a block of another node gets no entry and no route.
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Unroutable {
-    /// The holder is not registered (never was, or its lease ended).
+    /// The holder published no address: no live node key and no routing
+    /// key (a node of a version that predates routing keys, whose lease
+    /// ended; or a block whose holder never registered).
     NodeUnknown {
         /// The block.
         block: IpNet,
@@ -47,7 +102,7 @@ impl std::fmt::Display for Unroutable {
             Unroutable::NodeUnknown { block, node } => {
                 write!(
                     f,
-                    "block {block} of node {node}: node {node} is not registered"
+                    "block {block} of node {node}: node {node} published no address (no live node key, no routing key)"
                 )
             }
             Unroutable::NoAddressOfFamily { block, node } => write!(
@@ -98,15 +153,16 @@ pub fn remote_value(node_ip: IpAddr) -> IpcacheValue {
 
 /// The desired remote state of node `me`: for every block held by another
 /// node, an IPCACHE entry and a route via that node's first address of the
-/// block's family (a block whose node is unknown or has no such address is
-/// left out and reported in [`RemoteState::unroutable`]); this node's own
-/// blocks are local and get nothing here. Every CIDR of a pool with
+/// block's family ([`NodeDirectory::addresses`]: whether or not its lease
+/// lives; a block whose node published no address, or none of that
+/// family, is left out and reported in [`RemoteState::unroutable`]); this
+/// node's own blocks are local and get nothing here. Every CIDR of a pool with
 /// `skip_masquerade` gets a MASQ_SKIP entry (reason
 /// [`masq_reason::CLUSTER`]).
 pub fn remote_state(
     me: &str,
     blocks: &[RemoteBlock],
-    nodes: &BTreeMap<String, Vec<IpAddr>>,
+    nodes: &NodeDirectory,
     pools: &[ClusterPoolSpec],
 ) -> RemoteState {
     let mut out = RemoteState::default();
@@ -114,7 +170,7 @@ pub fn remote_state(
         if b.node == me {
             continue;
         }
-        let Some(ips) = nodes.get(&b.node) else {
+        let Some(ips) = nodes.addresses(&b.node) else {
             out.unroutable.push(Unroutable::NodeUnknown {
                 block: b.cidr,
                 node: b.node.clone(),
@@ -244,6 +300,13 @@ mod tests {
             node: node.into(),
         }
     }
+    /// Nodes that are all alive, as before routing keys.
+    fn live(nodes: &BTreeMap<String, Vec<IpAddr>>) -> NodeDirectory {
+        NodeDirectory {
+            live: nodes.clone(),
+            routing: BTreeMap::new(),
+        }
+    }
 
     #[test]
     fn other_nodes_blocks_get_entries_and_routes_own_blocks_none() {
@@ -258,7 +321,7 @@ mod tests {
             block("10.0.0.128/26", "me"),
             block("fd00::/122", "b"),
         ];
-        let s = remote_state("me", &blocks, &nodes, &[]);
+        let s = remote_state("me", &blocks, &live(&nodes), &[]);
         assert_eq!(s.unroutable, vec![]);
         assert_eq!(
             s.routes,
@@ -283,7 +346,7 @@ mod tests {
         let nodes: BTreeMap<String, Vec<IpAddr>> =
             [("v4only".to_string(), vec![ip("192.0.2.1")])].into();
         let blocks = [block("fd00::/122", "v4only"), block("10.0.0.0/26", "gone")];
-        let s = remote_state("me", &blocks, &nodes, &[]);
+        let s = remote_state("me", &blocks, &live(&nodes), &[]);
         assert!(s.routes.is_empty() && s.ipcache_v4.is_empty() && s.ipcache_v6.is_empty());
         assert_eq!(
             s.unroutable,
@@ -305,13 +368,77 @@ mod tests {
     }
 
     #[test]
+    fn a_node_whose_lease_ended_keeps_its_routes_while_it_holds_blocks() {
+        let dir = NodeDirectory {
+            // "moved" lives at .9 (a downgraded agent rewrote only its
+            // live key); its routing key still says .8.
+            live: [
+                ("up".to_string(), vec![ip("192.0.2.1")]),
+                ("moved".to_string(), vec![ip("192.0.2.9")]),
+            ]
+            .into(),
+            // "cut": its lease ended (cut off from etcd), its routing key
+            // stays. "old": an older agent, no routing key, lease ended.
+            routing: [
+                ("up".to_string(), vec![ip("192.0.2.1")]),
+                ("cut".to_string(), vec![ip("192.0.2.2")]),
+                ("moved".to_string(), vec![ip("192.0.2.8")]),
+                ("removed".to_string(), vec![ip("192.0.2.4")]),
+            ]
+            .into(),
+        };
+        let blocks = [
+            block("10.0.0.0/26", "up"),
+            block("10.0.0.64/26", "cut"),
+            block("10.0.0.128/26", "old"),
+            block("10.0.0.192/26", "moved"),
+        ];
+        let s = remote_state("me", &blocks, &dir, &[]);
+        assert_eq!(
+            s.routes,
+            [
+                (net("10.0.0.0/26"), ip("192.0.2.1")),
+                (net("10.0.0.64/26"), ip("192.0.2.2")),
+                (net("10.0.0.192/26"), ip("192.0.2.9")),
+            ]
+            .into()
+        );
+        let cut = s.ipcache_v4[&"10.0.0.64/26".parse().expect("n")];
+        assert_eq!(&cut.node_addr[..4], &[192, 0, 2, 2]);
+        // An older node whose lease ended: as before, not routed, reported.
+        assert_eq!(
+            s.unroutable,
+            vec![Unroutable::NodeUnknown {
+                block: net("10.0.0.128/26"),
+                node: "old".into()
+            }]
+        );
+        assert!(s.unroutable[0].to_string().contains("no routing key"));
+        // A routing key without blocks (the node holds none) routes nothing.
+        assert!(!s.routes.values().any(|v| *v == ip("192.0.2.4")));
+    }
+
+    #[test]
+    fn routing_keys_need_unicast_addresses() {
+        assert_eq!(
+            node_addresses_problem(&[ip("192.0.2.1"), ip("fd00::1")]),
+            None
+        );
+        assert_eq!(node_addresses_problem(&[]), Some("no address".into()));
+        for bad in ["0.0.0.0", "::", "224.0.0.1", "ff02::1", "255.255.255.255"] {
+            let e = node_addresses_problem(&[ip("192.0.2.1"), ip(bad)]).expect(bad);
+            assert!(e.contains(bad), "{e}");
+        }
+    }
+
+    #[test]
     fn skip_masquerade_pools_give_masq_skip_entries() {
         let mut p = ClusterPoolSpec::new("p")
             .with_cidr(net("10.1.0.0/16"))
             .with_cidr(net("fd01::/64"));
         p.skip_masquerade = true;
         let q = ClusterPoolSpec::new("q").with_cidr(net("10.2.0.0/16"));
-        let s = remote_state("me", &[], &BTreeMap::new(), &[p, q]);
+        let s = remote_state("me", &[], &NodeDirectory::default(), &[p, q]);
         assert_eq!(
             s.masq_v4.keys().collect::<Vec<_>>(),
             vec![&"10.1.0.0/16".parse::<Ipv4Net>().expect("n")]
@@ -332,7 +459,7 @@ mod tests {
         let s = remote_state(
             "me",
             &[block("10.0.0.0/26", "a"), block("10.0.0.64/26", "a")],
-            &nodes,
+            &live(&nodes),
             &[p],
         );
         let mut maps = crate::plan::desired::MapContents::default();
@@ -389,6 +516,40 @@ mod tests {
                     - desired.iter().filter(|(k, v)| observed.get(k) == Some(v)).count());
         }
 
+        /// A lease ending changes no route of a node that wrote a
+        /// routing key: the routes of every node alive equal those of
+        /// every node's lease gone, and a node with neither key gets none.
+        #[test]
+        fn routes_do_not_depend_on_leases(
+            owners in proptest::collection::vec(0usize..5, 0..30),
+            alive in proptest::collection::vec(any::<bool>(), 5),
+        ) {
+            let names = ["me", "a", "b", "c", "old"];
+            let keys: BTreeMap<String, Vec<IpAddr>> = [
+                ("a".to_string(), vec![ip("192.0.2.1")]),
+                ("b".to_string(), vec![ip("2001:db8::2"), ip("192.0.2.2")]),
+                ("c".to_string(), vec![ip("192.0.2.3")]),
+            ].into();
+            let blocks: Vec<RemoteBlock> = owners.iter().enumerate()
+                .map(|(i, o)| block(&format!("10.0.{i}.0/24"), names[*o]))
+                .collect();
+            let everyone = NodeDirectory { live: keys.clone(), routing: keys.clone() };
+            let some = NodeDirectory {
+                live: keys.iter()
+                    .filter(|(n, _)| alive[names.iter().position(|x| x == n).expect("name")])
+                    .map(|(n, v)| (n.clone(), v.clone()))
+                    .collect(),
+                routing: keys.clone(),
+            };
+            let a = remote_state("me", &blocks, &everyone, &[]);
+            let b = remote_state("me", &blocks, &some, &[]);
+            prop_assert_eq!(&a, &b);
+            for bl in &blocks {
+                let routed = a.routes.contains_key(&bl.cidr);
+                prop_assert_eq!(routed, keys.contains_key(&bl.node), "{:?}", bl);
+            }
+        }
+
         #[test]
         fn no_route_to_own_blocks_and_every_route_matches_family(
             owners in proptest::collection::vec(0usize..4, 0..30),
@@ -408,7 +569,7 @@ mod tests {
                     node: names[*o].to_string(),
                 })
                 .collect();
-            let s = remote_state("me", &blocks, &nodes, &[]);
+            let s = remote_state("me", &blocks, &live(&nodes), &[]);
             for b in &blocks {
                 let routed = s.routes.get(&b.cidr);
                 if b.node == "me" {

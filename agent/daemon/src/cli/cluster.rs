@@ -60,7 +60,7 @@ pub enum ClusterCommand {
     /// One node.
     #[command(subcommand)]
     Node(NodeCommand),
-    /// Keys under pools/, blocks/ or nodes/ this version cannot read (every
+    /// Keys under pools/, blocks/, nodes/ or node_addrs/ this version cannot read (every
     /// reader skips them); `unreadable delete KEY` removes one.
     Unreadable {
         /// What to do (default: list them).

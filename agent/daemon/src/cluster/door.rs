@@ -14,13 +14,21 @@ use ipnet::IpNet;
 use lockstep_core::cluster::{ClusterPoolSpec, check_apply};
 
 use super::{
-    Block, BlockRecord, Claim, ClusterStoreError, Node, NodeRecord, Unreadable, escape, unescape,
+    Block, BlockRecord, Claim, ClusterStoreError, Node, NodeAddrRecord, NodeRecord, Unreadable,
+    escape, unescape,
 };
-use lockstep_core::cluster::{default_for_apply, key_name_problem};
+use lockstep_core::cluster::{default_for_apply, key_name_problem, node_addresses_problem};
 
 /// The key (under the prefix) recording the default cluster pool: outside
 /// `pools/`, so agents that predate it never read it.
 const DEFAULT_KEY: &str = "default_pool";
+
+/// The area (under the prefix) of the nodes' routing keys, bound to no
+/// lease. Outside `nodes/`: every version lists `nodes/` whole, and would
+/// read `nodes/<name>/addr` as a node named `<name>/addr` (this build
+/// skips and reports such a key; builds before #26 item 8 failed the
+/// whole read, and with it their remote state).
+pub(super) const NODE_ADDRS: &str = "node_addrs/";
 
 /// How the door reaches etcd.
 #[derive(Clone, Debug)]
@@ -404,8 +412,8 @@ impl Door {
         }
     }
 
-    /// Every key under `pools/`, `blocks/` and `nodes/` this build cannot
-    /// read (three reads).
+    /// Every key under `pools/`, `blocks/`, `nodes/` and `node_addrs/`,
+    /// and `default_pool`, this build cannot read (five reads).
     ///
     /// # Errors
     /// etcd unavailable.
@@ -413,12 +421,13 @@ impl Door {
         self.pools().await?;
         self.blocks().await?;
         self.nodes().await?;
+        self.node_addrs().await?;
         self.stored_default().await?;
         Ok(self.unreadable())
     }
 
-    /// Deletes `key`, one this build cannot read (`pools/`, `blocks/` or
-    /// `nodes/` under the prefix), compared on the revision it was read
+    /// Deletes `key`, one this build cannot read (`pools/`, `blocks/`,
+    /// `nodes/` or `node_addrs/` under the prefix, or `default_pool`), compared on the revision it was read
     /// at: the operator's way out of a key an older version or a hand
     /// wrote. A key that reads fine is refused (pools, blocks and nodes
     /// have commands of their own, which keep their rules).
@@ -447,11 +456,13 @@ impl Door {
                 .map(|u| u.reason)
         } else if key.starts_with(&self.key("nodes/")) {
             parse_node(&self.key("nodes/"), key, kv.value()).err()
+        } else if key.starts_with(&self.key(NODE_ADDRS)) {
+            parse_node_addr(&self.key(NODE_ADDRS), key, kv.value()).err()
         } else if key == self.key(DEFAULT_KEY) {
             parse_default(kv.value()).err()
         } else {
             return Err(ClusterStoreError::Invalid(format!(
-                "etcd key {key:?} is not under {0}pools/, {0}blocks/ or {0}nodes/, nor {0}{DEFAULT_KEY}",
+                "etcd key {key:?} is not under {0}pools/, {0}blocks/, {0}nodes/ or {0}{NODE_ADDRS}, nor {0}{DEFAULT_KEY}",
                 self.opts.prefix
             )));
         };
@@ -790,7 +801,10 @@ impl Door {
     }
 
     /// Registers `record` under a new lease of `ttl` (whole seconds, at
-    /// least 1) and returns the lease; [`Door::keep_alive`] keeps it.
+    /// least 1) and returns the lease; [`Door::keep_alive`] keeps it. In
+    /// the same transaction the node's routing key (`node_addrs/<name>`,
+    /// its name and IPs, no lease) is written: the others keep routing
+    /// its blocks there after the lease ends.
     ///
     /// # Errors
     /// etcd unavailable.
@@ -812,12 +826,23 @@ impl Door {
             key: key.clone(),
             reason: e.to_string(),
         })?;
+        let addr_key = self.key(&format!("{NODE_ADDRS}{}", record.name));
+        let addr = NodeAddrRecord {
+            name: record.name.clone(),
+            ips: record.ips.clone(),
+        };
+        let addr_value = serde_json::to_vec(&addr).map_err(|e| ClusterStoreError::Corrupt {
+            key: addr_key.clone(),
+            reason: e.to_string(),
+        })?;
+        let txn = Txn::new().and_then([
+            TxnOp::put(addr_key, addr_value, None),
+            TxnOp::put(key, value, Some(PutOptions::new().with_lease(lease))),
+        ]);
+        // Two puts of the same values: run twice, the same keys result.
         self.retrying_idempotent("register the node", |mut c| {
-            let (key, value) = (key.clone(), value.clone());
-            async move {
-                c.put(key, value, Some(PutOptions::new().with_lease(lease)))
-                    .await
-            }
+            let txn = txn.clone();
+            async move { c.txn(txn).await }
         })
         .await?;
         Ok(lease)
@@ -875,12 +900,41 @@ impl Door {
         self.note_unreadable(&area, bad);
         Ok(out)
     }
+
+    /// Every node's routing key (`node_addrs/<name>`: where its blocks
+    /// are routed, whether or not its lease lives). A key whose name or
+    /// record this build cannot read (a name that is not the record's,
+    /// no address, an address no route can go via) is skipped and kept
+    /// in [`Door::unreadable`].
+    ///
+    /// # Errors
+    /// etcd unavailable.
+    pub async fn node_addrs(&mut self) -> Result<Vec<NodeAddrRecord>, ClusterStoreError> {
+        let (resp, _) = self.list("read node addresses", NODE_ADDRS).await?;
+        let area = self.key(NODE_ADDRS);
+        let mut out = Vec::new();
+        let mut bad = Vec::new();
+        for kv in resp.kvs() {
+            let key = String::from_utf8_lossy(kv.key()).into_owned();
+            match parse_node_addr(&area, &key, kv.value()) {
+                Ok(record) => out.push(record),
+                Err(reason) => bad.push(Unreadable {
+                    key,
+                    reason,
+                    block: None,
+                }),
+            }
+        }
+        self.note_unreadable(&area, bad);
+        Ok(out)
+    }
 }
 
 impl Door {
     /// An operator's removal of node `name`: its blocks are deleted (each
     /// compared on the revision read, in one transaction) so other nodes can
-    /// claim them, and with `force` its node key too. Refused while the
+    /// claim them, with its routing key (`node_addrs/<name>`: the others
+    /// drop its routes with its blocks), and with `force` its node key too. Refused while the
     /// node's key (its lease) is alive, unless `force` (the core's
     /// [`check_node_removal`](lockstep_core::cluster::check_node_removal)).
     /// Returns the blocks freed.
@@ -915,11 +969,12 @@ impl Door {
             ));
             ops.push(TxnOp::delete(key, None));
         }
+        ops.push(TxnOp::delete(
+            self.key(&format!("{NODE_ADDRS}{name}")),
+            None,
+        ));
         if force {
             ops.push(TxnOp::delete(self.key(&format!("nodes/{name}")), None));
-        }
-        if ops.is_empty() {
-            return Ok(freed);
         }
         let what = format!("remove node {name}");
         let txn = Txn::new().when(guards).and_then(ops);
@@ -1006,6 +1061,32 @@ fn parse_node(prefix: &str, key: &str, value: &[u8]) -> Result<NodeRecord, Strin
             "holds node {:?} under the key of node {name:?}",
             record.name
         ));
+    }
+    Ok(record)
+}
+
+/// A routing key and record, or why they cannot be read: the key's name
+/// must be a usable name and the record's, its addresses ones a route can
+/// go via.
+pub(super) fn parse_node_addr(
+    prefix: &str,
+    key: &str,
+    value: &[u8],
+) -> Result<NodeAddrRecord, String> {
+    let name = key.strip_prefix(prefix).unwrap_or(key);
+    if let Some(why) = key_name_problem(name) {
+        return Err(format!("node name {name:?}: {why}"));
+    }
+    let record: NodeAddrRecord =
+        serde_json::from_slice(value).map_err(|e| format!("value: {e}"))?;
+    if record.name != name {
+        return Err(format!(
+            "holds the addresses of node {:?} under the key of node {name:?}",
+            record.name
+        ));
+    }
+    if let Some(why) = node_addresses_problem(&record.ips) {
+        return Err(format!("ips: {why}"));
     }
     Ok(record)
 }
@@ -1182,6 +1263,37 @@ mod tests {
         .unwrap_err();
         assert!(e.contains("'/'"), "{e}");
         assert!(parse_node("/x/nodes/", "/x/nodes/n1", b"{}").is_err());
+        // Routing keys: name, record and usable addresses; a field a
+        // later version adds is ignored.
+        let a = "/x/node_addrs/";
+        let r = parse_node_addr(
+            a,
+            "/x/node_addrs/n1",
+            br#"{"name":"n1","ips":["10.0.0.1","fd00::1"],"later":1}"#,
+        )
+        .expect("readable");
+        assert_eq!(r.ips.len(), 2);
+        let e = parse_node_addr(
+            a,
+            "/x/node_addrs/n2",
+            br#"{"name":"n1","ips":["10.0.0.1"]}"#,
+        )
+        .unwrap_err();
+        assert!(e.contains("under the key of node \"n2\""), "{e}");
+        let e = parse_node_addr(a, "/x/node_addrs/n1", br#"{"name":"n1","ips":[]}"#).unwrap_err();
+        assert!(e.contains("no address"), "{e}");
+        let e = parse_node_addr(a, "/x/node_addrs/n1", br#"{"name":"n1","ips":["0.0.0.0"]}"#)
+            .unwrap_err();
+        assert!(e.contains("0.0.0.0 is not a unicast address"), "{e}");
+        assert!(parse_node_addr(a, "/x/node_addrs/n1", b"garbage").is_err());
+        assert!(
+            parse_node_addr(
+                a,
+                "/x/node_addrs/a/b",
+                br#"{"name":"a/b","ips":["10.0.0.1"]}"#
+            )
+            .is_err()
+        );
     }
 
     #[test]

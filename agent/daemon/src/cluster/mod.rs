@@ -15,6 +15,8 @@
 //! pools/<name>                  → ClusterPoolSpec (JSON)
 //! blocks/<pool>/<cidr-escaped>  → BlockRecord (JSON), no lease
 //! nodes/<node>                  → NodeRecord (JSON), bound to the node's lease
+//! node_addrs/<node>             → NodeAddrRecord (JSON), no lease: where the
+//!                                 node's blocks are routed
 //! lb/...                        → LoadBalancer pools, services, state (`lb`)
 //! ```
 //!
@@ -128,9 +130,9 @@ pub struct Block {
     pub revision: i64,
 }
 
-/// A key under `pools/`, `blocks/` or `nodes/` this build cannot read: a
-/// name with a `/` (an older version accepted `team/a`), a value that is
-/// not what this build writes, a key written by hand. Readers skip it and
+/// A key under `pools/`, `blocks/`, `nodes/` or `node_addrs/` this build
+/// cannot read: a name with a `/` (an older version accepted `team/a`), a
+/// value that is not what this build writes, a key written by hand. Readers skip it and
 /// report it (log, `lockstep_cluster_unreadable_keys`, `verify`, `lockstep
 /// cluster blocks`) instead of failing: one such key once stopped every
 /// node's reads, and with them its lease refreshes and its claims.
@@ -183,6 +185,24 @@ pub struct NodeRecord {
     pub in_use: u64,
     /// Addresses wanted (in use + pending + pre-allocation).
     pub wanted: u64,
+}
+
+/// The value of a node's routing key (`node_addrs/<node>`): what the other
+/// nodes need to route to its blocks. Bound to no lease, like the blocks:
+/// blocks belong to nodes, not leases, so a node cut off from etcd (its
+/// lease, and with it its node key, gone) keeps its routes on the others
+/// while it holds blocks. Written with the node key at every registration;
+/// deleted by `lockstep cluster node remove` with its blocks.
+///
+/// Unknown fields are ignored (unlike the other records): a later version
+/// may add some, and an agent that could not read this key would drop the
+/// routes of every node cut off from etcd.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeAddrRecord {
+    /// The node's name (the key's last segment).
+    pub name: String,
+    /// Underlay addresses other nodes route this node's blocks to.
+    pub ips: Vec<IpAddr>,
 }
 
 /// A registered node as read from etcd: its record and its lease.

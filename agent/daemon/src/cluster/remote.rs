@@ -18,6 +18,12 @@
 //! the agent's: [`RemoteView::snapshot`] is read by the agent's desired
 //! state, so reconcile writes them and deletes the stale ones, and verify
 //! reports their drift.
+//!
+//! Blocks belong to nodes, not leases: a block is routed while etcd says
+//! a node holds it, to the address of the node's live key or, once its
+//! lease ended (a node cut off from etcd only, still forwarding), of its
+//! routing key (`node_addrs/<name>`, no lease). Its routes go with its
+//! blocks (`cluster node remove`), not with its lease.
 
 use std::collections::BTreeMap;
 use std::net::IpAddr;
@@ -26,7 +32,7 @@ use std::time::Duration;
 
 use ipnet::IpNet;
 use lockstep_core::cluster::ClusterPoolSpec;
-use lockstep_core::cluster::remote::{RemoteBlock, RemoteState, diff, remote_state};
+use lockstep_core::cluster::remote::{NodeDirectory, RemoteBlock, RemoteState, diff, remote_state};
 
 use super::{Change, ClusterStoreError, Door, DoorOptions, Watch};
 use crate::agent::Agent;
@@ -165,7 +171,8 @@ pub struct RemoteTask {
     view: RemoteView,
     pools: BTreeMap<String, ClusterPoolSpec>,
     blocks: BTreeMap<(String, IpNet), String>,
-    nodes: BTreeMap<String, Vec<IpAddr>>,
+    /// Where each node is reached: live node keys and routing keys.
+    nodes: NodeDirectory,
 }
 
 /// Resolves once `stop` is true (no guard held: the task stays `Send`).
@@ -190,7 +197,7 @@ impl RemoteTask {
             view: RemoteView::default(),
             pools: BTreeMap::new(),
             blocks: BTreeMap::new(),
-            nodes: BTreeMap::new(),
+            nodes: NodeDirectory::default(),
         }
     }
 
@@ -214,15 +221,19 @@ impl RemoteTask {
         let (pools, _, revision) = door.pools().await?;
         let (blocks, _) = door.blocks().await?;
         let nodes = door.nodes().await?;
+        let routing = door.node_addrs().await?;
         self.pools = pools.into_iter().map(|p| (p.name.clone(), p)).collect();
         self.blocks = blocks
             .into_iter()
             .map(|b| ((b.pool, b.cidr), b.node))
             .collect();
-        self.nodes = nodes
-            .into_iter()
-            .map(|n| (n.record.name, n.record.ips))
-            .collect();
+        self.nodes = NodeDirectory {
+            live: nodes
+                .into_iter()
+                .map(|n| (n.record.name, n.record.ips))
+                .collect(),
+            routing: routing.into_iter().map(|r| (r.name, r.ips)).collect(),
+        };
         Ok(revision + 1)
     }
 
@@ -258,10 +269,19 @@ impl RemoteTask {
                     name,
                     record: Some(r),
                 } => {
-                    self.nodes.insert(name, r.ips);
+                    self.nodes.live.insert(name, r.ips);
                 }
                 Change::Node { name, record: None } => {
-                    self.nodes.remove(&name);
+                    self.nodes.live.remove(&name);
+                }
+                Change::NodeAddr {
+                    name,
+                    record: Some(r),
+                } => {
+                    self.nodes.routing.insert(name, r.ips);
+                }
+                Change::NodeAddr { name, record: None } => {
+                    self.nodes.routing.remove(&name);
                 }
             }
         }

@@ -6,7 +6,8 @@ use ipnet::IpNet;
 use lockstep_core::cluster::{ClusterPoolSpec, key_name_problem};
 
 use super::door::Door;
-use super::{BlockRecord, ClusterStoreError, NodeRecord, unescape};
+use super::door::{NODE_ADDRS, parse_node_addr};
+use super::{BlockRecord, ClusterStoreError, NodeAddrRecord, NodeRecord, unescape};
 
 /// One change under the prefix. `None` means the key was deleted.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -35,6 +36,14 @@ pub enum Change {
         name: String,
         /// What it published.
         record: Option<NodeRecord>,
+    },
+    /// A node's routing key written (at its registration) or deleted (by
+    /// `cluster node remove`): where its blocks are routed, lease or not.
+    NodeAddr {
+        /// Its name.
+        name: String,
+        /// Its addresses.
+        record: Option<NodeAddrRecord>,
     },
 }
 
@@ -210,6 +219,17 @@ fn parse(
                 None
             } else {
                 Some(serde_json::from_value(json("node")?).map_err(|e| corrupt(e.to_string()))?)
+            },
+        })
+    } else if let Some(name) = rest.strip_prefix(NODE_ADDRS) {
+        named("node", name)?;
+        Some(Change::NodeAddr {
+            name: name.to_string(),
+            record: if deleted {
+                None
+            } else {
+                let area = format!("{prefix}{NODE_ADDRS}");
+                Some(parse_node_addr(&area, key, value).map_err(corrupt)?)
             },
         })
     } else {
