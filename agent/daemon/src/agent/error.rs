@@ -72,6 +72,20 @@ pub enum AgentError {
         /// container id/ifname.
         attachment: String,
     },
+    /// A pool had no free address but pending releases (pods DEL'd, their
+    /// interfaces not yet gone) hold some, and they did not come free
+    /// within the ADD's wait.
+    #[error(
+        "pool {pool} has no free {family} address yet: {pending} held by pods being torn down (their interfaces not yet gone)"
+    )]
+    AddressesReleasing {
+        /// The pool.
+        pool: String,
+        /// The family asked for.
+        family: Family,
+        /// How many of its addresses pending releases hold.
+        pending: usize,
+    },
     /// CHECK found the attachment not as ADD made it.
     #[error("check failed: {}", problems.join("; "))]
     CheckFailed {
@@ -149,6 +163,18 @@ impl From<ManagerError> for AgentError {
 }
 
 impl AgentError {
+    /// The pool and family an allocation found without a free address, if
+    /// that is what this is.
+    pub fn exhausted(&self) -> Option<(&str, Family)> {
+        match self {
+            AgentError::Allocation(e) => match e.as_ref() {
+                ManagerError::PoolExhausted { pool, family, .. } => Some((pool, *family)),
+                _ => None,
+            },
+            _ => None,
+        }
+    }
+
     /// A stable, machine-readable code for the API.
     pub fn code(&self) -> &'static str {
         match self {
@@ -173,7 +199,7 @@ impl AgentError {
             AgentError::Store(_) => "store_error",
             AgentError::Netlink(_) => "interface_error",
             AgentError::CheckFailed { .. } => "check_failed",
-            AgentError::Busy { .. } => "busy",
+            AgentError::Busy { .. } | AgentError::AddressesReleasing { .. } => "busy",
             AgentError::Datapath(_) => "datapath_error",
             AgentError::Delegate(_) => "ipam_plugin_error",
             AgentError::ReleasePending { .. } => "store_error",

@@ -26,6 +26,7 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError, Weak};
 use std::time::{Duration, Instant};
 
+use lockstep_core::cidr::Family;
 use lockstep_core::manager::Allocation;
 use lockstep_core::owner::Owner;
 
@@ -117,6 +118,21 @@ impl Reaper {
                 .held
                 .values()
                 .any(|h| h.ifname == ifname && h.netns == netns)
+    }
+
+    /// Whether any release is pending.
+    pub fn is_busy(&self) -> bool {
+        !self.held.is_empty()
+    }
+
+    /// How many addresses of `pool` in `family` pending releases hold:
+    /// they come free once their pods' interfaces are gone.
+    pub fn holding_in(&self, pool: &str, family: Family) -> usize {
+        self.held
+            .values()
+            .flat_map(|h| &h.allocations)
+            .filter(|a| a.pool == pool && a.family() == family)
+            .count()
     }
 
     /// Whether `a` belongs to a pending release (held, left out of the maps).
@@ -342,23 +358,31 @@ pub fn lock_unblocked<'a>(
     let deadline = Instant::now() + timeout;
     loop {
         let guard = slot.lock().unwrap_or_else(PoisonError::into_inner);
-        let now = Instant::now();
-        let shared = match guard.as_ref() {
-            Some(a) if now < deadline && a.reaper.blocks(key, netns, ifname) => {
-                a.reaper.shared.clone()
-            }
+        match guard.as_ref() {
+            Some(a) if Instant::now() < deadline && a.reaper.blocks(key, netns, ifname) => {}
             _ => return guard,
-        };
-        // The queue's lock before the agent's is let go: no wake-up is lost.
-        let q = shared.lock();
-        let seen = q.finished;
-        drop(guard);
-        let _ = shared.wake.wait_timeout_while(
-            q,
-            (deadline - now).min(Duration::from_millis(50)),
-            |q| q.finished == seen && !q.stop,
-        );
+        }
+        wait_for_progress(guard, deadline);
     }
+}
+
+/// Lets the agent lock go and waits until the reaper finishes something
+/// (a batch, an orphan removal), stops, or `deadline` passes; at most
+/// 50 ms, so the caller looks again at least that often.
+pub fn wait_for_progress(guard: MutexGuard<'_, Option<Agent>>, deadline: Instant) {
+    let Some(shared) = guard.as_ref().map(|a| a.reaper.shared.clone()) else {
+        return;
+    };
+    // The queue's lock before the agent's is let go: no wake-up is lost.
+    let q = shared.lock();
+    let seen = q.finished;
+    drop(guard);
+    let left = deadline.saturating_duration_since(Instant::now());
+    let _ = shared
+        .wake
+        .wait_timeout_while(q, left.min(Duration::from_millis(50)), |q| {
+            q.finished == seen && !q.stop
+        });
 }
 
 impl Agent {

@@ -62,7 +62,16 @@ pub fn endpoint_add_inline(
     if !inline_capable(agent, &key, Some(req.mode)) {
         return Inline::Blocking(req);
     }
-    Inline::Done(match agent.endpoint_add_begin(req) {
+    // With releases pending, an exhausted pool may only be waiting for
+    // them: that wait is the blocking pool's (`endpoint_add_concurrent`).
+    let again = agent.reaper.is_busy().then(|| req.clone());
+    let begun = agent.endpoint_add_begin(req);
+    if let (Err(e), Some(req)) = (&begun, again)
+        && releasing(agent, e) > 0
+    {
+        return Inline::Blocking(req);
+    }
+    Inline::Done(match begun {
         Ok(AddBegin::Done(reply)) => Ok(*reply),
         // IPAM mode finishes in the first phase; were that ever to change,
         // the interfaces are not made here.
@@ -75,6 +84,18 @@ pub fn endpoint_add_inline(
         }
         Err(e) => Err(e),
     })
+}
+
+/// How long a full ADD waits for what blocks it: the release of its own
+/// attachment's earlier interface, or addresses of an exhausted pool that
+/// pending releases hold.
+const ADD_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// How many addresses of the pool `e` found exhausted pending releases
+/// hold (0: `e` is something else, or nothing is being released there).
+fn releasing(agent: &Agent, e: &AgentError) -> usize {
+    e.exhausted()
+        .map_or(0, |(pool, family)| agent.reaper.holding_in(pool, family))
 }
 
 /// CNI DEL from the API's async worker: judged and committed under one hold
@@ -112,16 +133,31 @@ pub fn endpoint_add_concurrent(
     // once its old veth is gone.
     let key = endpoint_key(&req.container_id, &req.ifname);
     let (netns, ifname) = (req.netns.clone(), req.ifname.clone());
-    let begun = crate::agent::reaper::lock_unblocked(
-        slot,
-        &key,
-        &netns,
-        &ifname,
-        std::time::Duration::from_secs(10),
-    )
-    .as_mut()
-    .ok_or_else(not_ready)?
-    .endpoint_add_begin(req);
+    let deadline = std::time::Instant::now() + ADD_WAIT;
+    // A pool whose only free addresses are still being released (their
+    // pods DEL'd, the interfaces not yet gone) is waited for, not answered
+    // "exhausted": they come free within a reaper batch.
+    let begun = loop {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        let mut guard = crate::agent::reaper::lock_unblocked(slot, &key, &netns, &ifname, left);
+        let agent = guard.as_mut().ok_or_else(not_ready)?;
+        match agent.endpoint_add_begin(req.clone()) {
+            Err(e) => match (releasing(agent, &e), e.exhausted()) {
+                (0, _) | (_, None) => break Err(e),
+                (pending, Some((pool, family))) => {
+                    if std::time::Instant::now() >= deadline {
+                        break Err(AgentError::AddressesReleasing {
+                            pool: pool.to_string(),
+                            family,
+                            pending,
+                        });
+                    }
+                    crate::agent::reaper::wait_for_progress(guard, deadline);
+                }
+            },
+            ok => break ok,
+        }
+    };
     let prepared = match begun? {
         AddBegin::Done(reply) => return Ok(*reply),
         AddBegin::Interfaces(p) => p,
