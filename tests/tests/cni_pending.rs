@@ -24,12 +24,12 @@ fn config(window: &str) -> String {
     )
 }
 
+/// Pods (container id, namespace) and their addresses, in order.
+type Filled = (Vec<(String, Netns)>, Vec<IpAddr>);
+
 /// Fills the pool with pods (each in its own namespace, with its veth):
 /// the pods and their addresses, in order.
-fn fill(
-    socket: &std::path::Path,
-    tag: &str,
-) -> anyhow::Result<(Vec<(String, Netns)>, Vec<IpAddr>)> {
+fn fill(socket: &std::path::Path, tag: &str) -> anyhow::Result<Filled> {
     let mut pods = Vec::new();
     let mut addrs = Vec::new();
     loop {
