@@ -187,25 +187,27 @@ fn del_is_acknowledged_at_once_and_no_address_returns_while_its_veth_exists() ->
         .map(|i| unique(&format!("td-storm-{i}")))
         .collect();
     let sent = Instant::now();
-    let results: Vec<anyhow::Result<(i32, Value, BTreeSet<String>, Duration)>> =
-        std::thread::scope(|s| {
-            let handles: Vec<_> = storm
-                .iter()
-                .zip(&ids)
-                .map(|(ns, id)| {
-                    let (agent, node) = (&agent, &node);
-                    s.spawn(move || {
-                        let (code, v) = plugin(agent, "ADD", id, ns)?;
-                        // The node's interfaces right after the answer.
-                        Ok((code, v, links(node)?, sent.elapsed()))
-                    })
+    // Per ADD: its exit code, answer, the node's links right after, and
+    // when it was answered.
+    type Answered = (i32, Value, BTreeSet<String>, Duration);
+    let results: Vec<anyhow::Result<Answered>> = std::thread::scope(|s| {
+        let handles: Vec<_> = storm
+            .iter()
+            .zip(&ids)
+            .map(|(ns, id)| {
+                let (agent, node) = (&agent, &node);
+                s.spawn(move || {
+                    let (code, v) = plugin(agent, "ADD", id, ns)?;
+                    // The node's interfaces right after the answer.
+                    Ok((code, v, links(node)?, sent.elapsed()))
                 })
-                .collect();
-            handles
-                .into_iter()
-                .map(|h| h.join().expect("storm thread"))
-                .collect()
-        });
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("storm thread"))
+            .collect()
+    });
     let mut slowest = Duration::ZERO;
     for r in results {
         let (code, v, after, took) = r?;
