@@ -100,6 +100,20 @@ pub enum ClusterStoreError {
         /// The compaction revision.
         compacted: i64,
     },
+    /// etcd's store revision is below one this watch has already seen:
+    /// etcd went back in time (restored from a backup), and a watch resumed
+    /// from the old revision would wait for revisions that will be written
+    /// anew and never report what was written below them. Read everything
+    /// again.
+    #[error(
+        "etcd's revision went back from {seen} to {now} (restored from a backup?); reading everything again"
+    )]
+    RolledBack {
+        /// The highest revision seen before.
+        seen: i64,
+        /// The revision etcd answers with now.
+        now: i64,
+    },
     /// The options are unusable (no endpoint, a bad prefix).
     #[error("invalid cluster option: {0}")]
     Invalid(String),

@@ -376,6 +376,11 @@ impl RemoteTask {
                             watch = None;
                             from = None;
                         }
+                        Err(e @ ClusterStoreError::RolledBack { .. }) => {
+                            tracing::warn!(error = %e, "remote state: etcd went back in time; reading everything again");
+                            watch = None;
+                            from = None;
+                        }
                         Err(e @ ClusterStoreError::Unavailable { .. }) => {
                             tracing::warn!(error = %crate::error_chain(&e), "remote state: watch broke; resuming");
                             from = Some(w.resume_from());

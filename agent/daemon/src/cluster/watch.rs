@@ -112,7 +112,8 @@ impl Watch {
     ///
     /// # Errors
     /// [`ClusterStoreError::Compacted`] when the history asked for is gone
-    /// (resync), or [`ClusterStoreError::Unavailable`] when the stream broke
+    /// (resync), [`ClusterStoreError::RolledBack`] when etcd's revision is
+    /// below one already seen (a restore: resync), or [`ClusterStoreError::Unavailable`] when the stream broke
     /// (watch again from [`Watch::resume_from`]). A change this build
     /// cannot read is skipped (logged).
     pub async fn next(&mut self) -> Result<Vec<Change>, ClusterStoreError> {
@@ -122,7 +123,22 @@ impl Watch {
             maybe_written: false,
         };
         let resp = loop {
-            match self.stream.message().await {
+            let msg = self.stream.message().await;
+            // Every answer carries the store's revision: below one already
+            // seen, etcd went back in time (a restore), and this watch,
+            // resumed past it, would miss everything written below the
+            // revision it waits for.
+            if let Ok(Some(r)) = &msg
+                && let Some(now) = r.header().map(|h| h.revision())
+                && now > 0
+                && now < self.next - 1
+            {
+                return Err(ClusterStoreError::RolledBack {
+                    seen: self.next - 1,
+                    now,
+                });
+            }
+            match msg {
                 // The watch's creation is acknowledged with no events; a
                 // refusal (compaction) follows it.
                 Ok(Some(r)) if r.created() && !r.canceled() && r.events().is_empty() => {}
