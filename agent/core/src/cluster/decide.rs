@@ -1,5 +1,5 @@
 //! What a node does with blocks: which to claim, when to claim, when to give
-//! one back; node removal and reclaim; fencing at start.
+//! one back; node removal and reclaim; fencing (at start and at every read).
 
 use super::ClusterError;
 use super::layout::{block_at, block_count, block_index};
@@ -207,8 +207,10 @@ pub enum Fence {
     Absent,
 }
 
-/// The fencing decision before a node serves: each block of its local store
-/// (`local`) whose owner in etcd (`owners`: block → node) is not `node`.
+/// The fencing decision, before a node serves and at every read of etcd
+/// while it runs: each block of its local store (`local`) whose owner in
+/// etcd (`owners`: block → node) is not `node`. A fenced block is left out
+/// of the allocator's pools at once ([`super::local_pools`]).
 /// Blocks absent from etcd are fenced too: the node cannot know whether
 /// another node claimed and released it meanwhile; claiming it again (a
 /// create-if-absent) is the only way back.

@@ -6,15 +6,18 @@
 //! - [`default`]: which pool serves requests that name none.
 //! - [`layout`]: block `i` of a CIDR and back.
 //! - [`decide`]: which block a node claims next, when to claim, when to give
-//!   an empty block back, node removal and reclaim, fencing at start.
+//!   an empty block back, node removal and reclaim, fencing.
 //! - [`names`]: names that become one segment of an etcd key.
 //! - [`local`]: the cluster pools as local pools of the blocks a node holds.
+//! - [`cover`]: addresses a node holds inside blocks etcd gives other
+//!   nodes (what a block fenced while the node ran may have doubled).
 //! - [`remote`]: what a node programs for the other nodes' blocks (IPCACHE,
 //!   routes, MASQ_SKIP) and the diff against what is there.
 //!
 //! Time is passed in as milliseconds; the daemon's etcd door performs what
 //! these functions decide (`agent/daemon/src/cluster/node.rs`).
 
+pub mod cover;
 pub mod decide;
 pub mod default;
 pub mod layout;
@@ -26,6 +29,7 @@ pub mod spec;
 #[cfg(test)]
 mod tests;
 
+pub use cover::{Covered, covered_by_others};
 pub use decide::{
     BlockUse, Fence, NodeLease, blocks_to_claim, blocks_to_release, check_node_removal, fence,
     next_block, reclaimable, spread,
