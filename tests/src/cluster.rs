@@ -332,6 +332,41 @@ impl ClusterNodes {
         cluster_cli(&self.eps, &self.prefix, args)
     }
 
+    /// Cuts node `i` off from etcd as a network partition does: its
+    /// namespace drops every packet to and from the members' ports (the
+    /// forwarders listen there on loopback), so the agent's requests time
+    /// out, established connections included; the other nodes and the
+    /// test still reach etcd. Undone by [`ClusterNodes::heal`] (the table
+    /// goes with the namespace otherwise).
+    ///
+    /// # Errors
+    /// nft refused the rules.
+    pub fn cut_from_etcd(&self, i: usize) -> anyhow::Result<()> {
+        let ports = self
+            .eps
+            .iter()
+            .map(|e| e.rsplit(':').next().unwrap_or_default().to_string())
+            .collect::<Vec<_>>()
+            .join(", ");
+        let rules = format!(
+            "table inet lockstep_test_cut {{\n chain out {{\n  type filter hook output priority 0; policy accept;\n  tcp dport {{ {ports} }} drop\n  tcp sport {{ {ports} }} drop\n }}\n}}\n"
+        );
+        let dir = crate::TempDir::new("cut")?;
+        let file = dir.path().join("cut.nft");
+        std::fs::write(&file, rules)?;
+        self.ns[i].exec("nft", ["-f", file.to_str().context("path")?])?;
+        Ok(())
+    }
+
+    /// Ends [`ClusterNodes::cut_from_etcd`] for node `i`.
+    ///
+    /// # Errors
+    /// nft refused (the node was not cut).
+    pub fn heal(&self, i: usize) -> anyhow::Result<()> {
+        self.ns[i].exec("nft", ["delete", "table", "inet", "lockstep_test_cut"])?;
+        Ok(())
+    }
+
     /// Blocks as etcd has them: block → node.
     ///
     /// # Errors

@@ -14,6 +14,10 @@
 //!    its node key's expiry the others keep its routes and IPCACHE entries
 //!    and pods still ping across; healed, nothing is worse. Blocks belong
 //!    to nodes, not leases.
+//! #26 item 1. A node cut off from etcd while it runs, removed, its block
+//!    claimed and filled by another: healed, it fences the block in its
+//!    allocator at once (nothing new from it, holders kept) and `verify`
+//!    names the block and every address the other node's block covers.
 
 use std::collections::BTreeSet;
 use std::net::IpAddr;
@@ -481,5 +485,169 @@ fn a_node_cut_off_from_etcd_only_keeps_its_routes_on_the_others() -> anyhow::Res
         "node remove left {key}"
     );
     n.wait_remote()?;
+    Ok(())
+}
+
+/// The addresses `agent` holds (every allocation it lists).
+fn held_by(agent: &AgentProc) -> anyhow::Result<BTreeSet<IpAddr>> {
+    agent
+        .json(["allocations", "-o", "json"])?
+        .as_array()
+        .context("allocations")?
+        .iter()
+        .map(|x| Ok(x["address"].as_str().context("address")?.parse()?))
+        .collect()
+}
+
+/// Issue #26 item 1: a block fenced while its agent runs. node-2 is cut
+/// off from etcd (a partition: its packets to the members dropped) and
+/// keeps serving its block, as it must, since it cannot know; meanwhile the
+/// operator force-removes it and node-0 claims the block and fills it. When
+/// the partition heals, node-2 reads etcd, finds the block held by node-0
+/// and fences it: from then on nothing new comes from it (the pool is full,
+/// so no claim follows the read: before the fix only a claim gave the
+/// allocator its pools, and node-2 went on handing out the block), its
+/// holders keep their addresses, and `verify` names the block and every
+/// address of node-2 that node-0's block covers. Once the pool grows,
+/// node-2's new addresses come from a new block, none from the fenced one.
+#[test]
+fn a_block_taken_while_its_node_is_cut_off_is_fenced_in_the_allocator_once_etcd_answers()
+-> anyhow::Result<()> {
+    privileged!();
+    let cluster = EtcdCluster::start(3)?;
+    // Four blocks of 16 in the whole pool: one per node, one spare.
+    let pools = "[[pools]]\nname = \"pods\"\nipv4 = [\"10.97.0.0/26\"]\nblock_v4 = 28\n";
+    let n = ClusterNodes::build(&cluster, "/fail-f/", pools)?;
+    let pods: Vec<Netns> = (0..3)
+        .map(|i| Netns::new(&format!("cff{i}")))
+        .collect::<anyhow::Result<_>>()?;
+    let mut addrs = Vec::new();
+    for (i, ns) in pods.iter().enumerate() {
+        addrs.push(add(&n, i, &format!("f-{i}"), ns)?);
+    }
+    n.wait_remote()?;
+    let lost = blocks_of(&n, "node-2")?;
+    ensure!(lost.len() == 1, "node-2 holds {lost:?}");
+    let x = *lost.iter().next().context("block")?;
+
+    // Cut off, node-2 serves its block: a pod and three more addresses.
+    n.cut_from_etcd(2)?;
+    wait_reachable(&n.agents[2], false)?;
+    let (got, err) = fill(&n.agents[2], "cut-", 3)?;
+    ensure!(got == 3, "node-2 cut off served {got}: {err:?}");
+    let before = held_by(&n.agents[2])?;
+    ensure!(
+        before.iter().all(|a| x.contains(a)) && before.len() == 4,
+        "node-2 holds {before:?}, want 4 addresses in {x}"
+    );
+
+    // The operator removes the unreachable node; node-0 takes its block
+    // and the spare one, and fills all three it holds: the pool is full.
+    let out = n.cli(&["node", "remove", "node-2", "--force"])?;
+    ensure!(out.contains("node-2"), "{out}");
+    let (got, _) = fill(&n.agents[0], "grow-", 60)?;
+    let blocks = n.blocks()?;
+    ensure!(
+        blocks.get(&x).map(String::as_str) == Some("node-0") && blocks.len() == 4,
+        "after node-0 took {got} addresses etcd holds {blocks:?}"
+    );
+    // Every address of the block but the pool CIDR's first and last.
+    let cidr: IpNet = "10.97.0.0/26".parse()?;
+    let usable = 16
+        - [cidr.network(), cidr.broadcast()]
+            .iter()
+            .filter(|a| x.contains(*a))
+            .count();
+    let in_x = held_by(&n.agents[0])?
+        .iter()
+        .filter(|a| x.contains(*a))
+        .count();
+    ensure!(in_x == usable, "node-0 holds {in_x} of {x}, not {usable}");
+
+    // Healed: node-2 reads etcd and fences the block.
+    n.heal(2)?;
+    let started = Instant::now();
+    loop {
+        let st = n.agents[2].status_json().context("status")?;
+        if st["cluster"]["fenced"] == 1 && st["cluster"]["etcd_unreachable"].is_null() {
+            break;
+        }
+        ensure!(
+            started.elapsed() < Duration::from_secs(30),
+            "node-2 has not fenced {x} 30 s after the heal: {st}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    eprintln!("healed: node-2 fenced {x} after {:?}", started.elapsed());
+
+    // Nothing new from the fenced block: the pool is full, so node-2 has
+    // no address to give until it grows.
+    let (got, err) = fill(&n.agents[2], "after-", 3)?;
+    let after = held_by(&n.agents[2])?;
+    let new: Vec<&IpAddr> = after.difference(&before).collect();
+    ensure!(
+        new.iter().all(|a| !x.contains(*a)),
+        "node-2 handed out {new:?} from its fenced block {x} ({got} allocations succeeded)"
+    );
+    ensure!(
+        got == 0 && err.as_deref().is_some_and(|e| e.contains("pods")),
+        "a full pool gave node-2 {got} addresses: {err:?}"
+    );
+    // The holders keep their addresses (the pod's ADD answers the same).
+    ensure!(after == before, "node-2 holds {after:?}, held {before:?}");
+    let again = add(&n, 2, "f-2", &pods[2])?;
+    ensure!(again == addrs[2], "f-2 moved from {} to {again}", addrs[2]);
+    // Every address held twice is one node-2 served while cut off.
+    let doubles: Vec<IpAddr> = n
+        .holders()?
+        .into_iter()
+        .filter(|(_, o)| o.len() > 1)
+        .map(|(a, _)| a)
+        .collect();
+    ensure!(
+        !doubles.is_empty() && doubles.iter().all(|a| before.contains(a)),
+        "held twice: {doubles:?}; node-2 held {before:?}"
+    );
+
+    // verify names the fenced block and every address node-0's block
+    // also covers, and exits 1.
+    let verify = n.agents[2].cli(["verify"])?;
+    let text = String::from_utf8_lossy(&verify.stdout).into_owned();
+    eprintln!("node-2 verify:\n{text}");
+    ensure!(verify.status.code() == Some(1), "verify: {text}");
+    ensure!(
+        text.contains(&format!(
+            "block {x} is fenced: etcd gives it to node node-0"
+        )),
+        "{text}"
+    );
+    for a in &before {
+        ensure!(
+            text.contains(&format!("address {a} ("))
+                && text.contains(&format!("is inside block {x} held by node-0")),
+            "verify does not name {a}: {text}"
+        );
+    }
+
+    // The pool grows by two blocks (node-0, full, takes one): node-2
+    // claims a new block and serves from it only.
+    let grown =
+        "[[pools]]\nname = \"pods\"\nipv4 = [\"10.97.0.0/26\", \"10.97.0.64/27\"]\nblock_v4 = 28\n";
+    lockstep_tests::cluster::apply_pools(&n.eps, &n.prefix, grown)?;
+    let (got, err) = fill(&n.agents[2], "later-", 5)?;
+    ensure!(got == 5, "node-2 got {got} after the pool grew: {err:?}");
+    let later = held_by(&n.agents[2])?;
+    for a in later.difference(&before) {
+        ensure!(
+            !x.contains(a) && "10.97.0.64/27".parse::<IpNet>()?.contains(a),
+            "node-2 handed out {a} after the fence"
+        );
+    }
+    for (a, owners) in n.holders()? {
+        ensure!(
+            owners.len() == 1 || before.contains(&a),
+            "{a} held by {owners:?}"
+        );
+    }
     Ok(())
 }

@@ -368,6 +368,9 @@ pub fn run(cli: Cli) -> anyhow::Result<i32> {
                 for s in v["fenced"].as_array().into_iter().flatten() {
                     out.push_str(&format!("  cluster: {}\n", s.as_str().unwrap_or("?")));
                 }
+                for s in v["covered"].as_array().into_iter().flatten() {
+                    out.push_str(&format!("  cluster: {}\n", s.as_str().unwrap_or("?")));
+                }
                 for s in v["routes"].as_array().into_iter().flatten() {
                     out.push_str(&format!("  routes: {}\n", s.as_str().unwrap_or("?")));
                 }

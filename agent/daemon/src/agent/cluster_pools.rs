@@ -12,10 +12,15 @@ use lockstep_core::pool::PoolSpec;
 use super::{Agent, AgentError};
 
 /// What the agent knows of cluster mode: the blocks fenced at start or
-/// since (block → why), named by `verify`.
+/// since (block → why) and the blocks etcd gives other nodes, both named by
+/// `verify`.
 #[derive(Clone, Debug, Default)]
 pub struct ClusterView {
     fenced: BTreeMap<IpNet, String>,
+    /// This node's name and every block etcd gives another node (block →
+    /// node), as last read: an address held here inside one of them may
+    /// have two holders.
+    others: Option<(String, BTreeMap<IpNet, String>)>,
     /// The other nodes' blocks and the cluster's skip-masquerade CIDRs
     /// (`cluster::remote`), part of the desired maps.
     remote: Option<crate::cluster::RemoteView>,
@@ -115,12 +120,43 @@ impl Agent {
         self.cluster.default.clone()
     }
 
-    /// The fenced blocks, each with why, for `verify`.
+    /// Records the blocks etcd gives nodes other than `node` (block →
+    /// node), as the cluster task last read them.
+    pub fn set_cluster_others(&mut self, node: &str, others: BTreeMap<IpNet, String>) {
+        self.cluster.others = Some((node.to_owned(), others));
+    }
+
+    /// The fenced blocks, each with why and the addresses still held in
+    /// it, for `verify`.
     pub fn cluster_fenced(&self) -> Vec<String> {
+        let blocks: Vec<IpNet> = self.cluster.fenced.keys().copied().collect();
+        let used = self.block_usage(&blocks);
         self.cluster
             .fenced
             .iter()
-            .map(|(b, why)| format!("block {b} is fenced: {why}"))
+            .zip(used)
+            .map(|((b, why), n)| {
+                format!("block {b} is fenced: {why}; nothing new comes from it, {n} address(es) still held here")
+            })
+            .collect()
+    }
+
+    /// Every address held here that a block of another node also covers
+    /// (the core's `covered_by_others`), for `verify`: each may have a
+    /// second holder on that node.
+    pub fn cluster_covered(&self) -> Vec<String> {
+        let Some((node, others)) = &self.cluster.others else {
+            return Vec::new();
+        };
+        let held = self.manager.allocations().map(|a| (a.address, &a.owner));
+        lockstep_core::cluster::covered_by_others(node, held, others)
+            .into_iter()
+            .map(|c| {
+                format!(
+                    "address {} ({}) is inside block {} held by {}",
+                    c.address, c.holder, c.block, c.node
+                )
+            })
             .collect()
     }
 }

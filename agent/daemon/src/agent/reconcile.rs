@@ -214,11 +214,13 @@ impl Agent {
         report.pins = self.verify_pins();
         report.draining = self.draining();
         report.fenced = self.cluster_fenced();
+        report.covered = self.cluster_covered();
         report.routes = self.remote_route_drift();
         report.ok = report.store.is_empty()
             && report.maps.is_empty()
             && report.pins.is_empty()
             && report.fenced.is_empty()
+            && report.covered.is_empty()
             && report.routes.is_empty();
         Ok(report)
     }

@@ -64,6 +64,10 @@ pub struct VerifyReport {
     /// holds them, or etcd no longer records them).
     #[serde(default)]
     pub fenced: Vec<String>,
+    /// Cluster mode: addresses held here that a block etcd gives another
+    /// node also covers (each may have two holders).
+    #[serde(default)]
+    pub covered: Vec<String>,
     /// Cluster mode's routes to other nodes' blocks (protocol 213) that
     /// differ from etcd's state.
     #[serde(default)]

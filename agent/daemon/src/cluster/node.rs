@@ -11,6 +11,17 @@
 //! (`cluster.json`), then served; a give-back is first taken out of the
 //! allocator (only when it holds no address), then deleted in etcd (compare
 //! on its revision), then forgotten.
+//!
+//! What the allocator is given follows the record as a desired state
+//! ([`Served`]): after every read of etcd, and after every change of a
+//! round, the pools the core makes of the record are compared with what the
+//! allocator was last given and given again when they differ. A block
+//! fenced while the agent runs (a partition healed after the node was
+//! removed and its block claimed elsewhere; a restart with etcd cut, then
+//! healed) thus leaves the allocator right after the read that found it,
+//! before any claim. Before, only a round that claimed or forgot a block
+//! gave the allocator its pools, so a fenced block with holders kept
+//! serving whenever no claim followed (a full pool, a failing claim).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
@@ -120,9 +131,38 @@ pub struct ClusterNode {
     last_read: Option<Instant>,
     /// A claim is due: read at the next round.
     read_next: bool,
-    /// The default pool last given to the agent.
-    pushed_default: Option<Result<Option<String>, String>>,
+    /// The blocks etcd gives other nodes (block → node), as last read.
+    others: BTreeMap<IpNet, String>,
+    /// What the allocator was last given (`None`: nothing yet).
+    served: Option<Served>,
     handle: Arc<ClusterHandle>,
+}
+
+/// What cluster mode gives the allocator: the local pools of the blocks it
+/// may use (the core's `local_pools`: held and not fenced), the fenced
+/// blocks with why, the other nodes' blocks (for `verify`) and the default
+/// pool. Compared whole, so any difference reaches the allocator.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Served {
+    specs: Vec<PoolSpec>,
+    fenced: BTreeMap<IpNet, String>,
+    others: BTreeMap<IpNet, String>,
+    default: Result<Option<String>, String>,
+}
+
+impl Served {
+    /// Gives the agent what differs from `had` (everything when `None`).
+    fn give(&self, node: &str, agent: &mut Agent, had: Option<&Served>) {
+        if had.is_none_or(|h| h.specs != self.specs || h.fenced != self.fenced)
+            && let Err(e) = agent.set_cluster_pools(self.specs.clone(), self.fenced.clone())
+        {
+            tracing::error!(error = %crate::error_chain(&e), "cluster blocks not all served");
+        }
+        if had.is_none_or(|h| h.others != self.others) {
+            agent.set_cluster_others(node, self.others.clone());
+        }
+        agent.set_cluster_default(self.default.clone());
+    }
 }
 
 impl std::fmt::Debug for ClusterNode {
@@ -187,7 +227,8 @@ impl ClusterNode {
             empty_since: BTreeMap::new(),
             last_read: None,
             read_next: false,
-            pushed_default: None,
+            others: BTreeMap::new(),
+            served: None,
             handle: Arc::new(ClusterHandle::default()),
         };
         node.held.node = node.name.clone();
@@ -255,7 +296,13 @@ impl ClusterNode {
             .collect();
         let owners: BTreeMap<IpNet, String> =
             blocks.iter().map(|b| (b.cidr, b.node.clone())).collect();
-        // Claims whose answer never came: ours if etcd says so.
+        self.others = owners
+            .iter()
+            .filter(|(_, n)| **n != self.name)
+            .map(|(b, n)| (*b, n.clone()))
+            .collect();
+        // Claims whose answer never came: ours if etcd says so. Recorded
+        // before the allocator is given them (the next `serve`).
         for (pool, cidr) in std::mem::take(&mut self.maybe) {
             if let Some(b) = blocks
                 .iter()
@@ -263,11 +310,17 @@ impl ClusterNode {
             {
                 tracing::info!(%cidr, %pool, "a claim whose answer was lost is ours");
                 self.held.blocks.push(HeldBlock {
-                    pool,
+                    pool: pool.clone(),
                     cidr,
                     revision: b.revision,
                     fenced: None,
                 });
+                if let Err(e) = self.held.save(&self.config.state_dir) {
+                    // Settled again by the next read.
+                    tracing::error!(error = %crate::error_chain(&e), %cidr, "a claimed block is not recorded; not serving it");
+                    self.held.blocks.retain(|h| h.cidr != cidr);
+                    self.maybe.insert((pool, cidr));
+                }
             }
         }
         let local: BTreeSet<IpNet> = self.held.serving().map(|b| b.cidr).collect();
@@ -309,35 +362,66 @@ impl ClusterNode {
                     ipv6: !p.ipv6.is_empty(),
                 })
                 .collect();
-            s.fenced = self
-                .held
-                .blocks
-                .iter()
-                .filter(|b| b.fenced.is_some())
-                .count();
+            // `fenced` is counted once the allocator was told (`serve`).
         }
         true
     }
 
-    /// Gives the allocator the pools of the record.
-    fn apply(&self, agent: &mut Agent) {
-        let fenced = self
-            .held
-            .blocks
-            .iter()
-            .filter_map(|b| b.fenced.clone().map(|w| (b.cidr, w)))
-            .collect();
-        if let Err(e) = agent.set_cluster_pools(local_specs(&self.config, &self.held), fenced) {
-            tracing::error!(error = %crate::error_chain(&e), "cluster blocks not all served");
+    /// What the allocator should be given for the record `held`.
+    fn wanted(&self, held: &Held) -> Served {
+        Served {
+            specs: local_specs(&self.config, held),
+            fenced: held
+                .blocks
+                .iter()
+                .filter_map(|b| b.fenced.clone().map(|w| (b.cidr, w)))
+                .collect(),
+            others: self.others.clone(),
+            // The cluster pool serving requests that name none, as the
+            // core decides it from what etcd records (`Err`: why none).
+            default: lockstep_core::cluster::default_pool(
+                &held.pools,
+                held.default_pool.as_deref(),
+            )
+            .map_err(|e| e.to_string()),
         }
-        agent.set_cluster_default(self.default());
     }
 
-    /// The cluster pool serving requests that name none, as the core
-    /// decides it from what etcd records (`Err`: why there is none).
-    fn default(&self) -> Result<Option<String>, String> {
-        lockstep_core::cluster::default_pool(&self.held.pools, self.held.default_pool.as_deref())
-            .map_err(|e| e.to_string())
+    /// Gives the allocator the pools of the record (at start, before the
+    /// agent serves).
+    fn apply(&mut self, agent: &mut Agent) {
+        let want = self.wanted(&self.held);
+        want.give(&self.name, agent, self.served.as_ref());
+        self.handle.lock().fenced = want.fenced.len();
+        self.served = Some(want);
+    }
+
+    /// Gives the allocator what the record now asks for, if that differs
+    /// from what it was last given: a block fenced by the last read stops
+    /// serving here, at once.
+    async fn serve(&mut self, slot: &Arc<Mutex<Option<Agent>>>) {
+        let want = self.wanted(&self.held);
+        if self.served.as_ref() == Some(&want) {
+            return;
+        }
+        let had = self.served.clone();
+        let node = self.name.clone();
+        let given = want.clone();
+        let slot = slot.clone();
+        let done = tokio::task::spawn_blocking(move || {
+            let mut guard = lock_agent(&slot);
+            let Some(a) = guard.as_mut() else {
+                return false;
+            };
+            given.give(&node, a, had.as_ref());
+            true
+        })
+        .await
+        .unwrap_or(false);
+        if done {
+            self.handle.lock().fenced = want.fenced.len();
+            self.served = Some(want);
+        }
     }
 
     /// Registers the node, or refreshes its lease; re-registers when the
@@ -393,6 +477,9 @@ impl ClusterNode {
             self.last_read = Some(Instant::now());
             self.read_next = false;
         }
+        // A block the read fenced leaves the allocator now, before any
+        // claim (each may take several requests to etcd).
+        self.serve(slot).await;
         // Claims pick from the blocks just read.
         let fresh = must_read && reachable;
         // What the allocator holds, per pool and family, under one lock.
@@ -473,11 +560,7 @@ impl ClusterNode {
                 }
             }
         }
-        // A new default (an apply naming another) reaches the agent even
-        // when no block changed.
-        let default = self.default();
-        let mut changed = fenced_done || self.pushed_default.as_ref() != Some(&default);
-        self.pushed_default = Some(default);
+        let mut changed = fenced_done;
         if !claims.is_empty() && !fresh {
             // Claims pick from a fresh read: read next round. At once only
             // when etcd answers; unreachable, the next tick retries (waking
@@ -513,12 +596,12 @@ impl ClusterNode {
             };
             self.lease(record).await;
         }
-        if changed {
-            if let Err(e) = self.held.save(&self.config.state_dir) {
-                tracing::error!(error = %crate::error_chain(&e), "the held blocks are not recorded");
-            }
-            self.apply_locked(slot).await;
+        if changed && let Err(e) = self.held.save(&self.config.state_dir) {
+            tracing::error!(error = %crate::error_chain(&e), "the held blocks are not recorded");
         }
+        // New blocks (recorded by `claim`), forgotten fenced ones, and a new
+        // default (an apply naming another) reach the allocator.
+        self.serve(slot).await;
         {
             let mut s = self.handle.lock();
             for (pool, n) in claimed {
@@ -542,27 +625,6 @@ impl ClusterNode {
         // Nothing to claim for a wanted pool that has room: the ADD retries.
         drop(s);
         self.handle.changed.notify_waiters();
-    }
-
-    async fn apply_locked(&self, slot: &Arc<Mutex<Option<Agent>>>) {
-        let specs = local_specs(&self.config, &self.held);
-        let fenced: BTreeMap<IpNet, String> = self
-            .held
-            .blocks
-            .iter()
-            .filter_map(|b| b.fenced.clone().map(|w| (b.cidr, w)))
-            .collect();
-        let default = self.default();
-        let slot = slot.clone();
-        let _ = tokio::task::spawn_blocking(move || {
-            if let Some(a) = lock_agent(&slot).as_mut() {
-                if let Err(e) = a.set_cluster_pools(specs, fenced) {
-                    tracing::error!(error = %crate::error_chain(&e), "cluster blocks not all served");
-                }
-                a.set_cluster_default(default);
-            }
-        })
-        .await;
     }
 
     /// Claims one block of `pool` in `family`: the core picks, etcd
@@ -644,27 +706,31 @@ impl ClusterNode {
     async fn give_back(&mut self, slot: &Arc<Mutex<Option<Agent>>>, b: HeldBlock) {
         let mut without = self.held.clone();
         without.blocks.retain(|h| h.cidr != b.cidr);
-        let specs = local_specs(&self.config, &without);
-        let fenced: BTreeMap<IpNet, String> = without
-            .blocks
-            .iter()
-            .filter_map(|b| b.fenced.clone().map(|w| (b.cidr, w)))
-            .collect();
+        let want = self.wanted(&without);
+        let (specs, fenced) = (want.specs.clone(), want.fenced.clone());
         let cidr = b.cidr;
         let slot2 = slot.clone();
+        // `None`: still in use, nothing changed; `Some(ok)`: the
+        // allocator was given the pools without it.
         let taken_out = tokio::task::spawn_blocking(move || {
             let mut guard = lock_agent(&slot2);
-            let Some(a) = guard.as_mut() else {
-                return false;
-            };
+            let a = guard.as_mut()?;
             if a.block_usage(&[cidr]) != [0] {
-                return false;
+                return None;
             }
-            a.set_cluster_pools(specs, fenced).is_ok()
+            Some(a.set_cluster_pools(specs, fenced).is_ok())
         })
         .await
-        .unwrap_or(false);
-        if !taken_out {
+        .ok()
+        .flatten();
+        let Some(ok) = taken_out else {
+            return;
+        };
+        if let Some(s) = &mut self.served {
+            s.specs = want.specs;
+            s.fenced = want.fenced;
+        }
+        if !ok {
             return;
         }
         let block = Block {
@@ -691,7 +757,7 @@ impl ClusterNode {
             Err(e) => {
                 self.set_problem(Some(&e));
                 // Still ours: served again.
-                self.apply_locked(slot).await;
+                self.serve(slot).await;
             }
         }
     }
