@@ -17,7 +17,8 @@
 //! #26 item 1. A node cut off from etcd while it runs, removed, its block
 //!    claimed and filled by another: healed, it fences the block in its
 //!    allocator at once (nothing new from it, holders kept) and `verify`
-//!    names the block and every address the other node's block covers.
+//!    names the block and every address the other node's block covers;
+//!    a fenced block nobody took, claimed back by its node, serves again.
 
 use std::collections::BTreeSet;
 use std::net::IpAddr;
@@ -649,5 +650,78 @@ fn a_block_taken_while_its_node_is_cut_off_is_fenced_in_the_allocator_once_etcd_
             "{a} held by {owners:?}"
         );
     }
+    Ok(())
+}
+
+/// A fenced block its node claims back serves again. node-2, cut off, is
+/// force-removed; nobody takes its block (the others have room), so etcd
+/// no longer records it and node-2, healed, fences it (absent) and, the
+/// pool being otherwise full, claims that very block back: claiming is
+/// the way back, and its addresses are its own again. Before, the claim
+/// added a second record of the block beside the fenced one: the block
+/// stayed out of the allocator while the claim loop counted it as room,
+/// so node-2 answered "try again" for ever.
+#[test]
+fn a_fenced_block_claimed_back_by_its_node_serves_again() -> anyhow::Result<()> {
+    privileged!();
+    let cluster = EtcdCluster::start(3)?;
+    let pools = "[[pools]]\nname = \"pods\"\nipv4 = [\"10.96.0.0/26\"]\nblock_v4 = 28\n";
+    let n = ClusterNodes::build(&cluster, "/fail-g/", pools)?;
+    let pods: Vec<Netns> = (0..3)
+        .map(|i| Netns::new(&format!("cfg{i}")))
+        .collect::<anyhow::Result<_>>()?;
+    let mut addrs = Vec::new();
+    for (i, ns) in pods.iter().enumerate() {
+        addrs.push(add(&n, i, &format!("g-{i}"), ns)?);
+    }
+    // node-0 takes the spare block: the pool is full.
+    let (got, err) = fill(&n.agents[0], "grow-", 20)?;
+    ensure!(got == 20, "node-0 stopped at {got}: {err:?}");
+    ensure!(n.blocks()?.len() == 4, "{:?}", n.blocks()?);
+    let lost = blocks_of(&n, "node-2")?;
+    ensure!(lost.len() == 1, "node-2 holds {lost:?}");
+    let x = *lost.iter().next().context("block")?;
+
+    n.cut_from_etcd(2)?;
+    wait_reachable(&n.agents[2], false)?;
+    let (got, err) = fill(&n.agents[2], "cut-", 2)?;
+    ensure!(got == 2, "node-2 cut off served {got}: {err:?}");
+    let before = held_by(&n.agents[2])?;
+    n.cli(&["node", "remove", "node-2", "--force"])?;
+    ensure!(!n.blocks()?.contains_key(&x), "{x} still in etcd");
+
+    // Healed: fenced (absent), then claimed back, the only free block.
+    n.heal(2)?;
+    let started = Instant::now();
+    while n.blocks()?.get(&x).map(String::as_str) != Some("node-2") {
+        ensure!(
+            started.elapsed() < Duration::from_secs(30),
+            "node-2 did not claim {x} back: {:?}",
+            n.blocks()?
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    eprintln!(
+        "healed: node-2 claimed {x} back after {:?}",
+        started.elapsed()
+    );
+    let (got, err) = fill(&n.agents[2], "back-", 3)?;
+    ensure!(
+        got == 3,
+        "node-2 got {got} from its block claimed back: {err:?}"
+    );
+    let after = held_by(&n.agents[2])?;
+    ensure!(
+        after.is_superset(&before) && after.iter().all(|a| x.contains(a)),
+        "node-2 holds {after:?}, held {before:?}"
+    );
+    let again = add(&n, 2, "g-2", &pods[2])?;
+    ensure!(again == addrs[2], "g-2 moved from {} to {again}", addrs[2]);
+    let st = n.agents[2].status_json().context("status")?;
+    ensure!(st["cluster"]["fenced"] == 0, "{st}");
+    for (a, owners) in n.holders()? {
+        ensure!(owners.len() == 1, "{a} held by {owners:?}");
+    }
+    n.agents[2].verify_within(Duration::from_secs(10))?;
     Ok(())
 }

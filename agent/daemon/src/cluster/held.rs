@@ -118,6 +118,40 @@ impl Held {
     pub fn serving(&self) -> impl Iterator<Item = &HeldBlock> + '_ {
         self.blocks.iter().filter(|b| b.fenced.is_none())
     }
+
+    /// Records a block etcd just gave this node: a new entry, or the
+    /// node's own fenced entry for it made whole again (claiming a fenced
+    /// block back is the way back; a second entry left the block fenced,
+    /// so never served, while the claim loop counted it as room). Gives
+    /// the entry it replaced, for [`Held::unrecord_claim`].
+    pub fn record_claim(&mut self, pool: &str, cidr: IpNet, revision: i64) -> Option<HeldBlock> {
+        let new = HeldBlock {
+            pool: pool.to_owned(),
+            cidr,
+            revision,
+            fenced: None,
+        };
+        match self.blocks.iter_mut().find(|b| b.cidr == cidr) {
+            Some(b) => Some(std::mem::replace(b, new)),
+            None => {
+                self.blocks.push(new);
+                None
+            }
+        }
+    }
+
+    /// Undoes [`Held::record_claim`] of `cidr` (it could not be saved):
+    /// the entry it replaced comes back, or the block is dropped.
+    pub fn unrecord_claim(&mut self, cidr: IpNet, replaced: Option<HeldBlock>) {
+        match replaced {
+            Some(old) => {
+                if let Some(b) = self.blocks.iter_mut().find(|b| b.cidr == cidr) {
+                    *b = old;
+                }
+            }
+            None => self.blocks.retain(|b| b.cidr != cidr),
+        }
+    }
 }
 
 #[cfg(test)]
@@ -142,6 +176,20 @@ mod tests {
         held.save(dir.path()).expect("save");
         assert_eq!(Held::load(dir.path()).expect("load"), held);
         assert_eq!(held.serving().count(), 0);
+        // Claimed back: one entry, serving, with the new revision; undone,
+        // the fenced entry is back.
+        let mut back = held.clone();
+        let cidr: IpNet = "10.0.0.64/26".parse().expect("net");
+        let replaced = back.record_claim("p", cidr, 9);
+        assert_eq!(back.blocks.len(), 1);
+        assert_eq!(back.serving().map(|b| b.revision).collect::<Vec<_>>(), [9]);
+        back.unrecord_claim(cidr, replaced);
+        assert_eq!(back, held);
+        let other: IpNet = "10.0.0.128/26".parse().expect("net");
+        let none = back.record_claim("p", other, 10);
+        assert!(none.is_none() && back.blocks.len() == 2);
+        back.unrecord_claim(other, none);
+        assert_eq!(back, held);
         std::fs::write(dir.path().join(FILE), b"{").expect("write");
         assert!(matches!(
             Held::load(dir.path()),

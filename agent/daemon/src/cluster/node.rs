@@ -309,16 +309,11 @@ impl ClusterNode {
                 .find(|b| b.cidr == cidr && b.node == self.name)
             {
                 tracing::info!(%cidr, %pool, "a claim whose answer was lost is ours");
-                self.held.blocks.push(HeldBlock {
-                    pool: pool.clone(),
-                    cidr,
-                    revision: b.revision,
-                    fenced: None,
-                });
+                let replaced = self.held.record_claim(&pool, cidr, b.revision);
                 if let Err(e) = self.held.save(&self.config.state_dir) {
                     // Settled again by the next read.
                     tracing::error!(error = %crate::error_chain(&e), %cidr, "a claimed block is not recorded; not serving it");
-                    self.held.blocks.retain(|h| h.cidr != cidr);
+                    self.held.unrecord_claim(cidr, replaced);
                     self.maybe.insert((pool, cidr));
                 }
             }
@@ -650,16 +645,13 @@ impl ClusterNode {
             match door.claim_block(&pool.name, cidr, &self.name).await {
                 Ok(Claim::Claimed { revision }) => {
                     self.claimed.insert(cidr);
-                    self.held.blocks.push(HeldBlock {
-                        pool: pool.name.clone(),
-                        cidr,
-                        revision,
-                        fenced: None,
-                    });
+                    // The node's own fenced block, claimed back, serves
+                    // again.
+                    let replaced = self.held.record_claim(&pool.name, cidr, revision);
                     // Recorded before it is served.
                     if let Err(e) = self.held.save(&self.config.state_dir) {
                         tracing::error!(error = %crate::error_chain(&e), %cidr, "a claimed block is not recorded; not serving it");
-                        self.held.blocks.retain(|b| b.cidr != cidr);
+                        self.held.unrecord_claim(cidr, replaced);
                         return false;
                     }
                     tracing::info!(%cidr, pool = %pool.name, revision, "claimed a block");
