@@ -515,12 +515,30 @@ fn held_by(agent: &AgentProc) -> anyhow::Result<BTreeSet<IpAddr>> {
 fn a_block_taken_while_its_node_is_cut_off_is_fenced_in_the_allocator_once_etcd_answers()
 -> anyhow::Result<()> {
     privileged!();
+    fenced_once_etcd_answers("f", false)
+}
+
+/// As above, with node-2 restarted while cut off (it serves its recorded
+/// block, as it must with etcd unreachable at start): the fence found once
+/// etcd answers takes effect in the allocator the same way (the issue saw
+/// 6 of 6 new addresses come from the fenced block in this case).
+#[test]
+fn a_block_taken_while_its_node_restarted_cut_off_is_fenced_once_etcd_answers() -> anyhow::Result<()>
+{
+    privileged!();
+    fenced_once_etcd_answers("r", true)
+}
+
+/// The scenario of the two tests above (`tag` names its prefix and
+/// namespaces); `restart`: node-2 is killed while cut off and started
+/// again before the heal.
+fn fenced_once_etcd_answers(tag: &str, restart: bool) -> anyhow::Result<()> {
     let cluster = EtcdCluster::start(3)?;
     // Four blocks of 16 in the whole pool: one per node, one spare.
     let pools = "[[pools]]\nname = \"pods\"\nipv4 = [\"10.97.0.0/26\"]\nblock_v4 = 28\n";
-    let n = ClusterNodes::build(&cluster, "/fail-f/", pools)?;
+    let mut n = ClusterNodes::build(&cluster, &format!("/fail-{tag}/"), pools)?;
     let pods: Vec<Netns> = (0..3)
-        .map(|i| Netns::new(&format!("cff{i}")))
+        .map(|i| Netns::new(&format!("cf{tag}{i}")))
         .collect::<anyhow::Result<_>>()?;
     let mut addrs = Vec::new();
     for (i, ns) in pods.iter().enumerate() {
@@ -541,6 +559,10 @@ fn a_block_taken_while_its_node_is_cut_off_is_fenced_in_the_allocator_once_etcd_
         before.iter().all(|a| x.contains(a)) && before.len() == 4,
         "node-2 holds {before:?}, want 4 addresses in {x}"
     );
+
+    if restart {
+        n.agents[2].kill9();
+    }
 
     // The operator removes the unreachable node; node-0 takes its block
     // and the spare one, and fills all three it holds: the pool is full.
@@ -564,6 +586,14 @@ fn a_block_taken_while_its_node_is_cut_off_is_fenced_in_the_allocator_once_etcd_
         .filter(|a| x.contains(*a))
         .count();
     ensure!(in_x == usable, "node-0 holds {in_x} of {x}, not {usable}");
+
+    if restart {
+        // Still cut off: it serves its recorded block until etcd answers.
+        n.agents[2].respawn()?;
+        n.agents[2].wait_ready()?;
+        wait_reachable(&n.agents[2], false)?;
+        ensure!(held_by(&n.agents[2])? == before, "restored other addresses");
+    }
 
     // Healed: node-2 reads etcd and fences the block.
     n.heal(2)?;
