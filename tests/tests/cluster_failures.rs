@@ -28,7 +28,7 @@ use anyhow::{Context, ensure};
 use ipnet::IpNet;
 use lockstep_tests::cluster::{ClusterNodes, address_of, cni, cni_raw};
 use lockstep_tests::etcd::EtcdCluster;
-use lockstep_tests::{AgentProc, Netns, privileged, unique};
+use lockstep_tests::{AgentProc, Netns, privileged};
 
 /// Allocates IPAM-only endpoint addresses on `agent` (the CLI's allocate,
 /// which in cluster mode waits for a claimed block as a CNI ADD does)
@@ -322,26 +322,6 @@ fn a_removed_nodes_blocks_are_claimed_by_another_and_it_fences_them_when_back() 
     Ok(())
 }
 
-/// Cuts `node` off from etcd, and only from etcd: nftables in its
-/// namespace drops every TCP packet to or from the etcd ports its
-/// forwarder listens on (established connections stall as on a real
-/// partition); the underlay and the pods' traffic pass.
-fn cut_from_etcd(node: &Netns, eps: &[String], table: &str) -> anyhow::Result<()> {
-    let ports: Vec<&str> = eps
-        .iter()
-        .map(|e| e.rsplit(':').next().context("port"))
-        .collect::<anyhow::Result<_>>()?;
-    let ports = ports.join(", ");
-    let rules = format!(
-        "table inet {table} {{\n chain out {{\n  type filter hook output priority 0; policy accept;\n  tcp dport {{ {ports} }} drop\n  tcp sport {{ {ports} }} drop\n }}\n}}\n"
-    );
-    let file = std::env::temp_dir().join(format!("{table}.nft"));
-    std::fs::write(&file, rules)?;
-    let r = node.exec("nft", ["-f", file.to_str().context("path")?]);
-    let _ = std::fs::remove_file(&file);
-    r.map(|_| ())
-}
-
 /// The live nodes etcd lists (`cluster nodes`).
 fn live_nodes(n: &ClusterNodes) -> anyhow::Result<BTreeSet<String>> {
     let v: serde_json::Value = serde_json::from_str(&n.cli(&["nodes", "-o", "json"])?)?;
@@ -385,8 +365,7 @@ fn a_node_cut_off_from_etcd_only_keeps_its_routes_on_the_others() -> anyhow::Res
         .context("a node without a routing key lost its routes")?;
 
     // node-2 loses etcd; its underlay stays up.
-    let table = unique("lscut").replace('-', "_");
-    cut_from_etcd(&n.ns[2], &n.eps, &table)?;
+    n.cut_from_etcd(2)?;
     let cut_at = Instant::now();
     wait_reachable(&n.agents[2], false)?;
     // Its node key expires (lease_ttl 3 s)...
@@ -437,7 +416,7 @@ fn a_node_cut_off_from_etcd_only_keeps_its_routes_on_the_others() -> anyhow::Res
     );
 
     // Healed: node-2 registers again, everything converges, nothing worse.
-    n.ns[2].exec("nft", ["delete", "table", "inet", &table])?;
+    n.heal(2)?;
     wait_reachable(&n.agents[2], true)?;
     let started = Instant::now();
     while !live_nodes(&n)?.contains("node-2") {
