@@ -532,6 +532,20 @@ fn the_cluster_cli_applies_pools_lists_blocks_and_nodes_and_removes_nodes() -> a
     let (ok, out, _) = cli(&eps, &["nodes", "-o", "json"])?;
     let nodes: serde_json::Value = serde_json::from_str(&out)?;
     ensure!(ok && nodes[0]["node"]["name"] == "node-a", "{nodes}");
+    // A node etcd has nothing of (a mistyped name): an error naming it,
+    // forced or not, and nothing changes (#26 item 2).
+    for args in [
+        &["node", "remove", "node-aa"][..],
+        &["node", "remove", "node-aa", "--force"][..],
+    ] {
+        let (ok, out, err) = cli(&eps, args)?;
+        ensure!(
+            !ok && err.contains("no node node-aa in etcd"),
+            "{args:?} of an unknown node: {out}{err}"
+        );
+    }
+    let (_, out, _) = cli(&eps, &["blocks", "-o", "json"])?;
+    ensure!(serde_json::from_str::<serde_json::Value>(&out)? == blocks);
     // Alive: refused, nothing freed; forced: its block is free.
     let (ok, out, err) = cli(&eps, &["node", "remove", "node-a"])?;
     ensure!(

@@ -174,15 +174,23 @@ pub enum NodeLease {
     Alive,
     /// The key is gone; first seen gone at this time.
     GoneSince(u64),
+    /// etcd has nothing of the node: no node key, no block, no routing
+    /// key (a name mistyped, or a node removed already).
+    Unknown,
 }
 
 /// Whether an operator may remove a node (and free its blocks) now.
 ///
 /// # Errors
-/// [`ClusterError::NodeAlive`] while its lease is alive and `force` is false.
+/// [`ClusterError::NodeAlive`] while its lease is alive and `force` is
+/// false; [`ClusterError::UnknownNode`] when etcd has nothing of it, force
+/// or not (a mistyped name must not read as done).
 pub fn check_node_removal(node: &str, lease: NodeLease, force: bool) -> Result<(), ClusterError> {
     match lease {
         NodeLease::Alive if !force => Err(ClusterError::NodeAlive {
+            node: node.to_owned(),
+        }),
+        NodeLease::Unknown => Err(ClusterError::UnknownNode {
             node: node.to_owned(),
         }),
         _ => Ok(()),
@@ -193,7 +201,7 @@ pub fn check_node_removal(node: &str, lease: NodeLease, force: bool) -> Result<(
 /// has been gone for at least `reclaim_after_ms`.
 pub fn reclaimable(lease: NodeLease, now_ms: u64, reclaim_after_ms: u64) -> bool {
     match lease {
-        NodeLease::Alive => false,
+        NodeLease::Alive | NodeLease::Unknown => false,
         NodeLease::GoneSince(t) => now_ms.saturating_sub(t) >= reclaim_after_ms,
     }
 }

@@ -108,6 +108,14 @@ pub enum ClusterError {
         /// The node.
         node: String,
     },
+    /// etcd has no key of the node at all: nothing to remove.
+    #[error(
+        "no node {node} in etcd (no node key, no block, no routing key): check the name with `lockstep cluster nodes`"
+    )]
+    UnknownNode {
+        /// The node.
+        node: String,
+    },
 }
 
 fn list(blocks: &[(IpNet, String)]) -> String {

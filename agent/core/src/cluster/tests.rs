@@ -245,6 +245,12 @@ fn node_removal_and_reclaim() {
     ));
     assert!(check_node_removal("n", NodeLease::Alive, true).is_ok());
     assert!(check_node_removal("n", NodeLease::GoneSince(0), false).is_ok());
+    for force in [false, true] {
+        let e = check_node_removal("ndoe-1", NodeLease::Unknown, force).unwrap_err();
+        assert!(matches!(e, ClusterError::UnknownNode { .. }), "{e}");
+        assert!(e.to_string().contains("ndoe-1"), "{e}");
+    }
+    assert!(!reclaimable(NodeLease::Unknown, u64::MAX, 0));
     assert!(!reclaimable(NodeLease::Alive, u64::MAX, 0));
     assert!(!reclaimable(NodeLease::GoneSince(1_000), 3_000, 3_600_000));
     assert!(reclaimable(

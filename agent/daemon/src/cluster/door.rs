@@ -950,14 +950,17 @@ impl Door {
     ) -> Result<Vec<Block>, ClusterStoreError> {
         use lockstep_core::cluster::{NodeLease, check_node_removal};
         let alive = self.nodes().await?.iter().any(|n| n.record.name == name);
+        let (blocks, _) = self.blocks().await?;
+        let freed: Vec<Block> = blocks.into_iter().filter(|b| b.node == name).collect();
+        let routed = self.node_addrs().await?.iter().any(|r| r.name == name);
         let lease = if alive {
             NodeLease::Alive
+        } else if freed.is_empty() && !routed {
+            NodeLease::Unknown
         } else {
             NodeLease::GoneSince(0)
         };
         check_node_removal(name, lease, force)?;
-        let (blocks, _) = self.blocks().await?;
-        let freed: Vec<Block> = blocks.into_iter().filter(|b| b.node == name).collect();
         let mut guards = Vec::new();
         let mut ops = Vec::new();
         for b in &freed {
