@@ -268,6 +268,24 @@ impl ClusterNodes {
         cluster_extra: &str,
         extra: &str,
     ) -> anyhow::Result<Self> {
+        Self::build_each(cluster, prefix, pools, cluster_extra, extra, &|_| {
+            String::new()
+        })
+    }
+
+    /// As [`ClusterNodes::build_full`], with `local_pools(i)` (`[[pools]]`
+    /// tables; empty for none) as node `i`'s own configured pools.
+    ///
+    /// # Errors
+    /// As [`ClusterNodes::build`].
+    pub fn build_each(
+        cluster: &EtcdCluster,
+        prefix: &str,
+        pools: &str,
+        cluster_extra: &str,
+        extra: &str,
+        local_pools: &dyn Fn(usize) -> String,
+    ) -> anyhow::Result<Self> {
         let eps = cluster.endpoints();
         apply_pools(&eps, prefix, pools)?;
         let underlay = Netns::new("ceul")?;
@@ -308,9 +326,13 @@ impl ClusterNodes {
                 ],
             )?;
             forward(&node, cluster)?;
+            let mut base = cluster_config(&eps, prefix, &format!("node-{i}"), &node_ip(i));
+            let own = local_pools(i);
+            if !own.is_empty() {
+                base = base.replacen("pools = []\n", &own, 1);
+            }
             let config = format!(
-                "reconcile_interval = \"1s\"\n{}{cluster_extra}[datapath]\nuplink = \"u0\"\n{extra}",
-                cluster_config(&eps, prefix, &format!("node-{i}"), &node_ip(i))
+                "reconcile_interval = \"1s\"\n{base}{cluster_extra}[datapath]\nuplink = \"u0\"\n{extra}"
             );
             agents.push(AgentProc::start(&node, &config)?);
             ns.push(node);

@@ -9,15 +9,21 @@
 //! 11. Adding a pool moved every request that names none to the pool first
 //!     in etcd's key order; the default is now recorded and changes only
 //!     when an apply names another.
+//!  6. A node's own configured pool overlapping a cluster pool handed out
+//!     addresses another node's block handed out too; the overlapping
+//!     configured CIDR is now withheld while the node runs and refused at
+//!     its next start, both sides named.
 
 use std::net::IpAddr;
 use std::time::{Duration, Instant};
 
-use anyhow::ensure;
+use anyhow::{Context, ensure};
 use ipnet::IpNet;
-use lockstep_tests::cluster::{ClusterNodes, address_of, apply_pools, cni};
+use lockstep_tests::cluster::{
+    ClusterNodes, address_of, apply_pools, cluster_cli, cluster_config, cni, node_ip,
+};
 use lockstep_tests::etcd::EtcdCluster;
-use lockstep_tests::{Netns, privileged};
+use lockstep_tests::{AgentOptions, AgentProc, Netns, privileged};
 
 #[test]
 fn blocks_with_reserved_addresses_are_counted_by_usable_addresses() -> anyhow::Result<()> {
@@ -190,5 +196,212 @@ fn adding_a_pool_never_moves_the_default_and_naming_one_does() -> anyhow::Result
         a.verify_within(Duration::from_secs(15))?;
     }
     drop(keep);
+    Ok(())
+}
+
+/// node-0's own pool: a /27 a cluster pool will cover, and a /28 nothing
+/// else uses.
+const MINE: &str = "[[pools]]\nname = \"mine\"\nipv4 = [\"10.90.0.0/27\", \"10.90.1.0/28\"]\n";
+/// The cluster pool applied later over node-0's /27: four /29 blocks
+/// (every node takes one as soon as it reads the pool).
+const MORE: &str = "[[pools]]\nname = \"more\"\nipv4 = [\"10.90.0.0/27\"]\nblock_v4 = 29\n";
+
+#[test]
+fn a_configured_pool_overlapping_the_cluster_is_withheld_and_refused_at_start() -> anyhow::Result<()>
+{
+    privileged!();
+    let cluster = EtcdCluster::start(3)?;
+    let prefix = "/ovl/";
+    let mut n = ClusterNodes::build_each(&cluster, prefix, PODS, "", "", &|i| {
+        if i == 0 {
+            MINE.to_string()
+        } else {
+            String::new()
+        }
+    })?;
+    let overlap: IpNet = "10.90.0.0/27".parse()?;
+    let spare: IpNet = "10.90.1.0/28".parse()?;
+
+    // The cluster pool arrives over node-0's /27 while node-0 runs.
+    apply_pools(
+        &n.eps,
+        prefix,
+        &format!("default_pool = \"pods\"\n{PODS}{MORE}"),
+    )?;
+    // node-0 reads pools every 5 s: give it the time (it names the overlap
+    // in its status once it has).
+    let started = Instant::now();
+    while started.elapsed() < Duration::from_secs(8) {
+        let st = n.agents[0].status_json().unwrap_or_default();
+        if st["cluster"]["configured_overlaps"]
+            .as_array()
+            .is_some_and(|a| !a.is_empty())
+        {
+            eprintln!(
+                "node-0 saw the overlap after {:?}: {}",
+                started.elapsed(),
+                st["cluster"]["configured_overlaps"]
+            );
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    // The other nodes take a block of it and hand out addresses there.
+    let started = Instant::now();
+    let blocks = loop {
+        let blocks = n.blocks()?;
+        let holders: std::collections::BTreeSet<&str> = blocks
+            .iter()
+            .filter(|(b, _)| overlap.contains(&b.network()))
+            .map(|(_, node)| node.as_str())
+            .collect();
+        if holders.contains("node-1") && holders.contains("node-2") {
+            break blocks;
+        }
+        ensure!(
+            started.elapsed() < Duration::from_secs(30),
+            "nodes 1 and 2 took no block of more: {blocks:?}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    for i in [1, 2] {
+        let mut k = 0;
+        while k < 5 {
+            let out = n.agents[i].cli([
+                "allocate",
+                "--kind",
+                "endpoint",
+                "--name",
+                &format!("m{k}"),
+                "--family",
+                "ipv4",
+                "--pool",
+                "more",
+            ])?;
+            let err = String::from_utf8_lossy(&out.stderr);
+            // A block claimed is served a moment after etcd lists it.
+            if err.contains("unknown pool more") && started.elapsed() < Duration::from_secs(30) {
+                std::thread::sleep(Duration::from_millis(100));
+                continue;
+            }
+            ensure!(out.status.success(), "allocate m{k} on node-{i}: {err}");
+            k += 1;
+        }
+    }
+    // node-0 allocates from its own pool as much as it gives.
+    let got = n.fill(0, "l", 44)?;
+    // node-0's own block of `more` serves (the manager once refused it as
+    // overlapping `mine`).
+    let out = n.agents[0].cli([
+        "allocate", "--kind", "endpoint", "--name", "own", "--family", "ipv4", "--pool", "more",
+    ])?;
+    ensure!(
+        out.status.success(),
+        "node-0 cannot allocate from its block of more: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let holders = n.holders()?;
+    let twice: Vec<_> = holders.iter().filter(|(_, o)| o.len() > 1).collect();
+    ensure!(
+        twice.is_empty(),
+        "{} addresses held twice: {twice:?}",
+        twice.len()
+    );
+    let mine: Vec<IpAddr> = holders
+        .iter()
+        .filter(|(_, o)| o.iter().any(|h| h.starts_with("node-0")))
+        .map(|(a, _)| *a)
+        .collect();
+    ensure!(
+        got == 14
+            && mine
+                .iter()
+                .filter(|a| !spare.contains(*a))
+                .all(|a| overlap.contains(a))
+            && mine.len() == 15,
+        "node-0 gave {got} addresses, not the 14 of {spare}: {mine:?}"
+    );
+    // verify on node-0 names both sides and fails (the block once node-0
+    // has read it: at most 5 s); the others are clean.
+    let (b1, _) = blocks
+        .iter()
+        .find(|(b, node)| *node == "node-1" && overlap.contains(&b.network()))
+        .context("checked above")?;
+    let wants = [
+        "cidr 10.90.0.0/27 of configured pool mine overlaps cidr 10.90.0.0/27 of cluster pool more"
+            .to_string(),
+        format!(
+            "cidr 10.90.0.0/27 of configured pool mine overlaps block {b1} of cluster pool more held by node node-1"
+        ),
+    ];
+    let started = Instant::now();
+    loop {
+        let out = n.agents[0].cli(["verify"])?;
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        ensure!(!out.status.success(), "verify on node-0 is clean: {text}");
+        if wants.iter().all(|w| text.contains(w)) {
+            eprintln!("verify on node-0:\n{text}");
+            break;
+        }
+        ensure!(
+            started.elapsed() < Duration::from_secs(10),
+            "verify on node-0 does not say {wants:?}: {text}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let metrics = n.metrics(0)?;
+    let count: usize = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("lockstep_cluster_configured_pool_overlaps "))
+        .context("no overlap metric")?
+        .trim()
+        .parse()?;
+    ensure!(count >= 2, "the metric counts {count} overlaps");
+    n.wait_remote()?;
+    for a in &n.agents[1..] {
+        a.verify_within(Duration::from_secs(15))?;
+    }
+    // Restarted with the same configuration, node-0 refuses to start,
+    // naming its pool and the cluster pool (from its local record).
+    n.agents[0].respawn()?;
+    refused_at_start(&mut n.agents[0], "node-0 restarted", &[])?;
+    // A new node (no local record: the check is against etcd's pools and
+    // blocks) with the same pool is refused as well, naming node-1's block.
+    let fresh =
+        cluster_config(&n.eps, prefix, "node-3", &node_ip(0)).replacen("pools = []\n", MINE, 1);
+    let mut new = AgentProc::launch(
+        &n.ns[0],
+        &AgentOptions {
+            extra: format!("{fresh}[datapath]\nuplink = \"u0\"\n"),
+            unready: true,
+            ..AgentOptions::default()
+        },
+    )?;
+    let block = format!("overlaps block {b1} of cluster pool more held by node node-1");
+    refused_at_start(&mut new, "node-3 started", &[&block])?;
+    // The other nodes still hold theirs.
+    ensure!(cluster_cli(&n.eps, prefix, &["blocks"])?.contains("node-1"));
+    Ok(())
+}
+
+/// Waits for `agent` to exit refusing its configured pool `mine` over
+/// cluster pool `more`; its last words must name both and each of `also`.
+fn refused_at_start(agent: &mut AgentProc, what: &str, also: &[&str]) -> anyhow::Result<()> {
+    let e = agent
+        .wait_ready_within(Duration::from_secs(15))
+        .err()
+        .with_context(|| {
+            format!("{what}: started with a configured pool overlapping a cluster pool")
+        })?;
+    let e = format!("{e:#}");
+    let last = e.lines().last().unwrap_or_default();
+    eprintln!("{what}: {last}");
+    let both = "agent start-up failed: invalid request: cidr 10.90.0.0/27 of configured pool mine overlaps cidr 10.90.0.0/27 of cluster pool more";
+    ensure!(
+        last.contains(both)
+            && last.contains("may not share addresses with the cluster's")
+            && also.iter().all(|a| last.contains(a)),
+        "{what}: the refusal does not name both: {e}"
+    );
     Ok(())
 }

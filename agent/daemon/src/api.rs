@@ -182,6 +182,7 @@ async fn status(State(s): State<AppState>) -> Result<Response, ApiError> {
                     etcd_unreachable: c.etcd_problem(),
                     pools: c.pools(),
                     fenced: c.fenced(),
+                    configured_overlaps: c.overlaps(),
                 });
                 Ok(ok(v))
             }

@@ -342,11 +342,16 @@ pub async fn run(config: Config) -> Result<(), ServerError> {
     // Cluster mode: blocks etcd no longer gives this node are fenced before
     // the agent serves (or once etcd answers, when it is down now).
     let cluster = match &cluster_config.cluster {
-        Some(_) => Some(
-            crate::cluster::ClusterNode::start(&cluster_config, &mut agent)
-                .await
-                .map_err(|reason| ServerError::Start(AgentError::Invalid { reason }))?,
-        ),
+        Some(_) => match crate::cluster::ClusterNode::start(&cluster_config, &mut agent).await {
+            Ok(node) => Some(node),
+            Err(reason) => {
+                // The agent owns a runtime (netlink): dropped here, on an
+                // async worker, it panicked and the reason was never
+                // printed.
+                let _ = tokio::task::spawn_blocking(move || drop(agent)).await;
+                return Err(ServerError::Start(AgentError::Invalid { reason }));
+            }
+        },
         None => None,
     };
     if let Some(node) = &cluster {

@@ -153,6 +153,10 @@ pub struct ClusterStatus {
     /// Blocks fenced on this node.
     #[serde(default)]
     pub fenced: usize,
+    /// Configured CIDRs withheld because they overlap the cluster's pools
+    /// or blocks, each naming both sides.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub configured_overlaps: Vec<String>,
 }
 
 /// The empty object DEL and CHECK answer with.

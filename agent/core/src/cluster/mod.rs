@@ -11,6 +11,8 @@
 //! - [`local`]: the cluster pools as local pools of the blocks a node holds.
 //! - [`cover`]: addresses a node holds inside blocks etcd gives other
 //!   nodes (what a block fenced while the node ran may have doubled).
+//! - [`overlap`]: the node's configured pools against the cluster's
+//!   addresses (refused at start, withheld while running).
 //! - [`remote`]: what a node programs for the other nodes' blocks (IPCACHE,
 //!   routes, MASQ_SKIP) and the diff against what is there.
 //!
@@ -23,6 +25,7 @@ pub mod default;
 pub mod layout;
 pub mod local;
 pub mod names;
+pub mod overlap;
 pub mod remote;
 pub mod spec;
 
@@ -38,6 +41,9 @@ pub use default::{default_for_apply, default_pool};
 pub use layout::{block_at, block_count, block_index};
 pub use local::{block_size, blocks_wanted, local_pools, low_water, usable_in_block};
 pub use names::{check_key_name, key_name_problem};
+pub use overlap::{
+    ClaimedBlock, LocalOverlap, OverlapWith, check_configured, local_overlaps, withhold,
+};
 pub use remote::{NodeDirectory, node_addresses_problem};
 pub use spec::{ClusterPoolSpec, check_apply, validate_pools};
 
@@ -115,6 +121,13 @@ pub enum ClusterError {
     UnknownNode {
         /// The node.
         node: String,
+    },
+    /// The node's configured pools share addresses with the cluster's
+    /// pools or blocks (`overlap`): refused at start.
+    #[error("{}: a configured pool may not share addresses with the cluster's (two nodes would hand out the same address); change or remove the configured pool", .overlaps.iter().map(ToString::to_string).collect::<Vec<_>>().join("; "))]
+    ConfiguredPoolOverlaps {
+        /// Every overlap, both sides named.
+        overlaps: Vec<LocalOverlap>,
     },
 }
 

@@ -7,6 +7,7 @@
 use std::collections::BTreeMap;
 
 use ipnet::IpNet;
+use lockstep_core::cluster::{ClaimedBlock, LocalOverlap, check_configured, local_overlaps};
 use lockstep_core::pool::PoolSpec;
 
 use super::{Agent, AgentError};
@@ -27,16 +28,20 @@ pub struct ClusterView {
     /// The cluster pool serving requests that name none, as etcd records
     /// it (`Err`: why there is none); `None` outside cluster mode.
     default: Option<Result<Option<String>, String>>,
+    /// Configured CIDRs sharing addresses with the cluster's: withheld from
+    /// the allocator, named by `verify` (`cluster::overlap`).
+    overlaps: Vec<LocalOverlap>,
 }
 
 /// The pools the manager starts with: the configuration's, then the
 /// cluster pools of the blocks recorded in the state directory (so stored
 /// allocations in them restore into their blocks, not into draining
 /// ranges). An unreadable record is an error: serving without it could
-/// hand out what the node does not hold.
+/// hand out what the node does not hold. So is a configured pool sharing
+/// addresses with a recorded cluster pool or block (`cluster::overlap`).
 ///
 /// # Errors
-/// [`AgentError::Invalid`] naming the file.
+/// [`AgentError::Invalid`] naming the file, or every overlap.
 pub(super) fn start_pools(config: &crate::config::Config) -> Result<Vec<PoolSpec>, AgentError> {
     let mut pools = config.pools.clone();
     if config.cluster.is_some() {
@@ -44,6 +49,20 @@ pub(super) fn start_pools(config: &crate::config::Config) -> Result<Vec<PoolSpec
             crate::cluster::Held::load(&config.state_dir).map_err(|e| AgentError::Invalid {
                 reason: crate::error_chain(&e),
             })?;
+        let blocks: Vec<ClaimedBlock<'_>> = held
+            .blocks
+            .iter()
+            .map(|b| ClaimedBlock {
+                pool: &b.pool,
+                block: b.cidr,
+                node: &held.node,
+            })
+            .collect();
+        check_configured(local_overlaps(&config.pools, &held.pools, &blocks)).map_err(|e| {
+            AgentError::Invalid {
+                reason: e.to_string(),
+            }
+        })?;
         pools.extend(crate::cluster::local_specs(config, &held));
     }
     Ok(pools)
@@ -62,7 +81,7 @@ impl Agent {
         cluster: Vec<PoolSpec>,
         fenced: BTreeMap<IpNet, String>,
     ) -> Result<(), AgentError> {
-        let mut all = self.config.pools.clone();
+        let mut all = lockstep_core::cluster::withhold(&self.config.pools, &self.cluster.overlaps);
         all.extend(cluster);
         self.manager.source_mut().0 = all;
         let report = self.manager.sync();
@@ -87,6 +106,22 @@ impl Agent {
                 ),
             })
         }
+    }
+
+    /// Records the configured CIDRs that overlap the cluster's: the next
+    /// [`Agent::set_cluster_pools`] withholds them from the allocator.
+    pub fn set_local_overlaps(&mut self, overlaps: Vec<LocalOverlap>) {
+        self.cluster.overlaps = overlaps;
+    }
+
+    /// The configured CIDRs withheld, each with what it overlaps, for
+    /// `verify`.
+    pub fn cluster_overlaps(&self) -> Vec<String> {
+        self.cluster
+            .overlaps
+            .iter()
+            .map(|o| format!("{o}: withheld, nothing new is allocated from it"))
+            .collect()
     }
 
     /// Addresses held in each of `blocks` (every holder: committed,

@@ -215,6 +215,7 @@ impl Agent {
         report.draining = self.draining();
         report.fenced = self.cluster_fenced();
         report.covered = self.cluster_covered();
+        report.fenced.extend(self.cluster_overlaps());
         report.routes = self.remote_route_drift();
         report.ok = report.store.is_empty()
             && report.maps.is_empty()

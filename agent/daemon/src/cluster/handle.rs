@@ -34,6 +34,8 @@ pub(super) struct Shared {
     pub(super) rounds: u64,
     /// etcd keys the last read skipped as unreadable: key → why.
     pub(super) unreadable: BTreeMap<String, String>,
+    /// Configured CIDRs overlapping the cluster's, each naming both sides.
+    pub(super) overlaps: Vec<String>,
 }
 
 impl ClusterHandle {
@@ -65,6 +67,12 @@ impl ClusterHandle {
                 )
             })
             .collect()
+    }
+
+    /// The configured CIDRs withheld because they overlap the cluster's
+    /// pools or blocks, each naming both sides.
+    pub fn overlaps(&self) -> Vec<String> {
+        self.lock().overlaps.clone()
     }
 
     /// The cluster pools and their families.
@@ -149,9 +157,13 @@ pub fn render_metrics(c: &ClusterHandle) -> String {
          lockstep_cluster_block_claims_total {claims}\n\
          # HELP lockstep_cluster_unreadable_keys etcd keys under pools/, blocks/ or nodes/ this build cannot read (skipped; `lockstep cluster unreadable`).\n\
          # TYPE lockstep_cluster_unreadable_keys gauge\n\
-         lockstep_cluster_unreadable_keys {}\n",
+         lockstep_cluster_unreadable_keys {}\n\
+         # HELP lockstep_cluster_configured_pool_overlaps Overlaps of a configured pool's cidr with a cluster pool or block: the cidr is withheld from the allocator.\n\
+         # TYPE lockstep_cluster_configured_pool_overlaps gauge\n\
+         lockstep_cluster_configured_pool_overlaps {}\n",
         s.fenced,
         u8::from(s.problem.is_none()),
         s.unreadable.len(),
+        s.overlaps.len(),
     )
 }

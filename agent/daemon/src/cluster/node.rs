@@ -31,8 +31,8 @@ use std::time::{Duration, Instant};
 use ipnet::IpNet;
 use lockstep_core::cidr::Family;
 use lockstep_core::cluster::{
-    BlockUse, ClusterPoolSpec, block_size, blocks_to_release, blocks_wanted, fence, local_pools,
-    low_water, next_block, usable_in_block,
+    BlockUse, ClaimedBlock, ClusterPoolSpec, LocalOverlap, block_size, blocks_to_release,
+    blocks_wanted, fence, local_overlaps, local_pools, low_water, next_block, usable_in_block,
 };
 use lockstep_core::pool::PoolSpec;
 
@@ -135,6 +135,9 @@ pub struct ClusterNode {
     others: BTreeMap<IpNet, String>,
     /// What the allocator was last given (`None`: nothing yet).
     served: Option<Served>,
+    /// Configured CIDRs overlapping the cluster's pools or blocks, as last
+    /// read: refused at start, withheld from the allocator while running.
+    overlaps: Vec<LocalOverlap>,
     handle: Arc<ClusterHandle>,
 }
 
@@ -147,13 +150,20 @@ struct Served {
     specs: Vec<PoolSpec>,
     fenced: BTreeMap<IpNet, String>,
     others: BTreeMap<IpNet, String>,
+    /// Configured CIDRs withheld for overlapping the cluster's.
+    overlaps: Vec<LocalOverlap>,
     default: Result<Option<String>, String>,
 }
 
 impl Served {
     /// Gives the agent what differs from `had` (everything when `None`).
     fn give(&self, node: &str, agent: &mut Agent, had: Option<&Served>) {
-        if had.is_none_or(|h| h.specs != self.specs || h.fenced != self.fenced)
+        // Overlaps first: `set_cluster_pools` withholds them.
+        let overlaps = had.is_none_or(|h| h.overlaps != self.overlaps);
+        if overlaps {
+            agent.set_local_overlaps(self.overlaps.clone());
+        }
+        if (overlaps || had.is_none_or(|h| h.specs != self.specs || h.fenced != self.fenced))
             && let Err(e) = agent.set_cluster_pools(self.specs.clone(), self.fenced.clone())
         {
             tracing::error!(error = %crate::error_chain(&e), "cluster blocks not all served");
@@ -229,15 +239,20 @@ impl ClusterNode {
             read_next: false,
             others: BTreeMap::new(),
             served: None,
+            overlaps: Vec::new(),
             handle: Arc::new(ClusterHandle::default()),
         };
         node.held.node = node.name.clone();
-        if node.sync().await {
-            node.apply(agent);
-        } else {
+        if !node.sync().await {
             tracing::warn!(problem = ?node.handle.etcd_problem(), "etcd unreachable at start; serving the blocks recorded locally until it answers");
-            node.apply(agent);
+            // The cluster pools of the record stand in for etcd's.
+            node.set_overlaps(Vec::new());
         }
+        // A configured pool sharing addresses with the cluster's is a
+        // configuration error: refused before anything is served.
+        lockstep_core::cluster::check_configured(node.overlaps.clone())
+            .map_err(|e| e.to_string())?;
+        node.apply(agent);
         Ok(node)
     }
 
@@ -301,6 +316,16 @@ impl ClusterNode {
             .filter(|(_, n)| **n != self.name)
             .map(|(b, n)| (*b, n.clone()))
             .collect();
+        self.set_overlaps(
+            blocks
+                .iter()
+                .map(|b| ClaimedBlock {
+                    pool: &b.pool,
+                    block: b.cidr,
+                    node: &b.node,
+                })
+                .collect(),
+        );
         // Claims whose answer never came: ours if etcd says so. Recorded
         // before the allocator is given them (the next `serve`).
         for (pool, cidr) in std::mem::take(&mut self.maybe) {
@@ -362,6 +387,21 @@ impl ClusterNode {
         true
     }
 
+    /// Finds the configured CIDRs overlapping the cluster pools as last
+    /// read or `blocks`; a change is logged and reaches the allocator with
+    /// the next [`Served`].
+    fn set_overlaps(&mut self, blocks: Vec<ClaimedBlock<'_>>) {
+        let overlaps = local_overlaps(&self.config.pools, &self.held.pools, &blocks);
+        if overlaps == self.overlaps {
+            return;
+        }
+        for o in overlaps.iter().filter(|o| !self.overlaps.contains(o)) {
+            tracing::error!(overlap = %o, "WITHHELD: a configured pool shares addresses with the cluster's; nothing new is allocated from that cidr");
+        }
+        self.handle.lock().overlaps = overlaps.iter().map(ToString::to_string).collect();
+        self.overlaps = overlaps;
+    }
+
     /// What the allocator should be given for the record `held`.
     fn wanted(&self, held: &Held) -> Served {
         Served {
@@ -372,6 +412,7 @@ impl ClusterNode {
                 .filter_map(|b| b.fenced.clone().map(|w| (b.cidr, w)))
                 .collect(),
             others: self.others.clone(),
+            overlaps: self.overlaps.clone(),
             // The cluster pool serving requests that name none, as the
             // core decides it from what etcd records (`Err`: why none).
             default: lockstep_core::cluster::default_pool(
