@@ -777,3 +777,68 @@ pub fn settled(lab: &Lab, total: usize, what: &str) -> anyhow::Result<()> {
         std::thread::sleep(Duration::from_millis(200));
     }
 }
+
+impl Lab {
+    /// The lab with [`POOL`] and `count` dual-stack services applied, once
+    /// all their addresses are announced.
+    ///
+    /// # Errors
+    /// As [`Lab::build`], or not all announced within 30 s.
+    pub fn with_services(
+        cluster: &EtcdCluster,
+        prefix: &str,
+        lease: Option<&str>,
+        count: usize,
+    ) -> anyhow::Result<Self> {
+        let lab = Self::build(cluster, prefix, lease)?;
+        lab.apply(0, POOL)?;
+        lab.apply(0, &services(0..count))?;
+        crate::wait_for("every address announced", Duration::from_secs(30), || {
+            (lab.announcers(0).ok()?.len() == 2 * count).then_some(())
+        })?;
+        Ok(lab)
+    }
+
+    /// The node announcing the most addresses, and those addresses.
+    ///
+    /// # Errors
+    /// `lb get` failed.
+    pub fn busiest(&self) -> anyhow::Result<(usize, Vec<IpAddr>)> {
+        let announcers = self.announcers(0)?;
+        let mut count = [0usize; 3];
+        for n in announcers.values() {
+            count[*n] += 1;
+        }
+        let x = (0..3).max_by_key(|i| count[*i]).context("a node")?;
+        let targets = announcers
+            .iter()
+            .filter(|(_, n)| **n == x)
+            .map(|(a, _)| *a)
+            .collect();
+        Ok((x, targets))
+    }
+}
+
+/// Waits until `cap` saw every one of `targets` answered, after `t0`, by a
+/// MAC other than `old`.
+///
+/// # Errors
+/// Not within `within`.
+pub fn wait_answered_elsewhere(
+    cap: &Capture,
+    targets: &[IpAddr],
+    old: [u8; 6],
+    t0: Instant,
+    within: Duration,
+) -> anyhow::Result<()> {
+    crate::wait_for("every address answered by another node", within, || {
+        let seen = cap.seen();
+        targets
+            .iter()
+            .all(|a| {
+                seen.iter()
+                    .any(|s| s.addr == *a && s.kind == Kind::Reply && s.mac != old && s.at > t0)
+            })
+            .then_some(())
+    })
+}

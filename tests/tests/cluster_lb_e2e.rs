@@ -34,7 +34,7 @@ use anyhow::{Context, bail, ensure};
 use lockstep_tests::etcd::EtcdCluster;
 use lockstep_tests::lb_lab::{
     Capture, Handover, Kind, LEASE, Lab, POOL, addresses, judge, probe_once, service, services,
-    settled,
+    settled, wait_answered_elsewhere,
 };
 use lockstep_tests::{privileged, wait_for};
 
@@ -266,17 +266,7 @@ fn fault_once(
     fault: Fault,
     total: usize,
 ) -> anyhow::Result<(usize, usize, Vec<Handover>)> {
-    let announcers = lab.announcers(0)?;
-    let mut count = [0usize; 3];
-    for n in announcers.values() {
-        count[*n] += 1;
-    }
-    let x = (0..3).max_by_key(|i| count[*i]).context("a node")?;
-    let targets: Vec<IpAddr> = announcers
-        .iter()
-        .filter(|(_, n)| **n == x)
-        .map(|(a, _)| *a)
-        .collect();
+    let (x, targets) = lab.busiest()?;
     let cap = Capture::start(lab, targets.clone(), Duration::from_millis(50))?;
     std::thread::sleep(Duration::from_millis(600));
     let t0 = Instant::now();
@@ -300,20 +290,7 @@ fn fault_once(
         }
     }
     let old = lab.macs[x];
-    let moved = wait_for(
-        "every address answered by another node",
-        Duration::from_secs(30),
-        || {
-            let seen = cap.seen();
-            targets
-                .iter()
-                .all(|a| {
-                    seen.iter()
-                        .any(|s| s.addr == *a && s.kind == Kind::Reply && s.mac != old && s.at > t0)
-                })
-                .then_some(())
-        },
-    );
+    let moved = wait_answered_elsewhere(&cap, &targets, old, t0, Duration::from_secs(30));
     let uplink_fault = matches!(fault, Fault::LinkDown | Fault::CarrierLoss);
     if uplink_fault && moved.is_ok() {
         let m = lab.metrics(x)?;
@@ -539,12 +516,7 @@ fn failover_never_answers_from_two_nodes() -> anyhow::Result<()> {
     privileged!();
     let cluster = EtcdCluster::start(3)?;
     let prefix = format!("/{}/", lockstep_tests::unique("lbfo"));
-    let mut lab = Lab::build(&cluster, &prefix, Some(LEASE))?;
-    lab.apply(0, POOL)?;
-    lab.apply(0, &services(0..12))?;
-    wait_for("24 addresses announced", Duration::from_secs(30), || {
-        (lab.announcers(0).ok()?.len() == 24).then_some(())
-    })?;
+    let mut lab = Lab::with_services(&cluster, &prefix, Some(LEASE), 12)?;
     let mut all_overlaps = 0;
     for fault in [
         Fault::Kill,

@@ -26,7 +26,8 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, ensure};
 use lockstep_tests::etcd::EtcdCluster;
 use lockstep_tests::lb_lab::{
-    Capture, Kind, LEASE, Lab, POOL, addresses, judge, service, services, settled,
+    Capture, LEASE, Lab, POOL, addresses, judge, service, services, settled,
+    wait_answered_elsewhere,
 };
 use lockstep_tests::{privileged, wait_for};
 
@@ -120,42 +121,14 @@ fn a_deleted_uplink_gives_its_addresses_up_and_one_created_again_answers() -> an
     privileged!();
     let cluster = EtcdCluster::start(3)?;
     let prefix = format!("/{}/", lockstep_tests::unique("lbgone"));
-    let mut lab = Lab::build(&cluster, &prefix, Some(LEASE))?;
-    lab.apply(0, POOL)?;
-    lab.apply(0, &services(0..12))?;
-    wait_for("24 addresses announced", Duration::from_secs(30), || {
-        (lab.announcers(0).ok()?.len() == 24).then_some(())
-    })?;
-    let announcers = lab.announcers(0)?;
-    let mut count = [0usize; 3];
-    for n in announcers.values() {
-        count[*n] += 1;
-    }
-    let x = (0..3).max_by_key(|i| count[*i]).context("a node")?;
-    let targets: Vec<IpAddr> = announcers
-        .iter()
-        .filter(|(_, n)| **n == x)
-        .map(|(a, _)| *a)
-        .collect();
+    let mut lab = Lab::with_services(&cluster, &prefix, Some(LEASE), 12)?;
+    let (x, targets) = lab.busiest()?;
     let old = lab.macs[x];
     let cap = Capture::start(&lab, targets.clone(), Duration::from_millis(50))?;
     std::thread::sleep(Duration::from_millis(600));
     let t0 = Instant::now();
     lab.ns[x].exec("ip", ["link", "del", "u0"])?;
-    let moved = wait_for(
-        "every address of the node whose uplink is gone answered by another node",
-        Duration::from_secs(20),
-        || {
-            let seen = cap.seen();
-            targets
-                .iter()
-                .all(|a| {
-                    seen.iter()
-                        .any(|s| s.addr == *a && s.kind == Kind::Reply && s.mac != old && s.at > t0)
-                })
-                .then_some(())
-        },
-    );
+    let moved = wait_answered_elsewhere(&cap, &targets, old, t0, Duration::from_secs(20));
     let (seen, rounds) = cap.finish()?;
     moved?;
     eprintln!(
