@@ -1025,21 +1025,41 @@ fn parse_block(prefix: &str, key: &str, value: &[u8], revision: i64) -> Result<B
     })
 }
 
+/// A key whose last segment is a name, and its JSON value, which must
+/// carry that same name (`name_of`): the value, or why it cannot be read.
+/// `what` names the kind ("pool", "node"); `holds` says what the value
+/// holds when the names differ.
+fn parse_named<T: serde::de::DeserializeOwned>(
+    (what, holds): (&str, &str),
+    prefix: &str,
+    key: &str,
+    value: &[u8],
+    name_of: fn(&T) -> &str,
+) -> Result<T, String> {
+    let name = key.strip_prefix(prefix).unwrap_or(key);
+    if let Some(why) = key_name_problem(name) {
+        return Err(format!("{what} name {name:?}: {why}"));
+    }
+    let v: T = serde_json::from_slice(value).map_err(|e| format!("value: {e}"))?;
+    if name_of(&v) != name {
+        return Err(format!(
+            "holds {holds} {:?} under the key of {what} {name:?}",
+            name_of(&v)
+        ));
+    }
+    Ok(v)
+}
+
 /// A pool key and value, or why they cannot be read: the key's name must
 /// be a usable name and the value a pool of that name.
 fn parse_pool(prefix: &str, key: &str, value: &[u8]) -> Result<ClusterPoolSpec, String> {
-    let name = key.strip_prefix(prefix).unwrap_or(key);
-    if let Some(why) = key_name_problem(name) {
-        return Err(format!("pool name {name:?}: {why}"));
-    }
-    let spec: ClusterPoolSpec = serde_json::from_slice(value).map_err(|e| format!("value: {e}"))?;
-    if spec.name != name {
-        return Err(format!(
-            "holds pool {:?} under the key of pool {name:?}",
-            spec.name
-        ));
-    }
-    Ok(spec)
+    parse_named(
+        ("pool", "pool"),
+        prefix,
+        key,
+        value,
+        |p: &ClusterPoolSpec| p.name.as_str(),
+    )
 }
 
 /// The default pool key's value (a JSON string naming a usable pool
@@ -1054,18 +1074,9 @@ fn parse_default(value: &[u8]) -> Result<String, String> {
 
 /// A node key and record, or why they cannot be read.
 fn parse_node(prefix: &str, key: &str, value: &[u8]) -> Result<NodeRecord, String> {
-    let name = key.strip_prefix(prefix).unwrap_or(key);
-    if let Some(why) = key_name_problem(name) {
-        return Err(format!("node name {name:?}: {why}"));
-    }
-    let record: NodeRecord = serde_json::from_slice(value).map_err(|e| format!("value: {e}"))?;
-    if record.name != name {
-        return Err(format!(
-            "holds node {:?} under the key of node {name:?}",
-            record.name
-        ));
-    }
-    Ok(record)
+    parse_named(("node", "node"), prefix, key, value, |r: &NodeRecord| {
+        r.name.as_str()
+    })
 }
 
 /// A routing key and record, or why they cannot be read: the key's name
@@ -1076,18 +1087,13 @@ pub(super) fn parse_node_addr(
     key: &str,
     value: &[u8],
 ) -> Result<NodeAddrRecord, String> {
-    let name = key.strip_prefix(prefix).unwrap_or(key);
-    if let Some(why) = key_name_problem(name) {
-        return Err(format!("node name {name:?}: {why}"));
-    }
-    let record: NodeAddrRecord =
-        serde_json::from_slice(value).map_err(|e| format!("value: {e}"))?;
-    if record.name != name {
-        return Err(format!(
-            "holds the addresses of node {:?} under the key of node {name:?}",
-            record.name
-        ));
-    }
+    let record = parse_named(
+        ("node", "the addresses of node"),
+        prefix,
+        key,
+        value,
+        |r: &NodeAddrRecord| r.name.as_str(),
+    )?;
     if let Some(why) = node_addresses_problem(&record.ips) {
         return Err(format!("ips: {why}"));
     }
