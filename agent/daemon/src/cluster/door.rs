@@ -504,8 +504,8 @@ impl Door {
     /// claimed blocks removed or re-cut: named with its blocks and nodes),
     /// [`ClusterStoreError::Invalid`] (a pool overlapping an LB pool, both
     /// named),
-    /// [`ClusterStoreError::Conflict`] (a concurrent change: nothing
-    /// written), or etcd unavailable.
+    /// [`ClusterStoreError::Conflict`] (a concurrent change at each of
+    /// [`APPLY_ATTEMPTS`] tries: nothing written), or etcd unavailable.
     pub async fn apply_pools(&mut self, new: &[ClusterPoolSpec]) -> Result<i64, ClusterStoreError> {
         self.apply_pools_default(new, None).await
     }
@@ -522,6 +522,27 @@ impl Door {
     /// without naming another, or several pools with none named or
     /// recorded.
     pub async fn apply_pools_default(
+        &mut self,
+        new: &[ClusterPoolSpec],
+        default: Option<&str>,
+    ) -> Result<i64, ClusterStoreError> {
+        // A block claimed between the read and the write (nodes claim all
+        // the time) fails the guard with nothing written: read, check and
+        // try again, a few times, before telling the caller.
+        let mut attempt = 1;
+        loop {
+            match self.apply_pools_once(new, default).await {
+                Err(ClusterStoreError::Conflict { .. }) if attempt < APPLY_ATTEMPTS => {
+                    attempt += 1;
+                    tokio::time::sleep(Duration::from_millis(20 * attempt)).await;
+                }
+                r => return r,
+            }
+        }
+    }
+
+    /// One read, check and guarded write of [`Door::apply_pools_default`].
+    async fn apply_pools_once(
         &mut self,
         new: &[ClusterPoolSpec],
         default: Option<&str>,
@@ -1024,6 +1045,10 @@ fn parse_block(prefix: &str, key: &str, value: &[u8], revision: i64) -> Result<B
         revision,
     })
 }
+
+/// How many times a pools apply is read, checked and written before a
+/// concurrent change (a block claimed meanwhile) is reported.
+const APPLY_ATTEMPTS: u64 = 5;
 
 /// A key whose last segment is a name, and its JSON value, which must
 /// carry that same name (`name_of`): the value, or why it cannot be read.
