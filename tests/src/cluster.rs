@@ -6,6 +6,8 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::{Read, Write};
 use std::net::{IpAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
@@ -14,12 +16,35 @@ use ipnet::IpNet;
 use crate::etcd::EtcdCluster;
 use crate::{AgentProc, Netns};
 
+/// A forwarder's switch ([`forward`]): while on, every relayed connection
+/// is shut and new ones are refused (the node loses etcd; etcd itself runs
+/// on).
+#[derive(Debug, Default)]
+pub struct Cut {
+    on: AtomicBool,
+    conns: Mutex<Vec<TcpStream>>,
+}
+
+impl Cut {
+    /// Cuts the node from etcd (`on`) or lets it reach etcd again.
+    pub fn set(&self, on: bool) {
+        self.on.store(on, Ordering::SeqCst);
+        if on {
+            for c in self.conns.lock().expect("lock").drain(..) {
+                let _ = c.shutdown(std::net::Shutdown::Both);
+            }
+        }
+    }
+}
+
 /// Relays every member's port inside `node` to the member itself, for as
-/// long as the test runs (the threads end with the process).
+/// long as the test runs (the threads end with the process); the switch
+/// that cuts the node from etcd.
 ///
 /// # Errors
 /// A listener cannot be made inside `node`.
-pub fn forward(node: &Netns, cluster: &EtcdCluster) -> anyhow::Result<()> {
+pub fn forward(node: &Netns, cluster: &EtcdCluster) -> anyhow::Result<Arc<Cut>> {
+    let cut = Arc::new(Cut::default());
     for ep in cluster.endpoints() {
         let port: u16 = ep.rsplit(':').next().context("port")?.parse()?;
         let listener = node.run(move || {
@@ -28,11 +53,20 @@ pub fn forward(node: &Netns, cluster: &EtcdCluster) -> anyhow::Result<()> {
                 .status();
             Ok(TcpListener::bind(("127.0.0.1", port))?)
         })?;
+        let cut = cut.clone();
         std::thread::spawn(move || {
             for inner in listener.incoming().flatten() {
+                if cut.on.load(Ordering::SeqCst) {
+                    continue;
+                }
                 let Ok(outer) = TcpStream::connect(("127.0.0.1", port)) else {
                     continue;
                 };
+                {
+                    let mut conns = cut.conns.lock().expect("lock");
+                    conns.extend(inner.try_clone().ok());
+                    conns.extend(outer.try_clone().ok());
+                }
                 let (Ok(mut a), Ok(mut b)) = (inner.try_clone(), outer.try_clone()) else {
                     continue;
                 };
@@ -42,7 +76,7 @@ pub fn forward(node: &Netns, cluster: &EtcdCluster) -> anyhow::Result<()> {
             }
         });
     }
-    Ok(())
+    Ok(cut)
 }
 
 fn pipe(from: &mut TcpStream, to: &mut TcpStream) {

@@ -6,8 +6,7 @@
 //! `cluster_lb_e2e` and `cluster_lb_uplink`.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::io::{Read, Write};
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, TcpListener, TcpStream};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -15,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, ensure};
 
-use crate::cluster::{cluster_config, node_ip};
+use crate::cluster::{Cut, cluster_config, forward, node_ip};
 use crate::etcd::EtcdCluster;
 use crate::ndp::solicitation;
 use crate::{AgentProc, Netns};
@@ -26,70 +25,6 @@ pub const LEASE: &str = "2s";
 pub const NB_V4: Ipv4Addr = Ipv4Addr::new(10, 251, 0, 100);
 /// A dual-stack L2 pool for the lab's services.
 pub const POOL: &str = r#"{"pools": [{"name": "pub", "cidrs": ["10.251.0.128/25", "fd00:251::100/120"], "announce": "l2"}]}"#;
-
-/// A forwarder's switch: while on, every relayed connection is shut and
-/// new ones are refused (the node loses etcd; etcd itself runs on).
-#[derive(Default)]
-pub struct Cut {
-    /// Whether the node is cut from etcd.
-    pub on: AtomicBool,
-    /// The relayed connections, shut when cut.
-    pub conns: Mutex<Vec<TcpStream>>,
-}
-
-impl Cut {
-    /// Cuts the node from etcd (`on`) or lets it reach etcd again.
-    pub fn set(&self, on: bool) {
-        self.on.store(on, Ordering::SeqCst);
-        if on {
-            for c in self.conns.lock().expect("lock").drain(..) {
-                let _ = c.shutdown(std::net::Shutdown::Both);
-            }
-        }
-    }
-}
-
-fn pipe(from: &mut TcpStream, to: &mut TcpStream) {
-    let mut buf = [0u8; 16384];
-    while let Ok(n) = from.read(&mut buf) {
-        if n == 0 || to.write_all(&buf[..n]).is_err() {
-            break;
-        }
-    }
-    let _ = to.shutdown(std::net::Shutdown::Both);
-}
-
-/// Relays every member's port inside `node` to the member, switchable.
-pub fn forward(node: &Netns, cluster: &EtcdCluster) -> anyhow::Result<Arc<Cut>> {
-    let cut = Arc::new(Cut::default());
-    for ep in cluster.endpoints() {
-        let port: u16 = ep.rsplit(':').next().context("port")?.parse()?;
-        let listener = node.run(move || Ok(TcpListener::bind(("127.0.0.1", port))?))?;
-        let cut = cut.clone();
-        std::thread::spawn(move || {
-            for inner in listener.incoming().flatten() {
-                if cut.on.load(Ordering::SeqCst) {
-                    continue;
-                }
-                let Ok(outer) = TcpStream::connect(("127.0.0.1", port)) else {
-                    continue;
-                };
-                {
-                    let mut conns = cut.conns.lock().expect("lock");
-                    conns.extend(inner.try_clone().ok());
-                    conns.extend(outer.try_clone().ok());
-                }
-                let (Ok(mut a), Ok(mut b)) = (inner.try_clone(), outer.try_clone()) else {
-                    continue;
-                };
-                let (mut c, mut d) = (outer, inner);
-                std::thread::spawn(move || pipe(&mut a, &mut b));
-                std::thread::spawn(move || pipe(&mut c, &mut d));
-            }
-        });
-    }
-    Ok(cut)
-}
 
 /// Three nodes on a bridge, a neighbour `n0` on it, agents in cluster mode.
 /// Agents first: they stop before their namespaces go.

@@ -8,86 +8,15 @@
 //! from every namespace through a forwarder (as in `cluster_agent`).
 
 use std::collections::BTreeMap;
-use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use lockstep_tests::cluster::{lpm_v4, remote_entries};
+use lockstep_tests::cluster::{forward, lpm_v4, remote_entries};
 use lockstep_tests::etcd::EtcdCluster;
 use lockstep_tests::{AgentProc, Netns, privileged, sh};
 
 /// lockstep's route protocol number (docs/cluster.md).
 const PROTO: &str = "213";
-
-/// A forwarder's switch: while `cut`, every relayed connection is shut
-/// and new ones are refused (the node loses etcd; etcd itself runs on).
-#[derive(Default)]
-struct Cut {
-    on: AtomicBool,
-    conns: Mutex<Vec<TcpStream>>,
-}
-
-impl Cut {
-    fn set(&self, on: bool) {
-        self.on.store(on, Ordering::SeqCst);
-        if on {
-            for c in self.conns.lock().expect("lock").drain(..) {
-                let _ = c.shutdown(std::net::Shutdown::Both);
-            }
-        }
-    }
-}
-
-/// Relays every member's port inside `node` to the member itself.
-fn forward(node: &Netns, cluster: &EtcdCluster) -> anyhow::Result<Arc<Cut>> {
-    let cut = Arc::new(Cut::default());
-    for ep in cluster.endpoints() {
-        let port: u16 = ep.rsplit(':').next().context("port")?.parse()?;
-        let listener = node.run(move || {
-            let _ = std::process::Command::new("ip")
-                .args(["link", "set", "lo", "up"])
-                .status();
-            Ok(TcpListener::bind(("127.0.0.1", port))?)
-        })?;
-        let cut = cut.clone();
-        std::thread::spawn(move || {
-            for inner in listener.incoming().flatten() {
-                if cut.on.load(Ordering::SeqCst) {
-                    continue;
-                }
-                let Ok(outer) = TcpStream::connect(("127.0.0.1", port)) else {
-                    continue;
-                };
-                {
-                    let mut conns = cut.conns.lock().expect("lock");
-                    conns.extend(inner.try_clone().ok());
-                    conns.extend(outer.try_clone().ok());
-                }
-                let (mut a, mut b) = (
-                    inner.try_clone().expect("clone"),
-                    outer.try_clone().expect("clone"),
-                );
-                let (mut c, mut d) = (outer, inner);
-                std::thread::spawn(move || pipe(&mut a, &mut b));
-                std::thread::spawn(move || pipe(&mut c, &mut d));
-            }
-        });
-    }
-    Ok(cut)
-}
-
-fn pipe(from: &mut TcpStream, to: &mut TcpStream) {
-    let mut buf = [0u8; 16384];
-    while let Ok(n) = from.read(&mut buf) {
-        if n == 0 || to.write_all(&buf[..n]).is_err() {
-            break;
-        }
-    }
-    let _ = to.shutdown(std::net::Shutdown::Both);
-}
 
 fn cli(eps: &[String], args: &[&str]) -> anyhow::Result<String> {
     let out = std::process::Command::new(lockstep_tests::lockstep_bin())
