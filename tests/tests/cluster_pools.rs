@@ -279,8 +279,10 @@ fn a_configured_pool_overlapping_the_cluster_is_withheld_and_refused_at_start() 
                 "more",
             ])?;
             let err = String::from_utf8_lossy(&out.stderr);
-            // A block claimed is served a moment after etcd lists it.
-            if err.contains("unknown pool more") && started.elapsed() < Duration::from_secs(30) {
+            // A block claimed is served a moment after etcd lists it: until
+            // then the pool is unknown, or known without a CIDR.
+            let not_yet = err.contains("unknown pool more") || err.contains("has no ipv4 CIDR");
+            if not_yet && started.elapsed() < Duration::from_secs(30) {
                 std::thread::sleep(Duration::from_millis(100));
                 continue;
             }
