@@ -1,0 +1,231 @@
+//! The etcd requests of cluster mode, each bounded in time and guarded.
+//!
+//! One door to etcd: every request cluster mode makes goes through
+//! [`Door`], which bounds it in time, retries only what may be retried,
+//! and tells a refusal from an unknown outcome. Split by what is asked:
+//! pools ([`pools`]), blocks ([`blocks`]), nodes ([`nodes`]); keys and
+//! values are read by [`parse`], failures classified by [`failure`].
+
+mod blocks;
+mod failure;
+mod nodes;
+mod options;
+mod parse;
+mod pools;
+#[cfg(test)]
+mod tests;
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::time::Duration;
+
+use etcd_client::{Client, ConnectOptions, GetOptions, GetResponse};
+use ipnet::IpNet;
+
+use super::{ClusterStoreError, Unreadable, escape};
+use failure::{never_sent, refusal, transient, unavailable};
+pub use options::{DoorOptions, TlsFiles};
+pub(super) use parse::parse_node_addr;
+
+/// The key (under the prefix) recording the default cluster pool: outside
+/// `pools/`, so agents that predate it never read it.
+const DEFAULT_KEY: &str = "default_pool";
+
+/// The area (under the prefix) of the nodes' routing keys, bound to no
+/// lease. Outside `nodes/`: every version lists `nodes/` whole, and would
+/// read `nodes/<name>/addr` as a node named `<name>/addr` (this build
+/// skips and reports such a key; builds before #26 item 8 failed the
+/// whole read, and with it their remote state).
+pub(super) const NODE_ADDRS: &str = "node_addrs/";
+
+/// A connection to etcd and the key layout under the prefix.
+pub struct Door {
+    client: Client,
+    opts: DoorOptions,
+    /// Keys the last read of each area skipped, by key.
+    unreadable: BTreeMap<String, Unreadable>,
+}
+
+impl std::fmt::Debug for Door {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Door").field("opts", &self.opts).finish()
+    }
+}
+
+fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+impl Door {
+    /// Connects (lazily: the first request dials) to `opts.endpoints`.
+    ///
+    /// # Errors
+    /// No endpoint, a prefix that does not start and end with `/`, or an
+    /// unusable endpoint URL.
+    pub async fn connect(opts: DoorOptions) -> Result<Self, ClusterStoreError> {
+        if opts.endpoints.is_empty() {
+            return Err(ClusterStoreError::Invalid(
+                "cluster.etcd lists no endpoint".into(),
+            ));
+        }
+        if !(opts.prefix.starts_with('/') && opts.prefix.ends_with('/')) {
+            return Err(ClusterStoreError::Invalid(format!(
+                "cluster.prefix {:?} must start and end with /",
+                opts.prefix
+            )));
+        }
+        // The scheme and the TLS files agree: a plain endpoint with TLS
+        // configured (or the reverse) is a mistake, not a fallback.
+        let want = if opts.tls.is_some() {
+            "https://"
+        } else {
+            "http://"
+        };
+        if let Some(bad) = opts.endpoints.iter().find(|e| !e.starts_with(want)) {
+            return Err(ClusterStoreError::Invalid(format!(
+                "cluster.etcd endpoint {bad:?} must start with {want}{}",
+                if opts.tls.is_some() {
+                    " (cluster.tls is given)"
+                } else {
+                    " (https needs cluster.tls.ca)"
+                }
+            )));
+        }
+        let mut options = ConnectOptions::new()
+            .with_connect_timeout(opts.timeout)
+            .with_timeout(opts.timeout)
+            .with_require_leader(true);
+        if let Some(tls) = &opts.tls {
+            options = options.with_tls(tls.load()?);
+        }
+        let client = tokio::time::timeout(
+            opts.timeout,
+            Client::connect(opts.endpoints.clone(), Some(options)),
+        )
+        .await
+        .map_err(|_| unavailable(&opts, "connect", "timed out", false))?
+        .map_err(|e| unavailable(&opts, "connect", &e.to_string(), false))?;
+        Ok(Door {
+            client,
+            opts,
+            unreadable: BTreeMap::new(),
+        })
+    }
+
+    /// The options the door was made with.
+    pub fn options(&self) -> &DoorOptions {
+        &self.opts
+    }
+
+    /// A handle on the connection (cheap: shares the channel).
+    pub(super) fn client(&self) -> Client {
+        self.client.clone()
+    }
+
+    fn key(&self, rest: &str) -> String {
+        format!("{}{rest}", self.opts.prefix)
+    }
+
+    fn block_key(&self, pool: &str, cidr: IpNet) -> String {
+        self.key(&format!("blocks/{pool}/{}", escape(cidr)))
+    }
+
+    /// Runs one request within the door's timeout.
+    pub(super) async fn bounded<T>(
+        &self,
+        what: &str,
+        write: bool,
+        request: impl Future<Output = Result<T, etcd_client::Error>>,
+    ) -> Result<T, ClusterStoreError> {
+        match tokio::time::timeout(self.opts.timeout, request).await {
+            Ok(Ok(v)) => Ok(v),
+            Ok(Err(e)) => Err(match refusal(&e) {
+                Some(reason) => ClusterStoreError::Rejected {
+                    what: what.to_string(),
+                    reason,
+                },
+                None => unavailable(&self.opts, what, &e.to_string(), write),
+            }),
+            Err(_) => Err(unavailable(&self.opts, what, "timed out", write)),
+        }
+    }
+
+    /// Runs one request within the door's timeout, made again (the client
+    /// picks an endpoint anew) when it failed without effect: for reads
+    /// (`write` false) on any transient failure, for writes only when no
+    /// connection could be made to the member it was routed to (such a
+    /// request never left the node). Without this, every request the
+    /// client's balancer routed to a stopped member failed: one member down
+    /// out of three failed a third of them.
+    pub(super) async fn retrying<T, F, Fut>(
+        &self,
+        what: &str,
+        write: bool,
+        request: F,
+    ) -> Result<T, ClusterStoreError>
+    where
+        F: FnMut(Client) -> Fut,
+        Fut: Future<Output = Result<T, etcd_client::Error>>,
+    {
+        let again = if write { never_sent } else { transient };
+        self.bounded(what, write, self.attempts(again, request))
+            .await
+    }
+
+    /// As [`Door::retrying`], for a write whose repetition does what one
+    /// does (a lease refresh, a put of the same value, a transaction whose
+    /// compare makes a second run a no-op the caller recognises): made
+    /// again on any transient failure.
+    pub(super) async fn retrying_idempotent<T, F, Fut>(
+        &self,
+        what: &str,
+        request: F,
+    ) -> Result<T, ClusterStoreError>
+    where
+        F: FnMut(Client) -> Fut,
+        Fut: Future<Output = Result<T, etcd_client::Error>>,
+    {
+        self.bounded(what, true, self.attempts(transient, request))
+            .await
+    }
+
+    /// Up to two tries per endpoint and one more, while `again` says the
+    /// failure may be tried again.
+    async fn attempts<T, F, Fut>(
+        &self,
+        again: fn(&etcd_client::Error) -> bool,
+        mut request: F,
+    ) -> Result<T, etcd_client::Error>
+    where
+        F: FnMut(Client) -> Fut,
+        Fut: Future<Output = Result<T, etcd_client::Error>>,
+    {
+        let attempts = self.opts.endpoints.len() * 2 + 1;
+        let mut result = request(self.client.clone()).await;
+        for _ in 1..attempts {
+            match &result {
+                Err(e) if again(e) => {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                    result = request(self.client.clone()).await;
+                }
+                _ => break,
+            }
+        }
+        result
+    }
+
+    /// Every key under `prefix/` (one read), and the store revision of it.
+    async fn list(&self, what: &str, rest: &str) -> Result<(GetResponse, i64), ClusterStoreError> {
+        let key = self.key(rest);
+        let resp = self
+            .retrying(what, false, |mut c| {
+                let key = key.clone();
+                async move { c.get(key, Some(GetOptions::new().with_prefix())).await }
+            })
+            .await?;
+        let revision = resp.header().map_or(0, |h| h.revision());
+        Ok((resp, revision))
+    }
+}

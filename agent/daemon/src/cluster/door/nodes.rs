@@ -1,0 +1,203 @@
+//! Nodes in etcd: registered under a lease, kept alive, listed, and
+//! removed by an operator.
+
+use etcd_client::{Compare, CompareOp, PutOptions, Txn, TxnOp};
+
+use super::super::{Block, ClusterStoreError, Node, NodeAddrRecord, NodeRecord, Unreadable};
+use super::parse::*;
+use super::*;
+
+impl Door {
+    /// Registers `record` under a new lease of `ttl` (whole seconds, at
+    /// least 1) and returns the lease; [`Door::keep_alive`] keeps it. In
+    /// the same transaction the node's routing key (`node_addrs/<name>`,
+    /// its name and IPs, no lease) is written: the others keep routing
+    /// its blocks there after the lease ends.
+    ///
+    /// # Errors
+    /// etcd unavailable.
+    pub async fn register_node(
+        &mut self,
+        record: &NodeRecord,
+        ttl: Duration,
+    ) -> Result<i64, ClusterStoreError> {
+        let secs = i64::try_from(ttl.as_secs().max(1)).unwrap_or(i64::MAX);
+        let lease = self
+            // A lease granted twice: the unused one expires by itself.
+            .retrying_idempotent("grant the node lease", |mut c| async move {
+                c.lease_grant(secs, None).await
+            })
+            .await?
+            .id();
+        let key = self.key(&format!("nodes/{}", record.name));
+        let value = serde_json::to_vec(record).map_err(|e| ClusterStoreError::Corrupt {
+            key: key.clone(),
+            reason: e.to_string(),
+        })?;
+        let addr_key = self.key(&format!("{NODE_ADDRS}{}", record.name));
+        let addr = NodeAddrRecord {
+            name: record.name.clone(),
+            ips: record.ips.clone(),
+        };
+        let addr_value = serde_json::to_vec(&addr).map_err(|e| ClusterStoreError::Corrupt {
+            key: addr_key.clone(),
+            reason: e.to_string(),
+        })?;
+        let txn = Txn::new().and_then([
+            TxnOp::put(addr_key, addr_value, None),
+            TxnOp::put(key, value, Some(PutOptions::new().with_lease(lease))),
+        ]);
+        // Two puts of the same values: run twice, the same keys result.
+        self.retrying_idempotent("register the node", |mut c| {
+            let txn = txn.clone();
+            async move { c.txn(txn).await }
+        })
+        .await?;
+        Ok(lease)
+    }
+
+    /// Refreshes `lease` once. A lease etcd no longer knows (expired while
+    /// the node was cut off) answers `Ok(false)`: register again.
+    ///
+    /// # Errors
+    /// etcd unavailable.
+    pub async fn keep_alive(&mut self, lease: i64) -> Result<bool, ClusterStoreError> {
+        // Opening the keep-alive stream sends one refresh and reads its
+        // answer; a lease etcd no longer knows answers with a TTL of 0,
+        // which the client reports as "lease not found".
+        match self
+            .retrying_idempotent("refresh the node lease", |mut c| async move {
+                c.lease_keep_alive(lease).await
+            })
+            .await
+        {
+            Ok(_) => Ok(true),
+            Err(ClusterStoreError::Unavailable { what, .. })
+                if what.ends_with("lease not found") =>
+            {
+                Ok(false)
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Every registered (live) node. A key whose name or record this
+    /// build cannot read is skipped and kept in [`Door::unreadable`].
+    ///
+    /// # Errors
+    /// etcd unavailable.
+    pub async fn nodes(&mut self) -> Result<Vec<Node>, ClusterStoreError> {
+        let (resp, _) = self.list("read nodes", "nodes/").await?;
+        let area = self.key("nodes/");
+        let mut out = Vec::new();
+        let mut bad = Vec::new();
+        for kv in resp.kvs() {
+            let key = String::from_utf8_lossy(kv.key()).into_owned();
+            match parse_node(&area, &key, kv.value()) {
+                Ok(record) => out.push(Node {
+                    record,
+                    lease: kv.lease(),
+                }),
+                Err(reason) => bad.push(Unreadable {
+                    key,
+                    reason,
+                    block: None,
+                }),
+            }
+        }
+        self.note_unreadable(&area, bad);
+        Ok(out)
+    }
+
+    /// Every node's routing key (`node_addrs/<name>`: where its blocks
+    /// are routed, whether or not its lease lives). A key whose name or
+    /// record this build cannot read (a name that is not the record's,
+    /// no address, an address no route can go via) is skipped and kept
+    /// in [`Door::unreadable`].
+    ///
+    /// # Errors
+    /// etcd unavailable.
+    pub async fn node_addrs(&mut self) -> Result<Vec<NodeAddrRecord>, ClusterStoreError> {
+        let (resp, _) = self.list("read node addresses", NODE_ADDRS).await?;
+        let area = self.key(NODE_ADDRS);
+        let mut out = Vec::new();
+        let mut bad = Vec::new();
+        for kv in resp.kvs() {
+            let key = String::from_utf8_lossy(kv.key()).into_owned();
+            match parse_node_addr(&area, &key, kv.value()) {
+                Ok(record) => out.push(record),
+                Err(reason) => bad.push(Unreadable {
+                    key,
+                    reason,
+                    block: None,
+                }),
+            }
+        }
+        self.note_unreadable(&area, bad);
+        Ok(out)
+    }
+}
+
+impl Door {
+    /// An operator's removal of node `name`: its blocks are deleted (each
+    /// compared on the revision read, in one transaction) so other nodes can
+    /// claim them, with its routing key (`node_addrs/<name>`: the others
+    /// drop its routes with its blocks), and with `force` its node key too. Refused while the
+    /// node's key (its lease) is alive, unless `force` (the core's
+    /// [`check_node_removal`](lockstep_core::cluster::check_node_removal)).
+    /// Returns the blocks freed.
+    ///
+    /// # Errors
+    /// [`ClusterStoreError::Refused`] (alive, no force),
+    /// [`ClusterStoreError::Conflict`] (a block changed meanwhile: nothing
+    /// deleted), or etcd unavailable.
+    pub async fn remove_node(
+        &mut self,
+        name: &str,
+        force: bool,
+    ) -> Result<Vec<Block>, ClusterStoreError> {
+        use lockstep_core::cluster::{NodeLease, check_node_removal};
+        let alive = self.nodes().await?.iter().any(|n| n.record.name == name);
+        let (blocks, _) = self.blocks().await?;
+        let freed: Vec<Block> = blocks.into_iter().filter(|b| b.node == name).collect();
+        let routed = self.node_addrs().await?.iter().any(|r| r.name == name);
+        let lease = if alive {
+            NodeLease::Alive
+        } else if freed.is_empty() && !routed {
+            NodeLease::Unknown
+        } else {
+            NodeLease::GoneSince(0)
+        };
+        check_node_removal(name, lease, force)?;
+        let mut guards = Vec::new();
+        let mut ops = Vec::new();
+        for b in &freed {
+            let key = self.block_key(&b.pool, b.cidr);
+            guards.push(Compare::mod_revision(
+                key.clone(),
+                CompareOp::Equal,
+                b.revision,
+            ));
+            ops.push(TxnOp::delete(key, None));
+        }
+        ops.push(TxnOp::delete(
+            self.key(&format!("{NODE_ADDRS}{name}")),
+            None,
+        ));
+        if force {
+            ops.push(TxnOp::delete(self.key(&format!("nodes/{name}")), None));
+        }
+        let what = format!("remove node {name}");
+        let txn = Txn::new().when(guards).and_then(ops);
+        let resp = self
+            .retrying(&what, true, |mut c| {
+                let txn = txn.clone();
+                async move { c.txn(txn).await }
+            })
+            .await?;
+        if !resp.succeeded() {
+            return Err(ClusterStoreError::Conflict { what });
+        }
+        Ok(freed)
+    }
+}
