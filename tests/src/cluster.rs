@@ -19,10 +19,18 @@ use crate::{AgentProc, Netns};
 /// A forwarder's switch ([`forward`]): while on, every relayed connection
 /// is shut and new ones are refused (the node loses etcd; etcd itself runs
 /// on).
+///
+/// It can also lose etcd's answers at a chosen moment ([`Cut::mute_on`]):
+/// the request that carries a pattern reaches etcd, and from then on no
+/// answer reaches the node (a reply lost after the write committed).
 #[derive(Debug, Default)]
 pub struct Cut {
     on: AtomicBool,
     conns: Mutex<Vec<TcpStream>>,
+    /// Answers are dropped while set.
+    muted: AtomicBool,
+    /// Bytes whose passage towards etcd sets `muted`.
+    trigger: Mutex<Option<Vec<u8>>>,
 }
 
 impl Cut {
@@ -30,11 +38,54 @@ impl Cut {
     pub fn set(&self, on: bool) {
         self.on.store(on, Ordering::SeqCst);
         if on {
-            for c in self.conns.lock().expect("lock").drain(..) {
-                let _ = c.shutdown(std::net::Shutdown::Both);
-            }
+            self.shut_all();
         }
     }
+
+    /// Arms the switch: the first request towards etcd carrying `pattern`
+    /// is relayed whole, and every answer after it is dropped (on every
+    /// connection) until [`Cut::unmute`]. Requests still reach etcd: a
+    /// write committed, its answer (and the answers of any read-back)
+    /// lost.
+    pub fn mute_on(&self, pattern: &[u8]) {
+        *self.trigger.lock().expect("lock") = Some(pattern.to_vec());
+    }
+
+    /// Whether an armed pattern has passed and answers are being dropped.
+    pub fn muted(&self) -> bool {
+        self.muted.load(Ordering::SeqCst)
+    }
+
+    /// Ends [`Cut::mute_on`]: the connections whose answers were dropped
+    /// are shut (their streams lost bytes), new ones relay both ways.
+    pub fn unmute(&self) {
+        *self.trigger.lock().expect("lock") = None;
+        self.muted.store(false, Ordering::SeqCst);
+        self.shut_all();
+    }
+
+    fn shut_all(&self) {
+        for c in self.conns.lock().expect("lock").drain(..) {
+            let _ = c.shutdown(std::net::Shutdown::Both);
+        }
+    }
+
+    /// Whether `chunk`, on its way to etcd, fires the armed pattern.
+    fn fires(&self, chunk: &[u8]) -> bool {
+        let trigger = self.trigger.lock().expect("lock");
+        trigger
+            .as_deref()
+            .is_some_and(|p| !p.is_empty() && chunk.windows(p.len()).any(|w| w == p))
+    }
+}
+
+/// Which way a relay thread copies.
+#[derive(Clone, Copy)]
+enum Way {
+    /// Node → etcd: may fire the armed pattern.
+    Request,
+    /// etcd → node: dropped while muted.
+    Answer,
 }
 
 /// Relays every member's port inside `node` to the member itself, for as
@@ -71,18 +122,33 @@ pub fn forward(node: &Netns, cluster: &EtcdCluster) -> anyhow::Result<Arc<Cut>> 
                     continue;
                 };
                 let (mut c, mut d) = (outer, inner);
-                std::thread::spawn(move || pipe(&mut a, &mut b));
-                std::thread::spawn(move || pipe(&mut c, &mut d));
+                let cut2 = cut.clone();
+                let cut3 = cut.clone();
+                std::thread::spawn(move || pipe(&mut a, &mut b, &cut2, Way::Request));
+                std::thread::spawn(move || pipe(&mut c, &mut d, &cut3, Way::Answer));
             }
         });
     }
     Ok(cut)
 }
 
-fn pipe(from: &mut TcpStream, to: &mut TcpStream) {
+fn pipe(from: &mut TcpStream, to: &mut TcpStream, cut: &Cut, way: Way) {
     let mut buf = [0u8; 16384];
     while let Ok(n) = from.read(&mut buf) {
-        if n == 0 || to.write_all(&buf[..n]).is_err() {
+        if n == 0 {
+            break;
+        }
+        let chunk = &buf[..n];
+        match way {
+            Way::Answer if cut.muted.load(Ordering::SeqCst) => continue,
+            Way::Request if cut.fires(chunk) => {
+                // Relayed first: the request reaches etcd, its answer not.
+                cut.muted.store(true, Ordering::SeqCst);
+                *cut.trigger.lock().expect("lock") = None;
+            }
+            _ => {}
+        }
+        if to.write_all(chunk).is_err() {
             break;
         }
     }
@@ -236,6 +302,9 @@ pub struct ClusterNodes {
     pub eps: Vec<String>,
     /// The cluster key prefix.
     pub prefix: String,
+    /// Each node's forwarder switch (lose etcd's answers at a moment:
+    /// [`Cut::mute_on`]).
+    pub cuts: Vec<Arc<Cut>>,
 }
 
 impl ClusterNodes {
@@ -327,6 +396,7 @@ impl ClusterNodes {
         underlay.exec("ip", ["link", "set", "br0", "up"])?;
         let mut ns = Vec::new();
         let mut agents = Vec::new();
+        let mut cuts = Vec::new();
         for i in 0..3 {
             let node = Netns::new(&format!("cen{i}"))?;
             let peer = format!("ul{i}");
@@ -359,7 +429,7 @@ impl ClusterNodes {
                     "net.ipv4.conf.all.rp_filter=0",
                 ],
             )?;
-            forward(&node, cluster)?;
+            cuts.push(forward(&node, cluster)?);
             let mut base = cluster_config(&eps, prefix, &format!("node-{i}"), &node_ip(i));
             let own = local_pools(i);
             if !own.is_empty() {
@@ -377,6 +447,7 @@ impl ClusterNodes {
             agents,
             eps,
             prefix: prefix.to_string(),
+            cuts,
         })
     }
 

@@ -53,6 +53,33 @@ pub struct HeldBlock {
     /// node's (kept until the block is empty).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fenced: Option<String>,
+    /// Its give-back was sent and etcd's answer never came: it may be
+    /// gone already (another node may claim it), so it is out of the
+    /// allocator, and neither served nor fenced, until the give-back is
+    /// settled (made again, or a read finds it gone).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub releasing: bool,
+}
+
+impl HeldBlock {
+    /// Whether new addresses may come from it: neither fenced nor being
+    /// given back.
+    pub fn serves(&self) -> bool {
+        self.fenced.is_none() && !self.releasing
+    }
+}
+
+/// A claim recorded before it is sent: until etcd's answer (or a read)
+/// settles it, the block may be this node's in etcd. Kept durably so a
+/// restart between the claim and its answer does not forget a block etcd
+/// gives this node (it would be held in etcd and served by no one).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct UnsettledClaim {
+    /// The pool claimed from.
+    pub pool: String,
+    /// The block claimed.
+    pub cidr: IpNet,
 }
 
 /// What the node knows of the cluster without etcd.
@@ -69,6 +96,9 @@ pub struct Held {
     pub default_pool: Option<String>,
     /// The blocks.
     pub blocks: Vec<HeldBlock>,
+    /// Claims sent (or about to be) whose outcome is not known yet.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub unsettled: Vec<UnsettledClaim>,
 }
 
 impl Held {
@@ -114,9 +144,25 @@ impl Held {
         Ok(())
     }
 
-    /// The blocks of `pool` that are not fenced.
+    /// The blocks new addresses may come from (neither fenced nor being
+    /// given back).
     pub fn serving(&self) -> impl Iterator<Item = &HeldBlock> + '_ {
-        self.blocks.iter().filter(|b| b.fenced.is_none())
+        self.blocks.iter().filter(|b| b.serves())
+    }
+
+    /// Records, before it is sent, that `cidr` of `pool` is being claimed.
+    pub fn record_unsettled(&mut self, pool: &str, cidr: IpNet) {
+        if !self.unsettled.iter().any(|u| u.cidr == cidr) {
+            self.unsettled.push(UnsettledClaim {
+                pool: pool.to_owned(),
+                cidr,
+            });
+        }
+    }
+
+    /// Forgets the unsettled claim of `cidr` (etcd answered: not ours).
+    pub fn settle_unsettled(&mut self, cidr: IpNet) {
+        self.unsettled.retain(|u| u.cidr != cidr);
     }
 
     /// Records a block etcd just gave this node: a new entry, or the
@@ -130,7 +176,9 @@ impl Held {
             cidr,
             revision,
             fenced: None,
+            releasing: false,
         };
+        self.settle_unsettled(cidr);
         match self.blocks.iter_mut().find(|b| b.cidr == cidr) {
             Some(b) => Some(std::mem::replace(b, new)),
             None => {
@@ -140,9 +188,12 @@ impl Held {
         }
     }
 
-    /// Undoes [`Held::record_claim`] of `cidr` (it could not be saved):
-    /// the entry it replaced comes back, or the block is dropped.
-    pub fn unrecord_claim(&mut self, cidr: IpNet, replaced: Option<HeldBlock>) {
+    /// Undoes [`Held::record_claim`] of `cidr` of `pool` (it could not be
+    /// saved): the entry it replaced comes back, or the block is dropped;
+    /// the claim is unsettled again (etcd gives it this node: the next read
+    /// records it).
+    pub fn unrecord_claim(&mut self, pool: &str, cidr: IpNet, replaced: Option<HeldBlock>) {
+        self.record_unsettled(pool, cidr);
         match replaced {
             Some(old) => {
                 if let Some(b) = self.blocks.iter_mut().find(|b| b.cidr == cidr) {
@@ -171,7 +222,9 @@ mod tests {
                 cidr: "10.0.0.64/26".parse().expect("net"),
                 revision: 7,
                 fenced: Some("held by b".into()),
+                releasing: false,
             }],
+            unsettled: Vec::new(),
         };
         held.save(dir.path()).expect("save");
         assert_eq!(Held::load(dir.path()).expect("load"), held);
@@ -183,12 +236,15 @@ mod tests {
         let replaced = back.record_claim("p", cidr, 9);
         assert_eq!(back.blocks.len(), 1);
         assert_eq!(back.serving().map(|b| b.revision).collect::<Vec<_>>(), [9]);
-        back.unrecord_claim(cidr, replaced);
+        back.unrecord_claim("p", cidr, replaced);
+        back.settle_unsettled(cidr);
         assert_eq!(back, held);
         let other: IpNet = "10.0.0.128/26".parse().expect("net");
         let none = back.record_claim("p", other, 10);
         assert!(none.is_none() && back.blocks.len() == 2);
-        back.unrecord_claim(other, none);
+        back.unrecord_claim("p", other, none);
+        assert_eq!(back.unsettled.len(), 1);
+        back.settle_unsettled(other);
         assert_eq!(back, held);
         std::fs::write(dir.path().join(FILE), b"{").expect("write");
         assert!(matches!(

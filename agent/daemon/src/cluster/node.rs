@@ -60,14 +60,16 @@ pub fn local_specs(config: &Config, held: &Held) -> Vec<PoolSpec> {
     for b in &held.blocks {
         blocks.entry(b.pool.clone()).or_default().insert(b.cidr);
     }
-    let fenced: BTreeSet<IpNet> = held
+    // Fenced blocks, and blocks whose give-back may have happened, serve
+    // nothing new.
+    let left_out: BTreeSet<IpNet> = held
         .blocks
         .iter()
-        .filter(|b| b.fenced.is_some())
+        .filter(|b| !b.serves())
         .map(|b| b.cidr)
         .collect();
     let taken = config.pools.iter().map(|p| p.name.clone()).collect();
-    let (specs, clashes) = local_pools(&held.pools, &blocks, &fenced, &taken);
+    let (specs, clashes) = local_pools(&held.pools, &blocks, &left_out, &taken);
     for name in clashes {
         tracing::error!(pool = %name, "a cluster pool has the name of a configured pool; the configured pool is used");
     }
@@ -124,8 +126,6 @@ pub struct ClusterNode {
     published: Option<NodeRecord>,
     /// Every claimed block (anyone's), as last read.
     claimed: BTreeSet<IpNet>,
-    /// Claims whose outcome etcd did not tell: settled by the next read.
-    maybe: BTreeSet<(String, IpNet)>,
     empty_since: BTreeMap<IpNet, u64>,
     /// When pools and blocks were last read successfully.
     last_read: Option<Instant>,
@@ -233,7 +233,6 @@ impl ClusterNode {
             lease: None,
             published: None,
             claimed: BTreeSet::new(),
-            maybe: BTreeSet::new(),
             empty_since: BTreeMap::new(),
             last_read: None,
             read_next: false,
@@ -326,23 +325,10 @@ impl ClusterNode {
                 })
                 .collect(),
         );
-        // Claims whose answer never came: ours if etcd says so. Recorded
-        // before the allocator is given them (the next `serve`).
-        for (pool, cidr) in std::mem::take(&mut self.maybe) {
-            if let Some(b) = blocks
-                .iter()
-                .find(|b| b.cidr == cidr && b.node == self.name)
-            {
-                tracing::info!(%cidr, %pool, "a claim whose answer was lost is ours");
-                let replaced = self.held.record_claim(&pool, cidr, b.revision);
-                if let Err(e) = self.held.save(&self.config.state_dir) {
-                    // Settled again by the next read.
-                    tracing::error!(error = %crate::error_chain(&e), %cidr, "a claimed block is not recorded; not serving it");
-                    self.held.unrecord_claim(cidr, replaced);
-                    self.maybe.insert((pool, cidr));
-                }
-            }
-        }
+        // Claims and give-backs whose answer never came, settled against
+        // what etcd holds, before fencing (an unsettled claim found ours is
+        // served, not fenced).
+        self.settle(&blocks).await;
         let local: BTreeSet<IpNet> = self.held.serving().map(|b| b.cidr).collect();
         let fenced = fence(&self.name, &local, &owners);
         for hb in &mut self.held.blocks {
@@ -385,6 +371,71 @@ impl ClusterNode {
             // `fenced` is counted once the allocator was told (`serve`).
         }
         true
+    }
+
+    /// Settles, against `blocks` (a read that just answered), what this
+    /// node asked of etcd without learning the outcome (#26 item 7):
+    ///
+    /// - an unsettled claim etcd gives this node is recorded (durably,
+    ///   before the allocator is given it), one another node holds is
+    ///   forgotten, and one etcd does not hold is claimed again
+    ///   (create-if-absent: a late commit of the first try then fails, so
+    ///   the block is ours once or not at all);
+    /// - a block whose give-back went unanswered is forgotten once etcd no
+    ///   longer gives it this node; still ours, it stays out of the
+    ///   allocator and the round gives it back again.
+    async fn settle(&mut self, blocks: &[Block]) {
+        let mut changed = false;
+        for u in self.held.unsettled.clone() {
+            let found = blocks.iter().find(|b| b.cidr == u.cidr);
+            let revision = match found {
+                Some(b) if b.node == self.name => Some(b.revision),
+                Some(_) => None,
+                None => match self.door.as_mut() {
+                    Some(door) => match door.claim_block(&u.pool, u.cidr, &self.name).await {
+                        Ok(Claim::Claimed { revision }) => Some(revision),
+                        Ok(_) => None,
+                        // Still unknown: the next read settles it.
+                        Err(_) => continue,
+                    },
+                    None => continue,
+                },
+            };
+            changed = true;
+            let Some(revision) = revision else {
+                tracing::info!(cidr = %u.cidr, pool = %u.pool, "a claim whose answer was lost is another node's");
+                self.held.settle_unsettled(u.cidr);
+                continue;
+            };
+            tracing::info!(cidr = %u.cidr, pool = %u.pool, "a claim whose answer was lost is ours");
+            self.claimed.insert(u.cidr);
+            let replaced = self.held.record_claim(&u.pool, u.cidr, revision);
+            if let Err(e) = self.held.save(&self.config.state_dir) {
+                // Settled again by the next read.
+                tracing::error!(error = %crate::error_chain(&e), cidr = %u.cidr, "a claimed block is not recorded; not serving it");
+                self.held.unrecord_claim(&u.pool, u.cidr, replaced);
+            }
+        }
+        // Unsettled claims stay out of every pick until settled.
+        self.claimed
+            .extend(self.held.unsettled.iter().map(|u| u.cidr));
+        let before = self.held.blocks.len();
+        self.held.blocks.retain(|hb| {
+            !hb.releasing
+                || blocks
+                    .iter()
+                    .any(|b| b.cidr == hb.cidr && b.node == self.name)
+        });
+        if self.held.blocks.len() != before {
+            tracing::info!(
+                count = before - self.held.blocks.len(),
+                "blocks whose give-back went unanswered are gone from etcd: given back"
+            );
+            changed = true;
+        }
+        if changed && let Err(e) = self.held.save(&self.config.state_dir) {
+            tracing::error!(error = %crate::error_chain(&e), "the held blocks are not recorded");
+        }
     }
 
     /// Finds the configured CIDRs overlapping the cluster pools as last
@@ -557,10 +608,14 @@ impl ClusterNode {
                 if size == 0 {
                     continue;
                 }
+                // A block whose give-back went unanswered is neither room
+                // nor a candidate: it is given back again below.
                 let mine: Vec<(usize, &HeldBlock)> = blocks
                     .iter()
                     .enumerate()
-                    .filter(|(_, b)| b.pool == pool.name && Family::of_net(b.cidr) == family)
+                    .filter(|(_, b)| {
+                        b.pool == pool.name && Family::of_net(b.cidr) == family && !b.releasing
+                    })
                     .collect();
                 // The serving blocks and their use: the core counts their
                 // capacity in usable addresses (a /30 block of a /30 CIDR
@@ -596,6 +651,7 @@ impl ClusterNode {
                 }
             }
         }
+        releases.extend(blocks.iter().filter(|b| b.releasing).cloned());
         let mut changed = fenced_done;
         if !claims.is_empty() && !fresh {
             // Claims pick from a fresh read: read next round. At once only
@@ -680,9 +736,18 @@ impl ClusterNode {
                 self.handle.lock().wanted.remove(&pool.name);
                 return false;
             };
-            let Some(door) = self.door.as_mut() else {
+            if self.door.is_none() {
                 return false;
-            };
+            }
+            // Recorded before it is sent: if the answer is lost and the
+            // agent restarts, the claim is still settled by a read.
+            self.held.record_unsettled(&pool.name, cidr);
+            if let Err(e) = self.held.save(&self.config.state_dir) {
+                tracing::error!(error = %crate::error_chain(&e), %cidr, "a claim cannot be recorded before it is sent; not claiming");
+                self.held.settle_unsettled(cidr);
+                return false;
+            }
+            let door = self.door.as_mut().expect("checked above");
             match door.claim_block(&pool.name, cidr, &self.name).await {
                 Ok(Claim::Claimed { revision }) => {
                     self.claimed.insert(cidr);
@@ -692,7 +757,7 @@ impl ClusterNode {
                     // Recorded before it is served.
                     if let Err(e) = self.held.save(&self.config.state_dir) {
                         tracing::error!(error = %crate::error_chain(&e), %cidr, "a claimed block is not recorded; not serving it");
-                        self.held.unrecord_claim(cidr, replaced);
+                        self.held.unrecord_claim(&pool.name, cidr, replaced);
                         return false;
                     }
                     tracing::info!(%cidr, pool = %pool.name, revision, "claimed a block");
@@ -700,6 +765,9 @@ impl ClusterNode {
                 }
                 Ok(taken @ (Claim::Taken { .. } | Claim::Unreadable { .. })) => {
                     tracing::debug!(%cidr, ?taken, "lost a claim race; re-reading and picking again");
+                    // Not ours: forgotten (saved with the next change; a
+                    // restart before that settles it by a read).
+                    self.held.settle_unsettled(cidr);
                     self.claimed.insert(cidr);
                     // Others may have claimed more meanwhile: pick from
                     // what etcd holds now.
@@ -723,8 +791,10 @@ impl ClusterNode {
                             ..
                         }
                     ) {
-                        self.maybe.insert((pool.name.clone(), cidr));
+                        // Unsettled (recorded above): the next read settles it.
                         self.claimed.insert(cidr);
+                    } else {
+                        self.held.settle_unsettled(cidr);
                     }
                     self.set_problem(Some(&e));
                     return false;
@@ -789,8 +859,31 @@ impl ClusterNode {
             }
             Err(e) => {
                 self.set_problem(Some(&e));
-                // Still ours: served again.
-                self.serve(slot).await;
+                let unknown = b.releasing
+                    || matches!(
+                        e,
+                        ClusterStoreError::Unavailable {
+                            maybe_written: true,
+                            ..
+                        }
+                    );
+                if unknown {
+                    // It may be gone from etcd already, and claimed by
+                    // another node: out of the allocator (as it is now)
+                    // until a read or a give-back made again settles it.
+                    if let Some(h) = self.held.blocks.iter_mut().find(|h| h.cidr == cidr)
+                        && !h.releasing
+                    {
+                        tracing::warn!(%cidr, pool = %b.pool, "a give-back went unanswered; the block serves nothing until etcd settles it");
+                        h.releasing = true;
+                        if let Err(e) = self.held.save(&self.config.state_dir) {
+                            tracing::error!(error = %crate::error_chain(&e), "the held blocks are not recorded");
+                        }
+                    }
+                } else {
+                    // Never sent, or refused: still ours, served again.
+                    self.serve(slot).await;
+                }
             }
         }
     }
