@@ -108,6 +108,7 @@ async fn node(
         blocks: vec![],
         in_use: 0,
         wanted: ENDPOINTS,
+        instance: None,
     };
     d.register_node(&record, Duration::from_secs(3600)).await?;
     let block_addrs = 1u64 << (32 - pool.block_len(Family::V4));
@@ -400,6 +401,7 @@ fn cluster_agents() -> anyhow::Result<()> {
                 blocks: vec![],
                 in_use: 0,
                 wanted: 0,
+                instance: None,
             },
             Duration::from_secs(600),
         )

@@ -226,6 +226,7 @@ fn node_keys_die_with_their_lease_and_blocks_and_routing_keys_stay() -> anyhow::
             blocks: vec![net("10.60.0.0/26")],
             in_use: 3,
             wanted: 8,
+            instance: None,
         };
         let gone = d
             .register_node(&record("gone"), Duration::from_secs(2))
@@ -411,6 +412,7 @@ fn watches_follow_every_change_and_compaction_forces_a_resync() -> anyhow::Resul
             blocks: Vec::new(),
             in_use: 0,
             wanted: 0,
+            instance: None,
         };
         b.register_node(&rec, Duration::from_secs(5)).await?;
         wait_change(
@@ -517,6 +519,7 @@ fn the_cluster_cli_applies_pools_lists_blocks_and_nodes_and_removes_nodes() -> a
                 blocks: vec![net("10.90.0.64/26")],
                 in_use: 1,
                 wanted: 2,
+                instance: None,
             },
             Duration::from_secs(30),
         )

@@ -386,6 +386,7 @@ fn announcer_loop(
             blocks: vec![],
             in_use: 0,
             wanted: 0,
+            instance: None,
         };
         let lease = d.register_node(&record, TTL).await?;
         while !stop.load(Ordering::Relaxed) {

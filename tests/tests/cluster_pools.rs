@@ -67,23 +67,28 @@ fn blocks_with_reserved_addresses_are_counted_by_usable_addresses() -> anyhow::R
 const PODS: &str = "[[pools]]\nname = \"pods\"\nipv4 = [\"10.94.0.0/20\"]\nblock_v4 = 28\n";
 const AAA: &str = "[[pools]]\nname = \"aaa\"\nipv4 = [\"10.93.0.0/24\"]\nblock_v4 = 28\n";
 
-/// Waits until every node holds a block of `cidr`: each has read the pool
-/// and taken it into its allocator.
-fn wait_blocks_in(n: &ClusterNodes, cidr: IpNet) -> anyhow::Result<()> {
+/// Waits until every node has read cluster pool `pool` (its status lists
+/// it). No block is claimed for it until an allocation names it.
+fn wait_pool_known(n: &ClusterNodes, pool: &str) -> anyhow::Result<()> {
     let started = Instant::now();
     loop {
-        let holders: std::collections::BTreeSet<String> = n
-            .blocks()?
-            .into_iter()
-            .filter(|(b, _)| cidr.contains(&b.network()))
-            .map(|(_, node)| node)
-            .collect();
-        if holders.len() == 3 {
+        let knows = n
+            .agents
+            .iter()
+            .filter(|a| {
+                a.status_json().is_some_and(|s| {
+                    s["cluster"]["pools"]
+                        .as_array()
+                        .is_some_and(|p| p.iter().any(|p| p["name"] == pool))
+                })
+            })
+            .count();
+        if knows == 3 {
             return Ok(());
         }
         ensure!(
             started.elapsed() < Duration::from_secs(30),
-            "not every node took a block of {cidr}: {holders:?}"
+            "{knows} of 3 nodes read pool {pool}"
         );
         std::thread::sleep(Duration::from_millis(200));
     }
@@ -148,8 +153,14 @@ fn adding_a_pool_never_moves_the_default_and_naming_one_does() -> anyhow::Result
 
     // `aaa` sorts before `pods` in etcd: adding it moves nothing.
     apply_pools(&n.eps, prefix, &format!("{PODS}{AAA}"))?;
-    wait_blocks_in(&n, aaa_net)?;
+    wait_pool_known(&n, "aaa")?;
     wait_default(&n, "pods")?;
+    // Nobody asked for it: no node claimed a block of it (#26 item 12).
+    ensure!(
+        !n.blocks()?.keys().any(|b| aaa_net.contains(&b.network())),
+        "blocks of aaa claimed though nothing asked: {:?}",
+        n.blocks()?
+    );
     keep.extend(adds_land_in(&n, "cdfb", pods_net)?);
 
     // Refused, nothing stored: a default that is no pool, and an apply
@@ -203,7 +214,7 @@ fn adding_a_pool_never_moves_the_default_and_naming_one_does() -> anyhow::Result
 /// else uses.
 const MINE: &str = "[[pools]]\nname = \"mine\"\nipv4 = [\"10.90.0.0/27\", \"10.90.1.0/28\"]\n";
 /// The cluster pool applied later over node-0's /27: four /29 blocks
-/// (every node takes one as soon as it reads the pool).
+/// (a node takes one when an allocation first names the pool).
 const MORE: &str = "[[pools]]\nname = \"more\"\nipv4 = [\"10.90.0.0/27\"]\nblock_v4 = 29\n";
 
 #[test]
@@ -246,24 +257,9 @@ fn a_configured_pool_overlapping_the_cluster_is_withheld_and_refused_at_start() 
         }
         std::thread::sleep(Duration::from_millis(200));
     }
-    // The other nodes take a block of it and hand out addresses there.
+    // The other nodes hand out addresses there: the first allocation
+    // naming the pool claims its first block (#26 item 12: on demand).
     let started = Instant::now();
-    let blocks = loop {
-        let blocks = n.blocks()?;
-        let holders: std::collections::BTreeSet<&str> = blocks
-            .iter()
-            .filter(|(b, _)| overlap.contains(&b.network()))
-            .map(|(_, node)| node.as_str())
-            .collect();
-        if holders.contains("node-1") && holders.contains("node-2") {
-            break blocks;
-        }
-        ensure!(
-            started.elapsed() < Duration::from_secs(30),
-            "nodes 1 and 2 took no block of more: {blocks:?}"
-        );
-        std::thread::sleep(Duration::from_millis(200));
-    };
     for i in [1, 2] {
         let mut k = 0;
         while k < 5 {
@@ -279,8 +275,8 @@ fn a_configured_pool_overlapping_the_cluster_is_withheld_and_refused_at_start() 
                 "more",
             ])?;
             let err = String::from_utf8_lossy(&out.stderr);
-            // A block claimed is served a moment after etcd lists it: until
-            // then the pool is unknown, or known without a CIDR.
+            // Until the node has read the pool it is unknown, or known
+            // without a CIDR.
             let not_yet = err.contains("unknown pool more") || err.contains("has no ipv4 CIDR");
             if not_yet && started.elapsed() < Duration::from_secs(30) {
                 std::thread::sleep(Duration::from_millis(100));
@@ -290,6 +286,16 @@ fn a_configured_pool_overlapping_the_cluster_is_withheld_and_refused_at_start() 
             k += 1;
         }
     }
+    let blocks = n.blocks()?;
+    let holders: std::collections::BTreeSet<&str> = blocks
+        .iter()
+        .filter(|(b, _)| overlap.contains(&b.network()))
+        .map(|(_, node)| node.as_str())
+        .collect();
+    ensure!(
+        holders.contains("node-1") && holders.contains("node-2"),
+        "nodes 1 and 2 took no block of more: {blocks:?}"
+    );
     // node-0 allocates from its own pool as much as it gives.
     let got = n.fill(0, "l", 44)?;
     // node-0's own block of `more` serves (the manager once refused it as
@@ -405,5 +411,161 @@ fn refused_at_start(agent: &mut AgentProc, what: &str, also: &[&str]) -> anyhow:
             && also.iter().all(|a| last.contains(a)),
         "{what}: the refusal does not name both: {e}"
     );
+    Ok(())
+}
+
+/// A pool applied by mistake (#26 item 12).
+const OOPS: &str = "[[pools]]\nname = \"oops\"\nipv4 = [\"10.95.0.0/24\"]\nblock_v4 = 28\n";
+
+/// One IPAM-only endpoint address from cluster pool `pool` on node `i`:
+/// the CLI's output.
+fn allocate_from(
+    n: &ClusterNodes,
+    i: usize,
+    pool: &str,
+    name: &str,
+) -> anyhow::Result<std::process::Output> {
+    n.agents[i].cli([
+        "allocate", "--kind", "endpoint", "--name", name, "--family", "ipv4", "--pool", pool,
+    ])
+}
+
+/// The blocks of `cidr` etcd lists, each with its node.
+fn blocks_in(n: &ClusterNodes, cidr: IpNet) -> anyhow::Result<Vec<(IpNet, String)>> {
+    Ok(n.blocks()?
+        .into_iter()
+        .filter(|(b, _)| cidr.contains(&b.network()))
+        .collect())
+}
+
+/// Waits (at most `within`) until `f` holds, or says what it last saw.
+fn until(
+    within: Duration,
+    what: &str,
+    mut f: impl FnMut() -> anyhow::Result<Option<String>>,
+) -> anyhow::Result<Duration> {
+    let started = Instant::now();
+    loop {
+        match f()? {
+            None => return Ok(started.elapsed()),
+            Some(seen) => ensure!(
+                started.elapsed() < within,
+                "{what} not within {within:?}: {seen}"
+            ),
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// #26 item 12. A pool nobody asks for costs no block (before, every node
+/// claimed a block of every pool as soon as it read it); removed while
+/// nodes hold blocks of it, the apply is accepted (before: refused, the
+/// blocks kept for ever) and the pool drains: nothing new comes from it,
+/// an empty block is given back at once, the holders keep their addresses
+/// and the pool is gone once its last block is.
+#[test]
+fn a_pool_applied_by_mistake_costs_no_block_and_drains_when_removed() -> anyhow::Result<()> {
+    privileged!();
+    let cluster = EtcdCluster::start(3)?;
+    let prefix = "/drain/";
+    let n = ClusterNodes::build(&cluster, prefix, PODS)?;
+    let oops: IpNet = "10.95.0.0/24".parse()?;
+    apply_pools(
+        &n.eps,
+        prefix,
+        &format!("default_pool = \"pods\"\n{PODS}{OOPS}"),
+    )?;
+    wait_pool_known(&n, "oops")?;
+    // Three rounds after every node read it: still no block.
+    std::thread::sleep(Duration::from_secs(3));
+    let early = blocks_in(&n, oops)?;
+    ensure!(
+        early.is_empty(),
+        "{} blocks of oops claimed though no allocation named it: {early:?}",
+        early.len()
+    );
+    // Named by an allocation: the block comes then.
+    for (i, name) in [(0, "keep"), (1, "brief")] {
+        let out = allocate_from(&n, i, "oops", name)?;
+        ensure!(
+            out.status.success(),
+            "node-{i} allocate from oops: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let held = blocks_in(&n, oops)?;
+    ensure!(held.len() == 2, "blocks of oops: {held:?}");
+
+    // Removed while node-0 and node-1 hold blocks of it: accepted, named
+    // as draining with its blocks.
+    let dir = lockstep_tests::TempDir::new("drain-pools")?;
+    let file = dir.path().join("pools.toml");
+    std::fs::write(&file, format!("default_pool = \"pods\"\n{PODS}"))?;
+    let out = n.cli(&["pools", "apply", "-f", file.to_str().context("path")?])?;
+    eprintln!("{out}");
+    ensure!(
+        out.contains("pool oops is draining") && out.contains("node-0") && out.contains("node-1"),
+        "{out}"
+    );
+    ensure!(
+        n.cli(&["pools", "get"])?
+            .lines()
+            .any(|l| l.starts_with("oops\t") && l.ends_with("\tdraining")),
+        "pools get does not mark oops as draining"
+    );
+    // Nothing new from it, on any node, once read (at most 5 s).
+    until(Duration::from_secs(10), "node-2 refusing oops", || {
+        let out = allocate_from(&n, 2, "oops", "late")?;
+        let err = String::from_utf8_lossy(&out.stderr).into_owned();
+        Ok(
+            if !out.status.success() && err.contains("oops is being removed") {
+                None
+            } else {
+                Some(format!("success {}: {err}", out.status.success()))
+            },
+        )
+    })?;
+    ensure!(blocks_in(&n, oops)?.len() == 2);
+    // node-1's block emptied: given back at once (no release_after).
+    n.agents[1].cli([
+        "release", "--kind", "endpoint", "--name", "brief", "--family", "ipv4", "--pool", "oops",
+    ])?;
+    let took = until(Duration::from_secs(10), "node-1's block given back", || {
+        let b = blocks_in(&n, oops)?;
+        Ok(if b.iter().any(|(_, node)| node == "node-1") {
+            Some(format!("{b:?}"))
+        } else {
+            None
+        })
+    })?;
+    eprintln!("node-1's emptied block of the draining pool was given back after {took:?}");
+    // node-0's holder keeps its address.
+    ensure!(
+        n.holders()?
+            .iter()
+            .any(|(a, o)| oops.contains(a) && o.iter().any(|h| h.starts_with("node-0"))),
+        "node-0 lost its address in oops"
+    );
+    // Released: the last block goes, and the pool with it.
+    n.agents[0].cli([
+        "release", "--kind", "endpoint", "--name", "keep", "--family", "ipv4", "--pool", "oops",
+    ])?;
+    let took = until(Duration::from_secs(15), "oops removed", || {
+        let b = blocks_in(&n, oops)?;
+        let pools = n.cli(&["pools", "get"])?;
+        Ok(if b.is_empty() && !pools.contains("oops") {
+            None
+        } else {
+            Some(format!("blocks {b:?}; pools {pools}"))
+        })
+    })?;
+    eprintln!("oops gone {took:?} after its last address was released");
+    for (addr, owners) in n.holders()? {
+        ensure!(owners.len() == 1, "{addr} held twice: {owners:?}");
+    }
+    n.wait_remote()?;
+    for a in &n.agents {
+        a.verify_within(Duration::from_secs(15))?;
+    }
     Ok(())
 }

@@ -314,7 +314,8 @@ async fn verify(State(s): State<AppState>) -> Result<Response, ApiError> {
     // but nobody may overlook them.
     if let Some(c) = s.cluster.get() {
         report.unreadable = c.unreadable();
-        report.ok &= report.unreadable.is_empty();
+        report.identity = c.identity().into_iter().collect();
+        report.ok &= report.unreadable.is_empty() && report.identity.is_empty();
     }
     Ok(ok(report))
 }

@@ -139,6 +139,9 @@ pub struct ClusterPoolFamilies {
     pub ipv4: bool,
     /// It has IPv6 CIDRs.
     pub ipv6: bool,
+    /// It is being removed: nothing new comes from it (#26 item 12).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub draining: bool,
 }
 
 /// Cluster mode in the status answer.

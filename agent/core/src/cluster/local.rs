@@ -92,19 +92,45 @@ pub fn usable_in_block(pool: &ClusterPoolSpec, block: IpNet) -> u64 {
 /// the allocations waiting for an address. Capacity is counted in usable
 /// addresses ([`usable_in_block`]), so a node whose blocks are full asks
 /// for another whenever an allocation waits.
+///
+/// `reserve` is the number of free addresses kept ready ([`reserve`]).
+/// A draining pool claims nothing.
 pub fn blocks_wanted(
     pool: &ClusterPoolSpec,
     family: Family,
     serving: &[(IpNet, u64)],
     pending: u64,
+    reserve: u64,
 ) -> u64 {
     let size = block_size(pool, family);
-    if size == 0 {
+    if size == 0 || pool.draining {
         return 0;
     }
     let used: u64 = serving.iter().map(|(_, u)| *u).sum();
     let capacity: u64 = serving.iter().map(|(b, _)| usable_in_block(pool, *b)).sum();
-    super::decide::blocks_to_claim(used, pending, capacity, low_water(size), size)
+    super::decide::blocks_to_claim(used, pending, capacity, reserve, size)
+}
+
+/// The free addresses a node keeps ready in `pool` (blocks of
+/// `block_addrs`), claimed ahead of need and kept when giving blocks back
+/// (#26 item 12): the low water mark for the default pool (it serves every
+/// request that names no pool: the first pod needs no round trip to etcd),
+/// and for any other pool only while this node uses it (`in_use`) or an
+/// allocation waits on it (`pending`). A pool nobody asks for costs no
+/// block: before, every node claimed a block of every pool at start, so a
+/// pool applied by mistake held a block on every node. A draining pool
+/// keeps nothing.
+pub fn reserve(
+    pool: &ClusterPoolSpec,
+    block_addrs: u64,
+    is_default: bool,
+    in_use: u64,
+    pending: u64,
+) -> u64 {
+    if pool.draining || !(is_default || in_use > 0 || pending > 0) {
+        return 0;
+    }
+    low_water(block_addrs)
 }
 
 /// Addresses of a block of `pool` in `family`.

@@ -39,13 +39,13 @@ pub use decide::{
 };
 pub use default::{default_for_apply, default_pool};
 pub use layout::{block_at, block_count, block_index};
-pub use local::{block_size, blocks_wanted, local_pools, low_water, usable_in_block};
+pub use local::{block_size, blocks_wanted, local_pools, low_water, reserve, usable_in_block};
 pub use names::{check_key_name, key_name_problem};
 pub use overlap::{
     ClaimedBlock, LocalOverlap, OverlapWith, check_configured, local_overlaps, withhold,
 };
 pub use remote::{NodeDirectory, node_addresses_problem};
-pub use spec::{ClusterPoolSpec, check_apply, validate_pools};
+pub use spec::{ClusterPoolSpec, check_apply, plan_apply, validate_pools};
 
 use ipnet::IpNet;
 
@@ -78,6 +78,15 @@ pub enum ClusterError {
         cidr: IpNet,
         /// Each claimed block and the node holding it.
         blocks: Vec<(IpNet, String)>,
+    },
+    /// A pools file sets `draining`, which only lockstep sets (when an
+    /// apply removes a pool that still has claimed blocks).
+    #[error(
+        "cluster pool {pool}: draining is set by lockstep when a pool with claimed blocks is removed; leave it out of the pools file"
+    )]
+    DrainingGiven {
+        /// The pool.
+        pool: String,
     },
     /// A name that cannot be one segment of an etcd key (a `/`, a control
     /// character): the key it makes could not be read back.

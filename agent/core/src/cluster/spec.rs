@@ -51,6 +51,12 @@ pub struct ClusterPoolSpec {
     /// Traffic from this pool is not masqueraded.
     #[serde(default)]
     pub skip_masquerade: bool,
+    /// Set by lockstep, never by a pools file: the pool was removed by an
+    /// apply while nodes held blocks of it. Nodes claim nothing new from
+    /// it, hand out nothing new, give its empty blocks back at once, and
+    /// the pool key is deleted when no block is left ([`plan_apply`]).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub draining: bool,
 }
 
 impl ClusterPoolSpec {
@@ -64,6 +70,7 @@ impl ClusterPoolSpec {
             block_v6: DEFAULT_BLOCK_V6,
             allow_first_last: false,
             skip_masquerade: false,
+            draining: false,
         }
     }
 
@@ -205,4 +212,42 @@ pub fn check_apply(
         None => Ok(()),
         Some(((pool, cidr), blocks)) => Err(ClusterError::CidrInUse { pool, cidr, blocks }),
     }
+}
+
+/// The pools an apply of `new` over the stored `old` writes (#26 item 12):
+/// `new` as given, and every stored pool `new` leaves out that still has
+/// claimed blocks (`claimed`: block → `(pool, node)`), kept with its CIDRs
+/// and marked draining — a pool applied by mistake can be removed while
+/// agents run; it is gone once its blocks are given back. A pool left out
+/// with no claimed block is simply not written (deleted). Naming a draining
+/// pool again cancels its removal. The result is checked as
+/// [`check_apply`] checks (so a CIDR taken from a pool that stays, or
+/// re-cut, is still refused while it has claimed blocks).
+///
+/// # Errors
+/// [`ClusterError::DrainingGiven`] (a pool of `new` sets lockstep's own
+/// field), or [`check_apply`]'s errors.
+pub fn plan_apply(
+    old: &[ClusterPoolSpec],
+    new: &[ClusterPoolSpec],
+    claimed: &BTreeMap<IpNet, (String, String)>,
+) -> Result<Vec<ClusterPoolSpec>, ClusterError> {
+    if let Some(p) = new.iter().find(|p| p.draining) {
+        return Err(ClusterError::DrainingGiven {
+            pool: p.name.clone(),
+        });
+    }
+    let mut out = new.to_vec();
+    for p in old {
+        if new.iter().any(|n| n.name == p.name) {
+            continue;
+        }
+        if claimed.values().any(|(pool, _)| *pool == p.name) {
+            let mut kept = p.clone();
+            kept.draining = true;
+            out.push(kept);
+        }
+    }
+    check_apply(old, &out, claimed)?;
+    Ok(out)
 }

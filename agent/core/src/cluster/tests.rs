@@ -426,7 +426,7 @@ fn capacity_counts_usable_addresses_so_full_30_blocks_claim_again() {
     assert_eq!(usable_in_block(&pool, net("10.9.0.4/30")), 2);
     // One block, both addresses in use, one ADD waiting: claim.
     assert_eq!(
-        blocks_wanted(&pool, Family::V4, &[(net("10.9.0.0/30"), 2)], 1),
+        blocks_wanted(&pool, Family::V4, &[(net("10.9.0.0/30"), 2)], 1, 1),
         1
     );
     // A /28 cut in /30 blocks: the first and last blocks hold 3.
@@ -475,12 +475,14 @@ proptest! {
             .take(take)
             .map(|&b| (b, usable_in_block(&pool, b)))
             .collect();
-        prop_assert!(blocks_wanted(&pool, Family::V4, &held, pending) >= 1);
         let size = block_size(&pool, Family::V4);
+        let low = reserve(&pool, size, false, 0, pending);
+        prop_assert_eq!(low, low_water(size));
+        prop_assert!(blocks_wanted(&pool, Family::V4, &held, pending, low) >= 1);
         let roomy: Vec<(IpNet, u64)> = held.iter().map(|&(b, _)| (b, 0)).collect();
         let free: u64 = held.iter().map(|&(_, u)| u).sum();
         if free >= pending + low_water(size) {
-            prop_assert_eq!(blocks_wanted(&pool, Family::V4, &roomy, pending), 0);
+            prop_assert_eq!(blocks_wanted(&pool, Family::V4, &roomy, pending, low), 0);
         }
     }
 }
@@ -550,4 +552,60 @@ proptest! {
         prop_assert_eq!(default_for_apply(&pools, Some("pods"), None), Ok(Some("pods".to_string())));
         prop_assert_eq!(default_pool(&pools, Some("pods")), Ok(Some("pods".to_string())));
     }
+}
+
+#[test]
+fn a_pool_nobody_asks_for_costs_no_block_and_a_draining_one_claims_nothing() {
+    let pool = ClusterPoolSpec::new("extra").with_cidr(net("10.30.0.0/24"));
+    let size = block_size(&pool, Family::V4);
+    // Not the default, nothing in use, nothing waiting: no reserve, no
+    // claim (before, every node claimed one block of every pool).
+    assert_eq!(reserve(&pool, size, false, 0, 0), 0);
+    assert_eq!(blocks_wanted(&pool, Family::V4, &[], 0, 0), 0);
+    // An allocation waits: a block; in use: the low water mark is kept.
+    let low = reserve(&pool, size, false, 0, 1);
+    assert_eq!(low, low_water(size));
+    assert_eq!(blocks_wanted(&pool, Family::V4, &[], 1, low), 1);
+    assert_eq!(reserve(&pool, size, false, 3, 0), low_water(size));
+    // The default pool keeps its reserve from the start.
+    assert_eq!(reserve(&pool, size, true, 0, 0), low_water(size));
+    assert_eq!(blocks_wanted(&pool, Family::V4, &[], 0, low_water(size)), 1);
+    // Draining: nothing kept, nothing claimed, even with a waiting ADD.
+    let mut draining = pool.clone();
+    draining.draining = true;
+    assert_eq!(reserve(&draining, size, true, 5, 1), 0);
+    assert_eq!(blocks_wanted(&draining, Family::V4, &[], 1, 4), 0);
+}
+
+#[test]
+fn removing_a_pool_with_claimed_blocks_drains_it_and_naming_it_again_cancels() {
+    let pods = ClusterPoolSpec::new("pods").with_cidr(net("10.1.0.0/24"));
+    let oops = ClusterPoolSpec::new("oops").with_cidr(net("10.2.0.0/24"));
+    let old = vec![pods.clone(), oops.clone()];
+    let mut claimed = BTreeMap::new();
+    claimed.insert(net("10.2.0.64/26"), ("oops".to_string(), "n1".to_string()));
+    // Removed while n1 holds a block: kept, draining.
+    let written = plan_apply(&old, std::slice::from_ref(&pods), &claimed).expect("drains");
+    assert_eq!(written.len(), 2);
+    let kept = written.iter().find(|p| p.name == "oops").expect("kept");
+    assert!(kept.draining && kept.ipv4 == oops.ipv4);
+    // Named again: no longer draining.
+    let again = plan_apply(&written, &[pods.clone(), oops.clone()], &claimed).expect("named");
+    assert!(again.iter().all(|p| !p.draining));
+    // No block left: removed outright.
+    let gone = plan_apply(&written, std::slice::from_ref(&pods), &BTreeMap::new()).expect("gone");
+    assert_eq!(gone, vec![pods.clone()]);
+    // A pools file may not set the field.
+    let mut given = oops.clone();
+    given.draining = true;
+    assert!(matches!(
+        plan_apply(&old, &[pods.clone(), given], &claimed),
+        Err(ClusterError::DrainingGiven { .. })
+    ));
+    // Taking a CIDR away from a pool that stays is still refused.
+    let shrunk = ClusterPoolSpec::new("oops").with_cidr(net("10.3.0.0/24"));
+    assert!(matches!(
+        plan_apply(&old, &[pods, shrunk], &claimed),
+        Err(ClusterError::CidrInUse { .. })
+    ));
 }

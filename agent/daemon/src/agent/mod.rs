@@ -398,9 +398,11 @@ impl Agent {
             }
         };
         if let Some(p) = self.manager.pool(&pool)
-            && !p.cidrs().any(|c| Family::of_net(c.cidr) == family)
+            && !p.families().contains(&family)
         {
             // Not "exhausted": no amount of releasing will ever satisfy it.
+            // A family the pool declares without a CIDR yet (a cluster pool
+            // before its first block) is: a block brings one.
             return Err(AgentError::Invalid {
                 reason: format!("pool {pool} has no {family} CIDR"),
             });

@@ -76,6 +76,10 @@ pub struct VerifyReport {
     /// read (`cluster::Unreadable`).
     #[serde(default)]
     pub unreadable: Vec<String>,
+    /// Cluster mode: another agent instance runs under this node's name
+    /// (#26 item 5).
+    #[serde(default)]
+    pub identity: Vec<String>,
 }
 
 /// Pool usage for the API and metrics.

@@ -171,14 +171,44 @@ pub fn run(etcd: EtcdArgs, cmd: ClusterCommand) -> anyhow::Result<i32> {
                     .await?;
                 let (default, _) = door.stored_default().await?;
                 let names: Vec<&str> = file.pools.iter().map(|p| p.name.as_str()).collect();
+                // Pools left out while nodes hold blocks of them drain:
+                // named with the blocks still held, and by whom.
+                let (stored, _, _) = door.pools().await?;
+                let (blocks, _) = door.blocks().await?;
+                let draining: Vec<serde_json::Value> = stored
+                    .iter()
+                    .filter(|p| p.draining)
+                    .map(|p| {
+                        let held: Vec<String> = blocks
+                            .iter()
+                            .filter(|b| b.pool == p.name)
+                            .map(|b| format!("{} ({})", b.cidr, b.node))
+                            .collect();
+                        json!({"pool": p.name, "blocks": held})
+                    })
+                    .collect();
                 print(
-                    &json!({"applied": names, "revision": revision, "default_pool": default}),
+                    &json!({"applied": names, "revision": revision, "default_pool": default, "draining": draining}),
                     output,
                     |v| {
-                        format!(
+                        let mut text = format!(
                             "applied {} at revision {}; default pool {}",
                             v["applied"], v["revision"], v["default_pool"]
-                        )
+                        );
+                        for d in v["draining"].as_array().into_iter().flatten() {
+                            text.push_str(&format!(
+                                "\npool {} is draining: nothing new comes from it; it is removed once its blocks are given back (held: {})",
+                                d["pool"].as_str().unwrap_or_default(),
+                                d["blocks"]
+                                    .as_array()
+                                    .into_iter()
+                                    .flatten()
+                                    .filter_map(|b| b.as_str())
+                                    .collect::<Vec<_>>()
+                                    .join(", ")
+                            ));
+                        }
+                        text
                     },
                 );
             }
@@ -196,7 +226,7 @@ pub fn run(etcd: EtcdArgs, cmd: ClusterCommand) -> anyhow::Result<i32> {
                         .map(|p| {
                             let cidrs: Vec<String> = p.cidrs().map(|c| c.to_string()).collect();
                             format!(
-                                "{}\t{}\tblocks /{} /{}{}",
+                                "{}\t{}\tblocks /{} /{}{}{}",
                                 p.name,
                                 cidrs.join(","),
                                 p.block_v4,
@@ -205,7 +235,8 @@ pub fn run(etcd: EtcdArgs, cmd: ClusterCommand) -> anyhow::Result<i32> {
                                     "\tdefault"
                                 } else {
                                     ""
-                                }
+                                },
+                                if p.draining { "\tdraining" } else { "" }
                             )
                         })
                         .collect::<Vec<_>>()

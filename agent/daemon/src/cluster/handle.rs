@@ -36,6 +36,8 @@ pub(super) struct Shared {
     pub(super) unreadable: BTreeMap<String, String>,
     /// Configured CIDRs overlapping the cluster's, each naming both sides.
     pub(super) overlaps: Vec<String>,
+    /// Another agent instance holds this node's name (#26 item 5).
+    pub(super) identity: Option<String>,
 }
 
 impl ClusterHandle {
@@ -75,6 +77,12 @@ impl ClusterHandle {
         self.lock().overlaps.clone()
     }
 
+    /// Why this agent may not act as its node (another instance holds
+    /// its name), while that lasts: for `verify`.
+    pub fn identity(&self) -> Option<String> {
+        self.lock().identity.clone()
+    }
+
     /// The cluster pools and their families.
     pub fn pools(&self) -> Vec<crate::wire::ClusterPoolFamilies> {
         self.lock().pools.clone()
@@ -105,6 +113,11 @@ impl ClusterHandle {
         let claims = seen.get(pool).copied().unwrap_or(0);
         let rounds = {
             let mut s = self.lock();
+            if s.pools.iter().any(|p| p.name == pool && p.draining) {
+                return Err(format!(
+                    "cluster pool {pool} is being removed (draining): no new block is claimed from it"
+                ));
+            }
             if s.claims.get(pool).copied().unwrap_or(0) > claims {
                 return Ok(());
             }

@@ -88,6 +88,11 @@ pub struct UnsettledClaim {
 pub struct Held {
     /// The node name the blocks were claimed as.
     pub node: String,
+    /// This agent's instance identity (#26 item 5), made at its first
+    /// start in cluster mode and written into every record it puts in
+    /// etcd. Empty in a record of an older build (one is made then).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub instance: String,
     /// The cluster pools as last read.
     pub pools: Vec<ClusterPoolSpec>,
     /// The default pool etcd recorded, as last read (`None`: none
@@ -215,6 +220,7 @@ mod tests {
         assert_eq!(Held::load(dir.path()).expect("none"), Held::default());
         let held = Held {
             node: "a".into(),
+            instance: "0123".into(),
             pools: vec![ClusterPoolSpec::new("p").with_cidr("10.0.0.0/24".parse().expect("net"))],
             default_pool: Some("p".into()),
             blocks: vec![HeldBlock {

@@ -117,6 +117,20 @@ pub enum ClusterStoreError {
     /// The options are unusable (no endpoint, a bad prefix).
     #[error("invalid cluster option: {0}")]
     Invalid(String),
+    /// A live node key of this node's name belongs to another agent
+    /// instance: two hosts run under one name (a cloned host, a hostname
+    /// reused). Nothing was written.
+    #[error(
+        "node name {name} is in use by another agent: its live node key holds instance {theirs}, this agent is instance {ours} (two hosts with one name? give each its own cluster.node_name)"
+    )]
+    NameTaken {
+        /// The node name.
+        name: String,
+        /// The instance holding the live key.
+        theirs: String,
+        /// This agent's instance.
+        ours: String,
+    },
 }
 
 /// The value of a block key: who holds the block. Deliberately not bound to
@@ -129,6 +143,11 @@ pub struct BlockRecord {
     /// Wall-clock time of the claim, milliseconds since the epoch (for
     /// operators; no decision reads it).
     pub claimed_at_ms: u64,
+    /// The claiming agent's instance (#26 item 5): two hosts under one
+    /// name are told apart by it. Absent in records of older builds (the
+    /// name alone decides then).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub instance: Option<String>,
 }
 
 /// A claimed block as read from etcd.
@@ -140,8 +159,56 @@ pub struct Block {
     pub cidr: IpNet,
     /// Who holds it.
     pub node: String,
+    /// The holding agent's instance, when the record names one.
+    pub instance: Option<String>,
     /// The key's mod revision: a give-back compares it.
     pub revision: i64,
+}
+
+impl Block {
+    /// Whether the block is held by node `name` running as `instance`: the
+    /// name matches and the record names that instance or none (a record
+    /// of an older build).
+    pub fn held_by(&self, name: &str, instance: &str) -> bool {
+        held_by(&self.node, self.instance.as_deref(), name, Some(instance))
+    }
+
+    /// Who holds it, for logs and fences: the node, and the instance when
+    /// the record names one.
+    pub fn holder(&self) -> String {
+        holder(&self.node, self.instance.as_deref())
+    }
+}
+
+impl BlockRecord {
+    /// As [`Block::held_by`]; `instance` `None` (an operator's door)
+    /// compares the name only.
+    pub fn held_by(&self, name: &str, instance: Option<&str>) -> bool {
+        held_by(&self.node, self.instance.as_deref(), name, instance)
+    }
+
+    /// As [`Block::holder`].
+    pub fn holder(&self) -> String {
+        holder(&self.node, self.instance.as_deref())
+    }
+}
+
+/// A block recorded as `node` (instance `recorded`) is held by `name`
+/// running as `instance` when the names match and, if both instances are
+/// known, they match too.
+fn held_by(node: &str, recorded: Option<&str>, name: &str, instance: Option<&str>) -> bool {
+    node == name
+        && match (recorded, instance) {
+            (Some(r), Some(i)) => r == i,
+            _ => true,
+        }
+}
+
+fn holder(node: &str, instance: Option<&str>) -> String {
+    match instance {
+        Some(i) => format!("{node} (instance {i})"),
+        None => node.to_string(),
+    }
 }
 
 /// A key under `pools/`, `blocks/`, `nodes/` or `node_addrs/` this build
@@ -199,6 +266,10 @@ pub struct NodeRecord {
     pub in_use: u64,
     /// Addresses wanted (in use + pending + pre-allocation).
     pub wanted: u64,
+    /// The agent's instance (#26 item 5); absent in records of older
+    /// builds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub instance: Option<String>,
 }
 
 /// The value of a node's routing key (`node_addrs/<node>`): what the other

@@ -32,7 +32,7 @@ use ipnet::IpNet;
 use lockstep_core::cidr::Family;
 use lockstep_core::cluster::{
     BlockUse, ClaimedBlock, ClusterPoolSpec, LocalOverlap, block_size, blocks_to_release,
-    blocks_wanted, fence, local_overlaps, local_pools, low_water, next_block, usable_in_block,
+    blocks_wanted, fence, local_overlaps, local_pools, next_block, reserve, usable_in_block,
 };
 use lockstep_core::pool::PoolSpec;
 
@@ -60,12 +60,19 @@ pub fn local_specs(config: &Config, held: &Held) -> Vec<PoolSpec> {
     for b in &held.blocks {
         blocks.entry(b.pool.clone()).or_default().insert(b.cidr);
     }
-    // Fenced blocks, and blocks whose give-back may have happened, serve
-    // nothing new.
+    // Fenced blocks, blocks whose give-back may have happened and the
+    // blocks of a pool being removed serve nothing new (their holders
+    // keep their addresses).
+    let draining: BTreeSet<&str> = held
+        .pools
+        .iter()
+        .filter(|p| p.draining)
+        .map(|p| p.name.as_str())
+        .collect();
     let left_out: BTreeSet<IpNet> = held
         .blocks
         .iter()
-        .filter(|b| !b.serves())
+        .filter(|b| !b.serves() || draining.contains(b.pool.as_str()))
         .map(|b| b.cidr)
         .collect();
     let taken = config.pools.iter().map(|p| p.name.clone()).collect();
@@ -113,11 +120,24 @@ fn node_ips(config: &Config, cluster: &ClusterConfig) -> Result<Vec<IpAddr>, Str
     Ok(ips)
 }
 
+/// A new agent instance identity: 128 random bits, hex.
+fn new_instance() -> Result<String, getrandom::Error> {
+    let (a, b) = (getrandom::u64()?, getrandom::u64()?);
+    Ok(format!("{a:016x}{b:016x}"))
+}
+
 /// The running cluster part of the agent.
 pub struct ClusterNode {
     config: Config,
     cluster: ClusterConfig,
     name: String,
+    /// This agent's instance (kept in the state directory's record):
+    /// written into every block and node record, so a second host under
+    /// the same name is told apart (#26 item 5).
+    instance: String,
+    /// Why this agent may not act as its node: another instance holds the
+    /// name's live node key. Nothing is claimed while set.
+    name_taken: Option<String>,
     ips: Vec<IpAddr>,
     door: Option<Door>,
     held: Held,
@@ -126,6 +146,9 @@ pub struct ClusterNode {
     published: Option<NodeRecord>,
     /// Every claimed block (anyone's), as last read.
     claimed: BTreeSet<IpNet>,
+    /// Each cluster pool's key revision, as last read (a drained pool's
+    /// removal compares it).
+    pool_revisions: BTreeMap<String, i64>,
     empty_since: BTreeMap<IpNet, u64>,
     /// When pools and blocks were last read successfully.
     last_read: Option<Instant>,
@@ -223,16 +246,27 @@ impl ClusterNode {
                 held.node
             ));
         }
+        let mut held = held;
+        if held.instance.is_empty() {
+            // Made once, kept with the blocks: durable before any record
+            // carries it.
+            held.instance = new_instance().map_err(|e| format!("cluster instance: {e}"))?;
+            held.save(&config.state_dir)
+                .map_err(|e| crate::error_chain(&e))?;
+        }
         let mut node = ClusterNode {
             config: config.clone(),
             cluster,
             name,
+            instance: held.instance.clone(),
+            name_taken: None,
             ips,
             door: None,
             held,
             lease: None,
             published: None,
             claimed: BTreeSet::new(),
+            pool_revisions: BTreeMap::new(),
             empty_since: BTreeMap::new(),
             last_read: None,
             read_next: false,
@@ -242,7 +276,21 @@ impl ClusterNode {
             handle: Arc::new(ClusterHandle::default()),
         };
         node.held.node = node.name.clone();
-        if !node.sync().await {
+        let reachable = node.sync().await;
+        // A live node key of this name holding another instance: another
+        // host runs as this node. Refused, naming both (#26 item 5).
+        if reachable
+            && let Some(door) = node.door.as_ref()
+            && let Ok(Some(theirs)) = door.name_holder(&node.name, &node.instance).await
+        {
+            return Err(ClusterStoreError::NameTaken {
+                name: node.name.clone(),
+                theirs,
+                ours: node.instance.clone(),
+            }
+            .to_string());
+        }
+        if !reachable {
             tracing::warn!(problem = ?node.handle.etcd_problem(), "etcd unreachable at start; serving the blocks recorded locally until it answers");
             // The cluster pools of the record stand in for etcd's.
             node.set_overlaps(Vec::new());
@@ -266,7 +314,9 @@ impl ClusterNode {
     }
 
     fn options(&self) -> DoorOptions {
-        DoorOptions::from_cluster_config(&self.cluster, REQUEST_TIMEOUT)
+        let mut opts = DoorOptions::from_cluster_config(&self.cluster, REQUEST_TIMEOUT);
+        opts.instance = Some(self.instance.clone());
+        opts
     }
 
     /// Reads pools and blocks; fences held blocks etcd does not give this
@@ -284,11 +334,11 @@ impl ClusterNode {
         let door = self.door.as_mut().expect("connected above");
         let read = async {
             let (default, _) = door.stored_default().await?;
-            let (pools, _, _) = door.pools().await?;
+            let (pools, revisions, _) = door.pools().await?;
             let (blocks, _) = door.blocks().await?;
-            Ok::<_, ClusterStoreError>((pools, default, blocks, door.unreadable()))
+            Ok::<_, ClusterStoreError>((pools, revisions, default, blocks, door.unreadable()))
         };
-        let (pools, default, blocks, unreadable) = match read.await {
+        let (pools, revisions, default, blocks, unreadable) = match read.await {
             Ok(r) => r,
             Err(e) => {
                 self.set_problem(Some(&e));
@@ -297,6 +347,7 @@ impl ClusterNode {
         };
         self.set_problem(None);
         self.held.pools = pools;
+        self.pool_revisions = revisions;
         self.held.default_pool = default;
         self.claimed = blocks.iter().map(|b| b.cidr).collect();
         // A key this build cannot read was skipped by the read (it no
@@ -308,8 +359,20 @@ impl ClusterNode {
             .iter()
             .map(|u| (u.key.clone(), u.reason.clone()))
             .collect();
-        let owners: BTreeMap<IpNet, String> =
-            blocks.iter().map(|b| (b.cidr, b.node.clone())).collect();
+        // Who holds each block: a block under this node's name written by
+        // another instance (a second host with this name) is another's,
+        // named with its instance (#26 item 5).
+        let owners: BTreeMap<IpNet, String> = blocks
+            .iter()
+            .map(|b| {
+                let who = if b.node == self.name && !b.held_by(&self.name, &self.instance) {
+                    b.holder()
+                } else {
+                    b.node.clone()
+                };
+                (b.cidr, who)
+            })
+            .collect();
         self.others = owners
             .iter()
             .filter(|(_, n)| **n != self.name)
@@ -334,7 +397,7 @@ impl ClusterNode {
         for hb in &mut self.held.blocks {
             if let Some(b) = blocks
                 .iter()
-                .find(|b| b.cidr == hb.cidr && b.node == self.name)
+                .find(|b| b.cidr == hb.cidr && b.held_by(&self.name, &self.instance))
             {
                 hb.revision = b.revision;
             }
@@ -366,6 +429,7 @@ impl ClusterNode {
                     name: p.name.clone(),
                     ipv4: !p.ipv4.is_empty(),
                     ipv6: !p.ipv6.is_empty(),
+                    draining: p.draining,
                 })
                 .collect();
             // `fenced` is counted once the allocator was told (`serve`).
@@ -389,7 +453,7 @@ impl ClusterNode {
         for u in self.held.unsettled.clone() {
             let found = blocks.iter().find(|b| b.cidr == u.cidr);
             let revision = match found {
-                Some(b) if b.node == self.name => Some(b.revision),
+                Some(b) if b.held_by(&self.name, &self.instance) => Some(b.revision),
                 Some(_) => None,
                 None => match self.door.as_mut() {
                     Some(door) => match door.claim_block(&u.pool, u.cidr, &self.name).await {
@@ -424,7 +488,7 @@ impl ClusterNode {
             !hb.releasing
                 || blocks
                     .iter()
-                    .any(|b| b.cidr == hb.cidr && b.node == self.name)
+                    .any(|b| b.cidr == hb.cidr && b.held_by(&self.name, &self.instance))
         });
         if self.held.blocks.len() != before {
             tracing::info!(
@@ -541,6 +605,10 @@ impl ClusterNode {
         };
         match result {
             Ok(lease) => {
+                if self.name_taken.take().is_some() {
+                    tracing::info!("the node name is this agent's again");
+                    self.handle.lock().identity = None;
+                }
                 if let Some((old, _)) = self.lease
                     && old != lease
                 {
@@ -548,6 +616,14 @@ impl ClusterNode {
                 }
                 self.lease = Some((lease, Instant::now()));
                 self.published = Some(record);
+            }
+            Err(e @ ClusterStoreError::NameTaken { .. }) => {
+                let why = e.to_string();
+                if self.name_taken.as_deref() != Some(why.as_str()) {
+                    tracing::error!(error = %why, "NAME TAKEN: another agent runs under this node's name; this one claims nothing");
+                }
+                self.handle.lock().identity = Some(why.clone());
+                self.name_taken = Some(why);
             }
             Err(e) => self.set_problem(Some(&e)),
         }
@@ -599,6 +675,12 @@ impl ClusterNode {
         }
         let in_use: u64 = used.iter().sum();
         let wanted_pools = self.handle.lock().wanted.clone();
+        let default = lockstep_core::cluster::default_pool(
+            &self.held.pools,
+            self.held.default_pool.as_deref(),
+        )
+        .ok()
+        .flatten();
         let mut wanted_total = in_use;
         let mut claims: Vec<(ClusterPoolSpec, Family, u64)> = Vec::new();
         let mut releases: Vec<HeldBlock> = Vec::new();
@@ -625,9 +707,22 @@ impl ClusterNode {
                     .filter(|(_, b)| b.fenced.is_none())
                     .map(|(i, b)| (b.cidr, used[*i]))
                     .collect();
-                let pending = u64::from(wanted_pools.contains(&pool.name));
-                let low = low_water(size);
-                let n = blocks_wanted(pool, family, &serving, pending);
+                let pending = u64::from(wanted_pools.contains(&pool.name) && !pool.draining);
+                if pool.draining && wanted_pools.contains(&pool.name) {
+                    self.handle.lock().wanted.remove(&pool.name);
+                }
+                // Free addresses kept ready: for the default pool always,
+                // for another only while used here or waited on; none for a
+                // pool being removed (#26 item 12).
+                let in_pool: u64 = mine.iter().map(|(i, _)| used[*i]).sum();
+                let low = reserve(
+                    pool,
+                    size,
+                    default.as_deref() == Some(pool.name.as_str()),
+                    in_pool,
+                    pending,
+                );
+                let n = blocks_wanted(pool, family, &serving, pending, low);
                 wanted_total = wanted_total.saturating_add(pending + low);
                 if n > 0 {
                     claims.push((pool.clone(), family, n));
@@ -642,8 +737,12 @@ impl ClusterNode {
                         fenced: b.fenced.is_some(),
                     })
                     .collect();
-                let hysteresis =
-                    u64::try_from(self.cluster.release_after.as_millis()).unwrap_or(u64::MAX);
+                // A pool being removed gives its empty blocks back at once.
+                let hysteresis = if pool.draining {
+                    0
+                } else {
+                    u64::try_from(self.cluster.release_after.as_millis()).unwrap_or(u64::MAX)
+                };
                 for cidr in blocks_to_release(&uses, now, hysteresis, low) {
                     if let Some((_, b)) = mine.iter().find(|(_, b)| b.cidr == cidr) {
                         releases.push((*b).clone());
@@ -653,6 +752,11 @@ impl ClusterNode {
         }
         releases.extend(blocks.iter().filter(|b| b.releasing).cloned());
         let mut changed = fenced_done;
+        if self.name_taken.is_some() {
+            // Another instance holds this node's name: no claim until it
+            // is this agent's again.
+            claims.clear();
+        }
         if !claims.is_empty() && !fresh {
             // Claims pick from a fresh read: read next round. At once only
             // when etcd answers; unreachable, the next tick retries (waking
@@ -680,6 +784,7 @@ impl ClusterNode {
             // Published after the claims, so the key lists them.
             let record = NodeRecord {
                 name: self.name.clone(),
+                instance: Some(self.instance.clone()),
                 ips: self.ips.clone(),
                 version: crate::version::version(),
                 blocks: self.held.serving().map(|b| b.cidr).collect(),
@@ -705,6 +810,9 @@ impl ClusterNode {
             for b in releases {
                 self.give_back(slot, b).await;
             }
+            if fresh {
+                self.finish_drains().await;
+            }
         }
         let mut s = self.handle.lock();
         s.rounds += 1;
@@ -717,6 +825,42 @@ impl ClusterNode {
         // Nothing to claim for a wanted pool that has room: the ADD retries.
         drop(s);
         self.handle.changed.notify_waiters();
+    }
+
+    /// Deletes the key of every draining pool of which the last read found
+    /// no block left (guarded: named again, or a block claimed since, and
+    /// nothing is deleted); a pool some node still holds blocks of is read
+    /// again soon, so its removal follows its last give-back promptly.
+    async fn finish_drains(&mut self) {
+        let draining: Vec<(String, Vec<IpNet>)> = self
+            .held
+            .pools
+            .iter()
+            .filter(|p| p.draining)
+            .map(|p| (p.name.clone(), p.cidrs().collect()))
+            .collect();
+        for (name, cidrs) in draining {
+            let left = self
+                .claimed
+                .iter()
+                .any(|b| cidrs.iter().any(|c| c.contains(&b.network())));
+            if left {
+                continue;
+            }
+            let (Some(&revision), Some(door)) =
+                (self.pool_revisions.get(&name), self.door.as_mut())
+            else {
+                continue;
+            };
+            match door.finish_drain(&name, revision).await {
+                Ok(true) => {
+                    tracing::info!(pool = %name, "a removed pool has drained: its key is deleted");
+                    self.read_next = true;
+                }
+                Ok(false) => self.read_next = true,
+                Err(e) => self.set_problem(Some(&e)),
+            }
+        }
     }
 
     /// Claims one block of `pool` in `family`: the core picks, etcd
@@ -840,6 +984,7 @@ impl ClusterNode {
             pool: b.pool.clone(),
             cidr,
             node: self.name.clone(),
+            instance: Some(self.instance.clone()),
             revision: b.revision,
         };
         let Some(door) = self.door.as_mut() else {
@@ -851,6 +996,16 @@ impl ClusterNode {
                     tracing::warn!(%cidr, "the block changed in etcd before its give-back; forgetting it");
                 }
                 tracing::info!(%cidr, pool = %b.pool, "gave a block back");
+                // A pool being removed is gone once its last block is:
+                // read again soon to finish it.
+                if self
+                    .held
+                    .pools
+                    .iter()
+                    .any(|p| p.name == b.pool && p.draining)
+                {
+                    self.read_next = true;
+                }
                 self.held = without;
                 self.empty_since.remove(&cidr);
                 if let Err(e) = self.held.save(&self.config.state_dir) {

@@ -50,6 +50,7 @@ impl Door {
         let record = BlockRecord {
             node: node.to_string(),
             claimed_at_ms: now_ms(),
+            instance: self.opts.instance.clone(),
         };
         let value = serde_json::to_vec(&record).map_err(|e| ClusterStoreError::Corrupt {
             key: key.clone(),
@@ -134,10 +135,13 @@ impl Door {
                 });
             }
         };
-        Ok(if rec.node == node {
+        // Ours only if the record names this instance too (or none: an
+        // older build's). A second host under this node's name finds the
+        // name on a key it did not write: taken, not claimed (#26 item 5).
+        Ok(if rec.held_by(node, self.opts.instance.as_deref()) {
             Claim::Claimed { revision }
         } else {
-            Claim::Taken { by: rec.node }
+            Claim::Taken { by: rec.holder() }
         })
     }
 

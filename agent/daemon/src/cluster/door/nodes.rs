@@ -14,8 +14,15 @@ impl Door {
     /// its name and IPs, no lease) is written: the others keep routing
     /// its blocks there after the lease ends.
     ///
+    /// When `record` names its instance, the write holds only if the node
+    /// key is absent or still what was read, and what was read is not
+    /// another instance's (#26 item 5): two hosts under one name cannot
+    /// both register, and the second is told who holds the name.
+    ///
     /// # Errors
-    /// etcd unavailable.
+    /// [`ClusterStoreError::NameTaken`] (a live key of the name holds
+    /// another instance), [`ClusterStoreError::Conflict`] (the key changed
+    /// between the read and the write), or etcd unavailable.
     pub async fn register_node(
         &mut self,
         record: &NodeRecord,
@@ -43,17 +50,95 @@ impl Door {
             key: addr_key.clone(),
             reason: e.to_string(),
         })?;
-        let txn = Txn::new().and_then([
+        let mut txn = Txn::new();
+        if let Some(ours) = &record.instance {
+            let guard = match self.live_node(&key).await? {
+                None => Compare::create_revision(key.clone(), CompareOp::Equal, 0),
+                Some((found, revision)) => {
+                    if let Some(theirs) = found.and_then(|r| r.instance)
+                        && theirs != *ours
+                    {
+                        return Err(ClusterStoreError::NameTaken {
+                            name: record.name.clone(),
+                            theirs,
+                            ours: ours.clone(),
+                        });
+                    }
+                    Compare::mod_revision(key.clone(), CompareOp::Equal, revision)
+                }
+            };
+            txn = txn.when([guard]);
+        }
+        let txn = txn.and_then([
             TxnOp::put(addr_key, addr_value, None),
-            TxnOp::put(key, value, Some(PutOptions::new().with_lease(lease))),
+            TxnOp::put(
+                key.clone(),
+                value,
+                Some(PutOptions::new().with_lease(lease)),
+            ),
         ]);
-        // Two puts of the same values: run twice, the same keys result.
-        self.retrying_idempotent("register the node", |mut c| {
-            let txn = txn.clone();
-            async move { c.txn(txn).await }
-        })
-        .await?;
+        // Two puts of the same values: run twice, the same keys result
+        // (the guard of the second run fails on the first run's write:
+        // the key then holds this lease).
+        let resp = self
+            .retrying_idempotent("register the node", |mut c| {
+                let txn = txn.clone();
+                async move { c.txn(txn).await }
+            })
+            .await?;
+        if !resp.succeeded() {
+            let now = self
+                .retrying("read the node key back", false, |mut c| {
+                    let key = key.clone();
+                    async move { c.get(key, None).await }
+                })
+                .await?;
+            if now.kvs().first().is_none_or(|kv| kv.lease() != lease) {
+                return Err(ClusterStoreError::Conflict {
+                    what: format!("register node {}", record.name),
+                });
+            }
+        }
         Ok(lease)
+    }
+
+    /// The node key `key` as it stands: `None` when absent, else its record
+    /// (`None` when unreadable) and mod revision.
+    async fn live_node(
+        &self,
+        key: &str,
+    ) -> Result<Option<(Option<NodeRecord>, i64)>, ClusterStoreError> {
+        let resp = self
+            .retrying("read the node key", false, |mut c| {
+                let key = key.to_string();
+                async move { c.get(key, None).await }
+            })
+            .await?;
+        Ok(resp.kvs().first().map(|kv| {
+            (
+                serde_json::from_slice::<NodeRecord>(kv.value()).ok(),
+                kv.mod_revision(),
+            )
+        }))
+    }
+
+    /// The instance holding the live node key of `name`, if another than
+    /// `ours` (an older build's record names none: `None`).
+    ///
+    /// # Errors
+    /// etcd unavailable.
+    pub async fn name_holder(
+        &self,
+        name: &str,
+        ours: &str,
+    ) -> Result<Option<String>, ClusterStoreError> {
+        let key = self.key(&format!("nodes/{name}"));
+        Ok(self
+            .live_node(&key)
+            .await?
+            .and_then(|(r, _)| r)
+            .and_then(|r| r.instance)
+            .filter(|theirs| theirs != ours))
     }
 
     /// Refreshes `lease` once. A lease etcd no longer knows (expired while

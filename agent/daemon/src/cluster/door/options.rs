@@ -18,6 +18,10 @@ pub struct DoorOptions {
     pub timeout: Duration,
     /// TLS to etcd (`https://` endpoints), or `None` for plain `http://`.
     pub tls: Option<TlsFiles>,
+    /// The agent instance the door writes block records as, and tells
+    /// its own claims by (#26 item 5); `None` (operators' tools): block
+    /// records name the node only.
+    pub instance: Option<String>,
 }
 
 /// The PEM files of TLS to etcd: the CA that signed etcd's serving
@@ -90,6 +94,7 @@ impl DoorOptions {
             prefix: "/lockstep/v1/".to_string(),
             timeout: Duration::from_secs(2),
             tls: None,
+            instance: None,
         }
     }
 
@@ -106,6 +111,7 @@ impl DoorOptions {
                 cert: t.cert.clone(),
                 key: t.key.clone(),
             }),
+            instance: None,
         }
     }
 }

@@ -38,6 +38,7 @@ pub(super) fn parse_block(
         pool: pool.to_string(),
         cidr,
         node: rec.node,
+        instance: rec.instance,
         revision,
     })
 }

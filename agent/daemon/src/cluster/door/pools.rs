@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use etcd_client::{Compare, CompareOp, Txn, TxnOp};
 use ipnet::IpNet;
 use lockstep_core::cluster::default_for_apply;
-use lockstep_core::cluster::{ClusterPoolSpec, check_apply};
+use lockstep_core::cluster::{ClusterPoolSpec, plan_apply};
 
 use super::super::{ClusterStoreError, Unreadable};
 use super::parse::*;
@@ -261,7 +261,9 @@ impl Door {
         // The default first: an apply dropping it is refused for that,
         // whatever else it would take away.
         let recorded = default_for_apply(new, stored_default.as_deref(), default)?;
-        check_apply(&old, new, &claimed)?;
+        // A pool left out while nodes hold blocks of it is kept, draining
+        // (#26 item 12).
+        let written = plan_apply(&old, new, &claimed)?;
         // No endpoint pool may share an address with an LB pool.
         let (lb_pools, lb_pools_at) = self.list("read lb pools", "lb/pools/").await?;
         for kv in lb_pools.kvs() {
@@ -270,12 +272,12 @@ impl Door {
                     key: String::from_utf8_lossy(kv.key()).into_owned(),
                     reason: e.to_string(),
                 })?;
-            lockstep_core::lb::check_against_cluster_pools(&lb, new)
+            lockstep_core::lb::check_against_cluster_pools(&lb, &written)
                 .map_err(|e| ClusterStoreError::Invalid(e.to_string()))?;
         }
         let mut guards = Vec::new();
         let mut ops = Vec::new();
-        for spec in new {
+        for spec in &written {
             let key = self.key(&format!("pools/{}", spec.name));
             guards.push(match revisions.get(&spec.name) {
                 Some(&rev) => Compare::mod_revision(key.clone(), CompareOp::Equal, rev),
@@ -288,7 +290,7 @@ impl Door {
             ops.push(TxnOp::put(key, value, None));
         }
         for (name, &rev) in &revisions {
-            if !new.iter().any(|p| &p.name == name) {
+            if !written.iter().any(|p| &p.name == name) {
                 let key = self.key(&format!("pools/{name}"));
                 guards.push(Compare::mod_revision(key.clone(), CompareOp::Equal, rev));
                 ops.push(TxnOp::delete(key, None));
@@ -336,7 +338,7 @@ impl Door {
         );
         let what = format!(
             "apply pools ({} pools: {} writes and deletes, {} compares in one transaction)",
-            new.len(),
+            written.len(),
             ops.len(),
             guards.len()
         );
@@ -353,5 +355,38 @@ impl Door {
             });
         }
         Ok(resp.header().map_or(0, |h| h.revision()))
+    }
+
+    /// Ends the removal of draining pool `pool`: its key is deleted if it
+    /// is still at `revision` (not named again since) and no block of it
+    /// is left in etcd (every key under `blocks/<pool>/` gone; etcd
+    /// compares an empty range as version 0). Any node may try; one
+    /// deletes, the others find the compare false. Returns whether it was
+    /// deleted.
+    ///
+    /// # Errors
+    /// etcd unavailable.
+    pub async fn finish_drain(
+        &mut self,
+        pool: &str,
+        revision: i64,
+    ) -> Result<bool, ClusterStoreError> {
+        let key = self.key(&format!("pools/{pool}"));
+        let blocks = self.key(&format!("blocks/{pool}/"));
+        let txn = Txn::new()
+            .when([
+                Compare::mod_revision(key.clone(), CompareOp::Equal, revision),
+                Compare::version(blocks, CompareOp::Equal, 0).with_prefix(),
+            ])
+            .and_then([TxnOp::delete(key, None)]);
+        let what = format!("remove drained pool {pool}");
+        // Run twice, the revision compare fails on the deleted key.
+        Ok(self
+            .retrying_idempotent(&what, |mut c| {
+                let txn = txn.clone();
+                async move { c.txn(txn).await }
+            })
+            .await?
+            .succeeded())
     }
 }
