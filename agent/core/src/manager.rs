@@ -295,6 +295,8 @@ pub struct PoolManager<S> {
     demand_v6: DemandTracker,
     /// CIDRs given back by demand; not re-added while the source lists them.
     released: BTreeSet<IpNet>,
+    /// Addresses held elsewhere ([`PoolManager::set_excluded`]).
+    excluded: BTreeSet<IpAddr>,
 }
 
 impl<S: PoolSource> PoolManager<S> {
@@ -314,7 +316,17 @@ impl<S: PoolSource> PoolManager<S> {
             by_owner: BTreeMap::new(),
             generation: Generation(0),
             released: BTreeSet::new(),
+            excluded: BTreeSet::new(),
         })
+    }
+
+    /// Addresses no pool hands out although they are in its CIDRs: held
+    /// elsewhere (in cluster mode, by the pods of a node whose block this
+    /// node took over). Unlike a pool's `reserved` they are no gateway.
+    /// Applied by the next [`PoolManager::sync`] to every CIDR: a free one
+    /// is withheld at once, one no longer listed is free again.
+    pub fn set_excluded(&mut self, excluded: BTreeSet<IpAddr>) {
+        self.excluded = excluded;
     }
 
     /// The pool source.

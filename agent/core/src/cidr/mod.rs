@@ -216,6 +216,9 @@ pub struct CidrAllocator {
     /// Last allocatable offset (inclusive); `first <= last` always holds.
     last: u128,
     /// Reserved offsets within `first..=last`; marked used in the store.
+    /// The reserved offsets it was made with ([`CidrAllocator::set_excluded`]
+    /// withholds more on top of them, never fewer).
+    base_reserved: BTreeSet<u128>,
     reserved: BTreeSet<u128>,
     /// Allocated addresses (reserved ones not counted).
     used: u128,
@@ -272,6 +275,7 @@ impl CidrAllocator {
             base,
             first,
             last,
+            base_reserved: reserved.clone(),
             reserved,
             used: 0,
             cursor: first,
@@ -341,6 +345,34 @@ impl CidrAllocator {
     /// The reserved addresses inside the allocatable range, ascending.
     pub fn reserved(&self) -> impl Iterator<Item = IpAddr> + '_ {
         self.reserved.iter().map(|&off| self.addr_at(off))
+    }
+
+    /// Withholds `excluded` (those inside the allocatable range) on top of
+    /// the reserved addresses the allocator was made with: a free address
+    /// listed is taken out of the free ones (and counts as reserved), one
+    /// withheld before and no longer listed is free again, and an allocated
+    /// one stays with its holder (a later call withholds it once free).
+    /// Returns whether anything changed.
+    pub fn set_excluded(&mut self, excluded: impl IntoIterator<Item = IpAddr>) -> bool {
+        let mut want = self.base_reserved.clone();
+        want.extend(excluded.into_iter().filter_map(|a| self.offset_of(a).ok()));
+        let gone: Vec<u128> = self.reserved.difference(&want).copied().collect();
+        let mut changed = !gone.is_empty();
+        for off in gone {
+            self.reserved.remove(&off);
+            match &mut self.store {
+                Store::Dense(map) => map.put((off - self.first) as usize),
+                Store::Sparse(set) => set.remove(off),
+            }
+        }
+        for off in want {
+            if !self.reserved.contains(&off) && self.store_is_free(off) {
+                self.store_take(off);
+                self.reserved.insert(off);
+                changed = true;
+            }
+        }
+        changed
     }
 
     /// The address where the next-fit search starts.
@@ -498,6 +530,7 @@ impl CidrAllocator {
                 Store::Sparse(_) => Store::Sparse(RunSet::default()),
             },
             reserved: self.reserved.clone(),
+            base_reserved: self.base_reserved.clone(),
             ..*self
         };
         for off in self.reserved.iter().copied() {

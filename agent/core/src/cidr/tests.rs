@@ -313,3 +313,26 @@ fn ip_v4(net: IpNet) -> Ipv4Addr {
         IpAddr::V6(_) => unreachable!("test uses IPv4"),
     }
 }
+
+#[test]
+fn reserved_addresses_change_in_place() {
+    let mut a = alloc("10.0.0.0/29");
+    assert_eq!(a.allocate_next().unwrap(), ip("10.0.0.1"));
+    // A free address is withheld, an allocated one stays with its holder.
+    assert!(a.set_excluded([ip("10.0.0.1"), ip("10.0.0.2"), ip("10.1.0.0")]));
+    assert!(a.has(ip("10.0.0.1")));
+    assert!(a.is_reserved(ip("10.0.0.2")) && !a.is_reserved(ip("10.0.0.1")));
+    assert_eq!(a.capacity(), 5);
+    assert_eq!(a.allocate_next().unwrap(), ip("10.0.0.3"));
+    assert!(!a.set_excluded([ip("10.0.0.1"), ip("10.0.0.2")]));
+    // Released, then withheld by the next call.
+    a.release(ip("10.0.0.1")).unwrap();
+    assert!(a.set_excluded([ip("10.0.0.1"), ip("10.0.0.2")]));
+    assert!(a.is_reserved(ip("10.0.0.1")));
+    // No longer listed: free again.
+    assert!(a.set_excluded([]));
+    assert_eq!(a.capacity(), 6);
+    assert_eq!(a.used(), 1);
+    a.allocate(ip("10.0.0.2")).unwrap();
+    a.allocate(ip("10.0.0.1")).unwrap();
+}

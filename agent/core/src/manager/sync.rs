@@ -18,8 +18,10 @@ impl<S: PoolSource> PoolManager<S> {
     /// draining and disappear once empty, a draining CIDR listed again is
     /// active again, and flags are updated. `allow_first_last` and `reserved`
     /// apply to CIDRs added from then on; remove and re-add a CIDR to change
-    /// them for it. Problems are collected in the report; everything else is
-    /// applied.
+    /// them for it. The excluded addresses ([`PoolManager::set_excluded`])
+    /// apply to every CIDR at once: a free one is withheld, one no longer
+    /// listed is free again, an allocated one stays with its holder.
+    /// Problems are collected in the report; everything else is applied.
     pub fn sync(&mut self) -> SyncReport {
         let mut report = SyncReport::default();
         let mut specs = self.source.pools();
@@ -78,6 +80,11 @@ impl<S: PoolSource> PoolManager<S> {
                     Ok(false) => {}
                     Err(e) => report.errors.push(e),
                 }
+            }
+        }
+        for pool in self.pools.values_mut() {
+            for slot in &mut pool.cidrs {
+                slot.alloc.set_excluded(self.excluded.iter().copied());
             }
         }
         // A pool listed with nothing valid stays (empty), so allocations name

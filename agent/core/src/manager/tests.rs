@@ -913,3 +913,17 @@ fn a_pool_serves_its_declared_families_before_it_has_a_cidr() {
     assert!(m.pool("bare").unwrap().families().is_empty());
     m.check_invariants();
 }
+
+#[test]
+fn excluded_addresses_are_never_handed_out_until_freed() {
+    let mut m = manager(vec![PoolSpec::new("p").with_cidr(net("10.0.0.0/30"))]);
+    m.set_excluded([ip("10.0.0.1")].into());
+    m.sync().into_result().unwrap();
+    let a = m.allocate_next("p", Family::V4, ep("a")).unwrap();
+    assert_eq!(a.address, ip("10.0.0.2"));
+    assert!(m.allocate_next("p", Family::V4, ep("b")).is_err());
+    m.set_excluded(BTreeSet::new());
+    m.sync().into_result().unwrap();
+    let b = m.allocate_next("p", Family::V4, ep("b")).unwrap();
+    assert_eq!(b.address, ip("10.0.0.1"));
+}
