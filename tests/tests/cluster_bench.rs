@@ -110,7 +110,8 @@ async fn node(
         wanted: ENDPOINTS,
         instance: None,
     };
-    d.register_node(&record, Duration::from_secs(3600)).await?;
+    d.register_node(&record, &[], Duration::from_secs(3600))
+        .await?;
     let block_addrs = 1u64 << (32 - pool.block_len(Family::V4));
     let mut run = NodeRun {
         claims: Vec::new(),
@@ -403,6 +404,7 @@ fn cluster_agents() -> anyhow::Result<()> {
                 wanted: 0,
                 instance: None,
             },
+            &[],
             Duration::from_secs(600),
         )
         .await?;

@@ -388,7 +388,7 @@ fn announcer_loop(
             wanted: 0,
             instance: None,
         };
-        let lease = d.register_node(&record, TTL).await?;
+        let lease = d.register_node(&record, &[], TTL).await?;
         while !stop.load(Ordering::Relaxed) {
             let round = async {
                 d.keep_alive(lease).await?;

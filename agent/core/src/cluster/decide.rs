@@ -1,7 +1,7 @@
 //! What a node does with blocks: which to claim, when to claim, when to give
-//! one back; node removal and reclaim; fencing (at start and at every read).
+//! one back; fencing (at start and at every read). Node removal and reclaim
+//! are [`super::reclaim`]'s.
 
-use super::ClusterError;
 use super::layout::{block_at, block_count, block_index};
 use super::spec::ClusterPoolSpec;
 use crate::cidr::Family;
@@ -165,45 +165,6 @@ pub fn blocks_to_release(
         out.push(b.block);
     }
     out
-}
-
-/// A node's lease as etcd shows it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum NodeLease {
-    /// The node's key exists (its lease is alive).
-    Alive,
-    /// The key is gone; first seen gone at this time.
-    GoneSince(u64),
-    /// etcd has nothing of the node: no node key, no block, no routing
-    /// key (a name mistyped, or a node removed already).
-    Unknown,
-}
-
-/// Whether an operator may remove a node (and free its blocks) now.
-///
-/// # Errors
-/// [`ClusterError::NodeAlive`] while its lease is alive and `force` is
-/// false; [`ClusterError::UnknownNode`] when etcd has nothing of it, force
-/// or not (a mistyped name must not read as done).
-pub fn check_node_removal(node: &str, lease: NodeLease, force: bool) -> Result<(), ClusterError> {
-    match lease {
-        NodeLease::Alive if !force => Err(ClusterError::NodeAlive {
-            node: node.to_owned(),
-        }),
-        NodeLease::Unknown => Err(ClusterError::UnknownNode {
-            node: node.to_owned(),
-        }),
-        _ => Ok(()),
-    }
-}
-
-/// Whether a node's blocks may be reclaimed without an operator: its lease
-/// has been gone for at least `reclaim_after_ms`.
-pub fn reclaimable(lease: NodeLease, now_ms: u64, reclaim_after_ms: u64) -> bool {
-    match lease {
-        NodeLease::Alive | NodeLease::Unknown => false,
-        NodeLease::GoneSince(t) => now_ms.saturating_sub(t) >= reclaim_after_ms,
-    }
 }
 
 /// Why a block in the local store may no longer be allocated from.

@@ -6,7 +6,10 @@
 //! - [`default`]: which pool serves requests that name none.
 //! - [`layout`]: block `i` of a CIDR and back.
 //! - [`decide`]: which block a node claims next, when to claim, when to give
-//!   an empty block back, node removal and reclaim, fencing.
+//!   an empty block back, fencing.
+//! - [`reclaim`]: when a node's blocks may be taken (its lease recorded
+//!   gone for `reclaim_after`, or `--force`) and which addresses the next
+//!   holder must not hand out.
 //! - [`names`]: names that become one segment of an etcd key.
 //! - [`local`]: the cluster pools as local pools of the blocks a node holds.
 //! - [`cover`]: addresses a node holds inside blocks etcd gives other
@@ -26,6 +29,7 @@ pub mod layout;
 pub mod local;
 pub mod names;
 pub mod overlap;
+pub mod reclaim;
 pub mod remote;
 pub mod spec;
 
@@ -33,16 +37,17 @@ pub mod spec;
 mod tests;
 
 pub use cover::{Covered, covered_by_others};
-pub use decide::{
-    BlockUse, Fence, NodeLease, blocks_to_claim, blocks_to_release, check_node_removal, fence,
-    next_block, reclaimable, spread,
-};
+pub use decide::{BlockUse, Fence, blocks_to_claim, blocks_to_release, fence, next_block, spread};
 pub use default::{default_for_apply, default_pool};
 pub use layout::{block_at, block_count, block_index};
 pub use local::{block_size, blocks_wanted, local_pools, low_water, reserve, usable_in_block};
 pub use names::{check_key_name, key_name_problem};
 pub use overlap::{
     ClaimedBlock, LocalOverlap, OverlapWith, check_configured, local_overlaps, withhold,
+};
+pub use reclaim::{
+    GoneMark, GoneStep, NodeLease, Removal, check_node_removal, gone_step, own_mark_stale,
+    reclaimable, reservations_to_keep, reserved_for, reserved_in_block,
 };
 pub use remote::{NodeDirectory, node_addresses_problem};
 pub use spec::{ClusterPoolSpec, check_apply, plan_apply, validate_pools};
@@ -122,6 +127,22 @@ pub enum ClusterError {
     NodeAlive {
         /// The node.
         node: String,
+    },
+    /// The node's lease is gone, but not yet for `reclaim_after`: it may
+    /// be cut off from etcd and still serve its blocks.
+    #[error(
+        "node {node}'s lease is gone{}, but its blocks are freed only once it has been gone for reclaim_after{}: it may be cut off from etcd and still serve them; wait, or use --force",
+        .gone_s.map(|s| format!(" (recorded {s} s ago)")).unwrap_or_else(|| " (not recorded yet: no live node has seen it gone)".into()),
+        .left_s.map(|s| format!(" ({s} s left)")).unwrap_or_default()
+    )]
+    ReclaimNotDue {
+        /// The node.
+        node: String,
+        /// Seconds since its lease was recorded gone (`None`: not
+        /// recorded yet).
+        gone_s: Option<u64>,
+        /// Seconds left until its blocks may be taken.
+        left_s: Option<u64>,
     },
     /// etcd has no key of the node at all: nothing to remove.
     #[error(

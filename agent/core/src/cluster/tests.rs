@@ -238,29 +238,6 @@ fn claim_below_low_water_release_after_hysteresis() {
 }
 
 #[test]
-fn node_removal_and_reclaim() {
-    assert!(matches!(
-        check_node_removal("n", NodeLease::Alive, false),
-        Err(ClusterError::NodeAlive { .. })
-    ));
-    assert!(check_node_removal("n", NodeLease::Alive, true).is_ok());
-    assert!(check_node_removal("n", NodeLease::GoneSince(0), false).is_ok());
-    for force in [false, true] {
-        let e = check_node_removal("ndoe-1", NodeLease::Unknown, force).unwrap_err();
-        assert!(matches!(e, ClusterError::UnknownNode { .. }), "{e}");
-        assert!(e.to_string().contains("ndoe-1"), "{e}");
-    }
-    assert!(!reclaimable(NodeLease::Unknown, u64::MAX, 0));
-    assert!(!reclaimable(NodeLease::Alive, u64::MAX, 0));
-    assert!(!reclaimable(NodeLease::GoneSince(1_000), 3_000, 3_600_000));
-    assert!(reclaimable(
-        NodeLease::GoneSince(1_000),
-        3_601_000,
-        3_600_000
-    ));
-}
-
-#[test]
 fn fencing_at_start() {
     let local: BTreeSet<_> = [
         net("10.0.0.0/26"),

@@ -71,7 +71,8 @@ pub(super) fn start_pools(config: &crate::config::Config) -> Result<Vec<PoolSpec
 impl Agent {
     /// Makes the cluster pools `cluster` (on top of the configuration's
     /// pools) and records `fenced`. Blocks left out drain: their holders
-    /// stay, nothing new comes from them.
+    /// stay, nothing new comes from them. `excluded` (addresses another
+    /// node's pods may hold) are never handed out.
     ///
     /// # Errors
     /// [`AgentError::Invalid`] when the manager refused a block (an
@@ -80,10 +81,12 @@ impl Agent {
         &mut self,
         cluster: Vec<PoolSpec>,
         fenced: BTreeMap<IpNet, String>,
+        excluded: std::collections::BTreeSet<std::net::IpAddr>,
     ) -> Result<(), AgentError> {
         let mut all = lockstep_core::cluster::withhold(&self.config.pools, &self.cluster.overlaps);
         all.extend(cluster);
         self.manager.source_mut().0 = all;
+        self.manager.set_excluded(excluded);
         let report = self.manager.sync();
         self.cluster.fenced = fenced;
         if !(report.added.is_empty() && report.removed.is_empty() && report.draining.is_empty())
@@ -134,6 +137,20 @@ impl Agent {
             }
         }
         used
+    }
+
+    /// Every address held inside one of `blocks` (every holder), sorted:
+    /// what the node publishes as in use.
+    pub fn addresses_in(&self, blocks: &[IpNet]) -> Vec<std::net::IpAddr> {
+        let mut out: Vec<std::net::IpAddr> = self
+            .manager
+            .allocations()
+            .map(|a| a.address)
+            .filter(|a| blocks.iter().any(|b| b.contains(a)))
+            .collect();
+        out.sort_unstable();
+        out.dedup();
+        out
     }
 
     /// Records the cluster pool that serves requests naming none (the

@@ -60,6 +60,17 @@ pub enum ClusterCommand {
     /// One node.
     #[command(subcommand)]
     Node(NodeCommand),
+    /// Addresses reserved for removed nodes (their pods may still hold
+    /// them: no node hands them out); `addresses release ADDR...` frees
+    /// them once those pods are gone.
+    Addresses {
+        /// What to do (default: list them).
+        #[command(subcommand)]
+        action: Option<AddressesCommand>,
+        /// Output format.
+        #[arg(long, short, value_enum, default_value_t)]
+        output: Output,
+    },
     /// Keys under pools/, blocks/, nodes/ or node_addrs/ this version cannot read (every
     /// reader skips them); `unreadable delete KEY` removes one.
     Unreadable {
@@ -69,6 +80,18 @@ pub enum ClusterCommand {
         /// Output format.
         #[arg(long, short, value_enum, default_value_t)]
         output: Output,
+    },
+}
+
+/// `lockstep cluster addresses ...`.
+#[derive(Debug, Subcommand)]
+pub enum AddressesCommand {
+    /// Release reserved addresses (their pods are gone): other nodes may
+    /// hand them out again. Each must be reserved.
+    Release {
+        /// The addresses.
+        #[arg(required = true)]
+        addresses: Vec<std::net::IpAddr>,
     },
 }
 
@@ -109,12 +132,14 @@ pub enum PoolsCommand {
 /// `lockstep cluster node ...`.
 #[derive(Debug, Subcommand)]
 pub enum NodeCommand {
-    /// Free a node's blocks for others to claim; refused while the node is
-    /// alive (its lease holds) unless `--force`.
+    /// Free a node's blocks for others to claim; refused until its lease
+    /// has been recorded gone for `reclaim_after` unless `--force`. The
+    /// addresses it last published as in use stay reserved.
     Remove {
         /// The node's name.
         name: String,
-        /// Remove it even though its lease is alive (and its key with it).
+        /// Remove it now, alive or not yet gone for `reclaim_after` (and
+        /// its node key with it): it may still serve its blocks.
         #[arg(long)]
         force: bool,
     },
@@ -310,11 +335,63 @@ pub fn run(etcd: EtcdArgs, cmd: ClusterCommand) -> anyhow::Result<i32> {
             }
             ClusterCommand::Node(NodeCommand::Remove { name, force }) => {
                 lockstep_core::cluster::check_key_name("node", &name)?;
-                let freed = door.remove_node(&name, force).await?;
-                for b in &freed {
+                let removed = door.remove_node(&name, force).await?;
+                let reserved: Vec<String> =
+                    removed.reserved.iter().map(ToString::to_string).collect();
+                if removed.removal == lockstep_core::cluster::Removal::Forced {
+                    println!(
+                        "warning: --force: node {name} may still be serving its blocks (cut off from etcd, its pods running); another node may take them. Addresses it last published as in use, reserved until released: {}",
+                        if reserved.is_empty() {
+                            "none".to_string()
+                        } else {
+                            reserved.join(", ")
+                        }
+                    );
+                }
+                for b in &removed.freed {
                     println!("freed {} ({}) of {name}", b.cidr, b.pool);
                 }
-                println!("node {name} removed: {} block(s) freed", freed.len());
+                println!(
+                    "node {name} removed: {} block(s) freed; {} address(es) reserved{}",
+                    removed.freed.len(),
+                    reserved.len(),
+                    if reserved.is_empty() {
+                        String::new()
+                    } else {
+                        format!(
+                            " ({}; `lockstep cluster addresses release ADDR...` once their pods are gone)",
+                            reserved.join(", ")
+                        )
+                    }
+                );
+            }
+            ClusterCommand::Addresses {
+                action: None,
+                output,
+            } => {
+                let all = door.reservations().await?;
+                let v: Vec<_> = all
+                    .iter()
+                    .flat_map(|(r, _)| {
+                        r.addresses
+                            .iter()
+                            .map(|a| json!({"address": a, "node": r.name}))
+                    })
+                    .collect();
+                print(&json!(v), output, |_| {
+                    all.iter()
+                        .flat_map(|(r, _)| r.addresses.iter().map(|a| format!("{a}\t{}", r.name)))
+                        .collect::<Vec<_>>()
+                        .join("\n")
+                });
+            }
+            ClusterCommand::Addresses {
+                action: Some(AddressesCommand::Release { addresses }),
+                ..
+            } => {
+                for (a, node) in door.release_reserved(&addresses).await? {
+                    println!("released {a} (reserved for node {node})");
+                }
             }
         }
         Ok(0)

@@ -104,6 +104,11 @@ pub struct Held {
     /// Claims sent (or about to be) whose outcome is not known yet.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub unsettled: Vec<UnsettledClaim>,
+    /// Addresses other nodes' pods may hold (reserved for a removed or
+    /// reclaimed node), as last read: never handed out from a block of
+    /// this node, with etcd down too.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub reserved: Vec<std::net::IpAddr>,
 }
 
 impl Held {
@@ -231,6 +236,7 @@ mod tests {
                 releasing: false,
             }],
             unsettled: Vec::new(),
+            reserved: vec!["10.0.0.70".parse().expect("addr")],
         };
         held.save(dir.path()).expect("save");
         assert_eq!(Held::load(dir.path()).expect("load"), held);

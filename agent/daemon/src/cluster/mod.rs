@@ -16,7 +16,10 @@
 //! blocks/<pool>/<cidr-escaped>  → BlockRecord (JSON), no lease
 //! nodes/<node>                  → NodeRecord (JSON), bound to the node's lease
 //! node_addrs/<node>             → NodeAddrRecord (JSON), no lease: where the
-//!                                 node's blocks are routed
+//!                                 node's blocks are routed, its addresses in
+//!                                 use, since when its lease is gone
+//! reserved/<node>               → ReservedRecord (JSON), no lease: addresses
+//!                                 a removed node's pods may still hold
 //! lb/...                        → LoadBalancer pools, services, state (`lb`)
 //! ```
 //!
@@ -288,6 +291,38 @@ pub struct NodeAddrRecord {
     pub name: String,
     /// Underlay addresses other nodes route this node's blocks to.
     pub ips: Vec<IpAddr>,
+    /// The addresses the node last published as in use (its pods'): they
+    /// stay reserved in the next holder's allocator when its blocks are
+    /// taken (#26 item 2). Absent from records of older versions.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub in_use: Vec<IpAddr>,
+    /// Since when its lease is gone, recorded by the first live node that
+    /// saw it gone; cleared by the node's next registration.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gone: Option<lockstep_core::cluster::GoneMark>,
+}
+
+/// The value of `reserved/<node>`: addresses a removed or reclaimed node
+/// last published as in use. No node hands them out (its pods may still
+/// hold them) until the node, back, no longer holds them, or an operator
+/// releases them (`lockstep cluster addresses release ADDR...`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReservedRecord {
+    /// The node that held them (the key's last segment).
+    pub name: String,
+    /// The addresses.
+    pub addresses: Vec<IpAddr>,
+}
+
+/// What a node's removal (operator's or automatic) did.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Removed {
+    /// The blocks freed.
+    pub freed: Vec<Block>,
+    /// Due (gone for `reclaim_after`) or forced.
+    pub removal: lockstep_core::cluster::Removal,
+    /// The addresses it last published as in use, now reserved.
+    pub reserved: Vec<IpAddr>,
 }
 
 /// A registered node as read from etcd: its record and its lease.

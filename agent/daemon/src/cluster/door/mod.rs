@@ -3,7 +3,8 @@
 //! One door to etcd: every request cluster mode makes goes through
 //! [`Door`], which bounds it in time, retries only what may be retried,
 //! and tells a refusal from an unknown outcome. Split by what is asked:
-//! pools ([`pools`]), blocks ([`blocks`]), nodes ([`nodes`]); keys and
+//! pools ([`pools`]), blocks ([`blocks`]), nodes ([`nodes`]), taking a
+//! node's blocks and the addresses reserved for it ([`reclaim`]); keys and
 //! values are read by [`parse`], failures classified by [`failure`].
 
 mod blocks;
@@ -12,6 +13,7 @@ mod nodes;
 mod options;
 mod parse;
 mod pools;
+mod reclaim;
 #[cfg(test)]
 mod tests;
 

@@ -1,9 +1,11 @@
-//! Nodes in etcd: registered under a lease, kept alive, listed, and
-//! removed by an operator.
+//! Nodes in etcd: registered under a lease, kept alive, listed. Their
+//! removal is [`super::reclaim`]'s.
+
+use std::net::IpAddr;
 
 use etcd_client::{Compare, CompareOp, PutOptions, Txn, TxnOp};
 
-use super::super::{Block, ClusterStoreError, Node, NodeAddrRecord, NodeRecord, Unreadable};
+use super::super::{ClusterStoreError, Node, NodeAddrRecord, NodeRecord, Unreadable};
 use super::parse::*;
 use super::*;
 
@@ -12,7 +14,10 @@ impl Door {
     /// least 1) and returns the lease; [`Door::keep_alive`] keeps it. In
     /// the same transaction the node's routing key (`node_addrs/<name>`,
     /// its name and IPs, no lease) is written: the others keep routing
-    /// its blocks there after the lease ends.
+    /// its blocks there after the lease ends), with `in_use`, the
+    /// addresses its pods hold (reserved in the next holder's allocator
+    /// should its blocks be taken), and without a gone mark: a node back
+    /// clears the one another node wrote.
     ///
     /// When `record` names its instance, the write holds only if the node
     /// key is absent or still what was read, and what was read is not
@@ -26,6 +31,7 @@ impl Door {
     pub async fn register_node(
         &mut self,
         record: &NodeRecord,
+        in_use: &[IpAddr],
         ttl: Duration,
     ) -> Result<i64, ClusterStoreError> {
         let secs = i64::try_from(ttl.as_secs().max(1)).unwrap_or(i64::MAX);
@@ -45,6 +51,8 @@ impl Door {
         let addr = NodeAddrRecord {
             name: record.name.clone(),
             ips: record.ips.clone(),
+            in_use: in_use.to_vec(),
+            gone: None,
         };
         let addr_value = serde_json::to_vec(&addr).map_err(|e| ClusterStoreError::Corrupt {
             key: addr_key.clone(),
@@ -203,6 +211,20 @@ impl Door {
     /// # Errors
     /// etcd unavailable.
     pub async fn node_addrs(&mut self) -> Result<Vec<NodeAddrRecord>, ClusterStoreError> {
+        Ok(self
+            .routing_keys()
+            .await?
+            .into_iter()
+            .map(|(r, _)| r)
+            .collect())
+    }
+
+    /// As [`Door::node_addrs`], each with its key's mod revision (a gone
+    /// mark or a reclaim compares it).
+    ///
+    /// # Errors
+    /// etcd unavailable.
+    pub async fn routing_keys(&mut self) -> Result<Vec<(NodeAddrRecord, i64)>, ClusterStoreError> {
         let (resp, _) = self.list("read node addresses", NODE_ADDRS).await?;
         let area = self.key(NODE_ADDRS);
         let mut out = Vec::new();
@@ -210,7 +232,7 @@ impl Door {
         for kv in resp.kvs() {
             let key = String::from_utf8_lossy(kv.key()).into_owned();
             match parse_node_addr(&area, &key, kv.value()) {
-                Ok(record) => out.push(record),
+                Ok(record) => out.push((record, kv.mod_revision())),
                 Err(reason) => bad.push(Unreadable {
                     key,
                     reason,
@@ -220,69 +242,5 @@ impl Door {
         }
         self.note_unreadable(&area, bad);
         Ok(out)
-    }
-}
-
-impl Door {
-    /// An operator's removal of node `name`: its blocks are deleted (each
-    /// compared on the revision read, in one transaction) so other nodes can
-    /// claim them, with its routing key (`node_addrs/<name>`: the others
-    /// drop its routes with its blocks), and with `force` its node key too. Refused while the
-    /// node's key (its lease) is alive, unless `force` (the core's
-    /// [`check_node_removal`](lockstep_core::cluster::check_node_removal)).
-    /// Returns the blocks freed.
-    ///
-    /// # Errors
-    /// [`ClusterStoreError::Refused`] (alive, no force),
-    /// [`ClusterStoreError::Conflict`] (a block changed meanwhile: nothing
-    /// deleted), or etcd unavailable.
-    pub async fn remove_node(
-        &mut self,
-        name: &str,
-        force: bool,
-    ) -> Result<Vec<Block>, ClusterStoreError> {
-        use lockstep_core::cluster::{NodeLease, check_node_removal};
-        let alive = self.nodes().await?.iter().any(|n| n.record.name == name);
-        let (blocks, _) = self.blocks().await?;
-        let freed: Vec<Block> = blocks.into_iter().filter(|b| b.node == name).collect();
-        let routed = self.node_addrs().await?.iter().any(|r| r.name == name);
-        let lease = if alive {
-            NodeLease::Alive
-        } else if freed.is_empty() && !routed {
-            NodeLease::Unknown
-        } else {
-            NodeLease::GoneSince(0)
-        };
-        check_node_removal(name, lease, force)?;
-        let mut guards = Vec::new();
-        let mut ops = Vec::new();
-        for b in &freed {
-            let key = self.block_key(&b.pool, b.cidr);
-            guards.push(Compare::mod_revision(
-                key.clone(),
-                CompareOp::Equal,
-                b.revision,
-            ));
-            ops.push(TxnOp::delete(key, None));
-        }
-        ops.push(TxnOp::delete(
-            self.key(&format!("{NODE_ADDRS}{name}")),
-            None,
-        ));
-        if force {
-            ops.push(TxnOp::delete(self.key(&format!("nodes/{name}")), None));
-        }
-        let what = format!("remove node {name}");
-        let txn = Txn::new().when(guards).and_then(ops);
-        let resp = self
-            .retrying(&what, true, |mut c| {
-                let txn = txn.clone();
-                async move { c.txn(txn).await }
-            })
-            .await?;
-        if !resp.succeeded() {
-            return Err(ClusterStoreError::Conflict { what });
-        }
-        Ok(freed)
     }
 }

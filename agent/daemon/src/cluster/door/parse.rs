@@ -4,7 +4,9 @@ use ipnet::IpNet;
 use lockstep_core::cluster::ClusterPoolSpec;
 use lockstep_core::cluster::{key_name_problem, node_addresses_problem};
 
-use super::super::{Block, BlockRecord, NodeAddrRecord, NodeRecord, Unreadable, unescape};
+use super::super::{
+    Block, BlockRecord, NodeAddrRecord, NodeRecord, ReservedRecord, Unreadable, unescape,
+};
 
 /// A block key and value, or why they cannot be read (with the block
 /// when the key names one).
@@ -116,4 +118,20 @@ pub(in crate::cluster) fn parse_node_addr(
         return Err(format!("ips: {why}"));
     }
     Ok(record)
+}
+
+/// A reservation key (`reserved/<node>`) and record, or why they cannot be
+/// read.
+pub(super) fn parse_reserved(
+    prefix: &str,
+    key: &str,
+    value: &[u8],
+) -> Result<ReservedRecord, String> {
+    parse_named(
+        ("node", "the reserved addresses of node"),
+        prefix,
+        key,
+        value,
+        |r: &ReservedRecord| r.name.as_str(),
+    )
 }

@@ -105,8 +105,8 @@ impl Door {
         }
     }
 
-    /// Every key under `pools/`, `blocks/`, `nodes/` and `node_addrs/`,
-    /// and `default_pool`, this build cannot read (five reads).
+    /// Every key under `pools/`, `blocks/`, `nodes/`, `node_addrs/` and
+    /// `reserved/`, and `default_pool`, this build cannot read (six reads).
     ///
     /// # Errors
     /// etcd unavailable.
@@ -115,6 +115,7 @@ impl Door {
         self.blocks().await?;
         self.nodes().await?;
         self.node_addrs().await?;
+        self.reservations().await?;
         self.stored_default().await?;
         Ok(self.unreadable())
     }
@@ -151,12 +152,15 @@ impl Door {
             parse_node(&self.key("nodes/"), key, kv.value()).err()
         } else if key.starts_with(&self.key(NODE_ADDRS)) {
             parse_node_addr(&self.key(NODE_ADDRS), key, kv.value()).err()
+        } else if key.starts_with(&self.key(reclaim::RESERVED)) {
+            parse_reserved(&self.key(reclaim::RESERVED), key, kv.value()).err()
         } else if key == self.key(DEFAULT_KEY) {
             parse_default(kv.value()).err()
         } else {
             return Err(ClusterStoreError::Invalid(format!(
-                "etcd key {key:?} is not under {0}pools/, {0}blocks/, {0}nodes/ or {0}{NODE_ADDRS}, nor {0}{DEFAULT_KEY}",
-                self.opts.prefix
+                "etcd key {key:?} is not under {0}pools/, {0}blocks/, {0}nodes/, {0}{NODE_ADDRS} or {0}{1}, nor {0}{DEFAULT_KEY}",
+                self.opts.prefix,
+                reclaim::RESERVED
             )));
         };
         let Some(reason) = problem else {

@@ -32,13 +32,20 @@ use ipnet::IpNet;
 use lockstep_core::cidr::Family;
 use lockstep_core::cluster::{
     BlockUse, ClaimedBlock, ClusterPoolSpec, LocalOverlap, block_size, blocks_to_release,
-    blocks_wanted, fence, local_overlaps, local_pools, next_block, reserve, usable_in_block,
+    blocks_wanted, fence, local_overlaps, next_block, reserve, reserved_in_block, usable_in_block,
 };
-use lockstep_core::pool::PoolSpec;
+
+mod ips;
+mod reclaim;
+mod served;
+
+use ips::node_ips;
+use served::Served;
+pub use served::local_specs;
 
 use super::handle::ClusterHandle;
 use super::held::{Held, HeldBlock};
-use super::{Block, Claim, ClusterStoreError, Door, DoorOptions, NodeRecord};
+use super::{Block, Claim, ClusterStoreError, Door, DoorOptions, NodeRecord, ReservedRecord};
 use crate::agent::Agent;
 use crate::config::{ClusterConfig, Config};
 
@@ -52,73 +59,6 @@ const TICK: Duration = Duration::from_secs(1);
 /// due, an ADD waiting, etcd failing): every node reading every block
 /// every second would load etcd with the cluster's size squared.
 const READ_EVERY: Duration = Duration::from_secs(5);
-
-/// The cluster pools as the allocator's local pools, from what `held`
-/// records (the configuration's pools win a name clash).
-pub fn local_specs(config: &Config, held: &Held) -> Vec<PoolSpec> {
-    let mut blocks: BTreeMap<String, BTreeSet<IpNet>> = BTreeMap::new();
-    for b in &held.blocks {
-        blocks.entry(b.pool.clone()).or_default().insert(b.cidr);
-    }
-    // Fenced blocks, blocks whose give-back may have happened and the
-    // blocks of a pool being removed serve nothing new (their holders
-    // keep their addresses).
-    let draining: BTreeSet<&str> = held
-        .pools
-        .iter()
-        .filter(|p| p.draining)
-        .map(|p| p.name.as_str())
-        .collect();
-    let left_out: BTreeSet<IpNet> = held
-        .blocks
-        .iter()
-        .filter(|b| !b.serves() || draining.contains(b.pool.as_str()))
-        .map(|b| b.cidr)
-        .collect();
-    let taken = config.pools.iter().map(|p| p.name.clone()).collect();
-    let (specs, clashes) = local_pools(&held.pools, &blocks, &left_out, &taken);
-    for name in clashes {
-        tracing::error!(pool = %name, "a cluster pool has the name of a configured pool; the configured pool is used");
-    }
-    specs
-}
-
-/// The node's addresses: configured, else the uplink's first global ones.
-///
-/// # Errors
-/// Neither configured nor found on the uplink, naming the field.
-fn node_ips(config: &Config, cluster: &ClusterConfig) -> Result<Vec<IpAddr>, String> {
-    let mut ips: Vec<IpAddr> = Vec::new();
-    ips.extend(cluster.node_ip_v4.map(IpAddr::V4));
-    ips.extend(cluster.node_ip_v6.map(IpAddr::V6));
-    if !ips.is_empty() {
-        return Ok(ips);
-    }
-    let Some(uplink) = &config.datapath.uplink else {
-        return Err("cluster.node_ip_v4: not set and no datapath.uplink to take it from".into());
-    };
-    let nl = crate::netlink::Netlink::current().map_err(|e| e.to_string())?;
-    let link = nl
-        .link(uplink)
-        .map_err(|e| e.to_string())?
-        .ok_or_else(|| format!("cluster.node_ip_v4: uplink {uplink} does not exist"))?;
-    for net in nl.addresses(link.index).map_err(|e| e.to_string())? {
-        let a = net.addr();
-        let global = match a {
-            IpAddr::V4(v) => !v.is_loopback() && !v.is_link_local(),
-            IpAddr::V6(v) => !v.is_loopback() && !v.is_unicast_link_local(),
-        };
-        if global && !ips.iter().any(|i| i.is_ipv4() == a.is_ipv4()) {
-            ips.push(a);
-        }
-    }
-    if ips.is_empty() {
-        return Err(format!(
-            "cluster.node_ip_v4: uplink {uplink} has no global address; set node_ip_v4 or node_ip_v6"
-        ));
-    }
-    Ok(ips)
-}
 
 /// A new agent instance identity: 128 random bits, hex.
 fn new_instance() -> Result<String, getrandom::Error> {
@@ -144,6 +84,11 @@ pub struct ClusterNode {
     lease: Option<(i64, Instant)>,
     /// Record published with the lease (re-published when it changes).
     published: Option<NodeRecord>,
+    /// The addresses in use published with it (in the routing key).
+    published_addrs: Vec<IpAddr>,
+    /// This node's own reservations (`reserved/<node>`) and their key's
+    /// revision, as last read: released as its pods let them go.
+    own_reserved: Option<(ReservedRecord, i64)>,
     /// Every claimed block (anyone's), as last read.
     claimed: BTreeSet<IpNet>,
     /// Each cluster pool's key revision, as last read (a drained pool's
@@ -154,6 +99,11 @@ pub struct ClusterNode {
     last_read: Option<Instant>,
     /// A claim is due: read at the next round.
     read_next: bool,
+    /// The pools ADDs waited for when the last read began: a claim that
+    /// finds no free block answers only those. An ADD asking during the
+    /// read may need pools the read missed (an apply landing meanwhile);
+    /// it is answered after the next read.
+    asked_at_read: BTreeSet<String>,
     /// The blocks etcd gives other nodes (block → node), as last read.
     others: BTreeMap<IpNet, String>,
     /// What the allocator was last given (`None`: nothing yet).
@@ -162,40 +112,6 @@ pub struct ClusterNode {
     /// read: refused at start, withheld from the allocator while running.
     overlaps: Vec<LocalOverlap>,
     handle: Arc<ClusterHandle>,
-}
-
-/// What cluster mode gives the allocator: the local pools of the blocks it
-/// may use (the core's `local_pools`: held and not fenced), the fenced
-/// blocks with why, the other nodes' blocks (for `verify`) and the default
-/// pool. Compared whole, so any difference reaches the allocator.
-#[derive(Clone, Debug, PartialEq, Eq)]
-struct Served {
-    specs: Vec<PoolSpec>,
-    fenced: BTreeMap<IpNet, String>,
-    others: BTreeMap<IpNet, String>,
-    /// Configured CIDRs withheld for overlapping the cluster's.
-    overlaps: Vec<LocalOverlap>,
-    default: Result<Option<String>, String>,
-}
-
-impl Served {
-    /// Gives the agent what differs from `had` (everything when `None`).
-    fn give(&self, node: &str, agent: &mut Agent, had: Option<&Served>) {
-        // Overlaps first: `set_cluster_pools` withholds them.
-        let overlaps = had.is_none_or(|h| h.overlaps != self.overlaps);
-        if overlaps {
-            agent.set_local_overlaps(self.overlaps.clone());
-        }
-        if (overlaps || had.is_none_or(|h| h.specs != self.specs || h.fenced != self.fenced))
-            && let Err(e) = agent.set_cluster_pools(self.specs.clone(), self.fenced.clone())
-        {
-            tracing::error!(error = %crate::error_chain(&e), "cluster blocks not all served");
-        }
-        if had.is_none_or(|h| h.others != self.others) {
-            agent.set_cluster_others(node, self.others.clone());
-        }
-        agent.set_cluster_default(self.default.clone());
-    }
 }
 
 impl std::fmt::Debug for ClusterNode {
@@ -265,11 +181,14 @@ impl ClusterNode {
             held,
             lease: None,
             published: None,
+            published_addrs: Vec::new(),
+            own_reserved: None,
             claimed: BTreeSet::new(),
             pool_revisions: BTreeMap::new(),
             empty_since: BTreeMap::new(),
             last_read: None,
             read_next: false,
+            asked_at_read: BTreeSet::new(),
             others: BTreeMap::new(),
             served: None,
             overlaps: Vec::new(),
@@ -345,6 +264,11 @@ impl ClusterNode {
                 return false;
             }
         };
+        // Nodes gone: marked, reclaimed once due; reservations read.
+        if let Err(e) = self.watch_gone().await {
+            self.set_problem(Some(&e));
+            return false;
+        }
         self.set_problem(None);
         self.held.pools = pools;
         self.pool_revisions = revisions;
@@ -528,6 +452,7 @@ impl ClusterNode {
                 .collect(),
             others: self.others.clone(),
             overlaps: self.overlaps.clone(),
+            excluded: held.reserved.iter().copied().collect(),
             // The cluster pool serving requests that name none, as the
             // core decides it from what etcd records (`Err`: why none).
             default: lockstep_core::cluster::default_pool(
@@ -577,7 +502,7 @@ impl ClusterNode {
 
     /// Registers the node, or refreshes its lease; re-registers when the
     /// record changed or the lease is gone.
-    async fn lease(&mut self, record: NodeRecord) {
+    async fn lease(&mut self, record: NodeRecord, addrs: Vec<IpAddr>) {
         let Some(door) = self.door.as_mut() else {
             return;
         };
@@ -588,20 +513,25 @@ impl ClusterNode {
         let same_blocks = self
             .published
             .as_ref()
-            .is_some_and(|p| p.blocks == record.blocks && p.ips == record.ips);
+            .is_some_and(|p| p.blocks == record.blocks && p.ips == record.ips)
+            // The addresses in use at once too: they are what stays
+            // reserved if the node's blocks are taken.
+            && self.published_addrs == addrs;
         let result = match self.lease {
             Some((_, at)) if same_blocks && at.elapsed() < refresh => return,
-            Some((lease, _)) if self.published.as_ref() == Some(&record) => {
+            Some((lease, _))
+                if self.published.as_ref() == Some(&record) && self.published_addrs == addrs =>
+            {
                 match door.keep_alive(lease).await {
                     Ok(true) => {
                         self.lease = Some((lease, Instant::now()));
                         return;
                     }
-                    Ok(false) => door.register_node(&record, ttl).await,
+                    Ok(false) => door.register_node(&record, &addrs, ttl).await,
                     Err(e) => Err(e),
                 }
             }
-            _ => door.register_node(&record, ttl).await,
+            _ => door.register_node(&record, &addrs, ttl).await,
         };
         match result {
             Ok(lease) => {
@@ -616,6 +546,7 @@ impl ClusterNode {
                 }
                 self.lease = Some((lease, Instant::now()));
                 self.published = Some(record);
+                self.published_addrs = addrs;
             }
             Err(e @ ClusterStoreError::NameTaken { .. }) => {
                 let why = e.to_string();
@@ -635,6 +566,9 @@ impl ClusterNode {
             || self.last_read.is_none_or(|t| t.elapsed() >= READ_EVERY)
             || self.handle.etcd_problem().is_some()
             || !self.handle.lock().wanted.is_empty();
+        if must_read {
+            self.asked_at_read = self.handle.lock().wanted.clone();
+        }
         let reachable = if must_read { self.sync().await } else { true };
         if must_read && reachable {
             self.last_read = Some(Instant::now());
@@ -648,17 +582,27 @@ impl ClusterNode {
         // What the allocator holds, per pool and family, under one lock.
         let blocks: Vec<HeldBlock> = self.held.blocks.clone();
         let cidrs: Vec<IpNet> = blocks.iter().map(|b| b.cidr).collect();
-        let used = {
+        let (used, addrs) = {
             let slot = slot.clone();
             let asked = cidrs.clone();
             tokio::task::spawn_blocking(move || {
-                lock_agent(&slot).as_ref().map(|a| a.block_usage(&asked))
+                lock_agent(&slot)
+                    .as_ref()
+                    .map(|a| (a.block_usage(&asked), a.addresses_in(&asked)))
             })
             .await
             .ok()
             .flatten()
-            .unwrap_or_else(|| vec![0; cidrs.len()])
+            .unwrap_or_else(|| (vec![0; cidrs.len()], Vec::new()))
         };
+        // Addresses reserved for another node count as used: not free
+        // room, and a block holding them is not empty.
+        let reserved: BTreeSet<IpAddr> = self.held.reserved.iter().copied().collect();
+        let taken: Vec<u64> = cidrs
+            .iter()
+            .zip(&used)
+            .map(|(c, u)| u + reserved_in_block(*c, &reserved))
+            .collect();
         let now = now_ms();
         let mut fenced_done = false;
         for (b, u) in blocks.iter().zip(&used) {
@@ -705,7 +649,7 @@ impl ClusterNode {
                 let serving: Vec<(IpNet, u64)> = mine
                     .iter()
                     .filter(|(_, b)| b.fenced.is_none())
-                    .map(|(i, b)| (b.cidr, used[*i]))
+                    .map(|(i, b)| (b.cidr, taken[*i]))
                     .collect();
                 let pending = u64::from(wanted_pools.contains(&pool.name) && !pool.draining);
                 if pool.draining && wanted_pools.contains(&pool.name) {
@@ -731,7 +675,7 @@ impl ClusterNode {
                     .iter()
                     .map(|(i, b)| BlockUse {
                         block: b.cidr,
-                        used: used[*i],
+                        used: taken[*i],
                         usable: usable_in_block(pool, b.cidr),
                         empty_since_ms: self.empty_since.get(&b.cidr).copied(),
                         fenced: b.fenced.is_some(),
@@ -791,7 +735,8 @@ impl ClusterNode {
                 in_use,
                 wanted: wanted_total,
             };
-            self.lease(record).await;
+            self.lease(record, addrs.clone()).await;
+            self.release_own(&addrs.iter().copied().collect()).await;
         }
         if changed && let Err(e) = self.held.save(&self.config.state_dir) {
             tracing::error!(error = %crate::error_chain(&e), "the held blocks are not recorded");
@@ -877,7 +822,9 @@ impl ClusterNode {
                 .collect();
             let Some(cidr) = next_block(pool, family, &self.claimed, &mine, &self.name) else {
                 tracing::warn!(pool = %pool.name, ?family, "cluster pool has no free block");
-                self.handle.lock().wanted.remove(&pool.name);
+                if self.asked_at_read.contains(&pool.name) {
+                    self.handle.lock().wanted.remove(&pool.name);
+                }
                 return false;
             };
             if self.door.is_none() {
@@ -954,7 +901,11 @@ impl ClusterNode {
         let mut without = self.held.clone();
         without.blocks.retain(|h| h.cidr != b.cidr);
         let want = self.wanted(&without);
-        let (specs, fenced) = (want.specs.clone(), want.fenced.clone());
+        let (specs, fenced, excluded) = (
+            want.specs.clone(),
+            want.fenced.clone(),
+            want.excluded.clone(),
+        );
         let cidr = b.cidr;
         let slot2 = slot.clone();
         // `None`: still in use, nothing changed; `Some(ok)`: the
@@ -965,7 +916,7 @@ impl ClusterNode {
             if a.block_usage(&[cidr]) != [0] {
                 return None;
             }
-            Some(a.set_cluster_pools(specs, fenced).is_ok())
+            Some(a.set_cluster_pools(specs, fenced, excluded).is_ok())
         })
         .await
         .ok()
