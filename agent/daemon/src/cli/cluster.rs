@@ -71,7 +71,7 @@ pub enum ClusterCommand {
         #[arg(long, short, value_enum, default_value_t)]
         output: Output,
     },
-    /// Keys under pools/, blocks/, nodes/ or node_addrs/ this version cannot read (every
+    /// Keys under pools/, blocks/, nodes/, node_addrs/ or reserved/ this version cannot read (every
     /// reader skips them); `unreadable delete KEY` removes one.
     Unreadable {
         /// What to do (default: list them).
