@@ -307,7 +307,34 @@ pub struct ClusterNodes {
     pub cuts: Vec<Arc<Cut>>,
 }
 
+/// The addresses `agent` holds (every allocation it lists).
+///
+/// # Errors
+/// The allocation list could not be read.
+pub fn held_by(agent: &AgentProc) -> anyhow::Result<BTreeSet<IpAddr>> {
+    agent
+        .json(["allocations", "-o", "json"])?
+        .as_array()
+        .context("allocations")?
+        .iter()
+        .map(|x| Ok(x["address"].as_str().context("address")?.parse()?))
+        .collect()
+}
+
 impl ClusterNodes {
+    /// The blocks etcd gives `node`.
+    ///
+    /// # Errors
+    /// As [`ClusterNodes::blocks`].
+    pub fn blocks_of(&self, node: &str) -> anyhow::Result<BTreeSet<IpNet>> {
+        Ok(self
+            .blocks()?
+            .into_iter()
+            .filter(|(_, o)| o == node)
+            .map(|(b, _)| b)
+            .collect())
+    }
+
     /// Allocates `count` IPAM-only endpoint addresses on node `i` through
     /// the CLI; returns how many were given (the error that stopped it
     /// printed).

@@ -16,6 +16,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 
 use anyhow::{Context, bail};
 
+pub mod churn;
 pub mod cluster;
 pub mod etcd;
 pub mod lb_lab;
@@ -794,6 +795,30 @@ pub fn json_lines(path: &Path) -> Vec<serde_json::Value> {
         .lines()
         .filter_map(|l| serde_json::from_str(l).ok())
         .collect()
+}
+
+/// Polls `f` every 200 ms until it returns `None` (done), for at most
+/// `within`; `Some` says what it saw instead. Returns how long it took.
+///
+/// # Errors
+/// `f` failed, or still saw something else after `within` (named with
+/// what it last saw).
+pub fn until(
+    within: std::time::Duration,
+    what: &str,
+    mut f: impl FnMut() -> anyhow::Result<Option<String>>,
+) -> anyhow::Result<std::time::Duration> {
+    let started = std::time::Instant::now();
+    loop {
+        match f()? {
+            None => return Ok(started.elapsed()),
+            Some(seen) => anyhow::ensure!(
+                started.elapsed() < within,
+                "{what} not within {within:?}: {seen}"
+            ),
+        }
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    }
 }
 
 /// Polls `f` every 20 ms until it returns `Some`, for at most `limit`.

@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, ensure};
 use ipnet::IpNet;
-use lockstep_tests::cluster::{ClusterNodes, address_of, cni, cni_raw};
+use lockstep_tests::cluster::{ClusterNodes, address_of, cni, cni_raw, held_by};
 use lockstep_tests::etcd::EtcdCluster;
 use lockstep_tests::{AgentProc, Netns, privileged};
 
@@ -50,15 +50,6 @@ fn fill(agent: &AgentProc, tag: &str, count: usize) -> anyhow::Result<(usize, Op
         }
     }
     Ok((count, None))
-}
-
-/// The blocks etcd gives `node`.
-fn blocks_of(n: &ClusterNodes, node: &str) -> anyhow::Result<BTreeSet<IpNet>> {
-    Ok(n.blocks()?
-        .into_iter()
-        .filter(|(_, o)| o == node)
-        .map(|(b, _)| b)
-        .collect())
 }
 
 /// Waits until `agent`'s status says whether etcd is reachable (`want`).
@@ -119,13 +110,13 @@ fn etcd_losing_a_member_changes_nothing_and_losing_quorum_only_stops_new_blocks(
         ensure!(!addrs.contains(&a), "{a} handed out twice");
         addrs.push(a);
     }
-    let before = blocks_of(&n, "node-0")?;
+    let before = n.blocks_of("node-0")?;
     let (got, err) = fill(&n.agents[0], "one-down-", 40)?;
     ensure!(
         got == 40,
         "with one member down node-0 stopped at {got}: {err:?}"
     );
-    let grown = blocks_of(&n, "node-0")?;
+    let grown = n.blocks_of("node-0")?;
     ensure!(
         grown.len() > before.len(),
         "no block claimed with one member down: {before:?} -> {grown:?}"
@@ -168,7 +159,7 @@ fn etcd_losing_a_member_changes_nothing_and_losing_quorum_only_stops_new_blocks(
         err.contains("etcd_unavailable") && err.contains("pods"),
         "{err}"
     );
-    let held = blocks_of(&n, "node-0");
+    let held = n.blocks_of("node-0");
     ensure!(held.is_err(), "etcd answered without quorum: {held:?}");
     let (code, out, took) = cni_raw(
         &n.agents[0].socket(),
@@ -254,7 +245,7 @@ fn a_removed_nodes_blocks_are_claimed_by_another_and_it_fences_them_when_back() 
         addrs.push(add(&n, i, &format!("r-{i}"), ns)?);
     }
     n.wait_remote()?;
-    let lost = blocks_of(&n, "node-2")?;
+    let lost = n.blocks_of("node-2")?;
     ensure!(!lost.is_empty(), "node-2 holds no block");
 
     // Refused while node-2's lease lives.
@@ -263,7 +254,7 @@ fn a_removed_nodes_blocks_are_claimed_by_another_and_it_fences_them_when_back() 
     let why = format!("{:#}", refused.err().context("refused")?);
     ensure!(why.contains("node-2") && why.contains("lease"), "{why}");
     ensure!(
-        blocks_of(&n, "node-2")? == lost,
+        n.blocks_of("node-2")? == lost,
         "a refused remove changed blocks"
     );
 
@@ -273,7 +264,7 @@ fn a_removed_nodes_blocks_are_claimed_by_another_and_it_fences_them_when_back() 
     let out = n.cli(&["node", "remove", "node-2", "--force"])?;
     ensure!(out.contains("node-2"), "{out}");
     ensure!(
-        blocks_of(&n, "node-2")?.is_empty(),
+        n.blocks_of("node-2")?.is_empty(),
         "node-2 still holds blocks"
     );
     // The others drop its routes and IPCACHE entries (wait_remote checks no
@@ -297,7 +288,7 @@ fn a_removed_nodes_blocks_are_claimed_by_another_and_it_fences_them_when_back() 
     // former blocks can give (node-1 holds the fourth).
     let (got, err) = fill(&n.agents[0], "grow-", 40)?;
     ensure!(got == 40, "node-0 stopped at {got}: {err:?}");
-    let mine = blocks_of(&n, "node-0")?;
+    let mine = n.blocks_of("node-0")?;
     for b in &lost {
         ensure!(mine.contains(b), "{b} not claimed by node-0: {mine:?}");
     }
@@ -353,7 +344,7 @@ fn a_node_cut_off_from_etcd_only_keeps_its_routes_on_the_others() -> anyhow::Res
     }
     n.wait_remote()?;
     ping(&pods[0], addrs[2])?;
-    let cut_blocks = blocks_of(&n, "node-2")?;
+    let cut_blocks = n.blocks_of("node-2")?;
     ensure!(!cut_blocks.is_empty(), "node-2 holds no block");
     let ep0 = n.eps[0].clone();
 
@@ -428,7 +419,7 @@ fn a_node_cut_off_from_etcd_only_keeps_its_routes_on_the_others() -> anyhow::Res
     }
     n.wait_remote()?;
     ensure!(
-        blocks_of(&n, "node-2")? == cut_blocks,
+        n.blocks_of("node-2")? == cut_blocks,
         "node-2's blocks changed across the cut"
     );
     let later = Netns::new("cfxl")?;
@@ -466,17 +457,6 @@ fn a_node_cut_off_from_etcd_only_keeps_its_routes_on_the_others() -> anyhow::Res
     );
     n.wait_remote()?;
     Ok(())
-}
-
-/// The addresses `agent` holds (every allocation it lists).
-fn held_by(agent: &AgentProc) -> anyhow::Result<BTreeSet<IpAddr>> {
-    agent
-        .json(["allocations", "-o", "json"])?
-        .as_array()
-        .context("allocations")?
-        .iter()
-        .map(|x| Ok(x["address"].as_str().context("address")?.parse()?))
-        .collect()
 }
 
 /// Issue #26 item 1: a block fenced while its agent runs. node-2 is cut
@@ -524,7 +504,7 @@ fn fenced_once_etcd_answers(tag: &str, restart: bool) -> anyhow::Result<()> {
         addrs.push(add(&n, i, &format!("f-{i}"), ns)?);
     }
     n.wait_remote()?;
-    let lost = blocks_of(&n, "node-2")?;
+    let lost = n.blocks_of("node-2")?;
     ensure!(lost.len() == 1, "node-2 holds {lost:?}");
     let x = *lost.iter().next().context("block")?;
     // Its pod's address published (the round after the ADD): what its
@@ -723,7 +703,7 @@ fn a_fenced_block_claimed_back_by_its_node_serves_again() -> anyhow::Result<()> 
     let (got, err) = fill(&n.agents[0], "grow-", 20)?;
     ensure!(got == 20, "node-0 stopped at {got}: {err:?}");
     ensure!(n.blocks()?.len() == 4, "{:?}", n.blocks()?);
-    let lost = blocks_of(&n, "node-2")?;
+    let lost = n.blocks_of("node-2")?;
     ensure!(lost.len() == 1, "node-2 holds {lost:?}");
     let x = *lost.iter().next().context("block")?;
 

@@ -20,15 +20,6 @@ use lockstep_tests::{Netns, privileged};
 
 const POOLS: &str = "[[pools]]\nname = \"pods\"\nipv4 = [\"10.97.0.0/20\"]\nblock_v4 = 28\n";
 
-/// The blocks etcd gives `node`.
-fn blocks_of(n: &ClusterNodes, node: &str) -> anyhow::Result<BTreeSet<IpNet>> {
-    Ok(n.blocks()?
-        .into_iter()
-        .filter(|(_, o)| o == node)
-        .map(|(b, _)| b)
-        .collect())
-}
-
 /// The block of 10.97.0.0/20 (/28 blocks) right after `b`, wrapping round:
 /// the one `next_block` picks next for the node holding `b`.
 fn block_after(b: IpNet) -> anyhow::Result<IpNet> {
@@ -68,7 +59,7 @@ fn unreadable_keys_stop_no_lease_no_claim_and_no_remote_state() -> anyhow::Resul
     // a pool named team/a and its block, garbage under pools/, a block key
     // that is no CIDR, and an unreadable value on the very block node-0
     // claims next.
-    let mine = blocks_of(&n, "node-0")?;
+    let mine = n.blocks_of("node-0")?;
     let next = block_after(*mine.iter().max().context("node-0 holds no block")?)?;
     let next_key = format!("{prefix}blocks/pods/{}", next.to_string().replace('/', "-"));
     let garbage: Vec<(String, &str)> = vec![
@@ -163,7 +154,7 @@ fn unreadable_keys_stop_no_lease_no_claim_and_no_remote_state() -> anyhow::Resul
     // Claims of other blocks go on, and none picks the unreadable one.
     let got = n.fill(0, "more-", 40)?;
     ensure!(got == 40, "node-0 stopped at {got} of 40 addresses");
-    let grown = blocks_of(&n, "node-0")?;
+    let grown = n.blocks_of("node-0")?;
     ensure!(
         grown.len() > mine.len(),
         "node-0 claimed nothing: {grown:?}"

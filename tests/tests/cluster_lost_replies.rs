@@ -16,13 +16,13 @@
 
 use std::collections::BTreeSet;
 use std::net::IpAddr;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::{Context, ensure};
 use ipnet::IpNet;
-use lockstep_tests::cluster::ClusterNodes;
+use lockstep_tests::cluster::{ClusterNodes, held_by};
 use lockstep_tests::etcd::EtcdCluster;
-use lockstep_tests::{AgentProc, privileged};
+use lockstep_tests::{AgentProc, privileged, until};
 
 const POOL: &str = "10.88.0.0/24";
 
@@ -65,26 +65,6 @@ fn release(agent: &AgentProc, name: &str) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The addresses `agent` holds.
-fn held_by(agent: &AgentProc) -> anyhow::Result<BTreeSet<IpAddr>> {
-    agent
-        .json(["allocations", "-o", "json"])?
-        .as_array()
-        .context("allocations")?
-        .iter()
-        .map(|x| Ok(x["address"].as_str().context("address")?.parse()?))
-        .collect()
-}
-
-/// The blocks etcd gives `node`.
-fn blocks_of(n: &ClusterNodes, node: &str) -> anyhow::Result<BTreeSet<IpNet>> {
-    Ok(n.blocks()?
-        .into_iter()
-        .filter(|(_, o)| o == node)
-        .map(|(b, _)| b)
-        .collect())
-}
-
 /// The blocks `node` publishes as serving (its node key).
 fn published(n: &ClusterNodes, node: &str) -> anyhow::Result<BTreeSet<IpNet>> {
     let v: serde_json::Value = serde_json::from_str(&n.cli(&["nodes", "-o", "json"])?)?;
@@ -125,26 +105,6 @@ fn key_segment(block: IpNet) -> String {
     format!("{}-{}", block.addr(), block.prefix_len())
 }
 
-/// Waits until `f` holds (at most `within`), or says what it last saw.
-fn until(
-    within: Duration,
-    what: &str,
-    mut f: impl FnMut() -> anyhow::Result<Result<(), String>>,
-) -> anyhow::Result<()> {
-    let started = Instant::now();
-    loop {
-        let last = f()?;
-        match last {
-            Ok(()) => return Ok(()),
-            Err(seen) => ensure!(
-                started.elapsed() < within,
-                "{what} not within {within:?}: {seen}"
-            ),
-        }
-        std::thread::sleep(Duration::from_millis(200));
-    }
-}
-
 fn all_verify(n: &ClusterNodes) -> anyhow::Result<()> {
     for a in &n.agents {
         a.verify_within(Duration::from_secs(15))?;
@@ -170,14 +130,14 @@ fn lost_claim(tag: &str, restart: bool) -> anyhow::Result<()> {
     let cluster = EtcdCluster::start(3)?;
     let mut n = ClusterNodes::build(&cluster, &format!("/lost-{tag}/"), &pools())?;
     until(Duration::from_secs(20), "node-0's first block", || {
-        let b = blocks_of(&n, "node-0")?;
+        let b = n.blocks_of("node-0")?;
         Ok(if b.len() == 1 {
-            Ok(())
+            None
         } else {
-            Err(format!("{b:?}"))
+            Some(format!("{b:?}"))
         })
     })?;
-    let first = blocks_of(&n, "node-0")?;
+    let first = n.blocks_of("node-0")?;
     // Every request carrying a block record is a claim: the next one
     // reaches etcd, and no answer after it reaches node-0.
     n.cuts[0].mute_on(b"claimed_at_ms");
@@ -188,23 +148,24 @@ fn lost_claim(tag: &str, restart: bool) -> anyhow::Result<()> {
     }
     until(Duration::from_secs(10), "a claim sent", || {
         Ok(if n.cuts[0].muted() {
-            Ok(())
+            None
         } else {
-            Err(format!(
+            Some(format!(
                 "no claim passed; etcd gives node-0 {:?}",
-                blocks_of(&n, "node-0")?
+                n.blocks_of("node-0")?
             ))
         })
     })?;
     until(Duration::from_secs(10), "the claim in etcd", || {
-        let b = blocks_of(&n, "node-0")?;
+        let b = n.blocks_of("node-0")?;
         Ok(if b.len() == 2 {
-            Ok(())
+            None
         } else {
-            Err(format!("{b:?}"))
+            Some(format!("{b:?}"))
         })
     })?;
-    let claimed = *blocks_of(&n, "node-0")?
+    let claimed = *n
+        .blocks_of("node-0")?
         .difference(&first)
         .next()
         .context("the new block")?;
@@ -223,11 +184,11 @@ fn lost_claim(tag: &str, restart: bool) -> anyhow::Result<()> {
         "node-0 serving the block whose claim answer was lost",
         || {
             let p = published(&n, "node-0")?;
-            let e = blocks_of(&n, "node-0")?;
+            let e = n.blocks_of("node-0")?;
             Ok(if p.contains(&claimed) {
-                Ok(())
+                None
             } else {
-                Err(format!(
+                Some(format!(
                     "etcd gives node-0 {e:?}, node-0 serves {p:?}: {} block(s) held in etcd and served by no one",
                     e.difference(&p).count()
                 ))
@@ -280,24 +241,24 @@ fn a_give_back_whose_answer_was_lost_serves_nothing_until_settled() -> anyhow::R
         "",
     )?;
     until(Duration::from_secs(20), "node-0's first block", || {
-        let b = blocks_of(&n, "node-0")?;
+        let b = n.blocks_of("node-0")?;
         Ok(if b.len() == 1 {
-            Ok(())
+            None
         } else {
-            Err(format!("{b:?}"))
+            Some(format!("{b:?}"))
         })
     })?;
     // Fill until node-0 claims a second block.
     let mut names = Vec::new();
     let mut k = 0;
-    while blocks_of(&n, "node-0")?.len() < 2 {
+    while n.blocks_of("node-0")?.len() < 2 {
         ensure!(k < 20, "20 addresses and no second block");
         if let Some(a) = allocate(&n.agents[0], &format!("g{k}"))? {
             names.push((format!("g{k}"), a));
         }
         k += 1;
     }
-    let blocks: Vec<IpNet> = blocks_of(&n, "node-0")?.into_iter().collect();
+    let blocks: Vec<IpNet> = n.blocks_of("node-0")?.into_iter().collect();
     // The block to give back: the one holding fewer of node-0's addresses.
     let count = |b: IpNet| names.iter().filter(|(_, a)| b.contains(a)).count();
     let (keep, gone) = if count(blocks[0]) >= count(blocks[1]) {
@@ -318,17 +279,17 @@ fn a_give_back_whose_answer_was_lost_serves_nothing_until_settled() -> anyhow::R
     }
     until(Duration::from_secs(15), "the give-back sent", || {
         Ok(if n.cuts[0].muted() {
-            Ok(())
+            None
         } else {
-            Err("no request named the block".into())
+            Some("no request named the block".into())
         })
     })?;
     until(Duration::from_secs(5), "the block deleted in etcd", || {
         let b = n.blocks()?;
         Ok(if b.contains_key(&gone) {
-            Err(format!("{b:?}"))
+            Some(format!("{b:?}"))
         } else {
-            Ok(())
+            None
         })
     })?;
     eprintln!("{gone} deleted in etcd; node-0 never got the answer");
@@ -360,9 +321,9 @@ fn a_give_back_whose_answer_was_lost_serves_nothing_until_settled() -> anyhow::R
             .unwrap_or(0);
         let s = strays(&n)?;
         Ok(if fenced == 0 && s.is_empty() {
-            Ok(())
+            None
         } else {
-            Err(format!("fenced {fenced}, strays {s:?}"))
+            Some(format!("fenced {fenced}, strays {s:?}"))
         })
     })?;
     let mut after = 0;

@@ -23,7 +23,7 @@ use lockstep_tests::cluster::{
     ClusterNodes, address_of, apply_pools, cluster_cli, cluster_config, cni, node_ip,
 };
 use lockstep_tests::etcd::EtcdCluster;
-use lockstep_tests::{AgentOptions, AgentProc, Netns, privileged};
+use lockstep_tests::{AgentOptions, AgentProc, Netns, privileged, until};
 
 #[test]
 fn blocks_with_reserved_addresses_are_counted_by_usable_addresses() -> anyhow::Result<()> {
@@ -436,25 +436,6 @@ fn blocks_in(n: &ClusterNodes, cidr: IpNet) -> anyhow::Result<Vec<(IpNet, String
         .into_iter()
         .filter(|(b, _)| cidr.contains(&b.network()))
         .collect())
-}
-
-/// Waits (at most `within`) until `f` holds, or says what it last saw.
-fn until(
-    within: Duration,
-    what: &str,
-    mut f: impl FnMut() -> anyhow::Result<Option<String>>,
-) -> anyhow::Result<Duration> {
-    let started = Instant::now();
-    loop {
-        match f()? {
-            None => return Ok(started.elapsed()),
-            Some(seen) => ensure!(
-                started.elapsed() < within,
-                "{what} not within {within:?}: {seen}"
-            ),
-        }
-        std::thread::sleep(Duration::from_millis(200));
-    }
 }
 
 /// #26 item 12. A pool nobody asks for costs no block (before, every node

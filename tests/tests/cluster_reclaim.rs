@@ -19,18 +19,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, ensure};
 use ipnet::IpNet;
-use lockstep_tests::cluster::{ClusterNodes, address_of, cni};
+use lockstep_tests::cluster::{ClusterNodes, address_of, cni, held_by};
 use lockstep_tests::etcd::EtcdCluster;
-use lockstep_tests::{AgentProc, Netns, privileged};
-
-/// The blocks etcd gives `node`.
-fn blocks_of(n: &ClusterNodes, node: &str) -> anyhow::Result<BTreeSet<IpNet>> {
-    Ok(n.blocks()?
-        .into_iter()
-        .filter(|(_, o)| o == node)
-        .map(|(b, _)| b)
-        .collect())
-}
+use lockstep_tests::{Netns, privileged};
 
 /// The live nodes etcd lists, with the addresses in use each published.
 fn live_nodes(n: &ClusterNodes) -> anyhow::Result<BTreeMap<String, u64>> {
@@ -60,17 +51,6 @@ fn wait_for(
         std::thread::sleep(Duration::from_millis(200));
     }
     Ok(started.elapsed())
-}
-
-/// The addresses `agent` holds.
-fn held_by(agent: &AgentProc) -> anyhow::Result<BTreeSet<IpAddr>> {
-    agent
-        .json(["allocations", "-o", "json"])?
-        .as_array()
-        .context("allocations")?
-        .iter()
-        .map(|x| Ok(x["address"].as_str().context("address")?.parse()?))
-        .collect()
 }
 
 /// Every address held by more than one node.
@@ -108,7 +88,7 @@ fn start(
     }
     ensure!(n.fill(2, "two-", 3)? == 3, "node-2 did not allocate 3");
     let held = held_by(&n.agents[2])?;
-    let lost = blocks_of(&n, "node-2")?;
+    let lost = n.blocks_of("node-2")?;
     ensure!(
         lost.len() == 1 && held.len() == 4,
         "node-2: {lost:?} {held:?}"
@@ -141,7 +121,7 @@ fn a_partitioned_node_is_not_removed_before_reclaim_after() -> anyhow::Result<()
     std::thread::sleep(Duration::from_secs(2));
     let into = cut.elapsed();
     let refused = n.cli(&["node", "remove", "node-2"]);
-    let after = blocks_of(&n, "node-2")?;
+    let after = n.blocks_of("node-2")?;
     eprintln!(
         "node remove {:.1} s into the cut: {}; node-2 holds {after:?}",
         into.as_secs_f64(),
