@@ -16,11 +16,13 @@
 //!   nodes (what a block fenced while the node ran may have doubled).
 //! - [`overlap`]: the node's configured pools against the cluster's
 //!   addresses (refused at start, withheld while running).
+//! - [`restore`]: etcd restored from a backup: telling that it went back
+//!   in time, the blocks a node claims back, the grace before new claims.
 //! - [`remote`]: what a node programs for the other nodes' blocks (IPCACHE,
 //!   routes, MASQ_SKIP) and the diff against what is there.
 //!
 //! Time is passed in as milliseconds; the daemon's etcd door performs what
-//! these functions decide (`agent/daemon/src/cluster/node.rs`).
+//! these functions decide (`agent/daemon/src/cluster/node/`).
 
 pub mod cover;
 pub mod decide;
@@ -31,6 +33,7 @@ pub mod names;
 pub mod overlap;
 pub mod reclaim;
 pub mod remote;
+pub mod restore;
 pub mod spec;
 
 #[cfg(test)]
@@ -50,6 +53,7 @@ pub use reclaim::{
     reclaimable, reservations_to_keep, reserved_for, reserved_in_block,
 };
 pub use remote::{NodeDirectory, node_addresses_problem};
+pub use restore::{Rollback, StoreMark, advance, may_claim_new, rolled_back, to_reclaim};
 pub use spec::{ClusterPoolSpec, check_apply, plan_apply, validate_pools};
 
 use ipnet::IpNet;
