@@ -371,6 +371,27 @@ impl EtcdCluster {
     /// # Errors
     /// A restore or a member that does not come back healthy in 30 s.
     pub fn restore_all(&mut self, path: &Path) -> Result<()> {
+        self.restore_members(path)
+    }
+
+    /// As [`EtcdCluster::restore_all`], with a new cluster token, as the
+    /// disaster-recovery procedure of docs/cluster.md asks: the restored
+    /// cluster gets new member IDs and a new cluster ID, which every
+    /// answer's header carries, so every agent tells the restore from its
+    /// first answer whatever the revision.
+    ///
+    /// # Errors
+    /// As [`EtcdCluster::restore_all`].
+    pub fn restore_all_as_new_cluster(&mut self, path: &Path) -> Result<()> {
+        self.token = format!(
+            "{}-restored-{}",
+            self.token,
+            NEXT.fetch_add(1, Ordering::Relaxed)
+        );
+        self.restore_members(path)
+    }
+
+    fn restore_members(&mut self, path: &Path) -> Result<()> {
         for i in 0..self.members.len() {
             self.stop_member(i);
         }

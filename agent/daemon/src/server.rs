@@ -365,7 +365,14 @@ pub async fn run(config: Config) -> Result<(), ServerError> {
     }
     // Cluster mode: the other nodes' blocks (routes, IPCACHE) and the
     // skip-masquerade cluster CIDRs, followed from etcd (`cluster::remote`).
-    let remote = crate::cluster::RemoteTask::from_config(&cluster_config, interval);
+    // Its watch tells the claim loop when etcd went back in time.
+    let remote =
+        crate::cluster::RemoteTask::from_config(&cluster_config, interval).map(
+            |r| match &cluster {
+                Some(node) => r.tell_rollbacks_to(node.handle()),
+                None => r,
+            },
+        );
     if let Some(r) = &remote {
         agent.set_remote_view(r.view());
     }

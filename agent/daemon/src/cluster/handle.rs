@@ -38,6 +38,9 @@ pub(super) struct Shared {
     pub(super) overlaps: Vec<String>,
     /// Another agent instance holds this node's name (#26 item 5).
     pub(super) identity: Option<String>,
+    /// The remote task's watch saw etcd go back in time; the claim loop
+    /// has not taken it yet.
+    pub(super) went_back: bool,
 }
 
 impl ClusterHandle {
@@ -50,6 +53,16 @@ impl ClusterHandle {
     /// Why etcd is unreachable, while it is.
     pub fn etcd_problem(&self) -> Option<String> {
         self.lock().problem.clone()
+    }
+
+    /// Tells the claim loop that etcd went back in time (the remote task's
+    /// watch, which sees every write under the prefix, saw etcd's revision
+    /// drop): it reads etcd at once, claims back the blocks etcd lost and
+    /// claims nothing new for the grace, even when its own reads come too
+    /// late to see the revision drop.
+    pub fn etcd_went_back(&self) {
+        self.lock().went_back = true;
+        self.wake.notify_one();
     }
 
     /// How many blocks are fenced.

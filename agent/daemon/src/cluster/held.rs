@@ -6,16 +6,26 @@
 //! a crash leaves the old or the new list, never a mix. A block is recorded
 //! before it is added to the allocator and forgotten only after etcd took
 //! it back, so the file never lists less than the node may hand out.
+//!
+//! Beside it, `cluster-etcd.json` keeps where the node last saw etcd (its
+//! cluster ID and the highest store revision, the core's `StoreMark`), so a
+//! node restarted across a restore of etcd from a backup still tells that
+//! etcd went back in time. A file of its own: an older build, which
+//! refuses unknown fields in `cluster.json`, still starts after a
+//! downgrade.
 
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
 
 use ipnet::IpNet;
-use lockstep_core::cluster::ClusterPoolSpec;
+use lockstep_core::cluster::{ClusterPoolSpec, StoreMark};
 use serde::{Deserialize, Serialize};
 
 /// The file's name in the state directory.
 pub const FILE: &str = "cluster.json";
+
+/// The name of the file keeping where the node last saw etcd.
+pub const MARK_FILE: &str = "cluster-etcd.json";
 
 /// Errors of reading or writing the held-blocks file.
 #[derive(Debug, thiserror::Error)]
@@ -134,24 +144,34 @@ impl Held {
     /// # Errors
     /// Any step failed; the old file is then unchanged.
     pub fn save(&self, state_dir: &Path) -> Result<(), HeldError> {
-        let path = state_dir.join(FILE);
-        let tmp = state_dir.join(format!("{FILE}.tmp"));
-        let io = |source| HeldError::Io {
-            path: path.clone(),
-            source,
-        };
-        let bytes = serde_json::to_vec_pretty(self).map_err(|e| HeldError::Corrupt {
-            path: path.clone(),
-            reason: e.to_string(),
-        })?;
-        let mut f = std::fs::File::create(&tmp).map_err(io)?;
-        f.write_all(&bytes).map_err(io)?;
-        f.sync_all().map_err(io)?;
-        std::fs::rename(&tmp, &path).map_err(io)?;
-        std::fs::File::open(state_dir)
-            .and_then(|d| d.sync_all())
-            .map_err(io)?;
-        Ok(())
+        write_json(state_dir, FILE, self)
+    }
+
+    /// Where the node last saw etcd (`cluster-etcd.json`); `None` when it
+    /// never recorded it.
+    ///
+    /// # Errors
+    /// The file exists but cannot be read or parsed.
+    pub fn load_mark(state_dir: &Path) -> Result<Option<StoreMark>, HeldError> {
+        let path = state_dir.join(MARK_FILE);
+        match std::fs::read(&path) {
+            Ok(bytes) => serde_json::from_slice(&bytes)
+                .map(Some)
+                .map_err(|e| HeldError::Corrupt {
+                    path,
+                    reason: e.to_string(),
+                }),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            Err(source) => Err(HeldError::Io { path, source }),
+        }
+    }
+
+    /// Records where the node last saw etcd, durably as [`Held::save`].
+    ///
+    /// # Errors
+    /// Any step failed; the old file is then unchanged.
+    pub fn save_mark(state_dir: &Path, mark: StoreMark) -> Result<(), HeldError> {
+        write_json(state_dir, MARK_FILE, &mark)
     }
 
     /// The blocks new addresses may come from (neither fenced nor being
@@ -215,6 +235,29 @@ impl Held {
     }
 }
 
+/// Writes `value` as `<state_dir>/<file>` whole: a temporary file,
+/// fsync, rename, fsync of the directory.
+fn write_json(state_dir: &Path, file: &str, value: &impl Serialize) -> Result<(), HeldError> {
+    let path = state_dir.join(file);
+    let tmp = state_dir.join(format!("{file}.tmp"));
+    let io = |source| HeldError::Io {
+        path: path.clone(),
+        source,
+    };
+    let bytes = serde_json::to_vec_pretty(value).map_err(|e| HeldError::Corrupt {
+        path: path.clone(),
+        reason: e.to_string(),
+    })?;
+    let mut f = std::fs::File::create(&tmp).map_err(io)?;
+    f.write_all(&bytes).map_err(io)?;
+    f.sync_all().map_err(io)?;
+    std::fs::rename(&tmp, &path).map_err(io)?;
+    std::fs::File::open(state_dir)
+        .and_then(|d| d.sync_all())
+        .map_err(io)?;
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -258,6 +301,19 @@ mod tests {
         assert_eq!(back.unsettled.len(), 1);
         back.settle_unsettled(other);
         assert_eq!(back, held);
+        // Where etcd was last seen: none yet, then what was saved.
+        assert_eq!(Held::load_mark(dir.path()).expect("none"), None);
+        let mark = StoreMark {
+            cluster_id: 0xfeed,
+            revision: 42,
+        };
+        Held::save_mark(dir.path(), mark).expect("save mark");
+        assert_eq!(Held::load_mark(dir.path()).expect("mark"), Some(mark));
+        std::fs::write(dir.path().join(MARK_FILE), b"[").expect("write");
+        assert!(matches!(
+            Held::load_mark(dir.path()),
+            Err(HeldError::Corrupt { .. })
+        ));
         std::fs::write(dir.path().join(FILE), b"{").expect("write");
         assert!(matches!(
             Held::load(dir.path()),

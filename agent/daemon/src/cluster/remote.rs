@@ -173,6 +173,9 @@ pub struct RemoteTask {
     blocks: BTreeMap<(String, IpNet), String>,
     /// Where each node is reached: live node keys and routing keys.
     nodes: NodeDirectory,
+    /// The claim loop's handle, told when the watch sees etcd go back in
+    /// time.
+    claims: Option<Arc<super::ClusterHandle>>,
 }
 
 /// Resolves once `stop` is true (no guard held: the task stays `Send`).
@@ -198,7 +201,15 @@ impl RemoteTask {
             pools: BTreeMap::new(),
             blocks: BTreeMap::new(),
             nodes: NodeDirectory::default(),
+            claims: None,
         }
+    }
+
+    /// Tells `claims` (the claim loop's handle) whenever the watch sees
+    /// etcd go back in time (#26 item 3).
+    pub fn tell_rollbacks_to(mut self, claims: Arc<super::ClusterHandle>) -> Self {
+        self.claims = Some(claims);
+        self
     }
 
     /// The task of the agent configured by `config` (its `[cluster]`
@@ -378,6 +389,9 @@ impl RemoteTask {
                         }
                         Err(e @ ClusterStoreError::RolledBack { .. }) => {
                             tracing::warn!(error = %e, "remote state: etcd went back in time; reading everything again");
+                            if let Some(claims) = &self.claims {
+                                claims.etcd_went_back();
+                            }
                             watch = None;
                             from = None;
                         }

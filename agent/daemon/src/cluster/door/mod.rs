@@ -23,6 +23,7 @@ use std::time::Duration;
 
 use etcd_client::{Client, ConnectOptions, GetOptions, GetResponse};
 use ipnet::IpNet;
+use lockstep_core::cluster::StoreMark;
 
 use super::{ClusterStoreError, Unreadable, escape};
 use failure::{never_sent, refusal, transient, unavailable};
@@ -46,6 +47,8 @@ pub struct Door {
     opts: DoorOptions,
     /// Keys the last read of each area skipped, by key.
     unreadable: BTreeMap<String, Unreadable>,
+    /// The cluster ID and store revision of the last listing's answer.
+    mark: Option<StoreMark>,
 }
 
 impl std::fmt::Debug for Door {
@@ -113,6 +116,7 @@ impl Door {
             client,
             opts,
             unreadable: BTreeMap::new(),
+            mark: None,
         })
     }
 
@@ -218,8 +222,20 @@ impl Door {
         result
     }
 
+    /// Which etcd cluster answered the last listing (pools, blocks,
+    /// nodes) and at what store revision: a node compares it with what it
+    /// saw before to tell that etcd went back in time
+    /// (`lockstep_core::cluster::rolled_back`).
+    pub fn mark(&self) -> Option<StoreMark> {
+        self.mark
+    }
+
     /// Every key under `prefix/` (one read), and the store revision of it.
-    async fn list(&self, what: &str, rest: &str) -> Result<(GetResponse, i64), ClusterStoreError> {
+    async fn list(
+        &mut self,
+        what: &str,
+        rest: &str,
+    ) -> Result<(GetResponse, i64), ClusterStoreError> {
         let key = self.key(rest);
         let resp = self
             .retrying(what, false, |mut c| {
@@ -228,6 +244,12 @@ impl Door {
             })
             .await?;
         let revision = resp.header().map_or(0, |h| h.revision());
+        if let Some(h) = resp.header() {
+            self.mark = Some(StoreMark {
+                cluster_id: h.cluster_id(),
+                revision: h.revision(),
+            });
+        }
         Ok((resp, revision))
     }
 }

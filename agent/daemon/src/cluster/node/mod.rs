@@ -22,6 +22,13 @@
 //! before any claim. Before, only a round that claimed or forgot a block
 //! gave the allocator its pools, so a fenced block with holders kept
 //! serving whenever no claim followed (a full pool, a failing claim).
+//!
+//! etcd restored from a backup ([`restore`]): a read whose cluster ID or
+//! store revision says etcd went back in time makes the node claim back
+//! the blocks of its record etcd lost, before it fences and before any new
+//! claim, and claim nothing new for a grace period.
+
+mod restore;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
@@ -111,6 +118,8 @@ pub struct ClusterNode {
     /// Configured CIDRs overlapping the cluster's pools or blocks, as last
     /// read: refused at start, withheld from the allocator while running.
     overlaps: Vec<LocalOverlap>,
+    /// What the node knows of etcd's history (rollbacks).
+    history: restore::History,
     handle: Arc<ClusterHandle>,
 }
 
@@ -170,6 +179,7 @@ impl ClusterNode {
             held.save(&config.state_dir)
                 .map_err(|e| crate::error_chain(&e))?;
         }
+        let history = restore::History::load(&config.state_dir, &held)?;
         let mut node = ClusterNode {
             config: config.clone(),
             cluster,
@@ -192,6 +202,7 @@ impl ClusterNode {
             others: BTreeMap::new(),
             served: None,
             overlaps: Vec::new(),
+            history,
             handle: Arc::new(ClusterHandle::default()),
         };
         node.held.node = node.name.clone();
@@ -257,7 +268,7 @@ impl ClusterNode {
             let (blocks, _) = door.blocks().await?;
             Ok::<_, ClusterStoreError>((pools, revisions, default, blocks, door.unreadable()))
         };
-        let (pools, revisions, default, blocks, unreadable) = match read.await {
+        let (pools, revisions, default, mut blocks, unreadable) = match read.await {
             Ok(r) => r,
             Err(e) => {
                 self.set_problem(Some(&e));
@@ -273,6 +284,11 @@ impl ClusterNode {
         self.held.pools = pools;
         self.pool_revisions = revisions;
         self.held.default_pool = default;
+        // etcd gone back in time: the blocks it lost are claimed back
+        // before the fence below looks at them.
+        let mark = self.door.as_ref().and_then(Door::mark);
+        self.note_store(mark);
+        self.reclaim_lost(&mut blocks).await;
         self.claimed = blocks.iter().map(|b| b.cidr).collect();
         // A key this build cannot read was skipped by the read (it no
         // longer stops it); a block it names has an unknown holder: never
@@ -562,6 +578,12 @@ impl ClusterNode {
 
     /// One round: read etcd, keep the lease, claim and give back.
     async fn round(&mut self, slot: &Arc<Mutex<Option<Agent>>>) {
+        // The remote task's watch saw etcd go back in time: read now, and
+        // claim back what etcd lost before anything new.
+        if std::mem::take(&mut self.handle.lock().went_back) {
+            self.went_back(&"the watch of the cluster's keys saw etcd's revision go back");
+            self.read_next = true;
+        }
         let must_read = self.read_next
             || self.last_read.is_none_or(|t| t.elapsed() >= READ_EVERY)
             || self.handle.etcd_problem().is_some()
@@ -699,6 +721,12 @@ impl ClusterNode {
         if self.name_taken.is_some() {
             // Another instance holds this node's name: no claim until it
             // is this agent's again.
+            claims.clear();
+        }
+        if !claims.is_empty() && !self.may_claim_new() {
+            // After a rollback: the blocks etcd lost are claimed back
+            // first, and the other holders get the grace to do the same.
+            tracing::debug!("no new block in the grace after etcd went back in time");
             claims.clear();
         }
         if !claims.is_empty() && !fresh {
