@@ -38,9 +38,9 @@ pub(super) struct Shared {
     pub(super) overlaps: Vec<String>,
     /// Another agent instance holds this node's name (#26 item 5).
     pub(super) identity: Option<String>,
-    /// The remote task's watch saw etcd go back in time; the claim loop
-    /// has not taken it yet.
-    pub(super) went_back: bool,
+    /// The highest store revision the remote task's watch had seen when
+    /// it saw etcd go back in time; the claim loop has not taken it yet.
+    pub(super) went_back_from: Option<i64>,
 }
 
 impl ClusterHandle {
@@ -55,13 +55,18 @@ impl ClusterHandle {
         self.lock().problem.clone()
     }
 
-    /// Tells the claim loop that etcd went back in time (the remote task's
-    /// watch, which sees every write under the prefix, saw etcd's revision
-    /// drop): it reads etcd at once, claims back the blocks etcd lost and
-    /// claims nothing new for the grace, even when its own reads come too
-    /// late to see the revision drop.
-    pub fn etcd_went_back(&self) {
-        self.lock().went_back = true;
+    /// Tells the claim loop that the remote task's watch, which sees every
+    /// write under the prefix, saw etcd's revision drop below `seen`, the
+    /// highest it had seen: the claim loop raises its own mark to it and
+    /// reads etcd at once, so its read tells the rollback (its reads come
+    /// every 5 s and may never have seen the writes etcd lost). The read
+    /// decides: a linearizable read is never behind, where a watch may be
+    /// served by a member still catching up.
+    pub fn etcd_went_back(&self, seen: i64) {
+        {
+            let mut s = self.lock();
+            s.went_back_from = Some(s.went_back_from.map_or(seen, |r| r.max(seen)));
+        }
         self.wake.notify_one();
     }
 

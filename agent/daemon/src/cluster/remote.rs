@@ -387,10 +387,10 @@ impl RemoteTask {
                             watch = None;
                             from = None;
                         }
-                        Err(e @ ClusterStoreError::RolledBack { .. }) => {
+                        Err(e @ ClusterStoreError::RolledBack { seen, .. }) => {
                             tracing::warn!(error = %e, "remote state: etcd went back in time; reading everything again");
                             if let Some(claims) = &self.claims {
-                                claims.etcd_went_back();
+                                claims.etcd_went_back(seen);
                             }
                             watch = None;
                             from = None;

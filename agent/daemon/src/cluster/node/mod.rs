@@ -578,10 +578,11 @@ impl ClusterNode {
 
     /// One round: read etcd, keep the lease, claim and give back.
     async fn round(&mut self, slot: &Arc<Mutex<Option<Agent>>>) {
-        // The remote task's watch saw etcd go back in time: read now, and
-        // claim back what etcd lost before anything new.
-        if std::mem::take(&mut self.handle.lock().went_back) {
-            self.went_back(&"the watch of the cluster's keys saw etcd's revision go back");
+        // The remote task's watch saw etcd's revision drop: this read
+        // tells whether etcd went back in time, against what the watch saw.
+        let watch_saw = self.handle.lock().went_back_from.take();
+        if let Some(seen) = watch_saw {
+            self.watch_saw(seen);
             self.read_next = true;
         }
         let must_read = self.read_next

@@ -74,7 +74,9 @@ impl ClusterNode {
             return;
         };
         if let Some(why) = rolled_back(self.history.mark, now) {
-            self.went_back(&why);
+            tracing::error!(%why, grace = ?GRACE, "etcd went back in time (restored from a backup?): claiming back this node's blocks etcd lost, and no new block for the grace");
+            self.history.rolled_back_at = Some(Instant::now());
+            self.history.reclaim_pending = true;
         }
         let next = advance(self.history.mark, now);
         if self.history.mark != Some(next) {
@@ -85,12 +87,21 @@ impl ClusterNode {
         }
     }
 
-    /// etcd went back in time (`why`): the grace starts, and the blocks
-    /// etcd lost are to be claimed back before anything new.
-    pub(super) fn went_back(&mut self, why: &dyn std::fmt::Display) {
-        tracing::error!(%why, grace = ?GRACE, "etcd went back in time (restored from a backup?): claiming back this node's blocks etcd lost, and no new block for the grace");
-        self.history.rolled_back_at = Some(Instant::now());
-        self.history.reclaim_pending = true;
+    /// The remote task's watch had seen revision `seen` of this cluster
+    /// before etcd's revision dropped: the mark is raised to it, so the
+    /// next read tells a rollback even if this loop never read that far.
+    /// A rollback this loop already saw within the grace is the same one
+    /// (its mark is etcd's new history already).
+    pub(super) fn watch_saw(&mut self, seen: i64) {
+        if self
+            .history
+            .rolled_back_at
+            .is_some_and(|t| t.elapsed() < GRACE)
+        {
+            return;
+        }
+        let mark = self.history.mark.get_or_insert_default();
+        mark.revision = mark.revision.max(seen);
     }
 
     /// Whether the claim loop may claim new blocks now (the core's
