@@ -99,6 +99,15 @@ fn strays(n: &ClusterNodes) -> anyhow::Result<Vec<(String, IpAddr)>> {
     Ok(out)
 }
 
+/// Waits until etcd gives node-0 `count` blocks.
+fn wait_blocks(n: &ClusterNodes, count: usize, within: Duration, what: &str) -> anyhow::Result<()> {
+    until(within, what, || {
+        let b = n.blocks_of("node-0")?;
+        Ok((b.len() != count).then(|| format!("{b:?}")))
+    })?;
+    Ok(())
+}
+
 /// The escaped key segment of `block` (`10.88.0.16-28`): carried only by
 /// requests naming that block's key (a claim, its read-back, a give-back).
 fn key_segment(block: IpNet) -> String {
@@ -129,14 +138,7 @@ fn all_verify(n: &ClusterNodes) -> anyhow::Result<()> {
 fn lost_claim(tag: &str, restart: bool) -> anyhow::Result<()> {
     let cluster = EtcdCluster::start(3)?;
     let mut n = ClusterNodes::build(&cluster, &format!("/lost-{tag}/"), &pools())?;
-    until(Duration::from_secs(20), "node-0's first block", || {
-        let b = n.blocks_of("node-0")?;
-        Ok(if b.len() == 1 {
-            None
-        } else {
-            Some(format!("{b:?}"))
-        })
-    })?;
+    wait_blocks(&n, 1, Duration::from_secs(20), "node-0's first block")?;
     let first = n.blocks_of("node-0")?;
     // Every request carrying a block record is a claim: the next one
     // reaches etcd, and no answer after it reaches node-0.
@@ -156,14 +158,7 @@ fn lost_claim(tag: &str, restart: bool) -> anyhow::Result<()> {
             ))
         })
     })?;
-    until(Duration::from_secs(10), "the claim in etcd", || {
-        let b = n.blocks_of("node-0")?;
-        Ok(if b.len() == 2 {
-            None
-        } else {
-            Some(format!("{b:?}"))
-        })
-    })?;
+    wait_blocks(&n, 2, Duration::from_secs(10), "the claim in etcd")?;
     let claimed = *n
         .blocks_of("node-0")?
         .difference(&first)
@@ -240,14 +235,7 @@ fn a_give_back_whose_answer_was_lost_serves_nothing_until_settled() -> anyhow::R
         "release_after = \"1s\"\n",
         "",
     )?;
-    until(Duration::from_secs(20), "node-0's first block", || {
-        let b = n.blocks_of("node-0")?;
-        Ok(if b.len() == 1 {
-            None
-        } else {
-            Some(format!("{b:?}"))
-        })
-    })?;
+    wait_blocks(&n, 1, Duration::from_secs(20), "node-0's first block")?;
     // Fill until node-0 claims a second block.
     let mut names = Vec::new();
     let mut k = 0;

@@ -230,6 +230,34 @@ impl Door {
         self.mark
     }
 
+    /// Every record under `rest` (one read) that `parse` reads, each with
+    /// its key's mod revision and lease; a key it cannot read is skipped
+    /// and kept in [`Door::unreadable`].
+    pub(super) async fn read_area<T>(
+        &mut self,
+        what: &str,
+        rest: &str,
+        parse: fn(&str, &str, &[u8]) -> Result<T, String>,
+    ) -> Result<Vec<(T, i64, i64)>, ClusterStoreError> {
+        let (resp, _) = self.list(what, rest).await?;
+        let area = self.key(rest);
+        let mut out = Vec::new();
+        let mut bad = Vec::new();
+        for kv in resp.kvs() {
+            let key = String::from_utf8_lossy(kv.key()).into_owned();
+            match parse(&area, &key, kv.value()) {
+                Ok(record) => out.push((record, kv.mod_revision(), kv.lease())),
+                Err(reason) => bad.push(Unreadable {
+                    key,
+                    reason,
+                    block: None,
+                }),
+            }
+        }
+        self.note_unreadable(&area, bad);
+        Ok(out)
+    }
+
     /// Every key under `prefix/` (one read), and the store revision of it.
     async fn list(
         &mut self,

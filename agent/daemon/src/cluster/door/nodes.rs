@@ -5,7 +5,7 @@ use std::net::IpAddr;
 
 use etcd_client::{Compare, CompareOp, PutOptions, Txn, TxnOp};
 
-use super::super::{ClusterStoreError, Node, NodeAddrRecord, NodeRecord, Unreadable};
+use super::super::{ClusterStoreError, Node, NodeAddrRecord, NodeRecord};
 use super::parse::*;
 use super::*;
 
@@ -180,26 +180,12 @@ impl Door {
     /// # Errors
     /// etcd unavailable.
     pub async fn nodes(&mut self) -> Result<Vec<Node>, ClusterStoreError> {
-        let (resp, _) = self.list("read nodes", "nodes/").await?;
-        let area = self.key("nodes/");
-        let mut out = Vec::new();
-        let mut bad = Vec::new();
-        for kv in resp.kvs() {
-            let key = String::from_utf8_lossy(kv.key()).into_owned();
-            match parse_node(&area, &key, kv.value()) {
-                Ok(record) => out.push(Node {
-                    record,
-                    lease: kv.lease(),
-                }),
-                Err(reason) => bad.push(Unreadable {
-                    key,
-                    reason,
-                    block: None,
-                }),
-            }
-        }
-        self.note_unreadable(&area, bad);
-        Ok(out)
+        Ok(self
+            .read_area("read nodes", "nodes/", parse_node)
+            .await?
+            .into_iter()
+            .map(|(record, _, lease)| Node { record, lease })
+            .collect())
     }
 
     /// Every node's routing key (`node_addrs/<name>`: where its blocks
@@ -225,22 +211,11 @@ impl Door {
     /// # Errors
     /// etcd unavailable.
     pub async fn routing_keys(&mut self) -> Result<Vec<(NodeAddrRecord, i64)>, ClusterStoreError> {
-        let (resp, _) = self.list("read node addresses", NODE_ADDRS).await?;
-        let area = self.key(NODE_ADDRS);
-        let mut out = Vec::new();
-        let mut bad = Vec::new();
-        for kv in resp.kvs() {
-            let key = String::from_utf8_lossy(kv.key()).into_owned();
-            match parse_node_addr(&area, &key, kv.value()) {
-                Ok(record) => out.push((record, kv.mod_revision())),
-                Err(reason) => bad.push(Unreadable {
-                    key,
-                    reason,
-                    block: None,
-                }),
-            }
-        }
-        self.note_unreadable(&area, bad);
-        Ok(out)
+        Ok(self
+            .read_area("read node addresses", NODE_ADDRS, parse_node_addr)
+            .await?
+            .into_iter()
+            .map(|(record, revision, _)| (record, revision))
+            .collect())
     }
 }

@@ -12,7 +12,7 @@ use std::net::IpAddr;
 use etcd_client::{Compare, CompareOp, Txn, TxnOp};
 use lockstep_core::cluster::{GoneMark, NodeLease, check_node_removal};
 
-use super::super::{Block, ClusterStoreError, NodeAddrRecord, Removed, ReservedRecord, Unreadable};
+use super::super::{Block, ClusterStoreError, NodeAddrRecord, Removed, ReservedRecord};
 use super::parse::parse_reserved;
 use super::*;
 
@@ -63,23 +63,12 @@ impl Door {
     /// # Errors
     /// etcd unavailable.
     pub async fn reservations(&mut self) -> Result<Vec<(ReservedRecord, i64)>, ClusterStoreError> {
-        let (resp, _) = self.list("read reserved addresses", RESERVED).await?;
-        let area = self.key(RESERVED);
-        let mut out = Vec::new();
-        let mut bad = Vec::new();
-        for kv in resp.kvs() {
-            let key = String::from_utf8_lossy(kv.key()).into_owned();
-            match parse_reserved(&area, &key, kv.value()) {
-                Ok(r) => out.push((r, kv.mod_revision())),
-                Err(reason) => bad.push(Unreadable {
-                    key,
-                    reason,
-                    block: None,
-                }),
-            }
-        }
-        self.note_unreadable(&area, bad);
-        Ok(out)
+        Ok(self
+            .read_area("read reserved addresses", RESERVED, parse_reserved)
+            .await?
+            .into_iter()
+            .map(|(record, revision, _)| (record, revision))
+            .collect())
     }
 
     /// Replaces `node`'s reservations, read at `revision`, by `keep`
