@@ -62,10 +62,7 @@ impl Door {
             .or_else([TxnOp::get(key.clone(), None)]);
         let what = format!("claim block {cidr} of pool {pool}");
         // Run twice, the create-if-absent finds the key ours: claimed.
-        let sent = self.retrying_idempotent(&what, |mut c| {
-            let txn = txn.clone();
-            async move { c.txn(txn).await }
-        });
+        let sent = self.txn_idempotent(&what, &txn);
         match sent.await {
             Ok(resp) if resp.succeeded() => Ok(Claim::Claimed {
                 revision: resp.header().map_or(0, |h| h.revision()),
@@ -163,12 +160,6 @@ impl Door {
         let what = format!("give back block {} of pool {}", block.cidr, block.pool);
         // Run twice, the revision compare fails on the deleted key: the
         // caller forgets the block either way.
-        Ok(self
-            .retrying_idempotent(&what, |mut c| {
-                let txn = txn.clone();
-                async move { c.txn(txn).await }
-            })
-            .await?
-            .succeeded())
+        Ok(self.txn_idempotent(&what, &txn).await?.succeeded())
     }
 }

@@ -21,7 +21,7 @@ use std::collections::BTreeMap;
 use std::future::Future;
 use std::time::Duration;
 
-use etcd_client::{Client, ConnectOptions, GetOptions, GetResponse};
+use etcd_client::{Client, ConnectOptions, GetOptions, GetResponse, Txn, TxnResponse};
 use ipnet::IpNet;
 use lockstep_core::cluster::StoreMark;
 
@@ -195,6 +195,35 @@ impl Door {
     {
         self.bounded(what, true, self.attempts(transient, request))
             .await
+    }
+
+    /// Runs `txn` as [`Door::retrying_idempotent`] runs a request: for a
+    /// transaction whose second run does what one does (its compare fails
+    /// on the first run's write, and the caller reads that as settled).
+    pub(super) async fn txn_idempotent(
+        &self,
+        what: &str,
+        txn: &Txn,
+    ) -> Result<TxnResponse, ClusterStoreError> {
+        self.retrying_idempotent(what, |mut c| {
+            let txn = txn.clone();
+            async move { c.txn(txn).await }
+        })
+        .await
+    }
+
+    /// Runs `txn` as [`Door::retrying`] runs a write: made again only when
+    /// it was never sent.
+    pub(super) async fn txn_write(
+        &self,
+        what: &str,
+        txn: &Txn,
+    ) -> Result<TxnResponse, ClusterStoreError> {
+        self.retrying(what, true, |mut c| {
+            let txn = txn.clone();
+            async move { c.txn(txn).await }
+        })
+        .await
     }
 
     /// Up to two tries per endpoint and one more, while `again` says the

@@ -88,12 +88,7 @@ impl Door {
         // Two puts of the same values: run twice, the same keys result
         // (the guard of the second run fails on the first run's write:
         // the key then holds this lease).
-        let resp = self
-            .retrying_idempotent("register the node", |mut c| {
-                let txn = txn.clone();
-                async move { c.txn(txn).await }
-            })
-            .await?;
+        let resp = self.txn_idempotent("register the node", &txn).await?;
         if !resp.succeeded() {
             let now = self
                 .retrying("read the node key back", false, |mut c| {

@@ -176,12 +176,7 @@ impl Door {
             )])
             .and_then([TxnOp::delete(key, None)]);
         let what = format!("delete the unreadable key {key}");
-        let resp = self
-            .retrying_idempotent(&what, |mut c| {
-                let txn = txn.clone();
-                async move { c.txn(txn).await }
-            })
-            .await?;
+        let resp = self.txn_idempotent(&what, &txn).await?;
         if !resp.succeeded() {
             return Err(ClusterStoreError::Conflict { what });
         }
@@ -347,12 +342,7 @@ impl Door {
             guards.len()
         );
         let txn = Txn::new().when(guards).and_then(ops);
-        let resp = self
-            .retrying(&what, true, |mut c| {
-                let txn = txn.clone();
-                async move { c.txn(txn).await }
-            })
-            .await?;
+        let resp = self.txn_write(&what, &txn).await?;
         if !resp.succeeded() {
             return Err(ClusterStoreError::Conflict {
                 what: "the cluster pools".into(),
@@ -385,12 +375,6 @@ impl Door {
             .and_then([TxnOp::delete(key, None)]);
         let what = format!("remove drained pool {pool}");
         // Run twice, the revision compare fails on the deleted key.
-        Ok(self
-            .retrying_idempotent(&what, |mut c| {
-                let txn = txn.clone();
-                async move { c.txn(txn).await }
-            })
-            .await?
-            .succeeded())
+        Ok(self.txn_idempotent(&what, &txn).await?.succeeded())
     }
 }

@@ -49,12 +49,7 @@ impl Door {
             .and_then([TxnOp::put(key, value, None)]);
         let what = format!("record node {} gone", record.name);
         // Guarded on the revision: a second run finds it changed.
-        let resp = self
-            .retrying_idempotent(&what, |mut c| {
-                let txn = txn.clone();
-                async move { c.txn(txn).await }
-            })
-            .await?;
+        let resp = self.txn_idempotent(&what, &txn).await?;
         Ok(resp.succeeded())
     }
 
@@ -92,12 +87,7 @@ impl Door {
             .when([Compare::mod_revision(key, CompareOp::Equal, revision)])
             .and_then([op]);
         let what = format!("release addresses reserved for node {node}");
-        let resp = self
-            .retrying_idempotent(&what, |mut c| {
-                let txn = txn.clone();
-                async move { c.txn(txn).await }
-            })
-            .await?;
+        let resp = self.txn_idempotent(&what, &txn).await?;
         Ok(resp.succeeded())
     }
 
@@ -257,12 +247,7 @@ impl Door {
         }
         let what = format!("remove node {name}");
         let txn = Txn::new().when(guards).and_then(ops);
-        let resp = self
-            .retrying(&what, true, |mut c| {
-                let txn = txn.clone();
-                async move { c.txn(txn).await }
-            })
-            .await?;
+        let resp = self.txn_write(&what, &txn).await?;
         if !resp.succeeded() {
             return Err(ClusterStoreError::Conflict { what });
         }
