@@ -146,8 +146,27 @@ impl Pki {
     }
 }
 
+/// Ports for members are taken below the kernel's ephemeral range
+/// (`net.ipv4.ip_local_port_range`, 32768 and up by default): a port the
+/// kernel handed out for `bind(0)` and released could be given to any
+/// outgoing connection (an agent's, a forwarder's) before etcd binds it,
+/// and etcd then exits with "address already in use" (CI saw it once).
+/// Each process walks the range from its own offset.
+static NEXT_PORT: AtomicU32 = AtomicU32::new(0);
+const PORTS: std::ops::Range<u32> = 20_000..32_000;
+
 fn free_port() -> Result<u16> {
-    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+    let span = PORTS.end - PORTS.start;
+    let offset = std::process::id().wrapping_mul(7919) % span;
+    for _ in 0..span {
+        let k = NEXT_PORT.fetch_add(1, Ordering::Relaxed);
+        let port = PORTS.start + (offset + k) % span;
+        let port = u16::try_from(port)?;
+        if TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return Ok(port);
+        }
+    }
+    bail!("no free port in {PORTS:?}")
 }
 
 impl EtcdCluster {
