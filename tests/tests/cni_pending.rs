@@ -1,21 +1,22 @@
 //! An ADD that finds its pool full only of addresses being released
-//! (#27 item 8): a full DEL is acknowledged before its pod's veth is gone
-//! (the reaper deletes it, `docs/teardown.md`), and its addresses stay held
-//! until then. An ADD in that window used to be answered "pool exhausted"
-//! (a permanent error to the runtime) though a retry a moment later
-//! succeeded. Now it waits for the releases (bounded) and is served, or is
-//! answered CNI code 11 (try again later) if they do not come in time.
+//! (#27 item 8): a full DEL's map entries go at once, its pod's veth is
+//! deleted by the reaper's next batch (`docs/teardown.md`), and its
+//! addresses stay held until then. An ADD arriving while such a DEL is in
+//! flight used to be answered "pool exhausted" (a permanent error to the
+//! runtime) though a retry a moment later succeeded. Now it waits for the
+//! releases (bounded) and is served, or is answered CNI code 11 (try again
+//! later) if they do not come in time.
 //!
-//! The agent runs in a node namespace with a 4-address pool and
-//! `teardown_batch_window = "1s"`, so the reaper holds a DEL'd pod's
-//! addresses for a second: the window is there on purpose, not by chance.
+//! The agent runs in a node namespace with a 4-address pool and a
+//! `teardown_batch_window`, so the reaper holds a DEL'd pod's addresses for
+//! that long: the window is there on purpose, not by chance.
 
 use std::net::IpAddr;
 use std::time::Duration;
 
 use anyhow::ensure;
 use lockstep_tests::cluster::{address_of, cni, cni_raw};
-use lockstep_tests::{AgentProc, Netns, privileged};
+use lockstep_tests::{AgentProc, Netns, privileged, wait_for};
 
 /// A 4-address pool whose DEL'd pods' veths go after `window`.
 fn config(window: &str) -> String {
@@ -51,6 +52,26 @@ fn fill(socket: &std::path::Path, tag: &str) -> anyhow::Result<Filled> {
     Ok((pods, addrs))
 }
 
+/// Starts the DEL of `pod` on its own thread (it is answered once its veth
+/// is gone, after the window) and returns once its address has left the
+/// maps, that is, once its release is pending.
+fn del_in_flight<'s>(
+    scope: &'s std::thread::Scope<'s, '_>,
+    agent: &'s AgentProc,
+    pod: &'s (String, Netns),
+    address: IpAddr,
+) -> anyhow::Result<std::thread::ScopedJoinHandle<'s, anyhow::Result<Duration>>> {
+    let socket = agent.socket();
+    let del = scope.spawn(move || Ok(cni(&socket, "DEL", &pod.0, &pod.1.path())?.0));
+    wait_for("the DEL's map entries gone", Duration::from_secs(3), || {
+        let dump = agent.maps_dump().ok()?.to_string();
+        let held =
+            dump.contains(&format!("\"{address}/32\"")) || dump.contains(&format!("\"{address}\""));
+        (!held).then_some(())
+    })?;
+    Ok(del)
+}
+
 #[test]
 fn an_add_that_finds_only_releasing_addresses_waits_for_them() -> anyhow::Result<()> {
     privileged!();
@@ -59,16 +80,20 @@ fn an_add_that_finds_only_releasing_addresses_waits_for_them() -> anyhow::Result
     let socket = agent.socket();
     let (pods, addrs) = fill(&socket, "pend")?;
 
-    // The first pod goes: its DEL is acknowledged at once, its address is
+    // The first pod goes: its DEL's map entries go at once, its address is
     // held until the reaper deleted its veth (a second from now).
-    let (gone_id, gone_ns) = &pods[0];
-    cni(&socket, "DEL", gone_id, &gone_ns.path())?;
     let newcomer = Netns::new("pendnew")?;
-    let (code, answer, took) = cni_raw(
-        &socket,
-        "ADD",
-        Some(("pend-new", newcomer.path().as_path())),
-    )?;
+    let (code, answer, took) = std::thread::scope(|scope| {
+        let del = del_in_flight(scope, &agent, &pods[0], addrs[0])?;
+        let added = cni_raw(
+            &socket,
+            "ADD",
+            Some(("pend-new", newcomer.path().as_path())),
+        )?;
+        let del_took = del.join().expect("DEL thread")?;
+        eprintln!("the DEL was answered after {del_took:?}");
+        anyhow::Ok(added)
+    })?;
     ensure!(
         code == 0,
         "ADD while the only free address was being released: code {code}, {answer}"
@@ -104,23 +129,32 @@ fn an_add_that_finds_only_releasing_addresses_waits_for_them() -> anyhow::Result
 }
 
 /// The releases do not come within the ADD's wait (10 s; the reaper's
-/// window here is 30 s): the ADD is answered CNI code 11, try again later,
-/// naming the pool, not "exhausted".
+/// window here is 15 s): the ADD is answered CNI code 11, try again later,
+/// naming the pool, not "exhausted"; the DEL is answered once the window
+/// has passed and the veth is gone.
 #[test]
 fn an_add_whose_releases_do_not_come_in_time_is_told_to_try_again() -> anyhow::Result<()> {
     privileged!();
     let node = Netns::new("pendl")?;
-    let agent = AgentProc::start(&node, &config("30s"))?;
+    let agent = AgentProc::start(&node, &config("15s"))?;
     let socket = agent.socket();
-    let (pods, _) = fill(&socket, "pendl")?;
-    let (gone_id, gone_ns) = &pods[0];
-    cni(&socket, "DEL", gone_id, &gone_ns.path())?;
+    let (pods, addrs) = fill(&socket, "pendl")?;
     let newcomer = Netns::new("pendlnew")?;
-    let (code, answer, took) = cni_raw(
-        &socket,
-        "ADD",
-        Some(("pendl-new", newcomer.path().as_path())),
-    )?;
+    let (code, answer, took) = std::thread::scope(|scope| {
+        let del = del_in_flight(scope, &agent, &pods[0], addrs[0])?;
+        let added = cni_raw(
+            &socket,
+            "ADD",
+            Some(("pendl-new", newcomer.path().as_path())),
+        )?;
+        let del_took = del.join().expect("DEL thread")?;
+        eprintln!("the DEL was answered after {del_took:?}");
+        ensure!(
+            del_took >= Duration::from_secs(14),
+            "the DEL was answered after {del_took:?}, before its veth's 15 s window"
+        );
+        anyhow::Ok(added)
+    })?;
     eprintln!("ADD answered in {took:?}: code {code}, {answer}");
     ensure!(
         code != 0 && answer["code"] == 11 && answer.to_string().contains("being torn down"),

@@ -590,8 +590,9 @@ fn parallel(world: &mut World, rows: &mut Vec<String>) -> anyhow::Result<()> {
     let del_wall = del_started.elapsed();
     let left = rt.block_on(call(&sock, Method::GET, "/v1/endpoints", None))?;
     ensure!(left == json!([]), "endpoints left: {left}");
-    // The DELs are acknowledged with the map entries gone; the reaper then
-    // deletes the veths in batches and releases the addresses.
+    // The DELs are answered once their veths are gone (the reaper deletes
+    // the veths of the DELs in flight in batches); the addresses are
+    // released right after.
     let reaped = loop {
         let held = rt.block_on(call(&sock, Method::GET, "/v1/allocations", None))?;
         if held.as_array().is_some_and(|a| {

@@ -182,13 +182,18 @@ pub struct CniConfig {
     /// The conflist's `cniVersion`.
     pub cni_version: String,
     /// How long the reaper gathers full DELs' host veths before deleting
-    /// them in one batch (one kernel grace period for all). DEL is
-    /// acknowledged at once either way; the addresses stay held until the
-    /// veth is gone. 0 (the default): a batch is what queued while the
-    /// previous one ran. At most 60s.
+    /// them in one batch (one kernel grace period for all). A DEL is
+    /// answered once its veth is gone, so the window adds to every full
+    /// DEL; the addresses stay held until then. 0 (the default): a batch is
+    /// what queued while the previous one ran. At most 20s, so a DEL (the
+    /// window and at most 5 s more) is answered within the plugin's default
+    /// `agentTimeout` of 30 s.
     #[serde(with = "humantime_serde")]
     pub teardown_batch_window: Duration,
 }
+
+/// The longest `cni.teardown_batch_window`.
+pub const MAX_TEARDOWN_BATCH_WINDOW: Duration = Duration::from_secs(20);
 
 impl Default for CniConfig {
     fn default() -> Self {
@@ -399,10 +404,10 @@ impl Config {
         };
         // An interval beyond a day turns drift repair (and a failed store's
         // recovery) off in all but name.
-        if self.cni.teardown_batch_window > Duration::from_secs(60) {
+        if self.cni.teardown_batch_window > MAX_TEARDOWN_BATCH_WINDOW {
             return Err(invalid(
                 "cni.teardown_batch_window".into(),
-                "must be at most 60s".into(),
+                "must be at most 20s (a full DEL is answered after it, and the plugin gives the agent 30 s by default)".into(),
             ));
         }
         if self.reconcile_interval < Duration::from_millis(100)
@@ -660,6 +665,10 @@ mod tests {
             ),
             ("reconcile_interval = \"25h\"", "reconcile_interval"),
             ("[ipam]\ntimeout = \"1d\"", "ipam.timeout"),
+            (
+                "[cni]\nteardown_batch_window = \"21s\"",
+                "cni.teardown_batch_window",
+            ),
             ("[[pools]]\nname = \"empty\"", "pools[0] (empty)"),
             (
                 "[[pools]]\nname = \"lo\"\nipv4 = [\"127.0.0.0/24\"]",

@@ -199,12 +199,16 @@ pub fn side_by_side(world: &mut World, node: &Path, rows: &mut Vec<String>) -> a
         ">= 4x",
         verdict(ra >= 4.0)
     ));
+    // Both DELs now wait for the kernel to delete the veth (lockstep's is
+    // answered once the container's interface is gone, #27 item 8), so the
+    // old 4x goal, met by answering before the deletion, no longer applies:
+    // lockstep must not be slower than the reference.
     rows.push(format!(
         "{:<44} {:>16} {:>12} {}",
         "full DEL median: ptp+host-local / lockstep",
         format!("{rd:.2}x ({ld:.2} vs {pd:.2} ms)"),
-        ">= 4x",
-        verdict(rd >= 4.0)
+        ">= 1x",
+        verdict(rd >= 1.0)
     ));
     Ok(())
 }

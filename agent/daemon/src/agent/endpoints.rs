@@ -300,6 +300,7 @@ impl Agent {
             attach: attach.clone(),
             orphan: None,
             orphan_guard: None,
+            gone: None,
         };
         if req.mode == EndpointMode::Full {
             match made {
@@ -533,8 +534,12 @@ impl Agent {
     ) -> Result<DelCleanup, AgentError> {
         let key = endpoint_key(container_id, ifname);
         if self.reaper.holds_key(&key) {
-            // DEL'd already; its veth is being deleted (`reaper`).
-            return Ok(DelCleanup::default());
+            // DEL'd already; its veth is being deleted (`reaper`): answered
+            // once it is gone, like the first DEL.
+            return Ok(DelCleanup {
+                gone: self.reaper.gone_wait(&key),
+                ..DelCleanup::default()
+            });
         }
         let owner = Owner::endpoint(container_id, ifname);
         let delegated = self.delegated.get(&key).cloned();
@@ -588,9 +593,12 @@ impl Agent {
         {
             // Unprogrammed; the addresses stay held until the reaper has
             // the veth deleted (the container's interface holds them until
-            // then), and the DEL is acknowledged now.
+            // then), and the DEL is answered once it is (outside the lock).
             self.begin_release(r, allocated)?;
-            return Ok(DelCleanup::default());
+            return Ok(DelCleanup {
+                gone: self.reaper.gone_wait(&key),
+                ..DelCleanup::default()
+            });
         }
         Ok(self.del_cleanup(&key, container_id, ifname, record, delegated))
     }
@@ -620,6 +628,7 @@ impl Agent {
             attach: self.from_endpoint.clone(),
             orphan,
             orphan_guard,
+            gone: None,
         }
     }
 }

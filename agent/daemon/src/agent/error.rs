@@ -86,6 +86,16 @@ pub enum AgentError {
         /// How many of its addresses pending releases hold.
         pending: usize,
     },
+    /// A DEL's interface was not gone within its wait (the kernel has not
+    /// deleted the veth yet); the release stays pending and a repeated DEL
+    /// waits again.
+    #[error("{attachment}: its interface is still being deleted after {waited:?}; try again")]
+    InterfaceLingering {
+        /// container id/ifname.
+        attachment: String,
+        /// How long the DEL waited.
+        waited: std::time::Duration,
+    },
     /// CHECK found the attachment not as ADD made it.
     #[error("check failed: {}", problems.join("; "))]
     CheckFailed {
@@ -199,7 +209,9 @@ impl AgentError {
             AgentError::Store(_) => "store_error",
             AgentError::Netlink(_) => "interface_error",
             AgentError::CheckFailed { .. } => "check_failed",
-            AgentError::Busy { .. } | AgentError::AddressesReleasing { .. } => "busy",
+            AgentError::Busy { .. }
+            | AgentError::AddressesReleasing { .. }
+            | AgentError::InterfaceLingering { .. } => "busy",
             AgentError::Datapath(_) => "datapath_error",
             AgentError::Delegate(_) => "ipam_plugin_error",
             AgentError::ReleasePending { .. } => "store_error",

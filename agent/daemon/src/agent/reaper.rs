@@ -19,8 +19,15 @@
 //! held). A start finishes every release a crash or a stop left marked,
 //! before anything is programmed or served.
 //!
+//! The DEL itself is answered only once the kernel has deleted its veth
+//! (#27 item 8: a runtime must not find the container's interface still
+//! there after DEL): it waits outside the agent lock ([`GoneWait`]) for the
+//! batch that takes its veth, so DELs that arrive together share one
+//! deletion and its grace periods. A repeated DEL of a pending release
+//! waits for the same batch.
+//!
 //! An ADD of an attachment whose release is pending waits for it
-//! ([`wait_released`]); a repeated DEL of it is acknowledged at once.
+//! ([`lock_unblocked`]).
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError, Weak};
@@ -65,6 +72,17 @@ struct Queue {
     /// DELs without a record removing what a half-done ADD of that
     /// attachment left, by key: an ADD of it waits for them.
     orphans: BTreeMap<String, usize>,
+    /// DELs waiting for their attachment's interface to be gone, by key
+    /// ([`GoneWait`]).
+    waiting: BTreeMap<String, Waiting>,
+}
+
+/// The DELs waiting on one attachment's interface, and whether the kernel
+/// confirmed it gone.
+#[derive(Debug, Default)]
+struct Waiting {
+    count: usize,
+    gone: bool,
 }
 
 #[derive(Debug, Default)]
@@ -190,6 +208,89 @@ impl Drop for OrphanGuard {
     }
 }
 
+/// Held by a DEL whose attachment's veth the reaper deletes: [`GoneWait::wait`]
+/// returns once the kernel has confirmed it gone (and with it the
+/// container's interface). Made under the agent lock while the release is
+/// pending, and marked gone by the reaper under the same lock, so no
+/// confirmation can fall between the two.
+#[derive(Debug)]
+pub struct GoneWait {
+    shared: Arc<Shared>,
+    key: String,
+    timeout: Duration,
+}
+
+/// How long a DEL waits for its interface beyond the batch window: a batch
+/// takes tens of milliseconds; a veth the kernel will not delete is retried
+/// every [`RETRY`] meanwhile. With the longest window
+/// ([`crate::config::MAX_TEARDOWN_BATCH_WINDOW`]) a DEL is still answered
+/// within the plugin's default `agentTimeout` (30 s).
+const DEL_WAIT: Duration = Duration::from_secs(5);
+
+impl GoneWait {
+    /// Waits until the attachment's interface is gone, the reaper stops
+    /// (the agent is shutting down), or the batch window and 5 s more
+    /// have passed.
+    ///
+    /// # Errors
+    /// [`AgentError::InterfaceLingering`] when the interface is still there
+    /// at the end of the wait (the release stays pending; a repeated DEL
+    /// waits again), or the agent stopped first.
+    pub fn wait(&self) -> Result<(), AgentError> {
+        let timeout = self.timeout;
+        let q = self.shared.lock();
+        let (q, _) = self
+            .shared
+            .wake
+            .wait_timeout_while(q, timeout, |q| {
+                !q.stop && !q.waiting.get(&self.key).is_some_and(|w| w.gone)
+            })
+            .unwrap_or_else(PoisonError::into_inner);
+        if q.waiting.get(&self.key).is_some_and(|w| w.gone) {
+            return Ok(());
+        }
+        Err(AgentError::InterfaceLingering {
+            attachment: self.key.clone(),
+            waited: timeout,
+        })
+    }
+}
+
+impl Drop for GoneWait {
+    fn drop(&mut self) {
+        let mut q = self.shared.lock();
+        if let Some(w) = q.waiting.get_mut(&self.key) {
+            w.count -= 1;
+            if w.count == 0 {
+                q.waiting.remove(&self.key);
+            }
+        }
+    }
+}
+
+impl Reaper {
+    /// A wait for the interface of attachment `key`, whose release is
+    /// pending; `None` when nothing is pending for it or no reaper thread
+    /// runs (without one a release is finished inline, interface first).
+    /// Call with the agent lock held.
+    pub(crate) fn gone_wait(&self, key: &str) -> Option<GoneWait> {
+        if !self.attached || !self.held.contains_key(key) {
+            return None;
+        }
+        self.shared
+            .lock()
+            .waiting
+            .entry(key.to_string())
+            .or_default()
+            .count += 1;
+        Some(GoneWait {
+            shared: self.shared.clone(),
+            key: key.to_string(),
+            timeout: self.window + DEL_WAIT,
+        })
+    }
+}
+
 impl Drop for Reaper {
     fn drop(&mut self) {
         self.shared.lock().stop = true;
@@ -272,10 +373,22 @@ fn run(shared: &Shared, slot: &Weak<Mutex<Option<Agent>>>) {
         let Some(slot) = slot.upgrade() else {
             return;
         };
-        if let Some(agent) = slot.lock().unwrap_or_else(PoisonError::into_inner).as_mut() {
+        let mut agent = slot.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(agent) = agent.as_mut() {
             agent.finish_releases(&gone);
         }
-        shared.lock().finished += 1;
+        // Marked under the agent lock, which a DEL holds while it starts to
+        // wait: a wait made before this sees the mark, one made after finds
+        // the release finished and does not wait.
+        let mut q = shared.lock();
+        for key in &gone {
+            if let Some(w) = q.waiting.get_mut(key) {
+                w.gone = true;
+            }
+        }
+        q.finished += 1;
+        drop(q);
+        drop(agent);
         shared.wake.notify_all();
     }
 }

@@ -178,6 +178,7 @@ pub fn endpoint_add_concurrent(
                     attach: prepared.attach,
                     orphan: None,
                     orphan_guard: None,
+                    gone: None,
                 })
                 .run()
             {

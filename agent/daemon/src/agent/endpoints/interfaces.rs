@@ -61,6 +61,7 @@ impl LinkDoor for KernelLinks {
             attach: self.attach.clone(),
             orphan: None,
             orphan_guard: None,
+            gone: None,
         }
         .run()
     }
@@ -76,12 +77,15 @@ pub struct DelCleanup {
     pub(super) orphan: Option<(String, String)>,
     /// Keeps an ADD of that attachment waiting until the removal is done.
     pub(super) orphan_guard: Option<crate::agent::reaper::OrphanGuard>,
+    /// A full attachment whose veth the reaper deletes: the DEL is answered
+    /// once it is gone (the container no longer sees its interface).
+    pub(super) gone: Option<crate::agent::reaper::GoneWait>,
 }
 
 impl DelCleanup {
     /// Whether there is no kernel work to do.
     pub fn is_empty(&self) -> bool {
-        self.host.is_none() && self.orphan.is_none()
+        self.host.is_none() && self.orphan.is_none() && self.gone.is_none()
     }
 
     /// Runs it (outside the agent lock; both steps wait on the kernel).
@@ -92,6 +96,9 @@ impl DelCleanup {
     /// the runtime retries finds no record and removes the veth and link by
     /// their names (see [`Agent::endpoint_del_begin`]).
     pub fn run(self) -> Result<(), AgentError> {
+        if let Some(gone) = &self.gone {
+            return gone.wait();
+        }
         if let Some((container_id, ifname)) = &self.orphan {
             let removed = remove_leftovers(
                 &[
