@@ -325,6 +325,11 @@ fn merge<'a, K: Ord + Clone + 'a, V: PartialEq + Clone + 'a>(
     observed: impl Iterator<Item = (&'a K, &'a V)>,
 ) -> MapDiff<K, V> {
     let mut out = MapDiff::default();
+    // Room for the common large diffs (a restart into empty maps: all adds;
+    // a pool emptied: all deletes) without growing 100k-entry vectors.
+    let (nd, no) = (desired.size_hint().0, observed.size_hint().0);
+    out.add.reserve(nd.saturating_sub(no));
+    out.delete.reserve(no.saturating_sub(nd));
     let mut d = desired.peekable();
     let mut o = observed.peekable();
     loop {
@@ -376,7 +381,12 @@ pub fn host_entries<'a>(
     allocations: impl IntoIterator<Item = &'a Allocation>,
     extra: impl Fn(&Allocation) -> EntryExtra,
 ) -> Result<HostEntries, PlanError> {
-    let mut v4: Vec<(lockstep_common::V4Addr, IpcacheValue, &Owner)> = Vec::new();
+    let allocations = allocations.into_iter();
+    // Sized once (most nodes hold one family): 100k pushes would otherwise
+    // regrow and copy the vector ~17 times.
+    let most = allocations.size_hint();
+    let mut v4: Vec<(lockstep_common::V4Addr, IpcacheValue, &Owner)> =
+        Vec::with_capacity(most.1.unwrap_or(most.0));
     let mut v6: Vec<(V6Addr, IpcacheValue, &Owner)> = Vec::new();
     for a in allocations {
         let Some((identity, flags)) = classify(&a.owner) else {

@@ -14,10 +14,10 @@ pub(super) fn pod_bytes<T: aya::Pod>(v: &T) -> &[u8] {
     unsafe { std::slice::from_raw_parts((v as *const T).cast::<u8>(), size_of::<T>()) }
 }
 
-pub(super) fn lpm_key_bytes(prefix_len: u8, addr: &[u8]) -> Vec<u8> {
-    let mut k = u32::from(prefix_len).to_ne_bytes().to_vec();
-    k.extend_from_slice(addr);
-    k
+/// Appends an LPM trie key (prefix length, then the address) to `out`.
+pub(super) fn lpm_key_bytes(prefix_len: u8, addr: &[u8], out: &mut Vec<u8>) {
+    out.extend_from_slice(&u32::from(prefix_len).to_ne_bytes());
+    out.extend_from_slice(addr);
 }
 
 pub(super) use lockstep_core::plan::desired::MapContents;
@@ -57,35 +57,32 @@ pub(super) fn apply<K: Ord + Clone, V: aya::Pod + Clone>(
     maps: &PinnedMaps,
     map: &'static str,
     d: &MapDiff<K, V>,
-    key_bytes: impl Fn(&K) -> Vec<u8>,
+    key_bytes: impl Fn(&K, &mut Vec<u8>),
     report: &mut ReconcileReport,
 ) -> Result<(), AgentError> {
     if d.is_empty() {
         return Ok(());
     }
     let raw = maps.raw(map)?;
-    let mut key_size = 0;
+    // The keys of one map share one size.
+    let key_size = |keys: &[u8], n: usize| keys.len() / n.max(1);
     if !d.delete.is_empty() {
         let mut keys = Vec::new();
         for k in &d.delete {
-            let b = key_bytes(k);
-            key_size = b.len();
-            keys.extend_from_slice(&b);
+            key_bytes(k, &mut keys);
         }
-        sys::delete_batch(raw.fd(), key_size, &keys)
+        sys::delete_batch(raw.fd(), key_size(&keys, d.delete.len()), &keys)
             .map_err(|source| AgentError::Reconcile { map, source })?;
     }
-    let writes: Vec<&(K, V)> = d.add.iter().chain(d.update.iter()).collect();
-    if !writes.is_empty() {
-        let mut keys = Vec::new();
-        let mut values = Vec::with_capacity(writes.len() * size_of::<V>());
-        for (k, v) in writes {
-            let b = key_bytes(k);
-            key_size = b.len();
-            keys.extend_from_slice(&b);
+    let n = d.add.len() + d.update.len();
+    if n > 0 {
+        let mut keys = Vec::with_capacity(n * 16);
+        let mut values = Vec::with_capacity(n * size_of::<V>());
+        for (k, v) in d.add.iter().chain(d.update.iter()) {
+            key_bytes(k, &mut keys);
             values.extend_from_slice(pod_bytes(v));
         }
-        sys::update_batch(raw.fd(), key_size, size_of::<V>(), &keys, &values)
+        sys::update_batch(raw.fd(), key_size(&keys, n), size_of::<V>(), &keys, &values)
             .map_err(|source| AgentError::Reconcile { map, source })?;
     }
     report.added += d.add.len();
@@ -139,7 +136,7 @@ pub(super) fn fill_slots<V: aya::Pod + Default + Clone>(
         maps,
         map,
         &writes,
-        |k| k.to_ne_bytes().to_vec(),
+        |k, out| out.extend_from_slice(&k.to_ne_bytes()),
         &mut ReconcileReport::default(),
     )?;
     report.added += d.add.len();

@@ -607,17 +607,28 @@ impl Agent {
     /// Allocations that are committed: all but those of attachments between
     /// ADD's phases.
     fn committed_allocations(&self) -> impl Iterator<Item = &Allocation> + '_ {
+        // Asked per allocation (100k at a restart's reconcile): the checks
+        // are skipped outright when nothing is parked, released or pending,
+        // rather than each building an endpoint key.
+        let (parked, reaped, pending) = (
+            !self.parked.is_empty(),
+            self.reaper.is_busy(),
+            !self.pending.is_empty(),
+        );
         self.manager
             .allocations()
-            .filter(|a| !self.parked.holds(a) && !self.reaper.holds(a))
-            .filter(|a| match &a.owner {
-                Owner::Endpoint {
-                    container_id,
-                    ifname,
-                } => !self
-                    .pending
-                    .contains(&crate::store::endpoint_key(container_id, ifname)),
-                _ => true,
+            .filter(move |a| !(parked && self.parked.holds(a) || reaped && self.reaper.holds(a)))
+            .filter(move |a| {
+                !pending
+                    || match &a.owner {
+                        Owner::Endpoint {
+                            container_id,
+                            ifname,
+                        } => !self
+                            .pending
+                            .contains(&crate::store::endpoint_key(container_id, ifname)),
+                        _ => true,
+                    }
             })
     }
 
