@@ -75,12 +75,32 @@ pub enum Counter {
     /// from_endpoint: untagged frame dropped because its ethertype is none
     /// of IPv4, IPv6 and ARP (or disagrees with the skb's protocol).
     EthertypeDropped = 26,
+    /// from_endpoint: packet to a remote block reached through the tunnel
+    /// (IPCACHE flag `ENCAP`), given its tunnel key and redirected to the
+    /// tunnel device.
+    TunnelEncap = 27,
+    /// from_tunnel: decapsulated packet delivered to a local endpoint.
+    TunnelDecap = 28,
+    /// from_tunnel: dropped, the inner source is not in a block held by the
+    /// node the outer source address is (a node forging another node's, or
+    /// its own nonexistent, pods).
+    TunnelDropForgedSource = 29,
+    /// from_tunnel: dropped, the inner destination is no local endpoint.
+    TunnelDropNotLocal = 30,
+    /// from_tunnel: dropped, no tunnel key, a VNI other than the
+    /// configured one, or an inner frame that is neither IPv4 nor IPv6
+    /// (or too short).
+    TunnelDropMalformed = 31,
+    /// from_endpoint: dropped, a remote block needs the tunnel and no
+    /// tunnel device is configured (TUNNEL_CONFIG empty) or the tunnel key
+    /// could not be set.
+    TunnelDropNoDevice = 32,
 }
 
 impl Counter {
     /// Number of counters defined (the COUNTERS map has room for
     /// [`max_entries::COUNTERS`](crate::max_entries::COUNTERS)).
-    pub const COUNT: u32 = 27;
+    pub const COUNT: u32 = 33;
     /// Every counter, in index order.
     pub const ALL: [Counter; Self::COUNT as usize] = [
         Counter::FromEndpointPassed,
@@ -110,6 +130,12 @@ impl Counter {
         Counter::AnnounceExpired,
         Counter::VlanDropped,
         Counter::EthertypeDropped,
+        Counter::TunnelEncap,
+        Counter::TunnelDecap,
+        Counter::TunnelDropForgedSource,
+        Counter::TunnelDropNotLocal,
+        Counter::TunnelDropMalformed,
+        Counter::TunnelDropNoDevice,
     ];
 
     /// Stable snake_case name, used in metrics and the CLI.
@@ -142,6 +168,12 @@ impl Counter {
             Counter::AnnounceExpired => "announce_expired",
             Counter::VlanDropped => "vlan_dropped",
             Counter::EthertypeDropped => "ethertype_dropped",
+            Counter::TunnelEncap => "tunnel_encap",
+            Counter::TunnelDecap => "tunnel_decap",
+            Counter::TunnelDropForgedSource => "tunnel_drop_forged_source",
+            Counter::TunnelDropNotLocal => "tunnel_drop_not_local",
+            Counter::TunnelDropMalformed => "tunnel_drop_malformed",
+            Counter::TunnelDropNoDevice => "tunnel_drop_no_device",
         }
     }
 }

@@ -100,8 +100,12 @@ pub mod map_names {
     /// Per-CPU array of one [`NatClock`](crate::NatClock): the programs'
     /// clock cache (internal, no state worth keeping).
     pub const NAT_CLOCK: &str = "NAT_CLOCK";
+    /// Array of one [`TunnelConfig`](crate::TunnelConfig), written by the
+    /// agent: the tunnel device remote blocks flagged
+    /// [`ENCAP`](crate::ipcache_flags::ENCAP) are sent through.
+    pub const TUNNEL_CONFIG: &str = "TUNNEL_CONFIG";
     /// Every map, in a fixed order.
-    pub const ALL: [&str; 20] = [
+    pub const ALL: [&str; 21] = [
         IPCACHE_V4,
         IPCACHE_V6,
         IPCACHE_HOST_V4,
@@ -122,6 +126,7 @@ pub mod map_names {
         NAT_CLOCK,
         L2_RESP_V6,
         L2_RESP6_SLOTS,
+        TUNNEL_CONFIG,
     ];
 }
 
@@ -150,8 +155,11 @@ pub mod program_names {
     pub const FROM_NATIVE: &str = "from_native";
     /// A program that only returns "pass"; the baseline of the datapath bench.
     pub const NOOP: &str = "noop";
+    /// TC ingress on the tunnel device: decapsulated packets checked
+    /// against the outer source and delivered to local endpoints.
+    pub const FROM_TUNNEL: &str = "from_tunnel";
     /// Every program, in a fixed order.
-    pub const ALL: [&str; 4] = [FROM_ENDPOINT, TO_NATIVE, FROM_NATIVE, NOOP];
+    pub const ALL: [&str; 5] = [FROM_ENDPOINT, TO_NATIVE, FROM_NATIVE, NOOP, FROM_TUNNEL];
 }
 
 /// Default capacities. The agent may override them at load time; whatever is
@@ -203,8 +211,16 @@ pub mod ipcache_flags {
     pub const HOST: u32 = 1 << 5;
     /// An address that lives on another node.
     pub const REMOTE: u32 = 1 << 6;
+    /// With [`REMOTE`]: reached through the tunnel; `node_addr` is the
+    /// tunnel endpoint (the holder's underlay address), not a next hop.
+    pub const ENCAP: u32 = 1 << 7;
+    /// With [`ENCAP`]: `node_addr` is an IPv6 address (else IPv4, in its
+    /// first four bytes). Without `ENCAP`, `node_addr` has the family of
+    /// the prefix.
+    pub const TUNNEL_V6: u32 = 1 << 8;
     /// Every defined bit.
-    pub const ALL: u32 = ENDPOINT | INGRESS | HEALTH | ROUTER | LOADBALANCER | HOST | REMOTE;
+    pub const ALL: u32 =
+        ENDPOINT | INGRESS | HEALTH | ROUTER | LOADBALANCER | HOST | REMOTE | ENCAP | TUNNEL_V6;
 }
 
 /// Reserved security identities stored in [`IpcacheValue::identity`].
@@ -240,6 +256,54 @@ pub struct IpcacheValue {
     /// Address of the node that hosts a remote prefix (IPv4 in the first four
     /// bytes), zero for local prefixes.
     pub node_addr: V6Addr,
+}
+
+impl IpcacheValue {
+    /// Whether this entry names `outer` (an IPv4 address when `outer_v6`
+    /// is false, in its first four bytes) as the node holding the prefix:
+    /// what a decapsulated packet's outer source must be for an inner
+    /// source in this prefix. `prefix_v6`: the entry is an IPv6 prefix's
+    /// (its `node_addr` has that family unless [`ipcache_flags::ENCAP`]
+    /// says otherwise).
+    #[inline(always)]
+    #[must_use]
+    pub fn held_by(&self, prefix_v6: bool, outer: &V6Addr, outer_v6: bool) -> bool {
+        if self.flags & ipcache_flags::REMOTE == 0 {
+            return false;
+        }
+        let node_v6 = if self.flags & ipcache_flags::ENCAP != 0 {
+            self.flags & ipcache_flags::TUNNEL_V6 != 0
+        } else {
+            prefix_v6
+        };
+        if node_v6 != outer_v6 {
+            return false;
+        }
+        if node_v6 {
+            self.node_addr == *outer
+        } else {
+            self.node_addr[..4] == outer[..4]
+        }
+    }
+}
+
+/// Value of the one TUNNEL_CONFIG entry: how `from_endpoint` encapsulates
+/// and what `from_tunnel` accepts. All zero: no tunnel (a remote block
+/// flagged [`ipcache_flags::ENCAP`] is then dropped and counted).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct TunnelConfig {
+    /// The collect-metadata tunnel device (VXLAN or Geneve); 0: none.
+    pub ifindex: u32,
+    /// The VNI sent, and the only one accepted.
+    pub vni: u32,
+    /// The node's IPv4 underlay address, the outer source of IPv4
+    /// tunnels (zero: the kernel's route lookup picks it).
+    pub local_v4: V4Addr,
+    /// Explicit padding; always zero.
+    pub _pad: u32,
+    /// The node's IPv6 underlay address, the outer source of IPv6 tunnels.
+    pub local_v6: V6Addr,
 }
 
 /// Why a CIDR is in MASQ_SKIP_V4 / MASQ_SKIP_V6.
@@ -333,6 +397,7 @@ pub const LPM_V6_KEY_SIZE: usize = 4 + 16;
 // caught by the pin-compatibility check, never silently reinterpreted.
 const _: () = assert!(size_of::<IpcacheValue>() == 32);
 const _: () = assert!(size_of::<MasqSkipValue>() == 8);
+const _: () = assert!(size_of::<TunnelConfig>() == 32);
 const _: () = assert!(size_of::<EndpointValue>() == 48);
 const _: () = assert!(size_of::<L2RespValue>() == 24);
 const _: () = assert!(size_of::<EndpointSlot>() == 56);
@@ -356,6 +421,7 @@ mod pod {
     unsafe impl aya::Pod for super::EndpointSlot {}
     unsafe impl aya::Pod for super::L2RespSlot {}
     unsafe impl aya::Pod for super::L2RespSlotV6 {}
+    unsafe impl aya::Pod for super::TunnelConfig {}
 
     const _: () = assert!(
         core::mem::size_of::<aya::maps::lpm_trie::Key<super::V4Addr>>() == super::LPM_V4_KEY_SIZE
@@ -379,6 +445,63 @@ mod tests {
         assert_eq!(offset_of!(IpcacheValue, node_addr), 16);
         assert_eq!(size_of::<IpcacheValue>(), 32);
         assert_eq!(align_of::<IpcacheValue>(), 4);
+    }
+
+    #[test]
+    fn tunnel_config_layout() {
+        assert_eq!(offset_of!(TunnelConfig, ifindex), 0);
+        assert_eq!(offset_of!(TunnelConfig, vni), 4);
+        assert_eq!(offset_of!(TunnelConfig, local_v4), 8);
+        assert_eq!(offset_of!(TunnelConfig, _pad), 12);
+        assert_eq!(offset_of!(TunnelConfig, local_v6), 16);
+        assert_eq!(size_of::<TunnelConfig>(), 32);
+    }
+
+    /// The decapsulation check: an entry names its node by family, and only
+    /// remote entries name any.
+    #[test]
+    fn held_by_compares_the_outer_source_in_the_right_family() {
+        let mut v4node = [0u8; 16];
+        v4node[..4].copy_from_slice(&[192, 0, 2, 1]);
+        let v6node: V6Addr = [0x20, 1, 0xd, 0xb8, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1];
+        let native = IpcacheValue {
+            identity: identity::ENDPOINT,
+            flags: ipcache_flags::REMOTE,
+            node_addr: v4node,
+            ..Default::default()
+        };
+        assert!(native.held_by(false, &v4node, false));
+        assert!(!native.held_by(false, &v4node, true));
+        let mut other = v4node;
+        other[3] = 2;
+        assert!(!native.held_by(false, &other, false));
+        // A v6 prefix without ENCAP: node_addr is IPv6.
+        let native6 = IpcacheValue {
+            node_addr: v6node,
+            ..native
+        };
+        assert!(native6.held_by(true, &v6node, true));
+        assert!(!native6.held_by(true, &v6node, false));
+        // ENCAP over an IPv4 underlay for an IPv6 prefix.
+        let enc = IpcacheValue {
+            flags: ipcache_flags::REMOTE | ipcache_flags::ENCAP,
+            ..native
+        };
+        assert!(enc.held_by(true, &v4node, false));
+        assert!(!enc.held_by(true, &v4node, true));
+        let enc6 = IpcacheValue {
+            flags: ipcache_flags::REMOTE | ipcache_flags::ENCAP | ipcache_flags::TUNNEL_V6,
+            node_addr: v6node,
+            ..native
+        };
+        assert!(enc6.held_by(false, &v6node, true));
+        // A local entry is held by no node.
+        let local = IpcacheValue {
+            flags: ipcache_flags::ENDPOINT,
+            node_addr: v4node,
+            ..native
+        };
+        assert!(!local.held_by(false, &v4node, false));
     }
 
     #[test]
@@ -674,6 +797,8 @@ mod tests {
             ipcache_flags::LOADBALANCER,
             ipcache_flags::HOST,
             ipcache_flags::REMOTE,
+            ipcache_flags::ENCAP,
+            ipcache_flags::TUNNEL_V6,
         ];
         let mut seen = 0;
         for b in bits {

@@ -108,6 +108,21 @@ impl crate::EndpointValue {
     }
 }
 
+impl crate::EndpointValue {
+    /// Checks a word-by-word copy of the ENDPOINTS value of `ifindex`: the
+    /// endpoint's MAC (inside its namespace) when the seal holds. What a
+    /// packet delivered to the endpoint from elsewhere is addressed to.
+    #[inline(always)]
+    #[must_use]
+    pub fn open_mac(w: &[u32; Self::WORDS], ifindex: u32) -> Option<[u8; 6]> {
+        if w[Self::CHECK] != mix(ifindex, w, Self::CHECK) {
+            return None;
+        }
+        let (a, b) = (w[8].to_ne_bytes(), w[9].to_ne_bytes());
+        Some([a[0], a[1], a[2], a[3], b[0], b[1]])
+    }
+}
+
 impl crate::L2RespValue {
     /// Size in 32-bit words.
     pub const WORDS: usize = size_of::<Self>() / 4;
@@ -244,6 +259,8 @@ mod tests {
             Some((v.flags, v.ipv4, v.ipv6))
         );
         assert_eq!(EndpointValue::open(&s.words(), 8), None);
+        assert_eq!(EndpointValue::open_mac(&s.words(), 7), Some(s.mac));
+        assert_eq!(EndpointValue::open_mac(&s.words(), 8), None);
         assert_eq!(EndpointValue::open(&[0; 12], 0), None);
         let l2 = L2RespValue {
             ifindex: 9,

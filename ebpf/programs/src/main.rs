@@ -15,6 +15,10 @@
 //!   addresses in L2_RESP_V4 and Neighbor Solicitations for addresses in
 //!   L2_RESP_V6 (module [`ndp`]) with the announcing interface's MAC, until
 //!   the entry's `expires_ns` has passed.
+//! - `from_tunnel` (TC ingress on the tunnel device): decapsulated packets
+//!   checked against the outer source and delivered to local endpoints;
+//!   `from_endpoint` sends remote blocks flagged `ENCAP` to the tunnel
+//!   (module [`tunnel`]).
 //! - `noop`: returns "next"; the baseline of the datapath benchmark.
 //!
 //! Map layouts come from `lockstep-common`; nothing here redefines them.
@@ -26,6 +30,7 @@
 mod nat;
 mod ndp;
 mod pkt;
+mod tunnel;
 
 use core::mem::size_of;
 
@@ -40,7 +45,7 @@ use aya_log_ebpf::info;
 use lockstep_common::{
     Counter, EndpointSlot, EndpointValue, IpcacheValue, L2Resp, L2RespSlot, L2RespSlotV6,
     L2RespValue, MasqConfig, MasqSkipValue, NatClock, NatKeyV4, NatKeyV6, NatValueV4, NatValueV6,
-    V4Addr, V6Addr, endpoint_flags, ipcache_flags, max_entries, slots,
+    TunnelConfig, V4Addr, V6Addr, endpoint_flags, ipcache_flags, max_entries, slots,
 };
 
 #[btf_map]
@@ -105,6 +110,8 @@ static NAT_REV_V6: HashMap<NatKeyV6, NatValueV6, { max_entries::NAT as usize }> 
 static MASQ_CONFIG: Array<MasqConfig, 1> = Array::new();
 #[btf_map]
 static NAT_CLOCK: PerCpuArray<NatClock, 1> = PerCpuArray::new();
+#[btf_map]
+static TUNNEL_CONFIG: Array<TunnelConfig, 1> = Array::new();
 
 /// Whether rare events are reported (see `lockstep_common::debug`): one
 /// inlined array read, done only on the paths that report.
@@ -380,7 +387,12 @@ pub fn from_endpoint(ctx: TcContext) -> i32 {
                 }
                 return DROP;
             }
-            classify(ipcache_v4(dst));
+            let entry = ipcache_v4(dst);
+            classify(entry);
+            if let Some(e) = entry.filter(|e| e.flags & ipcache_flags::ENCAP != 0) {
+                count(Counter::FromEndpointPassed);
+                return tunnel::encap(&ctx, &e);
+            }
         }
         ETH_P_IPV6 => {
             let (Some(src), Some(dst)) =
@@ -405,7 +417,12 @@ pub fn from_endpoint(ctx: TcContext) -> i32 {
                 }
                 return DROP;
             }
-            classify(ipcache_v6(dst));
+            let entry = ipcache_v6(dst);
+            classify(entry);
+            if let Some(e) = entry.filter(|e| e.flags & ipcache_flags::ENCAP != 0) {
+                count(Counter::FromEndpointPassed);
+                return tunnel::encap(&ctx, &e);
+            }
         }
         _ => {
             // ARP: Ethernet/IPv4 only (what the kernel's ARP accepts on a
@@ -531,6 +548,12 @@ fn arp_reply(ctx: &TcContext) -> i32 {
     }
     // SAFETY: plain helper call; egress of the interface the request came in on.
     unsafe { bpf_redirect(here, 0) as i32 }
+}
+
+/// Decapsulated traffic from other nodes (see [`tunnel`]).
+#[classifier]
+pub fn from_tunnel(ctx: TcContext) -> i32 {
+    tunnel::decap(&ctx)
 }
 
 /// Returns "next" and nothing else: the benchmark's baseline.

@@ -20,6 +20,8 @@
 //!   in time, the blocks a node claims back, the grace before new claims.
 //! - [`remote`]: what a node programs for the other nodes' blocks (IPCACHE,
 //!   routes, MASQ_SKIP) and the diff against what is there.
+//! - [`routing`]: the routing mode (native, tunnel, cross-subnet) and the
+//!   path to each remote node's blocks; the endpoint MTU rule.
 //!
 //! Time is passed in as milliseconds; the daemon's etcd door performs what
 //! these functions decide (`agent/daemon/src/cluster/node/`).
@@ -34,6 +36,7 @@ pub mod overlap;
 pub mod reclaim;
 pub mod remote;
 pub mod restore;
+pub mod routing;
 pub mod spec;
 
 #[cfg(test)]

@@ -20,6 +20,7 @@ use ipnet::{IpNet, Ipv4Net, Ipv6Net};
 use lockstep_common::{IpcacheValue, MasqSkipValue, identity, ipcache_flags, masq_reason};
 
 use super::ClusterPoolSpec;
+use super::routing::{NoPath, Path, Routing};
 
 /// A claimed block as the remote state needs it.
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -94,6 +95,14 @@ pub enum Unroutable {
         /// Its holder.
         node: String,
     },
+    /// The block needs the tunnel and the holder has no address of a
+    /// family this node's underlay has.
+    NoTunnelEndpoint {
+        /// The block.
+        block: IpNet,
+        /// Its holder.
+        node: String,
+    },
 }
 
 impl std::fmt::Display for Unroutable {
@@ -114,6 +123,10 @@ impl std::fmt::Display for Unroutable {
                     "IPv6"
                 }
             ),
+            Unroutable::NoTunnelEndpoint { block, node } => write!(
+                f,
+                "block {block} of node {node}: node {node} has no address of a family this node's underlay has (no tunnel endpoint)"
+            ),
         }
     }
 }
@@ -125,9 +138,11 @@ pub struct RemoteState {
     pub ipcache_v4: BTreeMap<Ipv4Net, IpcacheValue>,
     /// IPCACHE_V6 prefix entries of other nodes' IPv6 blocks.
     pub ipcache_v6: BTreeMap<Ipv6Net, IpcacheValue>,
-    /// Kernel routes: block → the holder's node address (same family).
+    /// Kernel routes: block → the holder's node address (same family);
+    /// blocks reached through the tunnel have none.
     pub routes: BTreeMap<IpNet, IpAddr>,
-    /// MASQ_SKIP_V4 entries of cluster pools with `skip_masquerade`.
+    /// MASQ_SKIP_V4 entries of cluster pools with `skip_masquerade`, and
+    /// of the blocks reached through the tunnel.
     pub masq_v4: BTreeMap<Ipv4Net, MasqSkipValue>,
     /// MASQ_SKIP_V6 entries of cluster pools with `skip_masquerade`.
     pub masq_v6: BTreeMap<Ipv6Net, MasqSkipValue>,
@@ -151,6 +166,27 @@ pub fn remote_value(node_ip: IpAddr) -> IpcacheValue {
     }
 }
 
+/// The IPCACHE value of a block reached through the tunnel to `endpoint`
+/// (the holder's underlay address, either family).
+pub fn tunnel_value(endpoint: IpAddr) -> IpcacheValue {
+    let mut v = remote_value(endpoint);
+    v.flags |= ipcache_flags::ENCAP;
+    if endpoint.is_ipv6() {
+        v.flags |= ipcache_flags::TUNNEL_V6;
+    }
+    v
+}
+
+/// [`remote_state_routed`] with native routing.
+pub fn remote_state(
+    me: &str,
+    blocks: &[RemoteBlock],
+    nodes: &NodeDirectory,
+    pools: &[ClusterPoolSpec],
+) -> RemoteState {
+    remote_state_routed(me, blocks, nodes, pools, &Routing::native())
+}
+
 /// The desired remote state of node `me`: for every block held by another
 /// node, an IPCACHE entry and a route via that node's first address of the
 /// block's family ([`NodeDirectory::addresses`]: whether or not its lease
@@ -159,12 +195,24 @@ pub fn remote_value(node_ip: IpAddr) -> IpcacheValue {
 /// node's own blocks are local and get nothing here. Every CIDR of a pool with
 /// `skip_masquerade` gets a MASQ_SKIP entry (reason
 /// [`masq_reason::CLUSTER`]).
-pub fn remote_state(
+///
+/// `routing` decides each block's path ([`Routing::path`]): a native one
+/// gets the route and an entry naming the next hop; one through the tunnel
+/// gets no route, an entry flagged [`ipcache_flags::ENCAP`] naming the
+/// tunnel endpoint, and a MASQ_SKIP entry (reason
+/// [`masq_reason::CLUSTER`]): pod-to-pod traffic keeps its addresses
+/// whichever way it goes.
+pub fn remote_state_routed(
     me: &str,
     blocks: &[RemoteBlock],
     nodes: &NodeDirectory,
     pools: &[ClusterPoolSpec],
+    routing: &Routing,
 ) -> RemoteState {
+    let skip = MasqSkipValue {
+        reason: masq_reason::CLUSTER,
+        pool_id: 0,
+    };
     let mut out = RemoteState::default();
     for b in blocks {
         if b.node == me {
@@ -177,31 +225,39 @@ pub fn remote_state(
             });
             continue;
         };
-        let via = ips
-            .iter()
-            .find(|ip| ip.is_ipv4() == b.cidr.addr().is_ipv4());
-        let Some(&via) = via else {
-            out.unroutable.push(Unroutable::NoAddressOfFamily {
-                block: b.cidr,
-                node: b.node.clone(),
-            });
-            continue;
+        let (block, node) = (b.cidr, b.node.clone());
+        let value = match routing.path(b.cidr.addr().is_ipv4(), ips) {
+            Ok(Path::Native(via)) => {
+                out.routes.insert(b.cidr.trunc(), via);
+                remote_value(via)
+            }
+            Ok(Path::Tunnel(endpoint)) => {
+                match b.cidr.trunc() {
+                    IpNet::V4(n) => out.masq_v4.insert(n, skip),
+                    IpNet::V6(n) => out.masq_v6.insert(n, skip),
+                };
+                tunnel_value(endpoint)
+            }
+            Err(NoPath::NoAddressOfFamily) => {
+                out.unroutable
+                    .push(Unroutable::NoAddressOfFamily { block, node });
+                continue;
+            }
+            Err(NoPath::NoCommonFamily) => {
+                out.unroutable
+                    .push(Unroutable::NoTunnelEndpoint { block, node });
+                continue;
+            }
         };
-        let cidr = b.cidr.trunc();
-        match cidr {
+        match b.cidr.trunc() {
             IpNet::V4(n) => {
-                out.ipcache_v4.insert(n, remote_value(via));
+                out.ipcache_v4.insert(n, value);
             }
             IpNet::V6(n) => {
-                out.ipcache_v6.insert(n, remote_value(via));
+                out.ipcache_v6.insert(n, value);
             }
         }
-        out.routes.insert(cidr, via);
     }
-    let skip = MasqSkipValue {
-        reason: masq_reason::CLUSTER,
-        pool_id: 0,
-    };
     for cidr in pools
         .iter()
         .filter(|p| p.skip_masquerade)
@@ -286,6 +342,7 @@ pub fn diff<K: Ord + Clone, V: PartialEq + Clone>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cluster::routing::RoutingMode;
     use proptest::prelude::*;
 
     fn net(s: &str) -> IpNet {
@@ -590,6 +647,91 @@ mod tests {
                 }
             }
             prop_assert_eq!(s.routes.len(), s.ipcache_v4.len() + s.ipcache_v6.len());
+        }
+
+        /// Under every routing mode, each other node's block gets exactly
+        /// one of: a route and an entry naming the next hop (native), an
+        /// `ENCAP` entry naming the tunnel endpoint with a MASQ_SKIP entry
+        /// and no route (tunnel), or a report; own blocks get nothing.
+        /// Native mode is exactly the state before routing modes.
+        #[test]
+        fn every_remote_block_is_routed_tunnelled_or_reported(
+            mode in prop_oneof![
+                Just(RoutingMode::Native), Just(RoutingMode::Tunnel), Just(RoutingMode::CrossSubnet)
+            ],
+            owners in proptest::collection::vec(0usize..4, 0..30),
+            v6 in proptest::collection::vec(any::<bool>(), 0..30),
+        ) {
+            let names = ["me", "a", "b", "c"];
+            // a shares this node's IPv4 subnet, b is elsewhere (IPv6
+            // only), c elsewhere in both families.
+            let nodes: BTreeMap<String, Vec<IpAddr>> = [
+                ("a".to_string(), vec![ip("192.0.2.1")]),
+                ("b".to_string(), vec![ip("2001:db8:2::2")]),
+                ("c".to_string(), vec![ip("2001:db8:3::3"), ip("198.51.100.3")]),
+            ].into();
+            let routing = Routing {
+                mode,
+                own: vec![net("192.0.2.9/24"), net("2001:db8:9::9/64")],
+            };
+            let blocks: Vec<RemoteBlock> = owners.iter().zip(v6.iter().chain(std::iter::repeat(&false)))
+                .enumerate()
+                .map(|(i, (o, six))| RemoteBlock {
+                    cidr: if *six { net(&format!("fd00::{:x}00/120", i + 1)) }
+                          else { net(&format!("10.0.{i}.0/24")) },
+                    node: names[*o].to_string(),
+                })
+                .collect();
+            let s = remote_state_routed("me", &blocks, &live(&nodes), &[], &routing);
+            if mode == RoutingMode::Native {
+                prop_assert_eq!(&s, &remote_state("me", &blocks, &live(&nodes), &[]));
+            }
+            for b in &blocks {
+                let entry = match b.cidr {
+                    IpNet::V4(n) => s.ipcache_v4.get(&n).copied(),
+                    IpNet::V6(n) => s.ipcache_v6.get(&n).copied(),
+                };
+                let skipped = match b.cidr {
+                    IpNet::V4(n) => s.masq_v4.contains_key(&n),
+                    IpNet::V6(n) => s.masq_v6.contains_key(&n),
+                };
+                let route = s.routes.get(&b.cidr);
+                if b.node == "me" {
+                    prop_assert!(entry.is_none() && route.is_none() && !skipped);
+                    continue;
+                }
+                let reported = s.unroutable.iter().any(|u| match u {
+                    Unroutable::NodeUnknown { block, .. }
+                    | Unroutable::NoAddressOfFamily { block, .. }
+                    | Unroutable::NoTunnelEndpoint { block, .. } => *block == b.cidr,
+                });
+                match entry {
+                    None => prop_assert!(reported && route.is_none()),
+                    Some(v) if v.flags & ipcache_flags::ENCAP != 0 => {
+                        prop_assert!(mode != RoutingMode::Native);
+                        prop_assert!(route.is_none() && skipped && !reported);
+                        let endpoint = if v.flags & ipcache_flags::TUNNEL_V6 != 0 {
+                            IpAddr::from(v.node_addr)
+                        } else {
+                            IpAddr::from([v.node_addr[0], v.node_addr[1], v.node_addr[2], v.node_addr[3]])
+                        };
+                        prop_assert!(nodes[&b.node].contains(&endpoint));
+                        // Cross-subnet tunnels only what is off-link.
+                        if mode == RoutingMode::CrossSubnet {
+                            prop_assert!(!(b.node == "a" && b.cidr.addr().is_ipv4()));
+                        }
+                    }
+                    Some(v) => {
+                        prop_assert!(mode != RoutingMode::Tunnel);
+                        let via = route.copied();
+                        prop_assert!(via.is_some() && !reported);
+                        prop_assert_eq!(v, remote_value(via.expect("route")));
+                        if mode == RoutingMode::CrossSubnet {
+                            prop_assert!(b.node == "a" && b.cidr.addr().is_ipv4());
+                        }
+                    }
+                }
+            }
         }
     }
 }

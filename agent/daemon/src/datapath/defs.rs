@@ -184,6 +184,10 @@ pub fn expected_definitions(caps: &MapCapacities) -> BTreeMap<&'static str, MapD
         ),
         (map_names::MASQ_CONFIG, array(size_of::<MasqConfig>(), 1)),
         (
+            map_names::TUNNEL_CONFIG,
+            array(size_of::<lockstep_common::TunnelConfig>(), 1),
+        ),
+        (
             map_names::NAT_CLOCK,
             MapDefinition {
                 map_type: MapType::PerCpuArray,

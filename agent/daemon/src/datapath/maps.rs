@@ -64,6 +64,8 @@ pub struct PinnedMaps {
     nat_rev_v6: HashMap<MapData, NatKeyV6, NatValueV6>,
     /// MASQ_CONFIG.
     masq_config: Array<MapData, MasqConfig>,
+    /// TUNNEL_CONFIG.
+    tunnel_config: Array<MapData, lockstep_common::TunnelConfig>,
     /// Where untyped handles come from.
     source: Source,
 }
@@ -195,6 +197,8 @@ accessors! {
     nat_rev_v6 / nat_rev_v6_mut: HashMap<MapData, NatKeyV6, NatValueV6>;
     /// MASQ_CONFIG (one entry, key 0).
     masq_config / masq_config_mut: Array<MapData, MasqConfig>;
+    /// TUNNEL_CONFIG (one entry, key 0; see [`PinnedMaps::set_tunnel_config`]).
+    tunnel_config / tunnel_config_mut: Array<MapData, lockstep_common::TunnelConfig>;
 }
 
 impl PinnedMaps {
@@ -245,6 +249,7 @@ impl PinnedMaps {
             nat_rev_v4: typed!(s, map_names::NAT_REV_V4),
             nat_rev_v6: typed!(s, map_names::NAT_REV_V6),
             masq_config: typed!(s, map_names::MASQ_CONFIG),
+            tunnel_config: typed!(s, map_names::TUNNEL_CONFIG),
             source,
         })
     }

@@ -41,6 +41,7 @@ mod nat;
 pub mod owner;
 pub mod pins;
 pub mod sys;
+mod tunnel;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
