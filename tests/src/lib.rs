@@ -24,6 +24,7 @@ pub mod ledger;
 pub mod lossyfs;
 pub mod ndp;
 pub mod podman;
+pub mod routed;
 pub mod seqping;
 pub mod world;
 

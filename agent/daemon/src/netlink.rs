@@ -20,7 +20,9 @@ use netlink_packet_route::route::{RouteAttribute, RouteScope};
 use rtnetlink::{Handle, LinkUnspec, LinkVeth, RouteMessageBuilder};
 
 mod proto_routes;
+mod tunnel;
 pub use proto_routes::LOCKSTEP_ROUTE_PROTOCOL;
+pub use tunnel::{TunnelAction, TunnelDevice, tunnel_mismatch};
 
 /// Errors of netlink operations.
 #[derive(Debug, thiserror::Error)]
@@ -155,7 +157,7 @@ fn req(op: impl Into<String>) -> impl FnOnce(rtnetlink::Error) -> NetlinkError {
     move |source| NetlinkError::Request { op, source }
 }
 
-fn link_of(msg: &LinkMessage) -> Link {
+pub(crate) fn link_of(msg: &LinkMessage) -> Link {
     let mut name = String::new();
     let mut mac = [0u8; 6];
     for attr in &msg.attributes {

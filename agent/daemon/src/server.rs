@@ -373,6 +373,7 @@ pub async fn run(config: Config) -> Result<(), ServerError> {
                 None => r,
             },
         );
+    let remote = remote.map(|r| r.with_routing(agent.routing()));
     if let Some(r) = &remote {
         agent.set_remote_view(r.view());
     }

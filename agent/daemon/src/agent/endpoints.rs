@@ -192,6 +192,11 @@ impl Agent {
             let allocated = self.allocate_endpoint(&req, &pool)?;
             (pool, allocated, None)
         };
+        let mut req = req;
+        if req.mtu.is_none() {
+            // Room for the encapsulation in the tunnel modes (`tunnel`).
+            req.mtu = self.endpoint_mtu();
+        }
         let prepared = PreparedAdd {
             attach: self.from_endpoint.clone(),
             req,

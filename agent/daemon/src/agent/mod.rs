@@ -49,6 +49,7 @@ pub mod reaper;
 mod reconcile;
 pub mod release;
 mod report;
+mod tunnel;
 
 pub use announce::UplinkHealth;
 pub use error::AgentError;
@@ -129,6 +130,8 @@ pub struct Agent {
     announce: announce::Lease,
     /// Cluster mode's fenced blocks (`cluster_pools`).
     cluster: cluster_pools::ClusterView,
+    /// Cluster routing: mode, tunnel device, endpoint MTU (`tunnel`).
+    routing: tunnel::RoutingState,
     /// Counters for metrics.
     pub stats: Stats,
 }
@@ -248,9 +251,11 @@ impl Agent {
             lb_unsaved: false,
             announce,
             cluster: cluster_pools::ClusterView::default(),
+            routing: tunnel::RoutingState::default(),
             stats: Stats::default(),
         };
         agent.attach_uplink()?;
+        agent.start_routing()?;
         agent.from_endpoint = Some(agent.datapath.pin_program(
             lockstep_common::program_names::FROM_ENDPOINT,
             attach_mode(agent.config.datapath.endpoint_attach_mode),

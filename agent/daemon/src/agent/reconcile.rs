@@ -146,6 +146,16 @@ impl Agent {
         self.settle();
         self.guard_pins()?;
         let report = self.reconcile_inner()?;
+        match self.sync_tunnel(false) {
+            Ok(0) => {}
+            Ok(n) => {
+                *self.stats.repairs.entry("TUNNEL".into()).or_default() += n;
+                tracing::warn!(repaired = n, "reconcile repaired the tunnel");
+            }
+            Err(e) => {
+                tracing::error!(error = %crate::error_chain(&e), "the tunnel could not be repaired")
+            }
+        }
         for (map, n) in &report.per_map {
             *self.stats.repairs.entry(map.clone()).or_default() += *n as u64;
         }
@@ -217,6 +227,7 @@ impl Agent {
         report.covered = self.cluster_covered();
         report.fenced.extend(self.cluster_overlaps());
         report.routes = self.remote_route_drift();
+        report.routes.extend(self.tunnel_drift());
         report.ok = report.store.is_empty()
             && report.maps.is_empty()
             && report.pins.is_empty()

@@ -45,6 +45,7 @@ pub use handle::{ClusterHandle, render_metrics};
 pub use held::{Held, HeldBlock, HeldError};
 pub use lb::{LbView, NEW_SERVICES_PER_ROUND, Round};
 pub use lb_agent::{LbAgent, LbHandle};
+pub(crate) use node::node_ips;
 pub use node::{ClusterNode, local_specs};
 pub use remote::{RemoteError, RemoteTask, RemoteView, RouteSync, sync_routes};
 pub use watch::{Change, Watch};

@@ -32,7 +32,10 @@ use std::time::Duration;
 
 use ipnet::IpNet;
 use lockstep_core::cluster::ClusterPoolSpec;
-use lockstep_core::cluster::remote::{NodeDirectory, RemoteBlock, RemoteState, diff, remote_state};
+use lockstep_core::cluster::remote::{
+    NodeDirectory, RemoteBlock, RemoteState, diff, remote_state_routed,
+};
+use lockstep_core::cluster::routing::Routing;
 
 use super::{Change, ClusterStoreError, Door, DoorOptions, Watch};
 use crate::agent::Agent;
@@ -176,6 +179,8 @@ pub struct RemoteTask {
     /// The claim loop's handle, told when the watch sees etcd go back in
     /// time.
     claims: Option<Arc<super::ClusterHandle>>,
+    /// How each remote block is reached (native, or through the tunnel).
+    routing: Routing,
 }
 
 /// Resolves once `stop` is true (no guard held: the task stays `Send`).
@@ -202,7 +207,15 @@ impl RemoteTask {
             blocks: BTreeMap::new(),
             nodes: NodeDirectory::default(),
             claims: None,
+            routing: Routing::native(),
         }
+    }
+
+    /// Decides each block's path with `routing` (the agent's: the mode and
+    /// this node's underlay prefixes) instead of native routing.
+    pub fn with_routing(mut self, routing: Routing) -> Self {
+        self.routing = routing;
+        self
     }
 
     /// Tells `claims` (the claim loop's handle) whenever the watch sees
@@ -308,7 +321,7 @@ impl RemoteTask {
             })
             .collect();
         let pools: Vec<ClusterPoolSpec> = self.pools.values().cloned().collect();
-        remote_state(&self.me, &blocks, &self.nodes, &pools)
+        remote_state_routed(&self.me, &blocks, &self.nodes, &pools, &self.routing)
     }
 
     /// Publishes the desired state; when it changed, logs what cannot be

@@ -11,6 +11,7 @@ use std::net::{Ipv4Addr, Ipv6Addr};
 use std::path::PathBuf;
 use std::time::Duration;
 
+use lockstep_core::cluster::routing::{MAX_VNI, RoutingMode, TunnelProtocol};
 use serde::{Deserialize, Serialize};
 
 /// `[cluster.tls]`: PEM files for `https://` etcd endpoints.
@@ -68,6 +69,38 @@ pub struct ClusterConfig {
     /// Keys and values follow Kubernetes label syntax.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub node_labels: BTreeMap<String, String>,
+    /// How other nodes' blocks are reached: `native` (routes via the node
+    /// address; one L2 segment), `tunnel` (always encapsulated) or
+    /// `cross-subnet` (native on this node's subnets, encapsulated beyond).
+    #[serde(default)]
+    pub routing: RoutingMode,
+    /// The encapsulation of `tunnel` and `cross-subnet`: `vxlan` or `geneve`.
+    #[serde(default)]
+    pub tunnel_protocol: TunnelProtocol,
+    /// The tunnel's UDP port (default: 8472 for VXLAN, 6081 for Geneve).
+    #[serde(default)]
+    pub tunnel_port: Option<u16>,
+    /// The VNI sent and accepted (24 bits; every node must use the same).
+    #[serde(default = "default_vni")]
+    pub tunnel_vni: u32,
+    /// The MTU of endpoint interfaces whose CNI configuration names none
+    /// (default: the uplink's MTU, less the encapsulation overhead in the
+    /// modes that may encapsulate: 50 bytes over IPv4, 70 when the node
+    /// has an IPv6 underlay address).
+    #[serde(default)]
+    pub endpoint_mtu: Option<u32>,
+}
+
+impl ClusterConfig {
+    /// The tunnel's UDP port: configured, else the protocol's.
+    pub fn tunnel_port(&self) -> u16 {
+        self.tunnel_port
+            .unwrap_or_else(|| self.tunnel_protocol.default_port())
+    }
+}
+
+fn default_vni() -> u32 {
+    1
 }
 
 /// Why `key` is not a Kubernetes label key: an optional DNS-subdomain
@@ -228,6 +261,26 @@ impl ClusterConfig {
                 );
             }
         }
+        if self.tunnel_vni > MAX_VNI {
+            return bad(
+                "tunnel_vni",
+                format!(
+                    "{} is more than 24 bits (at most {MAX_VNI})",
+                    self.tunnel_vni
+                ),
+            );
+        }
+        if self.tunnel_port == Some(0) {
+            return bad("tunnel_port", "0 is not a UDP port".into());
+        }
+        if let Some(mtu) = self.endpoint_mtu
+            && !(1280..=65535).contains(&mtu)
+        {
+            return bad(
+                "endpoint_mtu",
+                format!("{mtu} is outside 1280..=65535 (IPv6 needs at least 1280)"),
+            );
+        }
         if let Some(tls) = &self.tls {
             for (f, p) in [
                 ("tls.ca", Some(&tls.ca)),
@@ -277,6 +330,23 @@ mod tests {
         assert_eq!(cl.reclaim_after, std::time::Duration::from_secs(3600));
         assert_eq!(cl.node_name, None);
         assert!(cl.node_labels.is_empty());
+        assert_eq!(cl.routing, super::RoutingMode::Native);
+        assert_eq!(cl.tunnel_port(), 8472);
+        assert_eq!(cl.tunnel_vni, 1);
+        let tunnel = format!(
+            "{OK}routing = \"cross-subnet\"\ntunnel_protocol = \"geneve\"\nendpoint_mtu = 1400\n"
+        );
+        let cl = Config::parse(Path::new("/c.toml"), &tunnel)
+            .expect("valid routing")
+            .cluster
+            .expect("cluster");
+        assert_eq!(cl.routing, super::RoutingMode::CrossSubnet);
+        assert_eq!(cl.tunnel_port(), 6081);
+        assert_eq!(cl.endpoint_mtu, Some(1400));
+        assert!(matches!(
+            Config::parse(Path::new("/c.toml"), &format!("{OK}routing = \"overlay\"\n")),
+            Err(ConfigError::Parse { message, .. }) if message.contains("routing") || message.contains("overlay")
+        ));
         let labelled = format!(
             "{OK}node_labels = {{ zone = \"a\", \"topology.kubernetes.io/rack\" = \"r-1\", edge = \"\" }}\n"
         );
@@ -359,6 +429,15 @@ mod tests {
                 "cluster.node_labels.\"zone\"",
             ),
             (&format!("{OK}lease_ttl = \"1h\"\n"), "cluster.lease_ttl"),
+            (
+                &format!("{OK}tunnel_vni = 16777216\n"),
+                "cluster.tunnel_vni",
+            ),
+            (&format!("{OK}tunnel_port = 0\n"), "cluster.tunnel_port"),
+            (
+                &format!("{OK}endpoint_mtu = 1000\n"),
+                "cluster.endpoint_mtu",
+            ),
             (
                 &format!("{OK}reclaim_after = \"5s\"\n"),
                 "cluster.reclaim_after",

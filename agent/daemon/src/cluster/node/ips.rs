@@ -9,7 +9,7 @@ use crate::config::{ClusterConfig, Config};
 ///
 /// # Errors
 /// Neither configured nor found on the uplink, naming the field.
-pub(super) fn node_ips(config: &Config, cluster: &ClusterConfig) -> Result<Vec<IpAddr>, String> {
+pub(crate) fn node_ips(config: &Config, cluster: &ClusterConfig) -> Result<Vec<IpAddr>, String> {
     let mut ips: Vec<IpAddr> = Vec::new();
     ips.extend(cluster.node_ip_v4.map(IpAddr::V4));
     ips.extend(cluster.node_ip_v6.map(IpAddr::V6));

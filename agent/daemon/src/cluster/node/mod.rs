@@ -44,10 +44,10 @@ use lockstep_core::cluster::{
 
 mod blocks;
 mod ips;
+pub(crate) use ips::node_ips;
 mod reclaim;
 mod served;
 
-use ips::node_ips;
 use served::Served;
 pub use served::local_specs;
 
