@@ -1,8 +1,10 @@
-//! Nodes on two underlay subnets joined by a router (#30): the router
-//! namespace forwards between `10.252.1.0/24` + `fd52:1::/64` (bridge
-//! `br1`: nodes 0 and 1) and `10.252.2.0/24` + `fd52:2::/64` (bridge
-//! `br2`: node 2) and has no route to any pod block, so native routing
-//! cannot cross it; each node's default routes go via the router.
+//! Nodes on two underlay subnets joined by two routers (#30): router 1
+//! holds `10.252.1.0/24` + `fd52:1::/64` (bridge `br1`: nodes 0 and 1),
+//! router 2 `10.252.2.0/24` + `fd52:2::/64` (bridge `br2`: node 2), and
+//! the routers are linked by `mid` (`10.252.0.0/30`, `fd52::/126`), the
+//! hop whose MTU a test may reduce. Neither router has a route to any pod
+//! block, so native routing cannot cross them; each node's default routes
+//! go via its subnet's router.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -29,9 +31,11 @@ pub fn node_v6(i: usize) -> String {
 /// Three nodes on two routed subnets, each running an agent in cluster
 /// mode on one etcd.
 pub struct RoutedNodes {
-    /// The router namespace (bridges `br1`, `br2`; node `i`'s underlay
-    /// port is `p{i}` there).
+    /// Router 1 (bridge `br1`, `10.252.1.254`; node `i`'s underlay port
+    /// is `p{i}` on its subnet's router).
     pub router: Netns,
+    /// Router 2 (bridge `br2`, `10.252.2.254`).
+    pub router2: Netns,
     /// The node namespaces (underlay interface `u0`).
     pub ns: Vec<Netns>,
     /// The agents, one per node.
@@ -60,12 +64,15 @@ impl RoutedNodes {
         let eps = cluster.endpoints();
         apply_pools(&eps, prefix, pools)?;
         let router = Netns::new("rtr")?;
-        for s in [1, 2] {
+        let router2 = Netns::new("rtr2")?;
+        let routers = [&router, &router2];
+        for (k, r) in routers.iter().enumerate() {
+            let s = k + 1;
             let br = format!("br{s}");
-            router.ip(["link", "add", &br, "type", "bridge"])?;
-            router.ip(["link", "set", &br, "up"])?;
-            router.ip(["addr", "add", &format!("10.252.{s}.254/24"), "dev", &br])?;
-            router.ip([
+            r.ip(["link", "add", &br, "type", "bridge"])?;
+            r.ip(["link", "set", &br, "up"])?;
+            r.ip(["addr", "add", &format!("10.252.{s}.254/24"), "dev", &br])?;
+            r.ip([
                 "-6",
                 "addr",
                 "add",
@@ -74,15 +81,44 @@ impl RoutedNodes {
                 &br,
                 "nodad",
             ])?;
+            r.exec(
+                "sysctl",
+                [
+                    "-qw",
+                    "net.ipv4.ip_forward=1",
+                    "net.ipv6.conf.all.forwarding=1",
+                ],
+            )?;
         }
-        router.exec(
-            "sysctl",
-            [
-                "-qw",
-                "net.ipv4.ip_forward=1",
-                "net.ipv6.conf.all.forwarding=1",
-            ],
-        )?;
+        crate::veth(&router, "mid", &router2, "mid")?;
+        for (k, r) in routers.iter().enumerate() {
+            let (me, other) = (k + 1, 2 - k);
+            r.ip(["addr", "add", &format!("10.252.0.{me}/30"), "dev", "mid"])?;
+            r.ip([
+                "-6",
+                "addr",
+                "add",
+                &format!("fd52::{me}/126"),
+                "dev",
+                "mid",
+                "nodad",
+            ])?;
+            r.ip([
+                "route",
+                "add",
+                &format!("10.252.{other}.0/24"),
+                "via",
+                &format!("10.252.0.{other}"),
+            ])?;
+            r.ip([
+                "-6",
+                "route",
+                "add",
+                &format!("fd52:{other}::/64"),
+                "via",
+                &format!("fd52::{other}"),
+            ])?;
+        }
         let mut ns = Vec::new();
         let mut agents = Vec::new();
         let mut cuts = Vec::new();
@@ -99,9 +135,9 @@ impl RoutedNodes {
                 "name",
                 &port,
                 "netns",
-                router.name(),
+                routers[subnet(i) - 1].name(),
             ])?;
-            router.ip([
+            routers[subnet(i) - 1].ip([
                 "link",
                 "set",
                 &port,
@@ -155,6 +191,7 @@ impl RoutedNodes {
         }
         Ok(Self {
             router,
+            router2,
             ns,
             agents,
             eps,
@@ -187,6 +224,17 @@ impl RoutedNodes {
         }
         out.retain(|_, v| v.flags & lockstep_common::ipcache_flags::REMOTE != 0);
         Ok(out)
+    }
+
+    /// Sets the MTU of the link between the routers (both ends).
+    ///
+    /// # Errors
+    /// `ip link` failed.
+    pub fn narrow_mid(&self, mtu: u32) -> anyhow::Result<()> {
+        for r in [&self.router, &self.router2] {
+            r.ip(["link", "set", "mid", "mtu", &mtu.to_string()])?;
+        }
+        Ok(())
     }
 
     /// Waits (at most `within`) until `ok(i, remote entries of node i)`

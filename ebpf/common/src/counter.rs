@@ -95,12 +95,16 @@ pub enum Counter {
     /// tunnel device is configured (TUNNEL_CONFIG empty) or the tunnel key
     /// could not be set.
     TunnelDropNoDevice = 32,
+    /// from_endpoint: a packet too big for the path to its tunnel endpoint
+    /// (IPv6 underlay) answered with ICMP "fragmentation needed" or
+    /// "packet too big" instead of being sent.
+    TunnelPmtuAnswered = 33,
 }
 
 impl Counter {
     /// Number of counters defined (the COUNTERS map has room for
     /// [`max_entries::COUNTERS`](crate::max_entries::COUNTERS)).
-    pub const COUNT: u32 = 33;
+    pub const COUNT: u32 = 34;
     /// Every counter, in index order.
     pub const ALL: [Counter; Self::COUNT as usize] = [
         Counter::FromEndpointPassed,
@@ -136,6 +140,7 @@ impl Counter {
         Counter::TunnelDropNotLocal,
         Counter::TunnelDropMalformed,
         Counter::TunnelDropNoDevice,
+        Counter::TunnelPmtuAnswered,
     ];
 
     /// Stable snake_case name, used in metrics and the CLI.
@@ -174,6 +179,7 @@ impl Counter {
             Counter::TunnelDropNotLocal => "tunnel_drop_not_local",
             Counter::TunnelDropMalformed => "tunnel_drop_malformed",
             Counter::TunnelDropNoDevice => "tunnel_drop_no_device",
+            Counter::TunnelPmtuAnswered => "tunnel_pmtu_answered",
         }
     }
 }

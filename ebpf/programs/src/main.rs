@@ -391,7 +391,7 @@ pub fn from_endpoint(ctx: TcContext) -> i32 {
             classify(entry);
             if let Some(e) = entry.filter(|e| e.flags & ipcache_flags::ENCAP != 0) {
                 count(Counter::FromEndpointPassed);
-                return tunnel::encap(&ctx, &e);
+                return tunnel::encap(&ctx, &e, false);
             }
         }
         ETH_P_IPV6 => {
@@ -421,7 +421,7 @@ pub fn from_endpoint(ctx: TcContext) -> i32 {
             classify(entry);
             if let Some(e) = entry.filter(|e| e.flags & ipcache_flags::ENCAP != 0) {
                 count(Counter::FromEndpointPassed);
-                return tunnel::encap(&ctx, &e);
+                return tunnel::encap(&ctx, &e, true);
             }
         }
         _ => {

@@ -17,6 +17,8 @@
 //! interface the frame goes (its peer, inside the pod's namespace,
 //! directly). Anything else is dropped and counted by reason.
 
+mod pmtu;
+
 use core::mem::{size_of, zeroed};
 
 use aya_ebpf::{
@@ -45,7 +47,7 @@ fn config() -> Option<TunnelConfig> {
 }
 
 #[inline(always)]
-fn words(a: &V6Addr) -> [u32; 4] {
+pub(crate) fn words(a: &V6Addr) -> [u32; 4] {
     [
         u32::from_ne_bytes([a[0], a[1], a[2], a[3]]),
         u32::from_ne_bytes([a[4], a[5], a[6], a[7]]),
@@ -54,13 +56,25 @@ fn words(a: &V6Addr) -> [u32; 4] {
     ]
 }
 
-/// Sends the frame to the node `entry` names through the tunnel device.
+/// Sends the frame (IPv6 when `inner_v6`) to the node `entry` names
+/// through the tunnel device; a frame too big for the path there is
+/// answered instead (see [`pmtu`]).
 #[inline(always)]
-pub(crate) fn encap(ctx: &TcContext, entry: &IpcacheValue) -> i32 {
+pub(crate) fn encap(ctx: &TcContext, entry: &IpcacheValue, inner_v6: bool) -> i32 {
     let Some(cfg) = config() else {
         count(Counter::TunnelDropNoDevice);
         return DROP;
     };
+    if let Some(mtu) = pmtu::too_big(ctx, entry, &cfg, inner_v6) {
+        let answered = if inner_v6 {
+            pmtu::answer_v6(ctx, mtu)
+        } else {
+            pmtu::answer_v4(ctx, mtu)
+        };
+        if let Some(verdict) = answered {
+            return verdict;
+        }
+    }
     // SAFETY: plain data; every field the helper reads is set below.
     let mut key: bpf_tunnel_key = unsafe { zeroed() };
     key.tunnel_id = cfg.vni;
