@@ -287,6 +287,21 @@ pub fn address_of(answer: &serde_json::Value) -> anyhow::Result<IpAddr> {
     Ok(a.parse::<IpNet>()?.addr())
 }
 
+/// The metrics of the agent running in `ns` (its default loopback
+/// listener there).
+///
+/// # Errors
+/// curl failed.
+pub fn metrics_in(ns: &Netns) -> anyhow::Result<String> {
+    ns.exec(
+        "sh",
+        [
+            "-c",
+            "curl -s http://$(ss -ltnpH | grep '\"lockstep\"' | awk '{print $4}' | head -1)/metrics",
+        ],
+    )
+}
+
 /// Three node namespaces (`node-0`..`node-2`, underlay address
 /// [`node_ip`]) whose `u0` sits on the bridge `br0` of an underlay
 /// namespace, each running an agent in cluster mode on one etcd.
@@ -545,13 +560,7 @@ impl ClusterNodes {
     /// # Errors
     /// curl failed.
     pub fn metrics(&self, i: usize) -> anyhow::Result<String> {
-        self.ns[i].exec(
-            "sh",
-            [
-                "-c",
-                "curl -s http://$(ss -ltnpH | grep '\"lockstep\"' | awk '{print $4}' | head -1)/metrics",
-            ],
-        )
+        metrics_in(&self.ns[i])
     }
 
     /// Every allocation of every running agent: address → owners (to find

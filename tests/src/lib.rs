@@ -26,6 +26,7 @@ pub mod ndp;
 pub mod podman;
 pub mod routed;
 pub mod seqping;
+pub mod traffic;
 pub mod world;
 
 static COUNTER: AtomicU32 = AtomicU32::new(0);

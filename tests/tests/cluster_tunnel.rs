@@ -30,7 +30,7 @@ use std::time::Duration;
 use anyhow::{Context, ensure};
 use ipnet::IpNet;
 use lockstep_common::ipcache_flags;
-use lockstep_tests::cluster::{cluster_cli, cni};
+use lockstep_tests::cluster::{cluster_cli, cni, metrics_in};
 use lockstep_tests::etcd::EtcdCluster;
 use lockstep_tests::routed::{RoutedNodes, node_v4, subnet};
 use lockstep_tests::world::{Sink, transfer};

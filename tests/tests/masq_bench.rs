@@ -12,16 +12,16 @@
 //!
 //! Ignored in the test suite (it takes about a minute); the xtask runs it.
 
-use std::io::{BufRead, Read, Write};
-use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream, UdpSocket};
-use std::process::{Child, Stdio};
-use std::sync::Arc;
+use std::io::Write;
+use std::net::{IpAddr, SocketAddr, UdpSocket};
+use std::process::Stdio;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, ensure};
 use lockstep::datapath::PinnedMaps;
 use lockstep_common::{MasqConfig, masq_flags};
+use lockstep_tests::traffic::{IperfServer, connections, median, request_reply_server, throughput};
 use lockstep_tests::world::{NODE_V4, NODE_V6, WORLD_V4, World};
 use lockstep_tests::{Netns, PinRoot, counter, lockstep_in, privileged};
 
@@ -37,16 +37,9 @@ struct Side {
     name: &'static str,
     w: World,
     ep: Netns,
-    iperf: Child,
+    _iperf: IperfServer,
     rr: SocketAddr,
     _pins: Option<PinRoot>,
-}
-
-impl Drop for Side {
-    fn drop(&mut self) {
-        let _ = self.iperf.kill();
-        let _ = self.iperf.wait();
-    }
 }
 
 /// What translates on a side.
@@ -113,116 +106,16 @@ fn build(name: &'static str, mode: Mode) -> anyhow::Result<Side> {
         ensure!(nft.wait()?.success(), "nft refused the ruleset");
         None
     };
-    let mut iperf = w
-        .world
-        .command("iperf3")
-        .args(["-s", "-B", WORLD_V4, "--forceflush"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()?;
-    let out = iperf.stdout.take().context("iperf3 stdout")?;
-    let mut lines = std::io::BufReader::new(out).lines();
-    // The server is ready once it says it listens.
-    loop {
-        let line = lines
-            .next()
-            .context("iperf3 -s exited before listening")??;
-        if line.contains("listening") {
-            break;
-        }
-    }
-    std::thread::spawn(move || lines.for_each(drop));
-    let rr = request_reply_server(&w.world)?;
+    let iperf = IperfServer::start(&w.world, WORLD_V4)?;
+    let rr = request_reply_server(&w.world, WORLD_V4, CLIENT_THREADS)?;
     Ok(Side {
         name,
         w,
         ep,
-        iperf,
+        _iperf: iperf,
         rr,
         _pins: pins,
     })
-}
-
-/// A request/reply server in `ns` (threads that live as long as the
-/// process): reads a 16-byte request, writes a 64-byte reply, closes first.
-fn request_reply_server(ns: &Netns) -> anyhow::Result<SocketAddr> {
-    let ip: IpAddr = WORLD_V4.parse()?;
-    let listener = ns.run(|| Ok(TcpListener::bind(SocketAddr::new(ip, 0))?))?;
-    let addr = listener.local_addr()?;
-    for _ in 0..CLIENT_THREADS {
-        let l = listener.try_clone()?;
-        std::thread::spawn(move || {
-            let mut req = [0u8; 16];
-            while let Ok((mut s, _)) = l.accept() {
-                let _ = s.set_nodelay(true);
-                if s.read_exact(&mut req).is_ok() {
-                    let _ = s.write_all(&[7u8; 64]);
-                }
-            }
-        });
-    }
-    Ok(addr)
-}
-
-fn throughput(side: &Side) -> anyhow::Result<f64> {
-    let out = side
-        .ep
-        .command("iperf3")
-        .args(["-c", WORLD_V4, "-t", "3", "-J"])
-        .output()?;
-    ensure!(
-        out.status.success(),
-        "{}: iperf3 -c failed: {}",
-        side.name,
-        String::from_utf8_lossy(&out.stdout)
-    );
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout)?;
-    v["end"]["sum_received"]["bits_per_second"]
-        .as_f64()
-        .context("iperf3 JSON without end.sum_received")
-}
-
-/// Connections per second and the number of failed attempts.
-fn connections(side: &Side) -> anyhow::Result<(f64, u64)> {
-    let done = Arc::new(AtomicU64::new(0));
-    let failed = Arc::new(AtomicU64::new(0));
-    let started = Instant::now();
-    std::thread::scope(|s| {
-        for _ in 0..CLIENT_THREADS {
-            let (done, failed, to) = (done.clone(), failed.clone(), side.rr);
-            s.spawn(move || {
-                side.ep.run(|| {
-                    let mut reply = [0u8; 64];
-                    while started.elapsed() < ROUND {
-                        let ok = (|| -> std::io::Result<()> {
-                            let mut c = TcpStream::connect_timeout(&to, Duration::from_secs(1))?;
-                            c.set_nodelay(true)?;
-                            c.set_read_timeout(Some(Duration::from_secs(1)))?;
-                            c.write_all(&[1u8; 16])?;
-                            c.read_exact(&mut reply)?;
-                            // The server closes first: EOF.
-                            let extra = c.read(&mut [0u8; 1])?;
-                            if extra == 0 {
-                                Ok(())
-                            } else {
-                                Err(std::io::ErrorKind::InvalidData.into())
-                            }
-                        })();
-                        match ok {
-                            Ok(()) => done.fetch_add(1, Ordering::Relaxed),
-                            Err(_) => failed.fetch_add(1, Ordering::Relaxed),
-                        };
-                    }
-                    Ok(())
-                })
-            });
-        }
-    });
-    let secs = started.elapsed().as_secs_f64();
-    Ok((
-        done.load(Ordering::Relaxed) as f64 / secs,
-        failed.load(Ordering::Relaxed),
-    ))
 }
 
 /// UDP datagrams per second received in the world.
@@ -277,11 +170,6 @@ fn udp(side: &Side) -> anyhow::Result<f64> {
     Ok(received.load(Ordering::Relaxed) as f64 / window.as_secs_f64())
 }
 
-fn median(v: &mut [f64]) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
-
 #[test]
 #[ignore = "a benchmark: cargo xtask bench masquerade"]
 fn masquerade_bpf_beside_nftables() -> anyhow::Result<()> {
@@ -298,8 +186,8 @@ fn masquerade_bpf_beside_nftables() -> anyhow::Result<()> {
         // Rotate which side goes first, so drift hurts all alike.
         for i in (0..3).map(|k| (k + round) % 3) {
             let side = &sides[i];
-            figures[i][0].push(throughput(side)? / 1e9);
-            let (cps, f) = connections(side)?;
+            figures[i][0].push(throughput(&side.ep, WORLD_V4).context(side.name)? / 1e9);
+            let (cps, f) = connections(&side.ep, side.rr, CLIENT_THREADS, ROUND);
             figures[i][1].push(cps);
             failed[i] += f;
             figures[i][2].push(udp(side)?);
@@ -355,14 +243,5 @@ fn masquerade_bpf_beside_nftables() -> anyhow::Result<()> {
     if med[0][1] < 1.3 * med[1][1] {
         missed.push("connections/s ≥ 1.3× nftables");
     }
-    println!(
-        "  goals: {}",
-        if missed.is_empty() {
-            "met".to_string()
-        } else {
-            format!("MISSED: {}", missed.join(", "))
-        }
-    );
-    ensure!(missed.is_empty(), "goals missed: {}", missed.join(", "));
-    Ok(())
+    check_goals(&missed)
 }

@@ -64,7 +64,7 @@ enum Task {
         /// Only run integration tests whose name contains this.
         filter: Option<String>,
     },
-    /// Run a benchmark suite: core, lb, datapath, agent, cni, image, masquerade, cluster, all.
+    /// Run a benchmark suite: core, lb, datapath, agent, cni, image, masquerade, cluster, tunnel, all.
     Bench {
         /// The suite.
         suite: String,
@@ -357,6 +357,16 @@ fn build_shipped(bin: &str) -> anyhow::Result<PathBuf> {
     Ok(root().join("target").join(target).join("plugin").join(bin))
 }
 
+/// Runs every ignored test (the benchmarks) of `tests/tests/<test>.rs`
+/// against the release agent, optimised as shipped.
+fn release_benchmark_test(test: &str) -> anyhow::Result<()> {
+    run(cargo().args(["build", "--release", "-p", "lockstep", "--bins"]))?;
+    run(cargo()
+        .args(["test", "--release", "-p", "lockstep-tests", "--test", test])
+        .args(["--", "--ignored", "--nocapture", "--test-threads", "1"])
+        .env("LOCKSTEP_BIN", root().join("target/release/lockstep")))
+}
+
 fn bench(suite: &str) -> anyhow::Result<()> {
     match suite {
         "core" => run(cargo().args(["bench", "-p", "lockstep-core", "--bench", "core"])),
@@ -369,18 +379,7 @@ fn bench(suite: &str) -> anyhow::Result<()> {
             // assignment p99 in cluster mode, 200 services applied one by
             // one, apply to `lb get` and to an ARP answer
             // (lb_assignment_bench).
-            run(cargo().args(["build", "--release", "-p", "lockstep", "--bins"]))?;
-            run(cargo()
-                .args([
-                    "test",
-                    "--release",
-                    "-p",
-                    "lockstep-tests",
-                    "--test",
-                    "cluster_lb_e2e",
-                ])
-                .args(["--", "--ignored", "--nocapture", "--test-threads", "1"])
-                .env("LOCKSTEP_BIN", root().join("target/release/lockstep")))?;
+            release_benchmark_test("cluster_lb_e2e")?;
             // The responders' per-packet cost (ARP and, #13, NDP replies
             // against the empty program); the masquerade rows are `bench
             // datapath`'s.
@@ -401,36 +400,24 @@ fn bench(suite: &str) -> anyhow::Result<()> {
             // identical namespaces; the test prints the medians and ratios.
             // Optimised: a debug client and server would be what limits
             // connections per second on every side alike.
-            run(cargo().args(["build", "--release", "-p", "lockstep", "--bins"]))?;
+            release_benchmark_test("masq_bench")
+        }
+        "tunnel" => {
+            // Pod-to-pod TCP native vs lockstep's tunnel vs the kernel's own
+            // VXLAN with routes, in identical namespaces, rounds rotating
+            // (tunnel_bench prints medians and checks the goals); then the
+            // encapsulation's per-packet cost over the empty program.
+            release_benchmark_test("tunnel_bench")?;
             run(cargo()
-                .args([
-                    "test",
-                    "--release",
-                    "-p",
-                    "lockstep-tests",
-                    "--test",
-                    "masq_bench",
-                ])
-                .args(["--", "--ignored", "--nocapture", "--test-threads", "1"])
-                .env("LOCKSTEP_BIN", root().join("target/release/lockstep")))
+                .args(["bench", "-p", "lockstep", "--bench", "datapath"])
+                .env("LOCKSTEP_BENCH_TUNNEL_ONLY", "1"))
         }
         "cluster" => {
             // Block claims through the cluster door against a real 3-member
             // etcd started by the test, up to 5,000 simulated nodes; then
             // agents in node namespaces (convergence, ADD in cluster mode,
             // 100 parallel ADDs without a block), optimised as shipped.
-            run(cargo().args(["build", "--release", "-p", "lockstep", "--bins"]))?;
-            run(cargo()
-                .args([
-                    "test",
-                    "--release",
-                    "-p",
-                    "lockstep-tests",
-                    "--test",
-                    "cluster_bench",
-                ])
-                .args(["--", "--ignored", "--nocapture", "--test-threads", "1"])
-                .env("LOCKSTEP_BIN", root().join("target/release/lockstep")))
+            release_benchmark_test("cluster_bench")
         }
         "image" => {
             // The image test prints the figures: image size, and container
@@ -456,6 +443,7 @@ fn bench(suite: &str) -> anyhow::Result<()> {
                 "image",
                 "masquerade",
                 "cluster",
+                "tunnel",
             ] {
                 if let Err(e) = bench(suite) {
                     eprintln!("bench {suite}: {e}");
@@ -473,7 +461,7 @@ fn bench(suite: &str) -> anyhow::Result<()> {
         }
         other => {
             bail!(
-                "unknown bench suite {other}; known: core, lb, datapath, agent, cni, image, masquerade, cluster, all"
+                "unknown bench suite {other}; known: core, lb, datapath, agent, cni, image, masquerade, cluster, tunnel, all"
             )
         }
     }

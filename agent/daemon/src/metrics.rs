@@ -47,6 +47,8 @@ pub struct Metrics {
     lb_pending: Family<Labels, Gauge<i64>>,
     latency: Histogram,
     draining: Family<Labels, Gauge<i64>>,
+    tunnel_packets: Family<Labels, Gauge<i64>>,
+    tunnel_drops: Family<Labels, Gauge<i64>>,
     /// Whether the gauges were ever refreshed from a running agent.
     refreshed: AtomicBool,
 }
@@ -153,6 +155,18 @@ impl Metrics {
             "New flows dropped for want of a free translated port (COUNTERS)",
             masq_exhausted.clone(),
         );
+        let tunnel_packets = Family::<Labels, Gauge<i64>>::default();
+        registry.register(
+            "tunnel_packets",
+            "Packets through the tunnel (COUNTERS): encapsulated (encap), delivered after decapsulation (decap), answered as too big for the path (pmtu_answered)",
+            tunnel_packets.clone(),
+        );
+        let tunnel_drops = Family::<Labels, Gauge<i64>>::default();
+        registry.register(
+            "tunnel_drops",
+            "Tunnel packets dropped (COUNTERS), by reason: forged_source, not_local, malformed, no_device",
+            tunnel_drops.clone(),
+        );
         Self {
             registry: Mutex::new(registry),
             masq: Mutex::new(None),
@@ -170,6 +184,8 @@ impl Metrics {
             lb_pending,
             latency,
             draining,
+            tunnel_packets,
+            tunnel_drops,
             refreshed: AtomicBool::new(false),
         }
     }
@@ -284,6 +300,16 @@ impl Metrics {
                     ("cidr".to_string(), r.cidr.to_string()),
                 ])
                 .set(r.holders.len() as i64);
+        }
+        for (c, n) in agent.tunnel_counters() {
+            let name = c.name().trim_start_matches("tunnel_");
+            let (family, label, value) = match name.strip_prefix("drop_") {
+                Some(reason) => (&self.tunnel_drops, "reason", reason),
+                None => (&self.tunnel_packets, "what", name),
+            };
+            family
+                .get_or_create(&vec![(label.to_string(), value.to_string())])
+                .set(n as i64);
         }
         self.refreshed.store(true, Ordering::Release);
     }

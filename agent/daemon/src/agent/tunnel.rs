@@ -13,7 +13,7 @@
 use std::net::IpAddr;
 
 use ipnet::IpNet;
-use lockstep_common::{TunnelConfig, program_names};
+use lockstep_common::{Counter, TunnelConfig, program_names};
 use lockstep_core::cluster::routing::Routing;
 
 use super::{Agent, AgentError};
@@ -176,6 +176,19 @@ impl Agent {
             repaired += 1;
         }
         Ok(repaired)
+    }
+
+    /// The datapath's tunnel counters (summed over CPUs), for metrics; none
+    /// when COUNTERS cannot be read.
+    pub fn tunnel_counters(&self) -> Vec<(Counter, u64)> {
+        self.maps
+            .counters()
+            .map(|all| {
+                all.into_iter()
+                    .filter(|(c, _)| c.name().starts_with("tunnel_"))
+                    .collect()
+            })
+            .unwrap_or_default()
     }
 
     /// What `verify` reports about the tunnel: the device missing, of

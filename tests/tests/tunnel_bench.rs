@@ -1,0 +1,262 @@
+//! `cargo xtask bench tunnel` (#30): pod-to-pod TCP across two nodes, in
+//! three identical topologies built side by side, rounds rotating between
+//! them:
+//!
+//! - native: kernel routes `pod block via node` (one L2 segment; the
+//!   reference, pods at MTU 1500);
+//! - lockstep tunnel: `from_endpoint` redirects to one collect-metadata
+//!   VXLAN device with the tunnel key from the IPCACHE entry,
+//!   `from_tunnel` delivers into the pod (the agent's programs and maps,
+//!   written through the library as the agent writes them; pods at 1450);
+//! - kernel VXLAN: a VXLAN device per node with a fixed remote and routes
+//!   `pod block via the peer's VXLAN address` (pods at 1450).
+//!
+//! Figures: TCP throughput (iperf3, 3 s) and TCP connections per second
+//! (connect, 16-byte request, 64-byte reply, close; 4 clients); medians of
+//! the rounds. Goals, checked: lockstep's tunnel ≥ the kernel's VXLAN in
+//! both, and its throughput ≥ 85% of native.
+//!
+//! Ignored in the test suite; the xtask runs it (release).
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use anyhow::{Context, ensure};
+use ipnet::{IpNet, Ipv4Net};
+use lockstep::datapath::{AttachMode, Datapath, DatapathOptions, Hook, PinnedMaps};
+use lockstep_common::{
+    EndpointValue, IpcacheValue, TunnelConfig, endpoint_flags, identity, ipcache_flags,
+    program_names,
+};
+use lockstep_core::cluster::remote::tunnel_value;
+use lockstep_tests::traffic::{IperfServer, connections, median, request_reply_server, throughput};
+use lockstep_tests::{Netns, PinRoot, counter, privileged, veth};
+
+const NODE: [&str; 2] = ["10.77.0.1", "10.77.0.2"];
+const POD: [&str; 2] = ["10.70.1.2", "10.70.2.2"];
+const GW: [&str; 2] = ["10.70.1.1", "10.70.2.1"];
+const ROUNDS: usize = 7;
+const CLIENT_THREADS: usize = 4;
+const ROUND: Duration = Duration::from_secs(2);
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    Native,
+    Lockstep,
+    KernelVxlan,
+}
+
+struct Side {
+    name: &'static str,
+    _nodes: Vec<Netns>,
+    pods: Vec<Netns>,
+    _iperf: IperfServer,
+    rr: SocketAddr,
+    pins: Vec<PinRoot>,
+}
+
+/// The agent's side of a node in tunnel mode: from_endpoint on the pod's
+/// interface, from_tunnel on the device, the local pod and the remote
+/// block in the maps, TUNNEL_CONFIG.
+fn program_node(node: &Netns, pod: &Netns, k: usize, pins: &PinRoot) -> anyhow::Result<()> {
+    let other = 1 - k;
+    let pod_mac: Vec<u8> = pod
+        .mac("eth0")?
+        .split(':')
+        .map(|b| u8::from_str_radix(b, 16))
+        .collect::<Result<_, _>>()?;
+    let index = |name: &str| -> anyhow::Result<u32> {
+        let v: serde_json::Value = serde_json::from_str(&node.ip(["-j", "link", "show", name])?)?;
+        Ok(u32::try_from(v[0]["ifindex"].as_u64().context("ifindex")?)?)
+    };
+    let (h1, dev) = (index("h1")?, index("lockstep_vxlan")?);
+    let root = pins.path().to_path_buf();
+    node.run(move || {
+        let mut opts = DatapathOptions::new(&root);
+        opts.attach_mode = AttachMode::Auto;
+        let mut dp = Datapath::open(opts)?;
+        dp.attach(program_names::FROM_ENDPOINT, "h1", Hook::Ingress)?;
+        dp.attach(program_names::FROM_TUNNEL, "lockstep_vxlan", Hook::Ingress)?;
+        Ok(())
+    })?;
+    let mut maps = PinnedMaps::open(pins.path())?;
+    let ip: std::net::Ipv4Addr = POD[k].parse()?;
+    maps.endpoint_insert(
+        h1,
+        &EndpointValue {
+            generation: 1,
+            ipv4: ip.octets(),
+            flags: endpoint_flags::HAS_V4,
+            mac: pod_mac.try_into().map_err(|_| anyhow::anyhow!("mac"))?,
+            ..Default::default()
+        },
+    )?;
+    maps.ipcache_host_v4_mut().insert(
+        ip.octets(),
+        IpcacheValue {
+            identity: identity::ENDPOINT,
+            flags: ipcache_flags::ENDPOINT,
+            ifindex: h1,
+            ..Default::default()
+        },
+        0,
+    )?;
+    let block: Ipv4Net = format!("10.70.{}.0/24", other + 1).parse()?;
+    maps.ipcache_insert(IpNet::V4(block), tunnel_value(NODE[other].parse()?))?;
+    let local: std::net::Ipv4Addr = NODE[k].parse()?;
+    maps.set_tunnel_config(TunnelConfig {
+        ifindex: dev,
+        vni: 1,
+        local_v4: local.octets(),
+        ..Default::default()
+    })?;
+    Ok(())
+}
+
+fn build(name: &'static str, mode: Mode) -> anyhow::Result<Side> {
+    let nodes = [Netns::new("tbn0")?, Netns::new("tbn1")?];
+    veth(&nodes[0], "u0", &nodes[1], "u0")?;
+    let mtu = if mode == Mode::Native { "1500" } else { "1450" };
+    let mut pods = Vec::new();
+    let mut pins = Vec::new();
+    for (k, node) in nodes.iter().enumerate() {
+        let other = 1 - k;
+        node.ip(["addr", "add", &format!("{}/24", NODE[k]), "dev", "u0"])?;
+        node.sysctl("net.ipv4.ip_forward", "1")?;
+        let pod = Netns::new(&format!("tbp{k}"))?;
+        veth(&pod, "eth0", node, "h1")?;
+        for (ns, dev) in [(&pod, "eth0"), (node, "h1")] {
+            ns.ip(["link", "set", dev, "mtu", mtu])?;
+        }
+        pod.ip(["addr", "add", &format!("{}/24", POD[k]), "dev", "eth0"])?;
+        node.ip(["addr", "add", &format!("{}/24", GW[k]), "dev", "h1"])?;
+        pod.ip(["route", "add", "default", "via", GW[k]])?;
+        let block = format!("10.70.{}.0/24", other + 1);
+        match mode {
+            Mode::Native => {
+                node.ip(["route", "add", &block, "via", NODE[other]])?;
+            }
+            Mode::KernelVxlan => {
+                node.ip([
+                    "link",
+                    "add",
+                    "kvx",
+                    "type",
+                    "vxlan",
+                    "id",
+                    "42",
+                    "dstport",
+                    "4789",
+                    "local",
+                    NODE[k],
+                    "remote",
+                    NODE[other],
+                    "dev",
+                    "u0",
+                ])?;
+                node.ip([
+                    "addr",
+                    "add",
+                    &format!("10.99.0.{}/24", k + 1),
+                    "dev",
+                    "kvx",
+                ])?;
+                node.ip(["link", "set", "kvx", "up"])?;
+                let via = format!("10.99.0.{}", other + 1);
+                node.ip(["route", "add", &block, "via", &via, "dev", "kvx"])?;
+            }
+            Mode::Lockstep => {
+                node.ip([
+                    "link",
+                    "add",
+                    "lockstep_vxlan",
+                    "type",
+                    "vxlan",
+                    "external",
+                    "dstport",
+                    "8472",
+                ])?;
+                node.ip(["link", "set", "lockstep_vxlan", "up"])?;
+                let p = PinRoot::new();
+                program_node(node, &pod, k, &p)?;
+                pins.push(p);
+            }
+        }
+        pods.push(pod);
+    }
+    let iperf = IperfServer::start(&pods[1], POD[1])?;
+    let rr = request_reply_server(&pods[1], POD[1], CLIENT_THREADS)?;
+    pods[0].exec("ping", ["-c", "1", "-W", "2", POD[1]])?;
+    Ok(Side {
+        name,
+        _nodes: nodes.into(),
+        pods,
+        _iperf: iperf,
+        rr,
+        pins,
+    })
+}
+
+#[test]
+#[ignore = "a benchmark: cargo xtask bench tunnel"]
+fn tunnel_beside_native_and_kernel_vxlan() -> anyhow::Result<()> {
+    privileged!();
+    let sides = [
+        build("lockstep tunnel", Mode::Lockstep)?,
+        build("kernel VXLAN", Mode::KernelVxlan)?,
+        build("native", Mode::Native)?,
+    ];
+    // [side][metric] per round.
+    let mut figures: [[Vec<f64>; 2]; 3] = Default::default();
+    let mut failed = [0u64; 3];
+    for round in 0..ROUNDS {
+        for i in (0..3).map(|k| (k + round) % 3) {
+            let side = &sides[i];
+            figures[i][0].push(throughput(&side.pods[0], POD[1]).context(side.name)? / 1e9);
+            let (cps, f) = connections(&side.pods[0], side.rr, CLIENT_THREADS, ROUND);
+            figures[i][1].push(cps);
+            failed[i] += f;
+        }
+    }
+    let encap = counter(&sides[0].pins[0], "tunnel_encap")?;
+    let decap = counter(&sides[0].pins[1], "tunnel_decap")?;
+    ensure!(
+        encap > 0 && decap > 0,
+        "lockstep's side did not use the tunnel (encap {encap}, decap {decap})"
+    );
+    let med: Vec<[f64; 2]> = figures
+        .iter_mut()
+        .map(|f| [median(&mut f[0]), median(&mut f[1])])
+        .collect();
+    println!(
+        "tunnel bench, {ROUNDS} rounds, medians (lockstep tunnel | kernel VXLAN | ratio | native | lockstep/native):"
+    );
+    for (k, (what, unit)) in [("TCP throughput", "Gbit/s"), ("TCP connections", "/s")]
+        .iter()
+        .enumerate()
+    {
+        println!(
+            "  {what:<16} {:>10.2} {unit:<7} | {:>10.2} {unit:<7} | {:.2}x | {:>10.2} | {:.2}",
+            med[0][k],
+            med[1][k],
+            med[0][k] / med[1][k],
+            med[2][k],
+            med[0][k] / med[2][k]
+        );
+    }
+    println!(
+        "  failed connection attempts: lockstep {}, kernel {}, native {}; rounds: {figures:?}",
+        failed[0], failed[1], failed[2]
+    );
+    let mut missed = vec![];
+    if med[0][0] < med[1][0] {
+        missed.push("throughput ≥ kernel VXLAN");
+    }
+    if med[0][1] < med[1][1] {
+        missed.push("connections/s ≥ kernel VXLAN");
+    }
+    if med[0][0] < 0.85 * med[2][0] {
+        missed.push("throughput ≥ 85% of native");
+    }
+    check_goals(&missed)
+}
