@@ -10,7 +10,8 @@
 //!   matching checksums; no kernel route to any remote block; VXLAN
 //!   packets injected from outside (the router) and by another node
 //!   claiming node 0's pods are dropped and counted, while the same
-//!   injection with the sender's own pod as source is delivered; a
+//!   injection with the sender's own pod as source is delivered; the
+//!   device deleted by hand and TUNNEL_CONFIG emptied are repaired; a
 //!   transfer runs through a SIGKILL and restart of the sender's agent and
 //!   an upgrade (program replaced) of the receiver's: it completes intact.
 //! - `cross-subnet` (VXLAN on UDP 4789): the same reachability; on the
@@ -259,7 +260,7 @@ fn tunnel_mode_reaches_every_endpoint_across_the_router_and_drops_forged_sources
     let decap = || counter(&n.agents[2].pins, "tunnel_decap");
     let (f0, d0) = (forged()?, decap()?);
     inject(
-        &n.router,
+        &n.router2,
         "10.252.2.254",
         &vxlan_echo(pods[0].v4, pods[4].v4)?,
     )?;
@@ -278,6 +279,54 @@ fn tunnel_mode_reaches_every_endpoint_across_the_router_and_drops_forged_sources
     eprintln!(
         "forged: {f0} -> {f2} (6 injected), decap {d0} -> {}",
         decap()?
+    );
+    // The metrics follow COUNTERS (refreshed at least every 2 s).
+    let started = std::time::Instant::now();
+    loop {
+        let m = metrics_in(&n.ns[2])?;
+        let forged_metric = m
+            .lines()
+            .find(|l| l.starts_with("lockstep_tunnel_drops{reason=\"forged_source\"}"))
+            .map(str::to_string);
+        let ok = forged_metric
+            .as_deref()
+            .is_some_and(|l| l.ends_with(&format!(" {f2}")))
+            && m.contains("lockstep_tunnel_packets{what=\"decap\"}");
+        if ok {
+            break;
+        }
+        ensure!(
+            started.elapsed() < Duration::from_secs(10),
+            "metrics: {forged_metric:?}, counter {f2}"
+        );
+        std::thread::sleep(Duration::from_millis(300));
+    }
+
+    // Drift: node 2's tunnel device deleted by hand and TUNNEL_CONFIG
+    // emptied on node 1; the next reconciles (every second here) make the
+    // device again, attach from_tunnel to it, write TUNNEL_CONFIG; traffic
+    // flows again.
+    n.ns[2].ip(["link", "del", "lockstep_vxlan"])?;
+    lockstep::datapath::PinnedMaps::open(n.agents[1].pins.path())?
+        .set_tunnel_config(lockstep_common::TunnelConfig::default())?;
+    let started = std::time::Instant::now();
+    while pods[0]
+        .ns
+        .exec("ping", ["-c", "1", "-W", "1", &pods[4].v4.to_string()])
+        .is_err()
+        || pods[2]
+            .ns
+            .exec("ping", ["-c", "1", "-W", "1", &pods[5].v6.to_string()])
+            .is_err()
+    {
+        ensure!(
+            started.elapsed() < Duration::from_secs(10),
+            "the tunnel was not repaired"
+        );
+    }
+    eprintln!(
+        "tunnel device and TUNNEL_CONFIG repaired within {:?}",
+        started.elapsed()
     );
 
     // A transfer through a SIGKILL of the sender's agent and an upgrade of

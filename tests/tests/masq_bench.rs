@@ -21,7 +21,9 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, ensure};
 use lockstep::datapath::PinnedMaps;
 use lockstep_common::{MasqConfig, masq_flags};
-use lockstep_tests::traffic::{IperfServer, connections, median, request_reply_server, throughput};
+use lockstep_tests::traffic::{
+    IperfServer, check_goals, connections, median, request_reply_server, throughput,
+};
 use lockstep_tests::world::{NODE_V4, NODE_V6, WORLD_V4, World};
 use lockstep_tests::{Netns, PinRoot, counter, lockstep_in, privileged};
 

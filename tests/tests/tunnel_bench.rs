@@ -29,7 +29,9 @@ use lockstep_common::{
     program_names,
 };
 use lockstep_core::cluster::remote::tunnel_value;
-use lockstep_tests::traffic::{IperfServer, connections, median, request_reply_server, throughput};
+use lockstep_tests::traffic::{
+    IperfServer, check_goals, connections, median, request_reply_server, throughput,
+};
 use lockstep_tests::{Netns, PinRoot, counter, privileged, veth};
 
 const NODE: [&str; 2] = ["10.77.0.1", "10.77.0.2"];

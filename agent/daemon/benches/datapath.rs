@@ -730,7 +730,16 @@ fn tunnel_rows(dp: &mut Datapath, ep: [u8; 4]) -> anyhow::Result<()> {
         "program (encapsulation)", "ns/packet", "over empty", "<60 ns"
     );
     let mut ok = true;
+    maps.ipcache_insert(
+        "10.65.2.0/24".parse()?,
+        lockstep_core::cluster::remote::remote_value("192.0.2.3".parse()?),
+    )?;
     for (name, packet, goal) in [
+        (
+            "  for reference: a native remote block",
+            ipv4_udp(ep, [10, 65, 2, 7]),
+            false,
+        ),
         (
             "from_endpoint (encap, IPv4 underlay)",
             ipv4_udp(ep, [10, 65, 0, 7]),
@@ -743,7 +752,12 @@ fn tunnel_rows(dp: &mut Datapath, ep: [u8; 4]) -> anyhow::Result<()> {
         ),
         ("  same, 1400 bytes (path MTU asked)", large, false),
     ] {
-        let (ns, over) = paired(dp, program_names::FROM_ENDPOINT, &packet, REDIRECT, false)?;
+        let want = if name.contains("native") {
+            NEXT
+        } else {
+            REDIRECT
+        };
+        let (ns, over) = paired(dp, program_names::FROM_ENDPOINT, &packet, want, false)?;
         let verdict = if !goal {
             "(info)"
         } else if over < 60.0 {
