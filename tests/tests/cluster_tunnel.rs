@@ -21,6 +21,8 @@
 //!   routers cut to MTU 1400, 50 MiB transfers still complete both ways in
 //!   both families (IPv4 outer fragmented by the router, IPv6's "packet
 //!   too big" relayed to the endpoint by from_endpoint).
+//! - The device alone (no etcd needed): made, adopted by a restart,
+//!   replaced on a port change; Geneve made or refused by name.
 
 use std::collections::BTreeMap;
 use std::io::Read;
@@ -35,7 +37,7 @@ use lockstep_tests::cluster::{cluster_cli, cni, metrics_in};
 use lockstep_tests::etcd::EtcdCluster;
 use lockstep_tests::routed::{RoutedNodes, node_v4, subnet};
 use lockstep_tests::world::{Sink, transfer};
-use lockstep_tests::{Netns, counter, privileged};
+use lockstep_tests::{AgentProc, Netns, counter, privileged};
 
 const POOLS: &str = "[[pools]]\nname = \"pods\"\nipv4 = [\"10.98.0.0/16\"]\nipv6 = [\"fd98::/112\"]\nblock_v4 = 28\nblock_v6 = 124\n";
 
@@ -513,6 +515,93 @@ fn cross_subnet_encapsulates_only_across_the_router() -> anyhow::Result<()> {
     );
     for a in &n.agents {
         a.verify_within(Duration::from_secs(10))?;
+    }
+    Ok(())
+}
+
+/// The device as `ip -d -j link` shows it: (ifindex, kind, port, external).
+fn device(ns: &Netns, name: &str) -> anyhow::Result<(u64, String, u64, bool)> {
+    let v: serde_json::Value = serde_json::from_str(&ns.ip(["-d", "-j", "link", "show", name])?)?;
+    let info = &v[0]["linkinfo"];
+    Ok((
+        v[0]["ifindex"].as_u64().context("ifindex")?,
+        info["info_kind"].as_str().unwrap_or_default().to_string(),
+        info["info_data"]["port"].as_u64().unwrap_or_default(),
+        info["info_data"]["external"].as_bool().unwrap_or_default(),
+    ))
+}
+
+/// The tunnel device is made at start, adopted as it is by a restart (same
+/// interface), replaced when the configuration asks for another port; a
+/// Geneve device is made where the kernel has Geneve, and refused by name
+/// where it does not (this project's VM). No etcd is needed: the device
+/// is set up before the agent reaches it.
+#[test]
+fn the_tunnel_device_is_made_adopted_and_replaced() -> anyhow::Result<()> {
+    privileged!();
+    let node = Netns::new("tdev")?;
+    node.ip(["link", "add", "u0", "type", "veth", "peer", "name", "u1"])?;
+    node.ip(["link", "set", "u1", "up"])?;
+    node.ip(["addr", "add", "10.253.0.1/24", "dev", "u0"])?;
+    node.ip(["link", "set", "u0", "up"])?;
+    let config = |extra: &str| {
+        format!(
+            "pools = []\n[cluster]\netcd = [\"http://127.0.0.1:9\"]\nnode_name = \"t\"\nnode_ip_v4 = \"10.253.0.1\"\nrouting = \"tunnel\"\n{extra}"
+        )
+    };
+    let mut agent = AgentProc::start(&node, &config(""))?;
+    let made = device(&node, "lockstep_vxlan")?;
+    ensure!(
+        made.1 == "vxlan" && made.2 == 8472 && made.3,
+        "made {made:?}"
+    );
+    agent.restart()?;
+    let adopted = device(&node, "lockstep_vxlan")?;
+    ensure!(adopted == made, "restart: {made:?} -> {adopted:?}");
+    agent.stop()?;
+    agent.rewrite_config(|t| {
+        t.replace(
+            "routing = \"tunnel\"\n",
+            "routing = \"tunnel\"\ntunnel_port = 4789\n",
+        )
+    })?;
+    agent.respawn()?;
+    agent.wait_ready()?;
+    let replaced = device(&node, "lockstep_vxlan")?;
+    ensure!(
+        replaced.2 == 4789 && replaced.0 != made.0,
+        "port change: {made:?} -> {replaced:?}"
+    );
+    agent.stop()?;
+    drop(agent);
+
+    let geneve = node
+        .ip(["link", "add", "probe0", "type", "geneve", "external"])
+        .is_ok();
+    if geneve {
+        node.ip(["link", "del", "probe0"])?;
+    }
+    let mut agent = AgentProc::spawn_unready(&node, &config("tunnel_protocol = \"geneve\"\n"))?;
+    if geneve {
+        agent.wait_ready()?;
+        let g = device(&node, "lockstep_geneve")?;
+        ensure!(g.1 == "geneve" && g.2 == 6081 && g.3, "geneve {g:?}");
+        eprintln!("geneve: made {g:?}");
+    } else {
+        let started = std::time::Instant::now();
+        while agent.exited()?.is_none() {
+            ensure!(
+                started.elapsed() < Duration::from_secs(20),
+                "the agent neither made a Geneve device nor refused"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        let log = agent.log();
+        ensure!(
+            log.contains("lockstep_geneve") && log.contains("not supported"),
+            "refusal: {log}"
+        );
+        eprintln!("geneve: this kernel has none; the agent refused naming lockstep_geneve");
     }
     Ok(())
 }
