@@ -1,0 +1,232 @@
+//! The glue between the core's announcer ([`Announcer`], #27 items 1, 2
+//! and 5) and the two systems it orders steps across: etcd's announcement
+//! keys ([`AnnounceKeys`], the cluster door) and the datapath's
+//! announcement maps ([`AnnounceDatapath`], [`Announcements`]). It carries
+//! out the announcer's actions one at a time and reports each outcome back
+//! exactly as it happened: a map write that failed is reported failed and
+//! one not answered in time is reported lost (it may still land), so the
+//! announcer never withdraws a key on a write it has no confirmation of.
+//! An action not carried out (the tick's time is up) is reported lost
+//! too, which is always safe: lost means "may or may not have happened".
+//!
+//! The two traits exist so this order is unit-tested with the doors'
+//! doubles (a map write failing or hanging) without etcd or root.
+
+use std::collections::BTreeSet;
+use std::net::IpAddr;
+use std::time::{Duration, Instant};
+
+use lockstep_core::lb::announce::{Action, Announcer, Answer, Holder, Observation, Written};
+
+use super::lb::selectors;
+use super::{ClusterStoreError, Door, LbView};
+use crate::agent::Announcements;
+use crate::agent::announce::monotonic_ns;
+
+/// How long a datapath write is waited for before it is reported lost
+/// (it may still land; a newer write is never overtaken by it).
+pub const WRITE_TIMEOUT: Duration = Duration::from_millis(500);
+
+/// At most this many rounds of actions per call: each round answers the
+/// previous one's outcomes (take → program → announce is three).
+const MAX_ROUNDS: usize = 8;
+
+/// etcd's announcement keys, as the announcer uses them.
+pub(crate) trait AnnounceKeys {
+    /// Creates `address`'s key for `node` under `lease` if absent; whether
+    /// `node` holds it under `lease` now.
+    async fn take(
+        &mut self,
+        address: IpAddr,
+        node: &str,
+        lease: i64,
+    ) -> Result<bool, ClusterStoreError>;
+    /// Deletes `address`'s key if it is `node`'s.
+    async fn withdraw(&mut self, address: IpAddr, node: &str) -> Result<(), ClusterStoreError>;
+    /// Revokes `lease` (every key bound to it goes).
+    async fn revoke(&mut self, lease: i64) -> Result<(), ClusterStoreError>;
+}
+
+impl AnnounceKeys for Door {
+    async fn take(
+        &mut self,
+        address: IpAddr,
+        node: &str,
+        lease: i64,
+    ) -> Result<bool, ClusterStoreError> {
+        self.lb_announce(address, node, lease).await
+    }
+
+    async fn withdraw(&mut self, address: IpAddr, node: &str) -> Result<(), ClusterStoreError> {
+        self.lb_withdraw(address, node).await.map(drop)
+    }
+
+    async fn revoke(&mut self, lease: i64) -> Result<(), ClusterStoreError> {
+        self.lb_revoke(lease).await
+    }
+}
+
+/// The datapath's announcement maps, as the announcer uses them.
+pub(crate) trait AnnounceDatapath {
+    /// Write number `seq`: answer for exactly `addresses` until
+    /// `valid_until` (kernel monotonic ns). An older write than one
+    /// applied is dropped (and reported done).
+    async fn program(&self, seq: u64, addresses: BTreeSet<IpAddr>, valid_until: u64) -> Written;
+    /// A gratuitous ARP / unsolicited NA for `address`, if answered now.
+    fn announce(&self, address: IpAddr);
+}
+
+impl AnnounceDatapath for Announcements {
+    async fn program(&self, seq: u64, addresses: BTreeSet<IpAddr>, valid_until: u64) -> Written {
+        let me = self.clone();
+        let write =
+            tokio::task::spawn_blocking(move || me.set_cluster(seq, addresses, valid_until));
+        match tokio::time::timeout(WRITE_TIMEOUT, write).await {
+            Ok(Ok(Ok(_))) => Written::Done,
+            Ok(Ok(Err(e))) => {
+                tracing::error!(error = %crate::error_chain(&e), seq, "cluster announcements not programmed");
+                Written::Failed
+            }
+            Ok(Err(e)) => {
+                tracing::error!(error = %e, seq, "cluster announcement write failed");
+                Written::Failed
+            }
+            Err(_) => {
+                tracing::warn!(seq, timeout = ?WRITE_TIMEOUT, "cluster announcement write not answered in time; its key is kept");
+                Written::Lost
+            }
+        }
+    }
+
+    fn announce(&self, address: IpAddr) {
+        Announcements::announce(self, address);
+    }
+}
+
+/// What [`run`] did, for the metrics.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Counts {
+    /// Keys taken.
+    pub took: u64,
+    /// Keys withdrawn.
+    pub withdrew: u64,
+}
+
+/// The read of etcd as the announcer takes it.
+///
+/// # Errors
+/// The stored state does not restore.
+pub(crate) fn observation(view: &LbView) -> Result<Observation, ClusterStoreError> {
+    Ok(Observation {
+        addresses: selectors(&view.to_announce()?),
+        members: view
+            .members
+            .iter()
+            .map(|(n, lease)| (view.candidate(n), *lease))
+            .collect(),
+        holders: view
+            .announcements
+            .iter()
+            .map(|(a, (node, lease))| {
+                (
+                    *a,
+                    Holder {
+                        node: node.clone(),
+                        lease: *lease,
+                    },
+                )
+            })
+            .collect(),
+    })
+}
+
+/// Carries out what `machine` says until it says nothing more or
+/// `deadline` passes, reporting every outcome. Returns the first etcd
+/// error seen (every failed request was reported lost to the machine).
+pub(crate) async fn run<K: AnnounceKeys, D: AnnounceDatapath>(
+    machine: &mut Announcer,
+    keys: &mut K,
+    dp: &D,
+    node: &str,
+    deadline: Instant,
+    counts: &mut Counts,
+) -> Option<ClusterStoreError> {
+    let mut problem = None;
+    for round in 0.. {
+        let actions = machine.poll(monotonic_ns());
+        if actions.is_empty() {
+            break;
+        }
+        for action in actions {
+            let late = Instant::now() >= deadline || round >= MAX_ROUNDS;
+            match action {
+                Action::Program {
+                    seq,
+                    addresses,
+                    valid_until,
+                } => {
+                    let written = if late {
+                        Written::Lost
+                    } else {
+                        dp.program(seq, addresses, valid_until).await
+                    };
+                    for a in machine.programmed(seq, written, monotonic_ns()) {
+                        if let Action::Announce(a) = a {
+                            dp.announce(a);
+                        }
+                    }
+                }
+                Action::Take(a) => {
+                    let answer = match (late, machine.lease()) {
+                        (false, Some(lease)) => match keys.take(a, node, lease).await {
+                            Ok(true) => {
+                                tracing::info!(address = %a, "lb announcement taken");
+                                counts.took += 1;
+                                Answer::Yes
+                            }
+                            Ok(false) => Answer::No,
+                            Err(e) => {
+                                problem.get_or_insert(e);
+                                Answer::Lost
+                            }
+                        },
+                        _ => Answer::Lost,
+                    };
+                    machine.took(a, answer);
+                }
+                Action::Withdraw(a) => {
+                    let answer = if late {
+                        Answer::Lost
+                    } else {
+                        match keys.withdraw(a, node).await {
+                            Ok(()) => {
+                                tracing::info!(address = %a, "lb announcement withdrawn");
+                                counts.withdrew += 1;
+                                Answer::Yes
+                            }
+                            Err(e) => {
+                                problem.get_or_insert(e);
+                                Answer::Lost
+                            }
+                        }
+                    };
+                    machine.withdrew(a, answer, monotonic_ns());
+                }
+                Action::Announce(a) => dp.announce(a),
+                // Best effort: a lease not revoked runs out.
+                Action::Revoke(lease) => {
+                    if let Err(e) = keys.revoke(lease).await {
+                        tracing::warn!(error = %crate::error_chain(&e), "lb lease not revoked; it runs out");
+                    }
+                }
+            }
+        }
+        if Instant::now() >= deadline || round >= MAX_ROUNDS {
+            break;
+        }
+    }
+    problem
+}
+
+#[cfg(test)]
+mod tests;
