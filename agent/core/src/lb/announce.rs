@@ -106,17 +106,38 @@ pub struct Observation {
     pub holders: BTreeMap<IpAddr, Holder>,
 }
 
-/// What etcd answered to a [`Action::Take`] or [`Action::Withdraw`].
+/// What etcd answered to a [`Action::Take`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Answer {
-    /// Take: the key is this node's, under the current lease. Withdraw:
-    /// the key is gone (deleted now, or it was not this node's).
-    Yes,
-    /// Take: another holder has the key.
-    No,
+pub enum Took {
+    /// The key is this node's under the current lease (created now, or
+    /// already); its create revision names this very key.
+    Mine(i64),
+    /// Another holder has the key.
+    Other,
     /// No answer (timeout, connection lost): the request may have been
     /// applied, now or later.
     Lost,
+}
+
+/// What etcd answered to a [`Action::Withdraw`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Withdrew {
+    /// The key named is gone (deleted now, or it was gone already).
+    Done,
+    /// No answer: the request may have been applied, now or later.
+    Lost,
+}
+
+/// Which announcement key a withdrawal may delete: never a later key of
+/// this node's for the same address (a withdrawal applied late, after the
+/// address was taken again, must not delete the new key).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KeyRef {
+    /// The key with this create revision (one this node took).
+    Created(i64),
+    /// Any key of this node's bound to this lease: a lease this node no
+    /// longer takes anything under (given up, or before a restart).
+    Lease(i64),
 }
 
 /// What the datapath answered to a [`Action::Program`].
@@ -152,9 +173,9 @@ pub enum Action {
     /// Create the address's key under the current lease if absent.
     /// Report with [`Announcer::took`].
     Take(IpAddr),
-    /// Delete the address's key if it is this node's. Report with
-    /// [`Announcer::withdrew`].
-    Withdraw(IpAddr),
+    /// Delete the address's key if it is this node's and the one named.
+    /// Report with [`Announcer::withdrew`].
+    Withdraw(IpAddr, KeyRef),
     /// Send a gratuitous ARP / unsolicited NA for the address (it is in
     /// the datapath now, answered until the write's `valid_until`).
     Announce(IpAddr),
@@ -167,15 +188,27 @@ pub enum Action {
 /// An address this node is doing something about.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Phase {
-    /// A take is to be sent (`asked`: sent, no answer yet).
-    Taking { asked: bool },
-    /// The key is this node's: in the datapath.
-    Held,
-    /// Given up: out of the datapath; withdrawn once nothing outstanding
-    /// may make it answer.
-    Releasing,
+    /// A take under `lease` is to be sent again (`asked`: sent, no answer
+    /// yet).
+    Taking { asked: bool, lease: i64 },
+    /// The key (this create revision) is this node's: in the datapath.
+    Held(i64),
+    /// Given up: out of the datapath; the key withdrawn once nothing
+    /// outstanding may make it answer.
+    Releasing(KeyRef),
     /// The withdrawal is sent.
-    Withdrawing,
+    Withdrawing(KeyRef),
+}
+
+impl Phase {
+    /// What a give-up withdraws, for a phase that holds or may hold a key.
+    fn released(self) -> Self {
+        match self {
+            Phase::Held(rev) => Phase::Releasing(KeyRef::Created(rev)),
+            Phase::Taking { lease, .. } => Phase::Releasing(KeyRef::Lease(lease)),
+            other => other,
+        }
+    }
 }
 
 /// One datapath write.
@@ -251,7 +284,7 @@ impl Announcer {
     pub fn held(&self) -> BTreeSet<IpAddr> {
         self.phases
             .iter()
-            .filter(|(_, p)| **p == Phase::Held)
+            .filter(|(_, p)| matches!(p, Phase::Held(_)))
             .map(|(a, _)| *a)
             .collect()
     }
@@ -285,7 +318,7 @@ impl Announcer {
         // Keys of a lease given up while etcd may keep it are still to be
         // withdrawn.
         self.phases
-            .retain(|_, p| matches!(p, Phase::Releasing | Phase::Withdrawing));
+            .retain(|_, p| matches!(p, Phase::Releasing(_) | Phase::Withdrawing(_)));
         self.lease = Some((id, valid_until));
     }
 
@@ -441,39 +474,46 @@ impl Announcer {
     }
 
     /// etcd's answer to [`Action::Take`] of `a`.
-    pub fn took(&mut self, a: IpAddr, answer: Answer) {
-        if !matches!(self.phases.get(&a), Some(Phase::Taking { .. })) {
+    pub fn took(&mut self, a: IpAddr, answer: Took) {
+        let Some(Phase::Taking { lease, .. }) = self.phases.get(&a).copied() else {
             return;
-        }
+        };
         match answer {
-            Answer::Yes => {
-                self.phases.insert(a, Phase::Held);
+            Took::Mine(rev) => {
+                self.phases.insert(a, Phase::Held(rev));
                 // The last read is older than this answer.
-                if let (Some(view), Some((lease, _))) = (self.view.as_mut(), self.lease) {
+                if let Some(view) = self.view.as_mut() {
                     let me = self.me.clone();
                     view.holders.insert(a, Holder { node: me, lease });
                     self.unheld_since.remove(&a);
                 }
             }
-            Answer::No => {
+            Took::Other => {
                 self.phases.remove(&a);
                 self.refused.insert(a);
             }
-            // The key may be this node's: asked again (or withdrawn if no
-            // longer wanted) at the next poll.
-            Answer::Lost => {
-                self.phases.insert(a, Phase::Taking { asked: false });
+            // The key may be this node's: asked again (the answer names
+            // the key), even if no longer wanted, so that a withdrawal
+            // can name it.
+            Took::Lost => {
+                self.phases.insert(
+                    a,
+                    Phase::Taking {
+                        asked: false,
+                        lease,
+                    },
+                );
             }
         }
     }
 
     /// etcd's answer to [`Action::Withdraw`] of `a`.
-    pub fn withdrew(&mut self, a: IpAddr, answer: Answer, now: Nanos) {
-        if self.phases.get(&a) != Some(&Phase::Withdrawing) {
+    pub fn withdrew(&mut self, a: IpAddr, answer: Withdrew, now: Nanos) {
+        let Some(Phase::Withdrawing(key)) = self.phases.get(&a).copied() else {
             return;
-        }
+        };
         match answer {
-            Answer::Yes | Answer::No => {
+            Withdrew::Done => {
                 self.phases.remove(&a);
                 // The last read is older than this answer: it must not
                 // make the key look like this node's still.
@@ -486,8 +526,8 @@ impl Announcer {
                     }
                 }
             }
-            Answer::Lost => {
-                self.phases.insert(a, Phase::Releasing);
+            Withdrew::Lost => {
+                self.phases.insert(a, Phase::Releasing(key));
             }
         }
     }
@@ -593,9 +633,7 @@ impl Announcer {
         if self.lease.is_some_and(|(_, cap)| now >= cap) {
             self.lease = None;
             for p in self.phases.values_mut() {
-                if matches!(*p, Phase::Held | Phase::Taking { .. }) {
-                    *p = Phase::Releasing;
-                }
+                *p = p.released();
             }
         }
         self.gave_away
@@ -604,28 +642,30 @@ impl Announcer {
             // Nothing is held: a stop (or a silent uplink) empties the
             // datapath before the lease is revoked.
             for p in self.phases.values_mut() {
-                if *p == Phase::Held {
-                    *p = Phase::Releasing;
+                if matches!(p, Phase::Held(_)) {
+                    *p = p.released();
                 }
             }
         }
         self.decide(now, &mut out);
         // Give up what is to be given up, then write.
-        let releasing: Vec<IpAddr> = self
+        let releasing: Vec<(IpAddr, KeyRef)> = self
             .phases
             .iter()
-            .filter(|(_, p)| **p == Phase::Releasing)
-            .map(|(a, _)| *a)
+            .filter_map(|(a, p)| match p {
+                Phase::Releasing(k) => Some((*a, *k)),
+                _ => None,
+            })
             .collect();
         if let Some(w) = self.write(now) {
             out.push(w);
         }
         // With a lease, quitting revokes it instead (every key at once).
         if !(self.quitting() && self.lease.is_some()) {
-            for a in releasing {
+            for (a, key) in releasing {
                 if !self.may_answer(a, now) {
-                    self.phases.insert(a, Phase::Withdrawing);
-                    out.push(Action::Withdraw(a));
+                    self.phases.insert(a, Phase::Withdrawing(key));
+                    out.push(Action::Withdraw(a, key));
                 }
             }
         }
@@ -664,45 +704,76 @@ impl Announcer {
             match self.phases.get(&a).copied() {
                 None => match view.holders.get(&a) {
                     // A key of this node's it does not know of: one under
-                    // this lease is claimed by a take (the answer says
-                    // whose it is), any other is withdrawn.
+                    // this lease is claimed by a take (the answer names the
+                    // key; released after if not wanted), one under another
+                    // lease is withdrawn (nothing is taken under it again).
                     Some(h) if h.node == self.me => {
-                        if Some(h.lease) == lease && admitted {
-                            self.phases.insert(a, Phase::Taking { asked: true });
+                        if Some(h.lease) == lease {
+                            self.phases.insert(
+                                a,
+                                Phase::Taking {
+                                    asked: true,
+                                    lease: h.lease,
+                                },
+                            );
                             out.push(Action::Take(a));
                         } else {
-                            self.phases.insert(a, Phase::Releasing);
+                            self.phases
+                                .insert(a, Phase::Releasing(KeyRef::Lease(h.lease)));
                         }
                     }
                     Some(_) => {}
                     None => {
-                        if lease.is_some() && admitted && self.takes_unheld(a, now) {
-                            self.phases.insert(a, Phase::Taking { asked: true });
+                        if let Some(l) = lease
+                            && admitted
+                            && self.takes_unheld(a, now)
+                        {
+                            self.phases.insert(
+                                a,
+                                Phase::Taking {
+                                    asked: true,
+                                    lease: l,
+                                },
+                            );
                             out.push(Action::Take(a));
                         }
                     }
                 },
-                Some(Phase::Taking { asked: false }) => {
-                    let free = view.holders.get(&a).is_none_or(|h| h.node == self.me);
-                    if lease.is_some() && admitted && free {
-                        self.phases.insert(a, Phase::Taking { asked: true });
+                // A take whose answer was lost: asked again under the same
+                // lease (the answer names the key, wanted or not); under a
+                // lease given up, withdrawn by that lease.
+                Some(Phase::Taking {
+                    asked: false,
+                    lease: l,
+                }) => {
+                    if lease == Some(l) {
+                        self.phases.insert(
+                            a,
+                            Phase::Taking {
+                                asked: true,
+                                lease: l,
+                            },
+                        );
                         out.push(Action::Take(a));
                     } else {
-                        // The lost take may have created the key.
-                        self.phases.insert(a, Phase::Releasing);
+                        self.phases.insert(a, Phase::Releasing(KeyRef::Lease(l)));
                     }
                 }
-                Some(Phase::Held) => {
+                Some(Phase::Held(rev)) => {
                     if lease.is_none() || !admitted {
-                        self.phases.insert(a, Phase::Releasing);
+                        self.phases
+                            .insert(a, Phase::Releasing(KeyRef::Created(rev)));
                     } else if self.rebalance(a, now) {
-                        self.phases.insert(a, Phase::Releasing);
+                        self.phases
+                            .insert(a, Phase::Releasing(KeyRef::Created(rev)));
                         self.gave_away.insert(a, now);
                         // Not quiet until the move is complete.
                         self.quiet_since = None;
                     }
                 }
-                Some(Phase::Taking { asked: true } | Phase::Releasing | Phase::Withdrawing) => {}
+                Some(
+                    Phase::Taking { asked: true, .. } | Phase::Releasing(_) | Phase::Withdrawing(_),
+                ) => {}
             }
         }
     }

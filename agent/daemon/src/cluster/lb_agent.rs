@@ -864,11 +864,16 @@ impl LbAgent {
 struct NoKeys;
 
 impl lb_announce::AnnounceKeys for NoKeys {
-    async fn take(&mut self, _: IpAddr, _: &str, _: i64) -> Result<bool, ClusterStoreError> {
+    async fn take(&mut self, _: IpAddr, _: &str, _: i64) -> Result<Option<i64>, ClusterStoreError> {
         Err(ClusterStoreError::Invalid("not connected to etcd".into()))
     }
 
-    async fn withdraw(&mut self, _: IpAddr, _: &str) -> Result<(), ClusterStoreError> {
+    async fn withdraw(
+        &mut self,
+        _: IpAddr,
+        _: &str,
+        _: lockstep_core::lb::announce::KeyRef,
+    ) -> Result<(), ClusterStoreError> {
         Err(ClusterStoreError::Invalid("not connected to etcd".into()))
     }
 

@@ -16,7 +16,10 @@ use std::collections::BTreeSet;
 use std::net::IpAddr;
 use std::time::{Duration, Instant};
 
-use lockstep_core::lb::announce::{Action, Announcer, Answer, Holder, Observation, Written};
+use etcd_client::{Compare, CompareOp, PutOptions, Txn, TxnOp, TxnOpResponse};
+use lockstep_core::lb::announce::{
+    Action, Announcer, Holder, KeyRef, Observation, Took, Withdrew, Written,
+};
 
 use super::lb::selectors;
 use super::{ClusterStoreError, Door, LbView};
@@ -33,18 +36,31 @@ const MAX_ROUNDS: usize = 8;
 
 /// etcd's announcement keys, as the announcer uses them.
 pub(crate) trait AnnounceKeys {
-    /// Creates `address`'s key for `node` under `lease` if absent; whether
-    /// `node` holds it under `lease` now.
+    /// Creates `address`'s key for `node` under `lease` if absent. Returns
+    /// the key's create revision if `node` holds it under `lease` now
+    /// (created now, or already), `None` if another holder has it.
     async fn take(
         &mut self,
         address: IpAddr,
         node: &str,
         lease: i64,
-    ) -> Result<bool, ClusterStoreError>;
-    /// Deletes `address`'s key if it is `node`'s.
-    async fn withdraw(&mut self, address: IpAddr, node: &str) -> Result<(), ClusterStoreError>;
+    ) -> Result<Option<i64>, ClusterStoreError>;
+    /// Deletes `address`'s key if it is `node`'s and the one `key` names
+    /// (never a later key of `node`'s for the address).
+    async fn withdraw(
+        &mut self,
+        address: IpAddr,
+        node: &str,
+        key: KeyRef,
+    ) -> Result<(), ClusterStoreError>;
     /// Revokes `lease` (every key bound to it goes).
     async fn revoke(&mut self, lease: i64) -> Result<(), ClusterStoreError>;
+}
+
+/// `lb/announce/<ip>` under the door's prefix (the key `cluster::lb`
+/// documents).
+fn announce_key(door: &Door, address: IpAddr) -> String {
+    format!("{}lb/announce/{address}", door.options().prefix)
 }
 
 impl AnnounceKeys for Door {
@@ -53,12 +69,55 @@ impl AnnounceKeys for Door {
         address: IpAddr,
         node: &str,
         lease: i64,
-    ) -> Result<bool, ClusterStoreError> {
-        self.lb_announce(address, node, lease).await
+    ) -> Result<Option<i64>, ClusterStoreError> {
+        let key = announce_key(self, address);
+        let txn = Txn::new()
+            .when([Compare::create_revision(key.clone(), CompareOp::Equal, 0)])
+            .and_then([TxnOp::put(
+                key.clone(),
+                node.as_bytes().to_vec(),
+                Some(PutOptions::new().with_lease(lease)),
+            )])
+            .or_else([TxnOp::get(key, None)]);
+        let mut client = self.client();
+        let resp = self
+            .bounded("take an lb announcement", true, client.txn(txn))
+            .await?;
+        if resp.succeeded() {
+            // Created by this transaction: its revision.
+            return Ok(Some(resp.header().map_or(0, |h| h.revision())));
+        }
+        Ok(resp.op_responses().into_iter().find_map(|r| match r {
+            TxnOpResponse::Get(g) => g
+                .kvs()
+                .first()
+                .filter(|kv| kv.value() == node.as_bytes() && kv.lease() == lease)
+                .map(|kv| kv.create_revision()),
+            _ => None,
+        }))
     }
 
-    async fn withdraw(&mut self, address: IpAddr, node: &str) -> Result<(), ClusterStoreError> {
-        self.lb_withdraw(address, node).await.map(drop)
+    async fn withdraw(
+        &mut self,
+        address: IpAddr,
+        node: &str,
+        key: KeyRef,
+    ) -> Result<(), ClusterStoreError> {
+        let k = announce_key(self, address);
+        let named = match key {
+            KeyRef::Created(rev) => Compare::create_revision(k.clone(), CompareOp::Equal, rev),
+            KeyRef::Lease(lease) => Compare::lease(k.clone(), CompareOp::Equal, lease),
+        };
+        let txn = Txn::new()
+            .when([
+                Compare::value(k.clone(), CompareOp::Equal, node.as_bytes().to_vec()),
+                named,
+            ])
+            .and_then([TxnOp::delete(k, None)]);
+        let mut client = self.client();
+        self.bounded("withdraw an lb announcement", true, client.txn(txn))
+            .await?;
+        Ok(())
     }
 
     async fn revoke(&mut self, lease: i64) -> Result<(), ClusterStoreError> {
@@ -179,34 +238,34 @@ pub(crate) async fn run<K: AnnounceKeys, D: AnnounceDatapath>(
                 Action::Take(a) => {
                     let answer = match (late, machine.lease()) {
                         (false, Some(lease)) => match keys.take(a, node, lease).await {
-                            Ok(true) => {
+                            Ok(Some(rev)) => {
                                 tracing::info!(address = %a, "lb announcement taken");
                                 counts.took += 1;
-                                Answer::Yes
+                                Took::Mine(rev)
                             }
-                            Ok(false) => Answer::No,
+                            Ok(None) => Took::Other,
                             Err(e) => {
                                 problem.get_or_insert(e);
-                                Answer::Lost
+                                Took::Lost
                             }
                         },
-                        _ => Answer::Lost,
+                        _ => Took::Lost,
                     };
                     machine.took(a, answer);
                 }
-                Action::Withdraw(a) => {
+                Action::Withdraw(a, key) => {
                     let answer = if late {
-                        Answer::Lost
+                        Withdrew::Lost
                     } else {
-                        match keys.withdraw(a, node).await {
+                        match keys.withdraw(a, node, key).await {
                             Ok(()) => {
                                 tracing::info!(address = %a, "lb announcement withdrawn");
                                 counts.withdrew += 1;
-                                Answer::Yes
+                                Withdrew::Done
                             }
                             Err(e) => {
                                 problem.get_or_insert(e);
-                                Answer::Lost
+                                Withdrew::Lost
                             }
                         }
                     };

@@ -89,7 +89,7 @@ enum Op {
     Refresh(i64),
     Read,
     Take(IpAddr, i64),
-    Withdraw(IpAddr),
+    Withdraw(IpAddr, KeyRef),
     Revoke(i64),
 }
 
@@ -98,7 +98,8 @@ enum Res {
     Granted(i64),
     Alive(bool),
     View(Observation),
-    Answer(bool),
+    /// A take: the key's create revision if it is the node's.
+    Took(Option<i64>),
     Done,
 }
 
@@ -116,9 +117,11 @@ struct Pending {
 struct Etcd {
     /// lease → (node, expires at (etcd's view), deletion lag).
     leases: BTreeMap<i64, (usize, Nanos, Nanos)>,
-    keys: BTreeMap<IpAddr, (usize, i64)>,
+    /// address → (node, lease, create revision).
+    keys: BTreeMap<IpAddr, (usize, i64, i64)>,
     members: BTreeMap<usize, i64>,
     next_lease: i64,
+    revision: i64,
     pending: Vec<Pending>,
 }
 
@@ -268,18 +271,25 @@ pub struct World {
     rng: Rng,
     etcd: Etcd,
     nodes: Vec<Node>,
+    /// The addresses to announce now.
     addresses: BTreeMap<IpAddr, LabelSelector>,
+    /// Every address, and the windows in which each is not to be announced
+    /// (its service deleted, then applied again).
+    all: BTreeMap<IpAddr, LabelSelector>,
+    removals: Vec<(IpAddr, Nanos, Nanos)>,
     /// Per address: who answered last, since when it is silent.
     last: BTreeMap<IpAddr, (Option<usize>, Option<Nanos>)>,
     /// Per address: the answering nodes in order, with when each began.
     pub history: BTreeMap<IpAddr, Vec<(usize, Nanos)>>,
     pub outcome: Outcome,
+    /// Debugging: events about this address are printed.
+    pub trace: Option<IpAddr>,
 }
 
 impl World {
     /// `nodes` nodes, `addrs` addresses, the faults, seeded.
     pub fn new(nodes: usize, addrs: usize, faults: &[Fault], seed: u64) -> Self {
-        let addresses = (0..addrs)
+        let addresses: BTreeMap<IpAddr, LabelSelector> = (0..addrs)
             .map(|i| {
                 (
                     IpAddr::V4(Ipv4Addr::new(192, 0, 2, 10 + i as u8)),
@@ -311,11 +321,25 @@ impl World {
                 ..Etcd::default()
             },
             nodes,
+            all: addresses.clone(),
             addresses,
+            removals: Vec::new(),
             last: BTreeMap::new(),
             history: BTreeMap::new(),
             outcome: Outcome::default(),
+            trace: None,
         }
+    }
+
+    /// Address number `i` is not announced from `at_ms` for `for_ms`.
+    #[must_use]
+    pub fn with_removals(mut self, removals: &[(usize, u64, u64)]) -> Self {
+        let addrs: Vec<IpAddr> = self.all.keys().copied().collect();
+        self.removals = removals
+            .iter()
+            .map(|(i, at, len)| (addrs[i % addrs.len()], at * MS, (at + len) * MS))
+            .collect();
+        self
     }
 
     fn fault(&self, n: usize, kind: FaultKind) -> bool {
@@ -359,6 +383,18 @@ impl World {
         let mut healthy_since: Vec<Option<Nanos>> = vec![Some(0); self.nodes.len()];
         while self.now < end {
             self.now += STEP;
+            let now = self.now;
+            self.addresses = self
+                .all
+                .iter()
+                .filter(|(a, _)| {
+                    !self
+                        .removals
+                        .iter()
+                        .any(|(x, from, to)| *x == **a && (*from..*to).contains(&now))
+                })
+                .map(|(a, s)| (*a, s.clone()))
+                .collect();
             self.processes();
             self.etcd_step();
             for n in 0..self.nodes.len() {
@@ -377,13 +413,22 @@ impl World {
     }
 
     fn check(&mut self, healthy_since: &[Option<Nanos>], bound: Nanos, settle: Nanos) {
-        let addrs: Vec<IpAddr> = self.addresses.keys().copied().collect();
+        let addrs: Vec<IpAddr> = self.all.keys().copied().collect();
         let earliest_healthy = healthy_since.iter().flatten().min().copied();
         for a in addrs {
             let who: Vec<usize> = (0..self.nodes.len())
                 .filter(|n| self.answering(*n, a))
                 .collect();
             if who.len() > 1 {
+                if self.trace == Some(a) && self.outcome.doubles.is_empty() {
+                    eprintln!(
+                        "{} DOUBLE {a} {who:?} entries {:?}",
+                        self.now / MS,
+                        who.iter()
+                            .map(|n| self.nodes[*n].dp.entries.get(&a))
+                            .collect::<Vec<_>>()
+                    );
+                }
                 self.outcome.doubles.push((self.now, a, who.clone()));
             }
             let (prev, silent) = self.last.get(&a).copied().unwrap_or((None, Some(0)));
@@ -415,6 +460,10 @@ impl World {
                         }
                     }
                     self.last.insert(a, (Some(n), None));
+                }
+                // Not to be announced: silence counts from when it is again.
+                None if !self.addresses.contains_key(&a) => {
+                    self.last.insert(a, (prev, Some(self.now)));
                 }
                 None => {
                     let since = silent.unwrap_or(self.now);
@@ -498,6 +547,25 @@ impl World {
         self.etcd.pending = rest;
         for p in due {
             let res = self.apply(&p);
+            if let Some(t) = self.trace {
+                let about = match &p.op {
+                    Op::Take(a, _) | Op::Withdraw(a, _) => *a == t,
+                    _ => true,
+                };
+                if about {
+                    eprintln!(
+                        "{} etcd applies {:?} from node-{} -> {:?} (answer {})",
+                        now / MS,
+                        p.op,
+                        p.node,
+                        match &res {
+                            Res::View(v) => format!("view holders {:?}", v.holders.get(&t)),
+                            r => format!("{r:?}"),
+                        },
+                        p.reply_after.is_some()
+                    );
+                }
+            }
             if let Some(after) = p.reply_after {
                 self.nodes[p.node]
                     .agent
@@ -508,8 +576,11 @@ impl World {
     }
 
     fn drop_lease(&mut self, l: i64) {
+        if self.trace.is_some() {
+            eprintln!("{} etcd drops lease {l}", self.now / MS);
+        }
         self.etcd.leases.remove(&l);
-        self.etcd.keys.retain(|_, (_, kl)| *kl != l);
+        self.etcd.keys.retain(|_, (_, kl, _)| *kl != l);
         self.etcd.members.retain(|_, ml| *ml != l);
     }
 
@@ -567,8 +638,8 @@ impl World {
                     .etcd
                     .keys
                     .iter()
-                    .filter(|(_, (_, l))| self.lease_alive(*l))
-                    .map(|(a, (n, l))| {
+                    .filter(|(_, (_, l, _))| self.lease_alive(*l))
+                    .map(|(a, (n, l, _))| {
                         (
                             *a,
                             Holder {
@@ -581,21 +652,30 @@ impl World {
             }),
             Op::Take(a, l) => {
                 if !self.lease_alive(*l) {
-                    return Res::Answer(false);
+                    return Res::Took(None);
                 }
                 match self.etcd.keys.get(a) {
                     None => {
-                        self.etcd.keys.insert(*a, (p.node, *l));
-                        Res::Answer(true)
+                        self.etcd.revision += 1;
+                        let rev = self.etcd.revision;
+                        self.etcd.keys.insert(*a, (p.node, *l, rev));
+                        Res::Took(Some(rev))
                     }
-                    Some((n, kl)) => Res::Answer(*n == p.node && kl == l),
+                    Some((n, kl, rev)) => Res::Took((*n == p.node && kl == l).then_some(*rev)),
                 }
             }
-            Op::Withdraw(a) => {
-                if self.etcd.keys.get(a).is_some_and(|(n, _)| *n == p.node) {
+            Op::Withdraw(a, key) => {
+                let named = self.etcd.keys.get(a).is_some_and(|(n, l, rev)| {
+                    *n == p.node
+                        && match key {
+                            KeyRef::Created(r) => r == rev,
+                            KeyRef::Lease(x) => x == l,
+                        }
+                });
+                if named {
                     self.etcd.keys.remove(a);
                 }
-                Res::Answer(true)
+                Res::Done
             }
             Op::Revoke(l) => {
                 self.drop_lease(*l);
@@ -766,6 +846,9 @@ impl World {
 
     fn execute(&mut self, n: usize, act: Action) {
         let now = self.now;
+        if self.trace.is_some() {
+            eprintln!("{} node-{n} executes {act:?}", now / MS);
+        }
         match act {
             Action::Program {
                 seq,
@@ -812,9 +895,9 @@ impl World {
             }
             Action::Take(a) => match self.nodes[n].agent.machine.lease() {
                 Some(l) => self.send(n, Op::Take(a, l)),
-                None => self.nodes[n].agent.machine.took(a, Answer::No),
+                None => self.nodes[n].agent.machine.took(a, Took::Lost),
             },
-            Action::Withdraw(a) => self.send(n, Op::Withdraw(a)),
+            Action::Withdraw(a, key) => self.send(n, Op::Withdraw(a, key)),
             Action::Announce(a) => {
                 if self.answering(n, a) {
                     self.outcome.announced += 1;
@@ -857,17 +940,17 @@ impl World {
             (Op::Take(a, _), r) => agent.machine.took(
                 a,
                 match r {
-                    Some(Res::Answer(true)) => Answer::Yes,
-                    Some(_) => Answer::No,
-                    None => Answer::Lost,
+                    Some(Res::Took(Some(rev))) => Took::Mine(rev),
+                    Some(_) => Took::Other,
+                    None => Took::Lost,
                 },
             ),
-            (Op::Withdraw(a), r) => agent.machine.withdrew(
+            (Op::Withdraw(a, _), r) => agent.machine.withdrew(
                 a,
                 if r.is_some() {
-                    Answer::Yes
+                    Withdrew::Done
                 } else {
-                    Answer::Lost
+                    Withdrew::Lost
                 },
                 now,
             ),

@@ -12,10 +12,12 @@ use super::*;
 use crate::agent::doors::MapDoor;
 use crate::agent::doors::doubles::MapDouble;
 
-/// etcd's announcement keys in memory.
+/// etcd's announcement keys in memory: address → (node, lease, create
+/// revision).
 #[derive(Default)]
 struct KeysDouble {
-    keys: BTreeMap<IpAddr, (String, i64)>,
+    keys: BTreeMap<IpAddr, (String, i64, i64)>,
+    revision: i64,
     withdrawals: usize,
 }
 
@@ -25,16 +27,30 @@ impl AnnounceKeys for KeysDouble {
         address: IpAddr,
         node: &str,
         lease: i64,
-    ) -> Result<bool, ClusterStoreError> {
+    ) -> Result<Option<i64>, ClusterStoreError> {
+        self.revision += 1;
+        let rev = self.revision;
         let held = self
             .keys
             .entry(address)
-            .or_insert_with(|| (node.to_string(), lease));
-        Ok(held.0 == node && held.1 == lease)
+            .or_insert_with(|| (node.to_string(), lease, rev));
+        Ok((held.0 == node && held.1 == lease).then_some(held.2))
     }
 
-    async fn withdraw(&mut self, address: IpAddr, node: &str) -> Result<(), ClusterStoreError> {
-        if self.keys.get(&address).is_some_and(|(n, _)| n == node) {
+    async fn withdraw(
+        &mut self,
+        address: IpAddr,
+        node: &str,
+        key: KeyRef,
+    ) -> Result<(), ClusterStoreError> {
+        let named = self.keys.get(&address).is_some_and(|(n, l, rev)| {
+            n == node
+                && match key {
+                    KeyRef::Created(r) => r == *rev,
+                    KeyRef::Lease(x) => x == *l,
+                }
+        });
+        if named {
             self.keys.remove(&address);
             self.withdrawals += 1;
         }
@@ -42,7 +58,7 @@ impl AnnounceKeys for KeysDouble {
     }
 
     async fn revoke(&mut self, lease: i64) -> Result<(), ClusterStoreError> {
-        self.keys.retain(|_, (_, l)| *l != lease);
+        self.keys.retain(|_, (_, l, _)| *l != lease);
         Ok(())
     }
 }
@@ -191,7 +207,7 @@ async fn a_take_is_programmed_only_after_etcd_said_yes_and_announced_only_after_
     m.lease_granted(7, monotonic_ns() + 2_700_000_000);
     // Another node holds the key: nothing is programmed or announced.
     let mut keys = KeysDouble::default();
-    keys.keys.insert(A, ("node-1".into(), 9));
+    keys.keys.insert(A, ("node-1".into(), 9, 1));
     let dp = DatapathDouble::default();
     m.observed(view(&[A], &[]), monotonic_ns());
     step(&mut m, &mut keys, &dp).await;
