@@ -794,9 +794,12 @@ impl Announcer {
                 self.last_write().map_or(1, |w| w.valid_until).max(1),
             ),
         };
+        // A new cap is written even with nothing held: in cluster mode it
+        // bounds the node's other announcements (ingress, its own pools)
+        // too.
         let due = match self.last_write() {
-            None => !set.is_empty() || !self.outstanding.is_empty(),
-            Some(w) => w.retry || w.set != set || (!set.is_empty() && w.valid_until != valid_until),
+            None => !set.is_empty() || !self.outstanding.is_empty() || self.lease.is_some(),
+            Some(w) => w.retry || w.set != set || w.valid_until != valid_until,
         };
         // A stop or a lost lease with writes in doubt writes empty again.
         let due = due

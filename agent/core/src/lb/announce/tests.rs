@@ -62,9 +62,15 @@ fn addr_for(node: &str) -> IpAddr {
     (1..=250).map(addr).find(|a| top(*a) == node).unwrap()
 }
 
+/// An announcer holding `lease`, its first write (nothing held, the
+/// lease's cap: it bounds the node's other announcements too) confirmed.
 fn fresh(me: &str, lease: i64, now: Nanos) -> Announcer {
     let mut m = Announcer::new(me, AnnouncerConfig::for_lease(3 * S));
     m.lease_granted(lease, now + 3 * S);
+    let acts = m.poll(now);
+    let (seq, set, until) = program_of(&acts).expect("the cap is written at once");
+    assert!(set.is_empty() && until == now + 3 * S, "{acts:?}");
+    m.programmed(seq, Written::Done, now);
     m
 }
 
