@@ -13,8 +13,10 @@
 //! - no address silent longer than the lease + 1 s;
 //! - no address darkened by a rejoin (answered just before the node came
 //!   back, then unanswered for more than 1 s within 8 s of it);
-//! - no flap (an address whose answering MAC changes and changes back
-//!   within 10 s: rebalancing toward a node waits ten leases, 20 s);
+//! - no address flapped by a rejoin (moved away from a node under no
+//!   fault toward the node that just came back: it went away at the fault
+//!   and comes straight back; rebalancing toward a node waits ten leases,
+//!   20 s, past the 8 s watched);
 //! - every handover (a change of answering MAC) announced by the new MAC
 //!   (gratuitous ARP / unsolicited NA).
 //!
@@ -145,7 +147,6 @@ struct Verdict {
     silences: Vec<(IpAddr, Instant, Duration)>,
     /// (address, at, from MAC, to MAC, announced).
     handovers: Vec<(IpAddr, Instant, [u8; 6], [u8; 6], bool)>,
-    flaps: Vec<String>,
 }
 
 fn judge(seen: &[Seen], rounds: &[Instant], targets: &[IpAddr], lab: &Lab) -> Verdict {
@@ -161,8 +162,6 @@ fn judge(seen: &[Seen], rounds: &[Instant], targets: &[IpAddr], lab: &Lab) -> Ve
             continue;
         };
         let mut last: Option<(usize, [u8; 6])> = None;
-        // Runs of one MAC: (mac, first round, last round).
-        let mut runs: Vec<([u8; 6], usize, usize)> = Vec::new();
         for i in first..rounds.len().saturating_sub(TAGS) {
             let Some(macs) = mine.get(&i) else { continue };
             if macs.len() > 1 {
@@ -188,24 +187,7 @@ fn judge(seen: &[Seen], rounds: &[Instant], targets: &[IpAddr], lab: &Lab) -> Ve
                     v.handovers.push((*a, at, prev, mac, announced));
                 }
             }
-            match runs.last_mut() {
-                Some((m, _, end)) if *m == mac => *end = i,
-                _ => runs.push((mac, i, i)),
-            }
             last = Some((i, mac));
-        }
-        for w in runs.windows(3) {
-            let (a0, _, _) = w[0];
-            let (b, b_from, b_to) = w[1];
-            let (c, c_from, _) = w[2];
-            if a0 == c && rounds[c_from] - rounds[b_from] < Duration::from_secs(10) {
-                v.flaps.push(format!(
-                    "{a}: {} -> {} (for {:?}) -> back",
-                    lab.node_of(a0),
-                    lab.node_of(b),
-                    rounds[b_to] - rounds[b_from]
-                ));
-            }
         }
     }
     v
@@ -255,18 +237,61 @@ fn failover_prober_kills_stops_links_cuts_and_rejoins() -> anyhow::Result<()> {
     run?;
     let v = judge(&seen, &rounds, &targets, &lab);
 
-    // Darkened by a rejoin: answered in the round before the node came
-    // back, then silent for more than 1 s starting within AFTER of it.
+    // Each rejoin's window: from the node's return until the next fault
+    // (at most AFTER).
+    let windows: Vec<(Instant, Instant)> = events
+        .iter()
+        .enumerate()
+        .map(|(i, e)| {
+            let next = events.get(i + 1).map_or(e.back + AFTER, |n| n.at);
+            (e.back, next.min(e.back + AFTER))
+        })
+        .collect();
+    // Darkened by a rejoin: an address answered until the node came back
+    // (or later), then silent for more than 1 s, the silence starting
+    // before the next fault.
     let mut darkened = Vec::new();
-    for e in &events {
+    for (e, (from_w, to_w)) in events.iter().zip(&windows) {
         for (a, from, len) in &v.silences {
-            if *from + Duration::from_millis(300) >= e.back
-                && *from < e.back + AFTER
+            if *from + Duration::from_millis(300) >= *from_w
+                && *from < *to_w
                 && *len > Duration::from_secs(1)
             {
                 darkened.push(format!(
                     "{a}: {len:?} after node-{} rejoined ({:?})",
                     e.node, e.fault
+                ));
+            }
+        }
+    }
+    // A move away from a node under no fault (within the lease + 2 s of
+    // one) is voluntary: the rejoin of another node pulled it, or
+    // rebalancing. Flapped by a rejoin: a voluntary move toward the node
+    // that rejoined, within its window (an address that went away at the
+    // fault and comes straight back). Rebalancing toward a node waits ten
+    // leases (20 s) after it rejoined, past any window.
+    let faulted = |node: usize, at: Instant| {
+        events.iter().any(|e| {
+            e.node == node && e.at <= at && at <= e.back + LEASE_D + Duration::from_secs(2)
+        })
+    };
+    let node_of = |mac: [u8; 6]| lab.macs.iter().position(|m| *m == mac);
+    let voluntary: Vec<&(IpAddr, Instant, [u8; 6], [u8; 6], bool)> = v
+        .handovers
+        .iter()
+        .filter(|(_, at, from, ..)| node_of(*from).is_some_and(|n| !faulted(n, *at)))
+        .collect();
+    let mut flaps = Vec::new();
+    for (e, (from_w, to_w)) in events.iter().zip(&windows) {
+        for (a, at, from, to, _) in &voluntary {
+            if node_of(*to) == Some(e.node) && *at >= *from_w && *at < *to_w {
+                flaps.push(format!(
+                    "{a}: {} -> node-{} {:?} after node-{} rejoined ({:?})",
+                    lab.node_of(*from),
+                    e.node,
+                    *at - e.back,
+                    e.node,
+                    e.fault
                 ));
             }
         }
@@ -305,16 +330,17 @@ fn failover_prober_kills_stops_links_cuts_and_rejoins() -> anyhow::Result<()> {
         .map(|(a, _, from, to, _)| format!("{a} {} -> {}", lab.node_of(*from), lab.node_of(*to)))
         .collect();
     eprintln!(
-        "faults {}, probe rounds {}, handovers {}, overlaps {}, longest silence {longest:?} (bound {bound:?}), darkened by a rejoin {}, flaps {}, handovers without an announcement {}",
+        "faults {}, probe rounds {}, handovers {} (voluntary {}), overlaps {}, longest silence {longest:?} (bound {bound:?}), darkened by a rejoin {}, flapped by a rejoin {}, handovers without an announcement {}",
         events.len(),
         rounds.len(),
         v.handovers.len(),
+        voluntary.len(),
         v.overlaps.len(),
         darkened.len(),
-        v.flaps.len(),
+        flaps.len(),
         unannounced.len()
     );
-    eprintln!("darkened: {darkened:#?}\nflaps: {:#?}", v.flaps);
+    eprintln!("darkened: {darkened:#?}\nflaps: {flaps:#?}");
     ensure!(
         v.overlaps.is_empty(),
         "answered by two MACs: {:#?}",
@@ -325,7 +351,7 @@ fn failover_prober_kills_stops_links_cuts_and_rejoins() -> anyhow::Result<()> {
         "an address silent longer than the lease + 1 s: {longest:?}"
     );
     ensure!(darkened.is_empty(), "darkened by a rejoin: {darkened:#?}");
-    ensure!(v.flaps.is_empty(), "flaps: {:#?}", v.flaps);
+    ensure!(flaps.is_empty(), "flapped by a rejoin: {flaps:#?}");
     ensure!(
         unannounced.is_empty(),
         "handovers without a gratuitous ARP / NA: {unannounced:?}"

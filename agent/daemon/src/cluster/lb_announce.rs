@@ -12,7 +12,7 @@
 //! The two traits exist so this order is unit-tested with the doors'
 //! doubles (a map write failing or hanging) without etcd or root.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, VecDeque};
 use std::net::IpAddr;
 use std::time::{Duration, Instant};
 
@@ -30,9 +30,13 @@ use crate::agent::announce::monotonic_ns;
 /// (it may still land; a newer write is never overtaken by it).
 pub const WRITE_TIMEOUT: Duration = Duration::from_millis(500);
 
-/// At most this many rounds of actions per call: each round answers the
-/// previous one's outcomes (take → program → announce is three).
-const MAX_ROUNDS: usize = 8;
+/// At most this many polls of the announcer per call (take → program →
+/// announce is three; a batch of takes adds one per few takes).
+const MAX_POLLS: usize = 64;
+/// During a run of takes, what is held is programmed after this many
+/// takes, or this long after the last write, whichever comes first.
+const WRITE_EVERY_TAKES: usize = 8;
+const WRITE_EVERY: Duration = Duration::from_millis(50);
 
 /// etcd's announcement keys, as the announcer uses them.
 pub(crate) trait AnnounceKeys {
@@ -200,8 +204,12 @@ pub(crate) fn observation(view: &LbView) -> Result<Observation, ClusterStoreErro
 }
 
 /// Carries out what `machine` says until it says nothing more or
-/// `deadline` passes, reporting every outcome. Returns the first etcd
-/// error seen (every failed request was reported lost to the machine).
+/// `deadline` passes, reporting every outcome; what is left when the
+/// deadline passes is reported lost (asked again next time). During a run
+/// of takes, what is held so far is programmed every few takes, so the
+/// first addresses of a large batch answer without waiting for the last.
+/// Returns the first etcd error seen (every failed request was reported
+/// lost to the machine).
 pub(crate) async fn run<K: AnnounceKeys, D: AnnounceDatapath>(
     machine: &mut Announcer,
     keys: &mut K,
@@ -211,77 +219,99 @@ pub(crate) async fn run<K: AnnounceKeys, D: AnnounceDatapath>(
     counts: &mut Counts,
 ) -> Option<ClusterStoreError> {
     let mut problem = None;
-    for round in 0.. {
-        let actions = machine.poll(monotonic_ns());
-        if actions.is_empty() {
-            break;
+    let mut queue: VecDeque<Action> = VecDeque::new();
+    let mut polls = 0;
+    let mut taken_unwritten = 0usize;
+    let mut last_write = Instant::now();
+    loop {
+        let late = Instant::now() >= deadline || polls >= MAX_POLLS;
+        if queue.is_empty() {
+            if late {
+                break;
+            }
+            queue.extend(machine.poll(monotonic_ns()));
+            polls += 1;
+            if queue.is_empty() {
+                break;
+            }
         }
-        for action in actions {
-            let late = Instant::now() >= deadline || round >= MAX_ROUNDS;
-            match action {
-                Action::Program {
-                    seq,
-                    addresses,
-                    valid_until,
-                } => {
-                    let written = if late {
-                        Written::Lost
-                    } else {
-                        dp.program(seq, addresses, valid_until).await
-                    };
-                    for a in machine.programmed(seq, written, monotonic_ns()) {
-                        if let Action::Announce(a) = a {
-                            dp.announce(a);
-                        }
-                    }
-                }
-                Action::Take(a) => {
-                    let answer = match (late, machine.lease()) {
-                        (false, Some(lease)) => match keys.take(a, node, lease).await {
-                            Ok(Some(rev)) => {
-                                tracing::info!(address = %a, "lb announcement taken");
-                                counts.took += 1;
-                                Took::Mine(rev)
-                            }
-                            Ok(None) => Took::Other,
-                            Err(e) => {
-                                problem.get_or_insert(e);
-                                Took::Lost
-                            }
-                        },
-                        _ => Took::Lost,
-                    };
-                    machine.took(a, answer);
-                }
-                Action::Withdraw(a, key) => {
-                    let answer = if late {
-                        Withdrew::Lost
-                    } else {
-                        match keys.withdraw(a, node, key).await {
-                            Ok(()) => {
-                                tracing::info!(address = %a, "lb announcement withdrawn");
-                                counts.withdrew += 1;
-                                Withdrew::Done
-                            }
-                            Err(e) => {
-                                problem.get_or_insert(e);
-                                Withdrew::Lost
-                            }
-                        }
-                    };
-                    machine.withdrew(a, answer, monotonic_ns());
-                }
-                Action::Announce(a) => dp.announce(a),
-                // Best effort: a lease not revoked runs out.
-                Action::Revoke(lease) => {
-                    if let Err(e) = keys.revoke(lease).await {
-                        tracing::warn!(error = %crate::error_chain(&e), "lb lease not revoked; it runs out");
+        let Some(action) = queue.pop_front() else {
+            break;
+        };
+        match action {
+            Action::Program {
+                seq,
+                addresses,
+                valid_until,
+            } => {
+                let written = if late {
+                    Written::Lost
+                } else {
+                    dp.program(seq, addresses, valid_until).await
+                };
+                taken_unwritten = 0;
+                last_write = Instant::now();
+                for a in machine.programmed(seq, written, monotonic_ns()) {
+                    if let Action::Announce(a) = a {
+                        dp.announce(a);
                     }
                 }
             }
-        }
-        if Instant::now() >= deadline || round >= MAX_ROUNDS {
-            break;
+            Action::Take(a) => {
+                let answer = match (late, machine.lease()) {
+                    (false, Some(lease)) => match keys.take(a, node, lease).await {
+                        Ok(Some(rev)) => {
+                            tracing::info!(address = %a, "lb announcement taken");
+                            counts.took += 1;
+                            taken_unwritten += 1;
+                            Took::Mine(rev)
+                        }
+                        Ok(None) => Took::Other,
+                        Err(e) => {
+                            problem.get_or_insert(e);
+                            Took::Lost
+                        }
+                    },
+                    _ => Took::Lost,
+                };
+                machine.took(a, answer);
+                // Programs what is held so far before the next takes.
+                if !late
+                    && taken_unwritten > 0
+                    && (taken_unwritten >= WRITE_EVERY_TAKES || last_write.elapsed() >= WRITE_EVERY)
+                {
+                    let now = machine.poll(monotonic_ns());
+                    polls += 1;
+                    for x in now.into_iter().rev() {
+                        queue.push_front(x);
+                    }
+                }
+            }
+            Action::Withdraw(a, key) => {
+                let answer = if late {
+                    Withdrew::Lost
+                } else {
+                    match keys.withdraw(a, node, key).await {
+                        Ok(()) => {
+                            tracing::info!(address = %a, "lb announcement withdrawn");
+                            counts.withdrew += 1;
+                            Withdrew::Done
+                        }
+                        Err(e) => {
+                            problem.get_or_insert(e);
+                            Withdrew::Lost
+                        }
+                    }
+                };
+                machine.withdrew(a, answer, monotonic_ns());
+            }
+            Action::Announce(a) => dp.announce(a),
+            // Best effort: a lease not revoked runs out.
+            Action::Revoke(lease) => {
+                if let Err(e) = keys.revoke(lease).await {
+                    tracing::warn!(error = %crate::error_chain(&e), "lb lease not revoked; it runs out");
+                }
+            }
         }
     }
     problem
