@@ -143,8 +143,9 @@ fn answers(seen: &[Seen], rounds: &[Instant]) -> Answers {
 #[derive(Debug, Default)]
 struct Verdict {
     overlaps: Vec<String>,
-    /// (address, from, length) of every silence of more than one round.
-    silences: Vec<(IpAddr, Instant, Duration)>,
+    /// (address, from, length, the MAC answering before) of every silence
+    /// of more than one round.
+    silences: Vec<(IpAddr, Instant, Duration, [u8; 6])>,
     /// (address, at, from MAC, to MAC, announced).
     handovers: Vec<(IpAddr, Instant, [u8; 6], [u8; 6], bool)>,
 }
@@ -173,7 +174,8 @@ fn judge(seen: &[Seen], rounds: &[Instant], targets: &[IpAddr], lab: &Lab) -> Ve
             let mac = *macs.iter().next().expect("non-empty");
             if let Some((j, prev)) = last {
                 if i > j + 1 {
-                    v.silences.push((*a, rounds[j], rounds[i] - rounds[j]));
+                    v.silences
+                        .push((*a, rounds[j], rounds[i] - rounds[j], prev));
                 }
                 if prev != mac {
                     let at = rounds[i];
@@ -247,15 +249,18 @@ fn failover_prober_kills_stops_links_cuts_and_rejoins() -> anyhow::Result<()> {
             (e.back, next.min(e.back + AFTER))
         })
         .collect();
-    // Darkened by a rejoin: an address answered until the node came back
-    // (or later), then silent for more than 1 s, the silence starting
-    // before the next fault.
+    // Darkened by a rejoin: an address another node answered until the
+    // node came back (or later), then silent for more than 1 s, the
+    // silence starting before the next fault. (The rejoining node's own
+    // addresses were dark during its fault: the lease + 1 s bound judges
+    // those.)
     let mut darkened = Vec::new();
     for (e, (from_w, to_w)) in events.iter().zip(&windows) {
-        for (a, from, len) in &v.silences {
+        for (a, from, len, mac) in &v.silences {
             if *from + Duration::from_millis(300) >= *from_w
                 && *from < *to_w
                 && *len > Duration::from_secs(1)
+                && *mac != lab.macs[e.node]
             {
                 darkened.push(format!(
                     "{a}: {len:?} after node-{} rejoined ({:?})",
@@ -300,16 +305,16 @@ fn failover_prober_kills_stops_links_cuts_and_rejoins() -> anyhow::Result<()> {
     let longest = v
         .silences
         .iter()
-        .max_by_key(|(_, _, l)| *l)
-        .map(|(a, _, l)| (*a, *l));
+        .max_by_key(|(_, _, l, _)| *l)
+        .map(|(a, _, l, _)| (*a, *l));
     for e in &events {
         let own: Vec<Duration> = v
             .silences
             .iter()
-            .filter(|(_, from, _)| {
+            .filter(|(_, from, ..)| {
                 *from + Duration::from_millis(500) >= e.at && *from < e.back + AFTER
             })
-            .map(|(_, _, l)| *l)
+            .map(|(_, _, l, _)| *l)
             .collect();
         let moved = v
             .handovers
@@ -341,6 +346,14 @@ fn failover_prober_kills_stops_links_cuts_and_rejoins() -> anyhow::Result<()> {
         unannounced.len()
     );
     eprintln!("darkened: {darkened:#?}\nflaps: {flaps:#?}");
+    for (a, at, from, to, _) in &voluntary {
+        eprintln!(
+            "voluntary move: {a} {} -> {} at {:?} from the start",
+            lab.node_of(*from),
+            lab.node_of(*to),
+            *at - rounds[0]
+        );
+    }
     ensure!(
         v.overlaps.is_empty(),
         "answered by two MACs: {:#?}",

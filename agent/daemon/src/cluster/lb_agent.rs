@@ -662,14 +662,10 @@ impl LbAgent {
         let deadline = Instant::now() + self.ttl / 4;
         let mut problem = lease_problem;
         let mut again = false;
+        let mut pending = None;
         if let Some(lease) = self.machine.lease() {
             match self.read(lease).await {
-                Ok(pending) => {
-                    again |= self.round(lease, pending).await.unwrap_or_else(|e| {
-                        problem.get_or_insert(e);
-                        false
-                    });
-                }
+                Ok(p) => pending = Some((lease, p)),
                 Err(e) => {
                     problem.get_or_insert(e);
                 }
@@ -689,6 +685,14 @@ impl LbAgent {
             if let Some(e) = e {
                 problem.get_or_insert(e);
             }
+        }
+        // The assigner round after the announcements: what answers
+        // first, new assignments next.
+        if let Some((lease, pending)) = pending {
+            again |= self.round(lease, pending).await.unwrap_or_else(|e| {
+                problem.get_or_insert(e);
+                false
+            });
         }
         self.show(counts);
         self.problem(problem.as_ref());
@@ -864,7 +868,7 @@ impl LbAgent {
 struct NoKeys;
 
 impl lb_announce::AnnounceKeys for NoKeys {
-    async fn take(&mut self, _: IpAddr, _: &str, _: i64) -> Result<Option<i64>, ClusterStoreError> {
+    async fn take(&self, _: IpAddr, _: &str, _: i64) -> Result<Option<i64>, ClusterStoreError> {
         Err(ClusterStoreError::Invalid("not connected to etcd".into()))
     }
 

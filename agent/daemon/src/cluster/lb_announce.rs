@@ -31,12 +31,10 @@ use crate::agent::announce::monotonic_ns;
 pub const WRITE_TIMEOUT: Duration = Duration::from_millis(500);
 
 /// At most this many polls of the announcer per call (take → program →
-/// announce is three; a batch of takes adds one per few takes).
+/// announce is three; each batch of takes adds one).
 const MAX_POLLS: usize = 64;
-/// During a run of takes, what is held is programmed after this many
-/// takes, or this long after the last write, whichever comes first.
-const WRITE_EVERY_TAKES: usize = 8;
-const WRITE_EVERY: Duration = Duration::from_millis(50);
+/// At most this many takes are sent to etcd together.
+const TAKE_BATCH: usize = 32;
 
 /// etcd's announcement keys, as the announcer uses them.
 pub(crate) trait AnnounceKeys {
@@ -44,7 +42,7 @@ pub(crate) trait AnnounceKeys {
     /// the key's create revision if `node` holds it under `lease` now
     /// (created now, or already), `None` if another holder has it.
     async fn take(
-        &mut self,
+        &self,
         address: IpAddr,
         node: &str,
         lease: i64,
@@ -69,7 +67,7 @@ fn announce_key(door: &Door, address: IpAddr) -> String {
 
 impl AnnounceKeys for Door {
     async fn take(
-        &mut self,
+        &self,
         address: IpAddr,
         node: &str,
         lease: i64,
@@ -205,9 +203,9 @@ pub(crate) fn observation(view: &LbView) -> Result<Observation, ClusterStoreErro
 
 /// Carries out what `machine` says until it says nothing more or
 /// `deadline` passes, reporting every outcome; what is left when the
-/// deadline passes is reported lost (asked again next time). During a run
-/// of takes, what is held so far is programmed every few takes, so the
-/// first addresses of a large batch answer without waiting for the last.
+/// deadline passes is reported lost (asked again next time). Takes in a
+/// row go to etcd together, and what they won is programmed before
+/// anything else.
 /// Returns the first etcd error seen (every failed request was reported
 /// lost to the machine).
 pub(crate) async fn run<K: AnnounceKeys, D: AnnounceDatapath>(
@@ -221,8 +219,6 @@ pub(crate) async fn run<K: AnnounceKeys, D: AnnounceDatapath>(
     let mut problem = None;
     let mut queue: VecDeque<Action> = VecDeque::new();
     let mut polls = 0;
-    let mut taken_unwritten = 0usize;
-    let mut last_write = Instant::now();
     loop {
         let late = Instant::now() >= deadline || polls >= MAX_POLLS;
         if queue.is_empty() {
@@ -249,37 +245,52 @@ pub(crate) async fn run<K: AnnounceKeys, D: AnnounceDatapath>(
                 } else {
                     dp.program(seq, addresses, valid_until).await
                 };
-                taken_unwritten = 0;
-                last_write = Instant::now();
                 for a in machine.programmed(seq, written, monotonic_ns()) {
                     if let Action::Announce(a) = a {
                         dp.announce(a);
                     }
                 }
             }
-            Action::Take(a) => {
-                let answer = match (late, machine.lease()) {
-                    (false, Some(lease)) => match keys.take(a, node, lease).await {
-                        Ok(Some(rev)) => {
-                            tracing::info!(address = %a, "lb announcement taken");
-                            counts.took += 1;
-                            taken_unwritten += 1;
-                            Took::Mine(rev)
-                        }
-                        Ok(None) => Took::Other,
-                        Err(e) => {
-                            problem.get_or_insert(e);
-                            Took::Lost
-                        }
-                    },
-                    _ => Took::Lost,
-                };
-                machine.took(a, answer);
-                // Programs what is held so far before the next takes.
-                if !late
-                    && taken_unwritten > 0
-                    && (taken_unwritten >= WRITE_EVERY_TAKES || last_write.elapsed() >= WRITE_EVERY)
+            Action::Take(first) => {
+                // The takes at the front go to etcd together (each its own
+                // transaction): a node taking many addresses at once (a
+                // failover) waits one round trip, not one per address.
+                let mut batch = vec![first];
+                while batch.len() < TAKE_BATCH
+                    && let Some(Action::Take(a)) = queue.front()
                 {
+                    batch.push(*a);
+                    queue.pop_front();
+                }
+                let answers: Vec<Took> = match (late, machine.lease()) {
+                    (false, Some(lease)) => {
+                        let asked = batch.iter().map(|a| keys.take(*a, node, lease));
+                        futures::future::join_all(asked)
+                            .await
+                            .into_iter()
+                            .zip(&batch)
+                            .map(|(r, a)| match r {
+                                Ok(Some(rev)) => {
+                                    tracing::info!(address = %a, "lb announcement taken");
+                                    counts.took += 1;
+                                    Took::Mine(rev)
+                                }
+                                Ok(None) => Took::Other,
+                                Err(e) => {
+                                    problem.get_or_insert(e);
+                                    Took::Lost
+                                }
+                            })
+                            .collect()
+                    }
+                    _ => vec![Took::Lost; batch.len()],
+                };
+                let mine = answers.iter().any(|t| matches!(t, Took::Mine(_)));
+                for (a, answer) in batch.into_iter().zip(answers) {
+                    machine.took(a, answer);
+                }
+                // Programs what is held before anything else queued.
+                if !late && mine {
                     let now = machine.poll(monotonic_ns());
                     polls += 1;
                     for x in now.into_iter().rev() {

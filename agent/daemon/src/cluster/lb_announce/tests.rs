@@ -17,23 +17,40 @@ use crate::agent::doors::doubles::MapDouble;
 #[derive(Default)]
 struct KeysDouble {
     keys: BTreeMap<IpAddr, (String, i64, i64)>,
-    revision: i64,
+    revision: Cell<i64>,
+    /// Takes are `&self` (sent together): their keys land here first.
+    taken: RefCell<BTreeMap<IpAddr, (String, i64, i64)>>,
     withdrawals: usize,
+}
+
+impl KeysDouble {
+    /// The keys, takes included.
+    fn all(&mut self) -> &BTreeMap<IpAddr, (String, i64, i64)> {
+        let taken = std::mem::take(&mut *self.taken.borrow_mut());
+        for (a, k) in taken {
+            self.keys.entry(a).or_insert(k);
+        }
+        &self.keys
+    }
 }
 
 impl AnnounceKeys for KeysDouble {
     async fn take(
-        &mut self,
+        &self,
         address: IpAddr,
         node: &str,
         lease: i64,
     ) -> Result<Option<i64>, ClusterStoreError> {
-        self.revision += 1;
-        let rev = self.revision;
-        let held = self
-            .keys
-            .entry(address)
-            .or_insert_with(|| (node.to_string(), lease, rev));
+        self.revision.set(self.revision.get() + 1);
+        let rev = self.revision.get();
+        let mut taken = self.taken.borrow_mut();
+        let held = match self.keys.get(&address) {
+            Some(k) => k.clone(),
+            None => taken
+                .entry(address)
+                .or_insert_with(|| (node.to_string(), lease, rev))
+                .clone(),
+        };
         Ok((held.0 == node && held.1 == lease).then_some(held.2))
     }
 
@@ -43,6 +60,7 @@ impl AnnounceKeys for KeysDouble {
         node: &str,
         key: KeyRef,
     ) -> Result<(), ClusterStoreError> {
+        self.all();
         let named = self.keys.get(&address).is_some_and(|(n, l, rev)| {
             n == node
                 && match key {
@@ -58,6 +76,7 @@ impl AnnounceKeys for KeysDouble {
     }
 
     async fn revoke(&mut self, lease: i64) -> Result<(), ClusterStoreError> {
+        self.all();
         self.keys.retain(|_, (_, l, _)| *l != lease);
         Ok(())
     }
@@ -165,7 +184,7 @@ async fn a_failed_or_timed_out_unprogram_is_never_followed_by_the_withdrawal() {
     let (mut keys, dp) = (KeysDouble::default(), DatapathDouble::default());
     m.observed(view(&[A], &[]), monotonic_ns());
     step(&mut m, &mut keys, &dp).await;
-    assert!(keys.keys.contains_key(&A), "taken");
+    assert!(keys.all().contains_key(&A), "taken");
     assert!(dp.maps.borrow().l2.contains_key(&v4(A)), "programmed");
     assert_eq!(*dp.announced.borrow(), vec![A], "announced once programmed");
 
@@ -198,7 +217,7 @@ async fn a_failed_or_timed_out_unprogram_is_never_followed_by_the_withdrawal() {
     step(&mut m, &mut keys, &dp).await;
     assert!(!dp.maps.borrow().l2.contains_key(&v4(A)));
     assert_eq!(keys.withdrawals, 1);
-    assert!(keys.keys.is_empty());
+    assert!(keys.all().is_empty());
 }
 
 #[tokio::test]
@@ -218,7 +237,7 @@ async fn a_take_is_programmed_only_after_etcd_said_yes_and_announced_only_after_
     dp.maps.borrow().faults.fail_always("l2_insert");
     m.observed(view(&[A], &[]), monotonic_ns());
     step(&mut m, &mut keys, &dp).await;
-    assert!(keys.keys.contains_key(&A));
+    assert!(keys.all().contains_key(&A));
     assert!(
         dp.announced.borrow().is_empty(),
         "announced without an entry"
