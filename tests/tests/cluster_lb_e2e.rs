@@ -30,11 +30,11 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, bail, ensure};
+use anyhow::{Context, ensure};
 use lockstep_tests::etcd::EtcdCluster;
 use lockstep_tests::lb_lab::{
     Capture, Handover, Kind, LEASE, Lab, POOL, addresses, judge, probe_once, service, services,
-    settled, wait_answered_elsewhere,
+    settled, signal, wait_answered_elsewhere,
 };
 use lockstep_tests::{privileged, wait_for};
 
@@ -700,15 +700,5 @@ fn lb_assignment_bench() -> anyhow::Result<()> {
         total.as_secs_f64()
     );
     drop(lab);
-    Ok(())
-}
-
-fn signal(pid: u32, sig: &str) -> anyhow::Result<()> {
-    let out = std::process::Command::new("kill")
-        .args([sig, &pid.to_string()])
-        .output()?;
-    if !out.status.success() {
-        bail!("kill {sig} {pid} failed");
-    }
     Ok(())
 }

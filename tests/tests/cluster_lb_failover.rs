@@ -29,7 +29,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, ensure};
 use lockstep_tests::etcd::EtcdCluster;
-use lockstep_tests::lb_lab::{Capture, Kind, LEASE, Lab, Seen, TAGS};
+use lockstep_tests::lb_lab::{Capture, Kind, LEASE, Lab, Seen, TAGS, signal};
 use lockstep_tests::privileged;
 
 /// The lease under test ([`LEASE`]).
@@ -59,14 +59,6 @@ struct Event {
     node: usize,
     at: Instant,
     back: Instant,
-}
-
-fn signal(pid: u32, sig: &str) -> anyhow::Result<()> {
-    let out = std::process::Command::new("kill")
-        .args([sig, &pid.to_string()])
-        .output()?;
-    ensure!(out.status.success(), "kill {sig} {pid} failed");
-    Ok(())
 }
 
 /// Injects `fault` on node `x`, lets it last, ends it; returns when the
