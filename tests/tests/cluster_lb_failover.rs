@@ -131,6 +131,18 @@ fn answers(seen: &[Seen], rounds: &[Instant]) -> Answers {
     out
 }
 
+/// A change of the MAC answering an address.
+#[derive(Debug)]
+struct Move {
+    addr: IpAddr,
+    /// The first round the new MAC answered.
+    at: Instant,
+    from: [u8; 6],
+    to: [u8; 6],
+    /// Whether the new MAC sent a gratuitous ARP / unsolicited NA for it.
+    announced: bool,
+}
+
 /// What the judge found.
 #[derive(Debug, Default)]
 struct Verdict {
@@ -138,8 +150,7 @@ struct Verdict {
     /// (address, from, length, the MAC answering before) of every silence
     /// of more than one round.
     silences: Vec<(IpAddr, Instant, Duration, [u8; 6])>,
-    /// (address, at, from MAC, to MAC, announced).
-    handovers: Vec<(IpAddr, Instant, [u8; 6], [u8; 6], bool)>,
+    handovers: Vec<Move>,
 }
 
 fn judge(seen: &[Seen], rounds: &[Instant], targets: &[IpAddr], lab: &Lab) -> Verdict {
@@ -178,7 +189,13 @@ fn judge(seen: &[Seen], rounds: &[Instant], targets: &[IpAddr], lab: &Lab) -> Ve
                             && s.at + Duration::from_millis(1500) >= at
                             && s.at <= at + Duration::from_secs(1)
                     });
-                    v.handovers.push((*a, at, prev, mac, announced));
+                    v.handovers.push(Move {
+                        addr: *a,
+                        at,
+                        from: prev,
+                        to: mac,
+                        announced,
+                    });
                 }
             }
             last = Some((i, mac));
@@ -273,20 +290,21 @@ fn failover_prober_kills_stops_links_cuts_and_rejoins() -> anyhow::Result<()> {
         })
     };
     let node_of = |mac: [u8; 6]| lab.macs.iter().position(|m| *m == mac);
-    let voluntary: Vec<&(IpAddr, Instant, [u8; 6], [u8; 6], bool)> = v
+    let voluntary: Vec<&Move> = v
         .handovers
         .iter()
-        .filter(|(_, at, from, ..)| node_of(*from).is_some_and(|n| !faulted(n, *at)))
+        .filter(|m| node_of(m.from).is_some_and(|n| !faulted(n, m.at)))
         .collect();
     let mut flaps = Vec::new();
     for (e, (from_w, to_w)) in events.iter().zip(&windows) {
-        for (a, at, from, to, _) in &voluntary {
-            if node_of(*to) == Some(e.node) && *at >= *from_w && *at < *to_w {
+        for m in &voluntary {
+            if node_of(m.to) == Some(e.node) && m.at >= *from_w && m.at < *to_w {
                 flaps.push(format!(
-                    "{a}: {} -> node-{} {:?} after node-{} rejoined ({:?})",
-                    lab.node_of(*from),
+                    "{}: {} -> node-{} {:?} after node-{} rejoined ({:?})",
+                    m.addr,
+                    lab.node_of(m.from),
                     e.node,
-                    *at - e.back,
+                    m.at - e.back,
                     e.node,
                     e.fault
                 ));
@@ -311,7 +329,7 @@ fn failover_prober_kills_stops_links_cuts_and_rejoins() -> anyhow::Result<()> {
         let moved = v
             .handovers
             .iter()
-            .filter(|(_, at, ..)| *at >= e.at && *at < e.back + AFTER)
+            .filter(|m| m.at >= e.at && m.at < e.back + AFTER)
             .count();
         eprintln!(
             "{:?} node-{}: {moved} handovers, longest silence {:?}",
@@ -323,8 +341,15 @@ fn failover_prober_kills_stops_links_cuts_and_rejoins() -> anyhow::Result<()> {
     let unannounced: Vec<String> = v
         .handovers
         .iter()
-        .filter(|h| !h.4)
-        .map(|(a, _, from, to, _)| format!("{a} {} -> {}", lab.node_of(*from), lab.node_of(*to)))
+        .filter(|m| !m.announced)
+        .map(|m| {
+            format!(
+                "{} {} -> {}",
+                m.addr,
+                lab.node_of(m.from),
+                lab.node_of(m.to)
+            )
+        })
         .collect();
     eprintln!(
         "faults {}, probe rounds {}, handovers {} (voluntary {}), overlaps {}, longest silence {longest:?} (bound {bound:?}), darkened by a rejoin {}, flapped by a rejoin {}, handovers without an announcement {}",
@@ -338,12 +363,13 @@ fn failover_prober_kills_stops_links_cuts_and_rejoins() -> anyhow::Result<()> {
         unannounced.len()
     );
     eprintln!("darkened: {darkened:#?}\nflaps: {flaps:#?}");
-    for (a, at, from, to, _) in &voluntary {
+    for m in &voluntary {
         eprintln!(
-            "voluntary move: {a} {} -> {} at {:?} from the start",
-            lab.node_of(*from),
-            lab.node_of(*to),
-            *at - rounds[0]
+            "voluntary move: {} {} -> {} at {:?} from the start",
+            m.addr,
+            lab.node_of(m.from),
+            lab.node_of(m.to),
+            m.at - rounds[0]
         );
     }
     ensure!(
