@@ -34,6 +34,7 @@
 pub mod cluster;
 mod index;
 mod ipam;
+pub mod kubernetes;
 mod node_pools;
 mod range;
 mod spec;
