@@ -11,7 +11,8 @@
 //! - `b_requests_sharing_exhaustion_classes_and_release`: a requested
 //!   address, a sharing key (and a port clash on it), an exhausted pool
 //!   (condition and Event, assigned once the pool grows), a class lockstep
-//!   does not own (untouched), deletion and a type change releasing.
+//!   does not own (untouched), deletion and a type change releasing; every
+//!   request the agents sent is one `deploy/rbac.yaml` allows.
 //! - `c_assigner_killed_while_services_are_created`: the assigning agent
 //!   SIGKILLed while Services are created: no address twice, none left
 //!   pending once another agent took over.
@@ -366,6 +367,20 @@ fn b_requests_sharing_exhaustion_classes_and_release() -> anyhow::Result<()> {
         k.api.refusals().is_empty(),
         "the double refused: {:?}",
         k.api.refusals()
+    );
+    // Every request the door sent is one deploy/rbac.yaml allows, and
+    // Events were among them.
+    let outside = k.outside_rbac()?;
+    ensure!(
+        outside.is_empty(),
+        "requests outside the ClusterRole: {outside:?}"
+    );
+    ensure!(
+        k.api
+            .requests()
+            .iter()
+            .any(|r| r.method == "POST" && r.path.contains("/events")),
+        "no Event created"
     );
     Ok(())
 }
