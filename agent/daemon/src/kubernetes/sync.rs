@@ -72,8 +72,9 @@ pub struct LbSync<B: LbBackend> {
     /// Definitions the LB state refused, with why (kept until they change).
     refused_pools: BTreeMap<String, (Option<LbPoolSpec>, String)>,
     refused_services: BTreeMap<String, (ServiceSpec, String)>,
-    /// Patches sent, by object uid, with the `resourceVersion` they were
-    /// made from: not sent again until the reflector has seen them.
+    /// Patches sent (without their times), by object uid, with the
+    /// `resourceVersion` they were made from: not sent again until the
+    /// reflector has seen them.
     written: HashMap<String, (Option<String>, Value)>,
     was_writer: bool,
     last_full: tokio::time::Instant,
@@ -442,7 +443,7 @@ impl<B: LbBackend> LbSync<B> {
             };
             let uid = svc.uid().unwrap_or_default();
             let from = svc.resource_version();
-            if self.written.get(&uid) == Some(&(from.clone(), patch.clone())) {
+            if self.written.get(&uid) == Some(&(from.clone(), timeless(&patch))) {
                 continue;
             }
             let event = outcome
@@ -472,7 +473,7 @@ impl<B: LbBackend> LbSync<B> {
                     if let Some((warning, reason, note)) = event {
                         publish(recorder, &svc.object_ref(&()), warning, reason, note).await;
                     }
-                    Some((svc.uid().unwrap_or_default(), svc.resource_version(), patch))
+                    Some((svc.uid().unwrap_or_default(), svc.resource_version(), timeless(&patch)))
                 }
             })
             .buffer_unordered(PATCHES_IN_FLIGHT)
@@ -499,7 +500,8 @@ impl<B: LbBackend> LbSync<B> {
             };
             let uid = p.uid().unwrap_or_default();
             let from = p.resource_version();
-            if self.written.get(&uid) == Some(&(from.clone(), patch.clone())) {
+            let key = timeless(&patch);
+            if self.written.get(&uid) == Some(&(from.clone(), key.clone())) {
                 continue;
             }
             let before = pool_conditions(p);
@@ -522,9 +524,23 @@ impl<B: LbBackend> LbSync<B> {
                     publish(&self.recorder, &p.object_ref(&()), warning, reason, note).await;
                 }
             }
-            self.written.insert(uid, (from, patch));
+            self.written.insert(uid, (from, key));
         }
     }
+}
+
+/// What a patch says, without the times it carries: two passes that want
+/// the same status make the same key though the clock moved.
+fn timeless(patch: &Value) -> Value {
+    let mut v = patch.clone();
+    if let Some(cs) = v["status"]["conditions"].as_array_mut() {
+        for c in cs {
+            if let Some(o) = c.as_object_mut() {
+                o.remove("lastTransitionTime");
+            }
+        }
+    }
+    v
 }
 
 /// Publishes an Event about `reference`; a failure is logged only (Events
