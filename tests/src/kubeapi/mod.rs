@@ -150,6 +150,8 @@ pub struct Shared {
     seen: Mutex<Vec<Seen>>,
     refused: Mutex<Vec<ApiError>>,
     watches: Mutex<usize>,
+    /// Every change, with when it was stored (for benchmarks).
+    log: Mutex<Vec<(std::time::Instant, Change)>>,
 }
 
 /// Counts an open watch while it lives.
@@ -185,6 +187,10 @@ impl Shared {
         match f(&mut store) {
             Ok((v, c)) => {
                 if let Some(c) = c {
+                    self.log
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .push((std::time::Instant::now(), c.clone()));
                     let _ = self.tx.send(c);
                 }
                 Ok(v)
@@ -236,7 +242,15 @@ impl ApiDouble {
     /// # Errors
     /// As [`ApiDouble::start`].
     pub fn start_with(bookmark_every: Duration) -> anyhow::Result<Self> {
-        let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
+        Self::start_at("127.0.0.1:0".parse()?, bookmark_every)
+    }
+
+    /// Starts listening on `addr`, bookmarks every `bookmark_every`.
+    ///
+    /// # Errors
+    /// As [`ApiDouble::start`].
+    pub fn start_at(addr: SocketAddr, bookmark_every: Duration) -> anyhow::Result<Self> {
+        let listener = std::net::TcpListener::bind(addr)?;
         listener.set_nonblocking(true)?;
         let addr = listener.local_addr()?;
         let (tx, _) = tokio::sync::broadcast::channel(65_536);
@@ -250,6 +264,7 @@ impl ApiDouble {
             seen: Mutex::new(Vec::new()),
             refused: Mutex::new(Vec::new()),
             watches: Mutex::new(0),
+            log: Mutex::new(Vec::new()),
         });
         let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
         let s = shared.clone();
@@ -393,6 +408,15 @@ impl ApiDouble {
     pub fn requests(&self) -> Vec<Seen> {
         self.shared
             .seen
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// Every change stored so far, with when it was stored.
+    pub fn changes(&self) -> Vec<(std::time::Instant, Change)> {
+        self.shared
+            .log
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .clone()

@@ -61,6 +61,10 @@ pub const FULL_RESYNC: Duration = Duration::from_secs(300);
 /// Status patches in flight at once.
 const PATCHES_IN_FLIGHT: usize = 16;
 
+/// A status patch to send, with the Event to publish once it landed
+/// (warning, reason, note).
+type StatusWrite = (Arc<Service>, Value, Option<(bool, String, String)>);
+
 /// The loop's state.
 pub struct LbSync<B: LbBackend> {
     client: Client,
@@ -414,7 +418,7 @@ impl<B: LbBackend> LbSync<B> {
     ) -> bool {
         let now = k8s_openapi::jiff::Timestamp::now().to_string();
         let mut pending = false;
-        let mut patches: Vec<(Arc<Service>, Value, Option<(bool, String, String)>)> = Vec::new();
+        let mut patches: Vec<StatusWrite> = Vec::new();
         for (svc, req) in requests {
             let outcome = match req {
                 Request::NotOurs => None,
