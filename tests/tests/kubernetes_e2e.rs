@@ -706,6 +706,18 @@ fn service_status_bench() -> anyhow::Result<()> {
         "all {N} written {:.1} s after the first creation",
         total.as_secs_f64()
     );
+    // The writer's passes, when its log has them (RUST_LOG with
+    // lockstep::kubernetes=debug): where the time went.
+    for a in &k.lab.agents {
+        let log = a.log();
+        let passes: Vec<&str> = log
+            .lines()
+            .filter(|l| l.contains("kubernetes: pass"))
+            .collect();
+        for l in passes.iter().take(40) {
+            eprintln!("{l}");
+        }
+    }
     ensure!(
         p99 <= GOAL,
         "Service created -> status written p99 {:.0} ms misses the goal of {:.0} ms",

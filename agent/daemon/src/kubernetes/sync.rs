@@ -59,7 +59,7 @@ pub const BATCH: usize = 100;
 /// (repairs a definition changed behind its back, e.g. by `lb apply`).
 pub const FULL_RESYNC: Duration = Duration::from_secs(300);
 /// Status patches in flight at once.
-const PATCHES_IN_FLIGHT: usize = 16;
+const PATCHES_IN_FLIGHT: usize = 64;
 
 /// A status patch to send, with the Event to publish once it landed
 /// (warning, reason, note).
@@ -233,6 +233,7 @@ impl<B: LbBackend> LbSync<B> {
             self.forget();
             self.was_writer = true;
         }
+        let started = tokio::time::Instant::now();
         let pools = pools.state();
         let mut changed = self.sync_pools(&pools, &state).await?;
         let svcs = services.state();
@@ -241,11 +242,22 @@ impl<B: LbBackend> LbSync<B> {
             .map(|s| (s.clone(), lb_request(&service(s), &self.class)))
             .collect();
         changed |= self.sync_services(&requests, &state).await?;
+        let synced = started.elapsed();
         if changed {
             state = self.backend.state().await?;
         }
+        let read = started.elapsed();
         let pending = self.write_services(&requests, &state).await;
         self.write_pools(&pools, &state).await;
+        tracing::debug!(
+            services = requests.len(),
+            changed,
+            pending,
+            synced_ms = synced.as_millis(),
+            read_ms = read.as_millis(),
+            total_ms = started.elapsed().as_millis(),
+            "kubernetes: pass"
+        );
         Ok(pending || !state.pending.is_empty())
     }
 
@@ -474,8 +486,14 @@ impl<B: LbBackend> LbSync<B> {
                             return None;
                         }
                     }
+                    // Off the status path: an Event is best effort and
+                    // must not delay the next Service's status.
                     if let Some((warning, reason, note)) = event {
-                        publish(recorder, &svc.object_ref(&()), warning, reason, note).await;
+                        let recorder = recorder.clone();
+                        let reference = svc.object_ref(&());
+                        tokio::spawn(async move {
+                            publish(&recorder, &reference, warning, reason, note).await;
+                        });
                     }
                     Some((svc.uid().unwrap_or_default(), svc.resource_version(), timeless(&patch)))
                 }
