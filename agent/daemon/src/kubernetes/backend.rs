@@ -64,6 +64,10 @@ pub trait LbBackend: Send + Sync + 'static {
         services: Vec<String>,
         pools: Vec<String>,
     ) -> impl Future<Output = Result<(), KubeError>> + Send;
+    /// Whether `apply` assigns before it returns (single-node); in cluster
+    /// mode the assigner does it later, so reading the state right after
+    /// storing new services tells nothing new about them.
+    fn assigns_on_apply(&self) -> bool;
     /// How often the loop reads the state without a Kubernetes change:
     /// cluster mode learns of the assigner's work and of elections so.
     fn poll_every(&self, pending: bool) -> Duration;
@@ -162,6 +166,10 @@ impl LbBackend for LocalLb {
                 reason: "the agent is not started".into(),
             }),
         }
+    }
+
+    fn assigns_on_apply(&self) -> bool {
+        true
     }
 
     fn poll_every(&self, _pending: bool) -> Duration {
@@ -280,6 +288,10 @@ impl LbBackend for ClusterLb {
             .await
             .map(drop)
             .map_err(cluster_err)
+    }
+
+    fn assigns_on_apply(&self) -> bool {
+        false
     }
 
     fn poll_every(&self, pending: bool) -> Duration {

@@ -235,15 +235,19 @@ impl<B: LbBackend> LbSync<B> {
         }
         let started = tokio::time::Instant::now();
         let pools = pools.state();
-        let mut changed = self.sync_pools(&pools, &state).await?;
+        let pools_changed = self.sync_pools(&pools, &state).await?;
         let svcs = services.state();
         let requests: Vec<(Arc<Service>, Request)> = svcs
             .iter()
             .map(|s| (s.clone(), lb_request(&service(s), &self.class)))
             .collect();
-        changed |= self.sync_services(&requests, &state).await?;
+        let (added, deleted) = self.sync_services(&requests, &state).await?;
         let synced = started.elapsed();
-        if changed {
+        let changed = pools_changed || added || deleted;
+        // Only new services stored, and the assigner assigns later: the
+        // state as read says all there is; the next poll reads their
+        // addresses.
+        if pools_changed || deleted || (added && self.backend.assigns_on_apply()) {
             state = self.backend.state().await?;
         }
         let read = started.elapsed();
@@ -361,7 +365,7 @@ impl<B: LbBackend> LbSync<B> {
         &mut self,
         requests: &[(Arc<Service>, Request)],
         state: &LbState,
-    ) -> Result<bool, KubeError> {
+    ) -> Result<(bool, bool), KubeError> {
         let wanted: BTreeMap<String, &ServiceSpec> = requests
             .iter()
             .filter_map(|(_, r)| match r {
@@ -377,7 +381,7 @@ impl<B: LbBackend> LbSync<B> {
             })
             .map(|(_, s)| (*s).clone())
             .collect();
-        let mut changed = false;
+        let mut added = false;
         for chunk in apply.chunks(BATCH) {
             match self.backend.apply(Vec::new(), chunk.to_vec()).await {
                 Ok(()) => {
@@ -385,7 +389,7 @@ impl<B: LbBackend> LbSync<B> {
                         self.refused_services.remove(&s.id());
                         self.applied_services.insert(s.id(), s.clone());
                     }
-                    changed = true;
+                    added = true;
                 }
                 // One refused service must not hold the others back.
                 Err(KubeError::Refused { .. }) => {
@@ -394,7 +398,7 @@ impl<B: LbBackend> LbSync<B> {
                             Ok(()) => {
                                 self.refused_services.remove(&s.id());
                                 self.applied_services.insert(s.id(), s.clone());
-                                changed = true;
+                                added = true;
                             }
                             Err(KubeError::Refused { reason }) => {
                                 self.refused_services.insert(s.id(), (s.clone(), reason));
@@ -411,14 +415,14 @@ impl<B: LbBackend> LbSync<B> {
             .into_iter()
             .filter(|id| !wanted.contains_key(id))
             .collect();
+        let deleted = !gone.is_empty();
         for chunk in gone.chunks(BATCH) {
             self.backend.delete(chunk.to_vec(), Vec::new()).await?;
-            changed = true;
         }
         let keep: BTreeSet<&String> = wanted.keys().collect();
         self.applied_services.retain(|id, _| keep.contains(id));
         self.refused_services.retain(|id, _| keep.contains(id));
-        Ok(changed)
+        Ok((added, deleted))
     }
 
     /// Patches each Service whose status differs; whether some service of

@@ -132,6 +132,10 @@ impl LbBackend for MemoryLb {
         Ok(())
     }
 
+    fn assigns_on_apply(&self) -> bool {
+        true
+    }
+
     fn poll_every(&self, _pending: bool) -> Duration {
         Duration::from_secs(5)
     }
