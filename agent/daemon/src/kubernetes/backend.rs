@@ -118,6 +118,20 @@ impl LocalLb {
     }
 }
 
+/// An LB change on the local agent (`lb apply` / `lb delete`'s paths).
+async fn lb_change(
+    slot: &Slot,
+    f: impl FnOnce(&mut Agent) -> Result<(), crate::agent::AgentError> + Send + 'static,
+) -> Result<(), KubeError> {
+    match on_agent(slot, f).await? {
+        Some(Ok(())) => Ok(()),
+        Some(Err(e)) => Err(refused_or_failed(&e)),
+        None => Err(KubeError::Lb {
+            reason: "the agent is not started".into(),
+        }),
+    }
+}
+
 impl LbBackend for LocalLb {
     async fn state(&self) -> Result<LbState, KubeError> {
         let view = on_agent(&self.slot, |a| (a.status().ready, a.lb_view())).await?;
@@ -141,31 +155,17 @@ impl LbBackend for LocalLb {
         pools: Vec<LbPoolSpec>,
         services: Vec<ServiceSpec>,
     ) -> Result<(), KubeError> {
-        let r = on_agent(&self.slot, move |a| {
+        lb_change(&self.slot, move |a| {
             a.lb_apply(LbApply { pools, services }).map(drop)
         })
-        .await?;
-        match r {
-            Some(Ok(())) => Ok(()),
-            Some(Err(e)) => Err(refused_or_failed(&e)),
-            None => Err(KubeError::Lb {
-                reason: "the agent is not started".into(),
-            }),
-        }
+        .await
     }
 
     async fn delete(&self, services: Vec<String>, pools: Vec<String>) -> Result<(), KubeError> {
-        let r = on_agent(&self.slot, move |a| {
+        lb_change(&self.slot, move |a| {
             a.lb_delete(LbDelete { pools, services }).map(drop)
         })
-        .await?;
-        match r {
-            Some(Ok(())) => Ok(()),
-            Some(Err(e)) => Err(refused_or_failed(&e)),
-            None => Err(KubeError::Lb {
-                reason: "the agent is not started".into(),
-            }),
-        }
+        .await
     }
 
     fn assigns_on_apply(&self) -> bool {
