@@ -423,3 +423,96 @@ fn vlan_tagged_frames_and_foreign_ethertypes_from_a_pod_are_dropped_and_counted(
     }
     Ok(())
 }
+
+/// The pod's IPv6 address (only the ENDPOINTS entry holds it; the pod's
+/// own IPv6 is off, the frames are written by hand).
+const POD_V6: std::net::Ipv6Addr = std::net::Ipv6Addr::new(0xfd00, 0x201, 0, 0, 0, 0, 0, 1);
+
+/// An IPv6 UDP packet (no Ethernet header) from `src` to a documentation
+/// address (UDP checksum left 0: nothing receives it).
+fn udp6(src: std::net::Ipv6Addr, payload: &[u8]) -> Vec<u8> {
+    let mut p = vec![0u8; 40 + 8];
+    p[0] = 0x60;
+    p[4..6].copy_from_slice(&((8 + payload.len()) as u16).to_be_bytes());
+    p[6] = 17;
+    p[7] = 64;
+    p[8..24].copy_from_slice(&src.octets());
+    p[24..40].copy_from_slice(
+        &"2001:db8::2"
+            .parse::<std::net::Ipv6Addr>()
+            .unwrap()
+            .octets(),
+    );
+    p[40..42].copy_from_slice(&40000u16.to_be_bytes());
+    p[42..44].copy_from_slice(&9u16.to_be_bytes());
+    p[44..46].copy_from_slice(&((8 + payload.len()) as u16).to_be_bytes());
+    p.extend_from_slice(payload);
+    p
+}
+
+/// #31 item 1: IPv4 and IPv6 from the pod's own addresses but another
+/// Ethernet source (a pod posing as another on the node's L2) are dropped
+/// and counted; with its own MAC they pass. Before the MAC was in
+/// ENDPOINT_SLOTS the IPv4 frame with a forged MAC reached the world.
+#[test]
+fn frames_from_a_pods_address_with_another_mac_are_dropped_and_counted() -> anyhow::Result<()> {
+    privileged!();
+    let topo = Topology::new()?;
+    let (receiver, port) = world_receiver(&topo)?;
+    topo.lockstep(&["datapath", "install"])?;
+    let mac = topo
+        .pod_mac
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect::<Vec<_>>()
+        .join(":");
+    topo.lockstep(&[
+        "datapath",
+        "endpoint",
+        "--iface",
+        "h1",
+        "--ipv4",
+        &POD_V4.to_string(),
+        "--ipv6",
+        &POD_V6.to_string(),
+        "--mac",
+        &mac,
+    ])?;
+    let before = counters(&topo.pins)?;
+    let forged = [0x02, 0x00, 0x5e, 0x10, 0x20, 0x30];
+    let frames = [
+        frame(
+            &topo,
+            forged,
+            &[],
+            0x0800,
+            &udp4(POD_V4, port, b"forged-mac"),
+        ),
+        frame(
+            &topo,
+            topo.pod_mac,
+            &[],
+            0x0800,
+            &udp4(POD_V4, port, b"own-mac"),
+        ),
+        frame(&topo, forged, &[], 0x86dd, &udp6(POD_V6, b"forged-mac")),
+        frame(&topo, topo.pod_mac, &[], 0x86dd, &udp6(POD_V6, b"own-mac")),
+    ];
+    let got = send_to_world(&topo, &receiver, &frames)?;
+    let after = counters(&topo.pins)?;
+    let delta = |name: &str| -> anyhow::Result<u64> {
+        let (Some(a), Some(b)) = (after[name].as_u64(), before[name].as_u64()) else {
+            bail!("no counter {name}");
+        };
+        Ok(a - b)
+    };
+    println!(
+        "world received {got:?}; spoof_dropped_mac {}, from_endpoint_passed {}",
+        delta("spoof_dropped_mac")?,
+        delta("from_endpoint_passed")?
+    );
+    assert_eq!(got, BTreeSet::from([format!("own-mac from {POD_V4}")]));
+    assert_eq!(delta("spoof_dropped_mac")?, 2);
+    assert_eq!(delta("from_endpoint_passed")?, 2);
+    Ok(())
+}

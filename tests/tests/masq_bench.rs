@@ -89,6 +89,8 @@ fn build(name: &'static str, mode: Mode) -> anyhow::Result<Side> {
                 flags: masq_flags::ENABLED_V4 | masq_flags::ENABLED_V6,
                 reply_min: 0,
                 reply_max: 0,
+                endpoint_max: 0,
+                _pad: 0,
             },
             0,
         )?;

@@ -153,6 +153,8 @@ impl World {
             },
             reply_min: 0,
             reply_max: 0,
+            endpoint_max: 0,
+            _pad: 0,
         };
         maps.masq_config_mut().set(0, cfg, 0)?;
         Ok(())

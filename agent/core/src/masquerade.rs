@@ -140,22 +140,58 @@ pub struct Timeouts {
     pub udp_ns: u64,
     /// ICMP and ICMPv6 echo.
     pub icmp_ns: u64,
+    /// Any flow nothing has answered yet (a SYN, a datagram, an echo
+    /// request): no reply has set [`nat_state::REPLIED`]. Never longer
+    /// than its protocol's own timeout.
+    pub unreplied_ns: u64,
+}
+
+/// The most translations one endpoint address may hold: `share` of a
+/// table of `capacity` entries, at least 1 (`MasqConfig::endpoint_max`).
+pub fn endpoint_max(capacity: u32, share: f64) -> u32 {
+    let n = (f64::from(capacity) * share.clamp(0.0, 1.0)).floor();
+    (n as u32).clamp(1, capacity.max(1))
+}
+
+/// Whether the table is under pressure: `live` of `capacity` entries is at
+/// or above seven eighths. The collector then ends flows early
+/// ([`evictable`]) rather than let new flows be refused.
+pub fn under_pressure(live: u64, capacity: u32) -> bool {
+    live * 8 >= u64::from(capacity) * 7
+}
+
+/// Under pressure, whether a live flow may be ended early: one nothing
+/// has answered, idle for at least a second, or a closing TCP connection
+/// (FIN both ways, or reset). Established flows are never evicted.
+pub fn evictable(proto: u8, state: u8, last_seen_ns: u64, now_ns: u64) -> bool {
+    let idle = now_ns.saturating_sub(last_seen_ns);
+    let unreplied = state & nat_state::REPLIED == 0;
+    (unreplied && idle >= 1_000_000_000) || (proto == 6 && closing(state))
+}
+
+fn closing(state: u8) -> bool {
+    state & nat_state::RST != 0
+        || state & (nat_state::FIN_IN | nat_state::FIN_OUT)
+            == nat_state::FIN_IN | nat_state::FIN_OUT
 }
 
 /// Whether a translation is over: idle (`now_ns - last_seen_ns`, both on
 /// the monotonic clock the programs read) past the timeout of its protocol
-/// and state. `state` is the union of both directions' [`nat_state`] bits;
+/// and state; a flow never answered (no [`nat_state::REPLIED`]) gets the
+/// shorter unreplied timeout. `state` is the union of both directions' [`nat_state`] bits;
 /// `last_seen_ns` the later of both directions' times.
 pub fn expired(proto: u8, state: u8, last_seen_ns: u64, now_ns: u64, t: &Timeouts) -> bool {
     let idle = now_ns.saturating_sub(last_seen_ns);
-    let closed = state & nat_state::RST != 0
-        || state & (nat_state::FIN_IN | nat_state::FIN_OUT)
-            == nat_state::FIN_IN | nat_state::FIN_OUT;
     let limit = match proto {
-        6 if closed => t.tcp_closing_ns,
+        6 if closing(state) => t.tcp_closing_ns,
         6 => t.tcp_ns,
         17 => t.udp_ns,
         _ => t.icmp_ns,
+    };
+    let limit = if state & nat_state::REPLIED == 0 {
+        limit.min(t.unreplied_ns)
+    } else {
+        limit
     };
     idle >= limit
 }
@@ -170,7 +206,9 @@ mod tests {
         tcp_closing_ns: 10_000_000_000,
         udp_ns: 60_000_000_000,
         icmp_ns: 30_000_000_000,
+        unreplied_ns: 5_000_000_000,
     };
+    const R: u8 = nat_state::REPLIED;
 
     proptest! {
         /// The reply range holds the configured range and every live port,
@@ -235,23 +273,61 @@ mod tests {
     #[test]
     fn closed_tcp_ends_sooner_than_open_tcp() {
         let s = 1_000_000_000;
-        let both = nat_state::FIN_IN | nat_state::FIN_OUT;
-        assert!(!expired(6, 0, 0, 11 * s, &T));
+        let both = nat_state::FIN_IN | nat_state::FIN_OUT | R;
+        assert!(!expired(6, R, 0, 11 * s, &T));
         assert!(expired(6, both, 0, 11 * s, &T));
-        assert!(expired(6, nat_state::RST, 0, 11 * s, &T));
+        assert!(expired(6, nat_state::RST | R, 0, 11 * s, &T));
         // Half-closed stays open.
-        assert!(!expired(6, nat_state::FIN_OUT, 0, 11 * s, &T));
-        assert!(expired(17, 0, 0, 60 * s, &T) && !expired(17, 0, 0, 59 * s, &T));
-        assert!(expired(1, 0, 0, 30 * s, &T) && !expired(58, 0, 0, 29 * s, &T));
+        assert!(!expired(6, nat_state::FIN_OUT | R, 0, 11 * s, &T));
+        assert!(expired(17, R, 0, 60 * s, &T) && !expired(17, R, 0, 59 * s, &T));
+        assert!(expired(1, R, 0, 30 * s, &T) && !expired(58, R, 0, 29 * s, &T));
         // A clock read before the packet's time is not idle.
-        assert!(!expired(17, 0, 100 * s, 50 * s, &T));
+        assert!(!expired(17, R, 100 * s, 50 * s, &T));
+    }
+
+    #[test]
+    fn flows_nobody_answered_end_after_the_unreplied_timeout() {
+        let s = 1_000_000_000;
+        // A SYN without reply: 5 s, not the 2 h of an open connection.
+        assert!(expired(6, 0, 0, 5 * s, &T) && !expired(6, 0, 0, 4 * s, &T));
+        assert!(!expired(6, R, 0, 5 * s, &T));
+        // A datagram without reply, an echo request without reply.
+        assert!(expired(17, 0, 0, 5 * s, &T) && !expired(17, R, 0, 5 * s, &T));
+        assert!(expired(1, 0, 0, 5 * s, &T));
+        // Never longer than the protocol's own timeout.
+        let long = Timeouts {
+            unreplied_ns: 100 * s,
+            ..T
+        };
+        assert!(expired(17, 0, 0, 60 * s, &long));
+        // A closing connection nobody answered: the shorter of the two.
+        assert!(expired(6, nat_state::RST, 0, 5 * s, &T));
+    }
+
+    #[test]
+    fn the_endpoint_bound_is_a_share_of_the_table() {
+        assert_eq!(endpoint_max(65_536, 0.25), 16_384);
+        assert_eq!(endpoint_max(65_536, 1.0), 65_536);
+        assert_eq!(endpoint_max(100, 0.001), 1);
+        assert_eq!(endpoint_max(100, 7.0), 100);
+    }
+
+    #[test]
+    fn pressure_evicts_unanswered_and_closing_flows_only() {
+        let s = 1_000_000_000;
+        assert!(!under_pressure(57_343, 65_536) && under_pressure(57_344, 65_536));
+        assert!(evictable(6, 0, 0, s) && !evictable(6, 0, 0, s / 2));
+        assert!(evictable(17, 0, 0, 2 * s));
+        assert!(!evictable(6, R, 0, 100 * s) && !evictable(17, R, 0, 100 * s));
+        assert!(evictable(6, R | nat_state::RST, 10 * s, 10 * s));
+        assert!(!evictable(17, R | nat_state::RST, 0, 100 * s));
     }
 
     proptest! {
         #[test]
         fn later_activity_never_expires_sooner(
             proto in prop::sample::select(vec![1u8, 6, 17, 58]),
-            state in 0u8..8,
+            state in 0u8..32,
             seen in 0u64..1u64 << 50,
             later in 0u64..1u64 << 40,
             now in 0u64..1u64 << 51,

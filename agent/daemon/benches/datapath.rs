@@ -459,6 +459,8 @@ fn masquerade_rows(dp: &mut Datapath) -> anyhow::Result<bool> {
             flags: masq_flags::ENABLED_V4 | masq_flags::ENABLED_V6,
             reply_min: 0,
             reply_max: 0,
+            endpoint_max: 0,
+            _pad: 0,
         },
         0,
     )?;

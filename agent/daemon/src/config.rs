@@ -146,6 +146,13 @@ pub struct MasqueradeConfig {
     /// Idle time after which an ICMP echo translation ends.
     #[serde(with = "humantime_serde")]
     pub icmp_timeout: Duration,
+    /// Idle time after which a translation nothing has answered yet (a
+    /// TCP SYN, a UDP datagram, an echo request without reply) ends.
+    #[serde(with = "humantime_serde")]
+    pub unreplied_timeout: Duration,
+    /// The share of each family's translation table (0 < share ≤ 1) one
+    /// endpoint address may hold; a new flow beyond it is dropped.
+    pub endpoint_share: f64,
     /// How often the agent collects ended translations.
     #[serde(with = "humantime_serde")]
     pub gc_interval: Duration,
@@ -162,6 +169,8 @@ impl Default for MasqueradeConfig {
             tcp_closing_timeout: Duration::from_secs(10),
             udp_timeout: Duration::from_secs(60),
             icmp_timeout: Duration::from_secs(30),
+            unreplied_timeout: Duration::from_secs(10),
+            endpoint_share: 0.25,
             gc_interval: Duration::from_secs(5),
         }
     }
@@ -493,6 +502,10 @@ impl Config {
             ),
             ("masquerade.udp_timeout", self.masquerade.udp_timeout),
             ("masquerade.icmp_timeout", self.masquerade.icmp_timeout),
+            (
+                "masquerade.unreplied_timeout",
+                self.masquerade.unreplied_timeout,
+            ),
             ("masquerade.gc_interval", self.masquerade.gc_interval),
         ] {
             if d < Duration::from_millis(100) || d > Duration::from_secs(7 * 24 * 3600) {
@@ -501,6 +514,13 @@ impl Config {
                     "must be between 100ms and 7 days".into(),
                 ));
             }
+        }
+        let share = self.masquerade.endpoint_share;
+        if !(share > 0.0 && share <= 1.0) {
+            return Err(invalid(
+                "masquerade.endpoint_share".into(),
+                format!("{share} is not a share of the table: it must be above 0 and at most 1"),
+            ));
         }
         for (i, cidr) in self.non_masquerade_cidrs.iter().enumerate() {
             if cidr.trunc() != *cidr {

@@ -18,7 +18,8 @@ use std::time::Duration;
 
 use lockstep_common::{Counter, MasqConfig, masq_flags};
 use lockstep_core::masquerade::{
-    MasqError, PortRange, Timeouts, check_disjoint, expired, reply_range,
+    MasqError, PortRange, Timeouts, check_disjoint, endpoint_max, evictable, expired, reply_range,
+    under_pressure,
 };
 
 use crate::config::Config;
@@ -67,6 +68,7 @@ pub struct Settings {
     ports: PortRange,
     timeouts: Timeouts,
     gc_interval: Duration,
+    endpoint_share: f64,
     address_v4: Option<Ipv4Addr>,
     address_v6: Option<Ipv6Addr>,
 }
@@ -109,8 +111,10 @@ impl Settings {
                 tcp_closing_ns: ns(m.tcp_closing_timeout),
                 udp_ns: ns(m.udp_timeout),
                 icmp_ns: ns(m.icmp_timeout),
+                unreplied_ns: ns(m.unreplied_timeout),
             },
             gc_interval: m.gc_interval,
+            endpoint_share: m.endpoint_share,
             address_v4: m.address_v4,
             address_v6: m.address_v6,
         }))
@@ -130,6 +134,14 @@ pub struct Stats {
     pub translated: AtomicU64,
     /// New flows dropped for want of a free port (COUNTERS).
     pub exhausted: AtomicU64,
+    /// New flows dropped for want of room in a NAT map (COUNTERS).
+    pub table_full: AtomicU64,
+    /// New flows dropped: their endpoint held its share (COUNTERS).
+    pub endpoint_limit: AtomicU64,
+    /// Endpoint packets dropped as untranslatable (COUNTERS).
+    pub untranslatable: AtomicU64,
+    /// Translations the collector ended early under pressure.
+    pub evicted: AtomicU64,
 }
 
 /// The running collector; dropping it stops the thread.
@@ -224,6 +236,13 @@ pub fn start(settings: Settings, pin_root: &Path) -> Result<Masquerade, Masquera
     // until they end (the collector narrows the reply range then).
     let live = maps.collect_nat(|_, _, _| false)?.reply_ports;
     let reply = reply_range(settings.ports, live);
+    let capacity = maps.nat_capacity();
+    let per_endpoint = endpoint_max(capacity, settings.endpoint_share);
+    tracing::info!(
+        capacity,
+        per_endpoint,
+        "masquerade: each endpoint address may hold this many translations per family"
+    );
     if reply != settings.ports {
         tracing::info!(
             ports = %settings.ports,
@@ -239,6 +258,8 @@ pub fn start(settings: Settings, pin_root: &Path) -> Result<Masquerade, Masquera
         flags,
         reply_min: reply.low,
         reply_max: reply.high,
+        endpoint_max: per_endpoint,
+        _pad: 0,
     };
     maps.set_masq_config(config)?;
     let stats = Arc::new(Stats::default());
@@ -247,7 +268,7 @@ pub fn start(settings: Settings, pin_root: &Path) -> Result<Masquerade, Masquera
         let (stats, stop) = (stats.clone(), stop.clone());
         std::thread::Builder::new()
             .name("masq-gc".into())
-            .spawn(move || collect_loop(&mut maps, config, &settings, &stats, &stop))
+            .spawn(move || collect_loop(&mut maps, config, capacity, &settings, &stats, &stop))
             .map_err(|e| MasqueradeError::Sysctl {
                 path: PathBuf::from("masq-gc thread"),
                 source: e,
@@ -277,6 +298,7 @@ pub fn turn_off(pin_root: &Path) -> Result<u64, MasqueradeError> {
     let mut maps = PinnedMaps::open(pin_root)?;
     maps.set_masq_config(MasqConfig::default())?;
     let sweep = maps.collect_nat(|_, _, _| true)?;
+    maps.clear_endpoint_counts()?;
     if sweep.deleted > 0 {
         tracing::info!(
             deleted = sweep.deleted,
@@ -315,39 +337,89 @@ fn narrow_replies(
     }
 }
 
+/// How often the collector checks the table's fill between collections.
+const PRESSURE_CHECK: Duration = Duration::from_millis(250);
+
+/// Whether either family's table is nearly full, judged from the
+/// endpoint counts (no walk of the NAT maps).
+fn pressed(maps: &PinnedMaps, capacity: u32) -> bool {
+    let (mut v4, mut v6) = (0, 0);
+    for (addr, n) in maps.endpoint_translations() {
+        if addr.is_ipv4() {
+            v4 += n;
+        } else {
+            v6 += n;
+        }
+    }
+    under_pressure(v4, capacity) || under_pressure(v6, capacity)
+}
+
 fn collect_loop(
     maps: &mut PinnedMaps,
     mut config: MasqConfig,
+    capacity: u32,
     s: &Settings,
     stats: &Stats,
     stop: &AtomicBool,
 ) {
     let step = Duration::from_millis(50).min(s.gc_interval);
     let mut waited = Duration::ZERO;
+    let mut since_check = Duration::ZERO;
     while !stop.load(Ordering::Relaxed) {
         std::thread::sleep(step);
         waited += step;
-        if waited < s.gc_interval {
+        since_check += step;
+        // Under pressure a collection runs at once, and ends flows nobody
+        // answered and closing ones early, before new flows are refused.
+        let pressure = if since_check >= PRESSURE_CHECK {
+            since_check = Duration::ZERO;
+            pressed(maps, capacity)
+        } else {
+            false
+        };
+        if waited < s.gc_interval && !pressure {
             continue;
         }
         waited = Duration::ZERO;
         let now = now_ns();
-        match maps.collect_nat(|proto, state, seen| expired(proto, state, seen, now, &s.timeouts)) {
+        let evicted = std::cell::Cell::new(0u64);
+        let ended = |proto, state, seen| {
+            if expired(proto, state, seen, now, &s.timeouts) {
+                return true;
+            }
+            let early = pressure && evictable(proto, state, seen, now);
+            if early {
+                evicted.set(evicted.get() + 1);
+            }
+            early
+        };
+        match maps.collect_nat(ended) {
             Ok(sweep) => {
                 stats.entries_v4.store(sweep.v4, Ordering::Relaxed);
                 stats.entries_v6.store(sweep.v6, Ordering::Relaxed);
                 stats.gc_deleted.fetch_add(sweep.deleted, Ordering::Relaxed);
+                stats.evicted.fetch_add(evicted.get(), Ordering::Relaxed);
+                if evicted.get() > 0 {
+                    tracing::warn!(
+                        evicted = evicted.get(),
+                        "masquerade table nearly full: unanswered and closing translations ended early"
+                    );
+                }
                 narrow_replies(maps, &mut config, s.ports, sweep.reply_ports);
             }
             Err(e) => tracing::error!(error = %e, "masquerade collection failed"),
         }
         if let Ok(counters) = maps.counters() {
             for (c, n) in counters {
-                match c {
-                    Counter::MasqTranslated => stats.translated.store(n, Ordering::Relaxed),
-                    Counter::MasqExhausted => stats.exhausted.store(n, Ordering::Relaxed),
-                    _ => {}
-                }
+                let stat = match c {
+                    Counter::MasqTranslated => &stats.translated,
+                    Counter::MasqExhausted => &stats.exhausted,
+                    Counter::MasqTableFull => &stats.table_full,
+                    Counter::MasqEndpointLimit => &stats.endpoint_limit,
+                    Counter::MasqUntranslatable => &stats.untranslatable,
+                    _ => continue,
+                };
+                stat.store(n, Ordering::Relaxed);
             }
         }
     }

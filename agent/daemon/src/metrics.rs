@@ -37,6 +37,10 @@ pub struct Metrics {
     masq_deleted: prometheus_client::metrics::counter::Counter,
     masq_translated: prometheus_client::metrics::counter::Counter,
     masq_exhausted: prometheus_client::metrics::counter::Counter,
+    masq_table_full: prometheus_client::metrics::counter::Counter,
+    masq_endpoint_limit: prometheus_client::metrics::counter::Counter,
+    masq_untranslatable: prometheus_client::metrics::counter::Counter,
+    masq_evicted: prometheus_client::metrics::counter::Counter,
     allocated: Family<Labels, Gauge<i64>>,
     free: Family<Labels, Gauge<f64, std::sync::atomic::AtomicU64>>,
     map_entries: Family<Labels, Gauge<i64>>,
@@ -167,6 +171,31 @@ impl Metrics {
             "Tunnel packets dropped (COUNTERS), by reason: forged_source, not_local, malformed, no_device",
             tunnel_drops.clone(),
         );
+        let masq_counter = |registry: &mut Registry, name: &str, help: &str| {
+            let c = prometheus_client::metrics::counter::Counter::default();
+            registry.register(name, help, c.clone());
+            c
+        };
+        let masq_table_full = masq_counter(
+            &mut registry,
+            "masq_table_full",
+            "New flows dropped because a NAT map had no room (COUNTERS)",
+        );
+        let masq_endpoint_limit = masq_counter(
+            &mut registry,
+            "masq_endpoint_limit",
+            "New flows dropped because their endpoint held its share of the NAT table (COUNTERS)",
+        );
+        let masq_untranslatable = masq_counter(
+            &mut registry,
+            "masq_untranslatable",
+            "Endpoint packets to translated destinations dropped as untranslatable (COUNTERS)",
+        );
+        let masq_evicted = masq_counter(
+            &mut registry,
+            "masq_evicted",
+            "Unanswered or closing translations the collector ended early, the table being nearly full",
+        );
         Self {
             registry: Mutex::new(registry),
             masq: Mutex::new(None),
@@ -174,6 +203,10 @@ impl Metrics {
             masq_deleted,
             masq_translated,
             masq_exhausted,
+            masq_table_full,
+            masq_endpoint_limit,
+            masq_untranslatable,
+            masq_evicted,
             allocated,
             free,
             map_entries,
@@ -210,6 +243,10 @@ impl Metrics {
             (&self.masq_deleted, &m.gc_deleted),
             (&self.masq_translated, &m.translated),
             (&self.masq_exhausted, &m.exhausted),
+            (&self.masq_table_full, &m.table_full),
+            (&self.masq_endpoint_limit, &m.endpoint_limit),
+            (&self.masq_untranslatable, &m.untranslatable),
+            (&self.masq_evicted, &m.evicted),
         ] {
             let now = source.load(Relaxed);
             counter.inc_by(now.saturating_sub(counter.get()));

@@ -99,12 +99,36 @@ pub enum Counter {
     /// (IPv6 underlay) answered with ICMP "fragmentation needed" or
     /// "packet too big" instead of being sent.
     TunnelPmtuAnswered = 33,
+    /// from_endpoint: IPv4 or IPv6 frame dropped because its Ethernet
+    /// source is not the endpoint's MAC (the one recorded at ADD).
+    SpoofDroppedMac = 34,
+    /// to_native: a local endpoint's packet to a translated destination
+    /// that the masquerade does not translate (IPv4 options, IPv6
+    /// extension headers other than a fragment header, protocols other
+    /// than TCP, UDP and ICMP / ICMPv6 echo, the endpoint's own ICMP
+    /// errors): dropped, so it never leaves with the endpoint's address.
+    MasqUntranslatable = 35,
+    /// to_native: new flow dropped, its endpoint address already holds
+    /// `MasqConfig::endpoint_max` translations.
+    MasqEndpointLimit = 36,
+    /// from_native: TCP RST from the remote outside the endpoint's receive
+    /// window: translated and passed, but it does not end the flow.
+    MasqRstIgnored = 37,
+    /// to_native / from_native: a later fragment (no ports) of a
+    /// translated datagram translated.
+    MasqFragTranslated = 38,
+    /// from_native: a later fragment to the node address whose datagram's
+    /// first fragment was not seen (or was forgotten): left untranslated.
+    MasqFragUnknown = 39,
+    /// to_native: a SYN on a tuple whose connection had closed (FIN or
+    /// RST): the translation starts fresh for the new connection.
+    MasqTcpRestarted = 40,
 }
 
 impl Counter {
     /// Number of counters defined (the COUNTERS map has room for
     /// [`max_entries::COUNTERS`](crate::max_entries::COUNTERS)).
-    pub const COUNT: u32 = 34;
+    pub const COUNT: u32 = 41;
     /// Every counter, in index order.
     pub const ALL: [Counter; Self::COUNT as usize] = [
         Counter::FromEndpointPassed,
@@ -141,6 +165,13 @@ impl Counter {
         Counter::TunnelDropMalformed,
         Counter::TunnelDropNoDevice,
         Counter::TunnelPmtuAnswered,
+        Counter::SpoofDroppedMac,
+        Counter::MasqUntranslatable,
+        Counter::MasqEndpointLimit,
+        Counter::MasqRstIgnored,
+        Counter::MasqFragTranslated,
+        Counter::MasqFragUnknown,
+        Counter::MasqTcpRestarted,
     ];
 
     /// Stable snake_case name, used in metrics and the CLI.
@@ -180,6 +211,13 @@ impl Counter {
             Counter::TunnelDropMalformed => "tunnel_drop_malformed",
             Counter::TunnelDropNoDevice => "tunnel_drop_no_device",
             Counter::TunnelPmtuAnswered => "tunnel_pmtu_answered",
+            Counter::SpoofDroppedMac => "spoof_dropped_mac",
+            Counter::MasqUntranslatable => "masq_untranslatable",
+            Counter::MasqEndpointLimit => "masq_endpoint_limit",
+            Counter::MasqRstIgnored => "masq_rst_ignored",
+            Counter::MasqFragTranslated => "masq_frag_translated",
+            Counter::MasqFragUnknown => "masq_frag_unknown",
+            Counter::MasqTcpRestarted => "masq_tcp_restarted",
         }
     }
 }

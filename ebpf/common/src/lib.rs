@@ -31,8 +31,9 @@ pub use counter::Counter;
 pub use slots::{EndpointAddrs, EndpointSlot, L2Resp, L2RespSlot, L2RespSlotV6};
 
 pub use nat::{
-    LAST_SEEN_GRANULARITY_NS, MasqConfig, NatClock, NatKeyV4, NatKeyV6, NatValueV4, NatValueV6,
-    PORT_TRIES, masq_flags, nat_state,
+    LAST_SEEN_GRANULARITY_NS, MasqConfig, NatClock, NatEndpointKey, NatFragKeyV4, NatFragKeyV6,
+    NatFragValue, NatKeyV4, NatKeyV6, NatValueV4, NatValueV6, PORT_TRIES, endpoint_key_v4,
+    endpoint_key_v6, masq_flags, nat_state,
 };
 
 /// An IPv4 address in network byte order, as stored in every map.
@@ -104,8 +105,24 @@ pub mod map_names {
     /// agent: the tunnel device remote blocks flagged
     /// [`ENCAP`](crate::ipcache_flags::ENCAP) are sent through.
     pub const TUNNEL_CONFIG: &str = "TUNNEL_CONFIG";
+    /// LRU hash: [`NatFragKeyV4`](crate::NatFragKeyV4) →
+    /// [`NatFragValue`](crate::NatFragValue): where the later fragments of a
+    /// reverse-translated IPv4 datagram go (set by its first fragment).
+    pub const NAT_FRAG_V4: &str = "NAT_FRAG_V4";
+    /// LRU hash: [`NatFragKeyV6`](crate::NatFragKeyV6) →
+    /// [`NatFragValue`](crate::NatFragValue), like [`NAT_FRAG_V4`].
+    pub const NAT_FRAG_V6: &str = "NAT_FRAG_V6";
+    /// Hash: [`NatEndpointKey`](crate::NatEndpointKey) → `u64`, the
+    /// translations the programs opened for the endpoint address (only
+    /// the programs write it, with atomic adds).
+    pub const NAT_EP_OPENED: &str = "NAT_EP_OPENED";
+    /// Hash: [`NatEndpointKey`](crate::NatEndpointKey) → `u64`, the
+    /// translations of the endpoint address that ended (only the agent
+    /// writes it). Opened − ended is what the address holds, against
+    /// [`MasqConfig::endpoint_max`](crate::MasqConfig::endpoint_max).
+    pub const NAT_EP_CLOSED: &str = "NAT_EP_CLOSED";
     /// Every map, in a fixed order.
-    pub const ALL: [&str; 21] = [
+    pub const ALL: [&str; 25] = [
         IPCACHE_V4,
         IPCACHE_V6,
         IPCACHE_HOST_V4,
@@ -127,6 +144,10 @@ pub mod map_names {
         L2_RESP_V6,
         L2_RESP6_SLOTS,
         TUNNEL_CONFIG,
+        NAT_FRAG_V4,
+        NAT_FRAG_V6,
+        NAT_EP_OPENED,
+        NAT_EP_CLOSED,
     ];
 }
 
@@ -188,6 +209,13 @@ pub mod max_entries {
     /// list instead of allocating in the packet path and cannot fail for lack
     /// of memory), which costs about 5 MiB (IPv4) and 8 MiB (IPv6) per map.
     pub const NAT: u32 = 65_536;
+    /// NAT_FRAG_V4 and NAT_FRAG_V6: datagrams in reassembly at once (LRU:
+    /// the oldest make room, and a fragment whose entry went is not
+    /// translated).
+    pub const NAT_FRAG: u32 = 8_192;
+    /// NAT_EP_OPENED and NAT_EP_CLOSED: endpoint addresses with
+    /// translations (two per dual-stack endpoint).
+    pub const NAT_EP: u32 = 32_768;
     /// COUNTERS: room for [`Counter::COUNT`](crate::Counter::COUNT) and for
     /// counters later builds add, so adding one needs no `migrate` of the
     /// pin (an array's size is part of its definition). 64 per-CPU `u64`s
@@ -400,7 +428,7 @@ const _: () = assert!(size_of::<MasqSkipValue>() == 8);
 const _: () = assert!(size_of::<TunnelConfig>() == 32);
 const _: () = assert!(size_of::<EndpointValue>() == 48);
 const _: () = assert!(size_of::<L2RespValue>() == 24);
-const _: () = assert!(size_of::<EndpointSlot>() == 56);
+const _: () = assert!(size_of::<EndpointSlot>() == 72);
 const _: () = assert!(size_of::<L2RespSlot>() == 48);
 const _: () = assert!(size_of::<L2RespSlotV6>() == 72);
 const _: () = assert!(max_entries::L2_RESP6_SLOTS.is_power_of_two());
@@ -543,9 +571,12 @@ mod tests {
         assert_eq!(offset_of!(EndpointSlot, flags_check), 12);
         assert_eq!(offset_of!(EndpointSlot, ipv4), 16);
         assert_eq!(offset_of!(EndpointSlot, ipv4_check), 20);
-        assert_eq!(offset_of!(EndpointSlot, ipv6), 24);
-        assert_eq!(offset_of!(EndpointSlot, ipv6_check), 40);
-        assert_eq!(size_of::<EndpointSlot>(), 56);
+        assert_eq!(offset_of!(EndpointSlot, mac), 24);
+        assert_eq!(offset_of!(EndpointSlot, _pad), 30);
+        assert_eq!(offset_of!(EndpointSlot, mac_check), 32);
+        assert_eq!(offset_of!(EndpointSlot, ipv6), 40);
+        assert_eq!(offset_of!(EndpointSlot, ipv6_check), 56);
+        assert_eq!(size_of::<EndpointSlot>(), 72);
         assert_eq!(align_of::<EndpointSlot>(), 4);
         assert_eq!(offset_of!(L2RespSlot, addr), 0);
         assert_eq!(offset_of!(L2RespSlot, addr_check), 4);
@@ -592,18 +623,18 @@ mod tests {
     fn intact_slots_check_out_and_empty_or_other_keys_do_not() {
         let (ifindex, v) = endpoint();
         let slot = EndpointSlot::new(ifindex, &v);
-        let w = words::<56, 14>(&bytes::<_, 56>(&slot));
+        let w = words::<72, 18>(&bytes::<_, 72>(&slot));
         assert_eq!(
             EndpointSlot::check(&w, ifindex),
-            Some((v.flags, v.ipv4, v.ipv6))
+            Some((v.flags, v.ipv4, v.ipv6, v.mac))
         );
         assert_eq!(EndpointSlot::check(&w, ifindex + 1), None);
         let w4: [u32; EndpointSlot::V4_WORDS] = core::array::from_fn(|i| w[i]);
         assert_eq!(
             EndpointSlot::check_v4(&w4, ifindex),
-            Some((v.flags, v.ipv4))
+            Some((v.flags, v.ipv4, v.mac))
         );
-        assert_eq!(EndpointSlot::check(&[0; 14], 0), None);
+        assert_eq!(EndpointSlot::check(&[0; 18], 0), None);
 
         let l2 = L2RespValue {
             ifindex: 4,
@@ -630,7 +661,7 @@ mod tests {
     #[test]
     fn a_slot_half_written_over_zeros_never_checks_out() {
         let (ifindex, v) = endpoint();
-        let full = bytes::<_, 56>(&EndpointSlot::new(ifindex, &v));
+        let full = bytes::<_, 72>(&EndpointSlot::new(ifindex, &v));
         let l2 = L2RespSlot::new(
             [10, 0, 0, 50],
             &L2RespValue {
@@ -644,16 +675,23 @@ mod tests {
         let mut masks: [u64; 3] = [0; 3];
         let mut seed = 0x1234_5678_9abc_def0u64;
         let mut check = |mask: u64| {
-            let torn: [u8; 56] =
-                core::array::from_fn(|i| if mask >> i & 1 == 1 { full[i] } else { 0 });
-            let w = words::<56, 14>(&torn);
+            // Bytes 64.. (the IPv6 address's complement's last two words)
+            // follow bit 63: torn together with it.
+            let torn: [u8; 72] = core::array::from_fn(|i| {
+                if mask >> i.min(63) & 1 == 1 {
+                    full[i]
+                } else {
+                    0
+                }
+            });
+            let w = words::<72, 18>(&torn);
             if EndpointSlot::check(&w, ifindex).is_some() {
                 assert_eq!(torn, full, "mask {mask:#x} checked out torn");
                 masks[0] += 1;
             }
             let w4: [u32; EndpointSlot::V4_WORDS] = core::array::from_fn(|i| w[i]);
             if EndpointSlot::check_v4(&w4, ifindex).is_some() {
-                assert_eq!(torn[..24], full[..24], "mask {mask:#x}: v4 words torn");
+                assert_eq!(torn[..40], full[..40], "mask {mask:#x}: v4 words torn");
             }
             let torn: [u8; 48] =
                 core::array::from_fn(|i| if mask >> i & 1 == 1 { l2full[i] } else { 0 });
@@ -663,8 +701,8 @@ mod tests {
             }
             masks[2] += 1;
         };
-        let all = (1u64 << 56) - 1;
-        for i in 0..56 {
+        let all = u64::MAX;
+        for i in 0..64 {
             check(all & !(1 << i));
             check(all >> i);
             check((all << i) & all);

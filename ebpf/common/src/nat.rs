@@ -32,10 +32,23 @@ pub mod nat_state {
     pub const FIN_OUT: u8 = 1 << 0;
     /// A TCP FIN came from the remote to the endpoint (set in NAT_REV).
     pub const FIN_IN: u8 = 1 << 1;
-    /// A TCP RST went either way (set in the entry of its direction).
+    /// A TCP RST went either way (set in the entry of its direction). A
+    /// RST from the remote counts only inside the endpoint's receive
+    /// window (see [`NatValueV4::ack`]).
     pub const RST: u8 = 1 << 2;
+    /// A packet came back from the remote (set in NAT_REV by the first
+    /// reply): the flow is established. Flows without it (a SYN or a
+    /// datagram nobody answered) end after the short unreplied timeout.
+    pub const REPLIED: u8 = 1 << 3;
+    /// TCP, NAT_FWD: the endpoint has sent a segment with ACK since its
+    /// latest SYN, so [`NatValueV4::ack`] is its receive point (before, it
+    /// is what a RST answering the SYN must acknowledge).
+    pub const ACKED: u8 = 1 << 4;
     /// Every defined bit.
-    pub const ALL: u8 = FIN_OUT | FIN_IN | RST;
+    pub const ALL: u8 = FIN_OUT | FIN_IN | RST | REPLIED | ACKED;
+    /// The bits that end a TCP connection: a new SYN on the tuple clears
+    /// them (with every other bit), so the new connection starts fresh.
+    pub const CLOSING: u8 = FIN_OUT | FIN_IN | RST;
 }
 
 /// Bits of [`MasqConfig::flags`].
@@ -112,8 +125,19 @@ pub struct NatValueV4 {
     pub port: u16,
     /// [`nat_state`] bits seen in this direction.
     pub state: u8,
+    /// NAT_FWD, TCP: the window scale the endpoint announced in its SYN
+    /// (0 when it announced none, or the SYN was not seen); 0 elsewhere.
+    pub wscale: u8,
+    /// NAT_FWD, TCP (host order): once [`nat_state::ACKED`] is set, the
+    /// acknowledgment number of the endpoint's latest segment (where its
+    /// receive window starts); before, its SYN's sequence number + 1 (what
+    /// a RST refusing the SYN acknowledges). A RST from the remote is
+    /// honoured only against it. 0 elsewhere.
+    pub ack: u32,
+    /// NAT_FWD, TCP: the endpoint's latest advertised window, unscaled.
+    pub win: u16,
     /// Explicit padding; always zero.
-    pub _pad: u8,
+    pub _pad: u16,
 }
 
 /// Value of NAT_FWD_V6 and NAT_REV_V6; see [`NatValueV4`].
@@ -128,8 +152,14 @@ pub struct NatValueV6 {
     pub port: u16,
     /// [`nat_state`] bits seen in this direction.
     pub state: u8,
+    /// See [`NatValueV4::wscale`].
+    pub wscale: u8,
+    /// See [`NatValueV4::ack`].
+    pub ack: u32,
+    /// See [`NatValueV4::win`].
+    pub win: u16,
     /// Explicit padding; always zero.
-    pub _pad: u8,
+    pub _pad: u16,
     /// Explicit padding; always zero.
     pub _pad2: u32,
 }
@@ -170,6 +200,12 @@ pub struct MasqConfig {
     pub reply_min: u16,
     /// Highest port whose replies are looked up, inclusive.
     pub reply_max: u16,
+    /// The most translations (forward entries) one endpoint address may
+    /// hold in its family's table: a new flow beyond it is dropped
+    /// (`masq_endpoint_limit`). 0: no bound.
+    pub endpoint_max: u32,
+    /// Explicit padding; always zero.
+    pub _pad: u32,
 }
 
 impl MasqConfig {
@@ -188,14 +224,80 @@ impl MasqConfig {
 
 const _: () = assert!(size_of::<NatKeyV4>() == 16);
 const _: () = assert!(size_of::<NatKeyV6>() == 40);
-const _: () = assert!(size_of::<NatValueV4>() == 16);
-const _: () = assert!(size_of::<NatValueV6>() == 32);
-const _: () = assert!(size_of::<MasqConfig>() == 32);
+const _: () = assert!(size_of::<NatValueV4>() == 24);
+const _: () = assert!(size_of::<NatValueV6>() == 40);
+const _: () = assert!(size_of::<MasqConfig>() == 40);
+const _: () = assert!(size_of::<NatFragKeyV4>() == 12);
+const _: () = assert!(size_of::<NatFragKeyV6>() == 40);
 const _: () = assert!(size_of::<NatClock>() == 16);
+
+/// Key of NAT_FRAG_V4: an IPv4 datagram's fragments as they arrive at the
+/// node (remote → node address), by the fields that make them one datagram.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct NatFragKeyV4 {
+    /// The remote (the fragments' source).
+    pub src_addr: crate::V4Addr,
+    /// The node address (their destination).
+    pub dst_addr: crate::V4Addr,
+    /// The IPv4 identification, as loaded (network order).
+    pub id: u16,
+    /// IP protocol number.
+    pub proto: u8,
+    /// Explicit padding; always zero.
+    pub _pad: u8,
+}
+
+/// Key of NAT_FRAG_V6; see [`NatFragKeyV4`].
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct NatFragKeyV6 {
+    /// The remote.
+    pub src_addr: crate::V6Addr,
+    /// The node address.
+    pub dst_addr: crate::V6Addr,
+    /// The fragment header's identification, as loaded (network order).
+    pub id: u32,
+    /// The upper-layer protocol (the fragment header's next header).
+    pub proto: u8,
+    /// Explicit padding; always zero.
+    pub _pad: [u8; 3],
+}
+
+/// Value of NAT_FRAG_V4 and NAT_FRAG_V6: where the datagram's first
+/// fragment was reverse-translated to (the endpoint's address, IPv4 in the
+/// first four bytes). The later fragments carry no ports; they follow it.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct NatFragValue {
+    /// The endpoint's address (IPv4: the first four bytes, the rest zero).
+    pub addr: crate::V6Addr,
+}
+
+/// Key of NAT_EP_OPENED / NAT_EP_CLOSED: an endpoint address, IPv4 mapped
+/// into IPv6 (`::ffff:a.b.c.d`), as [`endpoint_key_v4`] and
+/// [`endpoint_key_v6`] make it.
+pub type NatEndpointKey = crate::V6Addr;
+
+/// The NAT_EP_* key of an IPv4 endpoint address.
+#[inline(always)]
+#[must_use]
+pub const fn endpoint_key_v4(a: crate::V4Addr) -> NatEndpointKey {
+    [
+        0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff, a[0], a[1], a[2], a[3],
+    ]
+}
+
+/// The NAT_EP_* key of an IPv6 endpoint address.
+#[inline(always)]
+#[must_use]
+pub const fn endpoint_key_v6(a: crate::V6Addr) -> NatEndpointKey {
+    a
+}
 
 #[cfg(feature = "user")]
 mod pod {
-    // SAFETY: all six are `#[repr(C)]`, made only of integers and byte
+    // SAFETY: all nine are `#[repr(C)]`, made only of integers and byte
     // arrays, with every padding byte spelled out as a field (the size
     // assertions above prove there is no implicit padding), so any bit
     // pattern is a valid value and no byte is uninitialised.
@@ -205,6 +307,9 @@ mod pod {
     unsafe impl aya::Pod for super::NatValueV6 {}
     unsafe impl aya::Pod for super::MasqConfig {}
     unsafe impl aya::Pod for super::NatClock {}
+    unsafe impl aya::Pod for super::NatFragKeyV4 {}
+    unsafe impl aya::Pod for super::NatFragKeyV6 {}
+    unsafe impl aya::Pod for super::NatFragValue {}
 }
 
 #[cfg(test)]
@@ -237,16 +342,22 @@ mod tests {
         assert_eq!(offset_of!(NatValueV4, addr), 8);
         assert_eq!(offset_of!(NatValueV4, port), 12);
         assert_eq!(offset_of!(NatValueV4, state), 14);
-        assert_eq!(offset_of!(NatValueV4, _pad), 15);
-        assert_eq!(size_of::<NatValueV4>(), 16);
+        assert_eq!(offset_of!(NatValueV4, wscale), 15);
+        assert_eq!(offset_of!(NatValueV4, ack), 16);
+        assert_eq!(offset_of!(NatValueV4, win), 20);
+        assert_eq!(offset_of!(NatValueV4, _pad), 22);
+        assert_eq!(size_of::<NatValueV4>(), 24);
         assert_eq!(align_of::<NatValueV4>(), 8);
         assert_eq!(offset_of!(NatValueV6, last_seen_ns), 0);
         assert_eq!(offset_of!(NatValueV6, addr), 8);
         assert_eq!(offset_of!(NatValueV6, port), 24);
         assert_eq!(offset_of!(NatValueV6, state), 26);
-        assert_eq!(offset_of!(NatValueV6, _pad), 27);
-        assert_eq!(offset_of!(NatValueV6, _pad2), 28);
-        assert_eq!(size_of::<NatValueV6>(), 32);
+        assert_eq!(offset_of!(NatValueV6, wscale), 27);
+        assert_eq!(offset_of!(NatValueV6, ack), 28);
+        assert_eq!(offset_of!(NatValueV6, win), 32);
+        assert_eq!(offset_of!(NatValueV6, _pad), 34);
+        assert_eq!(offset_of!(NatValueV6, _pad2), 36);
+        assert_eq!(size_of::<NatValueV6>(), 40);
         assert_eq!(align_of::<NatValueV6>(), 8);
     }
 
@@ -259,7 +370,9 @@ mod tests {
         assert_eq!(offset_of!(MasqConfig, flags), 24);
         assert_eq!(offset_of!(MasqConfig, reply_min), 28);
         assert_eq!(offset_of!(MasqConfig, reply_max), 30);
-        assert_eq!(size_of::<MasqConfig>(), 32);
+        assert_eq!(offset_of!(MasqConfig, endpoint_max), 32);
+        assert_eq!(offset_of!(MasqConfig, _pad), 36);
+        assert_eq!(size_of::<MasqConfig>(), 40);
         assert_eq!(align_of::<MasqConfig>(), 4);
         assert_eq!(MasqConfig::default().flags & masq_flags::ALL, 0);
     }
@@ -284,7 +397,11 @@ mod tests {
     fn flag_bits_are_distinct() {
         assert_eq!(nat_state::FIN_OUT & nat_state::FIN_IN, 0);
         assert_eq!((nat_state::FIN_OUT | nat_state::FIN_IN) & nat_state::RST, 0);
-        assert_eq!(nat_state::ALL.count_ones(), 3);
+        assert_eq!(nat_state::ALL.count_ones(), 5);
+        assert_eq!(
+            nat_state::CLOSING & (nat_state::REPLIED | nat_state::ACKED),
+            0
+        );
         assert_eq!(masq_flags::ENABLED_V4 & masq_flags::ENABLED_V6, 0);
         assert_eq!(masq_flags::ALL.count_ones(), 2);
     }

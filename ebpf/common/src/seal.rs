@@ -88,7 +88,7 @@ impl crate::EndpointValue {
     }
 
     /// Checks a word-by-word copy of the ENDPOINTS value of `ifindex`: its
-    /// flags and addresses when the seal holds.
+    /// flags, addresses and MAC when the seal holds.
     #[inline(always)]
     #[must_use]
     pub fn open(w: &[u32; Self::WORDS], ifindex: u32) -> Option<crate::EndpointAddrs> {
@@ -97,6 +97,7 @@ impl crate::EndpointValue {
         }
         let b = |i: usize| w[i].to_ne_bytes();
         let (a, c, d, e) = (b(4), b(5), b(6), b(7));
+        let (m, n) = (b(8), b(9));
         Some((
             w[3],
             b(2),
@@ -104,6 +105,7 @@ impl crate::EndpointValue {
                 a[0], a[1], a[2], a[3], c[0], c[1], c[2], c[3], d[0], d[1], d[2], d[3], e[0], e[1],
                 e[2], e[3],
             ],
+            [m[0], m[1], m[2], m[3], n[0], n[1]],
         ))
     }
 }
@@ -256,7 +258,7 @@ mod tests {
         assert!(s.is_sealed(7) && !s.is_sealed(8) && !v.is_sealed(7));
         assert_eq!(
             EndpointValue::open(&s.words(), 7),
-            Some((v.flags, v.ipv4, v.ipv6))
+            Some((v.flags, v.ipv4, v.ipv6, v.mac))
         );
         assert_eq!(EndpointValue::open(&s.words(), 8), None);
         assert_eq!(EndpointValue::open_mac(&s.words(), 7), Some(s.mac));

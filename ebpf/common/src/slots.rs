@@ -103,6 +103,8 @@ pub const fn not<const N: usize>(mut bytes: [u8; N]) -> [u8; N] {
 /// `from_endpoint` reads, each beside its complement (see [`slots`]). All zero
 /// means empty. Every field is a whole number of 32-bit words, so a program
 /// copies and checks the slot a word at a time ([`EndpointSlot::check`]).
+/// IPv4 and ARP frames read the leading [`EndpointSlot::V4_WORDS`] only (key,
+/// flags, IPv4 address, MAC).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
 pub struct EndpointSlot {
@@ -118,25 +120,35 @@ pub struct EndpointSlot {
     pub ipv4: V4Addr,
     /// Complement of `ipv4`.
     pub ipv4_check: V4Addr,
+    /// The MAC of the endpoint's interface inside its namespace: the only
+    /// Ethernet source its IPv4 and IPv6 frames may carry (all zero: not
+    /// recorded, not checked).
+    pub mac: [u8; 6],
+    /// Explicit padding; always zero.
+    pub _pad: [u8; 2],
+    /// Complement of the eight bytes `mac` and `_pad`.
+    pub mac_check: [u8; 8],
     /// The endpoint's IPv6 address.
     pub ipv6: V6Addr,
     /// Complement of `ipv6`.
     pub ipv6_check: V6Addr,
 }
 
-/// What `from_endpoint` needs of an endpoint: [`endpoint_flags`], IPv4, IPv6.
-pub type EndpointAddrs = (u32, V4Addr, V6Addr);
+/// What `from_endpoint` needs of an endpoint: [`endpoint_flags`], IPv4,
+/// IPv6, MAC.
+pub type EndpointAddrs = (u32, V4Addr, V6Addr, [u8; 6]);
 
 impl EndpointSlot {
     /// Size in 32-bit words.
     pub const WORDS: usize = size_of::<Self>() / 4;
     /// The leading words that IPv4 and ARP packets need: the key, the flags,
-    /// the IPv4 address and their complements.
-    pub const V4_WORDS: usize = 6;
+    /// the IPv4 address, the MAC and their complements.
+    pub const V4_WORDS: usize = 10;
 
     /// The slot holding the ENDPOINTS entry `ifindex` → `value`.
     #[must_use]
     pub const fn new(ifindex: u32, value: &EndpointValue) -> Self {
+        let m = value.mac;
         Self {
             ifindex,
             ifindex_check: !ifindex,
@@ -144,13 +156,17 @@ impl EndpointSlot {
             flags_check: !value.flags,
             ipv4: value.ipv4,
             ipv4_check: not(value.ipv4),
+            mac: m,
+            _pad: [0; 2],
+            mac_check: not([m[0], m[1], m[2], m[3], m[4], m[5], 0, 0]),
             ipv6: value.ipv6,
             ipv6_check: not(value.ipv6),
         }
     }
 
-    /// Checks a word-by-word copy of a slot: the endpoint's flags and
-    /// addresses when the copy holds `ifindex` and no field of it is torn.
+    /// Checks a word-by-word copy of a slot: the endpoint's flags,
+    /// addresses and MAC when the copy holds `ifindex` and no field of it is
+    /// torn.
     #[inline(always)]
     #[must_use]
     pub fn check(w: &[u32; Self::WORDS], ifindex: u32) -> Option<EndpointAddrs> {
@@ -158,15 +174,18 @@ impl EndpointSlot {
             && w[1] == !ifindex
             && w[2] == !w[3]
             && w[4] == !w[5]
-            && w[6] == !w[10]
-            && w[7] == !w[11]
-            && w[8] == !w[12]
-            && w[9] == !w[13];
+            && w[6] == !w[8]
+            && w[7] == !w[9]
+            && w[10] == !w[14]
+            && w[11] == !w[15]
+            && w[12] == !w[16]
+            && w[13] == !w[17];
         if !intact {
             return None;
         }
         let b = |i: usize| w[i].to_ne_bytes();
-        let (v6a, v6b, v6c, v6d) = (b(6), b(7), b(8), b(9));
+        let (v6a, v6b, v6c, v6d) = (b(10), b(11), b(12), b(13));
+        let (m, n) = (b(6), b(7));
         Some((
             w[2],
             b(4),
@@ -174,18 +193,31 @@ impl EndpointSlot {
                 v6a[0], v6a[1], v6a[2], v6a[3], v6b[0], v6b[1], v6b[2], v6b[3], v6c[0], v6c[1],
                 v6c[2], v6c[3], v6d[0], v6d[1], v6d[2], v6d[3],
             ],
+            [m[0], m[1], m[2], m[3], n[0], n[1]],
         ))
     }
 }
 
 impl EndpointSlot {
     /// [`EndpointSlot::check`] over the first [`EndpointSlot::V4_WORDS`]
-    /// words only: flags and IPv4 address.
+    /// words only: flags, IPv4 address and MAC.
     #[inline(always)]
     #[must_use]
-    pub fn check_v4(w: &[u32; Self::V4_WORDS], ifindex: u32) -> Option<(u32, V4Addr)> {
-        let intact = w[0] == ifindex && w[1] == !ifindex && w[2] == !w[3] && w[4] == !w[5];
-        intact.then(|| (w[2], w[4].to_ne_bytes()))
+    pub fn check_v4(w: &[u32; Self::V4_WORDS], ifindex: u32) -> Option<(u32, V4Addr, [u8; 6])> {
+        let intact = w[0] == ifindex
+            && w[1] == !ifindex
+            && w[2] == !w[3]
+            && w[4] == !w[5]
+            && w[6] == !w[8]
+            && w[7] == !w[9];
+        let (m, n) = (w[6].to_ne_bytes(), w[7].to_ne_bytes());
+        intact.then(|| {
+            (
+                w[2],
+                w[4].to_ne_bytes(),
+                [m[0], m[1], m[2], m[3], n[0], n[1]],
+            )
+        })
     }
 }
 

@@ -5,8 +5,8 @@
 //!
 //! - `from_endpoint` (TC ingress on an endpoint's host-side veth): passes
 //!   only untagged IPv4, IPv6 and ARP whose source is the endpoint's
-//!   allocated address (drops VLAN-tagged frames and every other ethertype),
-//!   classifies the destination through IPCACHE, counts.
+//!   allocated address and MAC (drops VLAN-tagged frames and every other
+//!   ethertype), classifies the destination through IPCACHE, counts.
 //! - `to_native` (TC egress on the node's uplink): masquerades local
 //!   endpoints' traffic to destinations outside the cluster and MASQ_SKIP
 //!   (module [`nat`]); counts only while MASQ_CONFIG leaves it off.
@@ -36,7 +36,7 @@ use core::mem::size_of;
 
 use aya_ebpf::{
     bindings::{TC_ACT_REDIRECT, TC_ACT_SHOT, TC_ACT_UNSPEC},
-    btf_maps::{Array, HashMap, LpmTrie, PerCpuArray, lpm_trie::Key},
+    btf_maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray, lpm_trie::Key},
     helpers::bpf_redirect,
     macros::{btf_map, classifier},
     programs::TcContext,
@@ -44,8 +44,9 @@ use aya_ebpf::{
 use aya_log_ebpf::info;
 use lockstep_common::{
     Counter, EndpointSlot, EndpointValue, IpcacheValue, L2Resp, L2RespSlot, L2RespSlotV6,
-    L2RespValue, MasqConfig, MasqSkipValue, NatClock, NatKeyV4, NatKeyV6, NatValueV4, NatValueV6,
-    TunnelConfig, V4Addr, V6Addr, endpoint_flags, ipcache_flags, max_entries, slots,
+    L2RespValue, MasqConfig, MasqSkipValue, NatClock, NatEndpointKey, NatFragKeyV4, NatFragKeyV6,
+    NatFragValue, NatKeyV4, NatKeyV6, NatValueV4, NatValueV6, TunnelConfig, V4Addr, V6Addr, endpoint_flags,
+    ipcache_flags, max_entries, slots,
 };
 
 #[btf_map]
@@ -112,6 +113,18 @@ static MASQ_CONFIG: Array<MasqConfig, 1> = Array::new();
 static NAT_CLOCK: PerCpuArray<NatClock, 1> = PerCpuArray::new();
 #[btf_map]
 static TUNNEL_CONFIG: Array<TunnelConfig, 1> = Array::new();
+#[btf_map]
+static NAT_FRAG_V4: LruHashMap<NatFragKeyV4, NatFragValue, { max_entries::NAT_FRAG as usize }> =
+    LruHashMap::new();
+#[btf_map]
+static NAT_FRAG_V6: LruHashMap<NatFragKeyV6, NatFragValue, { max_entries::NAT_FRAG as usize }> =
+    LruHashMap::new();
+#[btf_map]
+static NAT_EP_OPENED: HashMap<NatEndpointKey, u64, { max_entries::NAT_EP as usize }, NO_PREALLOC> =
+    HashMap::new();
+#[btf_map]
+static NAT_EP_CLOSED: HashMap<NatEndpointKey, u64, { max_entries::NAT_EP as usize }, NO_PREALLOC> =
+    HashMap::new();
 
 /// Whether rare events are reported (see `lockstep_common::debug`): one
 /// inlined array read, done only on the paths that report.
@@ -180,7 +193,7 @@ fn ifindex(ctx: &TcContext) -> u32 {
 /// IPv4 and ARP packets (`v6` false) read and check only the slot's leading
 /// words; the IPv6 address comes back zero then.
 #[inline(always)]
-fn endpoint(ifindex: u32, v6: bool) -> Option<(u32, V4Addr, V6Addr)> {
+fn endpoint(ifindex: u32, v6: bool) -> Option<lockstep_common::EndpointAddrs> {
     if let Some(p) = ENDPOINT_SLOTS.get_ptr(slots::endpoint(ifindex)) {
         if !v6 {
             let p = p.cast::<[u32; EndpointSlot::V4_WORDS]>();
@@ -190,8 +203,8 @@ fn endpoint(ifindex: u32, v6: bool) -> Option<(u32, V4Addr, V6Addr)> {
                 (copy, core::ptr::read_volatile(p.cast::<u32>()))
             };
             if again == ifindex {
-                if let Some((flags, v4)) = EndpointSlot::check_v4(&copy, ifindex) {
-                    return Some((flags, v4, [0; 16]));
+                if let Some((flags, v4, mac)) = EndpointSlot::check_v4(&copy, ifindex) {
+                    return Some((flags, v4, [0; 16], mac));
                 }
             }
             return endpoint_hash(ifindex);
@@ -220,7 +233,7 @@ const SEAL_TRIES: usize = 3;
 /// element for a rewrite while it is copied). A copy that fails is looked up
 /// again; an entry that never checks out reads as absent.
 #[inline(always)]
-fn endpoint_hash(ifindex: u32) -> Option<(u32, V4Addr, V6Addr)> {
+fn endpoint_hash(ifindex: u32) -> Option<lockstep_common::EndpointAddrs> {
     for _ in 0..SEAL_TRIES {
         let p = ENDPOINTS
             .get_ptr(ifindex)?
@@ -325,7 +338,7 @@ fn vlan_tagged(ctx: &TcContext, proto: u16) -> bool {
 
 /// Anti-spoofing and destination classification for traffic leaving an
 /// endpoint. Fails closed: only untagged IPv4, IPv6 and ARP frames from the
-/// endpoint's own addresses pass; any VLAN tag (ID 0 included, which the
+/// endpoint's own addresses (and, IPv4 and IPv6, its own MAC) pass; any VLAN tag (ID 0 included, which the
 /// stack strips after TC and then routes the inner packet unchecked), any
 /// other ethertype, and an interface without an ENDPOINTS entry drop, each
 /// counted.
@@ -363,10 +376,32 @@ pub fn from_endpoint(ctx: TcContext) -> i32 {
         }
         return DROP;
     }
-    let Some((ep_flags, ep_v4, ep_v6)) = endpoint(ifindex(&ctx), proto == ETH_P_IPV6) else {
+    let Some((ep_flags, ep_v4, ep_v6, ep_mac)) = endpoint(ifindex(&ctx), proto == ETH_P_IPV6)
+    else {
         count(Counter::UnknownEndpoint);
         return DROP;
     };
+    // IPv4 and IPv6 leave with the endpoint's own MAC (ARP's sender is
+    // checked against the frame's source below). A MAC of zeros was never
+    // recorded (an entry written by hand): not checked.
+    if proto != ETH_P_ARP && ep_mac != [0; 6] {
+        let Some(src_mac) = read::<[u8; 6]>(&ctx, 6) else {
+            count(Counter::Malformed);
+            return DROP;
+        };
+        if src_mac != ep_mac {
+            count(Counter::SpoofDroppedMac);
+            if events_on() {
+                info!(
+                    &ctx,
+                    "from_endpoint: dropped a frame from {:mac}, not the endpoint's MAC, on ifindex {}",
+                    src_mac,
+                    ifindex(&ctx)
+                );
+            }
+            return DROP;
+        }
+    }
     match proto {
         ETH_P_IP => {
             let (Some(src), Some(dst)) =

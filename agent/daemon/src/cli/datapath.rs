@@ -104,6 +104,11 @@ pub enum DatapathCommand {
         /// Generation of the allocation.
         #[arg(long, default_value_t = 1)]
         generation: u64,
+        /// MAC of the endpoint's interface inside its namespace, the only
+        /// Ethernet source its IPv4 and IPv6 frames may carry
+        /// (`aa:bb:cc:dd:ee:ff`; without it the MAC is not checked).
+        #[arg(long, value_parser = mac_arg)]
+        mac: Option<[u8; 6]>,
     },
     /// Remove an endpoint's ENDPOINTS entry (and its slot); the program stays
     /// attached and now drops everything from the interface.
@@ -192,6 +197,12 @@ pub enum DatapathCommand {
     },
 }
 
+/// [`parse_mac`] for clap.
+fn mac_arg(text: &str) -> Result<[u8; 6], String> {
+    parse_mac(text)
+        .ok_or_else(|| format!("{text:?} is not a MAC address (expected aa:bb:cc:dd:ee:ff)"))
+}
+
 /// Runs a `lockstep datapath` command.
 pub(super) fn run(cmd: DatapathCommand) -> anyhow::Result<i32> {
     match cmd {
@@ -212,12 +223,14 @@ pub(super) fn run(cmd: DatapathCommand) -> anyhow::Result<i32> {
             ipv4,
             ipv6,
             generation,
+            mac,
         } => {
             let mut dp = load.open()?;
             let ifindex = ifindex_of(&iface)?;
             let mut maps = dp.maps()?;
             let mut value = EndpointValue {
                 generation,
+                mac: mac.unwrap_or_default(),
                 ..Default::default()
             };
             let ipcache = IpcacheValue {

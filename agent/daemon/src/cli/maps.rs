@@ -36,6 +36,8 @@ fn nat_state_names(state: u8) -> Vec<&'static str> {
         (nat_state::FIN_OUT, "fin_out"),
         (nat_state::FIN_IN, "fin_in"),
         (nat_state::RST, "rst"),
+        (nat_state::REPLIED, "replied"),
+        (nat_state::ACKED, "acked"),
     ]
     .into_iter()
     .filter(|(bit, _)| state & bit != 0)

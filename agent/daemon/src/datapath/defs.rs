@@ -12,8 +12,9 @@ use std::path::Path;
 use aya::maps::{MapData, MapInfo, MapType};
 use lockstep_common::{
     EndpointSlot, EndpointValue, IpcacheValue, L2RespSlot, L2RespSlotV6, L2RespValue,
-    LPM_V4_KEY_SIZE, LPM_V6_KEY_SIZE, MasqConfig, MasqSkipValue, NatClock, NatKeyV4, NatKeyV6,
-    NatValueV4, NatValueV6, map_names, max_entries,
+    LPM_V4_KEY_SIZE, LPM_V6_KEY_SIZE, MasqConfig, MasqSkipValue, NatClock, NatEndpointKey,
+    NatFragKeyV4, NatFragKeyV6, NatFragValue, NatKeyV4, NatKeyV6, NatValueV4, NatValueV6,
+    map_names, max_entries,
 };
 
 use super::{DatapathError, sys};
@@ -186,6 +187,32 @@ pub fn expected_definitions(caps: &MapCapacities) -> BTreeMap<&'static str, MapD
         (
             map_names::TUNNEL_CONFIG,
             array(size_of::<lockstep_common::TunnelConfig>(), 1),
+        ),
+        (
+            map_names::NAT_FRAG_V4,
+            MapDefinition {
+                map_type: MapType::LruHash,
+                key_size: size_of::<NatFragKeyV4>() as u32,
+                value_size: size_of::<NatFragValue>() as u32,
+                max_entries: max_entries::NAT_FRAG,
+            },
+        ),
+        (
+            map_names::NAT_FRAG_V6,
+            MapDefinition {
+                map_type: MapType::LruHash,
+                key_size: size_of::<NatFragKeyV6>() as u32,
+                value_size: size_of::<NatFragValue>() as u32,
+                max_entries: max_entries::NAT_FRAG,
+            },
+        ),
+        (
+            map_names::NAT_EP_OPENED,
+            hash(size_of::<NatEndpointKey>(), 8, max_entries::NAT_EP),
+        ),
+        (
+            map_names::NAT_EP_CLOSED,
+            hash(size_of::<NatEndpointKey>(), 8, max_entries::NAT_EP),
         ),
         (
             map_names::NAT_CLOCK,

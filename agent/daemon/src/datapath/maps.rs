@@ -16,8 +16,8 @@ use aya::maps::lpm_trie::Key;
 use aya::maps::{Array, HashMap, LpmTrie, Map, MapData, PerCpuArray};
 use lockstep_common::{
     Counter, EndpointSlot, EndpointValue, IpcacheValue, L2RespSlot, L2RespSlotV6, L2RespValue,
-    MasqConfig, MasqSkipValue, NatKeyV4, NatKeyV6, NatValueV4, NatValueV6, V4Addr, V6Addr,
-    map_names, slots,
+    MasqConfig, MasqSkipValue, NatEndpointKey, NatKeyV4, NatKeyV6, NatValueV4, NatValueV6, V4Addr,
+    V6Addr, map_names, slots,
 };
 use lockstep_core::plan::slot_holder;
 
@@ -66,6 +66,8 @@ pub struct PinnedMaps {
     masq_config: Array<MapData, MasqConfig>,
     /// TUNNEL_CONFIG.
     tunnel_config: Array<MapData, lockstep_common::TunnelConfig>,
+    nat_ep_opened: HashMap<MapData, NatEndpointKey, u64>,
+    nat_ep_closed: HashMap<MapData, NatEndpointKey, u64>,
     /// Where untyped handles come from.
     source: Source,
 }
@@ -199,6 +201,10 @@ accessors! {
     masq_config / masq_config_mut: Array<MapData, MasqConfig>;
     /// TUNNEL_CONFIG (one entry, key 0; see [`PinnedMaps::set_tunnel_config`]).
     tunnel_config / tunnel_config_mut: Array<MapData, lockstep_common::TunnelConfig>;
+    /// NAT_EP_OPENED (the programs' count; read only here).
+    nat_ep_opened / nat_ep_opened_mut: HashMap<MapData, NatEndpointKey, u64>;
+    /// NAT_EP_CLOSED (the collector's count).
+    nat_ep_closed / nat_ep_closed_mut: HashMap<MapData, NatEndpointKey, u64>;
 }
 
 impl PinnedMaps {
@@ -250,8 +256,15 @@ impl PinnedMaps {
             nat_rev_v6: typed!(s, map_names::NAT_REV_V6),
             masq_config: typed!(s, map_names::MASQ_CONFIG),
             tunnel_config: typed!(s, map_names::TUNNEL_CONFIG),
+            nat_ep_opened: typed!(s, map_names::NAT_EP_OPENED),
+            nat_ep_closed: typed!(s, map_names::NAT_EP_CLOSED),
             source,
         })
+    }
+
+    /// A new handle on the map `name` (pinned or held, as this was opened).
+    pub(super) fn open_source(&self, name: &'static str) -> Result<MapData, DatapathError> {
+        self.source.open(name)
     }
 
     /// Every entry of a pinned hash in one batch syscall.

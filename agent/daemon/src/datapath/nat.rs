@@ -5,8 +5,13 @@
 //! decision of what has ended is the core's (`lockstep_core::masquerade`),
 //! handed in as a closure over plain numbers.
 
+use std::collections::BTreeMap;
+
 use aya::maps::{HashMap, MapData};
-use lockstep_common::{MasqConfig, NatKeyV4, NatKeyV6, NatValueV4, NatValueV6};
+use lockstep_common::{
+    MasqConfig, NatEndpointKey, NatKeyV4, NatKeyV6, NatValueV4, NatValueV6, endpoint_key_v4,
+    endpoint_key_v6,
+};
 
 use super::{DatapathError, PinnedMaps};
 
@@ -46,10 +51,12 @@ trait Tuple: Copy + aya::Pod {
     fn endpoint(v: &Self::Value) -> std::net::IpAddr;
     /// A reverse key's destination port: the translated port.
     fn dst_port(&self) -> u16;
+    /// A forward key's source as a NAT_EP_* key.
+    fn endpoint_key(&self) -> NatEndpointKey;
 }
 
 macro_rules! tuple {
-    ($key:ty, $value:ty) => {
+    ($key:ty, $value:ty, $ep:path) => {
         impl Tuple for $key {
             type Value = $value;
             fn reverse(&self, v: &$value) -> Self {
@@ -77,11 +84,14 @@ macro_rules! tuple {
             fn dst_port(&self) -> u16 {
                 self.dst_port
             }
+            fn endpoint_key(&self) -> NatEndpointKey {
+                $ep(self.src_addr)
+            }
         }
     };
 }
-tuple!(NatKeyV4, NatValueV4);
-tuple!(NatKeyV6, NatValueV6);
+tuple!(NatKeyV4, NatValueV4, endpoint_key_v4);
+tuple!(NatKeyV6, NatValueV6, endpoint_key_v6);
 
 fn err(map: &'static str) -> impl Fn(aya::maps::MapError) -> DatapathError {
     move |source| DatapathError::OpenPin {
@@ -122,6 +132,7 @@ fn sweep<K: Tuple>(
     rev: Pick<K>,
     names: (&'static str, &'static str),
     ended: &impl Fn(u8, u8, u64) -> bool,
+    closed: &mut BTreeMap<NatEndpointKey, u64>,
 ) -> Result<Swept, DatapathError> {
     let mut left = 0;
     let mut deleted = 0;
@@ -138,7 +149,20 @@ fn sweep<K: Tuple>(
             left += 1;
             continue;
         }
-        deleted += remove(maps, fwd, names.0, &k)?;
+        // A packet since the walk read the entry (a new SYN on the tuple
+        // starts it afresh): judged again at the next collection.
+        match fwd(maps).get(&k, 0) {
+            Ok(now) if K::seen(&now) != K::seen(&v) => {
+                left += 1;
+                continue;
+            }
+            _ => {}
+        }
+        let gone = remove(maps, fwd, names.0, &k)?;
+        if gone > 0 {
+            *closed.entry(k.endpoint_key()).or_default() += 1;
+        }
+        deleted += gone;
         deleted += remove(maps, rev, names.1, &rk)?;
     }
     let reverse: Vec<(K, K::Value)> = rev(maps).iter().filter_map(Result::ok).collect();
@@ -210,20 +234,30 @@ impl PinnedMaps {
         ended: impl Fn(u8, u8, u64) -> bool,
     ) -> Result<NatSweep, DatapathError> {
         use lockstep_common::map_names as n;
-        let (v4, d4, p4) = sweep::<NatKeyV4>(
+        let mut closed = BTreeMap::new();
+        let swept4 = sweep::<NatKeyV4>(
             self,
             PinnedMaps::nat_fwd_v4_mut,
             PinnedMaps::nat_rev_v4_mut,
             (n::NAT_FWD_V4, n::NAT_REV_V4),
             &ended,
-        )?;
-        let (v6, d6, p6) = sweep::<NatKeyV6>(
-            self,
-            PinnedMaps::nat_fwd_v6_mut,
-            PinnedMaps::nat_rev_v6_mut,
-            (n::NAT_FWD_V6, n::NAT_REV_V6),
-            &ended,
-        )?;
+            &mut closed,
+        );
+        let swept6 = swept4.and_then(|s4| {
+            sweep::<NatKeyV6>(
+                self,
+                PinnedMaps::nat_fwd_v6_mut,
+                PinnedMaps::nat_rev_v6_mut,
+                (n::NAT_FWD_V6, n::NAT_REV_V6),
+                &ended,
+                &mut closed,
+            )
+            .map(|s6| (s4, s6))
+        });
+        // What ended is counted even when a later delete failed: those
+        // translations are gone.
+        self.count_closed(&closed)?;
+        let ((v4, d4, p4), (v6, d6, p6)) = swept6?;
         let reply_ports = match (p4, p6) {
             (Some((l, h)), other) | (other, Some((l, h))) => widen(widen(other, l), h),
             (None, None) => None,
@@ -236,15 +270,58 @@ impl PinnedMaps {
         })
     }
 
+    /// Adds `ended` (endpoint address → translations that ended) to
+    /// NAT_EP_CLOSED, which only the agent writes.
+    ///
+    /// # Errors
+    /// A write was refused.
+    fn count_closed(&mut self, ended: &BTreeMap<NatEndpointKey, u64>) -> Result<(), DatapathError> {
+        use lockstep_common::map_names as n;
+        for (k, more) in ended {
+            let before = self.nat_ep_closed().get(k, 0).unwrap_or(0);
+            self.nat_ep_closed_mut()
+                .insert(k, before + more, 0)
+                .map_err(err(n::NAT_EP_CLOSED))?;
+        }
+        Ok(())
+    }
+
+    /// Translations the endpoint addresses hold (NAT_EP_OPENED less
+    /// NAT_EP_CLOSED), IPv4 and IPv6: what the programs bound each
+    /// endpoint by, and the table's fill without walking it.
+    pub fn endpoint_translations(&self) -> BTreeMap<std::net::IpAddr, u64> {
+        let mut held = BTreeMap::new();
+        for (k, opened) in self.nat_ep_opened().iter().filter_map(Result::ok) {
+            let closed = self.nat_ep_closed().get(&k, 0).unwrap_or(0);
+            let addr = std::net::Ipv6Addr::from(k);
+            let addr = match addr.to_ipv4_mapped() {
+                Some(v4) => std::net::IpAddr::V4(v4),
+                None => std::net::IpAddr::V6(addr),
+            };
+            held.insert(addr, opened.saturating_sub(closed));
+        }
+        held
+    }
+
+    /// Capacity of the NAT maps (NAT_FWD_V4's `max_entries`; all four are
+    /// made alike).
+    pub fn nat_capacity(&self) -> u32 {
+        self.open_source(lockstep_common::map_names::NAT_FWD_V4)
+            .ok()
+            .and_then(|m| m.info().ok())
+            .map_or(lockstep_common::max_entries::NAT, |i| i.max_entries())
+    }
+
     /// Deletes every translation of the endpoint address `addr` (a DEL):
-    /// its forward entries, then the reverse entries that lead to it.
-    /// Returns how many entries went. Walks the family's two NAT maps.
+    /// its forward entries, then the reverse entries that lead to it, then
+    /// its NAT_EP_* counts (the next holder of the address starts at 0).
+    /// Returns how many NAT entries went. Walks the family's two NAT maps.
     ///
     /// # Errors
     /// A delete was refused for another reason than "already gone".
     pub fn remove_nat_of(&mut self, addr: std::net::IpAddr) -> Result<u64, DatapathError> {
         use lockstep_common::map_names as n;
-        match addr {
+        let deleted = match addr {
             std::net::IpAddr::V4(_) => remove_endpoint::<NatKeyV4>(
                 self,
                 PinnedMaps::nat_fwd_v4_mut,
@@ -259,6 +336,46 @@ impl PinnedMaps {
                 (n::NAT_FWD_V6, n::NAT_REV_V6),
                 addr,
             ),
+        }?;
+        let key = match addr {
+            std::net::IpAddr::V4(a) => endpoint_key_v4(a.octets()),
+            std::net::IpAddr::V6(a) => endpoint_key_v6(a.octets()),
+        };
+        for name in [n::NAT_EP_OPENED, n::NAT_EP_CLOSED] {
+            let map = if name == n::NAT_EP_OPENED {
+                self.nat_ep_opened_mut()
+            } else {
+                self.nat_ep_closed_mut()
+            };
+            match map.remove(&key) {
+                Ok(()) | Err(aya::maps::MapError::KeyNotFound) => {}
+                Err(aya::maps::MapError::SyscallError(e))
+                    if e.io_error.raw_os_error() == Some(libc::ENOENT) => {}
+                Err(e) => return Err(err(name)(e)),
+            }
         }
+        Ok(deleted)
+    }
+
+    /// Clears NAT_EP_OPENED and NAT_EP_CLOSED (masquerade turned off, every
+    /// translation deleted).
+    ///
+    /// # Errors
+    /// A delete was refused.
+    pub fn clear_endpoint_counts(&mut self) -> Result<(), DatapathError> {
+        use lockstep_common::map_names as n;
+        let keys: Vec<NatEndpointKey> =
+            self.nat_ep_opened().keys().filter_map(Result::ok).collect();
+        for k in &keys {
+            let _ = self.nat_ep_opened_mut().remove(k);
+        }
+        let keys: Vec<NatEndpointKey> =
+            self.nat_ep_closed().keys().filter_map(Result::ok).collect();
+        for k in &keys {
+            self.nat_ep_closed_mut()
+                .remove(k)
+                .map_err(err(n::NAT_EP_CLOSED))?;
+        }
+        Ok(())
     }
 }

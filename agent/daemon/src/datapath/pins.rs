@@ -210,7 +210,11 @@ pub(super) fn repair(
 pub(super) fn map_data(name: &'static str, map: aya::maps::Map) -> Result<MapData, DatapathError> {
     use aya::maps::Map;
     match map {
-        Map::HashMap(d) | Map::Array(d) | Map::LpmTrie(d) | Map::PerCpuArray(d) => Ok(d),
+        Map::HashMap(d)
+        | Map::LruHashMap(d)
+        | Map::Array(d)
+        | Map::LpmTrie(d)
+        | Map::PerCpuArray(d) => Ok(d),
         _ => Err(DatapathError::MapAccess {
             action: "hold",
             map: name,
