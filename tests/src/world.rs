@@ -425,3 +425,22 @@ pub fn bpftool_dump(agent: &AgentProc, map: &str) -> anyhow::Result<Vec<Value>> 
     )?)?;
     Ok(dump.as_array().context("bpftool: not an array")?.clone())
 }
+
+/// The value of the metric `name` (its first series) on the agent's
+/// metrics endpoint (the only TCP listener in the node namespace).
+///
+/// # Errors
+/// The namespace's `sh`, `ss` or `curl` failed.
+pub fn metric(node: &Netns, name: &str) -> anyhow::Result<Option<f64>> {
+    let text = node.exec(
+        "sh",
+        [
+            "-c",
+            "curl -s http://$(ss -ltnH | awk '{print $4}' | head -1)/metrics",
+        ],
+    )?;
+    Ok(text
+        .lines()
+        .find(|l| l.starts_with(name) && !l.starts_with('#'))
+        .and_then(|l| l.split_whitespace().last()?.parse().ok()))
+}

@@ -14,7 +14,7 @@ use std::time::Duration;
 use anyhow::{Context, bail, ensure};
 use lockstep_tests::world::{
     Endpoint, FAR_V4, FAR_V6, NARROW_MTU, NODE_V4, NODE_V6, SKIP_V4, SKIP_V6, Sink, WORLD_V4,
-    WORLD_V6, World, add_endpoint, bpftool_dump, cni, transfer,
+    WORLD_V6, World, add_endpoint, bpftool_dump, cni, metric, transfer,
 };
 use lockstep_tests::{AgentProc, Netns, counter, privileged, sh, wait_for};
 use serde_json::{Value, json};
@@ -25,22 +25,6 @@ name = "pods"
 ipv4 = ["10.88.0.0/24"]
 ipv6 = ["fd00:88::/120"]
 "#;
-
-/// The value of the metric `name` (its first series) on the agent's
-/// metrics endpoint (the only TCP listener in the node namespace).
-fn metric(node: &Netns, name: &str) -> anyhow::Result<Option<f64>> {
-    let text = node.exec(
-        "sh",
-        [
-            "-c",
-            "curl -s http://$(ss -ltnH | awk '{print $4}' | head -1)/metrics",
-        ],
-    )?;
-    Ok(text
-        .lines()
-        .find(|l| l.starts_with(name) && !l.starts_with('#'))
-        .and_then(|l| l.split_whitespace().last()?.parse().ok()))
-}
 
 fn start(w: &World, extra: &str) -> anyhow::Result<AgentProc> {
     AgentProc::start(&w.node, &World::agent_config(POOLS, extra))
