@@ -411,7 +411,12 @@ fn bench(suite: &str) -> anyhow::Result<()> {
             // identical namespaces; the test prints the medians and ratios.
             // Optimised: a debug client and server would be what limits
             // connections per second on every side alike.
-            release_benchmark_test("masq_bench")
+            release_benchmark_test("masq_bench")?;
+            // #31: an established flow's translation beside the NAT lookup
+            // alone, through BPF_PROG_TEST_RUN (the datapath bench's rows).
+            run(cargo()
+                .args(["bench", "-p", "lockstep", "--bench", "datapath"])
+                .env("LOCKSTEP_BENCH_MASQUERADE_ONLY", "1"))
         }
         "tunnel" => {
             // Pod-to-pod TCP native vs lockstep's tunnel vs the kernel's own

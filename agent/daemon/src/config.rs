@@ -727,6 +727,18 @@ mod tests {
                 "datapath.ipcache_max_entries",
             ),
             (
+                "[masquerade]\nendpoint_share = 0.0",
+                "masquerade.endpoint_share",
+            ),
+            (
+                "[masquerade]\nendpoint_share = 1.5",
+                "masquerade.endpoint_share",
+            ),
+            (
+                "[masquerade]\nunreplied_timeout = \"10ms\"",
+                "masquerade.unreplied_timeout",
+            ),
+            (
                 "[datapath]\nipcache_max_entries = -1",
                 "ipcache_max_entries",
             ),

@@ -179,8 +179,19 @@ pub mod program_names {
     /// TC ingress on the tunnel device: decapsulated packets checked
     /// against the outer source and delivered to local endpoints.
     pub const FROM_TUNNEL: &str = "from_tunnel";
-    /// Every program, in a fixed order.
-    pub const ALL: [&str; 5] = [FROM_ENDPOINT, TO_NATIVE, FROM_NATIVE, NOOP, FROM_TUNNEL];
+    /// Parses an IPv4 TCP/UDP tuple and looks it up in NAT_FWD_V4, nothing
+    /// else; the masquerade bench's reference (never attached).
+    pub const NAT_LOOKUP: &str = "nat_lookup";
+    /// Every program, in a fixed order: a program's position is its TC
+    /// filter priority, so new programs go last.
+    pub const ALL: [&str; 6] = [
+        FROM_ENDPOINT,
+        TO_NATIVE,
+        FROM_NATIVE,
+        NOOP,
+        FROM_TUNNEL,
+        NAT_LOOKUP,
+    ];
 }
 
 /// Default capacities. The agent may override them at load time; whatever is

@@ -45,8 +45,8 @@ use aya_log_ebpf::info;
 use lockstep_common::{
     Counter, EndpointSlot, EndpointValue, IpcacheValue, L2Resp, L2RespSlot, L2RespSlotV6,
     L2RespValue, MasqConfig, MasqSkipValue, NatClock, NatEndpointKey, NatFragKeyV4, NatFragKeyV6,
-    NatFragValue, NatKeyV4, NatKeyV6, NatValueV4, NatValueV6, TunnelConfig, V4Addr, V6Addr, endpoint_flags,
-    ipcache_flags, max_entries, slots,
+    NatFragValue, NatKeyV4, NatKeyV6, NatValueV4, NatValueV6, TunnelConfig, V4Addr, V6Addr,
+    endpoint_flags, ipcache_flags, max_entries, slots,
 };
 
 #[btf_map]
@@ -595,6 +595,14 @@ pub fn from_tunnel(ctx: TcContext) -> i32 {
 #[classifier]
 pub fn noop(_ctx: TcContext) -> i32 {
     NEXT
+}
+
+/// The lookup an established IPv4 flow's translation cannot do without —
+/// the tuple parsed, NAT_FWD_V4 looked up — and nothing else: the datapath
+/// bench's reference for the translation's cost (never attached).
+#[classifier]
+pub fn nat_lookup(ctx: TcContext) -> i32 {
+    nat::lookup_only_v4(&ctx)
 }
 
 #[cfg(not(test))]

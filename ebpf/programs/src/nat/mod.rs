@@ -47,7 +47,7 @@
 mod v4;
 mod v6;
 
-pub(crate) use v4::ingress_v4;
+pub(crate) use v4::{ingress_v4, lookup_only_v4};
 
 use aya_ebpf::{
     bindings::{BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, BPF_NOEXIST},

@@ -11,8 +11,8 @@ use lockstep_common::{
 };
 
 use super::{
-    CLAIMED, EEXIST, Flow, ICMP, IP, L4_V4, NEW_FLOW, SYN_SEEN, TCP, TCP_RST, V4_CSUM, V4_DST, V4_SRC,
-    candidates, config, csum_replace4, endpoint_held, endpoint_opened, is_cluster,
+    CLAIMED, EEXIST, Flow, ICMP, IP, L4_V4, NEW_FLOW, SYN_SEEN, TCP, TCP_RST, V4_CSUM, V4_DST,
+    V4_SRC, candidates, config, csum_replace4, endpoint_held, endpoint_opened, is_cluster,
     is_local_endpoint, ne16, ne32, now_ns, out_bits, parse_l4, parse_quoted, rewrite_v4,
     rst_acceptable, tcp_start, touch, track_out, write,
 };
@@ -63,6 +63,32 @@ fn outgoing_v4(ctx: &TcContext, cfg: &MasqConfig) -> Result<(NatKeyV4, Flow, u16
         _pad: [0; 3],
     };
     Ok((key, flow, u16::from_ne_bytes([ip[10], ip[11]])))
+}
+
+/// The `nat_lookup` program: [`egress_v4`]'s parsing and lookup alone
+/// (the bench's reference). Returns "drop" on a hit, "next" otherwise, so
+/// the bench can tell that it measured the hit.
+#[inline(always)]
+pub(crate) fn lookup_only_v4(ctx: &TcContext) -> i32 {
+    let Some(ip) = read::<[u8; 20]>(ctx, IP) else {
+        return NEXT;
+    };
+    let Some(flow) = parse_l4(ctx, L4_V4, ip[9], 8, false) else {
+        return NEXT;
+    };
+    let key = NatKeyV4 {
+        src_addr: [ip[12], ip[13], ip[14], ip[15]],
+        dst_addr: [ip[16], ip[17], ip[18], ip[19]],
+        src_port: flow.sport,
+        dst_port: flow.dport,
+        proto: flow.proto,
+        _pad: [0; 3],
+    };
+    if NAT_FWD_V4.get_ptr(key).is_some() {
+        DROP
+    } else {
+        NEXT
+    }
 }
 
 /// `to_native` for IPv4. `restarted`: a SYN's state was restarted already
@@ -369,7 +395,9 @@ pub(crate) fn ingress_v4(ctx: &TcContext) -> i32 {
     // SAFETY: `v` points at the map value for this run.
     let (addr, port) = unsafe { ((*v).addr, (*v).port) };
     let mut bits = flow.state_bits(nat_state::FIN_IN) | nat_state::REPLIED;
-    if flow.proto == TCP && flow.tcp_flags & TCP_RST != 0 && !rst_in_window_v4(ctx, &key, addr, port, &flow)
+    if flow.proto == TCP
+        && flow.tcp_flags & TCP_RST != 0
+        && !rst_in_window_v4(ctx, &key, addr, port, &flow)
     {
         bits &= !nat_state::RST;
     }

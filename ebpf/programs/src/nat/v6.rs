@@ -15,12 +15,11 @@ use lockstep_common::{
 };
 
 use super::{
-    ADMITTED, BPF_F_IPV6, CLAIMED, COUNT_ONLY, FIRST_FRAGMENT, FRAGMENT, LATER_FRAGMENT,
-    RST_SEEN, SYN_SEEN, UNTRANSLATABLE, EEXIST, Flow, ICMP_ERROR, ICMPV6, IP, IPV6_FRAGMENT, L4_V6,
-    NEW_FLOW, TCP, TCP_RST, V6_DST, V6_SRC, candidates, config, csum_add, csum_diff16,
-    endpoint_held, endpoint_opened, is_cluster, is_local_endpoint, l4_csum, ne16, now_ns,
-    out_bits, parse_l4, parse_quoted, rewrite_v6, rst_acceptable, tcp_start, touch, track_out,
-    write,
+    ADMITTED, BPF_F_IPV6, CLAIMED, COUNT_ONLY, EEXIST, FIRST_FRAGMENT, FRAGMENT, Flow, ICMP_ERROR,
+    ICMPV6, IP, IPV6_FRAGMENT, L4_V6, LATER_FRAGMENT, NEW_FLOW, RST_SEEN, SYN_SEEN, TCP, TCP_RST,
+    UNTRANSLATABLE, V6_DST, V6_SRC, candidates, config, csum_add, csum_diff16, endpoint_held,
+    endpoint_opened, is_cluster, is_local_endpoint, l4_csum, ne16, now_ns, out_bits, parse_l4,
+    parse_quoted, rewrite_v6, rst_acceptable, tcp_start, touch, track_out, write,
 };
 use crate::{
     DROP, IPCACHE_HOST_V6, MASQ_SKIP_V6, NAT_FRAG_V6, NAT_FWD_V6, NAT_REV_V6, NEXT, count,
@@ -291,7 +290,12 @@ pub(crate) fn claim_v6(ctx: &TcContext, tcp: u64) -> i32 {
         Ok(found) => found,
         Err(verdict) => return verdict,
     };
-    let (ack, win, wscale, bits) = (tcp as u32, (tcp >> 32) as u16, (tcp >> 48) as u8, (tcp >> 56) as u8);
+    let (ack, win, wscale, bits) = (
+        tcp as u32,
+        (tcp >> 32) as u16,
+        (tcp >> 48) as u8,
+        (tcp >> 56) as u8,
+    );
     let state = flow.state_bits(nat_state::FIN_OUT) | bits;
     let (start, range, tries) = candidates(cfg);
     let now = now_ns();
