@@ -598,6 +598,44 @@ fn bpftool_dumps_every_pinned_map_as_structured_json() -> anyhow::Result<()> {
     };
     pinned.nat_fwd_v6_mut().insert(k6, v6, 0)?;
     pinned.nat_rev_v6_mut().insert(k6, v6, 0)?;
+    // One endpoint count each, one fragment record each (#31).
+    let ep = lockstep_common::endpoint_key_v4([10, 200, 0, 1]);
+    pinned.nat_ep_opened_mut().insert(ep, 3, 0)?;
+    pinned.nat_ep_closed_mut().insert(ep, 1, 0)?;
+    let lru = |name: &str| -> anyhow::Result<aya::maps::Map> {
+        let data = aya::maps::MapData::from_pin(topo.pins.path().join("maps").join(name))?;
+        Ok(aya::maps::Map::from_map_data(data)?)
+    };
+    let mut frag4: aya::maps::HashMap<
+        _,
+        lockstep_common::NatFragKeyV4,
+        lockstep_common::NatFragValue,
+    > = aya::maps::HashMap::try_from(lru("NAT_FRAG_V4")?)?;
+    frag4.insert(
+        lockstep_common::NatFragKeyV4 {
+            src_addr: [192, 0, 2, 9],
+            dst_addr: [192, 0, 2, 1],
+            id: 7,
+            proto: 17,
+            _pad: 0,
+        },
+        lockstep_common::NatFragValue::default(),
+        0,
+    )?;
+    let mut frag6: aya::maps::HashMap<
+        _,
+        lockstep_common::NatFragKeyV6,
+        lockstep_common::NatFragValue,
+    > = aya::maps::HashMap::try_from(lru("NAT_FRAG_V6")?)?;
+    frag6.insert(
+        lockstep_common::NatFragKeyV6 {
+            id: 7,
+            proto: 17,
+            ..Default::default()
+        },
+        lockstep_common::NatFragValue::default(),
+        0,
+    )?;
     // One IPv6 announcement (no agent here to make one).
     let a6: [u8; 16] = "fd00:96::50".parse::<std::net::Ipv6Addr>()?.octets();
     let l2 = lockstep_common::L2RespValue {

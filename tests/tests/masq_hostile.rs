@@ -94,22 +94,26 @@ fn udp(sport: u16, dport: u16, payload: &[u8]) -> Vec<u8> {
     u
 }
 
-/// A raw socket in `ns` that sends whole IP packets (headers included).
-fn raw_sender(ns: &Netns, v4: bool) -> anyhow::Result<OwnedFd> {
+/// A raw IP socket of `family` and `protocol` in `ns`.
+fn raw_socket(ns: &Netns, family: i32, protocol: i32) -> anyhow::Result<OwnedFd> {
     ns.run(move || {
-        let family = if v4 { libc::AF_INET } else { libc::AF_INET6 };
-        // SAFETY: plain socket(2); IPPROTO_RAW implies the header is ours.
-        let fd = unsafe {
-            libc::socket(
-                family,
-                libc::SOCK_RAW | libc::SOCK_CLOEXEC,
-                libc::IPPROTO_RAW,
-            )
-        };
-        ensure!(fd >= 0, "raw socket: {}", std::io::Error::last_os_error());
+        // SAFETY: plain socket(2).
+        let fd = unsafe { libc::socket(family, libc::SOCK_RAW | libc::SOCK_CLOEXEC, protocol) };
+        ensure!(
+            fd >= 0,
+            "raw socket ({family}, {protocol}): {}",
+            std::io::Error::last_os_error()
+        );
         // SAFETY: just opened, owned here.
         Ok(unsafe { OwnedFd::from_raw_fd(fd) })
     })
+}
+
+/// A raw socket in `ns` that sends whole IP packets (headers included:
+/// `IPPROTO_RAW`).
+fn raw_sender(ns: &Netns, v4: bool) -> anyhow::Result<OwnedFd> {
+    let family = if v4 { libc::AF_INET } else { libc::AF_INET6 };
+    raw_socket(ns, family, libc::IPPROTO_RAW)
 }
 
 /// Sends the IP packet `packet` (header included) to `dst` on `fd`.
@@ -327,40 +331,9 @@ impl MinimalQuoter {
                  add rule inet quoter pre meta length > 1280 drop"],
         )?;
         let sniff = capture(&w.router, "r0")?;
-        let raw4 = w.router.run(|| {
-            // SAFETY: plain socket(2).
-            let fd = unsafe {
-                libc::socket(
-                    libc::AF_INET,
-                    libc::SOCK_RAW | libc::SOCK_CLOEXEC,
-                    libc::IPPROTO_ICMP,
-                )
-            };
-            ensure!(
-                fd >= 0,
-                "raw ICMP socket: {}",
-                std::io::Error::last_os_error()
-            );
-            // SAFETY: just opened, owned here.
-            Ok(unsafe { OwnedFd::from_raw_fd(fd) })
-        })?;
-        let raw6 = w.router.run(|| {
-            // SAFETY: plain socket(2); the kernel sums ICMPv6 itself.
-            let fd = unsafe {
-                libc::socket(
-                    libc::AF_INET6,
-                    libc::SOCK_RAW | libc::SOCK_CLOEXEC,
-                    libc::IPPROTO_ICMPV6,
-                )
-            };
-            ensure!(
-                fd >= 0,
-                "raw ICMPv6 socket: {}",
-                std::io::Error::last_os_error()
-            );
-            // SAFETY: just opened, owned here.
-            Ok(unsafe { OwnedFd::from_raw_fd(fd) })
-        })?;
+        let raw4 = raw_socket(&w.router, libc::AF_INET, libc::IPPROTO_ICMP)?;
+        // The kernel sums ICMPv6 itself.
+        let raw6 = raw_socket(&w.router, libc::AF_INET6, libc::IPPROTO_ICMPV6)?;
         let stop = Arc::new(AtomicBool::new(false));
         let sent = Arc::new(AtomicU64::new(0));
         let (s, n) = (stop.clone(), sent.clone());
