@@ -296,16 +296,16 @@ mod tests {
         assert_eq!(defs[map_names::COUNTERS].max_entries, max_entries::COUNTERS);
         let fwd = defs[map_names::NAT_FWD_V4];
         assert_eq!(fwd.map_type, MapType::Hash);
-        assert_eq!((fwd.key_size, fwd.value_size), (16, 16));
+        assert_eq!((fwd.key_size, fwd.value_size), (16, 24));
         assert_eq!(fwd, defs[map_names::NAT_REV_V4]);
         let fwd6 = defs[map_names::NAT_FWD_V6];
-        assert_eq!((fwd6.key_size, fwd6.value_size), (40, 32));
+        assert_eq!((fwd6.key_size, fwd6.value_size), (40, 40));
         assert_eq!(fwd6, defs[map_names::NAT_REV_V6]);
         assert_eq!(fwd6.max_entries, max_entries::NAT);
         let cfg = defs[map_names::MASQ_CONFIG];
         assert_eq!(
             (cfg.map_type, cfg.value_size, cfg.max_entries),
-            (MapType::Array, 32, 1)
+            (MapType::Array, 40, 1)
         );
     }
 
