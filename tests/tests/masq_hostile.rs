@@ -517,17 +517,23 @@ fn untranslatable_packets_never_leave_with_the_pods_address() -> anyhow::Result<
     for (_, p) in &packets6 {
         send_raw(&raw6, IpAddr::V6(world6), p)?;
     }
-    // A translatable datagram last: it arrives (as the node), so the
-    // capture has seen everything sent before it.
-    let marker = ep
-        .ns
-        .run(|| Ok(UdpSocket::bind(SocketAddr::new(ep.addr(true), 0))?))?;
-    marker.send_to(b"marker", SocketAddr::new(IpAddr::V4(world4), 9))?;
+    // A translatable datagram last in each family: it arrives (as the
+    // node), so the capture has seen everything sent before it in that
+    // family. One marker per family: the IPv6 packets wait for the
+    // endpoint's neighbour discovery of its gateway and may leave after
+    // an IPv4 marker (seen: masq_untranslatable 4 of 9 when the IPv4
+    // marker arrived, 9 of 9 two seconds later).
+    for (v4, world) in [(true, IpAddr::V4(world4)), (false, IpAddr::V6(world6))] {
+        let marker = ep
+            .ns
+            .run(|| Ok(UdpSocket::bind(SocketAddr::new(ep.addr(v4), 0))?))?;
+        marker.send_to(b"marker", SocketAddr::new(world, 9))?;
+    }
     let mut leaked = BTreeSet::new();
-    let mut marker_seen = false;
+    let (mut marker4, mut marker6) = (false, false);
     let mut buf = vec![0u8; 4096];
     let until = Instant::now() + Duration::from_secs(3);
-    while Instant::now() < until && !marker_seen {
+    while Instant::now() < until && !(marker4 && marker6) {
         let Some(n) = next_frame(&cap, &mut buf) else {
             continue;
         };
@@ -538,7 +544,10 @@ fn untranslatable_packets_never_leave_with_the_pods_address() -> anyhow::Result<
                 leaked.insert(format!("{src} protocol/next header {proto}"));
             }
             Some(src) if src == node(true) && f.windows(6).any(|x| x == b"marker") => {
-                marker_seen = true;
+                marker4 = true;
+            }
+            Some(src) if src == node(false) && f.windows(6).any(|x| x == b"marker") => {
+                marker6 = true;
             }
             _ => {}
         }
@@ -549,8 +558,8 @@ fn untranslatable_packets_never_leave_with_the_pods_address() -> anyhow::Result<
         "packets left with the endpoint's address: {leaked:?}"
     );
     ensure!(
-        marker_seen,
-        "the translated marker datagram never reached the world"
+        marker4 && marker6,
+        "the translated marker datagrams never reached the world (IPv4 {marker4}, IPv6 {marker6})"
     );
     let dropped = delta(&agent, "masq_untranslatable", before)?;
     let sent = (packets4.len() + packets6.len()) as u64;
