@@ -113,7 +113,10 @@ fn drift_is_reported_by_verify_and_repaired_by_reconcile() -> anyhow::Result<()>
     let mut slot = vec![
         "map", "update", "pinned", slots_pin, "key", "7", "0", "0", "0", "value",
     ];
-    slot.extend(std::iter::repeat_n("9", 56));
+    slot.extend(std::iter::repeat_n(
+        "9",
+        size_of::<lockstep_common::EndpointSlot>(),
+    ));
     sh("bpftool", &slot)?;
     // The same in the NDP responder's slot array (no L2_RESP_V6 entry here).
     let slots6_pin = agent.pins.path().join("maps/L2_RESP6_SLOTS");
@@ -121,7 +124,10 @@ fn drift_is_reported_by_verify_and_repaired_by_reconcile() -> anyhow::Result<()>
     let mut slot6 = vec![
         "map", "update", "pinned", slots6_pin, "key", "7", "0", "0", "0", "value",
     ];
-    slot6.extend(std::iter::repeat_n("9", 72));
+    slot6.extend(std::iter::repeat_n(
+        "9",
+        size_of::<lockstep_common::L2RespSlotV6>(),
+    ));
     sh("bpftool", &slot6)?;
 
     // verify sees them all right away (the reconcile interval is 300 ms, so
