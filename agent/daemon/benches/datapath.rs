@@ -219,13 +219,16 @@ fn run(pin_root: &std::path::Path) -> anyhow::Result<()> {
         )?;
     }
 
-    // The endpoint on ifindex 1 (loopback, where test runs arrive).
+    // The endpoint on ifindex 1 (loopback, where test runs arrive), with
+    // the MAC its frames carry, so from_endpoint's rows (the tunnel's too)
+    // include the MAC check every ADDed endpoint gets (#31 item 1).
     let ep = [10, 0, 0, 1];
     maps.endpoint_insert(
         1,
         &EndpointValue {
             generation: 1,
             ipv4: ep,
+            mac: [0x02, 0, 0, 0, 0, 1],
             flags: endpoint_flags::HAS_V4,
             ..Default::default()
         },
