@@ -41,7 +41,8 @@ use lockstep_core::lb::cluster::{announce_plan, assigned, reconcile, unannounced
 use lockstep_core::lb::{LbIpam, LbPoolSpec, ServiceSpec};
 use serde::Serialize;
 
-use super::{ClusterStoreError, Door, DoorOptions, LbView, Round};
+use super::lb::LbWake;
+use super::{ClusterStoreError, Door, DoorOptions, LbView, Link, Round, Stamp};
 use crate::agent::announce::monotonic_ns;
 use crate::agent::{Agent, UplinkHealth};
 
@@ -52,6 +53,9 @@ const REQUEST_TIMEOUT: Duration = Duration::from_millis(500);
 pub const TICK: Duration = Duration::from_millis(200);
 /// How often an assigner round runs when nothing was stored last time.
 pub const ROUND_EVERY: Duration = Duration::from_millis(500);
+/// How often a round runs when nothing under `lb/` changed in the
+/// mirror (it reads nothing from etcd then).
+pub const IDLE_ROUND: Duration = Duration::from_secs(5);
 /// The shortest LB lease etcd grants with its default timing (it raises
 /// shorter ones to this).
 pub const MIN_LEASE: Duration = Duration::from_secs(2);
@@ -429,10 +433,15 @@ pub struct LbAgent {
     refused: bool,
     /// Wakes the loop when anything under `lb/` changes (`None` until
     /// connected, or after it broke: opened again next tick).
-    wake: Option<etcd_client::WatchStream>,
+    wake: Option<LbWake>,
     /// When opening `wake` was last tried (at most once a second, so an
     /// etcd that does not answer slows no tick).
     wake_tried: Option<Instant>,
+    /// Where `lb/` stood in the mirror when the last round that left
+    /// nothing to do began, and when (#27 item 6: a round over an
+    /// unchanged mirror is skipped, so an idle agent costs etcd only its
+    /// lease refresh and itself almost nothing).
+    acted: Option<(Stamp, Instant)>,
     handle: Arc<LbHandle>,
 }
 
@@ -450,9 +459,9 @@ enum Woke {
 
 /// The next message of the wake-up watch: whether one came (`false`: the
 /// stream broke or ended). Never ready without a watch.
-async fn changed(wake: &mut Option<etcd_client::WatchStream>) -> bool {
+async fn changed(wake: &mut Option<LbWake>) -> bool {
     match wake {
-        Some(stream) => matches!(stream.message().await, Ok(Some(_))),
+        Some(w) => w.changed().await,
         None => std::future::pending().await,
     }
 }
@@ -488,6 +497,7 @@ impl LbAgent {
             refused: false,
             wake: None,
             wake_tried: None,
+            acted: None,
             handle: Arc::new(LbHandle {
                 opts,
                 door: tokio::sync::Mutex::new(None),
@@ -499,13 +509,16 @@ impl LbAgent {
     /// The LB agent of cluster mode (`None` without `[cluster]`): named as
     /// the cluster node, its lease `[lb] announce_lease` (whole seconds, at
     /// least [`MIN_LEASE`]).
-    pub fn from_config(config: &crate::config::Config) -> Option<Self> {
+    /// Its requests go through `link` (the agent's connection, and reads
+    /// from its mirror: #27 item 6) when given.
+    pub fn from_config(config: &crate::config::Config, link: Option<Link>) -> Option<Self> {
         let cluster = config.cluster.as_ref()?;
         let name = cluster
             .node_name
             .clone()
             .unwrap_or_else(|| config.node_name());
-        let opts = DoorOptions::from_cluster_config(cluster, REQUEST_TIMEOUT);
+        let mut opts = DoorOptions::from_cluster_config(cluster, REQUEST_TIMEOUT);
+        opts.link = link;
         Some(
             Self::new(name, config.lb.announce_lease, opts)
                 .with_labels(cluster.node_labels.clone())
@@ -657,6 +670,26 @@ impl LbAgent {
         let Some(lease) = self.lease else {
             return false;
         };
+        // Nothing under `lb/` changed since a round that left nothing to
+        // do: skipped (one round every IDLE_ROUND all the same).
+        let stamp = self
+            .handle
+            .opts
+            .link
+            .as_ref()
+            .map(|l| l.mirror().stamp(&["lb/"]))
+            .filter(|s| s.live);
+        if !moved
+            && let (Some(now), Some((then, at))) = (stamp, self.acted)
+            && now == then
+            && at.elapsed() < IDLE_ROUND
+        {
+            return false;
+        }
+        self.acted = None;
+        // Only a round that ran the assigner step too may be skipped
+        // after (a follower campaigns in it when the assigner is gone).
+        let round_due = self.last_round.is_none_or(|t| t.elapsed() >= ROUND_EVERY);
         // Bounded, so a slow etcd never delays the next lease refresh past
         // its slack: every step of `act` is idempotent and each comes after
         // the one it depends on, so one cut short is finished next tick.
@@ -664,6 +697,9 @@ impl LbAgent {
         match tokio::time::timeout(bound, self.act(slot, lease.id)).await {
             Ok(Ok(again)) => {
                 self.problem(None);
+                if !again && round_due {
+                    self.acted = stamp.map(|s| (s, Instant::now()));
+                }
                 again
             }
             Ok(Err(e)) => {
