@@ -132,6 +132,9 @@ pub struct ClusterNode {
     /// with time, so the read runs every [`READ_EVERY`] even when
     /// nothing changes.
     gone_pending: bool,
+    /// Blocks a read settled as this node's (a claim whose answer was
+    /// lost), per pool: counted as claims once served.
+    settled: BTreeMap<String, u64>,
     handle: Arc<ClusterHandle>,
 }
 
@@ -245,6 +248,7 @@ impl ClusterNode {
             link,
             synced: None,
             gone_pending: false,
+            settled: BTreeMap::new(),
             handle: Arc::new(ClusterHandle::default()),
         };
         node.held.node = node.name.clone();
@@ -786,8 +790,9 @@ impl ClusterNode {
             }
         }
         // Blocks claimed per pool: counted (and the waiting ADDs told) only
-        // once the allocator serves them, below.
-        let mut claimed: BTreeMap<String, u64> = BTreeMap::new();
+        // once the allocator serves them, below; with them those the read
+        // settled as this node's.
+        let mut claimed: BTreeMap<String, u64> = std::mem::take(&mut self.settled);
         if reachable {
             for (pool, family, n) in claims {
                 for _ in 0..n {
