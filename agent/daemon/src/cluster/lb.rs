@@ -56,8 +56,10 @@ use lockstep_core::lb::{LabelSelector, LbIpam, LbPoolSpec, LbSnapshot, ServiceSp
 use super::{ClusterStoreError, Door};
 
 /// At most this many services join the state per transaction: etcd refuses
-/// a transaction with more than 128 operations of a kind by default.
-pub const NEW_SERVICES_PER_ROUND: usize = 100;
+/// a transaction with more than 128 operations of a kind by default, and
+/// each new service writes its state key and its address's key (and
+/// compares that the address key is absent).
+pub const NEW_SERVICES_PER_ROUND: usize = 50;
 
 /// At most this many writes (or compares) in one state transaction: under
 /// etcd's default `--max-txn-ops` (128). A round taking more services in
@@ -130,13 +132,19 @@ impl LbView {
     /// # Errors
     /// The stored state does not restore.
     pub fn to_announce(&self) -> Result<BTreeMap<IpAddr, ToAnnounce>, ClusterStoreError> {
-        match &self.state {
+        // Made once per view: every LB agent reading the same mirror
+        // shares it (restoring thousands of services is not free).
+        if let Some(made) = self.announced.get() {
+            return Ok(made.clone());
+        }
+        let made = match &self.state {
             Some((state, _)) => {
                 let lb = LbIpam::restore(state).map_err(|e| corrupt("lb/state", e))?;
-                Ok(to_announce(&lb))
+                to_announce(&lb)
             }
-            None => Ok(BTreeMap::new()),
-        }
+            None => BTreeMap::new(),
+        };
+        Ok(self.announced.get_or_init(|| made).clone())
     }
 }
 
@@ -177,6 +185,8 @@ pub struct LbView {
     pub silent: BTreeSet<String>,
     /// The store revision of the read.
     pub revision: i64,
+    /// [`LbView::to_announce`], once made.
+    announced: std::sync::OnceLock<BTreeMap<IpAddr, ToAnnounce>>,
 }
 
 /// What wakes the LB loop when something under `lb/` changed.

@@ -635,13 +635,17 @@ impl LbAgent {
         // that can answer), no round. One created again gets the programs
         // attached anew first (`Agent::uplink_health`).
         let slot2 = slot.clone();
-        let health = tokio::task::spawn_blocking(move || {
-            lock_agent(&slot2)
-                .as_mut()
-                .map_or(UplinkHealth::Unknown, Agent::uplink_health)
-        })
-        .await
-        .unwrap_or(UplinkHealth::Unknown);
+        let health = if super::node::no_agent(slot) {
+            UplinkHealth::Unknown
+        } else {
+            tokio::task::spawn_blocking(move || {
+                lock_agent(&slot2)
+                    .as_mut()
+                    .map_or(UplinkHealth::Unknown, Agent::uplink_health)
+            })
+            .await
+            .unwrap_or(UplinkHealth::Unknown)
+        };
         let silent = matches!(health, UplinkHealth::Silent(_));
         let was_down = std::mem::replace(&mut self.handle.lock().uplink_down, silent);
         if let UplinkHealth::Silent(why) = &health {
