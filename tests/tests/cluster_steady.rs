@@ -31,7 +31,6 @@
 //! per node (in steady state no key changes, so none are sent).
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::io::{Read, Write};
 use std::net::IpAddr;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
@@ -87,43 +86,13 @@ struct Counters {
     sent_bytes: f64,
 }
 
-/// One member's `/metrics`, by plain HTTP/1.0.
-fn scrape(endpoint: &str) -> anyhow::Result<String> {
-    let addr = endpoint
-        .strip_prefix("http://")
-        .context("http endpoint")?;
-    let mut s = std::net::TcpStream::connect(addr)?;
-    s.set_read_timeout(Some(Duration::from_secs(10)))?;
-    write!(s, "GET /metrics HTTP/1.0\r\nHost: {addr}\r\n\r\n")?;
-    let mut body = String::new();
-    s.read_to_string(&mut body)?;
-    Ok(body)
-}
-
 fn counters(cluster: &EtcdCluster) -> anyhow::Result<Counters> {
-    let mut c = Counters::default();
-    for ep in cluster.endpoints() {
-        for line in scrape(&ep)?.lines() {
-            if line.starts_with('#') {
-                continue;
-            }
-            let Some((name, value)) = line.rsplit_once(' ') else {
-                continue;
-            };
-            let v: f64 = value.parse().unwrap_or(0.0);
-            let unary = name.contains("grpc_type=\"unary\"");
-            if name.starts_with("grpc_server_handled_total{") && unary {
-                c.unary += v;
-            } else if name.starts_with("grpc_server_started_total{") && !unary {
-                c.streams += v;
-            } else if name.starts_with("grpc_server_msg_received_total{") && !unary {
-                c.stream_msgs += v;
-            } else if name.starts_with("etcd_network_client_grpc_sent_bytes_total") {
-                c.sent_bytes += v;
-            }
-        }
-    }
-    Ok(c)
+    Ok(Counters {
+        unary: cluster.counter("grpc_server_handled_total{", &["grpc_type=\"unary\""])?,
+        streams: cluster.counter("grpc_server_started_total{", &["_stream\""])?,
+        stream_msgs: cluster.counter("grpc_server_msg_received_total{", &["_stream\""])?,
+        sent_bytes: cluster.counter("etcd_network_client_grpc_sent_bytes_total", &[])?,
+    })
 }
 
 fn pool() -> anyhow::Result<ClusterPoolSpec> {
