@@ -993,7 +993,10 @@ impl Door {
             }
             limit = (limit / 2).max(1);
         };
-        if !change.changed {
+        // A state still in the one-key layout moves even when nothing in
+        // it changes.
+        let moving = view.meta.is_none() && view.state.is_some();
+        if !change.changed && !moving {
             return Ok(Round::Idle);
         }
         if self.lb_commit(fence, &view, &change).await? {
