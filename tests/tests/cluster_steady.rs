@@ -140,7 +140,7 @@ impl Sim {
     /// on its group's link (made, with its mirror, for the group's first
     /// node).
     async fn start_node(&mut self, i: usize) -> anyhow::Result<()> {
-        if i % GROUP == 0 {
+        if i.is_multiple_of(GROUP) {
             let link = Link::new(&self.prefix);
             let mut o = options(&self.eps, &self.prefix);
             o.link = Some(link.clone());
@@ -170,7 +170,8 @@ impl Sim {
             .await
             .map_err(|e| anyhow::anyhow!("node {i}: {e}"))?;
         let slot = Arc::new(Mutex::new(None));
-        self.tasks.push(node.spawn(slot.clone(), self.stop.subscribe()));
+        self.tasks
+            .push(node.spawn(slot.clone(), self.stop.subscribe()));
         let remote = RemoteTask::from_config(&config, Duration::from_secs(10), Some(link.clone()))
             .context("remote task")?;
         self.tasks
@@ -187,7 +188,9 @@ impl Sim {
     /// starts after).
     async fn converged(&self, within: Duration) -> anyhow::Result<Duration> {
         let started = Instant::now();
-        let mut d = Door::connect(options(&self.eps, &self.prefix)).await?;
+        let mut o = options(&self.eps, &self.prefix);
+        o.timeout = Duration::from_secs(5);
+        let mut d = Door::connect(o).await?;
         loop {
             let nodes = d.nodes().await.map(|n| n.len()).unwrap_or(0);
             let holders: BTreeSet<String> = d
@@ -267,7 +270,7 @@ fn cluster_steady_state() -> anyhow::Result<()> {
                 sim.start_node(i).await?;
                 // A gentle start: etcd takes each node's registration,
                 // claim and LB join before the next group.
-                if sim.nodes % GROUP == 0 {
+                if sim.nodes.is_multiple_of(GROUP) {
                     tokio::time::sleep(Duration::from_millis(200)).await;
                 }
             }
@@ -353,7 +356,11 @@ fn cluster_steady_state() -> anyhow::Result<()> {
             let services: Vec<ServiceSpec> = (0..PER_APPLY)
                 .map(|j| ServiceSpec::new("bench", format!("s{:05}", k * PER_APPLY + j)))
                 .collect();
-            let pools = if k == 0 { vec![lb_pool.clone()] } else { Vec::new() };
+            let pools = if k == 0 {
+                vec![lb_pool.clone()]
+            } else {
+                Vec::new()
+            };
             let ids: BTreeSet<String> = services.iter().map(ServiceSpec::id).collect();
             let t = Instant::now();
             // An answer lost to a slow disk is asked again (the same puts:
@@ -447,10 +454,7 @@ fn cluster_steady_state() -> anyhow::Result<()> {
         Some(largest.0.max(largest.1) <= 65_536),
     );
     let hostname = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
-    println!(
-        "\n{:<52} {:>22} {:>10} result",
-        "measure", "value", "goal"
-    );
+    println!("\n{:<52} {:>22} {:>10} result", "measure", "value", "goal");
     for r in &rows {
         println!("{r}");
     }

@@ -100,6 +100,9 @@ pub struct Stamp {
     pub live: bool,
 }
 
+/// A value made from an area of the mirror, and where the area stood.
+type Made = (Stamp, Arc<dyn Any + Send + Sync>);
+
 /// Every key under the prefix, followed by one watch. Shared by an
 /// agent's cluster tasks (through [`Link`]).
 #[derive(Debug)]
@@ -112,7 +115,7 @@ pub struct Mirror {
     rollbacks: Mutex<Vec<Arc<ClusterHandle>>>,
     /// Values made from an area, kept while the area does not change:
     /// readers sharing the mirror parse it once per change.
-    made: Mutex<BTreeMap<&'static str, (Stamp, Arc<dyn Any + Send + Sync>)>>,
+    made: Mutex<BTreeMap<&'static str, Made>>,
 }
 
 impl Mirror {

@@ -188,7 +188,7 @@ mod tests {
         }
         let specs: Vec<ServiceSpec> = (0..services)
             .map(|i| {
-                let mut s = ServiceSpec::new("ns", &format!("s{i}"));
+                let mut s = ServiceSpec::new("ns", format!("s{i}"));
                 if i < shared {
                     s.sharing_key = Some("k".into());
                 }
