@@ -66,6 +66,14 @@ async fn dial(opts: &DoorOptions) -> Result<Client, ClusterStoreError> {
     .map_err(|e| unavailable(opts, "connect", &e.to_string(), false))
 }
 
+/// An area of the mirror as a listing parsed it (shared by the doors on
+/// one mirror).
+struct Parsed<T> {
+    value: T,
+    bad: Vec<Unreadable>,
+    mark: StoreMark,
+}
+
 /// A connection to etcd and the key layout under the prefix.
 pub struct Door {
     client: Client,
@@ -300,29 +308,82 @@ impl Door {
     /// Every record under `rest` (one read) that `parse` reads, each with
     /// its key's mod revision and lease; a key it cannot read is skipped
     /// and kept in [`Door::unreadable`].
-    pub(super) async fn read_area<T>(
+    pub(super) async fn read_area<T: Clone + Send + Sync + 'static>(
         &mut self,
         what: &str,
-        rest: &str,
+        rest: &'static str,
         parse: fn(&str, &str, &[u8]) -> Result<T, String>,
     ) -> Result<Vec<(T, i64, i64)>, ClusterStoreError> {
-        let (kvs, _) = self.list(what, rest).await?;
+        let (out, _) = self
+            .parsed(what, rest, move |area, kvs| {
+                let mut out = Vec::new();
+                let mut bad = Vec::new();
+                for kv in kvs {
+                    match parse(area, &kv.key, &kv.value) {
+                        Ok(record) => out.push((record, kv.mod_revision, kv.lease)),
+                        Err(reason) => bad.push(Unreadable {
+                            key: kv.key,
+                            reason,
+                            block: None,
+                        }),
+                    }
+                }
+                (out, bad)
+            })
+            .await?;
+        Ok(out)
+    }
+
+    /// The keys under `rest` as `make` reads them (with the keys it could
+    /// not read, kept in [`Door::unreadable`]), and the store revision of
+    /// the listing. From a live mirror, `make` runs once per change of
+    /// the area for every door sharing the mirror: an agent's tasks, or a
+    /// benchmark's thousands of simulated nodes, parse it once.
+    pub(super) async fn parsed<T: Clone + Send + Sync + 'static>(
+        &mut self,
+        what: &str,
+        rest: &'static str,
+        make: impl FnOnce(&str, Vec<Kv>) -> (T, Vec<Unreadable>),
+    ) -> Result<(T, i64), ClusterStoreError> {
         let area = self.key(rest);
-        let mut out = Vec::new();
-        let mut bad = Vec::new();
-        for kv in kvs {
-            let key = kv.key;
-            match parse(&area, &key, &kv.value) {
-                Ok(record) => out.push((record, kv.mod_revision, kv.lease)),
-                Err(reason) => bad.push(Unreadable {
-                    key,
-                    reason,
-                    block: None,
-                }),
+        let link = self.opts.link.clone();
+        if let Some(link) = &link {
+            let at_least = self.at_least();
+            if let Some(p) = link.mirror().made::<Parsed<T>>(rest)
+                && p.mark.revision >= at_least
+            {
+                self.mark = Some(p.mark);
+                self.note_unreadable(&area, p.bad.clone());
+                return Ok((p.value.clone(), p.mark.revision));
             }
         }
+        let at = link.as_ref().map(|l| l.mirror().stamp(&[rest]));
+        let (kvs, revision) = self.list(what, rest).await?;
+        let (value, bad) = make(&area, kvs);
+        if let (Some(link), Some(at), Some(mark)) = (&link, at, self.mark)
+            && at.live
+        {
+            link.mirror().keep(
+                rest,
+                at,
+                std::sync::Arc::new(Parsed {
+                    value: value.clone(),
+                    bad: bad.clone(),
+                    mark,
+                }),
+            );
+        }
         self.note_unreadable(&area, bad);
-        Ok(out)
+        Ok((value, revision))
+    }
+
+    /// The revision a listing must be at: never behind what this door
+    /// wrote or read before (a mark going backwards would read as etcd
+    /// going back in time).
+    fn at_least(&self) -> i64 {
+        self.written
+            .load(Ordering::Relaxed)
+            .max(self.mark.map_or(0, |m| m.revision))
     }
 
     /// Every key under `prefix/` (one read), and the store revision of it:
@@ -336,12 +397,7 @@ impl Door {
     ) -> Result<(Vec<Kv>, i64), ClusterStoreError> {
         let key = self.key(rest);
         if let Some(link) = &self.opts.link {
-            // Never behind what this door wrote or read before: a mark
-            // going backwards would read as etcd going back in time.
-            let at_least = self
-                .written
-                .load(Ordering::Relaxed)
-                .max(self.mark.map_or(0, |m| m.revision));
+            let at_least = self.at_least();
             if let Some((kvs, mark)) = link.mirror().read(&key, at_least, self.opts.timeout).await {
                 self.mark = Some(mark);
                 return Ok((kvs, mark.revision));

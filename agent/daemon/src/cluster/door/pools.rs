@@ -26,26 +26,27 @@ impl Door {
     pub async fn pools(
         &mut self,
     ) -> Result<(Vec<ClusterPoolSpec>, BTreeMap<String, i64>, i64), ClusterStoreError> {
-        let (kvs, revision) = self.list("read pools", "pools/").await?;
-        let area = self.key("pools/");
-        let mut specs = Vec::new();
-        let mut revisions = BTreeMap::new();
-        let mut bad = Vec::new();
-        for kv in kvs {
-            let key = kv.key;
-            match parse_pool(&area, &key, &kv.value) {
-                Ok(spec) => {
-                    revisions.insert(spec.name.clone(), kv.mod_revision);
-                    specs.push(spec);
+        let ((specs, revisions), revision) = self
+            .parsed("read pools", "pools/", |area, kvs| {
+                let mut specs = Vec::new();
+                let mut revisions = BTreeMap::new();
+                let mut bad = Vec::new();
+                for kv in kvs {
+                    match parse_pool(area, &kv.key, &kv.value) {
+                        Ok(spec) => {
+                            revisions.insert(spec.name.clone(), kv.mod_revision);
+                            specs.push(spec);
+                        }
+                        Err(reason) => bad.push(Unreadable {
+                            key: kv.key,
+                            reason,
+                            block: None,
+                        }),
+                    }
                 }
-                Err(reason) => bad.push(Unreadable {
-                    key,
-                    reason,
-                    block: None,
-                }),
-            }
-        }
-        self.note_unreadable(&area, bad);
+                ((specs, revisions), bad)
+            })
+            .await?;
         Ok((specs, revisions, revision))
     }
 
