@@ -47,11 +47,14 @@ pub(super) const NODE_ADDRS: &str = "node_addrs/";
 /// A new connection to `opts.endpoints`. HTTP/2 pings every 10 s find a
 /// connection that stopped answering (a cut network) even while nothing
 /// is asked: the watches on it break, and the mirror stops being live.
+/// The answer may take 20 s: a process starved of CPU (3 s once closed
+/// every connection of a benchmark's 1,000 simulated nodes, and with them
+/// their watches and lease streams) is not a dead network.
 async fn dial(opts: &DoorOptions) -> Result<Client, ClusterStoreError> {
     let mut options = ConnectOptions::new()
         .with_connect_timeout(opts.timeout)
         .with_timeout(opts.timeout)
-        .with_keep_alive(Duration::from_secs(10), Duration::from_secs(3))
+        .with_keep_alive(Duration::from_secs(10), Duration::from_secs(20))
         .with_keep_alive_while_idle(true)
         .with_require_leader(true);
     if let Some(tls) = &opts.tls {
