@@ -8,7 +8,7 @@ use std::net::IpAddr;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, ensure};
-use lockstep::cluster::{ClusterStoreError, Door, DoorOptions, Round};
+use lockstep::cluster::{ClusterStoreError, Door, DoorOptions, Link, Round};
 use lockstep_core::lb::cluster::{assigned, reconcile};
 use lockstep_core::lb::{LbIpam, LbPoolSpec, LbSnapshot, ServiceSpec};
 use lockstep_tests::etcd::EtcdCluster;
@@ -209,4 +209,51 @@ fn a_state_in_the_one_key_layout_moves_and_every_address_stays() -> anyhow::Resu
         "an older agent's error does not say why: {older}"
     );
     Ok(())
+}
+
+/// A deleted service leaves the per-service state at the next round:
+/// its key is deleted with its addresses' keys, and the round after has
+/// nothing to do. Read through a mirror, as an agent reads: one
+/// transaction deletes several keys at one revision, and a mirror that
+/// applied only the first change of a revision kept the service's key,
+/// so the assigner removed it again every round (and a lease's end,
+/// which deletes all its keys at one revision, looked like one key gone).
+#[test]
+fn a_deleted_service_leaves_the_state_in_one_round() -> anyhow::Result<()> {
+    let cluster = EtcdCluster::start(3)?;
+    let eps = cluster.endpoints();
+    let rt = rt()?;
+    rt.block_on(async {
+        let link = Link::new("/lb-delete/");
+        let mut o = DoorOptions::new(eps.clone());
+        o.prefix = "/lb-delete/".into();
+        o.timeout = Duration::from_secs(10);
+        o.link = Some(link.clone());
+        let (_stop, stopped) = tokio::sync::watch::channel(false);
+        let _mirror = link.mirror().clone().spawn(o.clone(), stopped);
+        let mut d = Door::connect(o).await?;
+        let pool = LbPoolSpec::new("lb").cidr("172.22.0.0/24");
+        let (_, _, at) = d.pools().await?;
+        d.lb_put(&[pool], &services(0, 10), at).await?;
+        let lease = d.lb_lease(TTL).await?;
+        assign(&mut d, "node-a", lease, 10).await?;
+        d.lb_delete(&["web/s00003".to_string()], &[]).await?;
+        let mut rounds = Vec::new();
+        for _ in 0..4 {
+            rounds.push(d.lb_round("node-a", lease).await?);
+        }
+        let v = d.lb_read().await?;
+        ensure!(
+            !v.stored.contains_key("web/s00003"),
+            "the deleted service's key stays; rounds {rounds:?}"
+        );
+        ensure!(
+            matches!(
+                rounds[..],
+                [Round::Stored { removed: 1, .. }, Round::Idle, ..]
+            ),
+            "rounds {rounds:?}"
+        );
+        anyhow::Ok(())
+    })
 }

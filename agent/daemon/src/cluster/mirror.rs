@@ -403,15 +403,21 @@ impl Mirror {
             let mut next = from.unwrap_or(start);
             {
                 let mut s = self.write_state();
+                // Every change of a revision comes in one answer (a
+                // transaction's several keys, a lease's end deleting all
+                // of its keys): all of them are applied, not only the
+                // first (which raised the mirror's revision, and the
+                // others looked like old news).
+                let applied = s.revision;
                 for event in resp.events() {
                     let Some(kv) = event.kv() else { continue };
                     let key = String::from_utf8_lossy(kv.key()).into_owned();
                     let area = self.area(&key);
                     let rev = kv.mod_revision();
-                    // Changes at or below the mirror's revision were in
-                    // the full read or came before (a resumed watch
-                    // starts one revision early).
-                    if rev > s.revision || !s.kvs.contains_key(&key) {
+                    // Changes at or below the revision the mirror had
+                    // reached were in the full read or came before (a
+                    // resumed watch starts one revision early).
+                    if rev > applied {
                         match event.event_type() {
                             EventType::Delete => {
                                 s.kvs.remove(&key);
