@@ -777,3 +777,15 @@ pub fn wait_answered_elsewhere(
             .then_some(())
     })
 }
+
+/// Sends `sig` (as `kill` takes it: `-STOP`, `-CONT`...) to `pid`.
+///
+/// # Errors
+/// `kill` failed.
+pub fn signal(pid: u32, sig: &str) -> anyhow::Result<()> {
+    let out = std::process::Command::new("kill")
+        .args([sig, &pid.to_string()])
+        .output()?;
+    ensure!(out.status.success(), "kill {sig} {pid} failed");
+    Ok(())
+}

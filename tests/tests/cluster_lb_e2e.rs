@@ -30,11 +30,11 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, bail, ensure};
+use anyhow::{Context, ensure};
 use lockstep_tests::etcd::EtcdCluster;
 use lockstep_tests::lb_lab::{
     Capture, Handover, Kind, LEASE, Lab, POOL, addresses, judge, probe_once, service, services,
-    settled, wait_answered_elsewhere,
+    settled, signal, wait_answered_elsewhere,
 };
 use lockstep_tests::{privileged, wait_for};
 
@@ -560,7 +560,7 @@ fn failover_never_answers_from_two_nodes() -> anyhow::Result<()> {
 /// `cargo xtask bench lb`: failover gaps over at least 50 handovers in at
 /// least 10 kills with the default lease (3 s), SIGKILL of the busiest
 /// announcer each time (restarted after), every reply captured; overlaps
-/// counted.
+/// counted. Goals (#27), gated: no overlap, gap p99 <= 1.5 s.
 #[test]
 #[ignore = "a benchmark: cargo xtask bench lb"]
 fn lb_failover_bench() -> anyhow::Result<()> {
@@ -599,10 +599,21 @@ fn lb_failover_bench() -> anyhow::Result<()> {
         gaps.last().map_or(0.0, |g| g.as_secs_f64() * 1e3)
     );
     println!("| overlaps (a probe round answered by two MACs) | {overlaps} |");
+    let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
+    println!(
+        "failover gap p99 {:.0} ms over {} handovers (goal <= 1500 ms); load average while measured: {}",
+        pct(&gaps, 0.99).as_secs_f64() * 1e3,
+        gaps.len(),
+        load.split_whitespace()
+            .take(3)
+            .collect::<Vec<_>>()
+            .join(" ")
+    );
     ensure!(overlaps == 0, "{overlaps} overlaps");
+    // #27: the goal, gated (the bench exits non-zero when it is missed).
     ensure!(
-        pct(&gaps, 0.99) <= Duration::from_secs(3),
-        "goal missed: gap p99 {:?} > 3 s",
+        pct(&gaps, 0.99) <= Duration::from_millis(1500),
+        "goal missed: failover gap p99 {:?} > 1.5 s with the default lease",
         pct(&gaps, 0.99)
     );
     Ok(())
@@ -689,15 +700,5 @@ fn lb_assignment_bench() -> anyhow::Result<()> {
         total.as_secs_f64()
     );
     drop(lab);
-    Ok(())
-}
-
-fn signal(pid: u32, sig: &str) -> anyhow::Result<()> {
-    let out = std::process::Command::new("kill")
-        .args([sig, &pid.to_string()])
-        .output()?;
-    if !out.status.success() {
-        bail!("kill {sig} {pid} failed");
-    }
     Ok(())
 }

@@ -178,7 +178,7 @@ impl Sim {
             .push(remote.spawn(slot.clone(), self.stop.subscribe()));
         let lb = LbAgent::from_config(&config, Some(link)).context("lb agent")?;
         self.lb.push(lb.handle());
-        self.tasks.push(lb.spawn(slot, self.stop.subscribe()));
+        self.tasks.push(lb.spawn(slot, None, self.stop.subscribe()));
         self.nodes += 1;
         Ok(())
     }

@@ -8,6 +8,7 @@ use std::net::Ipv6Addr;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, ensure};
+use lockstep_tests::lb_lab::signal;
 use lockstep_tests::ndp::{Prober, checksum_ok, solicitation, with_options};
 use lockstep_tests::{AgentProc, Netns, counter, privileged, veth};
 
@@ -121,14 +122,6 @@ fn until(
             .map_err(|_| anyhow::anyhow!("the NDP prober panicked"))?;
         Ok(ndp?.max(arp?))
     })
-}
-
-fn signal(pid: u32, sig: &str) -> anyhow::Result<()> {
-    let out = std::process::Command::new("kill")
-        .args([sig, &pid.to_string()])
-        .output()?;
-    ensure!(out.status.success(), "kill {sig} {pid} failed");
-    Ok(())
 }
 
 #[test]

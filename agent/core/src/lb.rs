@@ -31,6 +31,7 @@
 //!   services are retried in first-apply order, so the same inputs give the
 //!   same addresses on every node and every restart.
 
+pub mod announce;
 pub mod cluster;
 mod index;
 mod ipam;

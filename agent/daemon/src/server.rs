@@ -403,9 +403,13 @@ pub async fn run(config: Config) -> Result<(), ServerError> {
     // queue is in place before any request can reach the agent, so a DEL
     // never deletes a veth inline on an async worker.
     let reaper = crate::agent::reaper::prepare(&mut agent);
+    // The announcement maps have a lock of their own: the renewer and the
+    // LB agent write them without waiting for the agent's.
+    let announcements = agent.announcements();
     *slot.lock().unwrap_or_else(|p| p.into_inner()) = Some(agent);
     let cluster_task = cluster.map(|node| node.spawn(slot.clone(), stop_rx.clone()));
-    let lb_task = lb_agent.map(|lb| lb.spawn(slot.clone(), stop_rx.clone()));
+    let lb_task =
+        lb_agent.map(|lb| lb.spawn(slot.clone(), Some(announcements.clone()), stop_rx.clone()));
     let remote_task = remote.map(|r| r.spawn(slot.clone(), stop_rx.clone()));
     // The maps exist now; the collector runs beside the agent, not in it.
     let _masquerade = match masquerade {
@@ -486,7 +490,7 @@ pub async fn run(config: Config) -> Result<(), ServerError> {
         })
     };
 
-    let renewer = crate::agent::announce::spawn_renewer(&slot, stop_rx.clone());
+    let renewer = crate::agent::announce::spawn_renewer(announcements, stop_rx.clone());
     let metrics_refresher =
         crate::metrics::spawn_refresher(state.metrics.clone(), slot.clone(), stop_rx.clone());
 

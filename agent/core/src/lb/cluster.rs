@@ -255,7 +255,7 @@ pub fn announce_plan(
 
 /// The rendezvous weight of (`address`, `node`): FNV-1a over both, then
 /// splitmix64's finaliser.
-fn weight(address: IpAddr, node: &str) -> u64 {
+pub(crate) fn weight(address: IpAddr, node: &str) -> u64 {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
     let bytes: Vec<u8> = match address {
         IpAddr::V4(a) => a.octets().to_vec(),

@@ -167,28 +167,7 @@ where
     })?;
     let (hosts, lb_conflicts) = merge_hosts(hosts, input.lb_hosts);
 
-    let announcement = input.uplink.map(|up| L2RespValue {
-        ifindex: up.ifindex,
-        mac: up.mac,
-        expires_ns: up.expires_ns,
-        ..Default::default()
-    });
-    let mut l2: Vec<(V4Addr, L2RespValue)> = match announcement {
-        Some(v) => input.announce_v4.iter().map(|a| (a.octets(), v)).collect(),
-        None => Vec::new(),
-    };
-    l2.sort_unstable_by_key(|e| e.0);
-    l2.dedup_by_key(|e| e.0);
-    let mut l2_v6: Vec<(V6Addr, L2RespValue)> = match announcement {
-        Some(v) => input
-            .announce_v6
-            .iter()
-            .map(|a| (a.octets(), v.sealed_v6(a.octets())))
-            .collect(),
-        None => Vec::new(),
-    };
-    l2_v6.sort_unstable_by_key(|e| e.0);
-    l2_v6.dedup_by_key(|e| e.0);
+    let announced = announcements(&input.announce_v4, &input.announce_v6, input.uplink);
     let mut endpoints: Vec<(u32, EndpointValue)> = input
         .endpoints
         .iter()
@@ -201,9 +180,6 @@ where
     for (ifindex, v) in &mut endpoints {
         *v = v.sealed(*ifindex);
     }
-    for (addr, v) in &mut l2 {
-        *v = v.sealed(*addr);
-    }
 
     let mut b = PlanBuilder::default();
     for (cidr, pool_id) in input.masq_skip_pools {
@@ -215,6 +191,53 @@ where
         .into_iter()
         .map(|(slot, k, v)| (slot, EndpointSlot::new(k, &v)))
         .collect();
+    Ok(Desired {
+        maps: MapContents {
+            endpoints,
+            endpoint_slots,
+            host_v4: hosts.v4,
+            host_v6: hosts.v6,
+            prefix_v4: plan.ipcache_v4,
+            prefix_v6: plan.ipcache_v6,
+            masq_v4: plan.masq_skip_v4,
+            masq_v6: plan.masq_skip_v6,
+            ..announced
+        },
+        lb_conflicts,
+    })
+}
+
+/// The announcement maps' contents alone (L2_RESP_V4, L2_RESP_V6 and their
+/// slots; every other part empty): `v4` and `v6` answered on `uplink`
+/// until its expiry, nothing without an uplink. [`desired`] takes its
+/// announcement part from here, and the daemon's renewal, which rewrites
+/// only these maps, too.
+#[must_use]
+pub fn announcements(v4: &[Ipv4Addr], v6: &[Ipv6Addr], uplink: Option<Uplink>) -> MapContents {
+    let announcement = uplink.map(|up| L2RespValue {
+        ifindex: up.ifindex,
+        mac: up.mac,
+        expires_ns: up.expires_ns,
+        ..Default::default()
+    });
+    let mut l2: Vec<(V4Addr, L2RespValue)> = match announcement {
+        Some(v) => v4.iter().map(|a| (a.octets(), v)).collect(),
+        None => Vec::new(),
+    };
+    l2.sort_unstable_by_key(|e| e.0);
+    l2.dedup_by_key(|e| e.0);
+    let mut l2_v6: Vec<(V6Addr, L2RespValue)> = match announcement {
+        Some(v) => v6
+            .iter()
+            .map(|a| (a.octets(), v.sealed_v6(a.octets())))
+            .collect(),
+        None => Vec::new(),
+    };
+    l2_v6.sort_unstable_by_key(|e| e.0);
+    l2_v6.dedup_by_key(|e| e.0);
+    for (addr, v) in &mut l2 {
+        *v = v.sealed(*addr);
+    }
     let l2_slots = direct_mapped(&l2, |k| slots::l2_resp(*k))
         .into_iter()
         .map(|(slot, k, v)| (slot, L2RespSlot::new(k, &v)))
@@ -223,23 +246,13 @@ where
         .into_iter()
         .map(|(slot, k, v)| (slot, L2RespSlotV6::new(k, &v)))
         .collect();
-    Ok(Desired {
-        maps: MapContents {
-            l2,
-            l2_v6,
-            endpoints,
-            endpoint_slots,
-            l2_slots,
-            l2_v6_slots,
-            host_v4: hosts.v4,
-            host_v6: hosts.v6,
-            prefix_v4: plan.ipcache_v4,
-            prefix_v6: plan.ipcache_v6,
-            masq_v4: plan.masq_skip_v4,
-            masq_v6: plan.masq_skip_v6,
-        },
-        lb_conflicts,
-    })
+    MapContents {
+        l2,
+        l2_v6,
+        l2_slots,
+        l2_v6_slots,
+        ..MapContents::default()
+    }
 }
 
 /// Adds LB host entries to the allocations' entries; an address both hold

@@ -11,13 +11,24 @@
 //!
 //! Cluster mode (`cluster::lb_agent`) adds the addresses this node holds the
 //! lease-bound etcd key of, and caps the expiry at what that etcd lease
-//! guarantees ([`Agent::set_cluster_announcements`]): the entries stop being
+//! guarantees ([`Announcements::set_cluster`]): the entries stop being
 //! answered before etcd can give the address to another node, whatever
 //! this agent does meanwhile.
+//!
+//! The announcement maps are written under their own lock
+//! ([`Announcements`]), never under the agent's: a CNI call or anything
+//! else holding the agent lock cannot delay a renewal or a cluster write
+//! past its expiry (#27 item 5). The agent's reconcile takes this lock
+//! (after its own) to write the same maps, so every writer of them takes
+//! turns here, and a cluster write older than one already applied is
+//! dropped, never written over a newer one.
 
 use std::collections::BTreeSet;
-use std::net::IpAddr;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
+
+use lockstep_core::plan::desired::{Uplink as AnnounceUplink, announcements};
 
 use super::map_table::MAPS;
 use super::*;
@@ -85,11 +96,6 @@ impl Lease {
         }
     }
 
-    /// Cluster mode's announced addresses (`cluster::lb_agent`).
-    pub fn cluster(&self) -> &BTreeSet<IpAddr> {
-        &self.cluster
-    }
-
     /// The expiry the announcement entries carry.
     #[must_use]
     pub fn expires_ns(&self) -> u64 {
@@ -115,7 +121,7 @@ impl Lease {
 }
 
 /// Whether `name` is one of the maps a renewal rewrites.
-fn announcement_map(name: &str) -> bool {
+pub(super) fn announcement_map(name: &str) -> bool {
     [
         map_names::L2_RESP_V4,
         map_names::L2_RESP_SLOTS,
@@ -125,38 +131,172 @@ fn announcement_map(name: &str) -> bool {
     .contains(&name)
 }
 
-impl Agent {
-    /// Renews every announcement: a new expiry, written into L2_RESP_V4,
-    /// L2_RESP_V6 and their slots in the order reconcile uses (slots cleared
-    /// first, filled last). When the previous expiry had passed (a hung
-    /// agent resumed, or a start), every announced address is announced
-    /// again (gratuitous ARP, unsolicited NA). Returns the entries written.
-    ///
-    /// # Errors
-    /// A map could not be read or written; the next renewal tries again.
-    pub fn renew_announcements(&mut self) -> Result<usize, AgentError> {
-        let now = monotonic_ns();
-        let lapsed = self.announce.renew(now);
-        // Past the cap (cluster mode, etcd lease not renewed): nothing is
-        // answered, so nothing is announced either.
-        let lapsed = lapsed && self.announce.expires_ns() > now;
-        let want = self.desired()?;
+/// The announcement maps and what they should hold, behind their own lock:
+/// shared by the agent (reconcile, single-node LB), the renewer and cluster
+/// mode's LB agent. Cloning shares it.
+#[derive(Clone)]
+pub struct Announcements(Arc<Mutex<AnnounceState>>);
+
+impl std::fmt::Debug for Announcements {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Announcements").finish_non_exhaustive()
+    }
+}
+
+struct AnnounceState {
+    lease: Lease,
+    /// The sequence number of the last cluster write applied.
+    cluster_seq: u64,
+    /// The agent's own announced addresses (single-node LB, ingress).
+    local_v4: Vec<Ipv4Addr>,
+    local_v6: Vec<Ipv6Addr>,
+    /// The uplink's index and MAC.
+    uplink: Option<(u32, [u8; 6])>,
+    /// A handle of the maps of its own.
+    maps: PinnedMaps,
+}
+
+impl AnnounceState {
+    /// What the announcement maps should hold now.
+    fn contents(&self) -> MapContents {
+        let v4: Vec<Ipv4Addr> = self
+            .local_v4
+            .iter()
+            .copied()
+            .chain(self.lease.cluster.iter().filter_map(|a| match a {
+                IpAddr::V4(v) => Some(*v),
+                IpAddr::V6(_) => None,
+            }))
+            .collect();
+        let v6: Vec<Ipv6Addr> = self
+            .local_v6
+            .iter()
+            .copied()
+            .chain(self.lease.cluster.iter().filter_map(|a| match a {
+                IpAddr::V6(v) => Some(*v),
+                IpAddr::V4(_) => None,
+            }))
+            .collect();
+        let uplink = self.uplink.map(|(ifindex, mac)| AnnounceUplink {
+            ifindex,
+            mac,
+            expires_ns: self.lease.expires_ns(),
+        });
+        announcements(&v4, &v6, uplink)
+    }
+
+    /// Brings the announcement maps to [`AnnounceState::contents`], in the
+    /// order reconcile uses (slots cleared first, filled last), counting
+    /// the changes in `report`. Returns what was written.
+    fn write(&self, report: &mut ReconcileReport) -> Result<MapContents, AgentError> {
+        let want = self.contents();
         let root = &self.maps;
         let mut have = MapContents::default();
         let specs: Vec<_> = MAPS.iter().filter(|m| announcement_map(m.name())).collect();
         for m in &specs {
             m.observe(root, &mut have)?;
         }
-        let mut report = ReconcileReport::default();
         for m in &specs {
             m.clear(root, &want, &have)?;
         }
         for m in &specs {
-            m.apply(root, &want, &have, &mut report)?;
+            m.apply(root, &want, &have, report)?;
         }
         for m in &specs {
-            m.fill(root, &want, &have, &mut report)?;
+            m.fill(root, &want, &have, report)?;
         }
+        Ok(want)
+    }
+
+    /// Announces `addr` only while the entries are answered: checked just
+    /// before each frame, so an agent stopped (SIGSTOP) past its expiry,
+    /// whose address another node may announce by now, does not send a
+    /// stale gratuitous ARP / NA when it resumes in the middle of a list.
+    fn send_live(&self, addr: IpAddr) {
+        if monotonic_ns() < self.lease.expires_ns() {
+            self.send(addr);
+        }
+    }
+
+    /// Announces `addr` on the uplink: gratuitous ARP (IPv4) or unsolicited
+    /// Neighbor Advertisement (IPv6), best effort.
+    fn send(&self, addr: IpAddr) {
+        let Some((index, mac)) = self.uplink else {
+            return;
+        };
+        let sent = match addr {
+            IpAddr::V4(a) => crate::arp::announce(index, mac, a),
+            IpAddr::V6(a) => crate::ndp::announce(index, mac, a),
+        };
+        if let Err(e) = sent {
+            tracing::warn!(error = %e, %addr, "announcement (gratuitous ARP / unsolicited NA) failed");
+        }
+    }
+}
+
+impl Announcements {
+    /// Announcements of `lease` written through `maps`.
+    pub(super) fn new(lease: Duration, maps: PinnedMaps) -> Self {
+        Self(Arc::new(Mutex::new(AnnounceState {
+            lease: Lease::new(lease),
+            cluster_seq: 0,
+            local_v4: Vec::new(),
+            local_v6: Vec::new(),
+            uplink: None,
+            maps,
+        })))
+    }
+
+    fn lock(&self) -> MutexGuard<'_, AnnounceState> {
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// The announcement maps' desired contents (for verify).
+    pub(super) fn contents(&self) -> MapContents {
+        self.lock().contents()
+    }
+
+    /// The uplink the entries name (`None`: nothing is announced).
+    pub(super) fn set_uplink(&self, uplink: Option<(u32, [u8; 6])>) {
+        self.lock().uplink = uplink;
+    }
+
+    /// Reconcile's part: the agent's own addresses are `v4` and `v6`; the
+    /// maps are brought to what they should hold, the changes counted in
+    /// `report`.
+    ///
+    /// # Errors
+    /// A map could not be read or written.
+    pub(super) fn reconcile(
+        &self,
+        v4: Vec<Ipv4Addr>,
+        v6: Vec<Ipv6Addr>,
+        report: &mut ReconcileReport,
+    ) -> Result<(), AgentError> {
+        let mut s = self.lock();
+        s.local_v4 = v4;
+        s.local_v6 = v6;
+        s.write(report).map(drop)
+    }
+
+    /// Renews every announcement: a new expiry, written into L2_RESP_V4,
+    /// L2_RESP_V6 and their slots. When the previous expiry had passed (a
+    /// hung agent resumed, or a start), every announced address is
+    /// announced again (gratuitous ARP, unsolicited NA). Returns the
+    /// entries written. Takes only the announcements' lock.
+    ///
+    /// # Errors
+    /// A map could not be read or written; the next renewal tries again.
+    pub fn renew(&self) -> Result<usize, AgentError> {
+        let mut s = self.lock();
+        let now = monotonic_ns();
+        let lapsed = s.lease.renew(now);
+        // Past the cap (cluster mode, etcd lease not renewed): nothing is
+        // answered, so nothing is announced either.
+        let lapsed = lapsed && s.lease.expires_ns() > now;
+        let want = s.write(&mut ReconcileReport::default())?;
         if lapsed {
             let addrs = want
                 .l2
@@ -164,38 +304,62 @@ impl Agent {
                 .map(|(a, _)| IpAddr::from(*a))
                 .chain(want.l2_v6.iter().map(|(a, _)| IpAddr::from(*a)));
             for addr in addrs {
-                self.send_live_announcement(addr);
+                s.send_live(addr);
             }
         }
         Ok(want.l2.len() + want.l2_v6.len())
     }
 
-    /// Cluster mode: announces exactly `addrs` (this node holds their
-    /// lease-bound etcd keys) with no entry answered past `valid_until_ns`
-    /// (kernel monotonic ns; the etcd lease's guaranteed life), then sends
-    /// a gratuitous ARP / unsolicited NA for each address new to the set
-    /// while the entries are live. Removals are out of the maps when this
-    /// returns (the caller withdraws their keys only after).
+    /// Cluster mode's write number `seq`: announces exactly `addrs` (this
+    /// node holds their lease-bound etcd keys) with no entry answered past
+    /// `valid_until_ns` (kernel monotonic ns; the etcd lease's guaranteed
+    /// life). A write older than one already applied is dropped (returns
+    /// false): the newer one stands, and a late write never brings back an
+    /// address a newer one removed. Removals are out of the maps when this
+    /// returns `Ok`. Nothing is announced here: the caller announces once
+    /// it knows the entries are in (`Announcements::announce`).
     ///
     /// # Errors
-    /// A map could not be read or written.
-    pub fn set_cluster_announcements(
-        &mut self,
+    /// A map could not be read or written: the maps hold some mix of this
+    /// write and the one before (the set is kept, so the next renewal
+    /// writes it again).
+    pub fn set_cluster(
+        &self,
+        seq: u64,
         addrs: BTreeSet<IpAddr>,
         valid_until_ns: u64,
-    ) -> Result<(), AgentError> {
-        let before = std::mem::replace(&mut self.announce.cluster, addrs);
-        self.announce.cap_ns = Some(valid_until_ns);
-        let was_lapsed = self.announce.lapsed || monotonic_ns() >= self.announce.expires_ns();
-        self.renew_announcements()?;
-        // A lapsed renewal announced everything already.
-        if !was_lapsed && self.announce.expires_ns() > monotonic_ns() {
-            let new: Vec<IpAddr> = self.announce.cluster.difference(&before).copied().collect();
-            for a in new {
-                self.send_live_announcement(a);
-            }
+    ) -> Result<bool, AgentError> {
+        let mut s = self.lock();
+        if seq <= s.cluster_seq {
+            return Ok(false);
         }
-        Ok(())
+        s.cluster_seq = seq;
+        s.lease.cluster = addrs;
+        s.lease.cap_ns = Some(valid_until_ns);
+        s.lease.renew(monotonic_ns());
+        s.write(&mut ReconcileReport::default())?;
+        Ok(true)
+    }
+
+    /// Sends a gratuitous ARP / unsolicited NA for `addr` if the entries
+    /// are answered now.
+    pub fn announce(&self, addr: IpAddr) {
+        self.lock().send_live(addr);
+    }
+
+    /// The renewal period (a third of the lease).
+    #[must_use]
+    pub fn renew_every(&self) -> Duration {
+        self.lock().lease.lease / 3
+    }
+}
+
+impl Agent {
+    /// The announcements (their own lock): for the renewer and cluster
+    /// mode's LB agent.
+    #[must_use]
+    pub fn announcements(&self) -> Announcements {
+        self.announce.clone()
     }
 
     /// Whether the uplink can answer for an address: it exists, is
@@ -254,52 +418,23 @@ impl Agent {
         }
     }
 
-    /// Announces `addr` only while the entries are answered: checked just
-    /// before each frame, so an agent stopped (SIGSTOP) past its expiry,
-    /// whose address another node may announce by now, does not send a
-    /// stale gratuitous ARP / NA when it resumes in the middle of a list.
-    fn send_live_announcement(&self, addr: IpAddr) {
-        if monotonic_ns() < self.announce.expires_ns() {
-            self.send_announcement(addr);
-        }
-    }
-
-    /// The announcement lease's renewal period (a third of the lease).
-    #[must_use]
-    pub fn announce_renew_every(&self) -> Duration {
-        self.config.lb.renew_every()
-    }
-
-    /// Announces `addr` on the uplink: gratuitous ARP (IPv4) or unsolicited
-    /// Neighbor Advertisement (IPv6), best effort.
+    /// Announces `addr` on the uplink (single-node LB): gratuitous ARP
+    /// (IPv4) or unsolicited Neighbor Advertisement (IPv6), best effort.
     pub(super) fn send_announcement(&self, addr: IpAddr) {
-        let Some(up) = &self.uplink else {
-            return;
-        };
-        let sent = match addr {
-            IpAddr::V4(a) => crate::arp::announce(up.index, up.mac, a),
-            IpAddr::V6(a) => crate::ndp::announce(up.index, up.mac, a),
-        };
-        if let Err(e) = sent {
-            tracing::warn!(error = %e, %addr, "announcement (gratuitous ARP / unsolicited NA) failed");
-        }
+        self.announce.lock().send(addr);
     }
 }
 
-/// Runs [`Agent::renew_announcements`] every third of the lease, on the
-/// blocking pool, until `stop` turns true. Renewals that are late (the agent
-/// lock held long, the process stopped) do not pile up: the next runs one
-/// period after the late one.
+/// Runs [`Announcements::renew`] every third of the lease, on the blocking
+/// pool, until `stop` turns true. It never takes the agent's lock, so a CNI
+/// call or a metrics scrape cannot delay it (#27 item 5). Renewals that are
+/// late (the process stopped) do not pile up: the next runs one period
+/// after the late one.
 pub fn spawn_renewer(
-    slot: &std::sync::Arc<std::sync::Mutex<Option<Agent>>>,
+    announcements: Announcements,
     mut stop: tokio::sync::watch::Receiver<bool>,
 ) -> tokio::task::JoinHandle<()> {
-    let every = slot
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
-        .as_ref()
-        .map_or(Duration::from_secs(1), Agent::announce_renew_every);
-    let slot = slot.clone();
+    let every = announcements.renew_every();
     tokio::spawn(async move {
         let mut tick = tokio::time::interval(every);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -308,12 +443,9 @@ pub fn spawn_renewer(
                 _ = tick.tick() => {}
                 _ = stop.wait_for(|s| *s) => break,
             }
-            let slot = slot.clone();
+            let a = announcements.clone();
             let _ = tokio::task::spawn_blocking(move || {
-                let mut guard = slot.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-                if let Some(agent) = guard.as_mut()
-                    && let Err(e) = agent.renew_announcements()
-                {
+                if let Err(e) = a.renew() {
                     tracing::error!(error = %crate::error_chain(&e), "renewing the announcements failed");
                 }
             })

@@ -495,12 +495,14 @@ impl Agent {
         super::endpoint_effects::unprogram(&mut self.maps, record, allocated)
     }
 
-    /// CNI DEL: idempotent; already gone is success.
+    /// CNI DEL under the agent lock (the operator's draining release):
+    /// idempotent; already gone is success. Unlike a DEL from the plugin it
+    /// does not wait for a reaped veth to be gone ([`without_gone_wait`]).
     ///
     /// # Errors
     /// The store could not record the release (the endpoint then stays).
     pub fn endpoint_del(&mut self, req: DelRequest) -> Result<(), AgentError> {
-        self.endpoint_del_begin(req)?.run()
+        without_gone_wait(self.endpoint_del_begin(req)?).run()
     }
 
     /// DEL's locked phase: unprogram, commit, release; returns the kernel
@@ -528,8 +530,10 @@ impl Agent {
         r
     }
 
+    /// A DEL made under the agent lock (GC, an ADD starting over): see
+    /// [`without_gone_wait`].
     fn endpoint_del_inner(&mut self, container_id: &str, ifname: &str) -> Result<(), AgentError> {
-        self.endpoint_del_commit(container_id, ifname)?.run()
+        without_gone_wait(self.endpoint_del_commit(container_id, ifname)?).run()
     }
 
     fn endpoint_del_commit(
@@ -636,4 +640,14 @@ impl Agent {
             gone: None,
         }
     }
+}
+
+/// A DEL's kernel work without the wait for its veth to be gone, for DELs
+/// run while the agent lock is held: the reaper takes that lock to confirm
+/// an interface gone, so such a wait could only time out. The release stays
+/// pending and its addresses held until the reaper has the veth deleted;
+/// only a plugin's DEL, which waits outside the lock, is answered after.
+fn without_gone_wait(mut cleanup: DelCleanup) -> DelCleanup {
+    cleanup.gone = None;
+    cleanup
 }

@@ -51,7 +51,7 @@ pub mod release;
 mod report;
 mod tunnel;
 
-pub use announce::UplinkHealth;
+pub use announce::{Announcements, UplinkHealth};
 pub use error::AgentError;
 use maps::MapContents;
 pub use report::{Drift, PoolStatus, ReconcileReport, Stats, Status, Uplink, VerifyReport};
@@ -126,8 +126,9 @@ pub struct Agent {
     /// The LB state in the store is not the one in memory (a rollback's
     /// write was refused); written again before the next change.
     lb_unsaved: bool,
-    /// The expiry of the L2 announcements, renewed periodically.
-    announce: announce::Lease,
+    /// The L2 announcements (their expiry, renewed periodically, and cluster
+    /// mode's addresses), behind their own lock.
+    announce: Announcements,
     /// Cluster mode's fenced blocks (`cluster_pools`).
     cluster: cluster_pools::ClusterView,
     /// Cluster routing: mode, tunnel device, endpoint MTU (`tunnel`).
@@ -226,7 +227,7 @@ impl Agent {
         }
         manager.finish_restore();
         let node = config.node_name();
-        let announce = announce::Lease::new(config.lb.announce_lease);
+        let announce = Announcements::new(config.lb.announce_lease, datapath.maps()?);
         let mut agent = Self {
             config,
             node,
@@ -606,6 +607,7 @@ impl Agent {
             index: link.index,
             mac: link.mac,
         });
+        self.announce.set_uplink(Some((link.index, link.mac)));
         Ok(())
     }
 

@@ -8,7 +8,9 @@
 
 use super::map_table::MAPS;
 use super::*;
-use lockstep_core::plan::desired::{DesiredInput, LocalEndpoint, Uplink, desired};
+use std::net::{Ipv4Addr, Ipv6Addr};
+
+use lockstep_core::plan::desired::{DesiredInput, LocalEndpoint, desired};
 
 impl Agent {
     /// Gathers the agent's state for the core's [`desired`], which decides
@@ -38,6 +40,39 @@ impl Agent {
                 }
             })
             .collect();
+        let input = DesiredInput {
+            allocations: self.committed_allocations().chain(delegated.iter()),
+            endpoints,
+            lb_hosts: self.lb_host_entries(),
+            // The announcement maps are the announcements' own (their
+            // lock, their writer): their part is taken from there below.
+            announce_v4: Vec::new(),
+            announce_v6: Vec::new(),
+            uplink: None,
+            masq_skip_pools: self.manager.masq_skip_cidrs(),
+            non_masquerade: &self.config.non_masquerade_cidrs,
+        };
+        let d = desired(input).map_err(|e| AgentError::Invalid {
+            reason: e.to_string(),
+        })?;
+        for a in &d.lb_conflicts {
+            tracing::error!(%a, "an LB address is also a node allocation");
+        }
+        let announced = self.announce.contents();
+        let mut maps = MapContents {
+            l2: announced.l2,
+            l2_v6: announced.l2_v6,
+            l2_slots: announced.l2_slots,
+            l2_v6_slots: announced.l2_v6_slots,
+            ..d.maps
+        };
+        self.add_remote(&mut maps);
+        Ok(maps)
+    }
+
+    /// The addresses the agent itself announces (not cluster mode's):
+    /// its single-node LB pools' and, if announced, the ingress address.
+    pub(super) fn local_announcements(&self) -> (Vec<Ipv4Addr>, Vec<Ipv6Addr>) {
         let announced_ingress = self
             .config
             .roles
@@ -57,48 +92,14 @@ impl Agent {
                     })
             })
             .flatten();
-        let input = DesiredInput {
-            allocations: self.committed_allocations().chain(delegated.iter()),
-            endpoints,
-            lb_hosts: self.lb_host_entries(),
-            announce_v4: self
-                .lb
-                .plan()
-                .l2_announce_v4
-                .into_keys()
-                .chain(announced_ingress)
-                .chain(self.announce.cluster().iter().filter_map(|a| match a {
-                    IpAddr::V4(v) => Some(*v),
-                    IpAddr::V6(_) => None,
-                }))
-                .collect(),
-            announce_v6: self
-                .lb
-                .plan()
-                .l2_announce_v6
-                .into_keys()
-                .chain(self.announce.cluster().iter().filter_map(|a| match a {
-                    IpAddr::V6(v) => Some(*v),
-                    IpAddr::V4(_) => None,
-                }))
-                .collect(),
-            uplink: self.uplink.as_ref().map(|up| Uplink {
-                ifindex: up.index,
-                mac: up.mac,
-                expires_ns: self.announce.expires_ns(),
-            }),
-            masq_skip_pools: self.manager.masq_skip_cidrs(),
-            non_masquerade: &self.config.non_masquerade_cidrs,
-        };
-        let d = desired(input).map_err(|e| AgentError::Invalid {
-            reason: e.to_string(),
-        })?;
-        for a in &d.lb_conflicts {
-            tracing::error!(%a, "an LB address is also a node allocation");
-        }
-        let mut maps = d.maps;
-        self.add_remote(&mut maps);
-        Ok(maps)
+        let plan = self.lb.plan();
+        let v4 = plan
+            .l2_announce_v4
+            .into_keys()
+            .chain(announced_ingress)
+            .collect();
+        let v6 = plan.l2_announce_v6.into_keys().collect();
+        (v4, v6)
     }
 
     pub(super) fn observed(&self) -> Result<MapContents, AgentError> {
@@ -115,15 +116,23 @@ impl Agent {
         // Slots are cleared before and filled after their hashes change, so
         // a slot never holds what its hash does not (see
         // `lockstep_common::slots`).
-        for m in MAPS {
+        // The announcement maps are written under their own lock (their
+        // renewer and cluster mode's LB agent write them too).
+        let others: Vec<_> = MAPS
+            .iter()
+            .filter(|m| !announce::announcement_map(m.name()))
+            .collect();
+        for m in &others {
             m.clear(root, &want, &have)?;
         }
-        for m in MAPS {
+        for m in &others {
             m.apply(root, &want, &have, &mut report)?;
         }
-        for m in MAPS {
+        for m in &others {
             m.fill(root, &want, &have, &mut report)?;
         }
+        let (v4, v6) = self.local_announcements();
+        self.announce.reconcile(v4, v6, &mut report)?;
         self.stats.entries = MAPS
             .iter()
             .filter_map(|m| Some((m.name(), m.counted(&want)?)))

@@ -701,8 +701,12 @@ impl Door {
     /// etcd unavailable.
     pub async fn lb_revoke(&mut self, lease: i64) -> Result<(), ClusterStoreError> {
         let mut client = self.client();
-        self.bounded("revoke the lb lease", true, client.lease_revoke(lease))
+        let resp = self
+            .bounded("revoke the lb lease", true, client.lease_revoke(lease))
             .await?;
+        // A read of `lb/` after it (from the mirror) has the lease's keys
+        // gone.
+        self.wrote_at(resp.header().map_or(0, |h| h.revision()));
         Ok(())
     }
 

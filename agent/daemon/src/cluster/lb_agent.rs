@@ -3,27 +3,34 @@
 //! candidate announcer), the assigner key while elected, and one
 //! `lb/announce/<ip>` key per address it announces.
 //!
-//! Each tick (200 ms) it:
-//! 1. keeps the lease (a refresh every third of its TTL); the time up to
+//! What it announces, and the order of every step that changes it, is the
+//! core's announcer (`lockstep_core::lb::announce`, #27): sticky
+//! announcements, take → program → announce, unprogram → (confirmed) →
+//! withdraw, rebalancing one address at a time. This module feeds it and
+//! carries out its actions (`lb_announce`). Each tick (200 ms) it:
+//! 1. checks the uplink (without waiting for the agent lock): one that
+//!    cannot answer makes the announcer empty the datapath and revoke the
+//!    lease, so the addresses move within a tick;
+//! 2. keeps the lease (a refresh every third of its TTL); the time up to
 //!    which etcd is sure to keep it is the datapath's cap: no L2_RESP entry
-//!    of this node is answered past it ([`Agent::set_cluster_announcements`]);
-//! 2. plans its announcements (the core's [`announce_plan`] over the
-//!    members) and acts in the safe order: an address it must stop
-//!    announcing leaves the datapath first, then its key is withdrawn; an
-//!    address it must start announcing is taken only when no key stands
-//!    (the previous holder withdrew, or its lease ended), then programmed,
-//!    then announced by gratuitous ARP / unsolicited NA;
-//! 3. runs an assigner round ([`Door::lb_round`], campaigning with the same
-//!    lease) at most every [`ROUND_EVERY`], at once again while it stores.
+//!    of this node is answered past it ([`Announcements::set_cluster`]);
+//! 3. hands the announcer what `lb/` holds, read from the agent's mirror
+//!    of etcd (#27 item 6: no request; not handed again while nothing
+//!    under `lb/` changed and the last read has this node's own writes);
+//! 4. carries out the announcer's actions until it has none, or a quarter
+//!    of the TTL has passed (what is left is reported lost: asked again
+//!    next tick), so a slow etcd never holds the next refresh back. The
+//!    announcer runs every tick, changed or not: its clocks move (rank
+//!    steps, pace, the lease's cap);
+//! 5. then runs an assigner round ([`Door::lb_round`], campaigning with
+//!    the same lease) at most every [`ROUND_EVERY`] (at once again while
+//!    it stores), skipped while `lb/` stands where it stood when a round
+//!    left nothing to do (one every [`IDLE_ROUND`] all the same).
 //!
-//! A tick also comes at once when anything under `lb/` changes (an etcd
-//! watch that only wakes the loop): a service stored by `lb apply` is
-//! assigned, and an address assigned or withdrawn is taken, without
-//! waiting out the 200 ms.
-//!
-//! Steps 2 and 3 are bounded by a quarter of the TTL, so a slow etcd never
-//! holds the next refresh back; each step is idempotent and ordered after
-//! what it depends on, so a round cut short is finished by the next.
+//! A tick also comes at once when anything under `lb/` changes (the
+//! mirror's bell, or a watch of its own without a mirror; it only wakes
+//! the loop): a service stored by `lb apply` is assigned, and an address
+//! assigned or withdrawn is taken, without waiting out the 200 ms.
 //!
 //! Why never two nodes answer: an entry's expiry is at most `t + TTL -
 //! margin`, `t` the moment the last lease refresh (or grant) was *sent*;
@@ -37,14 +44,16 @@ use std::net::IpAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use lockstep_core::lb::cluster::{announce_plan, assigned, reconcile, unannounced};
+use lockstep_core::lb::announce::{Announcer, AnnouncerConfig};
+use lockstep_core::lb::cluster::{assigned, reconcile, unannounced};
 use lockstep_core::lb::{LbIpam, LbPoolSpec, ServiceSpec};
 use serde::Serialize;
 
 use super::lb::LbWake;
+use super::lb_announce::{self, Counts};
 use super::{ClusterStoreError, Door, DoorOptions, LbView, Link, Round, Stamp};
 use crate::agent::announce::monotonic_ns;
-use crate::agent::{Agent, UplinkHealth};
+use crate::agent::{Agent, Announcements, UplinkHealth};
 
 /// The bound on each etcd request: well under a third of the shortest
 /// lease, so a refresh that cannot be answered is known in time.
@@ -403,8 +412,6 @@ struct Held {
     ttl: Duration,
     /// When the last refresh (or the grant) was sent.
     sent: Instant,
-    /// Kernel monotonic ns up to which the datapath may answer.
-    valid_until_ns: u64,
 }
 
 /// The margin kept between the datapath's cap and the etcd lease: a tenth
@@ -425,8 +432,12 @@ pub struct LbAgent {
     ttl: Duration,
     door: Option<Door>,
     lease: Option<Held>,
-    /// Addresses in the datapath (keys held under `lease`).
-    announcing: BTreeSet<IpAddr>,
+    /// What this node announces, and the order of every step that changes
+    /// it (the core's state machine).
+    machine: Announcer,
+    /// The uplink's health as last seen (kept while the agent lock is
+    /// busy: the check never waits for it).
+    health: UplinkHealth,
     last_round: Option<Instant>,
     /// The last round refused the stored definitions: rounds keep their
     /// pace even with services pending.
@@ -442,7 +453,25 @@ pub struct LbAgent {
     /// unchanged mirror is skipped, so an idle agent costs etcd only its
     /// lease refresh and itself almost nothing).
     acted: Option<(Stamp, Instant)>,
+    /// The last read of `lb/` handed to the announcer (#27 item 6: while
+    /// the mirror's `lb/` stays where it was, the announcer keeps that
+    /// read rather than being handed the same one again every tick).
+    seen: Option<Seen>,
     handle: Arc<LbHandle>,
+}
+
+/// A read of `lb/` handed to the announcer.
+#[derive(Clone, Copy, Debug)]
+struct Seen {
+    /// Where the mirror's `lb/` stood before the read.
+    stamp: Stamp,
+    /// The read's store revision.
+    revision: i64,
+    /// When it was read.
+    at: Instant,
+    /// Whether it showed services stored but not in the state, or the
+    /// state with services no longer stored ([`has_pending`]).
+    services_pending: bool,
 }
 
 /// What ended the loop's wait.
@@ -474,11 +503,6 @@ impl std::fmt::Debug for LbAgent {
     }
 }
 
-fn lock_agent(slot: &Mutex<Option<Agent>>) -> std::sync::MutexGuard<'_, Option<Agent>> {
-    slot.lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
-}
-
 impl LbAgent {
     /// An LB agent for node `name`, its lease `ttl` (raised to
     /// [`MIN_LEASE`], whole seconds), reaching etcd with `opts`.
@@ -486,18 +510,23 @@ impl LbAgent {
         let secs = ttl.as_secs() + u64::from(ttl.subsec_nanos() > 0);
         let ttl = Duration::from_secs(secs).max(MIN_LEASE);
         LbAgent {
+            machine: Announcer::new(
+                name.clone(),
+                AnnouncerConfig::for_lease(ttl.as_nanos() as u64),
+            ),
             name,
             labels: BTreeMap::new(),
             answers: true,
             ttl,
             door: None,
             lease: None,
-            announcing: BTreeSet::new(),
+            health: UplinkHealth::Unknown,
             last_round: None,
             refused: false,
             wake: None,
             wake_tried: None,
             acted: None,
+            seen: None,
             handle: Arc::new(LbHandle {
                 opts,
                 door: tokio::sync::Mutex::new(None),
@@ -549,78 +578,93 @@ impl LbAgent {
         s.problem = e.map(|e| crate::error_chain(e));
     }
 
-    /// Gives the datapath `announcing` under the lease's cap.
-    async fn push(&mut self, slot: &Arc<Mutex<Option<Agent>>>) {
-        let cap = self.lease.map_or(0, |l| l.valid_until_ns);
-        let addrs = self.announcing.clone();
-        let slot = slot.clone();
-        let shown = addrs.clone();
-        let r = tokio::task::spawn_blocking(move || {
-            lock_agent(&slot)
-                .as_mut()
-                .map(|a| a.set_cluster_announcements(addrs, cap))
-        })
-        .await;
-        match r {
-            Ok(Some(Err(e))) => {
-                tracing::error!(error = %crate::error_chain(&e), "cluster announcements not programmed")
-            }
-            Ok(_) => {}
-            Err(e) => tracing::error!(error = %e, "cluster announcement task failed"),
+    /// Grants the lease if the announcer wants one and holds none, and
+    /// refreshes it every third of its TTL. The cap handed to the
+    /// announcer counts from when the request was *sent*.
+    async fn keep_lease(&mut self) -> Result<(), ClusterStoreError> {
+        // The announcer gave its lease up (revoked while the uplink is
+        // silent, or its cap passed with every refresh unanswered).
+        if self.machine.lease().is_none() {
+            self.lease = None;
         }
-        let mut s = self.handle.lock();
-        s.announcing = shown;
-        s.valid_until_ns = cap;
-    }
-
-    /// Grants the lease if none, refreshes it every third of its TTL.
-    /// Returns whether the cap moved.
-    async fn keep_lease(&mut self) -> Result<bool, ClusterStoreError> {
+        if !self.machine.wants_lease() {
+            return Ok(());
+        }
         let door = self.door.as_mut().expect("connected by the caller");
-        let ttl = self.ttl;
         match self.lease {
             None => {
                 let sent = Instant::now();
                 let sent_ns = monotonic_ns();
-                let (id, granted) = door.lb_grant(ttl).await?;
-                door.lb_join(&self.name, &self.labels, self.answers, id)
-                    .await?;
-                let valid_until_ns = sent_ns + (granted - margin(granted)).as_nanos() as u64;
-                tracing::info!(lease = id, ttl = ?granted, "lb lease granted; joined the announcers");
+                let (id, granted) = door.lb_grant(self.ttl).await?;
+                let cap = sent_ns + (granted - margin(granted)).as_nanos() as u64;
+                self.machine.lease_granted(id, cap);
                 self.lease = Some(Held {
                     id,
                     ttl: granted,
                     sent,
-                    valid_until_ns,
                 });
-                Ok(true)
+                door.lb_join(&self.name, &self.labels, self.answers, id)
+                    .await?;
+                tracing::info!(lease = id, ttl = ?granted, "lb lease granted; joined the announcers");
+                Ok(())
             }
             Some(held) if held.sent.elapsed() >= held.ttl / 3 => {
                 let sent = Instant::now();
                 let sent_ns = monotonic_ns();
                 if door.keep_alive(held.id).await? {
-                    self.lease = Some(Held {
-                        sent,
-                        valid_until_ns: sent_ns + (held.ttl - margin(held.ttl)).as_nanos() as u64,
-                        ..held
-                    });
-                    Ok(true)
+                    self.lease = Some(Held { sent, ..held });
+                    self.machine
+                        .lease_refreshed(sent_ns + (held.ttl - margin(held.ttl)).as_nanos() as u64);
                 } else {
                     tracing::warn!(
                         lease = held.id,
                         "lb lease expired; its announcements are gone (a new lease next)"
                     );
                     self.lease = None;
-                    self.announcing.clear();
-                    Ok(true)
+                    self.machine.lease_lost();
                 }
+                Ok(())
             }
-            Some(_) => Ok(false),
+            Some(_) => Ok(()),
         }
     }
 
+    /// The uplink's health, without waiting for the agent's lock: while
+    /// the lock is busy (a CNI call, a reconcile) the last health stands.
+    async fn uplink_health(&mut self, slot: &Arc<Mutex<Option<Agent>>>) -> UplinkHealth {
+        // No agent (a benchmark's simulated node): nothing to ask, and no
+        // blocking task per tick.
+        if super::node::no_agent(slot) {
+            return self.health.clone();
+        }
+        let slot = slot.clone();
+        let now = tokio::task::spawn_blocking(move || match slot.try_lock() {
+            Ok(mut g) => g.as_mut().map(Agent::uplink_health),
+            Err(std::sync::TryLockError::Poisoned(p)) => {
+                p.into_inner().as_mut().map(Agent::uplink_health)
+            }
+            Err(std::sync::TryLockError::WouldBlock) => None,
+        })
+        .await
+        .ok()
+        .flatten();
+        if let Some(h) = now {
+            self.health = h;
+        }
+        self.health.clone()
+    }
+
+    /// Shows the announcer's state to the API and metrics.
+    fn show(&self, counts: Counts) {
+        let mut s = self.handle.lock();
+        s.announcing = self.machine.held();
+        s.valid_until_ns = self.machine.valid_until().unwrap_or(0);
+        s.takes += counts.took;
+        s.withdrawals += counts.withdrew;
+    }
+
     /// One tick; returns whether another should follow at once.
-    async fn tick(&mut self, slot: &Arc<Mutex<Option<Agent>>>) -> bool {
+    async fn tick(&mut self, slot: &Arc<Mutex<Option<Agent>>>, announcements: &Maps) -> bool {
         if self.door.is_none() {
             match Door::connect(self.handle.opts.clone()).await {
                 Ok(d) => self.door = Some(d),
@@ -631,105 +675,114 @@ impl LbAgent {
             }
         }
         // An uplink that is down, without carrier or gone answers nobody:
-        // no refresh (the lease runs out and the addresses move to nodes
-        // that can answer), no round. One created again gets the programs
-        // attached anew first (`Agent::uplink_health`).
-        let slot2 = slot.clone();
-        let health = if super::node::no_agent(slot) {
-            UplinkHealth::Unknown
-        } else {
-            tokio::task::spawn_blocking(move || {
-                lock_agent(&slot2)
-                    .as_mut()
-                    .map_or(UplinkHealth::Unknown, Agent::uplink_health)
-            })
-            .await
-            .unwrap_or(UplinkHealth::Unknown)
-        };
+        // the announcer empties the datapath and revokes its lease, so the
+        // addresses move at once, and holds nothing until it answers
+        // again. One created again gets the programs attached anew first
+        // (`Agent::uplink_health`).
+        let health = self.uplink_health(slot).await;
         let silent = matches!(health, UplinkHealth::Silent(_));
         let was_down = std::mem::replace(&mut self.handle.lock().uplink_down, silent);
-        if let UplinkHealth::Silent(why) = &health {
-            if !was_down {
-                tracing::warn!(
-                    reason = %why,
-                    "the uplink cannot answer: LB lease no longer refreshed; announcements move to other nodes"
-                );
+        if let UplinkHealth::Silent(why) = &health
+            && !was_down
+        {
+            tracing::warn!(
+                reason = %why,
+                "the uplink cannot answer: LB announcements given up; they move to other nodes"
+            );
+        }
+        if was_down && !silent {
+            tracing::info!("the uplink answers again: LB lease taken again");
+        }
+        self.machine.set_silent(silent);
+        let lease_problem = self.keep_lease().await.err();
+        // Bounded, so a slow etcd never delays the next lease refresh past
+        // its slack: an action not carried out in time is reported lost
+        // to the announcer, which asks again (or writes again) next tick.
+        let deadline = Instant::now() + self.ttl / 4;
+        let mut problem = lease_problem;
+        let mut again = false;
+        let mut pending = None;
+        let stamp = self.stamp();
+        if let Some(lease) = self.machine.lease() {
+            match self.read(lease, stamp).await {
+                Ok(p) => pending = Some((lease, p)),
+                Err(e) => {
+                    problem.get_or_insert(e);
+                }
             }
-            return false;
         }
-        if was_down {
-            tracing::info!("the uplink answers again: LB lease refreshed");
-        }
-        let moved = match self.keep_lease().await {
-            Ok(m) => m,
-            Err(e) => {
-                // Not renewed: the datapath stops answering at the cap.
-                self.problem(Some(&e));
-                return false;
+        let mut counts = Counts::default();
+        if let Some(door) = self.door.as_mut() {
+            let e = lb_announce::run(
+                &mut self.machine,
+                door,
+                announcements,
+                &self.name,
+                deadline,
+                &mut counts,
+            )
+            .await;
+            if let Some(e) = e {
+                problem.get_or_insert(e);
             }
-        };
-        if moved {
-            self.push(slot).await;
         }
-        let Some(lease) = self.lease else {
-            return false;
-        };
-        // Nothing under `lb/` changed since a round that left nothing to
-        // do: skipped (one round every IDLE_ROUND all the same).
-        let stamp = self
-            .handle
+        // The assigner round after the announcements: what answers
+        // first, new assignments next.
+        if let Some((lease, pending)) = pending {
+            again |= self.round(lease, pending, stamp).await.unwrap_or_else(|e| {
+                problem.get_or_insert(e);
+                false
+            });
+        }
+        self.show(counts);
+        self.problem(problem.as_ref());
+        again
+    }
+
+    /// Where `lb/` stands in the agent's mirror while it is live (`None`:
+    /// no mirror, or one not live: then everything is read every tick).
+    fn stamp(&self) -> Option<Stamp> {
+        self.handle
             .opts
             .link
             .as_ref()
             .map(|l| l.mirror().stamp(&["lb/"]))
-            .filter(|s| s.live);
-        if !moved
-            && let (Some(now), Some((then, at))) = (stamp, self.acted)
-            && now == then
-            && at.elapsed() < IDLE_ROUND
-        {
-            return false;
-        }
-        self.acted = None;
-        // Only a round that ran the assigner step too may be skipped
-        // after (a follower campaigns in it when the assigner is gone).
-        let round_due = self.last_round.is_none_or(|t| t.elapsed() >= ROUND_EVERY);
-        // Bounded, so a slow etcd never delays the next lease refresh past
-        // its slack: every step of `act` is idempotent and each comes after
-        // the one it depends on, so one cut short is finished next tick.
-        let bound = lease.ttl / 4;
-        match tokio::time::timeout(bound, self.act(slot, lease.id)).await {
-            Ok(Ok(again)) => {
-                self.problem(None);
-                if !again && round_due {
-                    self.acted = stamp.map(|s| (s, Instant::now()));
-                }
-                again
-            }
-            Ok(Err(e)) => {
-                self.problem(Some(&e));
-                false
-            }
-            Err(_) => {
-                tracing::debug!(?bound, "lb round cut short to refresh the lease in time");
-                false
-            }
-        }
+            .filter(|s| s.live)
     }
 
-    /// The announcement plan first (what answers), then the assigner
-    /// round when due.
-    async fn act(
-        &mut self,
-        slot: &Arc<Mutex<Option<Agent>>>,
-        lease: i64,
-    ) -> Result<bool, ClusterStoreError> {
+    /// Whether services are pending for the assigner, given whether the
+    /// last read showed any.
+    fn pending(&self, services_pending: bool) -> bool {
+        !self.refused && self.handle.lock().assigner && services_pending
+    }
+
+    /// Reads `lb/` (from the mirror while it is live) and hands it to the
+    /// announcer (joining again if the read shows this node's membership
+    /// missing). Returns whether services are pending for the assigner.
+    ///
+    /// Skipped while the mirror's `lb/` stands at `stamp` as it did at the
+    /// last read, that read has every write of this door (a take, a
+    /// withdrawal, a join), and this node's membership shows in it (#27
+    /// item 6): the announcer keeps the read it has, which its own
+    /// answers since updated; handing it the same one again changes
+    /// nothing. It is handed a fresh one every [`IDLE_ROUND`] all the same.
+    /// The announcer itself still runs every tick (its clocks move: rank
+    /// steps, pace, the lease's cap).
+    async fn read(&mut self, lease: i64, stamp: Option<Stamp>) -> Result<bool, ClusterStoreError> {
         let door = self.door.as_mut().expect("connected");
+        if let (Some(now), Some(seen)) = (stamp, self.seen)
+            && now == seen.stamp
+            && door.written() <= seen.revision
+            && seen.at.elapsed() < IDLE_ROUND
+            && !self.machine.membership_missing()
+        {
+            return Ok(self.pending(seen.services_pending));
+        }
+        self.seen = None;
         let view = door.lb_read().await?;
         // Each address with its pool's node selector; the members with
         // their labels.
         let to_announce = view.to_announce()?;
-        let addresses = super::lb::selectors(&to_announce);
         let nodes = view.candidates();
         let nobody = unannounced(&to_announce, &nodes);
         {
@@ -744,114 +797,155 @@ impl LbAgent {
                 s.unannounced = nobody;
             }
         }
-        // A key of this node's under another lease (a lease this agent
-        // lost track of) is not this node's to keep: out of the datapath,
-        // withdrawn, and taken again under the current lease.
-        let mut held: BTreeMap<IpAddr, String> = BTreeMap::new();
-        let mut stale_keys = Vec::new();
-        for (a, (node, l)) in &view.announcements {
-            if *node == self.name && *l != lease {
-                stale_keys.push(*a);
-            } else {
-                held.insert(*a, node.clone());
-            }
+        self.machine
+            .observed(lb_announce::observation(&view)?, monotonic_ns());
+        if self.machine.membership_missing() {
+            tracing::info!(
+                lease,
+                "lb membership missing under the current lease: joining again"
+            );
+            door.lb_join(&self.name, &self.labels, self.answers, lease)
+                .await?;
         }
-        if stale_keys.iter().any(|a| self.announcing.contains(a)) {
-            self.announcing.retain(|a| !stale_keys.contains(a));
-            self.push(slot).await;
+        let services_pending = has_pending(&view);
+        self.seen = stamp.map(|stamp| Seen {
+            stamp,
+            revision: view.revision,
+            at: Instant::now(),
+            services_pending,
+        });
+        Ok(self.pending(services_pending))
+    }
+
+    /// The assigner round when due (at once while services are pending);
+    /// returns whether another tick should follow at once.
+    ///
+    /// Skipped while the mirror's `lb/` stands at `stamp` as it did when a
+    /// round that left nothing to do began (#27 item 6; one every
+    /// [`IDLE_ROUND`] all the same): a follower campaigns only when the
+    /// assigner key is gone, and the assigner stores only what changed,
+    /// both under `lb/`.
+    async fn round(
+        &mut self,
+        lease: i64,
+        pending: bool,
+        stamp: Option<Stamp>,
+    ) -> Result<bool, ClusterStoreError> {
+        if !(pending || self.last_round.is_none_or(|t| t.elapsed() >= ROUND_EVERY)) {
+            return Ok(false);
         }
+        if !pending
+            && let (Some(now), Some((then, at))) = (stamp, self.acted)
+            && now == then
+            && at.elapsed() < IDLE_ROUND
+        {
+            return Ok(false);
+        }
+        self.acted = None;
         let door = self.door.as_mut().expect("connected");
-        for a in &stale_keys {
-            door.lb_withdraw(*a, &self.name).await?;
-        }
-        let plan = announce_plan(&addresses, &nodes, &self.name, &held);
-        // Stop answering before the key goes.
-        let keep: BTreeSet<IpAddr> = plan.keep.iter().copied().collect();
-        let stale: Vec<IpAddr> = self.announcing.difference(&keep).copied().collect();
-        if !stale.is_empty() {
-            self.announcing.retain(|a| keep.contains(a));
-            self.push(slot).await;
-        }
-        let door = self.door.as_mut().expect("connected");
-        for a in &plan.drop {
-            if door.lb_withdraw(*a, &self.name).await? {
-                tracing::info!(address = %a, "lb announcement withdrawn");
-                self.handle.lock().withdrawals += 1;
+        // Bounded, so a slow etcd (or a mirror catching up) never delays
+        // the next lease refresh past its slack: every step of a round is
+        // a fenced transaction read back by the next, so one cut short is
+        // finished by the next round.
+        let bound = self.ttl / 4;
+        let Ok(round) = tokio::time::timeout(bound, door.lb_round(&self.name, lease)).await else {
+            tracing::debug!(?bound, "lb round cut short to refresh the lease in time");
+            return Ok(false);
+        };
+        self.last_round = Some(Instant::now());
+        self.refused = matches!(round, Err(ClusterStoreError::Invalid(_)));
+        let idle = stamp.map(|s| (s, Instant::now()));
+        match round {
+            Ok(Round::Stored { added, removed }) => {
+                tracing::info!(added, removed, "lb state stored");
+                self.handle.lock().assigner = true;
+                self.last_round = None;
+                Ok(true)
             }
-        }
-        // Take: key first (only if none stands), then the datapath.
-        let mut took = false;
-        for a in &plan.take {
-            if door.lb_announce(*a, &self.name, lease).await? {
-                tracing::info!(address = %a, "lb announcement taken");
-                self.announcing.insert(*a);
-                self.handle.lock().takes += 1;
-                took = true;
+            Ok(Round::Idle) => {
+                self.handle.lock().assigner = true;
+                self.acted = idle;
+                Ok(false)
             }
-        }
-        // Held keys not in the datapath (a take whose answer was cut
-        // short, see `tick`): programmed now, and counted as taken.
-        for a in &plan.keep {
-            if self.announcing.insert(*a) {
-                self.handle.lock().takes += 1;
-                took = true;
+            Ok(Round::Lost) => {
+                self.last_round = None;
+                Ok(false)
             }
-        }
-        if took {
-            self.push(slot).await;
-        }
-        let mut again = false;
-        let door = self.door.as_mut().expect("connected");
-        // The assigner does not wait out ROUND_EVERY for a service stored
-        // but not in its state (a `lb apply` waiting on it).
-        let pending = !self.refused && self.handle.lock().assigner && has_pending(&view);
-        if pending || self.last_round.is_none_or(|t| t.elapsed() >= ROUND_EVERY) {
-            let round = door.lb_round(&self.name, lease).await;
-            self.last_round = Some(Instant::now());
-            self.refused = matches!(round, Err(ClusterStoreError::Invalid(_)));
-            match round {
-                Ok(Round::Stored { added, removed }) => {
-                    tracing::info!(added, removed, "lb state stored");
-                    self.handle.lock().assigner = true;
-                    again = true;
-                    self.last_round = None;
-                }
-                Ok(Round::Idle) => self.handle.lock().assigner = true,
-                Ok(Round::Lost) => self.last_round = None,
-                Ok(Round::Follower { .. }) => self.handle.lock().assigner = false,
-                // A refused definition is named; announcing goes on.
-                Err(ClusterStoreError::Invalid(why)) => {
-                    tracing::error!(reason = %why, "lb assigner: the stored pools and services are refused");
-                }
-                Err(e) => return Err(e),
+            Ok(Round::Follower { .. }) => {
+                self.handle.lock().assigner = false;
+                self.acted = idle;
+                Ok(false)
             }
+            // A refused definition is named; announcing goes on.
+            Err(ClusterStoreError::Invalid(why)) => {
+                tracing::error!(reason = %why, "lb assigner: the stored pools and services are refused");
+                self.acted = idle;
+                Ok(false)
+            }
+            Err(e) => Err(e),
         }
-        Ok(again)
     }
 
     /// Stops: out of the datapath, then the lease revoked (every key of
     /// this node's goes at once, so the next announcer need not wait for
-    /// the lease to run out).
-    async fn stop(&mut self, slot: &Arc<Mutex<Option<Agent>>>) {
-        let lease = self.lease.take();
-        self.announcing.clear();
-        self.push(slot).await;
-        if let (Some(l), Some(door)) = (lease, self.door.as_mut())
-            && let Err(e) = door.lb_revoke(l.id).await
-        {
-            tracing::warn!(error = %crate::error_chain(&e), "lb lease not revoked; it runs out");
+    /// the lease to run out). A datapath write that is not confirmed
+    /// leaves the lease to run out instead: nothing is withdrawn on a
+    /// write in doubt.
+    async fn stop(&mut self, announcements: &Maps) {
+        self.machine.stop();
+        let deadline = Instant::now() + Duration::from_secs(2);
+        let mut counts = Counts::default();
+        while !self.machine.stopped() && Instant::now() < deadline {
+            match self.door.as_mut() {
+                Some(door) => {
+                    lb_announce::run(
+                        &mut self.machine,
+                        door,
+                        announcements,
+                        &self.name,
+                        deadline,
+                        &mut counts,
+                    )
+                    .await;
+                }
+                None => {
+                    // No etcd: the datapath is still emptied.
+                    let mut nothing = NoKeys;
+                    lb_announce::run(
+                        &mut self.machine,
+                        &mut nothing,
+                        announcements,
+                        &self.name,
+                        deadline,
+                        &mut counts,
+                    )
+                    .await;
+                    break;
+                }
+            }
+            if !self.machine.stopped() {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
         }
+        if !self.machine.stopped() {
+            tracing::warn!("lb lease not revoked; it runs out");
+        }
+        self.show(counts);
     }
 
-    /// Runs ticks until `stop`.
+    /// Runs ticks until `stop`, writing this node's announcements into
+    /// `announcements` (`None`: a node without a datapath, as a
+    /// benchmark's simulated nodes are).
     pub fn spawn(
         mut self,
         slot: Arc<Mutex<Option<Agent>>>,
+        announcements: Option<Announcements>,
         mut stop: tokio::sync::watch::Receiver<bool>,
     ) -> tokio::task::JoinHandle<()> {
+        let announcements = Maps(announcements);
         tokio::spawn(async move {
             loop {
-                let again = self.tick(&slot).await;
+                let again = self.tick(&slot, &announcements).await;
                 if again {
                     continue;
                 }
@@ -881,8 +975,56 @@ impl LbAgent {
                 }
             }
             self.wake = None;
-            self.stop(&slot).await;
+            self.stop(&announcements).await;
         })
+    }
+}
+
+/// Where the announcer's writes go: the agent's announcement maps, or
+/// none on a node without a datapath (nothing there can answer for an
+/// address, so a write holds trivially; as before the announcer, when an
+/// agent slot without an agent made the write a no-op).
+struct Maps(Option<Announcements>);
+
+impl lb_announce::AnnounceDatapath for Maps {
+    async fn program(
+        &self,
+        seq: u64,
+        addresses: BTreeSet<IpAddr>,
+        valid_until: u64,
+    ) -> lockstep_core::lb::announce::Written {
+        match &self.0 {
+            Some(maps) => maps.program(seq, addresses, valid_until).await,
+            None => lockstep_core::lb::announce::Written::Done,
+        }
+    }
+
+    fn announce(&self, address: IpAddr) {
+        if let Some(maps) = &self.0 {
+            Announcements::announce(maps, address);
+        }
+    }
+}
+
+/// etcd out of reach at a stop: every request is lost.
+struct NoKeys;
+
+impl lb_announce::AnnounceKeys for NoKeys {
+    async fn take(&self, _: IpAddr, _: &str, _: i64) -> Result<Option<i64>, ClusterStoreError> {
+        Err(ClusterStoreError::Invalid("not connected to etcd".into()))
+    }
+
+    async fn withdraw(
+        &mut self,
+        _: IpAddr,
+        _: &str,
+        _: lockstep_core::lb::announce::KeyRef,
+    ) -> Result<(), ClusterStoreError> {
+        Err(ClusterStoreError::Invalid("not connected to etcd".into()))
+    }
+
+    async fn revoke(&mut self, _: i64) -> Result<(), ClusterStoreError> {
+        Err(ClusterStoreError::Invalid("not connected to etcd".into()))
     }
 }
 

@@ -36,6 +36,7 @@ mod handle;
 mod held;
 mod lb;
 pub mod lb_agent;
+mod lb_announce;
 mod mirror;
 mod node;
 mod remote;
