@@ -6,9 +6,10 @@
 //! f. 100, then 1,000, then 5,000 simulated nodes in this one process run
 //!    the agent's real cluster tasks — the claim loop (`ClusterNode`), the
 //!    remote-state task (`RemoteTask`) and the LB agent (`LbAgent`) — with
-//!    no datapath (an empty agent slot: nothing is programmed), against a
-//!    real 3-member etcd. Once every node is registered, holds its block
-//!    and is an LB member, the cluster is left idle for [`IDLE`] and
+//!    no datapath (an empty agent slot, no announcement maps: nothing is
+//!    programmed), against a real 3-member etcd. Once every node is
+//!    registered, holds its block and is an LB member, the cluster is
+//!    left idle for [`IDLE`] and
 //!    etcd's own counters (`/metrics` of every member) give, per node:
 //!    requests/s (RPCs: unary calls and streams opened, from
 //!    `grpc_server_handled_total` / `grpc_server_started_total`), lease
