@@ -95,9 +95,23 @@ enum Way {
 /// # Errors
 /// A listener cannot be made inside `node`.
 pub fn forward(node: &Netns, cluster: &EtcdCluster) -> anyhow::Result<Arc<Cut>> {
+    let ports = cluster
+        .endpoints()
+        .iter()
+        .map(|ep| Ok(ep.rsplit(':').next().context("port")?.parse()?))
+        .collect::<anyhow::Result<Vec<u16>>>()?;
+    forward_ports(node, &ports)
+}
+
+/// Relays each of `ports` on loopback inside `node` to the same port on
+/// the test's loopback (etcd members, the Kubernetes API double), for as
+/// long as the test runs; the switch that cuts the node from them.
+///
+/// # Errors
+/// A listener cannot be made inside `node`.
+pub fn forward_ports(node: &Netns, ports: &[u16]) -> anyhow::Result<Arc<Cut>> {
     let cut = Arc::new(Cut::default());
-    for ep in cluster.endpoints() {
-        let port: u16 = ep.rsplit(':').next().context("port")?.parse()?;
+    for &port in ports {
         let listener = node.run(move || {
             let _ = std::process::Command::new("ip")
                 .args(["link", "set", "lo", "up"])

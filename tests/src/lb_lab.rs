@@ -104,6 +104,22 @@ impl Lab {
         labels: [&str; 3],
         uplinks: [bool; 3],
     ) -> anyhow::Result<Self> {
+        Self::build_extra(cluster, prefix, lease, labels, uplinks, &|_, _| {
+            Ok(String::new())
+        })
+    }
+
+    /// As [`Lab::build_with`], node `i`'s config ending with what
+    /// `extra(i, namespace)` gives (e.g. a `[kubernetes]` section, with a
+    /// forwarder made in the namespace).
+    pub fn build_extra(
+        cluster: &EtcdCluster,
+        prefix: &str,
+        lease: Option<&str>,
+        labels: [&str; 3],
+        uplinks: [bool; 3],
+        extra: &dyn Fn(usize, &Netns) -> anyhow::Result<String>,
+    ) -> anyhow::Result<Self> {
         let eps = cluster.endpoints();
         let underlay = Netns::new("lbul")?;
         underlay.exec("ip", ["link", "add", "br0", "type", "bridge"])?;
@@ -147,8 +163,9 @@ impl Lab {
             } else {
                 ""
             };
+            let more = extra(i, &lab.ns[i])?;
             let config = format!(
-                "reconcile_interval = \"1s\"\n{}node_labels = {{ {labels} }}\n{datapath}{lb}",
+                "reconcile_interval = \"1s\"\n{}node_labels = {{ {labels} }}\n{datapath}{lb}{more}",
                 cluster_config(&eps, prefix, &format!("node-{i}"), &node_ip(i)),
             );
             lab.agents.push(AgentProc::start(&lab.ns[i], &config)?);

@@ -19,6 +19,8 @@ use anyhow::{Context, bail};
 pub mod churn;
 pub mod cluster;
 pub mod etcd;
+pub mod kube_lab;
+pub mod kubeapi;
 pub mod lb_lab;
 pub mod ledger;
 pub mod lossyfs;

@@ -13,10 +13,10 @@
 //! - no address silent longer than the lease + 1 s;
 //! - no address darkened by a rejoin (answered just before the node came
 //!   back, then unanswered for more than 1 s within 8 s of it);
-//! - no address flapped by a rejoin (moved away from a node under no
-//!   fault toward the node that just came back: it went away at the fault
-//!   and comes straight back; rebalancing toward a node waits ten leases,
-//!   20 s, past the 8 s watched);
+//! - no address flapped by a rejoin (went away from the node at its
+//!   fault and came straight back to it, moved by a node under no fault;
+//!   rebalancing toward a node waits ten leases, 20 s, after it rejoined
+//!   and may fall in a later fault's window: it moves other addresses);
 //! - every handover (a change of answering MAC) announced by the new MAC
 //!   (gratuitous ARP / unsolicited NA).
 //!
@@ -262,12 +262,15 @@ fn failover_prober_kills_stops_links_cuts_and_rejoins() -> anyhow::Result<()> {
     // node came back (or later), then silent for more than 1 s, the
     // silence starting before the next fault. (The rejoining node's own
     // addresses were dark during its fault: the lease + 1 s bound judges
-    // those.)
+    // those.) A silence's start is its last answered round, so one that
+    // begins within half a second of the next fault is that fault's (the
+    // same slack the per-fault figures use below): CI once counted the
+    // node cut next, silent from the cut, as darkened by the rejoin before.
     let mut darkened = Vec::new();
     for (e, (from_w, to_w)) in events.iter().zip(&windows) {
         for (a, from, len, mac) in &v.silences {
             if *from + Duration::from_millis(300) >= *from_w
-                && *from < *to_w
+                && *from + Duration::from_millis(500) < *to_w
                 && *len > Duration::from_secs(1)
                 && *mac != lab.macs[e.node]
             {
@@ -280,10 +283,13 @@ fn failover_prober_kills_stops_links_cuts_and_rejoins() -> anyhow::Result<()> {
     }
     // A move away from a node under no fault (within the lease + 2 s of
     // one) is voluntary: the rejoin of another node pulled it, or
-    // rebalancing. Flapped by a rejoin: a voluntary move toward the node
-    // that rejoined, within its window (an address that went away at the
-    // fault and comes straight back). Rebalancing toward a node waits ten
-    // leases (20 s) after it rejoined, past any window.
+    // rebalancing. Flapped by a rejoin: an address that went away from the
+    // node at its fault and came straight back to it, voluntarily, within
+    // its window. Rebalancing (ten leases, 20 s, after a node rejoined,
+    // one address at a time) may move other addresses to a node inside a
+    // later fault's window: CI once ran the plan so that the rebalancing
+    // after node-2's kill fell 1 s after one of its stops; those are not
+    // flaps, as they never went away at that fault.
     let faulted = |node: usize, at: Instant| {
         events.iter().any(|e| {
             e.node == node && e.at <= at && at <= e.back + LEASE_D + Duration::from_secs(2)
@@ -298,7 +304,15 @@ fn failover_prober_kills_stops_links_cuts_and_rejoins() -> anyhow::Result<()> {
     let mut flaps = Vec::new();
     for (e, (from_w, to_w)) in events.iter().zip(&windows) {
         for m in &voluntary {
-            if node_of(m.to) == Some(e.node) && m.at >= *from_w && m.at < *to_w {
+            let went_away = || {
+                v.handovers.iter().any(|away| {
+                    away.addr == m.addr
+                        && node_of(away.from) == Some(e.node)
+                        && away.at >= e.at
+                        && away.at < m.at
+                })
+            };
+            if node_of(m.to) == Some(e.node) && m.at >= *from_w && m.at < *to_w && went_away() {
                 flaps.push(format!(
                     "{}: {} -> node-{} {:?} after node-{} rejoined ({:?})",
                     m.addr,

@@ -54,7 +54,51 @@ const BPF_LINKER_VERSION: &str = "0.13.0";
 const KUBERNETES_VALIDATE_VERSION: &str = "1.37.0";
 
 /// The manifests `cargo xtask test` validates.
-const MANIFESTS: &[&str] = &["deploy/daemonset.yaml", "deploy/daemonset-cluster.yaml"];
+const MANIFESTS: &[&str] = &[
+    "deploy/daemonset.yaml",
+    "deploy/daemonset-cluster.yaml",
+    "deploy/rbac.yaml",
+    "deploy/crds/loadbalancerippools.lockstep.io.yaml",
+    "deploy/examples/lb-service.yaml",
+];
+
+/// Custom objects and the CRD whose schema they are checked against.
+const CUSTOM_OBJECTS: &[(&str, &str)] = &[(
+    "deploy/examples/lb-pool.yaml",
+    "deploy/crds/loadbalancerippools.lockstep.io.yaml",
+)];
+
+/// Checks each object of a custom kind against its CRD's
+/// openAPIV3Schema (jsonschema from kubernetes-validate's virtualenv),
+/// strictly: an object with a field its schema does not name is refused,
+/// as `kubectl apply --validate=strict` refuses it.
+const VALIDATE_CUSTOM: &str = r#"
+import sys, yaml, jsonschema
+crd = yaml.safe_load(open(sys.argv[2]))
+kind = crd["spec"]["names"]["kind"]
+def closed(s):
+    if isinstance(s, dict):
+        if s.get("type") == "object" and "properties" in s and "additionalProperties" not in s:
+            s["additionalProperties"] = False
+        for v in s.values():
+            closed(v)
+    elif isinstance(s, list):
+        for v in s:
+            closed(v)
+n = 0
+for v in crd["spec"]["versions"]:
+    schema = v["schema"]["openAPIV3Schema"]
+    closed(schema)
+    for doc in yaml.safe_load_all(open(sys.argv[1])):
+        if doc and doc.get("kind") == kind and doc.get("apiVersion", "").endswith("/" + v["name"]):
+            # apiVersion, kind and metadata are the API server's own.
+            body = {k: v for k, v in doc.items() if k not in ("apiVersion", "kind", "metadata")}
+            jsonschema.validate(body, schema)
+            n += 1
+if n == 0:
+    sys.exit(sys.argv[1] + ": no " + kind + " checked")
+print(sys.argv[1] + ": " + str(n) + " " + kind + " object(s) valid against " + sys.argv[2])
+"#;
 
 /// The virtualenv holding kubernetes-validate (under target/: build output,
 /// re-created by setup when missing).
@@ -92,7 +136,14 @@ pub fn validate_manifests() -> anyhow::Result<()> {
     run(Command::new(bin)
         .arg("--strict")
         .args(MANIFESTS)
-        .current_dir(crate::root()))
+        .current_dir(crate::root()))?;
+    let python = kubernetes_validate_venv().join("bin/python");
+    for (objects, crd) in CUSTOM_OBJECTS {
+        run(Command::new(&python)
+            .args(["-c", VALIDATE_CUSTOM, objects, crd])
+            .current_dir(crate::root()))?;
+    }
+    Ok(())
 }
 
 fn quiet(cmd: &mut Command) -> bool {

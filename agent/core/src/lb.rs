@@ -35,6 +35,7 @@ pub mod announce;
 pub mod cluster;
 mod index;
 mod ipam;
+pub mod kubernetes;
 mod node_pools;
 mod range;
 mod spec;

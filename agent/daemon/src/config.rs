@@ -21,6 +21,8 @@ use serde::{Deserialize, Serialize};
 
 mod cluster;
 pub use cluster::{ClusterConfig, ClusterTlsConfig};
+mod kubernetes;
+pub use kubernetes::KubernetesConfig;
 mod lb;
 pub use lb::LbConfig;
 
@@ -328,6 +330,9 @@ pub struct Config {
     pub lb: LbConfig,
     /// Cluster mode (absent: single-node mode).
     pub cluster: Option<ClusterConfig>,
+    /// The Kubernetes API as a source of LoadBalancer Services, pools and
+    /// Node facts (absent: the API is never called).
+    pub kubernetes: Option<KubernetesConfig>,
 }
 
 impl Default for Config {
@@ -354,6 +359,7 @@ impl Default for Config {
             ipam: IpamConfig::default(),
             lb: LbConfig::default(),
             cluster: None,
+            kubernetes: None,
         }
     }
 }
@@ -582,6 +588,10 @@ impl Config {
             c.validate(self.datapath.uplink.is_some())
                 .map_err(|(field, reason)| invalid(field, reason))?;
         }
+        if let Some(k) = &self.kubernetes {
+            k.validate()
+                .map_err(|(field, reason)| invalid(field, reason))?;
+        }
         // In cluster mode the default pool may be a cluster pool, known
         // only once etcd answers.
         if let Some(d) = &self.default_pool
@@ -594,6 +604,16 @@ impl Config {
             ));
         }
         Ok(())
+    }
+
+    /// This node's Node object in Kubernetes: `[kubernetes] node_name`, else
+    /// `[cluster] node_name`, else [`Config::node_name`].
+    pub fn kubernetes_node_name(&self) -> String {
+        self.kubernetes
+            .as_ref()
+            .and_then(|k| k.node_name.clone())
+            .or_else(|| self.cluster.as_ref().and_then(|c| c.node_name.clone()))
+            .unwrap_or_else(|| self.node_name())
     }
 
     /// This node's name: configured, else the host name.

@@ -17,6 +17,7 @@ pub mod config;
 pub mod datapath;
 pub mod delegate;
 pub mod install;
+pub mod kubernetes;
 pub mod masquerade;
 pub mod metrics;
 pub mod ndp;

@@ -46,6 +46,10 @@ pub enum ServerError {
     /// Masquerade settings refused, or its set-up failed.
     #[error("masquerade cannot start")]
     Masquerade(#[source] crate::masquerade::MasqueradeError),
+    /// `[kubernetes]` names a kubeconfig or service account that cannot
+    /// be used.
+    #[error("the kubernetes client cannot be set up")]
+    Kubernetes(#[source] crate::kubernetes::KubeError),
 }
 
 fn listen_err(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> ServerError {
@@ -301,7 +305,30 @@ pub async fn run(config: Config) -> Result<(), ServerError> {
             tracing::info!(path = %path.display(), "removed a CNI file this agent had installed");
         }
     }
-    let cluster_config = config.clone();
+    let mut cluster_config = config.clone();
+    // Kubernetes: a client, and this node's Node (labels for pools' node
+    // selectors, InternalIPs as cluster node addresses) before cluster mode
+    // starts. An API that does not answer delays the start by at most
+    // `node_wait`; the config's values are used then.
+    let kube = match &config.kubernetes {
+        Some(k) => match crate::kubernetes::client(k).await {
+            Ok(client) => {
+                let node = config.kubernetes_node_name();
+                match crate::kubernetes::node_facts(&client, &node, k.node_wait).await {
+                    Ok(facts) => {
+                        tracing::info!(node = %node, labels = facts.labels.len(), "kubernetes: node read");
+                        crate::kubernetes::apply_node_facts(&mut cluster_config, &facts);
+                    }
+                    Err(e) => {
+                        tracing::warn!(node = %node, error = %crate::error_chain(&e), "kubernetes: node not read; using the config's labels and addresses");
+                    }
+                }
+                Some((client, k.lb_class.clone(), node))
+            }
+            Err(e) => return Err(ServerError::Kubernetes(e)),
+        },
+        None => None,
+    };
     let started = tokio::task::spawn_blocking(move || Agent::start(config))
         .await
         .map_err(ServerError::Join)?;
@@ -411,6 +438,27 @@ pub async fn run(config: Config) -> Result<(), ServerError> {
     let lb_task =
         lb_agent.map(|lb| lb.spawn(slot.clone(), Some(announcements.clone()), stop_rx.clone()));
     let remote_task = remote.map(|r| r.spawn(slot.clone(), stop_rx.clone()));
+    // Kubernetes: Services and pools into the LB state, statuses back
+    // (`kubernetes`), through etcd's assigner in cluster mode.
+    let kube_task = kube.map(|(client, class, node)| {
+        let stop = stop_rx.clone();
+        match state.lb_cluster.get() {
+            Some(handle) => {
+                let lb_node = cluster_config
+                    .cluster
+                    .as_ref()
+                    .and_then(|c| c.node_name.clone())
+                    .unwrap_or_else(|| cluster_config.node_name());
+                let backend =
+                    crate::kubernetes::ClusterLb::new(handle.clone(), lb_node, slot.clone());
+                tokio::spawn(crate::kubernetes::LbSync::new(client, class, node, backend).run(stop))
+            }
+            None => {
+                let backend = crate::kubernetes::LocalLb::new(slot.clone());
+                tokio::spawn(crate::kubernetes::LbSync::new(client, class, node, backend).run(stop))
+            }
+        }
+    });
     // The maps exist now; the collector runs beside the agent, not in it.
     let _masquerade = match masquerade {
         Some(settings) => {
@@ -517,6 +565,9 @@ pub async fn run(config: Config) -> Result<(), ServerError> {
         let _ = t.await;
     }
     if let Some(t) = lb_task {
+        let _ = t.await;
+    }
+    if let Some(t) = kube_task {
         let _ = t.await;
     }
     if let Some(t) = mirror_task {

@@ -1,0 +1,78 @@
+//! `[kubernetes]`: where the Kubernetes API is and which LoadBalancer class
+//! lockstep serves (docs/kubernetes.md). Absent: lockstep never calls the
+//! API, as before.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+/// `[kubernetes]`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct KubernetesConfig {
+    /// A kubeconfig file to reach the API with (its current context).
+    /// Absent: the pod's service account (in-cluster: the token, CA and
+    /// `KUBERNETES_SERVICE_HOST`/`_PORT` Kubernetes mounts and sets).
+    pub kubeconfig: Option<PathBuf>,
+    /// The `spec.loadBalancerClass` lockstep serves; Services without a
+    /// class are served too, Services of any other class never.
+    pub lb_class: String,
+    /// The Node object of this agent (default: `[cluster] node_name`, else
+    /// the top-level `node_name`, else the host name — the Node's name with
+    /// `hostNetwork`).
+    pub node_name: Option<String>,
+    /// How long start-up waits for the API to give this node's Node (its
+    /// labels and InternalIPs) before going on with the config's values.
+    #[serde(with = "humantime_serde")]
+    pub node_wait: Duration,
+}
+
+impl Default for KubernetesConfig {
+    fn default() -> Self {
+        Self {
+            kubeconfig: None,
+            lb_class: lockstep_core::lb::kubernetes::DEFAULT_CLASS.into(),
+            node_name: None,
+            node_wait: Duration::from_secs(10),
+        }
+    }
+}
+
+impl KubernetesConfig {
+    /// Checks the section: (field, reason) of the first bad value.
+    ///
+    /// # Errors
+    /// An empty class, an empty node name, or a wait beyond 10 minutes.
+    pub fn validate(&self) -> Result<(), (String, String)> {
+        if self.lb_class.is_empty() {
+            return Err(("kubernetes.lb_class".into(), "is empty".into()));
+        }
+        if self.node_name.as_deref() == Some("") {
+            return Err(("kubernetes.node_name".into(), "is empty".into()));
+        }
+        if self.node_wait > Duration::from_secs(600) {
+            return Err(("kubernetes.node_wait".into(), "must be at most 10m".into()));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_to_the_service_account_and_lockstep_class() {
+        let c: KubernetesConfig = toml::from_str("").unwrap();
+        assert_eq!(c.kubeconfig, None);
+        assert_eq!(c.lb_class, "lockstep.io/lb");
+        assert!(c.validate().is_ok());
+        let e = toml::from_str::<KubernetesConfig>("lb_class = \"\"")
+            .unwrap()
+            .validate()
+            .unwrap_err();
+        assert_eq!(e.0, "kubernetes.lb_class");
+        assert!(toml::from_str::<KubernetesConfig>("kube_config = \"/x\"").is_err());
+    }
+}

@@ -1,0 +1,304 @@
+//! Where the Kubernetes door sends what it reads: the LB state `lockstep lb
+//! apply` changes, through the same public paths. Single-node mode: the
+//! agent's own LB IPAM ([`Agent::lb_apply`], committed and programmed). In
+//! cluster mode: etcd through [`LbHandle::apply`] (the same checks as the
+//! API's `lb apply`, the elected assigner assigning), and only on the agent
+//! that is the assigner, so Kubernetes has one writer, as etcd has.
+//!
+//! [`LbBackend`] is the seam: the sync loop's unit tests run it on an
+//! in-memory LB IPAM.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use lockstep_core::lb::{
+    Conflict, LbPoolSpec, PoolMetrics, PoolStatus, ServiceSpec, ServiceStatus,
+};
+use serde::Deserialize;
+
+use super::KubeError;
+use crate::agent::Agent;
+use crate::agent::lb::{LbApply, LbDelete};
+use crate::cluster::LbHandle;
+
+/// The LB state as the door needs it.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct LbState {
+    /// Whether this agent writes to the LB state and to Kubernetes now
+    /// (single-node: once ready; cluster mode: while it is the assigner).
+    pub writer: bool,
+    /// Service statuses by `namespace/name`.
+    pub services: BTreeMap<String, ServiceStatus>,
+    /// Services stored but not yet in the assigner's state (cluster mode).
+    pub pending: BTreeSet<String>,
+    /// Pools by name.
+    pub pools: BTreeMap<String, PoolStatus>,
+}
+
+impl LbState {
+    /// Every service the state holds or has stored.
+    pub fn stored_services(&self) -> BTreeSet<String> {
+        self.services
+            .keys()
+            .cloned()
+            .chain(self.pending.iter().cloned())
+            .collect()
+    }
+}
+
+/// The LB state's door, as the sync loop uses it.
+pub trait LbBackend: Send + Sync + 'static {
+    /// The state now.
+    fn state(&self) -> impl Future<Output = Result<LbState, KubeError>> + Send;
+    /// Applies pools and services, as `lockstep lb apply` does.
+    fn apply(
+        &self,
+        pools: Vec<LbPoolSpec>,
+        services: Vec<ServiceSpec>,
+    ) -> impl Future<Output = Result<(), KubeError>> + Send;
+    /// Deletes services (`namespace/name`) and pools, as `lockstep lb
+    /// delete` does.
+    fn delete(
+        &self,
+        services: Vec<String>,
+        pools: Vec<String>,
+    ) -> impl Future<Output = Result<(), KubeError>> + Send;
+    /// Whether `apply` assigns before it returns (single-node); in cluster
+    /// mode the assigner does it later, so reading the state right after
+    /// storing new services tells nothing new about them.
+    fn assigns_on_apply(&self) -> bool;
+    /// How often the loop reads the state without a Kubernetes change:
+    /// cluster mode learns of the assigner's work and of elections so.
+    fn poll_every(&self, pending: bool) -> Duration;
+}
+
+type Slot = Arc<Mutex<Option<Agent>>>;
+
+/// Runs `f` on the agent, on the blocking pool (the agent's calls fsync and
+/// program maps). `None`: the agent is not there (yet).
+async fn on_agent<T: Send + 'static>(
+    slot: &Slot,
+    f: impl FnOnce(&mut Agent) -> T + Send + 'static,
+) -> Result<Option<T>, KubeError> {
+    let slot = slot.clone();
+    tokio::task::spawn_blocking(move || {
+        let mut guard = slot
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        guard.as_mut().map(f)
+    })
+    .await
+    .map_err(|e| KubeError::Task {
+        reason: e.to_string(),
+    })
+}
+
+fn refused_or_failed(e: &crate::agent::AgentError) -> KubeError {
+    match e {
+        crate::agent::AgentError::Invalid { reason } => KubeError::Refused {
+            reason: reason.clone(),
+        },
+        e => KubeError::Lb {
+            reason: crate::error_chain(e),
+        },
+    }
+}
+
+/// Single-node mode: the agent's own LB IPAM.
+#[derive(Clone, Debug)]
+pub struct LocalLb {
+    slot: Slot,
+}
+
+impl LocalLb {
+    /// The agent in `slot`.
+    pub fn new(slot: Slot) -> Self {
+        Self { slot }
+    }
+}
+
+/// An LB change on the local agent (`lb apply` / `lb delete`'s paths).
+async fn lb_change(
+    slot: &Slot,
+    f: impl FnOnce(&mut Agent) -> Result<(), crate::agent::AgentError> + Send + 'static,
+) -> Result<(), KubeError> {
+    match on_agent(slot, f).await? {
+        Some(Ok(())) => Ok(()),
+        Some(Err(e)) => Err(refused_or_failed(&e)),
+        None => Err(KubeError::Lb {
+            reason: "the agent is not started".into(),
+        }),
+    }
+}
+
+impl LbBackend for LocalLb {
+    async fn state(&self) -> Result<LbState, KubeError> {
+        let view = on_agent(&self.slot, |a| (a.status().ready, a.lb_view())).await?;
+        Ok(match view {
+            Some((ready, v)) => LbState {
+                writer: ready,
+                services: v.services,
+                pending: BTreeSet::new(),
+                pools: v
+                    .pools
+                    .into_iter()
+                    .map(|p| (p.spec.name.clone(), p))
+                    .collect(),
+            },
+            None => LbState::default(),
+        })
+    }
+
+    async fn apply(
+        &self,
+        pools: Vec<LbPoolSpec>,
+        services: Vec<ServiceSpec>,
+    ) -> Result<(), KubeError> {
+        lb_change(&self.slot, move |a| {
+            a.lb_apply(LbApply { pools, services }).map(drop)
+        })
+        .await
+    }
+
+    async fn delete(&self, services: Vec<String>, pools: Vec<String>) -> Result<(), KubeError> {
+        lb_change(&self.slot, move |a| {
+            a.lb_delete(LbDelete { pools, services }).map(drop)
+        })
+        .await
+    }
+
+    fn assigns_on_apply(&self) -> bool {
+        true
+    }
+
+    fn poll_every(&self, _pending: bool) -> Duration {
+        // Everything is assigned inside `apply`: nothing to learn by
+        // reading again, but a slow read still repairs a missed change.
+        Duration::from_secs(5)
+    }
+}
+
+/// Cluster mode: etcd through the LB agent's handle.
+#[derive(Clone, Debug)]
+pub struct ClusterLb {
+    handle: Arc<LbHandle>,
+    node: String,
+    slot: Slot,
+}
+
+impl ClusterLb {
+    /// Node `node`'s view through `handle`; `slot` checks pools against
+    /// the node's own pools, as the API's `lb apply` does.
+    pub fn new(handle: Arc<LbHandle>, node: String, slot: Slot) -> Self {
+        Self { handle, node, slot }
+    }
+}
+
+/// A pool as `lockstep lb get` shows it.
+#[derive(Deserialize)]
+struct PoolJson {
+    spec: LbPoolSpec,
+    seq: u64,
+    conflict: Option<Conflict>,
+    metrics: PoolMetrics,
+}
+
+/// The cluster part of `lockstep lb get`.
+#[derive(Deserialize)]
+struct ClusterJson {
+    assigner: Option<String>,
+    #[serde(default)]
+    pending: Vec<String>,
+}
+
+/// `lockstep lb get`'s answer in cluster mode, the parts read here.
+#[derive(Deserialize)]
+struct ViewJson {
+    pools: Vec<PoolJson>,
+    services: BTreeMap<String, ServiceStatus>,
+    cluster: ClusterJson,
+}
+
+fn cluster_err(e: crate::cluster::ClusterStoreError) -> KubeError {
+    use crate::cluster::ClusterStoreError as E;
+    match e {
+        E::Invalid(reason) => KubeError::Refused { reason },
+        E::Refused(e) => KubeError::Refused {
+            reason: e.to_string(),
+        },
+        e => KubeError::Lb {
+            reason: crate::error_chain(&e),
+        },
+    }
+}
+
+impl LbBackend for ClusterLb {
+    async fn state(&self) -> Result<LbState, KubeError> {
+        let v = self.handle.view().await.map_err(cluster_err)?;
+        let v: ViewJson = serde_json::from_value(v).map_err(|e| KubeError::Lb {
+            reason: format!("lb view unreadable: {e}"),
+        })?;
+        Ok(LbState {
+            writer: v.cluster.assigner.as_deref() == Some(self.node.as_str()),
+            services: v.services,
+            pending: v.cluster.pending.into_iter().collect(),
+            pools: v
+                .pools
+                .into_iter()
+                .map(|p| {
+                    (
+                        p.spec.name.clone(),
+                        PoolStatus {
+                            spec: p.spec,
+                            seq: p.seq,
+                            conflict: p.conflict,
+                            metrics: p.metrics,
+                        },
+                    )
+                })
+                .collect(),
+        })
+    }
+
+    async fn apply(
+        &self,
+        pools: Vec<LbPoolSpec>,
+        services: Vec<ServiceSpec>,
+    ) -> Result<(), KubeError> {
+        if !pools.is_empty() {
+            let check = pools.clone();
+            if let Some(Err(e)) =
+                on_agent(&self.slot, move |a| a.lb_check_node_pools(&check)).await?
+            {
+                return Err(refused_or_failed(&e));
+            }
+        }
+        // No wait: the loop reads the assigner's state on its own pace.
+        self.handle
+            .apply(pools, services, Duration::ZERO)
+            .await
+            .map(drop)
+            .map_err(cluster_err)
+    }
+
+    async fn delete(&self, services: Vec<String>, pools: Vec<String>) -> Result<(), KubeError> {
+        self.handle
+            .delete(services, pools, Duration::ZERO)
+            .await
+            .map(drop)
+            .map_err(cluster_err)
+    }
+
+    fn assigns_on_apply(&self) -> bool {
+        false
+    }
+
+    fn poll_every(&self, pending: bool) -> Duration {
+        if pending {
+            Duration::from_millis(100)
+        } else {
+            Duration::from_secs(1)
+        }
+    }
+}

@@ -1,0 +1,264 @@
+//! `LoadBalancerIPPool` (`lockstep.io/v1alpha1`, cluster-scoped): LB pools
+//! as Kubernetes objects. The Rust types are the definition; the CRD in
+//! `deploy/crds/` is generated from them (`cargo run -p lockstep --example
+//! crdgen`) and a test keeps the committed file equal to what they derive.
+//!
+//! The spec says what `lockstep lb apply` says of a pool, in the API's
+//! camelCase; it is read into the same [`LbPoolSpec`] and checked by the
+//! same validation (`lockstep_core::lb::kubernetes::pool_spec`).
+
+use std::collections::BTreeMap;
+
+use kube::CustomResource;
+use lockstep_core::lb::kubernetes::KubePool;
+use lockstep_core::lb::{LabelRequirement, LabelSelector, SelectorOperator};
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+/// The finalizer lockstep puts on a pool it has applied: the pool is
+/// removed from the LB state before the object goes, even when it is
+/// deleted while no agent runs.
+pub const POOL_FINALIZER: &str = "lockstep.io/lb-pool";
+
+/// A pool of LoadBalancer addresses.
+#[derive(CustomResource, Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[kube(
+    group = "lockstep.io",
+    version = "v1alpha1",
+    kind = "LoadBalancerIPPool",
+    plural = "loadbalancerippools",
+    shortname = "lbpool",
+    status = "LoadBalancerIPPoolStatus",
+    printcolumn = r#"{"name":"Total","type":"string","jsonPath":".status.total"}"#,
+    printcolumn = r#"{"name":"Used","type":"string","jsonPath":".status.used"}"#,
+    printcolumn = r#"{"name":"Available","type":"string","jsonPath":".status.available"}"#,
+    printcolumn = r#"{"name":"Conflict","type":"string","jsonPath":".status.conditions[?(@.type==\"Conflict\")].status"}"#,
+    printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
+)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct LoadBalancerIPPoolSpec {
+    /// CIDR blocks, IPv4 and IPv6 (`192.0.2.0/24`, `2001:db8::/120`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub cidrs: Vec<String>,
+    /// Inclusive start–stop ranges, every address usable.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub ranges: Vec<AddressRange>,
+    /// Hand out the first and last address of each CIDR block too.
+    #[serde(default, rename = "allowFirstLastIPs")]
+    pub allow_first_last_ips: bool,
+    /// Keep the pool but hand nothing out; its services move elsewhere.
+    #[serde(default)]
+    pub disabled: bool,
+    /// Which Services the pool serves (their labels); absent: every one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub service_selector: Option<Selector>,
+    /// Which Nodes may announce its addresses (their labels); absent:
+    /// every node.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node_selector: Option<Selector>,
+    /// How its addresses are made reachable: `l2` answers ARP (IPv4) and
+    /// NDP (IPv6) from one node per address; absent: routed by other means.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub announce: Option<AnnounceMode>,
+}
+
+/// An inclusive address range.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct AddressRange {
+    /// First address.
+    pub start: String,
+    /// Last address (inclusive).
+    pub stop: String,
+}
+
+/// How a pool's addresses are announced.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub enum AnnounceMode {
+    /// ARP and NDP answers from one node per address.
+    #[serde(rename = "l2")]
+    L2,
+}
+
+/// A Kubernetes label selector.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct Selector {
+    /// Labels that must have exactly these values.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub match_labels: BTreeMap<String, String>,
+    /// Further requirements, all of which must hold.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub match_expressions: Vec<Requirement>,
+}
+
+/// One `matchExpressions` entry.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Requirement {
+    /// The label key.
+    pub key: String,
+    /// `In`, `NotIn`, `Exists` or `DoesNotExist`.
+    pub operator: Operator,
+    /// The values of `In` and `NotIn`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub values: Vec<String>,
+}
+
+/// A selector operator.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub enum Operator {
+    /// The label has one of the values.
+    In,
+    /// The label is absent or has none of the values.
+    NotIn,
+    /// The label is present.
+    Exists,
+    /// The label is absent.
+    DoesNotExist,
+}
+
+/// What lockstep reports on a pool.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct LoadBalancerIPPoolStatus {
+    /// `Accepted` (the definition is valid) and `Conflict` (it overlaps a
+    /// pool applied earlier, named in the message, and assigns nothing new).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub conditions: Vec<PoolCondition>,
+    /// Addresses the pool hands out (decimal: IPv6 counts exceed 64 bits).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub total: Option<String>,
+    /// Addresses assigned.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub used: Option<String>,
+    /// Addresses free for new services.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub available: Option<String>,
+}
+
+/// A condition, as `metav1.Condition` has it.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct PoolCondition {
+    /// `Accepted` or `Conflict`.
+    #[serde(rename = "type")]
+    pub type_: String,
+    /// `True`, `False` or `Unknown`.
+    pub status: String,
+    /// CamelCase reason.
+    pub reason: String,
+    /// For humans.
+    pub message: String,
+    /// RFC 3339 time of the last change of `status`.
+    pub last_transition_time: String,
+    /// The `metadata.generation` it describes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+}
+
+impl From<&Selector> for LabelSelector {
+    fn from(s: &Selector) -> LabelSelector {
+        LabelSelector {
+            match_labels: s.match_labels.clone(),
+            match_expressions: s
+                .match_expressions
+                .iter()
+                .map(|r| LabelRequirement {
+                    key: r.key.clone(),
+                    operator: match r.operator {
+                        Operator::In => SelectorOperator::In,
+                        Operator::NotIn => SelectorOperator::NotIn,
+                        Operator::Exists => SelectorOperator::Exists,
+                        Operator::DoesNotExist => SelectorOperator::DoesNotExist,
+                    },
+                    values: r.values.clone(),
+                })
+                .collect(),
+        }
+    }
+}
+
+impl LoadBalancerIPPool {
+    /// The pool as the core reads it.
+    pub fn to_core(&self) -> KubePool {
+        let s = &self.spec;
+        KubePool {
+            name: self.metadata.name.clone().unwrap_or_default(),
+            cidrs: s.cidrs.clone(),
+            ranges: s
+                .ranges
+                .iter()
+                .map(|r| (r.start.clone(), r.stop.clone()))
+                .collect(),
+            allow_first_last: s.allow_first_last_ips,
+            disabled: s.disabled,
+            service_selector: s
+                .service_selector
+                .as_ref()
+                .map(Into::into)
+                .unwrap_or_default(),
+            node_selector: s.node_selector.as_ref().map(Into::into).unwrap_or_default(),
+            announce: s.announce.map(|_| "l2".to_string()),
+        }
+    }
+}
+
+/// The CRD as YAML, as `deploy/crds/` holds it.
+///
+/// # Errors
+/// The CRD does not serialise (never with these types).
+pub fn crd_yaml() -> Result<String, String> {
+    use kube::CustomResourceExt;
+    let crd = LoadBalancerIPPool::crd();
+    let body = serde_saphyr::to_string(&crd).map_err(|e| e.to_string())?;
+    Ok(format!(
+        "# Generated from agent/daemon/src/kubernetes/crd.rs by\n# `cargo run -p lockstep --example crdgen`; do not edit.\n{body}"
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_committed_crd_is_the_one_the_types_derive() {
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../deploy/crds/loadbalancerippools.lockstep.io.yaml"
+        );
+        let committed = std::fs::read_to_string(path).expect("deploy/crds file");
+        assert!(
+            committed == crd_yaml().expect("yaml"),
+            "{path} is stale: run `cargo run -p lockstep --example crdgen`"
+        );
+    }
+
+    #[test]
+    fn a_pool_object_reads_into_the_core_pool() {
+        let pool: LoadBalancerIPPool = serde_json::from_value(serde_json::json!({
+            "apiVersion": "lockstep.io/v1alpha1",
+            "kind": "LoadBalancerIPPool",
+            "metadata": {"name": "pub"},
+            "spec": {
+                "cidrs": ["192.0.2.0/24"],
+                "ranges": [{"start": "198.51.100.1", "stop": "198.51.100.9"}],
+                "allowFirstLastIPs": true,
+                "serviceSelector": {"matchLabels": {"tier": "web"}},
+                "nodeSelector": {"matchExpressions": [{"key": "zone", "operator": "In", "values": ["a"]}]},
+                "announce": "l2"
+            }
+        }))
+        .unwrap();
+        let spec = lockstep_core::lb::kubernetes::pool_spec(&pool.to_core()).unwrap();
+        assert_eq!(spec.name, "pub");
+        assert!(spec.allow_first_last);
+        assert_eq!(spec.service_selector.match_labels["tier"], "web");
+        assert_eq!(spec.node_selector.match_expressions[0].values, vec!["a"]);
+        // A misspelt field is refused, as the API server's schema would.
+        let bad = serde_json::from_value::<LoadBalancerIPPoolSpec>(
+            serde_json::json!({"cidr": ["192.0.2.0/24"]}),
+        );
+        assert!(bad.is_err());
+    }
+}

@@ -1,0 +1,177 @@
+//! The Kubernetes door (#28): the only module that talks to the Kubernetes
+//! API, on kube-rs (watchers and reflectors, `k8s-openapi` types, the
+//! `LoadBalancerIPPool` CRD derived from Rust types).
+//!
+//! Why a door of its own, like `cluster/` for etcd: the API is a *source*
+//! here, never a store of record. Services and pools are read into the
+//! same LB inputs `lockstep lb apply` sends and go through the same public
+//! paths (`backend`): the agent's LB IPAM in single-node mode, etcd's one
+//! elected assigner in cluster mode. What the LB state decided is written
+//! back where Kubernetes users look: `status.loadBalancer.ingress` and a
+//! condition on each Service, conditions and counts on each pool, Events.
+//! The decisions (which Services are lockstep's, what they ask, what a
+//! condition says) are the core's (`lockstep_core::lb::kubernetes`).
+//!
+//! Node facts are read once at start ([`node_facts`]): the Node's labels
+//! (matched by pools' node selectors) and its InternalIPs (the node's
+//! addresses in cluster mode when the config names none).
+
+pub mod backend;
+pub mod crd;
+mod objects;
+pub mod sync;
+
+use std::collections::BTreeMap;
+use std::net::IpAddr;
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::Node;
+use kube::Client;
+use kube::api::Api;
+
+use crate::config::KubernetesConfig;
+
+pub use backend::{ClusterLb, LbBackend, LbState, LocalLb};
+pub use sync::LbSync;
+
+/// Errors of the Kubernetes door.
+#[derive(Debug, thiserror::Error)]
+pub enum KubeError {
+    /// The kubeconfig or the in-cluster service account is unusable.
+    #[error("kubernetes client configuration: {what}")]
+    Config {
+        /// Where it came from.
+        what: String,
+        /// Why it is unusable.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+    /// The API refused or did not answer a request.
+    #[error("kubernetes API: {what}")]
+    Api {
+        /// What was asked.
+        what: String,
+        /// kube's error (the API's Status when it answered).
+        #[source]
+        source: Box<kube::Error>,
+    },
+    /// The LB state refused a definition (named by the reason): not
+    /// applied, reported on the object.
+    #[error("refused by lb ipam: {reason}")]
+    Refused {
+        /// Why, as `lb apply` would say it.
+        reason: String,
+    },
+    /// The LB state could not be read or written (store, datapath, etcd).
+    #[error("lb state unavailable: {reason}")]
+    Lb {
+        /// Why.
+        reason: String,
+    },
+    /// A blocking task of the door failed.
+    #[error("kubernetes door task failed: {reason}")]
+    Task {
+        /// Why.
+        reason: String,
+    },
+}
+
+/// A client for the API `config` names: its kubeconfig, else the pod's
+/// service account.
+///
+/// # Errors
+/// [`KubeError::Config`] naming the source.
+pub async fn client(config: &KubernetesConfig) -> Result<Client, KubeError> {
+    let conf = match &config.kubeconfig {
+        Some(path) => {
+            let what = format!("kubeconfig {}", path.display());
+            let kc = kube::config::Kubeconfig::read_from(path).map_err(|e| KubeError::Config {
+                what: what.clone(),
+                source: Box::new(e),
+            })?;
+            kube::Config::from_custom_kubeconfig(kc, &kube::config::KubeConfigOptions::default())
+                .await
+                .map_err(|e| KubeError::Config {
+                    what,
+                    source: Box::new(e),
+                })?
+        }
+        None => kube::Config::incluster().map_err(|e| KubeError::Config {
+            what: "in-cluster service account".into(),
+            source: Box::new(e),
+        })?,
+    };
+    Client::try_from(conf).map_err(|e| KubeError::Config {
+        what: "kubernetes client".into(),
+        source: Box::new(e),
+    })
+}
+
+/// What start-up takes from this node's Node object.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct NodeFacts {
+    /// Its labels.
+    pub labels: BTreeMap<String, String>,
+    /// Its first IPv4 InternalIP.
+    pub internal_v4: Option<IpAddr>,
+    /// Its first IPv6 InternalIP.
+    pub internal_v6: Option<IpAddr>,
+}
+
+/// Reads Node `name`, trying again for at most `within`.
+///
+/// # Errors
+/// The last failure when no answer came in time.
+pub async fn node_facts(
+    client: &Client,
+    name: &str,
+    within: Duration,
+) -> Result<NodeFacts, KubeError> {
+    let api: Api<Node> = Api::all(client.clone());
+    let deadline = tokio::time::Instant::now() + within;
+    loop {
+        match api.get(name).await {
+            Ok(node) => {
+                let (labels, addresses) = objects::node_facts(&node);
+                let (internal_v4, internal_v6) =
+                    lockstep_core::lb::kubernetes::internal_ips(&addresses);
+                return Ok(NodeFacts {
+                    labels,
+                    internal_v4,
+                    internal_v6,
+                });
+            }
+            Err(e) if tokio::time::Instant::now() >= deadline => {
+                return Err(KubeError::Api {
+                    what: format!("get node {name}"),
+                    source: Box::new(e),
+                });
+            }
+            Err(_) => tokio::time::sleep(Duration::from_millis(250)).await,
+        }
+    }
+}
+
+/// Puts the Node's facts into the config before cluster mode starts: its
+/// labels under the configured `[cluster] node_labels` (which win), its
+/// InternalIPs as the node addresses the config leaves unset.
+pub fn apply_node_facts(config: &mut crate::config::Config, facts: &NodeFacts) {
+    let Some(cluster) = config.cluster.as_mut() else {
+        return;
+    };
+    cluster.node_labels =
+        lockstep_core::lb::kubernetes::node_labels(&facts.labels, &cluster.node_labels);
+    if cluster.node_ip_v4.is_none()
+        && let Some(IpAddr::V4(a)) = facts.internal_v4
+    {
+        cluster.node_ip_v4 = Some(a);
+    }
+    if cluster.node_ip_v6.is_none()
+        && let Some(IpAddr::V6(a)) = facts.internal_v6
+    {
+        cluster.node_ip_v6 = Some(a);
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,119 @@
+#!/usr/bin/env bash
+# lockstep Kubernetes demo (#28, docs/kubernetes.md): a Service of
+# `type: LoadBalancer` gets its address in its status, and the address is
+# answered on the node's uplink.
+#
+#   node ns ── u0 ══ n0 ── nb ns (a neighbour on the "uplink", 10.203.0.2/24)
+#      ├─ lockstep agent, [kubernetes] pointing at ...
+#      └─ the Kubernetes API double (tests/src/kubeapi, on 127.0.0.1:18080)
+#
+# No Kubernetes API server can be installed on these machines: the API here
+# is lockstep's test double (what it does and does not do: the top of
+# tests/src/kubeapi/mod.rs). The agent talks to it exactly as to a real
+# one (kube-rs: list, watch, status patches, Events). Everything is removed
+# on exit; traffic stays inside these namespaces.
+set -euo pipefail
+
+BIN=${LOCKSTEP_BIN:-target/debug/lockstep}
+DOUBLE=${KUBE_DOUBLE_BIN:-target/debug/kube-double}
+TAG=lsk-$$
+NODE=$TAG-node; NB=$TAG-nb
+PINS=/sys/fs/bpf/$TAG
+STATE=/tmp/$TAG
+API=http://127.0.0.1:18080
+PIDS=()
+in_node() { nsenter --net=/run/netns/$NODE -- "$@"; }
+step() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
+kapi() { local method=$1 path=$2; shift 2; in_node curl -sS -X "$method" -H 'Content-Type: application/json' "$API$path" "$@"; }
+cli() { "$BIN" --socket "$STATE/api.sock" "$@"; }
+
+cleanup() {
+  for p in "${PIDS[@]}"; do kill -9 "$p" 2>/dev/null || true; wait "$p" 2>/dev/null || true; done
+  "$BIN" datapath uninstall --pin-root "$PINS" >/dev/null 2>&1 || true
+  for ns in $NODE $NB; do ip netns del "$ns" 2>/dev/null || true; done
+  rm -rf "$STATE"
+}
+trap cleanup EXIT
+
+step "A sandbox node ($NODE) with an uplink to a neighbour"
+for ns in $NODE $NB; do ip netns add "$ns"; ip -n "$ns" link set lo up; done
+ip -n $NODE link add u0 type veth peer name n0 netns $NB
+ip -n $NODE link set u0 up; ip -n $NB link set n0 up
+ip -n $NODE addr add 10.203.0.1/24 dev u0
+ip -n $NB addr add 10.203.0.2/24 dev n0
+echo "node uplink MAC: $(ip -n $NODE -j link show u0 | sed -E 's/.*"address":"([^"]+)".*/\1/')"
+
+step "The Kubernetes API (the test double) in the node namespace, with the Node object"
+mkdir -p "$STATE"
+in_node "$DOUBLE" 127.0.0.1:18080 >>"$STATE/double.log" 2>&1 &
+PIDS+=($!)
+for _ in $(seq 100); do kapi GET /api/v1/nodes >/dev/null 2>&1 && break; sleep 0.05; done
+kapi POST /api/v1/nodes -d '{"metadata": {"name": "demo-node", "labels": {"topology.kubernetes.io/zone": "a"}}}' >/dev/null
+kapi PATCH /api/v1/nodes/demo-node/status -H 'Content-Type: application/merge-patch+json' \
+  -d '{"status": {"addresses": [{"type": "InternalIP", "address": "10.203.0.1"}]}}' >/dev/null
+kapi GET /api/v1/nodes/demo-node; echo
+cat > "$STATE/kubeconfig" <<YAML
+apiVersion: v1
+kind: Config
+clusters: [{name: demo, cluster: {server: "$API"}}]
+users: [{name: lockstep, user: {token: demo}}]
+contexts: [{name: demo, context: {cluster: demo, user: lockstep}}]
+current-context: demo
+YAML
+
+step "The agent, with [kubernetes] (single-node mode: it is the writer)"
+cat > "$STATE/config.toml" <<TOML
+node_name = "demo-node"
+state_dir = "$STATE/db"
+socket = "$STATE/api.sock"
+reconcile_interval = "2s"
+[datapath]
+pin_root = "$PINS"
+uplink = "u0"
+[[pools]]
+name = "default"
+ipv4 = ["10.244.1.0/24"]
+[kubernetes]
+kubeconfig = "$STATE/kubeconfig"
+TOML
+cat "$STATE/config.toml"
+in_node "$BIN" agent --config "$STATE/config.toml" >>"$STATE/agent.log" 2>&1 &
+PIDS+=($!)
+for _ in $(seq 200); do cli status >/dev/null 2>&1 && break; sleep 0.05; done
+cli status >/dev/null || { echo "agent did not become ready" >&2; cat "$STATE/agent.log" >&2; exit 1; }
+
+step "kubectl apply -f pool.yaml: a LoadBalancerIPPool announced on L2"
+kapi POST /apis/lockstep.io/v1alpha1/loadbalancerippools \
+  -d '{"apiVersion": "lockstep.io/v1alpha1", "kind": "LoadBalancerIPPool", "metadata": {"name": "public"}, "spec": {"cidrs": ["10.203.0.128/28"], "announce": "l2"}}'
+echo
+
+step "kubectl expose deployment web --type=LoadBalancer --port=80"
+kapi POST /api/v1/namespaces/default/services \
+  -d '{"metadata": {"name": "web", "namespace": "default"}, "spec": {"type": "LoadBalancer", "selector": {"app": "web"}, "ports": [{"port": 80}]}}' >/dev/null
+IP=
+for _ in $(seq 100); do
+  IP=$(kapi GET /api/v1/namespaces/default/services/web | grep -o '"ingress":\[{"ip":"[^"]*"' | sed -E 's/.*"ip":"([^"]*)"/\1/' || true)
+  [ -n "$IP" ] && break; sleep 0.1
+done
+[ -n "$IP" ] || { echo "no address in the Service's status" >&2; cat "$STATE/agent.log" >&2; exit 1; }
+echo "kubectl get svc web:   EXTERNAL-IP $IP"
+echo "its status, as lockstep wrote it:"
+kapi GET /api/v1/namespaces/default/services/web | grep -o '"status":.*'
+echo "the pool's status:"
+kapi GET /apis/lockstep.io/v1alpha1/loadbalancerippools/public | grep -o '"status":.*'
+echo "the Event:"
+kapi GET /apis/events.k8s.io/v1/namespaces/default/events | grep -o '"reason":"[^"]*","regarding":{[^}]*}\|"note":"[^"]*"' | head -4
+
+step "ARP for $IP from the neighbour: answered by lockstep's BPF responder (no kernel address holds it)"
+ip netns exec $NB arping -c 2 -w 3 -I n0 "$IP"
+cli lb get
+
+step "kubectl delete svc web: the address is released and answered no more"
+kapi DELETE /api/v1/namespaces/default/services/web >/dev/null
+for _ in $(seq 100); do cli lb get | grep -q '"default/web"' || break; sleep 0.1; done
+if ip netns exec $NB arping -c 2 -w 2 -I n0 "$IP"; then
+  echo "unexpected: $IP still answered" >&2; exit 1
+fi
+echo "no answer for $IP: released"
+echo
+echo "demo finished; removing namespaces and pins"

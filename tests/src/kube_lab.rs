@@ -1,0 +1,249 @@
+//! The Kubernetes LoadBalancer lab (#28): the LB lab of `lb_lab` (three
+//! node namespaces on a bridge, a neighbour, a real 3-member etcd, agents
+//! in cluster mode) with the Kubernetes API double on the test's loopback,
+//! forwarded into each node namespace, a Node object per node and
+//! `[kubernetes]` in every agent's config. Shared by `kubernetes_e2e` and
+//! the `lb` bench.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::IpAddr;
+use std::time::Duration;
+
+use anyhow::Context;
+use serde_json::{Value, json};
+
+use crate::cluster::{forward_ports, node_ip};
+use crate::etcd::EtcdCluster;
+use crate::kubeapi::ApiDouble;
+use crate::lb_lab::Lab;
+
+/// The lab's L2 pool, as a `LoadBalancerIPPool` spec.
+pub fn pool_spec() -> Value {
+    json!({"cidrs": ["10.251.0.128/25", "fd00:251::100/120"], "announce": "l2"})
+}
+
+/// The double, the lab, and the kubeconfig's directory.
+pub struct KubeLab {
+    /// The LB lab (agents stop first: declared first).
+    pub lab: Lab,
+    /// The API double.
+    pub api: ApiDouble,
+    _dir: crate::TempDir,
+}
+
+/// A `type: LoadBalancer` Service `ns/name` with one TCP port, labels and
+/// annotations.
+pub fn lb_service(ns: &str, name: &str, port: u16, labels: Value, annotations: Value) -> Value {
+    json!({
+        "metadata": {"namespace": ns, "name": name, "labels": labels, "annotations": annotations},
+        "spec": {"type": "LoadBalancer", "ports": [{"port": port, "protocol": "TCP"}]},
+    })
+}
+
+impl KubeLab {
+    /// Three nodes whose Node objects carry `node_labels[i]` (and the
+    /// node's underlay address as InternalIP); no labels in the configs.
+    pub fn build(
+        cluster: &EtcdCluster,
+        prefix: &str,
+        node_labels: [Value; 3],
+    ) -> anyhow::Result<Self> {
+        let api = ApiDouble::start()?;
+        for (i, labels) in node_labels.iter().enumerate() {
+            api.create(
+                "nodes",
+                "",
+                &json!({
+                    "metadata": {"name": format!("node-{i}"), "labels": labels},
+                    "status": {"addresses": [{"type": "InternalIP", "address": node_ip(i)}]},
+                }),
+            )?;
+            // Status is the kubelet's to write, through the subresource.
+            api.patch(
+                "nodes",
+                "",
+                &format!("node-{i}"),
+                &json!({"status": {"addresses": [
+                    {"type": "InternalIP", "address": node_ip(i)},
+                    {"type": "Hostname", "address": format!("node-{i}")},
+                ]}}),
+                true,
+            )?;
+        }
+        let dir = crate::TempDir::new("kube")?;
+        let kubeconfig = dir.path().join("kubeconfig");
+        api.write_kubeconfig(&kubeconfig)?;
+        let port = api.addr().port();
+        let path = kubeconfig.display().to_string();
+        let lab = Lab::build_extra(cluster, prefix, None, ["", "", ""], [true; 3], &|_, ns| {
+            forward_ports(ns, &[port])?;
+            Ok(format!("[kubernetes]\nkubeconfig = \"{path}\"\n"))
+        })?;
+        Ok(Self {
+            lab,
+            api,
+            _dir: dir,
+        })
+    }
+
+    /// Creates pool `name` with `spec`.
+    pub fn pool(&self, name: &str, spec: Value) -> anyhow::Result<Value> {
+        self.api.create(
+            "loadbalancerippools",
+            "",
+            &json!({"metadata": {"name": name}, "spec": spec}),
+        )
+    }
+
+    /// Every Service's `status.loadBalancer.ingress` addresses, by
+    /// `namespace/name` (those without: empty).
+    pub fn ingress(&self) -> BTreeMap<String, Vec<IpAddr>> {
+        self.api
+            .list("services")
+            .iter()
+            .map(|s| (id(s), ingress_of(s)))
+            .collect()
+    }
+
+    /// Lockstep's condition on `ns/name`: (status, reason, message).
+    pub fn condition(&self, ns: &str, name: &str) -> Option<(String, String, String)> {
+        let s = self.api.get("services", ns, name).ok()?;
+        condition_of(&s)
+    }
+
+    /// Waits until every Service of `ids` has `per` addresses in its
+    /// status; returns them all.
+    pub fn wait_assigned(
+        &self,
+        ids: &BTreeSet<String>,
+        per: usize,
+        within: Duration,
+    ) -> anyhow::Result<BTreeMap<String, Vec<IpAddr>>> {
+        crate::wait_for(
+            &format!("{} services with addresses", ids.len()),
+            within,
+            || {
+                let all = self.ingress();
+                ids.iter()
+                    .all(|id| all.get(id).is_some_and(|a| a.len() == per))
+                    .then(|| all.into_iter().filter(|(id, _)| ids.contains(id)).collect())
+            },
+        )
+        .with_context(|| format!("statuses: {:?}", self.ingress()))
+    }
+
+    /// Events about `ns/name` with `reason`.
+    pub fn events(&self, ns: &str, name: &str, reason: &str) -> Vec<Value> {
+        self.api
+            .list("events")
+            .into_iter()
+            .filter(|e| {
+                e["regarding"]["namespace"] == ns
+                    && e["regarding"]["name"] == name
+                    && e["reason"] == reason
+            })
+            .collect()
+    }
+}
+
+/// `namespace/name` of an object.
+pub fn id(v: &Value) -> String {
+    format!(
+        "{}/{}",
+        v["metadata"]["namespace"].as_str().unwrap_or(""),
+        v["metadata"]["name"].as_str().unwrap_or("")
+    )
+}
+
+/// A Service's ingress addresses.
+pub fn ingress_of(s: &Value) -> Vec<IpAddr> {
+    s["status"]["loadBalancer"]["ingress"]
+        .as_array()
+        .map(|a| {
+            a.iter()
+                .filter_map(|i| i["ip"].as_str()?.parse().ok())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Lockstep's condition on a Service: (status, reason, message).
+pub fn condition_of(s: &Value) -> Option<(String, String, String)> {
+    s["status"]["conditions"].as_array()?.iter().find_map(|c| {
+        (c["type"] == "lockstep.io/AddressAssigned").then(|| {
+            (
+                c["status"].as_str().unwrap_or("").to_string(),
+                c["reason"].as_str().unwrap_or("").to_string(),
+                c["message"].as_str().unwrap_or("").to_string(),
+            )
+        })
+    })
+}
+
+impl KubeLab {
+    /// The requests the agents sent that `deploy/rbac.yaml`'s ClusterRole
+    /// does not allow, as `verb group/resource path` (the double serves
+    /// only the agents over HTTP: the test writes through its store).
+    ///
+    /// # Errors
+    /// The manifest cannot be read.
+    pub fn outside_rbac(&self) -> anyhow::Result<Vec<String>> {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/rbac.yaml");
+        let text = std::fs::read_to_string(&path)?;
+        let docs: Vec<Value> =
+            serde_saphyr::from_multiple(&text).map_err(|e| anyhow::anyhow!("{e}"))?;
+        let role = docs
+            .iter()
+            .find(|d| d["kind"] == "ClusterRole")
+            .context("no ClusterRole in deploy/rbac.yaml")?;
+        let mut allowed: BTreeSet<(String, String, String)> = BTreeSet::new();
+        for rule in role["rules"].as_array().context("rules")? {
+            for g in rule["apiGroups"].as_array().into_iter().flatten() {
+                for r in rule["resources"].as_array().into_iter().flatten() {
+                    for v in rule["verbs"].as_array().into_iter().flatten() {
+                        allowed.insert((
+                            g.as_str().unwrap_or("").into(),
+                            r.as_str().unwrap_or("").into(),
+                            v.as_str().unwrap_or("").into(),
+                        ));
+                    }
+                }
+            }
+        }
+        let mut out = Vec::new();
+        for r in self.api.requests() {
+            let segs: Vec<&str> = r.path.trim_matches('/').split('/').collect();
+            let (group, rest) = match segs.as_slice() {
+                ["api", _, rest @ ..] => ("", rest),
+                ["apis", g, _, rest @ ..] => (*g, rest),
+                _ => ("?", &segs[..]),
+            };
+            let rest = match rest {
+                ["namespaces", _, rest @ ..] => rest,
+                rest => rest,
+            };
+            let (resource, named) = match rest {
+                [p] => ((*p).to_string(), false),
+                [p, _] => ((*p).to_string(), true),
+                [p, _, sub] => (format!("{p}/{sub}"), true),
+                _ => (r.path.clone(), false),
+            };
+            let verb = match (r.method.as_str(), named) {
+                ("GET", true) => "get",
+                ("GET", false) if r.query.contains("watch=true") => "watch",
+                ("GET", false) => "list",
+                ("POST", _) => "create",
+                ("PUT", _) => "update",
+                ("PATCH", _) => "patch",
+                ("DELETE", _) => "delete",
+                _ => "?",
+            };
+            if !allowed.contains(&(group.to_string(), resource.clone(), verb.to_string())) {
+                out.push(format!("{verb} {group}/{resource} {}", r.path));
+            }
+        }
+        out.sort();
+        out.dedup();
+        Ok(out)
+    }
+}

@@ -1,0 +1,136 @@
+//! Label selectors as the API's `labelSelector` query parameter writes
+//! them: `k=v`, `k==v`, `k!=v`, `k`, `!k`, `k in (a,b)`, `k notin (a,b)`,
+//! comma-separated, all of which must hold.
+
+use std::collections::BTreeMap;
+
+/// One requirement.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Requirement {
+    /// `k=v` / `k==v`.
+    Equals(String, String),
+    /// `k!=v`: absent or another value.
+    NotEquals(String, String),
+    /// `k`.
+    Exists(String),
+    /// `!k`.
+    Absent(String),
+    /// `k in (a,b)`.
+    In(String, Vec<String>),
+    /// `k notin (a,b)`: absent or none of them.
+    NotIn(String, Vec<String>),
+}
+
+/// A parsed selector (empty: everything).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Selector(pub Vec<Requirement>);
+
+/// Splits on commas outside parentheses.
+fn split(text: &str) -> Vec<&str> {
+    let mut out = Vec::new();
+    let (mut depth, mut start) = (0usize, 0usize);
+    for (i, c) in text.char_indices() {
+        match c {
+            '(' => depth += 1,
+            ')' => depth = depth.saturating_sub(1),
+            ',' if depth == 0 => {
+                out.push(&text[start..i]);
+                start = i + 1;
+            }
+            _ => {}
+        }
+    }
+    out.push(&text[start..]);
+    out
+}
+
+fn set(text: &str) -> Result<Vec<String>, String> {
+    let t = text.trim();
+    let inner = t
+        .strip_prefix('(')
+        .and_then(|t| t.strip_suffix(')'))
+        .ok_or_else(|| format!("expected (values) in {text:?}"))?;
+    Ok(inner.split(',').map(|v| v.trim().to_string()).collect())
+}
+
+impl Selector {
+    /// Parses `text`.
+    ///
+    /// # Errors
+    /// A malformed requirement, quoted.
+    pub fn parse(text: &str) -> Result<Selector, String> {
+        let mut out = Vec::new();
+        for part in split(text)
+            .into_iter()
+            .map(str::trim)
+            .filter(|p| !p.is_empty())
+        {
+            let r = if let Some((k, v)) = part.split_once("!=") {
+                Requirement::NotEquals(k.trim().into(), v.trim().into())
+            } else if let Some((k, v)) = part.split_once("==") {
+                Requirement::Equals(k.trim().into(), v.trim().into())
+            } else if let Some((k, v)) = part.split_once('=') {
+                Requirement::Equals(k.trim().into(), v.trim().into())
+            } else if let Some((k, v)) = part.split_once(" notin ") {
+                Requirement::NotIn(k.trim().into(), set(v)?)
+            } else if let Some((k, v)) = part.split_once(" in ") {
+                Requirement::In(k.trim().into(), set(v)?)
+            } else if let Some(k) = part.strip_prefix('!') {
+                Requirement::Absent(k.trim().into())
+            } else if part
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || "-_./".contains(c))
+            {
+                Requirement::Exists(part.into())
+            } else {
+                return Err(format!("unable to parse requirement {part:?}"));
+            };
+            out.push(r);
+        }
+        Ok(Selector(out))
+    }
+
+    /// Whether `labels` are selected.
+    pub fn matches(&self, labels: &BTreeMap<String, String>) -> bool {
+        self.0.iter().all(|r| match r {
+            Requirement::Equals(k, v) => labels.get(k) == Some(v),
+            Requirement::NotEquals(k, v) => labels.get(k) != Some(v),
+            Requirement::Exists(k) => labels.contains_key(k),
+            Requirement::Absent(k) => !labels.contains_key(k),
+            Requirement::In(k, vs) => labels.get(k).is_some_and(|v| vs.contains(v)),
+            Requirement::NotIn(k, vs) => !labels.get(k).is_some_and(|v| vs.contains(v)),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_form_parses_and_matches() {
+        let l: BTreeMap<String, String> = [
+            ("app".to_string(), "web".to_string()),
+            ("zone".into(), "a".into()),
+        ]
+        .into();
+        for (text, want) in [
+            ("", true),
+            ("app=web", true),
+            ("app==web,zone=a", true),
+            ("app!=web", false),
+            ("tier!=x", true),
+            ("app", true),
+            ("!app", false),
+            ("!tier", true),
+            ("zone in (a, b)", true),
+            ("zone notin (a,b)", false),
+            ("tier notin (a)", true),
+            ("app=web,zone in (b)", false),
+        ] {
+            assert_eq!(Selector::parse(text).unwrap().matches(&l), want, "{text}");
+        }
+        assert!(Selector::parse("zone in a").is_err());
+        assert!(Selector::parse("a b").is_err());
+    }
+}
