@@ -461,6 +461,52 @@ impl EtcdCluster {
         &self.root
     }
 
+    /// Member `i`'s Prometheus counters (its `/metrics` on the client URL,
+    /// plain HTTP), each line's name with labels → value.
+    ///
+    /// # Errors
+    /// The member did not answer, or serves TLS only.
+    pub fn metrics(&self, i: usize) -> Result<Vec<(String, f64)>> {
+        use std::io::{Read, Write};
+        let addr = self.members[i]
+            .client
+            .strip_prefix("http://")
+            .context("metrics are read over plain http")?
+            .to_string();
+        let mut s = std::net::TcpStream::connect(&addr)?;
+        s.set_read_timeout(Some(Duration::from_secs(10)))?;
+        write!(s, "GET /metrics HTTP/1.0\r\nHost: {addr}\r\n\r\n")?;
+        let mut body = String::new();
+        s.read_to_string(&mut body)?;
+        Ok(body
+            .lines()
+            .filter(|l| !l.starts_with('#'))
+            .filter_map(|l| {
+                let (name, v) = l.rsplit_once(' ')?;
+                Some((name.to_string(), v.parse().ok()?))
+            })
+            .collect())
+    }
+
+    /// The sum over every running member of the counters whose name and
+    /// labels start with `metric` and contain each of `labels`
+    /// (`grpc_method="Range"`).
+    ///
+    /// # Errors
+    /// As [`EtcdCluster::metrics`].
+    pub fn counter(&self, metric: &str, labels: &[&str]) -> Result<f64> {
+        let mut sum = 0.0;
+        for i in (0..self.members.len()).filter(|i| self.is_running(*i)) {
+            sum += self
+                .metrics(i)?
+                .iter()
+                .filter(|(n, _)| n.starts_with(metric) && labels.iter().all(|l| n.contains(l)))
+                .map(|(_, v)| v)
+                .sum::<f64>();
+        }
+        Ok(sum)
+    }
+
     /// Whether member `i`'s process is running.
     pub fn is_running(&self, i: usize) -> bool {
         self.members[i].child.is_some()

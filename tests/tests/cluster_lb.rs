@@ -72,7 +72,11 @@ fn assigner(
 }
 
 /// Waits until `ok(view)` holds.
-async fn until(d: &mut Door, what: &str, ok: impl Fn(&LbView) -> bool) -> anyhow::Result<LbView> {
+async fn until(
+    d: &mut Door,
+    what: &str,
+    ok: impl Fn(&LbView) -> bool,
+) -> anyhow::Result<Arc<LbView>> {
     let started = Instant::now();
     loop {
         match d.lb_read().await {
@@ -206,7 +210,7 @@ fn addresses_are_assigned_once_by_one_fenced_assigner_across_failover() -> anyho
             ensure!(now.get(addr) == Some(users), "{addr} moved in the failover");
         }
         // The deposed assigner's fence no longer writes anything.
-        let (state, rev) = v.state.clone().context("state")?;
+        let (state, _) = v.state.clone().context("state")?;
         let stale = LbChange {
             state,
             added: BTreeMap::from([(
@@ -218,7 +222,7 @@ fn addresses_are_assigned_once_by_one_fenced_assigner_across_failover() -> anyho
             changed: true,
         };
         ensure!(
-            !d.lb_commit(leader.1, rev, &stale).await?,
+            !d.lb_commit(leader.1, &v, &stale).await?,
             "a deposed assigner stored a state"
         );
         let after = d.lb_read().await?;

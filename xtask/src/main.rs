@@ -433,7 +433,11 @@ fn bench(suite: &str) -> anyhow::Result<()> {
             // etcd started by the test, up to 5,000 simulated nodes; then
             // agents in node namespaces (convergence, ADD in cluster mode,
             // 100 parallel ADDs without a block), optimised as shipped.
-            release_benchmark_test("cluster_bench")
+            release_benchmark_test("cluster_bench")?;
+            // Steady state (#27 item 7): 100, 1,000 and 5,000 simulated
+            // nodes running the agent's cluster tasks idle, etcd's own
+            // counters per node; 5,000 LB services applied.
+            release_benchmark_test("cluster_steady")
         }
         "image" => {
             // The image test prints the figures: image size, and container

@@ -366,40 +366,62 @@ pub async fn run(config: Config) -> Result<(), ServerError> {
         }
     };
     let pending = !agent.status().ready;
+    // Cluster mode: one connection to etcd and one watch-fed mirror of
+    // everything under the prefix, shared by the claim loop, the remote
+    // state and the LB agent (#27 item 6: steady state follows a watch,
+    // no periodic reads).
+    let link = cluster_config
+        .cluster
+        .as_ref()
+        .map(|c| crate::cluster::Link::new(&c.prefix));
+    let mirror_task = match (&link, &cluster_config.cluster) {
+        (Some(l), Some(c)) => {
+            let mut opts = crate::cluster::DoorOptions::from_cluster_config(
+                c,
+                std::time::Duration::from_millis(600),
+            );
+            opts.link = Some(l.clone());
+            Some(l.mirror().clone().spawn(opts, stop_rx.clone()))
+        }
+        _ => None,
+    };
     // Cluster mode: blocks etcd no longer gives this node are fenced before
     // the agent serves (or once etcd answers, when it is down now).
     let cluster = match &cluster_config.cluster {
-        Some(_) => match crate::cluster::ClusterNode::start(&cluster_config, &mut agent).await {
-            Ok(node) => Some(node),
-            Err(reason) => {
-                // The agent owns a runtime (netlink): dropped here, on an
-                // async worker, it panicked and the reason was never
-                // printed.
-                let _ = tokio::task::spawn_blocking(move || drop(agent)).await;
-                return Err(ServerError::Start(AgentError::Invalid { reason }));
+        Some(_) => {
+            match crate::cluster::ClusterNode::start(&cluster_config, &mut agent, link.clone())
+                .await
+            {
+                Ok(node) => Some(node),
+                Err(reason) => {
+                    // The agent owns a runtime (netlink): dropped here, on an
+                    // async worker, it panicked and the reason was never
+                    // printed.
+                    let _ = tokio::task::spawn_blocking(move || drop(agent)).await;
+                    return Err(ServerError::Start(AgentError::Invalid { reason }));
+                }
             }
-        },
+        }
         None => None,
     };
     if let Some(node) = &cluster {
         let _ = state.cluster.set(node.handle());
+        // A full read of the mirror finding etcd gone back in time tells
+        // the claim loop (#26 item 3).
+        if let Some(l) = &link {
+            l.mirror().tell_rollbacks_to(node.handle());
+        }
     }
     // Cluster mode: LoadBalancer pools and services in etcd, the elected
     // assigner and this node's announcements (`cluster::lb_agent`).
-    let lb_agent = crate::cluster::LbAgent::from_config(&cluster_config);
+    let lb_agent = crate::cluster::LbAgent::from_config(&cluster_config, link.clone());
     if let Some(lb) = &lb_agent {
         let _ = state.lb_cluster.set(lb.handle());
     }
     // Cluster mode: the other nodes' blocks (routes, IPCACHE) and the
     // skip-masquerade cluster CIDRs, followed from etcd (`cluster::remote`).
     // Its watch tells the claim loop when etcd went back in time.
-    let remote =
-        crate::cluster::RemoteTask::from_config(&cluster_config, interval).map(
-            |r| match &cluster {
-                Some(node) => r.tell_rollbacks_to(node.handle()),
-                None => r,
-            },
-        );
+    let remote = crate::cluster::RemoteTask::from_config(&cluster_config, interval, link.clone());
     let remote = remote.map(|r| r.with_routing(agent.routing()));
     if let Some(r) = &remote {
         agent.set_remote_view(r.view());
@@ -413,7 +435,8 @@ pub async fn run(config: Config) -> Result<(), ServerError> {
     let announcements = agent.announcements();
     *slot.lock().unwrap_or_else(|p| p.into_inner()) = Some(agent);
     let cluster_task = cluster.map(|node| node.spawn(slot.clone(), stop_rx.clone()));
-    let lb_task = lb_agent.map(|lb| lb.spawn(slot.clone(), announcements.clone(), stop_rx.clone()));
+    let lb_task =
+        lb_agent.map(|lb| lb.spawn(slot.clone(), Some(announcements.clone()), stop_rx.clone()));
     let remote_task = remote.map(|r| r.spawn(slot.clone(), stop_rx.clone()));
     // Kubernetes: Services and pools into the LB state, statuses back
     // (`kubernetes`), through etcd's assigner in cluster mode.
@@ -545,6 +568,9 @@ pub async fn run(config: Config) -> Result<(), ServerError> {
         let _ = t.await;
     }
     if let Some(t) = kube_task {
+        let _ = t.await;
+    }
+    if let Some(t) = mirror_task {
         let _ = t.await;
     }
     if let Some(t) = events {

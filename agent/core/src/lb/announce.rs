@@ -570,12 +570,15 @@ impl Announcer {
         })
     }
 
-    /// Whether this node should start a rebalancing move of `a` now.
-    fn rebalance(&self, a: IpAddr, now: Nanos) -> bool {
+    /// Whether this node should start a rebalancing move of `a` now;
+    /// `misplaced` is [`Announcer::first_misplaced`] of the last read
+    /// (made once per [`Announcer::decide`]: it looks at every address,
+    /// and `decide` asks for each one held).
+    fn rebalance(&self, a: IpAddr, now: Nanos, misplaced: Option<(IpAddr, &str, &str)>) -> bool {
         let Some(view) = &self.view else {
             return false;
         };
-        let Some((first, holder, top)) = Self::first_misplaced(view) else {
+        let Some((first, holder, top)) = misplaced else {
             return false;
         };
         if first != a || holder != self.me {
@@ -691,6 +694,8 @@ impl Announcer {
         let Some(view) = self.view.clone() else {
             return;
         };
+        // The first misplaced address of this read, made at most once.
+        let mut misplaced: Option<Option<(IpAddr, &str, &str)>> = None;
         let mut all: BTreeSet<IpAddr> = self.phases.keys().copied().collect();
         all.extend(view.addresses.keys().copied());
         all.extend(
@@ -763,7 +768,11 @@ impl Announcer {
                     if lease.is_none() || !admitted {
                         self.phases
                             .insert(a, Phase::Releasing(KeyRef::Created(rev)));
-                    } else if self.rebalance(a, now) {
+                    } else if self.rebalance(
+                        a,
+                        now,
+                        *misplaced.get_or_insert_with(|| Self::first_misplaced(&view)),
+                    ) {
                         self.phases
                             .insert(a, Phase::Releasing(KeyRef::Created(rev)));
                         self.gave_away.insert(a, now);

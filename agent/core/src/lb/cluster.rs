@@ -26,6 +26,9 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
 
+mod stored;
+pub use stored::{LbMeta, SplitError, StoredDiff, StoredService, StoredState, diff, join, split};
+
 use super::{LbError, LbIpam, LbPoolSpec, LbSnapshot, ServiceSpec};
 use crate::lb::LabelSelector;
 

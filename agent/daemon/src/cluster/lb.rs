@@ -10,7 +10,14 @@
 //! ```text
 //! lb/pools/<name>             → LbPoolSpec (JSON)
 //! lb/services/<ns>/<name>     → ServiceSpec (JSON)
-//! lb/state                    → LbSnapshot (JSON): the assigner's state
+//! lb/assigned/meta            → LbMeta (JSON): the assigner's state but its
+//!                               services (pools, sequence numbers, cursors)
+//! lb/assigned/services/<ns>/<name>
+//!                             → StoredService (JSON): one service's record
+//!                               and the allocations it owns
+//! lb/state                    → before #27: the whole LbSnapshot; since, a
+//!                               JSON string saying where the state moved
+//!                               (older agents cannot read it, and stop)
 //! lb/addresses/<ip>           → the services holding it (JSON list)
 //! lb/assigner                 → the elected node's name, bound to its lease
 //! lb/announce/<ip>            → the announcing node's name, bound to its lease
@@ -26,12 +33,14 @@
 //! Uniqueness by construction: an address key is created in the same
 //! transaction that stores the state assigning it, compared absent; the
 //! transaction also compares the assigner key's create revision (the
-//! fencing token of this election) and the state's revision read. A
+//! fencing token of this election) and the meta key's revision read (the
+//! meta key is written with every change of the state). A
 //! deposed assigner, or two that both believe they lead, cannot store a
 //! state, and no transaction can create an address key twice.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use etcd_client::{
@@ -39,15 +48,27 @@ use etcd_client::{
 };
 use lockstep_core::cluster::check_key_name;
 use lockstep_core::lb::cluster::{
-    AnnouncePlan, Candidate, LbChange, ToAnnounce, announce_plan, assigned, reconcile, to_announce,
+    AnnouncePlan, Candidate, LbChange, LbMeta, StoredService, StoredState, ToAnnounce,
+    announce_plan, assigned, reconcile, to_announce,
 };
 use lockstep_core::lb::{LabelSelector, LbIpam, LbPoolSpec, LbSnapshot, ServiceSpec};
 
 use super::{ClusterStoreError, Door};
 
 /// At most this many services join the state per transaction: etcd refuses
-/// a transaction with more than 128 operations of a kind by default.
-pub const NEW_SERVICES_PER_ROUND: usize = 100;
+/// a transaction with more than 128 operations of a kind by default, and
+/// each new service writes its state key and its address's key (and
+/// compares that the address key is absent).
+pub const NEW_SERVICES_PER_ROUND: usize = 50;
+
+/// At most this many writes (or compares) in one state transaction: under
+/// etcd's default `--max-txn-ops` (128). A round taking more services in
+/// or out than fit takes fewer.
+const MAX_TXN_OPS: usize = 120;
+
+/// What `lb/state` holds once the state moved to `lb/assigned/`: a JSON
+/// string an older agent fails to read as its state, naming why.
+const MOVED: &str = "the lb state moved to lb/assigned/ (lockstep #27): this agent is older than the cluster's assigner; upgrade it";
 
 /// The value of `lb/members/<node>`.
 #[derive(Debug, serde::Serialize, serde::Deserialize)]
@@ -111,13 +132,19 @@ impl LbView {
     /// # Errors
     /// The stored state does not restore.
     pub fn to_announce(&self) -> Result<BTreeMap<IpAddr, ToAnnounce>, ClusterStoreError> {
-        match &self.state {
+        // Made once per view: every LB agent reading the same mirror
+        // shares it (restoring thousands of services is not free).
+        if let Some(made) = self.announced.get() {
+            return Ok(made.clone());
+        }
+        let made = match &self.state {
             Some((state, _)) => {
                 let lb = LbIpam::restore(state).map_err(|e| corrupt("lb/state", e))?;
-                Ok(to_announce(&lb))
+                to_announce(&lb)
             }
-            None => Ok(BTreeMap::new()),
-        }
+            None => BTreeMap::new(),
+        };
+        Ok(self.announced.get_or_init(|| made).clone())
     }
 }
 
@@ -128,12 +155,25 @@ pub struct LbView {
     pub pools: BTreeMap<String, LbPoolSpec>,
     /// Services by `namespace/name`.
     pub services: BTreeMap<String, ServiceSpec>,
-    /// The stored state and its mod revision.
+    /// The stored state and the mod revision of the key fencing it (the
+    /// meta key; `lb/state` while the state is still in the one-key layout
+    /// of older agents).
     pub state: Option<(LbSnapshot, i64)>,
+    /// The per-service keys of the state (`lb/assigned/services/`), also
+    /// those written ahead of a move from the one-key layout.
+    pub stored: BTreeMap<String, StoredService>,
+    /// The meta key and its mod revision (`None`: the state is not in the
+    /// per-service layout yet).
+    pub meta: Option<(LbMeta, i64)>,
+    /// `lb/state`'s mod revision (0: absent), which the first write in
+    /// the per-service layout compares and replaces by a marker.
+    pub legacy: i64,
     /// Address keys: address → services.
     pub addresses: BTreeMap<IpAddr, BTreeSet<String>>,
     /// The elected assigner and its key's create revision.
     pub assigner: Option<(String, i64)>,
+    /// The lease the assigner key is bound to.
+    pub assigner_lease: i64,
     /// Announcement keys: address → (node, lease).
     pub announcements: BTreeMap<IpAddr, (String, i64)>,
     /// Nodes running the LB agent: node → lease.
@@ -145,6 +185,52 @@ pub struct LbView {
     pub silent: BTreeSet<String>,
     /// The store revision of the read.
     pub revision: i64,
+    /// [`LbView::to_announce`], once made.
+    announced: std::sync::OnceLock<BTreeMap<IpAddr, ToAnnounce>>,
+}
+
+/// What wakes the LB loop when something under `lb/` changed.
+pub enum LbWake {
+    /// The agent's mirror: its bell, and where `lb/` stood when last told.
+    Mirror {
+        /// The mirror.
+        mirror: Arc<super::Mirror>,
+        /// Rung at every change of the mirror.
+        bell: tokio::sync::watch::Receiver<u64>,
+        /// `lb/` when last told.
+        seen: super::Stamp,
+    },
+    /// A watch of `lb/` of its own.
+    Watch(WatchStream),
+}
+
+impl std::fmt::Debug for LbWake {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            LbWake::Mirror { seen, .. } => f.debug_struct("Mirror").field("seen", seen).finish(),
+            LbWake::Watch(_) => f.write_str("Watch"),
+        }
+    }
+}
+
+impl LbWake {
+    /// Waits until something under `lb/` changed: `true`, or `false` when
+    /// the wake-up broke (open another).
+    pub async fn changed(&mut self) -> bool {
+        match self {
+            LbWake::Mirror { mirror, bell, seen } => loop {
+                if bell.changed().await.is_err() {
+                    return false;
+                }
+                let now = mirror.stamp(&["lb/"]);
+                if now != *seen {
+                    *seen = now;
+                    return true;
+                }
+            },
+            LbWake::Watch(stream) => matches!(stream.message().await, Ok(Some(_))),
+        }
+    }
 }
 
 /// What one assigner round did.
@@ -228,80 +314,131 @@ impl Door {
             > 0)
     }
 
-    /// A watch of everything under `lb/` from now on, for the LB loop's
-    /// wake-ups: a message only says that something changed (the loop reads
-    /// everything again), so what a broken watch misses does not matter;
-    /// the loop's tick stays the fallback.
+    /// A wake-up for the LB loop when anything under `lb/` changes: the
+    /// mirror's bell when the door has a link (no request to etcd), else
+    /// a watch of `lb/` from now on. A wake-up only says that something
+    /// changed (the loop reads everything again), so what a broken watch
+    /// misses does not matter; the loop's tick stays the fallback.
     ///
     /// # Errors
     /// etcd unavailable.
-    pub async fn lb_watch(&mut self) -> Result<WatchStream, ClusterStoreError> {
+    pub async fn lb_watch(&mut self) -> Result<LbWake, ClusterStoreError> {
+        if let Some(link) = &self.options().link {
+            let mirror = link.mirror().clone();
+            let bell = mirror.subscribe();
+            let seen = mirror.stamp(&["lb/"]);
+            return Ok(LbWake::Mirror { mirror, bell, seen });
+        }
         let key = self.lb_key("");
-        self.retrying("watch lb", false, |mut c| {
-            let key = key.clone();
-            async move { c.watch(key, Some(WatchOptions::new().with_prefix())).await }
-        })
-        .await
+        let stream = self
+            .retrying("watch lb", false, |mut c| {
+                let key = key.clone();
+                async move { c.watch(key, Some(WatchOptions::new().with_prefix())).await }
+            })
+            .await?;
+        Ok(LbWake::Watch(stream))
     }
 
     /// Reads everything under `lb/` at one revision.
     ///
     /// # Errors
     /// etcd unavailable, or a stored value unreadable.
-    pub async fn lb_read(&mut self) -> Result<LbView, ClusterStoreError> {
+    pub async fn lb_read(&mut self) -> Result<Arc<LbView>, ClusterStoreError> {
+        // Made once per change of `lb/` for every reader of the mirror.
+        let link = self.options().link.clone();
+        if let Some(link) = &link
+            && let Some(view) = link.mirror().made::<LbView>("lb/")
+            && view.revision >= self.written()
+        {
+            return Ok(view);
+        }
+        let at = link.as_ref().map(|l| l.mirror().stamp(&["lb/"]));
+        let view = Arc::new(self.lb_parse().await?);
+        if let (Some(link), Some(at)) = (&link, at)
+            && at.live
+        {
+            link.mirror().keep("lb/", at, view.clone());
+        }
+        Ok(view)
+    }
+
+    async fn lb_parse(&mut self) -> Result<LbView, ClusterStoreError> {
         let base = self.lb_key("");
-        let mut client = self.client();
-        let resp = self
-            .bounded(
-                "read lb state",
-                false,
-                client.get(base.clone(), Some(GetOptions::new().with_prefix())),
-            )
-            .await?;
+        // From the mirror while it is live (#27 item 6): the LB agent reads
+        // this every tick.
+        let (kvs, revision) = self.list("read lb state", "lb/").await?;
         let mut view = LbView {
-            revision: resp.header().map_or(0, |h| h.revision()),
+            revision,
             ..LbView::default()
         };
-        for kv in resp.kvs() {
-            let key = String::from_utf8_lossy(kv.key()).into_owned();
+        let mut legacy: Option<(LbSnapshot, i64)> = None;
+        for kv in &kvs {
+            let key = kv.key.clone();
             let rest = &key[base.len()..];
             if let Some(name) = rest.strip_prefix("pools/") {
                 let spec: LbPoolSpec =
-                    serde_json::from_slice(kv.value()).map_err(|e| corrupt(&key, e))?;
+                    serde_json::from_slice(&kv.value).map_err(|e| corrupt(&key, e))?;
                 view.pools.insert(name.to_string(), spec);
             } else if let Some(id) = rest.strip_prefix("services/") {
                 let spec: ServiceSpec =
-                    serde_json::from_slice(kv.value()).map_err(|e| corrupt(&key, e))?;
+                    serde_json::from_slice(&kv.value).map_err(|e| corrupt(&key, e))?;
                 view.services.insert(id.to_string(), spec);
             } else if rest == "state" {
-                let state: LbSnapshot =
-                    serde_json::from_slice(kv.value()).map_err(|e| corrupt(&key, e))?;
-                view.state = Some((state, kv.mod_revision()));
+                view.legacy = kv.mod_revision;
+                // The marker left by the move to `lb/assigned/` is a JSON
+                // string; anything else is the old one-key state.
+                if serde_json::from_slice::<String>(&kv.value).is_err() {
+                    let state: LbSnapshot =
+                        serde_json::from_slice(&kv.value).map_err(|e| corrupt(&key, e))?;
+                    legacy = Some((state, kv.mod_revision));
+                }
+            } else if rest == "assigned/meta" {
+                let meta: LbMeta =
+                    serde_json::from_slice(&kv.value).map_err(|e| corrupt(&key, e))?;
+                view.meta = Some((meta, kv.mod_revision));
+            } else if let Some(id) = rest.strip_prefix("assigned/services/") {
+                let s: StoredService =
+                    serde_json::from_slice(&kv.value).map_err(|e| corrupt(&key, e))?;
+                view.stored.insert(id.to_string(), s);
             } else if let Some(addr) = rest.strip_prefix("addresses/") {
                 let a: IpAddr = addr.parse().map_err(|e| corrupt(&key, e))?;
                 let users: BTreeSet<String> =
-                    serde_json::from_slice(kv.value()).map_err(|e| corrupt(&key, e))?;
+                    serde_json::from_slice(&kv.value).map_err(|e| corrupt(&key, e))?;
                 view.addresses.insert(a, users);
             } else if let Some(addr) = rest.strip_prefix("announce/") {
                 let a: IpAddr = addr.parse().map_err(|e| corrupt(&key, e))?;
                 view.announcements.insert(
                     a,
-                    (String::from_utf8_lossy(kv.value()).into_owned(), kv.lease()),
+                    (String::from_utf8_lossy(&kv.value).into_owned(), kv.lease),
                 );
             } else if let Some(node) = rest.strip_prefix("members/") {
-                let (labels, answers) = read_member(&key, kv.value())?;
-                view.members.insert(node.to_string(), kv.lease());
+                let (labels, answers) = read_member(&key, &kv.value)?;
+                view.members.insert(node.to_string(), kv.lease);
                 view.member_labels.insert(node.to_string(), labels);
                 if !answers {
                     view.silent.insert(node.to_string());
                 }
             } else if rest == "assigner" {
                 view.assigner = Some((
-                    String::from_utf8_lossy(kv.value()).into_owned(),
-                    kv.create_revision(),
+                    String::from_utf8_lossy(&kv.value).into_owned(),
+                    kv.create_revision,
                 ));
+                view.assigner_lease = kv.lease;
             }
         }
+        // The per-service layout once its meta key stands; before, the
+        // one-key state of older agents (per-service keys written ahead
+        // of the move are not the state yet).
+        view.state = match &view.meta {
+            Some((meta, rev)) => Some((
+                lockstep_core::lb::cluster::join(&StoredState {
+                    meta: meta.clone(),
+                    services: view.stored.clone(),
+                }),
+                *rev,
+            )),
+            None => legacy,
+        };
         Ok(view)
     }
 
@@ -341,6 +478,7 @@ impl Door {
             .or_else([TxnOp::get(key, None)]);
         let mut client = self.client();
         let resp = self.bounded(what, true, client.txn(txn)).await?;
+        self.wrote_at(resp.header().map_or(0, |h| h.revision()));
         if resp.succeeded() {
             return Ok(Some(resp.header().map_or(0, |h| h.revision())));
         }
@@ -372,24 +510,79 @@ impl Door {
     }
 
     /// Stores `change` if this node still holds the election of `fence`,
-    /// the state is still at `state_rev` (0: absent) and no added address
-    /// has a key yet. Returns whether it was stored.
+    /// the state is still what `view` read (its meta key's revision, or
+    /// before the move to the per-service layout, `lb/state`'s) and no
+    /// added address has a key yet. Writes only the service keys that
+    /// changed, and the meta key. Returns whether it was stored.
+    ///
+    /// The first write in the per-service layout replaces `lb/state` by a
+    /// marker in the same transaction, comparing its revision. When that
+    /// write would pass etcd's limit on operations (a large state moving
+    /// from the one-key layout), the service keys are written ahead in
+    /// parts, fenced the same way but invisible until the meta key stands
+    /// (readers take the per-service keys only with it): `Ok(false)`,
+    /// and the next round goes on.
     ///
     /// # Errors
-    /// etcd unavailable.
+    /// etcd unavailable, or the new state does not split (an allocation of
+    /// no service: a core bug, named).
     pub async fn lb_commit(
         &mut self,
         fence: i64,
-        state_rev: i64,
+        view: &LbView,
         change: &LbChange,
     ) -> Result<bool, ClusterStoreError> {
-        let state_key = self.lb_key("state");
+        let parts = lockstep_core::lb::cluster::split(&change.state)
+            .map_err(|e| ClusterStoreError::Invalid(e.to_string()))?;
+        let old = StoredState {
+            meta: parts.meta.clone(),
+            services: view.stored.clone(),
+        };
+        let d = lockstep_core::lb::cluster::diff(Some(&old), &parts);
+        let meta_key = self.lb_key("assigned/meta");
+        let state_rev = view.meta.as_ref().map_or(0, |(_, r)| *r);
         let mut when = vec![
             Compare::create_revision(self.lb_key("assigner"), CompareOp::Equal, fence),
-            Compare::mod_revision(state_key.clone(), CompareOp::Equal, state_rev),
+            Compare::mod_revision(meta_key.clone(), CompareOp::Equal, state_rev),
         ];
-        let value = serde_json::to_vec(&change.state).map_err(|e| corrupt(&state_key, e))?;
-        let mut ops = vec![TxnOp::put(state_key.clone(), value, None)];
+        let moving = view.meta.is_none();
+        if moving {
+            when.push(Compare::mod_revision(
+                self.lb_key("state"),
+                CompareOp::Equal,
+                view.legacy,
+            ));
+        }
+        let mut keys = Vec::new();
+        for (id, stored) in &d.put {
+            let key = self.lb_key(&format!("assigned/services/{id}"));
+            let v = serde_json::to_vec(stored).map_err(|e| corrupt(&key, e))?;
+            keys.push(TxnOp::put(key, v, None));
+        }
+        for id in &d.delete {
+            keys.push(TxnOp::delete(
+                self.lb_key(&format!("assigned/services/{id}")),
+                None,
+            ));
+        }
+        let addresses = change.added.len() + change.updated.len() + change.removed.len();
+        let total = keys.len() + addresses + 2;
+        if moving && (total > MAX_TXN_OPS || when.len() + change.added.len() > MAX_TXN_OPS) {
+            // Written ahead, in parts: nobody reads them before the meta
+            // key stands.
+            let part: Vec<TxnOp> = keys.into_iter().take(MAX_TXN_OPS).collect();
+            let txn = Txn::new().when(when).and_then(part);
+            self.txn_write("store the lb state ahead of its move", &txn)
+                .await?;
+            return Ok(false);
+        }
+        let value = serde_json::to_vec(&parts.meta).map_err(|e| corrupt(&meta_key, e))?;
+        let mut ops = vec![TxnOp::put(meta_key, value, None)];
+        ops.extend(keys);
+        if moving {
+            let marker = serde_json::to_vec(MOVED).map_err(|e| corrupt("lb/state", e))?;
+            ops.push(TxnOp::put(self.lb_key("state"), marker, None));
+        }
         for (a, users) in &change.added {
             let key = self.lb_key(&format!("addresses/{a}"));
             when.push(Compare::create_revision(key.clone(), CompareOp::Equal, 0));
@@ -404,13 +597,9 @@ impl Door {
         for a in &change.removed {
             ops.push(TxnOp::delete(self.lb_key(&format!("addresses/{a}")), None));
         }
-        let mut client = self.client();
+        let txn = Txn::new().when(when).and_then(ops);
         Ok(self
-            .bounded(
-                "store the lb state",
-                true,
-                client.txn(Txn::new().when(when).and_then(ops)),
-            )
+            .txn_write("store the lb state", &txn)
             .await?
             .succeeded())
     }
@@ -481,10 +670,11 @@ impl Door {
             )])
             .and_then([TxnOp::delete(key, None)]);
         let mut client = self.client();
-        Ok(self
+        let resp = self
             .bounded("withdraw an lb announcement", true, client.txn(txn))
-            .await?
-            .succeeded())
+            .await?;
+        self.wrote_at(resp.header().map_or(0, |h| h.revision()));
+        Ok(resp.succeeded())
     }
 
     /// Grants a lease of `ttl` (whole seconds, at least 1) for this node's
@@ -511,8 +701,12 @@ impl Door {
     /// etcd unavailable.
     pub async fn lb_revoke(&mut self, lease: i64) -> Result<(), ClusterStoreError> {
         let mut client = self.client();
-        self.bounded("revoke the lb lease", true, client.lease_revoke(lease))
+        let resp = self
+            .bounded("revoke the lb lease", true, client.lease_revoke(lease))
             .await?;
+        // A read of `lb/` after it (from the mirror) has the lease's keys
+        // gone.
+        self.wrote_at(resp.header().map_or(0, |h| h.revision()));
         Ok(())
     }
 
@@ -554,12 +748,14 @@ impl Door {
         })
         .map_err(|e| ClusterStoreError::Invalid(e.to_string()))?;
         let mut client = self.client();
-        self.bounded(
-            "join the lb announcers",
-            true,
-            client.put(key, value, Some(PutOptions::new().with_lease(lease))),
-        )
-        .await?;
+        let resp = self
+            .bounded(
+                "join the lb announcers",
+                true,
+                client.put(key, value, Some(PutOptions::new().with_lease(lease))),
+            )
+            .await?;
+        self.wrote_at(resp.header().map_or(0, |h| h.revision()));
         Ok(())
     }
 
@@ -615,6 +811,7 @@ impl Door {
                 client.txn(Txn::new().when([unchanged]).and_then(ops)),
             )
             .await?;
+        self.wrote_at(resp.header().map_or(0, |h| h.revision()));
         if !resp.succeeded() {
             return Err(ClusterStoreError::Conflict {
                 what: "the cluster pools (changed while the lb pools were checked against them)"
@@ -676,14 +873,15 @@ impl Door {
             .map(|(_, k)| TxnOp::delete(k.clone(), None))
             .collect();
         let mut client = self.client();
-        let done = self
+        let resp = self
             .bounded(
                 "delete lb services and pools",
                 true,
                 client.txn(Txn::new().when(when).and_then(ops)),
             )
-            .await?
-            .succeeded();
+            .await?;
+        self.wrote_at(resp.header().map_or(0, |h| h.revision()));
+        let done = resp.succeeded();
         if !done {
             return Err(ClusterStoreError::Conflict {
                 what: "an lb delete (a name was deleted meanwhile)".into(),
@@ -730,45 +928,82 @@ impl Door {
         Ok(announce_plan(&addresses, &nodes, me, &held))
     }
 
-    /// One assigner round for `node` holding `lease`: campaign, and if this
-    /// node leads, bring the stored state to the stored pools and services
-    /// (at most [`NEW_SERVICES_PER_ROUND`] new services at a time) and store
-    /// it fenced.
+    /// One assigner round for `node` holding `lease`: campaign when no
+    /// node leads (the mirror says who does: no request while it is
+    /// known, #27 item 6), and if this node leads, bring the stored state
+    /// to the stored pools and services (at most [`NEW_SERVICES_PER_ROUND`]
+    /// new services at a time, and no more taken in or out than one
+    /// transaction holds) and store it fenced.
     ///
     /// # Errors
     /// etcd unavailable, a stored value unreadable, or the core refusing
     /// the stored definitions (a bad pool or service: named).
     pub async fn lb_round(&mut self, node: &str, lease: i64) -> Result<Round, ClusterStoreError> {
-        let Some(fence) = self.lb_campaign(node, lease).await? else {
-            let view = self.lb_read().await?;
-            return Ok(Round::Follower {
-                assigner: view.assigner.map(|a| a.0).unwrap_or_default(),
-            });
-        };
         let view = self.lb_read().await?;
-        let (state, state_rev) = match &view.state {
-            Some((s, rev)) => (Some(s), *rev),
-            None => (None, 0),
+        let fence = match &view.assigner {
+            Some((n, rev)) if n == node && view.assigner_lease == lease => *rev,
+            Some((n, _)) => {
+                return Ok(Round::Follower {
+                    assigner: n.clone(),
+                });
+            }
+            None => match self.lb_campaign(node, lease).await? {
+                Some(rev) => rev,
+                None => {
+                    let view = self.lb_read().await?;
+                    return Ok(Round::Follower {
+                        assigner: view.assigner.clone().map(|a| a.0).unwrap_or_default(),
+                    });
+                }
+            },
         };
+        // Read after the campaign: the mirror has seen this node's
+        // election (the door waits for its own writes).
+        let view = self.lb_read().await?;
+        let state = view.state.as_ref().map(|(s, _)| s);
         let in_state: BTreeSet<String> = state
             .map(|s| s.services.iter().map(|r| r.spec.id()).collect())
             .unwrap_or_default();
-        let mut services: Vec<ServiceSpec> = Vec::new();
-        let mut new = 0;
-        for (id, spec) in &view.services {
-            if in_state.contains(id) {
-                services.push(spec.clone());
-            } else if new < NEW_SERVICES_PER_ROUND {
-                services.push(spec.clone());
-                new += 1;
+        // Services taken in and out this round; halved until the
+        // transaction fits.
+        let mut limit = NEW_SERVICES_PER_ROUND;
+        let change = loop {
+            let mut services: Vec<ServiceSpec> = Vec::new();
+            let mut new = 0;
+            for (id, spec) in &view.services {
+                if in_state.contains(id) {
+                    services.push(spec.clone());
+                } else if new < limit {
+                    services.push(spec.clone());
+                    new += 1;
+                }
             }
-        }
-        let change = reconcile(state, view.pools.values().cloned().collect(), services)
-            .map_err(|e| ClusterStoreError::Invalid(e.to_string()))?;
-        if !change.changed {
+            // Services no longer stored leave `limit` at a time: the others
+            // stay this round, as the state has them.
+            let mut leaving = 0;
+            for r in state.iter().flat_map(|s| s.services.iter()) {
+                if !view.services.contains_key(&r.spec.id()) {
+                    leaving += 1;
+                    if leaving > limit {
+                        services.push(r.spec.clone());
+                    }
+                }
+            }
+            let change = reconcile(state, view.pools.values().cloned().collect(), services)
+                .map_err(|e| ClusterStoreError::Invalid(e.to_string()))?;
+            let writes = change.added.len() * 2 + change.updated.len() + change.removed.len() * 2;
+            if writes + 2 <= MAX_TXN_OPS || limit == 1 {
+                break change;
+            }
+            limit = (limit / 2).max(1);
+        };
+        // A state still in the one-key layout moves even when nothing in
+        // it changes.
+        let moving = view.meta.is_none() && view.state.is_some();
+        if !change.changed && !moving {
             return Ok(Round::Idle);
         }
-        if self.lb_commit(fence, state_rev, &change).await? {
+        if self.lb_commit(fence, &view, &change).await? {
             Ok(Round::Stored {
                 added: change.added.len(),
                 removed: change.removed.len(),

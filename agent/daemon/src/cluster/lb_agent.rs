@@ -14,17 +14,23 @@
 //! 2. keeps the lease (a refresh every third of its TTL); the time up to
 //!    which etcd is sure to keep it is the datapath's cap: no L2_RESP entry
 //!    of this node is answered past it ([`Announcements::set_cluster`]);
-//! 3. reads `lb/`, runs an assigner round ([`Door::lb_round`], campaigning
-//!    with the same lease) at most every [`ROUND_EVERY`] (at once again
-//!    while it stores), and hands the read to the announcer;
+//! 3. hands the announcer what `lb/` holds, read from the agent's mirror
+//!    of etcd (#27 item 6: no request; not handed again while nothing
+//!    under `lb/` changed and the last read has this node's own writes);
 //! 4. carries out the announcer's actions until it has none, or a quarter
 //!    of the TTL has passed (what is left is reported lost: asked again
-//!    next tick), so a slow etcd never holds the next refresh back.
+//!    next tick), so a slow etcd never holds the next refresh back. The
+//!    announcer runs every tick, changed or not: its clocks move (rank
+//!    steps, pace, the lease's cap);
+//! 5. then runs an assigner round ([`Door::lb_round`], campaigning with
+//!    the same lease) at most every [`ROUND_EVERY`] (at once again while
+//!    it stores), skipped while `lb/` stands where it stood when a round
+//!    left nothing to do (one every [`IDLE_ROUND`] all the same).
 //!
-//! A tick also comes at once when anything under `lb/` changes (an etcd
-//! watch that only wakes the loop): a service stored by `lb apply` is
-//! assigned, and an address assigned or withdrawn is taken, without
-//! waiting out the 200 ms.
+//! A tick also comes at once when anything under `lb/` changes (the
+//! mirror's bell, or a watch of its own without a mirror; it only wakes
+//! the loop): a service stored by `lb apply` is assigned, and an address
+//! assigned or withdrawn is taken, without waiting out the 200 ms.
 //!
 //! Why never two nodes answer: an entry's expiry is at most `t + TTL -
 //! margin`, `t` the moment the last lease refresh (or grant) was *sent*;
@@ -43,8 +49,9 @@ use lockstep_core::lb::cluster::{assigned, reconcile, unannounced};
 use lockstep_core::lb::{LbIpam, LbPoolSpec, ServiceSpec};
 use serde::Serialize;
 
+use super::lb::LbWake;
 use super::lb_announce::{self, Counts};
-use super::{ClusterStoreError, Door, DoorOptions, LbView, Round};
+use super::{ClusterStoreError, Door, DoorOptions, LbView, Link, Round, Stamp};
 use crate::agent::announce::monotonic_ns;
 use crate::agent::{Agent, Announcements, UplinkHealth};
 
@@ -55,6 +62,9 @@ const REQUEST_TIMEOUT: Duration = Duration::from_millis(500);
 pub const TICK: Duration = Duration::from_millis(200);
 /// How often an assigner round runs when nothing was stored last time.
 pub const ROUND_EVERY: Duration = Duration::from_millis(500);
+/// How often a round runs when nothing under `lb/` changed in the
+/// mirror (it reads nothing from etcd then).
+pub const IDLE_ROUND: Duration = Duration::from_secs(5);
 /// The shortest LB lease etcd grants with its default timing (it raises
 /// shorter ones to this).
 pub const MIN_LEASE: Duration = Duration::from_secs(2);
@@ -434,11 +444,34 @@ pub struct LbAgent {
     refused: bool,
     /// Wakes the loop when anything under `lb/` changes (`None` until
     /// connected, or after it broke: opened again next tick).
-    wake: Option<etcd_client::WatchStream>,
+    wake: Option<LbWake>,
     /// When opening `wake` was last tried (at most once a second, so an
     /// etcd that does not answer slows no tick).
     wake_tried: Option<Instant>,
+    /// Where `lb/` stood in the mirror when the last round that left
+    /// nothing to do began, and when (#27 item 6: a round over an
+    /// unchanged mirror is skipped, so an idle agent costs etcd only its
+    /// lease refresh and itself almost nothing).
+    acted: Option<(Stamp, Instant)>,
+    /// The last read of `lb/` handed to the announcer (#27 item 6: while
+    /// the mirror's `lb/` stays where it was, the announcer keeps that
+    /// read rather than being handed the same one again every tick).
+    seen: Option<Seen>,
     handle: Arc<LbHandle>,
+}
+
+/// A read of `lb/` handed to the announcer.
+#[derive(Clone, Copy, Debug)]
+struct Seen {
+    /// Where the mirror's `lb/` stood before the read.
+    stamp: Stamp,
+    /// The read's store revision.
+    revision: i64,
+    /// When it was read.
+    at: Instant,
+    /// Whether it showed services stored but not in the state, or the
+    /// state with services no longer stored ([`has_pending`]).
+    services_pending: bool,
 }
 
 /// What ended the loop's wait.
@@ -455,9 +488,9 @@ enum Woke {
 
 /// The next message of the wake-up watch: whether one came (`false`: the
 /// stream broke or ended). Never ready without a watch.
-async fn changed(wake: &mut Option<etcd_client::WatchStream>) -> bool {
+async fn changed(wake: &mut Option<LbWake>) -> bool {
     match wake {
-        Some(stream) => matches!(stream.message().await, Ok(Some(_))),
+        Some(w) => w.changed().await,
         None => std::future::pending().await,
     }
 }
@@ -492,6 +525,8 @@ impl LbAgent {
             refused: false,
             wake: None,
             wake_tried: None,
+            acted: None,
+            seen: None,
             handle: Arc::new(LbHandle {
                 opts,
                 door: tokio::sync::Mutex::new(None),
@@ -503,13 +538,16 @@ impl LbAgent {
     /// The LB agent of cluster mode (`None` without `[cluster]`): named as
     /// the cluster node, its lease `[lb] announce_lease` (whole seconds, at
     /// least [`MIN_LEASE`]).
-    pub fn from_config(config: &crate::config::Config) -> Option<Self> {
+    /// Its requests go through `link` (the agent's connection, and reads
+    /// from its mirror: #27 item 6) when given.
+    pub fn from_config(config: &crate::config::Config, link: Option<Link>) -> Option<Self> {
         let cluster = config.cluster.as_ref()?;
         let name = cluster
             .node_name
             .clone()
             .unwrap_or_else(|| config.node_name());
-        let opts = DoorOptions::from_cluster_config(cluster, REQUEST_TIMEOUT);
+        let mut opts = DoorOptions::from_cluster_config(cluster, REQUEST_TIMEOUT);
+        opts.link = link;
         Some(
             Self::new(name, config.lb.announce_lease, opts)
                 .with_labels(cluster.node_labels.clone())
@@ -594,6 +632,11 @@ impl LbAgent {
     /// The uplink's health, without waiting for the agent's lock: while
     /// the lock is busy (a CNI call, a reconcile) the last health stands.
     async fn uplink_health(&mut self, slot: &Arc<Mutex<Option<Agent>>>) -> UplinkHealth {
+        // No agent (a benchmark's simulated node): nothing to ask, and no
+        // blocking task per tick.
+        if super::node::no_agent(slot) {
+            return self.health.clone();
+        }
         let slot = slot.clone();
         let now = tokio::task::spawn_blocking(move || match slot.try_lock() {
             Ok(mut g) => g.as_mut().map(Agent::uplink_health),
@@ -621,11 +664,7 @@ impl LbAgent {
     }
 
     /// One tick; returns whether another should follow at once.
-    async fn tick(
-        &mut self,
-        slot: &Arc<Mutex<Option<Agent>>>,
-        announcements: &Announcements,
-    ) -> bool {
+    async fn tick(&mut self, slot: &Arc<Mutex<Option<Agent>>>, announcements: &Maps) -> bool {
         if self.door.is_none() {
             match Door::connect(self.handle.opts.clone()).await {
                 Ok(d) => self.door = Some(d),
@@ -663,8 +702,9 @@ impl LbAgent {
         let mut problem = lease_problem;
         let mut again = false;
         let mut pending = None;
+        let stamp = self.stamp();
         if let Some(lease) = self.machine.lease() {
-            match self.read(lease).await {
+            match self.read(lease, stamp).await {
                 Ok(p) => pending = Some((lease, p)),
                 Err(e) => {
                     problem.get_or_insert(e);
@@ -689,7 +729,7 @@ impl LbAgent {
         // The assigner round after the announcements: what answers
         // first, new assignments next.
         if let Some((lease, pending)) = pending {
-            again |= self.round(lease, pending).await.unwrap_or_else(|e| {
+            again |= self.round(lease, pending, stamp).await.unwrap_or_else(|e| {
                 problem.get_or_insert(e);
                 false
             });
@@ -699,11 +739,46 @@ impl LbAgent {
         again
     }
 
-    /// Reads `lb/` and hands it to the announcer (joining again if the
-    /// read shows this node's membership missing). Returns whether
-    /// services are pending for the assigner.
-    async fn read(&mut self, lease: i64) -> Result<bool, ClusterStoreError> {
+    /// Where `lb/` stands in the agent's mirror while it is live (`None`:
+    /// no mirror, or one not live: then everything is read every tick).
+    fn stamp(&self) -> Option<Stamp> {
+        self.handle
+            .opts
+            .link
+            .as_ref()
+            .map(|l| l.mirror().stamp(&["lb/"]))
+            .filter(|s| s.live)
+    }
+
+    /// Whether services are pending for the assigner, given whether the
+    /// last read showed any.
+    fn pending(&self, services_pending: bool) -> bool {
+        !self.refused && self.handle.lock().assigner && services_pending
+    }
+
+    /// Reads `lb/` (from the mirror while it is live) and hands it to the
+    /// announcer (joining again if the read shows this node's membership
+    /// missing). Returns whether services are pending for the assigner.
+    ///
+    /// Skipped while the mirror's `lb/` stands at `stamp` as it did at the
+    /// last read, that read has every write of this door (a take, a
+    /// withdrawal, a join), and this node's membership shows in it (#27
+    /// item 6): the announcer keeps the read it has, which its own
+    /// answers since updated; handing it the same one again changes
+    /// nothing. It is handed a fresh one every [`IDLE_ROUND`] all the same.
+    /// The announcer itself still runs every tick (its clocks move: rank
+    /// steps, pace, the lease's cap).
+    async fn read(&mut self, lease: i64, stamp: Option<Stamp>) -> Result<bool, ClusterStoreError> {
         let door = self.door.as_mut().expect("connected");
+        if let (Some(now), Some(seen)) = (stamp, self.seen)
+            && now == seen.stamp
+            && door.written() <= seen.revision
+            && seen.at.elapsed() < IDLE_ROUND
+            && !self.machine.membership_missing()
+        {
+            return Ok(self.pending(seen.services_pending));
+        }
+        self.seen = None;
         let view = door.lb_read().await?;
         // Each address with its pool's node selector; the members with
         // their labels.
@@ -732,19 +807,54 @@ impl LbAgent {
             door.lb_join(&self.name, &self.labels, self.answers, lease)
                 .await?;
         }
-        Ok(!self.refused && self.handle.lock().assigner && has_pending(&view))
+        let services_pending = has_pending(&view);
+        self.seen = stamp.map(|stamp| Seen {
+            stamp,
+            revision: view.revision,
+            at: Instant::now(),
+            services_pending,
+        });
+        Ok(self.pending(services_pending))
     }
 
     /// The assigner round when due (at once while services are pending);
     /// returns whether another tick should follow at once.
-    async fn round(&mut self, lease: i64, pending: bool) -> Result<bool, ClusterStoreError> {
+    ///
+    /// Skipped while the mirror's `lb/` stands at `stamp` as it did when a
+    /// round that left nothing to do began (#27 item 6; one every
+    /// [`IDLE_ROUND`] all the same): a follower campaigns only when the
+    /// assigner key is gone, and the assigner stores only what changed,
+    /// both under `lb/`.
+    async fn round(
+        &mut self,
+        lease: i64,
+        pending: bool,
+        stamp: Option<Stamp>,
+    ) -> Result<bool, ClusterStoreError> {
         if !(pending || self.last_round.is_none_or(|t| t.elapsed() >= ROUND_EVERY)) {
             return Ok(false);
         }
+        if !pending
+            && let (Some(now), Some((then, at))) = (stamp, self.acted)
+            && now == then
+            && at.elapsed() < IDLE_ROUND
+        {
+            return Ok(false);
+        }
+        self.acted = None;
         let door = self.door.as_mut().expect("connected");
-        let round = door.lb_round(&self.name, lease).await;
+        // Bounded, so a slow etcd (or a mirror catching up) never delays
+        // the next lease refresh past its slack: every step of a round is
+        // a fenced transaction read back by the next, so one cut short is
+        // finished by the next round.
+        let bound = self.ttl / 4;
+        let Ok(round) = tokio::time::timeout(bound, door.lb_round(&self.name, lease)).await else {
+            tracing::debug!(?bound, "lb round cut short to refresh the lease in time");
+            return Ok(false);
+        };
         self.last_round = Some(Instant::now());
         self.refused = matches!(round, Err(ClusterStoreError::Invalid(_)));
+        let idle = stamp.map(|s| (s, Instant::now()));
         match round {
             Ok(Round::Stored { added, removed }) => {
                 tracing::info!(added, removed, "lb state stored");
@@ -754,6 +864,7 @@ impl LbAgent {
             }
             Ok(Round::Idle) => {
                 self.handle.lock().assigner = true;
+                self.acted = idle;
                 Ok(false)
             }
             Ok(Round::Lost) => {
@@ -762,11 +873,13 @@ impl LbAgent {
             }
             Ok(Round::Follower { .. }) => {
                 self.handle.lock().assigner = false;
+                self.acted = idle;
                 Ok(false)
             }
             // A refused definition is named; announcing goes on.
             Err(ClusterStoreError::Invalid(why)) => {
                 tracing::error!(reason = %why, "lb assigner: the stored pools and services are refused");
+                self.acted = idle;
                 Ok(false)
             }
             Err(e) => Err(e),
@@ -778,7 +891,7 @@ impl LbAgent {
     /// the lease to run out). A datapath write that is not confirmed
     /// leaves the lease to run out instead: nothing is withdrawn on a
     /// write in doubt.
-    async fn stop(&mut self, announcements: &Announcements) {
+    async fn stop(&mut self, announcements: &Maps) {
         self.machine.stop();
         let deadline = Instant::now() + Duration::from_secs(2);
         let mut counts = Counts::default();
@@ -820,13 +933,16 @@ impl LbAgent {
         self.show(counts);
     }
 
-    /// Runs ticks until `stop`.
+    /// Runs ticks until `stop`, writing this node's announcements into
+    /// `announcements` (`None`: a node without a datapath, as a
+    /// benchmark's simulated nodes are).
     pub fn spawn(
         mut self,
         slot: Arc<Mutex<Option<Agent>>>,
-        announcements: Announcements,
+        announcements: Option<Announcements>,
         mut stop: tokio::sync::watch::Receiver<bool>,
     ) -> tokio::task::JoinHandle<()> {
+        let announcements = Maps(announcements);
         tokio::spawn(async move {
             loop {
                 let again = self.tick(&slot, &announcements).await;
@@ -861,6 +977,32 @@ impl LbAgent {
             self.wake = None;
             self.stop(&announcements).await;
         })
+    }
+}
+
+/// Where the announcer's writes go: the agent's announcement maps, or
+/// none on a node without a datapath (nothing there can answer for an
+/// address, so a write holds trivially; as before the announcer, when an
+/// agent slot without an agent made the write a no-op).
+struct Maps(Option<Announcements>);
+
+impl lb_announce::AnnounceDatapath for Maps {
+    async fn program(
+        &self,
+        seq: u64,
+        addresses: BTreeSet<IpAddr>,
+        valid_until: u64,
+    ) -> lockstep_core::lb::announce::Written {
+        match &self.0 {
+            Some(maps) => maps.program(seq, addresses, valid_until).await,
+            None => lockstep_core::lb::announce::Written::Done,
+        }
+    }
+
+    fn announce(&self, address: IpAddr) {
+        if let Some(maps) = &self.0 {
+            Announcements::announce(maps, address);
+        }
     }
 }
 

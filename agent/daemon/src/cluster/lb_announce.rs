@@ -85,6 +85,10 @@ impl AnnounceKeys for Door {
         let resp = self
             .bounded("take an lb announcement", true, client.txn(txn))
             .await?;
+        // The next read of `lb/` (from the mirror) has this answer in it:
+        // a read older than a take must not tell the announcer the key is
+        // free or someone else's.
+        self.wrote_at(resp.header().map_or(0, |h| h.revision()));
         if resp.succeeded() {
             // Created by this transaction: its revision.
             return Ok(Some(resp.header().map_or(0, |h| h.revision())));
@@ -117,8 +121,13 @@ impl AnnounceKeys for Door {
             ])
             .and_then([TxnOp::delete(k, None)]);
         let mut client = self.client();
-        self.bounded("withdraw an lb announcement", true, client.txn(txn))
+        let resp = self
+            .bounded("withdraw an lb announcement", true, client.txn(txn))
             .await?;
+        // The next read of `lb/` (from the mirror) has the key gone: a read
+        // older than the withdrawal would show the key as this node's
+        // still, and the announcer would take it back.
+        self.wrote_at(resp.header().map_or(0, |h| h.revision()));
         Ok(())
     }
 

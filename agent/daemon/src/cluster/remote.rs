@@ -2,14 +2,14 @@
 //! entries and kernel routes, and the skip-masquerade cluster CIDRs as
 //! MASQ_SKIP entries, kept in step with etcd.
 //!
-//! The task reads pools, blocks and nodes once, then follows the door's
-//! watch from one past the first read's revision (the changes between the
-//! reads are replayed; each says what a key now holds, so replay is
-//! harmless). A watch that breaks is resumed from its last revision; a
-//! watch refused because etcd compacted that history means a full re-read,
-//! and the difference is applied like any change. The decisions (what
+//! The task reads pools, blocks and nodes from the agent's mirror
+//! ([`super::Mirror`], kept by one etcd watch, read again in full after a
+//! compaction or a rollback) whenever one of them changed there, and
+//! applies the difference. While the mirror is not live (etcd
+//! unreachable) the last state stays programmed. The decisions (what
 //! should exist, what differs) are the core's
-//! ([`lockstep_core::cluster::remote`]).
+//! ([`lockstep_core::cluster::remote`]). Routes are programmed only for a
+//! node with a datapath (an agent in the slot).
 //!
 //! Routes are this task's: `block via node_ip proto 213`
 //! ([`LOCKSTEP_ROUTE_PROTOCOL`]) in the agent's network namespace, checked
@@ -37,7 +37,7 @@ use lockstep_core::cluster::remote::{
 };
 use lockstep_core::cluster::routing::Routing;
 
-use super::{Change, ClusterStoreError, Door, DoorOptions, Watch};
+use super::{ClusterStoreError, Door, DoorOptions, Link, Stamp};
 use crate::agent::Agent;
 use crate::netlink::{LOCKSTEP_ROUTE_PROTOCOL, Netlink, NetlinkError};
 
@@ -176,12 +176,14 @@ pub struct RemoteTask {
     blocks: BTreeMap<(String, IpNet), String>,
     /// Where each node is reached: live node keys and routing keys.
     nodes: NodeDirectory,
-    /// The claim loop's handle, told when the watch sees etcd go back in
-    /// time.
-    claims: Option<Arc<super::ClusterHandle>>,
     /// How each remote block is reached (native, or through the tunnel).
     routing: Routing,
+    /// The agent's connection and mirror.
+    link: Link,
 }
+
+/// The areas the remote state is made of.
+const AREAS: [&str; 4] = ["pools/", "blocks/", "nodes/", "node_addrs/"];
 
 /// Resolves once `stop` is true (no guard held: the task stays `Send`).
 async fn stopped(stop: &mut tokio::sync::watch::Receiver<bool>) {
@@ -191,13 +193,11 @@ async fn stopped(stop: &mut tokio::sync::watch::Receiver<bool>) {
 /// Bound on each etcd request (as the node task's).
 const REQUEST_TIMEOUT: Duration = Duration::from_millis(600);
 
-/// How long to wait before reading or watching again after etcd failed.
-const RETRY: Duration = Duration::from_secs(1);
-
 impl RemoteTask {
-    /// A task for node `me` reaching etcd with `opts`, repairing routes
-    /// every `interval`.
-    pub fn new(me: String, opts: DoorOptions, interval: Duration) -> Self {
+    /// A task for node `me` following `link`'s mirror (reaching etcd with
+    /// `opts` when it is not live), repairing routes every `interval`.
+    pub fn new(me: String, mut opts: DoorOptions, interval: Duration, link: Link) -> Self {
+        opts.link = Some(link.clone());
         RemoteTask {
             me,
             opts,
@@ -206,8 +206,8 @@ impl RemoteTask {
             pools: BTreeMap::new(),
             blocks: BTreeMap::new(),
             nodes: NodeDirectory::default(),
-            claims: None,
             routing: Routing::native(),
+            link,
         }
     }
 
@@ -218,21 +218,18 @@ impl RemoteTask {
         self
     }
 
-    /// Tells `claims` (the claim loop's handle) whenever the watch sees
-    /// etcd go back in time (#26 item 3).
-    pub fn tell_rollbacks_to(mut self, claims: Arc<super::ClusterHandle>) -> Self {
-        self.claims = Some(claims);
-        self
-    }
-
     /// The task of the agent configured by `config` (its `[cluster]`
     /// section: etcd, prefix, TLS, node name), or `None` outside cluster
-    /// mode.
-    pub fn from_config(config: &crate::config::Config, interval: Duration) -> Option<Self> {
+    /// mode (or without the agent's `link`).
+    pub fn from_config(
+        config: &crate::config::Config,
+        interval: Duration,
+        link: Option<Link>,
+    ) -> Option<Self> {
         let c = config.cluster.as_ref()?;
         let me = c.node_name.clone().unwrap_or_else(|| config.node_name());
         let opts = DoorOptions::from_cluster_config(c, REQUEST_TIMEOUT);
-        Some(Self::new(me, opts, interval))
+        Some(Self::new(me, opts, interval, link?))
     }
 
     /// The handle the agent's desired state reads.
@@ -240,9 +237,9 @@ impl RemoteTask {
         self.view.clone()
     }
 
-    /// Reads everything; returns the revision to watch from.
-    async fn read_all(&mut self, door: &mut Door) -> Result<i64, ClusterStoreError> {
-        let (pools, _, revision) = door.pools().await?;
+    /// Reads everything (from the mirror while it is live).
+    async fn read_all(&mut self, door: &mut Door) -> Result<(), ClusterStoreError> {
+        let (pools, _, _) = door.pools().await?;
         let (blocks, _) = door.blocks().await?;
         let nodes = door.nodes().await?;
         let routing = door.node_addrs().await?;
@@ -258,57 +255,7 @@ impl RemoteTask {
                 .collect(),
             routing: routing.into_iter().map(|r| (r.name, r.ips)).collect(),
         };
-        Ok(revision + 1)
-    }
-
-    fn absorb(&mut self, changes: Vec<Change>) {
-        for c in changes {
-            match c {
-                Change::Pool {
-                    name,
-                    spec: Some(s),
-                } => {
-                    self.pools.insert(name, s);
-                }
-                Change::Pool { name, spec: None } => {
-                    self.pools.remove(&name);
-                }
-                Change::Block {
-                    pool,
-                    cidr,
-                    node: Some(n),
-                    ..
-                } => {
-                    self.blocks.insert((pool, cidr), n);
-                }
-                Change::Block {
-                    pool,
-                    cidr,
-                    node: None,
-                    ..
-                } => {
-                    self.blocks.remove(&(pool, cidr));
-                }
-                Change::Node {
-                    name,
-                    record: Some(r),
-                } => {
-                    self.nodes.live.insert(name, r.ips);
-                }
-                Change::Node { name, record: None } => {
-                    self.nodes.live.remove(&name);
-                }
-                Change::NodeAddr {
-                    name,
-                    record: Some(r),
-                } => {
-                    self.nodes.routing.insert(name, r.ips);
-                }
-                Change::NodeAddr { name, record: None } => {
-                    self.nodes.routing.remove(&name);
-                }
-            }
-        }
+        Ok(())
     }
 
     fn desired(&self) -> RemoteState {
@@ -332,9 +279,9 @@ impl RemoteTask {
             tracing::warn!(reason = %u, "a remote block is not routed");
         }
         if self.view.set(state) {
-            let slot = slot.clone();
+            let slot2 = slot.clone();
             let r = tokio::task::spawn_blocking(move || {
-                let mut guard = slot.lock().unwrap_or_else(|p| p.into_inner());
+                let mut guard = slot2.lock().unwrap_or_else(|p| p.into_inner());
                 guard.as_mut().map(Agent::reconcile)
             })
             .await;
@@ -342,10 +289,19 @@ impl RemoteTask {
                 tracing::error!(error = %crate::error_chain(&e), "reconcile after a remote change failed");
             }
         }
-        self.routes().await;
+        self.routes(slot).await;
     }
 
-    async fn routes(&self) {
+    /// Makes the kernel's routes the snapshot's, on a node with a
+    /// datapath (an agent in `slot`).
+    async fn routes(&self, slot: &Arc<Mutex<Option<Agent>>>) {
+        if slot
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .is_none()
+        {
+            return;
+        }
         let routes = self.view.snapshot().routes.clone();
         match tokio::task::spawn_blocking(move || sync_routes(&routes)).await {
             Ok(Ok(s)) if s != RouteSync::default() => {
@@ -365,7 +321,8 @@ impl RemoteTask {
         }
     }
 
-    /// Runs until `stop`: follows etcd, keeps the view and the routes.
+    /// Runs until `stop`: reads the mirror whenever what the remote state
+    /// is made of changed there, keeps the view and the routes.
     pub fn spawn(
         mut self,
         slot: Arc<Mutex<Option<Agent>>>,
@@ -373,86 +330,38 @@ impl RemoteTask {
     ) -> tokio::task::JoinHandle<()> {
         tokio::spawn(async move {
             let mut door: Option<Door> = None;
-            let mut watch: Option<Watch> = None;
-            let mut from: Option<i64> = None;
+            let mut bell = self.link.mirror().subscribe();
+            let mut applied: Option<Stamp> = None;
             let mut tick = tokio::time::interval(self.interval);
             loop {
-                if let Err(e) = self.step(&mut door, &mut watch, &mut from, &slot).await {
-                    tracing::warn!(error = %crate::error_chain(&e), "remote state: etcd not followed; retrying");
-                    tokio::select! {
-                        _ = tokio::time::sleep(RETRY) => {}
-                        _ = stopped(&mut stop) => break,
-                    }
-                    continue;
-                }
-                let w = watch.as_mut().expect("set by step");
-                tokio::select! {
-                    r = w.next() => match r {
-                        Ok(changes) => {
-                            from = Some(w.resume_from());
-                            if !changes.is_empty() {
-                                self.absorb(changes);
-                                self.publish(&slot).await;
-                            }
-                        }
-                        Err(ClusterStoreError::Compacted { compacted }) => {
-                            tracing::info!(compacted, "remote state: etcd compacted the watched history; reading everything again");
-                            watch = None;
-                            from = None;
-                        }
-                        Err(e @ ClusterStoreError::RolledBack { seen, .. }) => {
-                            tracing::warn!(error = %e, "remote state: etcd went back in time; reading everything again");
-                            if let Some(claims) = &self.claims {
-                                claims.etcd_went_back(seen);
-                            }
-                            watch = None;
-                            from = None;
-                        }
-                        Err(e @ ClusterStoreError::Unavailable { .. }) => {
-                            tracing::warn!(error = %crate::error_chain(&e), "remote state: watch broke; resuming");
-                            from = Some(w.resume_from());
-                            watch = None;
+                let stamp = self.link.mirror().stamp(&AREAS);
+                if stamp.live && applied != Some(stamp) {
+                    match self.step(&mut door).await {
+                        Ok(()) => {
+                            applied = Some(stamp);
+                            self.publish(&slot).await;
                         }
                         Err(e) => {
-                            tracing::error!(error = %crate::error_chain(&e), "remote state: unreadable change; reading everything again");
-                            watch = None;
-                            from = None;
+                            tracing::warn!(error = %crate::error_chain(&e), "remote state: etcd not read; the last state stays");
                         }
-                    },
-                    _ = tick.tick() => self.routes().await,
+                    }
+                }
+                tokio::select! {
+                    r = bell.changed() => if r.is_err() { break },
+                    _ = tick.tick() => self.routes(&slot).await,
                     _ = stopped(&mut stop) => break,
                 }
             }
         })
     }
 
-    /// Connects, reads everything when there is no revision to resume from,
-    /// and watches when there is no watch.
-    async fn step(
-        &mut self,
-        door: &mut Option<Door>,
-        watch: &mut Option<Watch>,
-        from: &mut Option<i64>,
-        slot: &Arc<Mutex<Option<Agent>>>,
-    ) -> Result<(), RemoteError> {
-        if watch.is_some() {
-            return Ok(());
-        }
+    /// Connects when needed and reads everything.
+    async fn step(&mut self, door: &mut Option<Door>) -> Result<(), RemoteError> {
         if door.is_none() {
             *door = Some(Door::connect(self.opts.clone()).await?);
         }
         let d = door.as_mut().expect("connected above");
-        let start = match *from {
-            Some(r) => r,
-            None => {
-                let r = self.read_all(d).await?;
-                self.publish(slot).await;
-                *from = Some(r);
-                r
-            }
-        };
-        *watch = Some(d.watch(start).await?);
-        tracing::info!(from = start, "remote state: watching etcd");
+        self.read_all(d).await?;
         Ok(())
     }
 }

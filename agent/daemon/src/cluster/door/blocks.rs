@@ -17,19 +17,18 @@ impl Door {
     /// # Errors
     /// etcd unavailable.
     pub async fn blocks(&mut self) -> Result<(Vec<Block>, i64), ClusterStoreError> {
-        let prefix = self.key("blocks/");
-        let (resp, revision) = self.list("read blocks", "blocks/").await?;
-        let mut out = Vec::new();
-        let mut bad = Vec::new();
-        for kv in resp.kvs() {
-            let key = String::from_utf8_lossy(kv.key()).into_owned();
-            match parse_block(&prefix, &key, kv.value(), kv.mod_revision()) {
-                Ok(b) => out.push(b),
-                Err(u) => bad.push(u),
+        self.parsed("read blocks", "blocks/", |prefix, kvs| {
+            let mut out = Vec::new();
+            let mut bad = Vec::new();
+            for kv in kvs {
+                match parse_block(prefix, &kv.key, &kv.value, kv.mod_revision) {
+                    Ok(b) => out.push(b),
+                    Err(u) => bad.push(u),
+                }
             }
-        }
-        self.note_unreadable(&prefix, bad);
-        Ok((out, revision))
+            (out, bad)
+        })
+        .await
     }
 
     /// Claims `cidr` of `pool` for `node`: created only if no one holds it.

@@ -21,10 +21,13 @@ use std::collections::BTreeMap;
 use std::future::Future;
 use std::time::Duration;
 
-use etcd_client::{Client, ConnectOptions, GetOptions, GetResponse, Txn, TxnResponse};
+use std::sync::atomic::{AtomicI64, Ordering};
+
+use etcd_client::{Client, ConnectOptions, GetOptions, Txn, TxnResponse};
 use ipnet::IpNet;
 use lockstep_core::cluster::StoreMark;
 
+use super::mirror::Kv;
 use super::{ClusterStoreError, Unreadable, escape};
 use failure::{never_sent, refusal, transient, unavailable};
 pub use options::{DoorOptions, TlsFiles};
@@ -41,6 +44,39 @@ const DEFAULT_KEY: &str = "default_pool";
 /// whole read, and with it their remote state).
 pub(super) const NODE_ADDRS: &str = "node_addrs/";
 
+/// A new connection to `opts.endpoints`. HTTP/2 pings every 10 s find a
+/// connection that stopped answering (a cut network) even while nothing
+/// is asked: the watches on it break, and the mirror stops being live.
+/// The answer may take 20 s: a process starved of CPU (3 s once closed
+/// every connection of a benchmark's 1,000 simulated nodes, and with them
+/// their watches and lease streams) is not a dead network.
+async fn dial(opts: &DoorOptions) -> Result<Client, ClusterStoreError> {
+    let mut options = ConnectOptions::new()
+        .with_connect_timeout(opts.timeout)
+        .with_timeout(opts.timeout)
+        .with_keep_alive(Duration::from_secs(10), Duration::from_secs(20))
+        .with_keep_alive_while_idle(true)
+        .with_require_leader(true);
+    if let Some(tls) = &opts.tls {
+        options = options.with_tls(tls.load()?);
+    }
+    tokio::time::timeout(
+        opts.timeout,
+        Client::connect(opts.endpoints.clone(), Some(options)),
+    )
+    .await
+    .map_err(|_| unavailable(opts, "connect", "timed out", false))?
+    .map_err(|e| unavailable(opts, "connect", &e.to_string(), false))
+}
+
+/// An area of the mirror as a listing parsed it (shared by the doors on
+/// one mirror).
+struct Parsed<T> {
+    value: T,
+    bad: Vec<Unreadable>,
+    mark: StoreMark,
+}
+
 /// A connection to etcd and the key layout under the prefix.
 pub struct Door {
     client: Client,
@@ -49,6 +85,11 @@ pub struct Door {
     unreadable: BTreeMap<String, Unreadable>,
     /// The cluster ID and store revision of the last listing's answer.
     mark: Option<StoreMark>,
+    /// The highest store revision a write of this door was answered at:
+    /// a listing from the mirror waits until the mirror saw it.
+    written: AtomicI64,
+    /// Open keep-alive streams, by lease.
+    keepers: BTreeMap<i64, (etcd_client::LeaseKeeper, etcd_client::LeaseKeepAliveStream)>,
 }
 
 impl std::fmt::Debug for Door {
@@ -98,26 +139,28 @@ impl Door {
                 }
             )));
         }
-        let mut options = ConnectOptions::new()
-            .with_connect_timeout(opts.timeout)
-            .with_timeout(opts.timeout)
-            .with_require_leader(true);
-        if let Some(tls) = &opts.tls {
-            options = options.with_tls(tls.load()?);
-        }
-        let client = tokio::time::timeout(
-            opts.timeout,
-            Client::connect(opts.endpoints.clone(), Some(options)),
-        )
-        .await
-        .map_err(|_| unavailable(&opts, "connect", "timed out", false))?
-        .map_err(|e| unavailable(&opts, "connect", &e.to_string(), false))?;
+        let client = match &opts.link {
+            Some(link) => link.client(|| dial(&opts)).await?,
+            None => dial(&opts).await?,
+        };
         Ok(Door {
             client,
             opts,
             unreadable: BTreeMap::new(),
             mark: None,
+            written: AtomicI64::new(0),
+            keepers: BTreeMap::new(),
         })
+    }
+
+    /// The highest store revision a write of this door was answered at.
+    pub(super) fn written(&self) -> i64 {
+        self.written.load(Ordering::Relaxed)
+    }
+
+    /// Notes that a write of this door was answered at `revision`.
+    pub(super) fn wrote_at(&self, revision: i64) {
+        self.written.fetch_max(revision, Ordering::Relaxed);
     }
 
     /// The options the door was made with.
@@ -205,11 +248,14 @@ impl Door {
         what: &str,
         txn: &Txn,
     ) -> Result<TxnResponse, ClusterStoreError> {
-        self.retrying_idempotent(what, |mut c| {
-            let txn = txn.clone();
-            async move { c.txn(txn).await }
-        })
-        .await
+        let resp = self
+            .retrying_idempotent(what, |mut c| {
+                let txn = txn.clone();
+                async move { c.txn(txn).await }
+            })
+            .await?;
+        self.wrote_at(resp.header().map_or(0, |h| h.revision()));
+        Ok(resp)
     }
 
     /// Runs `txn` as [`Door::retrying`] runs a write: made again only when
@@ -219,11 +265,14 @@ impl Door {
         what: &str,
         txn: &Txn,
     ) -> Result<TxnResponse, ClusterStoreError> {
-        self.retrying(what, true, |mut c| {
-            let txn = txn.clone();
-            async move { c.txn(txn).await }
-        })
-        .await
+        let resp = self
+            .retrying(what, true, |mut c| {
+                let txn = txn.clone();
+                async move { c.txn(txn).await }
+            })
+            .await?;
+        self.wrote_at(resp.header().map_or(0, |h| h.revision()));
+        Ok(resp)
     }
 
     /// Up to two tries per endpoint and one more, while `again` says the
@@ -262,38 +311,101 @@ impl Door {
     /// Every record under `rest` (one read) that `parse` reads, each with
     /// its key's mod revision and lease; a key it cannot read is skipped
     /// and kept in [`Door::unreadable`].
-    pub(super) async fn read_area<T>(
+    pub(super) async fn read_area<T: Clone + Send + Sync + 'static>(
         &mut self,
         what: &str,
-        rest: &str,
+        rest: &'static str,
         parse: fn(&str, &str, &[u8]) -> Result<T, String>,
     ) -> Result<Vec<(T, i64, i64)>, ClusterStoreError> {
-        let (resp, _) = self.list(what, rest).await?;
-        let area = self.key(rest);
-        let mut out = Vec::new();
-        let mut bad = Vec::new();
-        for kv in resp.kvs() {
-            let key = String::from_utf8_lossy(kv.key()).into_owned();
-            match parse(&area, &key, kv.value()) {
-                Ok(record) => out.push((record, kv.mod_revision(), kv.lease())),
-                Err(reason) => bad.push(Unreadable {
-                    key,
-                    reason,
-                    block: None,
-                }),
-            }
-        }
-        self.note_unreadable(&area, bad);
+        let (out, _) = self
+            .parsed(what, rest, move |area, kvs| {
+                let mut out = Vec::new();
+                let mut bad = Vec::new();
+                for kv in kvs {
+                    match parse(area, &kv.key, &kv.value) {
+                        Ok(record) => out.push((record, kv.mod_revision, kv.lease)),
+                        Err(reason) => bad.push(Unreadable {
+                            key: kv.key,
+                            reason,
+                            block: None,
+                        }),
+                    }
+                }
+                (out, bad)
+            })
+            .await?;
         Ok(out)
     }
 
-    /// Every key under `prefix/` (one read), and the store revision of it.
-    async fn list(
+    /// The keys under `rest` as `make` reads them (with the keys it could
+    /// not read, kept in [`Door::unreadable`]), and the store revision of
+    /// the listing. From a live mirror, `make` runs once per change of
+    /// the area for every door sharing the mirror: an agent's tasks, or a
+    /// benchmark's thousands of simulated nodes, parse it once.
+    pub(super) async fn parsed<T: Clone + Send + Sync + 'static>(
+        &mut self,
+        what: &str,
+        rest: &'static str,
+        make: impl FnOnce(&str, Vec<Kv>) -> (T, Vec<Unreadable>),
+    ) -> Result<(T, i64), ClusterStoreError> {
+        let area = self.key(rest);
+        let link = self.opts.link.clone();
+        if let Some(link) = &link {
+            let at_least = self.at_least();
+            if let Some(p) = link.mirror().made::<Parsed<T>>(rest)
+                && p.mark.revision >= at_least
+            {
+                self.mark = Some(p.mark);
+                self.note_unreadable(&area, p.bad.clone());
+                return Ok((p.value.clone(), p.mark.revision));
+            }
+        }
+        let at = link.as_ref().map(|l| l.mirror().stamp(&[rest]));
+        let (kvs, revision) = self.list(what, rest).await?;
+        let (value, bad) = make(&area, kvs);
+        if let (Some(link), Some(at), Some(mark)) = (&link, at, self.mark)
+            && at.live
+        {
+            link.mirror().keep(
+                rest,
+                at,
+                std::sync::Arc::new(Parsed {
+                    value: value.clone(),
+                    bad: bad.clone(),
+                    mark,
+                }),
+            );
+        }
+        self.note_unreadable(&area, bad);
+        Ok((value, revision))
+    }
+
+    /// The revision a listing must be at: never behind what this door
+    /// wrote or read before (a mark going backwards would read as etcd
+    /// going back in time).
+    fn at_least(&self) -> i64 {
+        self.written
+            .load(Ordering::Relaxed)
+            .max(self.mark.map_or(0, |m| m.revision))
+    }
+
+    /// Every key under `prefix/` (one read), and the store revision of it:
+    /// from the shared mirror while it is live and has seen this door's
+    /// last write (waiting for that at most the door's timeout), else
+    /// from etcd.
+    pub(super) async fn list(
         &mut self,
         what: &str,
         rest: &str,
-    ) -> Result<(GetResponse, i64), ClusterStoreError> {
+    ) -> Result<(Vec<Kv>, i64), ClusterStoreError> {
         let key = self.key(rest);
+        if let Some(link) = &self.opts.link {
+            let at_least = self.at_least();
+            if let Some((kvs, mark)) = link.mirror().read(&key, at_least, self.opts.timeout).await {
+                self.mark = Some(mark);
+                return Ok((kvs, mark.revision));
+            }
+        }
         let resp = self
             .retrying(what, false, |mut c| {
                 let key = key.clone();
@@ -307,6 +419,6 @@ impl Door {
                 revision: h.revision(),
             });
         }
-        Ok((resp, revision))
+        Ok((resp.kvs().iter().map(Kv::of).collect(), revision))
     }
 }

@@ -42,6 +42,25 @@ impl Door {
             })
             .await?
             .id();
+        self.publish_node(record, in_use, lease).await?;
+        Ok(lease)
+    }
+
+    /// Writes `record` (and the routing key, as [`Door::register_node`])
+    /// under `lease`, already granted and kept alive: what a node does
+    /// when what it publishes changes (its blocks, its counts), so the
+    /// lease is never granted anew for that (#27 item 6). Guarded as a
+    /// registration is.
+    ///
+    /// # Errors
+    /// As [`Door::register_node`]; a lease etcd no longer knows is
+    /// [`ClusterStoreError::Rejected`] (register again).
+    pub async fn publish_node(
+        &mut self,
+        record: &NodeRecord,
+        in_use: &[IpAddr],
+        lease: i64,
+    ) -> Result<(), ClusterStoreError> {
         let key = self.key(&format!("nodes/{}", record.name));
         let value = serde_json::to_vec(record).map_err(|e| ClusterStoreError::Corrupt {
             key: key.clone(),
@@ -102,7 +121,7 @@ impl Door {
                 });
             }
         }
-        Ok(lease)
+        Ok(())
     }
 
     /// The node key `key` as it stands: `None` when absent, else its record
@@ -144,25 +163,56 @@ impl Door {
             .filter(|theirs| theirs != ours))
     }
 
-    /// Refreshes `lease` once. A lease etcd no longer knows (expired while
-    /// the node was cut off) answers `Ok(false)`: register again.
+    /// Refreshes `lease` once, on a keep-alive stream kept open between
+    /// refreshes (#27 item 6): one message each time, where opening a
+    /// stream per refresh cost etcd a whole call. A lease etcd no longer
+    /// knows (expired while the node was cut off) answers `Ok(false)`:
+    /// register again. A stream that fails is opened anew once within the
+    /// bound (the client picks an endpoint again).
     ///
     /// # Errors
     /// etcd unavailable.
     pub async fn keep_alive(&mut self, lease: i64) -> Result<bool, ClusterStoreError> {
-        // Opening the keep-alive stream sends one refresh and reads its
-        // answer; a lease etcd no longer knows answers with a TTL of 0,
-        // which the client reports as "lease not found".
-        match self
-            .retrying_idempotent("refresh the node lease", |mut c| async move {
-                c.lease_keep_alive(lease).await
-            })
-            .await
-        {
-            Ok(_) => Ok(true),
-            Err(ClusterStoreError::Unavailable { what, .. })
-                if what.ends_with("lease not found") =>
-            {
+        let timeout = self.opts.timeout;
+        let deadline = tokio::time::Instant::now() + timeout;
+        let mut last = String::new();
+        for _ in 0..2 {
+            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+            match tokio::time::timeout(left, self.refresh_once(lease)).await {
+                Ok(Ok(alive)) => return Ok(alive),
+                Ok(Err(e)) => last = e.to_string(),
+                Err(_) => last = "timed out".into(),
+            }
+            // The stream is suspect: the next try opens a new one.
+            self.keepers.remove(&lease);
+        }
+        Err(unavailable(&self.opts, "refresh a lease", &last, true))
+    }
+
+    /// One refresh of `lease` on its stream (opened if none): whether
+    /// etcd still knows the lease.
+    async fn refresh_once(&mut self, lease: i64) -> Result<bool, etcd_client::Error> {
+        if let Some((keeper, stream)) = self.keepers.get_mut(&lease) {
+            keeper.keep_alive().await?;
+            return match stream.message().await? {
+                Some(r) => Ok(r.ttl() > 0),
+                None => Err(etcd_client::Error::LeaseKeepAliveError(
+                    "the keep-alive stream ended".into(),
+                )),
+            };
+        }
+        // Opening the stream sends one refresh and reads its answer; a
+        // lease etcd no longer knows answers with a TTL of 0, which the
+        // client reports as "lease not found".
+        match self.client().lease_keep_alive(lease).await {
+            Ok(pair) => {
+                // One stream per lease this door keeps: a lease dropped
+                // by its holder closes with the next one's.
+                self.keepers.retain(|l, _| *l == lease);
+                self.keepers.insert(lease, pair);
+                Ok(true)
+            }
+            Err(etcd_client::Error::LeaseKeepAliveError(m)) if m.contains("lease not found") => {
                 Ok(false)
             }
             Err(e) => Err(e),

@@ -22,6 +22,12 @@ pub struct DoorOptions {
     /// its own claims by (#26 item 5); `None` (operators' tools): block
     /// records name the node only.
     pub instance: Option<String>,
+    /// The connection and watch-fed mirror the agent's tasks share
+    /// (#27 item 6): a door made with it uses the shared connection and
+    /// answers its listings from the mirror while it is live. `None`
+    /// (operators' tools, tests of one door): a connection of its own,
+    /// every listing read from etcd.
+    pub link: Option<super::super::mirror::Link>,
 }
 
 /// The PEM files of TLS to etcd: the CA that signed etcd's serving
@@ -95,6 +101,7 @@ impl DoorOptions {
             timeout: Duration::from_secs(2),
             tls: None,
             instance: None,
+            link: None,
         }
     }
 
@@ -112,6 +119,7 @@ impl DoorOptions {
                 key: t.key.clone(),
             }),
             instance: None,
+            link: None,
         }
     }
 }

@@ -26,26 +26,27 @@ impl Door {
     pub async fn pools(
         &mut self,
     ) -> Result<(Vec<ClusterPoolSpec>, BTreeMap<String, i64>, i64), ClusterStoreError> {
-        let (resp, revision) = self.list("read pools", "pools/").await?;
-        let area = self.key("pools/");
-        let mut specs = Vec::new();
-        let mut revisions = BTreeMap::new();
-        let mut bad = Vec::new();
-        for kv in resp.kvs() {
-            let key = String::from_utf8_lossy(kv.key()).into_owned();
-            match parse_pool(&area, &key, kv.value()) {
-                Ok(spec) => {
-                    revisions.insert(spec.name.clone(), kv.mod_revision());
-                    specs.push(spec);
+        let ((specs, revisions), revision) = self
+            .parsed("read pools", "pools/", |area, kvs| {
+                let mut specs = Vec::new();
+                let mut revisions = BTreeMap::new();
+                let mut bad = Vec::new();
+                for kv in kvs {
+                    match parse_pool(area, &kv.key, &kv.value) {
+                        Ok(spec) => {
+                            revisions.insert(spec.name.clone(), kv.mod_revision);
+                            specs.push(spec);
+                        }
+                        Err(reason) => bad.push(Unreadable {
+                            key: kv.key,
+                            reason,
+                            block: None,
+                        }),
+                    }
                 }
-                Err(reason) => bad.push(Unreadable {
-                    key,
-                    reason,
-                    block: None,
-                }),
-            }
-        }
-        self.note_unreadable(&area, bad);
+                ((specs, revisions), bad)
+            })
+            .await?;
         Ok((specs, revisions, revision))
     }
 
@@ -57,20 +58,16 @@ impl Door {
     /// etcd unavailable.
     pub async fn stored_default(&mut self) -> Result<(Option<String>, i64), ClusterStoreError> {
         let key = self.key(DEFAULT_KEY);
-        let resp = self
-            .retrying("read the default pool", false, |mut c| {
-                let key = key.clone();
-                async move { c.get(key, None).await }
-            })
-            .await?;
-        let Some(kv) = resp.kvs().first() else {
+        // A listing (from the mirror when it is live) of the one key.
+        let (kvs, _) = self.list("read the default pool", DEFAULT_KEY).await?;
+        let Some(kv) = kvs.into_iter().find(|kv| kv.key == key) else {
             self.note_unreadable(&key, Vec::new());
             return Ok((None, 0));
         };
-        match parse_default(kv.value()) {
+        match parse_default(&kv.value) {
             Ok(name) => {
                 self.note_unreadable(&key, Vec::new());
-                Ok((Some(name), kv.mod_revision()))
+                Ok((Some(name), kv.mod_revision))
             }
             Err(reason) => {
                 let u = Unreadable {
@@ -79,7 +76,7 @@ impl Door {
                     block: None,
                 };
                 self.note_unreadable(&key, vec![u]);
-                Ok((None, kv.mod_revision()))
+                Ok((None, kv.mod_revision))
             }
         }
     }
@@ -265,10 +262,10 @@ impl Door {
         let written = plan_apply(&old, new, &claimed)?;
         // No endpoint pool may share an address with an LB pool.
         let (lb_pools, lb_pools_at) = self.list("read lb pools", "lb/pools/").await?;
-        for kv in lb_pools.kvs() {
+        for kv in lb_pools {
             let lb: lockstep_core::lb::LbPoolSpec =
-                serde_json::from_slice(kv.value()).map_err(|e| ClusterStoreError::Corrupt {
-                    key: String::from_utf8_lossy(kv.key()).into_owned(),
+                serde_json::from_slice(&kv.value).map_err(|e| ClusterStoreError::Corrupt {
+                    key: kv.key.clone(),
                     reason: e.to_string(),
                 })?;
             lockstep_core::lb::check_against_cluster_pools(&lb, &written)

@@ -62,6 +62,12 @@ impl ClusterNode {
                 // Settled again by the next read.
                 tracing::error!(error = %crate::error_chain(&e), cidr = %u.cidr, "a claimed block is not recorded; not serving it");
                 self.held.unrecord_claim(&u.pool, u.cidr, replaced);
+            } else {
+                // A block claimed, as any other: an ADD waiting for one
+                // is told once the allocator serves it (the round counts
+                // it). Before, only claims of the round were counted, and
+                // an ADD waiting while the block came this way timed out.
+                *self.settled.entry(u.pool.clone()).or_default() += 1;
             }
         }
         let before = self.held.blocks.len();

@@ -53,7 +53,9 @@ pub use served::local_specs;
 
 use super::handle::ClusterHandle;
 use super::held::{Held, HeldBlock};
-use super::{Block, Claim, ClusterStoreError, Door, DoorOptions, NodeRecord, ReservedRecord};
+use super::{
+    Block, Claim, ClusterStoreError, Door, DoorOptions, Link, NodeRecord, ReservedRecord, Stamp,
+};
 use crate::agent::Agent;
 use crate::config::{ClusterConfig, Config};
 
@@ -121,8 +123,31 @@ pub struct ClusterNode {
     overlaps: Vec<LocalOverlap>,
     /// What the node knows of etcd's history (rollbacks).
     history: restore::History,
+    /// The connection and mirror shared with the agent's other cluster
+    /// tasks (`None`: reads go to etcd).
+    link: Option<Link>,
+    /// Where the mirror stood at the last read that came from it.
+    synced: Option<Stamp>,
+    /// Another node's lease is gone: its gone mark and reclaim are due
+    /// with time, so the read runs every [`READ_EVERY`] even when
+    /// nothing changes.
+    gone_pending: bool,
+    /// Blocks a read settled as this node's (a claim whose answer was
+    /// lost), per pool: counted as claims once served.
+    settled: BTreeMap<String, u64>,
     handle: Arc<ClusterHandle>,
 }
+
+/// The areas the claim loop reads: a change in any of them is read at
+/// the next round.
+const AREAS: [&str; 6] = [
+    "pools/",
+    "blocks/",
+    "nodes/",
+    "node_addrs/",
+    "reserved/",
+    "default_pool",
+];
 
 impl std::fmt::Debug for ClusterNode {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -138,6 +163,13 @@ fn now_ms() -> u64 {
         .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
 
+/// Whether `slot` holds no agent (a node run without one, as the cluster
+/// benchmark's simulated nodes): told without waiting on a held lock, so
+/// such a node skips the blocking pool.
+pub(crate) fn no_agent(slot: &Mutex<Option<Agent>>) -> bool {
+    matches!(slot.try_lock(), Ok(g) if g.is_none())
+}
+
 fn lock_agent(slot: &Mutex<Option<Agent>>) -> std::sync::MutexGuard<'_, Option<Agent>> {
     slot.lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner)
@@ -151,7 +183,23 @@ impl ClusterNode {
     ///
     /// # Errors
     /// The node addresses cannot be found, or the record is unreadable.
-    pub async fn start(config: &Config, agent: &mut Agent) -> Result<Self, String> {
+    pub async fn start(
+        config: &Config,
+        agent: &mut Agent,
+        link: Option<Link>,
+    ) -> Result<Self, String> {
+        let mut node = Self::connect(config, link).await?;
+        node.apply(agent);
+        Ok(node)
+    }
+
+    /// As [`ClusterNode::start`] without giving an allocator its pools:
+    /// the claim loop of a node whose allocator is elsewhere (the cluster
+    /// benchmark's simulated nodes, which run this loop with no agent).
+    ///
+    /// # Errors
+    /// As [`ClusterNode::start`].
+    pub async fn connect(config: &Config, link: Option<Link>) -> Result<Self, String> {
         let cluster = config.cluster.clone().ok_or("no [cluster] section")?;
         let name = cluster
             .node_name
@@ -204,6 +252,10 @@ impl ClusterNode {
             served: None,
             overlaps: Vec::new(),
             history,
+            link,
+            synced: None,
+            gone_pending: false,
+            settled: BTreeMap::new(),
             handle: Arc::new(ClusterHandle::default()),
         };
         node.held.node = node.name.clone();
@@ -230,7 +282,6 @@ impl ClusterNode {
         // configuration error: refused before anything is served.
         lockstep_core::cluster::check_configured(node.overlaps.clone())
             .map_err(|e| e.to_string())?;
-        node.apply(agent);
         Ok(node)
     }
 
@@ -247,6 +298,7 @@ impl ClusterNode {
     fn options(&self) -> DoorOptions {
         let mut opts = DoorOptions::from_cluster_config(&self.cluster, REQUEST_TIMEOUT);
         opts.instance = Some(self.instance.clone());
+        opts.link = self.link.clone();
         opts
     }
 
@@ -281,7 +333,11 @@ impl ClusterNode {
             self.set_problem(Some(&e));
             return false;
         }
-        self.set_problem(None);
+        // Read from etcd, the read says it answers. From the mirror, it
+        // says nothing new: the loop's own requests (the lease) tell.
+        if !self.mirrored() {
+            self.set_problem(None);
+        }
         self.held.pools = pools;
         self.pool_revisions = revisions;
         self.held.default_pool = default;
@@ -418,6 +474,17 @@ impl ClusterNode {
         }
     }
 
+    /// Where the mirror stands for the areas this loop reads (`None`:
+    /// no mirror).
+    fn stamp(&self) -> Option<Stamp> {
+        self.link.as_ref().map(|l| l.mirror().stamp(&AREAS))
+    }
+
+    /// Whether reads come from a live mirror now.
+    fn mirrored(&self) -> bool {
+        self.link.as_ref().is_some_and(|l| l.mirror().live())
+    }
+
     /// Gives the allocator the pools of the record (at start, before the
     /// agent serves).
     fn apply(&mut self, agent: &mut Agent) {
@@ -432,7 +499,7 @@ impl ClusterNode {
     /// serving here, at once.
     async fn serve(&mut self, slot: &Arc<Mutex<Option<Agent>>>) {
         let want = self.wanted(&self.held);
-        if self.served.as_ref() == Some(&want) {
+        if self.served.as_ref() == Some(&want) || no_agent(slot) {
             return;
         }
         let had = self.served.clone();
@@ -455,38 +522,71 @@ impl ClusterNode {
         }
     }
 
-    /// Registers the node, or refreshes its lease; re-registers when the
-    /// record changed or the lease is gone.
+    /// Registers the node, or keeps its lease alive; publishes what it
+    /// holds under the same lease when that changed (#27 item 6: the
+    /// lease is granted once and kept alive, never granted anew because
+    /// a count moved). Registers again only when the lease is gone.
     async fn lease(&mut self, record: NodeRecord, addrs: Vec<IpAddr>) {
+        let problem = self.handle.etcd_problem().is_some();
         let Some(door) = self.door.as_mut() else {
             return;
         };
         let ttl = self.cluster.lease_ttl;
         let refresh = ttl / 3;
-        // The counts change with every ADD: published with the next refresh;
-        // a change of blocks or addresses at once.
-        let same_blocks = self
+        let same = self.published.as_ref() == Some(&record) && self.published_addrs == addrs;
+        // The counts change with every ADD: published with the next
+        // refresh; a change of blocks or addresses at once (the addresses
+        // in use are what stays reserved if the node's blocks are taken).
+        let urgent = !self
             .published
             .as_ref()
             .is_some_and(|p| p.blocks == record.blocks && p.ips == record.ips)
-            // The addresses in use at once too: they are what stays
-            // reserved if the node's blocks are taken.
-            && self.published_addrs == addrs;
+            || self.published_addrs != addrs;
         let result = match self.lease {
-            Some((_, at)) if same_blocks && at.elapsed() < refresh => return,
-            Some((lease, _))
-                if self.published.as_ref() == Some(&record) && self.published_addrs == addrs =>
-            {
-                match door.keep_alive(lease).await {
+            // Nothing to publish now, the lease fresh: no request. While
+            // etcd failed, a refresh each round tells when it answers.
+            Some((_, at)) if !urgent && at.elapsed() < refresh && !problem => return,
+            Some((lease, _)) if same => match door.keep_alive(lease).await {
+                Ok(true) => {
+                    self.lease = Some((lease, Instant::now()));
+                    self.set_problem(None);
+                    return;
+                }
+                Ok(false) => door.register_node(&record, &addrs, ttl).await,
+                Err(e) => Err(e),
+            },
+            // What the node publishes changed: written under the lease
+            // it holds. Refreshed first when due, so the write never
+            // lands on a lease about to end.
+            Some((lease, at)) => {
+                let alive = if at.elapsed() >= refresh || problem {
+                    door.keep_alive(lease).await
+                } else {
+                    Ok(true)
+                };
+                match alive {
                     Ok(true) => {
-                        self.lease = Some((lease, Instant::now()));
-                        return;
+                        let now = Instant::now();
+                        match door.publish_node(&record, &addrs, lease).await {
+                            Ok(()) => Ok(lease),
+                            // The lease ended between the refresh and the
+                            // write: a new registration.
+                            Err(ClusterStoreError::Rejected { .. }) => {
+                                door.register_node(&record, &addrs, ttl).await
+                            }
+                            Err(e) => Err(e),
+                        }
+                        .inspect(|_| {
+                            if at.elapsed() >= refresh || problem {
+                                self.lease = Some((lease, now));
+                            }
+                        })
                     }
                     Ok(false) => door.register_node(&record, &addrs, ttl).await,
                     Err(e) => Err(e),
                 }
             }
-            _ => door.register_node(&record, &addrs, ttl).await,
+            None => door.register_node(&record, &addrs, ttl).await,
         };
         match result {
             Ok(lease) => {
@@ -494,12 +594,19 @@ impl ClusterNode {
                     tracing::info!("the node name is this agent's again");
                     self.handle.lock().identity = None;
                 }
-                if let Some((old, _)) = self.lease
-                    && old != lease
-                {
-                    tracing::debug!(old, lease, "node re-registered under a new lease");
+                match self.lease {
+                    Some((old, _)) if old == lease => {}
+                    Some((old, _)) => {
+                        tracing::info!(
+                            old,
+                            lease,
+                            "node registered again under a new lease (the old one ended)"
+                        );
+                        self.lease = Some((lease, Instant::now()));
+                    }
+                    None => self.lease = Some((lease, Instant::now())),
                 }
-                self.lease = Some((lease, Instant::now()));
+                self.set_problem(None);
                 self.published = Some(record);
                 self.published_addrs = addrs;
             }
@@ -524,8 +631,17 @@ impl ClusterNode {
             self.watch_saw(seen);
             self.read_next = true;
         }
+        // With the mirror live, a read costs etcd nothing and is due when
+        // something it reads changed (or a gone node's deadline may have
+        // come); without it, every READ_EVERY as before.
+        let stamp = self.stamp();
+        let every = self.last_read.is_none_or(|t| t.elapsed() >= READ_EVERY);
+        let due = match stamp {
+            Some(s) if s.live => self.synced != Some(s) || (self.gone_pending && every),
+            _ => every,
+        };
         let must_read = self.read_next
-            || self.last_read.is_none_or(|t| t.elapsed() >= READ_EVERY)
+            || due
             || self.handle.etcd_problem().is_some()
             || !self.handle.lock().wanted.is_empty();
         if must_read {
@@ -535,6 +651,7 @@ impl ClusterNode {
         if must_read && reachable {
             self.last_read = Some(Instant::now());
             self.read_next = false;
+            self.synced = stamp.filter(|s| s.live);
         }
         // A block the read fenced leaves the allocator now, before any
         // claim (each may take several requests to etcd).
@@ -544,7 +661,9 @@ impl ClusterNode {
         // What the allocator holds, per pool and family, under one lock.
         let blocks: Vec<HeldBlock> = self.held.blocks.clone();
         let cidrs: Vec<IpNet> = blocks.iter().map(|b| b.cidr).collect();
-        let (used, addrs) = {
+        let (used, addrs) = if no_agent(slot) {
+            (vec![0; cidrs.len()], Vec::new())
+        } else {
             let slot = slot.clone();
             let asked = cidrs.clone();
             tokio::task::spawn_blocking(move || {
@@ -680,8 +799,9 @@ impl ClusterNode {
             }
         }
         // Blocks claimed per pool: counted (and the waiting ADDs told) only
-        // once the allocator serves them, below.
-        let mut claimed: BTreeMap<String, u64> = BTreeMap::new();
+        // once the allocator serves them, below; with them those the read
+        // settled as this node's.
+        let mut claimed: BTreeMap<String, u64> = std::mem::take(&mut self.settled);
         if reachable {
             for (pool, family, n) in claims {
                 for _ in 0..n {

@@ -36,6 +36,9 @@ impl ClusterNode {
         let now = now_ms();
         let after = u64::try_from(self.cluster.reclaim_after.as_millis()).unwrap_or(u64::MAX);
         let mut reclaimed = false;
+        self.gone_pending = routing
+            .iter()
+            .any(|(r, _)| r.name != self.name && !alive.contains(&r.name));
         for (record, revision) in &routing {
             if record.name == self.name {
                 // Marked gone while alive (a refresh that came late): a

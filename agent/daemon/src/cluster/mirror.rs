@@ -1,0 +1,609 @@
+//! Every key under the prefix, kept by one etcd watch (#27 item 6): what
+//! an agent's cluster tasks read instead of asking etcd again and again.
+//!
+//! Why: every node used to read all of `blocks/` (and since #26 the
+//! nodes, routing keys and reservations) every 5 s, and all of `lb/`
+//! every 200 ms. Each read carries the whole cluster, and every node makes
+//! it, so etcd's load grew with the square of the cluster. The mirror
+//! reads everything once (in pages, at one revision), then follows a watch
+//! from one past that revision: in steady state etcd sends each change
+//! once to each node, and nothing else.
+//!
+//! What stays exactly as safe as the reads it replaces:
+//! - A full read again after a compaction (the watch's history is gone),
+//!   after the store's revision went below one already seen, and when the
+//!   answer comes from another etcd cluster (another cluster ID): both are
+//!   what a restore from a backup looks like. The full read is
+//!   linearizable, so a watch answered by a member still catching up is
+//!   not taken for a rollback: only a full read below the highest revision
+//!   seen is, and then every handle told of rollbacks hears it
+//!   ([`super::ClusterHandle::etcd_went_back`]).
+//! - While the watch is broken (etcd unreachable, a member without a
+//!   leader cancels it) the mirror is not *live*: readers fall back to
+//!   reading etcd, which fails as it always did, so nothing is decided on
+//!   a view etcd no longer vouches for.
+//! - A reader that wrote at revision `R` reads only once the mirror has
+//!   seen `R` ([`Mirror::read`]), so it sees its own writes.
+//! - Every reply carries the store's revision and cluster ID: readers
+//!   compare them with what they recorded (the claim loop's restore
+//!   detection) as they compared a read's.
+
+use std::any::Any;
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::Duration;
+
+use etcd_client::{EventType, GetOptions, WatchOptions};
+use lockstep_core::cluster::StoreMark;
+
+use super::{ClusterHandle, ClusterStoreError, Door, DoorOptions};
+
+/// Keys per page of a full read: well under gRPC's 4 MiB answer limit
+/// with the largest values this build writes.
+const PAGE: i64 = 1_000;
+/// How long to wait before reading or watching again after etcd failed.
+const RETRY: Duration = Duration::from_secs(1);
+
+/// One key as the mirror holds it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Kv {
+    /// The whole key.
+    pub key: String,
+    /// Its value.
+    pub value: Vec<u8>,
+    /// The revision of its last change.
+    pub mod_revision: i64,
+    /// The revision that created it.
+    pub create_revision: i64,
+    /// The lease it is bound to (0: none).
+    pub lease: i64,
+}
+
+impl Kv {
+    pub(super) fn of(kv: &etcd_client::KeyValue) -> Kv {
+        Kv {
+            key: String::from_utf8_lossy(kv.key()).into_owned(),
+            value: kv.value().to_vec(),
+            mod_revision: kv.mod_revision(),
+            create_revision: kv.create_revision(),
+            lease: kv.lease(),
+        }
+    }
+}
+
+#[derive(Debug, Default)]
+struct State {
+    /// Whether the watch follows etcd now.
+    live: bool,
+    kvs: BTreeMap<String, Kv>,
+    /// The store revision the keys are at.
+    revision: i64,
+    cluster_id: u64,
+    /// Full reads so far (a reader seeing it change re-reads everything).
+    generation: u64,
+    /// Per area (the key's first segment under the prefix, `blocks/`,
+    /// `lb/`, `default_pool`): the revision of its last change.
+    changed: BTreeMap<String, i64>,
+}
+
+/// Where a reader stands: the full read's generation and the revision of
+/// the last change of the areas it reads. Equal stamps: nothing it reads
+/// changed.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Stamp {
+    /// Full reads so far.
+    pub generation: u64,
+    /// The last change's revision.
+    pub revision: i64,
+    /// Whether the mirror is live.
+    pub live: bool,
+}
+
+/// A value made from an area of the mirror, and where the area stood.
+type Made = (Stamp, Arc<dyn Any + Send + Sync>);
+
+/// Every key under the prefix, followed by one watch. Shared by an
+/// agent's cluster tasks (through [`Link`]).
+#[derive(Debug)]
+pub struct Mirror {
+    prefix: String,
+    state: RwLock<State>,
+    /// Bumped at every change (keys, liveness): readers wait on it.
+    bell: tokio::sync::watch::Sender<u64>,
+    /// Told when a full read finds etcd gone back in time.
+    rollbacks: Mutex<Vec<Arc<ClusterHandle>>>,
+    /// Values made from an area, kept while the area does not change:
+    /// readers sharing the mirror parse it once per change.
+    made: Mutex<BTreeMap<&'static str, Made>>,
+}
+
+impl Mirror {
+    /// An empty mirror of `prefix` (not live until [`Mirror::spawn`]'s
+    /// first full read).
+    pub fn new(prefix: &str) -> Self {
+        Mirror {
+            prefix: prefix.to_string(),
+            state: RwLock::new(State::default()),
+            bell: tokio::sync::watch::Sender::new(0),
+            rollbacks: Mutex::new(Vec::new()),
+            made: Mutex::new(BTreeMap::new()),
+        }
+    }
+
+    /// The value last made from `area` while it has not changed since
+    /// (`None`: make it, and [`Mirror::keep`] it).
+    pub fn made<T: Any + Send + Sync>(&self, area: &'static str) -> Option<Arc<T>> {
+        let now = self.stamp(&[area]);
+        let made = self
+            .made
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let (at, v) = made.get(area)?;
+        if *at != now || !now.live {
+            return None;
+        }
+        v.clone().downcast::<T>().ok()
+    }
+
+    /// Keeps `value`, made from `area` as it stood at `at`.
+    pub fn keep<T: Any + Send + Sync>(&self, area: &'static str, at: Stamp, value: Arc<T>) {
+        self.made
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .insert(area, (at, value));
+    }
+
+    fn read_state(&self) -> std::sync::RwLockReadGuard<'_, State> {
+        self.state
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn write_state(&self) -> std::sync::RwLockWriteGuard<'_, State> {
+        self.state
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn ring(&self) {
+        self.bell.send_modify(|n| *n = n.wrapping_add(1));
+    }
+
+    /// A receiver that changes whenever the mirror does.
+    pub fn subscribe(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.bell.subscribe()
+    }
+
+    /// Tells `handle` (a claim loop's) whenever a full read finds etcd
+    /// gone back in time (#26 item 3).
+    pub fn tell_rollbacks_to(&self, handle: Arc<ClusterHandle>) {
+        self.rollbacks
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .push(handle);
+    }
+
+    /// Whether the watch follows etcd now.
+    pub fn live(&self) -> bool {
+        self.read_state().live
+    }
+
+    /// Where the areas under `areas` (segments under the prefix: `"lb/"`,
+    /// `"blocks/"`) stand.
+    pub fn stamp(&self, areas: &[&str]) -> Stamp {
+        let s = self.read_state();
+        Stamp {
+            generation: s.generation,
+            revision: areas
+                .iter()
+                .filter_map(|a| s.changed.get(*a))
+                .copied()
+                .max()
+                .unwrap_or(0),
+            live: s.live,
+        }
+    }
+
+    /// The keys under `key` (a prefix) once the mirror is live and has
+    /// seen revision `at_least` (waiting at most `within`), with the store
+    /// mark they are at; `None` when it is not live or does not get there
+    /// in time (the caller reads etcd).
+    pub async fn read(
+        &self,
+        key: &str,
+        at_least: i64,
+        within: Duration,
+    ) -> Option<(Vec<Kv>, StoreMark)> {
+        let mut bell = self.subscribe();
+        let ready = |s: &State| s.live && s.revision >= at_least;
+        // Not live: the caller reads etcd at once (waiting would only
+        // delay the answer of an etcd that does not answer).
+        if !self.live() {
+            return None;
+        }
+        if !ready(&self.read_state()) {
+            let wait = async {
+                loop {
+                    if bell.changed().await.is_err() {
+                        return;
+                    }
+                    if ready(&self.read_state()) {
+                        return;
+                    }
+                }
+            };
+            let _ = tokio::time::timeout(within, wait).await;
+        }
+        let s = self.read_state();
+        if !ready(&s) {
+            return None;
+        }
+        let kvs = s
+            .kvs
+            .range(key.to_string()..)
+            .take_while(|(k, _)| k.starts_with(key))
+            .map(|(_, v)| v.clone())
+            .collect();
+        Some((
+            kvs,
+            StoreMark {
+                cluster_id: s.cluster_id,
+                revision: s.revision,
+            },
+        ))
+    }
+
+    fn area(&self, key: &str) -> String {
+        let rest = key.strip_prefix(&self.prefix).unwrap_or(key);
+        match rest.find('/') {
+            Some(i) => rest[..=i].to_string(),
+            None => rest.to_string(),
+        }
+    }
+
+    /// Replaces everything by a full read at `revision`.
+    fn replace(&self, kvs: Vec<Kv>, revision: i64, cluster_id: u64) {
+        {
+            let mut s = self.write_state();
+            s.kvs = kvs.into_iter().map(|kv| (kv.key.clone(), kv)).collect();
+            s.revision = revision;
+            s.cluster_id = cluster_id;
+            s.generation += 1;
+            s.changed.clear();
+            s.live = true;
+        }
+        self.ring();
+    }
+
+    fn set_live(&self, live: bool) {
+        let was = std::mem::replace(&mut self.write_state().live, live);
+        if was != live {
+            self.ring();
+        }
+    }
+
+    /// Follows etcd until `stop`: a full read, then the watch; a full read
+    /// again after a compaction, a drop of the revision or another cluster
+    /// ID; the watch resumed after a break.
+    pub fn spawn(
+        self: Arc<Self>,
+        opts: DoorOptions,
+        mut stop: tokio::sync::watch::Receiver<bool>,
+    ) -> tokio::task::JoinHandle<()> {
+        tokio::spawn(async move {
+            let mut door: Option<Door> = None;
+            // The revision to watch from; `None`: read everything first.
+            let mut from: Option<i64> = None;
+            // The highest revision seen (a full read below it: a rollback).
+            let mut seen: i64 = 0;
+            loop {
+                let step = self.follow(&opts, &mut door, &mut from, &mut seen);
+                let outcome = tokio::select! {
+                    r = step => r,
+                    _ = stop.wait_for(|s| *s) => break,
+                };
+                self.set_live(false);
+                if let Err(e) = outcome {
+                    tracing::warn!(error = %crate::error_chain(&e), "cluster mirror: watch broke (or etcd unreachable); reads go to etcd until it follows again");
+                    tokio::select! {
+                        _ = tokio::time::sleep(RETRY) => {}
+                        _ = stop.wait_for(|s| *s) => break,
+                    }
+                }
+            }
+            self.set_live(false);
+        })
+    }
+
+    /// Reads everything when `from` is `None`, then follows the watch
+    /// until it breaks (`Err`) or asks for a full read (`Ok`, `from`
+    /// reset).
+    async fn follow(
+        &self,
+        opts: &DoorOptions,
+        door: &mut Option<Door>,
+        from: &mut Option<i64>,
+        seen: &mut i64,
+    ) -> Result<(), ClusterStoreError> {
+        if door.is_none() {
+            *door = Some(Door::connect(opts.clone()).await?);
+        }
+        let d = door.as_mut().expect("connected above");
+        let start = match *from {
+            Some(r) => r,
+            None => {
+                let (kvs, mark) = d.read_everything(PAGE).await?;
+                if mark.revision < *seen {
+                    tracing::error!(
+                        seen = *seen,
+                        now = mark.revision,
+                        "cluster mirror: etcd went back in time (restored from a backup?)"
+                    );
+                    for h in self
+                        .rollbacks
+                        .lock()
+                        .unwrap_or_else(std::sync::PoisonError::into_inner)
+                        .iter()
+                    {
+                        h.etcd_went_back(*seen);
+                    }
+                }
+                *seen = (*seen).max(mark.revision);
+                self.replace(kvs, mark.revision, mark.cluster_id);
+                *from = Some(mark.revision + 1);
+                mark.revision + 1
+            }
+        };
+        let mut stream = d.watch_raw(start).await?;
+        let cluster_id = self.read_state().cluster_id;
+        loop {
+            let msg = stream.message().await;
+            let resp = match msg {
+                Ok(Some(r)) => r,
+                Ok(None) => {
+                    return Err(broke(&self.prefix, "the stream ended"));
+                }
+                Err(e) => return Err(broke(&self.prefix, &e.to_string())),
+            };
+            let header = resp.header().map(|h| (h.revision(), h.cluster_id()));
+            if let Some((rev, id)) = header {
+                // Another cluster, or a revision below what the watch
+                // already delivered: a restore, or a member behind.
+                // The full read (linearizable) tells which.
+                if (id != 0 && cluster_id != 0 && id != cluster_id) || (rev > 0 && rev < start - 1)
+                {
+                    tracing::warn!(
+                        revision = rev,
+                        expected = start - 1,
+                        "cluster mirror: the watch answers from another history; reading everything again"
+                    );
+                    *from = None;
+                    return Ok(());
+                }
+            }
+            if resp.compact_revision() > 0 {
+                tracing::info!(
+                    compacted = resp.compact_revision(),
+                    "cluster mirror: etcd compacted the watched history; reading everything again"
+                );
+                *from = None;
+                return Ok(());
+            }
+            if resp.canceled() {
+                return Err(broke(
+                    &self.prefix,
+                    &format!("cancelled: {}", resp.cancel_reason()),
+                ));
+            }
+            if resp.created() {
+                // The watch stands: the mirror is live from here on.
+                self.set_live(true);
+            }
+            let mut next = from.unwrap_or(start);
+            {
+                let mut s = self.write_state();
+                // Every change of a revision comes in one answer (a
+                // transaction's several keys, a lease's end deleting all
+                // of its keys): all of them are applied, not only the
+                // first (which raised the mirror's revision, and the
+                // others looked like old news).
+                let applied = s.revision;
+                for event in resp.events() {
+                    let Some(kv) = event.kv() else { continue };
+                    let key = String::from_utf8_lossy(kv.key()).into_owned();
+                    let area = self.area(&key);
+                    let rev = kv.mod_revision();
+                    // Changes at or below the revision the mirror had
+                    // reached were in the full read or came before (a
+                    // resumed watch starts one revision early).
+                    if rev > applied {
+                        match event.event_type() {
+                            EventType::Delete => {
+                                s.kvs.remove(&key);
+                            }
+                            EventType::Put => {
+                                s.kvs.insert(key, Kv::of(kv));
+                            }
+                        }
+                        s.changed.insert(area, rev);
+                    }
+                    next = next.max(rev + 1);
+                    s.revision = s.revision.max(rev);
+                }
+                if let Some((rev, _)) = header
+                    && resp.events().is_empty()
+                    && !resp.created()
+                {
+                    // A progress notification: nothing under the prefix
+                    // changed up to `rev`.
+                    s.revision = s.revision.max(rev);
+                    next = next.max(rev + 1);
+                }
+                *seen = (*seen).max(s.revision);
+            }
+            *from = Some(next);
+            self.ring();
+        }
+    }
+}
+
+fn broke(prefix: &str, why: &str) -> ClusterStoreError {
+    ClusterStoreError::Unavailable {
+        endpoints: String::new(),
+        what: format!("watch of {prefix}: {why}"),
+        maybe_written: false,
+    }
+}
+
+/// What an agent's cluster tasks share: one connection to etcd (each
+/// task's requests multiplexed on it) and one [`Mirror`].
+#[derive(Clone)]
+pub struct Link {
+    client: Arc<tokio::sync::OnceCell<etcd_client::Client>>,
+    mirror: Arc<Mirror>,
+}
+
+impl std::fmt::Debug for Link {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Link")
+            .field("connected", &self.client.initialized())
+            .field("mirror", &self.mirror.prefix)
+            .finish()
+    }
+}
+
+impl Link {
+    /// A link whose mirror follows `prefix`; the connection is made by the
+    /// first door that needs it.
+    pub fn new(prefix: &str) -> Self {
+        Link {
+            client: Arc::new(tokio::sync::OnceCell::new()),
+            mirror: Arc::new(Mirror::new(prefix)),
+        }
+    }
+
+    /// The shared mirror.
+    pub fn mirror(&self) -> &Arc<Mirror> {
+        &self.mirror
+    }
+
+    /// The shared connection, made by `connect` if there is none yet.
+    pub(super) async fn client<F, Fut>(
+        &self,
+        connect: F,
+    ) -> Result<etcd_client::Client, ClusterStoreError>
+    where
+        F: FnOnce() -> Fut,
+        Fut: Future<Output = Result<etcd_client::Client, ClusterStoreError>>,
+    {
+        self.client.get_or_try_init(connect).await.cloned()
+    }
+}
+
+impl Door {
+    /// Every key under the prefix at one revision, read in pages of
+    /// `page` keys (one answer for the whole cluster passed gRPC's 4 MiB
+    /// limit at a few thousand nodes), and the store mark of the read.
+    ///
+    /// # Errors
+    /// etcd unavailable, or the history compacted between two pages (read
+    /// again).
+    pub(super) async fn read_everything(
+        &self,
+        page: i64,
+    ) -> Result<(Vec<Kv>, StoreMark), ClusterStoreError> {
+        let prefix = self.options().prefix.clone();
+        let end = prefix_end(&prefix);
+        let mut out = Vec::new();
+        let mut at = 0;
+        let mut mark = StoreMark::default();
+        let mut from = prefix.clone().into_bytes();
+        loop {
+            let resp = self
+                .retrying("read everything", false, |mut c| {
+                    let from = from.clone();
+                    let end = end.clone();
+                    async move {
+                        let mut o = GetOptions::new().with_range(end).with_limit(page);
+                        if at > 0 {
+                            o = o.with_revision(at);
+                        }
+                        c.get(from, Some(o)).await
+                    }
+                })
+                .await?;
+            if let Some(h) = resp.header()
+                && at == 0
+            {
+                at = h.revision();
+                mark = StoreMark {
+                    cluster_id: h.cluster_id(),
+                    revision: h.revision(),
+                };
+            }
+            out.extend(resp.kvs().iter().map(Kv::of));
+            match resp.kvs().last() {
+                Some(last) if resp.more() => {
+                    from = last.key().to_vec();
+                    from.push(0);
+                }
+                _ => break,
+            }
+        }
+        Ok((out, mark))
+    }
+
+    /// A raw watch of every key under the prefix from `from` (inclusive),
+    /// started one revision earlier (see [`Door::watch`]: a compaction at
+    /// exactly `from` is then refused, not silently skipped).
+    pub(super) async fn watch_raw(
+        &self,
+        from: i64,
+    ) -> Result<etcd_client::WatchStream, ClusterStoreError> {
+        let prefix = self.options().prefix.clone();
+        let start = if from > 1 { from - 1 } else { from };
+        self.retrying("watch", false, |mut c| {
+            let prefix = prefix.clone();
+            async move {
+                let options = WatchOptions::new()
+                    .with_prefix()
+                    .with_start_revision(start)
+                    .with_progress_notify();
+                c.watch(prefix, Some(options)).await
+            }
+        })
+        .await
+    }
+}
+
+/// The end of the range of keys starting with `prefix`.
+fn prefix_end(prefix: &str) -> Vec<u8> {
+    let mut end = prefix.as_bytes().to_vec();
+    while let Some(last) = end.pop() {
+        if last < 0xff {
+            end.push(last + 1);
+            return end;
+        }
+    }
+    vec![0]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_range_end_of_a_prefix_covers_it_and_nothing_after() {
+        assert_eq!(prefix_end("/lockstep/v1/"), b"/lockstep/v10".to_vec());
+        assert_eq!(prefix_end("a\u{7f}"), b"a\x80".to_vec());
+    }
+
+    #[test]
+    fn areas_are_the_first_segment_under_the_prefix() {
+        let m = Mirror::new("/p/");
+        assert_eq!(m.area("/p/blocks/pods/10.0.0.0-26"), "blocks/");
+        assert_eq!(m.area("/p/lb/members/n"), "lb/");
+        assert_eq!(m.area("/p/default_pool"), "default_pool");
+    }
+}

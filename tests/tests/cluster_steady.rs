@@ -1,0 +1,471 @@
+//! `cargo xtask bench cluster`, steady state (#27 item 7): what an idle
+//! cluster costs etcd per node, and LB assignment at 5,000 services.
+//! Run with `--ignored --nocapture`; prints a table and exits non-zero on
+//! a missed goal.
+//!
+//! f. 100, then 1,000, then 5,000 simulated nodes in this one process run
+//!    the agent's real cluster tasks — the claim loop (`ClusterNode`), the
+//!    remote-state task (`RemoteTask`) and the LB agent (`LbAgent`) — with
+//!    no datapath (an empty agent slot, no announcement maps: nothing is
+//!    programmed), against a real 3-member etcd. Once every node is
+//!    registered, holds its block and is an LB member, the cluster is
+//!    left idle for [`IDLE`] and
+//!    etcd's own counters (`/metrics` of every member) give, per node:
+//!    requests/s (RPCs: unary calls and streams opened, from
+//!    `grpc_server_handled_total` / `grpc_server_started_total`), lease
+//!    refreshes and other messages on open streams/s
+//!    (`grpc_server_msg_received_total` of streams), and bytes/s etcd sent
+//!    (`etcd_network_client_grpc_sent_bytes_total`). Goals: ≤ 1 request/s
+//!    per node at every size; bytes/s per node at 5,000 ≤ 1.2× at 100.
+//! g. 5,000 LB services applied 100 at a time through an agent's LB
+//!    handle (what `lockstep lb apply` does in cluster mode) on 10
+//!    simulated nodes: each apply until its services are in `lb get`
+//!    (goal: p99 ≤ 1 s), every address assigned once, and no key of the
+//!    state larger than a few KiB.
+//!
+//! The simulated nodes share one tokio runtime of 2 workers; each group
+//! of [`GROUP`] nodes shares one etcd connection and one watch-fed mirror
+//! (`Link`), as one agent's tasks do: 5,000 connections and watches of
+//! their own would measure this process, not etcd. An agent has one of
+//! each, so the per-node request figures are the same either way; the
+//! bytes etcd sends for changes are counted once per group instead of once
+//! per node (in steady state no key changes, so none are sent).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::IpAddr;
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, ensure};
+use lockstep::cluster::{ClusterNode, Door, DoorOptions, LbAgent, LbHandle, Link, RemoteTask};
+use lockstep::config::Config;
+use lockstep_core::cluster::ClusterPoolSpec;
+use lockstep_core::lb::{LbPoolSpec, ServiceSpec};
+use lockstep_tests::etcd::EtcdCluster;
+
+/// Nodes sharing one connection and one mirror.
+const GROUP: usize = 50;
+/// The cluster's size at each measurement.
+const SIZES: [usize; 3] = [100, 1_000, 5_000];
+/// How long the cluster is measured idle.
+const IDLE: Duration = Duration::from_secs(60);
+/// Settling after convergence before the idle window (lease refreshes
+/// and rounds fall into their steady pace).
+const SETTLE: Duration = Duration::from_secs(10);
+/// LB services, applied `PER_APPLY` at a time.
+const SERVICES: usize = 5_000;
+const PER_APPLY: usize = 100;
+/// Nodes running the LB row.
+const LB_NODES: usize = 10;
+
+fn rt() -> anyhow::Result<tokio::runtime::Runtime> {
+    Ok(tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?)
+}
+
+fn pct(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return f64::NAN;
+    }
+    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted[i]
+}
+
+/// etcd's counters that matter here, summed over the members.
+#[derive(Clone, Copy, Debug, Default)]
+struct Counters {
+    /// Unary RPCs handled.
+    unary: f64,
+    /// Streams opened (watches, lease keep-alive streams).
+    streams: f64,
+    /// Messages received on streams (watch requests, lease refreshes).
+    stream_msgs: f64,
+    /// Bytes sent to clients.
+    sent_bytes: f64,
+}
+
+fn counters(cluster: &EtcdCluster) -> anyhow::Result<Counters> {
+    Ok(Counters {
+        unary: cluster.counter("grpc_server_handled_total{", &["grpc_type=\"unary\""])?,
+        streams: cluster.counter("grpc_server_started_total{", &["_stream\""])?,
+        stream_msgs: cluster.counter("grpc_server_msg_received_total{", &["_stream\""])?,
+        sent_bytes: cluster.counter("etcd_network_client_grpc_sent_bytes_total", &[])?,
+    })
+}
+
+fn pool() -> anyhow::Result<ClusterPoolSpec> {
+    // /10 in /26 blocks: room for 5,000 nodes and more.
+    Ok(serde_json::from_value(serde_json::json!({
+        "name": "pods",
+        "ipv4": ["10.64.0.0/10"],
+    }))?)
+}
+
+fn options(eps: &[String], prefix: &str) -> DoorOptions {
+    let mut o = DoorOptions::new(eps.to_vec());
+    o.prefix = prefix.to_string();
+    o.timeout = Duration::from_millis(600);
+    o
+}
+
+/// The simulated nodes started so far and the groups they share.
+struct Sim {
+    eps: Vec<String>,
+    prefix: String,
+    root: lockstep_tests::TempDir,
+    links: Vec<Link>,
+    stop: tokio::sync::watch::Sender<bool>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+    lb: Vec<Arc<LbHandle>>,
+    nodes: usize,
+}
+
+impl Sim {
+    fn new(eps: Vec<String>, prefix: &str) -> anyhow::Result<Sim> {
+        Ok(Sim {
+            eps,
+            prefix: prefix.to_string(),
+            root: lockstep_tests::TempDir::new("cluster-steady")?,
+            links: Vec::new(),
+            stop: tokio::sync::watch::Sender::new(false),
+            tasks: Vec::new(),
+            lb: Vec::new(),
+            nodes: 0,
+        })
+    }
+
+    /// Starts node `i`: its claim loop, remote-state task and LB agent,
+    /// on its group's link (made, with its mirror, for the group's first
+    /// node).
+    async fn start_node(&mut self, i: usize) -> anyhow::Result<()> {
+        if i.is_multiple_of(GROUP) {
+            let link = Link::new(&self.prefix);
+            let mut o = options(&self.eps, &self.prefix);
+            o.link = Some(link.clone());
+            self.tasks
+                .push(link.mirror().clone().spawn(o, self.stop.subscribe()));
+            self.links.push(link);
+        }
+        let link = self.links[i / GROUP].clone();
+        let dir = self.root.path().join(format!("n{i}"));
+        std::fs::create_dir_all(&dir)?;
+        let eps = self
+            .eps
+            .iter()
+            .map(|e| format!("\"{e}\""))
+            .collect::<Vec<_>>()
+            .join(", ");
+        let text = format!(
+            "pools = []\nstate_dir = \"{}\"\n[cluster]\netcd = [{eps}]\nprefix = \"{}\"\nnode_name = \"node-{i:05}\"\nnode_ip_v4 = \"10.{}.{}.{}\"\n",
+            dir.display(),
+            self.prefix,
+            1 + i / 65536,
+            (i / 256) % 256,
+            i % 256
+        );
+        let config = Config::parse(Path::new("sim.toml"), &text)?;
+        let node = ClusterNode::connect(&config, Some(link.clone()))
+            .await
+            .map_err(|e| anyhow::anyhow!("node {i}: {e}"))?;
+        let slot = Arc::new(Mutex::new(None));
+        self.tasks
+            .push(node.spawn(slot.clone(), self.stop.subscribe()));
+        let remote = RemoteTask::from_config(&config, Duration::from_secs(10), Some(link.clone()))
+            .context("remote task")?;
+        self.tasks
+            .push(remote.spawn(slot.clone(), self.stop.subscribe()));
+        let lb = LbAgent::from_config(&config, Some(link)).context("lb agent")?;
+        self.lb.push(lb.handle());
+        self.tasks.push(lb.spawn(slot, None, self.stop.subscribe()));
+        self.nodes += 1;
+        Ok(())
+    }
+
+    /// Waits until every node is registered, holds a block and is an LB
+    /// member (read by a door of its own, not counted: the idle window
+    /// starts after).
+    async fn converged(&self, within: Duration) -> anyhow::Result<Duration> {
+        let started = Instant::now();
+        let mut o = options(&self.eps, &self.prefix);
+        o.timeout = Duration::from_secs(5);
+        let mut d = Door::connect(o).await?;
+        loop {
+            let nodes = d.nodes().await.map(|n| n.len()).unwrap_or(0);
+            let holders: BTreeSet<String> = d
+                .blocks()
+                .await
+                .map(|(b, _)| b.into_iter().map(|b| b.node).collect())
+                .unwrap_or_default();
+            let members = d.lb_read().await.map(|v| v.members.len()).unwrap_or(0);
+            if nodes == self.nodes && holders.len() == self.nodes && members == self.nodes {
+                return Ok(started.elapsed());
+            }
+            ensure!(
+                started.elapsed() < within,
+                "not converged within {within:?}: {nodes} nodes, {} holders, {members} lb members of {}",
+                holders.len(),
+                self.nodes
+            );
+            tokio::time::sleep(Duration::from_secs(2)).await;
+        }
+    }
+
+    async fn stop(self) {
+        let _ = self.stop.send(true);
+        for t in self.tasks {
+            let _ = tokio::time::timeout(Duration::from_secs(10), t).await;
+        }
+    }
+}
+
+/// One row of the table.
+fn row(rows: &mut Vec<String>, what: &str, value: String, goal: &str, ok: Option<bool>) {
+    rows.push(format!(
+        "{what:<52} {value:>22} {goal:>10} {}",
+        match ok {
+            Some(true) => "PASS",
+            Some(false) => "FAIL",
+            None => "(info)",
+        }
+    ));
+}
+
+fn load() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .map(|l| l.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .unwrap_or_default()
+}
+
+#[test]
+#[ignore = "a benchmark: cargo xtask bench cluster"]
+fn cluster_steady_state() -> anyhow::Result<()> {
+    let cluster = EtcdCluster::start(3)?;
+    let eps = cluster.endpoints();
+    let rt = rt()?;
+    let mut rows = Vec::new();
+    let prefix = "/steady/";
+    rt.block_on(async {
+        let mut d = Door::connect(options(&eps, prefix)).await?;
+        d.apply_pools(&[pool()?]).await?;
+        anyhow::Ok(())
+    })?;
+    println!(
+        "\nf. simulated nodes running the claim loop, the remote-state task and the LB agent, idle {IDLE:?}:"
+    );
+    let mut sim = Sim::new(eps.clone(), prefix)?;
+    let mut per_node_bytes = BTreeMap::new();
+    // `LOCKSTEP_STEADY_SIZES=100,1000` measures fewer sizes (a quick look
+    // while developing; the ratio's goal then compares the first and last).
+    let sizes: Vec<usize> = match std::env::var("LOCKSTEP_STEADY_SIZES") {
+        Ok(v) => v.split(',').filter_map(|n| n.trim().parse().ok()).collect(),
+        Err(_) => SIZES.to_vec(),
+    };
+    for &size in &sizes {
+        let started = Instant::now();
+        let took = rt.block_on(async {
+            while sim.nodes < size {
+                let i = sim.nodes;
+                sim.start_node(i).await?;
+                // A gentle start: etcd takes each node's registration,
+                // claim and LB join before the next group.
+                if sim.nodes.is_multiple_of(GROUP) {
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+            }
+            sim.converged(Duration::from_secs(600)).await
+        })?;
+        println!(
+            "   {size} nodes converged in {:.1} s (started {:.1} s ago); load {}",
+            took.as_secs_f64(),
+            started.elapsed().as_secs_f64(),
+            load()
+        );
+        rt.block_on(async { tokio::time::sleep(SETTLE).await });
+        let before = counters(&cluster)?;
+        let t0 = Instant::now();
+        rt.block_on(async { tokio::time::sleep(IDLE).await });
+        let after = counters(&cluster)?;
+        let secs = t0.elapsed().as_secs_f64();
+        let n = size as f64;
+        let requests = (after.unary - before.unary + after.streams - before.streams) / secs / n;
+        let msgs = (after.stream_msgs - before.stream_msgs) / secs / n;
+        let bytes = (after.sent_bytes - before.sent_bytes) / secs / n;
+        per_node_bytes.insert(size, bytes);
+        println!(
+            "   {size} nodes idle: {requests:.3} requests/s per node ({:.0} unary, {:.0} streams opened in {secs:.0} s), {msgs:.3} stream messages/s per node, {bytes:.1} bytes/s sent per node; load {}",
+            after.unary - before.unary,
+            after.streams - before.streams,
+            load()
+        );
+        row(
+            &mut rows,
+            &format!("idle requests/s per node, {size} nodes"),
+            format!("{requests:.3}"),
+            "<= 1",
+            Some(requests <= 1.0),
+        );
+        row(
+            &mut rows,
+            &format!("idle stream messages/s per node, {size} nodes"),
+            format!("{msgs:.3}"),
+            "",
+            None,
+        );
+        row(
+            &mut rows,
+            &format!("idle bytes/s sent per node, {size} nodes"),
+            format!("{bytes:.1}"),
+            "",
+            None,
+        );
+    }
+    if let (Some(first), Some(last)) = (sizes.first(), sizes.last()) {
+        let ratio = per_node_bytes[last] / per_node_bytes[first];
+        row(
+            &mut rows,
+            &format!("idle bytes/s per node, {last} / {first} nodes"),
+            format!("{ratio:.2}x"),
+            "<= 1.2x",
+            Some(ratio <= 1.2),
+        );
+    }
+    rt.block_on(sim.stop());
+
+    // g. LB assignment at 5,000 services.
+    println!(
+        "\ng. {SERVICES} LB services, {PER_APPLY} per apply, {LB_NODES} simulated nodes running the real loops:"
+    );
+    let lb_prefix = "/steady-lb/";
+    rt.block_on(async {
+        let mut d = Door::connect(options(&eps, lb_prefix)).await?;
+        d.apply_pools(&[pool()?]).await?;
+        anyhow::Ok(())
+    })?;
+    let mut sim = Sim::new(eps.clone(), lb_prefix)?;
+    let (lats, view) = rt.block_on(async {
+        for i in 0..LB_NODES {
+            sim.start_node(i).await?;
+        }
+        sim.converged(Duration::from_secs(120)).await?;
+        let api = sim.lb[0].clone();
+        let lb_pool: LbPoolSpec = LbPoolSpec::new("lb").cidr("172.16.0.0/16");
+        let mut lats = Vec::new();
+        for k in 0..SERVICES / PER_APPLY {
+            let services: Vec<ServiceSpec> = (0..PER_APPLY)
+                .map(|j| ServiceSpec::new("bench", format!("s{:05}", k * PER_APPLY + j)))
+                .collect();
+            let pools = if k == 0 {
+                vec![lb_pool.clone()]
+            } else {
+                Vec::new()
+            };
+            let ids: BTreeSet<String> = services.iter().map(ServiceSpec::id).collect();
+            let t = Instant::now();
+            // An answer lost to a slow disk is asked again (the same puts:
+            // a repeat stores nothing new), timed from the first try.
+            let mut tries = 0;
+            let v = loop {
+                match api
+                    .apply(pools.clone(), services.clone(), Duration::from_secs(10))
+                    .await
+                {
+                    Ok(v) => break v,
+                    Err(e) if tries < 3 => {
+                        eprintln!("apply {k}: {e}; again");
+                        tries += 1;
+                    }
+                    Err(e) => return Err(e.into()),
+                }
+            };
+            // In `lb get`: the answer is the view `lb get` shows.
+            let shown = v["services"]
+                .as_object()
+                .map(|m| ids.iter().filter(|id| m.contains_key(*id)).count())
+                .unwrap_or(0);
+            ensure!(
+                shown == ids.len(),
+                "apply {k}: {shown} of {} services in lb get",
+                ids.len()
+            );
+            lats.push(t.elapsed().as_secs_f64());
+        }
+        let view = api.view().await?;
+        anyhow::Ok((lats, view))
+    })?;
+    let mut sorted = lats.clone();
+    sorted.sort_by(f64::total_cmp);
+    let p99 = pct(&sorted, 0.99);
+    println!(
+        "   apply → in lb get: p50 {:.0} ms, p99 {:.0} ms, max {:.0} ms; load {}",
+        pct(&sorted, 0.5) * 1e3,
+        p99 * 1e3,
+        pct(&sorted, 1.0) * 1e3,
+        load()
+    );
+    // Every service assigned, no address twice.
+    let services = view["services"].as_object().context("services")?;
+    let mut seen: BTreeSet<IpAddr> = BTreeSet::new();
+    let mut assigned = 0;
+    for (id, s) in services {
+        for a in s["assignment"]["addresses"]
+            .as_array()
+            .into_iter()
+            .flatten()
+        {
+            let a: IpAddr = a.as_str().context("address")?.parse()?;
+            ensure!(seen.insert(a), "{a} assigned twice ({id})");
+            assigned += 1;
+        }
+    }
+    ensure!(
+        assigned == SERVICES,
+        "{assigned} of {SERVICES} services assigned"
+    );
+    // No key of the state grows with the services.
+    let largest = rt.block_on(async {
+        let mut d = Door::connect(options(&eps, lb_prefix)).await?;
+        let v = d.lb_read().await?;
+        let meta = v.meta.as_ref().map_or(0, |(m, _)| {
+            serde_json::to_vec(m).map(|b| b.len()).unwrap_or(0)
+        });
+        let service = v
+            .stored
+            .values()
+            .map(|s| serde_json::to_vec(s).map(|b| b.len()).unwrap_or(0))
+            .max()
+            .unwrap_or(0);
+        anyhow::Ok((meta, service))
+    })?;
+    rt.block_on(sim.stop());
+    row(
+        &mut rows,
+        &format!("{SERVICES} lb services: apply → in lb get p99"),
+        format!("{:.0} ms", p99 * 1e3),
+        "<= 1000",
+        Some(p99 <= 1.0),
+    );
+    row(
+        &mut rows,
+        "largest lb state key (meta / one service)",
+        format!("{} / {} bytes", largest.0, largest.1),
+        "<= 64 KiB",
+        Some(largest.0.max(largest.1) <= 65_536),
+    );
+    let hostname = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+    println!("\n{:<52} {:>22} {:>10} result", "measure", "value", "goal");
+    for r in &rows {
+        println!("{r}");
+    }
+    println!(
+        "machine: {}, {} CPUs; etcd 3 members on loopback; load at the end {}",
+        hostname.trim(),
+        std::thread::available_parallelism().map_or(0, |n| n.get()),
+        load()
+    );
+    let missed: Vec<&String> = rows.iter().filter(|r| r.ends_with("FAIL")).collect();
+    ensure!(missed.is_empty(), "goals missed: {missed:?}");
+    Ok(())
+}
