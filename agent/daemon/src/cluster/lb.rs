@@ -460,9 +460,10 @@ impl Door {
 
     /// Creates `key` = `node` under `lease` if absent. Returns the key's
     /// create revision when `node` holds it under `lease` (made now, or
-    /// already), `None` when another holder has it.
-    async fn hold_under_lease(
-        &mut self,
+    /// already), `None` when another holder has it. The write's revision
+    /// is recorded, so the next read of `lb/` through the mirror has it.
+    pub(super) async fn hold_under_lease(
+        &self,
         key: String,
         node: &str,
         lease: i64,

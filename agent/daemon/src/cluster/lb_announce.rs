@@ -16,7 +16,7 @@ use std::collections::{BTreeSet, VecDeque};
 use std::net::IpAddr;
 use std::time::{Duration, Instant};
 
-use etcd_client::{Compare, CompareOp, PutOptions, Txn, TxnOp, TxnOpResponse};
+use etcd_client::{Compare, CompareOp, Txn, TxnOp};
 use lockstep_core::lb::announce::{
     Action, Announcer, Holder, KeyRef, Observation, Took, Withdrew, Written,
 };
@@ -72,35 +72,16 @@ impl AnnounceKeys for Door {
         node: &str,
         lease: i64,
     ) -> Result<Option<i64>, ClusterStoreError> {
-        let key = announce_key(self, address);
-        let txn = Txn::new()
-            .when([Compare::create_revision(key.clone(), CompareOp::Equal, 0)])
-            .and_then([TxnOp::put(
-                key.clone(),
-                node.as_bytes().to_vec(),
-                Some(PutOptions::new().with_lease(lease)),
-            )])
-            .or_else([TxnOp::get(key, None)]);
-        let mut client = self.client();
-        let resp = self
-            .bounded("take an lb announcement", true, client.txn(txn))
-            .await?;
         // The next read of `lb/` (from the mirror) has this answer in it:
         // a read older than a take must not tell the announcer the key is
         // free or someone else's.
-        self.wrote_at(resp.header().map_or(0, |h| h.revision()));
-        if resp.succeeded() {
-            // Created by this transaction: its revision.
-            return Ok(Some(resp.header().map_or(0, |h| h.revision())));
-        }
-        Ok(resp.op_responses().into_iter().find_map(|r| match r {
-            TxnOpResponse::Get(g) => g
-                .kvs()
-                .first()
-                .filter(|kv| kv.value() == node.as_bytes() && kv.lease() == lease)
-                .map(|kv| kv.create_revision()),
-            _ => None,
-        }))
+        self.hold_under_lease(
+            announce_key(self, address),
+            node,
+            lease,
+            "take an lb announcement",
+        )
+        .await
     }
 
     async fn withdraw(
