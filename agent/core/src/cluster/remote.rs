@@ -357,6 +357,23 @@ mod tests {
             node: node.into(),
         }
     }
+    /// Block `i` owned by `names[owners[i]]`: `10.0.<i>.0/24`, or an IPv6
+    /// /120 where `v6[i]` says so.
+    fn generated_blocks(owners: &[usize], v6: &[bool], names: &[&str]) -> Vec<RemoteBlock> {
+        owners
+            .iter()
+            .zip(v6.iter().chain(std::iter::repeat(&false)))
+            .enumerate()
+            .map(|(i, (o, six))| RemoteBlock {
+                cidr: if *six {
+                    net(&format!("fd00::{:x}00/120", i + 1))
+                } else {
+                    net(&format!("10.0.{i}.0/24"))
+                },
+                node: names[*o].to_string(),
+            })
+            .collect()
+    }
     /// Nodes that are all alive, as before routing keys.
     fn live(nodes: &BTreeMap<String, Vec<IpAddr>>) -> NodeDirectory {
         NodeDirectory {
@@ -618,14 +635,7 @@ mod tests {
                 ("b".to_string(), vec![ip("2001:db8::2")]),
                 ("c".to_string(), vec![ip("2001:db8::3"), ip("192.0.2.3")]),
             ].into();
-            let blocks: Vec<RemoteBlock> = owners.iter().zip(v6.iter().chain(std::iter::repeat(&false)))
-                .enumerate()
-                .map(|(i, (o, six))| RemoteBlock {
-                    cidr: if *six { net(&format!("fd00::{:x}00/120", i + 1)) }
-                          else { net(&format!("10.0.{i}.0/24")) },
-                    node: names[*o].to_string(),
-                })
-                .collect();
+            let blocks = generated_blocks(&owners, &v6, &names);
             let s = remote_state("me", &blocks, &live(&nodes), &[]);
             for b in &blocks {
                 let routed = s.routes.get(&b.cidr);
@@ -674,14 +684,7 @@ mod tests {
                 mode,
                 own: vec![net("192.0.2.9/24"), net("2001:db8:9::9/64")],
             };
-            let blocks: Vec<RemoteBlock> = owners.iter().zip(v6.iter().chain(std::iter::repeat(&false)))
-                .enumerate()
-                .map(|(i, (o, six))| RemoteBlock {
-                    cidr: if *six { net(&format!("fd00::{:x}00/120", i + 1)) }
-                          else { net(&format!("10.0.{i}.0/24")) },
-                    node: names[*o].to_string(),
-                })
-                .collect();
+            let blocks = generated_blocks(&owners, &v6, &names);
             let s = remote_state_routed("me", &blocks, &live(&nodes), &[], &routing);
             if mode == RoutingMode::Native {
                 prop_assert_eq!(&s, &remote_state("me", &blocks, &live(&nodes), &[]));
