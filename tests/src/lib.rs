@@ -380,7 +380,15 @@ impl TempDir {
     /// # Errors
     /// It could not be created.
     pub fn new(tag: &str) -> anyhow::Result<Self> {
-        let path = std::env::temp_dir().join(unique(&format!("lockstep-{tag}")));
+        Self::new_in(&std::env::temp_dir(), tag)
+    }
+
+    /// Creates a fresh, unique directory under `base`.
+    ///
+    /// # Errors
+    /// It could not be created.
+    pub fn new_in(base: &Path, tag: &str) -> anyhow::Result<Self> {
+        let path = base.join(unique(&format!("lockstep-{tag}")));
         std::fs::create_dir_all(&path)?;
         Ok(Self { path })
     }

@@ -171,6 +171,8 @@ pub struct RemoteTask {
     me: String,
     opts: DoorOptions,
     interval: Duration,
+    /// The least time between two steps (`[cluster] remote_settle`).
+    settle: Duration,
     view: RemoteView,
     pools: BTreeMap<String, ClusterPoolSpec>,
     blocks: BTreeMap<(String, IpNet), String>,
@@ -202,6 +204,7 @@ impl RemoteTask {
             me,
             opts,
             interval,
+            settle: Duration::ZERO,
             view: RemoteView::default(),
             pools: BTreeMap::new(),
             blocks: BTreeMap::new(),
@@ -218,6 +221,16 @@ impl RemoteTask {
         self
     }
 
+    /// Steps at most once per `settle`: the first change after a quiet
+    /// spell is applied at once, the rest of a burst together when
+    /// `settle` has passed (each step reads and recomputes everything, so
+    /// a cluster of thousands starting, or a zone coming back, would
+    /// otherwise cost a node one full recomputation per key changed).
+    pub fn with_settle(mut self, settle: Duration) -> Self {
+        self.settle = settle;
+        self
+    }
+
     /// The task of the agent configured by `config` (its `[cluster]`
     /// section: etcd, prefix, TLS, node name), or `None` outside cluster
     /// mode (or without the agent's `link`).
@@ -229,7 +242,7 @@ impl RemoteTask {
         let c = config.cluster.as_ref()?;
         let me = c.node_name.clone().unwrap_or_else(|| config.node_name());
         let opts = DoorOptions::from_cluster_config(c, REQUEST_TIMEOUT);
-        Some(Self::new(me, opts, interval, link?))
+        Some(Self::new(me, opts, interval, link?).with_settle(c.remote_settle))
     }
 
     /// The handle the agent's desired state reads.
@@ -275,7 +288,15 @@ impl RemoteTask {
     /// routed and has the agent reconcile its maps at once.
     async fn publish(&self, slot: &Arc<Mutex<Option<Agent>>>) {
         let state = self.desired();
-        for u in &state.unroutable {
+        // Said once, when a block becomes unroutable: every node's every
+        // step repeating all of them was, at a thousand nodes, a log line
+        // per node per gone block per change.
+        let before = self.view.snapshot();
+        for u in state
+            .unroutable
+            .iter()
+            .filter(|u| !before.unroutable.contains(u))
+        {
             tracing::warn!(reason = %u, "a remote block is not routed");
         }
         if self.view.set(state) {
@@ -333,21 +354,40 @@ impl RemoteTask {
             let mut bell = self.link.mirror().subscribe();
             let mut applied: Option<Stamp> = None;
             let mut tick = tokio::time::interval(self.interval);
+            // When the last step began: the next waits until `settle`
+            // has passed since.
+            let mut stepped: Option<tokio::time::Instant> = None;
             loop {
+                let mut failed = false;
                 let stamp = self.link.mirror().stamp(&AREAS);
-                if stamp.live && applied != Some(stamp) {
+                let due = stamp.live && applied != Some(stamp);
+                let next = stepped.map(|t| t + self.settle);
+                if due && next.is_none_or(|t| t <= tokio::time::Instant::now()) {
+                    stepped = Some(tokio::time::Instant::now());
                     match self.step(&mut door).await {
                         Ok(()) => {
                             applied = Some(stamp);
                             self.publish(&slot).await;
+                            continue;
                         }
+                        // Tried again on the next change or tick.
                         Err(e) => {
                             tracing::warn!(error = %crate::error_chain(&e), "remote state: etcd not read; the last state stays");
+                            failed = true;
                         }
                     }
                 }
+                // A change that came too soon is applied when the settle
+                // time is up (with whatever else came meanwhile).
+                let settled = async {
+                    match next {
+                        Some(t) if due && !failed => tokio::time::sleep_until(t).await,
+                        _ => std::future::pending().await,
+                    }
+                };
                 tokio::select! {
                     r = bell.changed() => if r.is_err() { break },
+                    () = settled => {}
                     _ = tick.tick() => self.routes(&slot).await,
                     _ = stopped(&mut stop) => break,
                 }

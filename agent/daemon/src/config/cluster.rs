@@ -60,6 +60,13 @@ pub struct ClusterConfig {
     /// How long an empty block is kept before it is given back.
     #[serde(default = "default_release_after", with = "humantime_serde")]
     pub release_after: Duration,
+    /// The least time between two recomputations of the remote state
+    /// (other nodes' blocks as IPCACHE entries and routes): a lone change
+    /// is applied at once, a burst (a cluster starting, a zone coming
+    /// back) at most once per this, so a node's CPU for it stays bounded
+    /// at thousands of nodes.
+    #[serde(default = "default_remote_settle", with = "humantime_serde")]
+    pub remote_settle: Duration,
     /// TLS to etcd.
     #[serde(default)]
     pub tls: Option<ClusterTlsConfig>,
@@ -171,6 +178,10 @@ fn default_release_after() -> Duration {
     Duration::from_secs(30)
 }
 
+fn default_remote_settle() -> Duration {
+    Duration::from_millis(100)
+}
+
 impl ClusterConfig {
     /// Checks the section; `has_uplink`: `datapath.uplink` is set, so the
     /// node addresses have a default.
@@ -249,6 +260,9 @@ impl ClusterConfig {
         }
         if self.release_after > Duration::from_secs(24 * 3600) {
             return bad("release_after", "must be at most 24h".into());
+        }
+        if self.remote_settle > Duration::from_secs(60) {
+            return bad("remote_settle", "must be at most 1m".into());
         }
         for (k, v) in &self.node_labels {
             if let Some(p) = label_key_problem(k) {
@@ -445,6 +459,10 @@ mod tests {
             (
                 &format!("{OK}release_after = \"2d\"\n"),
                 "cluster.release_after",
+            ),
+            (
+                &format!("{OK}remote_settle = \"2m\"\n"),
+                "cluster.remote_settle",
             ),
             (
                 "[cluster]\netcd = [\"http://e:1\"]\nnode_ip_v4 = \"192.0.2.1\"\n[cluster.tls]\nca = \"/ca.pem\"\n",

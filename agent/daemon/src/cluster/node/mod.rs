@@ -92,6 +92,8 @@ pub struct ClusterNode {
     door: Option<Door>,
     held: Held,
     lease: Option<(i64, Instant)>,
+    /// When a refresh was last tried after a failed read.
+    refresh_tried: Option<Instant>,
     /// Record published with the lease (re-published when it changes).
     published: Option<NodeRecord>,
     /// The addresses in use published with it (in the routing key).
@@ -239,6 +241,7 @@ impl ClusterNode {
             door: None,
             held,
             lease: None,
+            refresh_tried: None,
             published: None,
             published_addrs: Vec::new(),
             own_reserved: None,
@@ -292,7 +295,44 @@ impl ClusterNode {
 
     fn set_problem(&self, e: Option<&ClusterStoreError>) {
         let mut s = self.handle.lock();
-        s.problem = e.map(|e| crate::error_chain(e));
+        let now = e.map(|e| crate::error_chain(e));
+        // Said when it starts or changes, not every round.
+        match (&s.problem, &now) {
+            (None, Some(p)) => tracing::warn!(problem = %p, "etcd did not answer the claim loop"),
+            (Some(a), Some(b)) if a != b => {
+                tracing::warn!(problem = %b, "etcd did not answer the claim loop")
+            }
+            (Some(_), None) => tracing::info!("etcd answers the claim loop again"),
+            _ => {}
+        }
+        s.problem = now;
+    }
+
+    /// Refreshes the lease when due though the round's reads failed: a
+    /// read that timed out (a slow mirror, a guarded write that lost) is
+    /// not etcd gone, and the node key must not lapse over it (a lapsed
+    /// key is every other node's change to read, and a gone mark). At
+    /// most once a second while it fails.
+    async fn refresh_alone(&mut self) {
+        let Some((lease, at)) = self.lease else {
+            return;
+        };
+        if at.elapsed() < self.cluster.lease_ttl / 3
+            || self
+                .refresh_tried
+                .is_some_and(|t| t.elapsed() < Duration::from_secs(1))
+        {
+            return;
+        }
+        self.refresh_tried = Some(Instant::now());
+        let Some(door) = self.door.as_mut() else {
+            return;
+        };
+        // Gone (`Ok(false)`) or unanswered: the next round that reads
+        // registers again, as before.
+        if let Ok(true) = door.keep_alive(lease).await {
+            self.lease = Some((lease, Instant::now()));
+        }
     }
 
     fn options(&self) -> DoorOptions {
@@ -825,6 +865,8 @@ impl ClusterNode {
             };
             self.lease(record, addrs.clone()).await;
             self.release_own(&addrs.iter().copied().collect()).await;
+        } else {
+            self.refresh_alone().await;
         }
         if changed && let Err(e) = self.held.save(&self.config.state_dir) {
             tracing::error!(error = %crate::error_chain(&e), "the held blocks are not recorded");

@@ -10,14 +10,16 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
 
-use lockstep_core::cluster::{GoneStep, gone_step, reservations_to_keep, reserved_for};
+use lockstep_core::cluster::{
+    GoneStep, gone_keeper, gone_step, reservations_to_keep, reserved_for,
+};
 
 use super::{ClusterNode, now_ms};
 use crate::cluster::{ClusterStoreError, ReservedRecord};
 
 impl ClusterNode {
-    /// Marks other nodes gone, reclaims those gone for `reclaim_after`,
-    /// and reads the reservations: the others' into the record (kept out
+    /// Marks other nodes gone, reclaims those gone for `reclaim_after`
+    /// (each only by its keeper, [`gone_keeper`]), and reads the reservations: the others' into the record (kept out
     /// of the allocator), the node's own for [`ClusterNode::release_own`].
     ///
     /// # Errors
@@ -36,9 +38,12 @@ impl ClusterNode {
         let now = now_ms();
         let after = u64::try_from(self.cluster.reclaim_after.as_millis()).unwrap_or(u64::MAX);
         let mut reclaimed = false;
-        self.gone_pending = routing
-            .iter()
-            .any(|(r, _)| r.name != self.name && !alive.contains(&r.name));
+        // A deadline to watch only for the gone nodes this node keeps.
+        self.gone_pending = routing.iter().any(|(r, _)| {
+            r.name != self.name
+                && !alive.contains(&r.name)
+                && gone_keeper(&alive, &r.name) == Some(self.name.as_str())
+        });
         for (record, revision) in &routing {
             if record.name == self.name {
                 // Marked gone while alive (a refresh that came late): a
@@ -47,6 +52,12 @@ impl ClusterNode {
                     tracing::warn!("this node was recorded gone; registering again");
                     self.published = None;
                 }
+                continue;
+            }
+            // Only this gone node's keeper writes for it (one live node
+            // per gone node, not every live node: #27).
+            let keeper = gone_keeper(&alive, &record.name) == Some(self.name.as_str());
+            if !keeper && !alive.contains(&record.name) {
                 continue;
             }
             match gone_step(alive.contains(&record.name), record.gone, now, after) {
