@@ -605,3 +605,75 @@ fn the_tunnel_device_is_made_adopted_and_replaced() -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+/// `verify` names the tunnel state that is missing or wrong, and a
+/// reconcile repairs it (#30 item 4): the device set down, then deleted
+/// outright (its `from_tunnel` program goes with it). Reconcile is asked
+/// for (the periodic one is an hour away), so the drift stands until then.
+#[test]
+fn verify_names_missing_tunnel_state_and_reconcile_repairs_it() -> anyhow::Result<()> {
+    privileged!();
+    let node = Netns::new("tver")?;
+    node.ip(["link", "add", "u0", "type", "veth", "peer", "name", "u1"])?;
+    node.ip(["link", "set", "u1", "up"])?;
+    node.ip(["addr", "add", "10.253.1.1/24", "dev", "u0"])?;
+    node.ip(["link", "set", "u0", "up"])?;
+    let agent = AgentProc::start(
+        &node,
+        "reconcile_interval = \"1h\"\npools = []\n[cluster]\netcd = [\"http://127.0.0.1:9\"]\nnode_name = \"t\"\nnode_ip_v4 = \"10.253.1.1\"\nrouting = \"tunnel\"\n",
+    )?;
+    agent.verify_within(Duration::from_secs(10))?;
+    let drift = |what: &str| -> anyhow::Result<String> {
+        let out = agent.cli(["verify"])?;
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        ensure!(
+            !out.status.success(),
+            "verify passed with the tunnel {what}: {text}"
+        );
+        Ok(text)
+    };
+    let repair = || -> anyhow::Result<()> {
+        let out = agent.cli(["reconcile"])?;
+        ensure!(
+            out.status.success(),
+            "reconcile failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        agent.verify_within(Duration::from_secs(10))
+    };
+
+    node.ip(["link", "set", "lockstep_vxlan", "down"])?;
+    let text = drift("down")?;
+    ensure!(
+        text.contains("tunnel device lockstep_vxlan is down"),
+        "verify does not name the device down: {text}"
+    );
+    repair()?;
+    let v: serde_json::Value =
+        serde_json::from_str(&node.ip(["-j", "link", "show", "lockstep_vxlan"])?)?;
+    ensure!(
+        v[0]["flags"]
+            .as_array()
+            .is_some_and(|f| f.iter().any(|x| x == "UP")),
+        "the device is still down after reconcile: {v}"
+    );
+
+    let before = device(&node, "lockstep_vxlan")?;
+    node.ip(["link", "del", "lockstep_vxlan"])?;
+    let text = drift("deleted")?;
+    ensure!(
+        text.contains("tunnel device lockstep_vxlan is missing"),
+        "verify does not name the device missing: {text}"
+    );
+    repair()?;
+    let after = device(&node, "lockstep_vxlan")?;
+    ensure!(
+        after.1 == "vxlan" && after.2 == 8472 && after.3 && after.0 != before.0,
+        "not made again: {before:?} -> {after:?}"
+    );
+    Ok(())
+}
