@@ -202,6 +202,9 @@ fn test(no_setup: bool, filter: Option<String>) -> anyhow::Result<()> {
         "-D",
         "warnings",
     ]))?;
+    // The eBPF programs are a workspace of their own: linted alike.
+    lockstep_ebpf_build::lint(&root())?;
+    println!("eBPF programs: cargo fmt --check and clippy -D warnings clean");
     check_core()?;
     setup::validate_manifests()?;
     let mut tally = Tally::default();

@@ -198,9 +198,30 @@ fn rust_src() -> anyhow::Result<()> {
         .exists()
     {
         println!("setup: nightly rust-src present");
-        return Ok(());
+    } else {
+        run(Command::new("rustup").args([
+            "component",
+            "add",
+            "rust-src",
+            "--toolchain",
+            "nightly",
+        ]))?;
     }
-    run(Command::new("rustup").args(["component", "add", "rust-src", "--toolchain", "nightly"]))
+    // `cargo xtask test` lints the eBPF programs with nightly's own tools.
+    for (component, probe) in [("clippy", "clippy-driver"), ("rustfmt", "rustfmt")] {
+        if quiet(Command::new("rustup").args(["which", "--toolchain", "nightly", probe])) {
+            println!("setup: nightly {component} present");
+            continue;
+        }
+        run(Command::new("rustup").args([
+            "component",
+            "add",
+            component,
+            "--toolchain",
+            "nightly",
+        ]))?;
+    }
+    Ok(())
 }
 
 /// The musl target the CNI plugin ships as, for this machine's architecture

@@ -55,6 +55,23 @@ pub enum BuildError {
         /// Cargo's exit status.
         status: std::process::ExitStatus,
     },
+    /// `cargo fmt --check` or `cargo clippy` of the programs failed (their
+    /// output went to stderr).
+    #[error("`cargo {step}` of the eBPF programs in {dir} failed ({status})")]
+    LintFailed {
+        /// `fmt --check` or `clippy`.
+        step: String,
+        /// The programs' workspace.
+        dir: PathBuf,
+        /// Cargo's exit status.
+        status: std::process::ExitStatus,
+    },
+    /// The nightly toolchain has no clippy or rustfmt to lint the programs.
+    #[error("the nightly toolchain has no {component}; run `{SETUP_COMMAND}` to install it")]
+    LintToolMissing {
+        /// `clippy` or `rustfmt`.
+        component: String,
+    },
     /// The object was built but carries no BTF, which aya cannot load.
     #[error("{path} has no .BTF section; the build did not use ebpf/programs/.cargo/config.toml")]
     NoBtf {
@@ -151,6 +168,51 @@ pub fn build(repo_root: &Path) -> Result<PathBuf, BuildError> {
         return Err(BuildError::NoBtf { path: object });
     }
     Ok(object)
+}
+
+/// Checks the programs' formatting and runs clippy on them (warnings are
+/// errors), as the workspace's own crates are checked: they are a workspace
+/// of their own (nightly, the BPF target), so `cargo fmt --all` and
+/// `cargo clippy --workspace` never see them.
+///
+/// # Errors
+/// A missing tool, or a lint or formatting failure.
+pub fn lint(repo_root: &Path) -> Result<(), BuildError> {
+    check_prerequisites()?;
+    let dir = programs_dir(repo_root);
+    for (component, probe) in [("rustfmt", "fmt"), ("clippy", "clippy")] {
+        let found = clean_command("cargo")
+            .args([probe, "--version"])
+            .current_dir(&dir)
+            .output()
+            .is_ok_and(|o| o.status.success());
+        if !found {
+            return Err(BuildError::LintToolMissing {
+                component: component.into(),
+            });
+        }
+    }
+    for args in [
+        &["fmt", "--check"][..],
+        &["clippy", "--release", "--", "-D", "warnings"][..],
+    ] {
+        let status = clean_command("cargo")
+            .args(args)
+            .current_dir(&dir)
+            .status()
+            .map_err(|source| BuildError::Spawn {
+                program: "cargo".into(),
+                source,
+            })?;
+        if !status.success() {
+            return Err(BuildError::LintFailed {
+                step: args[..2.min(args.len())].join(" "),
+                dir,
+                status,
+            });
+        }
+    }
+    Ok(())
 }
 
 /// A command through the rustup proxy with every variable removed that a parent

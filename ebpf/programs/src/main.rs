@@ -137,7 +137,7 @@ fn events_on() -> bool {
 
 /// "Continue": the next TCX program (or the stack) decides.
 const NEXT: i32 = TC_ACT_UNSPEC;
-const DROP: i32 = TC_ACT_SHOT as i32;
+const DROP: i32 = TC_ACT_SHOT;
 
 const ETH_HLEN: usize = 14;
 const ETH_P_IP: u16 = 0x0800;
@@ -202,10 +202,10 @@ fn endpoint(ifindex: u32, v6: bool) -> Option<lockstep_common::EndpointAddrs> {
                 let copy = core::ptr::read_volatile(p);
                 (copy, core::ptr::read_volatile(p.cast::<u32>()))
             };
-            if again == ifindex {
-                if let Some((flags, v4, mac)) = EndpointSlot::check_v4(&copy, ifindex) {
-                    return Some((flags, v4, [0; 16], mac));
-                }
+            if again == ifindex
+                && let Some((flags, v4, mac)) = EndpointSlot::check_v4(&copy, ifindex)
+            {
+                return Some((flags, v4, [0; 16], mac));
             }
             return endpoint_hash(ifindex);
         }
@@ -216,10 +216,10 @@ fn endpoint(ifindex: u32, v6: bool) -> Option<lockstep_common::EndpointAddrs> {
             let copy = core::ptr::read_volatile(p);
             (copy, core::ptr::read_volatile(p.cast::<u32>()))
         };
-        if again == ifindex {
-            if let Some(found) = EndpointSlot::check(&copy, ifindex) {
-                return Some(found);
-            }
+        if again == ifindex
+            && let Some(found) = EndpointSlot::check(&copy, ifindex)
+        {
+            return Some(found);
         }
     }
     endpoint_hash(ifindex)
@@ -259,10 +259,10 @@ fn l2_resp(addr: V4Addr) -> Option<L2Resp> {
             let copy = core::ptr::read_volatile(p);
             (copy, core::ptr::read_volatile(p.cast::<u32>()))
         };
-        if again == u32::from_ne_bytes(addr) {
-            if let Some(found) = L2RespSlot::check(&copy, addr) {
-                return Some(found);
-            }
+        if again == u32::from_ne_bytes(addr)
+            && let Some(found) = L2RespSlot::check(&copy, addr)
+        {
+            return Some(found);
         }
     }
     for _ in 0..SEAL_TRIES {

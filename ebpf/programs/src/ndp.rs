@@ -56,10 +56,11 @@ fn l2_resp_v6(key: [u32; 4], key64: [u64; 2], addr: &V6Addr) -> Option<L2Resp> {
         // this run and every index is below `L2RespSlotV6::WORDS64`; each
         // word is read once, volatile, in order, then the key again.
         let read = |i: usize| unsafe { core::ptr::read_volatile(p.add(i)) };
-        if let Some(found) = L2RespSlotV6::check_with(read, key64) {
-            if read(0) == key64[0] && read(1) == key64[1] {
-                return Some(found);
-            }
+        if let Some(found) = L2RespSlotV6::check_with(read, key64)
+            && read(0) == key64[0]
+            && read(1) == key64[1]
+        {
+            return Some(found);
         }
     }
     l2_resp_v6_hash(addr, L2RespValue::v6_key_words(key))

@@ -124,8 +124,7 @@ fn outer(ctx: &TcContext) -> Option<(V6Addr, bool, u32)> {
             a[..4].copy_from_slice(&b);
             return Some((a, false, key.tunnel_id));
         }
-        if bpf_skb_get_tunnel_key(ctx.skb.skb, &mut key, size, u64::from(BPF_F_TUNINFO_IPV6)) == 0
-        {
+        if bpf_skb_get_tunnel_key(ctx.skb.skb, &mut key, size, u64::from(BPF_F_TUNINFO_IPV6)) == 0 {
             let w = key.__bindgen_anon_1.remote_ipv6;
             let mut a = [0u8; 16];
             for (i, x) in w.iter().enumerate() {

@@ -17,7 +17,9 @@
 use core::mem::{size_of, zeroed};
 
 use aya_ebpf::{
-    bindings::{BPF_FIB_LOOKUP_SKIP_NEIGH, bpf_adj_room_mode::BPF_ADJ_ROOM_MAC, bpf_fib_lookup as FibParams},
+    bindings::{
+        BPF_FIB_LOOKUP_SKIP_NEIGH, bpf_adj_room_mode::BPF_ADJ_ROOM_MAC, bpf_fib_lookup as FibParams,
+    },
     helpers::{
         bpf_redirect,
         generated::{bpf_csum_diff, bpf_fib_lookup, bpf_skb_adjust_room, bpf_skb_change_tail},
@@ -203,8 +205,7 @@ pub(super) fn answer_v4(ctx: &TcContext, mtu: u32) -> Option<i32> {
     hdr[20] = 3;
     hdr[21] = 4;
     hdr[26..28].copy_from_slice(&(mtu.min(0xffff) as u16).to_be_bytes());
-    if make_room(ctx, QUOTE_V4, 28, [0x08, 0x00]).is_none()
-        || ctx.store(ETH_HLEN, &hdr, 0).is_err()
+    if make_room(ctx, QUOTE_V4, 28, [0x08, 0x00]).is_none() || ctx.store(ETH_HLEN, &hdr, 0).is_err()
     {
         return Some(crate::DROP);
     }
@@ -246,8 +247,7 @@ pub(super) fn answer_v6(ctx: &TcContext, mtu: u32) -> Option<i32> {
     pseudo[9] = 58u32.to_be();
     // SAFETY: plain helper call over a stack array.
     let seed = unsafe { bpf_csum_diff(core::ptr::null_mut(), 0, pseudo.as_mut_ptr(), 40, 0) };
-    if make_room(ctx, QUOTE_V6, 48, [0x86, 0xdd]).is_none()
-        || ctx.store(ETH_HLEN, &hdr, 0).is_err()
+    if make_room(ctx, QUOTE_V6, 48, [0x86, 0xdd]).is_none() || ctx.store(ETH_HLEN, &hdr, 0).is_err()
     {
         return Some(crate::DROP);
     }
