@@ -76,6 +76,8 @@ pub struct LbHandle {
     opts: DoorOptions,
     door: tokio::sync::Mutex<Option<Door>>,
     shared: Mutex<Shared>,
+    /// The revision of the last state this node's assigner stored.
+    stored: tokio::sync::watch::Sender<i64>,
 }
 
 #[derive(Debug, Default)]
@@ -176,6 +178,68 @@ impl LbHandle {
         render_view(&view, &leases)
     }
 
+    /// The assigner, and pools and services as its stored state has them
+    /// (the Kubernetes door reads this every pass): [`LbHandle::view`]
+    /// without the announcements, so without a request to etcd while the
+    /// mirror is live (`view` asks etcd for each announcer's lease). Has
+    /// every state this node's assigner stored ([`LbHandle::stored`]).
+    ///
+    /// # Errors
+    /// etcd unavailable, or the stored state unreadable.
+    pub async fn assignments(&self) -> Result<Assignments, ClusterStoreError> {
+        let mut d = self.door().await?;
+        d.follow(*self.stored.borrow());
+        let view = d.lb_read().await?;
+        assignments_of(&view)
+    }
+
+    /// Changes with every state this node's assigner stores (to the
+    /// revision it was stored at): whoever reads [`LbHandle::assignments`]
+    /// learns of new assignments at once rather than at its next poll.
+    pub fn stored(&self) -> tokio::sync::watch::Receiver<i64> {
+        self.stored.subscribe()
+    }
+
+    /// Checks pools and services before they are stored: alone, against
+    /// the cluster's endpoint pools, and with everything stored, through
+    /// the core's [`reconcile`]. Returns the revision the cluster pools
+    /// were read at ([`Door::lb_put`] holds only if none changed since).
+    async fn check(
+        d: &mut Door,
+        pools: &[LbPoolSpec],
+        services: &[ServiceSpec],
+    ) -> Result<i64, ClusterStoreError> {
+        for p in pools {
+            p.validate().map_err(|e| invalid(e.to_string()))?;
+        }
+        for s in services {
+            s.validate().map_err(|e| invalid(e.to_string()))?;
+        }
+        let (cluster_pools, _, cluster_pools_at) = d.pools().await?;
+        for p in pools {
+            lockstep_core::lb::check_against_cluster_pools(p, &cluster_pools)
+                .map_err(|e| invalid(e.to_string()))?;
+        }
+        let view = d.lb_read().await?;
+        let mut all_pools = view.pools.clone();
+        for p in pools {
+            all_pools.insert(p.name.clone(), p.clone());
+        }
+        let mut all_services = view.services.clone();
+        for s in services {
+            all_services.insert(s.id(), s.clone());
+        }
+        // What the assigner would refuse is refused here, before
+        // anything is stored.
+        reconcile(
+            view.state.as_ref().map(|(s, _)| s),
+            all_pools.into_values().collect(),
+            all_services.into_values().collect(),
+        )
+        .map_err(|e| invalid(e.to_string()))?;
+        Ok(cluster_pools_at)
+    }
+
     /// `lockstep lb apply` in cluster mode: checks the pools and services
     /// (alone, against the cluster's endpoint pools, and with everything
     /// stored, through the core's [`reconcile`]), stores them in one
@@ -193,36 +257,9 @@ impl LbHandle {
         services: Vec<ServiceSpec>,
         within: Duration,
     ) -> Result<serde_json::Value, ClusterStoreError> {
-        for p in &pools {
-            p.validate().map_err(|e| invalid(e.to_string()))?;
-        }
-        for s in &services {
-            s.validate().map_err(|e| invalid(e.to_string()))?;
-        }
         let ids: BTreeSet<String> = services.iter().map(ServiceSpec::id).collect();
         let mut d = self.door().await?;
-        let (cluster_pools, _, cluster_pools_at) = d.pools().await?;
-        for p in &pools {
-            lockstep_core::lb::check_against_cluster_pools(p, &cluster_pools)
-                .map_err(|e| invalid(e.to_string()))?;
-        }
-        let view = d.lb_read().await?;
-        let mut all_pools = view.pools.clone();
-        for p in &pools {
-            all_pools.insert(p.name.clone(), p.clone());
-        }
-        let mut all_services = view.services.clone();
-        for s in &services {
-            all_services.insert(s.id(), s.clone());
-        }
-        // What the assigner would refuse is refused here, before
-        // anything is stored.
-        reconcile(
-            view.state.as_ref().map(|(s, _)| s),
-            all_pools.into_values().collect(),
-            all_services.into_values().collect(),
-        )
-        .map_err(|e| invalid(e.to_string()))?;
+        let cluster_pools_at = Self::check(&mut d, &pools, &services).await?;
         // Watched from before the write, so the assigner's state is read
         // as soon as it is stored (every 100 ms too, without a watch).
         let mut wake = tokio::time::timeout(TICK, d.lb_watch())
@@ -247,6 +284,35 @@ impl LbHandle {
                 wake = None;
             }
         }
+    }
+
+    /// [`LbHandle::apply`] without the wait and without the answer: checks
+    /// and stores, the assigner assigns later ([`LbHandle::stored`] tells
+    /// when). What the Kubernetes door calls.
+    ///
+    /// # Errors
+    /// As [`LbHandle::apply`].
+    pub async fn store(
+        &self,
+        pools: Vec<LbPoolSpec>,
+        services: Vec<ServiceSpec>,
+    ) -> Result<(), ClusterStoreError> {
+        let mut d = self.door().await?;
+        let cluster_pools_at = Self::check(&mut d, &pools, &services).await?;
+        d.lb_put(&pools, &services, cluster_pools_at).await
+    }
+
+    /// [`LbHandle::delete`] without the wait and without the answer: all
+    /// named or none.
+    ///
+    /// # Errors
+    /// An unknown name (nothing deleted), or etcd unavailable.
+    pub async fn remove(
+        &self,
+        services: Vec<String>,
+        pools: Vec<String>,
+    ) -> Result<(), ClusterStoreError> {
+        self.door().await?.lb_delete(&services, &pools).await
     }
 
     /// `lockstep lb delete` in cluster mode: all named or none. Waits (at
@@ -309,12 +375,19 @@ fn restore(state: &lockstep_core::lb::LbSnapshot) -> Result<LbIpam, ClusterStore
     })
 }
 
-/// The `lockstep lb get` answer of cluster mode: the single-node shape
-/// (`pools`, `services`) from the stored state, plus `cluster`.
-fn render_view(
-    view: &LbView,
-    leases: &BTreeMap<i64, Option<i64>>,
-) -> Result<serde_json::Value, ClusterStoreError> {
+/// What the stored state says: [`LbHandle::assignments`].
+#[derive(Clone, Debug, PartialEq)]
+pub struct Assignments {
+    /// The elected assigner.
+    pub assigner: Option<String>,
+    /// Pools and services as the stored state has them (the single-node
+    /// shape).
+    pub lb: crate::agent::lb::LbView,
+    /// Services stored but not yet in the state.
+    pub pending: Vec<String>,
+}
+
+fn assignments_of(view: &LbView) -> Result<Assignments, ClusterStoreError> {
     let lb = match &view.state {
         Some((s, _)) => restore(s)?,
         None => LbIpam::new(),
@@ -326,6 +399,29 @@ fn render_view(
             .map(|(id, st)| (id.to_string(), st.clone()))
             .collect(),
     };
+    Ok(Assignments {
+        assigner: view.assigner.as_ref().map(|a| a.0.clone()),
+        pending: view
+            .services
+            .keys()
+            .filter(|id| !local.services.contains_key(*id))
+            .cloned()
+            .collect(),
+        lb: local,
+    })
+}
+
+/// The `lockstep lb get` answer of cluster mode: the single-node shape
+/// (`pools`, `services`) from the stored state, plus `cluster`.
+fn render_view(
+    view: &LbView,
+    leases: &BTreeMap<i64, Option<i64>>,
+) -> Result<serde_json::Value, ClusterStoreError> {
+    let Assignments {
+        assigner,
+        lb: local,
+        pending,
+    } = assignments_of(view)?;
     let unannounced = unannounced(&view.to_announce()?, &view.candidates());
     let cluster = ClusterLbView {
         unannounced,
@@ -336,14 +432,9 @@ fn render_view(
             .map(|(n, l)| (n.clone(), l.clone()))
             .collect(),
         silent: view.silent.iter().cloned().collect(),
-        assigner: view.assigner.as_ref().map(|a| a.0.clone()),
+        assigner,
         members: view.members.keys().cloned().collect(),
-        pending: view
-            .services
-            .keys()
-            .filter(|id| !local.services.contains_key(*id))
-            .cloned()
-            .collect(),
+        pending,
         announcements: view
             .announcements
             .iter()
@@ -531,6 +622,7 @@ impl LbAgent {
                 opts,
                 door: tokio::sync::Mutex::new(None),
                 shared: Mutex::new(Shared::default()),
+                stored: tokio::sync::watch::Sender::new(0),
             }),
         }
     }
@@ -852,6 +944,7 @@ impl LbAgent {
             tracing::debug!(?bound, "lb round cut short to refresh the lease in time");
             return Ok(false);
         };
+        let at = door.written();
         self.last_round = Some(Instant::now());
         self.refused = matches!(round, Err(ClusterStoreError::Invalid(_)));
         let idle = stamp.map(|s| (s, Instant::now()));
@@ -859,6 +952,7 @@ impl LbAgent {
             Ok(Round::Stored { added, removed }) => {
                 tracing::info!(added, removed, "lb state stored");
                 self.handle.lock().assigner = true;
+                self.handle.stored.send_replace(at);
                 self.last_round = None;
                 Ok(true)
             }

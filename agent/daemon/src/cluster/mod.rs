@@ -46,7 +46,7 @@ pub use door::{Door, DoorOptions, TlsFiles};
 pub use handle::{ClusterHandle, render_metrics};
 pub use held::{Held, HeldBlock, HeldError};
 pub use lb::{LbView, NEW_SERVICES_PER_ROUND, Round};
-pub use lb_agent::{LbAgent, LbHandle};
+pub use lb_agent::{Assignments, LbAgent, LbHandle};
 pub use mirror::{Kv, Link, Mirror, Stamp};
 pub(crate) use node::node_ips;
 pub use node::{ClusterNode, local_specs};

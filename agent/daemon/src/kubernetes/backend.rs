@@ -12,10 +12,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use lockstep_core::lb::{
-    Conflict, LbPoolSpec, PoolMetrics, PoolStatus, ServiceSpec, ServiceStatus,
-};
-use serde::Deserialize;
+use lockstep_core::lb::{LbPoolSpec, PoolStatus, ServiceSpec, ServiceStatus};
 
 use super::KubeError;
 use crate::agent::Agent;
@@ -69,8 +66,15 @@ pub trait LbBackend: Send + Sync + 'static {
     /// storing new services tells nothing new about them.
     fn assigns_on_apply(&self) -> bool;
     /// How often the loop reads the state without a Kubernetes change:
-    /// cluster mode learns of the assigner's work and of elections so.
+    /// cluster mode learns of elections so, and of the assigner's work
+    /// should `changes` not tell.
     fn poll_every(&self, pending: bool) -> Duration;
+    /// Changes whenever the state changed without the loop's doing (cluster
+    /// mode: this node's assigner stored a state), so the loop reads it at
+    /// once. `None`: it changes only through the loop's own calls.
+    fn changes(&self) -> Option<tokio::sync::watch::Receiver<i64>> {
+        None
+    }
 }
 
 type Slot = Arc<Mutex<Option<Agent>>>;
@@ -195,31 +199,6 @@ impl ClusterLb {
     }
 }
 
-/// A pool as `lockstep lb get` shows it.
-#[derive(Deserialize)]
-struct PoolJson {
-    spec: LbPoolSpec,
-    seq: u64,
-    conflict: Option<Conflict>,
-    metrics: PoolMetrics,
-}
-
-/// The cluster part of `lockstep lb get`.
-#[derive(Deserialize)]
-struct ClusterJson {
-    assigner: Option<String>,
-    #[serde(default)]
-    pending: Vec<String>,
-}
-
-/// `lockstep lb get`'s answer in cluster mode, the parts read here.
-#[derive(Deserialize)]
-struct ViewJson {
-    pools: Vec<PoolJson>,
-    services: BTreeMap<String, ServiceStatus>,
-    cluster: ClusterJson,
-}
-
 fn cluster_err(e: crate::cluster::ClusterStoreError) -> KubeError {
     use crate::cluster::ClusterStoreError as E;
     match e {
@@ -235,28 +214,16 @@ fn cluster_err(e: crate::cluster::ClusterStoreError) -> KubeError {
 
 impl LbBackend for ClusterLb {
     async fn state(&self) -> Result<LbState, KubeError> {
-        let v = self.handle.view().await.map_err(cluster_err)?;
-        let v: ViewJson = serde_json::from_value(v).map_err(|e| KubeError::Lb {
-            reason: format!("lb view unreadable: {e}"),
-        })?;
+        let a = self.handle.assignments().await.map_err(cluster_err)?;
         Ok(LbState {
-            writer: v.cluster.assigner.as_deref() == Some(self.node.as_str()),
-            services: v.services,
-            pending: v.cluster.pending.into_iter().collect(),
-            pools: v
+            writer: a.assigner.as_deref() == Some(self.node.as_str()),
+            services: a.lb.services,
+            pending: a.pending.into_iter().collect(),
+            pools: a
+                .lb
                 .pools
                 .into_iter()
-                .map(|p| {
-                    (
-                        p.spec.name.clone(),
-                        PoolStatus {
-                            spec: p.spec,
-                            seq: p.seq,
-                            conflict: p.conflict,
-                            metrics: p.metrics,
-                        },
-                    )
-                })
+                .map(|p| (p.spec.name.clone(), p))
                 .collect(),
         })
     }
@@ -274,20 +241,23 @@ impl LbBackend for ClusterLb {
                 return Err(refused_or_failed(&e));
             }
         }
-        // No wait: the loop reads the assigner's state on its own pace.
+        // No wait: the loop reads the assigner's state when it stored
+        // one (`changes`).
         self.handle
-            .apply(pools, services, Duration::ZERO)
+            .store(pools, services)
             .await
-            .map(drop)
             .map_err(cluster_err)
     }
 
     async fn delete(&self, services: Vec<String>, pools: Vec<String>) -> Result<(), KubeError> {
         self.handle
-            .delete(services, pools, Duration::ZERO)
+            .remove(services, pools)
             .await
-            .map(drop)
             .map_err(cluster_err)
+    }
+
+    fn changes(&self) -> Option<tokio::sync::watch::Receiver<i64>> {
+        Some(self.handle.stored())
     }
 
     fn assigns_on_apply(&self) -> bool {

@@ -117,6 +117,17 @@ where
 
 use reflector::reflector;
 
+/// The next change of the backend's state (never without one).
+async fn changed(changes: &mut Option<tokio::sync::watch::Receiver<i64>>) {
+    if let Some(rx) = changes
+        && rx.changed().await.is_ok()
+    {
+        return;
+    }
+    // None, or gone with its sender: the polls remain.
+    std::future::pending().await
+}
+
 fn api_err(what: impl Into<String>) -> impl FnOnce(kube::Error) -> KubeError {
     let what = what.into();
     move |source| KubeError::Api {
@@ -179,9 +190,12 @@ impl<B: LbBackend> LbSync<B> {
         }
         tracing::info!("kubernetes: services and lb pools listed; serving LoadBalancer services");
         let mut poll = Duration::ZERO;
+        let mut assigned = self.backend.changes();
         loop {
             let woke = tokio::select! {
                 () = wake.notified() => Some(true),
+                // New addresses to write: no burst to wait for.
+                () = changed(&mut assigned) => Some(false),
                 () = tokio::time::sleep(poll) => Some(false),
                 _ = stop.wait_for(|s| *s) => None,
             };
@@ -221,7 +235,9 @@ impl<B: LbBackend> LbSync<B> {
         services: &Store<Service>,
         pools: &Store<LoadBalancerIPPool>,
     ) -> Result<bool, KubeError> {
+        let begun = tokio::time::Instant::now();
         let mut state = self.backend.state().await?;
+        let state_read = begun.elapsed();
         if !state.writer {
             if self.was_writer {
                 tracing::info!("kubernetes: no longer the LB writer");
@@ -235,28 +251,54 @@ impl<B: LbBackend> LbSync<B> {
         }
         let started = tokio::time::Instant::now();
         let pools = pools.state();
-        let pools_changed = self.sync_pools(&pools, &state).await?;
         let svcs = services.state();
         let requests: Vec<(Arc<Service>, Request)> = svcs
             .iter()
             .map(|s| (s.clone(), lb_request(&service(s), &self.class)))
             .collect();
-        let (added, deleted) = self.sync_services(&requests, &state).await?;
+        // The assigner assigns after the apply (cluster mode): what the
+        // state as read has assigned is written while new services are
+        // stored, not after (#28: a burst of Services would otherwise
+        // wait a store longer for each status).
+        let early = if self.backend.assigns_on_apply() {
+            Vec::new()
+        } else {
+            self.plan_services(&requests, &state).1
+        };
+        let early_sent = early.len();
+        let send = send_statuses(self.client.clone(), self.recorder.clone(), early);
+        let sync = async {
+            let pools_changed = self.sync_pools(&pools, &state).await?;
+            let (applied, deleted) = self.sync_services(&requests, &state).await?;
+            Ok::<_, KubeError>((pools_changed, applied, deleted))
+        };
+        let (synced, sent) = futures::join!(sync, send);
+        self.wrote(sent);
+        let (pools_changed, applied, deleted) = synced?;
+        let added = applied > 0;
         let synced = started.elapsed();
         let changed = pools_changed || added || deleted;
         // Only new services stored, and the assigner assigns later: the
-        // state as read says all there is; the next poll reads their
-        // addresses.
+        // state as read says all there is; the assigner's next stored
+        // state wakes the loop (`LbBackend::changes`).
         if pools_changed || deleted || (added && self.backend.assigns_on_apply()) {
             state = self.backend.state().await?;
         }
         let read = started.elapsed();
-        let pending = self.write_services(&requests, &state).await;
+        // Everything not written yet: what the re-read state says, and
+        // services refused in this pass.
+        let (pending, patches) = self.plan_services(&requests, &state);
+        let patched = early_sent + patches.len();
+        let sent = send_statuses(self.client.clone(), self.recorder.clone(), patches).await;
+        self.wrote(sent);
         self.write_pools(&pools, &state).await;
         tracing::debug!(
             services = requests.len(),
             changed,
+            applied,
+            patched,
             pending,
+            state_ms = state_read.as_millis(),
             synced_ms = synced.as_millis(),
             read_ms = read.as_millis(),
             total_ms = started.elapsed().as_millis(),
@@ -365,7 +407,7 @@ impl<B: LbBackend> LbSync<B> {
         &mut self,
         requests: &[(Arc<Service>, Request)],
         state: &LbState,
-    ) -> Result<(bool, bool), KubeError> {
+    ) -> Result<(usize, bool), KubeError> {
         let wanted: BTreeMap<String, &ServiceSpec> = requests
             .iter()
             .filter_map(|(_, r)| match r {
@@ -381,7 +423,7 @@ impl<B: LbBackend> LbSync<B> {
             })
             .map(|(_, s)| (*s).clone())
             .collect();
-        let mut added = false;
+        let mut added = 0;
         for chunk in apply.chunks(BATCH) {
             match self.backend.apply(Vec::new(), chunk.to_vec()).await {
                 Ok(()) => {
@@ -389,7 +431,7 @@ impl<B: LbBackend> LbSync<B> {
                         self.refused_services.remove(&s.id());
                         self.applied_services.insert(s.id(), s.clone());
                     }
-                    added = true;
+                    added += chunk.len();
                 }
                 // One refused service must not hold the others back.
                 Err(KubeError::Refused { .. }) => {
@@ -398,7 +440,7 @@ impl<B: LbBackend> LbSync<B> {
                             Ok(()) => {
                                 self.refused_services.remove(&s.id());
                                 self.applied_services.insert(s.id(), s.clone());
-                                added = true;
+                                added += 1;
                             }
                             Err(KubeError::Refused { reason }) => {
                                 self.refused_services.insert(s.id(), (s.clone(), reason));
@@ -425,13 +467,14 @@ impl<B: LbBackend> LbSync<B> {
         Ok((added, deleted))
     }
 
-    /// Patches each Service whose status differs; whether some service of
-    /// lockstep's is not in the LB state yet.
-    async fn write_services(
-        &mut self,
+    /// The status patches of Services whose status differs from what was
+    /// written; whether some service of lockstep's is not in the LB state
+    /// yet.
+    fn plan_services(
+        &self,
         requests: &[(Arc<Service>, Request)],
         state: &LbState,
-    ) -> bool {
+    ) -> (bool, Vec<StatusWrite>) {
         let now = k8s_openapi::jiff::Timestamp::now().to_string();
         let mut pending = false;
         let mut patches: Vec<StatusWrite> = Vec::new();
@@ -471,44 +514,14 @@ impl<B: LbBackend> LbSync<B> {
                 .and_then(|o| event_for(service_condition(svc).as_ref(), &o.condition));
             patches.push((svc.clone(), patch, event));
         }
-        let client = self.client.clone();
-        let recorder = &self.recorder;
-        let done: Vec<Option<(String, Option<String>, Value)>> = futures::stream::iter(patches)
-            .map(|(svc, patch, event)| {
-                let client = client.clone();
-                async move {
-                    let ns = svc.namespace().unwrap_or_default();
-                    let api: Api<Service> = Api::namespaced(client, &ns);
-                    match api
-                        .patch_status(&svc.name_any(), &PatchParams::default(), &Patch::Merge(&patch))
-                        .await
-                    {
-                        Ok(_) => {}
-                        Err(e) if is_stale(&e) => return None,
-                        Err(e) => {
-                            tracing::warn!(service = %format!("{ns}/{}", svc.name_any()), error = %crate::error_chain(&e), "kubernetes: service status not written");
-                            return None;
-                        }
-                    }
-                    // Off the status path: an Event is best effort and
-                    // must not delay the next Service's status.
-                    if let Some((warning, reason, note)) = event {
-                        let recorder = recorder.clone();
-                        let reference = svc.object_ref(&());
-                        tokio::spawn(async move {
-                            publish(&recorder, &reference, warning, reason, note).await;
-                        });
-                    }
-                    Some((svc.uid().unwrap_or_default(), svc.resource_version(), timeless(&patch)))
-                }
-            })
-            .buffer_unordered(PATCHES_IN_FLIGHT)
-            .collect()
-            .await;
-        for (uid, rv, patch) in done.into_iter().flatten() {
+        (pending, patches)
+    }
+
+    /// Remembers the patches that landed.
+    fn wrote(&mut self, sent: Vec<Sent>) {
+        for (uid, rv, patch) in sent {
             self.written.insert(uid, (rv, patch));
         }
-        pending
     }
 
     async fn write_pools(&mut self, pools: &[Arc<LoadBalancerIPPool>], state: &LbState) {
@@ -553,6 +566,50 @@ impl<B: LbBackend> LbSync<B> {
             self.written.insert(uid, (from, key));
         }
     }
+}
+
+/// A status patch that landed: the object's uid, the `resourceVersion` it
+/// was made from, and the patch without its times.
+type Sent = (String, Option<String>, Value);
+
+/// Sends status patches, [`PATCHES_IN_FLIGHT`] at once, each Event once
+/// its patch landed; returns those that landed. Owns what it uses, so it
+/// runs beside the pass's LB apply.
+async fn send_statuses(client: Client, recorder: Recorder, patches: Vec<StatusWrite>) -> Vec<Sent> {
+    let recorder = &recorder;
+    let done: Vec<Option<Sent>> = futures::stream::iter(patches)
+        .map(|(svc, patch, event)| {
+            let client = client.clone();
+            async move {
+                let ns = svc.namespace().unwrap_or_default();
+                let api: Api<Service> = Api::namespaced(client, &ns);
+                match api
+                    .patch_status(&svc.name_any(), &PatchParams::default(), &Patch::Merge(&patch))
+                    .await
+                {
+                    Ok(_) => {}
+                    Err(e) if is_stale(&e) => return None,
+                    Err(e) => {
+                        tracing::warn!(service = %format!("{ns}/{}", svc.name_any()), error = %crate::error_chain(&e), "kubernetes: service status not written");
+                        return None;
+                    }
+                }
+                // Off the status path: an Event is best effort and
+                // must not delay the next Service's status.
+                if let Some((warning, reason, note)) = event {
+                    let recorder = recorder.clone();
+                    let reference = svc.object_ref(&());
+                    tokio::spawn(async move {
+                        publish(&recorder, &reference, warning, reason, note).await;
+                    });
+                }
+                Some((svc.uid().unwrap_or_default(), svc.resource_version(), timeless(&patch)))
+            }
+        })
+        .buffer_unordered(PATCHES_IN_FLIGHT)
+        .collect()
+        .await;
+    done.into_iter().flatten().collect()
 }
 
 /// What a patch says, without the times it carries: two passes that want

@@ -85,8 +85,10 @@ pub struct Door {
     unreadable: BTreeMap<String, Unreadable>,
     /// The cluster ID and store revision of the last listing's answer.
     mark: Option<StoreMark>,
-    /// The highest store revision a write of this door was answered at:
-    /// a listing from the mirror waits until the mirror saw it.
+    /// The highest store revision a write of this door was answered at
+    /// (or one of another door of this node it was told of,
+    /// [`Door::follow`]): a listing from the mirror waits until the
+    /// mirror saw it.
     written: AtomicI64,
     /// Open keep-alive streams, by lease.
     keepers: BTreeMap<i64, (etcd_client::LeaseKeeper, etcd_client::LeaseKeepAliveStream)>,
@@ -161,6 +163,13 @@ impl Door {
     /// Notes that a write of this door was answered at `revision`.
     pub(super) fn wrote_at(&self, revision: i64) {
         self.written.fetch_max(revision, Ordering::Relaxed);
+    }
+
+    /// Notes that a write of another door of this node (the LB agent's
+    /// round) was answered at `revision`: this door's reads see it too,
+    /// as they see its own writes.
+    pub(super) fn follow(&self, revision: i64) {
+        self.wrote_at(revision);
     }
 
     /// The options the door was made with.
