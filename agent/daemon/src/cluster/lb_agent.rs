@@ -22,15 +22,15 @@
 //!    next tick), so a slow etcd never holds the next refresh back. The
 //!    announcer runs every tick, changed or not: its clocks move (rank
 //!    steps, pace, the lease's cap);
-//! 5. then runs an assigner round ([`Door::lb_round`], campaigning with
-//!    the same lease) at most every [`ROUND_EVERY`] (at once again while
-//!    it stores), skipped while `lb/` stands where it stood when a round
-//!    left nothing to do (one every [`IDLE_ROUND`] all the same).
+//! 5. publishes the lease it holds to the node's assigner
+//!    (`lb_assigner`), which runs its rounds ([`Door::lb_round`],
+//!    campaigning with the same lease) on a loop of its own, so a tick of
+//!    takes never holds an assignment back.
 //!
 //! A tick also comes at once when anything under `lb/` changes (the
 //! mirror's bell, or a watch of its own without a mirror; it only wakes
-//! the loop): a service stored by `lb apply` is assigned, and an address
-//! assigned or withdrawn is taken, without waiting out the 200 ms.
+//! the loop): an address assigned or withdrawn is taken without waiting
+//! out the 200 ms.
 //!
 //! Why never two nodes answer: an entry's expiry is at most `t + TTL -
 //! margin`, `t` the moment the last lease refresh (or grant) was *sent*;
@@ -48,10 +48,12 @@ use lockstep_core::lb::announce::{Announcer, AnnouncerConfig};
 use lockstep_core::lb::cluster::{assigned, reconcile, unannounced};
 use lockstep_core::lb::{LbIpam, LbPoolSpec, ServiceSpec};
 use serde::Serialize;
+use tokio::sync::watch;
 
 use super::lb::LbWake;
 use super::lb_announce::{self, Counts};
-use super::{ClusterStoreError, Door, DoorOptions, LbView, Link, Round, Stamp};
+use super::lb_assigner::Assigner;
+use super::{ClusterStoreError, Door, DoorOptions, LbView, Link, Stamp};
 use crate::agent::announce::monotonic_ns;
 use crate::agent::{Agent, Announcements, UplinkHealth};
 
@@ -60,7 +62,8 @@ use crate::agent::{Agent, Announcements, UplinkHealth};
 const REQUEST_TIMEOUT: Duration = Duration::from_millis(500);
 /// How often the agent looks at its lease, the plan and etcd.
 pub const TICK: Duration = Duration::from_millis(200);
-/// How often an assigner round runs when nothing was stored last time.
+/// How often an assigner round runs when nothing was stored last time
+/// and no service is pending.
 pub const ROUND_EVERY: Duration = Duration::from_millis(500);
 /// How often a round runs when nothing under `lb/` changed in the
 /// mirror (it reads nothing from etcd then).
@@ -77,7 +80,7 @@ pub struct LbHandle {
     door: tokio::sync::Mutex<Option<Door>>,
     shared: Mutex<Shared>,
     /// The revision of the last state this node's assigner stored.
-    stored: tokio::sync::watch::Sender<i64>,
+    stored: watch::Sender<i64>,
 }
 
 #[derive(Debug, Default)]
@@ -161,6 +164,27 @@ impl LbHandle {
         self.lock().announcing.clone()
     }
 
+    /// How the LB loops reach etcd.
+    pub(super) fn options(&self) -> &DoorOptions {
+        &self.opts
+    }
+
+    /// Whether this node is the assigner, as its last round found.
+    pub(super) fn is_assigner(&self) -> bool {
+        self.lock().assigner
+    }
+
+    /// Notes whether this node is the assigner.
+    pub(super) fn set_assigner(&self, assigner: bool) {
+        self.lock().assigner = assigner;
+    }
+
+    /// Notes a state this node's assigner stored, at `revision`
+    /// ([`LbHandle::stored`] tells its readers).
+    pub(super) fn note_stored(&self, revision: i64) {
+        self.stored.send_replace(revision);
+    }
+
     /// `lockstep lb get` in cluster mode: pools and services as the stored
     /// state has them, and who announces what.
     ///
@@ -196,7 +220,7 @@ impl LbHandle {
     /// Changes with every state this node's assigner stores (to the
     /// revision it was stored at): whoever reads [`LbHandle::assignments`]
     /// learns of new assignments at once rather than at its next poll.
-    pub fn stored(&self) -> tokio::sync::watch::Receiver<i64> {
+    pub fn stored(&self) -> watch::Receiver<i64> {
         self.stored.subscribe()
     }
 
@@ -355,17 +379,6 @@ impl LbHandle {
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
     }
-}
-
-/// Whether services are stored that the state does not have, or the
-/// state has services no longer stored.
-fn has_pending(view: &LbView) -> bool {
-    let in_state: BTreeSet<String> = view
-        .state
-        .as_ref()
-        .map(|(s, _)| s.services.iter().map(|r| r.spec.id()).collect())
-        .unwrap_or_default();
-    in_state.len() != view.services.len() || view.services.keys().any(|id| !in_state.contains(id))
 }
 
 fn restore(state: &lockstep_core::lb::LbSnapshot) -> Result<LbIpam, ClusterStoreError> {
@@ -529,21 +542,10 @@ pub struct LbAgent {
     /// The uplink's health as last seen (kept while the agent lock is
     /// busy: the check never waits for it).
     health: UplinkHealth,
-    last_round: Option<Instant>,
-    /// The last round refused the stored definitions: rounds keep their
-    /// pace even with services pending.
-    refused: bool,
-    /// Wakes the loop when anything under `lb/` changes (`None` until
-    /// connected, or after it broke: opened again next tick).
-    wake: Option<LbWake>,
-    /// When opening `wake` was last tried (at most once a second, so an
-    /// etcd that does not answer slows no tick).
-    wake_tried: Option<Instant>,
-    /// Where `lb/` stood in the mirror when the last round that left
-    /// nothing to do began, and when (#27 item 6: a round over an
-    /// unchanged mirror is skipped, so an idle agent costs etcd only its
-    /// lease refresh and itself almost nothing).
-    acted: Option<(Stamp, Instant)>,
+    /// Wakes the loop when anything under `lb/` changes.
+    wake: Wake,
+    /// The lease the announcer holds, for the assigner.
+    lease_held: watch::Sender<Option<i64>>,
     /// The last read of `lb/` handed to the announcer (#27 item 6: while
     /// the mirror's `lb/` stays where it was, the announcer keeps that
     /// read rather than being handed the same one again every tick).
@@ -560,21 +562,6 @@ struct Seen {
     revision: i64,
     /// When it was read.
     at: Instant,
-    /// Whether it showed services stored but not in the state, or the
-    /// state with services no longer stored ([`has_pending`]).
-    services_pending: bool,
-}
-
-/// What ended the loop's wait.
-enum Woke {
-    /// The tick's time.
-    Tick,
-    /// Something under `lb/` changed.
-    Change,
-    /// The wake-up watch broke.
-    Broken,
-    /// The agent stops.
-    Stop,
 }
 
 /// The next message of the wake-up watch: whether one came (`false`: the
@@ -584,6 +571,53 @@ async fn changed(wake: &mut Option<LbWake>) -> bool {
         Some(w) => w.changed().await,
         None => std::future::pending().await,
     }
+}
+
+/// An LB loop's wake-up when anything under `lb/` changes: opened once
+/// connected, and again after it broke.
+#[derive(Default)]
+pub(super) struct Wake {
+    wake: Option<LbWake>,
+    /// When opening it was last tried (at most once a second, so an etcd
+    /// that does not answer slows no loop).
+    tried: Option<Instant>,
+}
+
+impl Wake {
+    /// Opens the wake-up through `door` if there is none (bounded by a
+    /// tick: a slow etcd never delays the loop for a wake-up).
+    pub(super) async fn open(&mut self, door: Option<&mut Door>) {
+        if self.wake.is_some()
+            || self
+                .tried
+                .is_some_and(|t| t.elapsed() < Duration::from_secs(1))
+        {
+            return;
+        }
+        let Some(door) = door else { return };
+        self.tried = Some(Instant::now());
+        self.wake = tokio::time::timeout(TICK, door.lb_watch())
+            .await
+            .ok()
+            .and_then(Result::ok);
+    }
+
+    /// Returns when something under `lb/` changed, or the wake-up broke
+    /// (opened again by [`Wake::open`]); never without one.
+    pub(super) async fn changed(&mut self) {
+        if !changed(&mut self.wake).await {
+            self.wake = None;
+        }
+    }
+}
+
+/// Where `lb/` stands in the mirror of `opts`'s link while it is live
+/// (`None`: no mirror, or one not live: then everything is read).
+pub(super) fn mirror_stamp(opts: &DoorOptions) -> Option<Stamp> {
+    opts.link
+        .as_ref()
+        .map(|l| l.mirror().stamp(&["lb/"]))
+        .filter(|s| s.live)
 }
 
 impl std::fmt::Debug for LbAgent {
@@ -612,17 +646,14 @@ impl LbAgent {
             door: None,
             lease: None,
             health: UplinkHealth::Unknown,
-            last_round: None,
-            refused: false,
-            wake: None,
-            wake_tried: None,
-            acted: None,
+            wake: Wake::default(),
+            lease_held: watch::Sender::new(None),
             seen: None,
             handle: Arc::new(LbHandle {
                 opts,
                 door: tokio::sync::Mutex::new(None),
                 shared: Mutex::new(Shared::default()),
-                stored: tokio::sync::watch::Sender::new(0),
+                stored: watch::Sender::new(0),
             }),
         }
     }
@@ -755,14 +786,14 @@ impl LbAgent {
         s.withdrawals += counts.withdrew;
     }
 
-    /// One tick; returns whether another should follow at once.
-    async fn tick(&mut self, slot: &Arc<Mutex<Option<Agent>>>, announcements: &Maps) -> bool {
+    /// One tick.
+    async fn tick(&mut self, slot: &Arc<Mutex<Option<Agent>>>, announcements: &Maps) {
         if self.door.is_none() {
             match Door::connect(self.handle.opts.clone()).await {
                 Ok(d) => self.door = Some(d),
                 Err(e) => {
                     self.problem(Some(&e));
-                    return false;
+                    return;
                 }
             }
         }
@@ -792,16 +823,12 @@ impl LbAgent {
         // to the announcer, which asks again (or writes again) next tick.
         let deadline = Instant::now() + self.ttl / 4;
         let mut problem = lease_problem;
-        let mut again = false;
-        let mut pending = None;
-        let stamp = self.stamp();
-        if let Some(lease) = self.machine.lease() {
-            match self.read(lease, stamp).await {
-                Ok(p) => pending = Some((lease, p)),
-                Err(e) => {
-                    problem.get_or_insert(e);
-                }
-            }
+        self.publish_lease();
+        let stamp = mirror_stamp(&self.handle.opts);
+        if let Some(lease) = self.machine.lease()
+            && let Err(e) = self.read(lease, stamp).await
+        {
+            problem.get_or_insert(e);
         }
         let mut counts = Counts::default();
         if let Some(door) = self.door.as_mut() {
@@ -818,39 +845,25 @@ impl LbAgent {
                 problem.get_or_insert(e);
             }
         }
-        // The assigner round after the announcements: what answers
-        // first, new assignments next.
-        if let Some((lease, pending)) = pending {
-            again |= self.round(lease, pending, stamp).await.unwrap_or_else(|e| {
-                problem.get_or_insert(e);
-                false
-            });
-        }
+        self.publish_lease();
         self.show(counts);
         self.problem(problem.as_ref());
-        again
     }
 
-    /// Where `lb/` stands in the agent's mirror while it is live (`None`:
-    /// no mirror, or one not live: then everything is read every tick).
-    fn stamp(&self) -> Option<Stamp> {
-        self.handle
-            .opts
-            .link
-            .as_ref()
-            .map(|l| l.mirror().stamp(&["lb/"]))
-            .filter(|s| s.live)
-    }
-
-    /// Whether services are pending for the assigner, given whether the
-    /// last read showed any.
-    fn pending(&self, services_pending: bool) -> bool {
-        !self.refused && self.handle.lock().assigner && services_pending
+    /// Tells the assigner which lease the announcer holds (its rounds
+    /// campaign and write under it).
+    fn publish_lease(&self) {
+        let now = self.machine.lease();
+        self.lease_held.send_if_modified(|held| {
+            let changed = *held != now;
+            *held = now;
+            changed
+        });
     }
 
     /// Reads `lb/` (from the mirror while it is live) and hands it to the
     /// announcer (joining again if the read shows this node's membership
-    /// missing). Returns whether services are pending for the assigner.
+    /// missing).
     ///
     /// Skipped while the mirror's `lb/` stands at `stamp` as it did at the
     /// last read, that read has every write of this door (a take, a
@@ -860,7 +873,7 @@ impl LbAgent {
     /// nothing. It is handed a fresh one every [`IDLE_ROUND`] all the same.
     /// The announcer itself still runs every tick (its clocks move: rank
     /// steps, pace, the lease's cap).
-    async fn read(&mut self, lease: i64, stamp: Option<Stamp>) -> Result<bool, ClusterStoreError> {
+    async fn read(&mut self, lease: i64, stamp: Option<Stamp>) -> Result<(), ClusterStoreError> {
         let door = self.door.as_mut().expect("connected");
         if let (Some(now), Some(seen)) = (stamp, self.seen)
             && now == seen.stamp
@@ -868,7 +881,7 @@ impl LbAgent {
             && seen.at.elapsed() < IDLE_ROUND
             && !self.machine.membership_missing()
         {
-            return Ok(self.pending(seen.services_pending));
+            return Ok(());
         }
         self.seen = None;
         let view = door.lb_read().await?;
@@ -899,85 +912,12 @@ impl LbAgent {
             door.lb_join(&self.name, &self.labels, self.answers, lease)
                 .await?;
         }
-        let services_pending = has_pending(&view);
         self.seen = stamp.map(|stamp| Seen {
             stamp,
             revision: view.revision,
             at: Instant::now(),
-            services_pending,
         });
-        Ok(self.pending(services_pending))
-    }
-
-    /// The assigner round when due (at once while services are pending);
-    /// returns whether another tick should follow at once.
-    ///
-    /// Skipped while the mirror's `lb/` stands at `stamp` as it did when a
-    /// round that left nothing to do began (#27 item 6; one every
-    /// [`IDLE_ROUND`] all the same): a follower campaigns only when the
-    /// assigner key is gone, and the assigner stores only what changed,
-    /// both under `lb/`.
-    async fn round(
-        &mut self,
-        lease: i64,
-        pending: bool,
-        stamp: Option<Stamp>,
-    ) -> Result<bool, ClusterStoreError> {
-        if !(pending || self.last_round.is_none_or(|t| t.elapsed() >= ROUND_EVERY)) {
-            return Ok(false);
-        }
-        if !pending
-            && let (Some(now), Some((then, at))) = (stamp, self.acted)
-            && now == then
-            && at.elapsed() < IDLE_ROUND
-        {
-            return Ok(false);
-        }
-        self.acted = None;
-        let door = self.door.as_mut().expect("connected");
-        // Bounded, so a slow etcd (or a mirror catching up) never delays
-        // the next lease refresh past its slack: every step of a round is
-        // a fenced transaction read back by the next, so one cut short is
-        // finished by the next round.
-        let bound = self.ttl / 4;
-        let Ok(round) = tokio::time::timeout(bound, door.lb_round(&self.name, lease)).await else {
-            tracing::debug!(?bound, "lb round cut short to refresh the lease in time");
-            return Ok(false);
-        };
-        let at = door.written();
-        self.last_round = Some(Instant::now());
-        self.refused = matches!(round, Err(ClusterStoreError::Invalid(_)));
-        let idle = stamp.map(|s| (s, Instant::now()));
-        match round {
-            Ok(Round::Stored { added, removed }) => {
-                tracing::info!(added, removed, "lb state stored");
-                self.handle.lock().assigner = true;
-                self.handle.stored.send_replace(at);
-                self.last_round = None;
-                Ok(true)
-            }
-            Ok(Round::Idle) => {
-                self.handle.lock().assigner = true;
-                self.acted = idle;
-                Ok(false)
-            }
-            Ok(Round::Lost) => {
-                self.last_round = None;
-                Ok(false)
-            }
-            Ok(Round::Follower { .. }) => {
-                self.handle.lock().assigner = false;
-                self.acted = idle;
-                Ok(false)
-            }
-            // A refused definition is named; announcing goes on.
-            Err(ClusterStoreError::Invalid(why)) => {
-                tracing::error!(reason = %why, "lb assigner: the stored pools and services are refused");
-                self.acted = idle;
-                Ok(false)
-            }
-            Err(e) => Err(e),
-        }
+        Ok(())
     }
 
     /// Stops: out of the datapath, then the lease revoked (every key of
@@ -1034,41 +974,26 @@ impl LbAgent {
         mut self,
         slot: Arc<Mutex<Option<Agent>>>,
         announcements: Option<Announcements>,
-        mut stop: tokio::sync::watch::Receiver<bool>,
+        mut stop: watch::Receiver<bool>,
     ) -> tokio::task::JoinHandle<()> {
         let announcements = Maps(announcements);
+        let assigner = Assigner::new(self.name.clone(), self.ttl, self.handle.clone());
+        let assigner = tokio::spawn(assigner.run(self.lease_held.subscribe(), stop.clone()));
         tokio::spawn(async move {
             loop {
-                let again = self.tick(&slot, &announcements).await;
-                if again {
-                    continue;
-                }
-                if self.wake.is_none()
-                    && self
-                        .wake_tried
-                        .is_none_or(|t| t.elapsed() >= Duration::from_secs(1))
-                    && let Some(door) = self.door.as_mut()
-                {
-                    // Bounded by a tick: a slow etcd never delays the next
-                    // lease refresh for a wake-up.
-                    self.wake_tried = Some(Instant::now());
-                    self.wake = tokio::time::timeout(TICK, door.lb_watch())
-                        .await
-                        .ok()
-                        .and_then(Result::ok);
-                }
-                let woke = tokio::select! {
-                    _ = tokio::time::sleep(TICK) => Woke::Tick,
-                    came = changed(&mut self.wake) => if came { Woke::Change } else { Woke::Broken },
-                    _ = stop.wait_for(|s| *s) => Woke::Stop,
-                };
-                match woke {
-                    Woke::Stop => break,
-                    Woke::Broken => self.wake = None,
-                    Woke::Tick | Woke::Change => {}
+                self.tick(&slot, &announcements).await;
+                self.wake.open(self.door.as_mut()).await;
+                tokio::select! {
+                    () = tokio::time::sleep(TICK) => {}
+                    () = self.wake.changed() => {}
+                    _ = stop.wait_for(|s| *s) => break,
                 }
             }
-            self.wake = None;
+            // No round while the lease goes (an interrupted one is fenced
+            // like any other: stored whole or not at all).
+            assigner.abort();
+            let _ = assigner.await;
+            self.wake = Wake::default();
             self.stop(&announcements).await;
         })
     }

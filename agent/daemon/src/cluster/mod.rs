@@ -37,6 +37,7 @@ mod held;
 mod lb;
 pub mod lb_agent;
 mod lb_announce;
+mod lb_assigner;
 mod mirror;
 mod node;
 mod remote;
