@@ -22,6 +22,14 @@
 //!    differs from what the LB state says, with an Event when lockstep's
 //!    condition changes reason.
 //!
+//! In cluster mode the assigner assigns after the apply, on its own
+//! loop: a pass writes the statuses the state it read already has while
+//! it stores the new services (step 2 beside step 3, not before it), and
+//! the assigner's next stored state wakes the loop at once
+//! ([`LbBackend::changes`]), so a Service waits for one store and one
+//! round, not for polls (#28: Service created → status written, p99 ≤
+//! 1 s for 200 Services one every 10 ms).
+//!
 //! What was applied is remembered only while this agent stays the writer:
 //! a new writer (a restart, an assigner handover) applies everything once
 //! (unchanged definitions change nothing in the LB state, so addresses
