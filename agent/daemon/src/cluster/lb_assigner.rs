@@ -47,8 +47,8 @@ pub(super) struct Assigner {
     /// unchanged mirror is skipped, so an idle agent costs etcd nothing).
     acted: Option<(Stamp, Instant)>,
     wake: Wake,
-    /// Whether the last round failed on etcd (logged when that begins
-    /// and ends, not every round).
+    /// Whether the last round failed (etcd unavailable, a lease gone
+    /// meanwhile): logged when that begins and ends, not every round.
     failing: bool,
     handle: Arc<LbHandle>,
 }
@@ -135,9 +135,9 @@ impl Assigner {
     fn report(&mut self, e: Option<&ClusterStoreError>) {
         match e {
             Some(e) if !self.failing => {
-                tracing::warn!(error = %crate::error_chain(e), "lb assigner: etcd did not answer; trying again");
+                tracing::warn!(error = %crate::error_chain(e), "lb assigner: round failed; trying again");
             }
-            None if self.failing => tracing::info!("lb assigner: etcd answers again"),
+            None if self.failing => tracing::info!("lb assigner: rounds succeed again"),
             _ => {}
         }
         self.failing = e.is_some();
