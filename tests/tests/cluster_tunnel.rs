@@ -531,6 +531,17 @@ fn device(ns: &Netns, name: &str) -> anyhow::Result<(u64, String, u64, bool)> {
     ))
 }
 
+/// A node namespace whose uplink `u0` (a veth, its peer inside too) has
+/// `addr`: enough for the agent to make its tunnel device without etcd.
+fn node_with_uplink(tag: &str, addr: &str) -> anyhow::Result<Netns> {
+    let node = Netns::new(tag)?;
+    node.ip(["link", "add", "u0", "type", "veth", "peer", "name", "u1"])?;
+    node.ip(["link", "set", "u1", "up"])?;
+    node.ip(["addr", "add", addr, "dev", "u0"])?;
+    node.ip(["link", "set", "u0", "up"])?;
+    Ok(node)
+}
+
 /// The tunnel device is made at start, adopted as it is by a restart (same
 /// interface), replaced when the configuration asks for another port; a
 /// Geneve device is made where the kernel has Geneve, and refused by name
@@ -539,11 +550,7 @@ fn device(ns: &Netns, name: &str) -> anyhow::Result<(u64, String, u64, bool)> {
 #[test]
 fn the_tunnel_device_is_made_adopted_and_replaced() -> anyhow::Result<()> {
     privileged!();
-    let node = Netns::new("tdev")?;
-    node.ip(["link", "add", "u0", "type", "veth", "peer", "name", "u1"])?;
-    node.ip(["link", "set", "u1", "up"])?;
-    node.ip(["addr", "add", "10.253.0.1/24", "dev", "u0"])?;
-    node.ip(["link", "set", "u0", "up"])?;
+    let node = node_with_uplink("tdev", "10.253.0.1/24")?;
     let config = |extra: &str| {
         format!(
             "pools = []\n[cluster]\netcd = [\"http://127.0.0.1:9\"]\nnode_name = \"t\"\nnode_ip_v4 = \"10.253.0.1\"\nrouting = \"tunnel\"\n{extra}"
@@ -613,11 +620,7 @@ fn the_tunnel_device_is_made_adopted_and_replaced() -> anyhow::Result<()> {
 #[test]
 fn verify_names_missing_tunnel_state_and_reconcile_repairs_it() -> anyhow::Result<()> {
     privileged!();
-    let node = Netns::new("tver")?;
-    node.ip(["link", "add", "u0", "type", "veth", "peer", "name", "u1"])?;
-    node.ip(["link", "set", "u1", "up"])?;
-    node.ip(["addr", "add", "10.253.1.1/24", "dev", "u0"])?;
-    node.ip(["link", "set", "u0", "up"])?;
+    let node = node_with_uplink("tver", "10.253.1.1/24")?;
     let agent = AgentProc::start(
         &node,
         "reconcile_interval = \"1h\"\npools = []\n[cluster]\netcd = [\"http://127.0.0.1:9\"]\nnode_name = \"t\"\nnode_ip_v4 = \"10.253.1.1\"\nrouting = \"tunnel\"\n",

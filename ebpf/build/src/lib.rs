@@ -146,14 +146,7 @@ fn check_with(linker_program: &str) -> Result<(), BuildError> {
 pub fn build(repo_root: &Path) -> Result<PathBuf, BuildError> {
     check_prerequisites()?;
     let dir = programs_dir(repo_root);
-    let status = clean_command("cargo")
-        .args(["build", "--release"])
-        .current_dir(&dir)
-        .status()
-        .map_err(|source| BuildError::Spawn {
-            program: "cargo".into(),
-            source,
-        })?;
+    let status = cargo_in(&dir, &["build", "--release"])?;
     if !status.success() {
         return Err(BuildError::CargoFailed { dir, status });
     }
@@ -196,14 +189,7 @@ pub fn lint(repo_root: &Path) -> Result<(), BuildError> {
         &["fmt", "--check"][..],
         &["clippy", "--release", "--", "-D", "warnings"][..],
     ] {
-        let status = clean_command("cargo")
-            .args(args)
-            .current_dir(&dir)
-            .status()
-            .map_err(|source| BuildError::Spawn {
-                program: "cargo".into(),
-                source,
-            })?;
+        let status = cargo_in(&dir, args)?;
         if !status.success() {
             return Err(BuildError::LintFailed {
                 step: args[..2.min(args.len())].join(" "),
@@ -213,6 +199,19 @@ pub fn lint(repo_root: &Path) -> Result<(), BuildError> {
         }
     }
     Ok(())
+}
+
+/// Runs `cargo args` in `dir` (the programs' workspace) through
+/// [`clean_command`]; its output goes to the terminal.
+fn cargo_in(dir: &Path, args: &[&str]) -> Result<std::process::ExitStatus, BuildError> {
+    clean_command("cargo")
+        .args(args)
+        .current_dir(dir)
+        .status()
+        .map_err(|source| BuildError::Spawn {
+            program: "cargo".into(),
+            source,
+        })
 }
 
 /// A command through the rustup proxy with every variable removed that a parent
