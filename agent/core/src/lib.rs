@@ -16,6 +16,7 @@
 //!   from; allocation, release, drain, snapshot and restore.
 //! - [`demand`]: how many addresses the node should hold, with hysteresis.
 //! - [`lb`]: LoadBalancer IPAM (pools, conflicts, sticky and shared addresses).
+//! - [`pods`]: the pool a Kubernetes pod asks for, and leaked endpoints.
 //! - [`roles`]: which agent-owned addresses to reserve and release.
 //! - [`plan`]: desired IPCACHE / MASQ_SKIP contents and the minimal diff
 //!   against what the kernel holds.
@@ -55,5 +56,6 @@ pub mod manager;
 pub mod masquerade;
 pub mod owner;
 pub mod plan;
+pub mod pods;
 pub mod pool;
 pub mod roles;

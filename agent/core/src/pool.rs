@@ -259,9 +259,12 @@ pub fn overlaps(a: IpNet, b: IpNet) -> bool {
 /// Longest pool name, in bytes.
 pub const MAX_NAME_LEN: usize = 128;
 
-/// A pool name must be present, at most [`MAX_NAME_LEN`] bytes, and free of
+/// Checks a pool name: it must be present, at most [`MAX_NAME_LEN`] bytes, and free of
 /// control characters and white space.
-fn check_name(name: &str) -> Result<(), PoolError> {
+///
+/// # Errors
+/// [`PoolError::EmptyName`] or [`PoolError::InvalidName`] saying why.
+pub fn check_name(name: &str) -> Result<(), PoolError> {
     let invalid = |reason| PoolError::InvalidName {
         pool: name.to_owned(),
         reason,
