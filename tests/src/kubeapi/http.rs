@@ -13,7 +13,7 @@ use axum::response::{IntoResponse, Response};
 use serde_json::{Value, json};
 
 use super::Shared;
-use super::selector::Selector;
+use super::selector::Filter;
 use super::store::{ApiError, Change, Kind, sees};
 
 /// One request as the double saw it.
@@ -191,6 +191,7 @@ async fn handle(
                         | "resourceVersion"
                         | "resourceVersionMatch"
                         | "labelSelector"
+                        | "fieldSelector"
                         | "allowWatchBookmarks"
                         | "timeoutSeconds"
                         | "limit"
@@ -201,8 +202,11 @@ async fn handle(
                     )));
                 }
             }
-            let selector =
-                Selector::parse(q.get("labelSelector").map_or("", String::as_str)).map_err(bad)?;
+            let selector = Filter::parse(
+                q.get("labelSelector").map_or("", String::as_str),
+                q.get("fieldSelector").map_or("", String::as_str),
+            )
+            .map_err(bad)?;
             if q.get("watch").is_some_and(|w| w == "true" || w == "1") {
                 let from: u64 = match q.get("resourceVersion").map(String::as_str) {
                     None | Some("") | Some("0") => {
@@ -318,7 +322,7 @@ fn watch(
     shared: &Arc<Shared>,
     kind: Kind,
     ns: Option<String>,
-    selector: Selector,
+    selector: Filter,
     from: u64,
     bookmarks: bool,
     timeout: Option<Duration>,

@@ -6,8 +6,10 @@
 //!
 //! What it serves, as the API server does:
 //! - **list** (`GET` on a collection, all namespaces or one) with the
-//!   list's `resourceVersion`, `labelSelector`, and `limit`/`continue`
-//!   pages;
+//!   list's `resourceVersion`, `labelSelector`, `fieldSelector` (on
+//!   `metadata.name`, `metadata.namespace`, `spec.nodeName` and
+//!   `status.phase`, the fields kubelet and lockstep select Pods by), and
+//!   `limit`/`continue` pages;
 //! - **watch** (`?watch=true&resourceVersion=N`): every change after `N`
 //!   from a bounded history, then live; `resourceVersion`s are one counter
 //!   over every kind and only grow; a watch from before the history is
@@ -51,9 +53,13 @@
 //!   built-in validation of names, labels or immutable fields (clusterIP
 //!   is never allocated);
 //! - no server-side apply, JSON patch or strategic merge patch (`415`),
-//!   no `fieldSelector`, no streaming lists (`sendInitialEvents`), no
-//!   discovery, no protobuf, no admission, no garbage collection by owner
-//!   references, no namespaces as objects (any namespace exists);
+//!   a watch's selectors judge the object after each change only (a
+//!   change that makes an object stop matching is not sent as a
+//!   `DELETED`, as the API server sends it: lockstep selects Pods by
+//!   `spec.nodeName`, which a bound Pod never changes), no streaming
+//!   lists (`sendInitialEvents`), no discovery, no protobuf, no admission, no garbage collection by owner
+//!   references; namespaces are objects to read (their annotations), but
+//!   any namespace exists for namespaced writes;
 //! - a list is always served from the latest state (`resourceVersion=0`
 //!   and `resourceVersionMatch` are accepted and ignored), and pages are
 //!   offsets into the current state, not a snapshot;
@@ -77,7 +83,7 @@ use self::store::{ApiError, Change, Kind, Store, check_as};
 
 /// The kinds the double serves.
 pub fn kinds() -> Vec<Kind> {
-    use k8s_openapi::api::core::v1::{Event as CoreEvent, Node, Service};
+    use k8s_openapi::api::core::v1::{Event as CoreEvent, Namespace, Node, Pod, Service};
     use k8s_openapi::api::events::v1::Event;
     use lockstep::kubernetes::crd::LoadBalancerIPPool;
     vec![
@@ -89,6 +95,24 @@ pub fn kinds() -> Vec<Kind> {
             namespaced: true,
             status: true,
             check: check_as::<Service>,
+        },
+        Kind {
+            group: "",
+            version: "v1",
+            plural: "pods",
+            kind: "Pod",
+            namespaced: true,
+            status: true,
+            check: check_as::<Pod>,
+        },
+        Kind {
+            group: "",
+            version: "v1",
+            plural: "namespaces",
+            kind: "Namespace",
+            namespaced: false,
+            status: true,
+            check: check_as::<Namespace>,
         },
         Kind {
             group: "",
@@ -373,7 +397,7 @@ impl ApiDouble {
         };
         self.shared
             .store()
-            .list(&k, None, &selector::Selector::default())
+            .list(&k, None, &selector::Filter::default())
             .1
     }
 

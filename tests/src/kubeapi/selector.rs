@@ -1,6 +1,10 @@
 //! Label selectors as the API's `labelSelector` query parameter writes
 //! them: `k=v`, `k==v`, `k!=v`, `k`, `!k`, `k in (a,b)`, `k notin (a,b)`,
-//! comma-separated, all of which must hold.
+//! comma-separated, all of which must hold; and field selectors
+//! (`fieldSelector`): `path=v`, `path==v`, `path!=v` on the fields the API
+//! server indexes for the kinds served (`metadata.name`,
+//! `metadata.namespace`, `spec.nodeName`, `status.phase`), anything else
+//! refused as the API server refuses it.
 
 use std::collections::BTreeMap;
 
@@ -103,6 +107,74 @@ impl Selector {
     }
 }
 
+/// The fields a field selector may name.
+const FIELDS: [&str; 4] = [
+    "metadata.name",
+    "metadata.namespace",
+    "spec.nodeName",
+    "status.phase",
+];
+
+/// A list's or watch's whole filter: labels and fields.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Filter {
+    /// `labelSelector`.
+    pub labels: Selector,
+    /// `fieldSelector`: (path, equal?, value).
+    pub fields: Vec<(String, bool, String)>,
+}
+
+impl Filter {
+    /// Parses a `labelSelector` and a `fieldSelector`.
+    ///
+    /// # Errors
+    /// A malformed requirement, or a field the API does not select on.
+    pub fn parse(labels: &str, fields: &str) -> Result<Filter, String> {
+        let mut out = Vec::new();
+        for part in fields.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+            let (path, equal, value) = if let Some((k, v)) = part.split_once("!=") {
+                (k, false, v)
+            } else if let Some((k, v)) = part.split_once("==") {
+                (k, true, v)
+            } else if let Some((k, v)) = part.split_once('=') {
+                (k, true, v)
+            } else {
+                return Err(format!("invalid field selector {part:?}"));
+            };
+            let path = path.trim();
+            if !FIELDS.contains(&path) {
+                return Err(format!("field label not supported: {path}"));
+            }
+            out.push((path.to_string(), equal, value.trim().to_string()));
+        }
+        Ok(Filter {
+            labels: Selector::parse(labels)?,
+            fields: out,
+        })
+    }
+
+    /// Whether `object` is selected.
+    pub fn matches(&self, object: &serde_json::Value) -> bool {
+        let labels: BTreeMap<String, String> = object["metadata"]["labels"]
+            .as_object()
+            .map(|m| {
+                m.iter()
+                    .filter_map(|(k, v)| v.as_str().map(|s| (k.clone(), s.to_string())))
+                    .collect()
+            })
+            .unwrap_or_default();
+        self.labels.matches(&labels)
+            && self.fields.iter().all(|(path, equal, value)| {
+                let got = path
+                    .split('.')
+                    .fold(object, |v, p| &v[p])
+                    .as_str()
+                    .unwrap_or_default();
+                (got == value) == *equal
+            })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -132,5 +204,30 @@ mod tests {
         }
         assert!(Selector::parse("zone in a").is_err());
         assert!(Selector::parse("a b").is_err());
+    }
+
+    #[test]
+    fn field_selectors_select_on_the_indexed_fields_only() {
+        let pod = serde_json::json!({
+            "metadata": {"name": "web", "namespace": "shop", "labels": {"app": "web"}},
+            "spec": {"nodeName": "node-a"},
+        });
+        for (labels, fields, want) in [
+            ("", "spec.nodeName=node-a", true),
+            ("", "spec.nodeName=node-b", false),
+            ("", "spec.nodeName!=node-b,metadata.namespace==shop", true),
+            ("app=web", "metadata.name=web", true),
+            ("app=db", "metadata.name=web", false),
+            ("", "status.phase=Running", false),
+        ] {
+            assert_eq!(
+                Filter::parse(labels, fields).unwrap().matches(&pod),
+                want,
+                "{labels} {fields}"
+            );
+        }
+        let e = Filter::parse("", "spec.hostname=x").unwrap_err();
+        assert!(e.contains("field label not supported"), "{e}");
+        assert!(Filter::parse("", "spec.nodeName").is_err());
     }
 }

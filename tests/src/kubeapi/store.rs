@@ -12,7 +12,7 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 use serde_json::{Map, Value, json};
 
-use super::selector::Selector;
+use super::selector::Filter;
 
 /// A kind the double serves.
 #[derive(Clone, Copy, Debug)]
@@ -190,17 +190,6 @@ pub struct Store {
     keep: usize,
 }
 
-fn labels(v: &Value) -> BTreeMap<String, String> {
-    v["metadata"]["labels"]
-        .as_object()
-        .map(|m| {
-            m.iter()
-                .filter_map(|(k, v)| v.as_str().map(|s| (k.clone(), s.to_string())))
-                .collect()
-        })
-        .unwrap_or_default()
-}
-
 /// RFC 7386 JSON merge patch.
 pub fn merge(target: &mut Value, patch: &Value) {
     match patch {
@@ -338,12 +327,12 @@ impl Store {
 
     /// Objects of `kind` (in `ns`, or all namespaces) that `selector`
     /// selects, and the resourceVersion they are as of.
-    pub fn list(&self, kind: &Kind, ns: Option<&str>, selector: &Selector) -> (u64, Vec<Value>) {
+    pub fn list(&self, kind: &Kind, ns: Option<&str>, selector: &Filter) -> (u64, Vec<Value>) {
         let items = self
             .objects
             .iter()
             .filter(|(k, _)| k.plural == kind.plural && ns.is_none_or(|n| k.namespace == n))
-            .filter(|(_, v)| selector.matches(&labels(v)))
+            .filter(|(_, v)| selector.matches(v))
             .map(|(_, v)| v.clone())
             .collect();
         (self.rv, items)
@@ -358,7 +347,7 @@ impl Store {
         &self,
         kind: &Kind,
         ns: Option<&str>,
-        selector: &Selector,
+        selector: &Filter,
         from: u64,
     ) -> Result<Vec<Change>, ApiError> {
         if from + 1 < self.oldest {
@@ -629,10 +618,10 @@ impl Store {
 }
 
 /// Whether a watch of `kind` in `ns` with `selector` sees `c`.
-pub fn sees(kind: &Kind, ns: Option<&str>, selector: &Selector, c: &Change) -> bool {
+pub fn sees(kind: &Kind, ns: Option<&str>, selector: &Filter, c: &Change) -> bool {
     c.key.plural == kind.plural
         && ns.is_none_or(|n| c.key.namespace == n)
-        && selector.matches(&labels(&c.object))
+        && selector.matches(&c.object)
 }
 
 fn key(kind: &Kind, ns: &str, name: &str) -> Key {
