@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # lockstep Kubernetes demo (#28, docs/kubernetes.md): a Service of
 # `type: LoadBalancer` gets its address in its status, and the address is
-# answered on the node's uplink.
+# answered on the node's uplink; a pod annotated `lockstep.io/ip-pool` gets
+# its address from that pool through the CNI plugin (#29).
 #
 #   node ns ── u0 ══ n0 ── nb ns (a neighbour on the "uplink", 10.203.0.2/24)
 #      ├─ lockstep agent, [kubernetes] pointing at ...
@@ -17,7 +18,7 @@ set -euo pipefail
 BIN=${LOCKSTEP_BIN:-target/debug/lockstep}
 DOUBLE=${KUBE_DOUBLE_BIN:-target/debug/kube-double}
 TAG=lsk-$$
-NODE=$TAG-node; NB=$TAG-nb
+NODE=$TAG-node; NB=$TAG-nb; POD=$TAG-pod
 PINS=/sys/fs/bpf/$TAG
 STATE=/tmp/$TAG
 API=http://127.0.0.1:18080
@@ -30,7 +31,7 @@ cli() { "$BIN" --socket "$STATE/api.sock" "$@"; }
 cleanup() {
   for p in "${PIDS[@]}"; do kill -9 "$p" 2>/dev/null || true; wait "$p" 2>/dev/null || true; done
   "$BIN" datapath uninstall --pin-root "$PINS" >/dev/null 2>&1 || true
-  for ns in $NODE $NB; do ip netns del "$ns" 2>/dev/null || true; done
+  for ns in $NODE $NB $POD; do ip netns del "$ns" 2>/dev/null || true; done
   rm -rf "$STATE"
 }
 trap cleanup EXIT
@@ -73,6 +74,9 @@ uplink = "u0"
 [[pools]]
 name = "default"
 ipv4 = ["10.244.1.0/24"]
+[[pools]]
+name = "blue"
+ipv4 = ["10.245.1.0/24"]
 [kubernetes]
 kubeconfig = "$STATE/kubeconfig"
 TOML
@@ -115,5 +119,22 @@ if ip netns exec $NB arping -c 2 -w 2 -I n0 "$IP"; then
   echo "unexpected: $IP still answered" >&2; exit 1
 fi
 echo "no answer for $IP: released"
+
+step "A pod annotated lockstep.io/ip-pool=blue: kubelet's CNI ADD gets an address from pool blue"
+kapi POST /api/v1/namespaces/shop/pods \
+  -d '{"metadata": {"name": "web-0", "namespace": "shop", "annotations": {"lockstep.io/ip-pool": "blue"}}, "spec": {"nodeName": "demo-node", "containers": [{"name": "web", "image": "nginx"}]}}' >/dev/null
+ip netns add $POD
+echo "CNI_ARGS=K8S_POD_NAMESPACE=shop;K8S_POD_NAME=web-0 (as kubelet passes them)"
+ANSWER=$(printf '{"cniVersion":"1.1.0","name":"demo","type":"lockstep","agentSocket":"%s"}' "$STATE/api.sock" |
+  in_node env CNI_COMMAND=ADD CNI_CONTAINERID=$TAG-web0 CNI_NETNS=/run/netns/$POD CNI_IFNAME=eth0 \
+    CNI_PATH=/opt/cni/bin "CNI_ARGS=IgnoreUnknown=1;K8S_POD_NAMESPACE=shop;K8S_POD_NAME=web-0" "$BIN")
+POD_IP=$(echo "$ANSWER" | grep -o '"address":"[^"]*"' | head -1 | sed -E 's/.*"address":"([^"/]*).*/\1/')
+echo "pod shop/web-0 got $POD_IP (pool blue is 10.245.1.0/24)"
+case "$POD_IP" in 10.245.1.*) ;; *) echo "unexpected: not from pool blue: $ANSWER" >&2; exit 1;; esac
+ip -n $POD -br addr show eth0
+printf '{"cniVersion":"1.1.0","name":"demo","type":"lockstep","agentSocket":"%s"}' "$STATE/api.sock" |
+  in_node env CNI_COMMAND=DEL CNI_CONTAINERID=$TAG-web0 CNI_NETNS=/run/netns/$POD CNI_IFNAME=eth0 \
+    CNI_PATH=/opt/cni/bin "$BIN"
+echo "DEL: released"
 echo
 echo "demo finished; removing namespaces and pins"

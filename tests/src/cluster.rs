@@ -211,6 +211,20 @@ pub fn cni_raw(
     command: &str,
     attachment: Option<(&str, &std::path::Path)>,
 ) -> anyhow::Result<(i32, serde_json::Value, Duration)> {
+    cni_with_args(socket, command, attachment, None)
+}
+
+/// As [`cni_raw`], with `CNI_ARGS` set to `args` (kubelet's
+/// `K8S_POD_NAMESPACE=..;K8S_POD_NAME=..`) when given.
+///
+/// # Errors
+/// As [`cni_raw`].
+pub fn cni_with_args(
+    socket: &std::path::Path,
+    command: &str,
+    attachment: Option<(&str, &std::path::Path)>,
+    args: Option<&str>,
+) -> anyhow::Result<(i32, serde_json::Value, Duration)> {
     let conf = serde_json::json!({
         "cniVersion": "1.1.0",
         "name": "cluster",
@@ -230,6 +244,9 @@ pub fn cni_raw(
         cmd.env("CNI_CONTAINERID", id)
             .env("CNI_IFNAME", "eth0")
             .env("CNI_NETNS", netns);
+    }
+    if let Some(args) = args {
+        cmd.env("CNI_ARGS", args);
     }
     let mut child = cmd.spawn()?;
     child

@@ -48,6 +48,17 @@ impl KubeLab {
         prefix: &str,
         node_labels: [Value; 3],
     ) -> anyhow::Result<Self> {
+        Self::build_with(cluster, prefix, node_labels, &|_| String::new())
+    }
+
+    /// As [`KubeLab::build`], node `i`'s config ending with `extra(i)`
+    /// after its `[kubernetes]` section (e.g. `[kubernetes.pods]`).
+    pub fn build_with(
+        cluster: &EtcdCluster,
+        prefix: &str,
+        node_labels: [Value; 3],
+        extra: &dyn Fn(usize) -> String,
+    ) -> anyhow::Result<Self> {
         let api = ApiDouble::start()?;
         for (i, labels) in node_labels.iter().enumerate() {
             api.create(
@@ -75,9 +86,12 @@ impl KubeLab {
         api.write_kubeconfig(&kubeconfig)?;
         let port = api.addr().port();
         let path = kubeconfig.display().to_string();
-        let lab = Lab::build_extra(cluster, prefix, None, ["", "", ""], [true; 3], &|_, ns| {
+        let lab = Lab::build_extra(cluster, prefix, None, ["", "", ""], [true; 3], &|i, ns| {
             forward_ports(ns, &[port])?;
-            Ok(format!("[kubernetes]\nkubeconfig = \"{path}\"\n"))
+            Ok(format!(
+                "[kubernetes]\nkubeconfig = \"{path}\"\n{}",
+                extra(i)
+            ))
         })?;
         Ok(Self {
             lab,

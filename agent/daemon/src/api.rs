@@ -51,6 +51,29 @@ pub struct AppState {
     /// Cluster mode's LB agent, once started: `lockstep lb` reads and
     /// writes etcd through it.
     pub lb_cluster: Arc<std::sync::OnceLock<Arc<crate::cluster::LbHandle>>>,
+    /// Kubernetes: the pods of this node, once watched (`[kubernetes]`):
+    /// an ADD naming no pool gets the pool its pod's annotation picks.
+    pub pod_pools: Arc<std::sync::OnceLock<PodPools>>,
+    /// Kubernetes: the leaks the last check found, for `verify`.
+    pub leaks: Arc<std::sync::OnceLock<Arc<crate::kubernetes::leaks::LeakReport>>>,
+}
+
+/// What an ADD needs to pick its pool by annotation.
+#[derive(Clone)]
+pub struct PodPools {
+    /// The cache of this node's pods and every namespace.
+    pub view: Arc<dyn crate::kubernetes::pods::PodView>,
+    /// How long an ADD waits for its pod to reach the cache.
+    pub wait: std::time::Duration,
+}
+
+impl std::fmt::Debug for PodPools {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PodPools")
+            .field("listed", &self.view.listed())
+            .field("wait", &self.wait)
+            .finish_non_exhaustive()
+    }
 }
 
 /// An API error: HTTP status, stable code, message.
@@ -317,6 +340,11 @@ async fn verify(State(s): State<AppState>) -> Result<Response, ApiError> {
         report.identity = c.identity().into_iter().collect();
         report.ok &= report.unreadable.is_empty() && report.identity.is_empty();
     }
+    // Kubernetes: endpoint allocations whose pod is gone.
+    if let Some(leaks) = s.leaks.get() {
+        report.leaked = leaks.describe();
+        report.ok &= report.leaked.is_empty();
+    }
     Ok(ok(report))
 }
 
@@ -328,12 +356,47 @@ async fn cni_add(
     State(s): State<AppState>,
     body: Result<Json<EndpointRequest>, JsonRejection>,
 ) -> Result<Response, ApiError> {
-    let Json(req) = body?;
+    let Json(mut req) = body?;
     attachment(&req.container_id, &req.ifname)?;
     let started = Instant::now();
-    let result = with_block(&s, || add_once(&s, req.clone())).await;
+    let picked = pick_pool(&s, &mut req).await?;
+    let result = with_block(&s, || add_once(&s, req.clone()))
+        .await
+        .map_err(|e| match (&picked, e.code) {
+            (Some(why), "unknown_pool") => ApiError {
+                message: format!("{} (the pool {why})", e.message),
+                ..e
+            },
+            (_, _) => e,
+        });
     s.metrics.observe_allocation(started.elapsed());
     Ok(ok(result?))
+}
+
+/// An ADD naming no pool, for a Kubernetes pod: the pool its annotation
+/// (else its namespace's) picks (`kubernetes::pods`). Returns where the
+/// pick came from, for errors.
+async fn pick_pool(s: &AppState, req: &mut EndpointRequest) -> Result<Option<String>, ApiError> {
+    let (None, Some(pod), Some(pools)) = (&req.pool, &req.pod, s.pod_pools.get()) else {
+        return Ok(None);
+    };
+    let pick = crate::kubernetes::pods::pick(&*pools.view, pod, pools.wait)
+        .await
+        .map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, "invalid_request", e.to_string()))?;
+    let why = match pick.by {
+        lockstep_core::pods::PickedBy::Pod => format!(
+            "pod {pod}'s annotation {} names",
+            lockstep_core::pods::POOL_ANNOTATION
+        ),
+        lockstep_core::pods::PickedBy::Namespace => format!(
+            "namespace {}'s annotation {} names",
+            pod.namespace,
+            lockstep_core::pods::POOL_ANNOTATION
+        ),
+        lockstep_core::pods::PickedBy::Default => return Ok(None),
+    };
+    req.pool = pick.pool;
+    Ok(Some(why))
 }
 
 /// The cluster pool an ADD found without a free address, if that is why

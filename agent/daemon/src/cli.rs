@@ -380,6 +380,9 @@ pub fn run(cli: Cli) -> anyhow::Result<i32> {
                 for s in v["identity"].as_array().into_iter().flatten() {
                     out.push_str(&format!("  cluster: {}\n", s.as_str().unwrap_or("?")));
                 }
+                for s in v["leaked"].as_array().into_iter().flatten() {
+                    out.push_str(&format!("  kubernetes: {}\n", s.as_str().unwrap_or("?")));
+                }
                 for d in v["maps"].as_array().into_iter().flatten() {
                     out.push_str(&format!(
                         "  {} {} {}\n",

@@ -25,6 +25,8 @@ mod kubernetes;
 pub use kubernetes::KubernetesConfig;
 mod lb;
 pub use lb::LbConfig;
+mod pods;
+pub use pods::PodsConfig;
 
 /// Default config file.
 pub const DEFAULT_CONFIG: &str = "/etc/lockstep/config.toml";

@@ -53,6 +53,10 @@ pub struct Metrics {
     draining: Family<Labels, Gauge<i64>>,
     tunnel_packets: Family<Labels, Gauge<i64>>,
     tunnel_drops: Family<Labels, Gauge<i64>>,
+    /// Kubernetes leak detection's report, once it runs.
+    leaks: Mutex<Option<Arc<crate::kubernetes::leaks::LeakReport>>>,
+    endpoint_leaks: Gauge<i64>,
+    endpoint_leaks_released: prometheus_client::metrics::counter::Counter,
     /// Whether the gauges were ever refreshed from a running agent.
     refreshed: AtomicBool,
 }
@@ -196,8 +200,22 @@ impl Metrics {
             "masq_evicted",
             "Unanswered or closing translations the collector ended early, the table being nearly full",
         );
+        let endpoint_leaks = Gauge::<i64>::default();
+        registry.register(
+            "endpoint_leaks",
+            "Endpoint allocations whose Kubernetes pod has been gone longer than the grace period, not released",
+            endpoint_leaks.clone(),
+        );
+        let endpoint_leaks_released = masq_counter(
+            &mut registry,
+            "endpoint_leaks_released",
+            "Leaked endpoint allocations released (`[kubernetes.pods] release_leaks`)",
+        );
         Self {
             registry: Mutex::new(registry),
+            leaks: Mutex::new(None),
+            endpoint_leaks,
+            endpoint_leaks_released,
             masq: Mutex::new(None),
             masq_entries,
             masq_deleted,
@@ -226,6 +244,22 @@ impl Metrics {
     /// Reports the masquerade collector's counts from now on.
     pub fn set_masquerade(&self, stats: Arc<crate::masquerade::Stats>) {
         *self.masq.lock().unwrap_or_else(|p| p.into_inner()) = Some(stats);
+    }
+
+    /// Reports leak detection's findings from now on.
+    pub fn set_leaks(&self, report: Arc<crate::kubernetes::leaks::LeakReport>) {
+        *self.leaks.lock().unwrap_or_else(|p| p.into_inner()) = Some(report);
+    }
+
+    fn render_leaks(&self) {
+        let Some(r) = self.leaks.lock().unwrap_or_else(|p| p.into_inner()).clone() else {
+            return;
+        };
+        self.endpoint_leaks
+            .set(i64::try_from(r.count()).unwrap_or(i64::MAX));
+        let released = r.released();
+        self.endpoint_leaks_released
+            .inc_by(released.saturating_sub(self.endpoint_leaks_released.get()));
     }
 
     fn render_masquerade(&self) {
@@ -355,6 +389,7 @@ impl Metrics {
     /// lock is not needed).
     pub fn encode(&self) -> String {
         self.render_masquerade();
+        self.render_leaks();
         let mut out = String::new();
         if let Ok(registry) = self.registry.lock() {
             let _ = encode(&mut out, &registry);

@@ -325,6 +325,7 @@ fn endpoint_request(req: &AttachmentRequest) -> EndpointRequest {
         pool: req.config.pool().map(str::to_owned),
         requested: req.config.requested_ips.iter().map(|r| r.address).collect(),
         mtu: req.config.options.mtu,
+        pod: req.args.pod(),
     }
 }
 

@@ -257,6 +257,8 @@ pub async fn run(config: Config) -> Result<(), ServerError> {
         metrics,
         cluster: Arc::new(std::sync::OnceLock::new()),
         lb_cluster: Arc::new(std::sync::OnceLock::new()),
+        pod_pools: Arc::new(std::sync::OnceLock::new()),
+        leaks: Arc::new(std::sync::OnceLock::new()),
     };
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let limits = Limits::new(&config);
@@ -323,7 +325,14 @@ pub async fn run(config: Config) -> Result<(), ServerError> {
                         tracing::warn!(node = %node, error = %crate::error_chain(&e), "kubernetes: node not read; using the config's labels and addresses");
                     }
                 }
-                Some((client, k.lb_class.clone(), node))
+                // The pods of this node and every namespace, watched from
+                // now on, so the cache has listed by the time ADDs come.
+                let informer = Arc::new(crate::kubernetes::pods::Informer::start(&client, &node));
+                let _ = state.pod_pools.set(crate::api::PodPools {
+                    view: informer.clone(),
+                    wait: k.pods.pool_wait,
+                });
+                Some((client, k.lb_class.clone(), node, informer, k.pods.clone()))
             }
             Err(e) => return Err(ServerError::Kubernetes(e)),
         },
@@ -440,8 +449,22 @@ pub async fn run(config: Config) -> Result<(), ServerError> {
     let remote_task = remote.map(|r| r.spawn(slot.clone(), stop_rx.clone()));
     // Kubernetes: Services and pools into the LB state, statuses back
     // (`kubernetes`), through etcd's assigner in cluster mode.
-    let kube_task = kube.map(|(client, class, node)| {
+    let kube_task = kube.map(|(client, class, node, informer, pods)| {
         let stop = stop_rx.clone();
+        // Endpoint allocations whose pod is gone (`kubernetes::leaks`).
+        let report = Arc::new(crate::kubernetes::leaks::LeakReport::default());
+        let _ = state.leaks.set(report.clone());
+        state.metrics.set_leaks(report.clone());
+        tokio::spawn(
+            crate::kubernetes::leaks::LeakLoop::new(
+                informer,
+                crate::kubernetes::leaks::ApiPods(client.clone()),
+                crate::kubernetes::leaks::AgentEndpoints(slot.clone()),
+                pods,
+                report,
+            )
+            .run(stop.clone()),
+        );
         match state.lb_cluster.get() {
             Some(handle) => {
                 let lb_node = cluster_config

@@ -44,6 +44,10 @@ pub struct EndpointRequest {
     /// MTU of the veth pair.
     #[serde(default)]
     pub mtu: Option<u32>,
+    /// The Kubernetes pod, when the runtime named it in `CNI_ARGS`: picks
+    /// the pool by annotation when `pool` is `None`, and is recorded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pod: Option<lockstep_core::pods::PodRef>,
 }
 
 /// One address of an ADD result.

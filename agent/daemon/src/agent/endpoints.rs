@@ -294,6 +294,7 @@ impl Agent {
             host_mac: [0; 6],
             mac: [0; 6],
             releasing: false,
+            pod: req.pod.clone(),
         };
         // Local IPAM: [`EndpointEffects::finish_add`]. What follows is the
         // delegated plugin's attachment.
@@ -532,7 +533,11 @@ impl Agent {
 
     /// A DEL made under the agent lock (GC, an ADD starting over): see
     /// [`without_gone_wait`].
-    fn endpoint_del_inner(&mut self, container_id: &str, ifname: &str) -> Result<(), AgentError> {
+    pub(super) fn endpoint_del_inner(
+        &mut self,
+        container_id: &str,
+        ifname: &str,
+    ) -> Result<(), AgentError> {
         without_gone_wait(self.endpoint_del_commit(container_id, ifname)?).run()
     }
 

@@ -42,6 +42,7 @@ pub mod endpoint_effects;
 pub mod endpoints;
 mod error;
 pub mod lb;
+mod leaked;
 mod map_table;
 mod maps;
 mod pins;

@@ -80,6 +80,10 @@ pub struct VerifyReport {
     /// (#26 item 5).
     #[serde(default)]
     pub identity: Vec<String>,
+    /// Kubernetes: endpoint allocations whose pod has been gone longer
+    /// than the grace period (`kubernetes::leaks`).
+    #[serde(default)]
+    pub leaked: Vec<String>,
 }
 
 /// Pool usage for the API and metrics.

@@ -72,6 +72,18 @@ impl CniArgs {
             .map(|(_, v)| v.as_str())
     }
 
+    /// The Kubernetes pod kubelet named (`K8S_POD_NAMESPACE`,
+    /// `K8S_POD_NAME`, `K8S_POD_UID` when given); `None` unless both the
+    /// namespace and the name are there and not empty.
+    pub fn pod(&self) -> Option<lockstep_core::pods::PodRef> {
+        let given = |k| self.get(k).filter(|v| !v.is_empty());
+        Some(lockstep_core::pods::PodRef {
+            namespace: given("K8S_POD_NAMESPACE")?.to_owned(),
+            name: given("K8S_POD_NAME")?.to_owned(),
+            uid: given("K8S_POD_UID").map(str::to_owned),
+        })
+    }
+
     /// All pairs, in the order given.
     pub fn pairs(&self) -> &[(String, String)] {
         &self.0

@@ -336,6 +336,12 @@ fn full_add_reads_everything() {
     );
     assert_eq!(r.cni_path.len(), 2);
     assert_eq!(r.args.get("K8S_POD_NAME"), Some("web-0"));
+    let pod = r.args.pod().expect("kubelet named the pod");
+    assert_eq!(
+        (pod.namespace.as_str(), pod.name.as_str()),
+        ("default", "web-0")
+    );
+    assert_eq!(pod.uid, None, "no K8S_POD_UID given");
     let c = &r.config;
     assert_eq!(c.cni_version, CniVersion::V1_1_0);
     assert_eq!(c.name, "podnet");
@@ -856,4 +862,23 @@ fn stdin_limit_and_error_version() {
         CniVersion::LATEST
     );
     assert_eq!(error_version(b"not json"), CniVersion::LATEST);
+}
+
+#[test]
+fn the_pod_is_named_only_by_a_namespace_and_a_name() {
+    let args = |text: &[u8]| {
+        let vars = env_with("ADD", "CNI_ARGS", Some(text));
+        request(parse_ok(&vars, &full("1.1.0", json!({})))).args
+    };
+    let full = args(b"K8S_POD_NAMESPACE=shop;K8S_POD_NAME=web-1;K8S_POD_UID=u-1").pod();
+    let full = full.expect("all three");
+    assert_eq!(full.to_string(), "shop/web-1");
+    assert_eq!(full.uid.as_deref(), Some("u-1"));
+    assert_eq!(args(b"K8S_POD_NAME=web-1").pod(), None, "no namespace");
+    assert_eq!(
+        args(b"K8S_POD_NAMESPACE=shop;K8S_POD_NAME=").pod(),
+        None,
+        "empty name"
+    );
+    assert_eq!(args(b"IgnoreUnknown=1").pod(), None);
 }

@@ -26,6 +26,8 @@ pub struct KubernetesConfig {
     /// labels and InternalIPs) before going on with the config's values.
     #[serde(with = "humantime_serde")]
     pub node_wait: Duration,
+    /// `[kubernetes.pods]`: pools by annotation and leaks.
+    pub pods: super::pods::PodsConfig,
 }
 
 impl Default for KubernetesConfig {
@@ -35,6 +37,7 @@ impl Default for KubernetesConfig {
             lb_class: lockstep_core::lb::kubernetes::DEFAULT_CLASS.into(),
             node_name: None,
             node_wait: Duration::from_secs(10),
+            pods: super::pods::PodsConfig::default(),
         }
     }
 }
@@ -54,7 +57,7 @@ impl KubernetesConfig {
         if self.node_wait > Duration::from_secs(600) {
             return Err(("kubernetes.node_wait".into(), "must be at most 10m".into()));
         }
-        Ok(())
+        self.pods.validate()
     }
 }
 

@@ -81,7 +81,7 @@ type Slot = Arc<Mutex<Option<Agent>>>;
 
 /// Runs `f` on the agent, on the blocking pool (the agent's calls fsync and
 /// program maps). `None`: the agent is not there (yet).
-async fn on_agent<T: Send + 'static>(
+pub(super) async fn on_agent<T: Send + 'static>(
     slot: &Slot,
     f: impl FnOnce(&mut Agent) -> T + Send + 'static,
 ) -> Result<Option<T>, KubeError> {

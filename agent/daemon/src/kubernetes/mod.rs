@@ -18,7 +18,9 @@
 
 pub mod backend;
 pub mod crd;
+pub mod leaks;
 mod objects;
+pub mod pods;
 pub mod sync;
 
 use std::collections::BTreeMap;

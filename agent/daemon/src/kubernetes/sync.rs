@@ -103,9 +103,27 @@ where
         + Sync
         + 'static,
 {
+    drive_with(api, watcher::Config::default(), wake)
+}
+
+/// [`drive`] with a watcher configuration (selectors).
+pub(super) fn drive_with<K>(
+    api: Api<K>,
+    config: watcher::Config,
+    wake: Arc<Notify>,
+) -> (Store<K>, tokio::task::JoinHandle<()>)
+where
+    K: Resource<DynamicType = ()>
+        + Clone
+        + std::fmt::Debug
+        + serde::de::DeserializeOwned
+        + Send
+        + Sync
+        + 'static,
+{
     let (reader, writer) = reflector::store();
     let what = K::plural(&()).to_string();
-    let stream = reflector(writer, watcher(api, watcher::Config::default()))
+    let stream = reflector(writer, watcher(api, config))
         .default_backoff()
         .touched_objects();
     let task = tokio::spawn(async move {

@@ -47,6 +47,11 @@ pub struct EndpointRecord {
     /// other records read as before.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub releasing: bool,
+    /// The Kubernetes pod it was made for (from `CNI_ARGS`), so leaks can
+    /// be judged against the API (`kubernetes::leaks`). Written only when
+    /// known, so other records read as before.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pod: Option<lockstep_core::pods::PodRef>,
 }
 
 impl EndpointRecord {

@@ -21,6 +21,7 @@ fn record() -> EndpointRecord {
         host_mac: [2, 0, 0, 0, 0, 1],
         mac: [2, 0, 0, 0, 0, 2],
         releasing: false,
+        pod: None,
     }
 }
 
@@ -33,6 +34,11 @@ fn add_request() -> EndpointRequest {
         pool: Some("blue".into()),
         requested: vec!["10.0.0.9".parse().unwrap()],
         mtu: Some(1400),
+        pod: Some(lockstep_core::pods::PodRef {
+            namespace: "shop".into(),
+            name: "web-0".into(),
+            uid: Some("u-1".into()),
+        }),
     }
 }
 

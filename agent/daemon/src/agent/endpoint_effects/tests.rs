@@ -88,6 +88,7 @@ impl Rig {
             host_mac: [2, 0, 0, 0, 0, 1],
             mac: [2, 0, 0, 0, 0, 2],
             releasing: false,
+            pod: None,
         };
         (record, allocated)
     }

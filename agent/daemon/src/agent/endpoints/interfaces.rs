@@ -470,6 +470,7 @@ mod tests {
             host_mac: [0; 6],
             mac: [2, 0, 0, 0, 0, 1],
             releasing: false,
+            pod: None,
         };
         let v = endpoint_value(&r, 9);
         assert_eq!(
