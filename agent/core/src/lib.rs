@@ -15,6 +15,8 @@
 //! - [`manager`]: [`manager::PoolManager`], generic over where its pools come
 //!   from; allocation, release, drain, snapshot and restore.
 //! - [`demand`]: how many addresses the node should hold, with hysteresis.
+//! - [`nodeipam`]: NodeIPAM: CIDRs an operator offers the node, what it
+//!   holds, drains and releases, and the demand it writes back.
 //! - [`lb`]: LoadBalancer IPAM (pools, conflicts, sticky and shared addresses).
 //! - [`pods`]: the pool a Kubernetes pod asks for, and leaked endpoints.
 //! - [`roles`]: which agent-owned addresses to reserve and release.
@@ -54,6 +56,7 @@ pub mod demand;
 pub mod lb;
 pub mod manager;
 pub mod masquerade;
+pub mod nodeipam;
 pub mod owner;
 pub mod plan;
 pub mod pods;
