@@ -300,6 +300,26 @@ pub fn accept(
     }
 }
 
+/// Every CIDR of `held` that shares addresses with a configured pool (the
+/// configuration changed under the record): serving it could give one
+/// address twice.
+pub fn held_overlaps(configured: &[PoolSpec], held: &Held) -> Vec<NodeIpamError> {
+    let mut out = Vec::new();
+    for (pool, cidr) in held.all() {
+        for spec in configured {
+            if let Some(other) = spec.cidrs().find(|o| overlaps(cidr, *o)) {
+                out.push(NodeIpamError::OverlapsConfigured {
+                    pool: pool.to_owned(),
+                    cidr,
+                    other_pool: spec.name.clone(),
+                    other,
+                });
+            }
+        }
+    }
+    out
+}
+
 /// What [`step`] decided.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Step {

@@ -24,8 +24,10 @@ pub use cluster::{ClusterConfig, ClusterTlsConfig};
 mod kubernetes;
 pub use kubernetes::KubernetesConfig;
 mod lb;
+mod nodeipam;
 pub use lb::LbConfig;
 mod pods;
+pub use nodeipam::{DemandKind, NodeIpamConfig, NodeIpamPoolConfig};
 pub use pods::PodsConfig;
 
 /// Default config file.
@@ -613,12 +615,28 @@ impl Config {
         if let Some(k) = &self.kubernetes {
             k.validate()
                 .map_err(|(field, reason)| invalid(field, reason))?;
+            if let Some(n) = &k.nodeipam {
+                // NodeIPAM is the alternative to etcd's blocks: both would
+                // say which CIDRs this node holds (docs/kubernetes.md).
+                if self.cluster.is_some() {
+                    return Err(invalid(
+                        "kubernetes.nodeipam".into(),
+                        "cannot be used with [cluster]: NodeIPAM and etcd's blocks are two \
+                         sources of this node's CIDRs; choose one"
+                            .into(),
+                    ));
+                }
+                let names: Vec<String> = self.pools.iter().map(|p| p.name.clone()).collect();
+                n.validate(&names)
+                    .map_err(|(field, reason)| invalid(field, reason))?;
+            }
         }
         // In cluster mode the default pool may be a cluster pool, known
         // only once etcd answers.
         if let Some(d) = &self.default_pool
             && self.cluster.is_none()
             && !self.pools.iter().any(|p| &p.name == d)
+            && !self.nodeipam_pools().iter().any(|p| &p.name == d)
         {
             return Err(invalid(
                 "default_pool".into(),
@@ -626,6 +644,15 @@ impl Config {
             ));
         }
         Ok(())
+    }
+
+    /// The NodeIPAM pools (`[kubernetes.nodeipam]`), none without it.
+    pub fn nodeipam_pools(&self) -> Vec<lockstep_core::nodeipam::NodePool> {
+        self.kubernetes
+            .as_ref()
+            .and_then(|k| k.nodeipam.as_ref())
+            .map(NodeIpamConfig::core_pools)
+            .unwrap_or_default()
     }
 
     /// This node's Node object in Kubernetes: `[kubernetes] node_name`, else

@@ -449,6 +449,35 @@ pub async fn run(config: Config) -> Result<(), ServerError> {
     let remote_task = remote.map(|r| r.spawn(slot.clone(), stop_rx.clone()));
     // Kubernetes: Services and pools into the LB state, statuses back
     // (`kubernetes`), through etcd's assigner in cluster mode.
+    // NodeIPAM (#29 item 5): this node's CIDRs from its NodeIPAM object,
+    // its demand written back (`kubernetes::nodeipam`).
+    let nodeipam_task = match (
+        &kube,
+        cluster_config
+            .kubernetes
+            .as_ref()
+            .and_then(|k| k.nodeipam.as_ref()),
+    ) {
+        (Some((client, _, node, _, _)), Some(n)) => {
+            let api =
+                crate::kubernetes::nodeipam::KubeNodeIpam::start(client.clone(), node.clone());
+            match crate::kubernetes::nodeipam::NodeIpamSync::new(
+                api,
+                slot.clone(),
+                n.core_pools(),
+                cluster_config.state_dir.clone(),
+                n.interval,
+            ) {
+                Ok(sync) => Some(tokio::spawn(sync.run(stop_rx.clone()))),
+                Err(e) => {
+                    return Err(ServerError::Start(AgentError::Invalid {
+                        reason: crate::error_chain(&e),
+                    }));
+                }
+            }
+        }
+        _ => None,
+    };
     let kube_task = kube.map(|(client, class, node, informer, pods)| {
         let stop = stop_rx.clone();
         // Endpoint allocations whose pod is gone (`kubernetes::leaks`).
@@ -591,6 +620,9 @@ pub async fn run(config: Config) -> Result<(), ServerError> {
         let _ = t.await;
     }
     if let Some(t) = kube_task {
+        let _ = t.await;
+    }
+    if let Some(t) = nodeipam_task {
         let _ = t.await;
     }
     if let Some(t) = mirror_task {

@@ -119,6 +119,27 @@ fn every_bad_cidr_is_named_and_nothing_is_accepted() {
 }
 
 #[test]
+fn a_record_overlapping_the_configuration_is_named() {
+    let held = Held {
+        serving: [("eni".to_string(), BTreeSet::from([net("10.9.0.0/28")]))].into(),
+        draining: [("eni".to_string(), BTreeSet::from([net("10.9.0.16/28")]))].into(),
+    };
+    let conf = vec![PoolSpec::new("local").with_cidr(net("10.9.0.0/24"))];
+    let errs: Vec<String> = held_overlaps(&conf, &held)
+        .iter()
+        .map(ToString::to_string)
+        .collect();
+    assert_eq!(
+        errs,
+        [
+            "pool eni: 10.9.0.0/28 overlaps 10.9.0.0/24 of the configured pool local",
+            "pool eni: 10.9.0.16/28 overlaps 10.9.0.0/24 of the configured pool local",
+        ]
+    );
+    assert!(held_overlaps(&[PoolSpec::new("x").with_cidr(net("10.8.0.0/24"))], &held).is_empty());
+}
+
+#[test]
 fn a_cidr_moving_between_pools_waits_until_empty() {
     let held = Held {
         serving: Cidrs::new(),

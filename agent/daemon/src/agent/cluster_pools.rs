@@ -39,6 +39,8 @@ pub struct ClusterView {
 /// ranges). An unreadable record is an error: serving without it could
 /// hand out what the node does not hold. So is a configured pool sharing
 /// addresses with a recorded cluster pool or block (`cluster::overlap`).
+/// NodeIPAM's pools come from its record the same way
+/// (`kubernetes::nodeipam::start_specs`).
 ///
 /// # Errors
 /// [`AgentError::Invalid`] naming the file, or every overlap.
@@ -64,6 +66,15 @@ pub(super) fn start_pools(config: &crate::config::Config) -> Result<Vec<PoolSpec
             }
         })?;
         pools.extend(crate::cluster::local_specs(config, &held));
+    }
+    // NodeIPAM (#29 item 5): the CIDRs the record says this node holds,
+    // before the API answers.
+    let nodeipam = config.nodeipam_pools();
+    if !nodeipam.is_empty() {
+        let specs =
+            crate::kubernetes::nodeipam::start_specs(&config.state_dir, &nodeipam, &config.pools)
+                .map_err(|reason| AgentError::Invalid { reason })?;
+        pools.extend(specs);
     }
     Ok(pools)
 }

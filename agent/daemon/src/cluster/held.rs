@@ -236,8 +236,15 @@ impl Held {
 }
 
 /// Writes `value` as `<state_dir>/<file>` whole: a temporary file,
-/// fsync, rename, fsync of the directory.
-fn write_json(state_dir: &Path, file: &str, value: &impl Serialize) -> Result<(), HeldError> {
+/// fsync, rename, fsync of the directory (the NodeIPAM record too).
+///
+/// # Errors
+/// Any step failed; the old file is then unchanged.
+pub(crate) fn write_json(
+    state_dir: &Path,
+    file: &str,
+    value: &impl Serialize,
+) -> Result<(), HeldError> {
     let path = state_dir.join(file);
     let tmp = state_dir.join(format!("{file}.tmp"));
     let io = |source| HeldError::Io {

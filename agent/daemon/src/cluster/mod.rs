@@ -45,6 +45,7 @@ mod watch;
 
 pub use door::{Door, DoorOptions, TlsFiles};
 pub use handle::{ClusterHandle, render_metrics};
+pub(crate) use held::write_json;
 pub use held::{Held, HeldBlock, HeldError};
 pub use lb::{LbView, NEW_SERVICES_PER_ROUND, Round};
 pub use lb_agent::{Assignments, LbAgent, LbHandle};

@@ -28,6 +28,10 @@ pub struct KubernetesConfig {
     pub node_wait: Duration,
     /// `[kubernetes.pods]`: pools by annotation and leaks.
     pub pods: super::pods::PodsConfig,
+    /// `[kubernetes.nodeipam]`: this node's CIDRs come from its NodeIPAM
+    /// object (#29 item 5); absent: no NodeIPAM object is read or written.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub nodeipam: Option<super::nodeipam::NodeIpamConfig>,
 }
 
 impl Default for KubernetesConfig {
@@ -38,6 +42,7 @@ impl Default for KubernetesConfig {
             node_name: None,
             node_wait: Duration::from_secs(10),
             pods: super::pods::PodsConfig::default(),
+            nodeipam: None,
         }
     }
 }

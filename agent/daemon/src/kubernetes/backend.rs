@@ -77,7 +77,7 @@ pub trait LbBackend: Send + Sync + 'static {
     }
 }
 
-type Slot = Arc<Mutex<Option<Agent>>>;
+pub(super) type Slot = Arc<Mutex<Option<Agent>>>;
 
 /// Runs `f` on the agent, on the blocking pool (the agent's calls fsync and
 /// program maps). `None`: the agent is not there (yet).

@@ -12,6 +12,9 @@
 //! The decisions (which Services are lockstep's, what they ask, what a
 //! condition says) are the core's (`lockstep_core::lb::kubernetes`).
 //!
+//! NodeIPAM (`nodeipam`, #29 item 5): this node's `NodeIPAM` object gives
+//! its CIDRs (status, the operator's) and takes its demand (spec).
+//!
 //! Node facts are read once at start ([`node_facts`]): the Node's labels
 //! (matched by pools' node selectors) and its InternalIPs (the node's
 //! addresses in cluster mode when the config names none).
@@ -19,6 +22,7 @@
 pub mod backend;
 pub mod crd;
 pub mod leaks;
+pub mod nodeipam;
 mod objects;
 pub mod pods;
 pub mod sync;
