@@ -196,68 +196,77 @@ pub fn condition_of(s: &Value) -> Option<(String, String, String)> {
 
 impl KubeLab {
     /// The requests the agents sent that `deploy/rbac.yaml`'s ClusterRole
-    /// does not allow, as `verb group/resource path` (the double serves
-    /// only the agents over HTTP: the test writes through its store).
+    /// does not allow ([`outside_rbac`]).
     ///
     /// # Errors
     /// The manifest cannot be read.
     pub fn outside_rbac(&self) -> anyhow::Result<Vec<String>> {
-        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/rbac.yaml");
-        let text = std::fs::read_to_string(&path)?;
-        let docs: Vec<Value> =
-            serde_saphyr::from_multiple(&text).map_err(|e| anyhow::anyhow!("{e}"))?;
-        let role = docs
-            .iter()
-            .find(|d| d["kind"] == "ClusterRole")
-            .context("no ClusterRole in deploy/rbac.yaml")?;
-        let mut allowed: BTreeSet<(String, String, String)> = BTreeSet::new();
-        for rule in role["rules"].as_array().context("rules")? {
-            for g in rule["apiGroups"].as_array().into_iter().flatten() {
-                for r in rule["resources"].as_array().into_iter().flatten() {
-                    for v in rule["verbs"].as_array().into_iter().flatten() {
-                        allowed.insert((
-                            g.as_str().unwrap_or("").into(),
-                            r.as_str().unwrap_or("").into(),
-                            v.as_str().unwrap_or("").into(),
-                        ));
-                    }
+        outside_rbac(&self.api)
+    }
+}
+
+/// The requests sent to `api` that `deploy/rbac.yaml`'s ClusterRole does
+/// not allow, as `verb group/resource path` (the double serves only the
+/// agents over HTTP: tests write through its store).
+///
+/// # Errors
+/// The manifest cannot be read.
+pub fn outside_rbac(api: &ApiDouble) -> anyhow::Result<Vec<String>> {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/rbac.yaml");
+    let text = std::fs::read_to_string(&path)?;
+    let docs: Vec<Value> =
+        serde_saphyr::from_multiple(&text).map_err(|e| anyhow::anyhow!("{e}"))?;
+    let role = docs
+        .iter()
+        .find(|d| d["kind"] == "ClusterRole")
+        .context("no ClusterRole in deploy/rbac.yaml")?;
+    let mut allowed: BTreeSet<(String, String, String)> = BTreeSet::new();
+    for rule in role["rules"].as_array().context("rules")? {
+        for g in rule["apiGroups"].as_array().into_iter().flatten() {
+            for r in rule["resources"].as_array().into_iter().flatten() {
+                for v in rule["verbs"].as_array().into_iter().flatten() {
+                    allowed.insert((
+                        g.as_str().unwrap_or("").into(),
+                        r.as_str().unwrap_or("").into(),
+                        v.as_str().unwrap_or("").into(),
+                    ));
                 }
             }
         }
-        let mut out = Vec::new();
-        for r in self.api.requests() {
-            let segs: Vec<&str> = r.path.trim_matches('/').split('/').collect();
-            let (group, rest) = match segs.as_slice() {
-                ["api", _, rest @ ..] => ("", rest),
-                ["apis", g, _, rest @ ..] => (*g, rest),
-                _ => ("?", &segs[..]),
-            };
-            let rest = match rest {
-                ["namespaces", _, rest @ ..] => rest,
-                rest => rest,
-            };
-            let (resource, named) = match rest {
-                [p] => ((*p).to_string(), false),
-                [p, _] => ((*p).to_string(), true),
-                [p, _, sub] => (format!("{p}/{sub}"), true),
-                _ => (r.path.clone(), false),
-            };
-            let verb = match (r.method.as_str(), named) {
-                ("GET", true) => "get",
-                ("GET", false) if r.query.contains("watch=true") => "watch",
-                ("GET", false) => "list",
-                ("POST", _) => "create",
-                ("PUT", _) => "update",
-                ("PATCH", _) => "patch",
-                ("DELETE", _) => "delete",
-                _ => "?",
-            };
-            if !allowed.contains(&(group.to_string(), resource.clone(), verb.to_string())) {
-                out.push(format!("{verb} {group}/{resource} {}", r.path));
-            }
-        }
-        out.sort();
-        out.dedup();
-        Ok(out)
     }
+    let mut out = Vec::new();
+    for r in api.requests() {
+        let segs: Vec<&str> = r.path.trim_matches('/').split('/').collect();
+        let (group, rest) = match segs.as_slice() {
+            ["api", _, rest @ ..] => ("", rest),
+            ["apis", g, _, rest @ ..] => (*g, rest),
+            _ => ("?", &segs[..]),
+        };
+        let rest = match rest {
+            ["namespaces", _, rest @ ..] => rest,
+            rest => rest,
+        };
+        let (resource, named) = match rest {
+            [p] => ((*p).to_string(), false),
+            [p, _] => ((*p).to_string(), true),
+            [p, _, sub] => (format!("{p}/{sub}"), true),
+            _ => (r.path.clone(), false),
+        };
+        let verb = match (r.method.as_str(), named) {
+            ("GET", true) => "get",
+            ("GET", false) if r.query.contains("watch=true") => "watch",
+            ("GET", false) => "list",
+            ("POST", _) => "create",
+            ("PUT", _) => "update",
+            ("PATCH", _) => "patch",
+            ("DELETE", _) => "delete",
+            _ => "?",
+        };
+        if !allowed.contains(&(group.to_string(), resource.clone(), verb.to_string())) {
+            out.push(format!("{verb} {group}/{resource} {}", r.path));
+        }
+    }
+    out.sort();
+    out.dedup();
+    Ok(out)
 }

@@ -59,14 +59,21 @@ const MANIFESTS: &[&str] = &[
     "deploy/daemonset-cluster.yaml",
     "deploy/rbac.yaml",
     "deploy/crds/loadbalancerippools.lockstep.io.yaml",
+    "deploy/crds/nodeipams.lockstep.io.yaml",
     "deploy/examples/lb-service.yaml",
 ];
 
 /// Custom objects and the CRD whose schema they are checked against.
-const CUSTOM_OBJECTS: &[(&str, &str)] = &[(
-    "deploy/examples/lb-pool.yaml",
-    "deploy/crds/loadbalancerippools.lockstep.io.yaml",
-)];
+const CUSTOM_OBJECTS: &[(&str, &str)] = &[
+    (
+        "deploy/examples/lb-pool.yaml",
+        "deploy/crds/loadbalancerippools.lockstep.io.yaml",
+    ),
+    (
+        "deploy/examples/nodeipam.yaml",
+        "deploy/crds/nodeipams.lockstep.io.yaml",
+    ),
+];
 
 /// Checks each object of a custom kind against its CRD's
 /// openAPIV3Schema (jsonschema from kubernetes-validate's virtualenv),

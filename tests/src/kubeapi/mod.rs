@@ -86,6 +86,7 @@ pub fn kinds() -> Vec<Kind> {
     use k8s_openapi::api::core::v1::{Event as CoreEvent, Namespace, Node, Pod, Service};
     use k8s_openapi::api::events::v1::Event;
     use lockstep::kubernetes::crd::LoadBalancerIPPool;
+    use lockstep::kubernetes::nodeipam::crd::NodeIPAM;
     vec![
         Kind {
             group: "",
@@ -149,6 +150,15 @@ pub fn kinds() -> Vec<Kind> {
             namespaced: false,
             status: true,
             check: check_as::<LoadBalancerIPPool>,
+        },
+        Kind {
+            group: "lockstep.io",
+            version: "v1alpha1",
+            plural: "nodeipams",
+            kind: "NodeIPAM",
+            namespaced: false,
+            status: true,
+            check: check_as::<NodeIPAM>,
         },
     ]
 }
