@@ -177,4 +177,31 @@ mod tests {
             toml::from_str::<NodeIpamConfig>("[[pools]]\nname = \"x\"\nmode = \"ceil\"\n").is_err()
         );
     }
+
+    #[test]
+    fn the_whole_config_refuses_cluster_mode_and_a_clashing_name() {
+        let path = std::path::Path::new("/c.toml");
+        let nodeipam =
+            "[kubernetes]\n[kubernetes.nodeipam]\n[[kubernetes.nodeipam.pools]]\nname = \"eni\"\n";
+        let c = crate::config::Config::parse(path, nodeipam).expect("valid");
+        assert_eq!(c.nodeipam_pools()[0].name, "eni");
+        let both = format!(
+            "[cluster]\netcd = [\"http://127.0.0.1:2379\"]\nnode_ip_v4 = \"192.0.2.1\"\n{nodeipam}"
+        );
+        let e = crate::config::Config::parse(path, &both)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("kubernetes.nodeipam") && e.contains("[cluster]"),
+            "{e}"
+        );
+        let clash = format!("[[pools]]\nname = \"eni\"\nipv4 = [\"10.1.0.0/24\"]\n{nodeipam}");
+        let e = crate::config::Config::parse(path, &clash)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("kubernetes.nodeipam.pools[0].name"), "{e}");
+        // The default pool may be a NodeIPAM pool.
+        let default = format!("default_pool = \"eni\"\n{nodeipam}");
+        assert!(crate::config::Config::parse(path, &default).is_ok());
+    }
 }
