@@ -24,7 +24,8 @@
 //!   API cut off restores every pod into its /28 (from its own record),
 //!   serves the free address of the first /28 and hands no address twice;
 //!   once the second's last pod goes it leaves the spec;
-//! - every request the agent sent is one `deploy/rbac.yaml` allows.
+//! - the agent lists and watches its own object only (a field selector),
+//!   and every request it sent is one `deploy/rbac.yaml` allows.
 
 use std::collections::BTreeSet;
 use std::io::Write;
@@ -395,6 +396,26 @@ pre_allocate = 2
     ensure!(fresh.is_err(), "the released /28 served again");
 
     eprintln!("final spec: {}", api.get("nodeipams", "", NODE)?["spec"]);
+    // The agent watched its own object only (a field selector), never
+    // another node's.
+    let lists: Vec<_> = api
+        .requests()
+        .into_iter()
+        .filter(|r| r.method == "GET" && r.path.ends_with("/nodeipams"))
+        .collect();
+    ensure!(!lists.is_empty(), "no NodeIPAM list or watch seen");
+    let wide: Vec<String> = lists
+        .into_iter()
+        .filter(|r| {
+            !r.query
+                .contains(&format!("fieldSelector=metadata.name%3D{NODE}"))
+        })
+        .map(|r| r.query)
+        .collect();
+    ensure!(
+        wide.is_empty(),
+        "NodeIPAM lists or watches beyond this node's: {wide:?}"
+    );
     let outside = outside_rbac(&api)?;
     ensure!(
         outside.is_empty(),

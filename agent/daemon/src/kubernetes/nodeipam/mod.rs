@@ -201,8 +201,8 @@ pub trait NodeIpamApi: Send + Sync + 'static {
     fn patch_status(&self, patch: Value) -> impl Future<Output = Result<(), KubeError>> + Send;
 }
 
-/// The real API: a reflector of NodeIPAM objects, this node's picked by
-/// name.
+/// The real API: a reflector of this node's NodeIPAM object (a
+/// `metadata.name` field selector).
 pub struct KubeNodeIpam {
     api: Api<NodeIPAM>,
     name: String,
@@ -212,12 +212,15 @@ pub struct KubeNodeIpam {
 }
 
 impl KubeNodeIpam {
-    /// Watches NodeIPAM objects through `client`; `name` is this node's.
+    /// Watches this node's NodeIPAM object (`name`) through `client`.
     pub fn start(client: kube::Client, name: String) -> Self {
         let api: Api<NodeIPAM> = Api::all(client);
         let (store, writer) = reflector::store();
         let wake = Arc::new(Notify::new());
-        let stream = reflector::reflector(writer, watcher(api.clone(), watcher::Config::default()))
+        // Only this node's object: every agent watching every node's
+        // would make each object's change O(nodes) events.
+        let config = watcher::Config::default().fields(&format!("metadata.name={name}"));
+        let stream = reflector::reflector(writer, watcher(api.clone(), config))
             .default_backoff()
             .touched_objects();
         let w = wake.clone();
