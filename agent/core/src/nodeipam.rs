@@ -395,6 +395,27 @@ pub fn local_specs(pools: &[NodePool], held: &Held) -> Vec<PoolSpec> {
         .collect()
 }
 
+/// The pools the node reports in the object's spec: its configured
+/// NodeIPAM pools, then every pool the configuration dropped that still
+/// holds CIDRs (draining), as `linear` with no pre-allocation: it asks for
+/// exactly what it still holds, and its CIDRs stay listed until released,
+/// so the operator never hands them to another node too early.
+pub fn reported_pools(pools: &[NodePool], held: &Held) -> Vec<NodePool> {
+    let mut out = pools.to_vec();
+    for (name, _) in held.all() {
+        if !out.iter().any(|p| p.name == name) {
+            out.push(NodePool {
+                name: name.to_owned(),
+                allow_first_last: false,
+                skip_masquerade: false,
+                mode: DemandMode::Linear,
+                pre_allocate: 0,
+            });
+        }
+    }
+    out
+}
+
 /// Checks a pool's demand settings.
 ///
 /// # Errors

@@ -233,6 +233,30 @@ fn a_withdrawn_cidr_drains_while_used_and_is_released_once_empty() {
 }
 
 #[test]
+fn a_pool_dropped_from_the_config_is_reported_until_released() {
+    let held = Held {
+        serving: Cidrs::new(),
+        draining: [("gone".to_string(), BTreeSet::from([net("10.9.5.0/28")]))].into(),
+    };
+    let offered = accept(&eni(), &[], &held, &[], none).unwrap();
+    // Still used: it drains, and the spec goes on listing it.
+    let s = step(&held, &offered, |_| 3);
+    assert_eq!(s.held, held);
+    let reported = reported_pools(&eni(), &s.held);
+    let gone = reported.iter().find(|p| p.name == "gone").unwrap();
+    assert_eq!((gone.mode, requested(gone, 3)), (DemandMode::Linear, 3));
+    assert!(
+        !local_specs(&eni(), &s.held)
+            .iter()
+            .any(|p| p.name == "gone")
+    );
+    // Empty: released, no longer reported.
+    let s = step(&held, &offered, none);
+    assert_eq!(s.released, vec![("gone".to_string(), net("10.9.5.0/28"))]);
+    assert_eq!(reported_pools(&eni(), &s.held), eni());
+}
+
+#[test]
 fn requested_follows_both_modes() {
     let lin = pool("eni", DemandMode::Linear, 2);
     let ceil = pool("burst", DemandMode::Ceil { block_size: 16 }, 2);

@@ -42,7 +42,9 @@ use kube::api::{Api, Patch, PatchParams, PostParams};
 use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 use lockstep_core::demand::DemandMode;
-use lockstep_core::nodeipam::{Held, NodePool, Offer, Step, accept, local_specs, requested, step};
+use lockstep_core::nodeipam::{
+    Held, NodePool, Offer, Step, accept, local_specs, reported_pools, requested, step,
+};
 use lockstep_core::pool::PoolSpec;
 use serde_json::{Value, json};
 use tokio::sync::Notify;
@@ -363,7 +365,7 @@ pub fn run_step(
 }
 
 fn finish(alloc: &dyn Allocator, pools: &[NodePool], mut out: Outcome) -> Outcome {
-    for p in pools {
+    for p in &reported_pools(pools, &out.held) {
         let cidrs = out.held.of(&p.name);
         let usage = alloc.usage(&cidrs);
         let in_use: u64 = usage.iter().sum();
