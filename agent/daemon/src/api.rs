@@ -239,7 +239,7 @@ async fn metrics(State(s): State<AppState>) -> Result<Response, ApiError> {
         text.push_str(&crate::cluster::render_metrics(c));
     }
     if let Some(lb) = s.lb_cluster.get() {
-        text.push_str(&crate::cluster::lb_agent::render_metrics(lb));
+        text.push_str(&crate::cluster::lb_handle::render_metrics(lb));
     }
     Ok(([("content-type", "text/plain; version=0.0.4")], text).into_response())
 }
