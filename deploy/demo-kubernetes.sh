@@ -30,6 +30,8 @@ cli() { "$BIN" --socket "$STATE/api.sock" "$@"; }
 
 cleanup() {
   for p in "${PIDS[@]}"; do kill -9 "$p" 2>/dev/null || true; wait "$p" 2>/dev/null || true; done
+  # nsenter's child (the agent, the double) outlives a kill of nsenter.
+  for ns in $NODE $NB $POD; do ip netns pids "$ns" 2>/dev/null | xargs -r kill -9 2>/dev/null || true; done
   "$BIN" datapath uninstall --pin-root "$PINS" >/dev/null 2>&1 || true
   for ns in $NODE $NB $POD; do ip netns del "$ns" 2>/dev/null || true; done
   rm -rf "$STATE"
