@@ -1,7 +1,7 @@
 //! Writes the CRDs derived from lockstep's Rust types into `deploy/crds/`
 //! (`cargo run -p lockstep --example crdgen`); a unit test of each CRD's
-//! module (`kubernetes::crd`, `kubernetes::nodeipam::crd`) fails while the
-//! committed files differ.
+//! module (`kubernetes::crd`, `kubernetes::nodeipam::crd`,
+//! `kubernetes::pod_pools`) fails while the committed files differ.
 
 fn main() -> anyhow::Result<()> {
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../deploy/crds");
@@ -14,6 +14,10 @@ fn main() -> anyhow::Result<()> {
         (
             "nodeipams.lockstep.io.yaml",
             lockstep::kubernetes::nodeipam::crd::crd_yaml(),
+        ),
+        (
+            "podippools.lockstep.io.yaml",
+            lockstep::kubernetes::pod_pools::crd_yaml(),
         ),
     ] {
         let path = dir.join(file);

@@ -160,9 +160,8 @@ pub fn plan_pod_pools(
         } else {
             asked.clone()
         };
-        let checked = plan_apply(stored, &list, claimed).and_then(|_| {
-            default_for_apply(&list, recorded.as_deref(), ask.as_deref())
-        });
+        let checked = plan_apply(stored, &list, claimed)
+            .and_then(|_| default_for_apply(&list, recorded.as_deref(), ask.as_deref()));
         match checked {
             Ok(default) => {
                 current = candidate;
@@ -284,7 +283,10 @@ mod tests {
     #[test]
     fn no_object_changes_nothing() {
         let stored = vec![spec("pods", "10.1.0.0/16")];
-        assert_eq!(plan_pod_pools(&[], &stored, Some("pods"), &BTreeMap::new()), None);
+        assert_eq!(
+            plan_pod_pools(&[], &stored, Some("pods"), &BTreeMap::new()),
+            None
+        );
     }
 
     #[test]
@@ -327,26 +329,39 @@ mod tests {
         assert_eq!(plan.pools.len(), 1);
         assert_eq!(plan.pools[0].name, "a");
         assert_eq!(plan.refused["b"].reason, "Refused");
-        assert!(plan.refused["b"].message.contains("overlap"), "{:?}", plan.refused);
+        assert!(
+            plan.refused["b"].message.contains("overlap"),
+            "{:?}",
+            plan.refused
+        );
     }
 
     #[test]
     fn removing_a_cidr_in_use_is_refused_naming_the_blocks_and_a_free_one_goes() {
-        let stored = vec![
-            spec("a", "10.1.0.0/24").with_cidr("10.9.0.0/24".parse().unwrap()),
-        ];
+        let stored = vec![spec("a", "10.1.0.0/24").with_cidr("10.9.0.0/24".parse().unwrap())];
         let claimed: BTreeMap<IpNet, (String, String)> =
             [("10.9.0.0/26".parse().unwrap(), ("a".into(), "n1".into()))].into();
-        let plan = plan_pod_pools(&[obj("a", &["10.1.0.0/24"])], &stored, Some("a"), &claimed)
-            .unwrap();
-        assert!(plan.refused["a"].message.contains("10.9.0.0/26"), "{:?}", plan.refused);
+        let plan =
+            plan_pod_pools(&[obj("a", &["10.1.0.0/24"])], &stored, Some("a"), &claimed).unwrap();
+        assert!(
+            plan.refused["a"].message.contains("10.9.0.0/26"),
+            "{:?}",
+            plan.refused
+        );
         assert_eq!(plan.pools, stored);
         // Nothing claimed in it: the CIDR goes.
-        let plan =
-            plan_pod_pools(&[obj("a", &["10.1.0.0/24"])], &stored, Some("a"), &BTreeMap::new())
-                .unwrap();
+        let plan = plan_pod_pools(
+            &[obj("a", &["10.1.0.0/24"])],
+            &stored,
+            Some("a"),
+            &BTreeMap::new(),
+        )
+        .unwrap();
         assert!(plan.refused.is_empty());
-        assert_eq!(plan.pools[0].ipv4, vec!["10.1.0.0/24".parse::<IpNet>().unwrap()]);
+        assert_eq!(
+            plan.pools[0].ipv4,
+            vec!["10.1.0.0/24".parse::<IpNet>().unwrap()]
+        );
     }
 
     #[test]
@@ -354,8 +369,8 @@ mod tests {
         let stored = vec![spec("a", "10.1.0.0/24"), spec("old", "10.9.0.0/24")];
         let claimed: BTreeMap<IpNet, (String, String)> =
             [("10.9.0.0/26".parse().unwrap(), ("old".into(), "n1".into()))].into();
-        let plan = plan_pod_pools(&[obj("a", &["10.1.0.0/24"])], &stored, Some("a"), &claimed)
-            .unwrap();
+        let plan =
+            plan_pod_pools(&[obj("a", &["10.1.0.0/24"])], &stored, Some("a"), &claimed).unwrap();
         assert_eq!(plan.pools, vec![stored[0].clone()]);
         // What the apply writes: old kept, draining.
         let written = plan_apply(&stored, &plan.pools, &claimed).unwrap();
@@ -378,9 +393,13 @@ mod tests {
         // None marked, none recorded: the first taken is recorded, and
         // adding pools never moves it (the CLI's rule).
         z.default = false;
-        let plan =
-            plan_pod_pools(&[obj("a", &["10.1.0.0/24"]), z.clone()], &[], None, &BTreeMap::new())
-                .unwrap();
+        let plan = plan_pod_pools(
+            &[obj("a", &["10.1.0.0/24"]), z.clone()],
+            &[],
+            None,
+            &BTreeMap::new(),
+        )
+        .unwrap();
         assert_eq!(plan.pools.len(), 2);
         assert_eq!(plan.default.as_deref(), Some("a"));
         let stored = vec![spec("z", "10.2.0.0/24")];
@@ -396,9 +415,7 @@ mod tests {
 
     #[test]
     fn counts_add_the_cidrs_and_the_held_blocks() {
-        let stored = vec![
-            spec("a", "10.1.0.0/24").with_cidr("2001:db8::/64".parse().unwrap()),
-        ];
+        let stored = vec![spec("a", "10.1.0.0/24").with_cidr("2001:db8::/64".parse().unwrap())];
         let claimed: BTreeMap<IpNet, (String, String)> = [
             ("10.1.0.0/26".parse().unwrap(), ("a".into(), "n1".into())),
             ("10.1.0.64/26".parse().unwrap(), ("a".into(), "n1".into())),

@@ -191,6 +191,15 @@ pub fn run(etcd: EtcdArgs, cmd: ClusterCommand) -> anyhow::Result<i32> {
         match cmd {
             ClusterCommand::Pools(PoolsCommand::Apply { file, output }) => {
                 let file = read_pools(&file)?;
+                // PodIPPools own the pools: the writer would apply its
+                // objects again on its next pass; refuse rather than fight.
+                if door.pools_source().await?.as_deref()
+                    == Some(crate::cluster::POOLS_SOURCE_KUBERNETES)
+                {
+                    anyhow::bail!(
+                        "the cluster pools are PodIPPool objects ([kubernetes] pod_pools = true): change them with kubectl (`kubectl get podippools`), not `cluster pools apply`"
+                    );
+                }
                 let revision = door
                     .apply_pools_default(&file.pools, file.default_pool.as_deref())
                     .await?;

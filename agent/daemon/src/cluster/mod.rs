@@ -44,7 +44,7 @@ mod node;
 mod remote;
 mod watch;
 
-pub use door::{Door, DoorOptions, TlsFiles};
+pub use door::{Door, DoorOptions, POOLS_SOURCE_KUBERNETES, TlsFiles};
 pub use handle::{ClusterHandle, render_metrics};
 pub(crate) use held::write_json;
 pub use held::{Held, HeldBlock, HeldError};

@@ -24,6 +24,7 @@ pub mod crd;
 pub mod leaks;
 pub mod nodeipam;
 mod objects;
+pub mod pod_pools;
 pub mod pods;
 pub mod sync;
 

@@ -93,7 +93,7 @@ pub struct LbSync<B: LbBackend> {
 }
 
 /// Drives a reflector's stream, waking `wake` on every change.
-fn drive<K>(api: Api<K>, wake: Arc<Notify>) -> (Store<K>, tokio::task::JoinHandle<()>)
+pub(super) fn drive<K>(api: Api<K>, wake: Arc<Notify>) -> (Store<K>, tokio::task::JoinHandle<()>)
 where
     K: Resource<DynamicType = ()>
         + Clone

@@ -13,6 +13,7 @@ mod nodes;
 mod options;
 mod parse;
 mod pools;
+mod pools_source;
 mod reclaim;
 #[cfg(test)]
 mod tests;
@@ -32,6 +33,7 @@ use super::{ClusterStoreError, Unreadable, escape};
 use failure::{never_sent, refusal, transient, unavailable};
 pub use options::{DoorOptions, TlsFiles};
 pub(super) use parse::parse_node_addr;
+pub use pools_source::POOLS_SOURCE_KUBERNETES;
 
 /// The key (under the prefix) recording the default cluster pool: outside
 /// `pools/`, so agents that predate it never read it.
