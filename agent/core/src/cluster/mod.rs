@@ -29,6 +29,7 @@
 pub mod cover;
 pub mod decide;
 pub mod default;
+pub mod kube_nodes;
 pub mod kube_pools;
 pub mod layout;
 pub mod local;
