@@ -22,11 +22,13 @@
 pub mod backend;
 pub mod crd;
 pub mod leaks;
+pub mod node_removal;
 pub mod nodeipam;
 mod objects;
 pub mod pod_pools;
 pub mod pods;
 pub mod sync;
+pub mod writer;
 
 use std::collections::BTreeMap;
 use std::net::IpAddr;

@@ -41,7 +41,7 @@ use tokio::sync::Notify;
 use super::KubeError;
 use super::crd::PoolCondition;
 use super::sync::drive;
-use crate::cluster::{Door, DoorOptions, LbHandle};
+use super::writer::ClusterWriter;
 
 /// A pool of pod (endpoint) addresses, shared by the cluster's nodes.
 #[derive(CustomResource, Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
@@ -157,70 +157,27 @@ pub trait PoolsBackend: Send + Sync + 'static {
 
 /// Cluster mode: etcd, writing only while this node is the LB assigner.
 #[derive(Debug)]
-pub struct ClusterPools {
-    opts: DoorOptions,
-    door: tokio::sync::Mutex<Option<Door>>,
-    lb: Arc<LbHandle>,
-    node: String,
-}
-
-impl ClusterPools {
-    /// Node `node`'s writer through etcd at `opts`; `lb` says who the
-    /// assigner is.
-    pub fn new(opts: DoorOptions, lb: Arc<LbHandle>, node: String) -> Self {
-        Self {
-            opts,
-            door: tokio::sync::Mutex::new(None),
-            lb,
-            node,
-        }
-    }
-
-    async fn with_door<T>(
-        &self,
-        f: impl AsyncFnOnce(&mut Door) -> Result<T, crate::cluster::ClusterStoreError>,
-    ) -> Result<T, KubeError> {
-        let mut guard = self.door.lock().await;
-        if guard.is_none() {
-            *guard = Some(Door::connect(self.opts.clone()).await.map_err(store_err)?);
-        }
-        let door = guard.as_mut().expect("connected above");
-        f(door).await.map_err(store_err)
-    }
-}
-
-fn store_err(e: crate::cluster::ClusterStoreError) -> KubeError {
-    use crate::cluster::ClusterStoreError as E;
-    match e {
-        E::Invalid(reason) => KubeError::Refused { reason },
-        E::Refused(e) => KubeError::Refused {
-            reason: e.to_string(),
-        },
-        e => KubeError::Lb {
-            reason: crate::error_chain(&e),
-        },
-    }
-}
+pub struct ClusterPools(pub ClusterWriter);
 
 impl PoolsBackend for ClusterPools {
     async fn state(&self) -> Result<PoolsState, KubeError> {
-        let a = self.lb.assignments().await.map_err(store_err)?;
-        let writer = a.assigner.as_deref() == Some(self.node.as_str());
-        self.with_door(async |d| {
-            let (pools, _, _) = d.pools().await?;
-            let (default, _) = d.stored_default().await?;
-            let (blocks, _) = d.blocks().await?;
-            Ok(PoolsState {
-                writer,
-                pools,
-                default,
-                claimed: blocks
-                    .into_iter()
-                    .map(|b| (b.cidr, (b.pool, b.node)))
-                    .collect(),
+        let writer = self.0.is_writer().await?;
+        self.0
+            .with_door(async |d| {
+                let (pools, _, _) = d.pools().await?;
+                let (default, _) = d.stored_default().await?;
+                let (blocks, _) = d.blocks().await?;
+                Ok(PoolsState {
+                    writer,
+                    pools,
+                    default,
+                    claimed: blocks
+                        .into_iter()
+                        .map(|b| (b.cidr, (b.pool, b.node)))
+                        .collect(),
+                })
             })
-        })
-        .await
+            .await
     }
 
     async fn apply(
@@ -228,13 +185,14 @@ impl PoolsBackend for ClusterPools {
         pools: Vec<ClusterPoolSpec>,
         default: Option<String>,
     ) -> Result<(), KubeError> {
-        self.with_door(async |d| {
-            d.mark_pools_source(crate::cluster::POOLS_SOURCE_KUBERNETES)
-                .await?;
-            d.apply_pools_default(&pools, default.as_deref()).await?;
-            Ok(())
-        })
-        .await
+        self.0
+            .with_door(async |d| {
+                d.mark_pools_source(crate::cluster::POOLS_SOURCE_KUBERNETES)
+                    .await?;
+                d.apply_pools_default(&pools, default.as_deref()).await?;
+                Ok(())
+            })
+            .await
     }
 }
 
@@ -378,9 +336,13 @@ impl<B: PoolsBackend> PodPoolSync<B> {
     pub async fn run(mut self, mut stop: tokio::sync::watch::Receiver<bool>) {
         let wake = Arc::new(Notify::new());
         let (store, task) = drive(Api::<PodIPPool>::all(self.client.clone()), wake.clone());
-        tokio::select! {
-            _ = store.wait_until_ready() => {}
-            _ = stop.wait_for(|s| *s) => { task.abort(); return; }
+        let stopped = tokio::select! {
+            _ = store.wait_until_ready() => false,
+            _ = stop.wait_for(|s| *s) => true,
+        };
+        if stopped {
+            task.abort();
+            return;
         }
         tracing::info!("kubernetes: pod ip pools listed; applying them as the cluster pools");
         let mut was_writer = false;
@@ -397,10 +359,16 @@ impl<B: PoolsBackend> PodPoolSync<B> {
                     tracing::warn!(error = %crate::error_chain(&e), "kubernetes: pod pools pass failed; trying again");
                 }
             }
-            tokio::select! {
-                () = wake.notified() => tokio::time::sleep(Duration::from_millis(10)).await,
-                () = tokio::time::sleep(POLL) => {}
-                _ = stop.wait_for(|s| *s) => break,
+            let woke = tokio::select! {
+                () = wake.notified() => Some(true),
+                () = tokio::time::sleep(POLL) => Some(false),
+                _ = stop.wait_for(|s| *s) => None,
+            };
+            match woke {
+                None => break,
+                // A burst of changes lands in one pass.
+                Some(true) => tokio::time::sleep(Duration::from_millis(10)).await,
+                Some(false) => {}
             }
         }
         task.abort();
