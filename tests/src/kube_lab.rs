@@ -59,6 +59,18 @@ impl KubeLab {
         node_labels: [Value; 3],
         extra: &dyn Fn(usize) -> String,
     ) -> anyhow::Result<Self> {
+        Self::build_keys(cluster, prefix, node_labels, "", extra)
+    }
+
+    /// As [`KubeLab::build_with`], every node's `[cluster]` section ending
+    /// with `cluster_keys` (e.g. a short `lease_ttl` and `reclaim_after`).
+    pub fn build_keys(
+        cluster: &EtcdCluster,
+        prefix: &str,
+        node_labels: [Value; 3],
+        cluster_keys: &str,
+        extra: &dyn Fn(usize) -> String,
+    ) -> anyhow::Result<Self> {
         let api = ApiDouble::start()?;
         for (i, labels) in node_labels.iter().enumerate() {
             api.create(
@@ -86,13 +98,21 @@ impl KubeLab {
         api.write_kubeconfig(&kubeconfig)?;
         let port = api.addr().port();
         let path = kubeconfig.display().to_string();
-        let lab = Lab::build_extra(cluster, prefix, None, ["", "", ""], [true; 3], &|i, ns| {
-            forward_ports(ns, &[port])?;
-            Ok(format!(
-                "[kubernetes]\nkubeconfig = \"{path}\"\n{}",
-                extra(i)
-            ))
-        })?;
+        let lab = Lab::build_extra(
+            cluster,
+            prefix,
+            None,
+            ["", "", ""],
+            [true; 3],
+            cluster_keys,
+            &|i, ns| {
+                forward_ports(ns, &[port])?;
+                Ok(format!(
+                    "[kubernetes]\nkubeconfig = \"{path}\"\n{}",
+                    extra(i)
+                ))
+            },
+        )?;
         Ok(Self {
             lab,
             api,

@@ -104,12 +104,13 @@ impl Lab {
         labels: [&str; 3],
         uplinks: [bool; 3],
     ) -> anyhow::Result<Self> {
-        Self::build_extra(cluster, prefix, lease, labels, uplinks, &|_, _| {
+        Self::build_extra(cluster, prefix, lease, labels, uplinks, "", &|_, _| {
             Ok(String::new())
         })
     }
 
-    /// As [`Lab::build_with`], node `i`'s config ending with what
+    /// As [`Lab::build_with`], every node's `[cluster]` section ending with
+    /// `cluster_keys` (e.g. `lease_ttl`), node `i`'s config ending with what
     /// `extra(i, namespace)` gives (e.g. a `[kubernetes]` section, with a
     /// forwarder made in the namespace).
     pub fn build_extra(
@@ -118,6 +119,7 @@ impl Lab {
         lease: Option<&str>,
         labels: [&str; 3],
         uplinks: [bool; 3],
+        cluster_keys: &str,
         extra: &dyn Fn(usize, &Netns) -> anyhow::Result<String>,
     ) -> anyhow::Result<Self> {
         let eps = cluster.endpoints();
@@ -165,7 +167,7 @@ impl Lab {
             };
             let more = extra(i, &lab.ns[i])?;
             let config = format!(
-                "reconcile_interval = \"1s\"\n{}node_labels = {{ {labels} }}\n{datapath}{lb}{more}",
+                "reconcile_interval = \"1s\"\n{}node_labels = {{ {labels} }}\n{cluster_keys}{datapath}{lb}{more}",
                 cluster_config(&eps, prefix, &format!("node-{i}"), &node_ip(i)),
             );
             lab.agents.push(AgentProc::start(&lab.ns[i], &config)?);

@@ -60,6 +60,7 @@ const MANIFESTS: &[&str] = &[
     "deploy/rbac.yaml",
     "deploy/crds/loadbalancerippools.lockstep.io.yaml",
     "deploy/crds/nodeipams.lockstep.io.yaml",
+    "deploy/crds/podippools.lockstep.io.yaml",
     "deploy/examples/lb-service.yaml",
 ];
 
@@ -72,6 +73,10 @@ const CUSTOM_OBJECTS: &[(&str, &str)] = &[
     (
         "deploy/examples/nodeipam.yaml",
         "deploy/crds/nodeipams.lockstep.io.yaml",
+    ),
+    (
+        "deploy/examples/pod-pool.yaml",
+        "deploy/crds/podippools.lockstep.io.yaml",
     ),
 ];
 

@@ -615,6 +615,13 @@ impl Config {
         if let Some(k) = &self.kubernetes {
             k.validate()
                 .map_err(|(field, reason)| invalid(field, reason))?;
+            // PodIPPools become etcd's cluster pools: no etcd, no pools.
+            if k.pod_pools && self.cluster.is_none() {
+                return Err(invalid(
+                    "kubernetes.pod_pools".into(),
+                    "needs [cluster]: PodIPPools are applied as the cluster's pools in etcd".into(),
+                ));
+            }
             if let Some(n) = &k.nodeipam {
                 // NodeIPAM is the alternative to etcd's blocks: both would
                 // say which CIDRs this node holds (docs/kubernetes.md).

@@ -234,6 +234,17 @@ async fn serve_limited<L>(
     while conns.join_next().await.is_some() {}
 }
 
+/// What the Kubernetes door starts with, read before the agent starts.
+struct KubeStart {
+    client: kube::Client,
+    class: String,
+    node: String,
+    informer: Arc<crate::kubernetes::pods::Informer>,
+    pods: crate::config::PodsConfig,
+    pod_pools: bool,
+    remove_deleted_nodes: bool,
+}
+
 /// Runs the agent until SIGTERM/SIGINT.
 ///
 /// # Errors
@@ -332,7 +343,15 @@ pub async fn run(config: Config) -> Result<(), ServerError> {
                     view: informer.clone(),
                     wait: k.pods.pool_wait,
                 });
-                Some((client, k.lb_class.clone(), node, informer, k.pods.clone()))
+                Some(KubeStart {
+                    client,
+                    class: k.lb_class.clone(),
+                    node,
+                    informer,
+                    pods: k.pods.clone(),
+                    pod_pools: k.pod_pools,
+                    remove_deleted_nodes: k.remove_deleted_nodes,
+                })
             }
             Err(e) => return Err(ServerError::Kubernetes(e)),
         },
@@ -458,7 +477,7 @@ pub async fn run(config: Config) -> Result<(), ServerError> {
             .as_ref()
             .and_then(|k| k.nodeipam.as_ref()),
     ) {
-        (Some((client, _, node, _, _)), Some(n)) => {
+        (Some(KubeStart { client, node, .. }), Some(n)) => {
             let api =
                 crate::kubernetes::nodeipam::KubeNodeIpam::start(client.clone(), node.clone());
             match crate::kubernetes::nodeipam::NodeIpamSync::new(
@@ -478,39 +497,88 @@ pub async fn run(config: Config) -> Result<(), ServerError> {
         }
         _ => None,
     };
-    let kube_task = kube.map(|(client, class, node, informer, pods)| {
-        let stop = stop_rx.clone();
-        // Endpoint allocations whose pod is gone (`kubernetes::leaks`).
-        let report = Arc::new(crate::kubernetes::leaks::LeakReport::default());
-        let _ = state.leaks.set(report.clone());
-        state.metrics.set_leaks(report.clone());
-        tokio::spawn(
-            crate::kubernetes::leaks::LeakLoop::new(
-                informer,
-                crate::kubernetes::leaks::ApiPods(client.clone()),
-                crate::kubernetes::leaks::AgentEndpoints(slot.clone()),
-                pods,
-                report,
-            )
-            .run(stop.clone()),
-        );
-        match state.lb_cluster.get() {
-            Some(handle) => {
-                let lb_node = cluster_config
-                    .cluster
-                    .as_ref()
-                    .and_then(|c| c.node_name.clone())
-                    .unwrap_or_else(|| cluster_config.node_name());
-                let backend =
-                    crate::kubernetes::ClusterLb::new(handle.clone(), lb_node, slot.clone());
-                tokio::spawn(crate::kubernetes::LbSync::new(client, class, node, backend).run(stop))
+    let kube_task = kube.map(
+        |KubeStart {
+             client,
+             class,
+             node,
+             informer,
+             pods,
+             pod_pools,
+             remove_deleted_nodes,
+         }| {
+            let stop = stop_rx.clone();
+            // Endpoint allocations whose pod is gone (`kubernetes::leaks`).
+            let report = Arc::new(crate::kubernetes::leaks::LeakReport::default());
+            let _ = state.leaks.set(report.clone());
+            state.metrics.set_leaks(report.clone());
+            tokio::spawn(
+                crate::kubernetes::leaks::LeakLoop::new(
+                    informer,
+                    crate::kubernetes::leaks::ApiPods(client.clone()),
+                    crate::kubernetes::leaks::AgentEndpoints(slot.clone()),
+                    pods,
+                    report,
+                )
+                .run(stop.clone()),
+            );
+            // The elected LB assigner is the one writer into etcd for
+            // what the API says of the cluster: PodIPPools as the cluster
+            // pools (#29 item 1), deleted Nodes removed (#29 item 4).
+            if let (Some(handle), Some(c)) = (state.lb_cluster.get(), &cluster_config.cluster) {
+                let writer = || {
+                    crate::kubernetes::writer::ClusterWriter::new(
+                        crate::cluster::DoorOptions::from_cluster_config(
+                            c,
+                            crate::kubernetes::writer::REQUEST_TIMEOUT,
+                        ),
+                        handle.clone(),
+                        c.node_name
+                            .clone()
+                            .unwrap_or_else(|| cluster_config.node_name()),
+                    )
+                };
+                if pod_pools {
+                    let backend = crate::kubernetes::pod_pools::ClusterPools(writer());
+                    tokio::spawn(
+                        crate::kubernetes::pod_pools::PodPoolSync::new(client.clone(), backend)
+                            .run(stop.clone()),
+                    );
+                }
+                if remove_deleted_nodes {
+                    let backend = crate::kubernetes::node_removal::ClusterNodes(writer());
+                    tokio::spawn(
+                        crate::kubernetes::node_removal::NodeRemoval::new(
+                            client.clone(),
+                            backend,
+                            crate::kubernetes::node_removal::ApiBound(client.clone()),
+                        )
+                        .run(stop.clone()),
+                    );
+                }
             }
-            None => {
-                let backend = crate::kubernetes::LocalLb::new(slot.clone());
-                tokio::spawn(crate::kubernetes::LbSync::new(client, class, node, backend).run(stop))
+            match state.lb_cluster.get() {
+                Some(handle) => {
+                    let lb_node = cluster_config
+                        .cluster
+                        .as_ref()
+                        .and_then(|c| c.node_name.clone())
+                        .unwrap_or_else(|| cluster_config.node_name());
+                    let backend =
+                        crate::kubernetes::ClusterLb::new(handle.clone(), lb_node, slot.clone());
+                    tokio::spawn(
+                        crate::kubernetes::LbSync::new(client, class, node, backend).run(stop),
+                    )
+                }
+                None => {
+                    let backend = crate::kubernetes::LocalLb::new(slot.clone());
+                    tokio::spawn(
+                        crate::kubernetes::LbSync::new(client, class, node, backend).run(stop),
+                    )
+                }
             }
-        }
-    });
+        },
+    );
     // The maps exist now; the collector runs beside the agent, not in it.
     let _masquerade = match masquerade {
         Some(settings) => {

@@ -87,6 +87,7 @@ pub fn kinds() -> Vec<Kind> {
     use k8s_openapi::api::events::v1::Event;
     use lockstep::kubernetes::crd::LoadBalancerIPPool;
     use lockstep::kubernetes::nodeipam::crd::NodeIPAM;
+    use lockstep::kubernetes::pod_pools::PodIPPool;
     vec![
         Kind {
             group: "",
@@ -159,6 +160,15 @@ pub fn kinds() -> Vec<Kind> {
             namespaced: false,
             status: true,
             check: check_as::<NodeIPAM>,
+        },
+        Kind {
+            group: "lockstep.io",
+            version: "v1alpha1",
+            plural: "podippools",
+            kind: "PodIPPool",
+            namespaced: false,
+            status: true,
+            check: check_as::<PodIPPool>,
         },
     ]
 }

@@ -32,6 +32,16 @@ pub struct KubernetesConfig {
     /// object (#29 item 5); absent: no NodeIPAM object is read or written.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub nodeipam: Option<super::nodeipam::NodeIpamConfig>,
+    /// The cluster's endpoint pools come from `PodIPPool` objects (#29
+    /// item 1): the elected writer applies them through etcd as `lockstep
+    /// cluster pools apply` would, and the CLI then refuses. Needs
+    /// `[cluster]`.
+    pub pod_pools: bool,
+    /// In cluster mode, a Node deleted from the API is removed from etcd
+    /// by the rule of `lockstep cluster node remove` without `--force`, and
+    /// the addresses reserved for it are released once the API binds no
+    /// pod to it (#29 item 4).
+    pub remove_deleted_nodes: bool,
 }
 
 impl Default for KubernetesConfig {
@@ -43,6 +53,8 @@ impl Default for KubernetesConfig {
             node_wait: Duration::from_secs(10),
             pods: super::pods::PodsConfig::default(),
             nodeipam: None,
+            pod_pools: false,
+            remove_deleted_nodes: true,
         }
     }
 }
