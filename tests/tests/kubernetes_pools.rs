@@ -277,6 +277,50 @@ fn pod_ip_pools_are_the_cluster_pools_and_pods_pick_them_by_annotation() -> anyh
         Ok(accepted(&lab, "blue").is_some_and(|a| a.3["blocks"] == 1 && a.3["nodes"] == 1))
     })?;
     eprintln!("blue status: {}", accepted(&lab, "blue").context("blue")?.3);
+    // blue's CIDR replaced while shop/web holds an address in it: refused
+    // as `cluster pools apply` refuses it, the stored pool unchanged.
+    lab.api.patch(
+        "podippools",
+        "",
+        "blue",
+        &json!({"spec": {"ipv4": ["10.99.0.0/24"]}}),
+        false,
+    )?;
+    until("blue's edit refused", Duration::from_secs(10), || {
+        Ok(accepted(&lab, "blue").is_some_and(|a| a.0 == "False"))
+    })?;
+    let said = accepted(&lab, "blue").context("blue")?;
+    ensure!(
+        said.2.contains("10.97.0.0/24"),
+        "blue's refusal does not name the CIDR in use: {said:?}"
+    );
+    eprintln!("blue's CIDR edit refused: {}", said.2);
+    let v: Value = serde_json::from_str(&cluster_cli(
+        &eps,
+        &prefix,
+        &["pools", "get", "-o", "json"],
+    )?)?;
+    let stored_blue = v
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|p| p["name"] == "blue")
+        .context("blue not stored")?
+        .to_string();
+    ensure!(
+        stored_blue.contains("10.97.0.0/24") && !stored_blue.contains("10.99.0.0/24"),
+        "stored blue changed: {stored_blue}"
+    );
+    lab.api.patch(
+        "podippools",
+        "",
+        "blue",
+        &json!({"spec": {"ipv4": ["10.97.0.0/24"]}}),
+        false,
+    )?;
+    until("blue accepted again", Duration::from_secs(10), || {
+        Ok(accepted(&lab, "blue").is_some_and(|a| a.0 == "True"))
+    })?;
     // The green object deleted while shop/db holds an address: drains.
     lab.api.delete("podippools", "", "green")?;
     until("green drains", Duration::from_secs(10), || {
