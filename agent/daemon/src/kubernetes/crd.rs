@@ -209,12 +209,31 @@ impl LoadBalancerIPPool {
 /// # Errors
 /// The CRD does not serialise (never with these types).
 pub fn crd_yaml() -> Result<String, String> {
-    use kube::CustomResourceExt;
-    let crd = LoadBalancerIPPool::crd();
-    let body = serde_saphyr::to_string(&crd).map_err(|e| e.to_string())?;
+    crd_yaml_of::<LoadBalancerIPPool>("agent/daemon/src/kubernetes/crd.rs")
+}
+
+/// `K`'s CRD as YAML, headed by a comment naming `source`, the file its
+/// types are in (every CRD in `deploy/crds/` is written so).
+///
+/// # Errors
+/// The CRD does not serialise.
+pub fn crd_yaml_of<K: kube::CustomResourceExt>(source: &str) -> Result<String, String> {
+    let body = serde_saphyr::to_string(&K::crd()).map_err(|e| e.to_string())?;
     Ok(format!(
-        "# Generated from agent/daemon/src/kubernetes/crd.rs by\n# `cargo run -p lockstep --example crdgen`; do not edit.\n{body}"
+        "# Generated from {source} by\n# `cargo run -p lockstep --example crdgen`; do not edit.\n{body}"
     ))
+}
+
+/// Fails while `deploy/crds/<file>` differs from `yaml` (the CRD the
+/// types derive now).
+#[cfg(test)]
+pub(crate) fn assert_committed(file: &str, yaml: Result<String, String>) {
+    let path = format!("{}/../../deploy/crds/{file}", env!("CARGO_MANIFEST_DIR"));
+    let committed = std::fs::read_to_string(&path).expect("deploy/crds file");
+    assert!(
+        committed == yaml.expect("yaml"),
+        "{path} is stale: run `cargo run -p lockstep --example crdgen`"
+    );
 }
 
 #[cfg(test)]
@@ -223,15 +242,7 @@ mod tests {
 
     #[test]
     fn the_committed_crd_is_the_one_the_types_derive() {
-        let path = concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/../../deploy/crds/loadbalancerippools.lockstep.io.yaml"
-        );
-        let committed = std::fs::read_to_string(path).expect("deploy/crds file");
-        assert!(
-            committed == crd_yaml().expect("yaml"),
-            "{path} is stale: run `cargo run -p lockstep --example crdgen`"
-        );
+        assert_committed("loadbalancerippools.lockstep.io.yaml", crd_yaml());
     }
 
     #[test]

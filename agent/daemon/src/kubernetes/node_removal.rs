@@ -15,7 +15,6 @@
 
 use std::collections::BTreeSet;
 use std::net::IpAddr;
-use std::sync::Arc;
 use std::time::Duration;
 
 use ipnet::IpNet;
@@ -24,10 +23,9 @@ use kube::api::{Api, ListParams};
 use kube::runtime::reflector::Store;
 use kube::{Client, ResourceExt};
 use lockstep_core::cluster::kube_nodes::{DeletedNode, NodeStep, deleted_node_step, deleted_nodes};
-use tokio::sync::Notify;
 
 use super::KubeError;
-use super::sync::drive;
+use super::sync::{Pass, passes};
 use super::writer::ClusterWriter;
 use crate::cluster::ClusterStoreError;
 
@@ -259,31 +257,9 @@ impl<B: NodesBackend, P: BoundPods> NodeRemoval<B, P> {
     }
 
     /// Runs until `stop`.
-    pub async fn run(mut self, mut stop: tokio::sync::watch::Receiver<bool>) {
-        let wake = Arc::new(Notify::new());
-        let (store, task) = drive(Api::<Node>::all(self.client.clone()), wake.clone());
-        let stopped = tokio::select! {
-            _ = store.wait_until_ready() => false,
-            _ = stop.wait_for(|s| *s) => true,
-        };
-        if stopped {
-            task.abort();
-            return;
-        }
-        loop {
-            if let Err(e) = self.once(&store).await {
-                tracing::warn!(error = %crate::error_chain(&e), "kubernetes: deleted nodes pass failed; trying again");
-            }
-            let woke = tokio::select! {
-                () = wake.notified() => Some(()),
-                () = tokio::time::sleep(POLL) => Some(()),
-                _ = stop.wait_for(|s| *s) => None,
-            };
-            if woke.is_none() {
-                break;
-            }
-        }
-        task.abort();
+    pub async fn run(mut self, stop: tokio::sync::watch::Receiver<bool>) {
+        let api = Api::<Node>::all(self.client.clone());
+        passes(api, POLL, stop, &mut self).await;
     }
 
     async fn once(&mut self, store: &Store<Node>) -> Result<(), KubeError> {
@@ -334,6 +310,14 @@ impl<B: NodesBackend, P: BoundPods> NodeRemoval<B, P> {
             }
         }
         Ok(())
+    }
+}
+
+impl<B: NodesBackend, P: BoundPods> Pass<Node> for NodeRemoval<B, P> {
+    async fn pass(&mut self, store: &Store<Node>) {
+        if let Err(e) = self.once(store).await {
+            tracing::warn!(error = %crate::error_chain(&e), "kubernetes: deleted nodes pass failed; trying again");
+        }
     }
 }
 

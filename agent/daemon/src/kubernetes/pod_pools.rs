@@ -36,11 +36,10 @@ use lockstep_core::cluster::kube_pools::{
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
-use tokio::sync::Notify;
 
 use super::KubeError;
 use super::crd::PoolCondition;
-use super::sync::drive;
+use super::sync::{Pass, passes};
 use super::writer::ClusterWriter;
 
 /// A pool of pod (endpoint) addresses, shared by the cluster's nodes.
@@ -123,11 +122,7 @@ impl PodIPPool {
 /// # Errors
 /// The CRD does not serialise (never with these types).
 pub fn crd_yaml() -> Result<String, String> {
-    use kube::CustomResourceExt;
-    let body = serde_saphyr::to_string(&PodIPPool::crd()).map_err(|e| e.to_string())?;
-    Ok(format!(
-        "# Generated from agent/daemon/src/kubernetes/pod_pools.rs by\n# `cargo run -p lockstep --example crdgen`; do not edit.\n{body}"
-    ))
+    super::crd::crd_yaml_of::<PodIPPool>("agent/daemon/src/kubernetes/pod_pools.rs")
 }
 
 /// The cluster pools as the loop needs them.
@@ -316,6 +311,25 @@ pub struct PodPoolSync<B: PoolsBackend> {
     /// Patches that landed, by uid, with the `resourceVersion` they were
     /// made from.
     written: HashMap<String, (Option<String>, Value)>,
+    /// Whether the last pass found this agent the writer.
+    was_writer: bool,
+}
+
+impl<B: PoolsBackend> Pass<PodIPPool> for PodPoolSync<B> {
+    async fn pass(&mut self, store: &Store<PodIPPool>) {
+        match self.once(store).await {
+            Ok(writer) => {
+                if writer != self.was_writer {
+                    tracing::info!(writer, "kubernetes: pod pools writer");
+                    self.written.clear();
+                }
+                self.was_writer = writer;
+            }
+            Err(e) => {
+                tracing::warn!(error = %crate::error_chain(&e), "kubernetes: pod pools pass failed; trying again");
+            }
+        }
+    }
 }
 
 /// How often a pass runs without a PodIPPool change (status counts follow
@@ -329,49 +343,14 @@ impl<B: PoolsBackend> PodPoolSync<B> {
             client,
             backend,
             written: HashMap::new(),
+            was_writer: false,
         }
     }
 
     /// Runs until `stop`.
-    pub async fn run(mut self, mut stop: tokio::sync::watch::Receiver<bool>) {
-        let wake = Arc::new(Notify::new());
-        let (store, task) = drive(Api::<PodIPPool>::all(self.client.clone()), wake.clone());
-        let stopped = tokio::select! {
-            _ = store.wait_until_ready() => false,
-            _ = stop.wait_for(|s| *s) => true,
-        };
-        if stopped {
-            task.abort();
-            return;
-        }
-        tracing::info!("kubernetes: pod ip pools listed; applying them as the cluster pools");
-        let mut was_writer = false;
-        loop {
-            match self.once(&store).await {
-                Ok(writer) => {
-                    if writer != was_writer {
-                        tracing::info!(writer, "kubernetes: pod pools writer");
-                        self.written.clear();
-                    }
-                    was_writer = writer;
-                }
-                Err(e) => {
-                    tracing::warn!(error = %crate::error_chain(&e), "kubernetes: pod pools pass failed; trying again");
-                }
-            }
-            let woke = tokio::select! {
-                () = wake.notified() => Some(true),
-                () = tokio::time::sleep(POLL) => Some(false),
-                _ = stop.wait_for(|s| *s) => None,
-            };
-            match woke {
-                None => break,
-                // A burst of changes lands in one pass.
-                Some(true) => tokio::time::sleep(Duration::from_millis(10)).await,
-                Some(false) => {}
-            }
-        }
-        task.abort();
+    pub async fn run(mut self, stop: tokio::sync::watch::Receiver<bool>) {
+        let api = Api::<PodIPPool>::all(self.client.clone());
+        passes(api, POLL, stop, &mut self).await;
     }
 
     /// One pass and its status patches; whether this agent is the writer.

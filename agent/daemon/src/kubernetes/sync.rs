@@ -92,35 +92,44 @@ pub struct LbSync<B: LbBackend> {
     last_full: tokio::time::Instant,
 }
 
-/// Drives a reflector's stream, waking `wake` on every change.
-pub(super) fn drive<K>(api: Api<K>, wake: Arc<Notify>) -> (Store<K>, tokio::task::JoinHandle<()>)
-where
+/// What a reflector can keep: the bounds kube-runtime's watcher and store
+/// need, named once.
+pub(super) trait Watched:
+    Resource<DynamicType = ()>
+    + Clone
+    + std::fmt::Debug
+    + serde::de::DeserializeOwned
+    + Send
+    + Sync
+    + 'static
+{
+}
+
+impl<K> Watched for K where
     K: Resource<DynamicType = ()>
         + Clone
         + std::fmt::Debug
         + serde::de::DeserializeOwned
         + Send
         + Sync
-        + 'static,
+        + 'static
 {
+}
+
+/// Drives a reflector's stream, waking `wake` on every change.
+pub(super) fn drive<K: Watched>(
+    api: Api<K>,
+    wake: Arc<Notify>,
+) -> (Store<K>, tokio::task::JoinHandle<()>) {
     drive_with(api, watcher::Config::default(), wake)
 }
 
 /// [`drive`] with a watcher configuration (selectors).
-pub(super) fn drive_with<K>(
+pub(super) fn drive_with<K: Watched>(
     api: Api<K>,
     config: watcher::Config,
     wake: Arc<Notify>,
-) -> (Store<K>, tokio::task::JoinHandle<()>)
-where
-    K: Resource<DynamicType = ()>
-        + Clone
-        + std::fmt::Debug
-        + serde::de::DeserializeOwned
-        + Send
-        + Sync
-        + 'static,
-{
+) -> (Store<K>, tokio::task::JoinHandle<()>) {
     let (reader, writer) = reflector::store();
     let what = K::plural(&()).to_string();
     let stream = reflector(writer, watcher(api, config))
@@ -139,6 +148,46 @@ where
         }
     });
     (reader, task)
+}
+
+/// One pass of a door part over the objects of one kind in memory.
+pub(super) trait Pass<K: Watched>: Send {
+    /// Runs once over `store`; errors are the pass's to log.
+    fn pass(&mut self, store: &Store<K>) -> impl Future<Output = ()> + Send;
+}
+
+/// The loop of a door part that keeps one kind in memory and runs a pass
+/// over it: a reflector on `api`; once it listed, `pass` runs at once, on
+/// every change (after 10 ms, so a burst lands in one pass) and every
+/// `poll`, until `stop`. `None` from the wait: stopped before the list.
+pub(super) async fn passes<K: Watched, P: Pass<K>>(
+    api: Api<K>,
+    poll: Duration,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+    pass: &mut P,
+) {
+    let wake = Arc::new(Notify::new());
+    let (store, task) = drive(api, wake.clone());
+    let stopped = tokio::select! {
+        _ = store.wait_until_ready() => false,
+        _ = stop.wait_for(|s| *s) => true,
+    };
+    if !stopped {
+        loop {
+            pass.pass(&store).await;
+            let woke = tokio::select! {
+                () = wake.notified() => Some(true),
+                () = tokio::time::sleep(poll) => Some(false),
+                _ = stop.wait_for(|s| *s) => None,
+            };
+            match woke {
+                None => break,
+                Some(true) => tokio::time::sleep(Duration::from_millis(10)).await,
+                Some(false) => {}
+            }
+        }
+    }
+    task.abort();
 }
 
 use reflector::reflector;

@@ -93,12 +93,7 @@ pub struct PoolOffer {
 /// # Errors
 /// The CRD does not serialise (never with these types).
 pub fn crd_yaml() -> Result<String, String> {
-    use kube::CustomResourceExt;
-    let crd = NodeIPAM::crd();
-    let body = serde_saphyr::to_string(&crd).map_err(|e| e.to_string())?;
-    Ok(format!(
-        "# Generated from agent/daemon/src/kubernetes/nodeipam/crd.rs by\n# `cargo run -p lockstep --example crdgen`; do not edit.\n{body}"
-    ))
+    crate::kubernetes::crd::crd_yaml_of::<NodeIPAM>("agent/daemon/src/kubernetes/nodeipam/crd.rs")
 }
 
 #[cfg(test)]
@@ -107,15 +102,7 @@ mod tests {
 
     #[test]
     fn the_committed_crd_is_the_one_the_types_derive() {
-        let path = concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/../../deploy/crds/nodeipams.lockstep.io.yaml"
-        );
-        let committed = std::fs::read_to_string(path).expect("deploy/crds file");
-        assert!(
-            committed == crd_yaml().expect("yaml"),
-            "{path} is stale: run `cargo run -p lockstep --example crdgen`"
-        );
+        crate::kubernetes::crd::assert_committed("nodeipams.lockstep.io.yaml", crd_yaml());
     }
 
     #[test]

@@ -189,13 +189,5 @@ fn the_status_patch_keeps_the_transition_time_while_the_status_stays() {
 
 #[test]
 fn the_committed_crd_is_the_one_the_types_derive() {
-    let path = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../../deploy/crds/podippools.lockstep.io.yaml"
-    );
-    let committed = std::fs::read_to_string(path).expect("deploy/crds file");
-    assert!(
-        committed == crd_yaml().expect("yaml"),
-        "{path} is stale: run `cargo run -p lockstep --example crdgen`"
-    );
+    crate::kubernetes::crd::assert_committed("podippools.lockstep.io.yaml", crd_yaml());
 }
