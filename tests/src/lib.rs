@@ -20,6 +20,7 @@ pub mod churn;
 pub mod cluster;
 pub mod etcd;
 pub mod kube_lab;
+pub mod kube_pods;
 pub mod kubeapi;
 pub mod lb_lab;
 pub mod ledger;

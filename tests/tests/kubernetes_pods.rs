@@ -22,11 +22,12 @@ use std::collections::BTreeSet;
 use std::net::IpAddr;
 use std::time::Duration;
 
-use anyhow::{Context, ensure};
+use anyhow::ensure;
 use ipnet::IpNet;
-use lockstep_tests::cluster::{address_of, apply_pools, cni_with_args, held_by, metrics_in};
+use lockstep_tests::cluster::{address_of, apply_pools, held_by, metrics_in};
 use lockstep_tests::etcd::EtcdCluster;
 use lockstep_tests::kube_lab::KubeLab;
+use lockstep_tests::kube_pods::{add, add_ok, del, namespace, pod};
 use lockstep_tests::{AgentProc, Netns, privileged, unique, wait_for};
 use serde_json::{Value, json};
 
@@ -37,86 +38,6 @@ const POOLS: &str = "default_pool = \"pods\"\n\
 
 fn cidr(text: &str) -> IpNet {
     text.parse().expect("cidr")
-}
-
-fn namespace(lab: &KubeLab, name: &str, pool: Option<&str>) -> anyhow::Result<()> {
-    let annotations = pool.map_or(json!({}), |p| json!({"lockstep.io/ip-pool": p}));
-    lab.api.create(
-        "namespaces",
-        "",
-        &json!({"metadata": {"name": name, "annotations": annotations}}),
-    )?;
-    Ok(())
-}
-
-/// Creates pod `ns/name` on node `node`; returns its UID.
-fn pod(
-    lab: &KubeLab,
-    ns: &str,
-    name: &str,
-    node: usize,
-    pool: Option<&str>,
-) -> anyhow::Result<String> {
-    let annotations = pool.map_or(json!({}), |p| json!({"lockstep.io/ip-pool": p}));
-    let v = lab.api.create(
-        "pods",
-        ns,
-        &json!({
-            "metadata": {"namespace": ns, "name": name, "annotations": annotations},
-            "spec": {"nodeName": format!("node-{node}"), "containers": [{"name": "c", "image": "x"}]},
-        }),
-    )?;
-    Ok(v["metadata"]["uid"].as_str().context("uid")?.to_string())
-}
-
-/// A pod sandbox: its network namespace and container ID.
-struct Sandbox {
-    netns: Netns,
-    id: String,
-}
-
-/// Kubelet's ADD of `ns/name` (UID `uid`) on `agent`: exit code and answer.
-fn add(
-    agent: &AgentProc,
-    ns: &str,
-    name: &str,
-    uid: Option<&str>,
-) -> anyhow::Result<(Sandbox, i32, Value)> {
-    let netns = Netns::new("kpod")?;
-    let id = unique("pod");
-    let mut args = format!("IgnoreUnknown=1;K8S_POD_NAMESPACE={ns};K8S_POD_NAME={name}");
-    if let Some(uid) = uid {
-        args.push_str(&format!(";K8S_POD_UID={uid}"));
-    }
-    let (code, v, _) = cni_with_args(
-        &agent.socket(),
-        "ADD",
-        Some((&id, &netns.path())),
-        Some(&args),
-    )?;
-    Ok((Sandbox { netns, id }, code, v))
-}
-
-fn add_ok(
-    agent: &AgentProc,
-    ns: &str,
-    name: &str,
-    uid: Option<&str>,
-) -> anyhow::Result<(Sandbox, IpAddr)> {
-    let (sb, code, v) = add(agent, ns, name, uid)?;
-    ensure!(code == 0, "ADD {ns}/{name}: {v}");
-    Ok((sb, address_of(&v)?))
-}
-
-fn del(agent: &AgentProc, sb: &Sandbox) -> anyhow::Result<()> {
-    let (code, v, _) = cni_with_args(
-        &agent.socket(),
-        "DEL",
-        Some((&sb.id, &sb.netns.path())),
-        None,
-    )?;
-    ensure!(code == 0, "DEL {}: {v}", sb.id);
-    Ok(())
 }
 
 /// `lockstep verify -o json`, whatever its exit code.

@@ -24,77 +24,15 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, ensure};
 use ipnet::IpNet;
-use lockstep_tests::cluster::{address_of, apply_pools, cluster_cli, cni_with_args};
+use lockstep_tests::cluster::{apply_pools, cluster_cli, held_by};
 use lockstep_tests::etcd::EtcdCluster;
 use lockstep_tests::kube_lab::KubeLab;
-use lockstep_tests::{AgentProc, Netns, privileged, unique, wait_for};
+use lockstep_tests::kube_pods::{add, add_ok, del, namespace, pod};
+use lockstep_tests::{privileged, unique, wait_for};
 use serde_json::{Value, json};
 
 fn cidr(text: &str) -> IpNet {
     text.parse().expect("cidr")
-}
-
-fn annotations(pool: Option<&str>) -> Value {
-    pool.map_or(json!({}), |p| json!({"lockstep.io/ip-pool": p}))
-}
-
-fn namespace(lab: &KubeLab, name: &str, pool: Option<&str>) -> anyhow::Result<()> {
-    lab.api.create(
-        "namespaces",
-        "",
-        &json!({"metadata": {"name": name, "annotations": annotations(pool)}}),
-    )?;
-    Ok(())
-}
-
-/// Creates pod `ns/name` bound to node `node`.
-fn pod(lab: &KubeLab, ns: &str, name: &str, node: usize, pool: Option<&str>) -> anyhow::Result<()> {
-    lab.api.create(
-        "pods",
-        ns,
-        &json!({
-            "metadata": {"namespace": ns, "name": name, "annotations": annotations(pool)},
-            "spec": {"nodeName": format!("node-{node}"), "containers": [{"name": "c", "image": "x"}]},
-        }),
-    )?;
-    Ok(())
-}
-
-/// A pod sandbox: its network namespace and container ID.
-struct Sandbox {
-    netns: Netns,
-    id: String,
-}
-
-/// Kubelet's ADD of `ns/name` on `agent`: the sandbox, exit code, answer.
-fn add(agent: &AgentProc, ns: &str, name: &str) -> anyhow::Result<(Sandbox, i32, Value)> {
-    let netns = Netns::new("kpp")?;
-    let id = unique("pod");
-    let args = format!("IgnoreUnknown=1;K8S_POD_NAMESPACE={ns};K8S_POD_NAME={name}");
-    let (code, v, _) = cni_with_args(
-        &agent.socket(),
-        "ADD",
-        Some((&id, &netns.path())),
-        Some(&args),
-    )?;
-    Ok((Sandbox { netns, id }, code, v))
-}
-
-fn add_ok(agent: &AgentProc, ns: &str, name: &str) -> anyhow::Result<(Sandbox, IpAddr)> {
-    let (sb, code, v) = add(agent, ns, name)?;
-    ensure!(code == 0, "ADD {ns}/{name}: {v}");
-    Ok((sb, address_of(&v)?))
-}
-
-fn del(agent: &AgentProc, sb: &Sandbox) -> anyhow::Result<()> {
-    let (code, v, _) = cni_with_args(
-        &agent.socket(),
-        "DEL",
-        Some((&sb.id, &sb.netns.path())),
-        None,
-    )?;
-    ensure!(code == 0, "DEL {}: {v}", sb.id);
-    Ok(())
 }
 
 /// Waits for `f` to say yes (an error counts as no).
@@ -267,7 +205,7 @@ fn pod_ip_pools_are_the_cluster_pools_and_pods_pick_them_by_annotation() -> anyh
         (1, "shop", "db", cidr("10.98.0.0/24")),
         (2, "plain", "x", cidr("10.96.0.0/24")),
     ] {
-        let (sb, a) = add_ok(&agents[i], ns, name)?;
+        let (sb, a) = add_ok(&agents[i], ns, name, None)?;
         ensure!(want.contains(&a), "{ns}/{name} got {a}, not from {want}");
         eprintln!("{ns}/{name}: {a} (from {want})");
         held.push((i, sb));
@@ -327,13 +265,13 @@ fn pod_ip_pools_are_the_cluster_pools_and_pods_pick_them_by_annotation() -> anyh
         Ok(stored_pools(&eps, &prefix)?.contains(&("green".to_string(), true)))
     })?;
     let (code, v) = {
-        let (_sb, code, v) = add(&agents[1], "shop", "db2")?;
+        let (_sb, code, v) = add(&agents[1], "shop", "db2", None)?;
         (code, v)
     };
     ensure!(code != 0, "an ADD from draining green succeeded: {v}");
     eprintln!("ADD into draining green refused: {}", v["msg"]);
     ensure!(
-        lockstep_tests::cluster::held_by(&agents[1])?.len() == 1,
+        held_by(&agents[1])?.len() == 1,
         "shop/db lost its address while green drains"
     );
     // Its last address gone, the pool goes.
@@ -403,8 +341,8 @@ fn a_deleted_node_loses_its_blocks_only_after_reclaim_after_and_its_reserved_add
     namespace(&lab, "sys", None)?;
     pod(&lab, "sys", "p1", 1, None)?;
     pod(&lab, "sys", "p2", 2, None)?;
-    let (sb1, _) = add_ok(&lab.lab.agents[1], "sys", "p1")?;
-    let (_sb2, a2) = add_ok(&lab.lab.agents[2], "sys", "p2")?;
+    let (sb1, _) = add_ok(&lab.lab.agents[1], "sys", "p1", None)?;
+    let (_sb2, a2) = add_ok(&lab.lab.agents[2], "sys", "p2", None)?;
     let node1 = blocks_of(&eps, &prefix, "node-1")?;
     let node2 = blocks_of(&eps, &prefix, "node-2")?;
     ensure!(

@@ -199,22 +199,13 @@ impl ClusterLb {
     }
 }
 
-fn cluster_err(e: crate::cluster::ClusterStoreError) -> KubeError {
-    use crate::cluster::ClusterStoreError as E;
-    match e {
-        E::Invalid(reason) => KubeError::Refused { reason },
-        E::Refused(e) => KubeError::Refused {
-            reason: e.to_string(),
-        },
-        e => KubeError::Lb {
-            reason: crate::error_chain(&e),
-        },
-    }
-}
-
 impl LbBackend for ClusterLb {
     async fn state(&self) -> Result<LbState, KubeError> {
-        let a = self.handle.assignments().await.map_err(cluster_err)?;
+        let a = self
+            .handle
+            .assignments()
+            .await
+            .map_err(super::writer::store_err)?;
         Ok(LbState {
             writer: a.assigner.as_deref() == Some(self.node.as_str()),
             services: a.lb.services,
@@ -246,14 +237,14 @@ impl LbBackend for ClusterLb {
         self.handle
             .store(pools, services)
             .await
-            .map_err(cluster_err)
+            .map_err(super::writer::store_err)
     }
 
     async fn delete(&self, services: Vec<String>, pools: Vec<String>) -> Result<(), KubeError> {
         self.handle
             .remove(services, pools)
             .await
-            .map_err(cluster_err)
+            .map_err(super::writer::store_err)
     }
 
     fn changes(&self) -> Option<tokio::sync::watch::Receiver<i64>> {
