@@ -22,7 +22,7 @@ mod pmtu;
 use core::mem::{size_of, zeroed};
 
 use aya_ebpf::{
-    bindings::{BPF_F_TUNINFO_IPV6, bpf_tunnel_key},
+    bindings::{BPF_F_TUNINFO_IPV6, BPF_F_ZERO_CSUM_TX, bpf_tunnel_key},
     helpers::{
         bpf_redirect,
         generated::{bpf_redirect_peer, bpf_skb_get_tunnel_key, bpf_skb_set_tunnel_key},
@@ -88,7 +88,12 @@ pub(crate) fn encap(ctx: &TcContext, entry: &IpcacheValue, inner_v6: bool) -> i3
         // The helper takes IPv4 addresses in host order.
         key.__bindgen_anon_1.remote_ipv4 = u32::from_be_bytes([n[0], n[1], n[2], n[3]]);
         key.__bindgen_anon_3.local_ipv4 = u32::from_be_bytes(cfg.local_v4);
-        0
+        // No outer UDP checksum over IPv4, as the kernel's own VXLAN device
+        // and Cilium send it: the helper asks for one by default, and a
+        // device without UDP-tunnel checksum offload (a veth, most NICs'
+        // VXLAN paths) then segments and sums every GSO packet in software.
+        // The inner packet keeps its own checksums; IPv6 needs the outer one.
+        u64::from(BPF_F_ZERO_CSUM_TX)
     };
     // SAFETY: plain helper call on this program's skb with a key on the stack.
     let rc = unsafe {
