@@ -71,12 +71,16 @@ fn accepted(lab: &KubeLab, name: &str) -> Option<(String, String, String, Value)
     ))
 }
 
-/// The stored cluster pools: name → draining.
-fn stored_pools(eps: &[String], prefix: &str) -> anyhow::Result<Vec<(String, bool)>> {
+/// The stored cluster pools, as `cluster pools get -o json` lists them.
+fn pools_get(eps: &[String], prefix: &str) -> anyhow::Result<Vec<Value>> {
     let v: Value =
         serde_json::from_str(&cluster_cli(eps, prefix, &["pools", "get", "-o", "json"])?)?;
-    v.as_array()
-        .context("pools")?
+    Ok(v.as_array().context("pools")?.clone())
+}
+
+/// The stored cluster pools: name → draining.
+fn stored_pools(eps: &[String], prefix: &str) -> anyhow::Result<Vec<(String, bool)>> {
+    pools_get(eps, prefix)?
         .iter()
         .map(|p| {
             Ok((
@@ -85,6 +89,29 @@ fn stored_pools(eps: &[String], prefix: &str) -> anyhow::Result<Vec<(String, boo
             ))
         })
         .collect()
+}
+
+/// Sets PodIPPool `name`'s IPv4 CIDRs to `cidr` and waits for its
+/// Accepted condition to read `want`; returns the condition.
+fn edit_v4(
+    lab: &KubeLab,
+    name: &str,
+    cidr: &str,
+    want: &str,
+) -> anyhow::Result<(String, String, String, Value)> {
+    lab.api.patch(
+        "podippools",
+        "",
+        name,
+        &json!({"spec": {"ipv4": [cidr]}}),
+        false,
+    )?;
+    until(
+        &format!("{name} Accepted={want}"),
+        Duration::from_secs(10),
+        || Ok(accepted(lab, name).is_some_and(|a| a.0 == want)),
+    )?;
+    accepted(lab, name).context("no condition")
 }
 
 #[test]
@@ -217,31 +244,14 @@ fn pod_ip_pools_are_the_cluster_pools_and_pods_pick_them_by_annotation() -> anyh
     eprintln!("blue status: {}", accepted(&lab, "blue").context("blue")?.3);
     // blue's CIDR replaced while shop/web holds an address in it: refused
     // as `cluster pools apply` refuses it, the stored pool unchanged.
-    lab.api.patch(
-        "podippools",
-        "",
-        "blue",
-        &json!({"spec": {"ipv4": ["10.99.0.0/24"]}}),
-        false,
-    )?;
-    until("blue's edit refused", Duration::from_secs(10), || {
-        Ok(accepted(&lab, "blue").is_some_and(|a| a.0 == "False"))
-    })?;
-    let said = accepted(&lab, "blue").context("blue")?;
+    let said = edit_v4(&lab, "blue", "10.99.0.0/24", "False")?;
     ensure!(
         said.2.contains("10.97.0.0/24"),
         "blue's refusal does not name the CIDR in use: {said:?}"
     );
     eprintln!("blue's CIDR edit refused: {}", said.2);
-    let v: Value = serde_json::from_str(&cluster_cli(
-        &eps,
-        &prefix,
-        &["pools", "get", "-o", "json"],
-    )?)?;
-    let stored_blue = v
-        .as_array()
+    let stored_blue = pools_get(&eps, &prefix)?
         .into_iter()
-        .flatten()
         .find(|p| p["name"] == "blue")
         .context("blue not stored")?
         .to_string();
@@ -249,16 +259,7 @@ fn pod_ip_pools_are_the_cluster_pools_and_pods_pick_them_by_annotation() -> anyh
         stored_blue.contains("10.97.0.0/24") && !stored_blue.contains("10.99.0.0/24"),
         "stored blue changed: {stored_blue}"
     );
-    lab.api.patch(
-        "podippools",
-        "",
-        "blue",
-        &json!({"spec": {"ipv4": ["10.97.0.0/24"]}}),
-        false,
-    )?;
-    until("blue accepted again", Duration::from_secs(10), || {
-        Ok(accepted(&lab, "blue").is_some_and(|a| a.0 == "True"))
-    })?;
+    edit_v4(&lab, "blue", "10.97.0.0/24", "True")?;
     // The green object deleted while shop/db holds an address: drains.
     lab.api.delete("podippools", "", "green")?;
     until("green drains", Duration::from_secs(10), || {

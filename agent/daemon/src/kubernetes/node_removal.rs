@@ -93,7 +93,13 @@ pub struct ClusterNodes(pub ClusterWriter);
 
 impl NodesBackend for ClusterNodes {
     async fn state(&self) -> Result<NodesState, KubeError> {
-        let writer = self.0.is_writer().await?;
+        // Every node runs the loop; only the writer reads etcd (the
+        // election is read from the mirror), so etcd's load does not grow
+        // with the nodes.
+        if !self.0.is_writer().await? {
+            return Ok(NodesState::default());
+        }
+        let writer = true;
         self.0
             .with_door(async |d| {
                 let alive = d

@@ -156,7 +156,13 @@ pub struct ClusterPools(pub ClusterWriter);
 
 impl PoolsBackend for ClusterPools {
     async fn state(&self) -> Result<PoolsState, KubeError> {
-        let writer = self.0.is_writer().await?;
+        // Every node runs the loop; only the writer reads etcd (the
+        // election is read from the mirror), so etcd's load does not grow
+        // with the nodes.
+        if !self.0.is_writer().await? {
+            return Ok(PoolsState::default());
+        }
+        let writer = true;
         self.0
             .with_door(async |d| {
                 let (pools, _, _) = d.pools().await?;
