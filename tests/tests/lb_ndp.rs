@@ -16,10 +16,10 @@ use lockstep_tests::{AgentProc, Netns, counter, privileged, veth};
 const LEASE: Duration = Duration::from_millis(900);
 const NB_MAC: [u8; 6] = [2, 0, 0, 0x91, 0, 2];
 
-fn config() -> String {
+fn config(lease: Duration) -> String {
     format!(
         "[[pools]]\nname = \"pods\"\nipv4 = [\"10.80.0.0/24\"]\n\n[lb]\nannounce_lease = \"{}ms\"\n\n[datapath]\nuplink = \"u0\"\n",
-        LEASE.as_millis()
+        lease.as_millis()
     )
 }
 
@@ -133,7 +133,7 @@ fn ndp_is_answered_once_with_the_node_mac_and_both_responders_honour_the_lease()
     veth(&node, "u0", &nb, "n0")?;
     nb.ip(["addr", "add", "10.91.0.2/24", "dev", "n0"])?;
     let node_mac = mac_bytes(&node.mac("u0")?)?;
-    let mut agent = AgentProc::start(&node, &config())?;
+    let mut agent = AgentProc::start(&node, &config(LEASE))?;
     apply(
         &agent,
         &serde_json::json!({"pools": [{
@@ -275,6 +275,55 @@ fn ndp_is_answered_once_with_the_node_mac_and_both_responders_honour_the_lease()
     ensure!(solicit(&nb, v6, 255, 0, Duration::from_millis(400))?.is_empty());
     ensure!(!arp_answered(&nb, "10.91.0.17")?, "ARP after delete");
     ensure!(agent.cli(["verify"])?.status.success());
+    agent.stop()?;
+    Ok(())
+}
+
+/// `verify` compares what the announcement maps should hold with what they
+/// hold while the renewer rewrites their expiries: both must be read at one
+/// moment (under the announcements' lock), or a renewal between the two
+/// reads is reported as drift (a CI run saw `DRIFT L2_RESP6_SLOTS`). The
+/// shortest lease renews every 100 ms; verify runs back to back over many
+/// renewals and must never report drift.
+#[test]
+fn verify_never_reports_a_renewal_in_progress_as_drift() -> anyhow::Result<()> {
+    privileged!();
+    let node = Netns::new("ndpvnode")?;
+    let nb = Netns::new("ndpvnb")?;
+    veth(&node, "u0", &nb, "n0")?;
+    let lease = lockstep::config::MIN_ANNOUNCE_LEASE;
+    let mut agent = AgentProc::start(&node, &config(lease))?;
+    apply(
+        &agent,
+        &serde_json::json!({"pools": [{
+            "name": "public", "cidrs": ["10.91.0.16/28", "fd00:91::10/124"], "announce": "l2"
+        }]}),
+    )?;
+    let services: Vec<_> = (0..8)
+        .map(|i| {
+            serde_json::json!({
+                "namespace": "shop", "name": format!("web{i}"), "ipFamilyPolicy": "RequireDualStack",
+                "ports": [{"protocol": "TCP", "port": 443}]
+            })
+        })
+        .collect();
+    apply(&agent, &serde_json::json!({ "services": services }))?;
+    let started = Instant::now();
+    let (mut runs, mut drifts) = (0, Vec::new());
+    while started.elapsed() < lease * 20 {
+        let out = agent.cli(["verify"])?;
+        runs += 1;
+        if !out.status.success() {
+            drifts.push(String::from_utf8_lossy(&out.stdout).into_owned());
+        }
+    }
+    eprintln!(
+        "{runs} verify runs over {} renewals: {} reported drift",
+        20 * 3,
+        drifts.len()
+    );
+    ensure!(runs >= 20, "only {runs} verify runs");
+    ensure!(drifts.is_empty(), "verify reported drift: {drifts:?}");
     agent.stop()?;
     Ok(())
 }

@@ -25,7 +25,7 @@ mod kubernetes;
 pub use kubernetes::KubernetesConfig;
 mod lb;
 mod nodeipam;
-pub use lb::LbConfig;
+pub use lb::{LbConfig, MIN_ANNOUNCE_LEASE};
 mod pods;
 pub use nodeipam::{DemandKind, NodeIpamConfig, NodeIpamPoolConfig};
 pub use pods::PodsConfig;

@@ -131,6 +131,17 @@ pub(super) fn announcement_map(name: &str) -> bool {
     .contains(&name)
 }
 
+/// `into` with its announcement maps' parts taken from `from`.
+pub(super) fn with_announced(into: MapContents, from: MapContents) -> MapContents {
+    MapContents {
+        l2: from.l2,
+        l2_v6: from.l2_v6,
+        l2_slots: from.l2_slots,
+        l2_v6_slots: from.l2_v6_slots,
+        ..into
+    }
+}
+
 /// The announcement maps and what they should hold, behind their own lock:
 /// shared by the agent (reconcile, single-node LB), the renewer and cluster
 /// mode's LB agent. Cloning shares it.
@@ -253,9 +264,26 @@ impl Announcements {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// The announcement maps' desired contents (for verify).
+    /// The announcement maps' desired contents.
     pub(super) fn contents(&self) -> MapContents {
         self.lock().contents()
+    }
+
+    /// What the announcement maps should hold and what they hold, both
+    /// taken under the announcements' lock: the renewer rewrites every
+    /// expiry every third of a lease, so the two read apart would differ
+    /// whenever a renewal fell between them, and `verify` would report
+    /// drift that is not there.
+    ///
+    /// # Errors
+    /// A map could not be read.
+    pub(super) fn snapshot(&self) -> Result<(MapContents, MapContents), AgentError> {
+        let s = self.lock();
+        let mut have = MapContents::default();
+        for m in MAPS.iter().filter(|m| announcement_map(m.name())) {
+            m.observe(&s.maps, &mut have)?;
+        }
+        Ok((s.contents(), have))
     }
 
     /// The uplink the entries name (`None`: nothing is announced).

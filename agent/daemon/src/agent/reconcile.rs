@@ -58,14 +58,7 @@ impl Agent {
         for a in &d.lb_conflicts {
             tracing::error!(%a, "an LB address is also a node allocation");
         }
-        let announced = self.announce.contents();
-        let mut maps = MapContents {
-            l2: announced.l2,
-            l2_v6: announced.l2_v6,
-            l2_slots: announced.l2_slots,
-            l2_v6_slots: announced.l2_v6_slots,
-            ..d.maps
-        };
+        let mut maps = announce::with_announced(d.maps, self.announce.contents());
         self.add_remote(&mut maps);
         Ok(maps)
     }
@@ -209,8 +202,11 @@ impl Agent {
                     .push(format!("{} {} stored but not held", a.address, a.owner));
             }
         }
-        let want = self.desired()?;
-        let have = self.observed()?;
+        // The announcement maps' parts are read together under their own
+        // lock (a renewal between two reads is not drift).
+        let (announced_want, announced_have) = self.announce.snapshot()?;
+        let want = announce::with_announced(self.desired()?, announced_want);
+        let have = announce::with_announced(self.observed()?, announced_have);
         if let Some(host) = self.netlink.as_ref() {
             for e in self
                 .endpoints
