@@ -202,6 +202,11 @@ fn test(no_setup: bool, filter: Option<String>) -> anyhow::Result<()> {
         "-D",
         "warnings",
     ]))?;
+    // Documentation links that resolve nowhere (or to a private item from a
+    // public one) are bugs in the docs: refused like lints.
+    run(cargo()
+        .args(["doc", "--workspace", "--no-deps"])
+        .env("RUSTDOCFLAGS", "-D warnings"))?;
     // The eBPF programs are a workspace of their own: linted alike.
     lockstep_ebpf_build::lint(&root())?;
     println!("eBPF programs: cargo fmt --check and clippy -D warnings clean");

@@ -6,14 +6,14 @@
 //! with copy-on-write B-trees and a checksummed double-buffered header, and a
 //! durable commit returns only after `fsync`. How it is committed so that a
 //! crash during the recovery from a crash cannot roll a commit back is in
-//! [`db`].
+//! `db`.
 //!
-//! Why a log in front of it ([`wal`]): a redb commit writes every page on the
+//! Why a log in front of it (`wal`): a redb commit writes every page on the
 //! changed paths and syncs them, six scattered pages for one CNI ADD; a
 //! record in a preallocated log is one page and one `fdatasync`, half the
 //! time on the project VM, on a path (a CNI call) whose whole budget is a
 //! fraction of a millisecond. Every write method builds a list of operations
-//! ([`codec::Op`]), appends it to the log as one record and returns once the
+//! (`codec::Op`), appends it to the log as one record and returns once the
 //! record is on disk: that is the commit, and the agent's ordering (commit →
 //! program maps → acknowledge) is unchanged. The operations are applied to
 //! redb later, many records in one durable redb transaction (a

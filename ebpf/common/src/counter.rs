@@ -40,7 +40,7 @@ pub enum Counter {
     /// Packets too short or malformed to parse.
     Malformed = 14,
     /// from_endpoint / from_native: a copy of an ENDPOINTS or L2_RESP_V4
-    /// value failed its [`seal`] (torn by a concurrent rewrite, or damaged)
+    /// value failed its [`seal`](crate::seal) (torn by a concurrent rewrite, or damaged)
     /// and was looked up again.
     SealRetried = 15,
     /// to_native: packet of a local endpoint source-translated (masqueraded).

@@ -34,14 +34,14 @@ pub mod nat_state {
     pub const FIN_IN: u8 = 1 << 1;
     /// A TCP RST went either way (set in the entry of its direction). A
     /// RST from the remote counts only inside the endpoint's receive
-    /// window (see [`NatValueV4::ack`]).
+    /// window (see [`NatValueV4::ack`](crate::NatValueV4::ack)).
     pub const RST: u8 = 1 << 2;
     /// A packet came back from the remote (set in NAT_REV by the first
     /// reply): the flow is established. Flows without it (a SYN or a
     /// datagram nobody answered) end after the short unreplied timeout.
     pub const REPLIED: u8 = 1 << 3;
     /// TCP, NAT_FWD: the endpoint has sent a segment with ACK since its
-    /// latest SYN, so [`NatValueV4::ack`] is its receive point (before, it
+    /// latest SYN, so [`NatValueV4::ack`](crate::NatValueV4::ack) is its receive point (before, it
     /// is what a RST answering the SYN must acknowledge).
     pub const ACKED: u8 = 1 << 4;
     /// Every defined bit.

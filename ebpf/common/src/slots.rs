@@ -100,7 +100,7 @@ pub const fn not<const N: usize>(mut bytes: [u8; N]) -> [u8; N] {
 }
 
 /// One slot of ENDPOINT_SLOTS: the fields of an [`EndpointValue`] that
-/// `from_endpoint` reads, each beside its complement (see [`slots`]). All zero
+/// `from_endpoint` reads, each beside its complement (see [`slots`](crate::slots)). All zero
 /// means empty. Every field is a whole number of 32-bit words, so a program
 /// copies and checks the slot a word at a time ([`EndpointSlot::check`]).
 /// IPv4 and ARP frames read the leading [`EndpointSlot::V4_WORDS`] only (key,
@@ -112,7 +112,7 @@ pub struct EndpointSlot {
     pub ifindex: u32,
     /// `!ifindex`.
     pub ifindex_check: u32,
-    /// [`endpoint_flags`] bits.
+    /// [`endpoint_flags`](crate::endpoint_flags) bits.
     pub flags: u32,
     /// `!flags`.
     pub flags_check: u32,
@@ -134,7 +134,7 @@ pub struct EndpointSlot {
     pub ipv6_check: V6Addr,
 }
 
-/// What `from_endpoint` needs of an endpoint: [`endpoint_flags`], IPv4,
+/// What `from_endpoint` needs of an endpoint: [`endpoint_flags`](crate::endpoint_flags), IPv4,
 /// IPv6, MAC.
 pub type EndpointAddrs = (u32, V4Addr, V6Addr, [u8; 6]);
 
@@ -222,7 +222,7 @@ impl EndpointSlot {
 }
 
 /// One slot of L2_RESP_SLOTS: an L2_RESP_V4 entry, each field beside its
-/// complement (see [`slots`]). All zero means empty.
+/// complement (see [`slots`](crate::slots)). All zero means empty.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
 pub struct L2RespSlot {

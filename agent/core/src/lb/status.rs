@@ -342,7 +342,7 @@ pub struct ServiceRecord {
     pub status: ServiceStatus,
 }
 
-/// Everything needed to rebuild an [`LbIpam`] exactly. Serialisable.
+/// Everything needed to rebuild an [`LbIpam`](crate::lb::LbIpam) exactly. Serialisable.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct LbSnapshot {

@@ -12,7 +12,7 @@ use crate::owner::Owner;
 
 impl<S: PoolSource> PoolManager<S> {
     /// Records a request that could not be served (e.g. after
-    /// [`ManagerError::PoolExhausted`]), so demand counts it until it expires
+    /// [`ManagerError::PoolExhausted`](crate::manager::ManagerError::PoolExhausted)), so demand counts it until it expires
     /// or the owner gets an address of that family.
     pub fn add_pending(&mut self, family: Family, owner: Owner, now_ms: u64) {
         self.demand_mut(family).add_pending(owner, now_ms);

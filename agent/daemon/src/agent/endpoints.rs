@@ -498,7 +498,7 @@ impl Agent {
 
     /// CNI DEL under the agent lock (the operator's draining release):
     /// idempotent; already gone is success. Unlike a DEL from the plugin it
-    /// does not wait for a reaped veth to be gone ([`without_gone_wait`]).
+    /// does not wait for a reaped veth to be gone (`without_gone_wait`).
     ///
     /// # Errors
     /// The store could not record the release (the endpoint then stays).

@@ -299,7 +299,7 @@ impl Drop for Reaper {
 }
 
 /// The reaper's queue, handed out before the agent serves: from then on a
-/// DEL only queues its veth ([`Agent::queue_release`] never deletes it
+/// DEL only queues its veth (`Agent::queue_release` never deletes it
 /// inline), so no DEL on an async worker can reach netlink, whatever the
 /// moment; [`start`] then runs the thread that empties the queue (jobs
 /// queued meanwhile wait for it).

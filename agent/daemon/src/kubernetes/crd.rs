@@ -4,7 +4,7 @@
 //! crdgen`) and a test keeps the committed file equal to what they derive.
 //!
 //! The spec says what `lockstep lb apply` says of a pool, in the API's
-//! camelCase; it is read into the same [`LbPoolSpec`] and checked by the
+//! camelCase; it is read into the same [`LbPoolSpec`](lockstep_core::lb::LbPoolSpec) and checked by the
 //! same validation (`lockstep_core::lb::kubernetes::pool_spec`).
 
 use std::collections::BTreeMap;

@@ -3,7 +3,7 @@
 //! applies them.
 //!
 //! Why through etcd's existing apply: the objects feed the same checks and
-//! the same records as `lockstep cluster pools apply` ([`Door::apply_pools_default`]),
+//! the same records as `lockstep cluster pools apply` ([`Door::apply_pools_default`](crate::cluster::Door::apply_pools_default)),
 //! so a pool removed drains, and a CIDR with claimed blocks is refused, the
 //! way the CLI does it. What a set of objects becomes, and what each
 //! object's condition says, is the core's

@@ -183,7 +183,7 @@ impl Door {
     }
 
     /// Replaces the cluster pools by `new`: validated and checked against
-    /// the claimed blocks by the core ([`check_apply`]) and against the LB
+    /// the claimed blocks by the core ([`check_apply`](lockstep_core::cluster::check_apply)) and against the LB
     /// pools, then written in
     /// one transaction that holds only if no pool and no block changed since
     /// they were read. Returns the new store revision.
@@ -194,7 +194,7 @@ impl Door {
     /// [`ClusterStoreError::Invalid`] (a pool overlapping an LB pool, both
     /// named),
     /// [`ClusterStoreError::Conflict`] (a concurrent change at each of
-    /// [`APPLY_ATTEMPTS`] tries: nothing written), or etcd unavailable.
+    /// `APPLY_ATTEMPTS` tries: nothing written), or etcd unavailable.
     pub async fn apply_pools(&mut self, new: &[ClusterPoolSpec]) -> Result<i64, ClusterStoreError> {
         self.apply_pools_default(new, None).await
     }
