@@ -10,7 +10,9 @@
 //! `ENCAP` (IPCACHE lookup, tunnel key set, redirect to the tunnel
 //! device), over an IPv4 and an IPv6 underlay; and, for the record, a
 //! 1,400-byte packet over the IPv6 underlay, which also asks the FIB for
-//! the path MTU.
+//! the path MTU. Beside them, `encap_floor`: a program that only sets a
+//! fixed tunnel key and redirects, the part of the cost no program
+//! choosing the tunnel endpoint can avoid.
 //!
 //! Masquerade rows (goal: < 80 ns over the empty program): an established
 //! flow's translation in each direction, with 64k other flows in each NAT
@@ -774,6 +776,19 @@ fn tunnel_rows(dp: &mut Datapath, ep: [u8; 4]) -> anyhow::Result<()> {
         "10.65.2.0/24".parse()?,
         lockstep_core::cluster::remote::remote_value("192.0.2.3".parse()?),
     )?;
+    // The floor: the tunnel key and the redirect alone (`encap_floor`),
+    // what any collect-metadata encapsulation pays whatever decides it.
+    let (floor_ns, floor_over) = paired(
+        dp,
+        program_names::ENCAP_FLOOR,
+        &ipv4_udp(ep, [10, 65, 0, 7]),
+        REDIRECT,
+        false,
+    )?;
+    println!(
+        "{:<40} {floor_ns:>10.1} {floor_over:>12.1} {:>8}",
+        "  floor: tunnel key + redirect only", "(ref)"
+    );
     for (name, packet, goal) in [
         (
             "  for reference: a native remote block",

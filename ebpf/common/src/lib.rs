@@ -182,15 +182,19 @@ pub mod program_names {
     /// Parses an IPv4 TCP/UDP tuple and looks it up in NAT_FWD_V4, nothing
     /// else; the masquerade bench's reference (never attached).
     pub const NAT_LOOKUP: &str = "nat_lookup";
+    /// Sets a fixed tunnel key and redirects to the tunnel device, nothing
+    /// else; the encapsulation bench's floor (never attached).
+    pub const ENCAP_FLOOR: &str = "encap_floor";
     /// Every program, in a fixed order: a program's position is its TC
     /// filter priority, so new programs go last.
-    pub const ALL: [&str; 6] = [
+    pub const ALL: [&str; 7] = [
         FROM_ENDPOINT,
         TO_NATIVE,
         FROM_NATIVE,
         NOOP,
         FROM_TUNNEL,
         NAT_LOOKUP,
+        ENCAP_FLOOR,
     ];
 }
 

@@ -605,6 +605,14 @@ pub fn nat_lookup(ctx: TcContext) -> i32 {
     nat::lookup_only_v4(&ctx)
 }
 
+/// A collect-metadata encapsulation's unavoidable part — the tunnel key
+/// set, the redirect to the device — and nothing else: the datapath
+/// bench's floor for the encapsulation rows (never attached).
+#[classifier]
+pub fn encap_floor(ctx: TcContext) -> i32 {
+    tunnel::floor(&ctx)
+}
+
 #[cfg(not(test))]
 #[panic_handler]
 fn panic(_info: &core::panic::PanicInfo) -> ! {

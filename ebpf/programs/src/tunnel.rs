@@ -75,16 +75,35 @@ pub(crate) fn encap(ctx: &TcContext, entry: &IpcacheValue, inner_v6: bool) -> i3
             return verdict;
         }
     }
+    let verdict = send(
+        ctx,
+        &cfg,
+        &entry.node_addr,
+        entry.flags & ipcache_flags::TUNNEL_V6 != 0,
+    );
+    if verdict == DROP {
+        count(Counter::TunnelDropNoDevice);
+    } else {
+        count(Counter::TunnelEncap);
+    }
+    verdict
+}
+
+/// Sets the tunnel key to the node at `node` (an IPv6 underlay address
+/// when `v6`, else IPv4 in the first four bytes) and redirects the frame
+/// to the tunnel device; [`DROP`] when the key cannot be set.
+#[inline(always)]
+fn send(ctx: &TcContext, cfg: &TunnelConfig, node: &V6Addr, v6: bool) -> i32 {
     // SAFETY: plain data; every field the helper reads is set below.
     let mut key: bpf_tunnel_key = unsafe { zeroed() };
     key.tunnel_id = cfg.vni;
     key.tunnel_ttl = OUTER_TTL;
-    let flags = if entry.flags & ipcache_flags::TUNNEL_V6 != 0 {
-        key.__bindgen_anon_1.remote_ipv6 = words(&entry.node_addr);
+    let flags = if v6 {
+        key.__bindgen_anon_1.remote_ipv6 = words(node);
         key.__bindgen_anon_3.local_ipv6 = words(&cfg.local_v6);
         u64::from(BPF_F_TUNINFO_IPV6)
     } else {
-        let n = &entry.node_addr;
+        let n = node;
         // The helper takes IPv4 addresses in host order.
         key.__bindgen_anon_1.remote_ipv4 = u32::from_be_bytes([n[0], n[1], n[2], n[3]]);
         key.__bindgen_anon_3.local_ipv4 = u32::from_be_bytes(cfg.local_v4);
@@ -105,12 +124,24 @@ pub(crate) fn encap(ctx: &TcContext, entry: &IpcacheValue, inner_v6: bool) -> i3
         )
     };
     if rc != 0 {
-        count(Counter::TunnelDropNoDevice);
         return DROP;
     }
-    count(Counter::TunnelEncap);
     // SAFETY: plain helper call; egress of the tunnel device.
     unsafe { bpf_redirect(cfg.ifindex, 0) as i32 }
+}
+
+/// The `encap_floor` program: what any collect-metadata encapsulation
+/// costs and nothing else — the tunnel key set (to the node's own IPv4
+/// address) and the redirect to the device. The datapath bench's floor
+/// for the encapsulation rows; never attached.
+#[inline(always)]
+pub(crate) fn floor(ctx: &TcContext) -> i32 {
+    let Some(cfg) = config() else {
+        return DROP;
+    };
+    let mut node = [0; 16];
+    node[..4].copy_from_slice(&cfg.local_v4);
+    send(ctx, &cfg, &node, false)
 }
 
 /// The outer source of a decapsulated packet (IPv4 in the first four
