@@ -1,0 +1,142 @@
+//! Unit tests of the configuration: parsing, defaults and every refusal.
+
+use super::*;
+
+fn parse(text: &str) -> Result<Config, ConfigError> {
+    Config::parse(Path::new("/etc/lockstep/test.toml"), text)
+}
+
+#[test]
+fn empty_file_is_the_default() {
+    assert_eq!(parse("").expect("empty is valid"), Config::default());
+}
+
+#[test]
+fn a_full_config_parses() {
+    let c = parse(
+        r#"
+        node_name = "n1"
+        state_dir = "/tmp/x"
+        socket = "/tmp/x/s.sock"
+        metrics_addr = "127.0.0.1:9000"
+        reconcile_interval = "2s"
+        non_masquerade_cidrs = ["10.0.0.0/8"]
+        [datapath]
+        pin_root = "/sys/fs/bpf/t"
+        ipcache_max_entries = 64
+        [[pools]]
+        name = "a"
+        ipv4 = ["10.1.0.0/24"]
+        skip_masquerade = true
+        "#,
+    )
+    .expect("valid");
+    assert_eq!(c.reconcile_interval, Duration::from_secs(2));
+    assert_eq!(c.pools.len(), 1);
+    assert_eq!(c.datapath.ipcache_max_entries, 64);
+}
+
+#[test]
+fn the_shipped_example_is_valid() {
+    let text = include_str!("../../../../deploy/config.example.toml");
+    let c = parse(text).expect("deploy/config.example.toml must stay valid");
+    assert_eq!(c.pools.len(), 2);
+    assert!(c.roles.ingress.announce);
+    assert!(c.cni.install);
+}
+
+#[test]
+fn errors_name_the_file_and_field() {
+    let cases: &[(&str, &str)] = &[
+        ("bogus = 1", "bogus"),
+        ("reconcile_interval = 5", "reconcile_interval"),
+        ("reconcile_interval = \"1ms\"", "reconcile_interval"),
+        (
+            "reconcile_interval = \"100000000000y\"",
+            "reconcile_interval",
+        ),
+        ("reconcile_interval = \"25h\"", "reconcile_interval"),
+        ("[ipam]\ntimeout = \"1d\"", "ipam.timeout"),
+        (
+            "[cni]\nteardown_batch_window = \"21s\"",
+            "cni.teardown_batch_window",
+        ),
+        ("[[pools]]\nname = \"empty\"", "pools[0] (empty)"),
+        (
+            "[[pools]]\nname = \"lo\"\nipv4 = [\"127.0.0.0/24\"]",
+            "pools[0] (lo)",
+        ),
+        (
+            "[[pools]]\nname = \"m\"\nipv6 = [\"::ffff:10.98.0.0/120\"]",
+            "IPv4-mapped",
+        ),
+        (
+            "[[pools]]\nname = \"A\"\nipv4 = [\"10.0.0.0/24\"]\n[[pools]]\nname = \"a\"\nipv4 = [\"10.1.0.0/24\"]",
+            "only by case",
+        ),
+        (
+            "[datapath]\nipcache_max_entries = 0",
+            "datapath.ipcache_max_entries",
+        ),
+        (
+            "[masquerade]\nendpoint_share = 0.0",
+            "masquerade.endpoint_share",
+        ),
+        (
+            "[masquerade]\nendpoint_share = 1.5",
+            "masquerade.endpoint_share",
+        ),
+        (
+            "[masquerade]\nunreplied_timeout = \"10ms\"",
+            "masquerade.unreplied_timeout",
+        ),
+        (
+            "[datapath]\nipcache_max_entries = -1",
+            "ipcache_max_entries",
+        ),
+        ("[datapath]\npin_root = \"relative\"", "datapath.pin_root"),
+        ("[datapath]\ncolour = \"red\"", "colour"),
+        ("state_dir = \"rel\"", "state_dir"),
+        (
+            "non_masquerade_cidrs = [\"10.0.0.1/8\"]",
+            "non_masquerade_cidrs[0]",
+        ),
+        ("[masquerade]\nports = \"80-90\"", "masquerade.ports"),
+        ("[masquerade]\nports = \"61000\"", "masquerade.ports"),
+        (
+            "[masquerade]\nudp_timeout = \"1ms\"",
+            "masquerade.udp_timeout",
+        ),
+        ("[masquerade]\nbogus = 1", "bogus"),
+        (
+            "non_masquerade_cidrs = [\"10.0.0.0/33\"]",
+            "non_masquerade_cidrs",
+        ),
+        (
+            "[[pools]]\nname = \"a\"\nipv4 = [\"10.0.0.0/24\"]\n[[pools]]\nname = \"a\"\nipv4 = [\"10.1.0.0/24\"]",
+            "pools[1].name",
+        ),
+        (
+            "[[pools]]\nname = \"a\"\nipv4 = [\"10.0.0.0/24\"]\n[[pools]]\nname = \"b\"\nipv4 = [\"10.0.0.128/25\"]",
+            "pools",
+        ),
+        (
+            "[[pools]]\nname = \"a\"\nipv4 = [\"10.0.0.1/24\"]",
+            "pools[0]",
+        ),
+        ("[[pools]]\nname = \"a\"\nipv4 = \"10.0.0.0/24\"", "ipv4"),
+        ("[[pools]]\nname = \"a\"\nsize = 3", "size"),
+        ("metrics_addr = \"localhost\"", "metrics_addr"),
+        ("[ipam]\nmode = \"remote\"", "mode"),
+        (
+            "[ipam]\nmode = \"delegated\"\nconflist = \"rel.conflist\"",
+            "ipam.conflist",
+        ),
+        ("[ipam]\ntimeout = \"1ms\"", "ipam.timeout"),
+    ];
+    for (text, field) in cases {
+        let err = parse(text).expect_err(text).to_string();
+        assert!(err.contains("/etc/lockstep/test.toml"), "{text}: {err}");
+        assert!(err.contains(field), "{text}: expected {field} in: {err}");
+    }
+}
