@@ -149,6 +149,19 @@ pub fn median(v: &mut [f64]) -> f64 {
     v[v.len() / 2]
 }
 
+/// The median of the per-round ratios `a[r] / b[r]`: two sides measured
+/// back to back in each round share that round's state of the machine, so
+/// this ratio is steadier than the ratio of the two medians when the
+/// rounds drift (call it before [`median`] sorts either).
+#[must_use]
+pub fn paired_ratio(a: &[f64], b: &[f64]) -> f64 {
+    let mut r: Vec<f64> = a.iter().zip(b).map(|(x, y)| x / y).collect();
+    if r.is_empty() {
+        return f64::NAN;
+    }
+    median(&mut r)
+}
+
 /// Prints which of the goals a benchmark `missed` (none: "met") and fails
 /// when any was.
 ///
