@@ -23,6 +23,19 @@ fn config(lease: Duration) -> String {
     )
 }
 
+/// The agent on `node` with announcement lease `lease` and the announced
+/// dual-stack LB pool `public`.
+fn start(node: &Netns, lease: Duration) -> anyhow::Result<AgentProc> {
+    let agent = AgentProc::start(node, &config(lease))?;
+    apply(
+        &agent,
+        &serde_json::json!({"pools": [{
+            "name": "public", "cidrs": ["10.91.0.16/28", "fd00:91::10/124"], "announce": "l2"
+        }]}),
+    )?;
+    Ok(agent)
+}
+
 fn apply(agent: &AgentProc, doc: &serde_json::Value) -> anyhow::Result<serde_json::Value> {
     let path = agent.dir.path().join("lb.json");
     std::fs::write(&path, doc.to_string())?;
@@ -133,13 +146,7 @@ fn ndp_is_answered_once_with_the_node_mac_and_both_responders_honour_the_lease()
     veth(&node, "u0", &nb, "n0")?;
     nb.ip(["addr", "add", "10.91.0.2/24", "dev", "n0"])?;
     let node_mac = mac_bytes(&node.mac("u0")?)?;
-    let mut agent = AgentProc::start(&node, &config(LEASE))?;
-    apply(
-        &agent,
-        &serde_json::json!({"pools": [{
-            "name": "public", "cidrs": ["10.91.0.16/28", "fd00:91::10/124"], "announce": "l2"
-        }]}),
-    )?;
+    let mut agent = start(&node, LEASE)?;
 
     // The unsolicited advertisement on assignment: listen first.
     let v6: Ipv6Addr = "fd00:91::11".parse()?;
@@ -292,13 +299,7 @@ fn verify_never_reports_a_renewal_in_progress_as_drift() -> anyhow::Result<()> {
     let nb = Netns::new("ndpvnb")?;
     veth(&node, "u0", &nb, "n0")?;
     let lease = lockstep::config::MIN_ANNOUNCE_LEASE;
-    let mut agent = AgentProc::start(&node, &config(lease))?;
-    apply(
-        &agent,
-        &serde_json::json!({"pools": [{
-            "name": "public", "cidrs": ["10.91.0.16/28", "fd00:91::10/124"], "announce": "l2"
-        }]}),
-    )?;
+    let mut agent = start(&node, lease)?;
     let services: Vec<_> = (0..8)
         .map(|i| {
             serde_json::json!({

@@ -103,9 +103,8 @@ fn send(ctx: &TcContext, cfg: &TunnelConfig, node: &V6Addr, v6: bool) -> i32 {
         key.__bindgen_anon_3.local_ipv6 = words(&cfg.local_v6);
         u64::from(BPF_F_TUNINFO_IPV6)
     } else {
-        let n = node;
         // The helper takes IPv4 addresses in host order.
-        key.__bindgen_anon_1.remote_ipv4 = u32::from_be_bytes([n[0], n[1], n[2], n[3]]);
+        key.__bindgen_anon_1.remote_ipv4 = u32::from_be_bytes([node[0], node[1], node[2], node[3]]);
         key.__bindgen_anon_3.local_ipv4 = u32::from_be_bytes(cfg.local_v4);
         // No outer UDP checksum over IPv4, as the kernel's own VXLAN device
         // and Cilium send it: the helper asks for one by default, and a

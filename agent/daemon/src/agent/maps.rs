@@ -5,7 +5,6 @@
 //! It exists so that the reconcile logic deals in whole map contents and the
 //! byte-level reading and writing of each map kind stays in one place.
 
-use super::map_table::MAPS;
 use super::*;
 
 /// Raw bytes of a plain-data map value.
@@ -21,16 +20,6 @@ pub(super) fn lpm_key_bytes(prefix_len: u8, addr: &[u8], out: &mut Vec<u8>) {
 }
 
 pub(super) use lockstep_core::plan::desired::MapContents;
-
-/// Reads every map the agent owns from its pins (the table in
-/// `map_table`).
-pub(super) fn observe(maps: &PinnedMaps) -> Result<MapContents, AgentError> {
-    let mut c = MapContents::default();
-    for m in MAPS {
-        m.observe(maps, &mut c)?;
-    }
-    Ok(c)
-}
 
 /// Reads a map in bulk and returns it sorted by key.
 pub(super) fn read_hash<K: sys::RawKey, V: aya::Pod>(

@@ -95,8 +95,19 @@ impl Agent {
         (v4, v6)
     }
 
+    /// The maps the agent writes under its own lock, as they are. The
+    /// announcement maps are left empty: they are the announcements'
+    /// (written under their lock, read with what they should hold by
+    /// `Announcements::snapshot`), and neither caller uses them from here.
     pub(super) fn observed(&self) -> Result<MapContents, AgentError> {
-        maps::observe(&self.maps)
+        let mut have = MapContents::default();
+        for m in MAPS
+            .iter()
+            .filter(|m| !announce::announcement_map(m.name()))
+        {
+            m.observe(&self.maps, &mut have)?;
+        }
+        Ok(have)
     }
 
     pub(super) fn reconcile_inner(&mut self) -> Result<ReconcileReport, AgentError> {
