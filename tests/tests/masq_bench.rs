@@ -55,6 +55,11 @@ enum Mode {
     /// Nothing: the world routes the endpoint back (the reference the two
     /// are measured against, not a goal).
     Plain,
+    /// lockstep's programs with the translation off (MASQ_CONFIG zeroed,
+    /// as `enabled = false` writes it), the world routing back: what
+    /// the endpoint's checks and the uplink's programs cost without the
+    /// translation. Reported beside the reference, not a goal.
+    ProgramsOnly,
 }
 
 fn build(name: &'static str, mode: Mode) -> anyhow::Result<Side> {
@@ -64,52 +69,60 @@ fn build(name: &'static str, mode: Mode) -> anyhow::Result<Side> {
     // so a connection-rate round reuses tuples (as a busy client does)
     // instead of filling the tables with one-off ones.
     ep.sysctl("net.ipv4.ip_local_port_range", "50000 53999")?;
-    let pins = if mode == Mode::Plain {
+    if matches!(mode, Mode::Plain | Mode::ProgramsOnly) {
         w.world.ip(["route", "add", EP_V4, "via", NODE_V4])?;
-        None
-    } else if mode == Mode::Lockstep {
-        let pins = PinRoot::new();
-        let cli = |args: &[&str]| -> anyhow::Result<String> {
-            let mut all: Vec<String> = args.iter().map(|s| s.to_string()).collect();
-            all.extend(pins.arg());
-            lockstep_in(&w.node, all)
-        };
-        cli(&["datapath", "install", "--uplink", "u0"])?;
-        cli(&[
-            "datapath", "endpoint", "--iface", "h1", "--ipv4", EP_V4, "--ipv6", EP_V6,
-        ])?;
-        let v4: std::net::Ipv4Addr = NODE_V4.parse()?;
-        let v6: std::net::Ipv6Addr = NODE_V6.parse()?;
-        PinnedMaps::open(pins.path())?.masq_config_mut().set(
-            0,
-            MasqConfig {
-                node_v4: v4.octets(),
-                node_v6: v6.octets(),
-                port_min: 61_000,
-                port_max: 65_535,
-                flags: masq_flags::ENABLED_V4 | masq_flags::ENABLED_V6,
-                reply_min: 0,
-                reply_max: 0,
-                endpoint_max: 0,
-                _pad: 0,
-            },
-            0,
-        )?;
-        Some(pins)
-    } else {
-        let rules = "table inet mqbench {\n chain post {\n  type nat hook postrouting priority srcnat; policy accept;\n  oifname \"u0\" masquerade\n }\n}\n";
-        let mut nft = w
-            .node
-            .command("nft")
-            .args(["-f", "-"])
-            .stdin(Stdio::piped())
-            .spawn()?;
-        nft.stdin
-            .take()
-            .context("nft stdin")?
-            .write_all(rules.as_bytes())?;
-        ensure!(nft.wait()?.success(), "nft refused the ruleset");
-        None
+    }
+    let pins = match mode {
+        Mode::Plain => None,
+        Mode::Lockstep | Mode::ProgramsOnly => {
+            let pins = PinRoot::new();
+            let cli = |args: &[&str]| -> anyhow::Result<String> {
+                let mut all: Vec<String> = args.iter().map(|s| s.to_string()).collect();
+                all.extend(pins.arg());
+                lockstep_in(&w.node, all)
+            };
+            cli(&["datapath", "install", "--uplink", "u0"])?;
+            cli(&[
+                "datapath", "endpoint", "--iface", "h1", "--ipv4", EP_V4, "--ipv6", EP_V6,
+            ])?;
+            let v4: std::net::Ipv4Addr = NODE_V4.parse()?;
+            let v6: std::net::Ipv6Addr = NODE_V6.parse()?;
+            // Off: what the agent writes with `enabled = false`.
+            let config = if mode == Mode::Lockstep {
+                MasqConfig {
+                    node_v4: v4.octets(),
+                    node_v6: v6.octets(),
+                    port_min: 61_000,
+                    port_max: 65_535,
+                    flags: masq_flags::ENABLED_V4 | masq_flags::ENABLED_V6,
+                    reply_min: 0,
+                    reply_max: 0,
+                    endpoint_max: 0,
+                    _pad: 0,
+                }
+            } else {
+                MasqConfig::default()
+            };
+            PinnedMaps::open(pins.path())?
+                .masq_config_mut()
+                .set(0, config, 0)?;
+            Some(pins)
+        }
+        Mode::Nftables => {
+            let rules = "table inet mqbench {\n chain post {\n  type nat hook postrouting priority srcnat; policy accept;\n  oifname \"u0\" masquerade\n }\n}\n";
+            let mut nft = w
+                .node
+                .command("nft")
+                .args(["-f", "-"])
+                .stdin(Stdio::piped())
+                .spawn()?;
+            nft.stdin
+                .take()
+                .context("nft stdin")?
+                .write_all(rules.as_bytes())?;
+            ensure!(nft.wait()?.success(), "nft refused the ruleset");
+            None
+        }
     };
     let iperf = IperfServer::start(&w.world, WORLD_V4)?;
     let rr = request_reply_server(&w.world, WORLD_V4, CLIENT_THREADS)?;
@@ -183,13 +196,14 @@ fn masquerade_bpf_beside_nftables() -> anyhow::Result<()> {
         build("lockstep", Mode::Lockstep)?,
         build("nftables", Mode::Nftables)?,
         build("no translation", Mode::Plain)?,
+        build("lockstep, translation off", Mode::ProgramsOnly)?,
     ];
     // [side][metric] per round.
-    let mut figures: [[Vec<f64>; 3]; 3] = Default::default();
-    let mut failed = [0u64; 3];
+    let mut figures: [[Vec<f64>; 3]; 4] = Default::default();
+    let mut failed = [0u64; 4];
     for round in 0..ROUNDS {
         // Rotate which side goes first, so drift hurts all alike.
-        for i in (0..3).map(|k| (k + round) % 3) {
+        for i in (0..4).map(|k| (k + round) % 4) {
             let side = &sides[i];
             figures[i][0].push(throughput(&side.ep, WORLD_V4).context(side.name)? / 1e9);
             let (cps, f) = connections(&side.ep, side.rr, CLIENT_THREADS, ROUND);
@@ -205,11 +219,12 @@ fn masquerade_bpf_beside_nftables() -> anyhow::Result<()> {
     );
     // Per-round ratios, before median() sorts the rounds (reported beside
     // the goals, which are judged on the medians).
-    let paired: Vec<[f64; 2]> = (0..3)
+    let paired: Vec<[f64; 3]> = (0..3)
         .map(|k| {
             [
                 paired_ratio(&figures[0][k], &figures[1][k]),
                 paired_ratio(&figures[0][k], &figures[2][k]),
+                paired_ratio(&figures[0][k], &figures[3][k]),
             ]
         })
         .collect();
@@ -250,10 +265,18 @@ fn masquerade_bpf_beside_nftables() -> anyhow::Result<()> {
             best(0) / best(1),
             best(2)
         );
+        println!(
+            "  {:<16} lockstep with the translation off: {:.2} {unit}; the translation {:.2}x it (per round {:.2}x); it {:.2}x no translation",
+            "",
+            med[3][k],
+            med[0][k] / med[3][k],
+            paired[k][2],
+            med[3][k] / med[2][k]
+        );
     }
     println!(
-        "  failed connection attempts: lockstep {}, nftables {}, none {}; rounds: {figures:?}",
-        failed[0], failed[1], failed[2]
+        "  failed connection attempts: lockstep {}, nftables {}, none {}, translation off {}; rounds: {figures:?}",
+        failed[0], failed[1], failed[2], failed[3]
     );
     let mut missed = vec![];
     if med[0][0] < med[1][0] {
