@@ -95,17 +95,12 @@ fn build(name: &'static str, mode: Mode) -> anyhow::Result<Side> {
                     port_min: 61_000,
                     port_max: 65_535,
                     flags: masq_flags::ENABLED_V4 | masq_flags::ENABLED_V6,
-                    reply_min: 0,
-                    reply_max: 0,
-                    endpoint_max: 0,
-                    _pad: 0,
+                    ..Default::default()
                 }
             } else {
                 MasqConfig::default()
             };
-            PinnedMaps::open(pins.path())?
-                .masq_config_mut()
-                .set(0, config, 0)?;
+            PinnedMaps::open(pins.path())?.set_masq_config(config)?;
             Some(pins)
         }
         Mode::Nftables => {

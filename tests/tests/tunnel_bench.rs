@@ -121,6 +121,19 @@ fn program_node(node: &Netns, pod: &Netns, k: usize, pins: &PinRoot) -> anyhow::
     Ok(())
 }
 
+/// A collect-metadata (`external`) VXLAN device `name` on port 8472, up,
+/// with the MAC `mac` when given.
+fn external_vxlan(node: &Netns, name: &str, mac: Option<&str>) -> anyhow::Result<()> {
+    let mut args = vec!["link", "add", name];
+    if let Some(mac) = mac {
+        args.extend(["address", mac]);
+    }
+    args.extend(["type", "vxlan", "external", "dstport", "8472"]);
+    node.ip(args)?;
+    node.ip(["link", "set", name, "up"])?;
+    Ok(())
+}
+
 fn build(name: &'static str, mode: Mode) -> anyhow::Result<Side> {
     let nodes = [Netns::new("tbn0")?, Netns::new("tbn1")?];
     veth(&nodes[0], "u0", &nodes[1], "u0")?;
@@ -178,19 +191,7 @@ fn build(name: &'static str, mode: Mode) -> anyhow::Result<Side> {
                 // neighbour entry can name it (no ARP answers across a
                 // device without addresses).
                 let mac = |n: usize| format!("02:00:00:00:00:0{}", n + 1);
-                node.ip([
-                    "link",
-                    "add",
-                    "kmd",
-                    "address",
-                    &mac(k),
-                    "type",
-                    "vxlan",
-                    "external",
-                    "dstport",
-                    "8472",
-                ])?;
-                node.ip(["link", "set", "kmd", "up"])?;
+                external_vxlan(node, "kmd", Some(&mac(k)))?;
                 let via = format!("10.99.0.{}", other + 1);
                 node.ip([
                     "neigh",
@@ -225,17 +226,7 @@ fn build(name: &'static str, mode: Mode) -> anyhow::Result<Side> {
                 ])?;
             }
             Mode::Lockstep => {
-                node.ip([
-                    "link",
-                    "add",
-                    "lockstep_vxlan",
-                    "type",
-                    "vxlan",
-                    "external",
-                    "dstport",
-                    "8472",
-                ])?;
-                node.ip(["link", "set", "lockstep_vxlan", "up"])?;
+                external_vxlan(node, "lockstep_vxlan", None)?;
                 let p = PinRoot::new();
                 program_node(node, &pod, k, &p)?;
                 pins.push(p);
