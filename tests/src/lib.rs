@@ -27,6 +27,7 @@ pub mod ledger;
 pub mod lossyfs;
 pub mod ndp;
 pub mod podman;
+pub mod progstats;
 pub mod routed;
 pub mod seqping;
 pub mod traffic;
