@@ -1,6 +1,6 @@
 //! What lockstep's programs cost in the benches' real traffic, not only in
 //! `BPF_PROG_TEST_RUN`: the kernel's own per-program run time and run
-//! count (`BPF_ENABLE_STATS`, on only while a [`Stats`] is held, so the
+//! count (`BPF_ENABLE_STATS`, on only during [`measure`]'s work, so the
 //! rounds that are compared run without its clock reads), beside the
 //! machine's busy CPU time over the same span (`/proc/stat`).
 //!
@@ -9,12 +9,11 @@
 //! side was built ([`loaded_ids`] before and after).
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::os::fd::OwnedFd;
 use std::time::Duration;
 
 use anyhow::Context;
 use aya::programs::loaded_programs;
-use aya::sys::{Stats as StatsType, enable_stats};
+use aya::sys::{Stats, enable_stats};
 
 /// The IDs of every BPF program loaded now.
 pub fn loaded_ids() -> anyhow::Result<BTreeSet<u32>> {
@@ -45,7 +44,7 @@ impl Runs {
 
 /// Run time and count of the programs in `ids`, by program name (the
 /// runs of programs sharing a name are added up).
-pub fn runs(ids: &BTreeSet<u32>) -> anyhow::Result<BTreeMap<String, Runs>> {
+fn runs(ids: &BTreeSet<u32>) -> anyhow::Result<BTreeMap<String, Runs>> {
     let mut out: BTreeMap<String, Runs> = BTreeMap::new();
     for p in loaded_programs() {
         let p = p.context("reading a loaded program's info")?;
@@ -62,7 +61,7 @@ pub fn runs(ids: &BTreeSet<u32>) -> anyhow::Result<BTreeMap<String, Runs>> {
 
 /// The machine's busy CPU time so far, all CPUs (`/proc/stat`: everything
 /// but idle and iowait).
-pub fn busy_cpu() -> anyhow::Result<Duration> {
+fn busy_cpu() -> anyhow::Result<Duration> {
     let stat = std::fs::read_to_string("/proc/stat").context("reading /proc/stat")?;
     let line = stat.lines().next().context("/proc/stat is empty")?;
     let ticks: Vec<u64> = line
@@ -76,20 +75,6 @@ pub fn busy_cpu() -> anyhow::Result<Duration> {
     Ok(Duration::from_millis(busy * 10))
 }
 
-/// The kernel's per-program statistics, on while this is held.
-pub struct Stats {
-    _fd: OwnedFd,
-}
-
-impl Stats {
-    /// Turns run time and count on (`BPF_ENABLE_STATS`) until dropped.
-    pub fn enable() -> anyhow::Result<Self> {
-        Ok(Stats {
-            _fd: enable_stats(StatsType::RunTime).context("BPF_ENABLE_STATS")?,
-        })
-    }
-}
-
 /// The programs' runs and the machine's busy time over `work`, with the
 /// statistics on only meanwhile: per program name, the runs added during
 /// `work`, and the busy CPU time it took.
@@ -97,7 +82,8 @@ pub fn measure<T>(
     ids: &BTreeSet<u32>,
     work: impl FnOnce() -> T,
 ) -> anyhow::Result<(T, BTreeMap<String, Runs>, Duration)> {
-    let stats = Stats::enable()?;
+    // On while the descriptor is open.
+    let stats = enable_stats(Stats::RunTime).context("BPF_ENABLE_STATS")?;
     let (before, busy_before) = (runs(ids)?, busy_cpu()?);
     let out = work();
     let (after, busy_after) = (runs(ids)?, busy_cpu()?);
