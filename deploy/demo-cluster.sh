@@ -27,6 +27,8 @@ in_ul() { nsenter --net=/run/netns/$UL -- "$@"; }
 in_node() { local n=$1; shift; nsenter --net=/run/netns/$TAG-n$n -- "$@"; }
 cluster() { in_ul "$BIN" cluster --etcd "$EPS" "$@"; }
 cli() { local n=$1; shift; "$BIN" --socket "$DIR/n$n/api.sock" "$@"; }
+fail() { echo "demo: FAILED: $*" >&2; exit 1; }
+ok() { echo "ok: $*"; }
 
 cleanup() {
   for p in "${PIDS[@]}"; do kill -9 "$p" 2>/dev/null || true; wait "$p" 2>/dev/null || true; done
@@ -121,6 +123,7 @@ for n in "${NODES[@]}"; do
 JSON
 )
     ADDR[$n$p]=$(echo "$out" | sed -E 's/.*"address":"([0-9.]+)\/[0-9]+".*/\1/')
+    case "${ADDR[$n$p]}" in 10.244.*) ;; *) fail "pod $n$p got no address of pool pods: $out";; esac
     echo "pod $n$p on node-$n: ${ADDR[$n$p]}"
   done
 done
@@ -129,6 +132,9 @@ cluster blocks
 step "What node-1 learned about the other nodes' blocks"
 echo "routes lockstep owns (protocol 213), each block via its node's address:"
 ip -n $TAG-n1 route show proto 213
+for n in 2 3; do
+  ip -n $TAG-n1 route show proto 213 | grep -q "via 10.250.0.$n" || fail "node-1 has no route via node-$n"
+done
 echo "IPCACHE prefixes (remote blocks, with the owner's node address):"
 "$BIN" maps dump --pin-root /sys/fs/bpf/$TAG-n1 | sed -n '/IPCACHE_V4/,/IPCACHE_V6/p'
 
@@ -147,11 +153,14 @@ for n in "${NODES[@]}"; do cli "$n" verify; done
 step "node-3 is removed from the cluster: the others drop its routes and entries"
 kill -9 "${PIDS[-1]}"; wait "${PIDS[-1]}" 2>/dev/null || true
 cluster node remove node-3 --force
+dropped=
 for _ in $(seq 100); do
-  ip -n $TAG-n1 route show proto 213 | grep -q 10.250.0.3 || break
+  ip -n $TAG-n1 route show proto 213 | grep -q 10.250.0.3 || { dropped=1; break; }
   sleep 0.1
 done
 ip -n $TAG-n1 route show proto 213
+[ -n "$dropped" ] || fail "node-1 still routes via node-3 after its removal"
+ok "node-1 dropped node-3's routes"
 cluster blocks
 echo
 echo "cluster demo finished; removing namespaces, pins, agents and etcd"

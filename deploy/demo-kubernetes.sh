@@ -27,6 +27,13 @@ in_node() { nsenter --net=/run/netns/$NODE -- "$@"; }
 step() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
 kapi() { local method=$1 path=$2; shift 2; in_node curl -sS -X "$method" -H 'Content-Type: application/json' "$API$path" "$@"; }
 cli() { "$BIN" --socket "$STATE/api.sock" "$@"; }
+fail() { echo "demo: FAILED: $*" >&2; exit 1; }
+ok() { echo "ok: $*"; }
+# A datapath counter (summed over CPUs), read from the pinned maps.
+counter() {
+  "$BIN" datapath counters --pin-root "$PINS" --output json |
+    python3 -c 'import json, sys; print(json.load(sys.stdin)[sys.argv[1]])' "$1"
+}
 
 cleanup() {
   for p in "${PIDS[@]}"; do kill -9 "$p" 2>/dev/null || true; wait "$p" 2>/dev/null || true; done
@@ -44,7 +51,8 @@ ip -n $NODE link add u0 type veth peer name n0 netns $NB
 ip -n $NODE link set u0 up; ip -n $NB link set n0 up
 ip -n $NODE addr add 10.203.0.1/24 dev u0
 ip -n $NB addr add 10.203.0.2/24 dev n0
-echo "node uplink MAC: $(ip -n $NODE -j link show u0 | sed -E 's/.*"address":"([^"]+)".*/\1/')"
+UMAC=$(ip -n $NODE -j link show u0 | sed -E 's/.*"address":"([^"]+)".*/\1/')
+echo "node uplink MAC: $UMAC"
 
 step "The Kubernetes API (the test double) in the node namespace, with the Node object"
 mkdir -p "$STATE"
@@ -101,7 +109,7 @@ for _ in $(seq 100); do
   IP=$(kapi GET /api/v1/namespaces/default/services/web | grep -o '"ingress":\[{"ip":"[^"]*"' | sed -E 's/.*"ip":"([^"]*)"/\1/' || true)
   [ -n "$IP" ] && break; sleep 0.1
 done
-[ -n "$IP" ] || { echo "no address in the Service's status" >&2; cat "$STATE/agent.log" >&2; exit 1; }
+[ -n "$IP" ] || { cat "$STATE/agent.log" >&2; fail "no address in the Service's status"; }
 echo "kubectl get svc web:   EXTERNAL-IP $IP"
 echo "its status, as lockstep wrote it:"
 kapi GET /api/v1/namespaces/default/services/web | grep -o '"status":.*'
@@ -111,16 +119,24 @@ echo "the Event:"
 kapi GET /apis/events.k8s.io/v1/namespaces/default/events | grep -o '"reason":"[^"]*","regarding":{[^}]*}\|"note":"[^"]*"' | head -4
 
 step "ARP for $IP from the neighbour: answered by lockstep's BPF responder (no kernel address holds it)"
-ip netns exec $NB arping -c 2 -w 3 -I n0 "$IP"
+if ip -n $NODE addr show | grep -q "inet $IP/"; then fail "a kernel address holds $IP"; fi
+replied=$(counter arp_replied)
+reply=$(ip netns exec $NB arping -c 2 -w 3 -I n0 "$IP") || fail "no ARP reply for $IP: $reply"
+echo "$reply"
+echo "$reply" | grep -qi "\[$UMAC\]" || fail "the reply does not carry the uplink's MAC $UMAC"
+[ "$(counter arp_replied)" -ge $((replied + 2)) ] || fail "arp_replied did not count the replies"
+ok "answered with $UMAC by the BPF responder; arp_replied $replied -> $(counter arp_replied)"
 cli lb get
 
 step "kubectl delete svc web: the address is released and answered no more"
 kapi DELETE /api/v1/namespaces/default/services/web >/dev/null
-for _ in $(seq 100); do cli lb get | grep -q '"default/web"' || break; sleep 0.1; done
+released=
+for _ in $(seq 100); do cli lb get | grep -q '"default/web"' || { released=1; break; }; sleep 0.1; done
+[ -n "$released" ] || fail "default/web still holds an address after the delete"
 if ip netns exec $NB arping -c 2 -w 2 -I n0 "$IP"; then
-  echo "unexpected: $IP still answered" >&2; exit 1
+  fail "$IP is still answered after the Service's deletion"
 fi
-echo "no answer for $IP: released"
+ok "no answer for $IP: released"
 
 step "A pod annotated lockstep.io/ip-pool=blue: kubelet's CNI ADD gets an address from pool blue"
 kapi POST /api/v1/namespaces/shop/pods \
@@ -132,7 +148,7 @@ ANSWER=$(printf '{"cniVersion":"1.1.0","name":"demo","type":"lockstep","agentSoc
     CNI_PATH=/opt/cni/bin "CNI_ARGS=IgnoreUnknown=1;K8S_POD_NAMESPACE=shop;K8S_POD_NAME=web-0" "$BIN")
 POD_IP=$(echo "$ANSWER" | grep -o '"address":"[^"]*"' | head -1 | sed -E 's/.*"address":"([^"/]*).*/\1/')
 echo "pod shop/web-0 got $POD_IP (pool blue is 10.245.1.0/24)"
-case "$POD_IP" in 10.245.1.*) ;; *) echo "unexpected: not from pool blue: $ANSWER" >&2; exit 1;; esac
+case "$POD_IP" in 10.245.1.*) ;; *) fail "not from pool blue: $ANSWER";; esac
 ip -n $POD -br addr show eth0
 printf '{"cniVersion":"1.1.0","name":"demo","type":"lockstep","agentSocket":"%s"}' "$STATE/api.sock" |
   in_node env CNI_COMMAND=DEL CNI_CONTAINERID=$TAG-web0 CNI_NETNS=/run/netns/$POD CNI_IFNAME=eth0 \
