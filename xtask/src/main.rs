@@ -10,8 +10,10 @@
 //! - `bench <suite>`: benchmarks with medians.
 //! - `crash <suite> <rounds>`: the long forms of the crash tests (CI runs
 //!   them bounded): `startup` (kills aimed at start-up), `power` (power cuts).
+//! - `explore`: long random runs of the core's property tests.
 //! - `demo`: a sandbox node made of network namespaces.
 
+mod explore;
 mod fresh_root;
 mod image;
 mod protoc;
@@ -80,6 +82,22 @@ enum Task {
         /// startup: the largest k (the kill lands at a write from 1 to k).
         #[arg(long, default_value_t = 40)]
         max_k: u64,
+    },
+    /// Long random runs of the core's property tests (CI runs them with a
+    /// fixed seed): fresh seeds, many cases, split over parallel jobs.
+    Explore {
+        /// Cases per property test, over all jobs (default:
+        /// `LOCKSTEP_EXPLORE_CASES`, else 10000).
+        #[arg(long)]
+        cases: Option<u64>,
+        /// The base seed (default: random; printed).
+        #[arg(long)]
+        seed: Option<u64>,
+        /// Parallel test processes (default: the CPUs).
+        #[arg(long)]
+        jobs: Option<usize>,
+        /// Only the tests whose name contains this (e.g. `never_two`).
+        filter: Option<String>,
     },
     /// Set up and run the demo node (`--cluster`: three nodes and etcd).
     Demo {
@@ -556,6 +574,19 @@ fn main() -> anyhow::Result<()> {
             rounds,
             max_k,
         } => crash(&suite, rounds, max_k),
+        Task::Explore {
+            cases,
+            seed,
+            jobs,
+            filter,
+        } => explore::run(&explore::Explore {
+            cases: explore::cases_from(cases)?,
+            seed,
+            jobs: jobs.unwrap_or_else(|| {
+                std::thread::available_parallelism().map_or(1, std::num::NonZero::get)
+            }),
+            filter,
+        }),
         Task::Demo {
             no_setup,
             cluster,

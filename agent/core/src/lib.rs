@@ -62,3 +62,6 @@ pub mod plan;
 pub mod pods;
 pub mod pool;
 pub mod roles;
+
+#[cfg(test)]
+pub(crate) mod testing;

@@ -1155,7 +1155,7 @@ fn clash_free(a: &ServiceSpec, b: &ServiceSpec) -> bool {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(256))]
+    #![proptest_config(crate::testing::cases(256))]
 
     #[test]
     fn random_sequences_keep_the_rules(ops in prop::collection::vec(arb_op(), 1..40)) {

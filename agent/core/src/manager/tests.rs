@@ -711,7 +711,7 @@ fn owner(i: u8) -> Owner {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(128))]
+    #![proptest_config(crate::testing::cases(128))]
 
     #[test]
     fn random_operation_sequences_keep_the_invariants(

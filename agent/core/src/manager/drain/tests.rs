@@ -255,7 +255,7 @@ fn specs(kept: &[bool], moved: Option<usize>) -> Vec<PoolSpec> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(256))]
+    #![proptest_config(crate::testing::cases(256))]
 
     /// Random holders, a random edit, a restart: no allocation is lost or
     /// changed unless it conflicts (a CIDR moved to the other pool while
