@@ -45,6 +45,22 @@
 //!   that came back under a new lease (stopped or cut for longer than its
 //!   lease) gets addresses back only after it stayed for `settle_ns`, so a
 //!   node stopped around its lease never makes an address go and come back.
+//! - **Give up what cannot be answered.** An address this node holds (or
+//!   is taking) that is not confirmed answered within one rank step (its
+//!   take unanswered, or every write of it failing: a full map, a datapath
+//!   that keeps failing) is given up like any other, so the next candidate
+//!   takes it a rank step later instead of the address staying dark for
+//!   the whole failure. The node then refuses for `pace_ns` after the last
+//!   such failure: it takes none of those addresses again, and it
+//!   publishes that it does not answer ([`Announcer::answers`]; the
+//!   driver joins again with it) so nobody ranks it. What it holds and
+//!   answers for it keeps. Back to answering, it counts as a new member:
+//!   rebalancing hands it an address only after `settle_ns`, so a node
+//!   whose map stays full is tried again rarely, not on every pace.
+//!
+//! The whole tick around this machine (the lease kept, reads, the actions
+//! carried out within a budget) is [`driver::Driver`], the one the daemon
+//! runs and the model drives.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
@@ -141,11 +157,18 @@ pub enum KeyRef {
 }
 
 /// What the datapath answered to a [`Action::Program`].
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Written {
     /// The maps hold exactly the write's addresses (or a later write
     /// was applied already and this one was dropped: see [`Action::Program`]).
     Done,
+    /// The write failed part-way (a full map refuses an insert), and the
+    /// maps, read back, answer for exactly these of the node's cluster
+    /// addresses; nothing adds the others on its own (the renewer renews
+    /// only these). Taken as a confirmed write of this set: an address of
+    /// the write missing from it is not answered (it is given up after a
+    /// rank step), one given up that is missing from it may be withdrawn.
+    Partly(BTreeSet<IpAddr>),
     /// The write failed part-way: the maps hold some mix of this write's
     /// addresses and the previous ones.
     Failed,
@@ -243,7 +266,8 @@ pub struct Announcer {
     view: Option<Observation>,
     /// When each address was first seen held by nobody (reset when held).
     unheld_since: BTreeMap<IpAddr, Nanos>,
-    /// When each membership (node, lease) was first seen.
+    /// When each membership (node, lease) was first seen answering (one
+    /// that stops answering for a while is new when it answers again).
     member_since: BTreeMap<(String, i64), Nanos>,
     /// Since when every address has been held and no holder changed.
     quiet_since: Option<Nanos>,
@@ -253,6 +277,13 @@ pub struct Announcer {
     /// Addresses a take was refused for since the last read (another
     /// holder has them though the read did not show it).
     refused: BTreeSet<IpAddr>,
+    /// Since when each address held or being taken has not been confirmed
+    /// answered (in the last confirmed write, no write in doubt after it).
+    unconfirmed_since: BTreeMap<IpAddr, Nanos>,
+    /// Addresses given up because they could not be answered here, with
+    /// when: not taken again, and the node publishes that it does not
+    /// answer, for `pace_ns` after.
+    cannot_answer: BTreeMap<IpAddr, Nanos>,
 }
 
 impl Announcer {
@@ -276,6 +307,8 @@ impl Announcer {
             quiet_since: None,
             gave_away: BTreeMap::new(),
             refused: BTreeSet::new(),
+            unconfirmed_since: BTreeMap::new(),
+            cannot_answer: BTreeMap::new(),
         }
     }
 
@@ -287,6 +320,22 @@ impl Announcer {
             .filter(|(_, p)| matches!(p, Phase::Held(_)))
             .map(|(a, _)| *a)
             .collect()
+    }
+
+    /// Whether this node is to be published as able to answer: not while
+    /// an address was given up here for not being answered within a rank
+    /// step, until `pace_ns` after the last one (so no node hands it an
+    /// address it would fail on again, by rank or by rebalancing).
+    #[must_use]
+    pub fn answers(&self) -> bool {
+        self.cannot_answer.is_empty()
+    }
+
+    /// The addresses given up because they could not be answered here
+    /// (for status and logs).
+    #[must_use]
+    pub fn cannot_answer(&self) -> BTreeSet<IpAddr> {
+        self.cannot_answer.keys().copied().collect()
     }
 
     /// The addresses the datapath may answer for now: in the confirmed
@@ -401,6 +450,7 @@ impl Announcer {
         let seen: BTreeSet<(String, i64)> = view
             .members
             .iter()
+            .filter(|(c, _)| c.answers)
             .map(|(c, l)| (c.name.clone(), *l))
             .collect();
         self.member_since.retain(|k, _| seen.contains(k));
@@ -447,7 +497,12 @@ impl Announcer {
         };
         w.pending = false;
         match written {
-            Written::Done => {
+            Written::Done | Written::Partly(_) => {
+                if let Written::Partly(held) = written {
+                    // What the datapath answers, read back; the held set
+                    // differs, so the next write is due.
+                    w.set = held;
+                }
                 let before: BTreeSet<IpAddr> = self
                     .confirmed
                     .as_ref()
@@ -541,9 +596,13 @@ impl Announcer {
         let Some(sel) = view.addresses.get(&a) else {
             return false;
         };
-        view.members
-            .iter()
-            .any(|(c, _)| c.name == self.me && admits(c, sel))
+        // While refusing, this node publishes that it does not answer;
+        // what it holds and answers for it keeps all the same.
+        let refusing = !self.answers();
+        view.members.iter().any(|(c, _)| {
+            c.name == self.me
+                && (admits(c, sel) || (refusing && (sel.is_empty() || sel.matches(&c.labels))))
+        })
     }
 
     /// The admitted members of `a`, best rendezvous weight first.
@@ -605,7 +664,10 @@ impl Announcer {
         let Some(sel) = view.addresses.get(&a) else {
             return false;
         };
-        if view.holders.contains_key(&a) || self.refused.contains(&a) {
+        if view.holders.contains_key(&a)
+            || self.refused.contains(&a)
+            || self.cannot_answer.contains_key(&a)
+        {
             return false;
         }
         if self
@@ -641,6 +703,9 @@ impl Announcer {
         }
         self.gave_away
             .retain(|_, t| now < t.saturating_add(self.cfg.pace_ns));
+        self.cannot_answer
+            .retain(|_, t| now < t.saturating_add(self.cfg.pace_ns));
+        self.track_unconfirmed(now);
         if self.quitting() {
             // Nothing is held: a stop (or a silent uplink) empties the
             // datapath before the lease is revoked.
@@ -764,6 +829,14 @@ impl Announcer {
                         self.phases.insert(a, Phase::Releasing(KeyRef::Lease(l)));
                     }
                 }
+                Some(Phase::Held(rev)) if self.unanswered(a, now) => {
+                    self.give_up_unanswered(a, KeyRef::Created(rev), now);
+                }
+                Some(Phase::Taking { lease: l, .. })
+                    if lease == Some(l) && self.unanswered(a, now) =>
+                {
+                    self.give_up_unanswered(a, KeyRef::Lease(l), now);
+                }
                 Some(Phase::Held(rev)) => {
                     if lease.is_none() || !admitted {
                         self.phases
@@ -785,6 +858,46 @@ impl Announcer {
                 ) => {}
             }
         }
+    }
+
+    /// Starts or clears each held (or being taken) address's clock of not
+    /// being confirmed answered: confirmed is in the last confirmed write,
+    /// that write still live, and no write in doubt after it.
+    fn track_unconfirmed(&mut self, now: Nanos) {
+        let settled = self.outstanding.is_empty();
+        let answered: BTreeSet<IpAddr> = match &self.confirmed {
+            Some((_, w)) if settled && now < w.valid_until => w.set.clone(),
+            _ => BTreeSet::new(),
+        };
+        let mut watched = BTreeMap::new();
+        for (a, p) in &self.phases {
+            if matches!(p, Phase::Held(_) | Phase::Taking { .. }) && !answered.contains(a) {
+                let since = self.unconfirmed_since.get(a).copied().unwrap_or(now);
+                watched.insert(*a, since);
+            }
+        }
+        self.unconfirmed_since = watched;
+    }
+
+    /// Whether `a` has gone unconfirmed for a rank step (with a lease: a
+    /// cap that passed gives everything up anyway).
+    fn unanswered(&self, a: IpAddr, now: Nanos) -> bool {
+        !self.quitting()
+            && self
+                .unconfirmed_since
+                .get(&a)
+                .is_some_and(|t| now >= t.saturating_add(self.cfg.step_ns))
+    }
+
+    /// Gives `a` up for not being answered here: out of the next write,
+    /// the key withdrawn once nothing may answer it, not taken again (and
+    /// the node published as not answering) for `pace_ns`.
+    fn give_up_unanswered(&mut self, a: IpAddr, key: KeyRef, now: Nanos) {
+        self.phases.insert(a, Phase::Releasing(key));
+        self.unconfirmed_since.remove(&a);
+        self.cannot_answer.insert(a, now);
+        // Not quiet: the address moves.
+        self.quiet_since = None;
     }
 
     /// The datapath write due now, if any: the held set under the lease's
@@ -846,6 +959,8 @@ impl Announcer {
 fn admits(c: &Candidate, sel: &LabelSelector) -> bool {
     c.answers && (sel.is_empty() || sel.matches(&c.labels))
 }
+
+pub mod driver;
 
 #[cfg(test)]
 mod model;

@@ -142,6 +142,16 @@ pub(super) fn with_announced(into: MapContents, from: MapContents) -> MapContent
     }
 }
 
+/// A cluster write that failed ([`Announcements::set_cluster`]).
+#[derive(Debug)]
+pub struct ClusterWriteError {
+    /// Why.
+    pub error: Box<AgentError>,
+    /// Which of the write's (and the previous write's) addresses the maps
+    /// answer for now, read back; `None`: the read back failed too.
+    pub held: Option<BTreeSet<IpAddr>>,
+}
+
 /// The announcement maps and what they should hold, behind their own lock:
 /// shared by the agent (reconcile, single-node LB), the renewer and cluster
 /// mode's LB agent. Cloning shares it.
@@ -217,6 +227,50 @@ impl AnnounceState {
             m.fill(root, &want, &have, report)?;
         }
         Ok(want)
+    }
+
+    /// Which of `addrs` the announcement maps answer for now: an entry in
+    /// the hash or in a slot (either may answer) that has not expired. An
+    /// expired one answers nobody, and is not to be renewed back to life.
+    fn present(&self, addrs: &BTreeSet<IpAddr>) -> Result<BTreeSet<IpAddr>, AgentError> {
+        let mut have = MapContents::default();
+        for m in MAPS.iter().filter(|m| announcement_map(m.name())) {
+            m.observe(&self.maps, &mut have)?;
+        }
+        let now = monotonic_ns();
+        let live = |expires: u64| !lockstep_common::L2RespValue::expired(expires, now);
+        let v4: BTreeSet<[u8; 4]> = have
+            .l2
+            .iter()
+            .filter(|(_, v)| live(v.expires_ns))
+            .map(|(a, _)| *a)
+            .chain(
+                have.l2_slots
+                    .iter()
+                    .filter(|(_, s)| live(s.expires_ns))
+                    .map(|(_, s)| s.addr),
+            )
+            .collect();
+        let v6: BTreeSet<[u8; 16]> = have
+            .l2_v6
+            .iter()
+            .filter(|(_, v)| live(v.expires_ns))
+            .map(|(a, _)| *a)
+            .chain(
+                have.l2_v6_slots
+                    .iter()
+                    .filter(|(_, s)| live(s.expires_ns))
+                    .map(|(_, s)| s.addr),
+            )
+            .collect();
+        Ok(addrs
+            .iter()
+            .copied()
+            .filter(|a| match a {
+                IpAddr::V4(v) => v4.contains(&v.octets()),
+                IpAddr::V6(v) => v6.contains(&v.octets()),
+            })
+            .collect())
     }
 
     /// Announces `addr` only while the entries are answered: checked just
@@ -348,25 +402,42 @@ impl Announcements {
     /// it knows the entries are in (`Announcements::announce`).
     ///
     /// # Errors
-    /// A map could not be read or written: the maps hold some mix of this
-    /// write and the one before (the set is kept, so the next renewal
-    /// writes it again).
+    /// A map could not be read or written (a full map refuses an insert):
+    /// the maps hold some mix of this write and the one before. They are
+    /// read back: the error carries which of the two writes' addresses
+    /// they answer for now, and only those are renewed from then on, so
+    /// nothing adds an address the announcer was told is not answered
+    /// ([`ClusterWriteError::held`]; `None` when the read back failed
+    /// too, and the set is kept, so the next renewal writes it again).
     pub fn set_cluster(
         &self,
         seq: u64,
         addrs: BTreeSet<IpAddr>,
         valid_until_ns: u64,
-    ) -> Result<bool, AgentError> {
+    ) -> Result<bool, ClusterWriteError> {
         let mut s = self.lock();
         if seq <= s.cluster_seq {
             return Ok(false);
         }
         s.cluster_seq = seq;
+        let mut either = addrs.clone();
+        either.extend(s.lease.cluster.iter().copied());
         s.lease.cluster = addrs;
         s.lease.cap_ns = Some(valid_until_ns);
         s.lease.renew(monotonic_ns());
-        s.write(&mut ReconcileReport::default())?;
-        Ok(true)
+        match s.write(&mut ReconcileReport::default()) {
+            Ok(_) => Ok(true),
+            Err(error) => {
+                let held = s.present(&either).ok();
+                if let Some(h) = &held {
+                    s.lease.cluster = h.clone();
+                }
+                Err(ClusterWriteError {
+                    error: Box::new(error),
+                    held,
+                })
+            }
+        }
     }
 
     /// Sends a gratuitous ARP / unsolicited NA for `addr` if the entries

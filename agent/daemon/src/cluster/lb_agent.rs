@@ -3,34 +3,30 @@
 //! candidate announcer), the assigner key while elected, and one
 //! `lb/announce/<ip>` key per address it announces.
 //!
-//! What it announces, and the order of every step that changes it, is the
-//! core's announcer (`lockstep_core::lb::announce`, #27): sticky
-//! announcements, take → program → announce, unprogram → (confirmed) →
-//! withdraw, rebalancing one address at a time. This module feeds it and
-//! carries out its actions (`lb_announce`). Each tick (200 ms) it:
-//! 1. checks the uplink (without waiting for the agent lock): one that
-//!    cannot answer makes the announcer empty the datapath and revoke the
-//!    lease, so the addresses move within a tick;
-//! 2. keeps the lease (a refresh every third of its TTL); the time up to
-//!    which etcd is sure to keep it is the datapath's cap: no L2_RESP entry
-//!    of this node is answered past it ([`Announcements::set_cluster`]);
-//! 3. hands the announcer what `lb/` holds, read from the agent's mirror
-//!    of etcd (#27 item 6: no request; not handed again while nothing
-//!    under `lb/` changed and the last read has this node's own writes);
-//! 4. carries out the announcer's actions until it has none, or a quarter
-//!    of the TTL has passed (what is left is reported lost: asked again
-//!    next tick), so a slow etcd never holds the next refresh back. The
-//!    announcer runs every tick, changed or not: its clocks move (rank
-//!    steps, pace, the lease's cap);
-//! 5. publishes the lease it holds to the node's assigner
-//!    (`lb_assigner`), which runs its rounds ([`Door::lb_round`],
-//!    campaigning with the same lease) on a loop of its own, so a tick of
-//!    takes never holds an assignment back.
+//! What it announces, the order of every step that changes it, and the
+//! tick around them (the lease granted, joined and refreshed, `lb/` read,
+//! the actions carried out within a budget) are the core's: the announcer
+//! (`lockstep_core::lb::announce`) and its driver
+//! (`lockstep_core::lb::announce::driver`), the very code the property
+//! tests' model drives. This module carries out the driver's requests:
+//! against etcd through the cluster door, against the announcement maps
+//! through [`Announcements`] (`lb_announce`), and it tells the driver what
+//! it cannot know itself:
+//! - the uplink's health at each tick's start (without waiting for the
+//!   agent lock): one that cannot answer makes the announcer empty the
+//!   datapath and revoke the lease, so the addresses move within a tick;
+//! - whether `lb/` changed since the last read: a read is answered from
+//!   the agent's mirror of etcd (#27 item 6: no request), and "unchanged"
+//!   while the mirror's `lb/` stands where it stood and the last read has
+//!   this node's own writes;
+//! - a wake-up at once when anything under `lb/` changes (the mirror's
+//!   bell, or a watch of its own without a mirror): an address assigned or
+//!   withdrawn is taken without waiting out the 200 ms.
 //!
-//! A tick also comes at once when anything under `lb/` changes (the
-//! mirror's bell, or a watch of its own without a mirror; it only wakes
-//! the loop): an address assigned or withdrawn is taken without waiting
-//! out the 200 ms.
+//! It publishes the lease the announcer holds to the node's assigner
+//! (`lb_assigner`), which runs its rounds ([`Door::lb_round`], campaigning
+//! with the same lease) on a loop of its own, so a tick of takes never
+//! holds an assignment back.
 //!
 //! Why never two nodes answer: an entry's expiry is at most `t + TTL -
 //! margin`, `t` the moment the last lease refresh (or grant) was *sent*;
@@ -44,12 +40,13 @@ use std::net::IpAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use lockstep_core::lb::announce::{Announcer, AnnouncerConfig};
+use lockstep_core::lb::announce::driver::{Done, Driver, DriverConfig, Io, Step};
+use lockstep_core::lb::announce::{Observation, Written};
 use lockstep_core::lb::cluster::unannounced;
 use tokio::sync::watch;
 
 use super::lb::LbWake;
-use super::lb_announce::{self, Counts};
+use super::lb_announce::{self, AnnounceDatapath, AnnounceKeys, Counts};
 use super::lb_assigner::Assigner;
 use super::lb_handle::{LbHandle, Shared};
 use super::{ClusterStoreError, Door, DoorOptions, Link, Stamp};
@@ -70,37 +67,19 @@ pub const IDLE_ROUND: Duration = Duration::from_secs(5);
 /// The shortest LB lease etcd grants with its default timing (it raises
 /// shorter ones to this).
 pub const MIN_LEASE: Duration = Duration::from_secs(2);
-
-/// The lease the agent holds.
-#[derive(Clone, Copy, Debug)]
-struct Held {
-    id: i64,
-    ttl: Duration,
-    /// When the last refresh (or the grant) was sent.
-    sent: Instant,
-}
-
-/// The margin kept between the datapath's cap and the etcd lease: a tenth
-/// of the TTL, at least 100 ms (clock rates, the lessor's own timing).
-fn margin(ttl: Duration) -> Duration {
-    (ttl / 10).max(Duration::from_millis(100))
-}
+/// How long a stop waits for the datapath to be emptied and the lease
+/// revoked.
+const STOP_WITHIN: Duration = Duration::from_secs(2);
 
 /// The running LB agent of one node.
 pub struct LbAgent {
     name: String,
     /// Published with the membership, for pools' node selectors.
     labels: BTreeMap<String, String>,
-    /// Published with the membership: whether this node can answer for
-    /// an address at all (it has an uplink). A node without one runs for
-    /// assigner but never announces.
-    answers: bool,
     ttl: Duration,
     door: Option<Door>,
-    lease: Option<Held>,
-    /// What this node announces, and the order of every step that changes
-    /// it (the core's state machine).
-    machine: Announcer,
+    /// The announcer and its tick (the core's machines).
+    driver: Driver,
     /// The uplink's health as last seen (kept while the agent lock is
     /// busy: the check never waits for it).
     health: UplinkHealth,
@@ -112,6 +91,9 @@ pub struct LbAgent {
     /// the mirror's `lb/` stays where it was, the announcer keeps that
     /// read rather than being handed the same one again every tick).
     seen: Option<Seen>,
+    /// The first etcd error of the current tick.
+    problem: Option<ClusterStoreError>,
+    counts: Counts,
     handle: Arc<LbHandle>,
 }
 
@@ -190,27 +172,33 @@ impl std::fmt::Debug for LbAgent {
     }
 }
 
+/// An error for a request that cannot be sent (no connection to etcd).
+fn not_connected() -> ClusterStoreError {
+    ClusterStoreError::Invalid("not connected to etcd".into())
+}
+
 impl LbAgent {
     /// An LB agent for node `name`, its lease `ttl` (raised to
     /// [`MIN_LEASE`], whole seconds), reaching etcd with `opts`.
     pub fn new(name: String, ttl: Duration, opts: DoorOptions) -> Self {
         let secs = ttl.as_secs() + u64::from(ttl.subsec_nanos() > 0);
         let ttl = Duration::from_secs(secs).max(MIN_LEASE);
+        let cfg = DriverConfig {
+            tick_ns: TICK.as_nanos() as u64,
+            ..DriverConfig::for_lease(ttl.as_nanos() as u64)
+        };
         LbAgent {
-            machine: Announcer::new(
-                name.clone(),
-                AnnouncerConfig::for_lease(ttl.as_nanos() as u64),
-            ),
+            driver: Driver::new(name.clone(), cfg),
             name,
             labels: BTreeMap::new(),
-            answers: true,
             ttl,
             door: None,
-            lease: None,
             health: UplinkHealth::Unknown,
             wake: Wake::default(),
             lease_held: watch::Sender::new(None),
             seen: None,
+            problem: None,
+            counts: Counts::default(),
             handle: Arc::new(LbHandle {
                 opts,
                 door: tokio::sync::Mutex::new(None),
@@ -243,7 +231,11 @@ impl LbAgent {
     /// Sets whether this node can answer for an address (builder style):
     /// false without an uplink.
     pub fn with_answers(mut self, answers: bool) -> Self {
-        self.answers = answers;
+        let cfg = DriverConfig {
+            can_answer: answers,
+            ..*self.driver.config()
+        };
+        self.driver = Driver::new(self.name.clone(), cfg);
         self
     }
 
@@ -258,60 +250,9 @@ impl LbAgent {
         self.handle.clone()
     }
 
-    fn problem(&self, e: Option<&ClusterStoreError>) {
-        let mut s = self.handle.lock();
-        s.problem = e.map(|e| crate::error_chain(e));
-    }
-
-    /// Grants the lease if the announcer wants one and holds none, and
-    /// refreshes it every third of its TTL. The cap handed to the
-    /// announcer counts from when the request was *sent*.
-    async fn keep_lease(&mut self) -> Result<(), ClusterStoreError> {
-        // The announcer gave its lease up (revoked while the uplink is
-        // silent, or its cap passed with every refresh unanswered).
-        if self.machine.lease().is_none() {
-            self.lease = None;
-        }
-        if !self.machine.wants_lease() {
-            return Ok(());
-        }
-        let door = self.door.as_mut().expect("connected by the caller");
-        match self.lease {
-            None => {
-                let sent = Instant::now();
-                let sent_ns = monotonic_ns();
-                let (id, granted) = door.lb_grant(self.ttl).await?;
-                let cap = sent_ns + (granted - margin(granted)).as_nanos() as u64;
-                self.machine.lease_granted(id, cap);
-                self.lease = Some(Held {
-                    id,
-                    ttl: granted,
-                    sent,
-                });
-                door.lb_join(&self.name, &self.labels, self.answers, id)
-                    .await?;
-                tracing::info!(lease = id, ttl = ?granted, "lb lease granted; joined the announcers");
-                Ok(())
-            }
-            Some(held) if held.sent.elapsed() >= held.ttl / 3 => {
-                let sent = Instant::now();
-                let sent_ns = monotonic_ns();
-                if door.keep_alive(held.id).await? {
-                    self.lease = Some(Held { sent, ..held });
-                    self.machine
-                        .lease_refreshed(sent_ns + (held.ttl - margin(held.ttl)).as_nanos() as u64);
-                } else {
-                    tracing::warn!(
-                        lease = held.id,
-                        "lb lease expired; its announcements are gone (a new lease next)"
-                    );
-                    self.lease = None;
-                    self.machine.lease_lost();
-                }
-                Ok(())
-            }
-            Some(_) => Ok(()),
-        }
+    /// Notes the first etcd error of the tick.
+    fn note(&mut self, e: ClusterStoreError) {
+        self.problem.get_or_insert(e);
     }
 
     /// The uplink's health, without waiting for the agent's lock: while
@@ -339,24 +280,12 @@ impl LbAgent {
         self.health.clone()
     }
 
-    /// Shows the announcer's state to the API and metrics.
-    fn show(&self, counts: Counts) {
-        let mut s = self.handle.lock();
-        s.announcing = self.machine.held();
-        s.valid_until_ns = self.machine.valid_until().unwrap_or(0);
-        s.takes += counts.took;
-        s.withdrawals += counts.withdrew;
-    }
-
-    /// One tick.
-    async fn tick(&mut self, slot: &Arc<Mutex<Option<Agent>>>, announcements: &Maps) {
+    /// A tick's start: the connection, the uplink's health, the wake-up.
+    async fn tick_start(&mut self, slot: &Arc<Mutex<Option<Agent>>>) {
         if self.door.is_none() {
             match Door::connect(self.handle.opts.clone()).await {
                 Ok(d) => self.door = Some(d),
-                Err(e) => {
-                    self.problem(Some(&e));
-                    return;
-                }
+                Err(e) => self.note(e),
             }
         }
         // An uplink that is down, without carrier or gone answers nobody:
@@ -378,44 +307,36 @@ impl LbAgent {
         if was_down && !silent {
             tracing::info!("the uplink answers again: LB lease taken again");
         }
-        self.machine.set_silent(silent);
-        let lease_problem = self.keep_lease().await.err();
-        // Bounded, so a slow etcd never delays the next lease refresh past
-        // its slack: an action not carried out in time is reported lost
-        // to the announcer, which asks again (or writes again) next tick.
-        let deadline = Instant::now() + self.ttl / 4;
-        let mut problem = lease_problem;
-        self.publish_lease();
-        let stamp = mirror_stamp(&self.handle.opts);
-        if let Some(lease) = self.machine.lease()
-            && let Err(e) = self.read(lease, stamp).await
-        {
-            problem.get_or_insert(e);
+        self.driver.set_silent(silent);
+        self.wake.open(self.door.as_mut()).await;
+    }
+
+    /// Shows the announcer's state to the API and metrics, and the tick's
+    /// problem; a new address given up for not being answered here is
+    /// logged.
+    fn show(&mut self) {
+        let problem = self.problem.take();
+        let machine = self.driver.announcer();
+        let cannot = machine.cannot_answer();
+        let mut s = self.handle.lock();
+        for a in cannot.difference(&s.cannot_answer) {
+            tracing::warn!(
+                address = %a,
+                "lb address not answered here within a rank step (the announcement map refused it, or writes keep failing): given up to another node; this node publishes that it does not answer for a while"
+            );
         }
-        let mut counts = Counts::default();
-        if let Some(door) = self.door.as_mut() {
-            let e = lb_announce::run(
-                &mut self.machine,
-                door,
-                announcements,
-                &self.name,
-                deadline,
-                &mut counts,
-            )
-            .await;
-            if let Some(e) = e {
-                problem.get_or_insert(e);
-            }
-        }
-        self.publish_lease();
-        self.show(counts);
-        self.problem(problem.as_ref());
+        s.cannot_answer = cannot;
+        s.announcing = machine.held();
+        s.valid_until_ns = machine.valid_until().unwrap_or(0);
+        s.takes += std::mem::take(&mut self.counts.took);
+        s.withdrawals += std::mem::take(&mut self.counts.withdrew);
+        s.problem = problem.map(|e| crate::error_chain(&e));
     }
 
     /// Tells the assigner which lease the announcer holds (its rounds
     /// campaign and write under it).
     fn publish_lease(&self) {
-        let now = self.machine.lease();
+        let now = self.driver.announcer().lease();
         self.lease_held.send_if_modified(|held| {
             let changed = *held != now;
             *held = now;
@@ -423,27 +344,134 @@ impl LbAgent {
         });
     }
 
-    /// Reads `lb/` (from the mirror while it is live) and hands it to the
-    /// announcer (joining again if the read shows this node's membership
-    /// missing).
+    /// Carries out one of the driver's requests; its outcome.
+    async fn carry_out(&mut self, io: Io, announcements: &Maps) -> Done {
+        match io {
+            Io::Grant => match self.door.as_mut() {
+                None => {
+                    self.note(not_connected());
+                    Done::Lost
+                }
+                Some(door) => match door.lb_grant(self.ttl).await {
+                    Ok((id, granted)) => {
+                        tracing::info!(lease = id, ttl = ?granted, "lb lease granted");
+                        Done::Granted {
+                            id,
+                            ttl_ns: granted.as_nanos() as u64,
+                        }
+                    }
+                    Err(e) => {
+                        self.note(e);
+                        Done::Lost
+                    }
+                },
+            },
+            Io::Join { lease, answers } => {
+                let Some(door) = self.door.as_mut() else {
+                    self.note(not_connected());
+                    return Done::Lost;
+                };
+                match door.lb_join(&self.name, &self.labels, answers, lease).await {
+                    Ok(()) => {
+                        tracing::info!(lease, answers, "joined the lb announcers");
+                        Done::Joined
+                    }
+                    Err(e) => {
+                        self.note(e);
+                        Done::Lost
+                    }
+                }
+            }
+            Io::Refresh(lease) => {
+                let Some(door) = self.door.as_mut() else {
+                    self.note(not_connected());
+                    return Done::Lost;
+                };
+                match door.keep_alive(lease).await {
+                    Ok(true) => Done::Refreshed(true),
+                    Ok(false) => {
+                        tracing::warn!(
+                            lease,
+                            "lb lease expired; its announcements are gone (a new lease next)"
+                        );
+                        Done::Refreshed(false)
+                    }
+                    Err(e) => {
+                        self.note(e);
+                        Done::Lost
+                    }
+                }
+            }
+            Io::Read => match self.read().await {
+                Ok(view) => Done::Read(view),
+                Err(e) => {
+                    self.note(e);
+                    Done::Lost
+                }
+            },
+            Io::Revoke(lease) => {
+                let r = match self.door.as_mut() {
+                    Some(door) => AnnounceKeys::revoke(door, lease).await,
+                    None => Err(not_connected()),
+                };
+                match r {
+                    Ok(()) => Done::Revoked,
+                    // Best effort: a lease not revoked runs out.
+                    Err(e) => {
+                        tracing::warn!(error = %crate::error_chain(&e), "lb lease not revoked; it runs out");
+                        Done::Lost
+                    }
+                }
+            }
+            other => {
+                let (done, problem) = match self.door.as_mut() {
+                    Some(door) => {
+                        lb_announce::carry_out(
+                            other,
+                            door,
+                            announcements,
+                            &self.name,
+                            &mut self.counts,
+                        )
+                        .await
+                    }
+                    None => {
+                        lb_announce::carry_out(
+                            other,
+                            &mut NoKeys,
+                            announcements,
+                            &self.name,
+                            &mut self.counts,
+                        )
+                        .await
+                    }
+                };
+                if let Some(e) = problem {
+                    self.note(e);
+                }
+                done
+            }
+        }
+    }
+
+    /// Reads `lb/` (from the mirror while it is live) for the announcer;
+    /// `None` when it need not be handed a new one.
     ///
-    /// Skipped while the mirror's `lb/` stands at `stamp` as it did at the
-    /// last read, that read has every write of this door (a take, a
-    /// withdrawal, a join), and this node's membership shows in it (#27
-    /// item 6): the announcer keeps the read it has, which its own
-    /// answers since updated; handing it the same one again changes
-    /// nothing. It is handed a fresh one every [`IDLE_ROUND`] all the same.
-    /// The announcer itself still runs every tick (its clocks move: rank
-    /// steps, pace, the lease's cap).
-    async fn read(&mut self, lease: i64, stamp: Option<Stamp>) -> Result<(), ClusterStoreError> {
-        let door = self.door.as_mut().expect("connected");
+    /// Skipped while the mirror's `lb/` stands as it did at the last read,
+    /// that read has every write of this door (a take, a withdrawal, a
+    /// join), and this node's membership shows in it (#27 item 6): the
+    /// announcer keeps the read it has, which its own answers since
+    /// updated. It is handed a fresh one every [`IDLE_ROUND`] all the same.
+    async fn read(&mut self) -> Result<Option<Observation>, ClusterStoreError> {
+        let stamp = mirror_stamp(&self.handle.opts);
+        let door = self.door.as_mut().ok_or_else(not_connected)?;
         if let (Some(now), Some(seen)) = (stamp, self.seen)
             && now == seen.stamp
             && door.written() <= seen.revision
             && seen.at.elapsed() < IDLE_ROUND
-            && !self.machine.membership_missing()
+            && !self.driver.announcer().membership_missing()
         {
-            return Ok(());
+            return Ok(None);
         }
         self.seen = None;
         let view = door.lb_read().await?;
@@ -464,22 +492,48 @@ impl LbAgent {
                 s.unannounced = nobody;
             }
         }
-        self.machine
-            .observed(lb_announce::observation(&view)?, monotonic_ns());
-        if self.machine.membership_missing() {
-            tracing::info!(
-                lease,
-                "lb membership missing under the current lease: joining again"
-            );
-            door.lb_join(&self.name, &self.labels, self.answers, lease)
-                .await?;
-        }
+        let observation = lb_announce::observation(&view)?;
         self.seen = stamp.map(|stamp| Seen {
             stamp,
             revision: view.revision,
             at: Instant::now(),
         });
-        Ok(())
+        Ok(Some(observation))
+    }
+
+    /// Runs the driver until `stop`.
+    async fn run(
+        &mut self,
+        slot: &Arc<Mutex<Option<Agent>>>,
+        announcements: &Maps,
+        stop: &mut watch::Receiver<bool>,
+    ) {
+        loop {
+            if *stop.borrow() {
+                return;
+            }
+            if self.driver.tick_due(monotonic_ns()) {
+                self.tick_start(slot).await;
+            }
+            match self.driver.step(monotonic_ns()) {
+                Step::Io(io) => {
+                    let done = self.carry_out(io, announcements).await;
+                    self.driver.done(done, monotonic_ns());
+                    self.publish_lease();
+                }
+                Step::Announce(a) => announcements.announce(a),
+                Step::Wait(until) => {
+                    self.publish_lease();
+                    self.show();
+                    let wait = Duration::from_nanos(until.saturating_sub(monotonic_ns()));
+                    tokio::select! {
+                        () = tokio::time::sleep(wait) => {}
+                        () = self.wake.changed() => self.driver.wake(),
+                        _ = stop.wait_for(|s| *s) => return,
+                    }
+                }
+            }
+        }
     }
 
     /// Stops: out of the datapath, then the lease revoked (every key of
@@ -488,48 +542,31 @@ impl LbAgent {
     /// leaves the lease to run out instead: nothing is withdrawn on a
     /// write in doubt.
     async fn stop(&mut self, announcements: &Maps) {
-        self.machine.stop();
-        let deadline = Instant::now() + Duration::from_secs(2);
-        let mut counts = Counts::default();
-        while !self.machine.stopped() && Instant::now() < deadline {
-            match self.door.as_mut() {
-                Some(door) => {
-                    lb_announce::run(
-                        &mut self.machine,
-                        door,
-                        announcements,
-                        &self.name,
-                        deadline,
-                        &mut counts,
+        self.driver.stop();
+        let deadline = Instant::now() + STOP_WITHIN;
+        while !self.driver.stopped() && Instant::now() < deadline {
+            match self.driver.step(monotonic_ns()) {
+                Step::Io(io) => {
+                    let done = self.carry_out(io, announcements).await;
+                    self.driver.done(done, monotonic_ns());
+                }
+                Step::Announce(a) => announcements.announce(a),
+                Step::Wait(until) => {
+                    let wait = Duration::from_nanos(until.saturating_sub(monotonic_ns()));
+                    tokio::time::sleep(
+                        wait.min(deadline.saturating_duration_since(Instant::now())),
                     )
                     .await;
                 }
-                None => {
-                    // No etcd: the datapath is still emptied.
-                    let mut nothing = NoKeys;
-                    lb_announce::run(
-                        &mut self.machine,
-                        &mut nothing,
-                        announcements,
-                        &self.name,
-                        deadline,
-                        &mut counts,
-                    )
-                    .await;
-                    break;
-                }
-            }
-            if !self.machine.stopped() {
-                tokio::time::sleep(Duration::from_millis(50)).await;
             }
         }
-        if !self.machine.stopped() {
+        if !self.driver.stopped() {
             tracing::warn!("lb lease not revoked; it runs out");
         }
-        self.show(counts);
+        self.show();
     }
 
-    /// Runs ticks until `stop`, writing this node's announcements into
+    /// Runs until `stop`, writing this node's announcements into
     /// `announcements` (`None`: a node without a datapath, as a
     /// benchmark's simulated nodes are).
     pub fn spawn(
@@ -542,15 +579,7 @@ impl LbAgent {
         let assigner = Assigner::new(self.name.clone(), self.ttl, self.handle.clone());
         let assigner = tokio::spawn(assigner.run(self.lease_held.subscribe(), stop.clone()));
         tokio::spawn(async move {
-            loop {
-                self.tick(&slot, &announcements).await;
-                self.wake.open(self.door.as_mut()).await;
-                tokio::select! {
-                    () = tokio::time::sleep(TICK) => {}
-                    () = self.wake.changed() => {}
-                    _ = stop.wait_for(|s| *s) => break,
-                }
-            }
+            self.run(&slot, &announcements, &mut stop).await;
             // No round while the lease goes (an interrupted one is fenced
             // like any other: stored whole or not at all).
             assigner.abort();
@@ -567,16 +596,11 @@ impl LbAgent {
 /// agent slot without an agent made the write a no-op).
 struct Maps(Option<Announcements>);
 
-impl lb_announce::AnnounceDatapath for Maps {
-    async fn program(
-        &self,
-        seq: u64,
-        addresses: BTreeSet<IpAddr>,
-        valid_until: u64,
-    ) -> lockstep_core::lb::announce::Written {
+impl AnnounceDatapath for Maps {
+    async fn program(&self, seq: u64, addresses: BTreeSet<IpAddr>, valid_until: u64) -> Written {
         match &self.0 {
             Some(maps) => maps.program(seq, addresses, valid_until).await,
-            None => lockstep_core::lb::announce::Written::Done,
+            None => Written::Done,
         }
     }
 
@@ -587,12 +611,12 @@ impl lb_announce::AnnounceDatapath for Maps {
     }
 }
 
-/// etcd out of reach at a stop: every request is lost.
+/// etcd out of reach: every request is lost.
 struct NoKeys;
 
-impl lb_announce::AnnounceKeys for NoKeys {
+impl AnnounceKeys for NoKeys {
     async fn take(&self, _: IpAddr, _: &str, _: i64) -> Result<Option<i64>, ClusterStoreError> {
-        Err(ClusterStoreError::Invalid("not connected to etcd".into()))
+        Err(not_connected())
     }
 
     async fn withdraw(
@@ -601,11 +625,11 @@ impl lb_announce::AnnounceKeys for NoKeys {
         _: &str,
         _: lockstep_core::lb::announce::KeyRef,
     ) -> Result<(), ClusterStoreError> {
-        Err(ClusterStoreError::Invalid("not connected to etcd".into()))
+        Err(not_connected())
     }
 
     async fn revoke(&mut self, _: i64) -> Result<(), ClusterStoreError> {
-        Err(ClusterStoreError::Invalid("not connected to etcd".into()))
+        Err(not_connected())
     }
 }
 
@@ -629,10 +653,11 @@ mod tests {
 
     #[test]
     fn the_datapath_cap_stays_a_margin_inside_the_lease() {
-        for secs in [2, 3, 15, 600] {
-            let ttl = Duration::from_secs(secs);
+        use lockstep_core::lb::announce::driver::margin;
+        for secs in [2u64, 3, 15, 600] {
+            let ttl = secs * 1_000_000_000;
             let m = margin(ttl);
-            assert!(m >= Duration::from_millis(100) && m <= ttl / 10 + Duration::from_millis(100));
+            assert!(m >= 100_000_000 && m <= ttl / 10 + 100_000_000);
             // Refreshed every third of the TTL: the cap is always ahead.
             assert!(ttl - m > ttl / 3, "{secs}s");
         }

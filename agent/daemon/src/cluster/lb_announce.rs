@@ -1,40 +1,32 @@
-//! The glue between the core's announcer ([`Announcer`], #27 items 1, 2
-//! and 5) and the two systems it orders steps across: etcd's announcement
-//! keys ([`AnnounceKeys`], the cluster door) and the datapath's
-//! announcement maps ([`AnnounceDatapath`], [`Announcements`]). It carries
-//! out the announcer's actions one at a time and reports each outcome back
-//! exactly as it happened: a map write that failed is reported failed and
-//! one not answered in time is reported lost (it may still land), so the
-//! announcer never withdraws a key on a write it has no confirmation of.
-//! An action not carried out (the tick's time is up) is reported lost
-//! too, which is always safe: lost means "may or may not have happened".
+//! The glue between the core's announcer driver
+//! (`lockstep_core::lb::announce::driver`, #27 items 1, 2 and 5) and the
+//! two systems it orders steps across: etcd's announcement keys
+//! ([`AnnounceKeys`], the cluster door) and the datapath's announcement
+//! maps ([`AnnounceDatapath`], [`Announcements`]). It carries out one
+//! request at a time and reports each outcome exactly as it happened: a
+//! map write that failed is reported failed (or, read back, as what the
+//! maps hold), and one not answered in time is reported lost (it may
+//! still land), so the announcer never withdraws a key on a write it has
+//! no confirmation of.
 //!
 //! The two traits exist so this order is unit-tested with the doors'
 //! doubles (a map write failing or hanging) without etcd or root.
 
-use std::collections::{BTreeSet, VecDeque};
+use std::collections::BTreeSet;
 use std::net::IpAddr;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use etcd_client::{Compare, CompareOp, Txn, TxnOp};
-use lockstep_core::lb::announce::{
-    Action, Announcer, Holder, KeyRef, Observation, Took, Withdrew, Written,
-};
+use lockstep_core::lb::announce::driver::{Done, Io};
+use lockstep_core::lb::announce::{Holder, KeyRef, Observation, Took, Withdrew, Written};
 
 use super::lb::selectors;
 use super::{ClusterStoreError, Door, LbView};
 use crate::agent::Announcements;
-use crate::agent::announce::monotonic_ns;
 
 /// How long a datapath write is waited for before it is reported lost
 /// (it may still land; a newer write is never overtaken by it).
 pub const WRITE_TIMEOUT: Duration = Duration::from_millis(500);
-
-/// At most this many polls of the announcer per call (take → program →
-/// announce is three; each batch of takes adds one).
-const MAX_POLLS: usize = 64;
-/// At most this many takes are sent to etcd together.
-const TAKE_BATCH: usize = 32;
 
 /// etcd's announcement keys, as the announcer uses them.
 pub(crate) trait AnnounceKeys {
@@ -135,8 +127,11 @@ impl AnnounceDatapath for Announcements {
         match tokio::time::timeout(WRITE_TIMEOUT, write).await {
             Ok(Ok(Ok(_))) => Written::Done,
             Ok(Ok(Err(e))) => {
-                tracing::error!(error = %crate::error_chain(&e), seq, "cluster announcements not programmed");
-                Written::Failed
+                tracing::error!(error = %crate::error_chain(&e.error), seq, held = ?e.held, "cluster announcements not programmed");
+                match e.held {
+                    Some(held) => Written::Partly(held),
+                    None => Written::Failed,
+                }
             }
             Ok(Err(e)) => {
                 tracing::error!(error = %e, seq, "cluster announcement write failed");
@@ -191,131 +186,69 @@ pub(crate) fn observation(view: &LbView) -> Result<Observation, ClusterStoreErro
     })
 }
 
-/// Carries out what `machine` says until it says nothing more or
-/// `deadline` passes, reporting every outcome; what is left when the
-/// deadline passes is reported lost (asked again next time). Takes in a
-/// row go to etcd together, and what they won is programmed before
-/// anything else.
-/// Returns the first etcd error seen (every failed request was reported
-/// lost to the machine).
-pub(crate) async fn run<K: AnnounceKeys, D: AnnounceDatapath>(
-    machine: &mut Announcer,
+/// Carries out one of the driver's requests on the announcement keys or
+/// the datapath (a take, a withdrawal, a write), counting and logging it;
+/// its outcome, and the etcd error if one made it lost. Takes in one
+/// request go to etcd together (each its own transaction): a node taking
+/// many addresses at once (a failover) waits one round trip, not one per
+/// address.
+pub(crate) async fn carry_out<K: AnnounceKeys, D: AnnounceDatapath>(
+    io: Io,
     keys: &mut K,
     dp: &D,
     node: &str,
-    deadline: Instant,
     counts: &mut Counts,
-) -> Option<ClusterStoreError> {
+) -> (Done, Option<ClusterStoreError>) {
     let mut problem = None;
-    let mut queue: VecDeque<Action> = VecDeque::new();
-    let mut polls = 0;
-    loop {
-        let late = Instant::now() >= deadline || polls >= MAX_POLLS;
-        if queue.is_empty() {
-            if late {
-                break;
-            }
-            queue.extend(machine.poll(monotonic_ns()));
-            polls += 1;
-            if queue.is_empty() {
-                break;
-            }
+    let done = match io {
+        Io::Program {
+            seq,
+            addresses,
+            valid_until,
+        } => Done::Programmed(dp.program(seq, addresses, valid_until).await),
+        Io::Take { lease, addresses } => {
+            let asked = addresses.iter().map(|a| keys.take(*a, node, lease));
+            let answers = futures::future::join_all(asked)
+                .await
+                .into_iter()
+                .zip(&addresses)
+                .map(|(r, a)| match r {
+                    Ok(Some(rev)) => {
+                        tracing::info!(address = %a, "lb announcement taken");
+                        counts.took += 1;
+                        Took::Mine(rev)
+                    }
+                    Ok(None) => Took::Other,
+                    Err(e) => {
+                        problem.get_or_insert(e);
+                        Took::Lost
+                    }
+                })
+                .collect();
+            Done::Took(answers)
         }
-        let Some(action) = queue.pop_front() else {
-            break;
-        };
-        match action {
-            Action::Program {
-                seq,
-                addresses,
-                valid_until,
-            } => {
-                let written = if late {
-                    Written::Lost
-                } else {
-                    dp.program(seq, addresses, valid_until).await
-                };
-                for a in machine.programmed(seq, written, monotonic_ns()) {
-                    if let Action::Announce(a) = a {
-                        dp.announce(a);
-                    }
-                }
+        Io::Withdraw(a, key) => match keys.withdraw(a, node, key).await {
+            Ok(()) => {
+                tracing::info!(address = %a, "lb announcement withdrawn");
+                counts.withdrew += 1;
+                Done::Withdrew(Withdrew::Done)
             }
-            Action::Take(first) => {
-                // The takes at the front go to etcd together (each its own
-                // transaction): a node taking many addresses at once (a
-                // failover) waits one round trip, not one per address.
-                let mut batch = vec![first];
-                while batch.len() < TAKE_BATCH
-                    && let Some(Action::Take(a)) = queue.front()
-                {
-                    batch.push(*a);
-                    queue.pop_front();
-                }
-                let answers: Vec<Took> = match (late, machine.lease()) {
-                    (false, Some(lease)) => {
-                        let asked = batch.iter().map(|a| keys.take(*a, node, lease));
-                        futures::future::join_all(asked)
-                            .await
-                            .into_iter()
-                            .zip(&batch)
-                            .map(|(r, a)| match r {
-                                Ok(Some(rev)) => {
-                                    tracing::info!(address = %a, "lb announcement taken");
-                                    counts.took += 1;
-                                    Took::Mine(rev)
-                                }
-                                Ok(None) => Took::Other,
-                                Err(e) => {
-                                    problem.get_or_insert(e);
-                                    Took::Lost
-                                }
-                            })
-                            .collect()
-                    }
-                    _ => vec![Took::Lost; batch.len()],
-                };
-                let mine = answers.iter().any(|t| matches!(t, Took::Mine(_)));
-                for (a, answer) in batch.into_iter().zip(answers) {
-                    machine.took(a, answer);
-                }
-                // Programs what is held before anything else queued.
-                if !late && mine {
-                    let now = machine.poll(monotonic_ns());
-                    polls += 1;
-                    for x in now.into_iter().rev() {
-                        queue.push_front(x);
-                    }
-                }
+            Err(e) => {
+                problem.get_or_insert(e);
+                Done::Withdrew(Withdrew::Lost)
             }
-            Action::Withdraw(a, key) => {
-                let answer = if late {
-                    Withdrew::Lost
-                } else {
-                    match keys.withdraw(a, node, key).await {
-                        Ok(()) => {
-                            tracing::info!(address = %a, "lb announcement withdrawn");
-                            counts.withdrew += 1;
-                            Withdrew::Done
-                        }
-                        Err(e) => {
-                            problem.get_or_insert(e);
-                            Withdrew::Lost
-                        }
-                    }
-                };
-                machine.withdrew(a, answer, monotonic_ns());
+        },
+        Io::Revoke(lease) => match keys.revoke(lease).await {
+            Ok(()) => Done::Revoked,
+            Err(e) => {
+                problem.get_or_insert(e);
+                Done::Lost
             }
-            Action::Announce(a) => dp.announce(a),
-            // Best effort: a lease not revoked runs out.
-            Action::Revoke(lease) => {
-                if let Err(e) = keys.revoke(lease).await {
-                    tracing::warn!(error = %crate::error_chain(&e), "lb lease not revoked; it runs out");
-                }
-            }
-        }
-    }
-    problem
+        },
+        // The lease and the reads are the LB agent's own (`lb_agent`).
+        Io::Grant | Io::Join { .. } | Io::Refresh(_) | Io::Read => Done::Lost,
+    };
+    (done, problem)
 }
 
 #[cfg(test)]

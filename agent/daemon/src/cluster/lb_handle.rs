@@ -52,6 +52,10 @@ pub(super) struct Shared {
     /// The uplink cannot answer (down, without carrier, gone): the LB
     /// lease is not refreshed, so this node's addresses move to others.
     pub(super) uplink_down: bool,
+    /// Addresses this node gave up because they were not answered here
+    /// within a rank step (the announcement map refused them, or writes
+    /// keep failing): it publishes that it does not answer for a while.
+    pub(super) cannot_answer: BTreeSet<IpAddr>,
 }
 
 /// An address's announcement as `lockstep lb get` shows it.
@@ -454,6 +458,13 @@ pub fn render_metrics(h: &LbHandle) -> String {
         out.push_str(&format!(
             "lockstep_lb_unannounced{{address=\"{a}\",pool=\"{pool}\"}} 1\n"
         ));
+    }
+    out.push_str(
+        "# HELP lockstep_lb_cannot_answer Addresses this node gave up because it could not answer them within a rank step (its announcement map refused them, or its writes keep failing); it publishes that it does not answer for a while.\n\
+         # TYPE lockstep_lb_cannot_answer gauge\n",
+    );
+    for a in &s.cannot_answer {
+        out.push_str(&format!("lockstep_lb_cannot_answer{{address=\"{a}\"}} 1\n"));
     }
     out
 }

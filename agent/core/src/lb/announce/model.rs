@@ -3,17 +3,26 @@
 //! requests applied after a delay, answers lost), each node's kernel
 //! datapath (entries with an expiry, answered whatever the agent does;
 //! writes applied in sequence order, failing part-way or landing late),
-//! each agent (the glue's tick: lease, read, the [`Announcer`]'s actions,
-//! one request at a time with a timeout; a renewer that rewrites the
-//! expiry on its own clock) and faults: kills, stops, graceful stops,
-//! etcd cut off, answers lost, links down, map writes failing or late.
+//! each agent and faults: kills, stops, graceful stops, etcd cut off,
+//! answers lost, links down, map writes failing or late.
+//!
+//! Each agent is the shipped tick: the core's [`Driver`], the code the
+//! daemon's LB agent runs, here carried out against the simulated etcd and
+//! datapath (one request at a time, each bounded by the driver's
+//! timeouts), beside a renewer that rewrites the entries' expiry on its
+//! own clock.
 //!
 //! Time moves in steps of [`STEP`]; after every step the checker looks at
-//! who answers each address.
+//! who answers each address. How long an address may stay silent is
+//! derived from the protocol's constants ([`Bounds`]) and counted from the
+//! moment the protocol owes an answer: the last holder of its key stopped
+//! renewing its lease (or, still renewing, took the key or saw it go
+//! dark), the key went, or a healthy node came back.
 
-use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet};
 use std::net::{IpAddr, Ipv4Addr};
 
+use super::driver::{Done, Driver, DriverConfig, Io, Step};
 use super::*;
 use crate::lb::cluster::Candidate;
 
@@ -21,14 +30,61 @@ pub const MS: Nanos = 1_000_000;
 pub const STEP: Nanos = 10 * MS;
 /// The LB lease.
 pub const TTL: Nanos = 3_000 * MS;
-/// The margin between the datapath's cap and the lease.
-pub const MARGIN: Nanos = 300 * MS;
-/// The glue's tick.
-pub const TICK: Nanos = 200 * MS;
-/// The bound on an etcd request.
+/// The bound on an etcd request (the daemon's).
 pub const TIMEOUT: Nanos = 500 * MS;
-/// The bound on a datapath write.
-pub const WRITE_TIMEOUT: Nanos = 300 * MS;
+/// The bound on a datapath write (the daemon's).
+pub const WRITE_TIMEOUT: Nanos = 500 * MS;
+/// The longest lag of etcd's expiry check behind a lease's TTL.
+pub const LAG: Nanos = 500 * MS;
+/// The longest a request to etcd takes to apply, and its answer to come
+/// back, on a healthy link.
+pub const RTT: Nanos = 80 * MS;
+/// The longest a map write takes when the datapath is healthy.
+pub const WRITE: Nanos = 20 * MS;
+
+/// How long an address may stay silent, derived from the protocol's
+/// constants for `nodes` candidates.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Bounds {
+    /// From the moment nobody holds the key until a healthy node answers:
+    /// it reads at its next tick, waits its rank's steps (the worst rank
+    /// is the last) counted from that read, takes at the tick after, and
+    /// programs; each request a healthy round trip, a request of its own
+    /// ahead of each (a refresh, a withdrawal).
+    pub free: Nanos,
+    /// From the moment a holder that keeps renewing its lease took the key
+    /// or its address went dark, until it answers or has withdrawn the
+    /// key: a rank step to give up, a tick to notice, every write in doubt
+    /// expired (the lease's cap: TTL less the margin, counted from a
+    /// refresh sent a third of the TTL earlier at most), a tick, and the
+    /// withdrawal's slowest application (a lossy link's).
+    pub hold: Nanos,
+    /// From the last renewal etcd applied for a holder that stopped
+    /// renewing, until its key is gone: the TTL and the expiry check's lag.
+    pub expire: Nanos,
+    /// From the moment a node became healthy until it can take: a tick, a
+    /// grant, the membership, a read.
+    pub join: Nanos,
+}
+
+impl Bounds {
+    /// The bounds of the model's constants with `nodes` candidates.
+    #[must_use]
+    pub fn derive(nodes: usize) -> Self {
+        let cfg = AnnouncerConfig::for_lease(TTL);
+        let d = DriverConfig::for_lease(TTL);
+        let ranks = (nodes as u64).saturating_sub(1);
+        Self {
+            free: 3 * d.tick_ns + ranks * cfg.step_ns + 4 * RTT + WRITE + 2 * STEP,
+            hold: cfg.step_ns + 2 * d.tick_ns + (TTL - driver::margin(TTL)) + LOSSY_APPLY + TIMEOUT,
+            expire: TTL + LAG,
+            join: 2 * d.tick_ns + 4 * TIMEOUT,
+        }
+    }
+}
+
+/// The longest a lossy link delays a request's application.
+const LOSSY_APPLY: Nanos = 700 * MS;
 
 /// A small deterministic generator (splitmix64).
 #[derive(Clone, Debug)]
@@ -71,6 +127,9 @@ pub enum FaultKind {
     LinkDown,
     /// Map writes fail half the time, or hang and land late.
     FlakyMaps,
+    /// Every map write fails, nothing of it applied (the announcement map
+    /// full).
+    MapFull,
 }
 
 /// A fault: which node, when (ms), what, for how long (ms).
@@ -85,10 +144,10 @@ pub struct Fault {
 #[derive(Clone, Debug)]
 enum Op {
     Grant,
-    Join(i64),
+    Join(i64, bool),
     Refresh(i64),
     Read,
-    Take(IpAddr, i64),
+    Take(Vec<IpAddr>, i64),
     Withdraw(IpAddr, KeyRef),
     Revoke(i64),
 }
@@ -98,8 +157,8 @@ enum Res {
     Granted(i64),
     Alive(bool),
     View(Observation),
-    /// A take: the key's create revision if it is the node's.
-    Took(Option<i64>),
+    /// Takes: each key's create revision if it is the node's.
+    Took(Vec<Option<i64>>),
     Done,
 }
 
@@ -113,13 +172,33 @@ struct Pending {
     reply_after: Option<Nanos>,
 }
 
+/// An etcd lease.
+#[derive(Clone, Copy, Debug)]
+struct LeaseRec {
+    /// When it runs out (etcd's view), and the expiry check's lag.
+    expires: Nanos,
+    lag: Nanos,
+    /// When a grant or refresh of it was last applied.
+    renewed: Nanos,
+}
+
+/// An announcement key.
+#[derive(Clone, Copy, Debug)]
+struct KeyRec {
+    node: usize,
+    lease: i64,
+    rev: i64,
+    created: Nanos,
+}
+
 #[derive(Default)]
 struct Etcd {
-    /// lease → (node, expires at (etcd's view), deletion lag).
-    leases: BTreeMap<i64, (usize, Nanos, Nanos)>,
-    /// address → (node, lease, create revision).
-    keys: BTreeMap<IpAddr, (usize, i64, i64)>,
-    members: BTreeMap<usize, i64>,
+    leases: BTreeMap<i64, LeaseRec>,
+    keys: BTreeMap<IpAddr, KeyRec>,
+    /// When each address's key last went.
+    freed: BTreeMap<IpAddr, Nanos>,
+    /// node → (lease, answers).
+    members: BTreeMap<usize, (i64, bool)>,
     next_lease: i64,
     revision: i64,
     pending: Vec<Pending>,
@@ -175,6 +254,28 @@ impl Datapath {
         }
     }
 
+    /// A write that fails with nothing applied but removals (a full map
+    /// refuses every insert; deletes still work).
+    fn apply_removals(&mut self, now: Nanos, seq: u64, set: &BTreeSet<IpAddr>, cap: Nanos) {
+        if seq <= self.applied_seq {
+            return;
+        }
+        self.applied_seq = seq;
+        self.cap = cap;
+        self.entries.retain(|a, _| set.contains(a));
+        self.set = self.live(now);
+    }
+
+    /// The addresses answered now, as a read back finds them: present,
+    /// and not expired.
+    fn live(&self, now: Nanos) -> BTreeSet<IpAddr> {
+        self.entries
+            .iter()
+            .filter(|(_, e)| **e > now)
+            .map(|(a, _)| *a)
+            .collect()
+    }
+
     fn renew(&mut self, now: Nanos) {
         let expiry = (now + TTL).min(self.cap).max(1);
         self.entries = self.set.iter().map(|a| (*a, expiry)).collect();
@@ -190,50 +291,31 @@ enum Proc {
 
 /// What the agent waits for.
 enum Wait {
-    Etcd {
-        req: u64,
-        sent: Nanos,
-        deadline: Nanos,
-        what: Op,
-    },
-    Write {
-        seq: u64,
-        until: Nanos,
-        outcome: Written,
-    },
+    Etcd { req: u64, deadline: Nanos, what: Op },
+    Write { until: Nanos, outcome: Written },
 }
 
 struct Agent {
-    machine: Announcer,
-    /// The glue's lease: id and when its last refresh (or grant) was sent.
-    lease: Option<(i64, Nanos)>,
+    driver: Driver,
     wait: Option<Wait>,
     /// Answers delivered to the agent: request → (at, result).
     inbox: BTreeMap<u64, (Nanos, Res)>,
     next_req: u64,
-    queue: VecDeque<Action>,
-    next_tick: Nanos,
     next_renew: Nanos,
-    /// This tick still reads etcd after the lease step.
-    read_due: bool,
-    /// The membership is to be written (under the glue's lease).
-    join_due: bool,
     stop_deadline: Option<Nanos>,
 }
 
 impl Agent {
     fn new(name: &str, now: Nanos) -> Self {
+        let mut cfg = DriverConfig::for_lease(TTL);
+        // The daemon's timing, on the model's clock.
+        cfg.stop_poll_ns = 50 * MS;
         Self {
-            machine: Announcer::new(name, AnnouncerConfig::for_lease(TTL)),
-            lease: None,
+            driver: Driver::new(name, cfg),
             wait: None,
             inbox: BTreeMap::new(),
             next_req: 1,
-            queue: VecDeque::new(),
-            next_tick: now,
             next_renew: now + TTL / 3,
-            read_due: false,
-            join_due: false,
             stop_deadline: None,
         }
     }
@@ -252,8 +334,8 @@ struct Node {
 pub struct Outcome {
     /// (time, address, nodes) where two nodes answered.
     pub doubles: Vec<(Nanos, IpAddr, Vec<usize>)>,
-    /// (address, silent from, silent for) of silences longer than the
-    /// bound while a healthy node existed.
+    /// (address, silent from, how far past its deadline) of silences
+    /// longer than [`Bounds`] allow.
     pub long_silences: Vec<(IpAddr, Nanos, Nanos)>,
     /// Handovers: the answering node changed.
     pub moves: usize,
@@ -261,8 +343,10 @@ pub struct Outcome {
     pub announced: usize,
     /// Moves that changed the answering node back within `settle`.
     pub flaps: Vec<(IpAddr, Nanos)>,
-    /// The longest silence seen.
+    /// The longest silence seen (of an address to be announced).
     pub longest_silence: Nanos,
+    /// Every silence that ended: (address, from, answered again at).
+    pub silences: Vec<(IpAddr, Nanos, Nanos)>,
 }
 
 /// The cluster under test.
@@ -282,6 +366,8 @@ pub struct World {
     /// Per address: the answering nodes in order, with when each began.
     pub history: BTreeMap<IpAddr, Vec<(usize, Nanos)>>,
     pub outcome: Outcome,
+    pub bounds: Bounds,
+    healthy_since: Vec<Option<Nanos>>,
     /// Debugging: events about this address are printed.
     pub trace: Option<IpAddr>,
 }
@@ -297,6 +383,7 @@ impl World {
                 )
             })
             .collect();
+        let count = nodes;
         let nodes = (0..nodes)
             .map(|i| {
                 let name = format!("node-{i}");
@@ -327,6 +414,8 @@ impl World {
             last: BTreeMap::new(),
             history: BTreeMap::new(),
             outcome: Outcome::default(),
+            bounds: Bounds::derive(count),
+            healthy_since: vec![Some(0); count],
             trace: None,
         }
     }
@@ -359,6 +448,7 @@ impl World {
                 FaultKind::Lossy,
                 FaultKind::LinkDown,
                 FaultKind::FlakyMaps,
+                FaultKind::MapFull,
                 FaultKind::Kill,
                 FaultKind::Stop,
                 FaultKind::Term,
@@ -376,11 +466,10 @@ impl World {
                 .is_some_and(|e| *e > self.now)
     }
 
-    /// Runs for `ms` milliseconds; `bound`: the longest silence allowed
-    /// while a healthy node exists.
-    pub fn run(&mut self, ms: u64, bound: Nanos, settle: Nanos) {
+    /// Runs until `ms` milliseconds; `settle`: a move back to the node
+    /// answering before the last one within it is a flap.
+    pub fn run(&mut self, ms: u64, settle: Nanos) {
         let end = ms * MS;
-        let mut healthy_since: Vec<Option<Nanos>> = vec![Some(0); self.nodes.len()];
         while self.now < end {
             self.now += STEP;
             let now = self.now;
@@ -400,21 +489,48 @@ impl World {
             for n in 0..self.nodes.len() {
                 self.node_step(n);
             }
-            for (n, h) in healthy_since.iter_mut().enumerate() {
+            for n in 0..self.nodes.len() {
                 let ok = self.healthy(n);
-                *h = match (ok, *h) {
+                self.healthy_since[n] = match (ok, self.healthy_since[n]) {
                     (false, _) => None,
                     (true, Some(t)) => Some(t),
                     (true, None) => Some(self.now),
                 };
             }
-            self.check(&healthy_since, bound, settle);
+            self.check(settle);
         }
     }
 
-    fn check(&mut self, healthy_since: &[Option<Nanos>], bound: Nanos, settle: Nanos) {
+    /// When the protocol owes an answer for `a`, dark since `dark`, given
+    /// who holds its key now.
+    fn owed_from(&self, a: IpAddr, dark: Nanos) -> Nanos {
+        let b = self.bounds;
+        let key_point = match self.etcd.keys.get(&a) {
+            None => self.etcd.freed.get(&a).copied().unwrap_or(0),
+            Some(k) => {
+                let renewed = self.etcd.leases.get(&k.lease).map_or(0, |l| l.renewed);
+                // A holder renews at least every third of the TTL (sent
+                // late by a tick, answered or timed out within a request's
+                // bound, applied within a lossy link's delay).
+                let renewing = self.now
+                    <= renewed
+                        + TTL / 3
+                        + 2 * DriverConfig::for_lease(TTL).tick_ns
+                        + TIMEOUT
+                        + LOSSY_APPLY;
+                if renewing {
+                    dark.max(k.created) + b.hold
+                } else {
+                    renewed + b.expire
+                }
+            }
+        };
+        key_point.max(dark)
+    }
+
+    fn check(&mut self, settle: Nanos) {
         let addrs: Vec<IpAddr> = self.all.keys().copied().collect();
-        let earliest_healthy = healthy_since.iter().flatten().min().copied();
+        let earliest_healthy = self.healthy_since.iter().flatten().min().copied();
         for a in addrs {
             let who: Vec<usize> = (0..self.nodes.len())
                 .filter(|n| self.answering(*n, a))
@@ -437,6 +553,7 @@ impl World {
                     if let Some(s) = silent {
                         self.outcome.longest_silence =
                             self.outcome.longest_silence.max(self.now - s);
+                        self.outcome.silences.push((a, s, self.now));
                     }
                     if prev.is_some_and(|p| p != n) || (prev.is_none() && silent.is_some()) {
                         let h = self.history.entry(a).or_default();
@@ -447,8 +564,7 @@ impl World {
                             // Back to the node answering before the last one,
                             // within `settle` of leaving it.
                             if h.len() >= 2 {
-                                let (before, left) = h[h.len() - 2];
-                                let _ = left;
+                                let (before, _) = h[h.len() - 2];
                                 let (_, began) = h[h.len() - 1];
                                 if before == n && self.now - began < settle {
                                     self.outcome.flaps.push((a, self.now));
@@ -468,16 +584,19 @@ impl World {
                 None => {
                     let since = silent.unwrap_or(self.now);
                     self.last.insert(a, (prev, Some(since)));
+                    self.outcome.longest_silence =
+                        self.outcome.longest_silence.max(self.now - since);
                     if let Some(h) = earliest_healthy {
-                        let from = since.max(h);
-                        if self.now - from > bound
+                        let owed =
+                            self.owed_from(a, since).max(h + self.bounds.join) + self.bounds.free;
+                        if self.now > owed
                             && !self
                                 .outcome
                                 .long_silences
                                 .iter()
                                 .any(|(x, s, _)| *x == a && *s == since)
                         {
-                            self.outcome.long_silences.push((a, since, self.now - from));
+                            self.outcome.long_silences.push((a, since, self.now - owed));
                         }
                     }
                 }
@@ -496,15 +615,14 @@ impl World {
                 Proc::Running if kill => node.proc = Proc::Dead,
                 Proc::Running if stop => node.proc = Proc::Stopped,
                 Proc::Running if term && node.agent.stop_deadline.is_none() => {
-                    node.agent.machine.stop();
-                    node.agent.stop_deadline = Some(self.now + 1_000 * MS);
-                    node.agent.queue.clear();
+                    node.agent.driver.stop();
+                    node.agent.stop_deadline = Some(self.now + 2_000 * MS);
                 }
                 Proc::Running
                     if node
                         .agent
                         .stop_deadline
-                        .is_some_and(|d| self.now >= d || node.agent.machine.stopped())
+                        .is_some_and(|d| self.now >= d || node.agent.driver.stopped())
                         && node.agent.wait.is_none() =>
                 {
                     node.proc = Proc::Dead;
@@ -535,8 +653,8 @@ impl World {
             .etcd
             .leases
             .iter()
-            .filter(|(_, (_, exp, lag))| now >= exp + lag)
-            .map(|(l, _)| *l)
+            .filter(|(_, l)| now >= l.expires + l.lag)
+            .map(|(id, _)| *id)
             .collect();
         for l in gone {
             self.drop_lease(l);
@@ -549,7 +667,8 @@ impl World {
             let res = self.apply(&p);
             if let Some(t) = self.trace {
                 let about = match &p.op {
-                    Op::Take(a, _) | Op::Withdraw(a, _) => *a == t,
+                    Op::Take(a, _) => a.contains(&t),
+                    Op::Withdraw(a, _) => *a == t,
                     _ => true,
                 };
                 if about {
@@ -579,16 +698,24 @@ impl World {
         if self.trace.is_some() {
             eprintln!("{} etcd drops lease {l}", self.now / MS);
         }
+        let now = self.now;
         self.etcd.leases.remove(&l);
-        self.etcd.keys.retain(|_, (_, kl, _)| *kl != l);
-        self.etcd.members.retain(|_, ml| *ml != l);
+        let freed = &mut self.etcd.freed;
+        self.etcd.keys.retain(|a, k| {
+            let keep = k.lease != l;
+            if !keep {
+                freed.insert(*a, now);
+            }
+            keep
+        });
+        self.etcd.members.retain(|_, (ml, _)| *ml != l);
     }
 
     fn lease_alive(&self, l: i64) -> bool {
         self.etcd
             .leases
             .get(&l)
-            .is_some_and(|(_, exp, _)| self.now < *exp)
+            .is_some_and(|r| self.now < r.expires)
     }
 
     fn apply(&mut self, p: &Pending) -> Res {
@@ -597,20 +724,34 @@ impl World {
             Op::Grant => {
                 let id = self.etcd.next_lease;
                 self.etcd.next_lease += 1;
-                let lag = self.rng.below(500) * MS;
-                self.etcd.leases.insert(id, (p.node, now + TTL, lag));
+                let lag = self.rng.below(LAG / MS) * MS;
+                self.etcd.leases.insert(
+                    id,
+                    LeaseRec {
+                        expires: now + TTL,
+                        lag,
+                        renewed: now,
+                    },
+                );
                 Res::Granted(id)
             }
-            Op::Join(l) => {
+            Op::Join(l, answers) => {
                 if self.lease_alive(*l) {
-                    self.etcd.members.insert(p.node, *l);
+                    self.etcd.members.insert(p.node, (*l, *answers));
                 }
                 Res::Done
             }
             Op::Refresh(l) => {
                 if self.lease_alive(*l) {
-                    let lag = self.rng.below(500) * MS;
-                    self.etcd.leases.insert(*l, (p.node, now + TTL, lag));
+                    let lag = self.rng.below(LAG / MS) * MS;
+                    self.etcd.leases.insert(
+                        *l,
+                        LeaseRec {
+                            expires: now + TTL,
+                            lag,
+                            renewed: now,
+                        },
+                    );
                     Res::Alive(true)
                 } else {
                     Res::Alive(false)
@@ -622,13 +763,13 @@ impl World {
                     .etcd
                     .members
                     .iter()
-                    .filter(|(_, l)| self.lease_alive(**l))
-                    .map(|(n, l)| {
+                    .filter(|(_, (l, _))| self.lease_alive(*l))
+                    .map(|(n, (l, answers))| {
                         (
                             Candidate {
                                 name: self.nodes[*n].name.clone(),
                                 labels: BTreeMap::new(),
-                                answers: true,
+                                answers: *answers,
                             },
                             *l,
                         )
@@ -638,42 +779,35 @@ impl World {
                     .etcd
                     .keys
                     .iter()
-                    .filter(|(_, (_, l, _))| self.lease_alive(*l))
-                    .map(|(a, (n, l, _))| {
+                    .filter(|(_, k)| self.lease_alive(k.lease))
+                    .map(|(a, k)| {
                         (
                             *a,
                             Holder {
-                                node: self.nodes[*n].name.clone(),
-                                lease: *l,
+                                node: self.nodes[k.node].name.clone(),
+                                lease: k.lease,
                             },
                         )
                     })
                     .collect(),
             }),
-            Op::Take(a, l) => {
-                if !self.lease_alive(*l) {
-                    return Res::Took(None);
-                }
-                match self.etcd.keys.get(a) {
-                    None => {
-                        self.etcd.revision += 1;
-                        let rev = self.etcd.revision;
-                        self.etcd.keys.insert(*a, (p.node, *l, rev));
-                        Res::Took(Some(rev))
-                    }
-                    Some((n, kl, rev)) => Res::Took((*n == p.node && kl == l).then_some(*rev)),
-                }
-            }
+            Op::Take(addrs, l) => Res::Took(
+                addrs
+                    .iter()
+                    .map(|a| self.take(p.node, *a, *l, now))
+                    .collect(),
+            ),
             Op::Withdraw(a, key) => {
-                let named = self.etcd.keys.get(a).is_some_and(|(n, l, rev)| {
-                    *n == p.node
+                let named = self.etcd.keys.get(a).is_some_and(|k| {
+                    k.node == p.node
                         && match key {
-                            KeyRef::Created(r) => r == rev,
-                            KeyRef::Lease(x) => x == l,
+                            KeyRef::Created(r) => *r == k.rev,
+                            KeyRef::Lease(x) => *x == k.lease,
                         }
                 });
                 if named {
                     self.etcd.keys.remove(a);
+                    self.etcd.freed.insert(*a, now);
                 }
                 Res::Done
             }
@@ -681,6 +815,29 @@ impl World {
                 self.drop_lease(*l);
                 Res::Done
             }
+        }
+    }
+
+    fn take(&mut self, node: usize, a: IpAddr, l: i64, now: Nanos) -> Option<i64> {
+        if !self.lease_alive(l) {
+            return None;
+        }
+        match self.etcd.keys.get(&a) {
+            None => {
+                self.etcd.revision += 1;
+                let rev = self.etcd.revision;
+                self.etcd.keys.insert(
+                    a,
+                    KeyRec {
+                        node,
+                        lease: l,
+                        rev,
+                        created: now,
+                    },
+                );
+                Some(rev)
+            }
+            Some(k) => (k.node == node && k.lease == l).then_some(k.rev),
         }
     }
 
@@ -694,7 +851,6 @@ impl World {
         agent.next_req += 1;
         agent.wait = Some(Wait::Etcd {
             req,
-            sent: now,
             deadline: now + TIMEOUT,
             what: op.clone(),
         });
@@ -702,9 +858,15 @@ impl World {
             return;
         }
         let (to, back) = if lossy {
-            (self.rng.below(700) * MS, self.rng.below(100) * MS)
+            (
+                self.rng.below(LOSSY_APPLY / MS) * MS,
+                self.rng.below(100) * MS,
+            )
         } else {
-            (self.rng.below(40) * MS, self.rng.below(40) * MS)
+            (
+                self.rng.below(RTT / 2 / MS) * MS,
+                self.rng.below(RTT / 2 / MS) * MS,
+            )
         };
         let lost = lossy && self.rng.chance(50);
         self.etcd.pending.push(Pending {
@@ -736,12 +898,11 @@ impl World {
             self.nodes[n].agent.next_renew = now + TTL / 3;
             self.nodes[n].dp.renew(now);
         }
-        // The glue: one request at a time.
+        // The request in flight: answered, timed out, or still waited for.
         if let Some(w) = self.nodes[n].agent.wait.take() {
-            match w {
+            let done = match w {
                 Wait::Etcd {
                     req,
-                    sent,
                     deadline,
                     what,
                 } => {
@@ -749,216 +910,158 @@ impl World {
                     match got {
                         Some((at, res)) if at <= now && at <= deadline => {
                             self.nodes[n].agent.inbox.remove(&req);
-                            self.etcd_answer(n, what, sent, Some(res));
+                            Some(answer(&what, Some(res)))
                         }
                         _ if now >= deadline => {
                             self.nodes[n].agent.inbox.remove(&req);
-                            self.etcd_answer(n, what, sent, None);
+                            Some(answer(&what, None))
                         }
                         _ => {
                             self.nodes[n].agent.wait = Some(Wait::Etcd {
                                 req,
-                                sent,
                                 deadline,
                                 what,
                             });
-                            return;
+                            None
                         }
                     }
                 }
-                Wait::Write {
-                    seq,
-                    until,
-                    outcome,
-                } => {
+                Wait::Write { until, outcome } => {
                     if now < until {
-                        self.nodes[n].agent.wait = Some(Wait::Write {
-                            seq,
-                            until,
-                            outcome,
-                        });
-                        return;
+                        self.nodes[n].agent.wait = Some(Wait::Write { until, outcome });
+                        None
+                    } else {
+                        Some(Done::Programmed(outcome))
                     }
-                    let acts = self.nodes[n].agent.machine.programmed(seq, outcome, now);
-                    self.nodes[n].agent.queue.extend(acts);
-                    self.repoll(n);
+                }
+            };
+            match done {
+                Some(d) => {
+                    if self.trace.is_some() {
+                        eprintln!("{} node-{n} done {d:?}", now / MS);
+                    }
+                    self.nodes[n].agent.driver.done(d, now);
+                }
+                None => return,
+            }
+        }
+        // The driver's steps until a request is in flight or it waits.
+        for _ in 0..256 {
+            if self.nodes[n].agent.driver.tick_due(now) {
+                let silent = self.fault(n, FaultKind::LinkDown);
+                self.nodes[n].agent.driver.set_silent(silent);
+            }
+            match self.nodes[n].agent.driver.step(now) {
+                Step::Wait(_) => return,
+                Step::Announce(a) => {
+                    if self.answering(n, a) {
+                        self.outcome.announced += 1;
+                    }
+                }
+                Step::Io(io) => {
+                    if self.trace.is_some() {
+                        eprintln!("{} node-{n} {io:?}", now / MS);
+                    }
+                    self.execute(n, io);
+                    return;
                 }
             }
         }
-        if self.nodes[n].agent.wait.is_some() {
-            return;
-        }
-        if let Some(act) = self.nodes[n].agent.queue.pop_front() {
-            self.execute(n, act);
-            return;
-        }
-        if self.nodes[n].agent.join_due
-            && let Some((l, _)) = self.nodes[n].agent.lease
-        {
-            self.nodes[n].agent.join_due = false;
-            self.send(n, Op::Join(l));
-            return;
-        }
-        if self.nodes[n].agent.read_due {
-            self.nodes[n].agent.read_due = false;
-            self.send(n, Op::Read);
-            return;
-        }
-        if self.nodes[n].agent.stop_deadline.is_some() {
-            self.repoll(n);
-            if let Some(act) = self.nodes[n].agent.queue.pop_front() {
-                self.execute(n, act);
-            }
-            return;
-        }
-        if now < self.nodes[n].agent.next_tick {
-            return;
-        }
-        self.nodes[n].agent.next_tick = now + TICK;
-        // The uplink cannot answer: empty, revoke, hold nothing.
-        let silent = self.fault(n, FaultKind::LinkDown);
-        self.nodes[n].agent.machine.set_silent(silent);
-        self.repoll(n);
-        let agent = &mut self.nodes[n].agent;
-        // The machine may have given the lease up (its cap passed).
-        if agent.machine.lease().is_none() {
-            agent.lease = None;
-        }
-        if !agent.queue.is_empty() {
-            return;
-        }
-        agent.read_due = true;
-        match agent.lease {
-            None if agent.machine.wants_lease() => self.send(n, Op::Grant),
-            None => {}
-            Some((l, sent)) if now >= sent + TTL / 3 => self.send(n, Op::Refresh(l)),
-            Some(_) => {}
-        }
     }
 
-    /// Polls the machine and queues what it says.
-    fn repoll(&mut self, n: usize) {
+    fn execute(&mut self, n: usize, io: Io) {
         let now = self.now;
-        let agent = &mut self.nodes[n].agent;
-        let acts = agent.machine.poll(now);
-        agent.queue.extend(acts);
-    }
-
-    fn execute(&mut self, n: usize, act: Action) {
-        let now = self.now;
-        if self.trace.is_some() {
-            eprintln!("{} node-{n} executes {act:?}", now / MS);
-        }
-        match act {
-            Action::Program {
+        match io {
+            Io::Program {
                 seq,
                 addresses,
                 valid_until,
             } => {
-                let flaky = self.fault(n, FaultKind::FlakyMaps);
-                let roll = if flaky { self.rng.below(3) } else { 2 };
-                let took = self.rng.below(20) * MS;
-                let outcome = match roll {
-                    0 => {
-                        let mut rng = Rng::new(self.rng.next());
-                        self.nodes[n]
-                            .dp
-                            .apply(now, seq, &addresses, valid_until, Some(&mut rng));
-                        Written::Failed
-                    }
-                    1 => {
-                        let at = now + WRITE_TIMEOUT + self.rng.below(3_000) * MS;
-                        self.nodes[n]
-                            .dp
-                            .late
-                            .push((at, seq, addresses, valid_until));
-                        Written::Lost
-                    }
-                    _ => {
-                        self.nodes[n]
-                            .dp
-                            .apply(now, seq, &addresses, valid_until, None);
-                        Written::Done
+                let outcome = if self.fault(n, FaultKind::MapFull) {
+                    // The daemon reads the maps back after a failed write.
+                    self.nodes[n]
+                        .dp
+                        .apply_removals(now, seq, &addresses, valid_until);
+                    Written::Partly(self.nodes[n].dp.set.clone())
+                } else {
+                    let flaky = self.fault(n, FaultKind::FlakyMaps);
+                    let roll = if flaky { self.rng.below(3) } else { 2 };
+                    match roll {
+                        0 => {
+                            let mut rng = Rng::new(self.rng.next());
+                            self.nodes[n].dp.apply(
+                                now,
+                                seq,
+                                &addresses,
+                                valid_until,
+                                Some(&mut rng),
+                            );
+                            // Read back (the renewer then renews only
+                            // what is there), or the read back failed too.
+                            if self.rng.chance(50) {
+                                let dp = &mut self.nodes[n].dp;
+                                dp.set = dp.live(now);
+                                Written::Partly(dp.set.clone())
+                            } else {
+                                Written::Failed
+                            }
+                        }
+                        1 => {
+                            let at = now + WRITE_TIMEOUT + self.rng.below(3_000) * MS;
+                            self.nodes[n]
+                                .dp
+                                .late
+                                .push((at, seq, addresses, valid_until));
+                            Written::Lost
+                        }
+                        _ => {
+                            self.nodes[n]
+                                .dp
+                                .apply(now, seq, &addresses, valid_until, None);
+                            Written::Done
+                        }
                     }
                 };
+                let took = self.rng.below(WRITE / MS) * MS;
                 let until = now
                     + if outcome == Written::Lost {
                         WRITE_TIMEOUT
                     } else {
                         took
                     };
-                self.nodes[n].agent.wait = Some(Wait::Write {
-                    seq,
-                    until,
-                    outcome,
-                });
+                self.nodes[n].agent.wait = Some(Wait::Write { until, outcome });
             }
-            Action::Take(a) => match self.nodes[n].agent.machine.lease() {
-                Some(l) => self.send(n, Op::Take(a, l)),
-                None => self.nodes[n].agent.machine.took(a, Took::Lost),
-            },
-            Action::Withdraw(a, key) => self.send(n, Op::Withdraw(a, key)),
-            Action::Announce(a) => {
-                if self.answering(n, a) {
-                    self.outcome.announced += 1;
-                }
-            }
-            Action::Revoke(l) => {
-                self.nodes[n].agent.lease = None;
-                self.send(n, Op::Revoke(l));
-            }
+            Io::Grant => self.send(n, Op::Grant),
+            Io::Join { lease, answers } => self.send(n, Op::Join(lease, answers)),
+            Io::Refresh(l) => self.send(n, Op::Refresh(l)),
+            Io::Read => self.send(n, Op::Read),
+            Io::Take { lease, addresses } => self.send(n, Op::Take(addresses, lease)),
+            Io::Withdraw(a, key) => self.send(n, Op::Withdraw(a, key)),
+            Io::Revoke(l) => self.send(n, Op::Revoke(l)),
         }
     }
+}
 
-    fn etcd_answer(&mut self, n: usize, what: Op, sent: Nanos, res: Option<Res>) {
-        let now = self.now;
-        let agent = &mut self.nodes[n].agent;
-        match (what, res) {
-            (Op::Grant, Some(Res::Granted(id))) => {
-                // The cap counts from when the grant was sent.
-                agent.lease = Some((id, sent));
-                agent.machine.lease_granted(id, sent + TTL - MARGIN);
-                agent.join_due = true;
-            }
-            (Op::Refresh(l), Some(Res::Alive(alive)))
-                if agent.lease.is_some_and(|(x, _)| x == l) =>
-            {
-                if alive {
-                    agent.lease = Some((l, sent));
-                    agent.machine.lease_refreshed(sent + TTL - MARGIN);
-                } else {
-                    agent.lease = None;
-                    agent.machine.lease_lost();
-                }
-            }
-            (Op::Read, Some(Res::View(v))) => {
-                agent.machine.observed(v, now);
-                // Not a member under this lease (a join lost): join again.
-                agent.join_due |= agent.machine.membership_missing();
-            }
-            (Op::Join(_), None) => agent.join_due = true,
-            (Op::Take(a, _), r) => agent.machine.took(
-                a,
-                match r {
-                    Some(Res::Took(Some(rev))) => Took::Mine(rev),
-                    Some(_) => Took::Other,
-                    None => Took::Lost,
-                },
-            ),
-            (Op::Withdraw(a, _), r) => agent.machine.withdrew(
-                a,
-                if r.is_some() {
-                    Withdrew::Done
-                } else {
-                    Withdrew::Lost
-                },
-                now,
-            ),
-            (Op::Revoke(_), Some(_)) => {
-                agent.lease = None;
-            }
-            _ => {}
-        }
-        self.repoll(n);
+/// etcd's answer (`None`: none in time) to `what`, as the driver takes it.
+fn answer(what: &Op, res: Option<Res>) -> Done {
+    match (what, res) {
+        (Op::Grant, Some(Res::Granted(id))) => Done::Granted { id, ttl_ns: TTL },
+        (Op::Refresh(_), Some(Res::Alive(alive))) => Done::Refreshed(alive),
+        (Op::Join(..), Some(_)) => Done::Joined,
+        (Op::Read, Some(Res::View(v))) => Done::Read(Some(v)),
+        (Op::Take(addrs, _), r) => Done::Took(match r {
+            Some(Res::Took(revs)) => revs
+                .into_iter()
+                .map(|r| r.map_or(Took::Other, Took::Mine))
+                .collect(),
+            _ => vec![Took::Lost; addrs.len()],
+        }),
+        (Op::Withdraw(..), r) => Done::Withdrew(if r.is_some() {
+            Withdrew::Done
+        } else {
+            Withdrew::Lost
+        }),
+        (Op::Revoke(_), Some(_)) => Done::Revoked,
+        _ => Done::Lost,
     }
 }

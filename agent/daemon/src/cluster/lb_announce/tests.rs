@@ -1,14 +1,15 @@
 use std::cell::{Cell, RefCell};
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::{IpAddr, Ipv4Addr};
-use std::time::{Duration, Instant};
 
 use lockstep_common::{L2RespValue, V4Addr};
 use lockstep_core::lb::LabelSelector;
-use lockstep_core::lb::announce::{AnnouncerConfig, Holder, Observation};
+use lockstep_core::lb::announce::driver::{Driver, DriverConfig, Step};
+use lockstep_core::lb::announce::{Holder, Observation};
 use lockstep_core::lb::cluster::Candidate;
 
 use super::*;
+use crate::agent::announce::monotonic_ns;
 use crate::agent::doors::MapDoor;
 use crate::agent::doors::doubles::MapDouble;
 
@@ -171,28 +172,52 @@ fn view(addresses: &[IpAddr], holders: &[(IpAddr, i64)]) -> Observation {
     }
 }
 
-async fn step(m: &mut Announcer, keys: &mut KeysDouble, dp: &DatapathDouble) {
+/// One tick of a driver holding lease 7: its lease and reads answered
+/// here (the read is `view`), its takes, withdrawals and writes carried
+/// out on the doubles.
+async fn tick(d: &mut Driver, view: &Observation, keys: &mut KeysDouble, dp: &DatapathDouble) {
     let mut counts = Counts::default();
-    let deadline = Instant::now() + Duration::from_secs(1);
-    run(m, keys, dp, "node-0", deadline, &mut counts).await;
+    d.wake();
+    loop {
+        let now = monotonic_ns();
+        let done = match d.step(now) {
+            Step::Wait(_) => return,
+            Step::Announce(a) => {
+                dp.announce(a);
+                continue;
+            }
+            Step::Io(Io::Grant) => Done::Granted {
+                id: 7,
+                ttl_ns: 3_000_000_000,
+            },
+            Step::Io(Io::Join { .. }) => Done::Joined,
+            Step::Io(Io::Refresh(_)) => Done::Refreshed(true),
+            Step::Io(Io::Read) => Done::Read(Some(view.clone())),
+            Step::Io(io) => carry_out(io, keys, dp, "node-0", &mut counts).await.0,
+        };
+        d.done(done, monotonic_ns());
+    }
+}
+
+fn driver() -> Driver {
+    Driver::new("node-0", DriverConfig::for_lease(3_000_000_000))
 }
 
 #[tokio::test]
 async fn a_failed_or_timed_out_unprogram_is_never_followed_by_the_withdrawal() {
-    let mut m = Announcer::new("node-0", AnnouncerConfig::for_lease(3_000_000_000));
-    m.lease_granted(7, monotonic_ns() + 2_700_000_000);
+    let mut d = driver();
     let (mut keys, dp) = (KeysDouble::default(), DatapathDouble::default());
-    m.observed(view(&[A], &[]), monotonic_ns());
-    step(&mut m, &mut keys, &dp).await;
+    let wanted = view(&[A], &[]);
+    tick(&mut d, &wanted, &mut keys, &dp).await;
     assert!(keys.all().contains_key(&A), "taken");
     assert!(dp.maps.borrow().l2.contains_key(&v4(A)), "programmed");
     assert_eq!(*dp.announced.borrow(), vec![A], "announced once programmed");
 
     // The service is gone; removing the map entry fails.
     dp.maps.borrow().faults.fail_always("l2_remove");
-    m.observed(view(&[], &[(A, 7)]), monotonic_ns());
+    let gone = view(&[], &[(A, 7)]);
     for _ in 0..3 {
-        step(&mut m, &mut keys, &dp).await;
+        tick(&mut d, &gone, &mut keys, &dp).await;
     }
     assert!(
         dp.maps.borrow().faults.calls("l2_remove") >= 3,
@@ -208,13 +233,13 @@ async fn a_failed_or_timed_out_unprogram_is_never_followed_by_the_withdrawal() {
     dp.maps.borrow().faults.heal();
     dp.hang.set(true);
     for _ in 0..3 {
-        step(&mut m, &mut keys, &dp).await;
+        tick(&mut d, &gone, &mut keys, &dp).await;
     }
     assert_eq!(keys.withdrawals, 0, "withdrawn on a write not answered");
 
     // Confirmed: now, and only now, the key goes.
     dp.hang.set(false);
-    step(&mut m, &mut keys, &dp).await;
+    tick(&mut d, &gone, &mut keys, &dp).await;
     assert!(!dp.maps.borrow().l2.contains_key(&v4(A)));
     assert_eq!(keys.withdrawals, 1);
     assert!(keys.all().is_empty());
@@ -222,27 +247,25 @@ async fn a_failed_or_timed_out_unprogram_is_never_followed_by_the_withdrawal() {
 
 #[tokio::test]
 async fn a_take_is_programmed_only_after_etcd_said_yes_and_announced_only_after_the_write() {
-    let mut m = Announcer::new("node-0", AnnouncerConfig::for_lease(3_000_000_000));
-    m.lease_granted(7, monotonic_ns() + 2_700_000_000);
+    let mut d = driver();
     // Another node holds the key: nothing is programmed or announced.
     let mut keys = KeysDouble::default();
     keys.keys.insert(A, ("node-1".into(), 9, 1));
     let dp = DatapathDouble::default();
-    m.observed(view(&[A], &[]), monotonic_ns());
-    step(&mut m, &mut keys, &dp).await;
+    let wanted = view(&[A], &[]);
+    tick(&mut d, &wanted, &mut keys, &dp).await;
     assert!(dp.maps.borrow().l2.is_empty());
     assert!(dp.announced.borrow().is_empty());
     // Free, but the datapath write fails: held, not announced.
     keys.keys.clear();
     dp.maps.borrow().faults.fail_always("l2_insert");
-    m.observed(view(&[A], &[]), monotonic_ns());
-    step(&mut m, &mut keys, &dp).await;
+    tick(&mut d, &wanted, &mut keys, &dp).await;
     assert!(keys.all().contains_key(&A));
     assert!(
         dp.announced.borrow().is_empty(),
         "announced without an entry"
     );
     dp.maps.borrow().faults.heal();
-    step(&mut m, &mut keys, &dp).await;
+    tick(&mut d, &wanted, &mut keys, &dp).await;
     assert_eq!(*dp.announced.borrow(), vec![A]);
 }

@@ -1,0 +1,214 @@
+use std::collections::BTreeMap;
+use std::net::Ipv4Addr;
+
+use super::*;
+use crate::lb::LabelSelector;
+use crate::lb::announce::Holder;
+use crate::lb::cluster::Candidate;
+
+const S: Nanos = 1_000_000_000;
+
+fn cfg() -> DriverConfig {
+    DriverConfig::for_lease(3 * S)
+}
+
+fn addr(i: u8) -> IpAddr {
+    IpAddr::V4(Ipv4Addr::new(192, 0, 2, i))
+}
+
+fn view(me: &str, lease: i64, addrs: &[IpAddr], holders: &[(IpAddr, &str)]) -> Observation {
+    Observation {
+        addresses: addrs
+            .iter()
+            .map(|a| (*a, LabelSelector::default()))
+            .collect(),
+        members: vec![(
+            Candidate {
+                name: me.into(),
+                labels: BTreeMap::new(),
+                answers: true,
+            },
+            lease,
+        )],
+        holders: holders
+            .iter()
+            .map(|(a, n)| {
+                (
+                    *a,
+                    Holder {
+                        node: (*n).into(),
+                        lease,
+                    },
+                )
+            })
+            .collect(),
+    }
+}
+
+fn io(step: Step) -> Io {
+    match step {
+        Step::Io(io) => io,
+        other => panic!("expected a request, got {other:?}"),
+    }
+}
+
+/// A driver that holds lease 7 (granted at 0), joined, its first read
+/// `v` handed over and its first write confirmed.
+fn started(v: Observation) -> Driver {
+    let mut d = Driver::new("n", cfg());
+    assert_eq!(io(d.step(0)), Io::Grant);
+    d.done(
+        Done::Granted {
+            id: 7,
+            ttl_ns: 3 * S,
+        },
+        10,
+    );
+    assert_eq!(
+        io(d.step(10)),
+        Io::Join {
+            lease: 7,
+            answers: true
+        }
+    );
+    d.done(Done::Joined, 20);
+    assert_eq!(io(d.step(20)), Io::Read);
+    d.done(Done::Read(Some(v)), 30);
+    d
+}
+
+#[test]
+fn the_cap_counts_from_when_the_grant_and_each_refresh_were_sent() {
+    let mut d = started(view("n", 7, &[], &[]));
+    // Granted at 0 (answered at 10): the cap is TTL less the margin from 0.
+    assert_eq!(d.announcer().valid_until(), Some(3 * S - margin(3 * S)));
+    // Drain the first tick (the cap's write).
+    while let Step::Io(io) = d.step(40) {
+        match io {
+            Io::Program { .. } => d.done(Done::Programmed(Written::Done), 41),
+            other => panic!("{other:?}"),
+        }
+    }
+    // A third of the TTL later, the next tick refreshes first.
+    let sent = S + 5;
+    assert_eq!(io(d.step(sent)), Io::Refresh(7));
+    d.done(Done::Refreshed(true), sent + 400_000_000);
+    assert_eq!(
+        d.announcer().valid_until(),
+        Some(sent + 3 * S - margin(3 * S))
+    );
+}
+
+#[test]
+fn a_refresh_falling_due_mid_tick_goes_before_the_next_action() {
+    let a = addr(1);
+    let b = addr(2);
+    let mut d = started(view("n", 7, &[a, b], &[]));
+    // The tick starts at 1 s - 1 (no refresh due yet): it takes both.
+    let t = S - 1;
+    let mut now = t;
+    let mut seen = Vec::new();
+    // Each request takes 300 ms: the refresh falls due in the middle.
+    for _ in 0..6 {
+        let step = d.step(now);
+        let Step::Io(io) = step else { break };
+        seen.push(io.clone());
+        now += 300_000_000;
+        let done = match io {
+            Io::Take { addresses, .. } => {
+                Done::Took(addresses.iter().map(|_| Took::Mine(1)).collect())
+            }
+            Io::Program { .. } => Done::Programmed(Written::Done),
+            Io::Refresh(_) => Done::Refreshed(true),
+            Io::Read => Done::Read(None),
+            other => panic!("{other:?}"),
+        };
+        d.done(done, now);
+    }
+    let refresh = seen
+        .iter()
+        .position(|x| *x == Io::Refresh(7))
+        .expect("refreshed within the tick");
+    assert!(refresh >= 1, "after the first action: {seen:?}");
+}
+
+#[test]
+fn what_the_budget_leaves_is_reported_lost_and_asked_again_next_tick() {
+    let a = addr(1);
+    let mut d = started(view("n", 7, &[a], &[]));
+    let take = io(d.step(40));
+    assert!(matches!(take, Io::Take { .. }), "{take:?}");
+    // The answer comes after the budget: the write it would start is not
+    // sent this tick.
+    let late = 40 + cfg().budget_ns + 1;
+    d.done(Done::Took(vec![Took::Mine(3)]), late);
+    assert!(
+        matches!(d.step(late), Step::Wait(_)),
+        "nothing more this tick"
+    );
+    // Next tick: read, then the write of what is held.
+    let next = cfg().tick_ns + 50;
+    let mut sent = Vec::new();
+    let mut now = next.max(late + 1);
+    while let Step::Io(io) = d.step(now) {
+        now += 1;
+        sent.push(io.clone());
+        let done = match io {
+            Io::Read => Done::Read(None),
+            Io::Program { .. } => Done::Programmed(Written::Done),
+            other => panic!("{other:?}"),
+        };
+        d.done(done, now);
+    }
+    assert!(
+        sent.iter()
+            .any(|x| matches!(x, Io::Program { addresses, .. } if addresses.contains(&a))),
+        "{sent:?}"
+    );
+}
+
+#[test]
+fn a_node_that_cannot_answer_joins_again_saying_so() {
+    let a = addr(1);
+    let mut d = started(view("n", 7, &[a], &[]));
+    let mut now = 40;
+    let mut joins = Vec::new();
+    // The map is full: every write answers that only the old set is there.
+    while now < 6 * S {
+        match d.step(now) {
+            Step::Io(Io::Take { addresses, .. }) => {
+                d.done(
+                    Done::Took(addresses.iter().map(|_| Took::Mine(1)).collect()),
+                    now,
+                );
+            }
+            Step::Io(Io::Program { .. }) => {
+                d.done(Done::Programmed(Written::Partly(BTreeSet::new())), now);
+            }
+            Step::Io(Io::Read) => {
+                d.done(Done::Read(Some(view("n", 7, &[a], &[(a, "n")]))), now);
+            }
+            Step::Io(Io::Refresh(_)) => d.done(Done::Refreshed(true), now),
+            Step::Io(Io::Withdraw(..)) => d.done(Done::Withdrew(Withdrew::Done), now),
+            Step::Io(Io::Join { answers, .. }) => {
+                joins.push((now, answers));
+                d.done(Done::Joined, now);
+            }
+            Step::Io(other) => panic!("{other:?}"),
+            Step::Announce(_) => {}
+            Step::Wait(t) => now = t.max(now + 1),
+        }
+    }
+    let step = AnnouncerConfig::for_lease(3 * S).step_ns;
+    let (at, answers) = joins.first().copied().expect("joined again");
+    assert!(!answers, "published as not answering: {joins:?}");
+    assert!(
+        at <= step + 2 * cfg().tick_ns,
+        "within a rank step and a tick: {at}"
+    );
+    assert!(
+        d.announcer().cannot_answer().contains(&a),
+        "{:?}",
+        d.announcer().cannot_answer()
+    );
+}
