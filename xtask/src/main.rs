@@ -6,13 +6,15 @@
 //!   musl binaries, as they ship.
 //! - `image`: the OCI image `lockstep:<version>` (podman, FROM scratch).
 //! - `test`: formatting, lints, purity of the core, unit tests, then the
-//!   root-only integration tests.
+//!   root-only integration tests and the three demos.
 //! - `bench <suite>`: benchmarks with medians.
 //! - `crash <suite> <rounds>`: the long forms of the crash tests (CI runs
 //!   them bounded): `startup` (kills aimed at start-up), `power` (power cuts).
 //! - `explore`: long random runs of the core's property tests.
 //! - `demo`: a sandbox node made of network namespaces.
 
+mod demo;
+mod doc_commands;
 mod explore;
 mod fresh_root;
 mod image;
@@ -54,6 +56,9 @@ enum Task {
     ValidateManifests,
     /// Check that lockstep-core depends on no I/O, kernel or clock crate.
     CheckCore,
+    /// Check that every command the README and docs/ tell a user to run is
+    /// run by a test (or, where it cannot run here, that its doc says so).
+    DocCommands,
     /// Setup, the build of every binary and of the eBPF object, and the
     /// unit tests, inside a throwaway Debian root holding only what a fresh
     /// machine has plus what setup installs (root; cached by setup's list).
@@ -229,13 +234,23 @@ fn test(no_setup: bool, filter: Option<String>) -> anyhow::Result<()> {
     lockstep_ebpf_build::lint(&root())?;
     println!("eBPF programs: cargo fmt --check and clippy -D warnings clean");
     check_core()?;
+    doc_commands::check(&root())?;
     setup::validate_manifests()?;
     let mut tally = Tally::default();
+    let demos_too = filter.as_deref().is_none_or(|f| "demo".contains(f));
     let outcome = run_tests(
         cargo().args(["test", "--workspace", "--exclude", "lockstep-tests"]),
         &mut tally,
     )
     .and_then(|()| integration(filter, &mut tally));
+    // The demos, as a user runs them (each step checks what it claims):
+    // after the integration tests, whose failure does not hide theirs.
+    let demos = if demos_too {
+        stage_agent_with_shipped_plugin().and_then(|bin| demo::all(&bin, &mut tally))
+    } else {
+        Ok(())
+    };
+    let outcome = outcome.and(demos);
     // After the integration tests, so a failure of either still shows the
     // other's outcome.
     let fresh = fresh_root_unless_skipped();
@@ -398,6 +413,20 @@ fn release_benchmark_test(test: &str) -> anyhow::Result<()> {
         .env("LOCKSTEP_BIN", root().join("target/release/lockstep")))
 }
 
+/// The benchmark suites `cargo xtask bench` knows (`all` runs each).
+pub(crate) const BENCH_SUITES: &[&str] = &[
+    "core",
+    "lb",
+    "datapath",
+    "agent",
+    "cni",
+    "image",
+    "masquerade",
+    "cluster",
+    "tunnel",
+    "all",
+];
+
 fn bench(suite: &str) -> anyhow::Result<()> {
     match suite {
         "core" => run(cargo().args(["bench", "-p", "lockstep-core", "--bench", "core"])),
@@ -480,17 +509,7 @@ fn bench(suite: &str) -> anyhow::Result<()> {
             // Every suite runs even when an earlier one misses a goal, so one
             // run gives the whole picture; the misses are listed at the end.
             let mut missed = Vec::new();
-            for suite in [
-                "core",
-                "lb",
-                "datapath",
-                "agent",
-                "cni",
-                "image",
-                "masquerade",
-                "cluster",
-                "tunnel",
-            ] {
+            for suite in BENCH_SUITES.iter().copied().filter(|s| *s != "all") {
                 if let Err(e) = bench(suite) {
                     eprintln!("bench {suite}: {e}");
                     missed.push(suite);
@@ -507,7 +526,8 @@ fn bench(suite: &str) -> anyhow::Result<()> {
         }
         other => {
             bail!(
-                "unknown bench suite {other}; known: core, lb, datapath, agent, cni, image, masquerade, cluster, tunnel, all"
+                "unknown bench suite {other}; known: {}",
+                BENCH_SUITES.join(", ")
             )
         }
     }
@@ -566,6 +586,7 @@ fn main() -> anyhow::Result<()> {
         Task::Image { version } => image::build(version),
         Task::ValidateManifests => setup::validate_manifests(),
         Task::CheckCore => check_core(),
+        Task::DocCommands => doc_commands::check(&root()),
         Task::FreshRoot => fresh_root::check(),
         Task::Test { no_setup, filter } => test(no_setup, filter),
         Task::Bench { suite } => bench(&suite),
@@ -596,18 +617,14 @@ fn main() -> anyhow::Result<()> {
                 setup::setup()?;
             }
             let agent = stage_agent_with_shipped_plugin()?;
-            let script = if cluster {
-                "deploy/demo-cluster.sh"
+            let which = if cluster {
+                demo::Demo::Cluster
             } else if kubernetes {
-                run(cargo().args(["build", "-p", "lockstep-tests", "--bin", "kube-double"]))?;
-                "deploy/demo-kubernetes.sh"
+                demo::Demo::Kubernetes
             } else {
-                "deploy/demo.sh"
+                demo::Demo::Node
             };
-            run(Command::new("bash")
-                .arg(root().join(script))
-                .env("LOCKSTEP_BIN", agent)
-                .env("KUBE_DOUBLE_BIN", root().join("target/debug/kube-double")))
+            demo::run(which, &agent)
         }
     }
 }
