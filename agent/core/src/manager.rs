@@ -140,6 +140,18 @@ pub enum ManagerError {
         /// Capacity of the pool's active CIDRs of that family.
         capacity: u128,
     },
+    /// The address is in a cluster block of the pool but outside the
+    /// reservation window this node published (#43): handing it out could
+    /// give it a second holder should the block be taken from the node.
+    #[error(
+        "address {address} of pool {pool} is outside this node's published reservation window; try again once the window covers it"
+    )]
+    OutsideWindow {
+        /// The pool.
+        pool: String,
+        /// The address.
+        address: IpAddr,
+    },
     /// The address is in none of the pool's CIDRs.
     #[error("address {address} is outside pool {pool}")]
     AddressOutsidePool {
@@ -297,6 +309,9 @@ pub struct PoolManager<S> {
     released: BTreeSet<IpNet>,
     /// Addresses held elsewhere ([`PoolManager::set_excluded`]).
     excluded: BTreeSet<IpAddr>,
+    /// The reservation windows of the CIDRs that have one
+    /// ([`PoolManager::set_windows`]).
+    windows: BTreeMap<IpNet, BTreeSet<IpAddr>>,
 }
 
 impl<S: PoolSource> PoolManager<S> {
@@ -317,6 +332,7 @@ impl<S: PoolSource> PoolManager<S> {
             generation: Generation(0),
             released: BTreeSet::new(),
             excluded: BTreeSet::new(),
+            windows: BTreeMap::new(),
         })
     }
 
@@ -327,6 +343,50 @@ impl<S: PoolSource> PoolManager<S> {
     /// is withheld at once, one no longer listed is free again.
     pub fn set_excluded(&mut self, excluded: BTreeSet<IpAddr>) {
         self.excluded = excluded;
+    }
+
+    /// Limits what each CIDR listed may hand out to its window (cluster
+    /// mode's reservation windows, #43): applied at once, and to a listed
+    /// CIDR added later. A CIDR not listed has no limit; one listed with an
+    /// empty window hands out nothing. An allocation asking for a specific
+    /// address outside its CIDR's window is refused
+    /// ([`ManagerError::OutsideWindow`]); restored ones are not.
+    pub fn set_windows(&mut self, windows: BTreeMap<IpNet, BTreeSet<IpAddr>>) {
+        self.windows = windows;
+        for pool in self.pools.values_mut() {
+            for slot in &mut pool.cidrs {
+                slot.alloc.set_window(self.windows.get(&slot.alloc.cidr()));
+            }
+        }
+    }
+
+    /// One pool and family as the window planner sees it
+    /// ([`crate::cluster::window::GroupView`] without its spare): the free
+    /// addresses inside the windows of its active CIDRs, and up to
+    /// `candidates` free ones outside them, each in the order they would
+    /// be handed out.
+    pub fn window_view(
+        &self,
+        pool: &str,
+        family: Family,
+        candidates: usize,
+    ) -> (Vec<IpAddr>, Vec<IpAddr>) {
+        let Some(p) = self.pools.get(pool) else {
+            return (Vec::new(), Vec::new());
+        };
+        let mut free = Vec::new();
+        let mut next = Vec::new();
+        for s in p
+            .cidrs
+            .iter()
+            .filter(|s| !s.draining && s.alloc.family() == family && s.alloc.windowed())
+        {
+            free.extend(s.alloc.free_in_window());
+            if next.len() < candidates {
+                next.extend(s.alloc.next_free_outside_window(candidates - next.len()));
+            }
+        }
+        (free, next)
     }
 
     /// The pool source.
@@ -404,7 +464,7 @@ impl<S: PoolSource> PoolManager<S> {
         let slot = p
             .cidrs
             .iter_mut()
-            .find(|s| !s.draining && s.alloc.family() == family && s.alloc.free() > 0);
+            .find(|s| !s.draining && s.alloc.family() == family && s.alloc.available() > 0);
         let Some(slot) = slot else {
             return Err(ManagerError::PoolExhausted {
                 pool: pool.to_owned(),
@@ -550,6 +610,12 @@ impl<S: PoolSource> PoolManager<S> {
         };
         let slot = p.slot_of(address).ok_or_else(outside)?;
         let slot = &mut p.cidrs[slot];
+        if !restoring && !slot.alloc.in_window(address) {
+            return Err(ManagerError::OutsideWindow {
+                pool: pool.to_owned(),
+                address,
+            });
+        }
         if slot.draining && !restoring {
             return Err(ManagerError::CidrDraining {
                 pool: pool.to_owned(),

@@ -389,6 +389,9 @@ pub struct CidrStatus {
     pub capacity: u128,
     /// Allocated addresses.
     pub used: u128,
+    /// Addresses it can still hand out: the free ones, inside its
+    /// reservation window when it has one (cluster mode, #43).
+    pub available: u128,
 }
 
 /// Running state of a pool.
@@ -448,6 +451,7 @@ impl Pool {
             draining: slot.draining,
             capacity: slot.alloc.capacity(),
             used: slot.alloc.used(),
+            available: slot.alloc.available(),
         })
     }
 

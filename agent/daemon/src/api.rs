@@ -312,8 +312,9 @@ where
                     StatusCode::SERVICE_UNAVAILABLE,
                     "etcd_unavailable",
                     format!(
-                        "cluster pool {pool} has no free address on this node and a new block \
-                         could not be claimed from etcd: {why}"
+                        "cluster pool {pool} has no free address on this node (its blocks, or \
+                         the reservation window it published, used up) and etcd gave no more \
+                         room: {why}"
                     ),
                 )),
             }

@@ -225,6 +225,9 @@ pub struct CidrAllocator {
     /// Next-fit cursor, within `first..=last`.
     cursor: u128,
     store: Store,
+    /// The offsets [`CidrAllocator::allocate_next`] may hand out (cluster
+    /// mode's reservation window, #43); `None`: any.
+    window: Option<BTreeSet<u128>>,
 }
 
 /// Offset of a CIDR's last address; fits even for `::/0`.
@@ -280,6 +283,7 @@ impl CidrAllocator {
             used: 0,
             cursor: first,
             store: Store::Sparse(RunSet::default()),
+            window: None,
         };
         let span = last - first;
         if span < options.dense_limit.min(MAX_DENSE_LIMIT) {
@@ -375,6 +379,82 @@ impl CidrAllocator {
         changed
     }
 
+    /// Limits what [`CidrAllocator::allocate_next`] hands out to `window`
+    /// (those inside the allocatable range), or lifts the limit (`None`).
+    /// Allocated addresses outside it stay with their holders.
+    pub fn set_window(&mut self, window: Option<&BTreeSet<IpAddr>>) {
+        self.window = window.map(|w| w.iter().filter_map(|a| self.offset_of(*a).ok()).collect());
+    }
+
+    /// Whether a window limits this allocator.
+    pub fn windowed(&self) -> bool {
+        self.window.is_some()
+    }
+
+    /// Whether `addr` may be handed out under the window (always without
+    /// one).
+    pub fn in_window(&self, addr: IpAddr) -> bool {
+        match &self.window {
+            None => true,
+            Some(w) => self.offset_of(addr).is_ok_and(|off| w.contains(&off)),
+        }
+    }
+
+    /// How many addresses [`CidrAllocator::allocate_next`] can still hand
+    /// out: the free ones, inside the window when there is one.
+    pub fn available(&self) -> u128 {
+        match &self.window {
+            None => self.free(),
+            Some(w) => w.iter().filter(|off| self.store_is_free(**off)).count() as u128,
+        }
+    }
+
+    /// The free addresses of the window, in the order
+    /// [`CidrAllocator::allocate_next`] hands them out (none without one).
+    pub fn free_in_window(&self) -> Vec<IpAddr> {
+        let Some(w) = &self.window else {
+            return Vec::new();
+        };
+        w.range(self.cursor..)
+            .chain(w.range(..self.cursor))
+            .filter(|off| self.store_is_free(**off))
+            .map(|off| self.addr_at(*off))
+            .collect()
+    }
+
+    /// Up to `n` free addresses outside the window, in the order the
+    /// allocator would hand them out next without one (from the cursor,
+    /// wrapping around).
+    pub fn next_free_outside_window(&self, n: usize) -> Vec<IpAddr> {
+        let mut out = Vec::new();
+        let outside = |off: u128| self.window.as_ref().is_none_or(|w| !w.contains(&off));
+        let scan = |from: u128, to: u128, out: &mut Vec<IpAddr>| {
+            let mut at = from;
+            while out.len() < n && at <= to {
+                let next = match &self.store {
+                    Store::Dense(map) => map
+                        .next_free((at - self.first) as usize)
+                        .map(|i| self.first + i as u128)
+                        .filter(|off| *off <= to),
+                    Store::Sparse(set) => set.next_free(at, to),
+                };
+                let Some(off) = next else { break };
+                if outside(off) {
+                    out.push(self.addr_at(off));
+                }
+                if off == u128::MAX {
+                    break;
+                }
+                at = off + 1;
+            }
+        };
+        scan(self.cursor, self.last, &mut out);
+        if self.cursor > self.first {
+            scan(self.first, self.cursor - 1, &mut out);
+        }
+        out
+    }
+
     /// The address where the next-fit search starts.
     pub fn cursor(&self) -> IpAddr {
         self.addr_at(self.cursor)
@@ -386,6 +466,19 @@ impl CidrAllocator {
     /// [`CidrError::Exhausted`] when no address is free.
     #[inline]
     pub fn allocate_next(&mut self) -> Result<IpAddr, CidrError> {
+        if let Some(w) = &self.window {
+            let off = w
+                .range(self.cursor..)
+                .chain(w.range(..self.cursor))
+                .copied()
+                .find(|off| self.store_is_free(*off))
+                .ok_or(CidrError::Exhausted {
+                    cidr: self.cidr,
+                    capacity: self.capacity(),
+                })?;
+            self.take(off);
+            return Ok(self.addr_at(off));
+        }
         let off = match &self.store {
             Store::Dense(map) => {
                 let from = (self.cursor - self.first) as usize;
@@ -531,6 +624,7 @@ impl CidrAllocator {
             },
             reserved: self.reserved.clone(),
             base_reserved: self.base_reserved.clone(),
+            window: self.window.clone(),
             ..*self
         };
         for off in self.reserved.iter().copied() {

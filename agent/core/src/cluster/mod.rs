@@ -22,6 +22,8 @@
 //!   routes, MASQ_SKIP) and the diff against what is there.
 //! - [`routing`]: the routing mode (native, tunnel, cross-subnet) and the
 //!   path to each remote node's blocks; the endpoint MTU rule.
+//! - [`window`]: the reservation window a node publishes before it hands
+//!   out an address of it (#43).
 //!
 //! Time is passed in as milliseconds; the daemon's etcd door performs what
 //! these functions decide (`agent/daemon/src/cluster/node/`).
@@ -40,6 +42,7 @@ pub mod remote;
 pub mod restore;
 pub mod routing;
 pub mod spec;
+pub mod window;
 
 #[cfg(test)]
 mod tests;
@@ -60,6 +63,7 @@ pub use reclaim::{
 pub use remote::{NodeDirectory, node_addresses_problem};
 pub use restore::{Rollback, StoreMark, advance, may_claim_new, rolled_back, to_reclaim};
 pub use spec::{ClusterPoolSpec, check_apply, plan_apply, validate_pools};
+pub use window::{GroupView, WindowSizing, WindowStep};
 
 use ipnet::IpNet;
 

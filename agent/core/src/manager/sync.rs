@@ -85,6 +85,7 @@ impl<S: PoolSource> PoolManager<S> {
         for pool in self.pools.values_mut() {
             for slot in &mut pool.cidrs {
                 slot.alloc.set_excluded(self.excluded.iter().copied());
+                slot.alloc.set_window(self.windows.get(&slot.alloc.cidr()));
             }
         }
         // A pool listed with nothing valid stays (empty), so allocations name

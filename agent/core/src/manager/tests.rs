@@ -927,3 +927,53 @@ fn excluded_addresses_are_never_handed_out_until_freed() {
     let b = m.allocate_next("p", Family::V4, ep("b")).unwrap();
     assert_eq!(b.address, ip("10.0.0.1"));
 }
+
+#[test]
+fn a_windowed_block_hands_out_only_its_window_and_a_new_block_starts_limited() {
+    let block = net("10.0.0.0/28");
+    let mut m = manager(vec![PoolSpec::new("p").with_cidr(block)]);
+    m.set_windows([(block, BTreeSet::from([ip("10.0.0.3"), ip("10.0.0.5")]))].into());
+    let a = m.allocate_next("p", Family::V4, ep("a")).unwrap();
+    let b = m.allocate_next("p", Family::V4, ep("b")).unwrap();
+    assert_eq!((a.address, b.address), (ip("10.0.0.3"), ip("10.0.0.5")));
+    // The window used up: the block has room, but nothing is handed out.
+    assert!(matches!(
+        m.allocate_next("p", Family::V4, ep("c")),
+        Err(ManagerError::PoolExhausted { .. })
+    ));
+    let st = m.pool("p").unwrap().cidrs().next().unwrap();
+    assert_eq!((st.used, st.available), (2, 0));
+    // Asking for an address outside the window is refused, naming it.
+    let e = m.allocate("p", ip("10.0.0.9"), ep("c")).unwrap_err();
+    assert!(matches!(e, ManagerError::OutsideWindow { .. }), "{e}");
+    assert!(e.to_string().contains("10.0.0.9"), "{e}");
+    // What the planner sees: nothing free inside, the next free outside in
+    // allocation order (after the cursor, past 10.0.0.5).
+    let (free, next) = m.window_view("p", Family::V4, 3);
+    assert!(free.is_empty());
+    assert_eq!(next, vec![ip("10.0.0.6"), ip("10.0.0.7"), ip("10.0.0.8")]);
+    // A block added later with a window listed is limited from the start;
+    // one with none listed is not.
+    let second = net("10.0.1.0/28");
+    let third = net("10.0.2.0/28");
+    m.set_windows(
+        [
+            (block, BTreeSet::from([ip("10.0.0.3"), ip("10.0.0.5")])),
+            (second, BTreeSet::new()),
+        ]
+        .into(),
+    );
+    m.source_mut().0 = vec![PoolSpec::new("p").with_cidr(block).with_cidr(second)];
+    m.sync().into_result().unwrap();
+    assert!(m.allocate_next("p", Family::V4, ep("c")).is_err());
+    m.source_mut().0 = vec![
+        PoolSpec::new("p")
+            .with_cidr(block)
+            .with_cidr(second)
+            .with_cidr(third),
+    ];
+    m.sync().into_result().unwrap();
+    let c = m.allocate_next("p", Family::V4, ep("c")).unwrap();
+    assert!(third.contains(&c.address), "{c:?}");
+    m.check_invariants();
+}

@@ -4,7 +4,8 @@
 //! block dropped (given back or fenced) drains until empty, as a CIDR the
 //! configuration dropped does (`draining`).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::IpAddr;
 
 use ipnet::IpNet;
 use lockstep_core::cluster::{ClaimedBlock, LocalOverlap, check_configured, local_overlaps};
@@ -92,7 +93,7 @@ impl Agent {
         &mut self,
         cluster: Vec<PoolSpec>,
         fenced: BTreeMap<IpNet, String>,
-        excluded: std::collections::BTreeSet<std::net::IpAddr>,
+        excluded: BTreeSet<IpAddr>,
     ) -> Result<(), AgentError> {
         let mut all = lockstep_core::cluster::withhold(&self.config.pools, &self.cluster.overlaps);
         all.extend(cluster);
@@ -120,6 +121,29 @@ impl Agent {
                 ),
             })
         }
+    }
+
+    /// Limits each cluster block listed to its reservation window (#43):
+    /// the allocator hands out no address of it outside the window. Every
+    /// cluster block is to be listed (an empty window hands out nothing);
+    /// given before the pools that add a block, so no block ever serves
+    /// unlimited.
+    pub fn set_cluster_windows(&mut self, windows: BTreeMap<IpNet, BTreeSet<IpAddr>>) {
+        self.manager.set_windows(windows);
+    }
+
+    /// For the window planner: per pool and family asked, the free
+    /// addresses inside the windows and up to `candidates` outside them,
+    /// each in the order the allocator hands them out.
+    pub fn window_views(
+        &self,
+        groups: &[(String, lockstep_core::cidr::Family)],
+        candidates: usize,
+    ) -> Vec<(Vec<IpAddr>, Vec<IpAddr>)> {
+        groups
+            .iter()
+            .map(|(pool, family)| self.manager.window_view(pool, *family, candidates))
+            .collect()
     }
 
     /// Records the configured CIDRs that overlap the cluster's: the next
@@ -152,8 +176,8 @@ impl Agent {
 
     /// Every address held inside one of `blocks` (every holder), sorted:
     /// what the node publishes as in use.
-    pub fn addresses_in(&self, blocks: &[IpNet]) -> Vec<std::net::IpAddr> {
-        let mut out: Vec<std::net::IpAddr> = self
+    pub fn addresses_in(&self, blocks: &[IpNet]) -> Vec<IpAddr> {
+        let mut out: Vec<IpAddr> = self
             .manager
             .allocations()
             .map(|a| a.address)

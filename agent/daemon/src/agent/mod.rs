@@ -490,11 +490,14 @@ impl Agent {
                 let draining: Vec<IpNet> =
                     p.cidrs().filter(|c| c.draining).map(|c| c.cidr).collect();
                 let usage = |fam: Family| {
-                    p.cidrs()
-                        .filter(|c| Family::of_net(c.cidr) == fam)
-                        .fold((0u128, 0u128), |(u, f), c| {
-                            (u + c.used, f + (c.capacity - c.used))
-                        })
+                    p.cidrs().filter(|c| Family::of_net(c.cidr) == fam).fold(
+                        (0u128, 0u128),
+                        |(u, f), c| {
+                            // Free: what can still be handed out (inside a
+                            // block's reservation window in cluster mode).
+                            (u + c.used, f + c.available)
+                        },
+                    )
                 };
                 PoolStatus {
                     name: p.name().to_string(),

@@ -134,7 +134,8 @@ pub enum PoolsCommand {
 pub enum NodeCommand {
     /// Free a node's blocks for others to claim; refused until its lease
     /// has been recorded gone for `reclaim_after` unless `--force`. The
-    /// addresses it last published as in use stay reserved.
+    /// addresses of its reservation window (in use or about to be) stay
+    /// reserved.
     Remove {
         /// The node's name.
         name: String,
@@ -349,7 +350,7 @@ pub fn run(etcd: EtcdArgs, cmd: ClusterCommand) -> anyhow::Result<i32> {
                     removed.reserved.iter().map(ToString::to_string).collect();
                 if removed.removal == lockstep_core::cluster::Removal::Forced {
                     println!(
-                        "warning: --force: node {name} may still be serving its blocks (cut off from etcd, its pods running); another node may take them. Addresses it last published as in use, reserved until released: {}",
+                        "warning: --force: node {name} may still be serving its blocks (cut off from etcd, its pods running); another node may take them. Addresses of its reservation window (those in use and those it may hand out while cut off), reserved until released: {}",
                         if reserved.is_empty() {
                             "none".to_string()
                         } else {

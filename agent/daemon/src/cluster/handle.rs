@@ -30,6 +30,13 @@ pub(super) struct Shared {
     pub(super) wanted: BTreeSet<String>,
     /// Blocks claimed per pool since start.
     pub(super) claims: BTreeMap<String, u64>,
+    /// Room made per pool since start: blocks claimed and reservation
+    /// windows grown (what an ADD waiting on a pool waits for).
+    pub(super) room: BTreeMap<String, u64>,
+    /// The reservation window: addresses served, and windows published
+    /// since start (#43).
+    pub(super) window_addresses: usize,
+    pub(super) window_publications: u64,
     /// Rounds done since start.
     pub(super) rounds: u64,
     /// etcd keys the last read skipped as unreadable: key → why.
@@ -106,11 +113,11 @@ impl ClusterHandle {
         self.lock().pools.clone()
     }
 
-    /// How many blocks have been claimed so far, per pool: taken before an
-    /// allocation attempt, it tells [`ClusterHandle::need_block`] whether a
-    /// block came after it.
+    /// How much room has been made so far, per pool (blocks claimed,
+    /// reservation windows grown): taken before an allocation attempt, it
+    /// tells [`ClusterHandle::need_block`] whether room came after it.
     pub fn claims_seen(&self) -> BTreeMap<String, u64> {
-        self.lock().claims.clone()
+        self.lock().room.clone()
     }
 
     /// Asks for a block of `pool` now and waits for it, at most `within`.
@@ -136,7 +143,7 @@ impl ClusterHandle {
                     "cluster pool {pool} is being removed (draining): no new block is claimed from it"
                 ));
             }
-            if s.claims.get(pool).copied().unwrap_or(0) > claims {
+            if s.room.get(pool).copied().unwrap_or(0) > claims {
                 return Ok(());
             }
             s.wanted.insert(pool.to_string());
@@ -147,7 +154,7 @@ impl ClusterHandle {
             let changed = self.changed.notified();
             {
                 let s = self.lock();
-                if s.claims.get(pool).copied().unwrap_or(0) > claims {
+                if s.room.get(pool).copied().unwrap_or(0) > claims {
                     return Ok(());
                 }
                 // A whole round after the request, and etcd failed.
@@ -191,10 +198,18 @@ pub fn render_metrics(c: &ClusterHandle) -> String {
          lockstep_cluster_unreadable_keys {}\n\
          # HELP lockstep_cluster_configured_pool_overlaps Overlaps of a configured pool's cidr with a cluster pool or block: the cidr is withheld from the allocator.\n\
          # TYPE lockstep_cluster_configured_pool_overlaps gauge\n\
-         lockstep_cluster_configured_pool_overlaps {}\n",
+         lockstep_cluster_configured_pool_overlaps {}\n\
+         # HELP lockstep_cluster_window_addresses Addresses in this node's reservation window (in use, and those it may hand out without asking etcd).\n\
+         # TYPE lockstep_cluster_window_addresses gauge\n\
+         lockstep_cluster_window_addresses {}\n\
+         # HELP lockstep_cluster_window_publications_total Reservation windows published to etcd since start.\n\
+         # TYPE lockstep_cluster_window_publications_total counter\n\
+         lockstep_cluster_window_publications_total {}\n",
         s.fenced,
         u8::from(s.problem.is_none()),
         s.unreadable.len(),
         s.overlaps.len(),
+        s.window_addresses,
+        s.window_publications,
     )
 }

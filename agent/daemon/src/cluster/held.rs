@@ -27,6 +27,11 @@ pub const FILE: &str = "cluster.json";
 /// The name of the file keeping where the node last saw etcd.
 pub const MARK_FILE: &str = "cluster-etcd.json";
 
+/// The name of the file keeping the reservation window the allocator
+/// serves (#43): never more than etcd holds. A file of its own, as the
+/// mark's, so an older build still starts after a downgrade.
+pub const WINDOW_FILE: &str = "cluster-window.json";
+
 /// Errors of reading or writing the held-blocks file.
 #[derive(Debug, thiserror::Error)]
 pub enum HeldError {
@@ -90,6 +95,12 @@ pub struct UnsettledClaim {
     pub pool: String,
     /// The block claimed.
     pub cidr: IpNet,
+}
+
+/// `cluster-window.json`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+struct WindowFile {
+    addresses: std::collections::BTreeSet<std::net::IpAddr>,
 }
 
 /// What the node knows of the cluster without etcd.
@@ -172,6 +183,46 @@ impl Held {
     /// Any step failed; the old file is then unchanged.
     pub fn save_mark(state_dir: &Path, mark: StoreMark) -> Result<(), HeldError> {
         write_json(state_dir, MARK_FILE, &mark)
+    }
+
+    /// The reservation window the allocator serves (`cluster-window.json`),
+    /// or `None` before one was recorded (a record older than windows: no
+    /// address of a cluster block is handed out until one is published).
+    ///
+    /// # Errors
+    /// The file exists but cannot be read or parsed.
+    pub fn load_window(
+        state_dir: &Path,
+    ) -> Result<Option<std::collections::BTreeSet<std::net::IpAddr>>, HeldError> {
+        let path = state_dir.join(WINDOW_FILE);
+        match std::fs::read(&path) {
+            Ok(bytes) => serde_json::from_slice::<WindowFile>(&bytes)
+                .map(|w| Some(w.addresses))
+                .map_err(|e| HeldError::Corrupt {
+                    path,
+                    reason: e.to_string(),
+                }),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            Err(source) => Err(HeldError::Io { path, source }),
+        }
+    }
+
+    /// Records the window the allocator serves, durably as [`Held::save`]:
+    /// after etcd holds it when it grows, before etcd does when it shrinks.
+    ///
+    /// # Errors
+    /// Any step failed; the old file is then unchanged.
+    pub fn save_window(
+        state_dir: &Path,
+        addresses: &std::collections::BTreeSet<std::net::IpAddr>,
+    ) -> Result<(), HeldError> {
+        write_json(
+            state_dir,
+            WINDOW_FILE,
+            &WindowFile {
+                addresses: addresses.clone(),
+            },
+        )
     }
 
     /// The blocks new addresses may come from (neither fenced nor being

@@ -310,6 +310,17 @@ pub struct NodeAddrRecord {
     pub gone: Option<lockstep_core::cluster::GoneMark>,
 }
 
+/// The value of a node's reservation window (`<prefix>.windows/<node>`,
+/// #43): every address it may hand out without asking etcd, those in use
+/// included. A reclaimer reserves all of them.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WindowRecord {
+    /// The node (the key's last segment).
+    pub name: String,
+    /// The addresses, ascending.
+    pub addresses: std::collections::BTreeSet<IpAddr>,
+}
+
 /// The value of `reserved/<node>`: addresses a removed or reclaimed node
 /// last published as in use. No node hands them out (its pods may still
 /// hold them) until the node, back, no longer holds them, or an operator

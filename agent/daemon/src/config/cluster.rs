@@ -96,6 +96,16 @@ pub struct ClusterConfig {
     /// has an IPv6 underlay address).
     #[serde(default)]
     pub endpoint_mtu: Option<u32>,
+    /// The fewest spare addresses the node keeps in its reservation window
+    /// per pool and family, beyond those in use (#43; docs/cluster.md,
+    /// "One address, one owner: reservation windows"): what it may hand
+    /// out while cut off from etcd before it answers "try again".
+    #[serde(default = "default_window_min_spare")]
+    pub window_min_spare: u64,
+    /// The most: a burst of ADDs widens the window up to this, so a node
+    /// refreshes it a few times a minute, not every few ADDs.
+    #[serde(default = "default_window_max_spare")]
+    pub window_max_spare: u64,
 }
 
 impl ClusterConfig {
@@ -108,6 +118,14 @@ impl ClusterConfig {
 
 fn default_vni() -> u32 {
     1
+}
+
+fn default_window_min_spare() -> u64 {
+    8
+}
+
+fn default_window_max_spare() -> u64 {
+    256
 }
 
 /// Why `key` is not a Kubernetes label key: an optional DNS-subdomain
@@ -263,6 +281,21 @@ impl ClusterConfig {
         }
         if self.remote_settle > Duration::from_secs(60) {
             return bad("remote_settle", "must be at most 1m".into());
+        }
+        if self.window_min_spare == 0 || self.window_min_spare > 65_536 {
+            return bad(
+                "window_min_spare",
+                "must be between 1 and 65536 (addresses)".into(),
+            );
+        }
+        if self.window_max_spare < self.window_min_spare || self.window_max_spare > 65_536 {
+            return bad(
+                "window_max_spare",
+                format!(
+                    "must be between window_min_spare ({}) and 65536 (addresses)",
+                    self.window_min_spare
+                ),
+            );
         }
         for (k, v) in &self.node_labels {
             if let Some(p) = label_key_problem(k) {

@@ -17,6 +17,7 @@ mod pools_source;
 mod reclaim;
 #[cfg(test)]
 mod tests;
+mod windows;
 
 use std::collections::BTreeMap;
 use std::future::Future;

@@ -148,8 +148,9 @@ impl Door {
 
     /// Removes node `name` as an operator asks: its blocks deleted (each
     /// compared on the revision read) so others can claim them, its
-    /// routing key with them, and the addresses it last published as in
-    /// use reserved (`reserved/<name>`), in one transaction. Without
+    /// routing key with them, and its reservation window (every address
+    /// it may have handed out, #43) reserved (`reserved/<name>`), in one
+    /// transaction. Without
     /// `force` only once its lease has been recorded gone for
     /// `reclaim_after` (the core's
     /// [`check_node_removal`](lockstep_core::cluster::check_node_removal));
@@ -203,9 +204,18 @@ impl Door {
             .find(|(r, _)| r.name == name)
             .map_or((Vec::new(), 0), |(r, rev)| (r.addresses, rev));
         let mut reserved: BTreeSet<IpAddr> = earlier.into_iter().collect();
+        // Addresses in use a node before reservation windows published
+        // with its routing key.
         if let Some((r, _)) = &routing {
             reserved.extend(r.in_use.iter().copied());
         }
+        // Its reservation window (#43): everything it may have handed out
+        // without asking etcd, in the second before a cut or during it.
+        let window = self.window(name).await?;
+        if let Some((w, _)) = &window {
+            reserved.extend(w.iter().copied());
+        }
+        let window_key = self.window_key(name);
         let routing_key = self.key(&format!("{NODE_ADDRS}{name}"));
         let node_key = self.key(&format!("nodes/{name}"));
         let mut guards = vec![
@@ -215,6 +225,12 @@ impl Door {
                 routing.as_ref().map_or(0, |(_, rev)| *rev),
             ),
             Compare::mod_revision(reserved_key.clone(), CompareOp::Equal, reserved_rev),
+            // A window extended in between (a node back) is read again.
+            Compare::mod_revision(
+                window_key.clone(),
+                CompareOp::Equal,
+                window.as_ref().map_or(0, |(_, rev)| *rev),
+            ),
         ];
         if !force {
             // Still gone: a node back in between keeps its blocks.
@@ -235,6 +251,9 @@ impl Door {
             ops.push(TxnOp::delete(key, None));
         }
         ops.push(TxnOp::delete(routing_key, None));
+        if window.is_some() {
+            ops.push(TxnOp::delete(window_key, None));
+        }
         if !reserved.is_empty() {
             ops.push(TxnOp::put(
                 reserved_key,

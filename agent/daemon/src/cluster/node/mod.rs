@@ -48,6 +48,7 @@ pub(crate) use ips::node_ips;
 mod lease;
 mod reclaim;
 mod served;
+mod window;
 
 use served::Served;
 pub use served::local_specs;
@@ -138,6 +139,8 @@ pub struct ClusterNode {
     /// Blocks a read settled as this node's (a claim whose answer was
     /// lost), per pool: counted as claims once served.
     settled: BTreeMap<String, u64>,
+    /// The reservation window (#43).
+    window: window::WindowState,
     handle: Arc<ClusterHandle>,
 }
 
@@ -232,6 +235,7 @@ impl ClusterNode {
                 .map_err(|e| crate::error_chain(&e))?;
         }
         let history = restore::History::load(&config.state_dir, &held)?;
+        let window = window::WindowState::load(&config.state_dir)?;
         let mut node = ClusterNode {
             config: config.clone(),
             cluster,
@@ -260,6 +264,7 @@ impl ClusterNode {
             synced: None,
             gone_pending: false,
             settled: BTreeMap::new(),
+            window,
             handle: Arc::new(ClusterHandle::default()),
         };
         node.held.node = node.name.clone();
@@ -505,6 +510,7 @@ impl ClusterNode {
             others: self.others.clone(),
             overlaps: self.overlaps.clone(),
             excluded: held.reserved.iter().copied().collect(),
+            windows: self.window.per_block(held),
             // The cluster pool serving requests that name none, as the
             // core decides it from what etcd records (`Err`: why none).
             default: lockstep_core::cluster::default_pool(
@@ -764,7 +770,10 @@ impl ClusterNode {
                 in_use,
                 wanted: wanted_total,
             };
-            self.lease(record, addrs.clone()).await;
+            // The addresses in use are no longer published with the routing
+            // key every node watches (#43): the reservation window, which
+            // only a reclaimer reads, covers them.
+            self.lease(record, Vec::new()).await;
             self.release_own(&addrs.iter().copied().collect()).await;
         } else {
             self.refresh_alone().await;
@@ -775,10 +784,14 @@ impl ClusterNode {
         // New blocks (recorded by `claim`), forgotten fenced ones, and a new
         // default (an apply naming another) reach the allocator.
         self.serve(slot).await;
+        // The reservation window: grown ahead of need, published before
+        // anything of it is handed out (#43).
+        self.window_round(slot, &addrs, reachable).await;
         {
             let mut s = self.handle.lock();
             for (pool, n) in claimed {
                 *s.claims.entry(pool.clone()).or_default() += n;
+                *s.room.entry(pool.clone()).or_default() += n;
                 s.wanted.remove(&pool);
             }
         }

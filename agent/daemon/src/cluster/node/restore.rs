@@ -77,6 +77,9 @@ impl ClusterNode {
             tracing::error!(%why, grace = ?GRACE, "etcd went back in time (restored from a backup?): claiming back this node's blocks etcd lost, and no new block for the grace");
             self.history.rolled_back_at = Some(Instant::now());
             self.history.reclaim_pending = true;
+            // The reservation window etcd holds may be the backup's (or
+            // none): read and written again at this round (#43).
+            self.window.forget_published();
         }
         let next = advance(self.history.mark, now);
         if self.history.mark != Some(next) {

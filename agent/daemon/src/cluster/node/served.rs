@@ -57,12 +57,20 @@ pub(super) struct Served {
     /// Addresses other nodes' pods may hold (reserved for a removed or
     /// reclaimed node): never handed out (#26 item 2).
     pub(super) excluded: BTreeSet<IpAddr>,
+    /// Each block's reservation window (#43): the allocator hands out
+    /// nothing of a block outside it.
+    pub(super) windows: BTreeMap<IpNet, BTreeSet<IpAddr>>,
     pub(super) default: Result<Option<String>, String>,
 }
 
 impl Served {
     /// Gives the agent what differs from `had` (everything when `None`).
     pub(super) fn give(&self, node: &str, agent: &mut Agent, had: Option<&Served>) {
+        // Windows before pools: a block the pools add is limited from the
+        // moment it exists.
+        if had.is_none_or(|h| h.windows != self.windows) {
+            agent.set_cluster_windows(self.windows.clone());
+        }
         // Overlaps first: `set_cluster_pools` withholds them.
         let overlaps = had.is_none_or(|h| h.overlaps != self.overlaps);
         if overlaps {
