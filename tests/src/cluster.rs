@@ -267,6 +267,26 @@ pub fn cni_with_args(
     Ok((out.status.code().unwrap_or(-1), v, took))
 }
 
+/// A node namespace of its own, with an underlay address (so other nodes'
+/// IPs are on link: a veth pair inside it stands in for the uplink) and
+/// the etcd forwarder: one agent in cluster mode, no other node's datapath.
+///
+/// # Errors
+/// A link, address, sysctl or the forwarder could not be made.
+pub fn lone_node(tag: &str, ip: &str, cluster: &EtcdCluster) -> anyhow::Result<Netns> {
+    let ns = Netns::new(tag)?;
+    ns.exec(
+        "ip",
+        ["link", "add", "u0", "type", "veth", "peer", "name", "u1"],
+    )?;
+    ns.exec("ip", ["link", "set", "u1", "up"])?;
+    ns.exec("ip", ["addr", "add", &format!("{ip}/24"), "dev", "u0"])?;
+    ns.exec("ip", ["link", "set", "u0", "up"])?;
+    ns.exec("sysctl", ["-qw", "net.ipv4.ip_forward=1"])?;
+    forward(&ns, cluster)?;
+    Ok(ns)
+}
+
 /// The node address of node `i` on the underlay of [`ClusterNodes`].
 pub fn node_ip(i: usize) -> String {
     format!("10.251.0.{}", i + 1)

@@ -440,6 +440,8 @@ pub struct AgentProc {
     /// The config file.
     pub config: PathBuf,
     netns: PathBuf,
+    /// The binary it runs (and its CLI calls use).
+    bin: PathBuf,
 }
 
 /// How [`AgentProc::launch`] starts an agent.
@@ -453,6 +455,9 @@ pub struct AgentOptions {
     pub state_dir: Option<PathBuf>,
     /// Return as soon as the process runs, ready or not.
     pub unready: bool,
+    /// The binary to run (default [`lockstep_bin`]): another build's, for
+    /// a benchmark's baseline side.
+    pub bin: Option<PathBuf>,
 }
 
 impl AgentProc {
@@ -515,6 +520,7 @@ impl AgentProc {
             pins,
             config,
             netns: node.path(),
+            bin: options.bin.clone().unwrap_or_else(lockstep_bin),
         };
         agent.spawn()?;
         if !options.unready {
@@ -556,7 +562,7 @@ impl AgentProc {
             .arg(format!("--net={}", self.netns.display()))
             .arg("--")
             .args(wrapper)
-            .arg(lockstep_bin())
+            .arg(&self.bin)
             .args(["agent", "--config"])
             .arg(&self.config)
             .stdout(log.try_clone()?)
@@ -621,7 +627,7 @@ impl AgentProc {
         I: IntoIterator<Item = S>,
         S: AsRef<OsStr>,
     {
-        Ok(Command::new(lockstep_bin())
+        Ok(Command::new(&self.bin)
             .arg("--socket")
             .arg(self.socket())
             .args(args)

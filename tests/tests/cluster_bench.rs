@@ -16,9 +16,16 @@
 //!
 //! c. Convergence: a block claimed by another node until this node's
 //!    IPCACHE holds it (goal: p99 ≤ 250 ms).
-//! d. Full CNI ADD p50 in cluster mode with a block in hand vs a
-//!    single-node agent, alternating (goal: within 10%).
 //! e. 100 full ADDs at once on a node holding no block (goal: ≤ 1 s wall).
+//!
+//! `cluster_cni` (root, `cargo xtask bench cni`):
+//!
+//! d. Full CNI ADD p50 in cluster mode with a block and its reservation
+//!    window in hand vs a single-node agent, alternating (goal: ≤ 1.05×:
+//!    no etcd round trip on the ADD's path).
+//! h. 100 IPAM ADDs/s (each released a second later) for 20 s on one
+//!    node: reservation-window publications per second (etcd requests the
+//!    window costs the node), and the ADDs that had to wait for one.
 
 use std::collections::BTreeSet;
 use std::sync::{Arc, Mutex};
@@ -342,21 +349,9 @@ fn cni(
     Ok(lockstep_tests::cluster::cni(&agent.socket(), command, id, netns)?.0)
 }
 
-/// A node namespace with an underlay address (so other nodes' IPs are on
-/// link) and the etcd forwarder.
+/// A node namespace with an underlay address and the etcd forwarder.
 fn node_ns(tag: &str, ip: &str, cluster: &EtcdCluster) -> anyhow::Result<lockstep_tests::Netns> {
-    let ns = lockstep_tests::Netns::new(tag)?;
-    // No dummy driver here: a veth pair inside the namespace stands in.
-    ns.exec(
-        "ip",
-        ["link", "add", "u0", "type", "veth", "peer", "name", "u1"],
-    )?;
-    ns.exec("ip", ["link", "set", "u1", "up"])?;
-    ns.exec("ip", ["addr", "add", &format!("{ip}/24"), "dev", "u0"])?;
-    ns.exec("ip", ["link", "set", "u0", "up"])?;
-    ns.exec("sysctl", ["-qw", "net.ipv4.ip_forward=1"])?;
-    lockstep_tests::cluster::forward(&ns, cluster)?;
-    Ok(ns)
+    lockstep_tests::cluster::lone_node(tag, ip, cluster)
 }
 
 /// Whether `agent`'s IPCACHE_V4 holds the prefix `block`.
@@ -445,7 +440,102 @@ fn cluster_agents() -> anyhow::Result<()> {
         }
     ));
 
-    // d. Full CNI ADD with a block in hand (node-b) beside a single-node
+    // e. 100 parallel ADDs on a node holding no block yet.
+    let nc = node_ns("cbc", "192.0.2.3", &cluster)?;
+    let c = lockstep_tests::AgentProc::start(
+        &nc,
+        &lockstep_tests::cluster::cluster_config(&eps, PREFIX, "node-c", "192.0.2.3"),
+    )?;
+    let pods: Vec<lockstep_tests::Netns> = (0..100)
+        .map(|i| lockstep_tests::Netns::new(&format!("cbp{i}")))
+        .collect::<anyhow::Result<_>>()?;
+    let barrier = std::sync::Barrier::new(pods.len() + 1);
+    let (wall, results) = std::thread::scope(|s| {
+        let handles: Vec<_> = pods
+            .iter()
+            .enumerate()
+            .map(|(i, ns)| {
+                let (barrier, c) = (&barrier, &c);
+                s.spawn(move || {
+                    barrier.wait();
+                    cni(c, "ADD", &format!("par-{i}"), &ns.path())
+                })
+            })
+            .collect();
+        barrier.wait();
+        let started = Instant::now();
+        let results: Vec<anyhow::Result<Duration>> = handles
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err(anyhow::anyhow!("panicked")))
+            })
+            .collect();
+        (started.elapsed(), results)
+    });
+    let failed: Vec<String> = results
+        .iter()
+        .filter_map(|r| r.as_ref().err().map(|e| e.to_string()))
+        .collect();
+    ensure!(
+        failed.is_empty(),
+        "{} ADDs failed: {:?}",
+        failed.len(),
+        &failed[..failed.len().min(3)]
+    );
+    println!(
+        "\ne. 100 full ADDs at once on a node holding no block (it claims two /26): wall {:.0} ms",
+        ms(wall)
+    );
+    rows.push(format!(
+        "{:<48} {:>18} {:>10} {}",
+        "100 parallel ADDs, no block held: wall",
+        format!("{:.0} ms", ms(wall)),
+        "<= 1000 ms",
+        if wall <= Duration::from_secs(1) {
+            "PASS"
+        } else {
+            "FAIL"
+        }
+    ));
+    for (i, ns) in pods.iter().enumerate() {
+        cni(&c, "DEL", &format!("par-{i}"), &ns.path())?;
+    }
+
+    println!("\n{:<48} {:>18} {:>10} result", "measure", "value", "goal");
+    for r in &rows {
+        println!("{r}");
+    }
+    let missed: Vec<&String> = rows.iter().filter(|r| r.ends_with("FAIL")).collect();
+    ensure!(missed.is_empty(), "goals missed: {missed:?}");
+    Ok(())
+}
+
+#[test]
+#[ignore = "a benchmark: cargo xtask bench cni"]
+fn cluster_cni() -> anyhow::Result<()> {
+    lockstep_tests::privileged!();
+    let cluster = EtcdCluster::start(3)?;
+    let eps = cluster.endpoints();
+    let rt = rt()?;
+    const PREFIX: &str = "/bench-cni/";
+    rt.block_on(async {
+        let mut d = door(eps.clone(), PREFIX).await?;
+        let pools: Vec<ClusterPoolSpec> = serde_json::from_value(serde_json::json!([
+            {"name": "pods", "ipv4": ["10.92.0.0/16"]},
+        ]))?;
+        d.apply_pools(&pools).await?;
+        anyhow::Ok(())
+    })?;
+    let mut rows: Vec<String> = Vec::new();
+    let nb = node_ns("cnb", "192.0.2.2", &cluster)?;
+    let b = lockstep_tests::AgentProc::start(
+        &nb,
+        &lockstep_tests::cluster::cluster_config(&eps, PREFIX, "node-b", "192.0.2.2"),
+    )?;
+
+    // d. Full CNI ADD with a block and its window in hand (node-b) beside a
+    // single-node
     // agent, alternating blocks of 10, into a ring of container netns.
     let ns_single = lockstep_tests::Netns::new("cbs")?;
     ns_single.exec("sysctl", ["-qw", "net.ipv4.ip_forward=1"])?;
@@ -508,71 +598,74 @@ fn cluster_agents() -> anyhow::Result<()> {
         "{:<48} {:>18} {:>10} {}",
         "CNI ADD p50: cluster (block held) / single-node",
         format!("{:.3} / {:.3} ms = {:.2}", pb, ps, pb / ps),
-        "<= 1.10",
-        if pb / ps <= 1.10 { "PASS" } else { "FAIL" }
+        "<= 1.05",
+        if pb / ps <= 1.05 { "PASS" } else { "FAIL" }
     ));
 
-    // e. 100 parallel ADDs on a node holding no block yet.
-    let nc = node_ns("cbc", "192.0.2.3", &cluster)?;
-    let c = lockstep_tests::AgentProc::start(
-        &nc,
-        &lockstep_tests::cluster::cluster_config(&eps, PREFIX, "node-c", "192.0.2.3"),
-    )?;
-    let pods: Vec<lockstep_tests::Netns> = (0..100)
-        .map(|i| lockstep_tests::Netns::new(&format!("cbp{i}")))
-        .collect::<anyhow::Result<_>>()?;
-    let barrier = std::sync::Barrier::new(pods.len() + 1);
-    let (wall, results) = std::thread::scope(|s| {
-        let handles: Vec<_> = pods
-            .iter()
-            .enumerate()
-            .map(|(i, ns)| {
-                let (barrier, c) = (&barrier, &c);
-                s.spawn(move || {
-                    barrier.wait();
-                    cni(c, "ADD", &format!("par-{i}"), &ns.path())
-                })
-            })
-            .collect();
-        barrier.wait();
-        let started = Instant::now();
-        let results: Vec<anyhow::Result<Duration>> = handles
-            .into_iter()
-            .map(|h| {
-                h.join()
-                    .unwrap_or_else(|_| Err(anyhow::anyhow!("panicked")))
-            })
-            .collect();
-        (started.elapsed(), results)
-    });
-    let failed: Vec<String> = results
-        .iter()
-        .filter_map(|r| r.as_ref().err().map(|e| e.to_string()))
-        .collect();
-    ensure!(
-        failed.is_empty(),
-        "{} ADDs failed: {:?}",
-        failed.len(),
-        &failed[..failed.len().min(3)]
-    );
+    // h. 100 IPAM ADDs/s on node-b for 20 s, each released a second later:
+    // the reservation window's publications per second.
+    let publications = |ns: &lockstep_tests::Netns| -> anyhow::Result<f64> {
+        let m = lockstep_tests::cluster::metrics_in(ns)?;
+        m.lines()
+            .find_map(|l| l.strip_prefix("lockstep_cluster_window_publications_total "))
+            .context("no window publications metric")?
+            .trim()
+            .parse::<f64>()
+            .context("publications")
+    };
+    let before = publications(&nb)?;
+    let started = Instant::now();
+    let mut live: std::collections::VecDeque<(Instant, String)> = std::collections::VecDeque::new();
+    let (mut adds, mut slow) = (0u64, 0u64);
+    let every = Duration::from_millis(10);
+    while started.elapsed() < Duration::from_secs(20) {
+        let due = started + every * u32::try_from(adds).unwrap_or(u32::MAX);
+        if let Some(wait) = due.checked_duration_since(Instant::now()) {
+            std::thread::sleep(wait);
+        }
+        let name = format!("burst-{adds}");
+        let t = Instant::now();
+        let out = b.cli([
+            "allocate", "--kind", "endpoint", "--name", &name, "--family", "ipv4",
+        ])?;
+        ensure!(
+            out.status.success(),
+            "allocate {name}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        if t.elapsed() > Duration::from_millis(100) {
+            slow += 1;
+        }
+        adds += 1;
+        live.push_back((Instant::now(), name));
+        while live
+            .front()
+            .is_some_and(|(at, _)| at.elapsed() >= Duration::from_secs(1))
+        {
+            let (_, old) = live.pop_front().context("front")?;
+            let out = b.cli([
+                "release", "--kind", "endpoint", "--name", &old, "--family", "ipv4",
+            ])?;
+            ensure!(out.status.success(), "release {old}");
+        }
+    }
+    let secs = started.elapsed().as_secs_f64();
+    let published = publications(&nb)? - before;
     println!(
-        "\ne. 100 full ADDs at once on a node holding no block (it claims two /26): wall {:.0} ms",
-        ms(wall)
+        "\nh. {adds} IPAM ADDs in {secs:.1} s ({:.0}/s, each released 1 s later): {published:.0} window publications ({:.2}/s per node); {slow} ADDs took over 100 ms",
+        adds as f64 / secs,
+        published / secs
     );
     rows.push(format!(
-        "{:<48} {:>18} {:>10} {}",
-        "100 parallel ADDs, no block held: wall",
-        format!("{:.0} ms", ms(wall)),
-        "<= 1000 ms",
-        if wall <= Duration::from_secs(1) {
-            "PASS"
-        } else {
-            "FAIL"
-        }
+        "{:<48} {:>18} {:>10} (report)",
+        "window refills/s per node at ~100 ADDs/s",
+        format!(
+            "{:.2}/s ({:.0} ADDs/s)",
+            published / secs,
+            adds as f64 / secs
+        ),
+        ""
     ));
-    for (i, ns) in pods.iter().enumerate() {
-        cni(&c, "DEL", &format!("par-{i}"), &ns.path())?;
-    }
 
     println!("\n{:<48} {:>18} {:>10} result", "measure", "value", "goal");
     for r in &rows {

@@ -17,6 +17,12 @@
 //!    (`grpc_server_msg_received_total` of streams), and bytes/s etcd sent
 //!    (`etcd_network_client_grpc_sent_bytes_total`). Goals: ≤ 1 request/s
 //!    per node at every size; bytes/s per node at 5,000 ≤ 1.2× at 100.
+//! i. ([`cluster_churn_bytes`]) One real agent churning 50 pod events/s
+//!    (25 IPAM ADDs and 25 releases a second) while [`WATCHERS`] other
+//!    nodes follow the prefix, each with its own connection and mirror as
+//!    every agent has: etcd's bytes sent per node per second, idle and
+//!    churning. With `LOCKSTEP_BASELINE_BIN` (an agent built from another
+//!    commit) the same run is made with it too, beside this build's.
 //! g. 5,000 LB services applied 100 at a time through an agent's LB
 //!    handle (what `lockstep lb apply` does in cluster mode) on 10
 //!    simulated nodes: each apply until its services are in `lb get`
@@ -530,5 +536,143 @@ fn cluster_steady_state() -> anyhow::Result<()> {
     );
     let missed: Vec<&String> = rows.iter().filter(|r| r.ends_with("FAIL")).collect();
     ensure!(missed.is_empty(), "goals missed: {missed:?}");
+    Ok(())
+}
+
+/// Nodes following the prefix while one churns ([`cluster_churn_bytes`]).
+const WATCHERS: usize = 30;
+
+/// One side of [`cluster_churn_bytes`]: etcd's bytes sent per node per
+/// second, idle and with one node churning, for the agent `bin`.
+fn churn_side(
+    cluster: &EtcdCluster,
+    rt: &tokio::runtime::Runtime,
+    k: usize,
+    bin: &Path,
+) -> anyhow::Result<(f64, f64)> {
+    let eps = cluster.endpoints();
+    let prefix = format!("/churn-{k}/");
+    rt.block_on(async {
+        let mut d = Door::connect(options(&eps, &prefix)).await?;
+        d.apply_pools(&[pool()?]).await?;
+        anyhow::Ok(())
+    })?;
+    let stop = tokio::sync::watch::Sender::new(false);
+    let mut tasks = Vec::new();
+    for _ in 0..WATCHERS {
+        let link = Link::new(&prefix);
+        let mut o = options(&eps, &prefix);
+        o.link = Some(link.clone());
+        let _guard = rt.enter();
+        tasks.push(link.mirror().clone().spawn(o, stop.subscribe()));
+    }
+    let ns = lockstep_tests::cluster::lone_node(&format!("chn{k}"), "192.0.2.2", cluster)?;
+    let agent = lockstep_tests::AgentProc::launch(
+        &ns,
+        &lockstep_tests::AgentOptions {
+            extra: lockstep_tests::cluster::cluster_config(&eps, &prefix, "node-c", "192.0.2.2"),
+            bin: Some(bin.to_path_buf()),
+            ..Default::default()
+        },
+    )?;
+    let allocate = |name: &str| -> anyhow::Result<()> {
+        let out = agent.cli([
+            "allocate", "--kind", "endpoint", "--name", name, "--family", "ipv4",
+        ])?;
+        ensure!(
+            out.status.success(),
+            "allocate {name}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        Ok(())
+    };
+    // Settled: a block held, a first address handed out.
+    allocate("warm")?;
+    std::thread::sleep(SETTLE);
+    let window = Duration::from_secs(20);
+    let before = counters(cluster)?;
+    std::thread::sleep(window);
+    let idle = (counters(cluster)?.sent_bytes - before.sent_bytes)
+        / window.as_secs_f64()
+        / (WATCHERS + 1) as f64;
+    // 25 ADDs a second, each released a second later: 50 pod events/s.
+    let before = counters(cluster)?;
+    let started = Instant::now();
+    let mut live = std::collections::VecDeque::new();
+    let mut n = 0u32;
+    while started.elapsed() < window {
+        let due = started + Duration::from_millis(40) * n;
+        if let Some(wait) = due.checked_duration_since(Instant::now()) {
+            std::thread::sleep(wait);
+        }
+        let name = format!("churn-{n}");
+        allocate(&name)?;
+        live.push_back((Instant::now(), name));
+        n += 1;
+        while live
+            .front()
+            .is_some_and(|(at, _): &(Instant, String)| at.elapsed() >= Duration::from_secs(1))
+        {
+            let (_, old) = live.pop_front().context("front")?;
+            let out = agent.cli([
+                "release", "--kind", "endpoint", "--name", &old, "--family", "ipv4",
+            ])?;
+            ensure!(out.status.success(), "release {old}");
+        }
+    }
+    let secs = started.elapsed().as_secs_f64();
+    let churn = (counters(cluster)?.sent_bytes - before.sent_bytes) / secs / (WATCHERS + 1) as f64;
+    println!(
+        "   {}: {WATCHERS} watchers + 1 churning node ({:.0} ADDs/s, as many releases): idle {idle:.1} bytes/s sent per node, churning {churn:.1} bytes/s per node",
+        bin.display(),
+        f64::from(n) / secs
+    );
+    stop.send_replace(true);
+    drop(agent);
+    rt.block_on(async {
+        for t in tasks {
+            let _ = t.await;
+        }
+    });
+    Ok((idle, churn))
+}
+
+#[test]
+#[ignore = "a benchmark: cargo xtask bench cluster"]
+fn cluster_churn_bytes() -> anyhow::Result<()> {
+    lockstep_tests::privileged!();
+    let cluster = EtcdCluster::start(3)?;
+    let rt = rt()?;
+    let mut sides = vec![("this build", lockstep_tests::lockstep_bin())];
+    if let Some(b) = std::env::var_os("LOCKSTEP_BASELINE_BIN") {
+        sides.push(("baseline", b.into()));
+    }
+    println!("\ni. one node churning 50 pod events/s:");
+    let mut rows = Vec::new();
+    let mut figures = Vec::new();
+    for (k, (name, bin)) in sides.iter().enumerate() {
+        let (idle, churn) = churn_side(&cluster, &rt, k, bin)?;
+        figures.push(churn);
+        row(
+            &mut rows,
+            &format!("bytes/s sent per node, one node churning ({name})"),
+            format!("{churn:.1} (idle {idle:.1})"),
+            "(report)",
+            None,
+        );
+    }
+    if let [now, base] = figures.as_slice() {
+        row(
+            &mut rows,
+            "churning: this build / baseline",
+            format!("{:.3}", now / base),
+            "(report)",
+            None,
+        );
+    }
+    println!("\n{:<56} {:>24} {:>12} result", "measure", "value", "goal");
+    for r in &rows {
+        println!("{r}");
+    }
     Ok(())
 }

@@ -99,6 +99,7 @@ impl World {
                 extra: POOL.config(),
                 state_dir: Some(state),
                 unready: false,
+                bin: None,
             },
         )?;
         Ok(Self {

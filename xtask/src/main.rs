@@ -406,11 +406,21 @@ fn build_shipped(bin: &str) -> anyhow::Result<PathBuf> {
 /// Runs every ignored test (the benchmarks) of `tests/tests/<test>.rs`
 /// against the release agent, optimised as shipped.
 fn release_benchmark_test(test: &str) -> anyhow::Result<()> {
+    release_benchmark(test, None)
+}
+
+/// As [`release_benchmark_test`], only the ignored tests whose name is
+/// `only` when given.
+fn release_benchmark(test: &str, only: Option<&str>) -> anyhow::Result<()> {
     run(cargo().args(["build", "--release", "-p", "lockstep", "--bins"]))?;
-    run(cargo()
-        .args(["test", "--release", "-p", "lockstep-tests", "--test", test])
+    let mut cmd = cargo();
+    cmd.args(["test", "--release", "-p", "lockstep-tests", "--test", test])
         .args(["--", "--ignored", "--nocapture", "--test-threads", "1"])
-        .env("LOCKSTEP_BIN", root().join("target/release/lockstep")))
+        .env("LOCKSTEP_BIN", root().join("target/release/lockstep"));
+    if let Some(name) = only {
+        cmd.args(["--exact", name]);
+    }
+    run(&mut cmd)
 }
 
 /// The benchmark suites `cargo xtask bench` knows (`all` runs each).
@@ -459,7 +469,11 @@ fn bench(suite: &str) -> anyhow::Result<()> {
             let plugin = build_plugin()?;
             run(cargo()
                 .args(["bench", "-p", "lockstep", "--bench", "cni"])
-                .env("LOCKSTEP_CNI_BIN", plugin))
+                .env("LOCKSTEP_CNI_BIN", plugin))?;
+            // Cluster mode (#43): a full ADD with a block and its
+            // reservation window in hand beside a single-node agent, and
+            // the window's refills under 100 ADDs/s.
+            release_benchmark("cluster_bench", Some("cluster_cni"))
         }
         "masquerade" => {
             // lockstep's BPF masquerade beside nftables `masquerade`, in

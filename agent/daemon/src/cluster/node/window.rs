@@ -111,6 +111,10 @@ impl ClusterNode {
             .difference(&self.window.last_in_use)
             .copied()
             .collect();
+        // ADDs waiting on a pool found its window used up: a burst, which
+        // widens it to the most at once (it sheds back within the demand
+        // period once the burst is over).
+        let waiting = self.handle.lock().wanted.clone();
         let mut spares = Vec::new();
         for (pool, family, blocks) in &groups {
             let seen = self
@@ -131,7 +135,12 @@ impl ClusterNode {
             {
                 seen.pop_front();
             }
-            spares.push(sizing.spare(seen.iter().map(|(_, n)| n).sum()));
+            let recent = if waiting.contains(pool) {
+                sizing.max_spare
+            } else {
+                seen.iter().map(|(_, n)| n).sum()
+            };
+            spares.push(sizing.spare(recent));
         }
         self.window.last_in_use = in_use.clone();
         let asked: Vec<(String, Family)> = groups.iter().map(|(p, f, _)| (p.clone(), *f)).collect();
