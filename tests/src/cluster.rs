@@ -287,6 +287,19 @@ pub fn lone_node(tag: &str, ip: &str, cluster: &EtcdCluster) -> anyhow::Result<N
     Ok(ns)
 }
 
+/// Polls `done` every 200 ms until it holds, for at most `within`;
+/// returns how long it took.
+///
+/// # Errors
+/// `done` failed, or did not hold within `within` (named by `what`).
+pub fn poll(
+    within: Duration,
+    what: &str,
+    mut done: impl FnMut() -> anyhow::Result<bool>,
+) -> anyhow::Result<Duration> {
+    crate::until(within, what, || Ok((!done()?).then(String::new)))
+}
+
 /// The node address of node `i` on the underlay of [`ClusterNodes`].
 pub fn node_ip(i: usize) -> String {
     format!("10.251.0.{}", i + 1)
@@ -427,6 +440,30 @@ impl ClusterNodes {
             }
         }
         Ok(count)
+    }
+
+    /// As [`ClusterNodes::build_full`] (no `extra`), then one pod per node
+    /// through the CNI plugin (`p-<i>` in a namespace of its own, named
+    /// from `tag`): the nodes and the pods' namespaces.
+    ///
+    /// # Errors
+    /// As [`ClusterNodes::build`], or an ADD failed.
+    pub fn with_pods(
+        cluster: &EtcdCluster,
+        prefix: &str,
+        pools: &str,
+        cluster_extra: &str,
+        tag: &str,
+    ) -> anyhow::Result<(Self, Vec<Netns>)> {
+        let n = Self::build_full(cluster, prefix, pools, cluster_extra, "")?;
+        let pods: Vec<Netns> = (0..3)
+            .map(|i| Netns::new(&format!("{tag}{i}")))
+            .collect::<anyhow::Result<_>>()?;
+        for (i, ns) in pods.iter().enumerate() {
+            let (_, answer) = cni(&n.agents[i].socket(), "ADD", &format!("p-{i}"), &ns.path())?;
+            address_of(&answer)?;
+        }
+        Ok((n, pods))
     }
 
     /// Applies `pools` (a cluster pools file) and starts the three nodes.
@@ -585,6 +622,18 @@ impl ClusterNodes {
     pub fn heal(&self, i: usize) -> anyhow::Result<()> {
         self.ns[i].exec("nft", ["delete", "table", "inet", "lockstep_test_cut"])?;
         Ok(())
+    }
+
+    /// Every address held by more than one node, with its holders.
+    ///
+    /// # Errors
+    /// A node's allocations could not be read.
+    pub fn doubles(&self) -> anyhow::Result<Vec<(IpAddr, Vec<String>)>> {
+        Ok(self
+            .holders()?
+            .into_iter()
+            .filter(|(_, o)| o.len() > 1)
+            .collect())
     }
 
     /// Blocks as etcd has them: block → node.

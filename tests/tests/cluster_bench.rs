@@ -349,6 +349,37 @@ fn cni(
     Ok(lockstep_tests::cluster::cni(&agent.socket(), command, id, netns)?.0)
 }
 
+/// What the agent benchmarks start from.
+struct Bench {
+    cluster: EtcdCluster,
+    rt: tokio::runtime::Runtime,
+    /// node-b's namespace (`tag`) and its agent in cluster mode.
+    nb: lockstep_tests::Netns,
+    b: lockstep_tests::AgentProc,
+}
+
+/// A 3-member etcd holding the pool 10.92.0.0/16 under `prefix`, a
+/// runtime for the doors, and node-b's agent in its own namespace `tag`.
+fn bench_cluster(prefix: &str, tag: &str) -> anyhow::Result<Bench> {
+    let cluster = EtcdCluster::start(3)?;
+    let eps = cluster.endpoints();
+    let rt = rt()?;
+    rt.block_on(async {
+        let mut d = door(eps.clone(), prefix).await?;
+        let pools: Vec<ClusterPoolSpec> = serde_json::from_value(serde_json::json!([
+            {"name": "pods", "ipv4": ["10.92.0.0/16"]},
+        ]))?;
+        d.apply_pools(&pools).await?;
+        anyhow::Ok(())
+    })?;
+    let nb = node_ns(tag, "192.0.2.2", &cluster)?;
+    let b = lockstep_tests::AgentProc::start(
+        &nb,
+        &lockstep_tests::cluster::cluster_config(&eps, prefix, "node-b", "192.0.2.2"),
+    )?;
+    Ok(Bench { cluster, rt, nb, b })
+}
+
 /// A node namespace with an underlay address and the etcd forwarder.
 fn node_ns(tag: &str, ip: &str, cluster: &EtcdCluster) -> anyhow::Result<lockstep_tests::Netns> {
     lockstep_tests::cluster::lone_node(tag, ip, cluster)
@@ -365,27 +396,13 @@ fn in_ipcache(maps: &lockstep::datapath::PinnedMaps, block: IpNet) -> bool {
 #[ignore = "a benchmark: cargo xtask bench cluster"]
 fn cluster_agents() -> anyhow::Result<()> {
     lockstep_tests::privileged!();
-    let cluster = EtcdCluster::start(3)?;
-    let eps = cluster.endpoints();
-    let rt = rt()?;
     const PREFIX: &str = "/bench-agents/";
-    rt.block_on(async {
-        let mut d = door(eps.clone(), PREFIX).await?;
-        let pools: Vec<ClusterPoolSpec> = serde_json::from_value(serde_json::json!([
-            {"name": "pods", "ipv4": ["10.92.0.0/16"]},
-        ]))?;
-        d.apply_pools(&pools).await?;
-        anyhow::Ok(())
-    })?;
+    let Bench { cluster, rt, b, .. } = bench_cluster(PREFIX, "cbb")?;
+    let eps = cluster.endpoints();
     let mut rows: Vec<String> = Vec::new();
 
     // c. Convergence: a claim by another node (through the door, as its
     // agent would) until the entry is in this node's IPCACHE.
-    let nb = node_ns("cbb", "192.0.2.2", &cluster)?;
-    let b = lockstep_tests::AgentProc::start(
-        &nb,
-        &lockstep_tests::cluster::cluster_config(&eps, PREFIX, "node-b", "192.0.2.2"),
-    )?;
     let maps = lockstep::datapath::PinnedMaps::open(b.pins.path())?;
     let conv: Vec<f64> = rt.block_on(async {
         let mut d = door(eps.clone(), PREFIX).await?;
@@ -515,28 +532,12 @@ fn cluster_agents() -> anyhow::Result<()> {
 #[ignore = "a benchmark: cargo xtask bench cni"]
 fn cluster_cni() -> anyhow::Result<()> {
     lockstep_tests::privileged!();
-    let cluster = EtcdCluster::start(3)?;
-    let eps = cluster.endpoints();
-    let rt = rt()?;
-    const PREFIX: &str = "/bench-cni/";
-    rt.block_on(async {
-        let mut d = door(eps.clone(), PREFIX).await?;
-        let pools: Vec<ClusterPoolSpec> = serde_json::from_value(serde_json::json!([
-            {"name": "pods", "ipv4": ["10.92.0.0/16"]},
-        ]))?;
-        d.apply_pools(&pools).await?;
-        anyhow::Ok(())
-    })?;
+    let Bench { nb, b, .. } = bench_cluster("/bench-cni/", "cnb")?;
     let mut rows: Vec<String> = Vec::new();
-    let nb = node_ns("cnb", "192.0.2.2", &cluster)?;
-    let b = lockstep_tests::AgentProc::start(
-        &nb,
-        &lockstep_tests::cluster::cluster_config(&eps, PREFIX, "node-b", "192.0.2.2"),
-    )?;
 
-    // d. Full CNI ADD with a block and its window in hand (node-b) beside a
-    // single-node
-    // agent, alternating blocks of 10, into a ring of container netns.
+    // d. Full CNI ADD with a block and its window in hand (node-b) beside
+    // a single-node agent, alternating blocks of 10, into a ring of
+    // container netns.
     let ns_single = lockstep_tests::Netns::new("cbs")?;
     ns_single.exec("sysctl", ["-qw", "net.ipv4.ip_forward=1"])?;
     let single = lockstep_tests::AgentProc::start(

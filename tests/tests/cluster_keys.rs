@@ -32,11 +32,10 @@ fn block_after(b: IpNet) -> anyhow::Result<IpNet> {
     Ok(format!("{}/28", std::net::Ipv4Addr::from(next)).parse()?)
 }
 
-#[test]
-fn unreadable_keys_stop_no_lease_no_claim_and_no_remote_state() -> anyhow::Result<()> {
-    privileged!();
+/// A 3-member etcd and three nodes on [`POOLS`] under `prefix`
+/// (`lease_ttl` 3 s, `reclaim_after` 15 s).
+fn nodes(prefix: &str) -> anyhow::Result<(EtcdCluster, ClusterNodes)> {
     let cluster = EtcdCluster::start(3)?;
-    let prefix = "/keys/";
     let n = ClusterNodes::build_full(
         &cluster,
         prefix,
@@ -44,6 +43,14 @@ fn unreadable_keys_stop_no_lease_no_claim_and_no_remote_state() -> anyhow::Resul
         "lease_ttl = \"3s\"\nreclaim_after = \"15s\"\n",
         "",
     )?;
+    Ok((cluster, n))
+}
+
+#[test]
+fn unreadable_keys_stop_no_lease_no_claim_and_no_remote_state() -> anyhow::Result<()> {
+    privileged!();
+    let prefix = "/keys/";
+    let (cluster, n) = nodes(prefix)?;
     let pods: Vec<Netns> = (0..3)
         .map(|i| Netns::new(&format!("cku{i}")))
         .collect::<anyhow::Result<_>>()?;
@@ -214,15 +221,8 @@ fn unreadable_keys_stop_no_lease_no_claim_and_no_remote_state() -> anyhow::Resul
 #[test]
 fn an_unreadable_node_key_drops_no_remote_route() -> anyhow::Result<()> {
     privileged!();
-    let cluster = EtcdCluster::start(3)?;
     let prefix = "/ghost/";
-    let n = ClusterNodes::build_full(
-        &cluster,
-        prefix,
-        POOLS,
-        "lease_ttl = \"3s\"\nreclaim_after = \"15s\"\n",
-        "",
-    )?;
+    let (cluster, n) = nodes(prefix)?;
     // Two blocks per node: four remote blocks seen from each.
     for i in 0..3 {
         ensure!(n.fill(i, "g-", 16)? == 16, "node-{i} did not fill");

@@ -19,7 +19,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, ensure};
 use ipnet::IpNet;
-use lockstep_tests::cluster::{ClusterNodes, address_of, cni, held_by};
+use lockstep_tests::cluster::poll as wait_for;
+use lockstep_tests::cluster::{ClusterNodes, held_by};
 use lockstep_tests::etcd::EtcdCluster;
 use lockstep_tests::{Netns, privileged};
 
@@ -38,29 +39,6 @@ fn live_nodes(n: &ClusterNodes) -> anyhow::Result<BTreeMap<String, u64>> {
         .collect()
 }
 
-/// Waits (up to `within`) until `done` holds, checking every 200 ms;
-/// returns how long it took.
-fn wait_for(
-    within: Duration,
-    what: &str,
-    mut done: impl FnMut() -> anyhow::Result<bool>,
-) -> anyhow::Result<Duration> {
-    let started = Instant::now();
-    while !done()? {
-        ensure!(started.elapsed() < within, "{what}: not within {within:?}");
-        std::thread::sleep(Duration::from_millis(200));
-    }
-    Ok(started.elapsed())
-}
-
-/// Every address held by more than one node.
-fn doubles(n: &ClusterNodes) -> anyhow::Result<Vec<(IpAddr, Vec<String>)>> {
-    Ok(n.holders()?
-        .into_iter()
-        .filter(|(_, o)| o.len() > 1)
-        .collect())
-}
-
 /// Starts the three nodes with `reclaim_after`; each adds one pod, and
 /// node-2 three IPAM addresses more: returns the nodes, the pods'
 /// namespaces, node-2's block and the addresses node-2 holds, once its
@@ -72,20 +50,13 @@ fn start(
 ) -> anyhow::Result<(ClusterNodes, Vec<Netns>, IpNet, BTreeSet<IpAddr>)> {
     // Four blocks of 16: one per node and a spare.
     let pools = "[[pools]]\nname = \"pods\"\nipv4 = [\"10.94.0.0/26\"]\nblock_v4 = 28\n";
-    let n = ClusterNodes::build_full(
+    let (n, pods) = ClusterNodes::with_pods(
         cluster,
         &format!("/reclaim-{tag}/"),
         pools,
         &format!("lease_ttl = \"3s\"\nreclaim_after = \"{reclaim_after}\"\n"),
-        "",
+        &format!("crc{tag}"),
     )?;
-    let pods: Vec<Netns> = (0..3)
-        .map(|i| Netns::new(&format!("crc{tag}{i}")))
-        .collect::<anyhow::Result<_>>()?;
-    for (i, ns) in pods.iter().enumerate() {
-        let (_, answer) = cni(&n.agents[i].socket(), "ADD", &format!("p-{i}"), &ns.path())?;
-        address_of(&answer)?;
-    }
     ensure!(n.fill(2, "two-", 3)? == 3, "node-2 did not allocate 3");
     let held = held_by(&n.agents[2])?;
     let lost = n.blocks_of("node-2")?;
@@ -214,7 +185,7 @@ fn a_node_gone_for_reclaim_after_loses_its_blocks_but_not_its_pods_addresses() -
         twice.is_empty(),
         "node-1 handed out {twice:?}, held by node-2's pods"
     );
-    let dup = doubles(&n)?;
+    let dup = n.doubles()?;
     ensure!(
         dup.is_empty(),
         "addresses with two holders: {}: {dup:?}",
@@ -229,7 +200,7 @@ fn a_node_gone_for_reclaim_after_loses_its_blocks_but_not_its_pods_addresses() -
     })?;
     eprintln!("healed: node-2 fenced {x} after {took:?}");
     ensure!(held_by(&n.agents[2])? == held, "node-2's addresses changed");
-    let dup = doubles(&n)?;
+    let dup = n.doubles()?;
     ensure!(
         dup.is_empty(),
         "addresses with two holders: {}: {dup:?}",
@@ -279,7 +250,7 @@ fn a_node_gone_for_reclaim_after_loses_its_blocks_but_not_its_pods_addresses() -
             Ok(held.difference(&left).all(|a| now.contains(a)))
         },
     )?;
-    let dup = doubles(&n)?;
+    let dup = n.doubles()?;
     ensure!(
         dup.is_empty(),
         "addresses with two holders: {}: {dup:?}",
@@ -311,7 +282,7 @@ fn a_force_removed_nodes_published_addresses_are_not_handed_out_again() -> anyho
         "node-1 took {got}: {:?}",
         n.blocks()?
     );
-    let dup = doubles(&n)?;
+    let dup = n.doubles()?;
     eprintln!("addresses with two holders: {}: {dup:?}", dup.len());
     ensure!(
         dup.is_empty(),

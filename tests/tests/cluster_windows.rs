@@ -13,7 +13,7 @@
 //! c. The window used up while cut off: the next ADD answers "try again"
 //!    (CNI code 11) and STATUS 50; healed, the next ADD is served.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::net::IpAddr;
 use std::time::{Duration, Instant};
 
@@ -21,30 +21,7 @@ use anyhow::{Context, ensure};
 use ipnet::IpNet;
 use lockstep_tests::cluster::{ClusterNodes, address_of, cni, cni_raw, held_by};
 use lockstep_tests::etcd::EtcdCluster;
-use lockstep_tests::{Netns, privileged};
-
-/// Waits (up to `within`) until `done` holds, checking every 200 ms;
-/// returns how long it took.
-fn wait_for(
-    within: Duration,
-    what: &str,
-    mut done: impl FnMut() -> anyhow::Result<bool>,
-) -> anyhow::Result<Duration> {
-    let started = Instant::now();
-    while !done()? {
-        ensure!(started.elapsed() < within, "{what}: not within {within:?}");
-        std::thread::sleep(Duration::from_millis(200));
-    }
-    Ok(started.elapsed())
-}
-
-/// Every address held by more than one node.
-fn doubles(n: &ClusterNodes) -> anyhow::Result<Vec<(IpAddr, Vec<String>)>> {
-    Ok(n.holders()?
-        .into_iter()
-        .filter(|(_, o)| o.len() > 1)
-        .collect())
-}
+use lockstep_tests::{Netns, privileged, until};
 
 /// Three nodes, one pod each; node-0 takes the spare block (so node-2's
 /// block is the only one left once freed). Returns the nodes, the pods'
@@ -56,20 +33,13 @@ fn start(
 ) -> anyhow::Result<(ClusterNodes, Vec<Netns>, IpNet)> {
     // Four blocks of 16: one per node and a spare.
     let pools = "[[pools]]\nname = \"pods\"\nipv4 = [\"10.95.0.0/26\"]\nblock_v4 = 28\n";
-    let n = ClusterNodes::build_full(
+    let (n, pods) = ClusterNodes::with_pods(
         cluster,
         &format!("/windows-{tag}/"),
         pools,
         &format!("lease_ttl = \"3s\"\nreclaim_after = \"6s\"\n{cluster_extra}"),
-        "",
+        &format!("cw{tag}"),
     )?;
-    let pods: Vec<Netns> = (0..3)
-        .map(|i| Netns::new(&format!("cw{tag}{i}")))
-        .collect::<anyhow::Result<_>>()?;
-    for (i, ns) in pods.iter().enumerate() {
-        let (_, answer) = cni(&n.agents[i].socket(), "ADD", &format!("p-{i}"), &ns.path())?;
-        address_of(&answer)?;
-    }
     let got = n.fill(0, "zero-", 20)?;
     ensure!(got == 20, "node-0 stopped at {got}");
     let x = n.blocks_of("node-2")?;
@@ -77,21 +47,20 @@ fn start(
     Ok((n, pods, *x.iter().next().context("block")?))
 }
 
-/// Waits for node-2's block to be freed by a live node (the cut past
-/// `reclaim_after`), then fills node-1 so it claims the block and hands out
-/// all it may of it; checks no address has two holders; heals node-2 and
-/// checks again once it fenced its block. Returns (freed after, addresses
-/// node-1 holds in the block).
-fn reclaim_fill_heal(
-    n: &ClusterNodes,
-    x: IpNet,
-    held: &BTreeSet<IpAddr>,
-) -> anyhow::Result<(Duration, usize)> {
+/// With node-2 holding `count` addresses, cut off: waits for its block to
+/// be freed by a live node (the cut past `reclaim_after`), then fills
+/// node-1 so it claims the block and hands out all it may of it; checks no
+/// address has two holders, and that node-1 handed out some of the block
+/// (else nothing was tested); heals node-2 and checks again once it fenced
+/// its block.
+fn reclaim_fill_heal(n: &ClusterNodes, x: IpNet, count: usize) -> anyhow::Result<()> {
+    let held = held_by(&n.agents[2])?;
+    ensure!(held.len() == count, "node-2 holds {held:?}");
     let cut = Instant::now();
-    let freed = wait_for(Duration::from_secs(40), "node-2's block is freed", || {
-        Ok(!n.blocks()?.contains_key(&x))
-    })
-    .with_context(|| format!("blocks now: {:?}", n.blocks().ok()))?;
+    until(Duration::from_secs(40), "node-2's block is freed", || {
+        let blocks = n.blocks()?;
+        Ok(blocks.contains_key(&x).then(|| format!("{blocks:?}")))
+    })?;
     let got = n.fill(1, "one-", 30)?;
     let blocks = n.blocks()?;
     ensure!(
@@ -100,29 +69,31 @@ fn reclaim_fill_heal(
     );
     let one = held_by(&n.agents[1])?;
     let in_x = one.iter().filter(|a| x.contains(*a)).count();
-    let twice: Vec<&IpAddr> = one.intersection(held).collect();
+    let twice: Vec<&IpAddr> = one.intersection(&held).collect();
     eprintln!(
         "freed {:.1} s into the cut; node-1 holds {in_x} addresses of {x}, of node-2's {} it holds {}: {twice:?}",
         cut.elapsed().as_secs_f64(),
         held.len(),
         twice.len()
     );
-    let dup = doubles(n)?;
+    let dup = n.doubles()?;
     ensure!(
         dup.is_empty() && twice.is_empty(),
         "addresses with two holders: {}: {dup:?}",
         dup.len()
     );
-    n.cuts[2].set(false);
-    let took = wait_for(Duration::from_secs(30), "node-2 fences its block", || {
-        let st = n.agents[2].status_json().context("status")?;
-        Ok(st["cluster"]["fenced"] == 1 && st["cluster"]["etcd_unreachable"].is_null())
-    })?;
     ensure!(
-        held_by(&n.agents[2])? == *held,
-        "node-2's addresses changed"
+        in_x > 0,
+        "node-1 handed out nothing of {x}: nothing was tested"
     );
-    let dup = doubles(n)?;
+    n.cuts[2].set(false);
+    let took = until(Duration::from_secs(30), "node-2 fences its block", || {
+        let st = n.agents[2].status_json().context("status")?;
+        let done = st["cluster"]["fenced"] == 1 && st["cluster"]["etcd_unreachable"].is_null();
+        Ok((!done).then(|| st.to_string()))
+    })?;
+    ensure!(held_by(&n.agents[2])? == held, "node-2's addresses changed");
+    let dup = n.doubles()?;
     eprintln!(
         "healed: node-2 fenced {x} after {:.2} s; addresses with two holders: {}",
         took.as_secs_f64(),
@@ -133,7 +104,7 @@ fn reclaim_fill_heal(
         "addresses with two holders: {}: {dup:?}",
         dup.len()
     );
-    Ok((freed, in_x))
+    Ok(())
 }
 
 /// a. The addresses answered in the instant before the cut.
@@ -159,14 +130,7 @@ fn addresses_answered_just_before_a_cut_keep_one_holder_through_reclaim() -> any
         gap <= Duration::from_millis(10),
         "cut {gap:?} after the answer"
     );
-    let held = held_by(&n.agents[2])?;
-    ensure!(held.len() == 6, "node-2 holds {held:?}");
-    let (_, in_x) = reclaim_fill_heal(&n, x, &held)?;
-    ensure!(
-        in_x > 0,
-        "node-1 handed out nothing of {x}: nothing was tested"
-    );
-    Ok(())
+    reclaim_fill_heal(&n, x, 6)
 }
 
 /// b. The addresses handed out while cut off.
@@ -186,14 +150,7 @@ fn addresses_handed_out_while_cut_off_keep_one_holder_through_reclaim() -> anyho
         "node-2 cut off did not allocate 3"
     );
     eprintln!("node-2, cut off, gave {a} to a pod and 3 addresses more");
-    let held = held_by(&n.agents[2])?;
-    ensure!(held.len() == 5, "node-2 holds {held:?}");
-    let (_, in_x) = reclaim_fill_heal(&n, x, &held)?;
-    ensure!(
-        in_x > 0,
-        "node-1 handed out nothing of {x}: nothing was tested"
-    );
-    Ok(())
+    reclaim_fill_heal(&n, x, 5)
 }
 
 /// c. The window used up while cut off: "try again" (11) and STATUS 50,
@@ -212,7 +169,7 @@ fn a_window_used_up_while_cut_off_answers_try_again_and_status_50() -> anyhow::R
     // most two; refilled below half of that).
     let mut seen = String::new();
     let mut window = 0usize;
-    wait_for(
+    lockstep_tests::cluster::poll(
         Duration::from_secs(10),
         "node-2 publishes its window",
         || {
@@ -271,11 +228,12 @@ fn a_window_used_up_while_cut_off_answers_try_again_and_status_50() -> anyhow::R
     n.cuts[2].set(false);
     let ns = Netns::new("cwc-healed")?;
     let mut last = BTreeMap::new();
-    let took = wait_for(Duration::from_secs(15), "an ADD after the heal", || {
-        let (code, answer, _) = cni_raw(&sock, "ADD", Some(("healed", &ns.path())))?;
-        last.insert("answer", answer);
-        Ok(code == 0)
-    })?;
+    let took =
+        lockstep_tests::cluster::poll(Duration::from_secs(15), "an ADD after the heal", || {
+            let (code, answer, _) = cni_raw(&sock, "ADD", Some(("healed", &ns.path())))?;
+            last.insert("answer", answer);
+            Ok(code == 0)
+        })?;
     eprintln!(
         "healed: an ADD served {:.2} s later: {}",
         took.as_secs_f64(),

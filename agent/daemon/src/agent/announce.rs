@@ -238,39 +238,27 @@ impl AnnounceState {
             m.observe(&self.maps, &mut have)?;
         }
         let now = monotonic_ns();
-        let live = |expires: u64| !lockstep_common::L2RespValue::expired(expires, now);
-        let v4: BTreeSet<[u8; 4]> = have
-            .l2
-            .iter()
-            .filter(|(_, v)| live(v.expires_ns))
-            .map(|(a, _)| *a)
+        let ok = |expires: u64| !lockstep_common::L2RespValue::expired(expires, now);
+        let live: BTreeSet<IpAddr> = (have.l2.iter())
+            .filter(|(_, v)| ok(v.expires_ns))
+            .map(|(a, _)| IpAddr::from(*a))
             .chain(
-                have.l2_slots
-                    .iter()
-                    .filter(|(_, s)| live(s.expires_ns))
-                    .map(|(_, s)| s.addr),
+                (have.l2_slots.iter())
+                    .filter(|(_, v)| ok(v.expires_ns))
+                    .map(|(_, v)| IpAddr::from(v.addr)),
+            )
+            .chain(
+                (have.l2_v6.iter())
+                    .filter(|(_, v)| ok(v.expires_ns))
+                    .map(|(a, _)| IpAddr::from(*a)),
+            )
+            .chain(
+                (have.l2_v6_slots.iter())
+                    .filter(|(_, v)| ok(v.expires_ns))
+                    .map(|(_, v)| IpAddr::from(v.addr)),
             )
             .collect();
-        let v6: BTreeSet<[u8; 16]> = have
-            .l2_v6
-            .iter()
-            .filter(|(_, v)| live(v.expires_ns))
-            .map(|(a, _)| *a)
-            .chain(
-                have.l2_v6_slots
-                    .iter()
-                    .filter(|(_, s)| live(s.expires_ns))
-                    .map(|(_, s)| s.addr),
-            )
-            .collect();
-        Ok(addrs
-            .iter()
-            .copied()
-            .filter(|a| match a {
-                IpAddr::V4(v) => v4.contains(&v.octets()),
-                IpAddr::V6(v) => v6.contains(&v.octets()),
-            })
-            .collect())
+        Ok(addrs.intersection(&live).copied().collect())
     }
 
     /// Announces `addr` only while the entries are answered: checked just
