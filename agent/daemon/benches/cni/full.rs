@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, ensure};
 use serde_json::{Value, json};
 
-use super::{World, median, ms, percentile, plugin, verdict};
+use super::{World, median, ms, percentile, plugin};
 
 const PTP: &str = "/usr/lib/cni/ptp";
 const PAIRS: usize = 200;
@@ -192,23 +192,23 @@ pub fn side_by_side(world: &mut World, node: &Path, rows: &mut Vec<String>) -> a
     let (la, ld) = (median(&lockstep.add), median(&lockstep.del));
     let (pa, pd) = (median(&ptp.add), median(&ptp.del));
     let (ra, rd) = (pa / la, pd / ld);
+    // Reported beside the reference plugins, not judged (since issue 42):
+    // both ADDs are mostly the kernel's work of making the veth pair and
+    // routing it, and both DELs wait for the kernel to delete the veth
+    // (lockstep's is answered once the container's interface is gone,
+    // #27 item 8), so these ratios sit where the kernel puts them (the
+    // agent's own share is judged against the exec floor in part a).
     rows.push(format!(
-        "{:<44} {:>16} {:>12} {}",
+        "{:<44} {:>16} {:>12} (report)",
         "full ADD median: ptp+host-local / lockstep",
         format!("{ra:.2}x ({la:.2} vs {pa:.2} ms)"),
-        ">= 4x",
-        verdict(ra >= 4.0)
+        ""
     ));
-    // Both DELs now wait for the kernel to delete the veth (lockstep's is
-    // answered once the container's interface is gone, #27 item 8), so the
-    // old 4x goal, met by answering before the deletion, no longer applies:
-    // lockstep must not be slower than the reference.
     rows.push(format!(
-        "{:<44} {:>16} {:>12} {}",
+        "{:<44} {:>16} {:>12} (report)",
         "full DEL median: ptp+host-local / lockstep",
         format!("{rd:.2}x ({ld:.2} vs {pd:.2} ms)"),
-        ">= 1x",
-        verdict(rd >= 1.0)
+        ""
     ));
     Ok(())
 }
