@@ -772,7 +772,15 @@ fn hex_bytes(v: &serde_json::Value) -> Option<Vec<u8>> {
 /// # Errors
 /// bpftool failed or printed something else than a key/value dump.
 pub fn lpm_v4(agent: &AgentProc, map: &str) -> anyhow::Result<BTreeMap<String, Vec<u8>>> {
-    let pin = agent.pins.path().join("maps").join(map);
+    lpm_v4_at(&agent.pins.path().join("maps").join(map))
+}
+
+/// As [`lpm_v4`], the map pinned at `pin` (read while its agent is
+/// restarted).
+///
+/// # Errors
+/// As [`lpm_v4`].
+pub fn lpm_v4_at(pin: &std::path::Path) -> anyhow::Result<BTreeMap<String, Vec<u8>>> {
     let text = crate::sh(
         "bpftool",
         [

@@ -12,6 +12,10 @@
 //! node cut off from etcd, and goes with `cluster node remove`), see
 //! [`NodeDirectory`]. Withdrawing a cut-off node's routes would cut its
 //! pods off from the cluster for a control-plane fault.
+//!
+//! For the same reason a restarted agent keeps what the node already has
+//! ([`RemoteState::carried_over`]) until it has read etcd once: a restart
+//! while etcd is unreachable must not withdraw every remote route.
 
 use std::collections::BTreeMap;
 use std::net::IpAddr;
@@ -277,6 +281,50 @@ pub fn remote_state_routed(
 }
 
 impl RemoteState {
+    /// The remote state the node already has, as a restarted agent finds
+    /// it: the IPCACHE prefix entries flagged
+    /// [`REMOTE`](ipcache_flags::REMOTE), the skip-masquerade entries of
+    /// reason [`CLUSTER`](masq_reason::CLUSTER) (only the remote state
+    /// writes either) and lockstep's kernel routes (`routes`). An agent
+    /// keeps these as they are until it has read etcd once, so that a
+    /// restart, above all one while etcd cannot be reached, does not cut
+    /// the node's pods off from the rest of the cluster.
+    pub fn carried_over(
+        observed: &crate::plan::desired::MapContents,
+        routes: BTreeMap<IpNet, IpAddr>,
+    ) -> RemoteState {
+        let remote = |v: &IpcacheValue| v.flags & ipcache_flags::REMOTE != 0;
+        let cluster = |v: &MasqSkipValue| v.reason == masq_reason::CLUSTER;
+        RemoteState {
+            ipcache_v4: observed
+                .prefix_v4
+                .iter()
+                .filter(|(_, v)| remote(v))
+                .map(|(k, v)| (*k, *v))
+                .collect(),
+            ipcache_v6: observed
+                .prefix_v6
+                .iter()
+                .filter(|(_, v)| remote(v))
+                .map(|(k, v)| (*k, *v))
+                .collect(),
+            routes,
+            masq_v4: observed
+                .masq_v4
+                .iter()
+                .filter(|(_, v)| cluster(v))
+                .map(|(k, v)| (*k, *v))
+                .collect(),
+            masq_v6: observed
+                .masq_v6
+                .iter()
+                .filter(|(_, v)| cluster(v))
+                .map(|(k, v)| (*k, *v))
+                .collect(),
+            unroutable: Vec::new(),
+        }
+    }
+
     /// Adds the remote entries to the agent's desired map contents; an
     /// entry the agent's own state already decides for the same key wins
     /// (a local decision is never replaced by a remote one).
@@ -657,6 +705,55 @@ mod tests {
                 }
             }
             prop_assert_eq!(s.routes.len(), s.ipcache_v4.len() + s.ipcache_v6.len());
+        }
+
+        /// A restarted agent finds in its maps and routes exactly the
+        /// remote state it programmed, beside the node's own entries
+        /// (which it does not take for remote ones), under every routing
+        /// mode.
+        #[test]
+        fn a_restart_carries_over_exactly_the_remote_state(
+            mode in prop_oneof![
+                Just(RoutingMode::Native), Just(RoutingMode::Tunnel), Just(RoutingMode::CrossSubnet)
+            ],
+            owners in proptest::collection::vec(0usize..4, 0..30),
+            v6 in proptest::collection::vec(any::<bool>(), 0..30),
+            skip in any::<bool>(),
+        ) {
+            let names = ["me", "a", "b", "c"];
+            let nodes: BTreeMap<String, Vec<IpAddr>> = [
+                ("a".to_string(), vec![ip("192.0.2.1")]),
+                ("b".to_string(), vec![ip("2001:db8:2::2")]),
+                ("c".to_string(), vec![ip("2001:db8:3::3"), ip("198.51.100.3")]),
+            ].into();
+            let routing = Routing {
+                mode,
+                own: vec![net("192.0.2.9/24"), net("2001:db8:9::9/64")],
+            };
+            let mut pool = ClusterPoolSpec::new("p")
+                .with_cidr(net("10.0.0.0/16"))
+                .with_cidr(net("fd00::/64"));
+            pool.skip_masquerade = skip;
+            let blocks = generated_blocks(&owners, &v6, &names);
+            let s = remote_state_routed("me", &blocks, &live(&nodes), &[pool], &routing);
+            // The node's own entries: a local prefix and a pool's skip.
+            let mut maps = crate::plan::desired::MapContents::default();
+            maps.prefix_v4.insert(
+                "10.200.0.0/24".parse().expect("n"),
+                IpcacheValue { identity: identity::ENDPOINT, ..IpcacheValue::default() },
+            );
+            maps.masq_v4.insert(
+                "10.201.0.0/16".parse().expect("n"),
+                MasqSkipValue { reason: masq_reason::POOL, pool_id: 1 },
+            );
+            maps.masq_v6.insert(
+                "fd02::/64".parse().expect("n"),
+                MasqSkipValue { reason: masq_reason::CONFIG, pool_id: 0 },
+            );
+            s.merge_into(&mut maps);
+            let carried = RemoteState::carried_over(&maps, s.routes.clone());
+            let want = RemoteState { unroutable: Vec::new(), ..s };
+            prop_assert_eq!(carried, want);
         }
 
         /// Under every routing mode, each other node's block gets exactly

@@ -256,9 +256,20 @@ impl Agent {
     }
 
     /// Adds the remote entries to `maps` (the agent's own entries win).
-    pub(super) fn add_remote(&self, maps: &mut lockstep_core::plan::desired::MapContents) {
-        if let Some(view) = &self.cluster.remote {
-            view.snapshot().merge_into(maps);
+    /// In cluster mode, until etcd has been read since the agent started,
+    /// they are the ones the maps hold (`have`): a restart withdraws none.
+    pub(super) fn add_remote(
+        &self,
+        maps: &mut lockstep_core::plan::desired::MapContents,
+        have: &lockstep_core::plan::desired::MapContents,
+    ) {
+        match &self.cluster.remote {
+            Some(view) if view.is_read() => view.snapshot().merge_into(maps),
+            None if self.config.cluster.is_none() => {}
+            Some(_) | None => {
+                lockstep_core::cluster::remote::RemoteState::carried_over(have, BTreeMap::new())
+                    .merge_into(maps);
+            }
         }
     }
 

@@ -14,8 +14,9 @@ use lockstep_core::plan::desired::{DesiredInput, LocalEndpoint, desired};
 
 impl Agent {
     /// Gathers the agent's state for the core's [`desired`], which decides
-    /// every map's contents.
-    pub(super) fn desired(&self) -> Result<MapContents, AgentError> {
+    /// every map's contents; `have`, the maps as they are, for what cluster
+    /// mode keeps before its first read of etcd.
+    pub(super) fn desired(&self, have: &MapContents) -> Result<MapContents, AgentError> {
         let delegated = self.delegated_allocations();
         let endpoints = self
             .endpoints
@@ -59,7 +60,7 @@ impl Agent {
             tracing::error!(%a, "an LB address is also a node allocation");
         }
         let mut maps = announce::with_announced(d.maps, self.announce.contents());
-        self.add_remote(&mut maps);
+        self.add_remote(&mut maps, have);
         Ok(maps)
     }
 
@@ -112,8 +113,8 @@ impl Agent {
 
     pub(super) fn reconcile_inner(&mut self) -> Result<ReconcileReport, AgentError> {
         let started = Instant::now();
-        let want = self.desired()?;
         let have = self.observed()?;
+        let want = self.desired(&have)?;
         // The maps the programs use, by descriptor: never a pin's path.
         let root = &self.maps;
         let mut report = ReconcileReport::default();
@@ -216,8 +217,8 @@ impl Agent {
         // The announcement maps' parts are read together under their own
         // lock (a renewal between two reads is not drift).
         let (announced_want, announced_have) = self.announce.snapshot()?;
-        let want = announce::with_announced(self.desired()?, announced_want);
         let have = announce::with_announced(self.observed()?, announced_have);
+        let want = announce::with_announced(self.desired(&have)?, announced_want);
         if let Some(host) = self.netlink.as_ref() {
             for e in self
                 .endpoints

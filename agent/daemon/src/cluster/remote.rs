@@ -55,17 +55,32 @@ pub enum RemoteError {
     Join(#[from] tokio::task::JoinError),
 }
 
-/// A read-only handle on the current desired remote state.
+/// A read-only handle on the current desired remote state: unknown
+/// until the task has read etcd once since the agent started. Until then
+/// the node keeps the remote entries and routes it has
+/// (`RemoteState::carried_over`): a restart, above all one while etcd
+/// cannot be reached, withdraws nothing.
 #[derive(Clone, Debug, Default)]
-pub struct RemoteView(Arc<RwLock<Arc<RemoteState>>>);
+pub struct RemoteView(Arc<RwLock<Option<Arc<RemoteState>>>>);
 
 impl RemoteView {
-    /// The current desired remote state (empty before the first read).
+    /// The current desired remote state (empty before the first read:
+    /// see [`RemoteView::is_read`]).
     pub fn snapshot(&self) -> Arc<RemoteState> {
         self.0
             .read()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .clone()
+            .unwrap_or_default()
+    }
+
+    /// Whether etcd has been read since the agent started: before, the
+    /// snapshot says nothing and what the node has stays.
+    pub fn is_read(&self) -> bool {
+        self.0
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .is_some()
     }
 
     /// How lockstep's routes in the calling thread's namespace differ from
@@ -74,6 +89,10 @@ impl RemoteView {
     /// # Errors
     /// The routes could not be listed.
     pub fn route_drift(&self) -> Result<Vec<String>, NetlinkError> {
+        // Before the first read the routes the node has are the ones kept.
+        if !self.is_read() {
+            return Ok(Vec::new());
+        }
         let want = self.snapshot().routes.clone();
         let have = Netlink::current()?.routes_of_protocol(LOCKSTEP_ROUTE_PROTOCOL)?;
         let d = diff(&want, &have);
@@ -97,15 +116,17 @@ impl RemoteView {
         Ok(out)
     }
 
+    /// Makes `state` the desired one; whether that changed anything (the
+    /// first read always does).
     fn set(&self, state: RemoteState) -> bool {
         let mut cur = self
             .0
             .write()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if **cur == state {
+        if cur.as_deref() == Some(&state) {
             return false;
         }
-        *cur = Arc::new(state);
+        *cur = Some(Arc::new(state));
         true
     }
 }
@@ -314,8 +335,12 @@ impl RemoteTask {
     }
 
     /// Makes the kernel's routes the snapshot's, on a node with a
-    /// datapath (an agent in `slot`).
+    /// datapath (an agent in `slot`), once etcd has been read: before,
+    /// the routes the node has stay as they are.
     async fn routes(&self, slot: &Arc<Mutex<Option<Agent>>>) {
+        if !self.view.is_read() {
+            return;
+        }
         if slot
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
