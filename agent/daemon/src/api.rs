@@ -285,11 +285,11 @@ async fn allocate(
 }
 
 /// Runs `attempt`; in cluster mode, when it found a cluster pool with no
-/// free address, waits (at most 1.8 s) for the block a claim brings and
-/// runs it once more, so an allocation on a node whose blocks ran out (or
-/// that has none yet) is served as soon as etcd gives a block; etcd
-/// unreachable answers "try again later" (503, `etcd_unavailable`) naming
-/// etcd.
+/// free address, waits for the room a claim or a grown reservation window
+/// brings and runs it again, for at most 1.8 s in all, so an allocation on
+/// a node whose blocks ran out (or that has none yet) is served as soon as
+/// etcd gives room; etcd unreachable answers "try again later" (503,
+/// `etcd_unavailable`) naming etcd.
 async fn with_block<T, F, Fut>(s: &AppState, mut attempt: F) -> Result<T, ApiError>
 where
     F: FnMut() -> Fut,
@@ -298,28 +298,29 @@ where
     let Some(cluster) = s.cluster.get() else {
         return attempt().await;
     };
-    // Taken before the attempt: a claim landing between the attempt and
-    // the wait is not waited for in vain.
-    let seen = cluster.claims_seen();
-    match attempt().await {
-        Err(e) if let Some(pool) = exhausted_cluster_pool(&e, cluster) => {
-            match cluster
-                .need_block(&pool, std::time::Duration::from_millis(1800), &seen)
-                .await
-            {
-                Ok(()) => attempt().await,
-                Err(why) => Err(ApiError::new(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    "etcd_unavailable",
-                    format!(
-                        "cluster pool {pool} has no free address on this node (its blocks, or \
-                         the reservation window it published, used up) and etcd gave no more \
-                         room: {why}"
-                    ),
-                )),
-            }
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_millis(1800);
+    loop {
+        // Taken before the attempt: room made between the attempt and the
+        // wait is not waited for in vain.
+        let seen = cluster.claims_seen();
+        let e = match attempt().await {
+            Err(e) => e,
+            ok => return ok,
+        };
+        let Some(pool) = exhausted_cluster_pool(&e, cluster) else {
+            return Err(e);
+        };
+        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+        if let Err(why) = cluster.need_block(&pool, left, &seen).await {
+            return Err(ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "etcd_unavailable",
+                format!(
+                    "cluster pool {pool} has no free address on this node (its blocks, or the \
+                     reservation window it published, used up) and etcd gave no more room: {why}"
+                ),
+            ));
         }
-        r => r,
     }
 }
 

@@ -30,8 +30,9 @@ pub(super) struct Shared {
     pub(super) wanted: BTreeSet<String>,
     /// Blocks claimed per pool since start.
     pub(super) claims: BTreeMap<String, u64>,
-    /// Room made per pool since start: blocks claimed and reservation
-    /// windows grown (what an ADD waiting on a pool waits for).
+    /// Room made per pool since start: reservation windows grown, so
+    /// addresses served (what an ADD waiting on a pool waits for). A block
+    /// claimed is not room until its window is published.
     pub(super) room: BTreeMap<String, u64>,
     /// The reservation window: addresses served, and windows published
     /// since start (#43).
@@ -113,8 +114,8 @@ impl ClusterHandle {
         self.lock().pools.clone()
     }
 
-    /// How much room has been made so far, per pool (blocks claimed,
-    /// reservation windows grown): taken before an allocation attempt, it
+    /// How much room has been made so far, per pool (reservation windows
+    /// grown, so addresses served): taken before an allocation attempt, it
     /// tells [`ClusterHandle::need_block`] whether room came after it.
     pub fn claims_seen(&self) -> BTreeMap<String, u64> {
         self.lock().room.clone()
@@ -136,7 +137,7 @@ impl ClusterHandle {
     ) -> Result<(), String> {
         let deadline = tokio::time::Instant::now() + within;
         let claims = seen.get(pool).copied().unwrap_or(0);
-        let rounds = {
+        let (rounds, blocks) = {
             let mut s = self.lock();
             if s.pools.iter().any(|p| p.name == pool && p.draining) {
                 return Err(format!(
@@ -147,7 +148,7 @@ impl ClusterHandle {
                 return Ok(());
             }
             s.wanted.insert(pool.to_string());
-            s.rounds
+            (s.rounds, s.claims.get(pool).copied().unwrap_or(0))
         };
         self.wake.notify_one();
         loop {
@@ -163,7 +164,12 @@ impl ClusterHandle {
                 {
                     return Err(p.clone());
                 }
-                if s.rounds > rounds + 1 && !s.wanted.contains(pool) {
+                // Not wanted any more and no block claimed: none is left.
+                // A block claimed is room once its window is published.
+                if s.rounds > rounds + 1
+                    && !s.wanted.contains(pool)
+                    && s.claims.get(pool).copied().unwrap_or(0) == blocks
+                {
                     return Err(format!(
                         "cluster pool {pool} has no free block left in etcd"
                     ));

@@ -86,9 +86,12 @@ impl Door {
             .and_then([TxnOp::put(key, value, None)]);
         // Not through `txn_write`: that makes this door's next reads wait
         // until the mirror has seen the write's revision, and the mirror
-        // never sees a key outside the prefix.
+        // never sees a key outside the prefix. Made again on any transient
+        // failure (a member gone mid-request): when the first run was
+        // applied, the second's compare fails, and the caller reads the
+        // window (its own) and writes it once more.
         let resp = self
-            .retrying("publish the reservation window", true, |mut c| {
+            .retrying_idempotent("publish the reservation window", |mut c| {
                 let txn = txn.clone();
                 async move { c.txn(txn).await }
             })

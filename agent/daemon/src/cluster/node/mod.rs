@@ -791,7 +791,6 @@ impl ClusterNode {
             let mut s = self.handle.lock();
             for (pool, n) in claimed {
                 *s.claims.entry(pool.clone()).or_default() += n;
-                *s.room.entry(pool.clone()).or_default() += n;
                 s.wanted.remove(&pool);
             }
         }
