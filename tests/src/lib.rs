@@ -110,6 +110,11 @@ pub fn lockstep_bin() -> PathBuf {
     fallback
 }
 
+// One definition for the benches and the benchmark tests: the module's
+// own docs say what a smoke run is.
+#[path = "../../agent/daemon/benches/shared/smoke.rs"]
+pub mod bench;
+
 /// A network namespace, deleted on drop.
 #[derive(Debug)]
 pub struct Netns {

@@ -47,6 +47,11 @@ const CONCURRENCY: usize = 32;
 /// The cluster's size after each wave.
 const WAVES: [usize; 3] = [100, 1_000, 5_000];
 
+/// The waves of this run ([`WAVES`]; small ones in a smoke run).
+fn waves() -> [usize; 3] {
+    lockstep_tests::bench::size(WAVES, [10, 20, 40])
+}
+
 fn rt() -> anyhow::Result<tokio::runtime::Runtime> {
     Ok(tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -163,7 +168,7 @@ fn cluster_claims_at_scale() -> anyhow::Result<()> {
     let seq: Vec<f64> = rt.block_on(async {
         let mut d = door(cluster.endpoints(), "/bench-seq/").await?;
         let mut v = Vec::new();
-        for i in 0..300u32 {
+        for i in 0..lockstep_tests::bench::size(300u32, 10) {
             let block: IpNet =
                 format!("10.{}.{}.{}/26", 64 + i / 1024, (i / 4) % 256, (i % 4) * 64).parse()?;
             let started = Instant::now();
@@ -207,7 +212,7 @@ fn cluster_claims_at_scale() -> anyhow::Result<()> {
     println!(
         "\nb. simulated nodes, {CONCURRENCY} at a time, each registering and claiming for {ENDPOINTS} endpoints (/26 blocks):"
     );
-    for &to in &WAVES {
+    for to in waves() {
         let started = Instant::now();
         let next = Arc::new(Mutex::new(from));
         let runs: Vec<NodeRun> = rt.block_on(async {
@@ -292,7 +297,7 @@ fn cluster_claims_at_scale() -> anyhow::Result<()> {
         stored.0.len(),
         claimed.len()
     );
-    ensure!(stored.1 == WAVES[2], "{} nodes registered", stored.1);
+    ensure!(stored.1 == waves()[2], "{} nodes registered", stored.1);
     for b in &stored.0 {
         ensure!(
             claimed.contains(&(b.node.clone(), b.cidr)),
@@ -335,7 +340,10 @@ fn cluster_claims_at_scale() -> anyhow::Result<()> {
         cluster.root().display()
     );
     let missed: Vec<&String> = rows.iter().filter(|r| r.ends_with("FAIL")).collect();
-    ensure!(missed.is_empty(), "goals missed: {missed:?}");
+    ensure!(
+        missed.is_empty() || lockstep_tests::bench::smoke(),
+        "goals missed: {missed:?}"
+    );
     Ok(())
 }
 
@@ -428,7 +436,7 @@ fn cluster_agents() -> anyhow::Result<()> {
         )
         .await?;
         let mut v = Vec::new();
-        for i in 0..100u32 {
+        for i in 0..lockstep_tests::bench::size(100u32, 5) {
             let block: IpNet = format!("10.92.{}.{}/26", 200 + i / 4, (i % 4) * 64).parse()?;
             let got = d.claim_block("pods", block, "node-x").await?;
             ensure!(matches!(got, Claim::Claimed { .. }), "{block}: {got:?}");
@@ -470,7 +478,7 @@ fn cluster_agents() -> anyhow::Result<()> {
         &nc,
         &lockstep_tests::cluster::cluster_config(&eps, PREFIX, "node-c", "192.0.2.3"),
     )?;
-    let pods: Vec<lockstep_tests::Netns> = (0..100)
+    let pods: Vec<lockstep_tests::Netns> = (0..lockstep_tests::bench::size(100, 10))
         .map(|i| lockstep_tests::Netns::new(&format!("cbp{i}")))
         .collect::<anyhow::Result<_>>()?;
     let barrier = std::sync::Barrier::new(pods.len() + 1);
@@ -531,7 +539,10 @@ fn cluster_agents() -> anyhow::Result<()> {
         println!("{r}");
     }
     let missed: Vec<&String> = rows.iter().filter(|r| r.ends_with("FAIL")).collect();
-    ensure!(missed.is_empty(), "goals missed: {missed:?}");
+    ensure!(
+        missed.is_empty() || lockstep_tests::bench::smoke(),
+        "goals missed: {missed:?}"
+    );
     Ok(())
 }
 
@@ -579,7 +590,7 @@ fn cluster_cni() -> anyhow::Result<()> {
         }
     }
     let (mut add_b, mut add_s) = (Vec::new(), Vec::new());
-    for round in 0..20 {
+    for round in 0..lockstep_tests::bench::size(20, 2) {
         let order: [(&str, &lockstep_tests::AgentProc); 2] = if round % 2 == 0 {
             [("b", &b), ("s", &single)]
         } else {
@@ -631,7 +642,9 @@ fn cluster_cni() -> anyhow::Result<()> {
     let mut live: std::collections::VecDeque<(Instant, String)> = std::collections::VecDeque::new();
     let (mut adds, mut slow) = (0u64, 0u64);
     let every = Duration::from_millis(10);
-    while started.elapsed() < Duration::from_secs(20) {
+    while started.elapsed()
+        < lockstep_tests::bench::size(Duration::from_secs(20), Duration::from_secs(2))
+    {
         let due = started + every * u32::try_from(adds).unwrap_or(u32::MAX);
         if let Some(wait) = due.checked_duration_since(Instant::now()) {
             std::thread::sleep(wait);
@@ -685,6 +698,9 @@ fn cluster_cni() -> anyhow::Result<()> {
         println!("{r}");
     }
     let missed: Vec<&String> = rows.iter().filter(|r| r.ends_with("FAIL")).collect();
-    ensure!(missed.is_empty(), "goals missed: {missed:?}");
+    ensure!(
+        missed.is_empty() || lockstep_tests::bench::smoke(),
+        "goals missed: {missed:?}"
+    );
     Ok(())
 }

@@ -647,7 +647,7 @@ fn pct(sorted: &[Duration], p: f64) -> Duration {
 #[ignore = "a benchmark: cargo xtask bench lb"]
 fn service_status_bench() -> anyhow::Result<()> {
     privileged!();
-    const N: usize = 200;
+    let n_services = lockstep_tests::bench::size(200, 5);
     const GOAL: Duration = Duration::from_secs(1);
     let (_cluster, k) = lab("k8sbench", unlabelled())?;
     k.pool(
@@ -662,7 +662,7 @@ fn service_status_bench() -> anyhow::Result<()> {
     )?;
     k.wait_assigned(&ids("warm", ["up".to_string()]), 1, Duration::from_secs(60))?;
     let mut created = BTreeMap::new();
-    let names: Vec<String> = (0..N).map(|i| format!("b{i:03}")).collect();
+    let names: Vec<String> = (0..n_services).map(|i| format!("b{i:03}")).collect();
     let started = Instant::now();
     for n in &names {
         created.insert(format!("bench/{n}"), Instant::now());
@@ -699,7 +699,9 @@ fn service_status_bench() -> anyhow::Result<()> {
     lat.sort();
     let ms = |d: Duration| d.as_secs_f64() * 1e3;
     let (p50, p99) = (pct(&lat, 0.5), pct(&lat, 0.99));
-    println!("| Kubernetes LoadBalancer ({N} Services, one every 10 ms, cluster mode) | value |");
+    println!(
+        "| Kubernetes LoadBalancer ({n_services} Services, one every 10 ms, cluster mode) | value |"
+    );
     println!("|---|---|");
     println!(
         "| Service created -> status written: p50 / p99 / max | {:.0} / {:.0} / {:.0} ms (goal p99 <= {:.0} ms) |",
@@ -709,7 +711,7 @@ fn service_status_bench() -> anyhow::Result<()> {
         ms(GOAL)
     );
     println!(
-        "all {N} written {:.1} s after the first creation",
+        "all {n_services} written {:.1} s after the first creation",
         total.as_secs_f64()
     );
     // The writer's passes, when its log has them (RUST_LOG with
@@ -725,7 +727,7 @@ fn service_status_bench() -> anyhow::Result<()> {
         }
     }
     ensure!(
-        p99 <= GOAL,
+        p99 <= GOAL || lockstep_tests::bench::smoke(),
         "Service created -> status written p99 {:.0} ms misses the goal of {:.0} ms",
         ms(p99),
         ms(GOAL)

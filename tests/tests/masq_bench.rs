@@ -33,9 +33,15 @@ use lockstep_tests::{Netns, PinRoot, counter, lockstep_in, privileged, progstats
 
 const EP_V4: &str = "10.200.0.2";
 const EP_V6: &str = "fd00:200::2";
-const ROUNDS: usize = 7;
+/// Rounds per side (1 in a smoke run).
+fn rounds() -> usize {
+    lockstep_tests::bench::size(7, 1)
+}
 const CLIENT_THREADS: usize = 4;
-const ROUND: Duration = Duration::from_secs(2);
+/// One connections round (shorter in a smoke run).
+fn round_len() -> Duration {
+    lockstep_tests::bench::size(Duration::from_secs(2), Duration::from_millis(300))
+}
 
 /// One side of the comparison: a world, its endpoint, the servers in the
 /// world that the rounds use.
@@ -153,9 +159,9 @@ fn build(name: &'static str, mode: Mode) -> anyhow::Result<Side> {
 /// leaves the whole datapath 3% of a connection.
 fn in_traffic(side: &Side) -> anyhow::Result<()> {
     let ((cps, _), runs, busy) = progstats::measure(&side.progs, || {
-        connections(&side.ep, side.rr, CLIENT_THREADS, ROUND)
+        connections(&side.ep, side.rr, CLIENT_THREADS, round_len())
     })?;
-    let conns = cps * ROUND.as_secs_f64();
+    let conns = cps * round_len().as_secs_f64();
     ensure!(
         conns > 0.0 && runs.get("to_native").is_some_and(|r| r.count > 0),
         "{}: the statistics round saw no connection or no run of to_native",
@@ -220,7 +226,7 @@ fn udp(side: &Side) -> anyhow::Result<f64> {
                         let sock = UdpSocket::bind("0.0.0.0:0")?;
                         sock.connect(to)?;
                         let payload = [3u8; 64];
-                        while started.elapsed() < ROUND {
+                        while started.elapsed() < round_len() {
                             let _ = sock.send(&payload);
                         }
                         Ok(())
@@ -251,12 +257,12 @@ fn masquerade_bpf_beside_nftables() -> anyhow::Result<()> {
     // [side][metric] per round.
     let mut figures: [[Vec<f64>; 3]; 4] = Default::default();
     let mut failed = [0u64; 4];
-    for round in 0..ROUNDS {
+    for round in 0..rounds() {
         // Rotate which side goes first, so drift hurts all alike.
         for i in (0..4).map(|k| (k + round) % 4) {
             let side = &sides[i];
             figures[i][0].push(throughput(&side.ep, WORLD_V4).context(side.name)? / 1e9);
-            let (cps, f) = connections(&side.ep, side.rr, CLIENT_THREADS, ROUND);
+            let (cps, f) = connections(&side.ep, side.rr, CLIENT_THREADS, round_len());
             figures[i][1].push(cps);
             failed[i] += f;
             figures[i][2].push(udp(side)?);
@@ -283,7 +289,8 @@ fn masquerade_bpf_beside_nftables() -> anyhow::Result<()> {
         .map(|f| [median(&mut f[0]), median(&mut f[1]), median(&mut f[2])])
         .collect();
     println!(
-        "masquerade bench, {ROUNDS} rounds, medians (lockstep BPF | nftables masquerade | ratio | no translation, for reference):"
+        "masquerade bench, {} rounds, medians (lockstep BPF | nftables masquerade | ratio | no translation, for reference):",
+        rounds()
     );
     for (k, (what, unit)) in [
         ("TCP throughput", "Gbit/s"),

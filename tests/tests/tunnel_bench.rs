@@ -45,9 +45,15 @@ use lockstep_tests::{Netns, PinRoot, counter, privileged, veth};
 const NODE: [&str; 2] = ["10.77.0.1", "10.77.0.2"];
 const POD: [&str; 2] = ["10.70.1.2", "10.70.2.2"];
 const GW: [&str; 2] = ["10.70.1.1", "10.70.2.1"];
-const ROUNDS: usize = 7;
+/// Rounds per side (1 in a smoke run).
+fn rounds() -> usize {
+    lockstep_tests::bench::size(7, 1)
+}
 const CLIENT_THREADS: usize = 4;
-const ROUND: Duration = Duration::from_secs(2);
+/// One connections round (shorter in a smoke run).
+fn round_len() -> Duration {
+    lockstep_tests::bench::size(Duration::from_secs(2), Duration::from_millis(300))
+}
 
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Mode {
@@ -263,11 +269,11 @@ fn tunnel_beside_native_and_kernel_vxlan() -> anyhow::Result<()> {
     // [side][metric] per round.
     let mut figures: [[Vec<f64>; 2]; 4] = Default::default();
     let mut failed = [0u64; 4];
-    for round in 0..ROUNDS {
+    for round in 0..rounds() {
         for i in (0..4).map(|k| (k + round) % 4) {
             let side = &sides[i];
             figures[i][0].push(throughput(&side.pods[0], POD[1]).context(side.name)? / 1e9);
-            let (cps, f) = connections(&side.pods[0], side.rr, CLIENT_THREADS, ROUND);
+            let (cps, f) = connections(&side.pods[0], side.rr, CLIENT_THREADS, round_len());
             figures[i][1].push(cps);
             failed[i] += f;
         }
@@ -294,7 +300,8 @@ fn tunnel_beside_native_and_kernel_vxlan() -> anyhow::Result<()> {
         .map(|f| [median(&mut f[0]), median(&mut f[1])])
         .collect();
     println!(
-        "tunnel bench, {ROUNDS} rounds, medians (lockstep tunnel | kernel VXLAN | ratio | native | lockstep/native):"
+        "tunnel bench, {} rounds, medians (lockstep tunnel | kernel VXLAN | ratio | native | lockstep/native):",
+        rounds()
     );
     for (k, (what, unit)) in [("TCP throughput", "Gbit/s"), ("TCP connections", "/s")]
         .iter()

@@ -13,6 +13,7 @@
 //! - `explore`: long random runs of the core's property tests.
 //! - `demo`: a sandbox node made of network namespaces.
 
+mod bench;
 mod demo;
 mod doc_commands;
 mod explore;
@@ -75,6 +76,10 @@ enum Task {
     Bench {
         /// The suite.
         suite: String,
+        /// A smoke run: small sizes on the debug build, no goal judged
+        /// (`cargo xtask test` runs every suite so).
+        #[arg(long)]
+        smoke: bool,
     },
     /// Run a crash test in its long form: `startup` (SIGKILL at the k-th
     /// write to the database during start-up) or `power` (power cuts on a
@@ -251,6 +256,15 @@ fn test(no_setup: bool, filter: Option<String>) -> anyhow::Result<()> {
         Ok(())
     };
     let outcome = outcome.and(demos);
+    // Every benchmark suite as a smoke test, so a bench command that no
+    // longer runs is caught here; the goals are judged by `cargo xtask
+    // bench`, not on CI's loaded machine.
+    let benches = if demos_too {
+        bench::smoke_all(&mut tally)
+    } else {
+        Ok(())
+    };
+    let outcome = outcome.and(benches);
     // After the integration tests, so a failure of either still shows the
     // other's outcome.
     let fresh = fresh_root_unless_skipped();
@@ -281,9 +295,9 @@ fn fresh_root_unless_skipped() -> anyhow::Result<()> {
 
 /// Tests counted over several `cargo test` runs.
 #[derive(Debug, Default)]
-struct Tally {
-    passed: u64,
-    failed: u64,
+pub(crate) struct Tally {
+    pub(crate) passed: u64,
+    pub(crate) failed: u64,
 }
 
 /// Runs a `cargo test` command, echoing its output, and adds the counts of
@@ -346,7 +360,7 @@ fn integration(filter: Option<String>, tally: &mut Tally) -> anyhow::Result<()> 
 /// tests and the demo run the static musl plugin a node gets, not cargo's
 /// debug build of it. The agent is hard-linked (copied across file systems):
 /// `/proc/self/exe` names the path it was started from. Returns the agent.
-fn stage_agent_with_shipped_plugin() -> anyhow::Result<PathBuf> {
+pub(crate) fn stage_agent_with_shipped_plugin() -> anyhow::Result<PathBuf> {
     run(cargo().args(["build", "-p", "lockstep", "--bins"]))?;
     let plugin = build_plugin()?;
     let dir = root().join("target/staged");
@@ -380,7 +394,7 @@ fn stage_agent_with_shipped_plugin() -> anyhow::Result<PathBuf> {
 /// input comes from the runtime. The target is named explicitly, so the
 /// flags reach only the target artifacts, never build scripts or proc
 /// macros. `cargo xtask setup` installs the target. Returns the binary's path.
-fn build_plugin() -> anyhow::Result<PathBuf> {
+pub(crate) fn build_plugin() -> anyhow::Result<PathBuf> {
     build_shipped("lockstep-cni")
 }
 
@@ -401,150 +415,6 @@ fn build_shipped(bin: &str) -> anyhow::Result<PathBuf> {
             "-C target-feature=+crt-static -C relocation-model=static",
         ))?;
     Ok(root().join("target").join(target).join("plugin").join(bin))
-}
-
-/// Runs every ignored test (the benchmarks) of `tests/tests/<test>.rs`
-/// against the release agent, optimised as shipped.
-fn release_benchmark_test(test: &str) -> anyhow::Result<()> {
-    release_benchmark(test, None)
-}
-
-/// As [`release_benchmark_test`], only the ignored tests whose name is
-/// `only` when given.
-fn release_benchmark(test: &str, only: Option<&str>) -> anyhow::Result<()> {
-    run(cargo().args(["build", "--release", "-p", "lockstep", "--bins"]))?;
-    let mut cmd = cargo();
-    cmd.args(["test", "--release", "-p", "lockstep-tests", "--test", test])
-        .args(["--", "--ignored", "--nocapture", "--test-threads", "1"])
-        .env("LOCKSTEP_BIN", root().join("target/release/lockstep"));
-    if let Some(name) = only {
-        cmd.args(["--exact", name]);
-    }
-    run(&mut cmd)
-}
-
-/// The benchmark suites `cargo xtask bench` knows (`all` runs each).
-pub(crate) const BENCH_SUITES: &[&str] = &[
-    "core",
-    "lb",
-    "datapath",
-    "agent",
-    "cni",
-    "image",
-    "masquerade",
-    "cluster",
-    "tunnel",
-    "all",
-];
-
-fn bench(suite: &str) -> anyhow::Result<()> {
-    match suite {
-        "core" => run(cargo().args(["bench", "-p", "lockstep-core", "--bench", "core"])),
-        "lb" => {
-            run(cargo().args(["bench", "-p", "lockstep-core", "--bench", "lb"]))?;
-            // Cluster mode (three node namespaces, a real 3-member etcd;
-            // docs/cluster.md), every ignored test of cluster_lb_e2e:
-            // failover gap p50/p99 over at least 50 handovers with the
-            // default lease, overlaps counted (lb_failover_bench; goals
-            // gated, the suite fails on a miss: no overlap, gap p99 <=
-            // 1.5 s, #27); and the
-            // assignment p99 in cluster mode, 200 services applied one by
-            // one, apply to `lb get` and to an ARP answer
-            // (lb_assignment_bench).
-            release_benchmark_test("cluster_lb_e2e")?;
-            // Kubernetes (#28; docs/kubernetes.md): Service created ->
-            // status written, p50/p99 over 200 Services through the API
-            // double, goal p99 <= 1 s (the test fails on a miss).
-            release_benchmark_test("kubernetes_e2e")?;
-            // The responders' per-packet cost (ARP and, #13, NDP replies
-            // against the empty program); the masquerade rows are `bench
-            // datapath`'s.
-            run(cargo()
-                .args(["bench", "-p", "lockstep", "--bench", "datapath"])
-                .env("LOCKSTEP_BENCH_RESPONDERS_ONLY", "1"))
-        }
-        "datapath" => run(cargo().args(["bench", "-p", "lockstep", "--bench", "datapath"])),
-        "agent" => run(cargo().args(["bench", "-p", "lockstep", "--bench", "agent"])),
-        "cni" => {
-            let plugin = build_plugin()?;
-            run(cargo()
-                .args(["bench", "-p", "lockstep", "--bench", "cni"])
-                .env("LOCKSTEP_CNI_BIN", plugin))?;
-            // Cluster mode (#43): a full ADD with a block and its
-            // reservation window in hand beside a single-node agent, and
-            // the window's refills under 100 ADDs/s.
-            release_benchmark("cluster_bench", Some("cluster_cni"))
-        }
-        "masquerade" => {
-            // lockstep's BPF masquerade beside nftables `masquerade`, in
-            // identical namespaces; the test prints the medians and ratios.
-            // Optimised: a debug client and server would be what limits
-            // connections per second on every side alike.
-            release_benchmark_test("masq_bench")?;
-            // #31: an established flow's translation beside the NAT lookup
-            // alone, through BPF_PROG_TEST_RUN (the datapath bench's rows).
-            run(cargo()
-                .args(["bench", "-p", "lockstep", "--bench", "datapath"])
-                .env("LOCKSTEP_BENCH_MASQUERADE_ONLY", "1"))
-        }
-        "tunnel" => {
-            // Pod-to-pod TCP native vs lockstep's tunnel vs the kernel's own
-            // VXLAN with routes, in identical namespaces, rounds rotating
-            // (tunnel_bench prints medians and checks the goals); then the
-            // encapsulation's per-packet cost over the empty program.
-            release_benchmark_test("tunnel_bench")?;
-            run(cargo()
-                .args(["bench", "-p", "lockstep", "--bench", "datapath"])
-                .env("LOCKSTEP_BENCH_TUNNEL_ONLY", "1"))
-        }
-        "cluster" => {
-            // Block claims through the cluster door against a real 3-member
-            // etcd started by the test, up to 5,000 simulated nodes; then
-            // agents in node namespaces (convergence, ADD in cluster mode,
-            // 100 parallel ADDs without a block), optimised as shipped.
-            release_benchmark_test("cluster_bench")?;
-            // Steady state (#27 item 7): 100, 1,000 and 5,000 simulated
-            // nodes running the agent's cluster tasks idle, etcd's own
-            // counters per node; 5,000 LB services applied.
-            release_benchmark_test("cluster_steady")
-        }
-        "image" => {
-            // The image test prints the figures: image size, and container
-            // start to ready with 10k allocations in the store.
-            let bin = stage_agent_with_shipped_plugin()?;
-            let context = image::stage(&image::default_version())?;
-            run(cargo()
-                .args(["test", "-p", "lockstep-tests", "--test", "image"])
-                .args(["--", "--nocapture", "--test-threads", "1"])
-                .env("LOCKSTEP_BIN", &bin)
-                .env("LOCKSTEP_IMAGE_CONTEXT", &context))
-        }
-        "all" => {
-            // Every suite runs even when an earlier one misses a goal, so one
-            // run gives the whole picture; the misses are listed at the end.
-            let mut missed = Vec::new();
-            for suite in BENCH_SUITES.iter().copied().filter(|s| *s != "all") {
-                if let Err(e) = bench(suite) {
-                    eprintln!("bench {suite}: {e}");
-                    missed.push(suite);
-                }
-            }
-            if missed.is_empty() {
-                Ok(())
-            } else {
-                bail!(
-                    "suites with a goal missed or an error: {}",
-                    missed.join(", ")
-                )
-            }
-        }
-        other => {
-            bail!(
-                "unknown bench suite {other}; known: {}",
-                BENCH_SUITES.join(", ")
-            )
-        }
-    }
 }
 
 /// The long form of a crash test: the same test CI runs bounded, with more
@@ -603,7 +473,7 @@ fn main() -> anyhow::Result<()> {
         Task::DocCommands => doc_commands::check(&root()),
         Task::FreshRoot => fresh_root::check(),
         Task::Test { no_setup, filter } => test(no_setup, filter),
-        Task::Bench { suite } => bench(&suite),
+        Task::Bench { suite, smoke } => bench::Runner { smoke }.bench(&suite),
         Task::Crash {
             suite,
             rounds,

@@ -12,6 +12,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
+#[path = "shared/smoke.rs"]
+mod smoke;
+
 use hyper::Method;
 use lockstep::agent::Agent;
 use lockstep::client::call;
@@ -241,7 +244,7 @@ fn main() -> std::process::ExitCode {
     }
     let mut reconcile_ms = Vec::new();
     let mut raw_ms = Vec::new();
-    for round in 0..RECONCILE_ROUNDS {
+    for round in 0..smoke::size(RECONCILE_ROUNDS, 1) {
         let pins = Scratch::new(&format!("reconcile-pins-{round}"));
         let datapath = lockstep::config::DatapathConfig {
             pin_root: pins.pins.clone(),
@@ -304,7 +307,8 @@ fn main() -> std::process::ExitCode {
     .into_iter()
     .filter_map(|(ok, what)| (!ok).then_some(what))
     .collect();
-    if missed.is_empty() {
+    // A smoke run judges no goal (`shared/smoke.rs`).
+    if missed.is_empty() || smoke::smoke() {
         std::process::ExitCode::SUCCESS
     } else {
         eprintln!("agent bench: goals missed: {}", missed.join(", "));

@@ -22,6 +22,9 @@ use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
+#[path = "shared/smoke.rs"]
+mod smoke;
+
 use anyhow::{Context, bail, ensure};
 use hyper::Method;
 use lockstep::client::call;
@@ -364,7 +367,7 @@ fn sequential(world: &mut World, rows: &mut Vec<String>) -> anyhow::Result<()> {
         add: Vec::new(),
         del: Vec::new(),
     };
-    for i in 0..WARMUP {
+    for i in 0..smoke::size(WARMUP, 2) {
         lockstep.pair(&format!("warm-{i}"), &netns, false)?;
         host_local.pair(&format!("warm-{i}"), &netns, false)?;
     }
@@ -744,6 +747,7 @@ fn main() -> anyhow::Result<()> {
         hostname.trim()
     );
     let missed = rows.iter().filter(|r| r.ends_with("FAIL")).count();
-    ensure!(missed == 0, "{missed} cni goal(s) missed");
+    // A smoke run judges no goal (`shared/smoke.rs`).
+    ensure!(missed == 0 || smoke::smoke(), "{missed} cni goal(s) missed");
     Ok(())
 }

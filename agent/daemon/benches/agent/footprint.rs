@@ -1,6 +1,6 @@
 //! 4. The agent's footprint under churn: resident memory and open
 //!    descriptors of the agent process after a warm-up, then after 100k
-//!    allocate/release cycles through the API (16 clients), read from
+//!    (10k in a smoke run) allocate/release cycles through the API (16 clients), read from
 //!    `/proc/<pid>`. Goal: RSS flat within 5 MiB, no descriptor growth.
 
 use std::path::Path;
@@ -10,10 +10,8 @@ use hyper::Method;
 use lockstep::client::call;
 use serde_json::json;
 
-use super::{Scratch, spawn, wait_ready};
+use super::{Scratch, smoke, spawn, wait_ready};
 
-const WARMUP: u64 = 10_000;
-const CYCLES: u64 = 100_000;
 const CLIENTS: u64 = 16;
 
 /// Resident set (KiB) and open descriptors of process `pid`.
@@ -53,16 +51,18 @@ async fn cycles(socket: &Path, total: u64, tag: &str) {
 
 /// Runs part 4 and prints its rows; returns whether both goals held.
 pub fn footprint(rt: &tokio::runtime::Runtime) -> bool {
+    // A smoke run (`shared/smoke.rs`) makes a tenth of the cycles.
+    let (warmup, cycles_n) = smoke::size((10_000, 100_000), (1_000, 10_000));
     let scratch = Scratch::new("footprint");
     let config = scratch.config("[[pools]]\nname = \"default\"\nipv4 = [\"10.62.0.0/16\"]\n");
     let mut agent = spawn(&config);
     let pid = agent.id();
     rt.block_on(wait_ready(&scratch.socket()));
     let start = measure(pid);
-    rt.block_on(cycles(&scratch.socket(), WARMUP, "warm"));
+    rt.block_on(cycles(&scratch.socket(), warmup, "warm"));
     let before = measure(pid);
     let started = Instant::now();
-    rt.block_on(cycles(&scratch.socket(), CYCLES, "run"));
+    rt.block_on(cycles(&scratch.socket(), cycles_n, "run"));
     let took = started.elapsed();
     let after = measure(pid);
     let _ = agent.kill();
@@ -71,11 +71,11 @@ pub fn footprint(rt: &tokio::runtime::Runtime) -> bool {
     let rss_ok = grew_kib <= 5 * 1024;
     let fds_ok = after.1 <= before.1;
     println!(
-        "footprint over {CYCLES} allocate/release cycles ({CLIENTS} clients, {:.1} s; warm-up {WARMUP}):",
+        "footprint over {cycles_n} allocate/release cycles ({CLIENTS} clients, {:.1} s; warm-up {warmup}):",
         took.as_secs_f64()
     );
     println!(
-        "  RSS: at ready {:.1} MiB, after warm-up {:.1} MiB, after {CYCLES} cycles {:.1} MiB: grew {:.2} MiB (goal <= 5 MiB) {}",
+        "  RSS: at ready {:.1} MiB, after warm-up {:.1} MiB, after {cycles_n} cycles {:.1} MiB: grew {:.2} MiB (goal <= 5 MiB) {}",
         start.0 as f64 / 1024.0,
         before.0 as f64 / 1024.0,
         after.0 as f64 / 1024.0,
@@ -83,7 +83,7 @@ pub fn footprint(rt: &tokio::runtime::Runtime) -> bool {
         if rss_ok { "PASS" } else { "FAIL" }
     );
     println!(
-        "  open descriptors: at ready {}, after warm-up {}, after {CYCLES} cycles {} (goal: no growth) {}",
+        "  open descriptors: at ready {}, after warm-up {}, after {cycles_n} cycles {} (goal: no growth) {}",
         start.1,
         before.1,
         after.1,
