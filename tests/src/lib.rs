@@ -822,6 +822,60 @@ pub fn json_lines(path: &Path) -> Vec<serde_json::Value> {
         .collect()
 }
 
+/// The families of a text-format scrape (its TYPE lines) that
+/// docs/metrics.md, the metrics reference, does not name in backquotes.
+///
+/// # Errors
+/// The reference could not be read.
+pub fn undocumented_families(text: &str) -> anyhow::Result<Vec<String>> {
+    let doc = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/metrics.md"),
+    )?;
+    Ok(text
+        .lines()
+        .filter_map(|l| l.strip_prefix("# TYPE "))
+        .filter_map(|l| l.split_whitespace().next())
+        .filter(|f| !doc.contains(&format!("`{f}`")))
+        .map(str::to_string)
+        .collect())
+}
+
+/// `promtool check metrics` (Prometheus's own linter, installed by setup)
+/// on a scrape in the text format: Ok when it finds nothing.
+///
+/// # Errors
+/// promtool named a problem, or could not run.
+pub fn promtool_check_metrics(text: &str) -> anyhow::Result<()> {
+    use std::io::Write as _;
+    let mut child = Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .map_err(|e| {
+            anyhow::anyhow!("promtool (the prometheus package, installed by setup): {e}")
+        })?;
+    child
+        .stdin
+        .take()
+        .ok_or_else(|| anyhow::anyhow!("promtool's stdin"))?
+        .write_all(text.as_bytes())?;
+    let out = child.wait_with_output()?;
+    let said = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    anyhow::ensure!(
+        out.status.success() && said.trim().is_empty(),
+        "promtool check metrics ({}) on {} lines:\n{said}",
+        out.status,
+        text.lines().count()
+    );
+    Ok(())
+}
+
 /// Polls `f` every 200 ms until it returns `None` (done), for at most
 /// `within`; `Some` says what it saw instead. Returns how long it took.
 ///

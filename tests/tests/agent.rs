@@ -183,7 +183,7 @@ fn drift_is_reported_by_verify_and_repaired_by_reconcile() -> anyhow::Result<()>
         ],
     )?;
     assert!(
-        metrics.contains("lockstep_reconcile_repairs{map=\"IPCACHE_HOST_V4\"} "),
+        metrics.contains("lockstep_reconcile_repairs_total{map=\"IPCACHE_HOST_V4\"} "),
         "{metrics}"
     );
     Ok(())

@@ -179,6 +179,15 @@ fn fifty_services_from_two_nodes_are_assigned_once_and_answered_once() -> anyhow
     }
     ensure!(assigners == 1, "{assigners} assigners");
     ensure!(takes >= 100, "{takes} announcements taken");
+    // Cluster mode's and the LB agent's families: clean for promtool
+    // (#45 item 3) and in the metrics reference.
+    let m = lab.metrics(0)?;
+    lockstep_tests::promtool_check_metrics(&m)?;
+    let missing = lockstep_tests::undocumented_families(&m)?;
+    ensure!(
+        missing.is_empty(),
+        "families not in docs/metrics.md: {missing:?}"
+    );
 
     // d. A deleted service's addresses: silent once `lb delete` returned.
     let gone = by_service["shop/s07"].clone();

@@ -288,12 +288,12 @@ fn tunnel_mode_reaches_every_endpoint_across_the_router_and_drops_forged_sources
         let m = metrics_in(&n.ns[2])?;
         let forged_metric = m
             .lines()
-            .find(|l| l.starts_with("lockstep_tunnel_drops{reason=\"forged_source\"}"))
+            .find(|l| l.starts_with("lockstep_tunnel_drops_total{reason=\"forged_source\"}"))
             .map(str::to_string);
         let ok = forged_metric
             .as_deref()
             .is_some_and(|l| l.ends_with(&format!(" {f2}")))
-            && m.contains("lockstep_tunnel_packets{what=\"decap\"}");
+            && m.contains("lockstep_tunnel_packets_total{what=\"decap\"}");
         if ok {
             break;
         }

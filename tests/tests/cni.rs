@@ -673,7 +673,10 @@ fn pools_and_requested_addresses_are_honoured_and_refusals_store_nothing() -> an
         let id = unique("ctr");
         let mut e = env("ADD", &id, Some(&ns.path()), "eth0");
         if how.starts_with("CNI_ARGS") {
-            e.push(("CNI_ARGS", format!("IP={needle}")));
+            e.push((
+                "CNI_ARGS",
+                format!("K8S_POD_NAMESPACE=shop;K8S_POD_NAME=cart;IP={needle}"),
+            ));
         }
         let before = snapshot(&agent)?;
         let node_links = links(&node)?;
@@ -703,6 +706,23 @@ fn pools_and_requested_addresses_are_honoured_and_refusals_store_nothing() -> an
             addrs(&ns, "eth0")?.is_none(),
             "{how}: no eth0 in the container"
         );
+        // The agent logs the failure, naming the container, the pod when
+        // the runtime said which, and the error (#45 item 6).
+        let log = agent.log();
+        let line = log
+            .lines()
+            .find(|l| l.contains("CNI ADD failed") && l.contains(&id))
+            .with_context(|| format!("{how}: no log line for {id}:\n{log}"))?;
+        ensure!(
+            line.contains(code),
+            "{how}: the log line names {code}: {line}"
+        );
+        if how.starts_with("CNI_ARGS") {
+            ensure!(
+                line.contains("shop/cart"),
+                "{how}: the log line names the pod: {line}"
+            );
+        }
     }
 
     for (ns, id) in &keep {

@@ -8,10 +8,10 @@
 //! integration tests), a test that runs the same `lockstep` subcommand, or
 //! the bounded form of a test CI runs. A command that cannot run on these
 //! machines (a Kubernetes cluster, a registry) must sit in a section of its
-//! doc that says it was "not run here" and why. Benchmarks are the one kind
-//! CI builds but does not run (each measures for minutes): the check makes
-//! sure the suite exists. A command none of these covers fails the check,
-//! naming its doc and line.
+//! doc that says it was "not run here" and why. A benchmark command must name
+//! a suite that exists; `cargo xtask test` smoke-runs every suite (small
+//! sizes, goals not judged), and `cargo xtask bench` judges them. A command
+//! none of these covers fails the check, naming its doc and line.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};

@@ -45,6 +45,10 @@ pub const PACKAGES: &[&str] = &[
     // `cargo xtask fresh-root` (run by `cargo xtask test`): a throwaway
     // Debian root in which setup, the build and the unit tests must pass.
     "debootstrap",
+    // promtool (Prometheus's own linter): the metrics test checks a live
+    // agent's scrape with `promtool check metrics`, and the alert rules
+    // with `promtool check rules`.
+    "prometheus",
 ];
 
 const BPF_LINKER_VERSION: &str = "0.13.0";
@@ -63,6 +67,9 @@ const MANIFESTS: &[&str] = &[
     "deploy/crds/podippools.lockstep.io.yaml",
     "deploy/examples/lb-service.yaml",
 ];
+
+/// The alerts on lockstep's metrics (a PrometheusRule).
+const RULES: &str = "deploy/prometheus-rules.yaml";
 
 /// Custom objects and the CRD whose schema they are checked against.
 const CUSTOM_OBJECTS: &[(&str, &str)] = &[
@@ -155,7 +162,27 @@ pub fn validate_manifests() -> anyhow::Result<()> {
             .args(["-c", VALIDATE_CUSTOM, objects, crd])
             .current_dir(crate::root()))?;
     }
-    Ok(())
+    check_rules(&python)
+}
+
+/// The PrometheusRule's alerts checked by `promtool check rules`: its
+/// `spec` is a rules file as Prometheus reads it.
+fn check_rules(python: &Path) -> anyhow::Result<()> {
+    let rules = crate::root().join("target/tools/lockstep-rules.yaml");
+    run(Command::new(python)
+        .args([
+            "-c",
+            "import sys, yaml\n\
+             rule = yaml.safe_load(open(sys.argv[1]))\n\
+             assert rule['kind'] == 'PrometheusRule', rule['kind']\n\
+             yaml.safe_dump(rule['spec'], open(sys.argv[2], 'w'))",
+            RULES,
+        ])
+        .arg(&rules)
+        .current_dir(crate::root()))?;
+    run(Command::new("promtool")
+        .args(["check", "rules"])
+        .arg(&rules))
 }
 
 fn quiet(cmd: &mut Command) -> bool {

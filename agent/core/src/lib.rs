@@ -53,6 +53,7 @@
 pub mod cidr;
 pub mod cluster;
 pub mod demand;
+pub mod health;
 pub mod lb;
 pub mod manager;
 pub mod masquerade;

@@ -19,7 +19,7 @@ use std::time::Instant;
 
 use axum::extract::rejection::JsonRejection;
 use axum::extract::{DefaultBodyLimit, State};
-use axum::http::StatusCode;
+use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
@@ -226,7 +226,7 @@ async fn status(State(s): State<AppState>) -> Result<Response, ApiError> {
 /// Never waits for the agent's lock (CNI calls and commits hold it): the
 /// gauges are refreshed here only if the lock is free this instant, and are
 /// otherwise at most [`crate::metrics::REFRESH_EVERY`] old.
-async fn metrics(State(s): State<AppState>) -> Result<Response, ApiError> {
+async fn metrics(State(s): State<AppState>, headers: HeaderMap) -> Result<Response, ApiError> {
     let (m, slot) = (s.metrics.clone(), s.agent.clone());
     tokio::task::spawn_blocking(move || m.refresh_if_free(&slot))
         .await
@@ -234,20 +234,69 @@ async fn metrics(State(s): State<AppState>) -> Result<Response, ApiError> {
     if !s.metrics.refreshed() {
         return Err(ApiError::from(not_ready(&s.held)));
     }
-    let mut text = s.metrics.encode();
-    if let Some(c) = s.cluster.get() {
-        text.push_str(&crate::cluster::render_metrics(c));
-    }
-    if let Some(lb) = s.lb_cluster.get() {
-        text.push_str(&crate::cluster::lb_handle::render_metrics(lb));
-    }
-    Ok(([("content-type", "text/plain; version=0.0.4")], text).into_response())
+    let openmetrics = crate::metrics::text::wants_openmetrics(
+        headers
+            .get(axum::http::header::ACCEPT)
+            .and_then(|v| v.to_str().ok()),
+    );
+    let text = s.metrics.encode(
+        s.cluster.get().map(Arc::as_ref),
+        s.lb_cluster.get().map(Arc::as_ref),
+        openmetrics,
+    );
+    let content_type = if openmetrics {
+        crate::metrics::text::OPENMETRICS
+    } else {
+        crate::metrics::text::TEXT
+    };
+    Ok(([("content-type", content_type)], text).into_response())
 }
 
-/// The metrics router (served on its own TCP listener).
+/// Liveness (`/healthz`): 200 while every loop the agent runs made
+/// progress within its bound, 503 naming the loops that did not (a hung
+/// agent the kubelet should restart).
+async fn healthz(State(s): State<AppState>) -> Response {
+    let stale = s.metrics.heartbeats.stale();
+    if stale.is_empty() {
+        (StatusCode::OK, "ok\n").into_response()
+    } else {
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("not making progress: {}\n", stale.join("; ")),
+        )
+            .into_response()
+    }
+}
+
+/// Readiness (`/readyz`): 200 once the store is open, the maps reconciled
+/// and CNI calls served (what `lockstep status` calls ready), 503 with the
+/// reason otherwise.
+async fn readyz(State(s): State<AppState>) -> Response {
+    match with_agent(&s, |a| Ok(a.status())).await {
+        Ok(st) if st.ready => (StatusCode::OK, "ready\n").into_response(),
+        Ok(st) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!(
+                "not ready: {}\n",
+                st.reason.unwrap_or_else(|| "unknown".into())
+            ),
+        )
+            .into_response(),
+        Err(e) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("not ready: {}\n", e.message),
+        )
+            .into_response(),
+    }
+}
+
+/// The metrics router (served on its own TCP listener): `/metrics` and
+/// the health probes.
 pub fn metrics_router(state: AppState) -> Router {
     Router::new()
         .route("/metrics", get(metrics))
+        .route("/healthz", get(healthz))
+        .route("/readyz", get(readyz))
         .fallback(not_found)
         .with_state(state)
 }
@@ -359,20 +408,41 @@ async fn cni_add(
     body: Result<Json<EndpointRequest>, JsonRejection>,
 ) -> Result<Response, ApiError> {
     let Json(mut req) = body?;
-    attachment(&req.container_id, &req.ifname)?;
+    let pod = req.pod.as_ref().map(ToString::to_string);
+    let (container, ifname) = (req.container_id.clone(), req.ifname.clone());
     let started = Instant::now();
-    let picked = pick_pool(&s, &mut req).await?;
-    let result = with_block(&s, || add_once(&s, req.clone()))
-        .await
-        .map_err(|e| match (&picked, e.code) {
-            (Some(why), "unknown_pool") => ApiError {
-                message: format!("{} (the pool {why})", e.message),
-                ..e
-            },
-            (_, _) => e,
-        });
+    let result = async {
+        attachment(&req.container_id, &req.ifname)?;
+        let picked = pick_pool(&s, &mut req).await?;
+        with_block(&s, || add_once(&s, req.clone()))
+            .await
+            .map_err(|e| match (&picked, e.code) {
+                (Some(why), "unknown_pool") => ApiError {
+                    message: format!("{} (the pool {why})", e.message),
+                    ..e
+                },
+                (_, _) => e,
+            })
+    }
+    .await;
     s.metrics.observe_allocation(started.elapsed());
+    let result = result.inspect_err(|e| cni_failed("ADD", pod.as_deref(), &container, &ifname, e));
     Ok(ok(result?))
+}
+
+/// Logs a CNI call that failed, naming the pod (when the runtime said
+/// which), the container, the interface and the error: the runtime shows
+/// the error on the pod, and the node's operator finds it here.
+fn cni_failed(command: &str, pod: Option<&str>, container: &str, ifname: &str, e: &ApiError) {
+    tracing::warn!(
+        command,
+        pod = pod.unwrap_or("-"),
+        container,
+        ifname,
+        code = e.code,
+        error = %e.message,
+        "CNI {command} failed"
+    );
 }
 
 /// An ADD naming no pool, for a Kubernetes pod: the pool its annotation
@@ -438,6 +508,14 @@ async fn cni_del(
     body: Result<Json<DelRequest>, JsonRejection>,
 ) -> Result<Response, ApiError> {
     let Json(req) = body?;
+    let (container, ifname) = (req.container_id.clone(), req.ifname.clone());
+    del_once(&s, req)
+        .await
+        .inspect_err(|e| cni_failed("DEL", None, &container, &ifname, e))?;
+    Ok(ok(crate::wire::Empty {}))
+}
+
+async fn del_once(s: &AppState, req: DelRequest) -> Result<(), ApiError> {
     attachment(&req.container_id, &req.ifname)?;
     let slot = s.agent.clone();
     match endpoint_del_inline(&slot, req) {
@@ -457,7 +535,7 @@ async fn cni_del(
                 .map_err(joined)??;
         }
     }
-    Ok(ok(crate::wire::Empty {}))
+    Ok(())
 }
 
 fn joined(e: tokio::task::JoinError) -> ApiError {
@@ -469,8 +547,14 @@ async fn cni_check(
     body: Result<Json<EndpointRequest>, JsonRejection>,
 ) -> Result<Response, ApiError> {
     let Json(req) = body?;
-    attachment(&req.container_id, &req.ifname)?;
-    with_agent(&s, move |a| a.endpoint_check(req)).await?;
+    let pod = req.pod.as_ref().map(ToString::to_string);
+    let (container, ifname) = (req.container_id.clone(), req.ifname.clone());
+    async {
+        attachment(&req.container_id, &req.ifname)?;
+        with_agent(&s, move |a| a.endpoint_check(req)).await
+    }
+    .await
+    .inspect_err(|e| cni_failed("CHECK", pod.as_deref(), &container, &ifname, e))?;
     Ok(ok(crate::wire::Empty {}))
 }
 

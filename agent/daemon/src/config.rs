@@ -354,7 +354,7 @@ impl Default for Config {
             node_name: None,
             state_dir: PathBuf::from("/var/lib/lockstep"),
             socket: PathBuf::from("/run/lockstep/lockstep.sock"),
-            metrics_addr: Some(SocketAddr::from(([127, 0, 0, 1], 9962))),
+            metrics_addr: Some(SocketAddr::from(([127, 0, 0, 1], 9476))),
             reconcile_interval: Duration::from_secs(10),
             api_header_timeout: Duration::from_secs(10),
             api_max_connections: 0,

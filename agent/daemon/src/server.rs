@@ -636,6 +636,9 @@ pub async fn run(config: Config) -> Result<(), ServerError> {
     let reconciler = {
         let slot = slot.clone();
         let mut stop = stop_rx.clone();
+        // `/healthz` fails when passes stop finishing (the agent's lock
+        // never freed, a syscall that does not return).
+        let heartbeat = state.metrics.heartbeats.register("reconcile", interval);
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(interval);
             tick.tick().await;
@@ -654,6 +657,7 @@ pub async fn run(config: Config) -> Result<(), ServerError> {
                     }
                 })
                 .await;
+                heartbeat.beat();
             }
         })
     };

@@ -220,4 +220,28 @@ impl Counter {
             Counter::MasqTcpRestarted => "masq_tcp_restarted",
         }
     }
+
+    /// Why a packet this counter counts was dropped, for the agent's drops
+    /// metric (`lockstep_datapath_drops_total{reason}`); `None` for a
+    /// counter of packets that went on.
+    pub const fn drop_reason(self) -> Option<&'static str> {
+        match self {
+            Counter::SpoofDroppedV4 => Some("spoofed_ipv4_source"),
+            Counter::SpoofDroppedV6 => Some("spoofed_ipv6_source"),
+            Counter::SpoofDroppedArp => Some("spoofed_arp_sender"),
+            Counter::SpoofDroppedMac => Some("spoofed_mac"),
+            Counter::UnknownEndpoint => Some("unknown_endpoint"),
+            Counter::VlanDropped => Some("vlan_tagged"),
+            Counter::EthertypeDropped => Some("ethertype"),
+            Counter::MasqExhausted => Some("nat_no_free_port"),
+            Counter::MasqTableFull => Some("nat_table_full"),
+            Counter::MasqEndpointLimit => Some("nat_endpoint_limit"),
+            Counter::MasqUntranslatable => Some("nat_untranslatable"),
+            Counter::TunnelDropForgedSource => Some("tunnel_forged_source"),
+            Counter::TunnelDropNotLocal => Some("tunnel_not_local"),
+            Counter::TunnelDropMalformed => Some("tunnel_malformed"),
+            Counter::TunnelDropNoDevice => Some("tunnel_no_device"),
+            _ => None,
+        }
+    }
 }

@@ -659,6 +659,21 @@ impl Agent {
         &self.restored
     }
 
+    /// Every datapath counter (summed over CPUs), for metrics; none when
+    /// COUNTERS cannot be read.
+    pub fn datapath_counters(&self) -> Vec<(lockstep_common::Counter, u64)> {
+        self.maps.counters().unwrap_or_default()
+    }
+
+    /// Each map's capacity (`max_entries`) as this agent creates it, for
+    /// the metrics' fill of every map the agent keeps entries in.
+    pub fn map_capacities(&self) -> BTreeMap<&'static str, u32> {
+        crate::datapath::expected_definitions(&datapath_options(&self.config).capacities)
+            .into_iter()
+            .map(|(name, d)| (name, d.max_entries))
+            .collect()
+    }
+
     /// Status.
     pub fn status(&self) -> Status {
         let store = self.store.health();

@@ -181,14 +181,10 @@ impl Agent {
     /// The datapath's tunnel counters (summed over CPUs), for metrics; none
     /// when COUNTERS cannot be read.
     pub fn tunnel_counters(&self) -> Vec<(Counter, u64)> {
-        self.maps
-            .counters()
-            .map(|all| {
-                all.into_iter()
-                    .filter(|(c, _)| c.name().starts_with("tunnel_"))
-                    .collect()
-            })
-            .unwrap_or_default()
+        self.datapath_counters()
+            .into_iter()
+            .filter(|(c, _)| c.name().starts_with("tunnel_"))
+            .collect()
     }
 
     /// What `verify` reports about the tunnel: the device missing, of

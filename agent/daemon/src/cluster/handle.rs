@@ -185,37 +185,38 @@ impl ClusterHandle {
     }
 }
 
-/// Cluster mode's metrics, in the Prometheus text format.
-pub fn render_metrics(c: &ClusterHandle) -> String {
-    let s = c.lock();
-    let claims: u64 = s.claims.values().sum();
-    format!(
-        "# HELP lockstep_cluster_fenced_blocks Blocks in the local record that etcd no longer gives this node: nothing new is allocated from them.\n\
-         # TYPE lockstep_cluster_fenced_blocks gauge\n\
-         lockstep_cluster_fenced_blocks {}\n\
-         # HELP lockstep_cluster_etcd_reachable Whether the last etcd request succeeded.\n\
-         # TYPE lockstep_cluster_etcd_reachable gauge\n\
-         lockstep_cluster_etcd_reachable {}\n\
-         # HELP lockstep_cluster_block_claims_total Blocks claimed since start.\n\
-         # TYPE lockstep_cluster_block_claims_total counter\n\
-         lockstep_cluster_block_claims_total {claims}\n\
-         # HELP lockstep_cluster_unreadable_keys etcd keys under pools/, blocks/ or nodes/ this build cannot read (skipped; `lockstep cluster unreadable`).\n\
-         # TYPE lockstep_cluster_unreadable_keys gauge\n\
-         lockstep_cluster_unreadable_keys {}\n\
-         # HELP lockstep_cluster_configured_pool_overlaps Overlaps of a configured pool's cidr with a cluster pool or block: the cidr is withheld from the allocator.\n\
-         # TYPE lockstep_cluster_configured_pool_overlaps gauge\n\
-         lockstep_cluster_configured_pool_overlaps {}\n\
-         # HELP lockstep_cluster_window_addresses Addresses in this node's reservation window (in use, and those it may hand out without asking etcd).\n\
-         # TYPE lockstep_cluster_window_addresses gauge\n\
-         lockstep_cluster_window_addresses {}\n\
-         # HELP lockstep_cluster_window_publications_total Reservation windows published to etcd since start.\n\
-         # TYPE lockstep_cluster_window_publications_total counter\n\
-         lockstep_cluster_window_publications_total {}\n",
-        s.fenced,
-        u8::from(s.problem.is_none()),
-        s.unreadable.len(),
-        s.overlaps.len(),
-        s.window_addresses,
-        s.window_publications,
-    )
+/// Cluster mode's figures for the metrics (`crate::metrics` makes the
+/// families).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ClusterFigures {
+    /// Blocks in the local record that etcd no longer gives this node.
+    pub fenced_blocks: u64,
+    /// Whether the last etcd request succeeded.
+    pub etcd_reachable: bool,
+    /// Blocks claimed since start.
+    pub block_claims: u64,
+    /// etcd keys this build cannot read.
+    pub unreadable_keys: u64,
+    /// Overlaps of a configured pool's cidr with a cluster pool or block.
+    pub configured_pool_overlaps: u64,
+    /// Addresses in this node's reservation window.
+    pub window_addresses: u64,
+    /// Reservation windows published since start.
+    pub window_publications: u64,
+}
+
+impl ClusterHandle {
+    /// What the metrics report of cluster mode now.
+    pub fn figures(&self) -> ClusterFigures {
+        let s = self.lock();
+        ClusterFigures {
+            fenced_blocks: s.fenced as u64,
+            etcd_reachable: s.problem.is_none(),
+            block_claims: s.claims.values().sum(),
+            unreadable_keys: s.unreadable.len() as u64,
+            configured_pool_overlaps: s.overlaps.len() as u64,
+            window_addresses: s.window_addresses as u64,
+            window_publications: s.window_publications,
+        }
+    }
 }

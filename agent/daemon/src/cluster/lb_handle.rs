@@ -420,51 +420,43 @@ fn render_view(
     Ok(v)
 }
 
-/// The LB agent's metrics, in the Prometheus text format.
-pub fn render_metrics(h: &LbHandle) -> String {
-    let s = h.lock();
-    let left = s.valid_until_ns.saturating_sub(monotonic_ns()) as f64 / 1e9;
-    let mut out = String::from(
-        "# HELP lockstep_lb_announcing Addresses this node announces (holds the etcd key of).\n\
-         # TYPE lockstep_lb_announcing gauge\n",
-    );
-    for a in &s.announcing {
-        out.push_str(&format!("lockstep_lb_announcing{{address=\"{a}\"}} 1\n"));
+/// The LB agent's figures for the metrics (`crate::metrics` makes the
+/// families).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct LbFigures {
+    /// Addresses this node announces (holds the etcd key of).
+    pub announcing: Vec<IpAddr>,
+    /// Seconds its announcements are answered without another lease
+    /// refresh.
+    pub lease_remaining_seconds: f64,
+    /// Announcements this node took since start.
+    pub handovers: u64,
+    /// Announcements this node gave up since start.
+    pub withdrawals: u64,
+    /// Whether this node is the elected assigner.
+    pub assigner: bool,
+    /// Whether the uplink is down or without carrier.
+    pub uplink_down: bool,
+    /// Addresses to announce that no live node's labels admit, with their
+    /// pool.
+    pub unannounced: Vec<(IpAddr, String)>,
+    /// Addresses this node gave up because it could not answer them.
+    pub cannot_answer: Vec<IpAddr>,
+}
+
+impl LbHandle {
+    /// What the metrics report of the LB agent now.
+    pub fn figures(&self) -> LbFigures {
+        let s = self.lock();
+        LbFigures {
+            announcing: s.announcing.iter().copied().collect(),
+            lease_remaining_seconds: s.valid_until_ns.saturating_sub(monotonic_ns()) as f64 / 1e9,
+            handovers: s.takes,
+            withdrawals: s.withdrawals,
+            assigner: s.assigner,
+            uplink_down: s.uplink_down,
+            unannounced: s.unannounced.iter().map(|(a, p)| (*a, p.clone())).collect(),
+            cannot_answer: s.cannot_answer.iter().copied().collect(),
+        }
     }
-    out.push_str(&format!(
-        "# HELP lockstep_lb_announce_lease_remaining_seconds How long this node's announcements are answered without another etcd lease refresh.\n\
-         # TYPE lockstep_lb_announce_lease_remaining_seconds gauge\n\
-         lockstep_lb_announce_lease_remaining_seconds {left:.3}\n\
-         # HELP lockstep_lb_handovers_total Announcements this node took (key created, then programmed).\n\
-         # TYPE lockstep_lb_handovers_total counter\n\
-         lockstep_lb_handovers_total {}\n\
-         # HELP lockstep_lb_withdrawals_total Announcements this node gave up (unprogrammed, then key deleted).\n\
-         # TYPE lockstep_lb_withdrawals_total counter\n\
-         lockstep_lb_withdrawals_total {}\n\
-         # HELP lockstep_lb_assigner Whether this node is the elected LB assigner.\n\
-         # TYPE lockstep_lb_assigner gauge\n\
-         lockstep_lb_assigner {}\n\
-         # HELP lockstep_lb_uplink_down Whether the uplink is down or without carrier: this node stopped refreshing its LB lease, so its announcements move to other nodes.\n\
-         # TYPE lockstep_lb_uplink_down gauge\n\
-         lockstep_lb_uplink_down {}\n\
-         # HELP lockstep_lb_unannounced Addresses to announce that no live node's labels admit (their pool's node_selector matches none): nobody answers for them.\n\
-         # TYPE lockstep_lb_unannounced gauge\n",
-        s.takes,
-        s.withdrawals,
-        u8::from(s.assigner),
-        u8::from(s.uplink_down)
-    ));
-    for (a, pool) in &s.unannounced {
-        out.push_str(&format!(
-            "lockstep_lb_unannounced{{address=\"{a}\",pool=\"{pool}\"}} 1\n"
-        ));
-    }
-    out.push_str(
-        "# HELP lockstep_lb_cannot_answer Addresses this node gave up because it could not answer them within a rank step (its announcement map refused them, or its writes keep failing); it publishes that it does not answer for a while.\n\
-         # TYPE lockstep_lb_cannot_answer gauge\n",
-    );
-    for a in &s.cannot_answer {
-        out.push_str(&format!("lockstep_lb_cannot_answer{{address=\"{a}\"}} 1\n"));
-    }
-    out
 }

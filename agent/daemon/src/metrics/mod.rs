@@ -1,29 +1,56 @@
-//! Prometheus metrics, served on a loopback address by default.
+//! Prometheus metrics, served on the metrics listener (`metrics_addr`)
+//! beside the health probes (`/healthz`, `/readyz`).
 //!
-//! Gauges (pool usage, map entries) are refreshed from the agent; counters
-//! (repairs, errors) come from the agent's own tallies. A scrape never waits
-//! for the agent's lock, which CNI calls and commits hold (#27 item 9): it
-//! refreshes the gauges itself when the lock is free at that instant (so
-//! they agree with the state an API call just returned), and serves what it
-//! has otherwise. [`spawn_refresher`] refreshes them every [`REFRESH_EVERY`]
-//! off the scrape path, so they are never older than that plus one lock
-//! wait. Scrapes take the lock only when nobody holds it, for the time of a
-//! refresh, and at most as many at once as the metrics listener's
-//! connection limit.
+//! Every family goes through prometheus-client's registry: gauges (pool
+//! usage, map entries and capacities) are refreshed from the agent,
+//! counters (repairs, errors, datapath packets and drops) follow the
+//! agent's own monotonic tallies, and cluster mode's families are
+//! registered once it runs. A scrape gets OpenMetrics when it asks for it
+//! (Prometheus does) and the text format 0.0.4 otherwise ([`text`]).
+//!
+//! A scrape never waits for the agent's lock, which CNI calls and commits
+//! hold (#27 item 9): it refreshes the gauges itself when the lock is free
+//! at that instant (so they agree with the state an API call just
+//! returned), and serves what it has otherwise. [`spawn_refresher`]
+//! refreshes them every [`REFRESH_EVERY`] off the scrape path, so they are
+//! never older than that plus one lock wait.
+
+mod cluster;
+mod heartbeats;
+pub mod text;
+
+pub use heartbeats::{Heartbeat, Heartbeats};
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, TryLockError};
+use std::sync::{Arc, Mutex, OnceLock, TryLockError};
 use std::time::Duration;
 
 use prometheus_client::encoding::text::encode;
+use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::metrics::info::Info;
 use prometheus_client::registry::Registry;
 
 use crate::agent::Agent;
+use crate::cluster::{ClusterHandle, LbHandle};
 
 type Labels = Vec<(String, String)>;
+
+/// A label set, its values escaped ([`text::escape`]).
+fn labels(pairs: &[(&str, &str)]) -> Labels {
+    pairs
+        .iter()
+        .map(|(k, v)| ((*k).to_string(), text::escape(v)))
+        .collect()
+}
+
+/// Moves a counter up to a monotonic source's value (a source that went
+/// back, a map recreated, leaves it where it is).
+fn follow(counter: &Counter, now: u64) {
+    counter.inc_by(now.saturating_sub(counter.get()));
+}
 
 /// The background refresh period ([`spawn_refresher`]).
 pub const REFRESH_EVERY: Duration = Duration::from_secs(2);
@@ -34,31 +61,41 @@ pub struct Metrics {
     /// The masquerade collector's counts, once it runs.
     masq: Mutex<Option<Arc<crate::masquerade::Stats>>>,
     masq_entries: Family<Labels, Gauge<i64>>,
-    masq_deleted: prometheus_client::metrics::counter::Counter,
-    masq_translated: prometheus_client::metrics::counter::Counter,
-    masq_exhausted: prometheus_client::metrics::counter::Counter,
-    masq_table_full: prometheus_client::metrics::counter::Counter,
-    masq_endpoint_limit: prometheus_client::metrics::counter::Counter,
-    masq_untranslatable: prometheus_client::metrics::counter::Counter,
-    masq_evicted: prometheus_client::metrics::counter::Counter,
+    masq_deleted: Counter,
+    masq_translated: Counter,
+    masq_exhausted: Counter,
+    masq_table_full: Counter,
+    masq_endpoint_limit: Counter,
+    masq_untranslatable: Counter,
+    masq_evicted: Counter,
     allocated: Family<Labels, Gauge<i64>>,
     free: Family<Labels, Gauge<f64, std::sync::atomic::AtomicU64>>,
     map_entries: Family<Labels, Gauge<i64>>,
-    repairs: Family<Labels, Gauge<i64>>,
-    pin_repairs: Family<Labels, Gauge<i64>>,
-    errors: Family<Labels, Gauge<i64>>,
-    lb_pool: Family<Labels, Gauge<i64>>,
+    map_capacity: Family<Labels, Gauge<i64>>,
+    repairs: Family<Labels, Counter>,
+    pin_repairs: Family<Labels, Counter>,
+    errors: Family<Labels, Counter>,
+    lb_pool_addresses: Family<Labels, Gauge<i64>>,
+    lb_pool_conflicting: Family<Labels, Gauge<i64>>,
     lb_pending: Family<Labels, Gauge<i64>>,
     latency: Histogram,
     draining: Family<Labels, Gauge<i64>>,
-    tunnel_packets: Family<Labels, Gauge<i64>>,
-    tunnel_drops: Family<Labels, Gauge<i64>>,
+    tunnel_packets: Family<Labels, Counter>,
+    tunnel_drops: Family<Labels, Counter>,
+    datapath_packets: Family<Labels, Counter>,
+    datapath_drops: Family<Labels, Counter>,
+    /// Cluster mode's families, once it runs.
+    cluster: OnceLock<cluster::ClusterFamilies>,
+    /// The cluster LB agent's families, once it runs.
+    lb: OnceLock<cluster::LbFamilies>,
     /// Kubernetes leak detection's report, once it runs.
     leaks: Mutex<Option<Arc<crate::kubernetes::leaks::LeakReport>>>,
     endpoint_leaks: Gauge<i64>,
-    endpoint_leaks_released: prometheus_client::metrics::counter::Counter,
+    endpoint_leaks_released: Counter,
     /// Whether the gauges were ever refreshed from a running agent.
     refreshed: AtomicBool,
+    /// The loops' signs of progress, for `/healthz`.
+    pub heartbeats: Heartbeats,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -80,10 +117,12 @@ impl Metrics {
         let allocated = Family::<Labels, Gauge<i64>>::default();
         let free = Family::<Labels, Gauge<f64, std::sync::atomic::AtomicU64>>::default();
         let map_entries = Family::<Labels, Gauge<i64>>::default();
-        let repairs = Family::<Labels, Gauge<i64>>::default();
-        let pin_repairs = Family::<Labels, Gauge<i64>>::default();
-        let errors = Family::<Labels, Gauge<i64>>::default();
-        let lb_pool = Family::<Labels, Gauge<i64>>::default();
+        let map_capacity = Family::<Labels, Gauge<i64>>::default();
+        let repairs = Family::<Labels, Counter>::default();
+        let pin_repairs = Family::<Labels, Counter>::default();
+        let errors = Family::<Labels, Counter>::default();
+        let lb_pool_addresses = Family::<Labels, Gauge<i64>>::default();
+        let lb_pool_conflicting = Family::<Labels, Gauge<i64>>::default();
         let lb_pending = Family::<Labels, Gauge<i64>>::default();
         let latency = Histogram::new([
             0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5,
@@ -104,12 +143,17 @@ impl Metrics {
             map_entries.clone(),
         );
         registry.register(
+            "map_capacity",
+            "Capacity (max_entries) of each map the agent keeps entries in: its fill is map_entries over this",
+            map_capacity.clone(),
+        );
+        registry.register(
             "reconcile_repairs",
             "Map entries repaired by periodic reconciles since start",
             repairs.clone(),
         );
         registry.register(
-            "pin_repairs_total",
+            "pin_repairs",
             "Map pins put back since start (removed, or replaced by another map), by map",
             pin_repairs.clone(),
         );
@@ -119,9 +163,14 @@ impl Metrics {
             errors.clone(),
         );
         registry.register(
-            "lb_pool",
-            "LoadBalancer pools: used and free addresses, conflicting (1/0)",
-            lb_pool.clone(),
+            "lb_pool_addresses",
+            "LoadBalancer pools' addresses, by pool and state (used, free)",
+            lb_pool_addresses.clone(),
+        );
+        registry.register(
+            "lb_pool_conflicting",
+            "1 when a LoadBalancer pool overlaps another and is left out, 0 otherwise",
+            lb_pool_conflicting.clone(),
         );
         let draining = Family::<Labels, Gauge<i64>>::default();
         registry.register(
@@ -145,38 +194,55 @@ impl Metrics {
             "Masquerade translations (NAT_FWD entries) at the last collection, by family",
             masq_entries.clone(),
         );
-        let masq_deleted = prometheus_client::metrics::counter::Counter::default();
+        let masq_deleted = Counter::default();
         registry.register(
             "masq_gc_deleted",
             "NAT entries the collector deleted (forward and reverse)",
             masq_deleted.clone(),
         );
-        let masq_translated = prometheus_client::metrics::counter::Counter::default();
+        let masq_translated = Counter::default();
         registry.register(
             "masq_translations",
             "Packets to_native translated (COUNTERS)",
             masq_translated.clone(),
         );
-        let masq_exhausted = prometheus_client::metrics::counter::Counter::default();
+        let masq_exhausted = Counter::default();
         registry.register(
             "masq_exhausted",
             "New flows dropped for want of a free translated port (COUNTERS)",
             masq_exhausted.clone(),
         );
-        let tunnel_packets = Family::<Labels, Gauge<i64>>::default();
+        let tunnel_packets = Family::<Labels, Counter>::default();
         registry.register(
             "tunnel_packets",
             "Packets through the tunnel (COUNTERS): encapsulated (encap), delivered after decapsulation (decap), answered as too big for the path (pmtu_answered)",
             tunnel_packets.clone(),
         );
-        let tunnel_drops = Family::<Labels, Gauge<i64>>::default();
+        let tunnel_drops = Family::<Labels, Counter>::default();
         registry.register(
             "tunnel_drops",
             "Tunnel packets dropped (COUNTERS), by reason: forged_source, not_local, malformed, no_device",
             tunnel_drops.clone(),
         );
+        let datapath_packets = Family::<Labels, Counter>::default();
+        registry.register(
+            "datapath_packets",
+            "Packets the BPF programs counted (COUNTERS), by counter (the names of `lockstep datapath counters`)",
+            datapath_packets.clone(),
+        );
+        let datapath_drops = Family::<Labels, Counter>::default();
+        registry.register(
+            "datapath_drops",
+            "Packets the BPF programs dropped, by reason",
+            datapath_drops.clone(),
+        );
+        registry.register(
+            "build",
+            "The agent's version",
+            Info::new(labels(&[("version", &crate::version::version())])),
+        );
         let masq_counter = |registry: &mut Registry, name: &str, help: &str| {
-            let c = prometheus_client::metrics::counter::Counter::default();
+            let c = Counter::default();
             registry.register(name, help, c.clone());
             c
         };
@@ -228,16 +294,23 @@ impl Metrics {
             allocated,
             free,
             map_entries,
+            map_capacity,
             repairs,
             pin_repairs,
             errors,
-            lb_pool,
+            lb_pool_addresses,
+            lb_pool_conflicting,
             lb_pending,
             latency,
             draining,
             tunnel_packets,
             tunnel_drops,
+            datapath_packets,
+            datapath_drops,
+            cluster: OnceLock::new(),
+            lb: OnceLock::new(),
             refreshed: AtomicBool::new(false),
+            heartbeats: Heartbeats::default(),
         }
     }
 
@@ -257,9 +330,7 @@ impl Metrics {
         };
         self.endpoint_leaks
             .set(i64::try_from(r.count()).unwrap_or(i64::MAX));
-        let released = r.released();
-        self.endpoint_leaks_released
-            .inc_by(released.saturating_sub(self.endpoint_leaks_released.get()));
+        follow(&self.endpoint_leaks_released, r.released());
     }
 
     fn render_masquerade(&self) {
@@ -282,8 +353,7 @@ impl Metrics {
             (&self.masq_untranslatable, &m.untranslatable),
             (&self.masq_evicted, &m.evicted),
         ] {
-            let now = source.load(Relaxed);
-            counter.inc_by(now.saturating_sub(counter.get()));
+            follow(counter, source.load(Relaxed));
         }
     }
 
@@ -314,87 +384,113 @@ impl Metrics {
     pub fn refresh(&self, agent: &Agent) {
         for p in agent.pools() {
             for (family, (used, free)) in [("ipv4", p.v4), ("ipv6", p.v6)] {
-                let labels = vec![
-                    ("pool".to_string(), p.name.clone()),
-                    ("family".to_string(), family.to_string()),
-                ];
-                self.allocated.get_or_create(&labels).set(used as i64);
-                self.free.get_or_create(&labels).set(free as f64);
+                let l = labels(&[("pool", &p.name), ("family", family)]);
+                self.allocated.get_or_create(&l).set(used as i64);
+                self.free.get_or_create(&l).set(free as f64);
             }
         }
+        let capacities = agent.map_capacities();
         for (map, n) in &agent.stats.entries {
-            self.map_entries
-                .get_or_create(&vec![("map".to_string(), map.to_string())])
-                .set(*n as i64);
+            let l = labels(&[("map", map)]);
+            self.map_entries.get_or_create(&l).set(*n as i64);
+            if let Some(cap) = capacities.get(map) {
+                self.map_capacity.get_or_create(&l).set(i64::from(*cap));
+            }
         }
         for (map, n) in &agent.stats.repairs {
-            self.repairs
-                .get_or_create(&vec![("map".to_string(), map.clone())])
-                .set(*n as i64);
+            follow(&self.repairs.get_or_create(&labels(&[("map", map)])), *n);
         }
         for (map, n) in &agent.stats.pin_repairs {
-            self.pin_repairs
-                .get_or_create(&vec![("map".to_string(), map.clone())])
-                .set(*n as i64);
+            follow(
+                &self.pin_repairs.get_or_create(&labels(&[("map", map)])),
+                *n,
+            );
         }
         for (code, n) in &agent.stats.errors {
-            self.errors
-                .get_or_create(&vec![("code".to_string(), code.to_string())])
-                .set(*n as i64);
+            follow(&self.errors.get_or_create(&labels(&[("code", code)])), *n);
         }
         let lb = agent.lb_metrics();
         for (pool, m) in &lb.pools {
-            for (what, n) in [
-                ("used", m.used as i64),
-                ("free", m.free as i64),
-                ("conflicting", i64::from(m.conflicting)),
-            ] {
-                self.lb_pool
-                    .get_or_create(&vec![
-                        ("pool".to_string(), pool.clone()),
-                        ("state".to_string(), what.to_string()),
-                    ])
-                    .set(n);
+            for (state, n) in [("used", m.used), ("free", m.free)] {
+                self.lb_pool_addresses
+                    .get_or_create(&labels(&[("pool", pool), ("state", state)]))
+                    .set(n as i64);
             }
+            self.lb_pool_conflicting
+                .get_or_create(&labels(&[("pool", pool)]))
+                .set(i64::from(m.conflicting));
         }
         for (reason, n) in &lb.pending_by_reason {
             self.lb_pending
-                .get_or_create(&vec![("reason".to_string(), reason.clone())])
+                .get_or_create(&labels(&[("reason", reason)]))
                 .set(*n as i64);
         }
         // Gone ranges disappear rather than read 0 forever.
         self.draining.clear();
         for r in agent.draining() {
             self.draining
-                .get_or_create(&vec![
-                    ("pool".to_string(), r.pool.clone()),
-                    ("cidr".to_string(), r.cidr.to_string()),
-                ])
+                .get_or_create(&labels(&[("pool", &r.pool), ("cidr", &r.cidr.to_string())]))
                 .set(r.holders.len() as i64);
         }
-        for (c, n) in agent.tunnel_counters() {
-            let name = c.name().trim_start_matches("tunnel_");
+        for (c, n) in agent.datapath_counters() {
+            follow(
+                &self
+                    .datapath_packets
+                    .get_or_create(&labels(&[("counter", c.name())])),
+                n,
+            );
+            if let Some(reason) = c.drop_reason() {
+                follow(
+                    &self
+                        .datapath_drops
+                        .get_or_create(&labels(&[("reason", reason)])),
+                    n,
+                );
+            }
+            let Some(name) = c.name().strip_prefix("tunnel_") else {
+                continue;
+            };
             let (family, label, value) = match name.strip_prefix("drop_") {
                 Some(reason) => (&self.tunnel_drops, "reason", reason),
                 None => (&self.tunnel_packets, "what", name),
             };
-            family
-                .get_or_create(&vec![(label.to_string(), value.to_string())])
-                .set(n as i64);
+            follow(&family.get_or_create(&labels(&[(label, value)])), n);
         }
         self.refreshed.store(true, Ordering::Release);
     }
 
-    /// Renders the text format from what the metrics hold (the agent's
-    /// lock is not needed).
-    pub fn encode(&self) -> String {
+    /// Renders what the metrics hold (the agent's lock is not needed),
+    /// cluster mode's and its LB agent's families included once they run:
+    /// OpenMetrics, or the text format 0.0.4 ([`text`]).
+    pub fn encode(
+        &self,
+        cluster: Option<&ClusterHandle>,
+        lb: Option<&LbHandle>,
+        openmetrics: bool,
+    ) -> String {
         self.render_masquerade();
         self.render_leaks();
         let mut out = String::new();
-        if let Ok(registry) = self.registry.lock() {
-            let _ = encode(&mut out, &registry);
+        let Ok(mut registry) = self.registry.lock() else {
+            return out;
+        };
+        if let Some(c) = cluster {
+            self.cluster
+                .get_or_init(|| cluster::ClusterFamilies::register(&mut registry))
+                .set(&c.figures());
         }
-        out
+        if let Some(l) = lb {
+            self.lb
+                .get_or_init(|| cluster::LbFamilies::register(&mut registry))
+                .set(&l.figures());
+        }
+        let _ = encode(&mut out, &registry);
+        drop(registry);
+        if openmetrics {
+            out
+        } else {
+            text::to_text(&out)
+        }
     }
 }
 
@@ -406,6 +502,9 @@ pub fn spawn_refresher(
     slot: Arc<Mutex<Option<Agent>>>,
     mut stop: tokio::sync::watch::Receiver<bool>,
 ) -> tokio::task::JoinHandle<()> {
+    let heartbeat = metrics
+        .heartbeats
+        .register("metrics refresh", REFRESH_EVERY);
     tokio::spawn(async move {
         let mut tick = tokio::time::interval(REFRESH_EVERY);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -424,6 +523,56 @@ pub fn spawn_refresher(
                 }
             })
             .await;
+            heartbeat.beat();
         }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn help_texts_need_no_escape_in_either_format() {
+        // OpenMetrics escapes `"` in HELP and 0.0.4 does not: a HELP text
+        // with a quote or a backslash would be wrong in one of them.
+        let om = Metrics::new().encode(None, None, true);
+        for line in om.lines().filter(|l| l.starts_with("# HELP ")) {
+            assert!(!line.contains(['"', '\\']), "{line}");
+        }
+    }
+
+    #[test]
+    fn every_counter_is_total_and_the_build_is_an_info() {
+        let text = Metrics::new().encode(None, None, false);
+        for line in text.lines().filter_map(|l| l.strip_prefix("# TYPE ")) {
+            let (name, kind) = line.split_once(' ').expect("TYPE line");
+            assert_eq!(kind == "counter", name.ends_with("_total"), "{line}");
+        }
+        assert!(text.contains("# TYPE lockstep_build_info gauge"), "{text}");
+        assert!(text.contains("lockstep_build_info{version=\""), "{text}");
+    }
+
+    #[test]
+    fn a_counter_follows_its_source_and_never_goes_back() {
+        let c = Counter::default();
+        follow(&c, 5);
+        follow(&c, 7);
+        assert_eq!(c.get(), 7);
+        follow(&c, 3);
+        assert_eq!(c.get(), 7);
+    }
+
+    #[test]
+    fn label_values_are_escaped_in_the_scrape() {
+        let m = Metrics::new();
+        m.lb_pending
+            .get_or_create(&labels(&[("reason", "a \"quoted\" \\ reason")]))
+            .set(1);
+        let text = m.encode(None, None, false);
+        assert!(
+            text.contains(r#"lockstep_lb_pending_services{reason="a \"quoted\" \\ reason"} 1"#),
+            "{text}"
+        );
+    }
 }
