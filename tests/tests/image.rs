@@ -111,7 +111,7 @@ impl Node {
             r#"node_name = "image-node"
 state_dir = "{state}"
 socket = "{socket}"
-metrics_addr = "127.0.0.1:9962"
+metrics_addr = "127.0.0.1:9476"
 reconcile_interval = "10s"
 
 [datapath]
@@ -506,6 +506,20 @@ fn image_runs_as_the_daemonset_and_upgrades_and_rolls_back_without_loss() -> any
     agent.wait_ready(&node)?;
     let status = status_in(&agent, &node)?;
     ensure!(status["version"] == old_version.as_str(), "{status}");
+    // `--version` says the same as `status` (#45 item 5).
+    let out = podman.output([
+        "run",
+        "--rm",
+        "--network",
+        "none",
+        old_image.as_str(),
+        "--version",
+    ])?;
+    let said = String::from_utf8_lossy(&out.stdout);
+    ensure!(
+        out.status.success() && said.trim() == format!("lockstep {old_version}"),
+        "lockstep --version in {old_image}: {said:?}"
+    );
 
     // What the agent installed is the plugin in the image.
     let plugin = std::fs::read(context()?.join("rootfs/usr/local/bin/lockstep-cni"))?;

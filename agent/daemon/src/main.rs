@@ -1,6 +1,6 @@
 //! The `lockstep` binary: agent, CLI and datapath tools in one executable.
 
-use clap::Parser;
+use clap::{CommandFactory, FromArgMatches};
 
 /// dlmalloc when the agent is built static on musl (the image, see
 /// `cargo xtask build`): musl's allocator maps and unmaps pages for many
@@ -21,7 +21,11 @@ fn main() {
     if called_by_runtime && std::env::args_os().len() == 1 {
         std::process::exit(lockstep::plugin::run());
     }
-    let cli = lockstep::cli::Cli::parse();
+    // `--version` reports what `status` does: the version stamped into
+    // this binary (an image's), not the crate's.
+    let version: &'static str = Box::leak(lockstep::version::version().into_boxed_str());
+    let matches = lockstep::cli::Cli::command().version(version).get_matches();
+    let cli = lockstep::cli::Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
     lockstep::cli::init_tracing(cli.log_json, cli.verbose);
     match lockstep::cli::run(cli) {
         Ok(code) => std::process::exit(code),
