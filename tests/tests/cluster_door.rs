@@ -549,8 +549,22 @@ fn the_cluster_cli_applies_pools_lists_blocks_and_nodes_and_removes_nodes() -> a
         &file,
         "[[pools]]\nname = \"bad\"\nipv4 = [\"10.90.0.1/24\"]\n",
     )?;
-    let (ok, out, err) = cli(&eps, &["pools", "apply", "-f", &f])?;
+    let (ok, out, err) = cli(&eps, &["pools", "apply", "-f", &f, "--prune"])?;
     ensure!(!ok && err.contains("10.90.0.1/24"), "bad CIDR: {out}{err}");
+    let (_, after, _) = cli(&eps, &["pools", "get", "-o", "json"])?;
+    ensure!(
+        serde_json::from_str::<serde_json::Value>(&after)? == pools,
+        "{after}"
+    );
+    // A file that leaves a stored pool out (an empty list here) would
+    // drain it: refused without --prune, naming it, nothing changed
+    // (#45 item 7).
+    std::fs::write(&file, "pools = []\n")?;
+    let (ok, out, err) = cli(&eps, &["pools", "apply", "-f", &f])?;
+    ensure!(
+        !ok && err.contains("leaves out the stored pools default") && err.contains("--prune"),
+        "an apply draining every pool: {out}{err}"
+    );
     let (_, after, _) = cli(&eps, &["pools", "get", "-o", "json"])?;
     ensure!(
         serde_json::from_str::<serde_json::Value>(&after)? == pools,
@@ -670,7 +684,7 @@ fn the_cli_names_what_etcd_refused() -> anyhow::Result<()> {
     }
     std::fs::write(&file, many)?;
     let started = Instant::now();
-    let (ok, out, err) = cli(&eps, &["pools", "apply", "-f", &f])?;
+    let (ok, out, err) = cli(&eps, &["pools", "apply", "-f", &f, "--prune"])?;
     let took = started.elapsed();
     eprintln!("2,000 pools: {took:?}: {err}");
     ensure!(!ok, "2,000 pools applied in one transaction: {out}");

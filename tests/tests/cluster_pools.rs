@@ -482,7 +482,13 @@ fn a_pool_applied_by_mistake_costs_no_block_and_drains_when_removed() -> anyhow:
     let dir = lockstep_tests::TempDir::new("drain-pools")?;
     let file = dir.path().join("pools.toml");
     std::fs::write(&file, format!("default_pool = \"pods\"\n{PODS}"))?;
-    let out = n.cli(&["pools", "apply", "-f", file.to_str().context("path")?])?;
+    let out = n.cli(&[
+        "pools",
+        "apply",
+        "-f",
+        file.to_str().context("path")?,
+        "--prune",
+    ])?;
     eprintln!("{out}");
     ensure!(
         out.contains("pool oops is draining") && out.contains("node-0") && out.contains("node-1"),

@@ -520,6 +520,17 @@ fn image_runs_as_the_daemonset_and_upgrades_and_rolls_back_without_loss() -> any
         out.status.success() && said.trim() == format!("lockstep {old_version}"),
         "lockstep --version in {old_image}: {said:?}"
     );
+    // `--log-json` lines carry their fields flat, beside the message.
+    let logs = agent.logs();
+    let line = logs
+        .lines()
+        .find(|l| l.contains("API listening"))
+        .with_context(|| format!("no start line in the agent's log:\n{logs}"))?;
+    let v: Value = serde_json::from_str(line).with_context(|| line.to_string())?;
+    ensure!(
+        v["message"].is_string() && v["socket"].is_string() && v.get("fields").is_none(),
+        "a JSON log line with nested fields: {line}"
+    );
 
     // What the agent installed is the plugin in the image.
     let plugin = std::fs::read(context()?.join("rootfs/usr/local/bin/lockstep-cni"))?;

@@ -234,7 +234,9 @@ pub fn init_tracing(json: bool, verbose: u8) {
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_writer(std::io::stderr);
     if json {
-        builder.json().init();
+        // Fields beside the message, not nested under `fields`: what log
+        // pipelines (Loki, Elasticsearch) index without a parser.
+        builder.json().flatten_event(true).init();
     } else {
         builder.init();
     }

@@ -37,6 +37,7 @@ pub mod layout;
 pub mod local;
 pub mod names;
 pub mod overlap;
+pub mod prune;
 pub mod reclaim;
 pub mod remote;
 pub mod restore;

@@ -117,6 +117,11 @@ pub enum PoolsCommand {
         /// The file (`-` for stdin).
         #[arg(long, short)]
         file: PathBuf,
+        /// Drain (or remove, when no block is held) the stored pools the
+        /// file leaves out. Without it, an apply that leaves one out is
+        /// refused, naming them, and changes nothing.
+        #[arg(long)]
+        prune: bool,
         /// Output format.
         #[arg(long, short, value_enum, default_value_t)]
         output: Output,
@@ -190,7 +195,11 @@ pub fn run(etcd: EtcdArgs, cmd: ClusterCommand) -> anyhow::Result<i32> {
         });
         let mut door = Door::connect(opts).await?;
         match cmd {
-            ClusterCommand::Pools(PoolsCommand::Apply { file, output }) => {
+            ClusterCommand::Pools(PoolsCommand::Apply {
+                file,
+                prune,
+                output,
+            }) => {
                 let file = read_pools(&file)?;
                 // PodIPPools own the pools: the writer would apply its
                 // objects again on its next pass; refuse rather than fight.
@@ -199,6 +208,23 @@ pub fn run(etcd: EtcdArgs, cmd: ClusterCommand) -> anyhow::Result<i32> {
                 {
                     anyhow::bail!(
                         "the cluster pools are PodIPPool objects ([kubernetes] pod_pools = true): change them with kubectl (`kubectl get podippools`), not `cluster pools apply`"
+                    );
+                }
+                // Dropping pools drains them: only when asked for, and
+                // after the file's own errors (a default it drops), which
+                // --prune would not fix.
+                let (stored_default, _) = door.stored_default().await?;
+                lockstep_core::cluster::default_for_apply(
+                    &file.pools,
+                    stored_default.as_deref(),
+                    file.default_pool.as_deref(),
+                )?;
+                let (stored, _, _) = door.pools().await?;
+                let dropped = lockstep_core::cluster::prune::left_out(&stored, &file.pools);
+                if !dropped.is_empty() && !prune {
+                    anyhow::bail!(
+                        "the file leaves out the stored pools {}: applying it drains them (nothing new comes from them; each is removed once its blocks are given back); nothing was changed. Add them to the file, or pass --prune to drain them",
+                        dropped.join(", ")
                     );
                 }
                 let revision = door
