@@ -655,6 +655,59 @@ fn the_cluster_cli_applies_pools_lists_blocks_and_nodes_and_removes_nodes() -> a
     Ok(())
 }
 
+/// #45 item 7: inside the agent's pod, `lockstep cluster ...` needs no
+/// flags: the endpoints, prefix and TLS files come from the agent's config
+/// (`--config`, default /etc/lockstep/config.toml). A config without
+/// `[cluster]` is named.
+#[test]
+fn the_cluster_cli_takes_etcd_from_the_agents_config() -> anyhow::Result<()> {
+    let cluster = EtcdCluster::start(1)?;
+    let eps = cluster.endpoints();
+    let dir = lockstep_tests::TempDir::new("cluster-config")?;
+    let pools = dir.path().join("pools.toml");
+    std::fs::write(
+        &pools,
+        "[[pools]]\nname = \"pods\"\nipv4 = [\"10.91.0.0/24\"]\n",
+    )?;
+    let (ok, out, err) = cli(
+        &eps,
+        &["pools", "apply", "-f", &pools.display().to_string()],
+    )?;
+    ensure!(ok, "apply: {out}{err}");
+    let (_, by_flags, _) = cli(&eps, &["pools", "get", "-o", "json"])?;
+    let config = dir.path().join("config.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[cluster]\netcd = [{}]\nprefix = \"/cli/\"\nnode_ip_v4 = \"192.0.2.1\"\n",
+            eps.iter()
+                .map(|e| format!("\"{e}\""))
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
+    )?;
+    let run = |config: &std::path::Path| -> anyhow::Result<std::process::Output> {
+        Ok(std::process::Command::new(lockstep_tests::lockstep_bin())
+            .args(["cluster", "--config"])
+            .arg(config)
+            .args(["pools", "get", "-o", "json"])
+            .output()?)
+    };
+    let out = run(&config)?;
+    ensure!(
+        out.status.success() && String::from_utf8_lossy(&out.stdout) == by_flags,
+        "pools get from the config: {out:?}, by flags: {by_flags}"
+    );
+    std::fs::write(&config, "reconcile_interval = \"5s\"\n")?;
+    let out = run(&config)?;
+    let err = String::from_utf8_lossy(&out.stderr);
+    ensure!(
+        !out.status.success() && err.contains("has no [cluster] section") && err.contains("--etcd"),
+        "a config without [cluster]: {err}"
+    );
+    Ok(())
+}
+
 /// #26 item 13: 2,000 pools in one apply exceed etcd's operations per
 /// transaction (`--max-txn-ops`, 128 by default). The CLI used to say
 /// "etcd unavailable, the write may still commit"; it must say what etcd

@@ -16,15 +16,21 @@ use serde_json::json;
 use super::{Output, print};
 use crate::cluster::{Door, DoorOptions, TlsFiles};
 
-/// Where etcd is.
+/// Where etcd is: `--etcd` (and the flags beside it), or else the agent's
+/// own config's `[cluster]` section, so the CLI inside the agent's pod
+/// needs no flags.
 #[derive(Debug, Args)]
 pub struct EtcdArgs {
-    /// etcd client URLs (repeat, or comma-separated).
-    #[arg(long, required = true, value_delimiter = ',')]
+    /// etcd client URLs (repeat, or comma-separated). Without it, the
+    /// endpoints, prefix and TLS files of `--config`'s `[cluster]` section.
+    #[arg(long, value_delimiter = ',')]
     pub etcd: Vec<String>,
-    /// Key prefix.
-    #[arg(long, default_value = "/lockstep/v1/")]
-    pub prefix: String,
+    /// The agent's config, read when `--etcd` is not given.
+    #[arg(long, value_name = "FILE", default_value = crate::config::DEFAULT_CONFIG)]
+    pub config: PathBuf,
+    /// Key prefix (default: the config's, else `/lockstep/v1/`).
+    #[arg(long)]
+    pub prefix: Option<String>,
     /// Bound on each etcd request.
     #[arg(long, default_value = "2s", value_parser = humantime_serde::re::humantime::parse_duration)]
     pub timeout: Duration,
@@ -37,6 +43,43 @@ pub struct EtcdArgs {
     /// The client certificate's private key (PEM).
     #[arg(long, value_name = "FILE", requires = "cacert")]
     pub key: Option<PathBuf>,
+}
+
+impl EtcdArgs {
+    /// The door's options: from the flags, or from the config's
+    /// `[cluster]` section when `--etcd` is not given (a flag given beside
+    /// it still wins).
+    fn door_options(self) -> anyhow::Result<DoorOptions> {
+        let mut opts = if self.etcd.is_empty() {
+            let config = crate::config::Config::load(Some(&self.config)).with_context(|| {
+                format!(
+                    "no --etcd given, so the endpoints come from the agent's config {}",
+                    self.config.display()
+                )
+            })?;
+            let cluster = config.cluster.with_context(|| {
+                format!(
+                    "no --etcd given, and {} has no [cluster] section to take the endpoints from",
+                    self.config.display()
+                )
+            })?;
+            DoorOptions::from_cluster_config(&cluster, self.timeout)
+        } else {
+            DoorOptions::new(self.etcd)
+        };
+        if let Some(prefix) = self.prefix {
+            opts.prefix = prefix;
+        }
+        opts.timeout = self.timeout;
+        if let Some(ca) = self.cacert {
+            opts.tls = Some(TlsFiles {
+                ca,
+                cert: self.cert,
+                key: self.key,
+            });
+        }
+        Ok(opts)
+    }
 }
 
 /// `lockstep cluster ...`.
@@ -185,15 +228,7 @@ pub fn run(etcd: EtcdArgs, cmd: ClusterCommand) -> anyhow::Result<i32> {
         .enable_all()
         .build()?;
     rt.block_on(async move {
-        let mut opts = DoorOptions::new(etcd.etcd);
-        opts.prefix = etcd.prefix;
-        opts.timeout = etcd.timeout;
-        opts.tls = etcd.cacert.map(|ca| TlsFiles {
-            ca,
-            cert: etcd.cert,
-            key: etcd.key,
-        });
-        let mut door = Door::connect(opts).await?;
+        let mut door = Door::connect(etcd.door_options()?).await?;
         match cmd {
             ClusterCommand::Pools(PoolsCommand::Apply {
                 file,
