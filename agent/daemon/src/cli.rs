@@ -13,6 +13,7 @@
 
 use std::path::PathBuf;
 
+use anyhow::Context as _;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use hyper::Method;
 use serde_json::json;
@@ -49,6 +50,19 @@ pub struct Cli {
     /// What to do.
     #[command(subcommand)]
     pub command: Command,
+}
+
+/// `lockstep config ...`.
+#[derive(Debug, Subcommand)]
+pub enum ConfigCommand {
+    /// Check a config file as the agent would read it, without starting
+    /// it: every value it refuses is named (field and why), and the exit
+    /// status is 1 when there is one. A syntax error or an unknown key
+    /// stops the check at that line.
+    Check {
+        /// The file.
+        file: PathBuf,
+    },
 }
 
 /// Top-level commands.
@@ -146,6 +160,9 @@ pub enum Command {
     /// Read the pinned maps.
     #[command(subcommand)]
     Maps(MapsCommand),
+    /// The agent's configuration.
+    #[command(subcommand)]
+    Config(ConfigCommand),
     /// Cluster mode: pools, blocks and nodes in etcd (no agent needed).
     Cluster {
         /// Where etcd is.
@@ -239,6 +256,35 @@ pub fn init_tracing(json: bool, verbose: u8) {
         builder.json().flatten_event(true).init();
     } else {
         builder.init();
+    }
+}
+
+/// `lockstep config check FILE`: every problem printed, 1 when there is
+/// one.
+fn config_check(file: &std::path::Path) -> anyhow::Result<i32> {
+    let text = std::fs::read_to_string(file)
+        .with_context(|| format!("cannot read config {}", file.display()))?;
+    let config: crate::config::Config = match toml::from_str(&text) {
+        Ok(c) => c,
+        Err(e) => {
+            println!(
+                "{}: {}",
+                file.display(),
+                e.to_string().trim().replace('\n', " ")
+            );
+            return Ok(1);
+        }
+    };
+    let problems = config.problems();
+    for (field, reason) in &problems {
+        println!("{}: field `{field}`: {reason}", file.display());
+    }
+    if problems.is_empty() {
+        println!("{}: valid", file.display());
+        Ok(0)
+    } else {
+        println!("{}: {} problems", file.display(), problems.len());
+        Ok(1)
     }
 }
 
@@ -424,6 +470,7 @@ pub fn run(cli: Cli) -> anyhow::Result<i32> {
             Ok(0)
         }
         Command::Datapath(cmd) => datapath::run(cmd),
+        Command::Config(ConfigCommand::Check { file }) => config_check(&file),
         Command::Cluster { etcd, command } => cluster::run(etcd, command),
         Command::Store(StoreCommand::ResetLog { state_dir }) => {
             let (moved, applied) = crate::store::Store::reset_log(&state_dir)?;

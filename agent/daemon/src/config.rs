@@ -414,17 +414,31 @@ impl Config {
     /// Checks values that parse but are not acceptable.
     ///
     /// # Errors
-    /// [`ConfigError::Invalid`] naming the field.
+    /// [`ConfigError::Invalid`] naming the field (the first of
+    /// [`Config::problems`]).
     pub fn validate(&self, path: &Path) -> Result<(), ConfigError> {
-        let invalid = |field: String, reason: String| ConfigError::Invalid {
-            path: path.to_path_buf(),
-            field,
-            reason,
-        };
+        match self.problems().into_iter().next() {
+            Some((field, reason)) => Err(ConfigError::Invalid {
+                path: path.to_path_buf(),
+                field,
+                reason,
+            }),
+            None => Ok(()),
+        }
+    }
+
+    /// Every value that parses but is not acceptable, as (dotted field,
+    /// what is wrong), in the file's order of sections; empty when the
+    /// config is valid. `lockstep config check` prints them all. A
+    /// section checked by its own type (`[lb]`, `[cluster]`,
+    /// `[kubernetes]`, each pool) names its first problem.
+    pub fn problems(&self) -> Vec<(String, String)> {
+        let mut out: Vec<(String, String)> = Vec::new();
+        let invalid = |field: String, reason: String| (field, reason);
         // An interval beyond a day turns drift repair (and a failed store's
         // recovery) off in all but name.
         if self.cni.teardown_batch_window > MAX_TEARDOWN_BATCH_WINDOW {
-            return Err(invalid(
+            out.push(invalid(
                 "cni.teardown_batch_window".into(),
                 "must be at most 20s (a full DEL is answered after it, and the plugin gives the agent 30 s by default)".into(),
             ));
@@ -432,7 +446,7 @@ impl Config {
         if self.reconcile_interval < Duration::from_millis(100)
             || self.reconcile_interval > MAX_RECONCILE_INTERVAL
         {
-            return Err(invalid(
+            out.push(invalid(
                 "reconcile_interval".into(),
                 "must be at least 100ms and at most 24h".into(),
             ));
@@ -440,19 +454,19 @@ impl Config {
         if self.api_header_timeout < Duration::from_millis(100)
             || self.api_header_timeout > Duration::from_secs(300)
         {
-            return Err(invalid(
+            out.push(invalid(
                 "api_header_timeout".into(),
                 "must be between 100ms and 5m".into(),
             ));
         }
         if self.datapath.ipcache_max_entries == 0 {
-            return Err(invalid(
+            out.push(invalid(
                 "datapath.ipcache_max_entries".into(),
                 "must be greater than zero".into(),
             ));
         }
         if self.datapath.endpoints_max_entries == 0 {
-            return Err(invalid(
+            out.push(invalid(
                 "datapath.endpoints_max_entries".into(),
                 "must be greater than zero".into(),
             ));
@@ -462,11 +476,11 @@ impl Config {
             ("cni.conf_dir", &self.cni.conf_dir),
         ] {
             if !p.is_absolute() {
-                return Err(invalid(field.into(), "must be an absolute path".into()));
+                out.push(invalid(field.into(), "must be an absolute path".into()));
             }
         }
         if !["0.3.1", "0.4.0", "1.0.0", "1.1.0"].contains(&self.cni.cni_version.as_str()) {
-            return Err(invalid(
+            out.push(invalid(
                 "cni.cni_version".into(),
                 format!(
                     "{} is not one of 0.3.1, 0.4.0, 1.0.0, 1.1.0",
@@ -475,20 +489,20 @@ impl Config {
             ));
         }
         if self.cni.conflist_name.contains('/') || !self.cni.conflist_name.ends_with(".conflist") {
-            return Err(invalid(
+            out.push(invalid(
                 "cni.conflist_name".into(),
                 "must be a file name ending in .conflist".into(),
             ));
         }
         if !self.datapath.pin_root.is_absolute() {
-            return Err(invalid(
+            out.push(invalid(
                 "datapath.pin_root".into(),
                 "must be an absolute path".into(),
             ));
         }
         for (field, p) in [("state_dir", &self.state_dir), ("socket", &self.socket)] {
             if !p.is_absolute() {
-                return Err(invalid(field.into(), "must be an absolute path".into()));
+                out.push(invalid(field.into(), "must be an absolute path".into()));
             }
         }
         if let Err(e) = self
@@ -496,7 +510,7 @@ impl Config {
             .ports
             .parse::<lockstep_core::masquerade::PortRange>()
         {
-            return Err(invalid("masquerade.ports".into(), e.to_string()));
+            out.push(invalid("masquerade.ports".into(), e.to_string()));
         }
         for (key, d) in [
             ("masquerade.tcp_timeout", self.masquerade.tcp_timeout),
@@ -513,7 +527,7 @@ impl Config {
             ("masquerade.gc_interval", self.masquerade.gc_interval),
         ] {
             if d < Duration::from_millis(100) || d > Duration::from_secs(7 * 24 * 3600) {
-                return Err(invalid(
+                out.push(invalid(
                     key.into(),
                     "must be between 100ms and 7 days".into(),
                 ));
@@ -521,41 +535,50 @@ impl Config {
         }
         let share = self.masquerade.endpoint_share;
         if !(share > 0.0 && share <= 1.0) {
-            return Err(invalid(
+            out.push(invalid(
                 "masquerade.endpoint_share".into(),
                 format!("{share} is not a share of the table: it must be above 0 and at most 1"),
             ));
         }
         for (i, cidr) in self.non_masquerade_cidrs.iter().enumerate() {
             if cidr.trunc() != *cidr {
-                return Err(invalid(
+                out.push(invalid(
                     format!("non_masquerade_cidrs[{i}]"),
                     format!("{cidr} has host bits set (did you mean {}?)", cidr.trunc()),
                 ));
             }
         }
         let mut names = BTreeSet::new();
+        let mut duplicate = false;
         for (i, pool) in self.pools.iter().enumerate() {
             if !names.insert(pool.name.as_str()) {
-                return Err(invalid(
+                duplicate = true;
+                out.push(invalid(
                     format!("pools[{i}].name"),
                     format!("pool {} is defined twice", pool.name),
                 ));
             }
-            pool.validate()
-                .map_err(|e| invalid(format!("pools[{i}] ({})", pool.name), e.to_string()))?;
+            if let Err(e) = pool.validate() {
+                out.push(invalid(
+                    format!("pools[{i}] ({})", pool.name),
+                    e.to_string(),
+                ));
+            }
             if pool.cidrs().next().is_none() {
-                return Err(invalid(
+                out.push(invalid(
                     format!("pools[{i}] ({})", pool.name),
                     "has no CIDR: give it ipv4 or ipv6 CIDRs".into(),
                 ));
             }
         }
-        validate_specs(&self.pools).map_err(|e| invalid("pools".into(), e.to_string()))?;
+        // The pools as a set (overlaps); a name defined twice is named above.
+        if !duplicate && let Err(e) = validate_specs(&self.pools) {
+            out.push(invalid("pools".into(), e.to_string()));
+        }
         if let Some(r) = &self.roles.pool
             && !self.pools.iter().any(|p| &p.name == r)
         {
-            return Err(invalid(
+            out.push(invalid(
                 "roles.pool".into(),
                 format!("no pool is named {r}"),
             ));
@@ -565,7 +588,7 @@ impl Config {
             ("router", &self.roles.router),
         ] {
             if role.announce {
-                return Err(invalid(
+                out.push(invalid(
                     format!("roles.{name}.announce"),
                     "only the ingress address can be announced".into(),
                 ));
@@ -573,51 +596,53 @@ impl Config {
         }
         if self.ipam.mode == IpamMode::Delegated {
             if !self.ipam.conflist.is_absolute() {
-                return Err(invalid(
+                out.push(invalid(
                     "ipam.conflist".into(),
                     "must be an absolute path".into(),
                 ));
             }
             if self.ipam.plugin_dirs.is_empty() {
-                return Err(invalid(
+                out.push(invalid(
                     "ipam.plugin_dirs".into(),
                     "name at least one directory".into(),
                 ));
             }
             for (i, d) in self.ipam.plugin_dirs.iter().enumerate() {
                 if !d.is_absolute() {
-                    return Err(invalid(
+                    out.push(invalid(
                         format!("ipam.plugin_dirs[{i}]"),
                         "must be an absolute path".into(),
                     ));
                 }
             }
             if self.ipam.netns.as_ref().is_some_and(|p| !p.is_absolute()) {
-                return Err(invalid(
+                out.push(invalid(
                     "ipam.netns".into(),
                     "must be an absolute path".into(),
                 ));
             }
         }
         if self.ipam.timeout < Duration::from_millis(100) || self.ipam.timeout > MAX_IPAM_TIMEOUT {
-            return Err(invalid(
+            out.push(invalid(
                 "ipam.timeout".into(),
                 "must be between 100ms and 10m".into(),
             ));
         }
-        self.lb
-            .validate()
-            .map_err(|(field, reason)| invalid(field, reason))?;
-        if let Some(c) = &self.cluster {
-            c.validate(self.datapath.uplink.is_some())
-                .map_err(|(field, reason)| invalid(field, reason))?;
+        if let Err(problem) = self.lb.validate() {
+            out.push(problem);
+        }
+        if let Some(c) = &self.cluster
+            && let Err(problem) = c.validate(self.datapath.uplink.is_some())
+        {
+            out.push(problem);
         }
         if let Some(k) = &self.kubernetes {
-            k.validate()
-                .map_err(|(field, reason)| invalid(field, reason))?;
+            if let Err(problem) = k.validate() {
+                out.push(problem);
+            }
             // PodIPPools become etcd's cluster pools: no etcd, no pools.
             if k.pod_pools && self.cluster.is_none() {
-                return Err(invalid(
+                out.push(invalid(
                     "kubernetes.pod_pools".into(),
                     "needs [cluster]: PodIPPools are applied as the cluster's pools in etcd".into(),
                 ));
@@ -626,7 +651,7 @@ impl Config {
                 // NodeIPAM is the alternative to etcd's blocks: both would
                 // say which CIDRs this node holds (docs/kubernetes.md).
                 if self.cluster.is_some() {
-                    return Err(invalid(
+                    out.push(invalid(
                         "kubernetes.nodeipam".into(),
                         "cannot be used with [cluster]: NodeIPAM and etcd's blocks are two \
                          sources of this node's CIDRs; choose one"
@@ -634,8 +659,9 @@ impl Config {
                     ));
                 }
                 let names: Vec<String> = self.pools.iter().map(|p| p.name.clone()).collect();
-                n.validate(&names)
-                    .map_err(|(field, reason)| invalid(field, reason))?;
+                if let Err(problem) = n.validate(&names) {
+                    out.push(problem);
+                }
             }
         }
         // In cluster mode the default pool may be a cluster pool, known
@@ -645,12 +671,12 @@ impl Config {
             && !self.pools.iter().any(|p| &p.name == d)
             && !self.nodeipam_pools().iter().any(|p| &p.name == d)
         {
-            return Err(invalid(
+            out.push(invalid(
                 "default_pool".into(),
                 format!("no pool is named {d}"),
             ));
         }
-        Ok(())
+        out
     }
 
     /// The NodeIPAM pools (`[kubernetes.nodeipam]`), none without it.
