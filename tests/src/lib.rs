@@ -828,9 +828,8 @@ pub fn json_lines(path: &Path) -> Vec<serde_json::Value> {
 /// # Errors
 /// The reference could not be read.
 pub fn undocumented_families(text: &str) -> anyhow::Result<Vec<String>> {
-    let doc = std::fs::read_to_string(
-        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/metrics.md"),
-    )?;
+    let doc =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/metrics.md"))?;
     Ok(text
         .lines()
         .filter_map(|l| l.strip_prefix("# TYPE "))

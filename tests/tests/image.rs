@@ -506,19 +506,14 @@ fn image_runs_as_the_daemonset_and_upgrades_and_rolls_back_without_loss() -> any
     agent.wait_ready(&node)?;
     let status = status_in(&agent, &node)?;
     ensure!(status["version"] == old_version.as_str(), "{status}");
-    // `--version` says the same as `status` (#45 item 5).
-    let out = podman.output([
-        "run",
-        "--rm",
-        "--network",
-        "none",
-        old_image.as_str(),
-        "--version",
-    ])?;
+    // `--version` says the same as `status` (#45 item 5), as
+    // `kubectl exec` into the pod would run it.
+    let out = agent.lockstep(&["--version"])?;
     let said = String::from_utf8_lossy(&out.stdout);
     ensure!(
         out.status.success() && said.trim() == format!("lockstep {old_version}"),
-        "lockstep --version in {old_image}: {said:?}"
+        "lockstep --version in {old_image}: {said:?} {}",
+        String::from_utf8_lossy(&out.stderr)
     );
     // `--log-json` lines carry their fields flat, beside the message.
     let logs = agent.logs();
