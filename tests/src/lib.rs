@@ -822,6 +822,50 @@ pub fn json_lines(path: &Path) -> Vec<serde_json::Value> {
         .collect()
 }
 
+/// The agent's metrics address in `node` (the tests' agents bind port 0):
+/// read from the listening sockets.
+///
+/// # Errors
+/// No lockstep listener, or its address does not parse.
+pub fn metrics_addr(node: &Netns) -> anyhow::Result<std::net::SocketAddr> {
+    let listening = node.exec("ss", ["-ltnpH"])?;
+    let line = listening
+        .lines()
+        .find(|l| l.contains("\"lockstep\""))
+        .ok_or_else(|| anyhow::anyhow!("no lockstep listener in:\n{listening}"))?;
+    let addr = line
+        .split_whitespace()
+        .nth(3)
+        .ok_or_else(|| anyhow::anyhow!("no local address in {line:?}"))?;
+    Ok(addr.parse()?)
+}
+
+/// strace attached to `pid`, delaying each of its fdatasync and fsync
+/// calls by `delay` (a commit, and with it the agent's lock, held that
+/// long). SIGINT detaches it; the caller waits for it.
+///
+/// # Errors
+/// strace (installed by setup) could not start.
+pub fn delay_fsyncs(pid: u32, delay: std::time::Duration) -> anyhow::Result<std::process::Child> {
+    Command::new("strace")
+        .args([
+            "-f",
+            "-qq",
+            "-o",
+            "/dev/null",
+            "-e",
+            "trace=fdatasync,fsync",
+        ])
+        .args([
+            "-e",
+            &format!("inject=fdatasync,fsync:delay_enter={}", delay.as_micros()),
+        ])
+        .arg("-p")
+        .arg(pid.to_string())
+        .spawn()
+        .map_err(|e| anyhow::anyhow!("strace (installed by setup): {e}"))
+}
+
 /// The families of a text-format scrape (its TYPE lines) that
 /// docs/metrics.md, the metrics reference, does not name in backquotes.
 ///

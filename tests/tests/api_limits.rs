@@ -8,11 +8,10 @@
 use std::io::{Read as _, Write as _};
 use std::net::TcpStream;
 use std::os::unix::net::UnixStream;
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, ensure};
-use lockstep_tests::{AgentProc, Netns, privileged, wait_for};
+use lockstep_tests::{AgentProc, Netns, delay_fsyncs, metrics_addr, privileged, wait_for};
 
 const CONFIG: &str = r#"
 reconcile_interval = "1s"
@@ -109,20 +108,6 @@ fn raise_own_nofile() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The agent's metrics address in `node` (it binds port 0 in the tests).
-fn metrics_addr(node: &Netns) -> anyhow::Result<std::net::SocketAddr> {
-    let listening = node.exec("ss", ["-ltnpH"])?;
-    let line = listening
-        .lines()
-        .find(|l| l.contains("\"lockstep\""))
-        .with_context(|| format!("no lockstep listener in:\n{listening}"))?;
-    let addr = line
-        .split_whitespace()
-        .nth(3)
-        .with_context(|| format!("no local address in {line:?}"))?;
-    Ok(addr.parse()?)
-}
-
 /// The metrics port is bounded like the API socket (#27 item 9): before,
 /// it was served by `axum::serve` with no connection or header limits, and
 /// 1,100 idle connections to it took every descriptor of an agent with a
@@ -206,20 +191,7 @@ fn a_scrape_never_waits_for_the_agent_lock() -> anyhow::Result<()> {
         text.contains("lockstep_pool_allocated"),
         "first scrape:\n{text}"
     );
-    let mut strace = Command::new("strace")
-        .args([
-            "-f",
-            "-qq",
-            "-o",
-            "/dev/null",
-            "-e",
-            "trace=fdatasync,fsync",
-        ])
-        .args(["-e", "inject=fdatasync,fsync:delay_enter=3000000"])
-        .arg("-p")
-        .arg(pid.to_string())
-        .spawn()
-        .context("strace (installed by setup)")?;
+    let mut strace = delay_fsyncs(pid, Duration::from_secs(3))?;
     std::thread::sleep(Duration::from_millis(800));
     let (allocated, during) = std::thread::scope(|s| {
         let alloc = s.spawn(|| {

@@ -13,12 +13,12 @@
 //!   again once the commit returns.
 
 use std::collections::BTreeSet;
-use std::process::Command;
 use std::time::Duration;
 
 use anyhow::{Context, ensure};
 use lockstep_tests::{
-    AgentProc, Netns, privileged, promtool_check_metrics, undocumented_families, until,
+    AgentProc, Netns, delay_fsyncs, metrics_addr, privileged, promtool_check_metrics,
+    undocumented_families, until,
 };
 
 const CONFIG: &str = r#"
@@ -28,20 +28,6 @@ name = "default"
 ipv4 = ["10.67.0.0/24"]
 ipv6 = ["fd00:67::/120"]
 "#;
-
-/// The agent's metrics address in `node` (it binds port 0 in the tests).
-fn metrics_addr(node: &Netns) -> anyhow::Result<String> {
-    let listening = node.exec("ss", ["-ltnpH"])?;
-    let line = listening
-        .lines()
-        .find(|l| l.contains("\"lockstep\""))
-        .with_context(|| format!("no lockstep listener in:\n{listening}"))?;
-    Ok(line
-        .split_whitespace()
-        .nth(3)
-        .with_context(|| format!("no local address in {line:?}"))?
-        .to_string())
-}
 
 /// GET `path` on the metrics listener with `curl -i` (extra arguments
 /// before the URL): the status, the headers and the body.
@@ -81,7 +67,7 @@ fn a_live_scrape_is_clean_for_promtool_in_both_formats_and_documented() -> anyho
     privileged!();
     let node = Netns::new("metrics")?;
     let mut agent = AgentProc::start(&node, CONFIG)?;
-    let addr = metrics_addr(&node)?;
+    let addr = metrics_addr(&node)?.to_string();
     // An allocation, and an error (a pool that does not exist), so the
     // families have samples.
     let out = agent.cli([
@@ -174,7 +160,7 @@ fn healthz_fails_while_the_agent_is_stuck_and_readyz_answers_ready() -> anyhow::
     privileged!();
     let node = Netns::new("health")?;
     let mut agent = AgentProc::start(&node, CONFIG)?;
-    let addr = metrics_addr(&node)?;
+    let addr = metrics_addr(&node)?.to_string();
     let (status, _, body) = get(&node, &addr, "/readyz", &[])?;
     ensure!(
         status == 200 && body == "ready\n",
@@ -190,20 +176,7 @@ fn healthz_fails_while_the_agent_is_stuck_and_readyz_answers_ready() -> anyhow::
     // lock that long: the reconcile loop cannot finish a pass (allowance:
     // three 1 s periods and 30 s).
     let pid = agent.pid().context("agent pid")?;
-    let mut strace = Command::new("strace")
-        .args([
-            "-f",
-            "-qq",
-            "-o",
-            "/dev/null",
-            "-e",
-            "trace=fdatasync,fsync",
-        ])
-        .args(["-e", "inject=fdatasync,fsync:delay_enter=40000000"])
-        .arg("-p")
-        .arg(pid.to_string())
-        .spawn()
-        .context("strace (installed by setup)")?;
+    let mut strace = delay_fsyncs(pid, Duration::from_secs(40))?;
     std::thread::sleep(Duration::from_millis(800));
     let outcome = std::thread::scope(|s| -> anyhow::Result<()> {
         let alloc = s.spawn(|| {

@@ -280,6 +280,14 @@ pub fn remote_state_routed(
     out
 }
 
+/// The entries of `map` whose value `keep` accepts.
+fn kept<K: Ord + Copy, V: Copy>(map: &BTreeMap<K, V>, keep: impl Fn(&V) -> bool) -> BTreeMap<K, V> {
+    map.iter()
+        .filter(|(_, v)| keep(v))
+        .map(|(k, v)| (*k, *v))
+        .collect()
+}
+
 impl RemoteState {
     /// The remote state the node already has, as a restarted agent finds
     /// it: the IPCACHE prefix entries flagged
@@ -296,31 +304,11 @@ impl RemoteState {
         let remote = |v: &IpcacheValue| v.flags & ipcache_flags::REMOTE != 0;
         let cluster = |v: &MasqSkipValue| v.reason == masq_reason::CLUSTER;
         RemoteState {
-            ipcache_v4: observed
-                .prefix_v4
-                .iter()
-                .filter(|(_, v)| remote(v))
-                .map(|(k, v)| (*k, *v))
-                .collect(),
-            ipcache_v6: observed
-                .prefix_v6
-                .iter()
-                .filter(|(_, v)| remote(v))
-                .map(|(k, v)| (*k, *v))
-                .collect(),
+            ipcache_v4: kept(&observed.prefix_v4, remote),
+            ipcache_v6: kept(&observed.prefix_v6, remote),
             routes,
-            masq_v4: observed
-                .masq_v4
-                .iter()
-                .filter(|(_, v)| cluster(v))
-                .map(|(k, v)| (*k, *v))
-                .collect(),
-            masq_v6: observed
-                .masq_v6
-                .iter()
-                .filter(|(_, v)| cluster(v))
-                .map(|(k, v)| (*k, *v))
-                .collect(),
+            masq_v4: kept(&observed.masq_v4, cluster),
+            masq_v6: kept(&observed.masq_v6, cluster),
             unroutable: Vec::new(),
         }
     }
