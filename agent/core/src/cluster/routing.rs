@@ -241,27 +241,39 @@ mod tests {
         assert_eq!(TunnelProtocol::Geneve.default_port(), 6081);
     }
 
-    fn an_ip() -> impl Strategy<Value = IpAddr> {
-        prop_oneof![
-            (0u8..3, 1u8..5).prop_map(|(s, h)| IpAddr::from([10, 0, s, h])),
-            (0u16..3, 1u16..5).prop_map(|(s, h)| IpAddr::from([0xfd00, 0, s, 0, 0, 0, 0, h])),
-        ]
+    fn a_v4(hosts: std::ops::Range<u8>) -> impl Strategy<Value = IpAddr> {
+        (0u8..3, hosts).prop_map(|(s, h)| IpAddr::from([10, 0, s, h]))
     }
 
-    /// A node: its addresses (at most one per family), each in a /24 or
-    /// /64 of a few subnets.
+    fn a_v6(hosts: std::ops::Range<u8>) -> impl Strategy<Value = IpAddr> {
+        (0u16..3, hosts).prop_map(|(s, h)| IpAddr::from([0xfd00, 0, s, 0, 0, 0, 0, u16::from(h)]))
+    }
+
+    /// A node: its addresses (at most one per family, at least one), each
+    /// in a /24 or /64 of a few subnets.
     fn a_node() -> impl Strategy<Value = Vec<IpNet>> {
-        (
-            proptest::option::of(an_ip().prop_filter("v4", IpAddr::is_ipv4)),
-            proptest::option::of(an_ip().prop_filter("v6", IpAddr::is_ipv6)),
-        )
-            .prop_filter("an address", |(a, b)| a.is_some() || b.is_some())
-            .prop_map(|(a, b)| {
-                a.into_iter()
-                    .chain(b)
-                    .map(|ip| IpNet::new(ip, if ip.is_ipv4() { 24 } else { 64 }).expect("len"))
-                    .collect()
-            })
+        a_node_with(1..5)
+    }
+
+    /// As [`a_node`], its host parts in `hosts`: two nodes drawn with
+    /// disjoint ranges never share an address but may share subnets. Drawn
+    /// as such, not filtered: filters rejected a quarter of the cases, too
+    /// many for a long run.
+    fn a_node_with(hosts: std::ops::Range<u8>) -> impl Strategy<Value = Vec<IpNet>> {
+        prop_oneof![
+            (
+                a_v4(hosts.clone()),
+                proptest::option::of(a_v6(hosts.clone()))
+            )
+                .prop_map(|(a, b)| (Some(a), b)),
+            a_v6(hosts).prop_map(|b| (None, Some(b))),
+        ]
+        .prop_map(|(a, b)| {
+            a.into_iter()
+                .chain(b)
+                .map(|ip| IpNet::new(ip, if ip.is_ipv4() { 24 } else { 64 }).expect("len"))
+                .collect()
+        })
     }
 
     fn a_mode() -> impl Strategy<Value = RoutingMode> {
@@ -316,9 +328,8 @@ mod tests {
         #[test]
         fn two_nodes_agree_on_the_path_to_each_other(
             mode in prop_oneof![Just(RoutingMode::Tunnel), Just(RoutingMode::CrossSubnet)],
-            a in a_node(), b in a_node(), v4 in any::<bool>()
+            a in a_node_with(1..5), b in a_node_with(5..9), v4 in any::<bool>()
         ) {
-            prop_assume!(a.iter().all(|x| b.iter().all(|y| x.addr() != y.addr())));
             let ra = Routing { mode, own: a.clone() };
             let rb = Routing { mode, own: b.clone() };
             let addrs = |n: &[IpNet]| n.iter().map(IpNet::addr).collect::<Vec<_>>();

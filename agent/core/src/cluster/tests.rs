@@ -423,14 +423,14 @@ proptest! {
     /// The usable addresses of all blocks are the pool's usable addresses.
     #[test]
     fn full_blocks_with_a_waiting_allocation_always_claim(
-        cidr_len in 24u8..=30,
-        block in 26u8..=30,
+        // A block no wider than its CIDR, drawn as such (an assumption
+        // rejected a quarter of the cases, too many for a long run).
+        (cidr_len, block) in (24u8..=30).prop_flat_map(|c| (Just(c), c.max(26)..=30)),
         cidrs in 1usize..4,
         allow in any::<bool>(),
         take in 1usize..8,
         pending in 1u64..4,
     ) {
-        prop_assume!(block >= cidr_len);
         let mut pool = ClusterPoolSpec::new("p");
         pool.block_v4 = block;
         pool.allow_first_last = allow;
