@@ -822,6 +822,24 @@ pub fn json_lines(path: &Path) -> Vec<serde_json::Value> {
         .collect()
 }
 
+/// `sock.recv_from(buf)`, going on after a signal interrupted it (EINTR):
+/// the socket's read timeout still bounds each wait. A test thread's
+/// receive was once cut short so in CI, and read as "nothing came".
+///
+/// # Errors
+/// What `recv_from` fails with otherwise (a timeout among them).
+pub fn recv_from_retrying(
+    sock: &std::net::UdpSocket,
+    buf: &mut [u8],
+) -> std::io::Result<(usize, std::net::SocketAddr)> {
+    loop {
+        match sock.recv_from(buf) {
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            r => return r,
+        }
+    }
+}
+
 /// The agent's metrics address in `node` (the tests' agents bind port 0):
 /// read from the listening sockets.
 ///

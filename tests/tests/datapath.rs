@@ -10,6 +10,7 @@ use lockstep_common::{
     EndpointSlot, EndpointValue, NatKeyV4, NatKeyV6, NatValueV4, NatValueV6, endpoint_flags,
     map_names, slots,
 };
+use lockstep_tests::recv_from_retrying;
 use lockstep_tests::{Netns, PinRoot, counter, lockstep_in, lockstep_output, privileged, sh, veth};
 
 /// A node namespace with two endpoint namespaces behind veths, routed the way
@@ -235,7 +236,7 @@ fn send_between(
     }
     let mut got = BTreeSet::new();
     let mut buf = [0u8; 256];
-    while let Ok((n, _)) = receiver.recv_from(&mut buf) {
+    while let Ok((n, _)) = recv_from_retrying(&receiver, &mut buf) {
         got.insert(String::from_utf8_lossy(&buf[..n]).into_owned());
     }
     Ok(got)

@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use anyhow::{Context, bail, ensure};
 use lockstep_tests::ndp::send_frame;
+use lockstep_tests::recv_from_retrying;
 use lockstep_tests::{Netns, PinRoot, counters, lockstep_in, privileged, veth};
 
 const POD_V4: Ipv4Addr = Ipv4Addr::new(10, 201, 0, 1);
@@ -285,7 +286,7 @@ fn send_to_world(
     })?;
     let mut got = BTreeSet::new();
     let mut buf = [0u8; 256];
-    while let Ok((n, from)) = receiver.recv_from(&mut buf) {
+    while let Ok((n, from)) = recv_from_retrying(receiver, &mut buf) {
         got.insert(format!(
             "{} from {}",
             String::from_utf8_lossy(&buf[..n]),

@@ -11,6 +11,7 @@ use std::time::Duration;
 use anyhow::{Context, ensure};
 use lockstep::datapath::PinnedMaps;
 use lockstep_common::{MasqConfig, masq_flags};
+use lockstep_tests::recv_from_retrying;
 use lockstep_tests::{Netns, PinRoot, counter, lockstep_in, privileged, veth};
 
 const EP_V4: &str = "10.200.7.1";
@@ -177,12 +178,11 @@ impl World {
         cli.set_read_timeout(Some(Duration::from_secs(2)))?;
         cli.send_to(b"ping", to)?;
         let mut buf = [0u8; 16];
-        let (_, from) = srv
-            .recv_from(&mut buf)
+        let (_, from) = recv_from_retrying(&srv, &mut buf)
             .with_context(|| format!("the world ({world}) got nothing from port {sport}"))?;
         // Without translation the world has no route for its answer.
-        let back =
-            srv.send_to(b"pong", from).is_ok() && matches!(cli.recv_from(&mut buf), Ok((4, _)));
+        let back = srv.send_to(b"pong", from).is_ok()
+            && matches!(recv_from_retrying(&cli, &mut buf), Ok((4, _)));
         Ok((from, back))
     }
 }
@@ -335,7 +335,7 @@ fn masquerade_off_skip_sets_and_an_exhausted_range() -> anyhow::Result<()> {
     for round in 0..2 {
         for s in &socks {
             s.send_to(b"x", to)?;
-            if let Ok((_, from)) = srv.recv_from(&mut [0u8; 4]) {
+            if let Ok((_, from)) = recv_from_retrying(&srv, &mut [0u8; 4]) {
                 seen.push((round, from));
             }
         }

@@ -13,6 +13,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail, ensure};
+use lockstep_tests::recv_from_retrying;
 use lockstep_tests::world::{
     Endpoint, FAR_V4, FAR_V6, NODE_V4, NODE_V6, Sink, WORLD_V4, WORLD_V6, World, add_endpoint,
     metric, transfer,
@@ -250,7 +251,7 @@ fn udp_echo(
     let thread = std::thread::spawn(move || {
         let mut peers = Vec::new();
         let mut buf = vec![0u8; 65_536];
-        while let Ok((n, from)) = sock.recv_from(&mut buf) {
+        while let Ok((n, from)) = recv_from_retrying(&sock, &mut buf) {
             peers.push(from);
             let _ = sock.send_to(&buf[..n], from);
         }
@@ -284,7 +285,7 @@ fn a_3000_byte_udp_request_and_reply_cross_the_masquerade_both_families() -> any
         let request: Vec<u8> = (0..3000u32).map(|i| (i * 13 % 251) as u8).collect();
         cli.send_to(&request, to)?;
         let mut buf = vec![0u8; 8192];
-        let got = cli.recv_from(&mut buf);
+        let got = recv_from_retrying(&cli, &mut buf);
         drop(cli);
         let peers = server
             .join()

@@ -12,6 +12,7 @@ use std::sync::mpsc;
 use std::time::Duration;
 
 use anyhow::{Context, bail, ensure};
+use lockstep_tests::recv_from_retrying;
 use lockstep_tests::world::{
     Endpoint, FAR_V4, FAR_V6, NARROW_MTU, NODE_V4, NODE_V6, SKIP_V4, SKIP_V6, Sink, WORLD_V4,
     WORLD_V6, World, add_endpoint, bpftool_dump, cni, metric, transfer,
@@ -52,11 +53,10 @@ fn udp_exchange(
     cli.set_read_timeout(Some(Duration::from_secs(3)))?;
     cli.send_to(b"ping", dst)?;
     let mut buf = [0u8; 8];
-    let (_, from) = srv
-        .recv_from(&mut buf)
+    let (_, from) = recv_from_retrying(&srv, &mut buf)
         .with_context(|| format!("{to} got nothing from {src}"))?;
     srv.send_to(b"pong", from)?;
-    let back = matches!(cli.recv_from(&mut buf), Ok((4, _)));
+    let back = matches!(recv_from_retrying(&cli, &mut buf), Ok((4, _)));
     Ok((from, back))
 }
 
@@ -181,7 +181,7 @@ fn same_source_ports_get_distinct_translations_and_2000_connections_work() -> an
             let src = SocketAddr::new(ep.addr(v4), 40_000);
             let s = ep.ns.run(|| Ok(UdpSocket::bind(src)?))?;
             s.send_to(b"x", to)?;
-            let (_, from) = srv.recv_from(&mut [0u8; 4])?;
+            let (_, from) = recv_from_retrying(&srv, &mut [0u8; 4])?;
             ensure!(from.ip() == node(v4), "{world} saw {from}");
             seen.push(from.port());
         }
@@ -273,7 +273,7 @@ fn an_exhausted_port_range_drops_new_flows_until_entries_expire() -> anyhow::Res
     let mut ports = BTreeSet::new();
     for s in &socks[..4] {
         s.send_to(b"x", to)?;
-        ports.insert(srv.recv_from(&mut [0u8; 4])?.1.port());
+        ports.insert(recv_from_retrying(&srv, &mut [0u8; 4])?.1.port());
     }
     ensure!(
         ports == (62_000..=62_003).collect(),
@@ -293,7 +293,7 @@ fn an_exhausted_port_range_drops_new_flows_until_entries_expire() -> anyhow::Res
     for s in &socks[..4] {
         s.send_to(b"y", to)?;
         let mut buf = [0u8; 4];
-        let (n, from) = srv.recv_from(&mut buf)?;
+        let (n, from) = recv_from_retrying(&srv, &mut buf)?;
         ensure!(
             &buf[..n] == b"y",
             "the fifth flow's datagram arrived: {:?}",
@@ -316,7 +316,7 @@ fn an_exhausted_port_range_drops_new_flows_until_entries_expire() -> anyhow::Res
             socks[4].send_to(b"z", to).ok()?;
             loop {
                 let mut buf = [0u8; 4];
-                let (n, from) = srv.recv_from(&mut buf).ok()?;
+                let (n, from) = recv_from_retrying(&srv, &mut buf).ok()?;
                 if &buf[..n] == b"z" {
                     return Some(from);
                 }
@@ -502,7 +502,7 @@ fn a_skip_set_change_applies_to_new_flows_and_spares_established_ones() -> anyho
         .ns
         .run(|| Ok(UdpSocket::bind(SocketAddr::new(ep.v4, 0))?))?;
     u.send_to(b"new", srv.local_addr()?)?;
-    let (_, from) = srv.recv_from(&mut [0u8; 4])?;
+    let (_, from) = recv_from_retrying(&srv, &mut [0u8; 4])?;
     ensure!(
         from.ip() == ep.v4,
         "a new flow after the change still left as {from}"
@@ -551,8 +551,7 @@ fn disabling_masquerade_turns_translation_off_and_clears_the_translations() -> a
             .ns
             .run(|| Ok(UdpSocket::bind(SocketAddr::new(ep.addr(to.is_ipv4()), 0))?))?;
         cli.send_to(b"off", srv.local_addr()?)?;
-        let (_, from) = srv
-            .recv_from(&mut [0u8; 4])
+        let (_, from) = recv_from_retrying(&srv, &mut [0u8; 4])
             .context("the world got nothing with masquerade off")?;
         ensure!(
             from.ip() == ep.addr(to.is_ipv4()),
@@ -609,7 +608,7 @@ fn a_del_removes_the_pods_translations_and_late_replies_are_not_reversed() -> an
             .ns
             .run(|| Ok(UdpSocket::bind(SocketAddr::new(ep.addr(v4), 0))?))?;
         cli.send_to(b"ping", srv.local_addr()?)?;
-        let (_, from) = srv.recv_from(&mut [0u8; 8])?;
+        let (_, from) = recv_from_retrying(&srv, &mut [0u8; 8])?;
         ensure!(from.ip() == node(v4), "not translated: {from}");
         late.push((srv, from));
     }
