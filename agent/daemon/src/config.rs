@@ -434,11 +434,10 @@ impl Config {
     /// `[kubernetes]`, each pool) names its first problem.
     pub fn problems(&self) -> Vec<(String, String)> {
         let mut out: Vec<(String, String)> = Vec::new();
-        let invalid = |field: String, reason: String| (field, reason);
         // An interval beyond a day turns drift repair (and a failed store's
         // recovery) off in all but name.
         if self.cni.teardown_batch_window > MAX_TEARDOWN_BATCH_WINDOW {
-            out.push(invalid(
+            out.push((
                 "cni.teardown_batch_window".into(),
                 "must be at most 20s (a full DEL is answered after it, and the plugin gives the agent 30 s by default)".into(),
             ));
@@ -446,7 +445,7 @@ impl Config {
         if self.reconcile_interval < Duration::from_millis(100)
             || self.reconcile_interval > MAX_RECONCILE_INTERVAL
         {
-            out.push(invalid(
+            out.push((
                 "reconcile_interval".into(),
                 "must be at least 100ms and at most 24h".into(),
             ));
@@ -454,19 +453,19 @@ impl Config {
         if self.api_header_timeout < Duration::from_millis(100)
             || self.api_header_timeout > Duration::from_secs(300)
         {
-            out.push(invalid(
+            out.push((
                 "api_header_timeout".into(),
                 "must be between 100ms and 5m".into(),
             ));
         }
         if self.datapath.ipcache_max_entries == 0 {
-            out.push(invalid(
+            out.push((
                 "datapath.ipcache_max_entries".into(),
                 "must be greater than zero".into(),
             ));
         }
         if self.datapath.endpoints_max_entries == 0 {
-            out.push(invalid(
+            out.push((
                 "datapath.endpoints_max_entries".into(),
                 "must be greater than zero".into(),
             ));
@@ -476,11 +475,11 @@ impl Config {
             ("cni.conf_dir", &self.cni.conf_dir),
         ] {
             if !p.is_absolute() {
-                out.push(invalid(field.into(), "must be an absolute path".into()));
+                out.push((field.into(), "must be an absolute path".into()));
             }
         }
         if !["0.3.1", "0.4.0", "1.0.0", "1.1.0"].contains(&self.cni.cni_version.as_str()) {
-            out.push(invalid(
+            out.push((
                 "cni.cni_version".into(),
                 format!(
                     "{} is not one of 0.3.1, 0.4.0, 1.0.0, 1.1.0",
@@ -489,20 +488,20 @@ impl Config {
             ));
         }
         if self.cni.conflist_name.contains('/') || !self.cni.conflist_name.ends_with(".conflist") {
-            out.push(invalid(
+            out.push((
                 "cni.conflist_name".into(),
                 "must be a file name ending in .conflist".into(),
             ));
         }
         if !self.datapath.pin_root.is_absolute() {
-            out.push(invalid(
+            out.push((
                 "datapath.pin_root".into(),
                 "must be an absolute path".into(),
             ));
         }
         for (field, p) in [("state_dir", &self.state_dir), ("socket", &self.socket)] {
             if !p.is_absolute() {
-                out.push(invalid(field.into(), "must be an absolute path".into()));
+                out.push((field.into(), "must be an absolute path".into()));
             }
         }
         if let Err(e) = self
@@ -510,7 +509,7 @@ impl Config {
             .ports
             .parse::<lockstep_core::masquerade::PortRange>()
         {
-            out.push(invalid("masquerade.ports".into(), e.to_string()));
+            out.push(("masquerade.ports".into(), e.to_string()));
         }
         for (key, d) in [
             ("masquerade.tcp_timeout", self.masquerade.tcp_timeout),
@@ -527,22 +526,19 @@ impl Config {
             ("masquerade.gc_interval", self.masquerade.gc_interval),
         ] {
             if d < Duration::from_millis(100) || d > Duration::from_secs(7 * 24 * 3600) {
-                out.push(invalid(
-                    key.into(),
-                    "must be between 100ms and 7 days".into(),
-                ));
+                out.push((key.into(), "must be between 100ms and 7 days".into()));
             }
         }
         let share = self.masquerade.endpoint_share;
         if !(share > 0.0 && share <= 1.0) {
-            out.push(invalid(
+            out.push((
                 "masquerade.endpoint_share".into(),
                 format!("{share} is not a share of the table: it must be above 0 and at most 1"),
             ));
         }
         for (i, cidr) in self.non_masquerade_cidrs.iter().enumerate() {
             if cidr.trunc() != *cidr {
-                out.push(invalid(
+                out.push((
                     format!("non_masquerade_cidrs[{i}]"),
                     format!("{cidr} has host bits set (did you mean {}?)", cidr.trunc()),
                 ));
@@ -553,19 +549,16 @@ impl Config {
         for (i, pool) in self.pools.iter().enumerate() {
             if !names.insert(pool.name.as_str()) {
                 duplicate = true;
-                out.push(invalid(
+                out.push((
                     format!("pools[{i}].name"),
                     format!("pool {} is defined twice", pool.name),
                 ));
             }
             if let Err(e) = pool.validate() {
-                out.push(invalid(
-                    format!("pools[{i}] ({})", pool.name),
-                    e.to_string(),
-                ));
+                out.push((format!("pools[{i}] ({})", pool.name), e.to_string()));
             }
             if pool.cidrs().next().is_none() {
-                out.push(invalid(
+                out.push((
                     format!("pools[{i}] ({})", pool.name),
                     "has no CIDR: give it ipv4 or ipv6 CIDRs".into(),
                 ));
@@ -573,22 +566,19 @@ impl Config {
         }
         // The pools as a set (overlaps); a name defined twice is named above.
         if !duplicate && let Err(e) = validate_specs(&self.pools) {
-            out.push(invalid("pools".into(), e.to_string()));
+            out.push(("pools".into(), e.to_string()));
         }
         if let Some(r) = &self.roles.pool
             && !self.pools.iter().any(|p| &p.name == r)
         {
-            out.push(invalid(
-                "roles.pool".into(),
-                format!("no pool is named {r}"),
-            ));
+            out.push(("roles.pool".into(), format!("no pool is named {r}")));
         }
         for (name, role) in [
             ("health", &self.roles.health),
             ("router", &self.roles.router),
         ] {
             if role.announce {
-                out.push(invalid(
+                out.push((
                     format!("roles.{name}.announce"),
                     "only the ingress address can be announced".into(),
                 ));
@@ -596,34 +586,28 @@ impl Config {
         }
         if self.ipam.mode == IpamMode::Delegated {
             if !self.ipam.conflist.is_absolute() {
-                out.push(invalid(
-                    "ipam.conflist".into(),
-                    "must be an absolute path".into(),
-                ));
+                out.push(("ipam.conflist".into(), "must be an absolute path".into()));
             }
             if self.ipam.plugin_dirs.is_empty() {
-                out.push(invalid(
+                out.push((
                     "ipam.plugin_dirs".into(),
                     "name at least one directory".into(),
                 ));
             }
             for (i, d) in self.ipam.plugin_dirs.iter().enumerate() {
                 if !d.is_absolute() {
-                    out.push(invalid(
+                    out.push((
                         format!("ipam.plugin_dirs[{i}]"),
                         "must be an absolute path".into(),
                     ));
                 }
             }
             if self.ipam.netns.as_ref().is_some_and(|p| !p.is_absolute()) {
-                out.push(invalid(
-                    "ipam.netns".into(),
-                    "must be an absolute path".into(),
-                ));
+                out.push(("ipam.netns".into(), "must be an absolute path".into()));
             }
         }
         if self.ipam.timeout < Duration::from_millis(100) || self.ipam.timeout > MAX_IPAM_TIMEOUT {
-            out.push(invalid(
+            out.push((
                 "ipam.timeout".into(),
                 "must be between 100ms and 10m".into(),
             ));
@@ -642,7 +626,7 @@ impl Config {
             }
             // PodIPPools become etcd's cluster pools: no etcd, no pools.
             if k.pod_pools && self.cluster.is_none() {
-                out.push(invalid(
+                out.push((
                     "kubernetes.pod_pools".into(),
                     "needs [cluster]: PodIPPools are applied as the cluster's pools in etcd".into(),
                 ));
@@ -651,7 +635,7 @@ impl Config {
                 // NodeIPAM is the alternative to etcd's blocks: both would
                 // say which CIDRs this node holds (docs/kubernetes.md).
                 if self.cluster.is_some() {
-                    out.push(invalid(
+                    out.push((
                         "kubernetes.nodeipam".into(),
                         "cannot be used with [cluster]: NodeIPAM and etcd's blocks are two \
                          sources of this node's CIDRs; choose one"
@@ -671,10 +655,7 @@ impl Config {
             && !self.pools.iter().any(|p| &p.name == d)
             && !self.nodeipam_pools().iter().any(|p| &p.name == d)
         {
-            out.push(invalid(
-                "default_pool".into(),
-                format!("no pool is named {d}"),
-            ));
+            out.push(("default_pool".into(), format!("no pool is named {d}")));
         }
         out
     }

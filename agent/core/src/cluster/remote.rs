@@ -608,6 +608,26 @@ mod tests {
         }
     }
 
+    /// Three peers, a sharing this node's IPv4 subnet, b elsewhere (IPv6
+    /// only), c elsewhere in both families; and this node's routing in
+    /// `mode`.
+    fn peers_and_routing(mode: RoutingMode) -> (BTreeMap<String, Vec<IpAddr>>, Routing) {
+        let nodes = [
+            ("a".to_string(), vec![ip("192.0.2.1")]),
+            ("b".to_string(), vec![ip("2001:db8:2::2")]),
+            (
+                "c".to_string(),
+                vec![ip("2001:db8:3::3"), ip("198.51.100.3")],
+            ),
+        ]
+        .into();
+        let routing = Routing {
+            mode,
+            own: vec![net("192.0.2.9/24"), net("2001:db8:9::9/64")],
+        };
+        (nodes, routing)
+    }
+
     proptest! {
         #[test]
         fn applying_the_diff_yields_the_desired_state(
@@ -709,15 +729,7 @@ mod tests {
             skip in any::<bool>(),
         ) {
             let names = ["me", "a", "b", "c"];
-            let nodes: BTreeMap<String, Vec<IpAddr>> = [
-                ("a".to_string(), vec![ip("192.0.2.1")]),
-                ("b".to_string(), vec![ip("2001:db8:2::2")]),
-                ("c".to_string(), vec![ip("2001:db8:3::3"), ip("198.51.100.3")]),
-            ].into();
-            let routing = Routing {
-                mode,
-                own: vec![net("192.0.2.9/24"), net("2001:db8:9::9/64")],
-            };
+            let (nodes, routing) = peers_and_routing(mode);
             let mut pool = ClusterPoolSpec::new("p")
                 .with_cidr(net("10.0.0.0/16"))
                 .with_cidr(net("fd00::/64"));
@@ -760,15 +772,7 @@ mod tests {
             let names = ["me", "a", "b", "c"];
             // a shares this node's IPv4 subnet, b is elsewhere (IPv6
             // only), c elsewhere in both families.
-            let nodes: BTreeMap<String, Vec<IpAddr>> = [
-                ("a".to_string(), vec![ip("192.0.2.1")]),
-                ("b".to_string(), vec![ip("2001:db8:2::2")]),
-                ("c".to_string(), vec![ip("2001:db8:3::3"), ip("198.51.100.3")]),
-            ].into();
-            let routing = Routing {
-                mode,
-                own: vec![net("192.0.2.9/24"), net("2001:db8:9::9/64")],
-            };
+            let (nodes, routing) = peers_and_routing(mode);
             let blocks = generated_blocks(&owners, &v6, &names);
             let s = remote_state_routed("me", &blocks, &live(&nodes), &[], &routing);
             if mode == RoutingMode::Native {
