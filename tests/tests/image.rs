@@ -6,8 +6,11 @@
 //! `podman build`, in a private podman storage (removed afterwards), the
 //! agent's version stamped per image as `cargo xtask image --version` does.
 //!
-//! The agent container runs the way `deploy/daemonset.yaml` runs the pod:
-//! privileged, read-only root, in the node's network namespace (here a
+//! The agent container runs the way the DaemonSet `lockstep manifests`
+//! renders runs the pod: not privileged, every capability dropped and
+//! exactly the ones the manifest adds added back (read from the rendered
+//! DaemonSet, so the two cannot differ), no privilege escalation, the
+//! runtime's default seccomp profile, read-only root, in the node's network namespace (here a
 //! namespace the test creates, as the pod's host network), with bpffs, the
 //! CNI bin and conf directories, the state and run directories and
 //! `/run/netns` (slave propagation, as `HostToContainer`) bind-mounted at
@@ -54,6 +57,37 @@ fn context() -> anyhow::Result<PathBuf> {
         dir.display()
     );
     Ok(dir)
+}
+
+/// The capabilities the DaemonSet of `lockstep manifests` adds (mode
+/// local, the pod IPAM the test exercises).
+fn manifest_capabilities() -> anyhow::Result<Vec<String>> {
+    let out = std::process::Command::new(lockstep_bin())
+        .args(["manifests", "--mode", "local", "--pool", "10.244.0.0/24"])
+        .output()?;
+    ensure!(
+        out.status.success(),
+        "lockstep manifests: {}",
+        text(&out.stderr)
+    );
+    let docs: Vec<Value> =
+        serde_saphyr::from_multiple(&text(&out.stdout)).map_err(|e| anyhow::anyhow!("{e}"))?;
+    let ds = docs
+        .iter()
+        .find(|d| d["kind"] == "DaemonSet")
+        .context("no DaemonSet rendered")?;
+    let sc = &ds["spec"]["template"]["spec"]["containers"][0]["securityContext"];
+    ensure!(sc["privileged"] == false, "the DaemonSet is privileged");
+    ensure!(
+        sc["capabilities"]["drop"] == serde_json::json!(["ALL"]),
+        "{sc}"
+    );
+    sc["capabilities"]["add"]
+        .as_array()
+        .context("no capabilities added")?
+        .iter()
+        .map(|c| c.as_str().map(str::to_string).context("a capability"))
+        .collect()
 }
 
 fn copy_tree(from: &Path, to: &Path) -> anyhow::Result<()> {
@@ -175,12 +209,21 @@ impl<'a> AgentContainer<'a> {
     fn run(podman: &'a Podman, node: &Node, tag: &str) -> anyhow::Result<Self> {
         let name = unique("lockstep-agent");
         let same = |p: &Path| format!("{0}:{0}", p.display());
-        let args: Vec<String> = vec![
+        let mut args: Vec<String> = vec![
             "run".into(),
             "-d".into(),
             "--name".into(),
             name.clone(),
-            "--privileged".into(),
+            "--cap-drop=ALL".into(),
+        ];
+        args.extend(
+            manifest_capabilities()?
+                .iter()
+                .map(|c| format!("--cap-add=CAP_{c}")),
+        );
+        args.extend::<[String; _]>([
+            "--security-opt".into(),
+            "no-new-privileges".into(),
             "--read-only".into(),
             format!("--network=ns:{}", node.ns.path().display()),
             "--ulimit".into(),
@@ -208,7 +251,7 @@ impl<'a> AgentContainer<'a> {
             "--config".into(),
             "/etc/lockstep/config.toml".into(),
             "--log-json".into(),
-        ];
+        ]);
         ok("podman run (agent)", podman.output(&args)?)?;
         Ok(Self { podman, name })
     }

@@ -3,7 +3,7 @@
 //! Every step first checks whether its work is already done, so a second run
 //! changes nothing and takes a few seconds. Installing needs root (apt, mount).
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use anyhow::{Context, bail};
@@ -68,6 +68,77 @@ const MANIFESTS: &[&str] = &[
     "deploy/examples/lb-service.yaml",
 ];
 
+/// The installs `lockstep manifests` renders, one per mode, each validated
+/// like the files above: (name under target/manifests/, arguments).
+const RENDERED: &[(&str, &[&str])] = &[
+    ("lb", &["--mode", "lb", "--service-monitor"]),
+    (
+        "lb-pools",
+        &["--mode", "lb", "--lb-pool", "192.0.2.0/26", "--pools-only"],
+    ),
+    (
+        "local",
+        &[
+            "--mode",
+            "local",
+            "--pool",
+            "10.244.0.0/24",
+            "--pool",
+            "fd00:244::/112",
+            "--namespace",
+            "lockstep",
+        ],
+    ),
+    (
+        "cluster",
+        &[
+            "--mode",
+            "cluster",
+            "--etcd",
+            "https://10.0.0.10:2379",
+            "--etcd-tls-secret",
+            "lockstep-etcd-tls",
+            "--service-monitor",
+        ],
+    ),
+    (
+        "cluster-pools",
+        &[
+            "--mode",
+            "cluster",
+            "--etcd",
+            "https://10.0.0.10:2379",
+            "--pool",
+            "10.244.0.0/16",
+            "--lb-pool",
+            "192.0.2.0/26",
+            "--pools-only",
+        ],
+    ),
+];
+
+/// The rendered objects of a kind no Kubernetes schema holds, and the
+/// CRD they are checked against.
+const RENDERED_CUSTOM: &[(&str, &str)] = &[
+    (
+        "lb",
+        "xtask/schemas/servicemonitors.monitoring.coreos.com.yaml",
+    ),
+    (
+        "cluster",
+        "xtask/schemas/servicemonitors.monitoring.coreos.com.yaml",
+    ),
+    (
+        "lb-pools",
+        "deploy/crds/loadbalancerippools.lockstep.io.yaml",
+    ),
+    (
+        "cluster-pools",
+        "deploy/crds/loadbalancerippools.lockstep.io.yaml",
+    ),
+    ("cluster-pools", "deploy/crds/podippools.lockstep.io.yaml"),
+];
+
 /// The alerts on lockstep's metrics (a PrometheusRule).
 const RULES: &str = "deploy/prometheus-rules.yaml";
 
@@ -121,7 +192,7 @@ print(sys.argv[1] + ": " + str(n) + " " + kind + " object(s) valid against " + s
 
 /// The virtualenv holding kubernetes-validate (under target/: build output,
 /// re-created by setup when missing).
-fn kubernetes_validate_venv() -> std::path::PathBuf {
+fn kubernetes_validate_venv() -> PathBuf {
     crate::root().join("target/tools/kubernetes-validate")
 }
 
@@ -152,17 +223,72 @@ pub fn validate_manifests() -> anyhow::Result<()> {
     if !bin.exists() {
         kubernetes_validate()?;
     }
+    let rendered = render_manifests()?;
     run(Command::new(bin)
         .arg("--strict")
         .args(MANIFESTS)
+        .args(&rendered)
         .current_dir(crate::root()))?;
     let python = kubernetes_validate_venv().join("bin/python");
-    for (objects, crd) in CUSTOM_OBJECTS {
+    let dir = rendered_dir();
+    let rendered_custom = RENDERED_CUSTOM
+        .iter()
+        .map(|(name, crd)| (dir.join(format!("{name}.yaml")), *crd));
+    let custom = CUSTOM_OBJECTS
+        .iter()
+        .map(|(objects, crd)| (crate::root().join(objects), *crd));
+    for (objects, crd) in custom.chain(rendered_custom) {
         run(Command::new(&python)
-            .args(["-c", VALIDATE_CUSTOM, objects, crd])
+            .args(["-c", VALIDATE_CUSTOM])
+            .arg(&objects)
+            .arg(crd)
             .current_dir(crate::root()))?;
     }
     check_rules(&python)
+}
+
+fn rendered_dir() -> PathBuf {
+    crate::root().join("target/manifests")
+}
+
+/// Renders every install of [`RENDERED`] with `lockstep manifests` (the
+/// binary as `cargo run` builds it) into target/manifests/.
+fn render_manifests() -> anyhow::Result<Vec<PathBuf>> {
+    let dir = rendered_dir();
+    std::fs::create_dir_all(&dir)?;
+    let mut out = Vec::new();
+    for (name, args) in RENDERED {
+        let path = dir.join(format!("{name}.yaml"));
+        let output = Command::new("cargo")
+            .args([
+                "run",
+                "-q",
+                "-p",
+                "lockstep",
+                "--bin",
+                "lockstep",
+                "--",
+                "manifests",
+            ])
+            .args(*args)
+            .current_dir(crate::root())
+            .output()?;
+        if !output.status.success() {
+            bail!(
+                "lockstep manifests {}: {}",
+                args.join(" "),
+                String::from_utf8_lossy(&output.stderr)
+            );
+        }
+        std::fs::write(&path, &output.stdout)?;
+        eprintln!(
+            "rendered {}: lockstep manifests {}",
+            path.display(),
+            args.join(" ")
+        );
+        out.push(path);
+    }
+    Ok(out)
 }
 
 /// The PrometheusRule's alerts checked by `promtool check rules`: its

@@ -21,13 +21,17 @@ use serde_json::json;
 mod cluster;
 mod datapath;
 mod lb;
+mod manifests;
 mod maps;
 mod pools;
+mod uninstall;
 
 pub use cluster::{ClusterCommand, EtcdArgs};
 pub use datapath::{AttachModeArg, DatapathCommand, LoadArgs, mac_of, parse_mac};
 pub use lb::{LbCommand, read_lb_file};
+pub use manifests::ManifestsArgs;
 pub use maps::{MapsCommand, dump_maps};
+pub use uninstall::UninstallArgs;
 
 use crate::datapath::PinnedMaps;
 
@@ -175,6 +179,19 @@ pub enum Command {
     /// Operator tools for the store (with the agent stopped).
     #[command(subcommand)]
     Store(StoreCommand),
+    /// Print the Kubernetes manifests of an install (namespace, CRDs,
+    /// RBAC, ConfigMap, DaemonSet, metrics Service) for `kubectl apply -f`.
+    Manifests(ManifestsArgs),
+    /// Remove what the agent left on this node (CNI config and plugin,
+    /// pins, routes of its protocol, the tunnel device), with the agent
+    /// stopped; the node's next CNI config then serves its pods.
+    Uninstall(UninstallArgs),
+    /// Print a shell completion script (bash, zsh, fish, elvish,
+    /// powershell).
+    Completion {
+        /// The shell.
+        shell: clap_complete::Shell,
+    },
 }
 
 /// `lockstep store ...`.
@@ -198,6 +215,8 @@ pub enum Output {
     Text,
     /// JSON.
     Json,
+    /// YAML.
+    Yaml,
 }
 
 /// Where the pins are.
@@ -230,7 +249,17 @@ fn api(
 fn print(v: &serde_json::Value, output: Output, text: impl Fn(&serde_json::Value) -> String) {
     match output {
         Output::Json => println!("{v}"),
+        Output::Yaml => print_yaml(v),
         Output::Text => println!("{}", text(v)),
+    }
+}
+
+/// `v` as a YAML document on stdout.
+fn print_yaml(v: &impl serde::Serialize) {
+    match serde_saphyr::to_string(v) {
+        Ok(yaml) => print!("{yaml}"),
+        // Every value printed is JSON-shaped, which YAML always holds.
+        Err(e) => eprintln!("error: cannot write YAML: {e}"),
     }
 }
 
@@ -471,6 +500,13 @@ pub fn run(cli: Cli) -> anyhow::Result<i32> {
         }
         Command::Datapath(cmd) => datapath::run(cmd),
         Command::Config(ConfigCommand::Check { file }) => config_check(&file),
+        Command::Manifests(args) => manifests::run(args),
+        Command::Uninstall(args) => uninstall::run(args),
+        Command::Completion { shell } => {
+            let mut cmd = <Cli as clap::CommandFactory>::command();
+            clap_complete::generate(shell, &mut cmd, "lockstep", &mut std::io::stdout());
+            Ok(0)
+        }
         Command::Cluster { etcd, command } => cluster::run(etcd, command),
         Command::Store(StoreCommand::ResetLog { state_dir }) => {
             let (moved, applied) = crate::store::Store::reset_log(&state_dir)?;
@@ -490,6 +526,7 @@ pub fn run(cli: Cli) -> anyhow::Result<i32> {
             let dump = dump_maps(&maps)?;
             match output {
                 Output::Json => println!("{}", serde_json::to_string_pretty(&dump)?),
+                Output::Yaml => print_yaml(&dump),
                 Output::Text => maps::print_dump_text(&dump),
             }
             Ok(0)

@@ -18,6 +18,7 @@ pub mod datapath;
 pub mod delegate;
 pub mod install;
 pub mod kubernetes;
+pub mod manifests;
 pub mod masquerade;
 pub mod metrics;
 pub mod ndp;
@@ -25,6 +26,7 @@ pub mod netlink;
 pub mod plugin;
 pub mod server;
 pub mod store;
+pub mod uninstall;
 pub mod version;
 pub mod wire;
 

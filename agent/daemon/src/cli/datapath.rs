@@ -322,12 +322,12 @@ pub(super) fn run(cmd: DatapathCommand) -> anyhow::Result<i32> {
             let maps = PinnedMaps::open(&pins.pin_root)?;
             let counters = maps.counters()?;
             match output {
-                Output::Json => {
+                Output::Json | Output::Yaml => {
                     let obj: serde_json::Map<String, serde_json::Value> = counters
                         .iter()
                         .map(|(c, v)| (c.name().to_string(), json!(v)))
                         .collect();
-                    println!("{}", serde_json::Value::Object(obj));
+                    super::print(&serde_json::Value::Object(obj), output, |_| String::new());
                 }
                 Output::Text => {
                     for (c, v) in counters {

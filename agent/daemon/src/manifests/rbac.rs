@@ -1,0 +1,95 @@
+//! The ClusterRole's rules per mode: the verbs the agent's Kubernetes door
+//! sends in that mode and nothing more. `deploy/rbac.yaml` is the role of
+//! every feature together (NodeIPAM included), against which the
+//! end-to-end tests check every request the agents send; each mode's rules
+//! here are a subset of it (a unit test checks).
+
+use super::Mode;
+
+/// One rule of the ClusterRole.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Rule {
+    /// The API group (`""`: the core group).
+    pub group: &'static str,
+    /// The resources.
+    pub resources: &'static [&'static str],
+    /// The verbs.
+    pub verbs: &'static [&'static str],
+    /// Why the agent needs them.
+    pub why: &'static str,
+}
+
+const COMMON: &[Rule] = &[
+    Rule {
+        group: "",
+        resources: &["services"],
+        verbs: &["list", "watch"],
+        why: "the Services reflector; lockstep never changes a Service's spec",
+    },
+    Rule {
+        group: "",
+        resources: &["services/status"],
+        verbs: &["patch"],
+        why: "status.loadBalancer.ingress and lockstep's condition",
+    },
+    Rule {
+        group: "",
+        resources: &["nodes"],
+        verbs: &["get", "list", "watch"],
+        why: "this node's labels and InternalIPs; in cluster mode the Nodes reflector",
+    },
+    Rule {
+        group: "lockstep.io",
+        resources: &["loadbalancerippools"],
+        verbs: &["list", "watch", "patch"],
+        why: "the pools reflector and the finalizer of a deleted pool",
+    },
+    Rule {
+        group: "lockstep.io",
+        resources: &["loadbalancerippools/status"],
+        verbs: &["patch"],
+        why: "the pools' conditions and counts",
+    },
+    Rule {
+        group: "",
+        resources: &["pods"],
+        verbs: &["get", "list", "watch"],
+        why: "this node's pods: their pool annotation, and whether a pod is gone before its address is called leaked",
+    },
+    Rule {
+        group: "",
+        resources: &["namespaces"],
+        verbs: &["list", "watch"],
+        why: "the pool annotation of pods that have none",
+    },
+    Rule {
+        group: "events.k8s.io",
+        resources: &["events"],
+        verbs: &["create", "patch"],
+        why: "Events on Services and pools, and their repeat counts",
+    },
+];
+
+const CLUSTER: &[Rule] = &[
+    Rule {
+        group: "lockstep.io",
+        resources: &["podippools"],
+        verbs: &["list", "watch"],
+        why: "the PodIPPools the elected writer applies as cluster pools",
+    },
+    Rule {
+        group: "lockstep.io",
+        resources: &["podippools/status"],
+        verbs: &["patch"],
+        why: "the PodIPPools' Accepted condition and counts",
+    },
+];
+
+/// The rules of `mode`'s ClusterRole (none: the mode never calls the API).
+pub fn rules(mode: Mode) -> Vec<Rule> {
+    match mode {
+        Mode::Local => Vec::new(),
+        Mode::Lb => COMMON.to_vec(),
+        Mode::Cluster => COMMON.iter().chain(CLUSTER).copied().collect(),
+    }
+}

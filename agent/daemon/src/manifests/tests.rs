@@ -1,0 +1,243 @@
+use std::collections::BTreeSet;
+
+use serde_json::Value;
+
+use super::*;
+
+fn options(mode: Mode) -> Options {
+    Options {
+        mode,
+        namespace: "kube-system".into(),
+        image: "localhost/lockstep:test".into(),
+        uplink: "eth0".into(),
+        metrics_addr: "0.0.0.0:9476".parse().unwrap(),
+        pools: match mode {
+            Mode::Lb => vec![],
+            _ => vec![
+                "10.244.0.0/16".parse().unwrap(),
+                "fd00:244::/64".parse().unwrap(),
+            ],
+        },
+        lb_pools: vec![],
+        non_masquerade: vec!["10.96.0.0/12".parse().unwrap()],
+        etcd: match mode {
+            Mode::Cluster => vec!["https://10.0.0.10:2379".into()],
+            _ => vec![],
+        },
+        etcd_tls_secret: (mode == Mode::Cluster).then(|| "lockstep-etcd-tls".into()),
+        lb_class: "lockstep.io/lb".into(),
+        conflist_name: "05-lockstep.conflist".into(),
+        service_monitor: false,
+    }
+}
+
+fn docs(yaml: &str) -> Vec<Value> {
+    serde_saphyr::from_multiple(yaml).expect("the rendered YAML reads back")
+}
+
+fn kind<'a>(docs: &'a [Value], kind: &str) -> Option<&'a Value> {
+    docs.iter().find(|d| d["kind"] == kind)
+}
+
+#[test]
+fn every_mode_renders_a_config_the_agent_accepts() {
+    for mode in [Mode::Lb, Mode::Local, Mode::Cluster] {
+        let d = docs(&render(&options(mode)).unwrap());
+        let config = kind(&d, "ConfigMap").unwrap()["data"]["config.toml"]
+            .as_str()
+            .unwrap();
+        let c = Config::parse(Path::new("c"), config).unwrap();
+        assert_eq!(c.cni.install, mode.serves_pods(), "{mode:?}");
+        assert_eq!(c.kubernetes.is_some(), mode.uses_api(), "{mode:?}");
+        assert_eq!(c.cluster.is_some(), mode == Mode::Cluster, "{mode:?}");
+        assert_eq!(c.pools.is_empty(), mode != Mode::Local, "{mode:?}");
+    }
+}
+
+#[test]
+fn mode_lb_installs_no_cni_config_and_mounts_no_cni_directory() {
+    let d = docs(&render(&options(Mode::Lb)).unwrap());
+    let ds = kind(&d, "DaemonSet").unwrap();
+    let volumes = ds["spec"]["template"]["spec"]["volumes"].to_string();
+    assert!(!volumes.contains("/etc/cni/net.d"), "{volumes}");
+    assert!(!volumes.contains("/opt/cni/bin"), "{volumes}");
+    assert!(kind(&d, "CustomResourceDefinition").is_some());
+    assert!(kind(&d, "ClusterRole").is_some());
+}
+
+#[test]
+fn no_mode_is_privileged_and_every_capability_is_named() {
+    for mode in [Mode::Lb, Mode::Local, Mode::Cluster] {
+        let d = docs(&render(&options(mode)).unwrap());
+        let ds = kind(&d, "DaemonSet").unwrap();
+        let sc = &ds["spec"]["template"]["spec"]["containers"][0]["securityContext"];
+        assert_eq!(sc["privileged"], false);
+        assert_eq!(sc["allowPrivilegeEscalation"], false);
+        assert_eq!(sc["capabilities"]["drop"], serde_json::json!(["ALL"]));
+        let added: Vec<&str> = sc["capabilities"]["add"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|c| c.as_str().unwrap())
+            .collect();
+        let named: Vec<&str> = objects::CAPABILITIES.iter().map(|(c, _)| *c).collect();
+        assert_eq!(added, named);
+    }
+}
+
+#[test]
+fn a_config_change_changes_the_pod_templates_checksum_and_nothing_else_does() {
+    let checksum = |o: &Options| {
+        let d = docs(&render(o).unwrap());
+        kind(&d, "DaemonSet").unwrap()["spec"]["template"]["metadata"]["annotations"]
+            ["lockstep.io/config-sha256"]
+            .as_str()
+            .unwrap()
+            .to_string()
+    };
+    let a = options(Mode::Local);
+    let mut image = a.clone();
+    image.image = "localhost/lockstep:other".into();
+    let mut uplink = a.clone();
+    uplink.uplink = "bond0".into();
+    assert_eq!(checksum(&a).len(), 64);
+    assert_eq!(checksum(&a), checksum(&image));
+    assert_ne!(checksum(&a), checksum(&uplink));
+}
+
+#[test]
+fn flags_that_do_not_fit_the_mode_are_named() {
+    let err = |o: Options| render(&o).unwrap_err().to_string();
+    let mut o = options(Mode::Cluster);
+    o.etcd.clear();
+    assert!(err(o).starts_with("--etcd:"));
+    let mut o = options(Mode::Local);
+    o.pools.clear();
+    assert!(err(o).starts_with("--pool:"));
+    let mut o = options(Mode::Lb);
+    o.pools = vec!["10.0.0.0/8".parse().unwrap()];
+    assert!(err(o).starts_with("--pool:"));
+    let mut o = options(Mode::Local);
+    o.etcd = vec!["http://e:2379".into()];
+    assert!(err(o).starts_with("--etcd:"));
+    let mut o = options(Mode::Lb);
+    o.namespace = "Kube_System".into();
+    assert!(err(o).starts_with("--namespace:"));
+    let mut o = options(Mode::Lb);
+    o.metrics_addr = "127.0.0.1:9476".parse().unwrap();
+    o.service_monitor = true;
+    assert!(err(o).starts_with("--metrics-addr:"));
+    // A value only the agent's parser refuses is refused as the agent would.
+    let mut o = options(Mode::Lb);
+    o.lb_class = String::new();
+    let e = render(&o).unwrap_err();
+    assert!(matches!(e, ManifestsError::Config(_)), "{e}");
+    assert!(
+        crate::error_chain(&e).contains("kubernetes.lb_class"),
+        "{}",
+        crate::error_chain(&e)
+    );
+}
+
+#[test]
+fn a_namespace_of_its_own_is_rendered_and_enforces_privileged() {
+    let mut o = options(Mode::Lb);
+    o.namespace = "lockstep".into();
+    let d = docs(&render(&o).unwrap());
+    let ns = kind(&d, "Namespace").unwrap();
+    assert_eq!(ns["metadata"]["name"], "lockstep");
+    assert_eq!(
+        ns["metadata"]["labels"]["pod-security.kubernetes.io/enforce"],
+        "privileged"
+    );
+    let binding = kind(&d, "ClusterRoleBinding").unwrap();
+    assert_eq!(binding["subjects"][0]["namespace"], "lockstep");
+    assert!(kind(&docs(&render(&options(Mode::Lb)).unwrap()), "Namespace").is_none());
+}
+
+#[test]
+fn every_modes_rules_are_within_the_role_the_end_to_end_tests_check() {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../deploy/rbac.yaml");
+    let d = docs(&std::fs::read_to_string(path).unwrap());
+    let mut allowed = BTreeSet::new();
+    for rule in kind(&d, "ClusterRole").unwrap()["rules"]
+        .as_array()
+        .unwrap()
+    {
+        for g in rule["apiGroups"].as_array().unwrap() {
+            for r in rule["resources"].as_array().unwrap() {
+                for v in rule["verbs"].as_array().unwrap() {
+                    allowed.insert(format!(
+                        "{}/{}:{}",
+                        g.as_str().unwrap(),
+                        r.as_str().unwrap(),
+                        v.as_str().unwrap()
+                    ));
+                }
+            }
+        }
+    }
+    for mode in [Mode::Lb, Mode::Cluster] {
+        for rule in rules(mode) {
+            for r in rule.resources {
+                for v in rule.verbs {
+                    let want = format!("{}/{r}:{v}", rule.group);
+                    assert!(allowed.contains(&want), "{mode:?}: {want}");
+                }
+            }
+        }
+    }
+    assert!(rules(Mode::Local).is_empty());
+}
+
+#[test]
+fn pool_flags_render_pool_objects_apart_from_the_install() {
+    let mut o = options(Mode::Cluster);
+    o.lb_pools = vec!["192.0.2.0/26".parse().unwrap()];
+    let install = docs(&render(&o).unwrap());
+    assert!(kind(&install, "LoadBalancerIPPool").is_none());
+    let d = docs(&render_pools(&o).unwrap());
+    let lb = kind(&d, "LoadBalancerIPPool").unwrap();
+    assert_eq!(lb["spec"]["cidrs"], serde_json::json!(["192.0.2.0/26"]));
+    let pod = kind(&d, "PodIPPool").unwrap();
+    assert_eq!(pod["spec"]["ipv4"], serde_json::json!(["10.244.0.0/16"]));
+    assert_eq!(pod["spec"]["ipv6"], serde_json::json!(["fd00:244::/64"]));
+    let err = render_pools(&options(Mode::Lb)).unwrap_err().to_string();
+    assert!(err.starts_with("--lb-pool:"), "{err}");
+}
+
+/// The DaemonSets in deploy/ are renders of the generator, committed so
+/// they can be read without running it: they must be what it renders now.
+#[test]
+fn the_committed_daemonsets_are_what_the_generator_renders() {
+    let committed = |file: &str| {
+        std::fs::read_to_string(format!(
+            "{}/../../deploy/{file}",
+            env!("CARGO_MANIFEST_DIR")
+        ))
+        .unwrap()
+    };
+    let mut local = options(Mode::Local);
+    local.image = default_image();
+    local.pools = vec![
+        "10.244.1.0/24".parse().unwrap(),
+        "fd00:10:244:1::/112".parse().unwrap(),
+    ];
+    assert!(
+        committed("daemonset.yaml") == render(&local).unwrap(),
+        "deploy/daemonset.yaml is stale: run `lockstep manifests --mode local --pool 10.244.1.0/24 \
+         --pool fd00:10:244:1::/112 --non-masquerade 10.96.0.0/12 > deploy/daemonset.yaml`"
+    );
+    let mut cluster = options(Mode::Cluster);
+    cluster.image = default_image();
+    cluster.pools.clear();
+    cluster.etcd = (10..13)
+        .map(|i| format!("https://10.0.0.{i}:2379"))
+        .collect();
+    assert!(
+        committed("daemonset-cluster.yaml") == render(&cluster).unwrap(),
+        "deploy/daemonset-cluster.yaml is stale: run `lockstep manifests --mode cluster \
+         --etcd https://10.0.0.10:2379 --etcd https://10.0.0.11:2379 --etcd https://10.0.0.12:2379 \
+         --etcd-tls-secret lockstep-etcd-tls --non-masquerade 10.96.0.0/12 > deploy/daemonset-cluster.yaml`"
+    );
+}
