@@ -60,6 +60,7 @@ pub mod masquerade;
 pub mod nodeipam;
 pub mod owner;
 pub mod plan;
+pub mod pod_cidrs;
 pub mod pods;
 pub mod pool;
 pub mod roles;

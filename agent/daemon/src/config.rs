@@ -631,6 +631,22 @@ impl Config {
                     "needs [cluster]: PodIPPools are applied as the cluster's pools in etcd".into(),
                 ));
             }
+            if let Some(name) = &k.pod_cidr_pool {
+                if self.cluster.is_some() {
+                    out.push((
+                        "kubernetes.pod_cidr_pool".into(),
+                        "cannot be used with [cluster]: the Node's podCIDRs and etcd's blocks are \
+                         two sources of this node's CIDRs; choose one"
+                            .into(),
+                    ));
+                }
+                if self.pools.iter().any(|p| &p.name == name) {
+                    out.push((
+                        "kubernetes.pod_cidr_pool".into(),
+                        format!("a configured pool is named {name} too"),
+                    ));
+                }
+            }
             if let Some(n) = &k.nodeipam {
                 // NodeIPAM is the alternative to etcd's blocks: both would
                 // say which CIDRs this node holds (docs/kubernetes.md).
@@ -654,6 +670,11 @@ impl Config {
             && self.cluster.is_none()
             && !self.pools.iter().any(|p| &p.name == d)
             && !self.nodeipam_pools().iter().any(|p| &p.name == d)
+            && self
+                .kubernetes
+                .as_ref()
+                .and_then(|k| k.pod_cidr_pool.as_ref())
+                != Some(d)
         {
             out.push(("default_pool".into(), format!("no pool is named {d}")));
         }

@@ -249,7 +249,7 @@ struct KubeStart {
 ///
 /// # Errors
 /// A listener could not be bound or start-up failed.
-pub async fn run(config: Config) -> Result<(), ServerError> {
+pub async fn run(mut config: Config) -> Result<(), ServerError> {
     let socket = config.socket.clone();
     // Before anything writes into the state directory (the CNI install's
     // manifest): made 0700, or refused when unsafe.
@@ -319,6 +319,8 @@ pub async fn run(config: Config) -> Result<(), ServerError> {
         }
     }
     let mut cluster_config = config.clone();
+    // What the API said of this Node's podCIDRs (`None`: it did not answer).
+    let mut node_pod_cidrs: Option<Vec<String>> = None;
     // Kubernetes: a client, and this node's Node (labels for pools' node
     // selectors, InternalIPs as cluster node addresses) before cluster mode
     // starts. An API that does not answer delays the start by at most
@@ -331,6 +333,7 @@ pub async fn run(config: Config) -> Result<(), ServerError> {
                     Ok(facts) => {
                         tracing::info!(node = %node, labels = facts.labels.len(), "kubernetes: node read");
                         crate::kubernetes::apply_node_facts(&mut cluster_config, &facts);
+                        node_pod_cidrs = Some(facts.pod_cidrs);
                     }
                     Err(e) => {
                         tracing::warn!(node = %node, error = %crate::error_chain(&e), "kubernetes: node not read; using the config's labels and addresses");
@@ -357,6 +360,28 @@ pub async fn run(config: Config) -> Result<(), ServerError> {
         },
         None => None,
     };
+    // `[kubernetes] pod_cidr_pool`: the Node's podCIDRs (or the record of
+    // an earlier start) as an endpoint pool, before the store restores
+    // into it. Nothing to serve stops the start, naming why: never a
+    // default pool that would repeat on every node.
+    if let Some(name) = config
+        .kubernetes
+        .as_ref()
+        .and_then(|k| k.pod_cidr_pool.clone())
+    {
+        let spec = crate::kubernetes::pod_cidrs::start_pool(
+            &config.state_dir,
+            &config.kubernetes_node_name(),
+            &name,
+            node_pod_cidrs.as_deref(),
+        )
+        .map_err(|e| {
+            ServerError::Start(AgentError::Invalid {
+                reason: crate::error_chain(&e),
+            })
+        })?;
+        config.pools.push(spec);
+    }
     let started = tokio::task::spawn_blocking(move || Agent::start(config))
         .await
         .map_err(ServerError::Join)?;

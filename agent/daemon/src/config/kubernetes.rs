@@ -37,6 +37,14 @@ pub struct KubernetesConfig {
     /// cluster pools apply` would, and the CLI then refuses. Needs
     /// `[cluster]`.
     pub pod_pools: bool,
+    /// The name of an endpoint pool made of this Node's `spec.podCIDRs`
+    /// (set by the controller-manager's `--allocate-node-cidrs`, kubeadm,
+    /// kind, k3s): pod IPAM with no etcd and no per-node config. Read at
+    /// start (Kubernetes never changes a Node's podCIDRs once set) and
+    /// recorded in the state directory, so a restart while the API is away
+    /// serves the same CIDRs. Not with `[cluster]` or NodeIPAM.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pod_cidr_pool: Option<String>,
     /// In cluster mode, a Node deleted from the API is removed from etcd
     /// by the rule of `lockstep cluster node remove` without `--force`, and
     /// the addresses reserved for it are released once the API binds no
@@ -54,6 +62,7 @@ impl Default for KubernetesConfig {
             pods: super::pods::PodsConfig::default(),
             nodeipam: None,
             pod_pools: false,
+            pod_cidr_pool: None,
             remove_deleted_nodes: true,
         }
     }
@@ -70,6 +79,16 @@ impl KubernetesConfig {
         }
         if self.node_name.as_deref() == Some("") {
             return Err(("kubernetes.node_name".into(), "is empty".into()));
+        }
+        if self.pod_cidr_pool.as_deref() == Some("") {
+            return Err(("kubernetes.pod_cidr_pool".into(), "is empty".into()));
+        }
+        if self.pod_cidr_pool.is_some() && self.nodeipam.is_some() {
+            return Err((
+                "kubernetes.pod_cidr_pool".into(),
+                "the node's CIDRs come from either its podCIDRs or its NodeIPAM object, not both"
+                    .into(),
+            ));
         }
         if self.node_wait > Duration::from_secs(600) {
             return Err(("kubernetes.node_wait".into(), "must be at most 10m".into()));

@@ -25,6 +25,7 @@ pub mod leaks;
 pub mod node_removal;
 pub mod nodeipam;
 mod objects;
+pub mod pod_cidrs;
 pub mod pod_pools;
 pub mod pods;
 pub mod sync;
@@ -125,6 +126,8 @@ pub struct NodeFacts {
     pub internal_v4: Option<IpAddr>,
     /// Its first IPv6 InternalIP.
     pub internal_v6: Option<IpAddr>,
+    /// Its `spec.podCIDRs` (`pod_cidrs::of_node`).
+    pub pod_cidrs: Vec<String>,
 }
 
 /// Reads Node `name`, trying again for at most `within`.
@@ -148,6 +151,7 @@ pub async fn node_facts(
                     labels,
                     internal_v4,
                     internal_v6,
+                    pod_cidrs: pod_cidrs::of_node(&node),
                 });
             }
             Err(e) if tokio::time::Instant::now() >= deadline => {

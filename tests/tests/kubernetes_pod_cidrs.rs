@@ -1,0 +1,141 @@
+//! Pod IPAM from the Node's `spec.podCIDRs` (`[kubernetes] pod_cidr_pool`,
+//! the install `lockstep manifests --mode pod-cidr` renders), against the
+//! project's Kubernetes API double and the real plugin.
+//!
+//! - Endpoints added through the plugin get addresses of both families
+//!   from the Node's podCIDRs, and none twice.
+//! - Restarted while the API does not answer, the agent serves the same
+//!   CIDRs from its record: the earlier endpoints keep their addresses and
+//!   a new one gets an address of the CIDRs.
+//! - A node whose Node has no podCIDRs, and no record, does not start, and
+//!   says which Node and why; it never falls back to a default pool.
+
+use std::collections::BTreeSet;
+use std::net::IpAddr;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, ensure};
+use ipnet::IpNet;
+use lockstep_tests::cluster::{cni, forward_ports};
+use lockstep_tests::kubeapi::ApiDouble;
+use lockstep_tests::{AgentProc, Netns, TempDir, privileged, unique};
+use serde_json::{Value, json};
+
+const CIDRS: [&str; 2] = ["10.79.3.0/24", "fd79:3::/120"];
+
+fn config(kubeconfig: &std::path::Path, node: &str) -> String {
+    format!(
+        "pools = []\n[kubernetes]\nkubeconfig = \"{}\"\nnode_name = \"{node}\"\nnode_wait = \"1s\"\npod_cidr_pool = \"pods\"\n",
+        kubeconfig.display()
+    )
+}
+
+/// An endpoint through the plugin (no pool named: the default, the only
+/// pool); its addresses.
+fn add(agent: &AgentProc, keep: &mut Vec<Netns>) -> anyhow::Result<Vec<IpAddr>> {
+    let ns = Netns::new("pcpod")?;
+    let (_, result) = cni(&agent.socket(), "ADD", &unique("pc"), &ns.path())?;
+    keep.push(ns);
+    result["ips"]
+        .as_array()
+        .context("no ips")?
+        .iter()
+        .map(|ip| {
+            let a = ip["address"].as_str().context("address")?;
+            Ok(a.split('/').next().unwrap_or(a).parse()?)
+        })
+        .collect()
+}
+
+fn inside(addrs: &[IpAddr]) -> anyhow::Result<()> {
+    let nets: Vec<IpNet> = CIDRS.iter().map(|c| c.parse()).collect::<Result<_, _>>()?;
+    ensure!(addrs.len() == 2, "one address per family: {addrs:?}");
+    for a in addrs {
+        ensure!(
+            nets.iter().any(|n| n.contains(a)),
+            "{a} is outside {CIDRS:?}"
+        );
+    }
+    Ok(())
+}
+
+#[test]
+fn endpoints_get_the_nodes_pod_cidrs_and_a_restart_without_the_api_keeps_them() -> anyhow::Result<()>
+{
+    privileged!();
+    let api = ApiDouble::start()?;
+    api.create(
+        "nodes",
+        "",
+        &json!({"metadata": {"name": "node-1"}, "spec": {"podCIDR": CIDRS[0], "podCIDRs": CIDRS}}),
+    )?;
+    let dir = TempDir::new("podcidr")?;
+    let kubeconfig = dir.path().join("kubeconfig");
+    api.write_kubeconfig(&kubeconfig)?;
+    let node = Netns::new("pcnode")?;
+    let cut = forward_ports(&node, &[api.addr().port()])?;
+    let mut agent = AgentProc::start(&node, &config(&kubeconfig, "node-1"))?;
+    let mut pods = Vec::new();
+    let mut seen = BTreeSet::new();
+    for _ in 0..4 {
+        let addrs = add(&agent, &mut pods)?;
+        inside(&addrs)?;
+        for a in addrs {
+            ensure!(seen.insert(a), "{a} handed out twice");
+        }
+    }
+    let before: Value = agent.json(["allocations", "-o", "json"])?;
+
+    // The API goes away; the agent restarts on its record.
+    cut.set(true);
+    agent.restart()?;
+    let after: Value = agent.json(["allocations", "-o", "json"])?;
+    ensure!(
+        before == after,
+        "allocations changed across the restart:\n{before}\n{after}"
+    );
+    let addrs = add(&agent, &mut pods)?;
+    inside(&addrs)?;
+    ensure!(
+        addrs.iter().all(|a| !seen.contains(a)),
+        "{addrs:?} handed out twice"
+    );
+    ensure!(
+        agent.log().contains("serving the recorded ones"),
+        "the agent did not say it served its record"
+    );
+    cut.set(false);
+    Ok(())
+}
+
+#[test]
+fn a_node_without_pod_cidrs_does_not_start_and_says_why() -> anyhow::Result<()> {
+    privileged!();
+    let api = ApiDouble::start()?;
+    api.create("nodes", "", &json!({"metadata": {"name": "node-2"}}))?;
+    let dir = TempDir::new("podcidr")?;
+    let kubeconfig = dir.path().join("kubeconfig");
+    api.write_kubeconfig(&kubeconfig)?;
+    let node = Netns::new("pcnone")?;
+    let _cut = forward_ports(&node, &[api.addr().port()])?;
+    let mut agent = AgentProc::spawn_unready(&node, &config(&kubeconfig, "node-2"))?;
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let status = loop {
+        if let Some(s) = agent.exited()? {
+            break s;
+        }
+        ensure!(
+            Instant::now() < deadline,
+            "the agent did not stop: {}",
+            agent.log()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    ensure!(!status.success(), "the agent exited 0");
+    let log = agent.log();
+    ensure!(
+        log.contains("Node node-2 has no spec.podCIDRs") && log.contains("--allocate-node-cidrs"),
+        "{log}"
+    );
+    Ok(())
+}
