@@ -90,6 +90,10 @@ const RENDERED: &[(&str, &[&str])] = &[
         ],
     ),
     (
+        "pod-cidr",
+        &["--mode", "pod-cidr", "--non-masquerade", "10.96.0.0/12"],
+    ),
+    (
         "cluster",
         &[
             "--mode",

@@ -15,6 +15,8 @@
 //!   no endpoint pool exists; the node's pod network is another CNI's.
 //! - [`Mode::Local`]: pod IPAM from pools named in the ConfigMap, the same
 //!   on every node it runs on (one node, or one DaemonSet per node group).
+//! - [`Mode::PodCidr`]: pod IPAM from each Node's `spec.podCIDRs`, with only
+//!   the API server (`[kubernetes] pod_cidr_pool`), and LoadBalancer IPAM.
 //! - [`Mode::Cluster`]: pod IPAM from cluster pools in etcd (blocks per
 //!   node), LoadBalancer IPAM through etcd's elected assigner.
 //!
@@ -67,6 +69,9 @@ pub enum Mode {
     /// Pod IPAM from pools in the ConfigMap (`--pool`), the same on every
     /// node the DaemonSet runs on.
     Local,
+    /// Pod IPAM from each Node's `spec.podCIDRs` (no etcd), and
+    /// LoadBalancer IPAM.
+    PodCidr,
     /// Pod IPAM from cluster pools in etcd, LoadBalancer IPAM through
     /// etcd's elected assigner.
     Cluster,
@@ -78,6 +83,7 @@ impl Mode {
         match self {
             Mode::Lb => "lb",
             Mode::Local => "local",
+            Mode::PodCidr => "pod-cidr",
             Mode::Cluster => "cluster",
         }
     }
@@ -149,6 +155,12 @@ impl Options {
             Mode::Lb if !self.pools.is_empty() => {
                 return flag("--pool", "mode lb serves no pods; use --lb-pool");
             }
+            Mode::PodCidr if !self.pools.is_empty() => {
+                return flag(
+                    "--pool",
+                    "mode pod-cidr takes each node's pool from its Node's spec.podCIDRs",
+                );
+            }
             Mode::Local if self.pools.is_empty() => {
                 return flag("--pool", "mode local needs the pods' CIDRs");
             }
@@ -209,6 +221,7 @@ impl Options {
             t.push_str("# Endpoint pools come from ");
             t.push_str(match self.mode {
                 Mode::Lb => "nowhere: this node serves no pods.\n",
+                Mode::PodCidr => "the Node's spec.podCIDRs ([kubernetes] pod_cidr_pool).\n",
                 _ => "etcd (cluster pools).\n",
             });
             t.push_str("pools = []\n");
@@ -259,6 +272,11 @@ impl Options {
                 "\n[kubernetes]                               # the pod's service account\nlb_class = {}\n",
                 q(&self.lb_class)
             );
+            if self.mode == Mode::PodCidr {
+                t.push_str(
+                    "pod_cidr_pool = \"pods\"                      # the Node's spec.podCIDRs\n",
+                );
+            }
             if self.mode == Mode::Cluster && !self.pools.is_empty() {
                 t.push_str("pod_pools = true                           # PodIPPool objects\n");
             }

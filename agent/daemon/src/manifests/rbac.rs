@@ -89,7 +89,7 @@ const CLUSTER: &[Rule] = &[
 pub fn rules(mode: Mode) -> Vec<Rule> {
     match mode {
         Mode::Local => Vec::new(),
-        Mode::Lb => COMMON.to_vec(),
+        Mode::Lb | Mode::PodCidr => COMMON.to_vec(),
         Mode::Cluster => COMMON.iter().chain(CLUSTER).copied().collect(),
     }
 }

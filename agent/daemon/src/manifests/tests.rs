@@ -12,7 +12,7 @@ fn options(mode: Mode) -> Options {
         uplink: "eth0".into(),
         metrics_addr: "0.0.0.0:9476".parse().unwrap(),
         pools: match mode {
-            Mode::Lb => vec![],
+            Mode::Lb | Mode::PodCidr => vec![],
             _ => vec![
                 "10.244.0.0/16".parse().unwrap(),
                 "fd00:244::/64".parse().unwrap(),
@@ -41,7 +41,7 @@ fn kind<'a>(docs: &'a [Value], kind: &str) -> Option<&'a Value> {
 
 #[test]
 fn every_mode_renders_a_config_the_agent_accepts() {
-    for mode in [Mode::Lb, Mode::Local, Mode::Cluster] {
+    for mode in [Mode::Lb, Mode::Local, Mode::PodCidr, Mode::Cluster] {
         let d = docs(&render(&options(mode)).unwrap());
         let config = kind(&d, "ConfigMap").unwrap()["data"]["config.toml"]
             .as_str()
@@ -51,6 +51,11 @@ fn every_mode_renders_a_config_the_agent_accepts() {
         assert_eq!(c.kubernetes.is_some(), mode.uses_api(), "{mode:?}");
         assert_eq!(c.cluster.is_some(), mode == Mode::Cluster, "{mode:?}");
         assert_eq!(c.pools.is_empty(), mode != Mode::Local, "{mode:?}");
+        assert_eq!(
+            c.kubernetes.and_then(|k| k.pod_cidr_pool),
+            (mode == Mode::PodCidr).then(|| "pods".to_string()),
+            "{mode:?}"
+        );
     }
 }
 
@@ -67,7 +72,7 @@ fn mode_lb_installs_no_cni_config_and_mounts_no_cni_directory() {
 
 #[test]
 fn no_mode_is_privileged_and_every_capability_is_named() {
-    for mode in [Mode::Lb, Mode::Local, Mode::Cluster] {
+    for mode in [Mode::Lb, Mode::Local, Mode::PodCidr, Mode::Cluster] {
         let d = docs(&render(&options(mode)).unwrap());
         let ds = kind(&d, "DaemonSet").unwrap();
         let sc = &ds["spec"]["template"]["spec"]["containers"][0]["securityContext"];
@@ -115,6 +120,9 @@ fn flags_that_do_not_fit_the_mode_are_named() {
     o.pools.clear();
     assert!(err(o).starts_with("--pool:"));
     let mut o = options(Mode::Lb);
+    o.pools = vec!["10.0.0.0/8".parse().unwrap()];
+    assert!(err(o).starts_with("--pool:"));
+    let mut o = options(Mode::PodCidr);
     o.pools = vec!["10.0.0.0/8".parse().unwrap()];
     assert!(err(o).starts_with("--pool:"));
     let mut o = options(Mode::Local);
@@ -177,7 +185,7 @@ fn every_modes_rules_are_within_the_role_the_end_to_end_tests_check() {
             }
         }
     }
-    for mode in [Mode::Lb, Mode::Cluster] {
+    for mode in [Mode::Lb, Mode::PodCidr, Mode::Cluster] {
         for rule in rules(mode) {
             for r in rule.resources {
                 for v in rule.verbs {
