@@ -242,6 +242,9 @@ fn cover(
         ["cargo", "xtask", "check-core" | "validate-manifests"] => {
             stage("a lint stage of cargo xtask test")
         }
+        ["cargo", "xtask", "config-reference"] => stage(
+            "the unit stage (config::reference's test fails while docs/configuration.md differs from what it writes)",
+        ),
         ["cargo", "xtask", "fresh-root"] => stage("fresh-root, the last stage of cargo xtask test"),
         ["cargo", "xtask", "build-ebpf" | "build"] => {
             stage("the fresh root's build steps (cargo xtask fresh-root)")
