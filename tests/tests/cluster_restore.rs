@@ -207,7 +207,7 @@ fn a_block_claimed_after_the_backup_is_claimed_back_by_its_holder_after_a_restor
     // With the same cluster token the nodes can tell the restore only from
     // etcd's revision, which here goes back by 2 only: a node whose first
     // read or watch answer comes after 2 new writes cannot tell it (2 of 4
-    // runs held 6 addresses twice; docs/cluster.md). Not a test: the
+    // runs held 6 addresses twice; docs/design/cluster.md). Not a test: the
     // procedure restores with a new token.
     let Scene {
         mut cluster,

@@ -60,6 +60,10 @@ enum Task {
     /// Check that every command the README and docs/ tell a user to run is
     /// run by a test (or, where it cannot run here, that its doc says so).
     DocCommands,
+    /// Write docs/configuration.md, the configuration reference generated
+    /// from the agent's config types (a unit test fails while the
+    /// committed file differs).
+    ConfigReference,
     /// Setup, the build of every binary and of the eBPF object, and the
     /// unit tests, inside a throwaway Debian root holding only what a fresh
     /// machine has plus what setup installs (root; cached by setup's list).
@@ -471,6 +475,14 @@ fn main() -> anyhow::Result<()> {
         Task::ValidateManifests => setup::validate_manifests(),
         Task::CheckCore => check_core(),
         Task::DocCommands => doc_commands::check(&root()),
+        Task::ConfigReference => run(cargo().args([
+            "run",
+            "--quiet",
+            "-p",
+            "lockstep",
+            "--example",
+            "config_reference",
+        ])),
         Task::FreshRoot => fresh_root::check(),
         Task::Test { no_setup, filter } => test(no_setup, filter),
         Task::Bench { suite, smoke } => bench::Runner { smoke }.bench(&suite),

@@ -102,15 +102,18 @@ pub enum PoolError {
 
 /// Definition of a pool, as written in config or produced by a pool source.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct PoolSpec {
     /// Unique name among the pools of one manager.
     pub name: String,
     /// IPv4 CIDRs.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[cfg_attr(feature = "schema", schemars(with = "Vec<String>"))]
     pub ipv4: Vec<Ipv4Net>,
     /// IPv6 CIDRs.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[cfg_attr(feature = "schema", schemars(with = "Vec<String>"))]
     pub ipv6: Vec<Ipv6Net>,
     /// Addresses never handed out (gateways). Addresses outside every CIDR
     /// are kept and apply if a matching CIDR is added later.

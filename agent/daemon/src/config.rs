@@ -27,6 +27,7 @@ mod lb;
 mod nodeipam;
 pub use lb::{LbConfig, MIN_ANNOUNCE_LEASE};
 mod pods;
+pub mod reference;
 pub use nodeipam::{DemandKind, NodeIpamConfig, NodeIpamPoolConfig};
 pub use pods::PodsConfig;
 
@@ -67,7 +68,9 @@ pub enum ConfigError {
 }
 
 /// How programs are attached (config spelling).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema,
+)]
 #[serde(rename_all = "lowercase")]
 pub enum AttachModeConfig {
     /// TCX, netlink where the kernel lacks TCX.
@@ -80,7 +83,7 @@ pub enum AttachModeConfig {
 }
 
 /// `[datapath]`.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct DatapathConfig {
     /// Root of the pins on bpffs.
@@ -93,10 +96,10 @@ pub struct DatapathConfig {
     /// How to attach programs to the uplink (TCX: pinned links).
     pub attach_mode: AttachModeConfig,
     /// How to attach `from_endpoint` to endpoint veths. Netlink (clsact) by
-    /// default: on Linux 6.18 each TCX attach and detach waits for an RCU
-    /// grace period and they serialise, so 100 concurrent pod ADDs took
-    /// 1.43 s with TCX and 0.18 s with netlink (docs/benchmarks.md). Netlink
-    /// filters also outlive the agent and are replaced in place on upgrade.
+    /// default: each TCX attach and detach waits for an RCU grace period
+    /// and they serialise, so under pod churn netlink attaches several
+    /// times faster (`cargo xtask bench cni`). Netlink filters also outlive
+    /// the agent and are replaced in place on upgrade.
     pub endpoint_attach_mode: AttachModeConfig,
     /// Capacity of each IPCACHE map.
     pub ipcache_max_entries: u32,
@@ -123,7 +126,7 @@ impl Default for DatapathConfig {
 
 /// `[masquerade]`: source NAT of endpoint traffic leaving through the
 /// uplink, in BPF (docs/masquerade.md). Acts only with `datapath.uplink`.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct MasqueradeConfig {
     /// Translate at all (default on; without an uplink nothing is).
@@ -138,26 +141,32 @@ pub struct MasqueradeConfig {
     /// meet the node's `net.ipv4.ip_local_port_range`.
     pub ports: String,
     /// Idle time after which an open TCP translation ends.
+    #[schemars(with = "crate::config::reference::HumanDuration")]
     #[serde(with = "humantime_serde")]
     pub tcp_timeout: Duration,
     /// Idle time after which a TCP translation closed by FIN both ways, or
     /// reset, ends.
+    #[schemars(with = "crate::config::reference::HumanDuration")]
     #[serde(with = "humantime_serde")]
     pub tcp_closing_timeout: Duration,
     /// Idle time after which a UDP translation ends.
+    #[schemars(with = "crate::config::reference::HumanDuration")]
     #[serde(with = "humantime_serde")]
     pub udp_timeout: Duration,
     /// Idle time after which an ICMP echo translation ends.
+    #[schemars(with = "crate::config::reference::HumanDuration")]
     #[serde(with = "humantime_serde")]
     pub icmp_timeout: Duration,
     /// Idle time after which a translation nothing has answered yet (a
     /// TCP SYN, a UDP datagram, an echo request without reply) ends.
+    #[schemars(with = "crate::config::reference::HumanDuration")]
     #[serde(with = "humantime_serde")]
     pub unreplied_timeout: Duration,
     /// The share of each family's translation table (0 < share ≤ 1) one
     /// endpoint address may hold; a new flow beyond it is dropped.
     pub endpoint_share: f64,
     /// How often the agent collects ended translations.
+    #[schemars(with = "crate::config::reference::HumanDuration")]
     #[serde(with = "humantime_serde")]
     pub gc_interval: Duration,
 }
@@ -181,7 +190,7 @@ impl Default for MasqueradeConfig {
 }
 
 /// `[cni]`: installing the plugin and conflist (the DaemonSet pattern).
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct CniConfig {
     /// Install on start (and remove what was installed when turned off).
@@ -203,6 +212,7 @@ pub struct CniConfig {
     /// what queued while the previous one ran. At most 20s, so a DEL (the
     /// window and at most 5 s more) is answered within the plugin's default
     /// `agentTimeout` of 30 s.
+    #[schemars(with = "crate::config::reference::HumanDuration")]
     #[serde(with = "humantime_serde")]
     pub teardown_batch_window: Duration,
 }
@@ -227,7 +237,7 @@ impl Default for CniConfig {
 }
 
 /// One agent role: which families it holds an address in.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct RoleConfig {
     /// Hold an IPv4 address.
@@ -239,7 +249,7 @@ pub struct RoleConfig {
 }
 
 /// `[roles]`: the agent's own addresses.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct RolesConfig {
     /// Pool the role addresses come from (default: the default pool).
@@ -253,7 +263,9 @@ pub struct RolesConfig {
 }
 
 /// Where addresses come from (`[ipam] mode`).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema,
+)]
 #[serde(rename_all = "lowercase")]
 pub enum IpamMode {
     /// The agent's own pools.
@@ -265,7 +277,7 @@ pub enum IpamMode {
 
 /// `[ipam]`: local pools or an external CNI IPAM plugin (see
 /// [`crate::delegate`]).
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct IpamConfig {
     /// Local or delegated.
@@ -275,6 +287,7 @@ pub struct IpamConfig {
     /// Where CNI plugin binaries are looked up (`CNI_PATH`).
     pub plugin_dirs: Vec<PathBuf>,
     /// How long one plugin invocation may take before it is killed.
+    #[schemars(with = "crate::config::reference::HumanDuration")]
     #[serde(with = "humantime_serde")]
     pub timeout: Duration,
     /// The network namespace the agent runs the plugin in for its own
@@ -300,7 +313,7 @@ impl Default for IpamConfig {
 }
 
 /// The whole configuration.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct Config {
     /// This node's name (default: the host name).
@@ -312,10 +325,12 @@ pub struct Config {
     /// Prometheus metrics listen address (loopback by default).
     pub metrics_addr: Option<SocketAddr>,
     /// How often the maps are compared with the store and repaired.
+    #[schemars(with = "crate::config::reference::HumanDuration")]
     #[serde(with = "humantime_serde")]
     pub reconcile_interval: Duration,
     /// How long an API connection may take to send a request's headers, and
     /// stay idle between requests, before the agent closes it.
+    #[schemars(with = "crate::config::reference::HumanDuration")]
     #[serde(with = "humantime_serde")]
     pub api_header_timeout: Duration,
     /// The most API connections served at once (0: a quarter of the open
@@ -323,6 +338,7 @@ pub struct Config {
     /// descriptors always remain for the agent's own work.
     pub api_max_connections: usize,
     /// CIDRs that endpoint traffic reaches without masquerading.
+    #[schemars(with = "Vec<String>")]
     pub non_masquerade_cidrs: Vec<IpNet>,
     /// Masquerade (source NAT) settings.
     pub masquerade: MasqueradeConfig,

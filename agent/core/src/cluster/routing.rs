@@ -28,6 +28,7 @@ use serde::{Deserialize, Serialize};
 
 /// The cluster's routing mode.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "kebab-case")]
 pub enum RoutingMode {
     /// Kernel routes `block via node_ip`: every node on one segment.
@@ -48,6 +49,7 @@ impl RoutingMode {
 
 /// The encapsulation.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "kebab-case")]
 pub enum TunnelProtocol {
     /// VXLAN (RFC 7348), UDP 8472 by default (the Linux port; IANA's 4789

@@ -1,7 +1,7 @@
 //! Pod teardown off the DEL's path: the reaper.
 //!
 //! Deleting a host veth waits for the kernel's RCU grace periods (~15–20 ms
-//! on the project's VM, `docs/benchmarks.md`), and deletions one by one
+//! on the project's VM, `docs/design/benchmark-history.md`), and deletions one by one
 //! serialise under RTNL. A full DEL therefore does only the quick part before
 //! it is acknowledged: it removes the endpoint's map entries (no map entry
 //! outlives its allocation) and durably marks the endpoint record

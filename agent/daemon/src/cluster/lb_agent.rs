@@ -33,7 +33,7 @@
 //! etcd renews the lease when it receives the refresh, later than `t`, so
 //! it keeps the lease (and the keys) at least until `t + TTL`. A new holder
 //! can create the key only after etcd deleted it, so after the old entry
-//! expired (docs/cluster.md, "Announcement handover").
+//! expired (docs/design/cluster.md, "Announcement handover").
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;

@@ -28,7 +28,7 @@
 //! create-if-absent; a give-back compares the block's revision. Every request
 //! is bounded by the door's timeout; a write whose answer did not come in
 //! time is read back, because without quorum the leader may still have
-//! logged it and commit it later (docs/cluster.md, "A lesson from the
+//! logged it and commit it later (docs/design/cluster.md, "A lesson from the
 //! harness").
 
 mod door;
@@ -145,7 +145,7 @@ pub enum ClusterStoreError {
 }
 
 /// The value of a block key: who holds the block. Deliberately not bound to
-/// a lease (see docs/cluster.md, "Why blocks are not bound to leases").
+/// a lease (see docs/design/cluster.md, "Why blocks are not bound to leases").
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct BlockRecord {

@@ -15,7 +15,7 @@ use lockstep_core::cluster::routing::{MAX_VNI, RoutingMode, TunnelProtocol};
 use serde::{Deserialize, Serialize};
 
 /// `[cluster.tls]`: PEM files for `https://` etcd endpoints.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ClusterTlsConfig {
     /// CA certificate trusted for etcd's serving certificates.
@@ -29,7 +29,7 @@ pub struct ClusterTlsConfig {
 }
 
 /// `[cluster]`: pools and block ownership shared through etcd.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ClusterConfig {
     /// Client URLs of the etcd members (required, at least one).
@@ -51,13 +51,16 @@ pub struct ClusterConfig {
     pub node_ip_v6: Option<Ipv6Addr>,
     /// TTL of the node's lease (the node key dies this long after the
     /// agent stops renewing it).
+    #[schemars(with = "crate::config::reference::HumanDuration")]
     #[serde(default = "default_lease_ttl", with = "humantime_serde")]
     pub lease_ttl: Duration,
     /// How long a node's lease must be gone before its blocks may be
     /// reclaimed.
+    #[schemars(with = "crate::config::reference::HumanDuration")]
     #[serde(default = "default_reclaim_after", with = "humantime_serde")]
     pub reclaim_after: Duration,
     /// How long an empty block is kept before it is given back.
+    #[schemars(with = "crate::config::reference::HumanDuration")]
     #[serde(default = "default_release_after", with = "humantime_serde")]
     pub release_after: Duration,
     /// The least time between two recomputations of the remote state
@@ -65,6 +68,7 @@ pub struct ClusterConfig {
     /// is applied at once, a burst (a cluster starting, a zone coming
     /// back) at most once per this, so a node's CPU for it stays bounded
     /// at thousands of nodes.
+    #[schemars(with = "crate::config::reference::HumanDuration")]
     #[serde(default = "default_remote_settle", with = "humantime_serde")]
     pub remote_settle: Duration,
     /// TLS to etcd.
@@ -97,9 +101,9 @@ pub struct ClusterConfig {
     #[serde(default)]
     pub endpoint_mtu: Option<u32>,
     /// The fewest spare addresses the node keeps in its reservation window
-    /// per pool and family, beyond those in use (#43; docs/cluster.md,
-    /// "One address, one owner: reservation windows"): what it may hand
-    /// out while cut off from etcd before it answers "try again".
+    /// per pool and family, beyond those in use (docs/cluster.md,
+    /// "Reservation windows"): what it may hand out while cut off from
+    /// etcd before it answers "try again".
     #[serde(default = "default_window_min_spare")]
     pub window_min_spare: u64,
     /// The most: a burst of ADDs widens the window up to this, so a node

@@ -8,7 +8,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 /// `[kubernetes]`.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct KubernetesConfig {
     /// A kubeconfig file to reach the API with (its current context).
@@ -24,16 +24,17 @@ pub struct KubernetesConfig {
     pub node_name: Option<String>,
     /// How long start-up waits for the API to give this node's Node (its
     /// labels and InternalIPs) before going on with the config's values.
+    #[schemars(with = "crate::config::reference::HumanDuration")]
     #[serde(with = "humantime_serde")]
     pub node_wait: Duration,
     /// `[kubernetes.pods]`: pools by annotation and leaks.
     pub pods: super::pods::PodsConfig,
     /// `[kubernetes.nodeipam]`: this node's CIDRs come from its NodeIPAM
-    /// object (#29 item 5); absent: no NodeIPAM object is read or written.
+    /// object (docs/kubernetes.md); absent: no NodeIPAM object is read or written.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub nodeipam: Option<super::nodeipam::NodeIpamConfig>,
-    /// The cluster's endpoint pools come from `PodIPPool` objects (#29
-    /// item 1): the elected writer applies them through etcd as `lockstep
+    /// The cluster's endpoint pools come from `PodIPPool` objects: the
+    /// elected writer applies them through etcd as `lockstep
     /// cluster pools apply` would, and the CLI then refuses. Needs
     /// `[cluster]`.
     pub pod_pools: bool,
@@ -48,7 +49,7 @@ pub struct KubernetesConfig {
     /// In cluster mode, a Node deleted from the API is removed from etcd
     /// by the rule of `lockstep cluster node remove` without `--force`, and
     /// the addresses reserved for it are released once the API binds no
-    /// pod to it (#29 item 4).
+    /// pod to it.
     pub remove_deleted_nodes: bool,
 }
 

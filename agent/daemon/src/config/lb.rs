@@ -11,13 +11,14 @@ pub const MIN_ANNOUNCE_LEASE: Duration = Duration::from_millis(300);
 pub const MAX_ANNOUNCE_LEASE: Duration = Duration::from_secs(3600);
 
 /// `[lb]`.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct LbConfig {
     /// How long an announcement (an L2_RESP_V4 or L2_RESP_V6 entry) is
     /// answered without the agent renewing it; the agent renews every third
     /// of it. A node whose agent died or hangs stops answering ARP and NDP
     /// for its addresses within one lease, though its programs live on.
+    #[schemars(with = "crate::config::reference::HumanDuration")]
     #[serde(with = "humantime_serde")]
     pub announce_lease: Duration,
 }

@@ -13,7 +13,9 @@ use lockstep_core::nodeipam::NodePool;
 use serde::{Deserialize, Serialize};
 
 /// How a pool's `requested` is computed.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema,
+)]
 #[serde(rename_all = "lowercase")]
 pub enum DemandKind {
     /// `in_use + pre_allocate`: the operator recovers usage exactly.
@@ -24,7 +26,7 @@ pub enum DemandKind {
 }
 
 /// One `[[kubernetes.nodeipam.pools]]`.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct NodeIpamPoolConfig {
     /// The pool's name (in the object and in CNI requests).
@@ -75,11 +77,12 @@ impl NodeIpamPoolConfig {
 }
 
 /// `[kubernetes.nodeipam]`.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct NodeIpamConfig {
     /// How often demand is evaluated and written when it changed (pods
     /// coming and going change no object the agent watches).
+    #[schemars(with = "crate::config::reference::HumanDuration")]
     #[serde(default = "second", with = "humantime_serde")]
     pub interval: Duration,
     /// The pools.

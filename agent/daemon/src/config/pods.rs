@@ -7,18 +7,21 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 /// `[kubernetes.pods]`.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct PodsConfig {
     /// How long an ADD waits for its pod to reach the agent's cache before
     /// it goes on with the namespace's pool, else the default (logged).
+    #[schemars(with = "crate::config::reference::HumanDuration")]
     #[serde(with = "humantime_serde")]
     pub pool_wait: Duration,
     /// How long a pod must have been gone before its endpoint allocation
     /// counts as leaked (Calico's default, 15 minutes).
+    #[schemars(with = "crate::config::reference::HumanDuration")]
     #[serde(with = "humantime_serde")]
     pub leak_grace: Duration,
     /// How often allocations are compared with the pods.
+    #[schemars(with = "crate::config::reference::HumanDuration")]
     #[serde(with = "humantime_serde")]
     pub leak_check_every: Duration,
     /// Release leaked allocations (after the API confirmed the pod is gone);
