@@ -298,6 +298,44 @@ fn podman_host_port_reaches_the_container_and_del_removes_the_rules() -> anyhow:
     Ok(())
 }
 
+/// Bytes per second a server in `ctr` at `pod:9000` receives over 3 s
+/// (after the first byte) from a client in `node` sending as fast as it can.
+fn receive_rate(node: &Netns, ctr: &Netns, pod: &str) -> anyhow::Result<f64> {
+    use std::io::{Read as _, Write as _};
+    let addr: std::net::SocketAddr = format!("{pod}:9000").parse()?;
+    let listener = ctr.run(|| Ok(std::net::TcpListener::bind(addr)?))?;
+    let mut client = node.run(|| {
+        Ok(std::net::TcpStream::connect_timeout(
+            &addr,
+            Duration::from_secs(3),
+        )?)
+    })?;
+    client.set_write_timeout(Some(Duration::from_secs(1)))?;
+    let (mut server, _) = listener.accept()?;
+    server.set_read_timeout(Some(Duration::from_secs(2)))?;
+    std::thread::scope(|s| {
+        s.spawn(move || {
+            let chunk = [0u8; 64 * 1024];
+            let started = std::time::Instant::now();
+            while started.elapsed() < Duration::from_secs(10) && client.write_all(&chunk).is_ok() {}
+        });
+        let mut buf = vec![0u8; 64 * 1024];
+        let mut first = None;
+        let mut bytes = 0u64;
+        loop {
+            let n = server.read(&mut buf)?;
+            anyhow::ensure!(n > 0, "the sender stopped");
+            let at = *first.get_or_insert_with(std::time::Instant::now);
+            if at.elapsed() >= Duration::from_secs(3) {
+                let rate = bytes as f64 / at.elapsed().as_secs_f64();
+                drop(server);
+                return Ok(rate);
+            }
+            bytes += n as u64;
+        }
+    })
+}
+
 /// The qdiscs of `dev` in `ns`, by kind.
 fn qdisc_kinds(ns: &Netns, dev: &str) -> anyhow::Result<Vec<String>> {
     let v: Value = serde_json::from_str(&ns.exec("tc", ["-j", "qdisc", "show", "dev", dev])?)?;
@@ -308,6 +346,9 @@ fn qdisc_kinds(ns: &Netns, dev: &str) -> anyhow::Result<Vec<String>> {
         .collect())
 }
 
+/// The agent leaves a chained plugin missing from `bin_dir` out of the
+/// conflist, warning, and chains it once it is there and the agent restarts.
+///
 /// The chain run as libcni runs it, with the `bandwidth` and `portMappings`
 /// capability arguments a kubelet passes: a tbf qdisc shapes the host veth
 /// (the pod's ingress), CHECK passes through every plugin with the chain's
@@ -327,14 +368,30 @@ fn bandwidth_shapes_the_host_veth_check_passes_and_del_removes_it() -> anyhow::R
     let cni = TempDir::new("cni-chain")?;
     let bin = cni.path().join("bin");
     let conf = cni.path().join("net.d");
-    link_reference_plugins(&bin)?;
     let network = unique("lsnet");
-    let agent = AgentProc::start(
+    let mut agent = AgentProc::start(
         &node,
         &agent_toml(&bin, &conf, &network, "10.67.0.0/24", "fd00:67::/120"),
     )?;
+    // No reference plugin in bin_dir yet: lockstep's plugin alone, and a
+    // warning naming each one left out.
     let conflist = conf.join(format!("{network}.conflist"));
-    ensure!(plugin_types(&conflist)? == ["lockstep", "portmap", "bandwidth"]);
+    let alone = plugin_types(&conflist)?;
+    ensure!(alone == ["lockstep"], "{alone:?}");
+    let log = agent.log();
+    let warned = log
+        .lines()
+        .filter(|l| l.contains("not in the CNI bin directory"))
+        .count();
+    ensure!(
+        warned == 2,
+        "one warning per missing plugin, not {warned}:\n{log}"
+    );
+    // Installed, they are chained from the next start on.
+    link_reference_plugins(&bin)?;
+    agent.restart()?;
+    let types = plugin_types(&conflist)?;
+    ensure!(types == ["lockstep", "portmap", "bandwidth"], "{types:?}");
     let ctr = Netns::new("ctr")?;
     let id = unique("chained");
     // 10 Mbit/s into the pod, 1 Mbit bursts.
@@ -390,6 +447,14 @@ fn bandwidth_shapes_the_host_veth_check_passes_and_del_removes_it() -> anyhow::R
         "the host veth is in the root namespace"
     );
     eprintln!("{host}: {on_veth:?}; {}", tbf.trim());
+    // The tbf shapes what lockstep's datapath sends the pod: TCP from the
+    // node arrives at about 10 Mbit/s (1.25 MB/s), not at veth speed.
+    let rate = receive_rate(&node, &ctr, &pod_v4)?;
+    eprintln!("node -> pod through the tbf: {:.2} MB/s", rate / 1e6);
+    ensure!(
+        (0.5e6..2.0e6).contains(&rate),
+        "{rate:.0} B/s is not the 1.25 MB/s (10 Mbit/s) limit"
+    );
 
     // CHECK: lockstep's (the agent's endpoint against the result) and
     // bandwidth's (the tbf) pass. portmap 1.1.1 (Debian's) looks for the
