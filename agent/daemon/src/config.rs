@@ -207,9 +207,10 @@ pub struct CniConfig {
     pub teardown_batch_window: Duration,
     /// The reference plugins the conflist chains after lockstep's, in
     /// order: `portmap` (hostPorts, the `portMappings` capability, with
-    /// SNAT of hairpin and localhost traffic) and `bandwidth` (the
-    /// `bandwidth` capability: a tbf qdisc on the pod's host veth).
-    /// Both by default, as Calico's and Cilium's conflists chain them, so
+    /// SNAT so localhost traffic is answered) and `bandwidth` (the
+    /// `bandwidth` capability: a tbf qdisc on the pod's host veth; egress
+    /// limits fail beside the netlink endpoint attach, docs/cni.md).
+    /// Both by default, as Calico's default conflist chains them, so
     /// a pod's `hostPort` works. A plugin whose binary is not in
     /// `bin_dir` when the agent installs is left out of the conflist with
     /// a warning (a conflist naming a missing plugin fails every ADD).
