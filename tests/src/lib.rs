@@ -18,6 +18,7 @@ use anyhow::{Context, bail};
 
 pub mod churn;
 pub mod cluster;
+pub mod cni_chain;
 pub mod etcd;
 pub mod kube_lab;
 pub mod kube_pods;

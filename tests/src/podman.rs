@@ -42,6 +42,11 @@ pub fn ok(what: &str, out: Output) -> anyhow::Result<String> {
 pub struct Podman {
     dir: TempDir,
     conf: PathBuf,
+    /// The network namespace podman runs in (`nsenter --net`), if not the
+    /// machine's root namespace: CNI plugins run where the runtime runs, so
+    /// chained plugins that program the host (portmap's iptables rules,
+    /// bandwidth's qdiscs) program this namespace instead.
+    netns: Option<PathBuf>,
     /// The CNI plugin directory podman searches (first).
     pub bin_dir: PathBuf,
     /// The directory of podman's CNI network configs.
@@ -76,6 +81,7 @@ impl Podman {
         let podman = Self {
             dir,
             conf,
+            netns: None,
             bin_dir,
             net_dir,
         };
@@ -116,7 +122,15 @@ impl Podman {
 
     /// `podman` with the private config and storage.
     pub fn command(&self) -> Command {
-        let mut cmd = Command::new("podman");
+        let mut cmd = match &self.netns {
+            Some(ns) => {
+                let mut cmd = Command::new("nsenter");
+                cmd.arg(format!("--net={}", ns.display()))
+                    .args(["--", "podman"]);
+                cmd
+            }
+            None => Command::new("podman"),
+        };
         cmd.env("CONTAINERS_CONF", &self.conf)
             .arg("--root")
             .arg(self.dir.path().join("storage"))
@@ -155,21 +169,42 @@ impl Podman {
     /// # Errors
     /// podman could not be started.
     pub fn try_run(&self, network: &str, name: &str) -> anyhow::Result<Output> {
-        self.output([
-            "run",
-            "-d",
-            "--name",
-            name,
-            "--network",
-            network,
+        self.try_run_with(network, name, &[], &[])
+    }
+
+    /// From now on, runs podman (and so the CNI plugins it calls) inside the
+    /// network namespace at `path` (the test's node), not the root one.
+    pub fn enter(&mut self, path: &Path) {
+        self.netns = Some(path.to_path_buf());
+    }
+
+    /// [`Podman::try_run`] with more `podman run` options (`-p 8080:80`)
+    /// and a command other than `sleep 300`, if `command` is not empty.
+    ///
+    /// # Errors
+    /// podman could not be started.
+    pub fn try_run_with(
+        &self,
+        network: &str,
+        name: &str,
+        extra: &[&str],
+        command: &[&str],
+    ) -> anyhow::Result<Output> {
+        let mut args = vec!["run", "-d", "--name", name, "--network", network];
+        args.extend_from_slice(extra);
+        args.extend([
             "--ulimit",
             "nofile=1024:1024",
             "--ulimit",
             "nproc=1024:1024",
             IMAGE,
-            "sleep",
-            "300",
-        ])
+        ]);
+        if command.is_empty() {
+            args.extend(["sleep", "300"]);
+        } else {
+            args.extend_from_slice(command);
+        }
+        self.output(args)
     }
 
     /// Starts a container; returns its full ID.

@@ -215,6 +215,37 @@ pub struct CniConfig {
     #[schemars(with = "crate::config::reference::HumanDuration")]
     #[serde(with = "humantime_serde")]
     pub teardown_batch_window: Duration,
+    /// The reference plugins the conflist chains after lockstep's, in
+    /// order: `portmap` (hostPorts, the `portMappings` capability, with
+    /// SNAT so localhost traffic is answered) and `bandwidth` (the
+    /// `bandwidth` capability: a tbf qdisc on the pod's host veth; egress
+    /// limits fail beside the netlink endpoint attach, docs/cni.md).
+    /// Both by default, as Calico's default conflist chains them, so
+    /// a pod's `hostPort` works. A plugin whose binary is not in
+    /// `bin_dir` when the agent installs is left out of the conflist with
+    /// a warning (a conflist naming a missing plugin fails every ADD).
+    pub chain: Vec<ChainedPlugin>,
+}
+
+/// A reference CNI plugin the conflist can chain after lockstep's
+/// (`[cni] chain`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ChainedPlugin {
+    /// `portmap`: hostPort forwarding through iptables, `snat: true`.
+    Portmap,
+    /// `bandwidth`: ingress and egress shaping of the pod's host veth.
+    Bandwidth,
+}
+
+impl ChainedPlugin {
+    /// The plugin's binary name (its conflist `type`).
+    pub fn binary(self) -> &'static str {
+        match self {
+            ChainedPlugin::Portmap => "portmap",
+            ChainedPlugin::Bandwidth => "bandwidth",
+        }
+    }
 }
 
 /// The longest `cni.teardown_batch_window`.
@@ -232,6 +263,7 @@ impl Default for CniConfig {
             // 4.3) refuse 1.1.0 results. The plugin speaks both.
             cni_version: "1.0.0".into(),
             teardown_batch_window: Duration::ZERO,
+            chain: vec![ChainedPlugin::Portmap, ChainedPlugin::Bandwidth],
         }
     }
 }
@@ -501,6 +533,13 @@ impl Config {
                     "{} is not one of 0.3.1, 0.4.0, 1.0.0, 1.1.0",
                     self.cni.cni_version
                 ),
+            ));
+        }
+        let mut chained = BTreeSet::new();
+        if let Some(twice) = self.cni.chain.iter().find(|p| !chained.insert(p.binary())) {
+            out.push((
+                "cni.chain".into(),
+                format!("names {} twice", twice.binary()),
             ));
         }
         if self.cni.conflist_name.contains('/') || !self.cni.conflist_name.ends_with(".conflist") {

@@ -15,7 +15,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use crate::config::CniConfig;
+use crate::config::{ChainedPlugin, CniConfig};
 
 /// The record of what was installed, kept in the state directory.
 pub const MANIFEST: &str = "cni-installed.json";
@@ -136,17 +136,46 @@ fn owned_paths(cni: &CniConfig) -> [PathBuf; 3] {
     ]
 }
 
-/// The conflist the agent writes.
-pub fn conflist(cni: &CniConfig, socket: &Path) -> String {
+/// The conflist the agent writes: lockstep's plugin first (it makes the
+/// interfaces and the result), then `chain` in order. The runtime hands each
+/// chained plugin the result so far as `prevResult` and the capability
+/// arguments it declares (`portMappings`, `bandwidth`) as `runtimeConfig`;
+/// DEL runs the list in reverse, so their rules and qdiscs go before
+/// lockstep's veth does.
+pub fn conflist(cni: &CniConfig, socket: &Path, chain: &[ChainedPlugin]) -> String {
+    let mut plugins = vec![serde_json::json!({
+        "type": "lockstep",
+        "agentSocket": socket.display().to_string(),
+    })];
+    plugins.extend(chain.iter().map(|plugin| match plugin {
+        ChainedPlugin::Portmap => serde_json::json!({
+            "type": plugin.binary(),
+            "capabilities": {"portMappings": true},
+            "snat": true,
+        }),
+        ChainedPlugin::Bandwidth => serde_json::json!({
+            "type": plugin.binary(),
+            "capabilities": {"bandwidth": true},
+        }),
+    }));
     let doc = serde_json::json!({
         "cniVersion": cni.cni_version,
         "name": cni.network_name,
-        "plugins": [{
-            "type": "lockstep",
-            "agentSocket": socket.display().to_string(),
-        }],
+        "plugins": plugins,
     });
     serde_json::to_string_pretty(&doc).unwrap_or_default() + "\n"
+}
+
+/// `cni.chain` split into the plugins whose executable is in `bin_dir` and
+/// those that are not. The runtime fails every ADD of a conflist naming a
+/// plugin it cannot find, so a missing one is left out (and the agent warns)
+/// rather than taking every pod's network down with it.
+pub fn available_chain(cni: &CniConfig) -> (Vec<ChainedPlugin>, Vec<ChainedPlugin>) {
+    use std::os::unix::fs::PermissionsExt as _;
+    cni.chain.iter().partition(|plugin| {
+        std::fs::metadata(cni.bin_dir.join(plugin.binary()))
+            .is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+    })
 }
 
 /// Installs the plugin binaries and the conflist; returns what was written.
@@ -167,7 +196,17 @@ pub fn install(
         .filter(|p| p.exists())
         .unwrap_or(agent);
     let binary = std::fs::read(&exe).map_err(io("read", &exe))?;
-    let text = conflist(cni, socket);
+    let (chain, missing) = available_chain(cni);
+    for plugin in &missing {
+        tracing::warn!(
+            plugin = plugin.binary(),
+            bin_dir = %cni.bin_dir.display(),
+            "cni.chain names a plugin that is not in the CNI bin directory; left out of the \
+             conflist (install the reference plugins, e.g. containernetworking-plugins, and \
+             restart the agent, or remove it from cni.chain)"
+        );
+    }
+    let text = conflist(cni, socket, &chain);
     let [full, ipam, conf] = owned_paths(cni);
     let mut written = Vec::new();
     for (path, content, mode) in [
@@ -183,6 +222,7 @@ pub fn install(
     write_atomic(&manifest, &json, 0o600)?;
     tracing::info!(
         files = written.len(),
+        chain = ?chain.iter().map(|p| p.binary()).collect::<Vec<_>>(),
         "installed the CNI plugin and conflist"
     );
     Ok(written)
@@ -276,6 +316,54 @@ mod tests {
         // Nothing recorded any more: a second uninstall does nothing.
         assert_eq!(uninstall(&cfg, &dir).expect("again"), (vec![], vec![]));
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn the_conflist_chains_only_the_plugins_present_in_bin_dir() {
+        use std::os::unix::fs::PermissionsExt as _;
+        let tmp = tempfile::tempdir().expect("tempdir");
+        let cfg = cni(tmp.path());
+        std::fs::create_dir_all(&cfg.bin_dir).expect("mkdir");
+        let plugins = |cfg: &CniConfig| -> Vec<serde_json::Value> {
+            install(cfg, Path::new("/run/x.sock"), tmp.path()).expect("install");
+            let text =
+                std::fs::read_to_string(cfg.conf_dir.join(&cfg.conflist_name)).expect("read");
+            let doc: serde_json::Value = serde_json::from_str(&text).expect("json");
+            doc["plugins"].as_array().expect("plugins").clone()
+        };
+        // Neither binary there: lockstep's plugin alone.
+        let got = plugins(&cfg);
+        assert_eq!(got.len(), 1, "{got:?}");
+        // portmap present but not executable, bandwidth present.
+        let portmap = cfg.bin_dir.join("portmap");
+        std::fs::write(&portmap, b"#!/bin/sh\n").expect("write");
+        std::fs::set_permissions(&portmap, std::fs::Permissions::from_mode(0o644)).expect("chmod");
+        std::fs::write(cfg.bin_dir.join("bandwidth"), b"#!/bin/sh\n").expect("write");
+        std::fs::set_permissions(
+            cfg.bin_dir.join("bandwidth"),
+            std::fs::Permissions::from_mode(0o755),
+        )
+        .expect("chmod");
+        let got = plugins(&cfg);
+        assert_eq!(got.len(), 2, "{got:?}");
+        assert_eq!(got[1]["type"], "bandwidth");
+        assert_eq!(got[1]["capabilities"]["bandwidth"], true);
+        // Both: lockstep, portmap (portMappings, snat), bandwidth.
+        std::fs::set_permissions(&portmap, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+        let got = plugins(&cfg);
+        let types: Vec<_> = got.iter().map(|p| p["type"].as_str()).collect();
+        assert_eq!(
+            types,
+            [Some("lockstep"), Some("portmap"), Some("bandwidth")]
+        );
+        assert_eq!(got[1]["capabilities"]["portMappings"], true);
+        assert_eq!(got[1]["snat"], true);
+        // An empty chain: lockstep's plugin alone, whatever is installed.
+        let alone = CniConfig {
+            chain: Vec::new(),
+            ..cfg.clone()
+        };
+        assert_eq!(plugins(&alone).len(), 1);
     }
 
     #[test]

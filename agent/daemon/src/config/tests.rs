@@ -46,6 +46,20 @@ fn the_shipped_example_is_valid() {
 }
 
 #[test]
+fn the_conflist_chains_portmap_and_bandwidth_unless_told_otherwise() {
+    use crate::config::ChainedPlugin;
+    let c = parse("").expect("empty config");
+    assert_eq!(
+        c.cni.chain,
+        [ChainedPlugin::Portmap, ChainedPlugin::Bandwidth]
+    );
+    let c = parse("[cni]\nchain = []").expect("no chain");
+    assert!(c.cni.chain.is_empty());
+    let c = parse("[cni]\nchain = [\"bandwidth\"]").expect("bandwidth only");
+    assert_eq!(c.cni.chain, [ChainedPlugin::Bandwidth]);
+}
+
+#[test]
 fn errors_name_the_file_and_field() {
     let cases: &[(&str, &str)] = &[
         ("bogus = 1", "bogus"),
@@ -61,6 +75,8 @@ fn errors_name_the_file_and_field() {
             "[cni]\nteardown_batch_window = \"21s\"",
             "cni.teardown_batch_window",
         ),
+        ("[cni]\nchain = [\"portmap\", \"portmap\"]", "cni.chain"),
+        ("[cni]\nchain = [\"firewall\"]", "firewall"),
         ("[[pools]]\nname = \"empty\"", "pools[0] (empty)"),
         (
             "[[pools]]\nname = \"lo\"\nipv4 = [\"127.0.0.0/24\"]",
