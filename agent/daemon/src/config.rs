@@ -229,7 +229,7 @@ pub struct CniConfig {
 
 /// A reference CNI plugin the conflist can chain after lockstep's
 /// (`[cni] chain`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum ChainedPlugin {
     /// `portmap`: hostPort forwarding through iptables, `snat: true`.
