@@ -12,7 +12,9 @@
 //!   every route of protocol 213, and leaves the other conflist alone. The
 //!   next pod added the same way gets the bridge network's address and
 //!   reaches the node through it.
-//! - The tunnel device a tunnel-mode agent made is removed too.
+//! - The tunnel device a tunnel-mode agent made is removed too, by
+//!   `uninstall --wait` as the cleanup DaemonSet runs it: it then waits,
+//!   and SIGTERM ends it cleanly.
 
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
@@ -21,7 +23,7 @@ use std::process::Stdio;
 use anyhow::{Context, bail, ensure};
 use lockstep_tests::cluster::ClusterNodes;
 use lockstep_tests::etcd::EtcdCluster;
-use lockstep_tests::{AgentProc, Netns, TempDir, lockstep_output, privileged};
+use lockstep_tests::{AgentProc, Netns, TempDir, lockstep_bin, lockstep_output, privileged};
 use serde_json::{Value, json};
 
 /// The reference plugins, as Debian's containernetworking-plugins installs
@@ -290,7 +292,25 @@ fn uninstall_removes_the_tunnel_device() -> anyhow::Result<()> {
         "the agent made no tunnel device"
     );
     agent.stop()?;
-    let out = uninstall(&node, &agent)?;
+    // As the cleanup DaemonSet's pod runs it: done, then waiting to be
+    // deleted (SIGTERM), so the pod stays running.
+    let mut child = node
+        .command(lockstep_bin())
+        .args(["uninstall", "--wait", "--config"])
+        .arg(&agent.config)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()?;
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while node.ip(["link", "show", "lockstep_vxlan"]).is_ok() {
+        ensure!(std::time::Instant::now() < deadline, "the device stayed");
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    ensure!(child.try_wait()?.is_none(), "uninstall --wait did not wait");
+    // SAFETY: a plain signal to the child this test started.
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    let out = child.wait_with_output()?;
     ensure!(
         out.status.success(),
         "uninstall: {}",

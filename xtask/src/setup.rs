@@ -89,6 +89,7 @@ const RENDERED: &[(&str, &[&str])] = &[
             "lockstep",
         ],
     ),
+    ("cleanup", &["--mode", "pod-cidr", "--cleanup"]),
     (
         "pod-cidr",
         &["--mode", "pod-cidr", "--non-masquerade", "10.96.0.0/12"],

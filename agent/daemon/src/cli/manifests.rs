@@ -6,7 +6,7 @@ use std::net::SocketAddr;
 use clap::Args;
 use ipnet::IpNet;
 
-use crate::manifests::{Mode, Options, render, render_pools};
+use crate::manifests::{Mode, Options, render, render_cleanup, render_pools};
 
 /// `lockstep manifests`.
 #[derive(Debug, Args)]
@@ -60,8 +60,12 @@ pub struct ManifestsArgs {
     service_monitor: bool,
     /// Render only the pool objects of --lb-pool and --pool, to apply once
     /// the install's CRDs are established.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "cleanup")]
     pools_only: bool,
+    /// Render only the cleanup DaemonSet, which runs `lockstep uninstall`
+    /// on every node once the install is deleted.
+    #[arg(long)]
+    cleanup: bool,
 }
 
 /// Prints the manifests the flags ask for.
@@ -86,6 +90,8 @@ pub fn run(args: ManifestsArgs) -> anyhow::Result<i32> {
     };
     let text = if args.pools_only {
         render_pools(&options)?
+    } else if args.cleanup {
+        render_cleanup(&options)?
     } else {
         render(&options)?
     };

@@ -17,6 +17,11 @@ pub struct UninstallArgs {
     /// empty instead of resuming every allocation.
     #[arg(long)]
     purge_state: bool,
+    /// Once done, wait for SIGTERM or SIGINT instead of exiting: the
+    /// cleanup DaemonSet's pod stays running, so `kubectl rollout status`
+    /// tells when every node is clean.
+    #[arg(long)]
+    wait: bool,
     /// Output format.
     #[arg(long, short, value_enum, default_value_t)]
     output: Output,
@@ -54,5 +59,26 @@ pub fn run(args: UninstallArgs) -> anyhow::Result<i32> {
         }
         lines.join("\n")
     });
+    if args.wait {
+        wait_for_stop()?;
+    }
     Ok(0)
+}
+
+/// Blocks until SIGTERM or SIGINT.
+fn wait_for_stop() -> anyhow::Result<()> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    rt.block_on(async {
+        let mut term = signal(SignalKind::terminate())?;
+        let mut int = signal(SignalKind::interrupt())?;
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = int.recv() => {}
+        }
+        Ok::<(), std::io::Error>(())
+    })?;
+    Ok(())
 }

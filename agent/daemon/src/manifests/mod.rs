@@ -314,6 +314,24 @@ pub fn render(options: &Options) -> Result<String, ManifestsError> {
     write_docs(header, objects::all(options, &config)?)
 }
 
+/// Renders the cleanup DaemonSet that runs `lockstep uninstall` on every
+/// node (with the ConfigMap it reads), for after the install is deleted.
+///
+/// # Errors
+/// As [`render`].
+pub fn render_cleanup(options: &Options) -> Result<String, ManifestsError> {
+    options.check()?;
+    let config = options.config_toml();
+    Config::parse(Path::new("config.toml"), &config).map_err(ManifestsError::Config)?;
+    let header = format!(
+        "# lockstep {version} cleanup, mode {mode}: apply after deleting the install\n\
+         # (docs/kubernetes.md, \"Uninstall\").\n",
+        version = crate::version::version(),
+        mode = options.mode.name()
+    );
+    write_docs(header, objects::cleanup(options, &config))
+}
+
 /// Renders the pool objects `--lb-pool` and (mode cluster) `--pool` ask
 /// for, to apply once the install's CRDs are established.
 ///

@@ -134,6 +134,57 @@ pub fn all(o: &Options, config: &str) -> Result<Vec<(String, Value)>, ManifestsE
     Ok(out)
 }
 
+/// The cleanup of `lockstep uninstall`'s section in docs/kubernetes.md:
+/// the ConfigMap (the agent's paths) and a DaemonSet `lockstep-cleanup`
+/// whose pod runs `lockstep uninstall --wait` on every node, then stays
+/// until deleted (so `kubectl rollout status` tells when every node is
+/// clean). Applied after the agent's DaemonSet is deleted: on a node whose
+/// agent still answers, the uninstall refuses and the pod retries.
+pub fn cleanup(o: &Options, config: &str) -> Vec<(String, Value)> {
+    let mut ds = daemonset(o, &sha256_hex(config.as_bytes()));
+    ds["metadata"]["name"] = json!("lockstep-cleanup");
+    ds["metadata"]["labels"]["app.kubernetes.io/component"] = json!("cleanup");
+    let selector = json!({"app.kubernetes.io/name": APP, "app.kubernetes.io/component": "cleanup"});
+    ds["spec"]["selector"]["matchLabels"] = selector.clone();
+    ds["spec"]["template"]["metadata"]["labels"] = selector;
+    let pod = &mut ds["spec"]["template"]["spec"];
+    pod["automountServiceAccountToken"] = json!(false);
+    if let Some(obj) = pod.as_object_mut() {
+        obj.remove("serviceAccountName");
+    }
+    let container = &mut pod["containers"][0];
+    container["name"] = json!("cleanup");
+    container["args"] = json!([
+        "uninstall",
+        "--config",
+        "/etc/lockstep/config.toml",
+        "--wait"
+    ]);
+    if let Some(obj) = container.as_object_mut() {
+        for p in ["startupProbe", "livenessProbe", "readinessProbe", "ports"] {
+            obj.remove(p);
+        }
+    }
+    vec![
+        (
+            "The agent's config, for the paths the cleanup removes.".to_string(),
+            json!({
+                "apiVersion": "v1",
+                "kind": "ConfigMap",
+                "metadata": meta("lockstep-config", o),
+                "data": {"config.toml": config},
+            }),
+        ),
+        (
+            "Removes what lockstep left on every node (`lockstep uninstall`), then waits\n\
+             to be deleted. Apply after deleting the agent's DaemonSet; delete once\n\
+             `kubectl rollout status` says every node's pod is running."
+                .to_string(),
+            ds,
+        ),
+    ]
+}
+
 /// The pool objects `--lb-pool` and `--pool` (cluster) ask for, named
 /// `default`; applied after the install, once its CRDs are established.
 pub fn pools(o: &Options) -> Vec<(String, Value)> {

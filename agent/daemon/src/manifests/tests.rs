@@ -249,3 +249,38 @@ fn the_committed_daemonsets_are_what_the_generator_renders() {
          --etcd-tls-secret lockstep-etcd-tls --non-masquerade 10.96.0.0/12 > deploy/daemonset-cluster.yaml`"
     );
 }
+
+#[test]
+fn the_cleanup_runs_uninstall_on_every_node_with_the_agents_paths() {
+    for mode in [Mode::Lb, Mode::Local, Mode::PodCidr, Mode::Cluster] {
+        let d = docs(&render_cleanup(&options(mode)).unwrap());
+        assert_eq!(d.len(), 2, "{mode:?}");
+        let install = docs(&render(&options(mode)).unwrap());
+        assert_eq!(kind(&d, "ConfigMap"), kind(&install, "ConfigMap"));
+        let ds = kind(&d, "DaemonSet").unwrap();
+        assert_eq!(ds["metadata"]["name"], "lockstep-cleanup");
+        let agent = kind(&install, "DaemonSet").unwrap();
+        let (pod, agent_pod) = (
+            &ds["spec"]["template"]["spec"],
+            &agent["spec"]["template"]["spec"],
+        );
+        assert_eq!(pod["volumes"], agent_pod["volumes"], "{mode:?}");
+        let c = &pod["containers"][0];
+        assert_eq!(c["args"][0], "uninstall");
+        assert_eq!(
+            c["volumeMounts"],
+            agent_pod["containers"][0]["volumeMounts"]
+        );
+        assert_eq!(
+            c["securityContext"],
+            agent_pod["containers"][0]["securityContext"]
+        );
+        assert_eq!(pod["automountServiceAccountToken"], false);
+        // Its pods are not the agent's: the metrics Service and the agent's
+        // DaemonSet select neither.
+        assert_ne!(
+            ds["spec"]["selector"]["matchLabels"],
+            agent["spec"]["selector"]["matchLabels"]
+        );
+    }
+}
