@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# lockstep Kubernetes demo (#28, docs/kubernetes.md): a Service of
+# lockstep Kubernetes demo (docs/kubernetes.md): a Service of
 # `type: LoadBalancer` gets its address in its status, and the address is
 # answered on the node's uplink; a pod annotated `lockstep.io/ip-pool` gets
-# its address from that pool through the CNI plugin (#29).
+# its address from that pool through the CNI plugin.
 #
 #   node ns ── u0 ══ n0 ── nb ns (a neighbour on the "uplink", 10.203.0.2/24)
 #      ├─ lockstep agent, [kubernetes] pointing at ...
