@@ -6,7 +6,8 @@
 //!   hold another CNI's conflist (the reference `bridge` + `host-local`)
 //!   that sorts after lockstep's. A pod added as a runtime does it (the
 //!   first conflist of the directory, every plugin of its list in turn, as
-//!   containerd's libcni picks a network) gets a lockstep address.
+//!   containerd picks a network, run through `cni_chain`) gets a lockstep
+//!   address.
 //!   `lockstep uninstall` refuses while the agent answers; once it is
 //!   stopped it removes the conflist, the plugin binaries, every pin and
 //!   every route of protocol 213, and leaves the other conflist alone. The
@@ -16,12 +17,12 @@
 //!   `uninstall --wait` as the cleanup DaemonSet runs it: it then waits,
 //!   and SIGTERM ends it cleanly.
 
-use std::io::Write as _;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 
-use anyhow::{Context, bail, ensure};
+use anyhow::{Context, ensure};
 use lockstep_tests::cluster::ClusterNodes;
+use lockstep_tests::cni_chain::Chain;
 use lockstep_tests::etcd::EtcdCluster;
 use lockstep_tests::{AgentProc, Netns, TempDir, lockstep_bin, lockstep_output, privileged};
 use serde_json::{Value, json};
@@ -43,7 +44,7 @@ const BRIDGE_CONFLIST: &str = r#"{
 
 /// The first conflist of `conf_dir` in lexical order, as containerd's CRI
 /// plugin picks the pod network.
-fn first_conflist(conf_dir: &Path) -> anyhow::Result<(PathBuf, Value)> {
+fn first_conflist(conf_dir: &Path) -> anyhow::Result<PathBuf> {
     let mut names: Vec<PathBuf> = std::fs::read_dir(conf_dir)?
         .filter_map(|e| e.ok().map(|e| e.path()))
         .filter(|p| {
@@ -52,67 +53,32 @@ fn first_conflist(conf_dir: &Path) -> anyhow::Result<(PathBuf, Value)> {
         })
         .collect();
     names.sort();
-    let first = names.into_iter().next().context("no CNI config left")?;
-    let conf: Value = serde_json::from_str(&std::fs::read_to_string(&first)?)?;
-    Ok((first, conf))
+    names.into_iter().next().context("no CNI config left")
 }
 
-/// ADD of `netns` through every plugin of the node's first conflist, each
-/// given the previous one's result (CNI spec, "Executing a network
-/// configuration list"); the last result.
+/// ADD of `pod` through the node's first conflist as a runtime on `node`
+/// runs it: its network's name and the final result.
 fn add_through_first_conflist(
+    node: &Netns,
     conf_dir: &Path,
-    cni_path: &str,
+    bin_dir: &Path,
     id: &str,
-    netns: &Path,
+    pod: &Netns,
 ) -> anyhow::Result<(String, Value)> {
-    let (file, list) = first_conflist(conf_dir)?;
-    let mut prev: Option<Value> = None;
-    for plugin in list["plugins"].as_array().context("plugins")? {
-        let mut conf = plugin.clone();
-        conf["cniVersion"] = list["cniVersion"].clone();
-        conf["name"] = list["name"].clone();
-        if let Some(p) = &prev {
-            conf["prevResult"] = p.clone();
-        }
-        let kind = conf["type"].as_str().context("type")?;
-        let bin = cni_path
-            .split(':')
-            .map(|d| Path::new(d).join(kind))
-            .find(|p| p.exists())
-            .with_context(|| format!("no plugin {kind} in {cni_path}"))?;
-        let mut child = std::process::Command::new(&bin)
-            .env_clear()
-            .env("PATH", std::env::var_os("PATH").unwrap_or_default())
-            .env("CNI_COMMAND", "ADD")
-            .env("CNI_CONTAINERID", id)
-            .env("CNI_NETNS", netns)
-            .env("CNI_IFNAME", "eth0")
-            .env("CNI_PATH", cni_path)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()?;
-        child
-            .stdin
-            .take()
-            .context("stdin")?
-            .write_all(conf.to_string().as_bytes())?;
-        let out = child.wait_with_output()?;
-        if !out.status.success() {
-            bail!(
-                "{} ADD through {}: {}{}",
-                kind,
-                file.display(),
-                String::from_utf8_lossy(&out.stdout),
-                String::from_utf8_lossy(&out.stderr)
-            );
-        }
-        prev = Some(serde_json::from_slice(&out.stdout)?);
-    }
+    let chain = Chain::from_file(
+        &first_conflist(conf_dir)?,
+        bin_dir,
+        id,
+        &pod.path(),
+        json!({}),
+    )?;
+    let result = chain.add(node)?;
     Ok((
-        list["name"].as_str().unwrap_or_default().to_string(),
-        prev.context("an empty plugin list")?,
+        chain.conflist["name"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string(),
+        result,
     ))
 }
 
@@ -168,6 +134,15 @@ fn uninstall_leaves_a_node_whose_next_cni_works() -> anyhow::Result<()> {
     let dirs = TempDir::new("uninstall-cni")?;
     let (bin_dir, conf_dir) = (dirs.path().join("bin"), dirs.path().join("net.d"));
     std::fs::create_dir_all(&conf_dir)?;
+    // The runtime's plugin directory holds the next network's plugins too,
+    // as a node's /opt/cni/bin does.
+    std::fs::create_dir_all(&bin_dir)?;
+    for plugin in ["bridge", "host-local"] {
+        std::fs::copy(
+            Path::new(REFERENCE_PLUGINS).join(plugin),
+            bin_dir.join(plugin),
+        )?;
+    }
     std::fs::write(
         conf_dir.join("10-next.conflist"),
         BRIDGE_CONFLIST.replace("DATA_DIR", &dirs.path().join("ipam").display().to_string()),
@@ -181,7 +156,6 @@ fn uninstall_leaves_a_node_whose_next_cni_works() -> anyhow::Result<()> {
     nodes.agents[0].restart()?;
     nodes.wait_remote()?;
     let node = &nodes.ns[0];
-    let cni_path = format!("{}:{REFERENCE_PLUGINS}", bin_dir.display());
     ensure!(
         entries(&conf_dir) == ["05-lockstep.conflist", "10-next.conflist"],
         "installed: {:?}",
@@ -190,8 +164,7 @@ fn uninstall_leaves_a_node_whose_next_cni_works() -> anyhow::Result<()> {
 
     // A pod before: lockstep's network.
     let pod = Netns::new("unpod")?;
-    let (network, result) =
-        add_through_first_conflist(&conf_dir, &cni_path, "before", &pod.path())?;
+    let (network, result) = add_through_first_conflist(node, &conf_dir, &bin_dir, "before", &pod)?;
     ensure!(network == "lockstep", "the first network was {network}");
     let ip = first_ip(&result)?;
     ensure!(ip.starts_with("10.98."), "lockstep gave {ip}");
@@ -230,7 +203,7 @@ fn uninstall_leaves_a_node_whose_next_cni_works() -> anyhow::Result<()> {
         entries(&conf_dir)
     );
     ensure!(
-        entries(&bin_dir).is_empty(),
+        entries(&bin_dir) == ["bridge", "host-local"],
         "left in bin: {:?}",
         entries(&bin_dir)
     );
@@ -248,8 +221,7 @@ fn uninstall_leaves_a_node_whose_next_cni_works() -> anyhow::Result<()> {
 
     // A pod after: the next network's, and it reaches the node.
     let next = Netns::new("unpod")?;
-    let (network, result) =
-        add_through_first_conflist(&conf_dir, &cni_path, "after", &next.path())?;
+    let (network, result) = add_through_first_conflist(node, &conf_dir, &bin_dir, "after", &next)?;
     ensure!(network == "next", "the first network was {network}");
     let ip = first_ip(&result)?;
     ensure!(ip.starts_with("10.77.0."), "the next network gave {ip}");
