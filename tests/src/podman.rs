@@ -308,3 +308,37 @@ impl Podman {
         size.trim().parse().context("image size")
     }
 }
+
+/// An agent's config for the CNI tests: pool `pods` with `v4`/`v6`, no
+/// periodic reconcile, and the CNI install of `network` into `bin`/`conf`.
+///
+/// The conflist says `cniVersion = "1.0.0"`: the agent's default, 1.1.0, is
+/// newer than podman 4.3.1's libcni (1.1.2) understands: it runs the plugin,
+/// then fails with `unsupported CNI result version "1.1.0"`.
+pub fn cni_agent_toml(
+    bin: &Path,
+    conf: &Path,
+    network: &str,
+    v4: &str,
+    v6: &str,
+) -> String {
+    format!(
+        r#"
+reconcile_interval = "1h"
+[[pools]]
+name = "pods"
+ipv4 = ["{v4}"]
+ipv6 = ["{v6}"]
+
+[cni]
+install = true
+bin_dir = "{bin}"
+conf_dir = "{conf}"
+conflist_name = "{network}.conflist"
+network_name = "{network}"
+cni_version = "1.0.0"
+"#,
+        bin = bin.display(),
+        conf = conf.display(),
+    )
+}

@@ -56,25 +56,7 @@ fn link_reference_plugins(bin_dir: &Path) -> anyhow::Result<()> {
 /// The agent's config: pool `pods`, the CNI install into `bin`/`conf`, the
 /// default chain.
 fn agent_toml(bin: &Path, conf: &Path, network: &str, v4: &str, v6: &str) -> String {
-    format!(
-        r#"
-reconcile_interval = "1h"
-[[pools]]
-name = "pods"
-ipv4 = ["{v4}"]
-ipv6 = ["{v6}"]
-
-[cni]
-install = true
-bin_dir = "{bin}"
-conf_dir = "{conf}"
-conflist_name = "{network}.conflist"
-network_name = "{network}"
-cni_version = "1.0.0"
-"#,
-        bin = bin.display(),
-        conf = conf.display(),
-    )
+    lockstep_tests::podman::cni_agent_toml(bin, conf, network, v4, v6)
 }
 
 fn plugin_types(conflist: &Path) -> anyhow::Result<Vec<String>> {

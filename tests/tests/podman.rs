@@ -98,31 +98,10 @@ fn node_netns(v4: &str, v6: &str) -> anyhow::Result<Netns> {
 /// as ADD and DEL left them, not as a reconcile repaired them.
 const NO_RECONCILE: &str = r#"reconcile_interval = "1h""#;
 
-/// Pool `pods` with `v4`/`v6` and the CNI install section for `network`.
-///
-/// The conflist says `cniVersion = "1.0.0"`: the agent's default, 1.1.0, is
-/// newer than podman 4.3.1's libcni (1.1.2) understands: it runs the plugin,
-/// then fails with `unsupported CNI result version "1.1.0"`.
+/// Pool `pods` with `v4`/`v6` and the CNI install section for `network`
+/// into podman's directories.
 fn agent_toml(podman: &Podman, network: &str, v4: &str, v6: &str) -> String {
-    format!(
-        r#"
-{NO_RECONCILE}
-[[pools]]
-name = "pods"
-ipv4 = ["{v4}"]
-ipv6 = ["{v6}"]
-
-[cni]
-install = true
-bin_dir = "{bin}"
-conf_dir = "{conf}"
-conflist_name = "{network}.conflist"
-network_name = "{network}"
-cni_version = "1.0.0"
-"#,
-        bin = podman.bin_dir.display(),
-        conf = podman.net_dir.display(),
-    )
+    lockstep_tests::podman::cni_agent_toml(&podman.bin_dir, &podman.net_dir, network, v4, v6)
 }
 
 /// Names of the interfaces of a namespace (`ip -j link`); `None` is the
