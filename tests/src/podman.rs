@@ -315,13 +315,7 @@ impl Podman {
 /// The conflist says `cniVersion = "1.0.0"`: the agent's default, 1.1.0, is
 /// newer than podman 4.3.1's libcni (1.1.2) understands: it runs the plugin,
 /// then fails with `unsupported CNI result version "1.1.0"`.
-pub fn cni_agent_toml(
-    bin: &Path,
-    conf: &Path,
-    network: &str,
-    v4: &str,
-    v6: &str,
-) -> String {
+pub fn cni_agent_toml(bin: &Path, conf: &Path, network: &str, v4: &str, v6: &str) -> String {
     format!(
         r#"
 reconcile_interval = "1h"
