@@ -19,7 +19,7 @@ pub struct ManifestsArgs {
     /// The namespace; one other than kube-system is rendered too.
     #[arg(long, default_value = "kube-system")]
     namespace: String,
-    /// The agent's image (default: localhost/lockstep:<this version>, what
+    /// The agent's image (default: `localhost/lockstep:VERSION` (this binary's version), what
     /// `cargo xtask image` builds).
     #[arg(long)]
     image: Option<String>,
