@@ -386,14 +386,34 @@ pub fn service_outcome(
     })
 }
 
+/// The longest `note` the API server accepts on an `events.k8s.io/v1`
+/// Event, in bytes: a longer one is refused and the Event lost.
+pub const EVENT_NOTE_MAX: usize = 1024;
+
 /// An Event to publish when lockstep's condition on an object changes
 /// reason: `(warning, reason, note)`. Nothing when the reason is the one
-/// already written (an Event per pass would flood the API).
+/// already written (an Event per pass would flood the API). The note is the
+/// condition's message cut to [`EVENT_NOTE_MAX`] bytes (the condition keeps
+/// it whole).
 pub fn event_for(before: Option<&Condition>, now: &Condition) -> Option<(bool, String, String)> {
     if before.is_some_and(|b| b.reason == now.reason && b.status == now.status) {
         return None;
     }
-    Some((now.is_failure(), now.reason.clone(), now.message.clone()))
+    Some((now.is_failure(), now.reason.clone(), cut_note(&now.message)))
+}
+
+/// `note` within [`EVENT_NOTE_MAX`] bytes, cut at a character boundary and
+/// ended with `…` when cut.
+pub fn cut_note(note: &str) -> String {
+    if note.len() <= EVENT_NOTE_MAX {
+        return note.to_string();
+    }
+    const MARK: &str = "…";
+    let mut end = EVENT_NOTE_MAX - MARK.len();
+    while !note.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}{MARK}", &note[..end])
 }
 
 /// A `LoadBalancerIPPool` as the door reads it: the API's strings.

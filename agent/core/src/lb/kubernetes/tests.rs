@@ -400,3 +400,21 @@ proptest! {
         prop_assert_eq!(drop_condition(&merged, SERVICE_CONDITION).len(), others.len());
     }
 }
+
+proptest! {
+    /// A note of any length and any characters fits the API's 1 KiB, keeps
+    /// as much of the message as fits, and is never cut inside a
+    /// character.
+    #[test]
+    fn an_event_note_fits_the_apis_limit(note in "\\PC{0,1500}") {
+        let cut = cut_note(&note);
+        prop_assert!(cut.len() <= EVENT_NOTE_MAX);
+        if note.len() <= EVENT_NOTE_MAX {
+            prop_assert_eq!(&cut, &note);
+        } else {
+            let kept = cut.strip_suffix('…').expect("a cut note ends with the mark");
+            prop_assert!(note.starts_with(kept));
+            prop_assert!(kept.len() + 4 > EVENT_NOTE_MAX - '…'.len_utf8());
+        }
+    }
+}
