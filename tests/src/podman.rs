@@ -336,3 +336,17 @@ cni_version = "1.0.0"
         conf = conf.display(),
     )
 }
+
+/// The node namespace an agent runs in for the podman and CNI-chain tests:
+/// an address of each family on `lo` (outside the pool) and forwarding on.
+///
+/// # Errors
+/// The namespace, an address or a sysctl could not be made.
+pub fn node_netns(v4: &str, v6: &str) -> anyhow::Result<crate::Netns> {
+    let node = crate::Netns::new("node")?;
+    node.ip(["addr", "add", &format!("{v4}/32"), "dev", "lo"])?;
+    node.ip(["-6", "addr", "add", &format!("{v6}/128"), "dev", "lo"])?;
+    node.sysctl("net.ipv4.ip_forward", "1")?;
+    node.sysctl("net.ipv6.conf.all.forwarding", "1")?;
+    Ok(node)
+}

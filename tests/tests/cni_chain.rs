@@ -24,19 +24,9 @@ use std::time::Duration;
 use anyhow::{Context, ensure};
 use lockstep_tests::cni_chain::Chain;
 use lockstep_tests::podman::Podman;
+use lockstep_tests::podman::node_netns;
 use lockstep_tests::{AgentProc, Netns, TempDir, privileged, sh, unique, veth, wait_for};
 use serde_json::{Value, json};
-
-/// The node namespace the agent runs in: an address of each family on `lo`
-/// (outside the pool) and forwarding on.
-fn node_netns(v4: &str, v6: &str) -> anyhow::Result<Netns> {
-    let node = Netns::new("node")?;
-    node.ip(["addr", "add", &format!("{v4}/32"), "dev", "lo"])?;
-    node.ip(["-6", "addr", "add", &format!("{v6}/128"), "dev", "lo"])?;
-    node.sysctl("net.ipv4.ip_forward", "1")?;
-    node.sysctl("net.ipv6.conf.all.forwarding", "1")?;
-    Ok(node)
-}
 
 /// The reference plugins, in `bin_dir` as on a node (symlinks to Debian's).
 fn link_reference_plugins(bin_dir: &Path) -> anyhow::Result<()> {

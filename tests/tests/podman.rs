@@ -35,6 +35,7 @@ use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
 use anyhow::{Context, bail, ensure};
+use lockstep_tests::podman::node_netns;
 use lockstep_tests::podman::{Podman, ok};
 use lockstep_tests::seqping::SeqPing;
 use lockstep_tests::{AgentProc, Netns, TempDir, lockstep_bin, privileged, sh, unique};
@@ -81,17 +82,6 @@ fn serial() -> MutexGuard<'static, ()> {
 
 fn text(b: &[u8]) -> String {
     String::from_utf8_lossy(b).into_owned()
-}
-
-/// The node namespace the agent runs in: an address of each family on `lo`
-/// (outside the pool) and forwarding on.
-fn node_netns(v4: &str, v6: &str) -> anyhow::Result<Netns> {
-    let node = Netns::new("node")?;
-    node.ip(["addr", "add", &format!("{v4}/32"), "dev", "lo"])?;
-    node.ip(["-6", "addr", "add", &format!("{v6}/128"), "dev", "lo"])?;
-    node.sysctl("net.ipv4.ip_forward", "1")?;
-    node.sysctl("net.ipv6.conf.all.forwarding", "1")?;
-    Ok(node)
 }
 
 /// No periodic reconcile during a test: `verify` must find the maps right
