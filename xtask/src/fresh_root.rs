@@ -213,6 +213,8 @@ fn ensure_root(dir: &Path, codename: &str) -> anyhow::Result<PathBuf> {
     if dir.exists() {
         std::fs::remove_dir_all(dir).with_context(|| format!("removing {}", dir.display()))?;
     }
+    // The root and its build (kept for the next run) take about 8 GiB.
+    crate::disk::ensure_free(dir, 9, "the fresh-root check (building a new root)")?;
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     let mirror = mirror(codename);
     println!(

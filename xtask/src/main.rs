@@ -15,6 +15,7 @@
 
 mod bench;
 mod demo;
+mod disk;
 mod doc_commands;
 mod explore;
 mod fresh_root;
@@ -137,6 +138,12 @@ fn root() -> PathBuf {
         .to_path_buf()
 }
 
+/// Cargo's target directory for this workspace (`CARGO_TARGET_DIR` when
+/// set).
+fn target_dir() -> PathBuf {
+    std::env::var_os("CARGO_TARGET_DIR").map_or_else(|| root().join("target"), PathBuf::from)
+}
+
 pub(crate) fn run(cmd: &mut Command) -> anyhow::Result<()> {
     eprintln!("+ {cmd:?}");
     let status = cmd
@@ -222,6 +229,9 @@ fn check_core() -> anyhow::Result<()> {
 }
 
 fn test(no_setup: bool, filter: Option<String>) -> anyhow::Result<()> {
+    // A fresh clone's test builds take about 9 GiB (70-odd test binaries);
+    // the fresh root, when it must be rebuilt, 8 GiB more (checked there).
+    disk::ensure_free(&target_dir(), 10, "cargo xtask test")?;
     if !no_setup {
         setup::setup()?;
     }
