@@ -237,7 +237,7 @@ async fn serve_limited<L>(
 /// What the Kubernetes door starts with, read before the agent starts.
 struct KubeStart {
     client: kube::Client,
-    class: String,
+    classes: crate::kubernetes::Classes,
     node: String,
     informer: Arc<crate::kubernetes::pods::Informer>,
     pods: crate::config::PodsConfig,
@@ -348,7 +348,10 @@ pub async fn run(mut config: Config) -> Result<(), ServerError> {
                 });
                 Some(KubeStart {
                     client,
-                    class: k.lb_class.clone(),
+                    classes: crate::kubernetes::Classes {
+                        class: k.lb_class.clone(),
+                        classless: k.serve_classless,
+                    },
                     node,
                     informer,
                     pods: k.pods.clone(),
@@ -525,7 +528,7 @@ pub async fn run(mut config: Config) -> Result<(), ServerError> {
     let kube_task = kube.map(
         |KubeStart {
              client,
-             class,
+             classes,
              node,
              informer,
              pods,
@@ -592,13 +595,13 @@ pub async fn run(mut config: Config) -> Result<(), ServerError> {
                     let backend =
                         crate::kubernetes::ClusterLb::new(handle.clone(), lb_node, slot.clone());
                     tokio::spawn(
-                        crate::kubernetes::LbSync::new(client, class, node, backend).run(stop),
+                        crate::kubernetes::LbSync::new(client, classes, node, backend).run(stop),
                     )
                 }
                 None => {
                     let backend = crate::kubernetes::LocalLb::new(slot.clone());
                     tokio::spawn(
-                        crate::kubernetes::LbSync::new(client, class, node, backend).run(stop),
+                        crate::kubernetes::LbSync::new(client, classes, node, backend).run(stop),
                     )
                 }
             }

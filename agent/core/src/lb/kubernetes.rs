@@ -70,6 +70,11 @@ pub struct KubeService {
     pub ip_family_policy: Option<String>,
     /// `spec.ports`: (protocol, port).
     pub ports: Vec<(Option<String>, i32)>,
+    /// `status.loadBalancer.ingress`, each entry's `ip`, else its
+    /// `hostname`, as written.
+    pub ingress: Vec<String>,
+    /// Lockstep's condition in `status.conditions`, if there is one.
+    pub condition: Option<Condition>,
 }
 
 /// A field of a Kubernetes object that lockstep cannot use, and why.
@@ -577,6 +582,8 @@ pub fn node_labels(
     out.extend(configured.iter().map(|(k, v)| (k.clone(), v.clone())));
     out
 }
+
+pub mod ownership;
 
 #[cfg(test)]
 mod tests;

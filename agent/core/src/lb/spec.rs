@@ -356,6 +356,17 @@ impl LbPoolSpec {
         cidrs.chain(ranges).collect()
     }
 
+    /// Whether `addr` lies in one of the pool's CIDRs or ranges (first and
+    /// last addresses included: whether they may be handed out is the
+    /// assigner's question, not this one).
+    pub fn holds(&self, addr: IpAddr) -> bool {
+        let family = Family::of_addr(addr);
+        let bits = addr_bits(addr);
+        self.blocks()
+            .iter()
+            .any(|b| b.family == family && b.start <= bits && bits <= b.end)
+    }
+
     fn block_fields(&self) -> impl Iterator<Item = String> {
         let c = (0..self.cidrs.len()).map(|i| format!("cidrs[{i}]"));
         c.chain((0..self.ranges.len()).map(|i| format!("ranges[{i}]")))

@@ -48,9 +48,14 @@ pub struct ManifestsArgs {
     /// cluster); absent: plain connections.
     #[arg(long)]
     etcd_tls_secret: Option<String>,
-    /// The spec.loadBalancerClass served (Services without a class too).
+    /// The spec.loadBalancerClass served (Services without a class too,
+    /// unless --no-classless).
     #[arg(long, default_value = lockstep_core::lb::kubernetes::DEFAULT_CLASS)]
     lb_class: String,
+    /// Leave Services without a spec.loadBalancerClass to another
+    /// implementation (a cloud provider's): serve only --lb-class.
+    #[arg(long)]
+    no_classless: bool,
     /// The conflist's file name; it must sort before the node's other CNI
     /// configs for pods to use lockstep.
     #[arg(long, default_value = "05-lockstep.conflist")]
@@ -85,6 +90,7 @@ pub fn run(args: ManifestsArgs) -> anyhow::Result<i32> {
         etcd: args.etcd,
         etcd_tls_secret: args.etcd_tls_secret,
         lb_class: args.lb_class,
+        serve_classless: !args.no_classless,
         conflist_name: args.conflist_name,
         service_monitor: args.service_monitor,
     };

@@ -15,9 +15,15 @@ pub struct KubernetesConfig {
     /// Absent: the pod's service account (in-cluster: the token, CA and
     /// `KUBERNETES_SERVICE_HOST`/`_PORT` Kubernetes mounts and sets).
     pub kubeconfig: Option<PathBuf>,
-    /// The `spec.loadBalancerClass` lockstep serves; Services without a
-    /// class are served too, Services of any other class never.
+    /// The `spec.loadBalancerClass` lockstep serves; Services of any other
+    /// class never.
     pub lb_class: String,
+    /// Services without a `spec.loadBalancerClass` are served too (as
+    /// MetalLB and Cilium do by default). Set false where another
+    /// implementation (a cloud provider's) serves them. Either way, a
+    /// class-less Service whose status already holds an address outside
+    /// lockstep's pools is left to whoever set it.
+    pub serve_classless: bool,
     /// The Node object of this agent (default: `[cluster] node_name`, else
     /// the top-level `node_name`, else the host name — the Node's name with
     /// `hostNetwork`).
@@ -58,6 +64,7 @@ impl Default for KubernetesConfig {
         Self {
             kubeconfig: None,
             lb_class: lockstep_core::lb::kubernetes::DEFAULT_CLASS.into(),
+            serve_classless: true,
             node_name: None,
             node_wait: Duration::from_secs(10),
             pods: super::pods::PodsConfig::default(),

@@ -42,7 +42,7 @@ use kube::api::Api;
 use crate::config::KubernetesConfig;
 
 pub use backend::{ClusterLb, LbBackend, LbState, LocalLb};
-pub use sync::LbSync;
+pub use sync::{Classes, LbSync};
 
 /// Errors of the Kubernetes door.
 #[derive(Debug, thiserror::Error)]

@@ -4,10 +4,9 @@
 //! (`lockstep_core::lb::kubernetes`); this file only spells them in the
 //! API's JSON.
 
-use std::net::IpAddr;
-
 use k8s_openapi::api::core::v1::{Node, Service};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition as KubeCondition;
+use lockstep_core::lb::kubernetes::ownership::status_change;
 use lockstep_core::lb::kubernetes::{
     Condition, KubeService, PoolOutcome, SERVICE_CONDITION, ServiceOutcome, TimedCondition,
     drop_condition, merge_condition,
@@ -34,6 +33,8 @@ pub fn service(svc: &Service) -> KubeService {
             .and_then(|s| s.ports.as_ref())
             .map(|ports| ports.iter().map(|p| (p.protocol.clone(), p.port)).collect())
             .unwrap_or_default(),
+        ingress: service_ingress(svc),
+        condition: service_condition(svc),
     }
 }
 
@@ -66,15 +67,15 @@ pub fn service_condition(svc: &Service) -> Option<Condition> {
         .map(|c| c.condition)
 }
 
-/// The addresses in `status.loadBalancer.ingress`.
-pub fn service_ingress(svc: &Service) -> Vec<IpAddr> {
+/// `status.loadBalancer.ingress`: each entry's `ip`, else its `hostname`.
+fn service_ingress(svc: &Service) -> Vec<String> {
     svc.status
         .as_ref()
         .and_then(|s| s.load_balancer.as_ref())
         .and_then(|lb| lb.ingress.as_ref())
         .map(|ing| {
             ing.iter()
-                .filter_map(|i| i.ip.as_deref().and_then(|ip| ip.parse().ok()))
+                .filter_map(|i| i.ip.clone().or_else(|| i.hostname.clone()))
                 .collect()
         })
         .unwrap_or_default()
@@ -95,46 +96,35 @@ fn condition_json(c: &TimedCondition) -> Value {
 }
 
 /// The merge patch that brings a Service's status to `want` (`None`: the
-/// Service is no longer lockstep's — its condition and addresses go), or
-/// `None` when the status already says so. It carries the object's
-/// `resourceVersion`, so a status written meanwhile by anyone makes it
-/// fail (409) rather than overwrite.
+/// Service is not, or no longer, lockstep's), as the core's
+/// [`status_change`] allows (`pools_exist`: some lockstep pool is defined),
+/// or `None` when nothing is to be written. An ingress the change leaves
+/// alone is not in the patch, so the API keeps it. The patch carries the
+/// object's `resourceVersion`, so a status written meanwhile by anyone
+/// makes it fail (409) rather than overwrite.
 pub fn service_status_patch(
     svc: &Service,
     want: Option<&ServiceOutcome>,
+    pools_exist: bool,
     now: &str,
 ) -> Option<Value> {
-    let had = service_condition(svc);
-    let ingress = service_ingress(svc);
+    let change = status_change(&service(svc), want, pools_exist)?;
     let conditions = service_conditions(svc);
-    let (new_ingress, new_conditions) = match want {
-        Some(w) => {
-            if had.as_ref() == Some(&w.condition) && ingress == w.ingress {
-                return None;
-            }
-            (
-                w.ingress.clone(),
-                merge_condition(
-                    &conditions,
-                    w.condition.clone(),
-                    now,
-                    svc.metadata.generation,
-                ),
-            )
-        }
-        None => {
-            had.as_ref()?;
-            (Vec::new(), drop_condition(&conditions, SERVICE_CONDITION))
-        }
+    let conditions = match change.condition {
+        Some(c) => merge_condition(&conditions, c, now, svc.metadata.generation),
+        None => drop_condition(&conditions, SERVICE_CONDITION),
     };
+    let mut status = json!({
+        "conditions": conditions.iter().map(condition_json).collect::<Vec<_>>(),
+    });
+    if let Some(ingress) = change.ingress {
+        status["loadBalancer"] = json!({
+            "ingress": ingress.iter().map(|a| json!({"ip": a.to_string()})).collect::<Vec<_>>(),
+        });
+    }
     Some(json!({
         "metadata": {"resourceVersion": svc.metadata.resource_version},
-        "status": {
-            "loadBalancer": {
-                "ingress": new_ingress.iter().map(|a| json!({"ip": a.to_string()})).collect::<Vec<_>>(),
-            },
-            "conditions": new_conditions.iter().map(condition_json).collect::<Vec<_>>(),
-        }
+        "status": status,
     }))
 }
 
@@ -219,6 +209,8 @@ pub fn node_facts(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::net::IpAddr;
+
     use lockstep_core::lb::kubernetes::{DEFAULT_CLASS, Request, lb_request};
 
     fn svc(v: Value) -> Service {
@@ -261,7 +253,7 @@ mod tests {
                 message: "assigned 10.0.0.5".into(),
             },
         };
-        let p = service_status_patch(&s, Some(&want), "2026-11-27T20:00:00Z").unwrap();
+        let p = service_status_patch(&s, Some(&want), true, "2026-11-27T20:00:00Z").unwrap();
         assert_eq!(p["metadata"]["resourceVersion"], "7");
         assert_eq!(p["status"]["loadBalancer"]["ingress"][0]["ip"], "10.0.0.5");
         let conds = p["status"]["conditions"].as_array().unwrap();
@@ -273,8 +265,11 @@ mod tests {
         let mut patched = serde_json::to_value(&s).unwrap();
         patched["status"] = p["status"].clone();
         let patched: Service = serde_json::from_value(patched).unwrap();
-        assert_eq!(service_status_patch(&patched, Some(&want), "later"), None);
-        let cleared = service_status_patch(&patched, None, "later").unwrap();
+        assert_eq!(
+            service_status_patch(&patched, Some(&want), true, "later"),
+            None
+        );
+        let cleared = service_status_patch(&patched, None, true, "later").unwrap();
         assert_eq!(cleared["status"]["conditions"].as_array().unwrap().len(), 1);
         assert!(
             cleared["status"]["loadBalancer"]["ingress"]
@@ -283,6 +278,6 @@ mod tests {
                 .is_empty()
         );
         // Never ours: nothing written.
-        assert_eq!(service_status_patch(&s, None, "later"), None);
+        assert_eq!(service_status_patch(&s, None, true, "later"), None);
     }
 }

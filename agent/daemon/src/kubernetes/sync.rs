@@ -46,8 +46,9 @@ use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::runtime::reflector::{self, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Client, Resource, ResourceExt};
+use lockstep_core::lb::kubernetes::ownership::{self, Serving};
 use lockstep_core::lb::kubernetes::{
-    Invalid, Request, event_for, lb_request, pool_outcome, pool_spec, service_outcome,
+    Invalid, Request, event_for, pool_outcome, pool_spec, service_outcome,
 };
 use lockstep_core::lb::{LbPoolSpec, ServiceSpec};
 use serde_json::{Value, json};
@@ -73,10 +74,20 @@ const PATCHES_IN_FLIGHT: usize = 64;
 /// (warning, reason, note).
 type StatusWrite = (Arc<Service>, Value, Option<(bool, String, String)>);
 
+/// Which Services the loop serves (`[kubernetes] lb_class` and
+/// `serve_classless`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Classes {
+    /// The `spec.loadBalancerClass` served.
+    pub class: String,
+    /// Whether Services without a class are served too.
+    pub classless: bool,
+}
+
 /// The loop's state.
 pub struct LbSync<B: LbBackend> {
     client: Client,
-    class: String,
+    classes: Classes,
     backend: B,
     recorder: Recorder,
     applied_pools: BTreeMap<String, LbPoolSpec>,
@@ -218,8 +229,8 @@ fn is_stale(e: &kube::Error) -> bool {
 }
 
 impl<B: LbBackend> LbSync<B> {
-    /// A loop for LoadBalancer class `class`, reporting as `node`.
-    pub fn new(client: Client, class: String, node: String, backend: B) -> Self {
+    /// A loop serving `classes`, reporting as `node`.
+    pub fn new(client: Client, classes: Classes, node: String, backend: B) -> Self {
         let recorder = Recorder::new(
             client.clone(),
             Reporter {
@@ -229,7 +240,7 @@ impl<B: LbBackend> LbSync<B> {
         );
         Self {
             client,
-            class,
+            classes,
             backend,
             recorder,
             applied_pools: BTreeMap::new(),
@@ -327,9 +338,22 @@ impl<B: LbBackend> LbSync<B> {
         let started = tokio::time::Instant::now();
         let pools = pools.state();
         let svcs = services.state();
+        // The pools as defined (an address in one may be adopted); some
+        // defined or still in the state: lockstep may write on Services.
+        let defined: Vec<LbPoolSpec> = pools
+            .iter()
+            .filter(|p| p.metadata.deletion_timestamp.is_none())
+            .filter_map(|p| pool_spec(&p.to_core()).ok())
+            .collect();
+        let pools_exist = !defined.is_empty() || !state.pools.is_empty();
+        let serving = Serving {
+            class: &self.classes.class,
+            classless: self.classes.classless,
+            pools: &defined,
+        };
         let requests: Vec<(Arc<Service>, Request)> = svcs
             .iter()
-            .map(|s| (s.clone(), lb_request(&service(s), &self.class)))
+            .map(|s| (s.clone(), ownership::request(&service(s), &serving)))
             .collect();
         // The assigner assigns after the apply (cluster mode): what the
         // state as read has assigned is written while new services are
@@ -338,7 +362,7 @@ impl<B: LbBackend> LbSync<B> {
         let early = if self.backend.assigns_on_apply() {
             Vec::new()
         } else {
-            self.plan_services(&requests, &state).1
+            self.plan_services(&requests, &state, pools_exist).1
         };
         let early_sent = early.len();
         let send = send_statuses(self.client.clone(), self.recorder.clone(), early);
@@ -362,7 +386,7 @@ impl<B: LbBackend> LbSync<B> {
         let read = started.elapsed();
         // Everything not written yet: what the re-read state says, and
         // services refused in this pass.
-        let (pending, patches) = self.plan_services(&requests, &state);
+        let (pending, patches) = self.plan_services(&requests, &state, pools_exist);
         let patched = early_sent + patches.len();
         let sent = send_statuses(self.client.clone(), self.recorder.clone(), patches).await;
         self.wrote(sent);
@@ -549,6 +573,7 @@ impl<B: LbBackend> LbSync<B> {
         &self,
         requests: &[(Arc<Service>, Request)],
         state: &LbState,
+        pools_exist: bool,
     ) -> (bool, Vec<StatusWrite>) {
         let now = k8s_openapi::jiff::Timestamp::now().to_string();
         let mut pending = false;
@@ -576,7 +601,7 @@ impl<B: LbBackend> LbSync<B> {
                     o
                 }
             };
-            let Some(patch) = service_status_patch(svc, outcome.as_ref(), &now) else {
+            let Some(patch) = service_status_patch(svc, outcome.as_ref(), pools_exist, &now) else {
                 continue;
             };
             let uid = svc.uid().unwrap_or_default();

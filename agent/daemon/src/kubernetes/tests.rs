@@ -17,9 +17,16 @@ use lockstep_core::lb::{LbIpam, LbPoolSpec, ServiceSpec};
 use serde_json::{Value, json};
 
 use super::crd::LoadBalancerIPPool;
-use super::{KubeError, LbBackend, LbState, LbSync, node_facts};
+use super::{Classes, KubeError, LbBackend, LbState, LbSync, node_facts};
 
 type Handle = tower_test::mock::Handle<Request<Body>, Response<Body>>;
+
+fn classes() -> Classes {
+    Classes {
+        class: "lockstep.io/lb".into(),
+        classless: true,
+    }
+}
 
 fn mock() -> (Client, Handle) {
     let (svc, handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
@@ -148,7 +155,7 @@ async fn a_service_gets_its_status_by_a_guarded_merge_patch_and_an_event() {
     lb.apply_pools(vec![LbPoolSpec::new("p").cidr("192.0.2.0/30")])
         .unwrap();
     let backend = MemoryLb(Mutex::new(lb));
-    let mut sync = LbSync::new(client, "lockstep.io/lb".into(), "node-1".into(), backend);
+    let mut sync = LbSync::new(client, classes(), "node-1".into(), backend);
     let (services, mut writer) = reflector::store::<Service>();
     let svc: Service = serde_json::from_value(json!({
         "apiVersion": "v1", "kind": "Service",
@@ -221,12 +228,7 @@ async fn a_stale_status_write_is_left_for_the_next_pass() {
     let mut lb = LbIpam::new();
     lb.apply_pools(vec![LbPoolSpec::new("p").cidr("192.0.2.0/30")])
         .unwrap();
-    let mut sync = LbSync::new(
-        client,
-        "lockstep.io/lb".into(),
-        "n".into(),
-        MemoryLb(Mutex::new(lb)),
-    );
+    let mut sync = LbSync::new(client, classes(), "n".into(), MemoryLb(Mutex::new(lb)));
     let (services, mut writer) = reflector::store::<Service>();
     let svc: Service = serde_json::from_value(json!({
         "apiVersion": "v1", "kind": "Service",

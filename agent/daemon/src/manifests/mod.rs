@@ -130,6 +130,8 @@ pub struct Options {
     pub etcd_tls_secret: Option<String>,
     /// The `loadBalancerClass` served.
     pub lb_class: String,
+    /// Services without a class are served too.
+    pub serve_classless: bool,
     /// The conflist's file name (it must sort before the node's other CNI
     /// configs for pods to use lockstep).
     pub conflist_name: String,
@@ -269,8 +271,14 @@ impl Options {
         if self.mode.uses_api() {
             let _ = write!(
                 t,
-                "\n[kubernetes]                               # the pod's service account\nlb_class = {}\n",
-                q(&self.lb_class)
+                "\n[kubernetes]                               # the pod's service account\nlb_class = {}\nserve_classless = {}                     # {}\n",
+                q(&self.lb_class),
+                self.serve_classless,
+                if self.serve_classless {
+                    "Services without a class too"
+                } else {
+                    "only Services of lb_class"
+                }
             );
             if self.mode == Mode::PodCidr {
                 t.push_str(

@@ -26,6 +26,7 @@ fn options(mode: Mode) -> Options {
         },
         etcd_tls_secret: (mode == Mode::Cluster).then(|| "lockstep-etcd-tls".into()),
         lb_class: "lockstep.io/lb".into(),
+        serve_classless: true,
         conflist_name: "05-lockstep.conflist".into(),
         service_monitor: false,
     }
@@ -56,6 +57,20 @@ fn every_mode_renders_a_config_the_agent_accepts() {
             (mode == Mode::PodCidr).then(|| "pods".to_string()),
             "{mode:?}"
         );
+    }
+}
+
+#[test]
+fn no_classless_leaves_services_without_a_class_to_others() {
+    for classless in [true, false] {
+        let mut o = options(Mode::Lb);
+        o.serve_classless = classless;
+        let d = docs(&render(&o).unwrap());
+        let config = kind(&d, "ConfigMap").unwrap()["data"]["config.toml"]
+            .as_str()
+            .unwrap();
+        let c = Config::parse(Path::new("c"), config).unwrap();
+        assert_eq!(c.kubernetes.unwrap().serve_classless, classless);
     }
 }
 
