@@ -6,8 +6,10 @@
 //!
 //! (a) The pool by annotation: the pod's `lockstep.io/ip-pool`, else its
 //!     namespace's, else the default; a pod the agent's cache has not
-//!     shown yet is waited for (bounded); an annotation that cannot name a
-//!     pool, or names none, fails the ADD naming the annotation.
+//!     shown yet is waited for (bounded), then its ADD fails with "try
+//!     again" (CNI code 11) naming it, never given a guessed pool; an
+//!     annotation that cannot name a pool, or names none, fails the ADD
+//!     naming the annotation.
 //! (b) Leaks: a pod deleted from the API without a CNI DEL leaves its
 //!     allocation; after the grace period (shortened here) it is reported
 //!     (verify, metric) and released only on the node configured to; an
@@ -115,18 +117,25 @@ fn pods_get_the_pool_their_annotation_or_namespace_names() -> anyhow::Result<()>
         "plain/late got {a}, not from its annotation's pool"
     );
     sandboxes.push((&agents[1], sb));
-    // A pod the API never shows: after the wait, its namespace's pool.
+    // A pod the API never shows: after the wait, "try again" (CNI code
+    // 11) naming it; never its namespace's pool, which its own unseen
+    // annotation might override.
+    let before = agents[1].json(["allocations", "-o", "json"])?;
     let started = std::time::Instant::now();
-    let (sb, a) = add_ok(&agents[1], "shop", "ghost", None)?;
+    let (_ghost, code, v) = add(&agents[1], "shop", "ghost", None)?;
+    let text = v.to_string();
     ensure!(
-        green.contains(&a),
-        "shop/ghost got {a}, not its namespace's pool"
+        code != 0 && v["code"] == 11 && text.contains("shop/ghost"),
+        "an unseen pod's ADD: code {code}, {text}"
     );
     ensure!(
         started.elapsed() >= Duration::from_secs(3),
         "did not wait for the cache"
     );
-    sandboxes.push((&agents[1], sb));
+    ensure!(
+        agents[1].json(["allocations", "-o", "json"])? == before,
+        "the refused ADD allocated"
+    );
     // Annotations that cannot name a pool, or name none: refused, named.
     pod(&lab, "plain", "spaced", 2, Some("two words"))?;
     pod(&lab, "plain", "nope", 2, Some("nope"))?;

@@ -75,6 +75,18 @@ pub enum PodsError {
         /// Why.
         reason: String,
     },
+    /// The pod has not reached the agent's view of the API: its pool is
+    /// unknown, and guessing (its namespace's, the default) could put it
+    /// in a pool it is not meant for. The runtime retries the ADD.
+    #[error(
+        "pod {pod} is not in the agent's view of the Kubernetes API yet, so its pool is unknown; \
+         try again (a pod kubelet runs appears within seconds; if it stays unknown, check the \
+         agent's connection to the API)"
+    )]
+    PodNotSeen {
+        /// `ns/name`.
+        pod: String,
+    },
 }
 
 /// Where a pick came from.
@@ -101,15 +113,23 @@ pub struct PoolPick {
 /// The pool for `pod` (its annotations, `None` when the API has not
 /// shown the pod) in namespace `namespace` (its annotations, `None` when
 /// unknown): the pod's annotation, else the namespace's, else the default.
+/// A pod not shown is never given a pool: its own annotation, unseen,
+/// might name another.
 ///
 /// # Errors
 /// [`PodsError::BadAnnotation`] for the annotation that decides, when it
-/// cannot name a pool.
+/// cannot name a pool; [`PodsError::PodNotSeen`] when `pod_annotations`
+/// is `None`.
 pub fn pick_pool(
     pod: &PodRef,
     pod_annotations: Option<&BTreeMap<String, String>>,
     namespace_annotations: Option<&BTreeMap<String, String>>,
 ) -> Result<PoolPick, PodsError> {
+    if pod_annotations.is_none() {
+        return Err(PodsError::PodNotSeen {
+            pod: pod.to_string(),
+        });
+    }
     let candidates = [
         (pod_annotations, PickedBy::Pod, format!("pod {pod}")),
         (

@@ -454,7 +454,16 @@ async fn pick_pool(s: &AppState, req: &mut EndpointRequest) -> Result<Option<Str
     };
     let pick = crate::kubernetes::pods::pick(&*pools.view, pod, pools.wait)
         .await
-        .map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, "invalid_request", e.to_string()))?;
+        .map_err(|e| match e {
+            lockstep_core::pods::PodsError::PodNotSeen { .. } => ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "pod_not_seen",
+                e.to_string(),
+            ),
+            lockstep_core::pods::PodsError::BadAnnotation { .. } => {
+                ApiError::new(StatusCode::BAD_REQUEST, "invalid_request", e.to_string())
+            }
+        })?;
     let why = match pick.by {
         lockstep_core::pods::PickedBy::Pod => format!(
             "pod {pod}'s annotation {} names",

@@ -156,7 +156,9 @@ fn agent(
             reason: "the lockstep agent is restoring its state".into(),
         }
         .into(),
-        "busy" | "etcd_unavailable" => CniError::TryAgainLater { reason: message }.into(),
+        "busy" | "etcd_unavailable" | "pod_not_seen" => {
+            CniError::TryAgainLater { reason: message }.into()
+        }
         _ => PluginError::Refused { code, message },
     })
 }

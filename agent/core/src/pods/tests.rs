@@ -34,13 +34,13 @@ fn the_pod_annotation_wins_then_the_namespace_then_the_default() {
             PickedBy::Namespace,
         ),
         (
-            None,
+            Some(BTreeMap::new()),
             Some(annotated("green")),
             Some("green"),
             PickedBy::Namespace,
         ),
         (Some(other), None, None, PickedBy::Default),
-        (None, None, None, PickedBy::Default),
+        (Some(BTreeMap::new()), None, None, PickedBy::Default),
     ];
     for (pa, na, pool, by) in cases {
         let got = pick_pool(&p, pa.as_ref(), na.as_ref()).expect("valid");
@@ -56,11 +56,28 @@ fn an_annotation_that_cannot_name_a_pool_is_refused_naming_the_object() {
     let text = e.to_string();
     assert!(text.contains("pod shop/web-0"), "{text}");
     assert!(text.contains(POOL_ANNOTATION), "{text}");
-    let e = pick_pool(&p, None, Some(&annotated("two words"))).expect_err("white space");
+    let e = pick_pool(&p, Some(&BTreeMap::new()), Some(&annotated("two words")))
+        .expect_err("white space");
     assert!(e.to_string().contains("namespace shop"), "{e}");
     assert!(e.to_string().contains("white space"), "{e}");
     // The pod's valid annotation decides; the namespace's bad one is not read.
     assert!(pick_pool(&p, Some(&annotated("blue")), Some(&annotated(""))).is_ok());
+}
+
+#[test]
+fn a_pod_not_seen_gets_no_pool_whatever_its_namespace_says() {
+    let p = pod("shop", "web-0", None);
+    for ns in [None, Some(annotated("green")), Some(BTreeMap::new())] {
+        let e = pick_pool(&p, None, ns.as_ref()).expect_err("not seen");
+        assert_eq!(
+            e,
+            PodsError::PodNotSeen {
+                pod: "shop/web-0".into()
+            }
+        );
+        assert!(e.to_string().contains("pod shop/web-0"), "{e}");
+        assert!(e.to_string().contains("try again"), "{e}");
+    }
 }
 
 #[test]

@@ -11,7 +11,8 @@ use serde::{Deserialize, Serialize};
 #[serde(deny_unknown_fields, default)]
 pub struct PodsConfig {
     /// How long an ADD waits for its pod to reach the agent's cache before
-    /// it goes on with the namespace's pool, else the default (logged).
+    /// it fails with "try again" (CNI code 11), naming the pod; kubelet
+    /// retries. Never a guessed pool.
     #[schemars(with = "crate::config::reference::HumanDuration")]
     #[serde(with = "humantime_serde")]
     pub pool_wait: Duration,

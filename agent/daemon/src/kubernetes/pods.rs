@@ -120,12 +120,12 @@ impl PodView for Informer {
 const PICK_POLL: Duration = Duration::from_millis(20);
 
 /// The pool for `pod`'s endpoint: the core's rule on what the cache holds,
-/// waiting at most `wait` for a pod the cache has not shown (then the
-/// namespace's pool, else the default, logged).
+/// waiting at most `wait` for a pod the cache has not shown.
 ///
 /// # Errors
 /// [`PodsError::BadAnnotation`]: the annotation that decides cannot name a
-/// pool.
+/// pool; [`PodsError::PodNotSeen`]: the pod did not appear within `wait`
+/// (logged; the ADD fails with "try again", never with a guessed pool).
 pub async fn pick<V: PodView + ?Sized>(
     view: &V,
     pod: &PodRef,
@@ -141,7 +141,7 @@ pub async fn pick<V: PodView + ?Sized>(
                 pod = %pod,
                 waited = ?wait,
                 listed = view.listed(),
-                "kubernetes: pod not in the cache; its pool is the namespace's, else the default"
+                "kubernetes: pod not in the cache; the ADD is refused with try again"
             );
             break None;
         }

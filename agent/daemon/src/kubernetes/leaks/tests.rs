@@ -4,7 +4,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use lockstep_core::pods::{POOL_ANNOTATION, PickedBy, PodFacts};
+use lockstep_core::pods::{POOL_ANNOTATION, PickedBy, PodFacts, PodsError};
 
 use super::*;
 use crate::kubernetes::pods::pick;
@@ -267,17 +267,18 @@ async fn a_pick_waits_for_a_pod_the_cache_has_not_shown_then_falls_back() {
         .await
         .expect("valid");
     assert_eq!((got.pool.as_deref(), got.by), (Some("blue"), PickedBy::Pod));
-    // Never arrives: the namespace's, after the wait.
+    // Never arrives: refused after the wait, never the namespace's pool.
     let started = tokio::time::Instant::now();
-    let got = pick(&*view, &pod("shop", "never"), Duration::from_secs(2))
+    let e = pick(&*view, &pod("shop", "never"), Duration::from_secs(2))
         .await
-        .expect("valid");
-    assert_eq!(
-        (got.pool.as_deref(), got.by),
-        (Some("green"), PickedBy::Namespace)
+        .expect_err("not seen");
+    assert!(
+        matches!(&e, PodsError::PodNotSeen { pod } if pod == "shop/never"),
+        "{e}"
     );
     assert!(started.elapsed() >= Duration::from_secs(2));
-    // No namespace annotation either: the default.
+    // Seen, with no annotation and none on its namespace: the default.
+    view.put("other", "x", BTreeMap::new());
     let got = pick(&*view, &pod("other", "x"), Duration::ZERO)
         .await
         .expect("valid");
