@@ -54,6 +54,7 @@ pub mod cidr;
 pub mod cluster;
 pub mod demand;
 pub mod health;
+pub mod identity;
 pub mod lb;
 pub mod manager;
 pub mod masquerade;

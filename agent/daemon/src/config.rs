@@ -348,7 +348,9 @@ impl Default for IpamConfig {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct Config {
-    /// This node's name (default: the host name).
+    /// This node's name (default: `NODE_NAME`, which the DaemonSet sets
+    /// from the downward API's `spec.nodeName`, else the host name
+    /// lowercased).
     pub node_name: Option<String>,
     /// Directory of the store.
     pub state_dir: PathBuf,
@@ -748,20 +750,37 @@ impl Config {
     /// This node's Node object in Kubernetes: `[kubernetes] node_name`, else
     /// `[cluster] node_name`, else [`Config::node_name`].
     pub fn kubernetes_node_name(&self) -> String {
+        self.kubernetes_node_name_and_source().0
+    }
+
+    /// [`Config::kubernetes_node_name`] and where it came from.
+    pub fn kubernetes_node_name_and_source(&self) -> (String, lockstep_core::identity::NameSource) {
         self.kubernetes
             .as_ref()
             .and_then(|k| k.node_name.clone())
             .or_else(|| self.cluster.as_ref().and_then(|c| c.node_name.clone()))
-            .unwrap_or_else(|| self.node_name())
+            .map_or_else(
+                || self.node_name_and_source(),
+                |n| (n, lockstep_core::identity::NameSource::Config),
+            )
     }
 
-    /// This node's name: configured, else the host name.
+    /// This node's name: configured, else `NODE_NAME` (the downward API's
+    /// `spec.nodeName`), else the host name lowercased
+    /// (`lockstep_core::identity`).
     pub fn node_name(&self) -> String {
-        self.node_name.clone().unwrap_or_else(|| {
-            std::fs::read_to_string("/proc/sys/kernel/hostname")
-                .map(|s| s.trim().to_string())
-                .unwrap_or_else(|_| "node".into())
-        })
+        self.node_name_and_source().0
+    }
+
+    /// [`Config::node_name`] and where it came from.
+    pub fn node_name_and_source(&self) -> (String, lockstep_core::identity::NameSource) {
+        let downward = std::env::var("NODE_NAME").ok();
+        let hostname = std::fs::read_to_string("/proc/sys/kernel/hostname").ok();
+        lockstep_core::identity::node_name(
+            self.node_name.as_deref(),
+            downward.as_deref(),
+            hostname.as_deref(),
+        )
     }
 }
 

@@ -328,15 +328,15 @@ pub async fn run(mut config: Config) -> Result<(), ServerError> {
     let kube = match &config.kubernetes {
         Some(k) => match crate::kubernetes::client(k).await {
             Ok(client) => {
-                let node = config.kubernetes_node_name();
+                let (node, source) = config.kubernetes_node_name_and_source();
                 match crate::kubernetes::node_facts(&client, &node, k.node_wait).await {
                     Ok(facts) => {
-                        tracing::info!(node = %node, labels = facts.labels.len(), "kubernetes: node read");
+                        tracing::info!(node = %node, %source, labels = facts.labels.len(), "kubernetes: node read");
                         crate::kubernetes::apply_node_facts(&mut cluster_config, &facts);
                         node_pod_cidrs = Some(facts.pod_cidrs);
                     }
                     Err(e) => {
-                        tracing::warn!(node = %node, error = %crate::error_chain(&e), "kubernetes: node not read; using the config's labels and addresses");
+                        tracing::warn!(node = %node, %source, error = %crate::error_chain(&e), "kubernetes: node not read; using the config's labels and addresses (is the name right? the DaemonSet sets NODE_NAME from spec.nodeName)");
                     }
                 }
                 // The pods of this node and every namespace, watched from

@@ -38,7 +38,7 @@ pub struct ClusterConfig {
     #[serde(default = "default_prefix")]
     pub prefix: String,
     /// This node's name in etcd (default: the top-level `node_name`, else
-    /// the host name).
+    /// `NODE_NAME`, else the host name lowercased).
     #[serde(default)]
     pub node_name: Option<String>,
     /// The IPv4 address other nodes route this node's blocks to (default:

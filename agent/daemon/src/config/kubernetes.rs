@@ -25,8 +25,8 @@ pub struct KubernetesConfig {
     /// lockstep's pools is left to whoever set it.
     pub serve_classless: bool,
     /// The Node object of this agent (default: `[cluster] node_name`, else
-    /// the top-level `node_name`, else the host name — the Node's name with
-    /// `hostNetwork`).
+    /// the top-level `node_name`, else `NODE_NAME`, else the host name
+    /// lowercased).
     pub node_name: Option<String>,
     /// How long start-up waits for the API to give this node's Node (its
     /// labels and InternalIPs) before going on with the config's values.

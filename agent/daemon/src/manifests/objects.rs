@@ -344,6 +344,9 @@ fn daemonset(o: &Options, checksum: &str) -> Value {
         "image": o.image,
         "imagePullPolicy": "IfNotPresent",
         "args": ["agent", "--config", "/etc/lockstep/config.toml", "--log-json"],
+        // The name the API server knows this node by: the agent's Node,
+        // its pods' field selector, its claims (a host name may differ).
+        "env": [{"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}],
         "securityContext": {
             "privileged": false,
             "allowPrivilegeEscalation": false,

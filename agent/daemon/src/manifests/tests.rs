@@ -61,6 +61,20 @@ fn every_mode_renders_a_config_the_agent_accepts() {
 }
 
 #[test]
+fn the_agent_is_told_its_node_name_by_the_downward_api() {
+    for mode in [Mode::Lb, Mode::Local, Mode::PodCidr, Mode::Cluster] {
+        let d = docs(&render(&options(mode)).unwrap());
+        let ds = kind(&d, "DaemonSet").unwrap();
+        let env = &ds["spec"]["template"]["spec"]["containers"][0]["env"];
+        assert_eq!(env[0]["name"], "NODE_NAME", "{mode:?}");
+        assert_eq!(
+            env[0]["valueFrom"]["fieldRef"]["fieldPath"], "spec.nodeName",
+            "{mode:?}"
+        );
+    }
+}
+
+#[test]
 fn no_classless_leaves_services_without_a_class_to_others() {
     for classless in [true, false] {
         let mut o = options(Mode::Lb);
