@@ -249,6 +249,9 @@ fn cover(
         ["cargo", "xtask", "build-ebpf" | "build"] => {
             stage("the fresh root's build steps (cargo xtask fresh-root)")
         }
+        ["cargo", "xtask", "build", "--arch", "aarch64" | "arm64"] => stage(
+            "the integration stage of cargo xtask test, which cross-builds for tests/tests/arm64.rs",
+        ),
         ["cargo", "xtask", "demo", ..] => stage("the demos stage of cargo xtask test"),
         ["cargo", "xtask", "image", ..] => {
             stage("tests/tests/image.rs builds the image from the context cargo xtask image stages")

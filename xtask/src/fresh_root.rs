@@ -20,6 +20,14 @@
 //! `bpf-linker` against the root's LLVM and a binary built on the machine
 //! cannot hide a missing LLVM package; and `target/`.
 //!
+//! Not a step here: the aarch64 cross build (`cargo xtask build --arch
+//! aarch64`). Setup's arm64 part (dpkg's arm64 architecture, the cross
+//! packages, the arm64 bpftool) does run in the root; the cross build itself
+//! runs in the integration stage of `cargo xtask test` on the machine, for
+//! tests/tests/arm64.rs. Both its builds are whole-program optimised
+//! (nightly's std from source, fat LTO): a third one here would put CI over
+//! its hour.
+//!
 //! Debug builds in the root carry no debug info and no incremental state
 //! (`CARGO_PROFILE_DEV_DEBUG=0`, `CARGO_INCREMENTAL=0`): what the check
 //! proves does not depend on them, and with them the root's `target/`

@@ -3,8 +3,9 @@
 //! - `setup`: installs, idempotently, everything the build and the tests need.
 //! - `build-ebpf`: builds the eBPF object with BTF.
 //! - `build`: the agent (which embeds the object) and the plugin, static
-//!   musl binaries, as they ship.
-//! - `image`: the OCI image `lockstep:<version>` (podman, FROM scratch).
+//!   musl binaries, as they ship; `--arch aarch64` cross-builds them.
+//! - `image`: the OCI image `lockstep:<version>` (podman, FROM scratch);
+//!   `--arch aarch64` the arm64 one.
 //! - `test`: formatting, lints, purity of the core, unit tests, then the
 //!   root-only integration tests and the three demos.
 //! - `bench <suite>`: benchmarks with medians.
@@ -13,6 +14,7 @@
 //! - `explore`: long random runs of the core's property tests.
 //! - `demo`: a sandbox node made of network namespaces.
 
+mod arch;
 mod bench;
 mod demo;
 mod disk;
@@ -43,8 +45,13 @@ enum Task {
     /// Build the eBPF programs with BTF.
     BuildEbpf,
     /// Build the agent (embeds the eBPF object) and the plugin as they
-    /// ship: static musl binaries, stripped.
-    Build,
+    /// ship: static musl binaries, stripped, link-time optimised.
+    Build {
+        /// The architecture (default: the machine's; `aarch64` is
+        /// cross-built with nightly's build-std).
+        #[arg(long, value_enum)]
+        arch: Option<arch::Arch>,
+    },
     /// Build the OCI image `localhost/lockstep:<version>` with podman (FROM
     /// scratch, no registry) from the binaries `build` makes.
     Image {
@@ -52,6 +59,10 @@ enum Task {
         /// (default: the workspace's version).
         #[arg(long)]
         version: Option<String>,
+        /// The architecture (default: the machine's); the arm64 image is
+        /// tagged `localhost/lockstep:<version>-arm64`.
+        #[arg(long, value_enum)]
+        arch: Option<arch::Arch>,
     },
     /// Validate the Kubernetes manifests in deploy/ against the API schemas
     /// (offline: kubernetes-validate, installed by setup).
@@ -295,6 +306,12 @@ fn test(no_setup: bool, filter: Option<String>) -> anyhow::Result<()> {
     outcome.and(fresh)
 }
 
+/// Whether `LOCKSTEP_SKIP_ARM64=1` opts out of the aarch64 build and its
+/// tests.
+fn skip_arm64() -> bool {
+    std::env::var_os("LOCKSTEP_SKIP_ARM64").is_some_and(|v| v == "1")
+}
+
 /// The fresh-root check (`cargo xtask fresh-root`), unless
 /// `LOCKSTEP_SKIP_FRESH_ROOT=1` skips it explicitly (it says so).
 fn fresh_root_unless_skipped() -> anyhow::Result<()> {
@@ -354,14 +371,27 @@ fn integration(filter: Option<String>, tally: &mut Tally) -> anyhow::Result<()> 
     let bin = stage_agent_with_shipped_plugin()?;
     // The image test builds its images from this context (the binaries as
     // they ship), in its own podman storage.
-    let context = image::stage(&image::default_version())?;
+    let context = image::stage(&image::default_version(), arch::Arch::host()?)?;
     let mut cmd = cargo();
     // Every test binary runs even when one fails, so one CI run shows
     // every failure.
     cmd.args(["test", "-p", "lockstep-tests", "--no-fail-fast"])
         .env("LOCKSTEP_BIN", &bin)
-        .env("LOCKSTEP_IMAGE_CONTEXT", &context)
-        .arg("--");
+        .env("LOCKSTEP_IMAGE_CONTEXT", &context);
+    // tests/tests/arm64.rs: the cross-built agent under qemu-user, and the
+    // arm64 image built from its context; `LOCKSTEP_SKIP_ARM64=1` skips the
+    // cross build and those tests (they say so).
+    if skip_arm64() {
+        println!("arm64: SKIPPED (LOCKSTEP_SKIP_ARM64=1): the aarch64 build was not made");
+    } else {
+        let context = image::stage(&image::default_version(), arch::Arch::Aarch64)?;
+        cmd.env(
+            "LOCKSTEP_ARM64_BIN",
+            arch::built(arch::Arch::Aarch64, "lockstep"),
+        )
+        .env("LOCKSTEP_IMAGE_CONTEXT_ARM64", &context);
+    }
+    cmd.arg("--");
     if let Some(f) = filter {
         cmd.arg(f);
     }
@@ -396,7 +426,7 @@ pub(crate) fn stage_agent_with_shipped_plugin() -> anyhow::Result<PathBuf> {
 }
 
 /// Builds `lockstep-cni` the way it ships: a static musl binary, position
-/// dependent and stripped, in the `plugin` profile. A runtime starts one
+/// dependent and stripped. A runtime starts one
 /// plugin process per call, so start-up is on every pod's path. Measured on
 /// the project VM (a Firecracker guest, where each `cpuid` instruction traps
 /// to the hypervisor for ~4 us): a static asm `exit` starts in 0.14 ms, a
@@ -407,28 +437,22 @@ pub(crate) fn stage_agent_with_shipped_plugin() -> anyhow::Result<PathBuf> {
 /// plugins (non-PIE by default) do; the plugin lives for one call and its
 /// input comes from the runtime. The target is named explicitly, so the
 /// flags reach only the target artifacts, never build scripts or proc
-/// macros. `cargo xtask setup` installs the target. Returns the binary's path.
+/// macros. `cargo xtask setup` installs the target. The profile is `ship`
+/// (link-time optimised, see Cargo.toml). Returns the binary's path.
 pub(crate) fn build_plugin() -> anyhow::Result<PathBuf> {
     build_shipped("lockstep-cni")
 }
 
-/// Builds `bin` of the `lockstep` package as it ships: the plugin's profile,
-/// target and flags (see [`build_plugin`]). The agent in the image is built
+/// Builds `bin` of the `lockstep` package as it ships, for the machine's
+/// architecture: the plugin's target and flags (see [`build_plugin`]), in
+/// the `ship` profile (link-time optimised). The agent in the image is built
 /// the same way, so the two share every compiled dependency (the plugin
 /// links the daemon's library too) and the image needs no C library: a
 /// static agent adds only its own link step. Being position dependent, the
 /// agent's code is not randomised (its stack, heap and mappings are), the
 /// price of sharing one build with the plugin. Returns the binary's path.
 fn build_shipped(bin: &str) -> anyhow::Result<PathBuf> {
-    let target = setup::plugin_target();
-    run(cargo()
-        .args(["build", "--profile", "plugin", "--target", &target])
-        .args(["-p", "lockstep", "--bin", bin])
-        .env(
-            "RUSTFLAGS",
-            "-C target-feature=+crt-static -C relocation-model=static",
-        ))?;
-    Ok(root().join("target").join(target).join("plugin").join(bin))
+    arch::build_shipped(arch::Arch::host()?, bin)
 }
 
 /// The long form of a crash test: the same test CI runs bounded, with more
@@ -475,13 +499,23 @@ fn main() -> anyhow::Result<()> {
             println!("built {} ({size} bytes, with BTF)", object.display());
             Ok(())
         }
-        Task::Build => {
-            let agent = build_shipped("lockstep")?;
-            let plugin = build_plugin()?;
-            eprintln!("agent: {}\nplugin: {}", agent.display(), plugin.display());
+        Task::Build { arch } => {
+            let arch = arch.map_or_else(arch::Arch::host, Ok)?;
+            let started = std::time::Instant::now();
+            let agent = arch::build_shipped(arch, "lockstep")?;
+            let plugin = arch::build_shipped(arch, "lockstep-cni")?;
+            eprintln!(
+                "{} in {:.0} s\nagent: {}\nplugin: {}",
+                arch.rust(),
+                started.elapsed().as_secs_f64(),
+                agent.display(),
+                plugin.display()
+            );
             Ok(())
         }
-        Task::Image { version } => image::build(version),
+        Task::Image { version, arch } => {
+            image::build(version, arch.map_or_else(arch::Arch::host, Ok)?).map(drop)
+        }
         Task::ValidateManifests => setup::validate_manifests(),
         Task::CheckCore => check_core(),
         Task::DocCommands => doc_commands::check(&root()),

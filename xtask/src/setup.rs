@@ -49,7 +49,25 @@ pub const PACKAGES: &[&str] = &[
     // agent's scrape with `promtool check metrics`, and the alert rules
     // with `promtool check rules`.
     "prometheus",
+    // The aarch64 agent and plugin (#45 item 8; xtask/src/arch.rs): the
+    // cross compiler and linker (ring's C, the link), musl's arm64 C library
+    // and start files, LLVM's arm64 unwinder (the std that nightly builds
+    // from source links `-lunwind`), all through dpkg's arm64 architecture
+    // (`multiarch` below).
+    "gcc-aarch64-linux-gnu",
+    "musl-dev:arm64",
+    "libunwind-16-dev:arm64",
+    // The arm64 image's bpftool links these (bpftool:arm64 itself cannot be
+    // installed beside the amd64 one: `bpftool_arm64` unpacks it).
+    "libelf1:arm64",
+    "zlib1g:arm64",
+    "libcap2:arm64",
+    // tests/tests/arm64.rs runs the arm64 agent under qemu-user.
+    "qemu-user-static",
 ];
+
+/// The foreign dpkg architecture the arm64 packages above come from.
+const FOREIGN_ARCH: &str = "arm64";
 
 const BPF_LINKER_VERSION: &str = "0.13.0";
 
@@ -349,6 +367,64 @@ fn apt(missing: &[&str]) -> anyhow::Result<()> {
         .env("DEBIAN_FRONTEND", "noninteractive"))
 }
 
+/// Adds dpkg's arm64 architecture (the next `apt-get update` fetches its
+/// package lists; `apt` runs one, since the arm64 packages are missing).
+fn multiarch() -> anyhow::Result<()> {
+    let out = Command::new("dpkg")
+        .arg("--print-foreign-architectures")
+        .output()
+        .context("dpkg --print-foreign-architectures")?;
+    if String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .any(|l| l.trim() == FOREIGN_ARCH)
+    {
+        println!("setup: dpkg architecture {FOREIGN_ARCH} present");
+        return Ok(());
+    }
+    run(Command::new("dpkg").args(["--add-architecture", FOREIGN_ARCH]))
+}
+
+/// Debian's arm64 bpftool, for the arm64 image, unpacked under
+/// `target/tools/bpftool-arm64/` (the package cannot be installed beside
+/// the machine's own bpftool); the version is the amd64 one's, so both
+/// images carry the same bpftool.
+pub fn bpftool_arm64() -> anyhow::Result<()> {
+    let version = Command::new("dpkg-query")
+        .args(["-W", "-f=${Version}", "bpftool"])
+        .output()
+        .context("dpkg-query bpftool")?;
+    let version = String::from_utf8_lossy(&version.stdout).trim().to_string();
+    let dir = crate::root().join("target/tools/bpftool-arm64");
+    let stamp = dir.join("version");
+    if crate::image::bpftool_arm64().exists()
+        && std::fs::read_to_string(&stamp).is_ok_and(|v| v == version)
+    {
+        println!("setup: bpftool {version} for arm64 present");
+        return Ok(());
+    }
+    if dir.exists() {
+        std::fs::remove_dir_all(&dir)?;
+    }
+    let download = crate::root().join("target/tools/bpftool-arm64.download");
+    if download.exists() {
+        std::fs::remove_dir_all(&download)?;
+    }
+    std::fs::create_dir_all(&download)?;
+    run(Command::new("apt-get")
+        .args(["download", "-q"])
+        .arg(format!("bpftool:{FOREIGN_ARCH}={version}"))
+        .current_dir(&download))?;
+    let deb = std::fs::read_dir(&download)?
+        .filter_map(Result::ok)
+        .map(|e| e.path())
+        .find(|p| p.extension().is_some_and(|e| e == "deb"))
+        .context("apt-get download left no .deb")?;
+    run(Command::new("dpkg-deb").arg("-x").arg(&deb).arg(&dir))?;
+    std::fs::remove_dir_all(&download)?;
+    std::fs::write(&stamp, &version)?;
+    Ok(())
+}
+
 fn rust_src() -> anyhow::Result<()> {
     if !quiet(Command::new("rustc").args(["+nightly", "--version"])) {
         run(Command::new("rustup").args([
@@ -461,8 +537,10 @@ fn bpffs() -> anyhow::Result<()> {
 /// Runs every setup step.
 pub fn setup() -> anyhow::Result<()> {
     let started = std::time::Instant::now();
+    multiarch()?;
     let missing: Vec<&str> = PACKAGES.iter().copied().filter(|p| !installed(p)).collect();
     apt(&missing)?;
+    bpftool_arm64()?;
     rust_src()?;
     musl_target()?;
     bpf_linker()?;

@@ -1,0 +1,198 @@
+//! The architectures the agent and the plugin ship for (#45 item 8): the
+//! machine's own (x86_64) and aarch64, both static musl binaries.
+//!
+//! The machine's architecture builds with stable and the musl target rustup
+//! installs. aarch64 is cross-built: rustup cannot fetch that target's
+//! standard library on these machines, so nightly builds it from its
+//! `rust-src` (`-Z build-std`), and Debian supplies the rest, through the
+//! arm64 architecture setup adds to dpkg: musl's arm64 C library and start
+//! files (`musl-dev:arm64`, with its `musl-gcc.specs`), the cross compiler and
+//! linker (`gcc-aarch64-linux-gnu`: ring's C, and the link, both pointed at
+//! musl by those specs), and LLVM's unwinder (`libunwind-16-dev:arm64`, the
+//! unwinder Rust's own musl targets ship; the std built from source links
+//! `-lunwind`). That libunwind was compiled against glibc and calls glibc's
+//! fortified `__fprintf_chk` (only on its debug-logging path); a five-line
+//! shim, compiled for musl and added to a copy of the archive under
+//! `target/tools/aarch64-musl/`, provides it. The eBPF object is the same
+//! bytecode on every architecture (`bpfel`), built once by the agent's build
+//! script on the build machine and embedded.
+//!
+//! The cross build has its own target directory (`target/cross/`): its host
+//! tools are nightly's, and it never waits on the lock of a stable build.
+
+use std::path::PathBuf;
+use std::process::Command;
+
+use anyhow::{Context, bail, ensure};
+
+/// A shipped architecture.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Arch {
+    /// x86_64 (amd64).
+    #[value(name = "x86_64", alias = "amd64")]
+    X86_64,
+    /// aarch64 (arm64).
+    #[value(name = "aarch64", alias = "arm64")]
+    Aarch64,
+}
+
+/// musl's arm64 specs for gcc (from `musl-dev:arm64`).
+const MUSL_SPECS: &str = "/usr/lib/aarch64-linux-musl/musl-gcc.specs";
+
+/// LLVM's libunwind for arm64 (from `libunwind-16-dev:arm64`).
+const LIBUNWIND: &str = "/usr/lib/aarch64-linux-gnu/libunwind.a";
+
+/// What Debian's libunwind (built against glibc) needs that musl lacks.
+const FORTIFY_SHIM: &str = r"#include <stdarg.h>
+#include <stdio.h>
+int __fprintf_chk(FILE *f, int flag, const char *fmt, ...) {
+    (void)flag;
+    va_list ap;
+    va_start(ap, fmt);
+    int r = vfprintf(f, fmt, ap);
+    va_end(ap);
+    return r;
+}
+";
+
+impl Arch {
+    /// The machine's own architecture.
+    pub fn host() -> anyhow::Result<Self> {
+        match std::env::consts::ARCH {
+            "x86_64" => Ok(Self::X86_64),
+            "aarch64" => Ok(Self::Aarch64),
+            other => bail!("lockstep ships for x86_64 and aarch64, not {other}"),
+        }
+    }
+
+    /// The Rust name (`x86_64`, `aarch64`).
+    pub fn rust(self) -> &'static str {
+        match self {
+            Self::X86_64 => "x86_64",
+            Self::Aarch64 => "aarch64",
+        }
+    }
+
+    /// The OCI and Debian name (`amd64`, `arm64`).
+    pub fn oci(self) -> &'static str {
+        match self {
+            Self::X86_64 => "amd64",
+            Self::Aarch64 => "arm64",
+        }
+    }
+
+    /// The static musl target.
+    pub fn target(self) -> String {
+        format!("{}-unknown-linux-musl", self.rust())
+    }
+
+    /// Whether this is the machine's own architecture.
+    pub fn is_host(self) -> bool {
+        self.rust() == std::env::consts::ARCH
+    }
+}
+
+/// Builds `bin` of the `lockstep` package for `arch` as it ships: the
+/// `ship` profile, static musl, position dependent (see `build_plugin` in
+/// main.rs). Returns the binary's path.
+pub fn build_shipped(arch: Arch, bin: &str) -> anyhow::Result<PathBuf> {
+    let target = arch.target();
+    let flags = "-C target-feature=+crt-static -C relocation-model=static";
+    if arch.is_host() {
+        crate::run(
+            crate::cargo()
+                .args(["build", "--profile", "ship", "--target", &target])
+                .args(["-p", "lockstep", "--bin", bin])
+                .env("RUSTFLAGS", flags),
+        )?;
+        return Ok(crate::root()
+            .join("target")
+            .join(target)
+            .join("ship")
+            .join(bin));
+    }
+    ensure!(
+        arch == Arch::Aarch64 && Arch::host()? == Arch::X86_64,
+        "cross builds go from x86_64 to aarch64 only"
+    );
+    let unwind = unwinder()?;
+    let dir = cross_dir();
+    let env = target.to_uppercase().replace('-', "_");
+    let cc = target.replace('-', "_");
+    crate::run(
+        crate::cargo()
+            .args(["+nightly", "build", "-Z", "build-std=std,panic_unwind"])
+            .args(["--profile", "ship", "--target", &target])
+            .args(["-p", "lockstep", "--bin", bin])
+            .env("CARGO_TARGET_DIR", &dir)
+            .env(
+                format!("CARGO_TARGET_{env}_LINKER"),
+                "aarch64-linux-gnu-gcc",
+            )
+            // Only the target's artifacts: build scripts and proc macros
+            // stay ordinary host programs.
+            .env(
+                format!("CARGO_TARGET_{env}_RUSTFLAGS"),
+                format!(
+                    "{flags} -C link-self-contained=no -C link-arg=-specs={MUSL_SPECS} \
+                     -L native={}",
+                    unwind.display()
+                ),
+            )
+            .env(format!("CC_{cc}"), "aarch64-linux-gnu-gcc")
+            .env(format!("AR_{cc}"), "aarch64-linux-gnu-ar")
+            .env(format!("CFLAGS_{cc}"), format!("-specs {MUSL_SPECS}")),
+    )?;
+    Ok(dir.join(target).join("ship").join(bin))
+}
+
+/// The cross build's target directory.
+pub fn cross_dir() -> PathBuf {
+    crate::root().join("target/cross")
+}
+
+/// Where the built aarch64 binary `bin` is, built or not.
+pub fn built(arch: Arch, bin: &str) -> PathBuf {
+    let base = if arch.is_host() {
+        crate::root().join("target")
+    } else {
+        cross_dir()
+    };
+    base.join(arch.target()).join("ship").join(bin)
+}
+
+/// Makes `target/tools/aarch64-musl/libunwind.a` (Debian's LLVM libunwind
+/// with the fortify shim) unless it is there; returns its directory.
+fn unwinder() -> anyhow::Result<PathBuf> {
+    let dir = crate::root().join("target/tools/aarch64-musl");
+    let archive = dir.join("libunwind.a");
+    let shim_c = dir.join("fortify_shim.c");
+    if archive.exists() && std::fs::read_to_string(&shim_c).is_ok_and(|s| s == FORTIFY_SHIM) {
+        return Ok(dir);
+    }
+    ensure!(
+        std::path::Path::new(LIBUNWIND).exists() && std::path::Path::new(MUSL_SPECS).exists(),
+        "{LIBUNWIND} or {MUSL_SPECS} is missing: run `cargo xtask setup` (it adds dpkg's arm64 \
+         architecture and installs libunwind-16-dev:arm64 and musl-dev:arm64)"
+    );
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    std::fs::write(&shim_c, FORTIFY_SHIM)?;
+    let shim_o = dir.join("fortify_shim.o");
+    crate::run(
+        Command::new("aarch64-linux-gnu-gcc")
+            .args(["-specs", MUSL_SPECS, "-O2", "-c"])
+            .arg(&shim_c)
+            .arg("-o")
+            .arg(&shim_o),
+    )?;
+    let partial = dir.join("libunwind.a.partial");
+    std::fs::copy(LIBUNWIND, &partial).with_context(|| format!("copying {LIBUNWIND}"))?;
+    crate::run(
+        Command::new("aarch64-linux-gnu-ar")
+            .arg("rs")
+            .arg(&partial)
+            .arg(&shim_o),
+    )?;
+    std::fs::rename(&partial, &archive)?;
+    Ok(dir)
+}
