@@ -119,8 +119,15 @@ pub fn build_shipped(arch: Arch, bin: &str) -> anyhow::Result<PathBuf> {
     let dir = cross_dir();
     let env = target.to_uppercase().replace('-', "_");
     let cc = target.replace('-', "_");
+    // rustup's proxy, not the toolchain's cargo `crate::cargo` runs: only
+    // the proxy takes `+nightly`.
+    let mut cargo = Command::new("cargo");
+    cargo
+        .current_dir(crate::root())
+        .env_remove("RUSTUP_TOOLCHAIN")
+        .env_remove("RUSTC");
     crate::run(
-        crate::cargo()
+        cargo
             .args(["+nightly", "build", "-Z", "build-std=std,panic_unwind"])
             .args(["--profile", "ship", "--target", &target])
             .args(["-p", "lockstep", "--bin", bin])

@@ -205,7 +205,7 @@ impl Runner {
         }
         let mb = |b: u64| format!("{:.2} MB", b as f64 / 1e6);
         println!("image parts (the staged rootfs, bytes as files):");
-        println!("| {:<28} | {:>10} | {:>10} |", "part", "amd64", "arm64");
+        println!("| {:<29} | {:>10} | {:>10} |", "part", "amd64", "arm64");
         let parts: Vec<Option<[u64; 4]>> = arches
             .iter()
             .map(|a| crate::image::parts(*a))
@@ -221,7 +221,7 @@ impl Runner {
         };
         for (i, name) in names.iter().enumerate() {
             println!(
-                "| {name:<28} | {:>10} | {:>10} |",
+                "| {name:<29} | {:>10} | {:>10} |",
                 cell(&parts[0], i),
                 cell(&parts[1], i)
             );
@@ -230,7 +230,7 @@ impl Runner {
             p.map_or_else(|| "not staged".to_string(), |p| mb(p.iter().sum()))
         };
         println!(
-            "| {:<28} | {:>10} | {:>10} |",
+            "| {:<29} | {:>10} | {:>10} |",
             "total",
             total(&parts[0]),
             total(&parts[1])
