@@ -53,6 +53,7 @@
 pub mod cidr;
 pub mod cluster;
 pub mod demand;
+pub mod election;
 pub mod health;
 pub mod identity;
 pub mod lb;
