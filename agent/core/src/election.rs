@@ -62,9 +62,9 @@ pub enum Step {
     /// Write this record (then report [`Elector::written`] or
     /// [`Elector::failed`]).
     Write(Write),
-    /// Another agent holds the record: read again later.
+    /// Nothing to write: read again later.
     Follow {
-        /// Who.
+        /// Who holds the record (empty: nobody).
         holder: String,
     },
 }
@@ -75,6 +75,11 @@ pub struct Elector {
     me: String,
     duration_ms: u64,
     deadline_ms: u64,
+    /// Whether this agent may hold the record ([`Elector::set_candidate`]).
+    candidate: bool,
+    /// Stepped down while holding: the record is released once this
+    /// deadline (local ms) has passed.
+    release_after: Option<u64>,
     /// The last version read and when (local ms) it was first seen.
     seen: Option<(Observed, u64)>,
     /// Local ms up to which this agent may act as the writer.
@@ -119,7 +124,27 @@ impl Elector {
             seen: None,
             until_ms: None,
             sent: None,
+            candidate: true,
+            release_after: None,
         })
+    }
+
+    /// Whether this agent may hold the record (a node excluded from load
+    /// balancers, cordoned, not Ready or being deleted may not). One that
+    /// holds it and may no longer stops acting at once, and releases the
+    /// record once its deadline has passed (its datapath stops answering
+    /// then), so no other agent acts before it stopped.
+    pub fn set_candidate(&mut self, candidate: bool, now_ms: u64) {
+        if self.candidate && !candidate {
+            if let Some(until) = self.holds(now_ms) {
+                self.release_after = Some(until);
+            }
+            self.until_ms = None;
+        }
+        if candidate {
+            self.release_after = None;
+        }
+        self.candidate = candidate;
     }
 
     /// This agent's identity.
@@ -140,6 +165,12 @@ impl Elector {
     pub fn observe(&mut self, lease: Option<Observed>, now_ms: u64) -> Step {
         let Some(lease) = lease else {
             self.seen = None;
+            if !self.candidate {
+                self.until_ms = None;
+                return Step::Follow {
+                    holder: String::new(),
+                };
+            }
             return self.send(
                 Write {
                     holder: Some(self.me.clone()),
@@ -156,6 +187,9 @@ impl Elector {
         };
         self.seen = Some((lease.clone(), first_seen));
         let holder = lease.holder.clone().filter(|h| !h.is_empty());
+        if !self.candidate {
+            return self.step_aside(&lease, holder, now_ms);
+        }
         match holder {
             Some(h) if h == self.me => self.send(
                 Write {
@@ -183,6 +217,30 @@ impl Elector {
         }
     }
 
+    /// Not a candidate: never takes the record; releases it when it
+    /// still names this agent and the deadline has passed.
+    fn step_aside(&mut self, lease: &Observed, holder: Option<String>, now_ms: u64) -> Step {
+        self.until_ms = None;
+        match holder {
+            Some(h) if h == self.me => {
+                if self.release_after.is_some_and(|t| now_ms < t) {
+                    return Step::Follow { holder: h };
+                }
+                self.sent = None;
+                Step::Write(Write {
+                    holder: None,
+                    version: Some(lease.version.clone()),
+                    acquire: false,
+                    transitions: lease.transitions,
+                })
+            }
+            Some(h) => Step::Follow { holder: h },
+            None => Step::Follow {
+                holder: String::new(),
+            },
+        }
+    }
+
     fn send(&mut self, w: Write, now_ms: u64) -> Step {
         self.sent = Some((w.clone(), now_ms));
         Step::Write(w)
@@ -192,10 +250,11 @@ impl Elector {
     /// `version` (what the API answered).
     pub fn written(&mut self, version: &str) {
         if let Some((w, at)) = self.sent.take() {
+            // A renewal that lands after stepping aside makes no writer.
             self.until_ms = w
                 .holder
                 .as_ref()
-                .filter(|h| **h == self.me)
+                .filter(|h| **h == self.me && self.candidate)
                 .map(|_| at.saturating_add(self.deadline_ms));
             let record = Observed {
                 holder: w.holder,

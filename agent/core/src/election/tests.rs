@@ -175,6 +175,8 @@ struct Move {
     delay: u64,
     lost: bool,
     stop: bool,
+    /// The agent's candidacy flips (its Node cordoned or uncordoned).
+    flip: bool,
 }
 
 fn moves() -> impl Strategy<Value = Vec<Move>> {
@@ -184,12 +186,14 @@ fn moves() -> impl Strategy<Value = Vec<Move>> {
             prop_oneof![0u64..50, 0u64..3 * DURATION],
             prop::bool::weighted(0.1),
             prop::bool::weighted(0.03),
+            prop::bool::weighted(0.05),
         )
-            .prop_map(|(agent, delay, lost, stop)| Move {
+            .prop_map(|(agent, delay, lost, stop, flip)| Move {
                 agent,
                 delay,
                 lost,
                 stop,
+                flip,
             }),
         1..400,
     )
@@ -205,6 +209,7 @@ fn run(schedule: &[Move]) -> Result<usize, TestCaseError> {
     // Each agent's pending event and when it happens.
     let mut next: Vec<(u64, Next)> = vec![(0, Next::Read); 3];
     let mut stopped = [false; 3];
+    let mut candidate = [true; 3];
     let mut now = 0u64;
     let mut held = 0usize;
     let mut queue: BTreeMap<(u64, usize), Next> = BTreeMap::new();
@@ -224,6 +229,10 @@ fn run(schedule: &[Move]) -> Result<usize, TestCaseError> {
         } else {
             (m.delay % 50, false, false)
         };
+        if m.flip {
+            candidate[m.agent] = !candidate[m.agent];
+            agents[m.agent].set_candidate(candidate[m.agent], now);
+        }
         let follow = match ev {
             Next::Read if stopped[i] => None,
             Next::Read => Some(Next::Answer(server.read())),
@@ -262,6 +271,13 @@ fn run(schedule: &[Move]) -> Result<usize, TestCaseError> {
             holding.len() <= 1,
             "at {now} ms more than one agent acts as the writer: {holding:?}"
         );
+        for (a, c) in agents.iter().zip(candidate) {
+            prop_assert!(
+                c || a.holds(now).is_none(),
+                "at {now} ms {} acts though not a candidate",
+                a.me()
+            );
+        }
         held += holding.len();
     }
     Ok(held)
@@ -275,6 +291,7 @@ fn with_prompt_answers_someone_holds() {
             delay: 10,
             lost: false,
             stop: false,
+            flip: false,
         })
         .collect();
     let held = run(&schedule).expect("safe");
@@ -290,4 +307,52 @@ proptest! {
     fn never_two_writers_at_once(schedule in moves()) {
         run(&schedule)?;
     }
+}
+
+#[test]
+fn a_holder_that_may_no_longer_hold_stops_at_once_and_releases_after_its_deadline() {
+    let mut a = elector("a");
+    a.observe(Some(lease(Some("a"), "3")), 0);
+    a.written("4");
+    assert_eq!(a.holds(100), Some(DEADLINE));
+    a.set_candidate(false, 100);
+    assert_eq!(a.holds(100), None, "stops acting at once");
+    // Before its deadline: not released yet (its entries still answer).
+    assert_eq!(
+        a.observe(Some(lease(Some("a"), "4")), 200),
+        Step::Follow { holder: "a".into() }
+    );
+    let Step::Write(w) = a.observe(Some(lease(Some("a"), "4")), DEADLINE) else {
+        panic!("released after the deadline");
+    };
+    assert_eq!(w.holder, None);
+    a.written("5");
+    assert_eq!(a.holds(DEADLINE + 1), None);
+    // Not a candidate: an expired or missing record is not taken.
+    assert!(matches!(
+        a.observe(Some(lease(None, "5")), 5000),
+        Step::Follow { .. }
+    ));
+    assert!(matches!(a.observe(None, 6000), Step::Follow { .. }));
+    // A candidate again: takes it.
+    a.set_candidate(true, 7000);
+    assert!(matches!(
+        a.observe(Some(lease(None, "5")), 7000),
+        Step::Write(_)
+    ));
+}
+
+#[test]
+fn a_renewal_landing_after_stepping_aside_makes_no_writer() {
+    let mut a = elector("a");
+    a.observe(Some(lease(Some("a"), "3")), 0);
+    a.written("4");
+    // A renewal in flight...
+    assert!(matches!(
+        a.observe(Some(lease(Some("a"), "4")), 300),
+        Step::Write(_)
+    ));
+    a.set_candidate(false, 310);
+    a.written("5");
+    assert_eq!(a.holds(320), None);
 }

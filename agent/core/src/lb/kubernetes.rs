@@ -583,6 +583,7 @@ pub fn node_labels(
     out
 }
 
+pub mod nodes;
 pub mod ownership;
 
 #[cfg(test)]

@@ -101,6 +101,31 @@ pub fn request(svc: &KubeService, serving: &Serving<'_>) -> Request {
     Request::Wanted(adopted)
 }
 
+/// What an agent that is not the elected writer (#44 item 1) holds for
+/// `svc`: the writer's decision, read back from the status it wrote — the
+/// Service's request with exactly the addresses of its ingress, so the
+/// follower's LB state holds what the writer's does and a takeover keeps
+/// every address. `None`: the writer has not given it an address (or the
+/// Service is not lockstep's), so the follower holds nothing for it.
+pub fn follow(svc: &KubeService, serving: &Serving<'_>) -> Option<super::super::ServiceSpec> {
+    if !ingress_is_ours(svc) || svc.ingress.is_empty() {
+        return None;
+    }
+    let addrs = ingress_addrs(svc)?;
+    let Request::Wanted(spec) = request(svc, serving) else {
+        return None;
+    };
+    let families = spec.families();
+    let mut held = spec.clone();
+    held.load_balancer_ips = addrs
+        .into_iter()
+        .filter(|a| families.contains(&Family::of_addr(*a)) && serving.in_pools(*a))
+        .collect();
+    held.load_balancer_ips
+        .sort_by_key(|a| families.iter().position(|f| *f == Family::of_addr(*a)));
+    (!held.load_balancer_ips.is_empty() && held.validate().is_ok()).then_some(held)
+}
+
 /// A change to a Service's status: what lockstep writes.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct StatusChange {

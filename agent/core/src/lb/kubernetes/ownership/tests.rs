@@ -309,3 +309,36 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn a_follower_holds_exactly_what_the_writer_wrote() {
+    let pools = pools();
+    let mut s = lb_service();
+    // Nothing written yet: the follower holds nothing (it never assigns).
+    assert_eq!(follow(&s, &serving(&pools)), None);
+    s.ingress = vec!["10.250.0.150".into()];
+    s.condition = Some(assigned("10.250.0.150"));
+    let spec = follow(&s, &serving(&pools)).expect("written by the writer: followed");
+    assert_eq!(spec.load_balancer_ips, vec![ip("10.250.0.150")]);
+    // The user asked for another address: the writer's answer still wins
+    // until the writer changes it.
+    let mut asked = s.clone();
+    asked
+        .annotations
+        .insert(IPS_ANNOTATION.into(), "10.250.0.200".into());
+    let spec = follow(&asked, &serving(&pools)).expect("followed");
+    assert_eq!(spec.load_balancer_ips, vec![ip("10.250.0.150")]);
+    // Not lockstep's condition (another controller's ingress): nothing.
+    s.condition = Some(pending());
+    assert_eq!(follow(&s, &serving(&pools)), None);
+    // No longer served (class turned off): nothing.
+    s.condition = Some(assigned("10.250.0.150"));
+    let off = Serving {
+        classless: false,
+        ..serving(&pools)
+    };
+    assert_eq!(follow(&s, &off), None);
+    // An ingress outside every pool (the pool shrank): nothing to mirror.
+    s.ingress = vec!["10.9.9.9".into()];
+    assert_eq!(follow(&s, &serving(&pools)), None);
+}
