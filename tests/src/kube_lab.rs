@@ -62,16 +62,37 @@ impl KubeLab {
         Self::build_keys(cluster, prefix, node_labels, "", extra)
     }
 
-    /// As [`KubeLab::build_with`], every node's `[cluster]` section ending
-    /// with `cluster_keys` (e.g. a short `lease_ttl` and `reclaim_after`).
-    pub fn build_keys(
-        cluster: &EtcdCluster,
-        prefix: &str,
+    /// Three nodes without `[cluster]` (no etcd): the agents elect their
+    /// LB writer on a Lease (#44 item 1); node `i`'s `[kubernetes]`
+    /// section ending with `extra(i)`.
+    pub fn build_local(
         node_labels: [Value; 3],
-        cluster_keys: &str,
         extra: &dyn Fn(usize) -> String,
     ) -> anyhow::Result<Self> {
         let api = ApiDouble::start()?;
+        Self::nodes(&api, &node_labels)?;
+        let dir = crate::TempDir::new("kube")?;
+        let kubeconfig = dir.path().join("kubeconfig");
+        api.write_kubeconfig(&kubeconfig)?;
+        let port = api.addr().port();
+        let path = kubeconfig.display().to_string();
+        let lab = Lab::build_local(&|i, ns| {
+            forward_ports(ns, &[port])?;
+            Ok(format!(
+                "[kubernetes]\nkubeconfig = \"{path}\"\n{}",
+                extra(i)
+            ))
+        })?;
+        Ok(Self {
+            lab,
+            api,
+            _dir: dir,
+        })
+    }
+
+    /// The Node objects `node-0`..`node-2` with `node_labels[i]` and the
+    /// node's underlay address as InternalIP.
+    fn nodes(api: &ApiDouble, node_labels: &[Value; 3]) -> anyhow::Result<()> {
         for (i, labels) in node_labels.iter().enumerate() {
             api.create(
                 "nodes",
@@ -93,6 +114,20 @@ impl KubeLab {
                 true,
             )?;
         }
+        Ok(())
+    }
+
+    /// As [`KubeLab::build_with`], every node's `[cluster]` section ending
+    /// with `cluster_keys` (e.g. a short `lease_ttl` and `reclaim_after`).
+    pub fn build_keys(
+        cluster: &EtcdCluster,
+        prefix: &str,
+        node_labels: [Value; 3],
+        cluster_keys: &str,
+        extra: &dyn Fn(usize) -> String,
+    ) -> anyhow::Result<Self> {
+        let api = ApiDouble::start()?;
+        Self::nodes(&api, &node_labels)?;
         let dir = crate::TempDir::new("kube")?;
         let kubeconfig = dir.path().join("kubeconfig");
         api.write_kubeconfig(&kubeconfig)?;
@@ -240,20 +275,15 @@ pub fn outside_rbac(api: &ApiDouble) -> anyhow::Result<Vec<String>> {
         .iter()
         .find(|d| d["kind"] == "ClusterRole")
         .context("no ClusterRole in deploy/rbac.yaml")?;
-    let mut allowed: BTreeSet<(String, String, String)> = BTreeSet::new();
-    for rule in role["rules"].as_array().context("rules")? {
-        for g in rule["apiGroups"].as_array().into_iter().flatten() {
-            for r in rule["resources"].as_array().into_iter().flatten() {
-                for v in rule["verbs"].as_array().into_iter().flatten() {
-                    allowed.insert((
-                        g.as_str().unwrap_or("").into(),
-                        r.as_str().unwrap_or("").into(),
-                        v.as_str().unwrap_or("").into(),
-                    ));
-                }
-            }
-        }
-    }
+    let allowed = granted(role)?;
+    // The Role: in its own namespace only.
+    let (ns_allowed, role_ns) = match docs.iter().find(|d| d["kind"] == "Role") {
+        Some(r) => (
+            granted(r)?,
+            r["metadata"]["namespace"].as_str().unwrap_or("").to_owned(),
+        ),
+        None => (BTreeSet::new(), String::new()),
+    };
     let mut out = Vec::new();
     for r in api.requests() {
         let segs: Vec<&str> = r.path.trim_matches('/').split('/').collect();
@@ -262,9 +292,9 @@ pub fn outside_rbac(api: &ApiDouble) -> anyhow::Result<Vec<String>> {
             ["apis", g, _, rest @ ..] => (*g, rest),
             _ => ("?", &segs[..]),
         };
-        let rest = match rest {
-            ["namespaces", _, rest @ ..] => rest,
-            rest => rest,
+        let (ns, rest) = match rest {
+            ["namespaces", ns, rest @ ..] => (*ns, rest),
+            rest => ("", rest),
         };
         let (resource, named) = match rest {
             [p] => ((*p).to_string(), false),
@@ -282,11 +312,32 @@ pub fn outside_rbac(api: &ApiDouble) -> anyhow::Result<Vec<String>> {
             ("DELETE", _) => "delete",
             _ => "?",
         };
-        if !allowed.contains(&(group.to_string(), resource.clone(), verb.to_string())) {
+        let key = (group.to_string(), resource.clone(), verb.to_string());
+        let by_role = ns == role_ns && ns_allowed.contains(&key);
+        if !allowed.contains(&key) && !by_role {
             out.push(format!("{verb} {group}/{resource} {}", r.path));
         }
     }
     out.sort();
     out.dedup();
     Ok(out)
+}
+
+/// The (group, resource, verb) triples a Role or ClusterRole grants.
+fn granted(role: &Value) -> anyhow::Result<BTreeSet<(String, String, String)>> {
+    let mut allowed = BTreeSet::new();
+    for rule in role["rules"].as_array().context("rules")? {
+        for g in rule["apiGroups"].as_array().into_iter().flatten() {
+            for r in rule["resources"].as_array().into_iter().flatten() {
+                for v in rule["verbs"].as_array().into_iter().flatten() {
+                    allowed.insert((
+                        g.as_str().unwrap_or("").into(),
+                        r.as_str().unwrap_or("").into(),
+                        v.as_str().unwrap_or("").into(),
+                    ));
+                }
+            }
+        }
+    }
+    Ok(allowed)
 }

@@ -122,7 +122,31 @@ impl Lab {
         cluster_keys: &str,
         extra: &dyn Fn(usize, &Netns) -> anyhow::Result<String>,
     ) -> anyhow::Result<Self> {
-        let eps = cluster.endpoints();
+        Self::build_any(
+            Some((cluster, prefix, cluster_keys)),
+            lease,
+            labels,
+            uplinks,
+            extra,
+        )
+    }
+
+    /// Three nodes without `[cluster]` (no etcd, no cuts): node `i` is
+    /// `node-i` by the top-level `node_name`, its config ending with what
+    /// `extra(i, namespace)` gives (its `[kubernetes]` section).
+    pub fn build_local(
+        extra: &dyn Fn(usize, &Netns) -> anyhow::Result<String>,
+    ) -> anyhow::Result<Self> {
+        Self::build_any(None, None, ["", "", ""], [true; 3], extra)
+    }
+
+    fn build_any(
+        cluster: Option<(&EtcdCluster, &str, &str)>,
+        lease: Option<&str>,
+        labels: [&str; 3],
+        uplinks: [bool; 3],
+        extra: &dyn Fn(usize, &Netns) -> anyhow::Result<String>,
+    ) -> anyhow::Result<Self> {
         let underlay = Netns::new("lbul")?;
         underlay.exec("ip", ["link", "add", "br0", "type", "bridge"])?;
         // Unregistered multicast (solicited-node) flooded to every port.
@@ -156,7 +180,6 @@ impl Lab {
             lab.ns.push(Netns::new(&format!("lbn{i}"))?);
             lab.macs.push([0; 6]);
             lab.plug_node(i)?;
-            lab.cuts.push(forward(&lab.ns[i], cluster)?);
             let lb = lease.map_or(String::new(), |l| {
                 format!("[lb]\nannounce_lease = \"{l}\"\n")
             });
@@ -165,11 +188,23 @@ impl Lab {
             } else {
                 ""
             };
+            let node = match cluster {
+                Some((etcd, prefix, cluster_keys)) => {
+                    lab.cuts.push(forward(&lab.ns[i], etcd)?);
+                    format!(
+                        "{}node_labels = {{ {labels} }}\n{cluster_keys}",
+                        cluster_config(
+                            &etcd.endpoints(),
+                            prefix,
+                            &format!("node-{i}"),
+                            &node_ip(i)
+                        ),
+                    )
+                }
+                None => format!("pools = []\nnode_name = \"node-{i}\"\n"),
+            };
             let more = extra(i, &lab.ns[i])?;
-            let config = format!(
-                "reconcile_interval = \"1s\"\n{}node_labels = {{ {labels} }}\n{cluster_keys}{datapath}{lb}{more}",
-                cluster_config(&eps, prefix, &format!("node-{i}"), &node_ip(i)),
-            );
+            let config = format!("reconcile_interval = \"1s\"\n{node}{datapath}{lb}{more}");
             lab.agents.push(AgentProc::start(&lab.ns[i], &config)?);
         }
         Ok(lab)

@@ -21,6 +21,8 @@ use serde::{Deserialize, Serialize};
 
 mod cluster;
 pub use cluster::{ClusterConfig, ClusterTlsConfig};
+mod election;
+pub use election::ElectionConfig;
 mod kubernetes;
 pub use kubernetes::KubernetesConfig;
 mod lb;

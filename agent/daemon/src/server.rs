@@ -598,11 +598,49 @@ pub async fn run(mut config: Config) -> Result<(), ServerError> {
                         crate::kubernetes::LbSync::new(client, classes, node, backend).run(stop),
                     )
                 }
+                // Without etcd: one writer elected on a Lease (#44 item
+                // 1); the others mirror it.
                 None => {
-                    let backend = crate::kubernetes::LocalLb::new(slot.clone());
-                    tokio::spawn(
-                        crate::kubernetes::LbSync::new(client, classes, node, backend).run(stop),
-                    )
+                    let election = cluster_config
+                        .kubernetes
+                        .as_ref()
+                        .map(|k| k.election.clone())
+                        .unwrap_or_default();
+                    match crate::kubernetes::election::Keeper::new(client.clone(), &election, &node)
+                    {
+                        Ok((keeper, elected)) => {
+                            let backend =
+                                crate::kubernetes::LocalLb::elected(slot.clone(), elected.clone());
+                            // This Node followed live: excluded, cordoned,
+                            // NotReady or deleting nodes never write (#44
+                            // item 4).
+                            let (candidacy, node_task) = crate::kubernetes::candidacy::follow(
+                                client.clone(),
+                                &node,
+                                stop.clone(),
+                            );
+                            let keeper = tokio::spawn(keeper.run(candidacy, stop.clone()));
+                            let announcer = tokio::spawn(crate::kubernetes::announcer::run(
+                                elected.leadership,
+                                backend.changed(),
+                                slot.clone(),
+                                announcements.clone(),
+                                stop.clone(),
+                            ));
+                            let sync = crate::kubernetes::LbSync::new(client, classes, node, backend);
+                            tokio::spawn(async move {
+                                sync.run(stop).await;
+                                let _ = announcer.await;
+                                let _ = keeper.await;
+                                let _ = node_task.await;
+                            })
+                        }
+                        Err(e) => {
+                            // The config check refuses such an election.
+                            tracing::error!(error = %crate::error_chain(&e), "kubernetes: no LB writer election; LoadBalancer Services are not served");
+                            tokio::spawn(async {})
+                        }
+                    }
                 }
             }
         },

@@ -83,6 +83,7 @@ use self::store::{ApiError, Change, Kind, Store, check_as};
 
 /// The kinds the double serves.
 pub fn kinds() -> Vec<Kind> {
+    use k8s_openapi::api::coordination::v1::Lease;
     use k8s_openapi::api::core::v1::{Event as CoreEvent, Namespace, Node, Pod, Service};
     use k8s_openapi::api::events::v1::Event;
     use lockstep::kubernetes::crd::LoadBalancerIPPool;
@@ -133,6 +134,15 @@ pub fn kinds() -> Vec<Kind> {
             namespaced: true,
             status: false,
             check: check_as::<CoreEvent>,
+        },
+        Kind {
+            group: "coordination.k8s.io",
+            version: "v1",
+            plural: "leases",
+            kind: "Lease",
+            namespaced: true,
+            status: false,
+            check: check_as::<Lease>,
         },
         Kind {
             group: "events.k8s.io",

@@ -13,7 +13,9 @@
 //! lease-bound etcd key of, and caps the expiry at what that etcd lease
 //! guarantees ([`Announcements::set_cluster`]): the entries stop being
 //! answered before etcd can give the address to another node, whatever
-//! this agent does meanwhile.
+//! this agent does meanwhile. Without `[cluster]` under Kubernetes, the
+//! elected writer's announcer (`kubernetes::announcer`) does the same with
+//! the LB state's addresses and its Lease's deadline.
 //!
 //! The announcement maps are written under their own lock
 //! ([`Announcements`]), never under the agent's: a CNI call or anything

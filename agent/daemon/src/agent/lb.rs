@@ -134,6 +134,21 @@ impl Agent {
         Ok(self.lb_view())
     }
 
+    /// Whether the LB addresses are answered only while this agent is the
+    /// elected writer (`[kubernetes]` without `[cluster]`, #44 item 1): the
+    /// election's announcer hands them to the announcements, capped at the
+    /// Lease's deadline, and the agent itself never announces them.
+    #[must_use]
+    pub fn lb_elected(&self) -> bool {
+        self.config.kubernetes.is_some() && self.config.cluster.is_none()
+    }
+
+    /// The addresses the LB state announces (L2 pools), both families.
+    #[must_use]
+    pub fn lb_announced(&self) -> BTreeSet<IpAddr> {
+        announced(&self.lb)
+    }
+
     /// LB addresses, for the planner: (address, value) host entries.
     pub(super) fn lb_host_entries(&self) -> Vec<(IpAddr, lockstep_common::IpcacheValue)> {
         let plan = self.lb.plan();
@@ -263,7 +278,11 @@ impl LbHost for Agent {
     }
 
     fn announce(&mut self, addr: IpAddr) {
-        self.send_announcement(addr);
+        // Elected: the writer's announcer announces, and only while the
+        // Lease is held.
+        if !self.lb_elected() {
+            self.send_announcement(addr);
+        }
     }
 }
 

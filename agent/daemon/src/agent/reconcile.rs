@@ -64,8 +64,9 @@ impl Agent {
         Ok(maps)
     }
 
-    /// The addresses the agent itself announces (not cluster mode's):
-    /// its single-node LB pools' and, if announced, the ingress address.
+    /// The addresses the agent itself announces (not cluster mode's, not
+    /// the elected writer's): its single-node LB pools' and, if announced,
+    /// the ingress address.
     pub(super) fn local_announcements(&self) -> (Vec<Ipv4Addr>, Vec<Ipv6Addr>) {
         let announced_ingress = self
             .config
@@ -86,6 +87,11 @@ impl Agent {
                     })
             })
             .flatten();
+        // Elected (#44 item 1): the LB addresses are the announcer's,
+        // answered only while this agent holds the Lease.
+        if self.lb_elected() {
+            return (announced_ingress.into_iter().collect(), Vec::new());
+        }
         let plan = self.lb.plan();
         let v4 = plan
             .l2_announce_v4

@@ -57,6 +57,10 @@ pub struct KubernetesConfig {
     /// the addresses reserved for it are released once the API binds no
     /// pod to it.
     pub remove_deleted_nodes: bool,
+    /// `[kubernetes.election]`: without `[cluster]`, the Lease electing the
+    /// one agent that writes LoadBalancer state and answers for its
+    /// addresses.
+    pub election: super::election::ElectionConfig,
 }
 
 impl Default for KubernetesConfig {
@@ -72,6 +76,7 @@ impl Default for KubernetesConfig {
             pod_pools: false,
             pod_cidr_pool: None,
             remove_deleted_nodes: true,
+            election: super::election::ElectionConfig::default(),
         }
     }
 }
@@ -101,6 +106,7 @@ impl KubernetesConfig {
         if self.node_wait > Duration::from_secs(600) {
             return Err(("kubernetes.node_wait".into(), "must be at most 10m".into()));
         }
+        self.election.validate()?;
         self.pods.validate()
     }
 }

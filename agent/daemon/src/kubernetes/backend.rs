@@ -75,6 +75,13 @@ pub trait LbBackend: Send + Sync + 'static {
     fn changes(&self) -> Option<tokio::sync::watch::Receiver<i64>> {
         None
     }
+    /// Whether, while not the writer, the loop mirrors the writer's
+    /// decisions into this state (`sync::follow`): without `[cluster]`,
+    /// under the Kubernetes election. Cluster mode's state is etcd's, one
+    /// for all agents: nothing to mirror.
+    fn follows(&self) -> bool {
+        false
+    }
 }
 
 pub(super) type Slot = Arc<Mutex<Option<Agent>>>;
@@ -109,16 +116,39 @@ fn refused_or_failed(e: &crate::agent::AgentError) -> KubeError {
     }
 }
 
-/// Single-node mode: the agent's own LB IPAM.
+/// Without `[cluster]`: the agent's own LB IPAM.
 #[derive(Clone, Debug)]
 pub struct LocalLb {
     slot: Slot,
+    /// The election: the agent writes only while it is the writer, and
+    /// mirrors otherwise. `None`: it always writes (once ready).
+    election: Option<super::election::Election>,
+    /// Notified after every change of the LB state (the announcer reads
+    /// the addresses again).
+    changed: Arc<tokio::sync::Notify>,
 }
 
 impl LocalLb {
-    /// The agent in `slot`.
+    /// The agent in `slot`, the writer whenever it is ready.
     pub fn new(slot: Slot) -> Self {
-        Self { slot }
+        Self {
+            slot,
+            election: None,
+            changed: Arc::new(tokio::sync::Notify::new()),
+        }
+    }
+
+    /// The agent in `slot`, the writer while `election` says so.
+    pub fn elected(slot: Slot, election: super::election::Election) -> Self {
+        Self {
+            election: Some(election),
+            ..Self::new(slot)
+        }
+    }
+
+    /// Notified after every change this backend makes to the LB state.
+    pub fn changed(&self) -> Arc<tokio::sync::Notify> {
+        self.changed.clone()
     }
 }
 
@@ -139,9 +169,13 @@ async fn lb_change(
 impl LbBackend for LocalLb {
     async fn state(&self) -> Result<LbState, KubeError> {
         let view = on_agent(&self.slot, |a| (a.status().ready, a.lb_view())).await?;
+        let elected = self
+            .election
+            .as_ref()
+            .is_none_or(|e| e.leadership.borrow().acting_now());
         Ok(match view {
             Some((ready, v)) => LbState {
-                writer: ready,
+                writer: ready && elected,
                 services: v.services,
                 pending: BTreeSet::new(),
                 pools: v
@@ -159,21 +193,34 @@ impl LbBackend for LocalLb {
         pools: Vec<LbPoolSpec>,
         services: Vec<ServiceSpec>,
     ) -> Result<(), KubeError> {
-        lb_change(&self.slot, move |a| {
+        let done = lb_change(&self.slot, move |a| {
             a.lb_apply(LbApply { pools, services }).map(drop)
         })
-        .await
+        .await;
+        self.changed.notify_one();
+        done
     }
 
     async fn delete(&self, services: Vec<String>, pools: Vec<String>) -> Result<(), KubeError> {
-        lb_change(&self.slot, move |a| {
+        let done = lb_change(&self.slot, move |a| {
             a.lb_delete(LbDelete { pools, services }).map(drop)
         })
-        .await
+        .await;
+        self.changed.notify_one();
+        done
     }
 
     fn assigns_on_apply(&self) -> bool {
         true
+    }
+
+    fn changes(&self) -> Option<tokio::sync::watch::Receiver<i64>> {
+        // A new term: the loop starts writing (or mirroring) at once.
+        self.election.as_ref().map(|e| e.terms.clone())
+    }
+
+    fn follows(&self) -> bool {
+        self.election.is_some()
     }
 
     fn poll_every(&self, _pending: bool) -> Duration {

@@ -12,6 +12,11 @@
 //! The decisions (which Services are lockstep's, what they ask, what a
 //! condition says) are the core's (`lockstep_core::lb::kubernetes`).
 //!
+//! Without `[cluster]`, one agent is the writer, elected on a Lease
+//! (`election`, #44 item 1): it alone assigns, writes status and answers
+//! for the addresses (`announcer`); the others mirror its decisions
+//! (`sync::follow`).
+//!
 //! NodeIPAM (`nodeipam`, #29 item 5): this node's `NodeIPAM` object gives
 //! its CIDRs (status, the operator's) and takes its demand (spec).
 //!
@@ -19,8 +24,11 @@
 //! (matched by pools' node selectors) and its InternalIPs (the node's
 //! addresses in cluster mode when the config names none).
 
+pub mod announcer;
 pub mod backend;
+pub mod candidacy;
 pub mod crd;
+pub mod election;
 pub mod leaks;
 pub mod node_removal;
 pub mod nodeipam;

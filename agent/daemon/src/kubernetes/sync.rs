@@ -30,6 +30,10 @@
 //! round, not for polls (#28: Service created → status written, p99 ≤
 //! 1 s for 200 Services one every 10 ms).
 //!
+//! Without `[cluster]`, an agent that is not the elected writer (#44 item
+//! 1, `election`) runs `follow` instead: its LB state mirrors the
+//! writer's decisions from the Services' status, and it writes nothing.
+//!
 //! What was applied is remembered only while this agent stays the writer:
 //! a new writer (a restart, an assigner handover) applies everything once
 //! (unchanged definitions change nothing in the LB state, so addresses
@@ -100,6 +104,8 @@ pub struct LbSync<B: LbBackend> {
     /// reflector has seen them.
     written: HashMap<String, (Option<String>, Value)>,
     was_writer: bool,
+    /// Mirroring the elected writer's decisions (`follow`).
+    following: bool,
     last_full: tokio::time::Instant,
 }
 
@@ -203,6 +209,8 @@ pub(super) async fn passes<K: Watched, P: Pass<K>>(
 
 use reflector::reflector;
 
+mod follow;
+
 /// The next change of the backend's state (never without one).
 async fn changed(changes: &mut Option<tokio::sync::watch::Receiver<i64>>) {
     if let Some(rx) = changes
@@ -249,6 +257,7 @@ impl<B: LbBackend> LbSync<B> {
             refused_services: BTreeMap::new(),
             written: HashMap::new(),
             was_writer: false,
+            following: false,
             last_full: tokio::time::Instant::now(),
         }
     }
@@ -329,8 +338,17 @@ impl<B: LbBackend> LbSync<B> {
                 tracing::info!("kubernetes: no longer the LB writer");
             }
             self.was_writer = false;
+            if !self.backend.follows() {
+                return Ok(false);
+            }
+            if !self.following || self.last_full.elapsed() >= FULL_RESYNC {
+                self.forget();
+                self.following = true;
+            }
+            self.follow(services, pools, &state).await?;
             return Ok(false);
         }
+        self.following = false;
         if !self.was_writer || self.last_full.elapsed() >= FULL_RESYNC {
             self.forget();
             self.was_writer = true;

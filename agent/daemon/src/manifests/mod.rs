@@ -35,7 +35,7 @@ use serde_json::Value;
 
 use crate::config::{Config, ConfigError};
 
-pub use rbac::{Rule, rules};
+pub use rbac::{Rule, namespaced_rules, rules};
 
 /// Errors of rendering.
 #[derive(Debug, thiserror::Error)]
@@ -287,6 +287,13 @@ impl Options {
             }
             if self.mode == Mode::Cluster && !self.pools.is_empty() {
                 t.push_str("pod_pools = true                           # PodIPPool objects\n");
+            }
+            if self.mode != Mode::Cluster {
+                let _ = write!(
+                    t,
+                    "\n[kubernetes.election]                      # one LB writer, on a Lease\nnamespace = {}\n",
+                    q(&self.namespace)
+                );
             }
         }
         t

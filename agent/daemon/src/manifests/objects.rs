@@ -249,7 +249,8 @@ fn service_account(o: &Options) -> Vec<(String, Value)> {
         })
         .collect::<Vec<_>>()
         .join("\n");
-    vec![
+    let namespaced = rbac::namespaced_rules(o.mode);
+    let mut out = vec![
         (
             "The agent's identity in the API.".into(),
             json!({"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta("lockstep", o)}),
@@ -273,7 +274,45 @@ fn service_account(o: &Options) -> Vec<(String, Value)> {
                 "subjects": [{"kind": "ServiceAccount", "name": "lockstep", "namespace": o.namespace}],
             }),
         ),
-    ]
+    ];
+    if !namespaced.is_empty() {
+        let why = namespaced
+            .iter()
+            .map(|r| {
+                format!(
+                    "- {}: {} — {}",
+                    r.resources.join(", "),
+                    r.verbs.join(", "),
+                    r.why
+                )
+            })
+            .collect::<Vec<_>>()
+            .join("\n");
+        let rules: Vec<Value> = namespaced
+            .iter()
+            .map(|r| json!({"apiGroups": [r.group], "resources": r.resources, "verbs": r.verbs}))
+            .collect();
+        out.push((
+            format!("In the agent's namespace only:\n{why}"),
+            json!({
+                "apiVersion": "rbac.authorization.k8s.io/v1",
+                "kind": "Role",
+                "metadata": meta("lockstep", o),
+                "rules": rules,
+            }),
+        ));
+        out.push((
+            String::new(),
+            json!({
+                "apiVersion": "rbac.authorization.k8s.io/v1",
+                "kind": "RoleBinding",
+                "metadata": meta("lockstep", o),
+                "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "lockstep"},
+                "subjects": [{"kind": "ServiceAccount", "name": "lockstep", "namespace": o.namespace}],
+            }),
+        ));
+    }
+    out
 }
 
 fn daemonset_comment(o: &Options) -> String {

@@ -85,6 +85,21 @@ const CLUSTER: &[Rule] = &[
     },
 ];
 
+/// The rules of `mode`'s Role in the agent's own namespace: the Lease
+/// electing the one LB writer when there is no etcd (modes lb and
+/// podcidr). Cluster mode elects its writer in etcd.
+pub fn namespaced_rules(mode: Mode) -> Vec<Rule> {
+    match mode {
+        Mode::Lb | Mode::PodCidr => vec![Rule {
+            group: "coordination.k8s.io",
+            resources: &["leases"],
+            verbs: &["get", "create", "update"],
+            why: "the Lease electing the one agent that writes LoadBalancer state ([kubernetes.election])",
+        }],
+        Mode::Local | Mode::Cluster => Vec::new(),
+    }
+}
+
 /// The rules of `mode`'s ClusterRole (none: the mode never calls the API).
 pub fn rules(mode: Mode) -> Vec<Rule> {
     match mode {

@@ -225,6 +225,54 @@ fn every_modes_rules_are_within_the_role_the_end_to_end_tests_check() {
         }
     }
     assert!(rules(Mode::Local).is_empty());
+    // The election's Lease: the Role in the agent's namespace.
+    let mut namespaced = BTreeSet::new();
+    for rule in kind(&d, "Role").unwrap()["rules"].as_array().unwrap() {
+        for g in rule["apiGroups"].as_array().unwrap() {
+            for r in rule["resources"].as_array().unwrap() {
+                for v in rule["verbs"].as_array().unwrap() {
+                    namespaced.insert(format!(
+                        "{}/{}:{}",
+                        g.as_str().unwrap(),
+                        r.as_str().unwrap(),
+                        v.as_str().unwrap()
+                    ));
+                }
+            }
+        }
+    }
+    for mode in [Mode::Lb, Mode::PodCidr] {
+        assert!(
+            !namespaced_rules(mode).is_empty(),
+            "{mode:?} elects on a Lease"
+        );
+        for rule in namespaced_rules(mode) {
+            for r in rule.resources {
+                for v in rule.verbs {
+                    let want = format!("{}/{r}:{v}", rule.group);
+                    assert!(namespaced.contains(&want), "{mode:?}: {want}");
+                }
+            }
+        }
+    }
+    assert!(namespaced_rules(Mode::Cluster).is_empty());
+}
+
+#[test]
+fn modes_without_etcd_elect_in_the_agents_namespace() {
+    let mut o = options(Mode::Lb);
+    o.namespace = "lockstep".into();
+    let d = docs(&render(&o).unwrap());
+    let role = kind(&d, "Role").expect("a Role for the Lease");
+    assert_eq!(role["metadata"]["namespace"], "lockstep");
+    assert_eq!(role["rules"][0]["resources"][0], "leases");
+    let binding = kind(&d, "RoleBinding").expect("bound");
+    assert_eq!(binding["subjects"][0]["namespace"], "lockstep");
+    let config = o.config_toml();
+    let parsed = Config::parse(Path::new("c.toml"), &config).unwrap();
+    let k = parsed.kubernetes.expect("[kubernetes]");
+    assert_eq!(k.election.namespace, "lockstep");
+    assert!(kind(&docs(&render(&options(Mode::Cluster)).unwrap()), "Role").is_none());
 }
 
 #[test]
