@@ -706,6 +706,23 @@ impl Config {
                     ));
                 }
             }
+            // Every node of a cluster would serve the same embedded
+            // 10.244.0.0/16: pod addresses repeating across nodes (#44
+            // item 5). A node's pods need a source of their own.
+            if self.cluster.is_none()
+                && k.nodeipam.is_none()
+                && k.pod_cidr_pool.is_none()
+                && self.pools == Config::default().pools
+            {
+                out.push((
+                    "pools".into(),
+                    "with [kubernetes], the embedded default pool (10.244.0.0/16) would be the same \
+                     on every node; choose where this node's pod addresses come from: \
+                     [kubernetes] pod_cidr_pool (the Node's spec.podCIDRs), [kubernetes.nodeipam], \
+                     [cluster], [[pools]] of this node's own, or pools = [] (no pods)"
+                        .into(),
+                ));
+            }
             if let Some(n) = &k.nodeipam {
                 // NodeIPAM is the alternative to etcd's blocks: both would
                 // say which CIDRs this node holds (docs/kubernetes.md).

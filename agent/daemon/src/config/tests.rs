@@ -156,3 +156,26 @@ fn errors_name_the_file_and_field() {
         assert!(err.contains(field), "{text}: expected {field} in: {err}");
     }
 }
+
+#[test]
+fn kubernetes_without_a_source_of_pod_addresses_refuses_the_embedded_default() {
+    let e = parse("[kubernetes]\n").expect_err("the embedded default under [kubernetes]");
+    let ConfigError::Invalid { field, reason, .. } = e else {
+        panic!("not a refusal: {e}");
+    };
+    assert_eq!(field, "pools");
+    for choice in [
+        "pod_cidr_pool",
+        "[kubernetes.nodeipam]",
+        "[cluster]",
+        "pools = []",
+    ] {
+        assert!(reason.contains(choice), "{reason} names {choice}");
+    }
+    // Each choice is accepted.
+    assert!(parse("pools = []\n[kubernetes]\n").is_ok());
+    assert!(parse("[kubernetes]\npod_cidr_pool = \"pods\"\n").is_ok());
+    assert!(parse("[[pools]]\nname = \"mine\"\nipv4 = [\"10.80.0.0/24\"]\n[kubernetes]\n").is_ok());
+    // Without [kubernetes] the default stays (a single node of its own).
+    assert!(parse("").is_ok());
+}
