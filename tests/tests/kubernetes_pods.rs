@@ -193,6 +193,25 @@ fn a_leak_is_reported_after_the_grace_and_released_only_when_configured() -> any
     )?;
     ensure!(code == 0, "bare ADD: {v}");
     let addr_bare = address_of(&v)?;
+    // A static pod on node 1 (which releases leaks): kubelet ADDs it with
+    // the static pod's UID (its config hash); the API shows its mirror pod
+    // under another UID, the hash in `kubernetes.io/config.mirror`.
+    let hash = "5f2c9e0b7a4d1e36c8b2a9f0d3e1c7b4";
+    namespace(&lab, "kube-system", None)?;
+    let mirror = lab.api.create(
+        "pods",
+        "kube-system",
+        &json!({
+            "metadata": {"namespace": "kube-system", "name": "static-node-1",
+                         "annotations": {"kubernetes.io/config.mirror": hash}},
+            "spec": {"nodeName": "node-1", "containers": [{"name": "c", "image": "x"}]},
+        }),
+    )?;
+    ensure!(
+        mirror["metadata"]["uid"] != hash,
+        "the mirror pod has a UID of its own"
+    );
+    let (ss, addr_static) = add_ok(&agents[1], "kube-system", "static-node-1", Some(hash))?;
     std::thread::sleep(Duration::from_secs(4));
     ensure!(
         leaked(&agents[0])?.is_empty() && leaked(&agents[1])?.is_empty(),
@@ -249,6 +268,10 @@ fn a_leak_is_reported_after_the_grace_and_released_only_when_configured() -> any
         held_by(&agents[1])?.contains(&addr_bare),
         "the attachment without a pod was released"
     );
+    ensure!(
+        held_by(&agents[1])?.contains(&addr_static),
+        "the static pod's address was released though its mirror pod runs"
+    );
     // A pod replaced by one of the same name (another UID): the old
     // sandbox's allocation is a leak too.
     lab.api.delete("pods", "shop", "keep")?;
@@ -266,6 +289,7 @@ fn a_leak_is_reported_after_the_grace_and_released_only_when_configured() -> any
         leaked(&agents[0]).ok().filter(Vec::is_empty)
     })?;
     del(&agents[1], &sb)?;
+    del(&agents[1], &ss)?;
     let (code, v, _) = lockstep_tests::cluster::cni_raw(
         &agents[1].socket(),
         "DEL",

@@ -158,14 +158,27 @@ pub fn pick_pool(
     })
 }
 
+/// The annotation a static pod's mirror pod carries: the static pod's own
+/// UID (its config hash), which is what kubelet passes the CNI plugin.
+pub const MIRROR_ANNOTATION: &str = "kubernetes.io/config.mirror";
+
 /// Whether the API shows `wanted` running: a pod of its namespace and name
 /// exists, with its UID when both sides know one, and has not finished.
+/// A static pod (kubelet runs it from a file) is shown by its mirror pod,
+/// whose UID is the API's own: it is matched by the static pod's UID in
+/// [`MIRROR_ANNOTATION`], never judged gone (#44 item 6).
 pub fn pod_alive(wanted: &PodRef, seen: Option<&PodFacts>) -> bool {
     let Some(seen) = seen else {
         return false;
     };
     let same = match (&wanted.uid, &seen.uid) {
-        (Some(a), Some(b)) => a == b,
+        (Some(a), Some(b)) => {
+            a == b
+                || seen
+                    .annotations
+                    .get(MIRROR_ANNOTATION)
+                    .is_some_and(|m| m == a)
+        }
         _ => true,
     };
     same && !seen.finished

@@ -107,6 +107,26 @@ fn a_pod_is_alive_only_as_the_same_running_pod() {
 }
 
 #[test]
+fn a_static_pod_is_alive_through_its_mirror_pod() {
+    // kubelet passes the static pod's UID (its config hash); the API shows
+    // the mirror pod under another UID, with the hash in an annotation.
+    let want = pod("kube-system", "etcd-node-a", Some("3f1c0e"));
+    let mut mirror = PodFacts {
+        uid: Some("9b2d-api-uid".into()),
+        annotations: BTreeMap::from([(MIRROR_ANNOTATION.to_string(), "3f1c0e".to_string())]),
+        finished: false,
+    };
+    assert!(pod_alive(&want, Some(&mirror)), "the mirror pod shows it");
+    mirror
+        .annotations
+        .insert(MIRROR_ANNOTATION.into(), "another-hash".into());
+    assert!(
+        !pod_alive(&want, Some(&mirror)),
+        "a mirror of another static pod (the file changed): gone"
+    );
+}
+
+#[test]
 fn a_leak_is_reported_after_the_grace_and_forgotten_when_the_pod_returns() {
     let mut t = LeakTracker::default();
     let p = pod("a", "b", None);
