@@ -35,7 +35,7 @@ pub const POOL_FINALIZER: &str = "lockstep.io/lb-pool";
     printcolumn = r#"{"name":"Conflict","type":"string","jsonPath":".status.conditions[?(@.type==\"Conflict\")].status"}"#,
     printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
 )]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[serde(rename_all = "camelCase")]
 pub struct LoadBalancerIPPoolSpec {
     /// CIDR blocks, IPv4 and IPv6 (`192.0.2.0/24`, `2001:db8::/120`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -60,11 +60,16 @@ pub struct LoadBalancerIPPoolSpec {
     /// NDP (IPv6) from one node per address; absent: routed by other means.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub announce: Option<AnnounceMode>,
+    /// Fields this version does not know (a newer CRD added them): kept
+    /// out of the decision and logged once (`super::unknown`), never
+    /// written back.
+    #[serde(flatten, skip_serializing)]
+    #[schemars(skip)]
+    pub unknown: BTreeMap<String, serde_json::Value>,
 }
 
 /// An inclusive address range.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
-#[serde(deny_unknown_fields)]
 pub struct AddressRange {
     /// First address.
     pub start: String,
@@ -82,7 +87,7 @@ pub enum AnnounceMode {
 
 /// A Kubernetes label selector.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[serde(rename_all = "camelCase")]
 pub struct Selector {
     /// Labels that must have exactly these values.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
@@ -94,7 +99,6 @@ pub struct Selector {
 
 /// One `matchExpressions` entry.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
-#[serde(deny_unknown_fields)]
 pub struct Requirement {
     /// The label key.
     pub key: String,
@@ -120,7 +124,7 @@ pub enum Operator {
 
 /// What lockstep reports on a pool.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[serde(rename_all = "camelCase")]
 pub struct LoadBalancerIPPoolStatus {
     /// `Accepted` (the definition is valid) and `Conflict` (it overlaps a
     /// pool applied earlier, named in the message, and assigns nothing new).
@@ -139,7 +143,7 @@ pub struct LoadBalancerIPPoolStatus {
 
 /// A condition, as `metav1.Condition` has it.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[serde(rename_all = "camelCase")]
 pub struct PoolCondition {
     /// `Accepted` or `Conflict`.
     #[serde(rename = "type")]
@@ -266,10 +270,19 @@ mod tests {
         assert!(spec.allow_first_last);
         assert_eq!(spec.service_selector.match_labels["tier"], "web");
         assert_eq!(spec.node_selector.match_expressions[0].values, vec!["a"]);
-        // A misspelt field is refused, as the API server's schema would.
-        let bad = serde_json::from_value::<LoadBalancerIPPoolSpec>(
-            serde_json::json!({"cidr": ["192.0.2.0/24"]}),
+        // A field a newer CRD added is read past (the API server's schema
+        // refuses a misspelt one before it reaches the agent), kept aside
+        // to be logged, and never written back.
+        let newer = serde_json::from_value::<LoadBalancerIPPoolSpec>(
+            serde_json::json!({"cidrs": ["192.0.2.0/24"], "avoidBuggyIPs": true}),
+        )
+        .expect("tolerated");
+        assert_eq!(newer.cidrs, vec!["192.0.2.0/24"]);
+        assert_eq!(
+            newer.unknown.keys().collect::<Vec<_>>(),
+            vec!["avoidBuggyIPs"]
         );
-        assert!(bad.is_err());
+        let back = serde_json::to_value(&newer).unwrap();
+        assert!(back.get("avoidBuggyIPs").is_none(), "{back}");
     }
 }

@@ -52,6 +52,27 @@ use crate::config::KubernetesConfig;
 pub use backend::{ClusterLb, LbBackend, LbState, LocalLb};
 pub use sync::{Classes, LbSync};
 
+/// Logs the fields of `kind` `name`'s spec this version does not know
+/// (#44 item 7: a newer CRD added them; they are ignored), once per kind and
+/// field for the life of the agent, remembered in `seen`.
+pub(crate) fn note_unknown(
+    seen: &mut std::collections::BTreeSet<String>,
+    kind: &str,
+    name: &str,
+    unknown: &BTreeMap<String, serde_json::Value>,
+) {
+    for field in unknown.keys() {
+        if seen.insert(format!("{kind}.spec.{field}")) {
+            tracing::warn!(
+                kind,
+                object = name,
+                field = %format!("spec.{field}"),
+                "kubernetes: a field this version of lockstep does not know is ignored (a newer CRD?); logged once per field"
+            );
+        }
+    }
+}
+
 /// Errors of the Kubernetes door.
 #[derive(Debug, thiserror::Error)]
 pub enum KubeError {

@@ -56,7 +56,7 @@ use super::writer::ClusterWriter;
     printcolumn = r#"{"name":"Blocks","type":"integer","jsonPath":".status.blocks"}"#,
     printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
 )]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[serde(rename_all = "camelCase")]
 pub struct PodIPPoolSpec {
     /// IPv4 CIDRs (`10.1.0.0/16`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -79,11 +79,17 @@ pub struct PodIPPoolSpec {
     /// The pool serves pods that name none (at most one PodIPPool).
     #[serde(default)]
     pub default: bool,
+    /// Fields this version does not know (a newer CRD added them): kept
+    /// out of the decision and logged once (`super::unknown`), never
+    /// written back.
+    #[serde(flatten, skip_serializing)]
+    #[schemars(skip)]
+    pub unknown: BTreeMap<String, Value>,
 }
 
 /// What lockstep reports on a PodIPPool.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[serde(rename_all = "camelCase")]
 pub struct PodIPPoolStatus {
     /// `Accepted`: stored as a cluster pool (`True`), or why not (`False`,
     /// the stored pool unchanged).
@@ -319,10 +325,20 @@ pub struct PodPoolSync<B: PoolsBackend> {
     written: HashMap<String, (Option<String>, Value)>,
     /// Whether the last pass found this agent the writer.
     was_writer: bool,
+    /// Unknown fields already logged (`super::note_unknown`).
+    unknown_seen: std::collections::BTreeSet<String>,
 }
 
 impl<B: PoolsBackend> Pass<PodIPPool> for PodPoolSync<B> {
     async fn pass(&mut self, store: &Store<PodIPPool>) {
+        for p in store.state() {
+            super::note_unknown(
+                &mut self.unknown_seen,
+                "PodIPPool",
+                &p.name_any(),
+                &p.spec.unknown,
+            );
+        }
         match self.once(store).await {
             Ok(writer) => {
                 if writer != self.was_writer {
@@ -350,6 +366,7 @@ impl<B: PoolsBackend> PodPoolSync<B> {
             backend,
             written: HashMap::new(),
             was_writer: false,
+            unknown_seen: std::collections::BTreeSet::new(),
         }
     }
 

@@ -106,6 +106,8 @@ pub struct LbSync<B: LbBackend> {
     was_writer: bool,
     /// Mirroring the elected writer's decisions (`follow`).
     following: bool,
+    /// Unknown fields already logged (`super::note_unknown`).
+    unknown_seen: BTreeSet<String>,
     last_full: tokio::time::Instant,
 }
 
@@ -258,6 +260,7 @@ impl<B: LbBackend> LbSync<B> {
             written: HashMap::new(),
             was_writer: false,
             following: false,
+            unknown_seen: BTreeSet::new(),
             last_full: tokio::time::Instant::now(),
         }
     }
@@ -355,6 +358,14 @@ impl<B: LbBackend> LbSync<B> {
         }
         let started = tokio::time::Instant::now();
         let pools = pools.state();
+        for p in &pools {
+            super::note_unknown(
+                &mut self.unknown_seen,
+                "LoadBalancerIPPool",
+                &p.name_any(),
+                &p.spec.unknown,
+            );
+        }
         let svcs = services.state();
         // The pools as defined (an address in one may be adopted); some
         // defined or still in the state: lockstep may write on Services.

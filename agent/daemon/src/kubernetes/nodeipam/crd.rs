@@ -30,7 +30,7 @@ use crate::kubernetes::crd::PoolCondition;
     printcolumn = r#"{"name":"Draining","type":"string","jsonPath":".status.conditions[?(@.type==\"Draining\")].status"}"#,
     printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
 )]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[serde(rename_all = "camelCase")]
 pub struct NodeIPAMSpec {
     /// Per pool, written by the agent.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -39,7 +39,7 @@ pub struct NodeIPAMSpec {
 
 /// What the node asks of one pool (written by the agent).
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[serde(rename_all = "camelCase")]
 pub struct PoolDemand {
     /// The pool.
     pub name: String,
@@ -61,7 +61,7 @@ pub struct PoolDemand {
 
 /// The operator's offer, and the agent's conditions.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[serde(rename_all = "camelCase")]
 pub struct NodeIPAMStatus {
     /// Per pool, written by the operator: the CIDRs this node may use.
     /// Absent: the operator has said nothing yet (the node keeps what it
@@ -76,7 +76,7 @@ pub struct NodeIPAMStatus {
 
 /// The CIDRs one pool may use (written by the operator).
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[serde(rename_all = "camelCase")]
 pub struct PoolOffer {
     /// The pool (as the node's `[kubernetes.nodeipam]` names it).
     pub name: String,
@@ -106,7 +106,7 @@ mod tests {
     }
 
     #[test]
-    fn an_object_reads_and_a_misspelt_field_is_refused() {
+    fn an_object_reads_and_a_newer_operators_field_is_read_past() {
         let o: NodeIPAM = serde_json::from_value(serde_json::json!({
             "apiVersion": "lockstep.io/v1alpha1", "kind": "NodeIPAM",
             "metadata": {"name": "node-1"},
@@ -117,11 +117,12 @@ mod tests {
         .unwrap();
         assert_eq!(o.spec.pools[0].requested, 18);
         assert_eq!(o.status.unwrap().pools.unwrap()[0].ipv4.len(), 2);
-        assert!(
-            serde_json::from_value::<NodeIPAMStatus>(
-                serde_json::json!({"pools": [{"name": "eni", "cidrs": ["10.9.0.0/28"]}]})
-            )
-            .is_err()
-        );
+        // A field a newer CRD added (the API server's schema refuses a
+        // misspelt one before it reaches the agent) does not stall the read.
+        let newer = serde_json::from_value::<NodeIPAMStatus>(serde_json::json!(
+            {"pools": [{"name": "eni", "ipv4": ["10.9.0.0/28"], "subnetId": "subnet-1"}]}
+        ))
+        .expect("tolerated");
+        assert_eq!(newer.pools.unwrap()[0].ipv4, vec!["10.9.0.0/28"]);
     }
 }
