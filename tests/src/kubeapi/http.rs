@@ -14,7 +14,7 @@ use serde_json::{Value, json};
 
 use super::Shared;
 use super::selector::Filter;
-use super::store::{ApiError, Change, Kind, sees};
+use super::store::{ApiError, Kind, seen_as};
 
 /// One request as the double saw it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -368,11 +368,10 @@ fn watch(
             };
             tokio::select! {
                 got = live.recv() => match got {
-                    Ok(Change { rv, kind: ct, key, object }) => {
-                        last = last.max(rv);
-                        let c = Change { rv, kind: ct, key, object };
-                        if sees(&kind, ns.as_deref(), &selector, &c)
-                            && tx.send(line(c.kind.as_str(), &c.object)).await.is_err()
+                    Ok(c) => {
+                        last = last.max(c.rv);
+                        if let Some(t) = seen_as(&kind, ns.as_deref(), &selector, &c)
+                            && tx.send(line(t.as_str(), &c.object)).await.is_err()
                         {
                             return;
                         }

@@ -17,7 +17,13 @@
 //!   `Status` (kube-runtime then relists); `allowWatchBookmarks=true`
 //!   sends a `BOOKMARK` every [`ApiDouble::start_with`]'s interval with the
 //!   latest resourceVersion the stream has passed; `timeoutSeconds` ends the
-//!   stream;
+//!   stream; a watch with a selector sees an object that starts matching
+//!   as `ADDED` and one that stops matching as `DELETED` (its new state),
+//!   as the API server sends them (lockstep's Node candidacy and selectors
+//!   depend on it);
+//! - **Leases** (`coordination.k8s.io/v1`) like any object: the agents'
+//!   election relies on a create answering 409 when the Lease exists and
+//!   a replace guarded by its resourceVersion (409 when stale);
 //! - **get, create (`generateName` too), replace, delete**; a deletion of
 //!   an object with finalizers only sets `deletionTimestamp`, and the
 //!   object goes when a write leaves its finalizers empty;
@@ -53,12 +59,8 @@
 //!   built-in validation of names, labels or immutable fields (clusterIP
 //!   is never allocated);
 //! - no server-side apply, JSON patch or strategic merge patch (`415`),
-//!   a watch's selectors judge the object after each change only (a
-//!   change that makes an object stop matching is not sent as a
-//!   `DELETED`, as the API server sends it: lockstep selects Pods by
-//!   `spec.nodeName`, which a bound Pod never changes), no streaming
-//!   lists (`sendInitialEvents`), no discovery, no protobuf, no admission, no garbage collection by owner
-//!   references; namespaces are objects to read (their annotations), but
+//!   no streaming lists (`sendInitialEvents`), no discovery, no protobuf,
+//!   no admission, no garbage collection by owner references; namespaces are objects to read (their annotations), but
 //!   any namespace exists for namespaced writes;
 //! - a list is always served from the latest state (`resourceVersion=0`
 //!   and `resourceVersionMatch` are accepted and ignored), and pages are

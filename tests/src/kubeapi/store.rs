@@ -146,6 +146,9 @@ pub struct Change {
     /// The object after it (before, with the new resourceVersion, for a
     /// deletion).
     pub object: Value,
+    /// The object before a modification (a watch with a selector sees an
+    /// object start or stop matching as ADDED or DELETED).
+    pub before: Option<Value>,
 }
 
 /// An API error, answered as a `Status`.
@@ -294,12 +297,19 @@ impl Store {
         self.history.clear();
     }
 
-    fn record(&mut self, kind: ChangeType, key: Key, object: Value) -> Change {
+    fn record(
+        &mut self,
+        kind: ChangeType,
+        key: Key,
+        before: Option<Value>,
+        object: Value,
+    ) -> Change {
         let c = Change {
             rv: self.rv,
             kind,
             key,
             object,
+            before,
         };
         self.history.push_back(c.clone());
         while self.history.len() > self.keep {
@@ -360,8 +370,13 @@ impl Store {
         Ok(self
             .history
             .iter()
-            .filter(|c| c.rv > from && sees(kind, ns, selector, c))
-            .cloned()
+            .filter(|c| c.rv > from)
+            .filter_map(|c| {
+                seen_as(kind, ns, selector, c).map(|t| Change {
+                    kind: t,
+                    ..c.clone()
+                })
+            })
             .collect())
     }
 
@@ -440,7 +455,7 @@ impl Store {
         let mut v = (kind.check)(&v).map_err(|e| invalid(kind, &name, &e))?;
         self.bump(&mut v);
         self.objects.insert(k.clone(), v.clone());
-        let c = self.record(ChangeType::Added, k, v.clone());
+        let c = self.record(ChangeType::Added, k, None, v.clone());
         Ok((v, c))
     }
 
@@ -569,12 +584,12 @@ impl Store {
         if !new["metadata"]["deletionTimestamp"].is_null() && finalizers_gone {
             self.bump(&mut new);
             self.objects.remove(&k);
-            let c = self.record(ChangeType::Deleted, k, new.clone());
+            let c = self.record(ChangeType::Deleted, k, Some(current), new.clone());
             return Ok((new, Some(c)));
         }
         self.bump(&mut new);
         self.objects.insert(k.clone(), new.clone());
-        let c = self.record(ChangeType::Modified, k, new.clone());
+        let c = self.record(ChangeType::Modified, k, Some(current), new.clone());
         Ok((new, Some(c)))
     }
 
@@ -596,10 +611,11 @@ impl Store {
             .is_some_and(|f| !f.is_empty());
         if has_finalizers {
             if v["metadata"]["deletionTimestamp"].is_null() {
+                let before = v.clone();
                 v["metadata"]["deletionTimestamp"] = json!(now());
                 self.bump(&mut v);
                 self.objects.insert(k.clone(), v.clone());
-                let c = self.record(ChangeType::Modified, k, v.clone());
+                let c = self.record(ChangeType::Modified, k, Some(before), v.clone());
                 return Ok((v, c));
             }
             let c = Change {
@@ -607,21 +623,37 @@ impl Store {
                 kind: ChangeType::Modified,
                 key: k,
                 object: v.clone(),
+                before: Some(v.clone()),
             };
             return Ok((v, c));
         }
         self.bump(&mut v);
         self.objects.remove(&k);
-        let c = self.record(ChangeType::Deleted, k, v.clone());
+        let c = self.record(ChangeType::Deleted, k, None, v.clone());
         Ok((v, c))
     }
 }
 
-/// Whether a watch of `kind` in `ns` with `selector` sees `c`.
-pub fn sees(kind: &Kind, ns: Option<&str>, selector: &Filter, c: &Change) -> bool {
-    c.key.plural == kind.plural
-        && ns.is_none_or(|n| c.key.namespace == n)
-        && selector.matches(&c.object)
+/// What a watch of `kind` in `ns` with `selector` sees of `c`, as the API
+/// server sends it: an object that starts matching the selector is ADDED,
+/// one that stops matching is DELETED (with its new state), one that
+/// matched neither before nor after is not sent.
+pub fn seen_as(kind: &Kind, ns: Option<&str>, selector: &Filter, c: &Change) -> Option<ChangeType> {
+    if c.key.plural != kind.plural || ns.is_some_and(|n| c.key.namespace != n) {
+        return None;
+    }
+    let now = selector.matches(&c.object);
+    let was = c.before.as_ref().is_some_and(|b| selector.matches(b));
+    match c.kind {
+        ChangeType::Added => now.then_some(ChangeType::Added),
+        ChangeType::Deleted => (now || was).then_some(ChangeType::Deleted),
+        ChangeType::Modified => match (was, now) {
+            (true, true) => Some(ChangeType::Modified),
+            (false, true) => Some(ChangeType::Added),
+            (true, false) => Some(ChangeType::Deleted),
+            (false, false) => None,
+        },
+    }
 }
 
 fn key(kind: &Kind, ns: &str, name: &str) -> Key {

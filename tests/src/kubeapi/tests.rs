@@ -245,3 +245,57 @@ fn finalizers_hold_a_deleted_object_until_removed() {
     .unwrap();
     assert!(d.get("loadbalancerippools", "", "p").is_err());
 }
+
+#[test]
+fn an_object_starting_or_stopping_to_match_a_selector_is_added_or_deleted() {
+    let d = ApiDouble::start_with(Duration::from_secs(3600)).unwrap();
+    d.create("services", "a", &svc("a", "x", json!({"app": "db"})))
+        .unwrap();
+    rt().block_on(async {
+        let all: Api<Service> = Api::all(client(&d));
+        let rv = d.resource_version().to_string();
+        let mut w = all
+            .watch(&WatchParams::default().labels("app=web"), &rv)
+            .await
+            .unwrap()
+            .boxed();
+        let relabel = |app: &str| {
+            d.patch(
+                "services",
+                "a",
+                "x",
+                &json!({"metadata": {"labels": {"app": app}}}),
+                false,
+            )
+            .unwrap();
+        };
+        relabel("web");
+        match w.try_next().await.unwrap().unwrap() {
+            WatchEvent::Added(s) => assert_eq!(s.metadata.name.as_deref(), Some("x")),
+            other => panic!("starting to match is ADDED, got {other:?}"),
+        }
+        relabel("db");
+        match w.try_next().await.unwrap().unwrap() {
+            WatchEvent::Deleted(s) => {
+                // Its new state, which no longer matches.
+                assert_eq!(s.metadata.labels.unwrap()["app"], "db");
+            }
+            other => panic!("stopping to match is DELETED, got {other:?}"),
+        }
+        // A change to an object that matches neither before nor after is
+        // not sent: the next event is the one after it.
+        d.patch(
+            "services",
+            "a",
+            "x",
+            &json!({"metadata": {"annotations": {"n": "1"}}}),
+            false,
+        )
+        .unwrap();
+        relabel("web");
+        match w.try_next().await.unwrap().unwrap() {
+            WatchEvent::Added(s) => assert_eq!(s.metadata.name.as_deref(), Some("x")),
+            other => panic!("expected ADDED, got {other:?}"),
+        }
+    });
+}
