@@ -23,6 +23,7 @@
 //! The objects themselves are in `objects`; the ClusterRole's rules per
 //! mode in `rbac`.
 
+pub mod admission;
 mod objects;
 mod rbac;
 

@@ -77,6 +77,7 @@ pub fn all(o: &Options, config: &str) -> Result<Vec<(String, Value)>, ManifestsE
     }
     if o.mode.uses_api() {
         out.extend(service_account(o));
+        out.extend(super::admission::objects(o));
     }
     let checksum = sha256_hex(config.as_bytes());
     out.push((

@@ -361,3 +361,59 @@ fn the_cleanup_runs_uninstall_on_every_node_with_the_agents_paths() {
         );
     }
 }
+
+#[test]
+fn modes_with_the_lease_admit_lb_writes_only_from_its_holder() {
+    let mut o = options(Mode::Lb);
+    o.namespace = "lockstep".into();
+    let d = docs(&render(&o).unwrap());
+    let policy = kind(&d, "ValidatingAdmissionPolicy").expect("the policy");
+    assert_eq!(policy["spec"]["paramKind"]["kind"], "Lease");
+    let rules = policy["spec"]["matchConstraints"]["resourceRules"].to_string();
+    for r in [
+        "services/status",
+        "loadbalancerippools",
+        "loadbalancerippools/status",
+    ] {
+        assert!(rules.contains(r), "{r} in {rules}");
+    }
+    // Only the agent's own requests are judged.
+    assert_eq!(
+        policy["spec"]["matchConditions"][0]["expression"],
+        "request.userInfo.username == 'system:serviceaccount:lockstep:lockstep'"
+    );
+    let check = policy["spec"]["validations"][0]["expression"]
+        .as_str()
+        .unwrap();
+    assert!(
+        check.contains("params.spec.holderIdentity == request.userInfo.extra['authentication.kubernetes.io/node-name'][0]"),
+        "{check}"
+    );
+    let binding = kind(&d, "ValidatingAdmissionPolicyBinding").expect("bound");
+    assert_eq!(binding["spec"]["paramRef"]["name"], "lockstep-lb-writer");
+    assert_eq!(binding["spec"]["paramRef"]["namespace"], "lockstep");
+    assert_eq!(
+        binding["spec"]["paramRef"]["parameterNotFoundAction"],
+        "Deny"
+    );
+    assert_eq!(binding["spec"]["validationActions"][0], "Deny");
+    // The Lease the policy reads is the one the rendered config elects on.
+    let parsed = Config::parse(Path::new("c.toml"), &o.config_toml()).unwrap();
+    let election = parsed.kubernetes.unwrap().election;
+    assert_eq!(binding["spec"]["paramRef"]["name"], election.name.as_str());
+    assert_eq!(election.namespace, "lockstep");
+    assert!(
+        kind(
+            &docs(&render(&options(Mode::PodCidr)).unwrap()),
+            "ValidatingAdmissionPolicy"
+        )
+        .is_some()
+    );
+    assert!(
+        kind(
+            &docs(&render(&options(Mode::Cluster)).unwrap()),
+            "ValidatingAdmissionPolicy"
+        )
+        .is_none()
+    );
+}
