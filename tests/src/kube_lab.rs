@@ -22,6 +22,10 @@ pub fn pool_spec() -> Value {
     json!({"cidrs": ["10.251.0.128/25", "fd00:251::100/120"], "announce": "l2"})
 }
 
+/// What a lab asks of each node's config: node `i`'s text, given its
+/// namespace.
+type NodeConfig<'a> = dyn Fn(usize, &crate::Netns) -> anyhow::Result<String> + 'a;
+
 /// The double, the lab, and the kubeconfig's directory.
 pub struct KubeLab {
     /// The LB lab (agents stop first: declared first).
@@ -69,6 +73,17 @@ impl KubeLab {
         node_labels: [Value; 3],
         extra: &dyn Fn(usize) -> String,
     ) -> anyhow::Result<Self> {
+        Self::with_api(node_labels, extra, &|config| Lab::build_local(config))
+    }
+
+    /// The double with the Nodes, a kubeconfig for it, and the lab `build`
+    /// makes, each node's config ending with `[kubernetes]` (the double
+    /// forwarded into its namespace) and `extra(i)`.
+    fn with_api(
+        node_labels: [Value; 3],
+        extra: &dyn Fn(usize) -> String,
+        build: &dyn Fn(&NodeConfig<'_>) -> anyhow::Result<Lab>,
+    ) -> anyhow::Result<Self> {
         let api = ApiDouble::start()?;
         Self::nodes(&api, &node_labels)?;
         let dir = crate::TempDir::new("kube")?;
@@ -76,7 +91,7 @@ impl KubeLab {
         api.write_kubeconfig(&kubeconfig)?;
         let port = api.addr().port();
         let path = kubeconfig.display().to_string();
-        let lab = Lab::build_local(&|i, ns| {
+        let lab = build(&|i, ns| {
             forward_ports(ns, &[port])?;
             Ok(format!(
                 "[kubernetes]\nkubeconfig = \"{path}\"\n{}",
@@ -126,32 +141,16 @@ impl KubeLab {
         cluster_keys: &str,
         extra: &dyn Fn(usize) -> String,
     ) -> anyhow::Result<Self> {
-        let api = ApiDouble::start()?;
-        Self::nodes(&api, &node_labels)?;
-        let dir = crate::TempDir::new("kube")?;
-        let kubeconfig = dir.path().join("kubeconfig");
-        api.write_kubeconfig(&kubeconfig)?;
-        let port = api.addr().port();
-        let path = kubeconfig.display().to_string();
-        let lab = Lab::build_extra(
-            cluster,
-            prefix,
-            None,
-            ["", "", ""],
-            [true; 3],
-            cluster_keys,
-            &|i, ns| {
-                forward_ports(ns, &[port])?;
-                Ok(format!(
-                    "[kubernetes]\nkubeconfig = \"{path}\"\n{}",
-                    extra(i)
-                ))
-            },
-        )?;
-        Ok(Self {
-            lab,
-            api,
-            _dir: dir,
+        Self::with_api(node_labels, extra, &|config| {
+            Lab::build_extra(
+                cluster,
+                prefix,
+                None,
+                ["", "", ""],
+                [true; 3],
+                cluster_keys,
+                config,
+            )
         })
     }
 
@@ -199,6 +198,39 @@ impl KubeLab {
             },
         )
         .with_context(|| format!("statuses: {:?}", self.ingress()))
+    }
+
+    /// For each Service of `created` (`namespace/name` → when it was
+    /// created), the time from its creation to the first stored write of
+    /// its status with an address, as the double recorded them; sorted.
+    ///
+    /// # Errors
+    /// A Service whose status was never written with an address.
+    pub fn status_latencies(
+        &self,
+        created: &BTreeMap<String, std::time::Instant>,
+    ) -> anyhow::Result<Vec<Duration>> {
+        let mut written: BTreeMap<String, std::time::Instant> = BTreeMap::new();
+        for (at, c) in self.api.changes() {
+            if c.key.plural != "services" {
+                continue;
+            }
+            let id = format!("{}/{}", c.key.namespace, c.key.name);
+            if created.contains_key(&id) && !ingress_of(&c.object).is_empty() {
+                written.entry(id).or_insert(at);
+            }
+        }
+        let mut lat: Vec<Duration> = created
+            .iter()
+            .map(|(id, t0)| {
+                written
+                    .get(id)
+                    .map(|t| t.saturating_duration_since(*t0))
+                    .with_context(|| format!("{id}: no status with an address"))
+            })
+            .collect::<anyhow::Result<_>>()?;
+        lat.sort();
+        Ok(lat)
     }
 
     /// Events about `ns/name` with `reason`.

@@ -116,6 +116,16 @@ pub fn lockstep_bin() -> PathBuf {
 #[path = "../../agent/daemon/benches/shared/smoke.rs"]
 pub mod bench;
 
+/// The `p` quantile (0..=1) of `sorted` durations, by nearest rank: what
+/// every benchmark test prints as p50 and p99.
+///
+/// # Panics
+/// `sorted` is empty.
+pub fn pct(sorted: &[std::time::Duration], p: f64) -> std::time::Duration {
+    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted[i.min(sorted.len() - 1)]
+}
+
 /// A network namespace, deleted on drop.
 #[derive(Debug)]
 pub struct Netns {

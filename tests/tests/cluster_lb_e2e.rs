@@ -36,7 +36,7 @@ use lockstep_tests::lb_lab::{
     Capture, Handover, Kind, LEASE, Lab, POOL, addresses, judge, probe_once, service, services,
     settled, signal, wait_answered_elsewhere,
 };
-use lockstep_tests::{privileged, wait_for};
+use lockstep_tests::{pct, privileged, wait_for};
 
 #[test]
 fn fifty_services_from_two_nodes_are_assigned_once_and_answered_once() -> anyhow::Result<()> {
@@ -341,11 +341,6 @@ fn fault_once(
     // Settled again: every address answered once, by its announcer.
     settled(lab, total, &format!("after {fault:?}"))?;
     Ok((x, overlaps, handovers))
-}
-
-fn pct(sorted: &[Duration], p: f64) -> Duration {
-    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
-    sorted[i.min(sorted.len() - 1)]
 }
 
 /// Pools for `node_selector_admits_only_matching_announcers`: `zb`'s

@@ -33,7 +33,7 @@ use anyhow::{Context, ensure};
 use lockstep_tests::etcd::EtcdCluster;
 use lockstep_tests::kube_lab::{KubeLab, condition_of, lb_service, pool_spec};
 use lockstep_tests::lb_lab::probe_once;
-use lockstep_tests::{privileged, wait_for};
+use lockstep_tests::{pct, privileged, wait_for};
 use serde_json::{Value, json};
 
 fn lab(prefix: &str, labels: [Value; 3]) -> anyhow::Result<(EtcdCluster, KubeLab)> {
@@ -633,11 +633,6 @@ fn f_node_selector_matches_node_labels() -> anyhow::Result<()> {
     Ok(())
 }
 
-fn pct(sorted: &[Duration], p: f64) -> Duration {
-    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
-    sorted[i.min(sorted.len() - 1)]
-}
-
 /// "Service created → status written": 200 Services created one every
 /// 10 ms (so a burst is in flight, as a `kubectl apply` of many would
 /// make), each timed from its creation to the first stored write of its
@@ -676,27 +671,7 @@ fn service_status_bench() -> anyhow::Result<()> {
     let got = k.wait_assigned(&ids("bench", names), 1, Duration::from_secs(120))?;
     let total = started.elapsed();
     distinct(&got)?;
-    let mut written: BTreeMap<String, Instant> = BTreeMap::new();
-    for (at, c) in k.api.changes() {
-        if c.key.plural != "services" {
-            continue;
-        }
-        let id = format!("{}/{}", c.key.namespace, c.key.name);
-        if created.contains_key(&id) && !lockstep_tests::kube_lab::ingress_of(&c.object).is_empty()
-        {
-            written.entry(id).or_insert(at);
-        }
-    }
-    let mut lat: Vec<Duration> = created
-        .iter()
-        .map(|(id, t0)| {
-            written
-                .get(id)
-                .map(|t| t.saturating_duration_since(*t0))
-                .context(id.clone())
-        })
-        .collect::<anyhow::Result<_>>()?;
-    lat.sort();
+    let lat = k.status_latencies(&created)?;
     let ms = |d: Duration| d.as_secs_f64() * 1e3;
     let (p50, p99) = (pct(&lat, 0.5), pct(&lat, 0.99));
     println!(

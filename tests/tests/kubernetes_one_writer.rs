@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, ensure};
 use lockstep_tests::kube_lab::{KubeLab, lb_service, pool_spec};
 use lockstep_tests::lb_lab::{Capture, probe_once, wait_answered_elsewhere};
-use lockstep_tests::{privileged, wait_for};
+use lockstep_tests::{pct, privileged, wait_for};
 use serde_json::{Value, json};
 
 const NS: &str = "shop";
@@ -194,11 +194,6 @@ fn one_writer_one_answer_and_failover_keeps_every_address() -> anyhow::Result<()
         "requests outside deploy/rbac.yaml: {outside:?}"
     );
     Ok(())
-}
-
-fn pct(sorted: &[Duration], p: f64) -> Duration {
-    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
-    sorted[i.min(sorted.len() - 1)]
 }
 
 /// `cargo xtask bench lb`: failover without cluster mode. Three agents
@@ -413,27 +408,7 @@ fn status_bench_without_etcd() -> anyhow::Result<()> {
     let ids: BTreeSet<String> = created.keys().cloned().collect();
     k.wait_assigned(&ids, 1, Duration::from_secs(120))?;
     let total = started.elapsed();
-    let mut written: BTreeMap<String, Instant> = BTreeMap::new();
-    for (at, c) in k.api.changes() {
-        if c.key.plural != "services" {
-            continue;
-        }
-        let id = format!("{}/{}", c.key.namespace, c.key.name);
-        if created.contains_key(&id) && !lockstep_tests::kube_lab::ingress_of(&c.object).is_empty()
-        {
-            written.entry(id).or_insert(at);
-        }
-    }
-    let mut lat: Vec<Duration> = created
-        .iter()
-        .map(|(id, t0)| {
-            written
-                .get(id)
-                .map(|t| t.saturating_duration_since(*t0))
-                .context(id.clone())
-        })
-        .collect::<anyhow::Result<_>>()?;
-    lat.sort();
+    let lat = k.status_latencies(&created)?;
     let ms = |d: Duration| d.as_secs_f64() * 1e3;
     let p99 = pct(&lat, 0.99);
     let (per, conflicts) = status_writes(&k);

@@ -233,12 +233,13 @@ fn crd_value<T: serde::Serialize>(crd: T) -> Result<Value, ManifestsError> {
     })
 }
 
-fn service_account(o: &Options) -> Vec<(String, Value)> {
-    let rules: Vec<Value> = rbac::rules(o.mode)
+/// `rules` as a Role's rules, and the comment saying why each is there.
+fn rules_and_why(rules: &[rbac::Rule]) -> (Vec<Value>, String) {
+    let values = rules
         .iter()
         .map(|r| json!({"apiGroups": [r.group], "resources": r.resources, "verbs": r.verbs}))
         .collect();
-    let why = rbac::rules(o.mode)
+    let why = rules
         .iter()
         .map(|r| {
             format!(
@@ -250,6 +251,11 @@ fn service_account(o: &Options) -> Vec<(String, Value)> {
         })
         .collect::<Vec<_>>()
         .join("\n");
+    (values, why)
+}
+
+fn service_account(o: &Options) -> Vec<(String, Value)> {
+    let (rules, why) = rules_and_why(&rbac::rules(o.mode));
     let namespaced = rbac::namespaced_rules(o.mode);
     let mut out = vec![
         (
@@ -277,22 +283,7 @@ fn service_account(o: &Options) -> Vec<(String, Value)> {
         ),
     ];
     if !namespaced.is_empty() {
-        let why = namespaced
-            .iter()
-            .map(|r| {
-                format!(
-                    "- {}: {} — {}",
-                    r.resources.join(", "),
-                    r.verbs.join(", "),
-                    r.why
-                )
-            })
-            .collect::<Vec<_>>()
-            .join("\n");
-        let rules: Vec<Value> = namespaced
-            .iter()
-            .map(|r| json!({"apiGroups": [r.group], "resources": r.resources, "verbs": r.verbs}))
-            .collect();
+        let (rules, why) = rules_and_why(&namespaced);
         out.push((
             format!("In the agent's namespace only:\n{why}"),
             json!({

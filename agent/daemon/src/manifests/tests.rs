@@ -192,19 +192,14 @@ fn a_namespace_of_its_own_is_rendered_and_enforces_privileged() {
     assert!(kind(&docs(&render(&options(Mode::Lb)).unwrap()), "Namespace").is_none());
 }
 
-#[test]
-fn every_modes_rules_are_within_the_role_the_end_to_end_tests_check() {
-    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../deploy/rbac.yaml");
-    let d = docs(&std::fs::read_to_string(path).unwrap());
-    let mut allowed = BTreeSet::new();
-    for rule in kind(&d, "ClusterRole").unwrap()["rules"]
-        .as_array()
-        .unwrap()
-    {
+/// What a Role's or ClusterRole's rules grant, as `group/resource:verb`.
+fn granted(role: &Value) -> BTreeSet<String> {
+    let mut out = BTreeSet::new();
+    for rule in role["rules"].as_array().unwrap() {
         for g in rule["apiGroups"].as_array().unwrap() {
             for r in rule["resources"].as_array().unwrap() {
                 for v in rule["verbs"].as_array().unwrap() {
-                    allowed.insert(format!(
+                    out.insert(format!(
                         "{}/{}:{}",
                         g.as_str().unwrap(),
                         r.as_str().unwrap(),
@@ -214,6 +209,14 @@ fn every_modes_rules_are_within_the_role_the_end_to_end_tests_check() {
             }
         }
     }
+    out
+}
+
+#[test]
+fn every_modes_rules_are_within_the_role_the_end_to_end_tests_check() {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../deploy/rbac.yaml");
+    let d = docs(&std::fs::read_to_string(path).unwrap());
+    let allowed = granted(kind(&d, "ClusterRole").unwrap());
     for mode in [Mode::Lb, Mode::PodCidr, Mode::Cluster] {
         for rule in rules(mode) {
             for r in rule.resources {
@@ -226,21 +229,7 @@ fn every_modes_rules_are_within_the_role_the_end_to_end_tests_check() {
     }
     assert!(rules(Mode::Local).is_empty());
     // The election's Lease: the Role in the agent's namespace.
-    let mut namespaced = BTreeSet::new();
-    for rule in kind(&d, "Role").unwrap()["rules"].as_array().unwrap() {
-        for g in rule["apiGroups"].as_array().unwrap() {
-            for r in rule["resources"].as_array().unwrap() {
-                for v in rule["verbs"].as_array().unwrap() {
-                    namespaced.insert(format!(
-                        "{}/{}:{}",
-                        g.as_str().unwrap(),
-                        r.as_str().unwrap(),
-                        v.as_str().unwrap()
-                    ));
-                }
-            }
-        }
-    }
+    let namespaced = granted(kind(&d, "Role").unwrap());
     for mode in [Mode::Lb, Mode::PodCidr] {
         assert!(
             !namespaced_rules(mode).is_empty(),
