@@ -72,7 +72,7 @@ contexts: [{name: demo, context: {cluster: demo, user: lockstep}}]
 current-context: demo
 YAML
 
-step "The agent, with [kubernetes] (single-node mode: it is the writer)"
+step "The agent, with [kubernetes] and no etcd: the only agent, it wins the Lease and is the LB writer"
 cat > "$STATE/config.toml" <<TOML
 node_name = "demo-node"
 state_dir = "$STATE/db"
@@ -115,6 +115,10 @@ echo "its status, as lockstep wrote it:"
 kapi GET /api/v1/namespaces/default/services/web | grep -o '"status":.*'
 echo "the pool's status:"
 kapi GET /apis/lockstep.io/v1alpha1/loadbalancerippools/public | grep -o '"status":.*'
+echo "the Lease electing the writer (kubectl -n kube-system get lease lockstep-lb-writer):"
+HOLDER=$(kapi GET /apis/coordination.k8s.io/v1/namespaces/kube-system/leases/lockstep-lb-writer | grep -o '"holderIdentity":"[^"]*"' || true)
+[ "$HOLDER" = '"holderIdentity":"demo-node"' ] || fail "the Lease does not name demo-node: $HOLDER"
+echo "$HOLDER"
 echo "the Event:"
 kapi GET /apis/events.k8s.io/v1/namespaces/default/events | grep -o '"reason":"[^"]*","regarding":{[^}]*}\|"note":"[^"]*"' | head -4
 
