@@ -29,7 +29,7 @@ use anyhow::{Context, ensure};
 use ipnet::IpNet;
 use lockstep_tests::cluster::{ClusterNodes, address_of, cni, cni_raw, held_by};
 use lockstep_tests::etcd::EtcdCluster;
-use lockstep_tests::{AgentProc, Netns, privileged};
+use lockstep_tests::{AgentProc, Netns, privileged, wait_for};
 
 /// Allocates IPAM-only endpoint addresses on `agent` (the CLI's allocate,
 /// which in cluster mode waits for a claimed block as a CNI ADD does)
@@ -774,6 +774,34 @@ fn a_fenced_block_claimed_back_by_its_node_serves_again() -> anyhow::Result<()> 
     }
     eprintln!(
         "healed: node-2 claimed {x} back after {:?}",
+        started.elapsed()
+    );
+    // The claim is in etcd; the allocator stops draining the block when
+    // the claim loop next serves its blocks, sometimes a round later (an
+    // ADD in between waits 1.8 s for room and is told to try again: seen
+    // in CI). What is under test is that the block serves again: wait
+    // for the allocator to hold it, not draining.
+    let block = x.to_string();
+    wait_for(
+        "node-2's allocator to serve its block claimed back",
+        Duration::from_secs(30),
+        || {
+            let pools = n.agents[2].json(["pools", "-o", "json"]).ok()?;
+            pools
+                .as_array()?
+                .iter()
+                .any(|p| {
+                    let has = |k: &str| {
+                        p[k].as_array()
+                            .is_some_and(|c| c.iter().any(|c| c.as_str() == Some(block.as_str())))
+                    };
+                    has("cidrs") && !has("draining")
+                })
+                .then_some(())
+        },
+    )?;
+    eprintln!(
+        "node-2's allocator served {x} after {:?}",
         started.elapsed()
     );
     let (got, err) = fill(&n.agents[2], "back-", 3)?;
