@@ -147,6 +147,12 @@ impl Elector {
         self.candidate = candidate;
     }
 
+    /// Whether this agent stands for the record ([`Elector::set_candidate`]).
+    #[must_use]
+    pub fn is_candidate(&self) -> bool {
+        self.candidate
+    }
+
     /// This agent's identity.
     #[must_use]
     pub fn me(&self) -> &str {
@@ -291,12 +297,6 @@ impl Elector {
         // A release never makes this agent the holder again.
         self.sent = None;
         Some(w)
-    }
-
-    /// The lease duration written, in milliseconds.
-    #[must_use]
-    pub fn duration_ms(&self) -> u64 {
-        self.duration_ms
     }
 }
 

@@ -70,6 +70,8 @@ pub struct KubeService {
     pub ip_family_policy: Option<String>,
     /// `spec.ports`: (protocol, port).
     pub ports: Vec<(Option<String>, i32)>,
+    /// `spec.externalTrafficPolicy` (absent: Cluster).
+    pub external_traffic_policy: Option<String>,
     /// `status.loadBalancer.ingress`, each entry's `ip`, else its
     /// `hostname`, as written.
     pub ingress: Vec<String>,
@@ -583,6 +585,7 @@ pub fn node_labels(
     out
 }
 
+pub mod local;
 pub mod nodes;
 pub mod ownership;
 

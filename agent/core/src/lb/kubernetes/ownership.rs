@@ -50,13 +50,13 @@ impl Serving<'_> {
 
 /// Whether lockstep wrote the Service's ingress: its condition is `True`
 /// (it writes a non-empty ingress with nothing else).
-fn ingress_is_ours(svc: &KubeService) -> bool {
+pub(super) fn ingress_is_ours(svc: &KubeService) -> bool {
     svc.condition.as_ref().is_some_and(|c| c.status == "True")
 }
 
 /// The ingress entries as addresses; `None` when one is a host name (or
 /// not an address at all).
-fn ingress_addrs(svc: &KubeService) -> Option<Vec<IpAddr>> {
+pub(super) fn ingress_addrs(svc: &KubeService) -> Option<Vec<IpAddr>> {
     svc.ingress.iter().map(|e| e.parse().ok()).collect()
 }
 
