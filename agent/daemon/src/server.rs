@@ -619,17 +619,36 @@ pub async fn run(mut config: Config) -> Result<(), ServerError> {
                                 &node,
                                 stop.clone(),
                             );
+                            // externalTrafficPolicy: Local Services are
+                            // answered from a node with a ready endpoint,
+                            // one Lease each (#44 item 3).
+                            let cache = crate::kubernetes::sync::ServiceCache::start(&client);
+                            let (local, answers) =
+                                crate::kubernetes::local_traffic::LocalTraffic::new(
+                                    client.clone(),
+                                    &election,
+                                    &node,
+                                );
+                            let local = tokio::spawn(local.run(
+                                cache.services.clone(),
+                                candidacy.clone(),
+                                stop.clone(),
+                            ));
                             let keeper = tokio::spawn(keeper.run(candidacy, stop.clone()));
                             let announcer = tokio::spawn(crate::kubernetes::announcer::run(
                                 elected.leadership,
+                                answers.clone(),
                                 backend.changed(),
                                 slot.clone(),
                                 announcements.clone(),
                                 stop.clone(),
                             ));
-                            let sync = crate::kubernetes::LbSync::new(client, classes, node, backend);
+                            let sync = crate::kubernetes::LbSync::new(client, classes, node, backend)
+                                .with_services(cache)
+                                .with_local(answers);
                             tokio::spawn(async move {
                                 sync.run(stop).await;
+                                let _ = local.await;
                                 let _ = announcer.await;
                                 let _ = keeper.await;
                                 let _ = node_task.await;

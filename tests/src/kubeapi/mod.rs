@@ -24,6 +24,9 @@
 //! - **Leases** (`coordination.k8s.io/v1`) like any object: the agents'
 //!   election relies on a create answering 409 when the Lease exists and
 //!   a replace guarded by its resourceVersion (409 when stale);
+//! - **EndpointSlices** (`discovery.k8s.io/v1`) like any object, listed
+//!   and watched across namespaces; tests write them as the
+//!   EndpointSlice controller would (no controller runs here);
 //! - **get, create (`generateName` too), replace, delete**; a deletion of
 //!   an object with finalizers only sets `deletionTimestamp`, and the
 //!   object goes when a write leaves its finalizers empty;
@@ -87,6 +90,7 @@ use self::store::{ApiError, Change, Kind, Store, check_as};
 pub fn kinds() -> Vec<Kind> {
     use k8s_openapi::api::coordination::v1::Lease;
     use k8s_openapi::api::core::v1::{Event as CoreEvent, Namespace, Node, Pod, Service};
+    use k8s_openapi::api::discovery::v1::EndpointSlice;
     use k8s_openapi::api::events::v1::Event;
     use lockstep::kubernetes::crd::LoadBalancerIPPool;
     use lockstep::kubernetes::nodeipam::crd::NodeIPAM;
@@ -145,6 +149,15 @@ pub fn kinds() -> Vec<Kind> {
             namespaced: true,
             status: false,
             check: check_as::<Lease>,
+        },
+        Kind {
+            group: "discovery.k8s.io",
+            version: "v1",
+            plural: "endpointslices",
+            kind: "EndpointSlice",
+            namespaced: true,
+            status: false,
+            check: check_as::<EndpointSlice>,
         },
         Kind {
             group: "events.k8s.io",

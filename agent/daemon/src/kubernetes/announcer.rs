@@ -1,6 +1,8 @@
 //! The elected writer's announcer (#44 item 1): the LB addresses are
 //! answered (ARP, NDP) by the writer alone, and never past its Lease's
-//! deadline.
+//! deadline; those of `externalTrafficPolicy: Local` Services (#44 item
+//! 3) by the node holding the Service's own Lease instead, never past
+//! that Lease's deadline (`local_traffic`).
 //!
 //! Why a task of its own: it hands the announcements (their own lock, the
 //! one cluster mode's LB agent writes through) the LB state's addresses
@@ -21,6 +23,7 @@ use tokio::sync::Notify;
 
 use super::backend::{Slot, on_agent};
 use super::election::Leadership;
+use super::local_traffic::LocalAnswers;
 use crate::agent::Announcements;
 use crate::agent::announce::monotonic_ns;
 
@@ -28,11 +31,39 @@ use crate::agent::announce::monotonic_ns;
 /// none of the LB addresses then).
 const NO_CAP: u64 = u64::MAX / 2;
 
+/// What to answer and until when: the writer's part (while it acts, and
+/// once the `Local` Services are known) of `lb` without their addresses, and the `Local` ones this
+/// node holds, all capped at the earliest deadline among them (each
+/// entry stops at or before its own Lease's).
+fn wanted(
+    l: Leadership,
+    local: &LocalAnswers,
+    lb: &BTreeSet<IpAddr>,
+    now_ns: u64,
+) -> (BTreeSet<IpAddr>, u64) {
+    let mut want = BTreeSet::new();
+    let mut cap = NO_CAP;
+    if l.acting(now_ns) && local.listed {
+        want.extend(lb.difference(&local.local).copied());
+        if !want.is_empty() {
+            cap = l.until_ns;
+        }
+    }
+    for (a, until) in &local.held {
+        if *until > now_ns && lb.contains(a) {
+            want.insert(*a);
+            cap = cap.min(*until);
+        }
+    }
+    (want, cap)
+}
+
 /// Runs until `stop`: the LB addresses of the agent in `slot` announced
-/// while `leadership` says this agent acts; `changed` is notified when the
-/// LB state changed.
+/// while `leadership` says this agent acts, and those `local` says it
+/// holds; `changed` is notified when the LB state changed.
 pub async fn run(
     mut leadership: tokio::sync::watch::Receiver<Leadership>,
+    mut local: tokio::sync::watch::Receiver<LocalAnswers>,
     changed: Arc<Notify>,
     slot: Slot,
     announcements: Announcements,
@@ -44,8 +75,10 @@ pub async fn run(
     let mut dirty = true;
     loop {
         let l = *leadership.borrow_and_update();
-        let acting = l.acting(monotonic_ns());
-        if !acting {
+        let here = local.borrow_and_update().clone();
+        let now = monotonic_ns();
+        let any = l.acting(now) || here.held.values().any(|u| *u > now);
+        if !any {
             addrs = None;
         } else if addrs.is_none() || dirty {
             match on_agent(&slot, |a| a.lb_announced()).await {
@@ -55,8 +88,7 @@ pub async fn run(
             }
         }
         dirty = false;
-        let want = addrs.clone().unwrap_or_default();
-        let cap = if acting { l.until_ns } else { NO_CAP };
+        let (want, cap) = wanted(l, &here, &addrs.clone().unwrap_or_default(), now);
         seq += 1;
         let announcements_ = announcements.clone();
         let want_ = want.clone();
@@ -82,14 +114,17 @@ pub async fn run(
             }
             Err(e) => tracing::warn!(error = %e, "kubernetes: the announcements task failed"),
         }
-        // The next change, or the deadline (to stop saying "acting").
-        let lapse = if acting {
-            Duration::from_nanos(l.until_ns.saturating_sub(monotonic_ns()))
+        // The next change, or the cap (to stop answering what lapsed).
+        let lapse = if cap < NO_CAP {
+            Duration::from_nanos(cap.saturating_sub(monotonic_ns()))
         } else {
             Duration::from_secs(3600)
         };
         tokio::select! {
             r = leadership.changed() => if r.is_err() { break },
+            r = local.changed() => if r.is_err() {
+                local = tokio::sync::watch::channel(LocalAnswers::default()).1;
+            },
             () = changed.notified() => dirty = true,
             () = tokio::time::sleep(lapse) => {}
             _ = stop.wait_for(|s| *s) => break,

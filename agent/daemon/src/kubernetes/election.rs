@@ -61,19 +61,159 @@ pub struct Election {
     pub terms: tokio::sync::watch::Receiver<i64>,
 }
 
-/// Keeps the Lease.
-pub struct Keeper {
+/// One Lease's reads and writes for an [`Elector`]: the writer's Lease
+/// (the [`Keeper`]) and each `externalTrafficPolicy: Local` Service's
+/// (`local_traffic`).
+pub(super) struct LeaseDoor {
     api: Api<Lease>,
     name: String,
-    elector: Elector,
     duration_s: i32,
-    retry: Duration,
     deadline: Duration,
+}
+
+/// The core's elector for node `node` under `config`'s timing.
+///
+/// # Errors
+/// The configuration does not make a safe election.
+pub(super) fn elector(config: &ElectionConfig, node: &str) -> Result<Elector, KubeError> {
+    let duration_ms = u64::try_from(config.lease_duration.as_millis()).unwrap_or(u64::MAX);
+    let deadline_ms = u64::try_from(config.renew_deadline.as_millis()).unwrap_or(u64::MAX);
+    Elector::new(node, duration_ms, deadline_ms).map_err(|e| KubeError::Refused {
+        reason: e.to_string(),
+    })
+}
+
+impl LeaseDoor {
+    /// The Lease `name` in `config`'s namespace, written with its timing.
+    pub(super) fn new(client: Client, config: &ElectionConfig, name: &str) -> Self {
+        Self {
+            api: Api::namespaced(client, &config.namespace),
+            name: name.to_owned(),
+            duration_s: i32::try_from(config.lease_duration.as_secs()).unwrap_or(i32::MAX),
+            deadline: config.renew_deadline,
+        }
+    }
+
+    /// The Lease's name.
+    pub(super) fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The Lease to write for `w`, from `read` (what was read, if any).
+    fn record(&self, w: &Write, read: Option<Lease>) -> Lease {
+        let now = MicroTime(k8s_openapi::jiff::Timestamp::now());
+        let mut l = read.unwrap_or_else(|| Lease {
+            metadata: ObjectMeta {
+                name: Some(self.name.clone()),
+                ..ObjectMeta::default()
+            },
+            spec: None,
+        });
+        l.metadata.resource_version.clone_from(&w.version);
+        let spec = l.spec.get_or_insert_with(LeaseSpec::default);
+        spec.holder_identity.clone_from(&w.holder);
+        spec.lease_duration_seconds = Some(self.duration_s);
+        spec.lease_transitions = Some(w.transitions);
+        if w.holder.is_some() {
+            spec.renew_time = Some(now.clone());
+        }
+        if w.acquire {
+            spec.acquire_time = Some(now);
+        }
+        l
+    }
+
+    /// Sends `w`; the record's new version if the API took it. Bounded by
+    /// the renew deadline: an answer later than that is of no use to the
+    /// holder.
+    pub(super) async fn send(&self, w: &Write, read: Option<Lease>) -> Option<String> {
+        let record = self.record(w, read);
+        let pp = PostParams {
+            field_manager: Some("lockstep".into()),
+            ..PostParams::default()
+        };
+        let sent = async {
+            if w.version.is_none() {
+                self.api.create(&pp, &record).await
+            } else {
+                self.api.replace(&self.name, &pp, &record).await
+            }
+        };
+        match tokio::time::timeout(self.deadline, sent).await {
+            Ok(Ok(l)) => Some(l.metadata.resource_version.unwrap_or_default()),
+            // Another agent wrote first: it holds, or will.
+            Ok(Err(kube::Error::Api(s))) if s.code == 409 => None,
+            Ok(Err(e)) => {
+                tracing::warn!(lease = %self.name, error = %crate::error_chain(&e), "kubernetes: writing a Lease failed");
+                None
+            }
+            Err(_) => {
+                tracing::warn!(lease = %self.name, "kubernetes: writing a Lease took past the renew deadline");
+                None
+            }
+        }
+    }
+
+    /// One round for `elector`: read, decide, write. Returns the holder
+    /// the record names afterwards (`""`: none), `None` when unknown.
+    pub(super) async fn round(&self, elector: &mut Elector) -> Option<String> {
+        let read = tokio::time::timeout(self.deadline, self.api.get_opt(&self.name)).await;
+        let lease = match read {
+            Ok(Ok(l)) => l,
+            Ok(Err(e)) => {
+                tracing::warn!(lease = %self.name, error = %crate::error_chain(&e), "kubernetes: reading a Lease failed");
+                return None;
+            }
+            Err(_) => {
+                tracing::warn!(lease = %self.name, "kubernetes: reading a Lease timed out");
+                return None;
+            }
+        };
+        // The answer's arrival: later than the record's write, so expiry
+        // counted from here is never early; and no earlier than the write
+        // below is sent, so the holder's deadline is never late.
+        match elector.observe(lease.as_ref().map(observed), now_ms()) {
+            Step::Write(w) => match self.send(&w, lease).await {
+                Some(version) => {
+                    elector.written(&version);
+                    Some(w.holder.unwrap_or_default())
+                }
+                None => {
+                    elector.failed();
+                    None
+                }
+            },
+            Step::Follow { holder } => Some(holder),
+        }
+    }
+
+    /// Sends the release `w` (the elector's, taken when it stopped acting
+    /// while it held until `until`, local ms) once that deadline has
+    /// passed (the datapath stops answering then), so another agent takes
+    /// over at once and never answers before then.
+    pub(super) async fn release(&self, until: Option<u64>, w: Option<Write>) {
+        let Some(w) = w else {
+            return;
+        };
+        if let Some(u) = until {
+            tokio::time::sleep(Duration::from_millis(u.saturating_sub(now_ms()))).await;
+        }
+        if self.send(&w, None).await.is_some() {
+            tracing::info!(lease = %self.name, "kubernetes: Lease released");
+        }
+    }
+}
+
+/// Keeps the Lease.
+pub struct Keeper {
+    door: LeaseDoor,
+    elector: Elector,
+    retry: Duration,
     leadership: tokio::sync::watch::Sender<Leadership>,
     terms: tokio::sync::watch::Sender<i64>,
 }
 
-fn now_ms() -> u64 {
+pub(super) fn now_ms() -> u64 {
     monotonic_ns() / 1_000_000
 }
 
@@ -104,22 +244,14 @@ impl Keeper {
         config: &ElectionConfig,
         node: &str,
     ) -> Result<(Self, Election), KubeError> {
-        let duration_ms = u64::try_from(config.lease_duration.as_millis()).unwrap_or(u64::MAX);
-        let deadline_ms = u64::try_from(config.renew_deadline.as_millis()).unwrap_or(u64::MAX);
-        let elector =
-            Elector::new(node, duration_ms, deadline_ms).map_err(|e| KubeError::Refused {
-                reason: e.to_string(),
-            })?;
+        let elector = elector(config, node)?;
         let (leadership, rx) = tokio::sync::watch::channel(Leadership::default());
         let (terms, terms_rx) = tokio::sync::watch::channel(0);
         Ok((
             Self {
-                api: Api::namespaced(client, &config.namespace),
-                name: config.name.clone(),
+                door: LeaseDoor::new(client, config, &config.name),
                 elector,
-                duration_s: i32::try_from(config.lease_duration.as_secs()).unwrap_or(i32::MAX),
                 retry: config.retry_period,
-                deadline: config.renew_deadline,
                 leadership,
                 terms,
             },
@@ -138,95 +270,15 @@ impl Keeper {
         };
         let was = *self.leadership.borrow();
         if was.writer != now.writer {
+            let lease = self.door.name();
             if now.writer {
-                tracing::info!(lease = %self.name, "kubernetes: this agent is now the LB writer");
+                tracing::info!(%lease, "kubernetes: this agent is now the LB writer");
             } else {
-                tracing::info!(lease = %self.name, "kubernetes: this agent is no longer the LB writer");
+                tracing::info!(%lease, "kubernetes: this agent is no longer the LB writer");
             }
             self.terms.send_modify(|t| *t += 1);
         }
         self.leadership.send_replace(now);
-    }
-
-    /// The Lease to write for `w`, from `read` (what was read, if any).
-    fn record(&self, w: &Write, read: Option<Lease>) -> Lease {
-        let now = MicroTime(k8s_openapi::jiff::Timestamp::now());
-        let mut l = read.unwrap_or_else(|| Lease {
-            metadata: ObjectMeta {
-                name: Some(self.name.clone()),
-                ..ObjectMeta::default()
-            },
-            spec: None,
-        });
-        l.metadata.resource_version.clone_from(&w.version);
-        let spec = l.spec.get_or_insert_with(LeaseSpec::default);
-        spec.holder_identity.clone_from(&w.holder);
-        spec.lease_duration_seconds = Some(self.duration_s);
-        spec.lease_transitions = Some(w.transitions);
-        if w.holder.is_some() {
-            spec.renew_time = Some(now.clone());
-        }
-        if w.acquire {
-            spec.acquire_time = Some(now);
-        }
-        l
-    }
-
-    /// Sends `w`; the record's new version if the API took it. Bounded by
-    /// the renew deadline: an answer later than that is of no use to the
-    /// holder.
-    async fn send(&self, w: &Write, read: Option<Lease>) -> Option<String> {
-        let record = self.record(w, read);
-        let pp = PostParams {
-            field_manager: Some("lockstep".into()),
-            ..PostParams::default()
-        };
-        let sent = async {
-            if w.version.is_none() {
-                self.api.create(&pp, &record).await
-            } else {
-                self.api.replace(&self.name, &pp, &record).await
-            }
-        };
-        match tokio::time::timeout(self.deadline, sent).await {
-            Ok(Ok(l)) => Some(l.metadata.resource_version.unwrap_or_default()),
-            // Another agent wrote first: it holds, or will.
-            Ok(Err(kube::Error::Api(s))) if s.code == 409 => None,
-            Ok(Err(e)) => {
-                tracing::warn!(lease = %self.name, error = %crate::error_chain(&e), "kubernetes: writing the LB writer's Lease failed");
-                None
-            }
-            Err(_) => {
-                tracing::warn!(lease = %self.name, "kubernetes: writing the LB writer's Lease took past the renew deadline");
-                None
-            }
-        }
-    }
-
-    /// One round: read, decide, write.
-    async fn round(&mut self) {
-        let read = tokio::time::timeout(self.deadline, self.api.get_opt(&self.name)).await;
-        let lease = match read {
-            Ok(Ok(l)) => l,
-            Ok(Err(e)) => {
-                tracing::warn!(lease = %self.name, error = %crate::error_chain(&e), "kubernetes: reading the LB writer's Lease failed");
-                return;
-            }
-            Err(_) => {
-                tracing::warn!(lease = %self.name, "kubernetes: reading the LB writer's Lease timed out");
-                return;
-            }
-        };
-        // The answer's arrival: later than the record's write, so expiry
-        // counted from here is never early; and no earlier than the write
-        // below is sent, so the holder's deadline is never late.
-        match self.elector.observe(lease.as_ref().map(observed), now_ms()) {
-            Step::Write(w) => match self.send(&w, lease).await {
-                Some(version) => self.elector.written(&version),
-                None => self.elector.failed(),
-            },
-            Step::Follow { .. } => {}
-        }
     }
 
     /// Runs until `stop`, then releases the Lease if held (after this
@@ -240,10 +292,13 @@ impl Keeper {
     ) {
         loop {
             let may = candidacy.borrow_and_update().is_ok();
+            let was = self.elector.holds(now_ms()).is_some();
             self.elector.set_candidate(may, now_ms());
             // Stepping aside shows at once, before the round's requests.
-            self.publish();
-            self.round().await;
+            if was && self.elector.holds(now_ms()).is_none() {
+                self.publish();
+            }
+            self.door.round(&mut self.elector).await;
             self.publish();
             // Wake at the next round, or when holding lapses (to say so).
             let lapse = self.elector.holds(now_ms()).map_or(self.retry, |u| {
@@ -259,20 +314,13 @@ impl Keeper {
                 _ = stop.wait_for(|s| *s) => break,
             }
         }
-        // Acting stops now; the datapath stops answering for the writer's
-        // addresses at the last deadline whatever the announcer does, so
-        // the release waits for it: no other agent answers before then.
+        // Acting stops now (published before the release waits); the
+        // datapath stops answering for the writer's addresses at the last
+        // deadline whatever the announcer does, so the release waits for
+        // it: no other agent answers before then.
         let until = self.elector.holds(now_ms());
         let release = self.elector.release();
         self.publish();
-        let Some(w) = release else {
-            return;
-        };
-        if let Some(u) = until {
-            tokio::time::sleep(Duration::from_millis(u.saturating_sub(now_ms()))).await;
-        }
-        if self.send(&w, None).await.is_some() {
-            tracing::info!(lease = %self.name, "kubernetes: LB writer's Lease released");
-        }
+        self.door.release(until, release).await;
     }
 }

@@ -6,6 +6,7 @@
 
 use k8s_openapi::api::core::v1::{Node, Service};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition as KubeCondition;
+use lockstep_core::lb::kubernetes::local::{ANNOUNCED_CONDITION, unserved_condition};
 use lockstep_core::lb::kubernetes::ownership::status_change;
 use lockstep_core::lb::kubernetes::{
     Condition, KubeService, PoolOutcome, SERVICE_CONDITION, ServiceOutcome, TimedCondition,
@@ -33,6 +34,7 @@ pub fn service(svc: &Service) -> KubeService {
             .and_then(|s| s.ports.as_ref())
             .map(|ports| ports.iter().map(|p| (p.protocol.clone(), p.port)).collect())
             .unwrap_or_default(),
+        external_traffic_policy: spec.and_then(|s| s.external_traffic_policy.clone()),
         ingress: service_ingress(svc),
         condition: service_condition(svc),
     }
@@ -101,23 +103,41 @@ fn condition_json(c: &TimedCondition) -> Value {
 /// or `None` when nothing is to be written. An ingress the change leaves
 /// alone is not in the patch, so the API keeps it. The patch carries the
 /// object's `resourceVersion`, so a status written meanwhile by anyone
-/// makes it fail (409) rather than overwrite.
+/// makes it fail (409) rather than overwrite. `unserved`: an
+/// `externalTrafficPolicy: Local` Service with no serving endpoint, which
+/// no node answers for, says so in its own condition.
 pub fn service_status_patch(
     svc: &Service,
     want: Option<&ServiceOutcome>,
     pools_exist: bool,
+    unserved: bool,
     now: &str,
 ) -> Option<Value> {
-    let change = status_change(&service(svc), want, pools_exist)?;
-    let conditions = service_conditions(svc);
-    let conditions = match change.condition {
-        Some(c) => merge_condition(&conditions, c, now, svc.metadata.generation),
-        None => drop_condition(&conditions, SERVICE_CONDITION),
+    let change = status_change(&service(svc), want, pools_exist);
+    let mut conditions = service_conditions(svc);
+    let announced = unserved.then(unserved_condition);
+    let has = conditions
+        .iter()
+        .find(|c| c.condition.type_ == ANNOUNCED_CONDITION)
+        .map(|c| &c.condition);
+    if change.is_none() && has == announced.as_ref() {
+        return None;
+    }
+    let generation = svc.metadata.generation;
+    if let Some(change) = &change {
+        conditions = match change.condition.clone() {
+            Some(c) => merge_condition(&conditions, c, now, generation),
+            None => drop_condition(&conditions, SERVICE_CONDITION),
+        };
+    }
+    conditions = match announced {
+        Some(c) => merge_condition(&conditions, c, now, generation),
+        None => drop_condition(&conditions, ANNOUNCED_CONDITION),
     };
     let mut status = json!({
         "conditions": conditions.iter().map(condition_json).collect::<Vec<_>>(),
     });
-    if let Some(ingress) = change.ingress {
+    if let Some(ingress) = change.and_then(|c| c.ingress) {
         status["loadBalancer"] = json!({
             "ingress": ingress.iter().map(|a| json!({"ip": a.to_string()})).collect::<Vec<_>>(),
         });
@@ -253,7 +273,7 @@ mod tests {
                 message: "assigned 10.0.0.5".into(),
             },
         };
-        let p = service_status_patch(&s, Some(&want), true, "2026-11-27T20:00:00Z").unwrap();
+        let p = service_status_patch(&s, Some(&want), true, false, "2026-11-27T20:00:00Z").unwrap();
         assert_eq!(p["metadata"]["resourceVersion"], "7");
         assert_eq!(p["status"]["loadBalancer"]["ingress"][0]["ip"], "10.0.0.5");
         let conds = p["status"]["conditions"].as_array().unwrap();
@@ -266,10 +286,10 @@ mod tests {
         patched["status"] = p["status"].clone();
         let patched: Service = serde_json::from_value(patched).unwrap();
         assert_eq!(
-            service_status_patch(&patched, Some(&want), true, "later"),
+            service_status_patch(&patched, Some(&want), true, false, "later"),
             None
         );
-        let cleared = service_status_patch(&patched, None, true, "later").unwrap();
+        let cleared = service_status_patch(&patched, None, true, false, "later").unwrap();
         assert_eq!(cleared["status"]["conditions"].as_array().unwrap().len(), 1);
         assert!(
             cleared["status"]["loadBalancer"]["ingress"]
@@ -278,6 +298,52 @@ mod tests {
                 .is_empty()
         );
         // Never ours: nothing written.
-        assert_eq!(service_status_patch(&s, None, true, "later"), None);
+        assert_eq!(service_status_patch(&s, None, true, false, "later"), None);
+    }
+
+    #[test]
+    fn a_local_service_without_endpoints_says_so_and_the_condition_goes_with_them() {
+        let s = svc(json!({
+            "metadata": {"namespace": "a", "name": "web", "resourceVersion": "3"},
+            "spec": {"type": "LoadBalancer", "externalTrafficPolicy": "Local"},
+            "status": {"loadBalancer": {"ingress": [{"ip": "10.0.0.5"}]},
+                       "conditions": [{"type": SERVICE_CONDITION, "status": "True", "reason": "Assigned",
+                                       "message": "assigned 10.0.0.5", "lastTransitionTime": "2026-01-01T00:00:00Z"}]}
+        }));
+        let want = ServiceOutcome {
+            ingress: vec!["10.0.0.5".parse().unwrap()],
+            condition: Condition {
+                type_: SERVICE_CONDITION.into(),
+                status: "True".into(),
+                reason: "Assigned".into(),
+                message: "assigned 10.0.0.5".into(),
+            },
+        };
+        assert_eq!(
+            service_status_patch(&s, Some(&want), true, false, "2026-11-29T19:00:00Z"),
+            None
+        );
+        let p = service_status_patch(&s, Some(&want), true, true, "2026-11-29T19:00:00Z").unwrap();
+        let conds = p["status"]["conditions"].as_array().unwrap();
+        let announced = conds
+            .iter()
+            .find(|c| c["type"] == ANNOUNCED_CONDITION)
+            .unwrap();
+        assert_eq!(announced["status"], "False");
+        assert_eq!(announced["reason"], "NoServingEndpoint");
+        assert!(
+            p["status"].get("loadBalancer").is_none(),
+            "the ingress is kept as is"
+        );
+        let mut patched = serde_json::to_value(&s).unwrap();
+        patched["status"]["conditions"] = p["status"]["conditions"].clone();
+        let patched: Service = serde_json::from_value(patched).unwrap();
+        assert_eq!(
+            service_status_patch(&patched, Some(&want), true, true, "2026-11-29T19:00:00Z"),
+            None
+        );
+        let back = service_status_patch(&patched, Some(&want), true, false, "2026-11-29T19:00:00Z")
+            .unwrap();
+        assert_eq!(back["status"]["conditions"].as_array().unwrap().len(), 1);
     }
 }

@@ -61,6 +61,7 @@ use tokio::sync::Notify;
 use super::KubeError;
 use super::backend::{LbBackend, LbState};
 use super::crd::{LoadBalancerIPPool, POOL_FINALIZER};
+use super::local_traffic::LocalAnswers;
 use super::objects::{
     pool_conditions, pool_status_patch, service, service_condition, service_status_patch,
 };
@@ -88,6 +89,54 @@ pub struct Classes {
     pub classless: bool,
 }
 
+/// The Services in memory: one reflector, shared by the LB loop and the
+/// `externalTrafficPolicy: Local` elections (`local_traffic`), so an
+/// agent caches them once.
+pub struct ServiceCache {
+    /// The store, and when it listed.
+    pub services: Services,
+    wake: Arc<Notify>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+/// A reader of the [`ServiceCache`]. Cloning shares it.
+#[derive(Clone)]
+pub struct Services {
+    /// The reflector's store.
+    pub store: Store<Service>,
+    ready: tokio::sync::watch::Receiver<bool>,
+}
+
+impl Services {
+    /// Waits until the reflector listed. Any number of readers may wait:
+    /// the store's own `wait_until_ready` wakes only the last task that
+    /// polled it, so one task waits there and tells the rest.
+    pub async fn listed(&mut self) {
+        let _ = self.ready.wait_for(|r| *r).await;
+    }
+}
+
+impl ServiceCache {
+    /// Starts the reflector.
+    #[must_use]
+    pub fn start(client: &Client) -> Self {
+        let wake = Arc::new(Notify::new());
+        let (store, task) = drive(Api::<Service>::all(client.clone()), wake.clone());
+        let (tx, ready) = tokio::sync::watch::channel(false);
+        let waiter = store.clone();
+        tokio::spawn(async move {
+            if waiter.wait_until_ready().await.is_ok() {
+                let _ = tx.send(true);
+            }
+        });
+        Self {
+            services: Services { store, ready },
+            wake,
+            task,
+        }
+    }
+}
+
 /// The loop's state.
 pub struct LbSync<B: LbBackend> {
     client: Client,
@@ -109,6 +158,10 @@ pub struct LbSync<B: LbBackend> {
     /// Unknown fields already logged (`super::note_unknown`).
     unknown_seen: BTreeSet<String>,
     last_full: tokio::time::Instant,
+    /// The Services' reflector, when given ([`LbSync::with_services`]).
+    cache: Option<ServiceCache>,
+    /// The `Local` Services' elections, when they run.
+    local: Option<tokio::sync::watch::Receiver<LocalAnswers>>,
 }
 
 /// What a reflector can keep: the bounds kube-runtime's watcher and store
@@ -213,6 +266,18 @@ use reflector::reflector;
 
 mod follow;
 
+/// The next change of the `Local` Services without endpoints (never
+/// without the elections).
+async fn unserved_changed(local: &mut Option<tokio::sync::watch::Receiver<LocalAnswers>>) {
+    if let Some(rx) = local {
+        let was = rx.borrow().unserved.clone();
+        if rx.wait_for(|l| l.unserved != was).await.is_ok() {
+            return;
+        }
+    }
+    std::future::pending().await
+}
+
 /// The next change of the backend's state (never without one).
 async fn changed(changes: &mut Option<tokio::sync::watch::Receiver<i64>>) {
     if let Some(rx) = changes
@@ -262,19 +327,40 @@ impl<B: LbBackend> LbSync<B> {
             following: false,
             unknown_seen: BTreeSet::new(),
             last_full: tokio::time::Instant::now(),
+            cache: None,
+            local: None,
         }
+    }
+
+    /// Reads Services from `cache` (shared) rather than its own reflector.
+    #[must_use]
+    pub fn with_services(mut self, cache: ServiceCache) -> Self {
+        self.cache = Some(cache);
+        self
+    }
+
+    /// Writes on each `Local` Service whether any node answers for it, as
+    /// `local` says.
+    #[must_use]
+    pub fn with_local(mut self, local: tokio::sync::watch::Receiver<LocalAnswers>) -> Self {
+        self.local = Some(local);
+        self
     }
 
     /// Runs until `stop`.
     pub async fn run(mut self, mut stop: tokio::sync::watch::Receiver<bool>) {
-        let wake = Arc::new(Notify::new());
-        let (services, svc_task) = drive(Api::<Service>::all(self.client.clone()), wake.clone());
+        let cache = self
+            .cache
+            .take()
+            .unwrap_or_else(|| ServiceCache::start(&self.client));
+        let (mut listed, svc_task, wake) = (cache.services, cache.task, cache.wake);
+        let services = listed.store.clone();
         let (pools, pool_task) = drive(
             Api::<LoadBalancerIPPool>::all(self.client.clone()),
             wake.clone(),
         );
         let ready = async {
-            let _ = services.wait_until_ready().await;
+            listed.listed().await;
             let _ = pools.wait_until_ready().await;
         };
         let stopped = tokio::select! {
@@ -289,9 +375,11 @@ impl<B: LbBackend> LbSync<B> {
         tracing::info!("kubernetes: services and lb pools listed; serving LoadBalancer services");
         let mut poll = Duration::ZERO;
         let mut assigned = self.backend.changes();
+        let mut local = self.local.clone();
         loop {
             let woke = tokio::select! {
                 () = wake.notified() => Some(true),
+                () = unserved_changed(&mut local) => Some(false),
                 // New addresses to write: no burst to wait for.
                 () = changed(&mut assigned) => Some(false),
                 () = tokio::time::sleep(poll) => Some(false),
@@ -605,6 +693,11 @@ impl<B: LbBackend> LbSync<B> {
         pools_exist: bool,
     ) -> (bool, Vec<StatusWrite>) {
         let now = k8s_openapi::jiff::Timestamp::now().to_string();
+        let unserved = self
+            .local
+            .as_ref()
+            .map(|l| l.borrow().unserved.clone())
+            .unwrap_or_default();
         let mut pending = false;
         let mut patches: Vec<StatusWrite> = Vec::new();
         for (svc, req) in requests {
@@ -630,7 +723,14 @@ impl<B: LbBackend> LbSync<B> {
                     o
                 }
             };
-            let Some(patch) = service_status_patch(svc, outcome.as_ref(), pools_exist, &now) else {
+            let key = format!("{}/{}", svc.namespace().unwrap_or_default(), svc.name_any());
+            let Some(patch) = service_status_patch(
+                svc,
+                outcome.as_ref(),
+                pools_exist,
+                unserved.contains(&key),
+                &now,
+            ) else {
                 continue;
             };
             let uid = svc.uid().unwrap_or_default();

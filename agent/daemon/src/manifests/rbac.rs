@@ -70,6 +70,15 @@ const COMMON: &[Rule] = &[
     },
 ];
 
+/// Without etcd (modes lb and podcidr): what the elections need beyond
+/// the Lease (the Role's).
+const ELECTED: &[Rule] = &[Rule {
+    group: "discovery.k8s.io",
+    resources: &["endpointslices"],
+    verbs: &["list", "watch"],
+    why: "which nodes have ready endpoints of externalTrafficPolicy: Local Services (they alone answer for them)",
+}];
+
 const CLUSTER: &[Rule] = &[
     Rule {
         group: "lockstep.io",
@@ -86,15 +95,15 @@ const CLUSTER: &[Rule] = &[
 ];
 
 /// The rules of `mode`'s Role in the agent's own namespace: the Lease
-/// electing the one LB writer when there is no etcd (modes lb and
-/// podcidr). Cluster mode elects its writer in etcd.
+/// electing the one LB writer, and each externalTrafficPolicy: Local
+/// Service's announcer, when there is no etcd (modes lb and podcidr). Cluster mode elects its writer in etcd.
 pub fn namespaced_rules(mode: Mode) -> Vec<Rule> {
     match mode {
         Mode::Lb | Mode::PodCidr => vec![Rule {
             group: "coordination.k8s.io",
             resources: &["leases"],
             verbs: &["get", "create", "update"],
-            why: "the Lease electing the one agent that writes LoadBalancer state ([kubernetes.election])",
+            why: "the Leases electing the one agent that writes LoadBalancer state ([kubernetes.election]) and the node answering for each externalTrafficPolicy: Local Service",
         }],
         Mode::Local | Mode::Cluster => Vec::new(),
     }
@@ -104,7 +113,7 @@ pub fn namespaced_rules(mode: Mode) -> Vec<Rule> {
 pub fn rules(mode: Mode) -> Vec<Rule> {
     match mode {
         Mode::Local => Vec::new(),
-        Mode::Lb | Mode::PodCidr => COMMON.to_vec(),
+        Mode::Lb | Mode::PodCidr => COMMON.iter().chain(ELECTED).copied().collect(),
         Mode::Cluster => COMMON.iter().chain(CLUSTER).copied().collect(),
     }
 }

@@ -1,0 +1,293 @@
+//! `externalTrafficPolicy: Local` without cluster mode (#44 item 3): each
+//! such Service's addresses are answered (ARP, NDP) by one node with a
+//! ready local endpoint, never by the writer for it, and never by two
+//! nodes at once.
+//!
+//! Why a Lease per Service: the node that answers must follow the
+//! endpoints (a rolling update moves them), and the old node must have
+//! stopped before the new one starts. The nodes the core's
+//! `lb::kubernetes::local::candidate` names take part in an election on
+//! the Service's own `coordination.k8s.io/v1` Lease
+//! (`lockstep-lb.<namespace>.<name>`, in `[kubernetes.election]`'s
+//! namespace, with its timing), run by the same core `Elector` and Lease
+//! door as the writer's. A holder that stops being a candidate (its
+//! endpoint went) stops answering at once and releases the Lease once its
+//! deadline has passed; a candidate takes it on its next round. A holder
+//! that dies stops answering at its deadline (the announcement entries
+//! expire then) and another candidate takes over after one duration.
+//! Nodes with no local endpoint send no request for the Service at all.
+//!
+//! The task publishes [`LocalAnswers`]: the announcer answers what this
+//! node holds, the writer's part leaves these addresses out, and the
+//! writer's status pass says when a Service has no serving endpoint.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::IpAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::Service;
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+use kube::Client;
+use kube::api::Api;
+use kube::runtime::reflector::Store;
+use lockstep_core::election::Elector;
+use lockstep_core::lb::kubernetes::local::{
+    Endpoint, SERVICE_NAME_LABEL, candidate, candidates, lease_name, local_addresses,
+};
+use tokio::sync::Notify;
+
+use super::election::{LeaseDoor, elector, now_ms};
+use super::objects::service;
+use super::sync::{Services, drive};
+use crate::config::ElectionConfig;
+
+/// What the `Local` Services ask of this node's announcer and of the
+/// writer.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct LocalAnswers {
+    /// The Services and EndpointSlices were listed: until then the writer
+    /// answers nothing, as it cannot tell which addresses are `Local`.
+    pub listed: bool,
+    /// Every address of a lockstep `Local` Service: the writer never
+    /// answers these for its part.
+    pub local: BTreeSet<IpAddr>,
+    /// The addresses this node answers for, each until when (kernel
+    /// monotonic ns): it holds their Service's Lease.
+    pub held: BTreeMap<IpAddr, u64>,
+    /// `Local` Services (`namespace/name`) with no serving endpoint on
+    /// any node: not answered anywhere.
+    pub unserved: BTreeSet<String>,
+}
+
+/// One Service's election on this node.
+struct Seat {
+    door: LeaseDoor,
+    elector: Elector,
+    /// The Service's addresses, as last read.
+    addrs: Vec<IpAddr>,
+    /// The holder the Lease named after the last round, if known.
+    holder: Option<String>,
+}
+
+/// Follows the `Local` Services' endpoints and keeps their Leases.
+pub struct LocalTraffic {
+    client: Client,
+    config: ElectionConfig,
+    node: String,
+    seats: BTreeMap<String, Seat>,
+    tx: tokio::sync::watch::Sender<LocalAnswers>,
+}
+
+/// The endpoints of each Service (`namespace/name`) in `slices`.
+fn endpoints(slices: &Store<EndpointSlice>) -> BTreeMap<String, Vec<Endpoint>> {
+    let mut out: BTreeMap<String, Vec<Endpoint>> = BTreeMap::new();
+    for s in slices.state() {
+        let Some(svc) = s
+            .metadata
+            .labels
+            .as_ref()
+            .and_then(|l| l.get(SERVICE_NAME_LABEL))
+        else {
+            continue;
+        };
+        let ns = s.metadata.namespace.clone().unwrap_or_default();
+        let eps = out.entry(format!("{ns}/{svc}")).or_default();
+        eps.extend(s.endpoints.iter().flatten().map(|e| {
+            let c = e.conditions.as_ref();
+            Endpoint {
+                node: e.node_name.clone(),
+                ready: c.and_then(|c| c.ready),
+                serving: c.and_then(|c| c.serving),
+                terminating: c.and_then(|c| c.terminating),
+            }
+        }));
+    }
+    out
+}
+
+impl LocalTraffic {
+    /// Node `node`'s elections under `config`'s timing (checked with the
+    /// writer's, `election::Keeper::new`: a Service's seat is never made
+    /// with a timing the core refuses); the receiver follows what it
+    /// answers.
+    #[must_use]
+    pub fn new(
+        client: Client,
+        config: &ElectionConfig,
+        node: &str,
+    ) -> (Self, tokio::sync::watch::Receiver<LocalAnswers>) {
+        let (tx, rx) = tokio::sync::watch::channel(LocalAnswers::default());
+        (
+            Self {
+                client,
+                config: config.clone(),
+                node: node.to_owned(),
+                seats: BTreeMap::new(),
+                tx,
+            },
+            rx,
+        )
+    }
+
+    /// Runs until `stop` over `services` (the LB loop's reflector): while
+    /// `candidacy` says no, this node answers none of them.
+    pub async fn run(
+        mut self,
+        mut services: Services,
+        mut candidacy: tokio::sync::watch::Receiver<Result<(), String>>,
+        mut stop: tokio::sync::watch::Receiver<bool>,
+    ) {
+        let wake = Arc::new(Notify::new());
+        let (slices, task) = drive(Api::<EndpointSlice>::all(self.client.clone()), wake.clone());
+        let ready = async {
+            services.listed().await;
+            let _ = slices.wait_until_ready().await;
+        };
+        let stopped = tokio::select! {
+            () = ready => false,
+            _ = stop.wait_for(|s| *s) => true,
+        };
+        if !stopped {
+            loop {
+                let may = candidacy.borrow_and_update().is_ok();
+                self.round(&services.store, &slices, may).await;
+                let lapse = self
+                    .tx
+                    .borrow()
+                    .held
+                    .values()
+                    .min()
+                    .map_or(self.config.retry_period, |u| {
+                        Duration::from_nanos(u.saturating_sub(now_ms() * 1_000_000))
+                    });
+                tokio::select! {
+                    () = tokio::time::sleep(self.config.retry_period.min(lapse)) => {}
+                    () = wake.notified() => {}
+                    r = candidacy.changed() => if r.is_err() {
+                        candidacy = tokio::sync::watch::channel(Ok(())).1;
+                    },
+                    _ = stop.wait_for(|s| *s) => break,
+                }
+            }
+        }
+        task.abort();
+        self.release_all().await;
+    }
+
+    /// One round: candidacies from the endpoints, every seat's Lease read
+    /// and written (at once), what this node answers published.
+    async fn round(&mut self, services: &Store<Service>, slices: &Store<EndpointSlice>, may: bool) {
+        let eps = endpoints(slices);
+        let now = now_ms();
+        let mut local = BTreeSet::new();
+        let mut unserved = BTreeSet::new();
+        let mut wanted = BTreeSet::new();
+        for s in services.state() {
+            if s.metadata.deletion_timestamp.is_some() {
+                continue;
+            }
+            let svc = service(&s);
+            let Some(addrs) = local_addresses(&svc) else {
+                continue;
+            };
+            let key = format!("{}/{}", svc.namespace, svc.name);
+            local.extend(addrs.iter().copied());
+            let these = eps.get(&key).map_or(&[][..], Vec::as_slice);
+            if candidates(these).is_empty() {
+                unserved.insert(key.clone());
+            }
+            let here = may && candidate(these, &self.node).is_ok();
+            if here && !self.seats.contains_key(&key) {
+                let Ok(elector) = elector(&self.config, &self.node) else {
+                    continue;
+                };
+                let door = LeaseDoor::new(
+                    self.client.clone(),
+                    &self.config,
+                    &lease_name(&svc.namespace, &svc.name),
+                );
+                self.seats.insert(
+                    key.clone(),
+                    Seat {
+                        door,
+                        elector,
+                        addrs: Vec::new(),
+                        holder: None,
+                    },
+                );
+            }
+            if let Some(seat) = self.seats.get_mut(&key) {
+                seat.addrs = addrs;
+                seat.elector.set_candidate(here, now);
+                wanted.insert(key);
+            }
+        }
+        for (key, seat) in &mut self.seats {
+            if !wanted.contains(key) {
+                seat.elector.set_candidate(false, now);
+            }
+        }
+        // Stepping aside shows before the rounds' requests.
+        self.publish(local.clone(), unserved.clone());
+        let rounds = self.seats.values_mut().map(|seat| async move {
+            seat.holder = seat.door.round(&mut seat.elector).await;
+        });
+        futures::future::join_all(rounds).await;
+        // A seat this node neither stands for nor holds is dropped once
+        // the Lease is seen naming another node or none (its release
+        // written, or never held).
+        let me = self.node.clone();
+        self.seats.retain(|_, seat| {
+            seat.elector.is_candidate()
+                || seat.elector.holds(now_ms()).is_some()
+                || !matches!(&seat.holder, Some(h) if *h != me)
+        });
+        self.publish(local, unserved);
+    }
+
+    /// Publishes what this node answers now.
+    fn publish(&self, local: BTreeSet<IpAddr>, unserved: BTreeSet<String>) {
+        let now = now_ms();
+        let mut held = BTreeMap::new();
+        for seat in self.seats.values() {
+            if let Some(until) = seat.elector.holds(now) {
+                for a in &seat.addrs {
+                    held.insert(*a, until.saturating_mul(1_000_000));
+                }
+            }
+        }
+        let next = LocalAnswers {
+            listed: true,
+            local,
+            held,
+            unserved,
+        };
+        self.tx.send_if_modified(|cur| {
+            if *cur == next {
+                return false;
+            }
+            *cur = next;
+            true
+        });
+    }
+
+    /// Stopping: nothing is answered from now on; every Lease held is
+    /// released once its deadline has passed.
+    async fn release_all(&mut self) {
+        let now = now_ms();
+        let mut releases = Vec::new();
+        for seat in self.seats.values_mut() {
+            let until = seat.elector.holds(now);
+            releases.push((until, seat.elector.release()));
+        }
+        let local = self.tx.borrow().local.clone();
+        self.publish(local, BTreeSet::new());
+        let sends = self
+            .seats
+            .values()
+            .zip(releases)
+            .map(|(seat, (until, w))| seat.door.release(until, w));
+        futures::future::join_all(sends).await;
+    }
+}
