@@ -107,6 +107,12 @@ impl Runner {
                 // Service created -> status written for 200 Services
                 // (goal gated: p99 <= 1 s, no 409).
                 self.benchmark_test("kubernetes_one_writer")?;
+                // externalTrafficPolicy: Local (#44 item 3): an endpoint
+                // moved to another node in a rolling update, slice updated
+                // -> answered from the new node, p99 over 20 moves, probe
+                // rounds answered by two nodes counted (goals gated: none,
+                // p99 <= 1.5 s).
+                self.benchmark_test("kubernetes_local_traffic")?;
                 // The responders' per-packet cost (ARP and, #13, NDP replies
                 // against the empty program); the masquerade rows are `bench
                 // datapath`'s.
