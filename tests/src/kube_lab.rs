@@ -294,7 +294,9 @@ impl KubeLab {
 
 /// The requests sent to `api` that `deploy/rbac.yaml`'s ClusterRole does
 /// not allow, as `verb group/resource path` (the double serves only the
-/// agents over HTTP: tests write through its store).
+/// agents over HTTP: tests write through its store); and every write not
+/// recorded under lockstep's field manager (#44 item 7), as `verb
+/// group/resource path: field manager <name>`.
 ///
 /// # Errors
 /// The manifest cannot be read.
@@ -348,6 +350,12 @@ pub fn outside_rbac(api: &ApiDouble) -> anyhow::Result<Vec<String>> {
         let by_role = ns == role_ns && ns_allowed.contains(&key);
         if !allowed.contains(&key) && !by_role {
             out.push(format!("{verb} {group}/{resource} {}", r.path));
+        }
+        if r.method != "GET" && r.field_manager.as_deref() != Some("lockstep") {
+            out.push(format!(
+                "{verb} {group}/{resource} {}: field manager {:?}",
+                r.path, r.field_manager
+            ));
         }
     }
     out.sort();

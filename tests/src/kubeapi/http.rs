@@ -29,6 +29,10 @@ pub struct Seen {
     pub content_type: Option<String>,
     /// The answer's code.
     pub code: u16,
+    /// The field manager a write is recorded under, as the API server
+    /// picks it: the `fieldManager` parameter, else the `User-Agent` up to
+    /// its first `/`.
+    pub field_manager: Option<String>,
 }
 
 fn answer(code: u16, v: &Value) -> Response {
@@ -151,6 +155,18 @@ pub async fn serve(
         .get(header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
         .map(|s| s.split(';').next().unwrap_or(s).trim().to_string());
+    let field_manager = uri
+        .query()
+        .unwrap_or("")
+        .split('&')
+        .find_map(|kv| kv.strip_prefix("fieldManager="))
+        .map(str::to_owned)
+        .or_else(|| {
+            headers
+                .get(header::USER_AGENT)
+                .and_then(|v| v.to_str().ok())
+                .map(|ua| ua.split('/').next().unwrap_or(ua).to_owned())
+        });
     let r = handle(&shared, &method, &uri, content_type.as_deref(), &body).await;
     let code = match &r {
         Ok(resp) => resp.status().as_u16(),
@@ -162,6 +178,7 @@ pub async fn serve(
         query: uri.query().unwrap_or("").to_string(),
         content_type,
         code,
+        field_manager,
     });
     match r {
         Ok(resp) => resp,

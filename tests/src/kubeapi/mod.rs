@@ -42,6 +42,10 @@
 //!   `LoadBalancerIPPool` type for the CRD — and a field the type does not
 //!   have is refused (`422 Invalid`, naming the field), as a strict API
 //!   server refuses it. Refusals are kept for tests ([`ApiDouble::refusals`]);
+//! - **field managers**: each request is recorded with the field manager
+//!   the API server would record its write under: the `fieldManager`
+//!   parameter, else the `User-Agent` up to its first `/` (tests check
+//!   that every write of the agents is lockstep's);
 //! - **Service defaulting** on create, as a dual-stack cluster does:
 //!   `type: ClusterIP`, `ipFamilyPolicy: SingleStack`, `ipFamilies` from
 //!   the policy, port protocol TCP; `metadata.generation` grows when

@@ -21,7 +21,7 @@ use std::time::Duration;
 use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
 use kube::Client;
-use kube::api::{Api, PostParams};
+use kube::api::Api;
 use lockstep_core::election::{Elector, Observed, Step, Write};
 
 use super::KubeError;
@@ -128,10 +128,7 @@ impl LeaseDoor {
     /// holder.
     pub(super) async fn send(&self, w: &Write, read: Option<Lease>) -> Option<String> {
         let record = self.record(w, read);
-        let pp = PostParams {
-            field_manager: Some("lockstep".into()),
-            ..PostParams::default()
-        };
+        let pp = super::post_params();
         let sent = async {
             if w.version.is_none() {
                 self.api.create(&pp, &record).await

@@ -141,10 +141,40 @@ pub async fn client(config: &KubernetesConfig) -> Result<Client, KubeError> {
             source: Box::new(e),
         })?,
     };
+    let mut conf = conf;
+    // Every request names lockstep: the API server records writes that
+    // name no field manager (kube-runtime's event recorder's) under the
+    // User-Agent up to its first '/'.
+    if let Ok(agent) =
+        axum::http::HeaderValue::from_str(&format!("{FIELD_MANAGER}/{}", env!("CARGO_PKG_VERSION")))
+    {
+        conf.headers.push((axum::http::header::USER_AGENT, agent));
+    }
     Client::try_from(conf).map_err(|e| KubeError::Config {
         what: "kubernetes client".into(),
         source: Box::new(e),
     })
+}
+
+/// The field manager of every write lockstep sends.
+pub const FIELD_MANAGER: &str = "lockstep";
+
+/// Parameters of a patch, under lockstep's field manager.
+#[must_use]
+pub fn patch_params() -> kube::api::PatchParams {
+    kube::api::PatchParams {
+        field_manager: Some(FIELD_MANAGER.into()),
+        ..kube::api::PatchParams::default()
+    }
+}
+
+/// Parameters of a create or replace, under lockstep's field manager.
+#[must_use]
+pub fn post_params() -> kube::api::PostParams {
+    kube::api::PostParams {
+        field_manager: Some(FIELD_MANAGER.into()),
+        ..kube::api::PostParams::default()
+    }
 }
 
 /// What start-up takes from this node's Node object.

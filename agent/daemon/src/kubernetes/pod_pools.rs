@@ -26,7 +26,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use ipnet::IpNet;
-use kube::api::{Api, Patch, PatchParams};
+use kube::api::{Api, Patch};
 use kube::runtime::reflector::Store;
 use kube::{Client, CustomResource, ResourceExt};
 use lockstep_core::cluster::ClusterPoolSpec;
@@ -407,11 +407,7 @@ impl<B: PoolsBackend> PodPoolSync<B> {
                 continue;
             }
             match api
-                .patch_status(
-                    &o.name_any(),
-                    &PatchParams::default(),
-                    &Patch::Merge(&patch),
-                )
+                .patch_status(&o.name_any(), &super::patch_params(), &Patch::Merge(&patch))
                 .await
             {
                 Ok(_) => {

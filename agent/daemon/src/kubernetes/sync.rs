@@ -45,7 +45,7 @@ use std::time::Duration;
 
 use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::api::core::v1::Service;
-use kube::api::{Api, Patch, PatchParams};
+use kube::api::{Api, Patch};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::runtime::reflector::{self, Store};
 use kube::runtime::{WatchStreamExt, watcher};
@@ -564,7 +564,7 @@ impl<B: LbBackend> LbSync<B> {
                 list.push(POOL_FINALIZER.into());
                 let patch = json!({"metadata": {"resourceVersion": p.resource_version(), "finalizers": list}});
                 match api
-                    .patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
+                    .patch(&name, &super::patch_params(), &Patch::Merge(&patch))
                     .await
                 {
                     Ok(_) => {}
@@ -607,7 +607,7 @@ impl<B: LbBackend> LbSync<B> {
             let patch =
                 json!({"metadata": {"resourceVersion": p.resource_version(), "finalizers": list}});
             match api
-                .patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
+                .patch(&name, &super::patch_params(), &Patch::Merge(&patch))
                 .await
             {
                 Ok(_) => {}
@@ -774,7 +774,7 @@ impl<B: LbBackend> LbSync<B> {
             }
             let before = pool_conditions(p);
             match api
-                .patch_status(&name, &PatchParams::default(), &Patch::Merge(&patch))
+                .patch_status(&name, &super::patch_params(), &Patch::Merge(&patch))
                 .await
             {
                 Ok(_) => {}
@@ -813,7 +813,7 @@ async fn send_statuses(client: Client, recorder: Recorder, patches: Vec<StatusWr
                 let ns = svc.namespace().unwrap_or_default();
                 let api: Api<Service> = Api::namespaced(client, &ns);
                 match api
-                    .patch_status(&svc.name_any(), &PatchParams::default(), &Patch::Merge(&patch))
+                    .patch_status(&svc.name_any(), &super::patch_params(), &Patch::Merge(&patch))
                     .await
                 {
                     Ok(_) => {}

@@ -38,7 +38,7 @@ use std::time::Duration;
 
 use futures::TryStreamExt;
 use ipnet::IpNet;
-use kube::api::{Api, Patch, PatchParams, PostParams};
+use kube::api::{Api, Patch};
 use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 use lockstep_core::demand::DemandMode;
@@ -278,7 +278,11 @@ impl NodeIpamApi for KubeNodeIpam {
 
     async fn create(&self, spec: NodeIPAMSpec) -> Result<(), KubeError> {
         let obj = NodeIPAM::new(&self.name, spec);
-        match self.api.create(&PostParams::default(), &obj).await {
+        match self
+            .api
+            .create(&crate::kubernetes::post_params(), &obj)
+            .await
+        {
             Ok(_) => Ok(()),
             // Made meanwhile (another agent run): the watch brings it.
             Err(kube::Error::Api(s)) if s.code == 409 => Ok(()),
@@ -288,14 +292,22 @@ impl NodeIpamApi for KubeNodeIpam {
 
     async fn patch_spec(&self, patch: Value) -> Result<NodeIPAM, KubeError> {
         self.api
-            .patch(&self.name, &PatchParams::default(), &Patch::Merge(&patch))
+            .patch(
+                &self.name,
+                &crate::kubernetes::patch_params(),
+                &Patch::Merge(&patch),
+            )
             .await
             .map_err(api_err(format!("patch nodeipam {}", self.name)))
     }
 
     async fn patch_status(&self, patch: Value) -> Result<(), KubeError> {
         self.api
-            .patch_status(&self.name, &PatchParams::default(), &Patch::Merge(&patch))
+            .patch_status(
+                &self.name,
+                &crate::kubernetes::patch_params(),
+                &Patch::Merge(&patch),
+            )
             .await
             .map(drop)
             .map_err(api_err(format!("patch nodeipam {} status", self.name)))
