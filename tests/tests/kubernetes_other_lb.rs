@@ -93,6 +93,7 @@ fn get(api: &ApiDouble, name: &str) -> anyhow::Result<Value> {
 fn other_controllers_services_are_left_alone_and_in_pool_addresses_adopted() -> anyhow::Result<()> {
     privileged!();
     let api = ApiDouble::start()?;
+    api.create("nodes", "", &json!({"metadata": {"name": "node-1"}}))?;
     let dir = TempDir::new("otherlb")?;
     let kubeconfig = dir.path().join("kubeconfig");
     api.write_kubeconfig(&kubeconfig)?;
@@ -150,10 +151,13 @@ fn other_controllers_services_are_left_alone_and_in_pool_addresses_adopted() -> 
         "the migrated Service was renumbered: {}",
         migrated["status"]
     );
-    ensure!(
-        answered(&nb, "10.91.0.150", &mac)?,
-        "10.91.0.150 (adopted) is not answered with the node's MAC {mac}"
-    );
+    // The status and the datapath are written side by side: answered
+    // within moments of the status, not necessarily before it.
+    wait_for(
+        &format!("10.91.0.150 (adopted) answered with the node's MAC {mac}"),
+        Duration::from_secs(10),
+        || answered(&nb, "10.91.0.150", &mac).ok().filter(|a| *a),
+    )?;
 
     // The same address held by a second Service: taken. Lockstep says so
     // and leaves the address in its status.

@@ -139,3 +139,39 @@ fn a_node_without_pod_cidrs_does_not_start_and_says_why() -> anyhow::Result<()> 
     );
     Ok(())
 }
+
+/// #44 item 6: the API answers and has no Node of the agent's name (a
+/// wrong name, or one not lowercased as kubelet registers it): the agent
+/// does not start, naming the name, where it came from and NODE_NAME.
+/// Before, it started and served with another node's identity.
+#[test]
+fn a_node_name_the_api_does_not_know_stops_the_start() -> anyhow::Result<()> {
+    privileged!();
+    let api = ApiDouble::start()?;
+    api.create("nodes", "", &json!({"metadata": {"name": "node-3"}}))?;
+    let dir = TempDir::new("podcidr")?;
+    let kubeconfig = dir.path().join("kubeconfig");
+    api.write_kubeconfig(&kubeconfig)?;
+    let node = Netns::new("pcname")?;
+    let _cut = forward_ports(&node, &[api.addr().port()])?;
+    let mut agent = AgentProc::spawn_unready(&node, &config(&kubeconfig, "Node-3"))?;
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let status = loop {
+        if let Some(s) = agent.exited()? {
+            break s;
+        }
+        ensure!(
+            Instant::now() < deadline,
+            "the agent did not stop: {}",
+            agent.log()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    ensure!(!status.success(), "the agent exited 0");
+    let log = agent.log();
+    ensure!(
+        log.contains("no Node named \"Node-3\"") && log.contains("NODE_NAME"),
+        "{log}"
+    );
+    Ok(())
+}

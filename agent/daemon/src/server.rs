@@ -329,14 +329,27 @@ pub async fn run(mut config: Config) -> Result<(), ServerError> {
         Some(k) => match crate::kubernetes::client(k).await {
             Ok(client) => {
                 let (node, source) = config.kubernetes_node_name_and_source();
-                match crate::kubernetes::node_facts(&client, &node, k.node_wait).await {
+                match crate::kubernetes::node_facts(
+                    &client,
+                    &node,
+                    &source.to_string(),
+                    k.node_wait,
+                )
+                .await
+                {
                     Ok(facts) => {
                         tracing::info!(node = %node, %source, labels = facts.labels.len(), "kubernetes: node read");
                         crate::kubernetes::apply_node_facts(&mut cluster_config, &facts);
                         node_pod_cidrs = Some(facts.pod_cidrs);
                     }
+                    // The API answers that there is no such Node: the
+                    // name is wrong, and everything keyed by it would be
+                    // another node's (#44 item 6).
+                    Err(e @ crate::kubernetes::KubeError::NoNode { .. }) => {
+                        return Err(ServerError::Kubernetes(e));
+                    }
                     Err(e) => {
-                        tracing::warn!(node = %node, %source, error = %crate::error_chain(&e), "kubernetes: node not read; using the config's labels and addresses (is the name right? the DaemonSet sets NODE_NAME from spec.nodeName)");
+                        tracing::warn!(node = %node, %source, error = %crate::error_chain(&e), "kubernetes: node not read; using the config's labels and addresses");
                     }
                 }
                 // The pods of this node and every namespace, watched from

@@ -108,6 +108,17 @@ pub enum KubeError {
         /// Why.
         reason: String,
     },
+    /// The API answers, and has no Node of this agent's node name: the
+    /// name is wrong (a DaemonSet's pod runs only on a registered Node).
+    #[error(
+        "the API has no Node named {name:?} (the name came from {source_of_name}): set NODE_NAME from the downward API's spec.nodeName (the generated DaemonSet does), or [kubernetes] node_name"
+    )]
+    NoNode {
+        /// The name asked for.
+        name: String,
+        /// Where the name came from.
+        source_of_name: String,
+    },
     /// A blocking task of the door failed.
     #[error("kubernetes door task failed: {reason}")]
     Task {
@@ -190,13 +201,16 @@ pub struct NodeFacts {
     pub pod_cidrs: Vec<String>,
 }
 
-/// Reads Node `name`, trying again for at most `within`.
+/// Reads Node `name` (named by `source`), trying again for at most
+/// `within`.
 ///
 /// # Errors
-/// The last failure when no answer came in time.
+/// [`KubeError::NoNode`] when the API still says there is no such Node;
+/// else the last failure when no answer came in time.
 pub async fn node_facts(
     client: &Client,
     name: &str,
+    source: &str,
     within: Duration,
 ) -> Result<NodeFacts, KubeError> {
     let api: Api<Node> = Api::all(client.clone());
@@ -212,6 +226,14 @@ pub async fn node_facts(
                     internal_v4,
                     internal_v6,
                     pod_cidrs: pod_cidrs::of_node(&node),
+                });
+            }
+            Err(kube::Error::Api(s))
+                if s.code == 404 && tokio::time::Instant::now() >= deadline =>
+            {
+                return Err(KubeError::NoNode {
+                    name: name.to_owned(),
+                    source_of_name: source.to_owned(),
                 });
             }
             Err(e) if tokio::time::Instant::now() >= deadline => {

@@ -79,13 +79,42 @@ async fn the_node_is_read_once_by_name() {
                                              {"type": "InternalIP", "address": "10.0.0.7"}]}}),
         );
     });
-    let facts = node_facts(&client, "node-1", Duration::from_secs(1))
-        .await
-        .unwrap();
+    let facts = node_facts(
+        &client,
+        "node-1",
+        "the configuration",
+        Duration::from_secs(1),
+    )
+    .await
+    .unwrap();
     server.await.unwrap();
     assert_eq!(facts.labels["zone"], "a");
     assert_eq!(facts.internal_v4, Some("10.0.0.7".parse().unwrap()));
     assert_eq!(facts.internal_v6, None);
+}
+
+#[tokio::test]
+async fn a_node_the_api_does_not_know_is_refused_naming_the_name() {
+    let (client, mut handle) = mock();
+    let server = tokio::spawn(async move {
+        let (_, _, send) = next(&mut handle).await;
+        reply(
+            send,
+            404,
+            &json!({"apiVersion": "v1", "kind": "Status", "status": "Failure",
+                    "reason": "NotFound", "code": 404, "message": "nodes \"Node-1\" not found"}),
+        );
+    });
+    let e = node_facts(&client, "Node-1", "NODE_NAME", Duration::ZERO)
+        .await
+        .unwrap_err();
+    server.await.unwrap();
+    assert!(matches!(e, KubeError::NoNode { .. }), "{e:?}");
+    let text = e.to_string();
+    assert!(
+        text.contains("\"Node-1\"") && text.contains("came from NODE_NAME"),
+        "{text}"
+    );
 }
 
 /// The LB state in memory, as the agent's would be.
