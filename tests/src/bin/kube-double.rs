@@ -8,8 +8,10 @@ fn main() -> anyhow::Result<()> {
         .nth(1)
         .unwrap_or_else(|| "127.0.0.1:18080".into())
         .parse()?;
-    let api =
-        lockstep_tests::kubeapi::ApiDouble::start_at(addr, std::time::Duration::from_secs(1))?;
+    let api = lockstep_tests::kubeapi::ApiDouble::start_at(
+        addr,
+        lockstep_tests::kubeapi::BOOKMARK_EVERY,
+    )?;
     eprintln!("kubernetes API double on http://{}", api.addr());
     loop {
         std::thread::park();

@@ -143,6 +143,16 @@ fn decode(s: &str) -> String {
     String::from_utf8_lossy(&out).into_owned()
 }
 
+/// A continue token whose snapshot is gone, as the API server answers
+/// one older than its compaction.
+fn expired_continue() -> ApiError {
+    ApiError {
+        code: 410,
+        reason: "Expired",
+        message: "The provided continue parameter is too old to display a consistent list result. You can start a new list without the continue parameter.".into(),
+    }
+}
+
 /// Serves one request.
 pub async fn serve(
     shared: Arc<Shared>,
@@ -222,6 +232,7 @@ async fn handle(
             let selector = Filter::parse(
                 q.get("labelSelector").map_or("", String::as_str),
                 q.get("fieldSelector").map_or("", String::as_str),
+                t.kind.plural,
             )
             .map_err(bad)?;
             if q.get("watch").is_some_and(|w| w == "true" || w == "1") {
@@ -250,20 +261,37 @@ async fn handle(
                     timeout,
                 ));
             }
-            let (rv, items) = shared
-                .store()
-                .list(&t.kind, t.namespace.as_deref(), &selector);
-            let offset: usize = q.get("continue").and_then(|c| c.parse().ok()).unwrap_or(0);
             let limit: usize = q
                 .get("limit")
                 .and_then(|l| l.parse().ok())
                 .filter(|l| *l > 0)
                 .unwrap_or(usize::MAX);
+            // A continued list is served from the first page's snapshot,
+            // as the API server serves it from that page's revision; a
+            // snapshot forgotten (expired history) is 410 Expired.
+            let (snapshot, offset, rv, items) = match q.get("continue") {
+                Some(token) => {
+                    let (id, offset) = token
+                        .split_once(':')
+                        .and_then(|(i, o)| Some((i.parse::<u64>().ok()?, o.parse::<usize>().ok()?)))
+                        .ok_or_else(|| bad(format!("bad continue token {token:?}")))?;
+                    let (rv, items) = shared.snapshot(id).ok_or_else(expired_continue)?;
+                    (id, offset, rv, items)
+                }
+                None => {
+                    let (rv, items) =
+                        shared
+                            .store()
+                            .list(&t.kind, t.namespace.as_deref(), &selector);
+                    (0, 0, rv, items)
+                }
+            };
             let total = items.len();
             let page: Vec<Value> = items
-                .into_iter()
+                .iter()
                 .skip(offset)
                 .take(limit)
+                .cloned()
                 .map(|mut v| {
                     // List items carry no kind, as the API server's.
                     if let Some(o) = v.as_object_mut() {
@@ -275,7 +303,12 @@ async fn handle(
                 .collect();
             let mut meta = json!({"resourceVersion": rv.to_string()});
             if offset + page.len() < total {
-                meta["continue"] = json!((offset + page.len()).to_string());
+                let id = if snapshot == 0 {
+                    shared.keep_snapshot(rv, items)
+                } else {
+                    snapshot
+                };
+                meta["continue"] = json!(format!("{id}:{}", offset + page.len()));
             }
             Ok(answer(
                 200,

@@ -6,16 +6,23 @@
 //!
 //! What it serves, as the API server does:
 //! - **list** (`GET` on a collection, all namespaces or one) with the
-//!   list's `resourceVersion`, `labelSelector`, `fieldSelector` (on
-//!   `metadata.name`, `metadata.namespace`, `spec.nodeName` and
-//!   `status.phase`, the fields kubelet and lockstep select Pods by), and
-//!   `limit`/`continue` pages;
+//!   list's `resourceVersion`, `labelSelector`, `fieldSelector` (per kind,
+//!   as the API server: `metadata.name` and `metadata.namespace` on every
+//!   kind, and of the kind-specific fields the string ones lockstep could
+//!   use: Pods' `spec.nodeName` and `status.phase`, Namespaces'
+//!   `status.phase`, Services' `spec.type` and `spec.clusterIP`, Events'
+//!   `reason` and `type`; any other field is `400 field label not
+//!   supported`), and `limit`/`continue` pages. A continued list is served
+//!   from the first page's snapshot (its resourceVersion and items), as
+//!   the API server serves it from that revision; once the history is
+//!   expired ([`ApiDouble::expire`]) a continue token is `410 Expired`;
 //! - **watch** (`?watch=true&resourceVersion=N`): every change after `N`
 //!   from a bounded history, then live; `resourceVersion`s are one counter
 //!   over every kind and only grow; a watch from before the history is
 //!   answered with an `ERROR` event carrying a `410 Gone`/`Expired`
 //!   `Status` (kube-runtime then relists); `allowWatchBookmarks=true`
-//!   sends a `BOOKMARK` every [`ApiDouble::start_with`]'s interval with the
+//!   sends a `BOOKMARK` every minute ([`BOOKMARK_EVERY`], the API server's
+//!   pace; [`ApiDouble::start_with`] sets another) with the
 //!   latest resourceVersion the stream has passed; `timeoutSeconds` ends the
 //!   stream; a watch with a selector sees an object that starts matching
 //!   as `ADDED` and one that stops matching as `DELETED` (its new state),
@@ -69,9 +76,10 @@
 //!   no streaming lists (`sendInitialEvents`), no discovery, no protobuf,
 //!   no admission, no garbage collection by owner references; namespaces are objects to read (their annotations), but
 //!   any namespace exists for namespaced writes;
-//! - a list is always served from the latest state (`resourceVersion=0`
-//!   and `resourceVersionMatch` are accepted and ignored), and pages are
-//!   offsets into the current state, not a snapshot;
+//! - a first page is always served from the latest state
+//!   (`resourceVersion=0` and `resourceVersionMatch` are accepted and
+//!   ignored); snapshots of paged lists are kept until the history is
+//!   expired, not for a fixed time;
 //! - one process, in memory, no HA: a watch never moves to another
 //!   apiserver replica.
 
@@ -202,6 +210,9 @@ pub fn kinds() -> Vec<Kind> {
     ]
 }
 
+/// How often the API server sends a watch a bookmark: about once a minute.
+pub const BOOKMARK_EVERY: Duration = Duration::from_secs(60);
+
 /// What ends open watches.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Cut {
@@ -212,6 +223,10 @@ pub enum Cut {
     /// Streams get `410 Gone` and end; clients relist.
     Expire,
 }
+
+/// Paged lists' snapshots: the last id given, and by id (resourceVersion,
+/// items).
+type Snapshots = (u64, std::collections::HashMap<u64, (u64, Vec<Value>)>);
 
 /// The state the server and the test share.
 pub struct Shared {
@@ -225,6 +240,9 @@ pub struct Shared {
     watches: Mutex<usize>,
     /// Every change, with when it was stored (for benchmarks).
     log: Mutex<Vec<(std::time::Instant, Change)>>,
+    /// Paged lists' snapshots by continue-token id: (resourceVersion,
+    /// every item), until the history is expired.
+    snapshots: Mutex<Snapshots>,
 }
 
 /// Counts an open watch while it lives.
@@ -280,6 +298,25 @@ impl Shared {
         }
     }
 
+    /// Keeps a paged list's items; the id its continue tokens carry.
+    fn keep_snapshot(&self, rv: u64, items: Vec<Value>) -> u64 {
+        let mut s = self.snapshots.lock().unwrap_or_else(|p| p.into_inner());
+        s.0 += 1;
+        let id = s.0;
+        s.1.insert(id, (rv, items));
+        id
+    }
+
+    /// A paged list's snapshot, unless expired.
+    fn snapshot(&self, id: u64) -> Option<(u64, Vec<Value>)> {
+        self.snapshots
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .1
+            .get(&id)
+            .cloned()
+    }
+
     fn kind(&self, plural: &str) -> anyhow::Result<Kind> {
         self.kinds
             .iter()
@@ -302,12 +339,13 @@ fn api(e: ApiError) -> anyhow::Error {
 }
 
 impl ApiDouble {
-    /// Starts on a free loopback port, bookmarks every second.
+    /// Starts on a free loopback port, bookmarks every minute (as often
+    /// as the API server sends them).
     ///
     /// # Errors
     /// The listener or the runtime cannot be made.
     pub fn start() -> anyhow::Result<Self> {
-        Self::start_with(Duration::from_secs(1))
+        Self::start_with(BOOKMARK_EVERY)
     }
 
     /// Starts with bookmarks every `bookmark_every`.
@@ -338,6 +376,7 @@ impl ApiDouble {
             refused: Mutex::new(Vec::new()),
             watches: Mutex::new(0),
             log: Mutex::new(Vec::new()),
+            snapshots: Mutex::new((0, std::collections::HashMap::new())),
         });
         let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
         let s = shared.clone();
@@ -465,6 +504,12 @@ impl ApiDouble {
     /// clients must relist.
     pub fn expire(&self) {
         self.shared.store().expire();
+        self.shared
+            .snapshots
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .1
+            .clear();
         self.shared.cut.send_replace(Cut::Expire);
     }
 

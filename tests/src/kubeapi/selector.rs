@@ -107,14 +107,20 @@ impl Selector {
     }
 }
 
-/// The fields a field selector may name.
-const FIELDS: [&str; 4] = [
-    "metadata.name",
-    "metadata.namespace",
-    "spec.nodeName",
-    "status.phase",
-];
+/// The fields every kind may be selected on.
+const COMMON_FIELDS: [&str; 2] = ["metadata.name", "metadata.namespace"];
 
+/// The fields the API server selects `plural` on beyond the common ones,
+/// of those the double models (string fields only).
+fn kind_fields(plural: &str) -> &'static [&'static str] {
+    match plural {
+        "pods" => &["spec.nodeName", "status.phase"],
+        "namespaces" => &["status.phase"],
+        "services" => &["spec.type", "spec.clusterIP"],
+        "events" => &["reason", "type"],
+        _ => &[],
+    }
+}
 /// A list's or watch's whole filter: labels and fields.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Filter {
@@ -125,11 +131,13 @@ pub struct Filter {
 }
 
 impl Filter {
-    /// Parses a `labelSelector` and a `fieldSelector`.
+    /// Parses a `labelSelector` and a `fieldSelector` of a list or watch
+    /// of `plural`.
     ///
     /// # Errors
-    /// A malformed requirement, or a field the API does not select on.
-    pub fn parse(labels: &str, fields: &str) -> Result<Filter, String> {
+    /// A malformed requirement, or a field the API does not select that
+    /// kind on (`field label not supported`, as the API server says).
+    pub fn parse(labels: &str, fields: &str, plural: &str) -> Result<Filter, String> {
         let mut out = Vec::new();
         for part in fields.split(',').map(str::trim).filter(|p| !p.is_empty()) {
             let (path, equal, value) = if let Some((k, v)) = part.split_once("!=") {
@@ -142,7 +150,7 @@ impl Filter {
                 return Err(format!("invalid field selector {part:?}"));
             };
             let path = path.trim();
-            if !FIELDS.contains(&path) {
+            if !COMMON_FIELDS.contains(&path) && !kind_fields(plural).contains(&path) {
                 return Err(format!("field label not supported: {path}"));
             }
             out.push((path.to_string(), equal, value.trim().to_string()));
@@ -221,13 +229,26 @@ mod tests {
             ("", "status.phase=Running", false),
         ] {
             assert_eq!(
-                Filter::parse(labels, fields).unwrap().matches(&pod),
+                Filter::parse(labels, fields, "pods").unwrap().matches(&pod),
                 want,
                 "{labels} {fields}"
             );
         }
-        let e = Filter::parse("", "spec.hostname=x").unwrap_err();
+        let e = Filter::parse("", "spec.hostname=x", "pods").unwrap_err();
         assert!(e.contains("field label not supported"), "{e}");
-        assert!(Filter::parse("", "spec.nodeName").is_err());
+        assert!(Filter::parse("", "spec.nodeName", "pods").is_err());
+        // Per kind, as the API server: Pods by node, not Services or Leases.
+        for plural in ["services", "leases", "endpointslices", "nodes"] {
+            let e = Filter::parse("", "spec.nodeName=node-a", plural).unwrap_err();
+            assert!(
+                e.contains("field label not supported: spec.nodeName"),
+                "{plural}: {e}"
+            );
+            assert!(
+                Filter::parse("", "metadata.name=x", plural).is_ok(),
+                "{plural}"
+            );
+        }
+        assert!(Filter::parse("", "spec.type=LoadBalancer", "services").is_ok());
     }
 }

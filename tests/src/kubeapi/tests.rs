@@ -299,3 +299,59 @@ fn an_object_starting_or_stopping_to_match_a_selector_is_added_or_deleted() {
         }
     });
 }
+
+#[test]
+fn continued_lists_are_snapshots_and_expire_with_410() {
+    let d = ApiDouble::start().unwrap();
+    for n in ["a", "b", "c"] {
+        d.create("services", "s", &svc("s", n, json!({}))).unwrap();
+    }
+    rt().block_on(async {
+        let all: Api<Service> = Api::all(client(&d));
+        let first = all.list(&ListParams::default().limit(2)).await.unwrap();
+        assert_eq!(first.items.len(), 2);
+        let token = first.metadata.continue_.clone().unwrap();
+        let rv = first.metadata.resource_version.clone();
+        // Written after the first page: not in the continued list, which
+        // keeps the first page's resourceVersion.
+        d.create("services", "s", &svc("s", "d", json!({})))
+            .unwrap();
+        d.delete("services", "s", "c").unwrap();
+        let rest = all
+            .list(&ListParams::default().limit(2).continue_token(&token))
+            .await
+            .unwrap();
+        let names: Vec<String> = rest
+            .items
+            .iter()
+            .filter_map(|s| s.metadata.name.clone())
+            .collect();
+        assert_eq!(names, vec!["c".to_string()]);
+        assert_eq!(rest.metadata.resource_version, rv);
+        assert!(rest.metadata.continue_.as_deref().unwrap_or("").is_empty());
+        // The history expired: the token is too old.
+        d.expire();
+        match all
+            .list(&ListParams::default().limit(2).continue_token(&token))
+            .await
+        {
+            Err(kube::Error::Api(s)) => {
+                assert_eq!(s.code, 410, "{s:?}");
+                assert_eq!(s.reason, "Expired");
+            }
+            other => panic!("a continue after expiry: {other:?}"),
+        }
+        // Field selectors per kind, as the API server: no spec.nodeName on
+        // Services.
+        match all
+            .list(&ListParams::default().fields("spec.nodeName=node-a"))
+            .await
+        {
+            Err(kube::Error::Api(s)) => {
+                assert_eq!(s.code, 400);
+                assert!(s.message.contains("field label not supported"), "{s:?}");
+            }
+            other => panic!("a Service selected by node: {other:?}"),
+        }
+    });
+}
