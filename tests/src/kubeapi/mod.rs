@@ -44,11 +44,13 @@
 //! - **merge patches** (`application/merge-patch+json`, RFC 7386), the
 //!   only patch type lockstep's door (and kube-runtime's event recorder)
 //!   sends;
-//! - **strict objects**: every object written must decode into its Rust
-//!   type — `k8s-openapi`'s for built-in kinds, lockstep's generated
-//!   `LoadBalancerIPPool` type for the CRD — and a field the type does not
-//!   have is refused (`422 Invalid`, naming the field), as a strict API
-//!   server refuses it. Refusals are kept for tests ([`ApiDouble::refusals`]);
+//! - **strict objects**: every built-in object written must decode into
+//!   its `k8s-openapi` type, and every custom resource must pass its CRD's
+//!   OpenAPI schema as `deploy/crds/` ships it (types, required fields,
+//!   enums, patterns; defaults filled in: [`schema`]), not lockstep's Rust
+//!   types; a field the type or schema does not have is refused (`422
+//!   Invalid`, naming the field), as a strict API server refuses it.
+//!   Refusals are kept for tests ([`ApiDouble::refusals`]);
 //! - **field managers**: each request is recorded with the field manager
 //!   the API server would record its write under: the `fieldManager`
 //!   parameter, else the `User-Agent` up to its first `/` (tests check
@@ -68,10 +70,10 @@
 //! - no authentication or authorization: RBAC is not checked (the
 //!   ClusterRole in `deploy/` is checked by reading the door's requests
 //!   against it in `kubernetes_e2e`, not by an authorizer);
-//! - no OpenAPI schema validation beyond decoding into the Rust type: no
-//!   CRD schema patterns or enums beyond what the type enforces, no
-//!   built-in validation of names, labels or immutable fields (clusterIP
-//!   is never allocated);
+//! - built-in kinds are checked by decoding into `k8s-openapi`'s types
+//!   only: no built-in validation of names, labels or immutable fields
+//!   (clusterIP is never allocated); CRDs' CEL rules are not run (see
+//!   [`schema`] for what of a CRD's schema is);
 //! - no server-side apply, JSON patch or strategic merge patch (`415`),
 //!   no streaming lists (`sendInitialEvents`), no discovery, no protobuf,
 //!   no admission, no garbage collection by owner references; namespaces are objects to read (their annotations), but
@@ -84,6 +86,7 @@
 //!   apiserver replica.
 
 pub mod http;
+pub mod schema;
 pub mod selector;
 pub mod store;
 
@@ -98,15 +101,38 @@ use serde_json::Value;
 use self::http::Seen;
 use self::store::{ApiError, Change, Kind, Store, check_as};
 
+/// Checks a custom resource against the schema of the CRD `yaml` gives,
+/// parsed once into `cell`.
+fn check_crd(
+    cell: &'static std::sync::OnceLock<Value>,
+    yaml: fn() -> Result<String, String>,
+    v: &Value,
+) -> Result<Value, String> {
+    let s = cell.get_or_init(|| schema::schema_of(&yaml().expect("the generated CRD")));
+    schema::check(s, v)
+}
+
+fn check_lbpool(v: &Value) -> Result<Value, String> {
+    static S: std::sync::OnceLock<Value> = std::sync::OnceLock::new();
+    check_crd(&S, lockstep::kubernetes::crd::crd_yaml, v)
+}
+
+fn check_nodeipam(v: &Value) -> Result<Value, String> {
+    static S: std::sync::OnceLock<Value> = std::sync::OnceLock::new();
+    check_crd(&S, lockstep::kubernetes::nodeipam::crd::crd_yaml, v)
+}
+
+fn check_podippool(v: &Value) -> Result<Value, String> {
+    static S: std::sync::OnceLock<Value> = std::sync::OnceLock::new();
+    check_crd(&S, lockstep::kubernetes::pod_pools::crd_yaml, v)
+}
+
 /// The kinds the double serves.
 pub fn kinds() -> Vec<Kind> {
     use k8s_openapi::api::coordination::v1::Lease;
     use k8s_openapi::api::core::v1::{Event as CoreEvent, Namespace, Node, Pod, Service};
     use k8s_openapi::api::discovery::v1::EndpointSlice;
     use k8s_openapi::api::events::v1::Event;
-    use lockstep::kubernetes::crd::LoadBalancerIPPool;
-    use lockstep::kubernetes::nodeipam::crd::NodeIPAM;
-    use lockstep::kubernetes::pod_pools::PodIPPool;
     vec![
         Kind {
             group: "",
@@ -187,7 +213,7 @@ pub fn kinds() -> Vec<Kind> {
             kind: "LoadBalancerIPPool",
             namespaced: false,
             status: true,
-            check: check_as::<LoadBalancerIPPool>,
+            check: check_lbpool,
         },
         Kind {
             group: "lockstep.io",
@@ -196,7 +222,7 @@ pub fn kinds() -> Vec<Kind> {
             kind: "NodeIPAM",
             namespaced: false,
             status: true,
-            check: check_as::<NodeIPAM>,
+            check: check_nodeipam,
         },
         Kind {
             group: "lockstep.io",
@@ -205,7 +231,7 @@ pub fn kinds() -> Vec<Kind> {
             kind: "PodIPPool",
             namespaced: false,
             status: true,
-            check: check_as::<PodIPPool>,
+            check: check_podippool,
         },
     ]
 }

@@ -30,7 +30,8 @@ pub struct Kind {
     /// Has a `status` subresource: main writes keep the status, status
     /// writes keep everything else.
     pub status: bool,
-    /// Checks an object against its Rust type; the normalised object.
+    /// Checks an object (against its Rust type, or its CRD's schema); the
+    /// normalised object.
     pub check: fn(&Value) -> Result<Value, String>,
 }
 

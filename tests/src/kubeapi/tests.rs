@@ -355,3 +355,36 @@ fn continued_lists_are_snapshots_and_expire_with_410() {
         }
     });
 }
+
+#[test]
+fn custom_resources_are_checked_against_the_crd_schema() {
+    let d = ApiDouble::start().unwrap();
+    let pool = |cidr: &str| {
+        json!({"apiVersion": "lockstep.io/v1alpha1", "kind": "LoadBalancerIPPool",
+               "metadata": {"name": "p"}, "spec": {"cidrs": [cidr]}})
+    };
+    // A mistyped CIDR is refused by the CRD before any agent reads it.
+    let e = d
+        .create("loadbalancerippools", "", &pool("10.0.0/24"))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.starts_with("422") && e.contains("spec.cidrs[0]") && e.contains("should match"),
+        "{e}"
+    );
+    // A good one is stored with the schema's defaults.
+    let v = d
+        .create("loadbalancerippools", "", &pool("10.0.0.0/24"))
+        .unwrap();
+    assert_eq!(v["spec"]["allowFirstLastIPs"], false);
+    let e = d
+        .create(
+            "podippools",
+            "",
+            &json!({"apiVersion": "lockstep.io/v1alpha1", "kind": "PodIPPool",
+                    "metadata": {"name": "q"}, "spec": {"ipv4": ["10.1.0.0/16/8"]}}),
+        )
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("spec.ipv4[0]"), "{e}");
+}

@@ -39,6 +39,7 @@ pub const POOL_FINALIZER: &str = "lockstep.io/lb-pool";
 pub struct LoadBalancerIPPoolSpec {
     /// CIDR blocks, IPv4 and IPv6 (`192.0.2.0/24`, `2001:db8::/120`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(inner(pattern(CIDR_PATTERN)))]
     pub cidrs: Vec<String>,
     /// Inclusive start–stop ranges, every address usable.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -72,8 +73,10 @@ pub struct LoadBalancerIPPoolSpec {
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 pub struct AddressRange {
     /// First address.
+    #[schemars(pattern(IP_PATTERN))]
     pub start: String,
     /// Last address (inclusive).
+    #[schemars(pattern(IP_PATTERN))]
     pub stop: String,
 }
 
@@ -207,6 +210,16 @@ impl LoadBalancerIPPool {
         }
     }
 }
+
+/// The shape of a CIDR (`192.0.2.0/24`, `2001:db8::/120`) the CRDs'
+/// schemas hold CIDR fields to, so `kubectl apply` refuses a mistyped one
+/// before any agent reads it. A shape only (RE2 and ECMA alike, no CEL:
+/// `isCIDR` needs Kubernetes 1.31); the agent still checks each value and
+/// says which is wrong in the object's condition.
+pub const CIDR_PATTERN: &str =
+    r"^([0-9]{1,3}(\.[0-9]{1,3}){3}/[0-9]{1,2}|[0-9a-fA-F:.]*:[0-9a-fA-F:.]*/[0-9]{1,3})$";
+/// The shape of an address, as [`CIDR_PATTERN`] of a CIDR.
+pub const IP_PATTERN: &str = r"^([0-9]{1,3}(\.[0-9]{1,3}){3}|[0-9a-fA-F:.]*:[0-9a-fA-F:.]*)$";
 
 /// The CRD as YAML, as `deploy/crds/` holds it.
 ///

@@ -1,0 +1,225 @@
+//! Custom resources checked against their CRD's OpenAPI v3 schema (#44
+//! item 9), as the API server checks them, instead of decoded into
+//! lockstep's Rust types: a double that decoded writes into the agent's
+//! own types would accept whatever the agent accepts, and could never
+//! show that the CRD itself refuses a bad object.
+//!
+//! What it checks, as the API server does for a structural schema:
+//! `type` (object, array, string, integer, number, boolean), `nullable`,
+//! `properties` and `required`, `additionalProperties` (maps), `items`,
+//! `enum`, `pattern` and `minimum`/`maximum`; a missing property with a
+//! `default` gets it. A field the schema does not have is refused, as with
+//! `fieldValidation=Strict` (kubectl's default; the API server's own
+//! default prunes it with a warning instead). `apiVersion`, `kind` and
+//! `metadata` are the API machinery's, not the schema's.
+//!
+//! Not modelled: CEL rules (`x-kubernetes-validations`), `format`,
+//! `oneOf`/`anyOf`, string lengths, list types and `maxItems`; the CRDs
+//! lockstep ships use none of them.
+
+use std::sync::OnceLock;
+
+use serde_json::Value;
+
+/// The `openAPIV3Schema` of the CRD in `yaml` (its first version).
+///
+/// # Panics
+/// `yaml` is not a CRD (the CRDs are generated and unit-tested).
+#[must_use]
+pub fn schema_of(yaml: &str) -> Value {
+    let crd: Value = serde_saphyr::from_str(yaml).expect("a CRD");
+    crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"].clone()
+}
+
+/// `v` checked against `schema`, defaults filled in; or every violation.
+///
+/// # Errors
+/// The violations, each as `path: what`.
+pub fn check(schema: &Value, v: &Value) -> Result<Value, String> {
+    let mut out = v.clone();
+    let mut errors = Vec::new();
+    if let (Some(obj), Some(props)) = (out.as_object_mut(), schema["properties"].as_object()) {
+        for (k, val) in obj.iter_mut() {
+            if matches!(k.as_str(), "apiVersion" | "kind" | "metadata") {
+                continue;
+            }
+            match props.get(k) {
+                Some(sub) => walk(sub, val, k, &mut errors),
+                None => errors.push(format!("{k}: unknown field")),
+            }
+        }
+    }
+    if errors.is_empty() {
+        Ok(out)
+    } else {
+        Err(errors.join("; "))
+    }
+}
+
+fn pattern(p: &str) -> Option<regex::Regex> {
+    static CACHE: OnceLock<std::sync::Mutex<Vec<(String, regex::Regex)>>> = OnceLock::new();
+    let cache = CACHE.get_or_init(|| std::sync::Mutex::new(Vec::new()));
+    let mut c = cache.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some((_, r)) = c.iter().find(|(s, _)| s == p) {
+        return Some(r.clone());
+    }
+    let r = regex::Regex::new(p).ok()?;
+    c.push((p.to_owned(), r.clone()));
+    Some(r)
+}
+
+fn walk(schema: &Value, v: &mut Value, path: &str, errors: &mut Vec<String>) {
+    if v.is_null() {
+        if schema["nullable"] != Value::Bool(true) && schema.get("type").is_some() {
+            errors.push(format!("{path}: Invalid value: null"));
+        }
+        return;
+    }
+    let ty = schema["type"].as_str().unwrap_or("");
+    let fits = match ty {
+        "object" => v.is_object(),
+        "array" => v.is_array(),
+        "string" => v.is_string(),
+        "integer" => v.is_i64() || v.is_u64(),
+        "number" => v.is_number(),
+        "boolean" => v.is_boolean(),
+        _ => true,
+    };
+    if !fits {
+        errors.push(format!("{path}: Invalid value: {v}: must be of type {ty}"));
+        return;
+    }
+    if let Some(allowed) = schema["enum"].as_array()
+        && !allowed.contains(v)
+    {
+        errors.push(format!(
+            "{path}: Unsupported value: {v}: supported values: {}",
+            allowed
+                .iter()
+                .map(ToString::to_string)
+                .collect::<Vec<_>>()
+                .join(", ")
+        ));
+    }
+    match v {
+        Value::Object(obj) => {
+            let props = schema["properties"].as_object();
+            if let Some(props) = props {
+                for (k, sub) in props {
+                    if !obj.contains_key(k)
+                        && let Some(d) = sub.get("default")
+                    {
+                        obj.insert(k.clone(), d.clone());
+                    }
+                }
+            }
+            for r in schema["required"].as_array().into_iter().flatten() {
+                if let Some(r) = r.as_str()
+                    && !obj.contains_key(r)
+                {
+                    errors.push(format!("{path}.{r}: Required value"));
+                }
+            }
+            let extra = schema.get("additionalProperties").filter(|a| a.is_object());
+            let preserve = schema["x-kubernetes-preserve-unknown-fields"] == Value::Bool(true);
+            for (k, val) in obj.iter_mut() {
+                let at = format!("{path}.{k}");
+                match (props.and_then(|p| p.get(k)), extra) {
+                    (Some(sub), _) | (None, Some(sub)) => walk(sub, val, &at, errors),
+                    (None, None) if preserve => {}
+                    (None, None) => errors.push(format!("{at}: unknown field")),
+                }
+            }
+        }
+        Value::Array(items) => {
+            if let Some(sub) = schema.get("items") {
+                for (i, item) in items.iter_mut().enumerate() {
+                    walk(sub, item, &format!("{path}[{i}]"), errors);
+                }
+            }
+        }
+        Value::String(s) => {
+            if let Some(p) = schema["pattern"].as_str() {
+                match pattern(p) {
+                    Some(r) if r.is_match(s) => {}
+                    Some(_) => errors.push(format!(
+                        "{path}: Invalid value: {s:?}: {path} in body should match '{p}'"
+                    )),
+                    None => {
+                        errors.push(format!("{path}: the schema's pattern {p:?} is not a regex"))
+                    }
+                }
+            }
+        }
+        Value::Number(n) => {
+            let x = n.as_f64().unwrap_or(0.0);
+            if schema["minimum"].as_f64().is_some_and(|m| x < m) {
+                errors.push(format!(
+                    "{path}: Invalid value: {n}: should be greater than or equal to {}",
+                    schema["minimum"]
+                ));
+            }
+            if schema["maximum"].as_f64().is_some_and(|m| x > m) {
+                errors.push(format!(
+                    "{path}: Invalid value: {n}: should be less than or equal to {}",
+                    schema["maximum"]
+                ));
+            }
+        }
+        _ => {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+
+    fn lbpool() -> Value {
+        schema_of(&lockstep::kubernetes::crd::crd_yaml().expect("crd"))
+    }
+
+    #[test]
+    fn a_good_pool_passes_with_its_defaults_filled_in() {
+        let v = json!({"apiVersion": "lockstep.io/v1alpha1", "kind": "LoadBalancerIPPool",
+                       "metadata": {"name": "p"},
+                       "spec": {"cidrs": ["192.0.2.0/24", "2001:db8::/120"],
+                                "ranges": [{"start": "198.51.100.1", "stop": "198.51.100.9"}],
+                                "announce": "l2"}});
+        let out = check(&lbpool(), &v).expect("valid");
+        assert_eq!(out["spec"]["allowFirstLastIPs"], false);
+        assert_eq!(out["spec"]["disabled"], false);
+    }
+
+    #[test]
+    fn bad_cidrs_addresses_enums_types_and_unknown_fields_are_named() {
+        for (spec, want) in [
+            (
+                json!({"cidrs": ["192.0.2.0"]}),
+                "spec.cidrs[0]: Invalid value",
+            ),
+            (json!({"cidrs": ["web"]}), "should match"),
+            (
+                json!({"ranges": [{"start": "a.b.c.d", "stop": "192.0.2.9"}]}),
+                "spec.ranges[0].start",
+            ),
+            (
+                json!({"ranges": [{"start": "192.0.2.1"}]}),
+                "spec.ranges[0].stop: Required value",
+            ),
+            (
+                json!({"announce": "bgp"}),
+                "spec.announce: Unsupported value",
+            ),
+            (json!({"disabled": "yes"}), "must be of type boolean"),
+            (
+                json!({"avoidBuggyIPs": true}),
+                "spec.avoidBuggyIPs: unknown field",
+            ),
+        ] {
+            let e = check(&lbpool(), &json!({"spec": spec})).unwrap_err();
+            assert!(e.contains(want), "{spec}: {e}");
+        }
+    }
+}
