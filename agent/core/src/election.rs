@@ -147,6 +147,17 @@ impl Elector {
         self.candidate = candidate;
     }
 
+    /// Not a candidate any more, and the caller has confirmed that nothing
+    /// it did as the holder is in effect (its datapath answers none of the
+    /// addresses any more): the release is written on the next round
+    /// instead of after the deadline, so another agent takes over sooner.
+    /// Does nothing while a candidate.
+    pub fn stopped(&mut self) {
+        if !self.candidate {
+            self.release_after = None;
+        }
+    }
+
     /// Whether this agent stands for the record ([`Elector::set_candidate`]).
     #[must_use]
     pub fn is_candidate(&self) -> bool {

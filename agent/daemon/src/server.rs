@@ -642,15 +642,18 @@ pub async fn run(mut config: Config) -> Result<(), ServerError> {
                                     &election,
                                     &node,
                                 );
+                            let (applied, applied_rx) = tokio::sync::watch::channel(0);
                             let local = tokio::spawn(local.run(
                                 cache.services.clone(),
                                 candidacy.clone(),
+                                applied_rx,
                                 stop.clone(),
                             ));
                             let keeper = tokio::spawn(keeper.run(candidacy, stop.clone()));
                             let announcer = tokio::spawn(crate::kubernetes::announcer::run(
                                 elected.leadership,
                                 answers.clone(),
+                                applied,
                                 backend.changed(),
                                 slot.clone(),
                                 announcements.clone(),

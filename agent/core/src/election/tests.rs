@@ -232,6 +232,11 @@ fn run(schedule: &[Move]) -> Result<usize, TestCaseError> {
         if m.flip {
             candidate[m.agent] = !candidate[m.agent];
             agents[m.agent].set_candidate(candidate[m.agent], now);
+            // Half the time the daemon confirms at once that it stopped
+            // answering (`Elector::stopped`): released early.
+            if !candidate[m.agent] && m.delay % 2 == 0 {
+                agents[m.agent].stopped();
+            }
         }
         let follow = match ev {
             Next::Read if stopped[i] => None,
@@ -355,4 +360,29 @@ fn a_renewal_landing_after_stepping_aside_makes_no_writer() {
     a.set_candidate(false, 310);
     a.written("5");
     assert_eq!(a.holds(320), None);
+}
+
+#[test]
+fn a_holder_that_stopped_answering_releases_on_its_next_round() {
+    let mut a = elector("a");
+    let Step::Write(w) = a.observe(None, 0) else {
+        panic!("a creates the record")
+    };
+    assert!(w.acquire);
+    a.written("1");
+    assert!(a.holds(10).is_some());
+    a.stopped();
+    assert!(a.holds(10).is_some(), "a candidate is not stopped");
+    a.set_candidate(false, 10);
+    // Without the confirmation the release waits for the deadline.
+    assert!(matches!(
+        a.clone().observe(Some(lease(Some("a"), "1")), 20),
+        Step::Follow { .. }
+    ));
+    a.stopped();
+    let Step::Write(r) = a.observe(Some(lease(Some("a"), "1")), 20) else {
+        panic!("released at once")
+    };
+    assert_eq!(r.holder, None);
+    assert_eq!(a.holds(20), None);
 }

@@ -60,10 +60,12 @@ fn wanted(
 
 /// Runs until `stop`: the LB addresses of the agent in `slot` announced
 /// while `leadership` says this agent acts, and those `local` says it
-/// holds; `changed` is notified when the LB state changed.
+/// holds; `changed` is notified when the LB state changed. `applied` gets
+/// each [`LocalAnswers::version`] once the datapath holds it.
 pub async fn run(
     mut leadership: tokio::sync::watch::Receiver<Leadership>,
     mut local: tokio::sync::watch::Receiver<LocalAnswers>,
+    applied: tokio::sync::watch::Sender<u64>,
     changed: Arc<Notify>,
     slot: Slot,
     announcements: Announcements,
@@ -96,6 +98,13 @@ pub async fn run(
             tokio::task::spawn_blocking(move || announcements_.set_cluster(seq, want_, cap)).await;
         match set {
             Ok(Ok(_)) => {
+                applied.send_if_modified(|v| {
+                    let newer = here.version > *v;
+                    if newer {
+                        *v = here.version;
+                    }
+                    newer
+                });
                 let fresh: Vec<IpAddr> = want.difference(&answered).copied().collect();
                 answered = want;
                 if !fresh.is_empty() {

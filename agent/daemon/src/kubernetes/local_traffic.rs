@@ -58,6 +58,9 @@ pub struct LocalAnswers {
     /// `Local` Services (`namespace/name`) with no serving endpoint on
     /// any node: not answered anywhere.
     pub unserved: BTreeSet<String>,
+    /// Grows with every change published: the announcer reports the
+    /// version it has written into the datapath (`applied`).
+    pub version: u64,
 }
 
 /// One Service's election on this node.
@@ -68,6 +71,11 @@ struct Seat {
     addrs: Vec<IpAddr>,
     /// The holder the Lease named after the last round, if known.
     holder: Option<String>,
+    /// It stepped aside while holding: the version whose publication
+    /// took its addresses out of what this node answers. Once the
+    /// announcer has written that version, the datapath answers none of
+    /// them, and the Lease is released at once (`Elector::stopped`).
+    stepped: Option<u64>,
 }
 
 /// Follows the `Local` Services' endpoints and keeps their Leases.
@@ -131,11 +139,14 @@ impl LocalTraffic {
     }
 
     /// Runs until `stop` over `services` (the LB loop's reflector): while
-    /// `candidacy` says no, this node answers none of them.
+    /// `candidacy` says no, this node answers none of them. `applied` is
+    /// the announcer's: the last [`LocalAnswers::version`] written into
+    /// the datapath.
     pub async fn run(
         mut self,
         mut services: Services,
         mut candidacy: tokio::sync::watch::Receiver<Result<(), String>>,
+        mut applied: tokio::sync::watch::Receiver<u64>,
         mut stop: tokio::sync::watch::Receiver<bool>,
     ) {
         let wake = Arc::new(Notify::new());
@@ -151,7 +162,8 @@ impl LocalTraffic {
         if !stopped {
             loop {
                 let may = candidacy.borrow_and_update().is_ok();
-                self.round(&services.store, &slices, may).await;
+                let written = *applied.borrow_and_update();
+                self.round(&services.store, &slices, may, written).await;
                 let lapse = self
                     .tx
                     .borrow()
@@ -167,6 +179,9 @@ impl LocalTraffic {
                     r = candidacy.changed() => if r.is_err() {
                         candidacy = tokio::sync::watch::channel(Ok(())).1;
                     },
+                    r = applied.changed() => if r.is_err() {
+                        applied = tokio::sync::watch::channel(0).1;
+                    },
                     _ = stop.wait_for(|s| *s) => break,
                 }
             }
@@ -176,13 +191,21 @@ impl LocalTraffic {
     }
 
     /// One round: candidacies from the endpoints, every seat's Lease read
-    /// and written (at once), what this node answers published.
-    async fn round(&mut self, services: &Store<Service>, slices: &Store<EndpointSlice>, may: bool) {
+    /// and written (at once), what this node answers published. `written`:
+    /// the version the announcer has written into the datapath.
+    async fn round(
+        &mut self,
+        services: &Store<Service>,
+        slices: &Store<EndpointSlice>,
+        may: bool,
+        written: u64,
+    ) {
         let eps = endpoints(slices);
         let now = now_ms();
         let mut local = BTreeSet::new();
         let mut unserved = BTreeSet::new();
         let mut wanted = BTreeSet::new();
+        let mut candidates_here = BTreeSet::new();
         for s in services.state() {
             if s.metadata.deletion_timestamp.is_some() {
                 continue;
@@ -198,6 +221,9 @@ impl LocalTraffic {
                 unserved.insert(key.clone());
             }
             let here = may && candidate(these, &self.node).is_ok();
+            if here {
+                candidates_here.insert(key.clone());
+            }
             if here && !self.seats.contains_key(&key) {
                 let Ok(elector) = elector(&self.config, &self.node) else {
                     continue;
@@ -214,18 +240,29 @@ impl LocalTraffic {
                         elector,
                         addrs: Vec::new(),
                         holder: None,
+                        stepped: None,
                     },
                 );
             }
             if let Some(seat) = self.seats.get_mut(&key) {
                 seat.addrs = addrs;
-                seat.elector.set_candidate(here, now);
-                wanted.insert(key);
+                wanted.insert(key.clone());
             }
         }
+        // The version this round's first publication will carry.
+        let next = self.tx.borrow().version + 1;
         for (key, seat) in &mut self.seats {
-            if !wanted.contains(key) {
-                seat.elector.set_candidate(false, now);
+            let here = wanted.contains(key) && candidates_here.contains(key);
+            let held = seat.elector.holds(now).is_some();
+            seat.elector.set_candidate(here, now);
+            if here {
+                seat.stepped = None;
+            } else if held {
+                seat.stepped = Some(next);
+            }
+            // The datapath has dropped its addresses: release now.
+            if seat.stepped.is_some_and(|v| written >= v) {
+                seat.elector.stopped();
             }
         }
         // Stepping aside shows before the rounds' requests.
@@ -257,17 +294,17 @@ impl LocalTraffic {
                 }
             }
         }
-        let next = LocalAnswers {
-            listed: true,
-            local,
-            held,
-            unserved,
-        };
         self.tx.send_if_modified(|cur| {
-            if *cur == next {
+            if cur.listed && cur.local == local && cur.held == held && cur.unserved == unserved {
                 return false;
             }
-            *cur = next;
+            *cur = LocalAnswers {
+                listed: true,
+                local,
+                held,
+                unserved,
+                version: cur.version + 1,
+            };
             true
         });
     }
