@@ -290,6 +290,19 @@ impl KubeLab {
     pub fn outside_rbac(&self) -> anyhow::Result<Vec<String>> {
         outside_rbac(&self.api)
     }
+
+    /// Fails naming every request [`outside_rbac`] finds.
+    ///
+    /// # Errors
+    /// Some request was outside `deploy/rbac.yaml` or not lockstep's.
+    pub fn ensure_requests_allowed(&self) -> anyhow::Result<()> {
+        let outside = self.outside_rbac()?;
+        anyhow::ensure!(
+            outside.is_empty(),
+            "requests outside deploy/rbac.yaml: {outside:?}"
+        );
+        Ok(())
+    }
 }
 
 /// The requests sent to `api` that `deploy/rbac.yaml`'s ClusterRole does

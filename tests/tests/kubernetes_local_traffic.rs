@@ -246,12 +246,7 @@ fn local_scenario(k: &mut KubeLab, w: usize) -> anyhow::Result<()> {
     ensure!(took < Duration::from_secs(5), "took {took:?}");
     k.lab.agents[w].restart()?;
 
-    let outside = k.outside_rbac()?;
-    ensure!(
-        outside.is_empty(),
-        "requests outside deploy/rbac.yaml: {outside:?}"
-    );
-    Ok(())
+    k.ensure_requests_allowed()
 }
 
 /// `cargo xtask bench lb`: an `externalTrafficPolicy: Local` endpoint

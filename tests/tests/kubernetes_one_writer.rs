@@ -188,12 +188,7 @@ fn one_writer_one_answer_and_failover_keeps_every_address() -> anyhow::Result<()
         lease["spec"]["leaseTransitions"].as_i64() == Some(2),
         "two takeovers counted: {lease}"
     );
-    let outside = k.outside_rbac()?;
-    ensure!(
-        outside.is_empty(),
-        "requests outside deploy/rbac.yaml: {outside:?}"
-    );
-    Ok(())
+    k.ensure_requests_allowed()
 }
 
 /// `cargo xtask bench lb`: failover without cluster mode. Three agents

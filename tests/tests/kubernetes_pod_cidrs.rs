@@ -108,17 +108,18 @@ fn endpoints_get_the_nodes_pod_cidrs_and_a_restart_without_the_api_keeps_them() 
     Ok(())
 }
 
-#[test]
-fn a_node_without_pod_cidrs_does_not_start_and_says_why() -> anyhow::Result<()> {
-    privileged!();
+/// Starts an agent named `name` against a double holding only the Node
+/// `node` (no podCIDRs); waits until it stops, failing, and returns its
+/// log.
+fn refused_start(netns: &str, node: &str, name: &str) -> anyhow::Result<String> {
     let api = ApiDouble::start()?;
-    api.create("nodes", "", &json!({"metadata": {"name": "node-2"}}))?;
+    api.create("nodes", "", &json!({"metadata": {"name": node}}))?;
     let dir = TempDir::new("podcidr")?;
     let kubeconfig = dir.path().join("kubeconfig");
     api.write_kubeconfig(&kubeconfig)?;
-    let node = Netns::new("pcnone")?;
-    let _cut = forward_ports(&node, &[api.addr().port()])?;
-    let mut agent = AgentProc::spawn_unready(&node, &config(&kubeconfig, "node-2"))?;
+    let ns = Netns::new(netns)?;
+    let _cut = forward_ports(&ns, &[api.addr().port()])?;
+    let mut agent = AgentProc::spawn_unready(&ns, &config(&kubeconfig, name))?;
     let deadline = Instant::now() + Duration::from_secs(20);
     let status = loop {
         if let Some(s) = agent.exited()? {
@@ -132,7 +133,13 @@ fn a_node_without_pod_cidrs_does_not_start_and_says_why() -> anyhow::Result<()> 
         std::thread::sleep(Duration::from_millis(100));
     };
     ensure!(!status.success(), "the agent exited 0");
-    let log = agent.log();
+    Ok(agent.log())
+}
+
+#[test]
+fn a_node_without_pod_cidrs_does_not_start_and_says_why() -> anyhow::Result<()> {
+    privileged!();
+    let log = refused_start("pcnone", "node-2", "node-2")?;
     ensure!(
         log.contains("Node node-2 has no spec.podCIDRs") && log.contains("--allocate-node-cidrs"),
         "{log}"
@@ -147,28 +154,7 @@ fn a_node_without_pod_cidrs_does_not_start_and_says_why() -> anyhow::Result<()> 
 #[test]
 fn a_node_name_the_api_does_not_know_stops_the_start() -> anyhow::Result<()> {
     privileged!();
-    let api = ApiDouble::start()?;
-    api.create("nodes", "", &json!({"metadata": {"name": "node-3"}}))?;
-    let dir = TempDir::new("podcidr")?;
-    let kubeconfig = dir.path().join("kubeconfig");
-    api.write_kubeconfig(&kubeconfig)?;
-    let node = Netns::new("pcname")?;
-    let _cut = forward_ports(&node, &[api.addr().port()])?;
-    let mut agent = AgentProc::spawn_unready(&node, &config(&kubeconfig, "Node-3"))?;
-    let deadline = Instant::now() + Duration::from_secs(20);
-    let status = loop {
-        if let Some(s) = agent.exited()? {
-            break s;
-        }
-        ensure!(
-            Instant::now() < deadline,
-            "the agent did not stop: {}",
-            agent.log()
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    };
-    ensure!(!status.success(), "the agent exited 0");
-    let log = agent.log();
+    let log = refused_start("pcname", "node-3", "Node-3")?;
     ensure!(
         log.contains("no Node named \"Node-3\"") && log.contains("NODE_NAME"),
         "{log}"

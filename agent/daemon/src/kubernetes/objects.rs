@@ -256,6 +256,18 @@ mod tests {
         );
     }
 
+    fn assigned_10_0_0_5() -> ServiceOutcome {
+        ServiceOutcome {
+            ingress: vec!["10.0.0.5".parse().unwrap()],
+            condition: Condition {
+                type_: SERVICE_CONDITION.into(),
+                status: "True".into(),
+                reason: "Assigned".into(),
+                message: "assigned 10.0.0.5".into(),
+            },
+        }
+    }
+
     #[test]
     fn a_status_is_patched_only_when_it_differs_and_keeps_other_conditions() {
         let s = svc(json!({
@@ -264,15 +276,7 @@ mod tests {
             "status": {"conditions": [{"type": "Other", "status": "True", "reason": "X", "message": "m",
                                         "lastTransitionTime": "2026-01-01T00:00:00Z"}]}
         }));
-        let want = ServiceOutcome {
-            ingress: vec!["10.0.0.5".parse().unwrap()],
-            condition: Condition {
-                type_: SERVICE_CONDITION.into(),
-                status: "True".into(),
-                reason: "Assigned".into(),
-                message: "assigned 10.0.0.5".into(),
-            },
-        };
+        let want = assigned_10_0_0_5();
         let p = service_status_patch(&s, Some(&want), true, false, "2026-11-27T20:00:00Z").unwrap();
         assert_eq!(p["metadata"]["resourceVersion"], "7");
         assert_eq!(p["status"]["loadBalancer"]["ingress"][0]["ip"], "10.0.0.5");
@@ -310,15 +314,7 @@ mod tests {
                        "conditions": [{"type": SERVICE_CONDITION, "status": "True", "reason": "Assigned",
                                        "message": "assigned 10.0.0.5", "lastTransitionTime": "2026-01-01T00:00:00Z"}]}
         }));
-        let want = ServiceOutcome {
-            ingress: vec!["10.0.0.5".parse().unwrap()],
-            condition: Condition {
-                type_: SERVICE_CONDITION.into(),
-                status: "True".into(),
-                reason: "Assigned".into(),
-                message: "assigned 10.0.0.5".into(),
-            },
-        };
+        let want = assigned_10_0_0_5();
         assert_eq!(
             service_status_patch(&s, Some(&want), true, false, "2026-11-29T19:00:00Z"),
             None
