@@ -7,11 +7,14 @@
 //! addresses and new pods must get addresses from the same CIDRs. Kubernetes
 //! never changes a Node's podCIDRs once set, so the record is as good as the
 //! API's answer; but a Node deleted and made again under the same name can
-//! come back with other CIDRs, and then the API wins.
+//! come back with other CIDRs, and a single-stack Node can gain a second
+//! family's CIDR: then the API wins, at start and while the agent runs
+//! ([`follow`]). What the Node no longer lists drains: its holders keep
+//! their addresses, nothing new comes from it.
 
 use ipnet::IpNet;
 
-use crate::pool::PoolSpec;
+use crate::pool::{PoolSpec, overlaps};
 
 /// Where the served CIDRs came from.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -45,6 +48,21 @@ pub enum PodCidrError {
         node: String,
         /// The CIDR.
         cidr: String,
+    },
+    /// A CIDR shares addresses with another pool of this node.
+    #[error(
+        "Node {node}'s podCIDR {cidr} overlaps {other} of pool {pool}: \
+         one address, one pool; the Node's CIDRs are not served until one of them changes"
+    )]
+    Overlap {
+        /// The Node's name.
+        node: String,
+        /// The Node's CIDR.
+        cidr: IpNet,
+        /// The other pool.
+        pool: String,
+        /// Its CIDR.
+        other: IpNet,
     },
 }
 
@@ -87,6 +105,45 @@ pub fn choose(
             " (the API did not answer)"
         },
     })
+}
+
+/// What a change of the Node means while the agent serves `serving`:
+/// `Some` CIDRs to serve from now on (the Node's, in its order), `None`
+/// when nothing changes. A Node that lists no CIDR (gone, or made again
+/// and not yet given any) changes nothing: the node keeps serving what it
+/// has until the API names others. `others` are the node's other pools:
+/// a CIDR sharing addresses with one of them is refused, naming both.
+///
+/// # Errors
+/// A CIDR of the Node is not a network address, or overlaps another pool.
+pub fn follow(
+    name: &str,
+    node: &[String],
+    serving: &[IpNet],
+    others: &[PoolSpec],
+) -> Result<Option<Vec<IpNet>>, PodCidrError> {
+    if node.is_empty() {
+        return Ok(None);
+    }
+    let (cidrs, _) = choose(name, Some(node), &[])?;
+    for cidr in &cidrs {
+        for other in others {
+            let theirs = other
+                .ipv4
+                .iter()
+                .map(|c| IpNet::V4(*c))
+                .chain(other.ipv6.iter().map(|c| IpNet::V6(*c)));
+            if let Some(o) = theirs.into_iter().find(|o| overlaps(*cidr, *o)) {
+                return Err(PodCidrError::Overlap {
+                    node: name.to_string(),
+                    cidr: *cidr,
+                    pool: other.name.clone(),
+                    other: o,
+                });
+            }
+        }
+    }
+    Ok((cidrs != serving).then_some(cidrs))
 }
 
 /// The endpoint pool `pool` made of `cidrs`; the pods' traffic within it
@@ -132,6 +189,46 @@ mod tests {
         assert_eq!(
             choose("n", Some(&[]), &record).unwrap(),
             (record, Source::Record)
+        );
+    }
+
+    #[test]
+    fn a_changed_node_is_followed_and_an_empty_one_changes_nothing() {
+        let serving = nets(&["10.244.3.0/24"]);
+        let same = vec!["10.244.3.0/24".to_string()];
+        assert_eq!(follow("n", &same, &serving, &[]).unwrap(), None);
+        assert_eq!(follow("n", &[], &serving, &[]).unwrap(), None);
+        let remade = vec!["10.244.7.0/24".to_string()];
+        assert_eq!(
+            follow("n", &remade, &serving, &[]).unwrap(),
+            Some(nets(&["10.244.7.0/24"]))
+        );
+        let dual = vec!["10.244.3.0/24".to_string(), "fd00:3::/64".to_string()];
+        assert_eq!(
+            follow("n", &dual, &serving, &[]).unwrap(),
+            Some(nets(&["10.244.3.0/24", "fd00:3::/64"]))
+        );
+        let bad = vec!["10.244.7.1/24".to_string()];
+        assert!(matches!(
+            follow("n", &bad, &serving, &[]),
+            Err(PodCidrError::Bad { .. })
+        ));
+    }
+
+    #[test]
+    fn a_cidr_another_pool_holds_is_refused_naming_both() {
+        let other = PoolSpec::new("lb").with_cidr("10.244.0.0/16".parse().unwrap());
+        let e = follow(
+            "n",
+            &["10.244.7.0/24".to_string()],
+            &nets(&["10.9.0.0/24"]),
+            &[other],
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("10.244.7.0/24") && e.contains("10.244.0.0/16") && e.contains("pool lb"),
+            "{e}"
         );
     }
 

@@ -249,7 +249,7 @@ struct KubeStart {
 ///
 /// # Errors
 /// A listener could not be bound or start-up failed.
-pub async fn run(mut config: Config) -> Result<(), ServerError> {
+pub async fn run(config: Config) -> Result<(), ServerError> {
     let socket = config.socket.clone();
     // Before anything writes into the state directory (the CNI install's
     // manifest): made 0700, or refused when unsafe.
@@ -385,7 +385,9 @@ pub async fn run(mut config: Config) -> Result<(), ServerError> {
         .as_ref()
         .and_then(|k| k.pod_cidr_pool.clone())
     {
-        let spec = crate::kubernetes::pod_cidrs::start_pool(
+        // Recorded here; the allocator starts from the record and the
+        // follower keeps it (`kubernetes::pod_cidrs`).
+        crate::kubernetes::pod_cidrs::start_pool(
             &config.state_dir,
             &config.kubernetes_node_name(),
             &name,
@@ -396,7 +398,6 @@ pub async fn run(mut config: Config) -> Result<(), ServerError> {
                 reason: crate::error_chain(&e),
             })
         })?;
-        config.pools.push(spec);
     }
     let started = tokio::task::spawn_blocking(move || Agent::start(config))
         .await
@@ -535,6 +536,30 @@ pub async fn run(mut config: Config) -> Result<(), ServerError> {
                     }));
                 }
             }
+        }
+        _ => None,
+    };
+    // `[kubernetes] pod_cidr_pool`: the Node's podCIDRs followed live.
+    let pod_cidrs_task = match (
+        &kube,
+        cluster_config
+            .kubernetes
+            .as_ref()
+            .and_then(|k| k.pod_cidr_pool.clone()),
+    ) {
+        (Some(KubeStart { client, node, .. }), Some(pool)) => {
+            let follower = crate::kubernetes::pod_cidrs::Follower::new(
+                slot.clone(),
+                cluster_config.state_dir.clone(),
+                node.clone(),
+                pool,
+            )
+            .map_err(|e| {
+                ServerError::Start(AgentError::Invalid {
+                    reason: crate::error_chain(&e),
+                })
+            })?;
+            Some(tokio::spawn(follower.run(client.clone(), stop_rx.clone())))
         }
         _ => None,
     };
@@ -796,6 +821,9 @@ pub async fn run(mut config: Config) -> Result<(), ServerError> {
         let _ = t.await;
     }
     if let Some(t) = nodeipam_task {
+        let _ = t.await;
+    }
+    if let Some(t) = pod_cidrs_task {
         let _ = t.await;
     }
     if let Some(t) = mirror_task {

@@ -41,7 +41,8 @@ pub struct ClusterView {
 /// hand out what the node does not hold. So is a configured pool sharing
 /// addresses with a recorded cluster pool or block (`cluster::overlap`).
 /// NodeIPAM's pools come from its record the same way
-/// (`kubernetes::nodeipam::start_specs`).
+/// (`kubernetes::nodeipam::start_specs`), and so does the pod-CIDR pool
+/// (`kubernetes::pod_cidrs::start_spec`).
 ///
 /// # Errors
 /// [`AgentError::Invalid`] naming the file, or every overlap.
@@ -76,6 +77,19 @@ pub(super) fn start_pools(config: &crate::config::Config) -> Result<Vec<PoolSpec
             crate::kubernetes::nodeipam::start_specs(&config.state_dir, &nodeipam, &config.pools)
                 .map_err(|reason| AgentError::Invalid { reason })?;
         pools.extend(specs);
+    }
+    // `[kubernetes] pod_cidr_pool`: the recorded podCIDRs (the server
+    // recorded the Node's before the start); the follower changes them.
+    if let Some(name) = config
+        .kubernetes
+        .as_ref()
+        .and_then(|k| k.pod_cidr_pool.as_deref())
+        && let Some(spec) = crate::kubernetes::pod_cidrs::start_spec(&config.state_dir, name)
+            .map_err(|e| AgentError::Invalid {
+                reason: crate::error_chain(&e),
+            })?
+    {
+        pools.push(spec);
     }
     Ok(pools)
 }

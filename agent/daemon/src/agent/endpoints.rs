@@ -92,13 +92,22 @@ impl Agent {
     }
 
     /// The pool of a request that names none: the configuration's
-    /// `default_pool`, else its first pool, else (cluster mode) the
+    /// `default_pool`, else `[kubernetes] pod_cidr_pool` (the pool made for
+    /// this node's pods), else its first pool, else (cluster mode) the
     /// default etcd records — never the first cluster pool read, whose
     /// order is etcd's key order (adding pool `aaa` moved every such
     /// request to it).
     pub(super) fn default_pool(&self) -> Result<String, AgentError> {
         if let Some(d) = &self.config.default_pool {
             return Ok(d.clone());
+        }
+        if let Some(p) = self
+            .config
+            .kubernetes
+            .as_ref()
+            .and_then(|k| k.pod_cidr_pool.as_ref())
+        {
+            return Ok(p.clone());
         }
         if let Some(p) = self.config.pools.first() {
             return Ok(p.name.clone());

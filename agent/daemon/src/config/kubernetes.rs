@@ -47,9 +47,12 @@ pub struct KubernetesConfig {
     /// The name of an endpoint pool made of this Node's `spec.podCIDRs`
     /// (set by the controller-manager's `--allocate-node-cidrs`, kubeadm,
     /// kind, k3s): pod IPAM with no etcd and no per-node config. Read at
-    /// start (Kubernetes never changes a Node's podCIDRs once set) and
-    /// recorded in the state directory, so a restart while the API is away
-    /// serves the same CIDRs. Not with `[cluster]` or NodeIPAM.
+    /// start and followed while the agent runs (a Node made again with
+    /// other CIDRs, or given a second family's: what it no longer lists
+    /// drains), and recorded in the state directory, so a restart while the
+    /// API is away serves the same CIDRs. The default pool of endpoints
+    /// that name none, unless `default_pool` says otherwise. Not with
+    /// `[cluster]` or NodeIPAM.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub pod_cidr_pool: Option<String>,
     /// In cluster mode, a Node deleted from the API is removed from etcd
