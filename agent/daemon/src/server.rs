@@ -652,7 +652,7 @@ pub async fn run(config: Config) -> Result<(), ServerError> {
                             // This Node followed live: excluded, cordoned,
                             // NotReady or deleting nodes never write (#44
                             // item 4).
-                            let (candidacy, node_task) = crate::kubernetes::candidacy::follow(
+                            let (candidacy, labels, node_task) = crate::kubernetes::candidacy::follow(
                                 client.clone(),
                                 &node,
                                 stop.clone(),
@@ -671,6 +671,7 @@ pub async fn run(config: Config) -> Result<(), ServerError> {
                             let local = tokio::spawn(local.run(
                                 cache.services.clone(),
                                 candidacy.clone(),
+                                labels,
                                 applied_rx,
                                 stop.clone(),
                             ));

@@ -588,6 +588,7 @@ pub fn node_labels(
 pub mod local;
 pub mod nodes;
 pub mod ownership;
+pub mod seats;
 
 #[cfg(test)]
 mod tests;

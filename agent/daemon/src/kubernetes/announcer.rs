@@ -44,7 +44,7 @@ fn wanted(
     let mut want = BTreeSet::new();
     let mut cap = NO_CAP;
     if l.acting(now_ns) && local.listed {
-        want.extend(lb.difference(&local.local).copied());
+        want.extend(lb.difference(&local.seated).copied());
         if !want.is_empty() {
             cap = l.until_ns;
         }

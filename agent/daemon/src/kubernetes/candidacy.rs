@@ -6,8 +6,11 @@
 //!
 //! Why its own watch: the Node's labels and conditions change while the
 //! agent runs (a drain cordons it, an operator labels it); read once at
-//! start they would not count until a restart.
+//! start they would not count until a restart. The labels are published
+//! too: pools' node selectors are matched against them as they are now
+//! (`local_traffic`, the core's `lb::kubernetes::seats`).
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use k8s_openapi::api::core::v1::Node;
@@ -34,18 +37,23 @@ fn state(n: &Node) -> NodeState {
     }
 }
 
+/// This Node's labels as last read (`None` before the first read).
+pub type Labels = tokio::sync::watch::Receiver<Option<BTreeMap<String, String>>>;
+
 /// Follows Node `node` until `stop`: `Ok` while it may be the writer,
 /// else why not. Before its Node is read it may (the agent had read it at
-/// start); a Node that is gone may not.
+/// start); a Node that is gone may not. And its labels.
 pub fn follow(
     client: Client,
     node: &str,
     mut stop: tokio::sync::watch::Receiver<bool>,
 ) -> (
     tokio::sync::watch::Receiver<Result<(), String>>,
+    Labels,
     tokio::task::JoinHandle<()>,
 ) {
     let (tx, rx) = tokio::sync::watch::channel(Ok(()));
+    let (labels_tx, labels_rx) = tokio::sync::watch::channel(None);
     let wake = Arc::new(Notify::new());
     let config = watcher::Config::default().fields(&format!("metadata.name={node}"));
     let (store, reflector) = drive_with(Api::<Node>::all(client), config, wake.clone());
@@ -61,7 +69,18 @@ pub fn follow(
                 .iter()
                 .find(|n| n.metadata.name.as_deref() == Some(&name))
             {
-                Some(n) => may_answer(&state(n)),
+                Some(n) => {
+                    let st = state(n);
+                    let now = may_answer(&st);
+                    labels_tx.send_if_modified(|cur| {
+                        let changed = cur.as_ref() != Some(&st.labels);
+                        if changed {
+                            *cur = Some(st.labels);
+                        }
+                        changed
+                    });
+                    now
+                }
                 None if store.is_empty() => Err("the Node is gone".into()),
                 None => continue,
             };
@@ -79,5 +98,5 @@ pub fn follow(
         }
         reflector.abort();
     });
-    (rx, task)
+    (rx, labels_rx, task)
 }

@@ -17,8 +17,14 @@
 //! expire then) and another candidate takes over after one duration.
 //! Nodes with no local endpoint send no request for the Service at all.
 //!
+//! Pools with a `nodeSelector` (#44 item 4) are kept the same way: each
+//! has a Lease (`lockstep-lbpool.<pool>`) among the nodes whose labels,
+//! as they are now, the selector admits; a node relabelled out of it steps
+//! aside at once, like a node whose endpoint went. The core's
+//! `lb::kubernetes::seats` says which election each address goes to.
+//!
 //! The task publishes [`LocalAnswers`]: the announcer answers what this
-//! node holds, the writer's part leaves these addresses out, and the
+//! node holds, the writer's part leaves every seated address out, and the
 //! writer's status pass says when a Service has no serving endpoint.
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -33,10 +39,13 @@ use kube::api::Api;
 use kube::runtime::reflector::Store;
 use lockstep_core::election::Elector;
 use lockstep_core::lb::kubernetes::local::{
-    Endpoint, SERVICE_NAME_LABEL, candidate, candidates, lease_name, local_addresses,
+    Endpoint, SERVICE_NAME_LABEL, candidates, local_addresses,
 };
+use lockstep_core::lb::kubernetes::seats::{Placement, SelectorPool, placements};
 use tokio::sync::Notify;
 
+use super::candidacy::Labels;
+use super::crd::LoadBalancerIPPool;
 use super::election::{LeaseDoor, elector, now_ms};
 use super::objects::service;
 use super::sync::{Services, drive};
@@ -46,12 +55,14 @@ use crate::config::ElectionConfig;
 /// writer.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct LocalAnswers {
-    /// The Services and EndpointSlices were listed: until then the writer
-    /// answers nothing, as it cannot tell which addresses are `Local`.
+    /// The Services, EndpointSlices and pools were listed: until then the
+    /// writer answers nothing, as it cannot tell which addresses are
+    /// seated.
     pub listed: bool,
-    /// Every address of a lockstep `Local` Service: the writer never
-    /// answers these for its part.
-    pub local: BTreeSet<IpAddr>,
+    /// Every address answered by a seat of its own (a lockstep `Local`
+    /// Service's, a pool with a node selector): the writer never answers
+    /// these for its part.
+    pub seated: BTreeSet<IpAddr>,
     /// The addresses this node answers for, each until when (kernel
     /// monotonic ns): it holds their Service's Lease.
     pub held: BTreeMap<IpAddr, u64>,
@@ -63,11 +74,11 @@ pub struct LocalAnswers {
     pub version: u64,
 }
 
-/// One Service's election on this node.
+/// One election on this node: a `Local` Service's or a selector pool's.
 struct Seat {
     door: LeaseDoor,
     elector: Elector,
-    /// The Service's addresses, as last read.
+    /// The addresses it answers for, as last read.
     addrs: Vec<IpAddr>,
     /// The holder the Lease named after the last round, if known.
     holder: Option<String>,
@@ -78,13 +89,36 @@ struct Seat {
     stepped: Option<u64>,
 }
 
-/// Follows the `Local` Services' endpoints and keeps their Leases.
+/// What a round reads.
+struct View<'a> {
+    services: &'a Store<Service>,
+    slices: &'a Store<EndpointSlice>,
+    pools: &'a Store<LoadBalancerIPPool>,
+    /// This node's labels (`None` before the Node is read).
+    labels: Option<&'a BTreeMap<String, String>>,
+    /// This node may answer at all.
+    may: bool,
+}
+
+/// Follows the `Local` Services' endpoints and the selector pools, and
+/// keeps their Leases.
 pub struct LocalTraffic {
     client: Client,
     config: ElectionConfig,
     node: String,
     seats: BTreeMap<String, Seat>,
     tx: tokio::sync::watch::Sender<LocalAnswers>,
+}
+
+/// The pools with a node selector (a pool the writer refuses is left
+/// out: it serves no address).
+fn selector_pools(pools: &Store<LoadBalancerIPPool>) -> Vec<SelectorPool> {
+    pools
+        .state()
+        .iter()
+        .filter_map(|p| lockstep_core::lb::kubernetes::pool_spec(&p.to_core()).ok())
+        .filter_map(|spec| SelectorPool::of(&spec))
+        .collect()
 }
 
 /// The endpoints of each Service (`namespace/name`) in `slices`.
@@ -139,21 +173,28 @@ impl LocalTraffic {
     }
 
     /// Runs until `stop` over `services` (the LB loop's reflector): while
-    /// `candidacy` says no, this node answers none of them. `applied` is
-    /// the announcer's: the last [`LocalAnswers::version`] written into
-    /// the datapath.
+    /// `candidacy` says no, this node answers none of them; `labels` are
+    /// this node's, for pools' node selectors. `applied` is the
+    /// announcer's: the last [`LocalAnswers::version`] written into the
+    /// datapath.
     pub async fn run(
         mut self,
         mut services: Services,
         mut candidacy: tokio::sync::watch::Receiver<Result<(), String>>,
+        mut labels: Labels,
         mut applied: tokio::sync::watch::Receiver<u64>,
         mut stop: tokio::sync::watch::Receiver<bool>,
     ) {
         let wake = Arc::new(Notify::new());
         let (slices, task) = drive(Api::<EndpointSlice>::all(self.client.clone()), wake.clone());
+        let (pools, pool_task) = drive(
+            Api::<LoadBalancerIPPool>::all(self.client.clone()),
+            wake.clone(),
+        );
         let ready = async {
             services.listed().await;
             let _ = slices.wait_until_ready().await;
+            let _ = pools.wait_until_ready().await;
         };
         let stopped = tokio::select! {
             () = ready => false,
@@ -162,8 +203,16 @@ impl LocalTraffic {
         if !stopped {
             loop {
                 let may = candidacy.borrow_and_update().is_ok();
+                let these = labels.borrow_and_update().clone();
                 let written = *applied.borrow_and_update();
-                self.round(&services.store, &slices, may, written).await;
+                let view = View {
+                    services: &services.store,
+                    slices: &slices,
+                    pools: &pools,
+                    labels: these.as_ref(),
+                    may,
+                };
+                self.round(&view, written).await;
                 let lapse = self
                     .tx
                     .borrow()
@@ -179,6 +228,9 @@ impl LocalTraffic {
                     r = candidacy.changed() => if r.is_err() {
                         candidacy = tokio::sync::watch::channel(Ok(())).1;
                     },
+                    r = labels.changed() => if r.is_err() {
+                        labels = tokio::sync::watch::channel(None).1;
+                    },
                     r = applied.changed() => if r.is_err() {
                         applied = tokio::sync::watch::channel(0).1;
                     },
@@ -187,52 +239,48 @@ impl LocalTraffic {
             }
         }
         task.abort();
+        pool_task.abort();
         self.release_all().await;
     }
 
-    /// One round: candidacies from the endpoints, every seat's Lease read
-    /// and written (at once), what this node answers published. `written`:
-    /// the version the announcer has written into the datapath.
-    async fn round(
-        &mut self,
-        services: &Store<Service>,
-        slices: &Store<EndpointSlice>,
-        may: bool,
-        written: u64,
-    ) {
-        let eps = endpoints(slices);
+    /// One round: candidacies from the endpoints and labels, every seat's
+    /// Lease read and written (at once), what this node answers published.
+    /// `written`: the version the announcer has written into the datapath.
+    async fn round(&mut self, view: &View<'_>, written: u64) {
+        let eps = endpoints(view.slices);
+        let pools = selector_pools(view.pools);
         let now = now_ms();
-        let mut local = BTreeSet::new();
+        let mut seated = BTreeSet::new();
         let mut unserved = BTreeSet::new();
-        let mut wanted = BTreeSet::new();
-        let mut candidates_here = BTreeSet::new();
-        for s in services.state() {
+        let mut plans: BTreeMap<String, Placement> = BTreeMap::new();
+        for s in view.services.state() {
             if s.metadata.deletion_timestamp.is_some() {
                 continue;
             }
             let svc = service(&s);
-            let Some(addrs) = local_addresses(&svc) else {
-                continue;
-            };
             let key = format!("{}/{}", svc.namespace, svc.name);
-            local.extend(addrs.iter().copied());
             let these = eps.get(&key).map_or(&[][..], Vec::as_slice);
-            if candidates(these).is_empty() {
-                unserved.insert(key.clone());
+            if local_addresses(&svc).is_some() && candidates(these).is_empty() {
+                unserved.insert(key);
             }
-            let here = may && candidate(these, &self.node).is_ok();
-            if here {
-                candidates_here.insert(key.clone());
+            for p in placements(&svc, these, &pools, &self.node, view.labels, view.may) {
+                seated.extend(p.addrs.iter().copied());
+                match plans.entry(p.key.clone()) {
+                    std::collections::btree_map::Entry::Vacant(v) => {
+                        v.insert(p);
+                    }
+                    std::collections::btree_map::Entry::Occupied(mut o) => {
+                        o.get_mut().addrs.extend(p.addrs);
+                    }
+                }
             }
-            if here && !self.seats.contains_key(&key) {
+        }
+        for (key, p) in &plans {
+            if p.here.is_ok() && !self.seats.contains_key(key) {
                 let Ok(elector) = elector(&self.config, &self.node) else {
                     continue;
                 };
-                let door = LeaseDoor::new(
-                    self.client.clone(),
-                    &self.config,
-                    &lease_name(&svc.namespace, &svc.name),
-                );
+                let door = LeaseDoor::new(self.client.clone(), &self.config, &p.lease);
                 self.seats.insert(
                     key.clone(),
                     Seat {
@@ -244,15 +292,14 @@ impl LocalTraffic {
                     },
                 );
             }
-            if let Some(seat) = self.seats.get_mut(&key) {
-                seat.addrs = addrs;
-                wanted.insert(key.clone());
+            if let Some(seat) = self.seats.get_mut(key) {
+                seat.addrs.clone_from(&p.addrs);
             }
         }
         // The version this round's first publication will carry.
         let next = self.tx.borrow().version + 1;
         for (key, seat) in &mut self.seats {
-            let here = wanted.contains(key) && candidates_here.contains(key);
+            let here = plans.get(key).is_some_and(|p| p.here.is_ok());
             let held = seat.elector.holds(now).is_some();
             seat.elector.set_candidate(here, now);
             if here {
@@ -266,7 +313,7 @@ impl LocalTraffic {
             }
         }
         // Stepping aside shows before the rounds' requests.
-        self.publish(local.clone(), unserved.clone());
+        self.publish(seated.clone(), unserved.clone());
         let rounds = self.seats.values_mut().map(|seat| async move {
             seat.holder = seat.door.round(&mut seat.elector).await;
         });
@@ -280,11 +327,11 @@ impl LocalTraffic {
                 || seat.elector.holds(now_ms()).is_some()
                 || !matches!(&seat.holder, Some(h) if *h != me)
         });
-        self.publish(local, unserved);
+        self.publish(seated, unserved);
     }
 
     /// Publishes what this node answers now.
-    fn publish(&self, local: BTreeSet<IpAddr>, unserved: BTreeSet<String>) {
+    fn publish(&self, seated: BTreeSet<IpAddr>, unserved: BTreeSet<String>) {
         let now = now_ms();
         let mut held = BTreeMap::new();
         for seat in self.seats.values() {
@@ -295,12 +342,12 @@ impl LocalTraffic {
             }
         }
         self.tx.send_if_modified(|cur| {
-            if cur.listed && cur.local == local && cur.held == held && cur.unserved == unserved {
+            if cur.listed && cur.seated == seated && cur.held == held && cur.unserved == unserved {
                 return false;
             }
             *cur = LocalAnswers {
                 listed: true,
-                local,
+                seated,
                 held,
                 unserved,
                 version: cur.version + 1,
@@ -318,8 +365,8 @@ impl LocalTraffic {
             let until = seat.elector.holds(now);
             releases.push((until, seat.elector.release()));
         }
-        let local = self.tx.borrow().local.clone();
-        self.publish(local, BTreeSet::new());
+        let seated = self.tx.borrow().seated.clone();
+        self.publish(seated, BTreeSet::new());
         let sends = self
             .seats
             .values()
