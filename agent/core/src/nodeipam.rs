@@ -460,5 +460,7 @@ pub fn usage_bounds(pool: &NodePool, requested: u64) -> (u64, u64) {
     }
 }
 
+pub mod operator;
+
 #[cfg(test)]
 mod tests;

@@ -675,6 +675,21 @@ pub async fn run(config: Config) -> Result<(), ServerError> {
                                 applied_rx,
                                 stop.clone(),
                             ));
+                            // `[kubernetes.nodeipam] operator`: the writer
+                            // offers every node CIDRs of the PodIPPools
+                            // (#44 item 5).
+                            let operator = cluster_config
+                                .kubernetes
+                                .as_ref()
+                                .and_then(|k| k.nodeipam.as_ref())
+                                .is_some_and(|n| n.operator)
+                                .then(|| {
+                                    tokio::spawn(crate::kubernetes::nodeipam::operator::run(
+                                        client.clone(),
+                                        elected.leadership.clone(),
+                                        stop.clone(),
+                                    ))
+                                });
                             let keeper = tokio::spawn(keeper.run(candidacy, stop.clone()));
                             let announcer = tokio::spawn(crate::kubernetes::announcer::run(
                                 elected.leadership,
@@ -694,6 +709,9 @@ pub async fn run(config: Config) -> Result<(), ServerError> {
                                 let _ = announcer.await;
                                 let _ = keeper.await;
                                 let _ = node_task.await;
+                                if let Some(o) = operator {
+                                    let _ = o.await;
+                                }
                             })
                         }
                         Err(e) => {

@@ -88,6 +88,12 @@ pub struct NodeIpamConfig {
     /// The pools.
     #[serde(default)]
     pub pools: Vec<NodeIpamPoolConfig>,
+    /// The elected LB writer (`[kubernetes.election]`, no `[cluster]`) is
+    /// the operator: it offers every node CIDRs of the `PodIPPool` of each
+    /// pool's name, as far as the node's demand asks, and takes back what
+    /// a node released. Off: an external operator fills the objects.
+    #[serde(default)]
+    pub operator: bool,
 }
 
 fn second() -> Duration {

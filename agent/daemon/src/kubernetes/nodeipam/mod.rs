@@ -30,6 +30,7 @@
 //! alternative to etcd's blocks as the source of this node's CIDRs.
 
 pub mod crd;
+pub mod operator;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
