@@ -125,6 +125,20 @@ const RENDERED: &[(&str, &[&str])] = &[
         ],
     ),
     (
+        "multi-pool",
+        &["--mode", "multi-pool", "--non-masquerade", "10.96.0.0/12"],
+    ),
+    (
+        "multi-pool-pools",
+        &[
+            "--mode",
+            "multi-pool",
+            "--pool",
+            "10.244.0.0/16",
+            "--pools-only",
+        ],
+    ),
+    (
         "cluster-pools",
         &[
             "--mode",

@@ -19,6 +19,9 @@
 //!   the API server (`[kubernetes] pod_cidr_pool`), and LoadBalancer IPAM.
 //! - [`Mode::Cluster`]: pod IPAM from cluster pools in etcd (blocks per
 //!   node), LoadBalancer IPAM through etcd's elected assigner.
+//! - [`Mode::MultiPool`]: pod IPAM from PodIPPool objects with only the API
+//!   server: the elected writer is the NodeIPAM operator, each node's
+//!   CIDRs are in its NodeIPAM object; and LoadBalancer IPAM.
 //!
 //! The objects themselves are in `objects`; the ClusterRole's rules per
 //! mode in `rbac`.
@@ -76,6 +79,9 @@ pub enum Mode {
     /// Pod IPAM from cluster pools in etcd, LoadBalancer IPAM through
     /// etcd's elected assigner.
     Cluster,
+    /// Pod IPAM from PodIPPool objects through each node's NodeIPAM object,
+    /// filled by the elected writer (no etcd), and LoadBalancer IPAM.
+    MultiPool,
 }
 
 impl Mode {
@@ -86,6 +92,7 @@ impl Mode {
             Mode::Local => "local",
             Mode::PodCidr => "pod-cidr",
             Mode::Cluster => "cluster",
+            Mode::MultiPool => "multi-pool",
         }
     }
 
@@ -98,7 +105,21 @@ impl Mode {
     pub fn uses_api(self) -> bool {
         !matches!(self, Mode::Local)
     }
+
+    /// Whether the agents elect their writer on a Lease (no etcd).
+    pub fn elects_on_a_lease(self) -> bool {
+        matches!(self, Mode::Lb | Mode::PodCidr | Mode::MultiPool)
+    }
+
+    /// Whether PodIPPool objects are the pods' pools.
+    pub fn pod_ip_pools(self) -> bool {
+        matches!(self, Mode::Cluster | Mode::MultiPool)
+    }
 }
+
+/// The endpoint pool's name in modes whose pods' pool is an object
+/// (`cluster`, `multi-pool`): the PodIPPool `--pool` renders.
+pub const POD_POOL: &str = "default";
 
 /// What the flags chose.
 #[derive(Clone, Debug)]
@@ -115,8 +136,8 @@ pub struct Options {
     pub uplink: String,
     /// Where the metrics and probe listener binds (host network).
     pub metrics_addr: SocketAddr,
-    /// Endpoint pool CIDRs (`local`: the pool in the ConfigMap; `cluster`:
-    /// a PodIPPool object named `default`).
+    /// Endpoint pool CIDRs (`local`: the pool in the ConfigMap; `cluster`
+    /// and `multi-pool`: a PodIPPool object named `default`).
     pub pools: Vec<IpNet>,
     /// LoadBalancer pool CIDRs: a LoadBalancerIPPool object named
     /// `default`.
@@ -225,6 +246,7 @@ impl Options {
             t.push_str(match self.mode {
                 Mode::Lb => "nowhere: this node serves no pods.\n",
                 Mode::PodCidr => "the Node's spec.podCIDRs ([kubernetes] pod_cidr_pool).\n",
+                Mode::MultiPool => "this Node's NodeIPAM object ([kubernetes.nodeipam]).\n",
                 _ => "etcd (cluster pools).\n",
             });
             t.push_str("pools = []\n");
@@ -289,11 +311,20 @@ impl Options {
             if self.mode == Mode::Cluster && !self.pools.is_empty() {
                 t.push_str("pod_pools = true                           # PodIPPool objects\n");
             }
-            if self.mode != Mode::Cluster {
+            if self.mode.elects_on_a_lease() {
                 let _ = write!(
                     t,
                     "\n[kubernetes.election]                      # one LB writer, on a Lease\nnamespace = {}\n",
                     q(&self.namespace)
+                );
+            }
+            if self.mode == Mode::MultiPool {
+                let _ = write!(
+                    t,
+                    "\n[kubernetes.nodeipam]                      # CIDRs from PodIPPool objects\n\
+                     operator = true                            # the LB writer offers them\n\
+                     [[kubernetes.nodeipam.pools]]\nname = {}\nskip_masquerade = true\npre_allocate = 8\n",
+                    q(POD_POOL)
                 );
             }
         }
@@ -360,7 +391,7 @@ pub fn render_pools(options: &Options) -> Result<String, ManifestsError> {
         return Err(ManifestsError::Flag {
             flag: "--lb-pool",
             reason: match options.mode {
-                Mode::Cluster => "--pools-only needs --lb-pool or --pool".into(),
+                Mode::Cluster | Mode::MultiPool => "--pools-only needs --lb-pool or --pool".into(),
                 _ => "--pools-only needs --lb-pool".into(),
             },
         });

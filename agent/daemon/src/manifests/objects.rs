@@ -75,6 +75,16 @@ pub fn all(o: &Options, config: &str) -> Result<Vec<(String, Value)>, ManifestsE
             crd_value(PodIPPool::crd())?,
         ));
     }
+    if o.mode == Mode::MultiPool {
+        out.push((
+            "Endpoint pools as objects, handed out to the nodes by the elected writer.".into(),
+            crd_value(PodIPPool::crd())?,
+        ));
+        out.push((
+            "Each node's CIDRs (status, the writer's) and demand (spec, the node's).".into(),
+            crd_value(crate::kubernetes::nodeipam::crd::NodeIPAM::crd())?,
+        ));
+    }
     if o.mode.uses_api() {
         out.extend(service_account(o));
         out.extend(super::admission::objects(o));
@@ -204,17 +214,22 @@ pub fn pools(o: &Options) -> Vec<(String, Value)> {
             }),
         ));
     }
-    if o.mode == Mode::Cluster && !o.pools.is_empty() {
+    if o.mode.pod_ip_pools() && !o.pools.is_empty() {
         let (v4, v6): (Vec<&ipnet::IpNet>, Vec<&ipnet::IpNet>) = o
             .pools
             .iter()
             .partition(|c| matches!(c, ipnet::IpNet::V4(_)));
         out.push((
-            "The pods' pool; nodes claim blocks of it (docs/cluster.md).".to_string(),
+            if o.mode == Mode::Cluster {
+                "The pods' pool; nodes claim blocks of it (docs/cluster.md).".to_string()
+            } else {
+                "The pods' pool; the elected writer offers nodes blocks of it (docs/kubernetes.md)."
+                    .to_string()
+            },
             json!({
                 "apiVersion": "lockstep.io/v1alpha1",
                 "kind": "PodIPPool",
-                "metadata": {"name": "default", "labels": {"app.kubernetes.io/name": APP}},
+                "metadata": {"name": super::POD_POOL, "labels": {"app.kubernetes.io/name": APP}},
                 "spec": {
                     "ipv4": v4.iter().map(ToString::to_string).collect::<Vec<_>>(),
                     "ipv6": v6.iter().map(ToString::to_string).collect::<Vec<_>>(),

@@ -94,12 +94,35 @@ const CLUSTER: &[Rule] = &[
     },
 ];
 
+/// Mode multi-pool: the NodeIPAM objects (each node's own, and every one
+/// for the writer as operator) and the PodIPPools the writer hands out.
+const MULTI_POOL: &[Rule] = &[
+    Rule {
+        group: "lockstep.io",
+        resources: &["podippools"],
+        verbs: &["list", "watch"],
+        why: "the PodIPPools the elected writer hands out",
+    },
+    Rule {
+        group: "lockstep.io",
+        resources: &["nodeipams"],
+        verbs: &["list", "watch", "create", "patch"],
+        why: "this node's NodeIPAM object (made when missing; its spec is the node's demand); the writer lists every one",
+    },
+    Rule {
+        group: "lockstep.io",
+        resources: &["nodeipams/status"],
+        verbs: &["patch"],
+        why: "the node's Accepted and Draining conditions; the writer's offers",
+    },
+];
+
 /// The rules of `mode`'s Role in the agent's own namespace: the Lease
 /// electing the one LB writer, and each externalTrafficPolicy: Local
 /// Service's announcer, when there is no etcd (modes lb and podcidr). Cluster mode elects its writer in etcd.
 pub fn namespaced_rules(mode: Mode) -> Vec<Rule> {
     match mode {
-        Mode::Lb | Mode::PodCidr => vec![Rule {
+        Mode::Lb | Mode::PodCidr | Mode::MultiPool => vec![Rule {
             group: "coordination.k8s.io",
             resources: &["leases"],
             verbs: &["get", "create", "update"],
@@ -115,5 +138,11 @@ pub fn rules(mode: Mode) -> Vec<Rule> {
         Mode::Local => Vec::new(),
         Mode::Lb | Mode::PodCidr => COMMON.iter().chain(ELECTED).copied().collect(),
         Mode::Cluster => COMMON.iter().chain(CLUSTER).copied().collect(),
+        Mode::MultiPool => COMMON
+            .iter()
+            .chain(ELECTED)
+            .chain(MULTI_POOL)
+            .copied()
+            .collect(),
     }
 }

@@ -42,7 +42,13 @@ fn kind<'a>(docs: &'a [Value], kind: &str) -> Option<&'a Value> {
 
 #[test]
 fn every_mode_renders_a_config_the_agent_accepts() {
-    for mode in [Mode::Lb, Mode::Local, Mode::PodCidr, Mode::Cluster] {
+    for mode in [
+        Mode::Lb,
+        Mode::Local,
+        Mode::PodCidr,
+        Mode::Cluster,
+        Mode::MultiPool,
+    ] {
         let d = docs(&render(&options(mode)).unwrap());
         let config = kind(&d, "ConfigMap").unwrap()["data"]["config.toml"]
             .as_str()
@@ -53,16 +59,53 @@ fn every_mode_renders_a_config_the_agent_accepts() {
         assert_eq!(c.cluster.is_some(), mode == Mode::Cluster, "{mode:?}");
         assert_eq!(c.pools.is_empty(), mode != Mode::Local, "{mode:?}");
         assert_eq!(
-            c.kubernetes.and_then(|k| k.pod_cidr_pool),
+            c.kubernetes.as_ref().and_then(|k| k.pod_cidr_pool.clone()),
             (mode == Mode::PodCidr).then(|| "pods".to_string()),
             "{mode:?}"
         );
+        // Multi-pool: the writer is the NodeIPAM operator, and the node's
+        // pool is the PodIPPool `--pool` renders.
+        let nodeipam = c.kubernetes.and_then(|k| k.nodeipam);
+        assert_eq!(nodeipam.is_some(), mode == Mode::MultiPool, "{mode:?}");
+        if let Some(n) = nodeipam {
+            assert!(n.operator);
+            assert_eq!(n.pools[0].name, POD_POOL);
+        }
     }
 }
 
 #[test]
+fn multi_pool_renders_its_crds_its_pool_and_the_nodeipam_policy() {
+    let d = docs(&render(&options(Mode::MultiPool)).unwrap());
+    let crds: BTreeSet<String> = d
+        .iter()
+        .filter(|o| o["kind"] == "CustomResourceDefinition")
+        .map(|o| o["metadata"]["name"].as_str().unwrap().to_string())
+        .collect();
+    assert!(crds.contains("podippools.lockstep.io") && crds.contains("nodeipams.lockstep.io"));
+    let policies: BTreeSet<String> = d
+        .iter()
+        .filter(|o| o["kind"] == "ValidatingAdmissionPolicyBinding")
+        .map(|o| o["metadata"]["name"].as_str().unwrap().to_string())
+        .collect();
+    assert!(
+        policies.contains(admission::NODEIPAM_POLICY),
+        "{policies:?}"
+    );
+    let pools = docs(&render_pools(&options(Mode::MultiPool)).unwrap());
+    let pool = kind(&pools, "PodIPPool").expect("the pods' pool");
+    assert_eq!(pool["metadata"]["name"], POD_POOL);
+}
+
+#[test]
 fn the_agent_is_told_its_node_name_by_the_downward_api() {
-    for mode in [Mode::Lb, Mode::Local, Mode::PodCidr, Mode::Cluster] {
+    for mode in [
+        Mode::Lb,
+        Mode::Local,
+        Mode::PodCidr,
+        Mode::Cluster,
+        Mode::MultiPool,
+    ] {
         let d = docs(&render(&options(mode)).unwrap());
         let ds = kind(&d, "DaemonSet").unwrap();
         let env = &ds["spec"]["template"]["spec"]["containers"][0]["env"];
@@ -101,7 +144,13 @@ fn mode_lb_installs_no_cni_config_and_mounts_no_cni_directory() {
 
 #[test]
 fn no_mode_is_privileged_and_every_capability_is_named() {
-    for mode in [Mode::Lb, Mode::Local, Mode::PodCidr, Mode::Cluster] {
+    for mode in [
+        Mode::Lb,
+        Mode::Local,
+        Mode::PodCidr,
+        Mode::Cluster,
+        Mode::MultiPool,
+    ] {
         let d = docs(&render(&options(mode)).unwrap());
         let ds = kind(&d, "DaemonSet").unwrap();
         let sc = &ds["spec"]["template"]["spec"]["containers"][0]["securityContext"];
@@ -217,7 +266,7 @@ fn every_modes_rules_are_within_the_role_the_end_to_end_tests_check() {
     let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../deploy/rbac.yaml");
     let d = docs(&std::fs::read_to_string(path).unwrap());
     let allowed = granted(kind(&d, "ClusterRole").unwrap());
-    for mode in [Mode::Lb, Mode::PodCidr, Mode::Cluster] {
+    for mode in [Mode::Lb, Mode::PodCidr, Mode::Cluster, Mode::MultiPool] {
         for rule in rules(mode) {
             for r in rule.resources {
                 for v in rule.verbs {
@@ -230,7 +279,7 @@ fn every_modes_rules_are_within_the_role_the_end_to_end_tests_check() {
     assert!(rules(Mode::Local).is_empty());
     // The election's Lease: the Role in the agent's namespace.
     let namespaced = granted(kind(&d, "Role").unwrap());
-    for mode in [Mode::Lb, Mode::PodCidr] {
+    for mode in [Mode::Lb, Mode::PodCidr, Mode::MultiPool] {
         assert!(
             !namespaced_rules(mode).is_empty(),
             "{mode:?} elects on a Lease"
@@ -318,7 +367,13 @@ fn the_committed_daemonsets_are_what_the_generator_renders() {
 
 #[test]
 fn the_cleanup_runs_uninstall_on_every_node_with_the_agents_paths() {
-    for mode in [Mode::Lb, Mode::Local, Mode::PodCidr, Mode::Cluster] {
+    for mode in [
+        Mode::Lb,
+        Mode::Local,
+        Mode::PodCidr,
+        Mode::Cluster,
+        Mode::MultiPool,
+    ] {
         let d = docs(&render_cleanup(&options(mode)).unwrap());
         assert_eq!(d.len(), 2, "{mode:?}");
         let install = docs(&render(&options(mode)).unwrap());
