@@ -72,8 +72,9 @@
 //!   against it in `kubernetes_e2e`, not by an authorizer);
 //! - built-in kinds are checked by decoding into `k8s-openapi`'s types
 //!   only: no built-in validation of names, labels or immutable fields
-//!   (clusterIP is never allocated); CRDs' CEL rules are not run (see
-//!   [`schema`] for what of a CRD's schema is);
+//!   (clusterIP is never allocated); custom resources are checked
+//!   against their CRD's schema, CEL rules included ([`schema`] says
+//!   what of a schema is modelled);
 //! - no server-side apply, JSON patch or strategic merge patch (`415`),
 //!   no streaming lists (`sendInitialEvents`), no discovery, no protobuf,
 //!   no admission, no garbage collection by owner references; namespaces are objects to read (their annotations), but

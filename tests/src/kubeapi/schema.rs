@@ -13,9 +13,17 @@
 //! default prunes it with a warning instead). `apiVersion`, `kind` and
 //! `metadata` are the API machinery's, not the schema's.
 //!
-//! Not modelled: CEL rules (`x-kubernetes-validations`), `format`,
-//! `oneOf`/`anyOf`, string lengths, list types and `maxItems`; the CRDs
-//! lockstep ships use none of them.
+//! Also `maxLength` and `maxItems`, and CEL rules
+//! (`x-kubernetes-validations`, each with `self` the value it is on),
+//! evaluated by the `cel` interpreter with the functions of Kubernetes'
+//! IP and CIDR library that lockstep's CRDs use: `isIP(s)`, `isCIDR(s)`,
+//! `cidr(s)` and `.masked()`. A CIDR value is modelled as its canonical
+//! text, so `cidr(a) == cidr(b)` compares the networks and prefix lengths
+//! as the library's equality does; IPv4-mapped IPv6 addresses and zones,
+//! which the library refuses, are not modelled.
+//!
+//! Not modelled: `format`, `oneOf`/`anyOf`, list types, `oldSelf`
+//! (transition rules); the CRDs lockstep ships use none of them.
 
 use std::sync::OnceLock;
 
@@ -68,6 +76,59 @@ fn pattern(p: &str) -> Option<regex::Regex> {
     Some(r)
 }
 
+/// `rules` (a schema's `x-kubernetes-validations`) on `v`: each failing
+/// rule's message, as the API server words it.
+fn rules(rules: &[Value], v: &Value, path: &str, errors: &mut Vec<String>) {
+    use std::sync::Arc;
+
+    use cel::extractors::This;
+    use cel::{Context, ExecutionError, Program};
+
+    /// A CIDR value: its canonical text (`masked`: of its network).
+    fn cidr(s: &str, masked: bool) -> Result<cel::Value, ExecutionError> {
+        let n: ipnet::IpNet = s
+            .parse()
+            .map_err(|_| ExecutionError::function_error("cidr", format!("{s:?} is not a CIDR")))?;
+        let n = if masked { n.trunc() } else { n };
+        Ok(cel::Value::String(Arc::new(n.to_string())))
+    }
+    for rule in rules {
+        let text = rule["rule"].as_str().unwrap_or_default();
+        let message = rule["message"].as_str().unwrap_or("failed rule");
+        let Ok(program) = Program::compile(text) else {
+            errors.push(format!(
+                "{path}: the schema's rule {text:?} does not compile"
+            ));
+            continue;
+        };
+        let mut ctx = Context::default();
+        let declared = ctx.add_variable("self", v.clone()).is_ok()
+            && ctx
+                .add_function("isIP", |s: Arc<String>| {
+                    s.parse::<std::net::IpAddr>().is_ok()
+                })
+                .is_ok()
+            && ctx
+                .add_function("isCIDR", |s: Arc<String>| s.parse::<ipnet::IpNet>().is_ok())
+                .is_ok()
+            && ctx
+                .add_function("cidr", |s: Arc<String>| cidr(&s, false))
+                .is_ok()
+            && ctx
+                .add_function("masked", |This(s): This<Arc<String>>| cidr(&s, true))
+                .is_ok();
+        if !declared {
+            errors.push(format!("{path}: the rule {text:?} could not be set up"));
+            continue;
+        }
+        match program.execute(&ctx) {
+            Ok(cel::Value::Bool(true)) => {}
+            Ok(_) => errors.push(format!("{path}: Invalid value: {v}: {message}")),
+            Err(e) => errors.push(format!("{path}: Invalid value: {v}: {message} ({e})")),
+        }
+    }
+}
+
 fn walk(schema: &Value, v: &mut Value, path: &str, errors: &mut Vec<String>) {
     if v.is_null() {
         if schema["nullable"] != Value::Bool(true) && schema.get("type").is_some() {
@@ -101,6 +162,9 @@ fn walk(schema: &Value, v: &mut Value, path: &str, errors: &mut Vec<String>) {
                 .join(", ")
         ));
     }
+    if let Some(r) = schema["x-kubernetes-validations"].as_array() {
+        rules(r, v, path, errors);
+    }
     match v {
         Value::Object(obj) => {
             let props = schema["properties"].as_object();
@@ -132,6 +196,14 @@ fn walk(schema: &Value, v: &mut Value, path: &str, errors: &mut Vec<String>) {
             }
         }
         Value::Array(items) => {
+            if let Some(max) = schema["maxItems"].as_u64()
+                && items.len() as u64 > max
+            {
+                errors.push(format!(
+                    "{path}: Too many: {}: must have at most {max} items",
+                    items.len()
+                ));
+            }
             if let Some(sub) = schema.get("items") {
                 for (i, item) in items.iter_mut().enumerate() {
                     walk(sub, item, &format!("{path}[{i}]"), errors);
@@ -139,6 +211,13 @@ fn walk(schema: &Value, v: &mut Value, path: &str, errors: &mut Vec<String>) {
             }
         }
         Value::String(s) => {
+            if let Some(max) = schema["maxLength"].as_u64()
+                && s.chars().count() as u64 > max
+            {
+                errors.push(format!(
+                    "{path}: Too long: may not be more than {max} bytes"
+                ));
+            }
             if let Some(p) = schema["pattern"].as_str() {
                 match pattern(p) {
                     Some(r) if r.is_match(s) => {}
@@ -184,7 +263,7 @@ mod tests {
     fn a_good_pool_passes_with_its_defaults_filled_in() {
         let v = json!({"apiVersion": "lockstep.io/v1alpha1", "kind": "LoadBalancerIPPool",
                        "metadata": {"name": "p"},
-                       "spec": {"cidrs": ["192.0.2.0/24", "2001:db8::/120"],
+                       "spec": {"cidrs": ["192.0.2.0/24", "2001:db8::/120", "2001:db8:0::100/120"],
                                 "ranges": [{"start": "198.51.100.1", "stop": "198.51.100.9"}],
                                 "announce": "l2"}});
         let out = check(&lbpool(), &v).expect("valid");
@@ -216,6 +295,21 @@ mod tests {
             (
                 json!({"avoidBuggyIPs": true}),
                 "spec.avoidBuggyIPs: unknown field",
+            ),
+            // The shape fits; the CEL rules refuse them (#44 item 7).
+            (
+                json!({"cidrs": ["192.0.2.300/24"]}),
+                "spec.cidrs[0]: Invalid value: \"192.0.2.300/24\": must be a CIDR",
+            ),
+            (json!({"cidrs": ["192.0.2.1/24"]}), "no host bits set"),
+            (json!({"cidrs": ["2001:db8::1/64"]}), "no host bits set"),
+            (
+                json!({"ranges": [{"start": "999.0.2.1", "stop": "192.0.2.9"}]}),
+                "spec.ranges[0].start: Invalid value: \"999.0.2.1\": must be an IPv4 or IPv6",
+            ),
+            (
+                json!({"cidrs": vec!["192.0.2.0/24"; 1025]}),
+                "spec.cidrs: Too many",
             ),
         ] {
             let e = check(&lbpool(), &json!({"spec": spec})).unwrap_err();

@@ -39,7 +39,7 @@ pub const POOL_FINALIZER: &str = "lockstep.io/lb-pool";
 pub struct LoadBalancerIPPoolSpec {
     /// CIDR blocks, IPv4 and IPv6 (`192.0.2.0/24`, `2001:db8::/120`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    #[schemars(inner(pattern(CIDR_PATTERN)))]
+    #[schemars(schema_with = "cidr_list")]
     pub cidrs: Vec<String>,
     /// Inclusive start–stop ranges, every address usable.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -73,10 +73,10 @@ pub struct LoadBalancerIPPoolSpec {
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 pub struct AddressRange {
     /// First address.
-    #[schemars(pattern(IP_PATTERN))]
+    #[schemars(schema_with = "ip_string")]
     pub start: String,
     /// Last address (inclusive).
-    #[schemars(pattern(IP_PATTERN))]
+    #[schemars(schema_with = "ip_string")]
     pub stop: String,
 }
 
@@ -212,14 +212,55 @@ impl LoadBalancerIPPool {
 }
 
 /// The shape of a CIDR (`192.0.2.0/24`, `2001:db8::/120`) the CRDs'
-/// schemas hold CIDR fields to, so `kubectl apply` refuses a mistyped one
-/// before any agent reads it. A shape only (RE2 and ECMA alike, no CEL:
-/// `isCIDR` needs Kubernetes 1.31); the agent still checks each value and
-/// says which is wrong in the object's condition.
+/// schemas hold CIDR fields to, before their CEL rule ([`CIDR_RULE`]) runs:
+/// a cheap first refusal with the API server's pattern message.
 pub const CIDR_PATTERN: &str =
     r"^([0-9]{1,3}(\.[0-9]{1,3}){3}/[0-9]{1,2}|[0-9a-fA-F:.]*:[0-9a-fA-F:.]*/[0-9]{1,3})$";
 /// The shape of an address, as [`CIDR_PATTERN`] of a CIDR.
 pub const IP_PATTERN: &str = r"^([0-9]{1,3}(\.[0-9]{1,3}){3}|[0-9a-fA-F:.]*:[0-9a-fA-F:.]*)$";
+
+/// The CEL rule on every CIDR field (Kubernetes' IP and CIDR library,
+/// 1.31 and later): a CIDR, in network form (no host bits set), so
+/// `kubectl apply` refuses `10.0.0.300/24` or `10.0.0.1/24` before any
+/// agent reads it.
+pub const CIDR_RULE: &str = "isCIDR(self) && cidr(self) == cidr(self).masked()";
+/// Its message.
+pub const CIDR_MESSAGE: &str = "must be a CIDR in network form, an address and its prefix length with no host bits set (10.0.0.0/24, fd00::/64)";
+/// The CEL rule on every address field.
+pub const IP_RULE: &str = "isIP(self)";
+/// Its message.
+pub const IP_MESSAGE: &str = "must be an IPv4 or IPv6 address (192.0.2.1, 2001:db8::1)";
+/// The longest CIDR or address text accepted (an IPv6 CIDR written in
+/// full is 43 characters): bounds the rules' cost, as the API server
+/// requires of CEL rules.
+pub const MAX_ADDRESS_LEN: u64 = 64;
+/// The most CIDRs one list holds (bounds the rules' cost too).
+pub const MAX_CIDRS: u64 = 1024;
+
+/// The schema of a list of CIDRs: shape, length and the CEL rule per
+/// entry (`#[schemars(schema_with = "cidr_list")]`).
+pub fn cidr_list(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+    schemars::json_schema!({
+        "type": "array",
+        "maxItems": MAX_CIDRS,
+        "items": {
+            "type": "string",
+            "pattern": CIDR_PATTERN,
+            "maxLength": MAX_ADDRESS_LEN,
+            "x-kubernetes-validations": [{"rule": CIDR_RULE, "message": CIDR_MESSAGE}],
+        },
+    })
+}
+
+/// The schema of one address: shape, length and the CEL rule.
+pub fn ip_string(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+    schemars::json_schema!({
+        "type": "string",
+        "pattern": IP_PATTERN,
+        "maxLength": MAX_ADDRESS_LEN,
+        "x-kubernetes-validations": [{"rule": IP_RULE, "message": IP_MESSAGE}],
+    })
+}
 
 /// The CRD as YAML, as `deploy/crds/` holds it.
 ///

@@ -60,11 +60,11 @@ use super::writer::ClusterWriter;
 pub struct PodIPPoolSpec {
     /// IPv4 CIDRs (`10.1.0.0/16`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    #[schemars(inner(pattern(super::crd::CIDR_PATTERN)))]
+    #[schemars(schema_with = "crate::kubernetes::crd::cidr_list")]
     pub ipv4: Vec<String>,
     /// IPv6 CIDRs (`fd00:1::/64`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    #[schemars(inner(pattern(super::crd::CIDR_PATTERN)))]
+    #[schemars(schema_with = "crate::kubernetes::crd::cidr_list")]
     pub ipv6: Vec<String>,
     /// IPv4 block prefix length nodes claim (default 26).
     #[serde(default, skip_serializing_if = "Option::is_none")]

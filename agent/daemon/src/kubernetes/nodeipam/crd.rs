@@ -56,7 +56,7 @@ pub struct PoolDemand {
     /// The CIDRs the node holds: those offered, and those withdrawn that
     /// still hold addresses (draining). A CIDR not listed is not used.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    #[schemars(inner(pattern(crate::kubernetes::crd::CIDR_PATTERN)))]
+    #[schemars(schema_with = "crate::kubernetes::crd::cidr_list")]
     pub cidrs: Vec<String>,
 }
 
@@ -83,11 +83,11 @@ pub struct PoolOffer {
     pub name: String,
     /// IPv4 CIDRs (`10.0.0.16/28`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    #[schemars(inner(pattern(crate::kubernetes::crd::CIDR_PATTERN)))]
+    #[schemars(schema_with = "crate::kubernetes::crd::cidr_list")]
     pub ipv4: Vec<String>,
     /// IPv6 CIDRs (`2001:db8::/80`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    #[schemars(inner(pattern(crate::kubernetes::crd::CIDR_PATTERN)))]
+    #[schemars(schema_with = "crate::kubernetes::crd::cidr_list")]
     pub ipv6: Vec<String>,
 }
 
