@@ -90,7 +90,8 @@ pub async fn run(
             }
         }
         dirty = false;
-        let (want, cap) = wanted(l, &here, &addrs.clone().unwrap_or_default(), now);
+        let none = BTreeSet::new();
+        let (want, cap) = wanted(l, &here, addrs.as_ref().unwrap_or(&none), now);
         seq += 1;
         let announcements_ = announcements.clone();
         let want_ = want.clone();

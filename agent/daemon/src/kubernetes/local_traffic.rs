@@ -107,6 +107,8 @@ pub struct LocalTraffic {
     config: ElectionConfig,
     node: String,
     seats: BTreeMap<String, Seat>,
+    /// What the stores said when they last changed.
+    derived: Derived,
     tx: tokio::sync::watch::Sender<LocalAnswers>,
 }
 
@@ -166,6 +168,7 @@ impl LocalTraffic {
                 config: config.clone(),
                 node: node.to_owned(),
                 seats: BTreeMap::new(),
+                derived: Derived::default(),
                 tx,
             },
             rx,
@@ -201,6 +204,9 @@ impl LocalTraffic {
             _ = stop.wait_for(|s| *s) => true,
         };
         if !stopped {
+            // The stores, labels or candidacy changed since the elections
+            // were last derived: derive them again.
+            let mut fresh = true;
             loop {
                 let may = candidacy.borrow_and_update().is_ok();
                 let these = labels.borrow_and_update().clone();
@@ -212,7 +218,9 @@ impl LocalTraffic {
                     labels: these.as_ref(),
                     may,
                 };
-                self.round(&view, written).await;
+                services.changes.borrow_and_update();
+                self.round(fresh.then_some(&view), written).await;
+                fresh = false;
                 let lapse = self
                     .tx
                     .borrow()
@@ -224,12 +232,24 @@ impl LocalTraffic {
                     });
                 tokio::select! {
                     () = tokio::time::sleep(self.config.retry_period.min(lapse)) => {}
-                    () = wake.notified() => {}
-                    r = candidacy.changed() => if r.is_err() {
-                        candidacy = tokio::sync::watch::channel(Ok(())).1;
+                    () = wake.notified() => fresh = true,
+                    r = services.changes.changed() => {
+                        fresh = true;
+                        if r.is_err() {
+                            services.changes = tokio::sync::watch::channel(0).1;
+                        }
                     },
-                    r = labels.changed() => if r.is_err() {
-                        labels = tokio::sync::watch::channel(None).1;
+                    r = candidacy.changed() => {
+                        fresh = true;
+                        if r.is_err() {
+                            candidacy = tokio::sync::watch::channel(Ok(())).1;
+                        }
+                    },
+                    r = labels.changed() => {
+                        fresh = true;
+                        if r.is_err() {
+                            labels = tokio::sync::watch::channel(None).1;
+                        }
                     },
                     r = applied.changed() => if r.is_err() {
                         applied = tokio::sync::watch::channel(0).1;
@@ -243,39 +263,21 @@ impl LocalTraffic {
         self.release_all().await;
     }
 
-    /// One round: candidacies from the endpoints and labels, every seat's
+    /// One round: candidacies from the endpoints and labels (derived again
+    /// from `view` when it is given: something changed), every seat's
     /// Lease read and written (at once), what this node answers published.
     /// `written`: the version the announcer has written into the datapath.
-    async fn round(&mut self, view: &View<'_>, written: u64) {
-        let eps = endpoints(view.slices);
-        let pools = selector_pools(view.pools);
-        let now = now_ms();
-        let mut seated = BTreeSet::new();
-        let mut unserved = BTreeSet::new();
-        let mut plans: BTreeMap<String, Placement> = BTreeMap::new();
-        for s in view.services.state() {
-            if s.metadata.deletion_timestamp.is_some() {
-                continue;
-            }
-            let svc = service(&s);
-            let key = format!("{}/{}", svc.namespace, svc.name);
-            let these = eps.get(&key).map_or(&[][..], Vec::as_slice);
-            if local_addresses(&svc).is_some() && candidates(these).is_empty() {
-                unserved.insert(key);
-            }
-            for p in placements(&svc, these, &pools, &self.node, view.labels, view.may) {
-                seated.extend(p.addrs.iter().copied());
-                match plans.entry(p.key.clone()) {
-                    std::collections::btree_map::Entry::Vacant(v) => {
-                        v.insert(p);
-                    }
-                    std::collections::btree_map::Entry::Occupied(mut o) => {
-                        o.get_mut().addrs.extend(p.addrs);
-                    }
-                }
-            }
+    async fn round(&mut self, view: Option<&View<'_>>, written: u64) {
+        if let Some(view) = view {
+            self.derived = derive(view, &self.node);
         }
-        for (key, p) in &plans {
+        let Derived {
+            plans,
+            seated,
+            unserved,
+        } = &self.derived;
+        let now = now_ms();
+        for (key, p) in plans {
             if p.here.is_ok() && !self.seats.contains_key(key) {
                 let Ok(elector) = elector(&self.config, &self.node) else {
                     continue;
@@ -313,7 +315,7 @@ impl LocalTraffic {
             }
         }
         // Stepping aside shows before the rounds' requests.
-        self.publish(seated.clone(), unserved.clone());
+        publish(&self.tx, &self.seats, seated, unserved);
         let rounds = self.seats.values_mut().map(|seat| async move {
             seat.holder = seat.door.round(&mut seat.elector).await;
         });
@@ -327,33 +329,7 @@ impl LocalTraffic {
                 || seat.elector.holds(now_ms()).is_some()
                 || !matches!(&seat.holder, Some(h) if *h != me)
         });
-        self.publish(seated, unserved);
-    }
-
-    /// Publishes what this node answers now.
-    fn publish(&self, seated: BTreeSet<IpAddr>, unserved: BTreeSet<String>) {
-        let now = now_ms();
-        let mut held = BTreeMap::new();
-        for seat in self.seats.values() {
-            if let Some(until) = seat.elector.holds(now) {
-                for a in &seat.addrs {
-                    held.insert(*a, until.saturating_mul(1_000_000));
-                }
-            }
-        }
-        self.tx.send_if_modified(|cur| {
-            if cur.listed && cur.seated == seated && cur.held == held && cur.unserved == unserved {
-                return false;
-            }
-            *cur = LocalAnswers {
-                listed: true,
-                seated,
-                held,
-                unserved,
-                version: cur.version + 1,
-            };
-            true
-        });
+        publish(&self.tx, &self.seats, seated, unserved);
     }
 
     /// Stopping: nothing is answered from now on; every Lease held is
@@ -365,8 +341,12 @@ impl LocalTraffic {
             let until = seat.elector.holds(now);
             releases.push((until, seat.elector.release()));
         }
-        let seated = self.tx.borrow().seated.clone();
-        self.publish(seated, BTreeSet::new());
+        publish(
+            &self.tx,
+            &self.seats,
+            &self.derived.seated,
+            &BTreeSet::new(),
+        );
         let sends = self
             .seats
             .values()
@@ -374,4 +354,77 @@ impl LocalTraffic {
             .map(|(seat, (until, w))| seat.door.release(until, w));
         futures::future::join_all(sends).await;
     }
+}
+
+/// Publishes what this node answers now (only when it changed).
+fn publish(
+    tx: &tokio::sync::watch::Sender<LocalAnswers>,
+    seats: &BTreeMap<String, Seat>,
+    seated: &BTreeSet<IpAddr>,
+    unserved: &BTreeSet<String>,
+) {
+    let now = now_ms();
+    let mut held = BTreeMap::new();
+    for seat in seats.values() {
+        if let Some(until) = seat.elector.holds(now) {
+            for a in &seat.addrs {
+                held.insert(*a, until.saturating_mul(1_000_000));
+            }
+        }
+    }
+    tx.send_if_modified(|cur| {
+        if cur.listed && cur.seated == *seated && cur.held == held && cur.unserved == *unserved {
+            return false;
+        }
+        *cur = LocalAnswers {
+            listed: true,
+            seated: seated.clone(),
+            held,
+            unserved: unserved.clone(),
+            version: cur.version + 1,
+        };
+        true
+    });
+}
+
+/// What the stores say of every election, recomputed only when they (or
+/// this node's labels or candidacy) change.
+#[derive(Default)]
+struct Derived {
+    /// Each election's placement, by key.
+    plans: BTreeMap<String, Placement>,
+    /// Every address a seat answers (the writer's part leaves them out).
+    seated: BTreeSet<IpAddr>,
+    /// `Local` Services with no serving endpoint anywhere.
+    unserved: BTreeSet<String>,
+}
+
+/// [`Derived`] from `view`, for node `node`.
+fn derive(view: &View<'_>, node: &str) -> Derived {
+    let eps = endpoints(view.slices);
+    let pools = selector_pools(view.pools);
+    let mut d = Derived::default();
+    for s in view.services.state() {
+        if s.metadata.deletion_timestamp.is_some() {
+            continue;
+        }
+        let svc = service(&s);
+        let key = format!("{}/{}", svc.namespace, svc.name);
+        let these = eps.get(&key).map_or(&[][..], Vec::as_slice);
+        if local_addresses(&svc).is_some() && candidates(these).is_empty() {
+            d.unserved.insert(key);
+        }
+        for p in placements(&svc, these, &pools, node, view.labels, view.may) {
+            d.seated.extend(p.addrs.iter().copied());
+            match d.plans.entry(p.key.clone()) {
+                std::collections::btree_map::Entry::Vacant(v) => {
+                    v.insert(p);
+                }
+                std::collections::btree_map::Entry::Occupied(mut o) => {
+                    o.get_mut().addrs.extend(p.addrs);
+                }
+            }
+        }
+    }
+    d
 }

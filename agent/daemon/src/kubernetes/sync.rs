@@ -105,6 +105,9 @@ pub struct Services {
     /// The reflector's store.
     pub store: Store<Service>,
     ready: tokio::sync::watch::Receiver<bool>,
+    /// Counts the reflector's events: a reader other than the LB loop
+    /// (which has the cache's `Notify`) learns of a change here.
+    pub changes: tokio::sync::watch::Receiver<u64>,
 }
 
 impl Services {
@@ -121,19 +124,45 @@ impl ServiceCache {
     #[must_use]
     pub fn start(client: &Client) -> Self {
         let wake = Arc::new(Notify::new());
-        let (store, task) = drive(Api::<Service>::all(client.clone()), wake.clone());
+        let event = Arc::new(Notify::new());
+        let (store, reflector) = drive(Api::<Service>::all(client.clone()), event.clone());
         let (tx, ready) = tokio::sync::watch::channel(false);
+        let (count, changes) = tokio::sync::watch::channel(0u64);
         let waiter = store.clone();
-        tokio::spawn(async move {
-            if waiter.wait_until_ready().await.is_ok() {
-                let _ = tx.send(true);
+        let loop_wake = wake.clone();
+        // Each event wakes the LB loop and counts for the other readers.
+        let task = tokio::spawn(async move {
+            tokio::spawn(async move {
+                if waiter.wait_until_ready().await.is_ok() {
+                    let _ = tx.send(true);
+                }
+            });
+            let _reflector = AbortOnDrop(reflector);
+            loop {
+                event.notified().await;
+                loop_wake.notify_one();
+                count.send_modify(|n| *n += 1);
             }
         });
         Self {
-            services: Services { store, ready },
+            services: Services {
+                store,
+                ready,
+                changes,
+            },
             wake,
             task,
         }
+    }
+}
+
+/// Aborts a task when dropped (the reflector of a forwarding task that
+/// is itself aborted).
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
     }
 }
 
