@@ -291,6 +291,78 @@ impl KubeLab {
         outside_rbac(&self.api)
     }
 
+    /// The node (`node-<i>`) the Lease `name` in `kube-system` names, if
+    /// any.
+    pub fn lease_holder(&self, name: &str) -> Option<usize> {
+        let l = self.api.get("leases", "kube-system", name).ok()?;
+        l["spec"]["holderIdentity"]
+            .as_str()
+            .and_then(|h| h.strip_prefix("node-"))
+            .and_then(|i| i.parse().ok())
+    }
+
+    /// The nodes that answered `addr` in one ARP/NDP probe.
+    ///
+    /// # Errors
+    /// The probe could not run.
+    pub fn answering(&self, addr: IpAddr) -> anyhow::Result<BTreeSet<usize>> {
+        let answers = crate::lb_lab::probe_once(&self.lab, &[addr], Duration::from_millis(800))?;
+        Ok(answers
+            .get(&addr)
+            .into_iter()
+            .flatten()
+            .filter_map(|m| self.lab.macs.iter().position(|x| x == m))
+            .collect())
+    }
+
+    /// Waits (10 s at most) until `addr` is answered by exactly `nodes`.
+    ///
+    /// # Errors
+    /// It was not, naming who answered last.
+    pub fn wait_answering(&self, addr: IpAddr, nodes: &[usize]) -> anyhow::Result<()> {
+        let want: BTreeSet<usize> = nodes.iter().copied().collect();
+        let mut last = BTreeSet::new();
+        crate::wait_for(
+            &format!("{addr} answered by nodes {want:?}"),
+            Duration::from_secs(10),
+            || {
+                last = self.answering(addr).ok()?;
+                (last == want).then_some(())
+            },
+        )
+        .with_context(|| format!("last answered by {last:?}"))
+    }
+
+    /// Ends `cap` (probes of `addr`, started before its answers moved away
+    /// from node `from`) and checks the move: no probe round answered by
+    /// two nodes, every handover to node `to`, announced (a gratuitous ARP
+    /// or unsolicited NA) when `announced`. Prints the handovers as `what`.
+    ///
+    /// # Errors
+    /// The capture failed, or the move was not clean (named).
+    pub fn ensure_moved(
+        &self,
+        cap: crate::lb_lab::Capture,
+        addr: IpAddr,
+        (from, to): (usize, usize),
+        announced: bool,
+        what: &str,
+    ) -> anyhow::Result<()> {
+        let (seen, rounds) = cap.finish()?;
+        let (overlaps, handovers, problems) =
+            crate::lb_lab::judge(&self.lab, &seen, &rounds, &[addr], self.lab.macs[from]);
+        eprintln!("{what}: {handovers:?}");
+        anyhow::ensure!(overlaps == 0, "answered by two nodes: {problems:?}");
+        anyhow::ensure!(
+            handovers
+                .iter()
+                .all(|h| h.to == format!("node-{to}") && (h.announced || !announced)),
+            "moved to node-{to}{}: {handovers:?}",
+            if announced { ", announced" } else { "" }
+        );
+        Ok(())
+    }
+
     /// Fails naming every request [`outside_rbac`] finds.
     ///
     /// # Errors

@@ -24,22 +24,12 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, ensure};
 use lockstep_tests::kube_lab::{KubeLab, lb_service, pool_spec};
-use lockstep_tests::lb_lab::{Capture, judge, probe_once, wait_answered_elsewhere};
+use lockstep_tests::lb_lab::{Capture, judge, wait_answered_elsewhere};
 use lockstep_tests::{pct, privileged, wait_for};
 use serde_json::{Value, json};
 
 const NS: &str = "shop";
-const LEASE_NS: &str = "kube-system";
 const WRITER_LEASE: &str = "lockstep-lb-writer";
-
-/// The holder the Lease `name` names, if any.
-fn holder(k: &KubeLab, name: &str) -> Option<usize> {
-    let l = k.api.get("leases", LEASE_NS, name).ok()?;
-    l["spec"]["holderIdentity"]
-        .as_str()
-        .and_then(|h| h.strip_prefix("node-"))
-        .and_then(|i| i.parse().ok())
-}
 
 fn local_lease(svc: &str) -> String {
     format!("lockstep-lb.{NS}.{svc}")
@@ -99,32 +89,6 @@ fn set_slice(k: &KubeLab, svc: &str, eps: &[Ep]) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The nodes that answered `addr` in one probe.
-fn answering(k: &KubeLab, addr: IpAddr) -> anyhow::Result<BTreeSet<usize>> {
-    let answers = probe_once(&k.lab, &[addr], Duration::from_millis(800))?;
-    Ok(answers
-        .get(&addr)
-        .into_iter()
-        .flatten()
-        .filter_map(|m| k.lab.macs.iter().position(|x| x == m))
-        .collect())
-}
-
-/// Waits until `addr` is answered by exactly `nodes`.
-fn wait_answering(k: &KubeLab, addr: IpAddr, nodes: &[usize]) -> anyhow::Result<()> {
-    let want: BTreeSet<usize> = nodes.iter().copied().collect();
-    let mut last = BTreeSet::new();
-    wait_for(
-        &format!("{addr} answered by nodes {want:?}"),
-        Duration::from_secs(10),
-        || {
-            last = answering(k, addr).ok()?;
-            (last == want).then_some(())
-        },
-    )
-    .with_context(|| format!("last answered by {last:?}"))
-}
-
 /// The Service's `lockstep.io/Announced` condition: (status, reason).
 fn announced(k: &KubeLab, svc: &str) -> Option<(String, String)> {
     let s = k.api.get("services", NS, svc).ok()?;
@@ -146,7 +110,7 @@ fn lab() -> anyhow::Result<(KubeLab, usize)> {
     })?;
     k.pool("pub", pool_spec())?;
     let w = wait_for("a writer", Duration::from_secs(30), || {
-        holder(&k, WRITER_LEASE)
+        k.lease_holder(WRITER_LEASE)
     })?;
     Ok((k, w))
 }
@@ -171,10 +135,10 @@ fn local_scenario(k: &mut KubeLab, w: usize) -> anyhow::Result<()> {
 
     // The Local Service from its endpoint's node, not the writer's.
     create_slice(k, "web", &[(a, true, true, false)])?;
-    wait_answering(k, web, &[a])?;
-    wait_answering(k, plain, &[w])?;
+    k.wait_answering(web, &[a])?;
+    k.wait_answering(plain, &[w])?;
     ensure!(
-        holder(k, &local_lease("web")) == Some(a),
+        k.lease_holder(&local_lease("web")) == Some(a),
         "web's Lease held by node-{a}"
     );
 
@@ -188,24 +152,19 @@ fn local_scenario(k: &mut KubeLab, w: usize) -> anyhow::Result<()> {
     let moved = t0.elapsed();
     set_slice(k, "web", &[(b, true, true, false)])?;
     std::thread::sleep(Duration::from_secs(1));
-    let (seen, rounds) = cap.finish()?;
-    let (overlaps, handovers, problems) = judge(&k.lab, &seen, &rounds, &[web], k.lab.macs[a]);
-    eprintln!(
-        "endpoint moved node-{a} -> node-{b}: answered from node-{b} after {moved:?}; {handovers:?}"
-    );
-    ensure!(overlaps == 0, "answered by two nodes: {problems:?}");
-    ensure!(
-        handovers
-            .iter()
-            .all(|h| h.to == format!("node-{b}") && h.announced),
-        "moved to node-{b}, announced: {handovers:?}"
-    );
-    wait_answering(k, web, &[b])?;
+    k.ensure_moved(
+        cap,
+        web,
+        (a, b),
+        true,
+        &format!("endpoint moved node-{a} -> node-{b}: answered from node-{b} after {moved:?}"),
+    )?;
+    k.wait_answering(web, &[b])?;
     ensure!(announced(k, "web").is_none(), "no condition while served");
 
     // Nothing serving anywhere: nobody answers, and the status says so.
     set_slice(k, "web", &[(b, false, false, true)])?;
-    wait_answering(k, web, &[])?;
+    k.wait_answering(web, &[])?;
     wait_for(
         "the NoServingEndpoint condition",
         Duration::from_secs(10),
@@ -214,11 +173,11 @@ fn local_scenario(k: &mut KubeLab, w: usize) -> anyhow::Result<()> {
                 .then_some(())
         },
     )?;
-    wait_answering(k, plain, &[w])?;
+    k.wait_answering(plain, &[w])?;
 
     // Back on the writer's node: answered there, the condition gone.
     set_slice(k, "web", &[(w, true, true, false)])?;
-    wait_answering(k, web, &[w])?;
+    k.wait_answering(web, &[w])?;
     wait_for("the condition gone", Duration::from_secs(10), || {
         announced(k, "web").is_none().then_some(())
     })?;
@@ -227,7 +186,7 @@ fn local_scenario(k: &mut KubeLab, w: usize) -> anyhow::Result<()> {
     // over once the Lease expires, never both at once.
     set_slice(k, "web", &[(w, true, true, false), (a, true, true, false)])?;
     std::thread::sleep(Duration::from_secs(1));
-    wait_answering(k, web, &[w])?;
+    k.wait_answering(web, &[w])?;
     let cap = Capture::start(&k.lab, vec![web], Duration::from_millis(50))?;
     std::thread::sleep(Duration::from_millis(300));
     let t1 = Instant::now();
@@ -235,14 +194,13 @@ fn local_scenario(k: &mut KubeLab, w: usize) -> anyhow::Result<()> {
     wait_answered_elsewhere(&cap, &[web], k.lab.macs[w], t1, Duration::from_secs(10))?;
     let took = t1.elapsed();
     std::thread::sleep(Duration::from_secs(1));
-    let (seen, rounds) = cap.finish()?;
-    let (overlaps, handovers, problems) = judge(&k.lab, &seen, &rounds, &[web], k.lab.macs[w]);
-    eprintln!("node-{w} killed: node-{a} answered after {took:?}; {handovers:?}");
-    ensure!(overlaps == 0, "answered by two nodes: {problems:?}");
-    ensure!(
-        handovers.iter().all(|h| h.to == format!("node-{a}")),
-        "moved to node-{a}: {handovers:?}"
-    );
+    k.ensure_moved(
+        cap,
+        web,
+        (w, a),
+        false,
+        &format!("node-{w} killed: node-{a} answered after {took:?}"),
+    )?;
     ensure!(took < Duration::from_secs(5), "took {took:?}");
     k.lab.agents[w].restart()?;
 
@@ -263,7 +221,7 @@ fn local_endpoint_move_bench() -> anyhow::Result<()> {
     let k = &lab;
     let web = create_service(k, "move", "Local")?;
     create_slice(k, "move", &[(0, true, true, false)])?;
-    wait_answering(k, web, &[0])?;
+    k.wait_answering(web, &[0])?;
     let moves = lockstep_tests::bench::size(20, 2);
     let (mut gaps, mut overlaps) = (Vec::new(), 0usize);
     let mut at = 0usize;

@@ -18,50 +18,12 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, ensure};
 use lockstep_tests::kube_lab::{KubeLab, lb_service, pool_spec};
-use lockstep_tests::lb_lab::{Capture, judge, probe_once, wait_answered_elsewhere};
+use lockstep_tests::lb_lab::{Capture, wait_answered_elsewhere};
 use lockstep_tests::{privileged, wait_for};
 use serde_json::json;
 
 const NS: &str = "shop";
 const EAST: &str = "10.251.0.70";
-
-/// The node the writer's Lease names.
-fn writer(k: &KubeLab) -> Option<usize> {
-    let l = k
-        .api
-        .get("leases", "kube-system", "lockstep-lb-writer")
-        .ok()?;
-    l["spec"]["holderIdentity"]
-        .as_str()
-        .and_then(|h| h.strip_prefix("node-"))
-        .and_then(|i| i.parse().ok())
-}
-
-/// The nodes that answered `addr` in one probe.
-fn answering(k: &KubeLab, addr: IpAddr) -> anyhow::Result<BTreeSet<usize>> {
-    let answers = probe_once(&k.lab, &[addr], Duration::from_millis(800))?;
-    Ok(answers
-        .get(&addr)
-        .into_iter()
-        .flatten()
-        .filter_map(|m| k.lab.macs.iter().position(|x| x == m))
-        .collect())
-}
-
-/// Waits until `addr` is answered by exactly `nodes`.
-fn wait_answering(k: &KubeLab, addr: IpAddr, nodes: &[usize]) -> anyhow::Result<()> {
-    let want: BTreeSet<usize> = nodes.iter().copied().collect();
-    let mut last = BTreeSet::new();
-    wait_for(
-        &format!("{addr} answered by nodes {want:?}"),
-        Duration::from_secs(10),
-        || {
-            last = answering(k, addr).ok()?;
-            (last == want).then_some(())
-        },
-    )
-    .with_context(|| format!("last answered by {last:?}"))
-}
 
 /// Sets (or, with `None`, removes) node `i`'s `zone` label.
 fn zone(k: &KubeLab, i: usize, zone: Option<&str>) -> anyhow::Result<()> {
@@ -98,7 +60,9 @@ fn scenario(k: &mut KubeLab) -> anyhow::Result<()> {
                "nodeSelector": {"matchLabels": {"zone": "east"}},
                "serviceSelector": {"matchLabels": {"pool": "east"}}}),
     )?;
-    let w = wait_for("a writer", Duration::from_secs(30), || writer(k))?;
+    let w = wait_for("a writer", Duration::from_secs(30), || {
+        k.lease_holder("lockstep-lb-writer")
+    })?;
     let (a, b) = ((w + 1) % 3, (w + 2) % 3);
     k.api.create(
         "services",
@@ -129,9 +93,9 @@ fn scenario(k: &mut KubeLab) -> anyhow::Result<()> {
     );
 
     // No node in the zone: the writer answers its pool, not east's.
-    wait_answering(k, plain, &[w])?;
+    k.wait_answering(plain, &[w])?;
     std::thread::sleep(Duration::from_secs(1));
-    let now = answering(k, east)?;
+    let now = k.answering(east)?;
     ensure!(
         now.is_empty(),
         "{east} answered by {now:?}: no node is in zone east"
@@ -139,8 +103,8 @@ fn scenario(k: &mut KubeLab) -> anyhow::Result<()> {
 
     // Node a labelled into the zone while its agent runs.
     zone(k, a, Some("east"))?;
-    wait_answering(k, east, &[a])?;
-    wait_answering(k, plain, &[w])?;
+    k.wait_answering(east, &[a])?;
+    k.wait_answering(plain, &[w])?;
 
     // The zone moves to node b: the answers follow, never from two nodes.
     let cap = Capture::start(&k.lab, vec![east], Duration::from_millis(50))?;
@@ -151,20 +115,15 @@ fn scenario(k: &mut KubeLab) -> anyhow::Result<()> {
     wait_answered_elsewhere(&cap, &[east], k.lab.macs[a], t0, Duration::from_secs(10))?;
     let moved = t0.elapsed();
     std::thread::sleep(Duration::from_secs(1));
-    let (seen, rounds) = cap.finish()?;
-    let (overlaps, handovers, problems) = judge(&k.lab, &seen, &rounds, &[east], k.lab.macs[a]);
-    eprintln!(
-        "zone moved node-{a} -> node-{b}: answered from node-{b} after {moved:?}; {handovers:?}"
-    );
-    ensure!(overlaps == 0, "answered by two nodes: {problems:?}");
-    ensure!(
-        handovers
-            .iter()
-            .all(|h| h.to == format!("node-{b}") && h.announced),
-        "moved to node-{b}, announced: {handovers:?}"
-    );
-    wait_answering(k, east, &[b])?;
-    wait_answering(k, plain, &[w])?;
+    k.ensure_moved(
+        cap,
+        east,
+        (a, b),
+        true,
+        &format!("zone moved node-{a} -> node-{b}: answered from node-{b} after {moved:?}"),
+    )?;
+    k.wait_answering(east, &[b])?;
+    k.wait_answering(plain, &[w])?;
 
     k.ensure_requests_allowed()
 }

@@ -36,39 +36,25 @@ pub fn objects(o: &Options) -> Vec<(String, Value)> {
     if !o.mode.elects_on_a_lease() {
         return Vec::new();
     }
-    let agent = format!("system:serviceaccount:{}:lockstep", o.namespace);
-    let policy = json!({
-        "apiVersion": "admissionregistration.k8s.io/v1",
-        "kind": "ValidatingAdmissionPolicy",
-        "metadata": {"name": POLICY, "labels": {"app.kubernetes.io/name": "lockstep"}},
-        "spec": {
-            "failurePolicy": "Fail",
-            "paramKind": {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease"},
-            "matchConstraints": {"resourceRules": [
-                {"apiGroups": [""], "apiVersions": ["v1"], "operations": ["UPDATE"],
-                 "resources": ["services/status"]},
-                {"apiGroups": ["lockstep.io"], "apiVersions": ["*"], "operations": ["UPDATE"],
-                 "resources": ["loadbalancerippools", "loadbalancerippools/status"]},
-            ]},
-            "matchConditions": [{
-                "name": "the-lockstep-agent",
-                "expression": format!("request.userInfo.username == '{agent}'"),
-            }],
-            "validations": [{
-                "expression": format!(
-                    "'{NODE_NAME}' in request.userInfo.extra && \
-                     has(params.spec.holderIdentity) && \
-                     params.spec.holderIdentity == request.userInfo.extra['{NODE_NAME}'][0]"
-                ),
-                "messageExpression": format!(
-                    "'only the LB writer (the node holding Lease ' + params.metadata.name + \
-                     ') writes LoadBalancer state; this request came from node ' + \
-                     ('{NODE_NAME}' in request.userInfo.extra ? request.userInfo.extra['{NODE_NAME}'][0] : 'unknown')"
-                ),
-                "reason": "Forbidden",
-            }],
-        },
-    });
+    let policy = policy(
+        POLICY,
+        o,
+        json!([
+            {"apiGroups": [""], "apiVersions": ["v1"], "operations": ["UPDATE"],
+             "resources": ["services/status"]},
+            {"apiGroups": ["lockstep.io"], "apiVersions": ["*"], "operations": ["UPDATE"],
+             "resources": ["loadbalancerippools", "loadbalancerippools/status"]},
+        ]),
+        format!(
+            "'{NODE_NAME}' in request.userInfo.extra && \
+             has(params.spec.holderIdentity) && \
+             params.spec.holderIdentity == request.userInfo.extra['{NODE_NAME}'][0]"
+        ),
+        format!(
+            "'only the LB writer (the node holding Lease ' + params.metadata.name + \
+             ') writes LoadBalancer state; this request came from node ' + {FROM}"
+        ),
+    );
     let mut out = vec![
         (
             "Only the LB writer writes LoadBalancer state: the agent's writes of Service\n\
@@ -122,32 +108,47 @@ pub fn nodeipam_expression() -> String {
 }
 
 fn nodeipam_policy(o: &Options) -> Value {
+    policy(
+        NODEIPAM_POLICY,
+        o,
+        json!([
+            {"apiGroups": ["lockstep.io"], "apiVersions": ["*"],
+             "operations": ["CREATE", "UPDATE"],
+             "resources": ["nodeipams", "nodeipams/status"]},
+        ]),
+        nodeipam_expression(),
+        format!(
+            "'a node writes only its own NodeIPAM object, and only the LB writer (the node \
+             holding Lease ' + params.metadata.name + ') writes offers; this request came \
+             from node ' + {FROM} + ' for ' + object.metadata.name"
+        ),
+    )
+}
+
+/// The CEL naming the request's node, for messages.
+const FROM: &str = "('authentication.kubernetes.io/node-name' in request.userInfo.extra ? \
+     request.userInfo.extra['authentication.kubernetes.io/node-name'][0] : 'unknown')";
+
+/// A policy `name` on the agent's requests matching `rules`, with the
+/// election's Lease as its parameter: `expression` must hold, else the
+/// request is refused with `message` (a CEL expression).
+fn policy(name: &str, o: &Options, rules: Value, expression: String, message: String) -> Value {
     let agent = format!("system:serviceaccount:{}:lockstep", o.namespace);
     json!({
         "apiVersion": "admissionregistration.k8s.io/v1",
         "kind": "ValidatingAdmissionPolicy",
-        "metadata": {"name": NODEIPAM_POLICY, "labels": {"app.kubernetes.io/name": "lockstep"}},
+        "metadata": {"name": name, "labels": {"app.kubernetes.io/name": "lockstep"}},
         "spec": {
             "failurePolicy": "Fail",
             "paramKind": {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease"},
-            "matchConstraints": {"resourceRules": [
-                {"apiGroups": ["lockstep.io"], "apiVersions": ["*"],
-                 "operations": ["CREATE", "UPDATE"],
-                 "resources": ["nodeipams", "nodeipams/status"]},
-            ]},
+            "matchConstraints": {"resourceRules": rules},
             "matchConditions": [{
                 "name": "the-lockstep-agent",
                 "expression": format!("request.userInfo.username == '{agent}'"),
             }],
             "validations": [{
-                "expression": nodeipam_expression(),
-                "messageExpression": format!(
-                    "'a node writes only its own NodeIPAM object, and only the LB writer (the node \
-                     holding Lease ' + params.metadata.name + ') writes offers; this request came \
-                     from node ' + ('{NODE_NAME}' in request.userInfo.extra ? \
-                     request.userInfo.extra['{NODE_NAME}'][0] : 'unknown') + ' for ' + \
-                     object.metadata.name"
-                ),
+                "expression": expression,
+                "messageExpression": message,
                 "reason": "Forbidden",
             }],
         },
@@ -191,6 +192,14 @@ mod tests {
             json!({"metadata": {"name": "lockstep-lb-writer"}, "spec": {"holderIdentity": holder}}),
         )
         .unwrap();
+        // The refusal's message is CEL too: it must give a string.
+        let message = p["spec"]["validations"][0]["messageExpression"]
+            .as_str()
+            .unwrap();
+        match cel::Program::compile(message).unwrap().execute(&ctx) {
+            Ok(cel::Value::String(m)) => assert!(m.contains("this request came from node")),
+            other => panic!("{message}: {other:?}"),
+        }
         match program.execute(&ctx) {
             Ok(cel::Value::Bool(b)) => b,
             other => panic!("{expr}: {other:?}"),

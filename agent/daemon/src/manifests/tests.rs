@@ -32,6 +32,11 @@ fn options(mode: Mode) -> Options {
     }
 }
 
+/// Every mode (as `--mode` lists them, so a new one is never missed).
+fn all() -> &'static [Mode] {
+    <Mode as clap::ValueEnum>::value_variants()
+}
+
 fn docs(yaml: &str) -> Vec<Value> {
     serde_saphyr::from_multiple(yaml).expect("the rendered YAML reads back")
 }
@@ -42,13 +47,7 @@ fn kind<'a>(docs: &'a [Value], kind: &str) -> Option<&'a Value> {
 
 #[test]
 fn every_mode_renders_a_config_the_agent_accepts() {
-    for mode in [
-        Mode::Lb,
-        Mode::Local,
-        Mode::PodCidr,
-        Mode::Cluster,
-        Mode::MultiPool,
-    ] {
+    for &mode in all() {
         let d = docs(&render(&options(mode)).unwrap());
         let config = kind(&d, "ConfigMap").unwrap()["data"]["config.toml"]
             .as_str()
@@ -99,13 +98,7 @@ fn multi_pool_renders_its_crds_its_pool_and_the_nodeipam_policy() {
 
 #[test]
 fn the_agent_is_told_its_node_name_by_the_downward_api() {
-    for mode in [
-        Mode::Lb,
-        Mode::Local,
-        Mode::PodCidr,
-        Mode::Cluster,
-        Mode::MultiPool,
-    ] {
+    for &mode in all() {
         let d = docs(&render(&options(mode)).unwrap());
         let ds = kind(&d, "DaemonSet").unwrap();
         let env = &ds["spec"]["template"]["spec"]["containers"][0]["env"];
@@ -144,13 +137,7 @@ fn mode_lb_installs_no_cni_config_and_mounts_no_cni_directory() {
 
 #[test]
 fn no_mode_is_privileged_and_every_capability_is_named() {
-    for mode in [
-        Mode::Lb,
-        Mode::Local,
-        Mode::PodCidr,
-        Mode::Cluster,
-        Mode::MultiPool,
-    ] {
+    for &mode in all() {
         let d = docs(&render(&options(mode)).unwrap());
         let ds = kind(&d, "DaemonSet").unwrap();
         let sc = &ds["spec"]["template"]["spec"]["containers"][0]["securityContext"];
@@ -367,13 +354,7 @@ fn the_committed_daemonsets_are_what_the_generator_renders() {
 
 #[test]
 fn the_cleanup_runs_uninstall_on_every_node_with_the_agents_paths() {
-    for mode in [
-        Mode::Lb,
-        Mode::Local,
-        Mode::PodCidr,
-        Mode::Cluster,
-        Mode::MultiPool,
-    ] {
+    for &mode in all() {
         let d = docs(&render_cleanup(&options(mode)).unwrap());
         assert_eq!(d.len(), 2, "{mode:?}");
         let install = docs(&render(&options(mode)).unwrap());
