@@ -273,6 +273,9 @@ fn cover(
             }
         }
         ["cargo", "test", "-p", "lockstep-tests", "--test", name, ..] => integration(root, name),
+        ["cargo", "test", "-p", "lockstep-tests", "--lib", ..] => stage(
+            "the integration stage of cargo xtask test (cargo test -p lockstep-tests runs the crate's own unit tests too)",
+        ),
         [
             "cargo",
             "test",
