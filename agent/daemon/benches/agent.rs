@@ -260,7 +260,8 @@ fn main() -> std::process::ExitCode {
             ],
             ..Config::default()
         };
-        let agent = Agent::start(config).expect("agent start");
+        let start = lockstep::agent::Start::configured(&config);
+        let agent = Agent::start(config, start).expect("agent start");
         let report = agent.restored().clone();
         assert_eq!(
             report.added, n as usize,

@@ -18,6 +18,7 @@ use crate::config::Config;
 use crate::metrics::Metrics;
 
 mod head;
+mod start;
 
 /// Errors that stop the agent.
 #[derive(Debug, thiserror::Error)]
@@ -399,9 +400,12 @@ pub async fn run(config: Config) -> Result<(), ServerError> {
             })
         })?;
     }
-    let started = tokio::task::spawn_blocking(move || Agent::start(config))
-        .await
-        .map_err(ServerError::Join)?;
+    let started = tokio::task::spawn_blocking(move || {
+        let inputs = start::inputs(&config)?;
+        Agent::start(config, inputs)
+    })
+    .await
+    .map_err(ServerError::Join)?;
     let agent = match started {
         Ok(agent) => agent,
         // A store that cannot be opened will not open on the next try
@@ -494,7 +498,7 @@ pub async fn run(config: Config) -> Result<(), ServerError> {
     let remote = crate::cluster::RemoteTask::from_config(&cluster_config, interval, link.clone());
     let remote = remote.map(|r| r.with_routing(agent.routing()));
     if let Some(r) = &remote {
-        agent.set_remote_view(r.view());
+        agent.set_remote_view(Arc::new(r.view()));
     }
     // Full DELs hand their veths to the reaper (`agent::reaper`): its
     // queue is in place before any request can reach the agent, so a DEL
@@ -660,7 +664,7 @@ pub async fn run(config: Config) -> Result<(), ServerError> {
                             // externalTrafficPolicy: Local Services are
                             // answered from a node with a ready endpoint,
                             // one Lease each (#44 item 3).
-                            let cache = crate::kubernetes::sync::ServiceCache::start(&client);
+                            let cache = crate::kubernetes::reflectors::ServiceCache::start(&client);
                             let (local, answers) =
                                 crate::kubernetes::local_traffic::LocalTraffic::new(
                                     client.clone(),

@@ -8,10 +8,24 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
 
 use ipnet::IpNet;
-use lockstep_core::cluster::{ClaimedBlock, LocalOverlap, check_configured, local_overlaps};
+use lockstep_core::cluster::LocalOverlap;
+use lockstep_core::cluster::remote::RemoteState;
 use lockstep_core::pool::PoolSpec;
 
 use super::{Agent, AgentError};
+
+/// Where the other nodes' blocks and the cluster's skip-masquerade CIDRs
+/// come from (cluster mode's remote task). Defined here so the agent names
+/// no cluster module: the server hands it the cluster's view.
+pub trait RemoteSource: Send + Sync + std::fmt::Debug {
+    /// The desired remote state, once etcd has been read since the agent
+    /// started (`None` before: the node keeps what it has).
+    fn read(&self) -> Option<std::sync::Arc<RemoteState>>;
+    /// How lockstep's routes in the calling thread's namespace differ from
+    /// the desired remote state, one line each (a failure to list them is
+    /// a line too). Blocking.
+    fn route_drift(&self) -> Vec<String>;
+}
 
 /// What the agent knows of cluster mode: the blocks fenced at start or
 /// since (block → why) and the blocks etcd gives other nodes, both named by
@@ -25,73 +39,13 @@ pub struct ClusterView {
     others: Option<(String, BTreeMap<IpNet, String>)>,
     /// The other nodes' blocks and the cluster's skip-masquerade CIDRs
     /// (`cluster::remote`), part of the desired maps.
-    remote: Option<crate::cluster::RemoteView>,
+    remote: Option<std::sync::Arc<dyn RemoteSource>>,
     /// The cluster pool serving requests that name none, as etcd records
     /// it (`Err`: why there is none); `None` outside cluster mode.
     default: Option<Result<Option<String>, String>>,
     /// Configured CIDRs sharing addresses with the cluster's: withheld from
     /// the allocator, named by `verify` (`cluster::overlap`).
     overlaps: Vec<LocalOverlap>,
-}
-
-/// The pools the manager starts with: the configuration's, then the
-/// cluster pools of the blocks recorded in the state directory (so stored
-/// allocations in them restore into their blocks, not into draining
-/// ranges). An unreadable record is an error: serving without it could
-/// hand out what the node does not hold. So is a configured pool sharing
-/// addresses with a recorded cluster pool or block (`cluster::overlap`).
-/// NodeIPAM's pools come from its record the same way
-/// (`kubernetes::nodeipam::start_specs`), and so does the pod-CIDR pool
-/// (`kubernetes::pod_cidrs::start_spec`).
-///
-/// # Errors
-/// [`AgentError::Invalid`] naming the file, or every overlap.
-pub(super) fn start_pools(config: &crate::config::Config) -> Result<Vec<PoolSpec>, AgentError> {
-    let mut pools = config.pools.clone();
-    if config.cluster.is_some() {
-        let held =
-            crate::cluster::Held::load(&config.state_dir).map_err(|e| AgentError::Invalid {
-                reason: crate::error_chain(&e),
-            })?;
-        let blocks: Vec<ClaimedBlock<'_>> = held
-            .blocks
-            .iter()
-            .map(|b| ClaimedBlock {
-                pool: &b.pool,
-                block: b.cidr,
-                node: &held.node,
-            })
-            .collect();
-        check_configured(local_overlaps(&config.pools, &held.pools, &blocks)).map_err(|e| {
-            AgentError::Invalid {
-                reason: e.to_string(),
-            }
-        })?;
-        pools.extend(crate::cluster::local_specs(config, &held));
-    }
-    // NodeIPAM (#29 item 5): the CIDRs the record says this node holds,
-    // before the API answers.
-    let nodeipam = config.nodeipam_pools();
-    if !nodeipam.is_empty() {
-        let specs =
-            crate::kubernetes::nodeipam::start_specs(&config.state_dir, &nodeipam, &config.pools)
-                .map_err(|reason| AgentError::Invalid { reason })?;
-        pools.extend(specs);
-    }
-    // `[kubernetes] pod_cidr_pool`: the recorded podCIDRs (the server
-    // recorded the Node's before the start); the follower changes them.
-    if let Some(name) = config
-        .kubernetes
-        .as_ref()
-        .and_then(|k| k.pod_cidr_pool.as_deref())
-        && let Some(spec) = crate::kubernetes::pod_cidrs::start_spec(&config.state_dir, name)
-            .map_err(|e| AgentError::Invalid {
-                reason: crate::error_chain(&e),
-            })?
-    {
-        pools.push(spec);
-    }
-    Ok(pools)
 }
 
 impl Agent {
@@ -265,7 +219,7 @@ impl Agent {
 impl Agent {
     /// Makes cluster mode's remote state (`cluster::remote`) part of the
     /// desired maps: reconcile writes its entries and verify reports them.
-    pub fn set_remote_view(&mut self, view: crate::cluster::RemoteView) {
+    pub fn set_remote_view(&mut self, view: std::sync::Arc<dyn RemoteSource>) {
         self.cluster.remote = Some(view);
     }
 
@@ -277,26 +231,21 @@ impl Agent {
         maps: &mut lockstep_core::plan::desired::MapContents,
         have: &lockstep_core::plan::desired::MapContents,
     ) {
-        match &self.cluster.remote {
-            Some(view) if view.is_read() => view.snapshot().merge_into(maps),
+        match self.cluster.remote.as_ref().map(|v| v.read()) {
+            Some(Some(state)) => state.merge_into(maps),
             None if self.config.cluster.is_none() => {}
-            Some(_) | None => {
-                lockstep_core::cluster::remote::RemoteState::carried_over(have, BTreeMap::new())
-                    .merge_into(maps);
+            Some(None) | None => {
+                RemoteState::carried_over(have, BTreeMap::new()).merge_into(maps);
             }
         }
     }
 
     /// Drift of cluster mode's remote routes (none outside cluster mode).
     pub(super) fn remote_route_drift(&self) -> Vec<String> {
-        match &self.cluster.remote {
-            Some(view) => view.route_drift().unwrap_or_else(|e| {
-                vec![format!(
-                    "remote routes not read: {}",
-                    crate::error_chain(&e)
-                )]
-            }),
-            None => Vec::new(),
-        }
+        self.cluster
+            .remote
+            .as_ref()
+            .map(|v| v.route_drift())
+            .unwrap_or_default()
     }
 }

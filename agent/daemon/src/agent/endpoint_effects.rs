@@ -13,9 +13,16 @@ use lockstep_core::manager::{Allocation, PoolManager, PoolSource};
 use super::AgentError;
 use super::allocation::{datapath_error, value_for};
 use super::doors::{LinkDoor, MapDoor, StoreDoor};
-use super::endpoints::endpoint_value;
 use super::release::ParkedReleases;
 use crate::store::{EndpointMode, EndpointRecord};
+
+/// The endpoint's ENDPOINTS value.
+pub(super) fn endpoint_value(
+    record: &EndpointRecord,
+    generation: u64,
+) -> lockstep_common::EndpointValue {
+    lockstep_core::plan::desired::endpoint_value(record.mac, &record.addresses, generation)
+}
 
 /// The doors and state an endpoint's effects go through.
 pub struct EndpointEffects<'a, P: PoolSource, S: StoreDoor, M: MapDoor, L: LinkDoor> {

@@ -14,7 +14,7 @@ use std::collections::BTreeSet;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use ipnet::IpNet;
-use lockstep_common::{EndpointValue, program_names};
+use lockstep_common::program_names;
 use lockstep_core::cidr::Family;
 use lockstep_core::manager::Allocation;
 use lockstep_core::owner::Owner;
@@ -44,11 +44,6 @@ mod interfaces;
 
 pub use entry::*;
 pub use interfaces::*;
-
-/// The endpoint's ENDPOINTS value.
-pub(super) fn endpoint_value(record: &EndpointRecord, generation: u64) -> EndpointValue {
-    lockstep_core::plan::desired::endpoint_value(record.mac, &record.addresses, generation)
-}
 
 fn invalid(reason: impl Into<String>) -> AgentError {
     AgentError::Invalid {

@@ -53,6 +53,7 @@ mod report;
 mod tunnel;
 
 pub use announce::{Announcements, UplinkHealth};
+pub use cluster_pools::RemoteSource;
 pub use error::AgentError;
 use maps::MapContents;
 pub use report::{Drift, PoolStatus, ReconcileReport, Stats, Status, Uplink, VerifyReport};
@@ -167,13 +168,36 @@ fn datapath_options(config: &Config) -> DatapathOptions {
     opts
 }
 
+/// What the agent starts from beyond its configuration, found by the
+/// sources that compose it (the server): the pools recorded in the state
+/// directory and cluster mode's node addresses.
+#[derive(Clone, Debug, Default)]
+pub struct Start {
+    /// Every pool the allocator starts with: the configuration's, and the
+    /// recorded ones (cluster blocks, NodeIPAM CIDRs, the Node's podCIDRs).
+    pub pools: Vec<lockstep_core::pool::PoolSpec>,
+    /// Cluster mode's node addresses (empty outside cluster mode).
+    pub node_ips: Vec<IpAddr>,
+}
+
+impl Start {
+    /// Only the configuration's pools: an agent outside cluster mode and
+    /// without recorded pools.
+    pub fn configured(config: &Config) -> Self {
+        Self {
+            pools: config.pools.clone(),
+            node_ips: Vec::new(),
+        }
+    }
+}
+
 impl Agent {
     /// Starts the agent: opens the datapath and the store, restores every
     /// allocation into the core, reconciles the maps, and becomes ready.
     ///
     /// # Errors
     /// Any of those steps failed; the agent must not serve.
-    pub fn start(config: Config) -> Result<Self, AgentError> {
+    pub fn start(config: Config, start: Start) -> Result<Self, AgentError> {
         let started = Instant::now();
         // The store first: its lock refuses a second agent on this state
         // directory before `Datapath::open` may migrate (replace) pins the
@@ -190,10 +214,7 @@ impl Agent {
         let datapath = Datapath::open(opts)?;
         let maps = datapath.maps()?;
         let stored = store.load()?;
-        let mut manager = PoolManager::new(
-            StaticPools(cluster_pools::start_pools(&config)?),
-            ManagerConfig::default(),
-        )?;
+        let mut manager = PoolManager::new(StaticPools(start.pools), ManagerConfig::default())?;
         let report = manager.sync();
         if !report.errors.is_empty() {
             return Err(AgentError::Invalid {
@@ -257,7 +278,7 @@ impl Agent {
             stats: Stats::default(),
         };
         agent.attach_uplink()?;
-        agent.start_routing()?;
+        agent.start_routing(start.node_ips)?;
         agent.from_endpoint = Some(agent.datapath.pin_program(
             lockstep_common::program_names::FROM_ENDPOINT,
             attach_mode(agent.config.datapath.endpoint_attach_mode),

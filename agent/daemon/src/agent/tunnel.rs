@@ -63,18 +63,17 @@ fn mtu_of_holder(nl: &Netlink, ip: IpAddr) -> Result<Option<u32>, AgentError> {
 }
 
 impl Agent {
-    /// Decides the routing at start (cluster mode only) and sets the
+    /// Decides the routing at start (cluster mode only, `ips` the node's
+    /// addresses) and sets the
     /// tunnel up when the mode may encapsulate. Before the first reconcile.
     ///
     /// # Errors
     /// The node addresses cannot be found; the device or its program
     /// cannot be set up.
-    pub(super) fn start_routing(&mut self) -> Result<(), AgentError> {
+    pub(super) fn start_routing(&mut self, ips: Vec<IpAddr>) -> Result<(), AgentError> {
         let Some(cluster) = self.config.cluster.clone() else {
             return Ok(());
         };
-        let ips = crate::cluster::node_ips(&self.config, &cluster)
-            .map_err(|reason| AgentError::Invalid { reason })?;
         let nl = Netlink::current()?;
         let routing = Routing {
             mode: cluster.routing,

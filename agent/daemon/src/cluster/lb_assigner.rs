@@ -28,8 +28,8 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::watch;
 
-use super::lb_agent::{IDLE_ROUND, ROUND_EVERY, Wake, mirror_stamp};
 use super::lb_handle::LbHandle;
+use super::lb_timing::{IDLE_ROUND, ROUND_EVERY, Wake, mirror_stamp};
 use super::{ClusterStoreError, Door, LbView, Round, Stamp};
 
 /// The assigner of one node.

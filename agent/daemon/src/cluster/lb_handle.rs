@@ -17,7 +17,7 @@ use lockstep_core::lb::{LbIpam, LbPoolSpec, ServiceSpec};
 use serde::Serialize;
 use tokio::sync::watch;
 
-use super::lb_agent::{TICK, changed};
+use super::lb_timing::{TICK, changed};
 use super::{ClusterStoreError, Door, DoorOptions, LbView};
 use crate::agent::announce::monotonic_ns;
 /// What the API, the CLI and metrics read of the LB agent, and the door

@@ -20,7 +20,7 @@ use kube::runtime::watcher;
 use lockstep_core::lb::kubernetes::nodes::{NodeState, may_answer};
 use tokio::sync::Notify;
 
-use super::sync::drive_with;
+use super::reflectors::drive_with;
 
 /// What of `n` the rules read.
 fn state(n: &Node) -> NodeState {

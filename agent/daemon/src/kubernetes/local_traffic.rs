@@ -48,7 +48,7 @@ use super::candidacy::Labels;
 use super::crd::LoadBalancerIPPool;
 use super::election::{LeaseDoor, elector, now_ms};
 use super::objects::service;
-use super::sync::{Services, drive};
+use super::reflectors::{Services, drive};
 use crate::config::ElectionConfig;
 
 /// What the `Local` Services ask of this node's announcer and of the

@@ -37,6 +37,7 @@ mod objects;
 pub mod pod_cidrs;
 pub mod pod_pools;
 pub mod pods;
+pub mod reflectors;
 pub mod sync;
 pub mod writer;
 

@@ -216,7 +216,7 @@ impl<S: AgentSlot> Follower<S> {
         let wake = Arc::new(Notify::new());
         let config = watcher::Config::default().fields(&format!("metadata.name={}", self.node));
         let (store, reflector) =
-            super::sync::drive_with(Api::<Node>::all(client), config, wake.clone());
+            super::reflectors::drive_with(Api::<Node>::all(client), config, wake.clone());
         loop {
             tokio::select! {
                 () = wake.notified() => {}

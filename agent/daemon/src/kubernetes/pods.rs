@@ -24,7 +24,7 @@ use kube::runtime::watcher;
 use lockstep_core::pods::{PodFacts, PodRef, PodsError, PoolPick, pick_pool};
 use tokio::sync::Notify;
 
-use super::sync::drive_with;
+use super::reflectors::drive_with;
 
 /// The pods and namespaces as the door needs them.
 pub trait PodView: Send + Sync + 'static {

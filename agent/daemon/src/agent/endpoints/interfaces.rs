@@ -354,6 +354,7 @@ pub(super) fn random_mac() -> Result<[u8; 6], AgentError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::agent::endpoint_effects::endpoint_value;
 
     #[test]
     fn host_names_are_stable_short_and_distinct() {

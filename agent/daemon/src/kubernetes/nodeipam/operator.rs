@@ -34,7 +34,7 @@ use super::crd::NodeIPAM;
 use crate::kubernetes::KubeError;
 use crate::kubernetes::election::Leadership;
 use crate::kubernetes::pod_pools::PodIPPool;
-use crate::kubernetes::sync::drive;
+use crate::kubernetes::reflectors::drive;
 
 /// How often the plan is checked with nothing changing (repair).
 const REPAIR: Duration = Duration::from_secs(5);
