@@ -775,3 +775,113 @@ fn a_plugin_older_than_check_gets_del_and_add_on_restart() -> anyhow::Result<()>
     agent.stop()?;
     Ok(())
 }
+
+/// The plugin runs with the agent free (#46 item 2): while one endpoint's
+/// ADD (then DEL) waits 5 s on a slow plugin, another endpoint's ADD and
+/// DEL, and `lockstep status`, are answered; the slow one still gets its
+/// own address and is released.
+#[test]
+fn a_slow_plugin_holds_up_only_its_own_attachment() -> anyhow::Result<()> {
+    privileged!();
+    let node = Netns::new("dw")?;
+    let pod = Netns::new("dq")?;
+    let fake = Fake::new("ok", false)?;
+    let v = json!({
+        "cniVersion": "1.0.0",
+        "name": unique("fakenet"),
+        "plugins": [{
+            "type": "ptp",
+            "ipam": {"type": fake.plugin, "fake": {
+                "mode": "ok", "log": fake.log, "slow_ms": 5000, "slow_prefix": "slow",
+            }},
+        }],
+    });
+    std::fs::write(&fake.conflist, serde_json::to_vec_pretty(&v)?)?;
+    let ns = NsFile::new();
+    let mut agent = AgentProc::start(
+        &node,
+        &config(
+            &unique("n"),
+            &fake.conflist,
+            fake.dir.path(),
+            &ns,
+            "30s",
+            "",
+        ),
+    )?;
+    let conf = json!({
+        "cniVersion": "1.0.0",
+        "name": "pods",
+        "type": "bridge",
+        "ipam": {"type": "lockstep-ipam", "agentSocket": agent.socket()},
+    });
+    let pod_ns = pod.path().display().to_string();
+    let (slow, fast) = (unique("slow"), unique("fast"));
+    let call = |command: &str, id: &str| -> anyhow::Result<(i32, Value, Instant)> {
+        let env = [
+            ("CNI_COMMAND", command),
+            ("CNI_CONTAINERID", id),
+            ("CNI_IFNAME", "eth0"),
+            ("CNI_NETNS", pod_ns.as_str()),
+        ];
+        let (code, out) = lockstep_plugin(&env, &conf)?;
+        Ok((code, out, Instant::now()))
+    };
+    for command in ["ADD", "DEL"] {
+        let (slow_done, fast_done, fast_out, status) = std::thread::scope(|s| {
+            let started = Instant::now();
+            let slow_call = s.spawn(|| call(command, &slow));
+            // The slow plugin is running once the fake logged its call.
+            wait_for("the slow plugin to start", Duration::from_secs(5), || {
+                (fake.calls_of(command, &slow) == 1).then_some(())
+            })?;
+            let (code, fast_out, fast_done) = call(command, &fast)?;
+            assert_eq!(code, 0, "{command} of {fast}: {fast_out}");
+            let status = agent.json(["status", "-o", "json"])?;
+            let status_done = Instant::now();
+            let (code, slow_out, slow_done) = slow_call
+                .join()
+                .map_err(|_| anyhow::anyhow!("the slow call panicked"))??;
+            assert_eq!(code, 0, "{command} of {slow}: {slow_out}");
+            assert!(
+                slow_done - started >= Duration::from_secs(5),
+                "the fake slept 5 s in {command}"
+            );
+            assert!(status_done < slow_done, "status waited for the plugin");
+            anyhow::Ok((slow_done, fast_done, fast_out, status))
+        })?;
+        assert!(
+            fast_done < slow_done,
+            "{command} of another endpoint waited for the slow plugin"
+        );
+        assert_eq!(status["ready"], true, "{status}");
+        if command == "ADD" {
+            let held = fake.held();
+            let (a, b) = (
+                &held[&format!("{slow}/eth0")],
+                &held[&format!("{fast}/eth0")],
+            );
+            assert_ne!(a, b, "two endpoints, one address: {held:?}");
+            assert_eq!(
+                fast_out["ips"][0]["address"],
+                format!("{b}/24"),
+                "{fast_out}"
+            );
+            let cache = ipcache_v4(&agent)?;
+            for ip in [a, b] {
+                assert!(
+                    cache.iter().any(|e| e["prefix"] == format!("{ip}/32")),
+                    "{ip} not in IPCACHE: {cache:?}"
+                );
+            }
+        }
+    }
+    assert!(fake.held().is_empty(), "{:?}", fake.held());
+    let cache = ipcache_v4(&agent)?;
+    assert!(
+        cache.iter().all(|e| e["flags"] != json!(["endpoint"])),
+        "an endpoint entry outlived its DEL: {cache:?}"
+    );
+    agent.stop()?;
+    Ok(())
+}

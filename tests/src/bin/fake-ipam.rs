@@ -10,7 +10,9 @@
 //! `fixed` returns the subnet's first host address to everyone; `hang`,
 //! `fail` and `garbage` affect ADD only (DEL always succeeds, as the spec
 //! wants). With `gc = true`, or a binary name containing `-gc` (VERSION gets
-//! no network config), VERSION lists 1.1.0 and GC is accepted.
+//! no network config), VERSION lists 1.1.0 and GC is accepted. With
+//! `"slow_ms": N, "slow_prefix": "p"`, an ADD or DEL of a container whose
+//! ID starts with `p` sleeps N ms once logged (a slow plugin beside fast ones).
 
 use std::collections::BTreeMap;
 use std::io::{Read, Write};
@@ -49,6 +51,12 @@ fn main() {
             "stdin": conf,
         });
         let _ = writeln!(f, "{line}");
+    }
+    if let (Some(ms), Some(prefix)) = (fake["slow_ms"].as_u64(), fake["slow_prefix"].as_str())
+        && matches!(command.as_str(), "ADD" | "DEL")
+        && container.starts_with(prefix)
+    {
+        std::thread::sleep(std::time::Duration::from_millis(ms));
     }
     let state_path = fake["log"].as_str().map(|l| format!("{l}.state"));
     let mut state: BTreeMap<String, String> = state_path

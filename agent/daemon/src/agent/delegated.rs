@@ -25,10 +25,12 @@ use std::time::{Duration, Instant};
 use lockstep_core::manager::Allocation;
 use lockstep_core::owner::{AgentRole, Generation, Owner};
 
-use super::endpoints::{EndpointAddress, EndpointReply, EndpointRequest};
+use super::endpoints::{AddBegin, EndpointAddress, EndpointReply, EndpointRequest};
 use super::{Agent, AgentError};
 use crate::config::IpamMode;
-use crate::delegate::{DelegateError, PluginConf, Runner, Target, check_state_dir, ensure_netns};
+use crate::delegate::{
+    AddOutcome, DelegateError, PluginConf, Runner, Target, check_state_dir, ensure_netns,
+};
 use crate::error_chain as chain;
 use crate::store::{DelegatedRecord, EndpointRecord};
 
@@ -37,6 +39,147 @@ pub const RETRY: Duration = Duration::from_secs(1);
 
 /// The CNI command names counted in status.
 pub const COMPENSATING_DEL: &str = "compensating_del";
+
+/// A delegated endpoint ADD between its two holds of the agent: the
+/// attachment is marked pending (no other request touches it), and the
+/// plugin, which may take up to its timeout, runs with the agent free
+/// ([`DelegatedAdd::run`]); [`Agent::endpoint_add_delegated`] takes the
+/// result back.
+#[derive(Debug)]
+pub struct DelegatedAdd {
+    req: EndpointRequest,
+    key: String,
+    runner: Runner,
+}
+
+/// What the plugin's ADD came to, for [`Agent::endpoint_add_delegated`].
+#[derive(Debug)]
+pub struct DelegatedRan {
+    add: DelegatedAdd,
+    outcome: Result<AddOutcome, DelegateError>,
+    /// A compensating DEL was sent (a hung or garbled ADD may have
+    /// allocated).
+    compensated: bool,
+}
+
+/// A compensating DEL to send with the agent free: an ADD the plugin
+/// answered that the agent then refused or could not keep.
+#[derive(Debug)]
+pub struct PluginUndo {
+    runner: Runner,
+    container_id: String,
+    ifname: String,
+    netns: PathBuf,
+    prev: Option<serde_json::Value>,
+}
+
+impl PluginUndo {
+    /// Sends the DEL (blocking: the plugin runs); a failure is logged.
+    pub fn run(self) {
+        let target = Target {
+            container_id: &self.container_id,
+            ifname: &self.ifname,
+            netns: &self.netns,
+        };
+        send_compensating_del(&self.runner, &target, self.prev.as_ref());
+    }
+}
+
+/// A delegated endpoint DEL between its two holds of the agent: its
+/// entries unprogrammed, the attachment pending, the plugin's DEL to run.
+#[derive(Debug)]
+pub struct DelegatedDel {
+    record: DelegatedRecord,
+    runner: Runner,
+}
+
+/// What the plugin's DEL came to, for [`Agent::endpoint_del_delegated`].
+#[derive(Debug)]
+pub struct DelegatedDelRan {
+    record: DelegatedRecord,
+    outcome: Result<(), DelegateError>,
+}
+
+impl DelegatedDel {
+    /// Runs the plugin's DEL (blocking, never with the agent held).
+    pub fn run(self) -> DelegatedDelRan {
+        let target = Target {
+            container_id: &self.record.container_id,
+            ifname: &self.record.ifname,
+            netns: &self.record.netns,
+        };
+        let outcome = self.runner.del(&target, Some(&self.record.result));
+        DelegatedDelRan {
+            record: self.record,
+            outcome,
+        }
+    }
+}
+
+impl DelegatedDelRan {
+    pub(super) fn into_parts(self) -> (DelegatedRecord, Result<(), DelegateError>) {
+        (self.record, self.outcome)
+    }
+}
+
+impl DelegatedAdd {
+    /// Runs the plugin's ADD (blocking, never with the agent held). A hung
+    /// or garbled ADD may have allocated: its compensating DEL is sent
+    /// here too.
+    pub fn run(self) -> DelegatedRan {
+        let target = Target {
+            container_id: &self.req.container_id,
+            ifname: &self.req.ifname,
+            netns: &self.req.netns,
+        };
+        let outcome = self.runner.add(&target);
+        let compensated = match &outcome {
+            Err(e) if !matches!(e, DelegateError::Plugin { .. }) => {
+                send_compensating_del(&self.runner, &target, None);
+                true
+            }
+            _ => false,
+        };
+        DelegatedRan {
+            add: self,
+            outcome,
+            compensated,
+        }
+    }
+}
+
+impl DelegatedRan {
+    /// The DEL that takes back what the plugin gave (nothing to take back
+    /// when its ADD failed).
+    pub fn undo(&self) -> Option<PluginUndo> {
+        let raw = &self.outcome.as_ref().ok()?.raw;
+        Some(undo_of(&self.add.runner, &self.add.req, raw))
+    }
+}
+
+fn undo_of(runner: &Runner, req: &EndpointRequest, raw: &serde_json::Value) -> PluginUndo {
+    PluginUndo {
+        runner: runner.clone(),
+        container_id: req.container_id.clone(),
+        ifname: req.ifname.clone(),
+        netns: req.netns.clone(),
+        prev: Some(raw.clone()),
+    }
+}
+
+/// Sends a compensating DEL and logs what came of it.
+fn send_compensating_del(runner: &Runner, target: &Target<'_>, prev: Option<&serde_json::Value>) {
+    match runner.del(target, prev) {
+        Ok(()) => tracing::info!(
+            container = target.container_id,
+            ifname = target.ifname,
+            "compensating DEL sent"
+        ),
+        Err(e) => {
+            tracing::error!(error = %e, container = target.container_id, "compensating DEL failed; the plugin may hold a leaked address")
+        }
+    }
+}
 
 impl Agent {
     /// Whether addresses come from an external plugin.
@@ -357,16 +500,7 @@ impl Agent {
     ) {
         self.count("DEL");
         self.count(COMPENSATING_DEL);
-        match runner.del(target, prev) {
-            Ok(()) => tracing::info!(
-                container = target.container_id,
-                ifname = target.ifname,
-                "compensating DEL sent"
-            ),
-            Err(e) => {
-                tracing::error!(error = %e, container = target.container_id, "compensating DEL failed; the plugin may hold a leaked address")
-            }
-        }
+        send_compensating_del(runner, target, prev);
     }
 
     fn delegated_add_role(&mut self, role: AgentRole) -> Result<(), AgentError> {
@@ -439,23 +573,82 @@ impl Agent {
         Ok(())
     }
 
-    /// Endpoint ADD in delegated mode: the addresses come from the plugin,
-    /// run with the endpoint's container ID, interface and namespace.
-    pub(super) fn delegated_endpoint_allocate(
+    /// Endpoint ADD in delegated mode, first hold: the attachment marked
+    /// pending and the plugin to run ([`DelegatedAdd::run`]) with the agent
+    /// free.
+    pub(super) fn delegated_endpoint_begin(
         &mut self,
-        req: &EndpointRequest,
-    ) -> Result<(Vec<Allocation>, DelegatedRecord), AgentError> {
-        let owner = Owner::Delegated {
-            container_id: req.container_id.clone(),
-            ifname: req.ifname.clone(),
+        req: EndpointRequest,
+        key: String,
+    ) -> Result<DelegatedAdd, AgentError> {
+        let runner = self.runner()?.clone();
+        self.pending.insert(key.clone());
+        Ok(DelegatedAdd { req, key, runner })
+    }
+
+    /// Endpoint ADD in delegated mode, second hold: the plugin's result
+    /// checked (no address anyone else holds) and carried on as any ADD
+    /// ([`AddBegin`]: done in IPAM mode, interfaces to make in full mode).
+    /// On an error, the plugin's addresses are to be given back with the
+    /// returned [`PluginUndo`] (run it with the agent free).
+    pub fn endpoint_add_delegated(
+        &mut self,
+        ran: DelegatedRan,
+    ) -> (Result<AddBegin, AgentError>, Option<PluginUndo>) {
+        let DelegatedRan {
+            add,
+            outcome,
+            compensated,
+        } = ran;
+        self.pending.remove(&add.key);
+        self.count("ADD");
+        if compensated {
+            self.count("DEL");
+            self.count(COMPENSATING_DEL);
+        }
+        let outcome = match outcome {
+            Ok(o) => o,
+            Err(e) => {
+                let e = AgentError::from(e);
+                self.note_error(&e);
+                return (Err(e), None);
+            }
         };
-        let target = Target {
-            container_id: &req.container_id,
-            ifname: &req.ifname,
-            netns: &req.netns,
+        let undo = undo_of(&add.runner, &add.req, &outcome.raw);
+        let record = DelegatedRecord {
+            owner: Owner::Delegated {
+                container_id: add.req.container_id.clone(),
+                ifname: add.req.ifname.clone(),
+            },
+            container_id: add.req.container_id.clone(),
+            ifname: add.req.ifname.clone(),
+            netns: add.req.netns.clone(),
+            plugin: add.runner.conf.plugin.clone(),
+            config_hash: add.runner.conf.hash.clone(),
+            cni_version: add.runner.conf.cni_version.as_str().to_string(),
+            result: outcome.raw,
+            addresses: outcome.addresses,
+            generation: self.next_generation(),
         };
-        let record = self.delegated_add(owner, &target)?;
-        Ok((Self::allocations_of(&record), record))
+        let checked = self.check_ready().and_then(|()| self.check_unique(&record));
+        if let Err(e) = checked {
+            self.count("DEL");
+            self.count(COMPENSATING_DEL);
+            self.note_error(&e);
+            return (Err(e), Some(undo));
+        }
+        let allocated = Self::allocations_of(&record);
+        let begun = self.prepare_add(
+            add.req,
+            add.key,
+            record.plugin.clone(),
+            allocated,
+            Some(record),
+        );
+        if let Err(e) = &begun {
+            self.note_error(e);
+        }
+        (begun, None)
     }
 
     /// Undoes a delegated endpoint ADD whose later step failed.
@@ -471,20 +664,20 @@ impl Agent {
         self.compensate(&runner, &target, Some(&record.result));
     }
 
-    /// Endpoint DEL in delegated mode: passes DEL on to the plugin.
-    pub(super) fn delegated_endpoint_del(
+    /// Endpoint DEL in delegated mode, first hold: the plugin's DEL to run
+    /// with the agent free ([`DelegatedDel::run`]), then
+    /// [`Agent::endpoint_del_delegated`].
+    pub(super) fn delegated_endpoint_del_begin(
         &mut self,
-        record: &DelegatedRecord,
-    ) -> Result<(), AgentError> {
+        record: DelegatedRecord,
+    ) -> Result<DelegatedDel, AgentError> {
         let runner = self.runner()?.clone();
-        self.count("DEL");
-        let target = Target {
-            container_id: &record.container_id,
-            ifname: &record.ifname,
-            netns: &record.netns,
-        };
-        runner.del(&target, Some(&record.result))?;
-        Ok(())
+        Ok(DelegatedDel { record, runner })
+    }
+
+    /// Counts a CNI command sent to the plugin.
+    pub(super) fn count_command(&mut self, command: &'static str) {
+        self.count(command);
     }
 
     /// The IPAM-mode reply of a delegated endpoint: the plugin's addresses

@@ -21,6 +21,7 @@ use lockstep_core::owner::Owner;
 
 use std::sync::Mutex;
 
+use super::delegated::DelegatedDelRan;
 use super::doors::LinkDoor;
 use super::endpoint_effects::EndpointEffects;
 use super::{Agent, AgentError};
@@ -70,6 +71,9 @@ pub enum AddBegin {
     Done(Box<EndpointReply>),
     /// Interfaces to make outside the lock, then [`Agent::endpoint_add_finish`].
     Interfaces(Box<PreparedAdd>),
+    /// Delegated mode: the plugin to run outside the lock, then
+    /// [`Agent::endpoint_add_delegated`].
+    Delegated(Box<super::delegated::DelegatedAdd>),
 }
 
 impl PreparedAdd {
@@ -136,8 +140,18 @@ impl Agent {
     /// Allocation, interface or datapath failure; everything done so far is
     /// undone.
     pub fn endpoint_add(&mut self, req: EndpointRequest) -> Result<EndpointReply, AgentError> {
-        match self.endpoint_add_begin(req)? {
+        let mut begun = self.endpoint_add_begin(req)?;
+        if let AddBegin::Delegated(d) = begun {
+            let ran = d.run();
+            let (next, undo) = self.endpoint_add_delegated(ran);
+            if let Some(undo) = undo {
+                undo.run();
+            }
+            begun = next?;
+        }
+        match begun {
             AddBegin::Done(reply) => Ok(*reply),
+            AddBegin::Delegated(_) => Err(invalid("the plugin's ADD was asked to run twice")),
             AddBegin::Interfaces(p) => {
                 let made = build_interfaces(&p.req, &p.addresses(), p.attach.as_ref());
                 self.endpoint_add_finish(*p, made)
@@ -185,17 +199,30 @@ impl Agent {
             // Half-gone (the runtime deleted the netns, or a crash): start over.
             self.endpoint_del_inner(&req.container_id, &req.ifname)?;
         }
-        let (pool, allocated, delegated) = if self.delegated_mode() {
-            let (allocated, delegated) = self.delegated_endpoint_allocate(&req)?;
-            (delegated.plugin.clone(), allocated, Some(delegated))
-        } else {
-            let pool = match &req.pool {
-                Some(p) => p.clone(),
-                None => self.default_pool()?,
-            };
-            let allocated = self.allocate_endpoint(&req, &pool)?;
-            (pool, allocated, None)
+        if self.delegated_mode() {
+            // The plugin runs with the agent free (`endpoint_add_delegated`).
+            return self
+                .delegated_endpoint_begin(req, key)
+                .map(|d| AddBegin::Delegated(Box::new(d)));
+        }
+        let pool = match &req.pool {
+            Some(p) => p.clone(),
+            None => self.default_pool()?,
         };
+        let allocated = self.allocate_endpoint(&req, &pool)?;
+        self.prepare_add(req, key, pool, allocated, None)
+    }
+
+    /// ADD's first phase once the addresses are held: IPAM-only ADDs
+    /// finish here; full ones leave the attachment pending.
+    pub(super) fn prepare_add(
+        &mut self,
+        req: EndpointRequest,
+        key: String,
+        pool: String,
+        allocated: Vec<Allocation>,
+        delegated: Option<crate::store::DelegatedRecord>,
+    ) -> Result<AddBegin, AgentError> {
         let mut req = req;
         if req.mtu.is_none() {
             // Room for the encapsulation in the tunnel modes (`tunnel`).
@@ -311,6 +338,7 @@ impl Agent {
             orphan: None,
             orphan_guard: None,
             gone: None,
+            plugin: None,
         };
         if req.mode == EndpointMode::Full {
             match made {
@@ -507,7 +535,8 @@ impl Agent {
     /// # Errors
     /// The store could not record the release (the endpoint then stays).
     pub fn endpoint_del(&mut self, req: DelRequest) -> Result<(), AgentError> {
-        without_gone_wait(self.endpoint_del_begin(req)?).run()
+        let cleanup = self.endpoint_del_begin(req)?;
+        self.del_held(cleanup)
     }
 
     /// DEL's locked phase: unprogram, commit, release; returns the kernel
@@ -542,7 +571,44 @@ impl Agent {
         container_id: &str,
         ifname: &str,
     ) -> Result<(), AgentError> {
-        without_gone_wait(self.endpoint_del_commit(container_id, ifname)?).run()
+        let cleanup = self.endpoint_del_commit(container_id, ifname)?;
+        self.del_held(cleanup)
+    }
+
+    /// The rest of a DEL run while the agent is held (tools, GC, an ADD
+    /// starting over): a delegated attachment's plugin runs here, the
+    /// veth's removal is not waited for ([`without_gone_wait`]).
+    fn del_held(&mut self, cleanup: DelCleanup) -> Result<(), AgentError> {
+        let mut cleanup = without_gone_wait(cleanup);
+        if let Some(plugin) = cleanup.plugin.take() {
+            let ran = plugin.run();
+            cleanup = without_gone_wait(self.endpoint_del_delegated(ran)?);
+        }
+        cleanup.run()
+    }
+
+    /// A delegated endpoint DEL's second hold, after the plugin ran: a DEL
+    /// it failed keeps the record (reconcile puts the entries back; the
+    /// runtime retries the DEL); one it answered is committed. While the
+    /// plugin ran, the attachment was pending: no reconcile put its entries
+    /// back.
+    ///
+    /// # Errors
+    /// The plugin's DEL failed, or the store did.
+    pub fn endpoint_del_delegated(
+        &mut self,
+        ran: DelegatedDelRan,
+    ) -> Result<DelCleanup, AgentError> {
+        let (d, outcome) = ran.into_parts();
+        let key = d.key();
+        self.pending.remove(&key);
+        self.count_command("DEL");
+        outcome.map_err(AgentError::from)?;
+        let record = self.endpoints.get(&key).cloned();
+        self.store.remove_delegated(&key)?;
+        self.delegated.remove(&key);
+        let (container_id, ifname) = (d.container_id.clone(), d.ifname.clone());
+        Ok(self.del_cleanup(&key, &container_id, &ifname, record, Some(d)))
     }
 
     fn endpoint_del_commit(
@@ -599,12 +665,16 @@ impl Agent {
                 .collect(),
         };
         AgentError::all(unprogrammed)?;
-        if let Some(d) = &delegated {
-            // Unprogrammed → the plugin releases → commit. A failed DEL keeps
-            // the record (reconcile puts the entries back; DEL is retried).
-            self.delegated_endpoint_del(d)?;
-            self.store.remove_delegated(&key)?;
-            self.delegated.remove(&key);
+        if let Some(d) = delegated {
+            // Unprogrammed → the plugin releases (with the agent free:
+            // `endpoint_del_delegated`) → commit. The attachment stays
+            // pending meanwhile.
+            let plugin = self.delegated_endpoint_del_begin(d)?;
+            self.pending.insert(key);
+            return Ok(DelCleanup {
+                plugin: Some(plugin),
+                ..DelCleanup::default()
+            });
         } else if let Some(r) = record
             .as_ref()
             .filter(|r| r.mode == EndpointMode::Full && r.host_ifname.is_some())
@@ -647,6 +717,7 @@ impl Agent {
             orphan,
             orphan_guard,
             gone: None,
+            plugin: None,
         }
     }
 }

@@ -17,11 +17,23 @@ impl Agent {
     /// every map's contents; `have`, the maps as they are, for what cluster
     /// mode keeps before its first read of etcd.
     pub(super) fn desired(&self, have: &MapContents) -> Result<MapContents, AgentError> {
-        let delegated = self.delegated_allocations();
+        // Between a delegated DEL's two holds (pending): unprogrammed already.
+        let mut delegated = self.delegated_allocations();
+        if !self.pending.is_empty() {
+            delegated.retain(|a| match &a.owner {
+                Owner::Delegated {
+                    container_id,
+                    ifname,
+                } => !self
+                    .pending
+                    .contains(&crate::store::endpoint_key(container_id, ifname)),
+                _ => true,
+            });
+        }
         let endpoints = self
             .endpoints
             .values()
-            .filter(|e| e.mode == EndpointMode::Full)
+            .filter(|e| e.mode == EndpointMode::Full && !self.pending.contains(&e.key()))
             .map(|e| {
                 let owner = Owner::endpoint(&e.container_id, &e.ifname);
                 let generation = self

@@ -73,6 +73,17 @@ pub fn endpoint_add_inline(
     }
     Inline::Done(match begun {
         Ok(AddBegin::Done(reply)) => Ok(*reply),
+        // Never inline-capable: a plugin to run is for the blocking pool.
+        Ok(AddBegin::Delegated(d)) => {
+            let (next, undo) = agent.endpoint_add_delegated(d.run());
+            if let Some(undo) = undo {
+                undo.run();
+            }
+            next.and_then(|b| match b {
+                AddBegin::Done(reply) => Ok(*reply),
+                _ => Err(invalid("an IPAM-only ADD asked for interfaces")),
+            })
+        }
         // IPAM mode finishes in the first phase; were that ever to change,
         // the interfaces are not made here.
         Ok(AddBegin::Interfaces(p)) => {
@@ -158,9 +169,31 @@ pub fn endpoint_add_concurrent(
             ok => break ok,
         }
     };
-    let prepared = match begun? {
+    let mut begun = begun?;
+    if let AddBegin::Delegated(d) = begun {
+        // The plugin runs with the agent free: its timeout may be minutes.
+        let ran = d.run();
+        let mut guard = lock(slot);
+        let Some(agent) = guard.as_mut() else {
+            drop(guard);
+            if let Some(undo) = ran.undo() {
+                undo.run();
+            }
+            return Err(not_ready());
+        };
+        let (next, undo) = agent.endpoint_add_delegated(ran);
+        drop(guard);
+        if let Some(undo) = undo {
+            undo.run();
+        }
+        begun = next?;
+    }
+    let prepared = match begun {
         AddBegin::Done(reply) => return Ok(*reply),
         AddBegin::Interfaces(p) => p,
+        AddBegin::Delegated(_) => {
+            return Err(invalid("the plugin's ADD was asked to run twice"));
+        }
     };
     let made = build_interfaces(
         &prepared.req,
@@ -179,6 +212,7 @@ pub fn endpoint_add_concurrent(
                     orphan: None,
                     orphan_guard: None,
                     gone: None,
+                    plugin: None,
                 })
                 .run()
             {
@@ -197,9 +231,17 @@ pub fn endpoint_del_concurrent(
     slot: &Mutex<Option<Agent>>,
     req: DelRequest,
 ) -> Result<(), AgentError> {
-    let cleanup = lock(slot)
+    let mut cleanup = lock(slot)
         .as_mut()
         .ok_or_else(not_ready)?
         .endpoint_del_begin(req)?;
+    if let Some(plugin) = cleanup.plugin.take() {
+        // The plugin runs with the agent free; the commit comes after.
+        let ran = plugin.run();
+        cleanup = lock(slot)
+            .as_mut()
+            .ok_or_else(not_ready)?
+            .endpoint_del_delegated(ran)?;
+    }
     cleanup.run()
 }

@@ -62,6 +62,7 @@ impl LinkDoor for KernelLinks {
             orphan: None,
             orphan_guard: None,
             gone: None,
+            plugin: None,
         }
         .run()
     }
@@ -80,12 +81,15 @@ pub struct DelCleanup {
     /// A full attachment whose veth the reaper deletes: the DEL is answered
     /// once it is gone (the container no longer sees its interface).
     pub(super) gone: Option<crate::agent::reaper::GoneWait>,
+    /// Delegated mode: the plugin's DEL, to run with the agent free, then
+    /// [`Agent::endpoint_del_delegated`]; nothing is committed before.
+    pub plugin: Option<crate::agent::delegated::DelegatedDel>,
 }
 
 impl DelCleanup {
     /// Whether there is no kernel work to do.
     pub fn is_empty(&self) -> bool {
-        self.host.is_none() && self.orphan.is_none() && self.gone.is_none()
+        self.host.is_none() && self.orphan.is_none() && self.gone.is_none() && self.plugin.is_none()
     }
 
     /// Runs it (outside the agent lock; both steps wait on the kernel).
@@ -96,6 +100,15 @@ impl DelCleanup {
     /// the runtime retries finds no record and removes the veth and link by
     /// their names (see [`Agent::endpoint_del_begin`]).
     pub fn run(self) -> Result<(), AgentError> {
+        if let Some(plugin) = &self.plugin {
+            // Its caller runs the plugin and commits first
+            // ([`Agent::endpoint_del_delegated`]).
+            return Err(AgentError::Invalid {
+                reason: format!(
+                    "the plugin's DEL of {plugin:?} was not run before the kernel work"
+                ),
+            });
+        }
         if let Some(gone) = &self.gone {
             return gone.wait();
         }
