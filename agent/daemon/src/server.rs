@@ -507,6 +507,7 @@ pub async fn run(config: Config) -> Result<(), ServerError> {
     // The announcement maps have a lock of their own: the renewer and the
     // LB agent write them without waiting for the agent's.
     let announcements = agent.announcements();
+    let lb_agent = lb_agent.map(|lb| lb.with_uplink(agent.uplink_probe()));
     *slot.lock().unwrap_or_else(|p| p.into_inner()) = Some(agent);
     let cluster_task = cluster.map(|node| node.spawn(slot.clone(), stop_rx.clone()));
     let lb_task =

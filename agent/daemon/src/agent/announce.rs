@@ -335,6 +335,11 @@ impl Announcements {
         self.lock().uplink = uplink;
     }
 
+    /// The interface index the programs are attached to on the uplink.
+    fn uplink_index(&self) -> Option<u32> {
+        self.lock().uplink.map(|(index, _)| index)
+    }
+
     /// Reconcile's part: the agent's own addresses are `v4` and `v6`; the
     /// maps are brought to what they should hold, the changes counted in
     /// `report`.
@@ -500,11 +505,17 @@ impl Agent {
             }
             tracing::info!(uplink = %name, old = index, new = link.index, "uplink created again: programs attached to the new interface");
         }
-        match (link.up, link.carrier) {
-            (true, true) => UplinkHealth::Answering,
-            (false, _) => UplinkHealth::Silent(format!("uplink {name} is down")),
-            (true, false) => UplinkHealth::Silent(format!("uplink {name} has no carrier")),
-        }
+        link_health(&name, link.up, link.carrier)
+    }
+
+    /// A probe of the uplink's health that asks the kernel, never the
+    /// agent (`None`: no uplink).
+    pub fn uplink_probe(&self) -> Option<UplinkProbe> {
+        self.uplink.as_ref().map(|up| UplinkProbe {
+            name: up.name.clone(),
+            announcements: self.announcements(),
+            netlink: None,
+        })
     }
 
     /// Announces `addr` on the uplink (single-node LB): gratuitous ARP
@@ -602,5 +613,50 @@ mod tests {
         std::thread::sleep(Duration::from_millis(5));
         let b = monotonic_ns();
         assert!(b >= a + 5_000_000 && b < a + 5_000_000_000);
+    }
+}
+
+/// The uplink's health as the kernel tells it, read without the agent: the
+/// LB agent asks it every tick, and a CNI call or a reconcile holding the
+/// agent never hides a lost carrier from it.
+#[derive(Debug)]
+pub struct UplinkProbe {
+    name: String,
+    /// Which interface index the programs are attached to.
+    announcements: Announcements,
+    /// Its own handle (made on the first check).
+    netlink: Option<Netlink>,
+}
+
+impl UplinkProbe {
+    /// The uplink's health now. Blocking (a netlink request). `None`: the
+    /// uplink was created again under its name, and only the agent can
+    /// attach the programs to it ([`Agent::uplink_health`]).
+    pub fn check(&mut self) -> Option<UplinkHealth> {
+        if self.netlink.is_none() {
+            self.netlink = Netlink::current().ok();
+        }
+        let Some(netlink) = self.netlink.as_ref() else {
+            return Some(UplinkHealth::Unknown);
+        };
+        let name = &self.name;
+        let link = match netlink.link(name) {
+            Ok(Some(link)) => link,
+            Ok(None) => return Some(UplinkHealth::Silent(format!("uplink {name} is gone"))),
+            Err(_) => return Some(UplinkHealth::Unknown),
+        };
+        if self.announcements.uplink_index() != Some(link.index) {
+            return None;
+        }
+        Some(link_health(name, link.up, link.carrier))
+    }
+}
+
+/// What an uplink's flags say of it.
+fn link_health(name: &str, up: bool, carrier: bool) -> UplinkHealth {
+    match (up, carrier) {
+        (true, true) => UplinkHealth::Answering,
+        (false, _) => UplinkHealth::Silent(format!("uplink {name} is down")),
+        (true, false) => UplinkHealth::Silent(format!("uplink {name} has no carrier")),
     }
 }

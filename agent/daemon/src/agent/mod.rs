@@ -52,7 +52,7 @@ pub mod release;
 mod report;
 mod tunnel;
 
-pub use announce::{Announcements, UplinkHealth};
+pub use announce::{Announcements, UplinkHealth, UplinkProbe};
 pub use cluster_pools::RemoteSource;
 pub use error::AgentError;
 use maps::MapContents;

@@ -51,7 +51,7 @@ use super::lb_handle::{LbHandle, Shared};
 use super::lb_timing::{IDLE_ROUND, MIN_LEASE, TICK, Wake, mirror_stamp};
 use super::{ClusterStoreError, Door, DoorOptions, Link, Stamp};
 use crate::agent::announce::monotonic_ns;
-use crate::agent::{Agent, Announcements, UplinkHealth};
+use crate::agent::{Agent, Announcements, UplinkHealth, UplinkProbe};
 
 /// The bound on each etcd request: well under a third of the shortest
 /// lease, so a refresh that cannot be answered is known in time.
@@ -69,9 +69,10 @@ pub struct LbAgent {
     door: Option<Door>,
     /// The announcer and its tick (the core's machines).
     driver: Driver,
-    /// The uplink's health as last seen (kept while the agent lock is
-    /// busy: the check never waits for it).
+    /// The uplink's health as last seen.
     health: UplinkHealth,
+    /// Where it is seen ([`LbAgent::with_uplink`]).
+    uplink: Uplink,
     /// Wakes the loop when anything under `lb/` changes.
     wake: Wake,
     /// The lease the announcer holds, for the assigner.
@@ -84,6 +85,17 @@ pub struct LbAgent {
     problem: Option<ClusterStoreError>,
     counts: Counts,
     handle: Arc<LbHandle>,
+}
+
+/// Where an LB agent sees its uplink's health.
+#[derive(Debug)]
+enum Uplink {
+    /// Not given (a simulated node, no agent): the health stays.
+    Unset,
+    /// The agent has no uplink.
+    None,
+    /// The kernel, through the agent's uplink's probe.
+    Probe(UplinkProbe),
 }
 
 /// A read of `lb/` handed to the announcer.
@@ -127,6 +139,7 @@ impl LbAgent {
             ttl,
             door: None,
             health: UplinkHealth::Unknown,
+            uplink: Uplink::Unset,
             wake: Wake::default(),
             lease_held: watch::Sender::new(None),
             seen: None,
@@ -188,28 +201,59 @@ impl LbAgent {
         self.problem.get_or_insert(e);
     }
 
-    /// The uplink's health, without waiting for the agent's lock: while
-    /// the lock is busy (a CNI call, a reconcile) the last health stands.
+    /// The uplink whose health this agent follows: the agent's uplink
+    /// (`None`: the agent has none). Without it (a benchmark's simulated
+    /// node, with no agent) the health stays as it was.
+    #[must_use]
+    pub fn with_uplink(mut self, probe: Option<UplinkProbe>) -> Self {
+        self.uplink = match probe {
+            Some(p) => Uplink::Probe(p),
+            None => Uplink::None,
+        };
+        self
+    }
+
+    /// The uplink's health, asked of the kernel, not of the agent: a CNI
+    /// call or a reconcile holding the agent delays no tick. Only an uplink
+    /// created again under its name is handed to the agent, which attaches
+    /// the programs to it.
     async fn uplink_health(&mut self, slot: &Arc<Mutex<Option<Agent>>>) -> UplinkHealth {
-        // No agent (a benchmark's simulated node): nothing to ask, and no
-        // blocking task per tick.
-        if super::node::no_agent(slot) {
-            return self.health.clone();
-        }
-        let slot = slot.clone();
-        let now = tokio::task::spawn_blocking(move || match slot.try_lock() {
-            Ok(mut g) => g.as_mut().map(Agent::uplink_health),
-            Err(std::sync::TryLockError::Poisoned(p)) => {
-                p.into_inner().as_mut().map(Agent::uplink_health)
+        let mut probe = match std::mem::replace(&mut self.uplink, Uplink::Unset) {
+            Uplink::Probe(p) => p,
+            other => {
+                if matches!(other, Uplink::None) {
+                    self.health = UplinkHealth::None;
+                }
+                self.uplink = other;
+                return self.health.clone();
             }
-            Err(std::sync::TryLockError::WouldBlock) => None,
+        };
+        let seen = tokio::task::spawn_blocking(move || {
+            let seen = probe.check();
+            (probe, seen)
         })
-        .await
-        .ok()
-        .flatten();
-        if let Some(h) = now {
-            self.health = h;
-        }
+        .await;
+        let Ok((probe, seen)) = seen else {
+            // The probe panicked: the agent answers instead from now on.
+            return self.health.clone();
+        };
+        self.uplink = Uplink::Probe(probe);
+        self.health = match seen {
+            Some(h) => h,
+            None => {
+                let slot = slot.clone();
+                tokio::task::spawn_blocking(move || {
+                    slot.lock()
+                        .unwrap_or_else(std::sync::PoisonError::into_inner)
+                        .as_mut()
+                        .map(Agent::uplink_health)
+                })
+                .await
+                .ok()
+                .flatten()
+                .unwrap_or(UplinkHealth::Unknown)
+            }
+        };
         self.health.clone()
     }
 
