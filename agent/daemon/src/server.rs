@@ -19,6 +19,7 @@ use crate::metrics::Metrics;
 
 mod head;
 mod start;
+mod supervisor;
 
 /// Errors that stop the agent.
 #[derive(Debug, thiserror::Error)]
@@ -51,6 +52,10 @@ pub enum ServerError {
     /// be used.
     #[error("the kubernetes client cannot be set up")]
     Kubernetes(#[source] crate::kubernetes::KubeError),
+    /// A task of the running agent panicked: the agent stops rather than
+    /// run on without it.
+    #[error("the agent stopped")]
+    Panicked(#[source] supervisor::Panicked),
 }
 
 fn listen_err(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> ServerError {
@@ -816,49 +821,46 @@ pub async fn run(config: Config) -> Result<(), ServerError> {
     let metrics_refresher =
         crate::metrics::spawn_refresher(state.metrics.clone(), slot.clone(), stop_rx.clone());
 
+    // Every task is watched from here: a panic in any of them is named and
+    // stops the agent (`supervisor`).
+    let mut tasks = supervisor::Supervisor::default();
+    tasks.watch("api", api);
+    let optional = [
+        ("metrics server", metrics_task),
+        ("remote state", remote_task),
+        ("cluster node", cluster_task),
+        ("lb agent", lb_task),
+        ("kubernetes", kube_task),
+        ("nodeipam", nodeipam_task),
+        ("pod cidrs", pod_cidrs_task),
+        ("etcd mirror", mirror_task),
+        ("datapath events", events),
+        ("set-up", setup),
+    ];
+    for (name, task) in optional {
+        if let Some(t) = task {
+            tasks.watch(name, t);
+        }
+    }
+    tasks.watch("reconciler", reconciler);
+    tasks.watch("announcement renewer", renewer);
+    tasks.watch("metrics refresher", metrics_refresher);
     let mut term = signal(SignalKind::terminate()).map_err(listen_err("SIGTERM"))?;
     let mut int = signal(SignalKind::interrupt()).map_err(listen_err("SIGINT"))?;
     let mut fatal = None;
+    let mut panicked = None;
     tokio::select! {
         _ = term.recv() => tracing::info!("SIGTERM: shutting down"),
         _ = int.recv() => tracing::info!("SIGINT: shutting down"),
         Some(e) = fatal_rx.recv() => fatal = Some(e),
+        p = tasks.panicked() => {
+            tracing::error!(error = %p, "a task panicked; stopping the agent");
+            panicked = Some(p);
+        }
     }
     let _ = stop_tx.send(true);
-    let _ = api.await;
-    if let Some(m) = metrics_task {
-        let _ = m.await;
-    }
-    let _ = reconciler.await;
-    let _ = renewer.await;
-    let _ = metrics_refresher.await;
-    if let Some(t) = remote_task {
-        let _ = t.await;
-    }
-    if let Some(t) = cluster_task {
-        let _ = t.await;
-    }
-    if let Some(t) = lb_task {
-        let _ = t.await;
-    }
-    if let Some(t) = kube_task {
-        let _ = t.await;
-    }
-    if let Some(t) = nodeipam_task {
-        let _ = t.await;
-    }
-    if let Some(t) = pod_cidrs_task {
-        let _ = t.await;
-    }
-    if let Some(t) = mirror_task {
-        let _ = t.await;
-    }
-    if let Some(t) = events {
-        let _ = t.await;
-    }
-    if let Some(t) = setup {
-        let _ = t.await;
-    }
+    let late = tasks.stop().await;
+    let panicked = panicked.or_else(|| late.into_iter().next());
     // Close the store cleanly; pins stay. On the blocking pool: the agent
     // owns the netlink door's own small runtime once it has programmed an
     // endpoint, and dropping a runtime on an async worker panics (the agent
@@ -867,6 +869,9 @@ pub async fn run(config: Config) -> Result<(), ServerError> {
     let _ = tokio::task::spawn_blocking(move || drop(agent)).await;
     if let Some(e) = fatal {
         return Err(ServerError::Start(e));
+    }
+    if let Some(p) = panicked {
+        return Err(ServerError::Panicked(p));
     }
     tracing::info!("stopped; maps and programs stay pinned");
     Ok(())
