@@ -661,3 +661,61 @@ fn with_every_etcd_member_gone_the_agent_retries_at_a_pace() -> anyhow::Result<(
     }
     Ok(())
 }
+
+/// The node lease is refreshed by a keeper of its own (#46 item 3), on
+/// schedule whatever the claim round does: with a 3 s TTL, refreshes come
+/// from the keeper (its counter), and the node key stays under one lease.
+#[test]
+fn the_node_lease_is_refreshed_by_its_keeper() -> anyhow::Result<()> {
+    privileged!();
+    let cluster = EtcdCluster::start(1)?;
+    let eps = cluster.endpoints();
+    apply_pools(
+        &eps,
+        "/ck/",
+        "[[pools]]\nname = \"pods\"\nipv4 = [\"10.95.0.0/24\"]\nblock_v4 = 28\n",
+    )?;
+    let node = node_ns("clk", &cluster)?;
+    let mut agent = AgentProc::start(
+        &node,
+        &format!(
+            "{}lease_ttl = \"3s\"\n",
+            config_at(&eps, "node-k", "/ck/")
+        ),
+    )?;
+    let metric = |name: &str| -> Option<f64> {
+        let m = lockstep_tests::cluster::metrics_in(&node).ok()?;
+        m.lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' '))?
+            .trim()
+            .parse()
+            .ok()
+    };
+    let lease = |eps: &[String]| -> anyhow::Result<serde_json::Value> {
+        let v: serde_json::Value =
+            serde_json::from_str(&cli_at(eps, "/ck/", &["nodes", "-o", "json"])?)?;
+        v.as_array()
+            .and_then(|a| a.iter().find(|n| n["node"]["name"] == "node-k"))
+            .map(|n| n["lease"].clone())
+            .context("node-k is not registered")
+    };
+    lockstep_tests::wait_for("node-k registered", Duration::from_secs(10), || {
+        lease(&eps).ok()
+    })?;
+    let first = lease(&eps)?;
+    // Three refreshes at a third of the TTL: about 3 s.
+    lockstep_tests::wait_for(
+        "three refreshes by the keeper",
+        Duration::from_secs(10),
+        || metric("lockstep_cluster_node_lease_renewals_total").filter(|n| *n >= 3.0),
+    )?;
+    assert_eq!(lease(&eps)?, first, "the node registered again");
+    let late = metric("lockstep_cluster_node_lease_renewal_late_max_seconds")
+        .context("no lateness metric")?;
+    assert!(
+        late < 1.0,
+        "a refresh went out {late} s behind a 1 s schedule"
+    );
+    agent.stop()?;
+    Ok(())
+}

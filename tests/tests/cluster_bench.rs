@@ -693,6 +693,36 @@ fn cluster_cni() -> anyhow::Result<()> {
         ""
     ));
 
+    // i. The node lease's keeper under d's and h's load: how late any
+    // refresh was sent against its schedule, since node-b started.
+    let metric = |name: &str| -> anyhow::Result<f64> {
+        let m = lockstep_tests::cluster::metrics_in(&nb)?;
+        m.lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' '))
+            .with_context(|| format!("no {name}"))?
+            .trim()
+            .parse::<f64>()
+            .with_context(|| name.to_string())
+    };
+    let renewals = metric("lockstep_cluster_node_lease_renewals_total")?;
+    let late_ms = metric("lockstep_cluster_node_lease_renewal_late_max_seconds")? * 1e3;
+    println!(
+        "\ni. node lease: {renewals:.0} refreshes by the keeper, the latest {late_ms:.1} ms behind its schedule"
+    );
+    rows.push(format!(
+        "{:<48} {:>18} {:>10} {}",
+        "node lease refresh, latest behind schedule",
+        format!("{late_ms:.1} ms ({renewals:.0} refreshes)"),
+        "<= 100 ms",
+        if renewals < 1.0 {
+            "(no refresh in a short run)"
+        } else if late_ms <= 100.0 {
+            "PASS"
+        } else {
+            "FAIL"
+        }
+    ));
+
     println!("\n{:<48} {:>18} {:>10} result", "measure", "value", "goal");
     for r in &rows {
         println!("{r}");

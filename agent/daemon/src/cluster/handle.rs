@@ -40,6 +40,10 @@ pub(super) struct Shared {
     pub(super) window_publications: u64,
     /// Rounds done since start.
     pub(super) rounds: u64,
+    /// Node lease refreshes the keeper sent and etcd answered since start,
+    /// and the latest any of them was sent against its schedule.
+    pub(super) lease_renewals: u64,
+    pub(super) lease_late_max: Duration,
     /// etcd keys the last read skipped as unreadable: key → why.
     pub(super) unreadable: BTreeMap<String, String>,
     /// Configured CIDRs overlapping the cluster's, each naming both sides.
@@ -49,6 +53,14 @@ pub(super) struct Shared {
     /// The highest store revision the remote task's watch had seen when
     /// it saw etcd go back in time; the claim loop has not taken it yet.
     pub(super) went_back_from: Option<i64>,
+}
+
+impl Shared {
+    /// Counts a node lease refresh sent `late` against its schedule.
+    pub(super) fn lease_renewed(&mut self, late: Duration) {
+        self.lease_renewals += 1;
+        self.lease_late_max = self.lease_late_max.max(late);
+    }
 }
 
 impl ClusterHandle {
@@ -203,6 +215,10 @@ pub struct ClusterFigures {
     pub window_addresses: u64,
     /// Reservation windows published since start.
     pub window_publications: u64,
+    /// Node lease refreshes the keeper sent and etcd answered.
+    pub lease_renewals: u64,
+    /// The latest a node lease refresh was sent against its schedule.
+    pub lease_late_max: Duration,
 }
 
 impl ClusterHandle {
@@ -217,6 +233,8 @@ impl ClusterHandle {
             configured_pool_overlaps: s.overlaps.len() as u64,
             window_addresses: s.window_addresses as u64,
             window_publications: s.window_publications,
+            lease_renewals: s.lease_renewals,
+            lease_late_max: s.lease_late_max,
         }
     }
 }

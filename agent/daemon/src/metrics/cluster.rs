@@ -22,6 +22,8 @@ pub(super) struct ClusterFamilies {
     configured_pool_overlaps: Gauge<i64>,
     window_addresses: Gauge<i64>,
     window_publications: Counter,
+    lease_renewals: Counter,
+    lease_late_max: Gauge<f64, std::sync::atomic::AtomicU64>,
 }
 
 fn gauge(registry: &mut Registry, name: &str, help: &str) -> Gauge<i64> {
@@ -74,6 +76,20 @@ impl ClusterFamilies {
                 "cluster_window_publications",
                 "Reservation windows published to etcd since start",
             ),
+            lease_renewals: counter(
+                r,
+                "cluster_node_lease_renewals",
+                "Node lease refreshes the lease keeper sent and etcd answered since start",
+            ),
+            lease_late_max: {
+                let g = Gauge::<f64, std::sync::atomic::AtomicU64>::default();
+                r.register(
+                    "cluster_node_lease_renewal_late_max_seconds",
+                    "The latest a node lease refresh was sent against its schedule (a third of the TTL after the last) since start",
+                    g.clone(),
+                );
+                g
+            },
         }
     }
 
@@ -86,6 +102,8 @@ impl ClusterFamilies {
             .set(count(f.configured_pool_overlaps));
         self.window_addresses.set(count(f.window_addresses));
         follow(&self.window_publications, f.window_publications);
+        follow(&self.lease_renewals, f.lease_renewals);
+        self.lease_late_max.set(f.lease_late_max.as_secs_f64());
     }
 }
 

@@ -2,7 +2,8 @@
 //! under one lease, granted once and kept alive (#27 item 6), registered
 //! again only when the lease ended, and a name another live agent holds
 //! reported rather than taken. Split from [`super`], whose round calls
-//! [`ClusterNode::lease`] once per round.
+//! [`ClusterNode::lease`] once per round; the keeper (`keeper`) refreshes
+//! the lease between rounds.
 
 use std::net::IpAddr;
 use std::time::Instant;
@@ -16,6 +17,13 @@ impl ClusterNode {
     /// lease is granted once and kept alive, never granted anew because
     /// a count moved). Registers again only when the lease is gone.
     pub(super) async fn lease(&mut self, record: NodeRecord, addrs: Vec<IpAddr>) {
+        // The keeper's refreshes count as the round's (`keeper`).
+        self.lease = self.keeper.fold(self.lease);
+        self.lease_round(record, addrs).await;
+        self.keeper.tell(self.lease);
+    }
+
+    async fn lease_round(&mut self, record: NodeRecord, addrs: Vec<IpAddr>) {
         let problem = self.handle.etcd_problem().is_some();
         let Some(door) = self.door.as_mut() else {
             return;

@@ -45,6 +45,7 @@ use lockstep_core::cluster::{
 mod blocks;
 mod ips;
 pub(crate) use ips::node_ips;
+mod keeper;
 mod lease;
 mod reclaim;
 mod served;
@@ -142,6 +143,10 @@ pub struct ClusterNode {
     /// The reservation window (#43).
     window: window::WindowState,
     handle: Arc<ClusterHandle>,
+    /// The node lease's keeper (`keeper`): its link, and its ends until
+    /// [`ClusterNode::spawn`] starts it.
+    keeper: keeper::KeeperLink,
+    keeper_ends: Option<keeper::KeeperEnds>,
 }
 
 /// The areas the claim loop reads: a change in any of them is read at
@@ -236,6 +241,7 @@ impl ClusterNode {
         }
         let history = restore::History::load(&config.state_dir, &held)?;
         let window = window::WindowState::load(&config.state_dir)?;
+        let (keeper, keeper_ends) = keeper::link();
         let mut node = ClusterNode {
             config: config.clone(),
             cluster,
@@ -266,6 +272,8 @@ impl ClusterNode {
             settled: BTreeMap::new(),
             window,
             handle: Arc::new(ClusterHandle::default()),
+            keeper,
+            keeper_ends: Some(keeper_ends),
         };
         node.held.node = node.name.clone();
         let reachable = node.sync().await;
@@ -320,6 +328,7 @@ impl ClusterNode {
     /// key is every other node's change to read, and a gone mark). At
     /// most once a second while it fails.
     async fn refresh_alone(&mut self) {
+        self.lease = self.keeper.fold(self.lease);
         let Some((lease, at)) = self.lease else {
             return;
         };
@@ -338,6 +347,7 @@ impl ClusterNode {
         // registers again, as before.
         if let Ok(true) = door.keep_alive(lease).await {
             self.lease = Some((lease, Instant::now()));
+            self.keeper.tell(self.lease);
         }
     }
 
@@ -822,7 +832,19 @@ impl ClusterNode {
         slot: Arc<Mutex<Option<Agent>>>,
         mut stop: tokio::sync::watch::Receiver<bool>,
     ) -> tokio::task::JoinHandle<()> {
+        let keeper = self.keeper_ends.take().map(|ends| {
+            tokio::spawn(keeper::keep(
+                ends,
+                self.options(),
+                self.cluster.lease_ttl,
+                self.handle.clone(),
+                stop.clone(),
+            ))
+        });
         tokio::spawn(async move {
+            // Ends with the round's task: the keeper keeps nothing the
+            // round no longer holds.
+            let _keeper = keeper.map(AbortOnDrop);
             loop {
                 self.round(&slot).await;
                 let handle = self.handle.clone();
@@ -833,5 +855,14 @@ impl ClusterNode {
                 }
             }
         })
+    }
+}
+
+/// Aborts a task when dropped.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
     }
 }
