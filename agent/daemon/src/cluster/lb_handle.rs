@@ -100,16 +100,16 @@ impl LbHandle {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// The API's door, connected on first use (requests from the API
-    /// take turns on it).
-    async fn door(&self) -> Result<tokio::sync::MappedMutexGuard<'_, Door>, ClusterStoreError> {
+    /// A door for one request, on the connection made on first use (the
+    /// lock is held only while connecting): requests from the API and the
+    /// Kubernetes loop run side by side, and one waiting out `lb apply`'s
+    /// answer holds up no other.
+    async fn door(&self) -> Result<Door, ClusterStoreError> {
         let mut guard = self.door.lock().await;
         if guard.is_none() {
             *guard = Some(Door::connect(self.opts.clone()).await?);
         }
-        Ok(tokio::sync::MutexGuard::map(guard, |d| {
-            d.as_mut().expect("connected above")
-        }))
+        Ok(guard.as_ref().expect("connected above").sibling())
     }
 
     /// The addresses this node announces.

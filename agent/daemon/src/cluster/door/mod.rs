@@ -91,8 +91,8 @@ pub struct Door {
     /// The highest store revision a write of this door was answered at
     /// (or one of another door of this node it was told of,
     /// [`Door::follow`]): a listing from the mirror waits until the
-    /// mirror saw it.
-    written: AtomicI64,
+    /// mirror saw it. Shared with its siblings ([`Door::sibling`]).
+    written: std::sync::Arc<AtomicI64>,
     /// Open keep-alive streams, by lease.
     keepers: BTreeMap<i64, (etcd_client::LeaseKeeper, etcd_client::LeaseKeepAliveStream)>,
 }
@@ -153,9 +153,23 @@ impl Door {
             opts,
             unreadable: BTreeMap::new(),
             mark: None,
-            written: AtomicI64::new(0),
+            written: std::sync::Arc::new(AtomicI64::new(0)),
             keepers: BTreeMap::new(),
         })
+    }
+
+    /// Another door on the same connection, for one request of its own:
+    /// requests on siblings run side by side, and each sees what any of
+    /// them wrote (a listing from the mirror waits for their writes).
+    pub(super) fn sibling(&self) -> Door {
+        Door {
+            client: self.client.clone(),
+            opts: self.opts.clone(),
+            unreadable: BTreeMap::new(),
+            mark: None,
+            written: self.written.clone(),
+            keepers: BTreeMap::new(),
+        }
     }
 
     /// The highest store revision a write of this door was answered at.
