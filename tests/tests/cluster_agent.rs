@@ -678,10 +678,7 @@ fn the_node_lease_is_refreshed_by_its_keeper() -> anyhow::Result<()> {
     let node = node_ns("clk", &cluster)?;
     let mut agent = AgentProc::start(
         &node,
-        &format!(
-            "{}lease_ttl = \"3s\"\n",
-            config_at(&eps, "node-k", "/ck/")
-        ),
+        &format!("{}lease_ttl = \"3s\"\n", config_at(&eps, "node-k", "/ck/")),
     )?;
     let metric = |name: &str| -> Option<f64> {
         let m = lockstep_tests::cluster::metrics_in(&node).ok()?;

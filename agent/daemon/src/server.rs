@@ -445,6 +445,9 @@ pub async fn run(config: Config) -> Result<(), ServerError> {
         }
     };
     let pending = !agent.status().ready;
+    // Every task from here on is watched: a panic in any of them is named
+    // and stops the agent (`supervisor`).
+    let mut tasks = supervisor::Supervisor::default();
     // Cluster mode: one connection to etcd and one watch-fed mirror of
     // everything under the prefix, shared by the claim loop, the remote
     // state and the LB agent (#27 item 6: steady state follows a watch,
@@ -588,7 +591,7 @@ pub async fn run(config: Config) -> Result<(), ServerError> {
             let report = Arc::new(crate::kubernetes::leaks::LeakReport::default());
             let _ = state.leaks.set(report.clone());
             state.metrics.set_leaks(report.clone());
-            tokio::spawn(
+            tasks.watch("pod leaks", tokio::spawn(
                 crate::kubernetes::leaks::LeakLoop::new(
                     informer,
                     crate::kubernetes::leaks::ApiPods(client.clone()),
@@ -597,7 +600,7 @@ pub async fn run(config: Config) -> Result<(), ServerError> {
                     report,
                 )
                 .run(stop.clone()),
-            );
+            ));
             // The elected LB assigner is the one writer into etcd for
             // what the API says of the cluster: PodIPPools as the cluster
             // pools (#29 item 1), deleted Nodes removed (#29 item 4).
@@ -616,21 +619,21 @@ pub async fn run(config: Config) -> Result<(), ServerError> {
                 };
                 if pod_pools {
                     let backend = crate::kubernetes::pod_pools::ClusterPools(writer());
-                    tokio::spawn(
+                    tasks.watch("pod pools", tokio::spawn(
                         crate::kubernetes::pod_pools::PodPoolSync::new(client.clone(), backend)
                             .run(stop.clone()),
-                    );
+                    ));
                 }
                 if remove_deleted_nodes {
                     let backend = crate::kubernetes::node_removal::ClusterNodes(writer());
-                    tokio::spawn(
+                    tasks.watch("node removal", tokio::spawn(
                         crate::kubernetes::node_removal::NodeRemoval::new(
                             client.clone(),
                             backend,
                             crate::kubernetes::node_removal::ApiBound(client.clone()),
                         )
                         .run(stop.clone()),
-                    );
+                    ));
                 }
             }
             match state.lb_cluster.get() {
@@ -713,16 +716,14 @@ pub async fn run(config: Config) -> Result<(), ServerError> {
                             let sync = crate::kubernetes::LbSync::new(client, classes, node, backend)
                                 .with_services(cache)
                                 .with_local(answers);
-                            tokio::spawn(async move {
-                                sync.run(stop).await;
-                                let _ = local.await;
-                                let _ = announcer.await;
-                                let _ = keeper.await;
-                                let _ = node_task.await;
-                                if let Some(o) = operator {
-                                    let _ = o.await;
-                                }
-                            })
+                            tasks.watch("local traffic", local);
+                            tasks.watch("lb announcer", announcer);
+                            tasks.watch("writer lease keeper", keeper);
+                            tasks.watch("node labels", node_task);
+                            if let Some(o) = operator {
+                                tasks.watch("nodeipam operator", o);
+                            }
+                            tokio::spawn(sync.run(stop))
                         }
                         Err(e) => {
                             // The config check refuses such an election.
@@ -821,9 +822,6 @@ pub async fn run(config: Config) -> Result<(), ServerError> {
     let metrics_refresher =
         crate::metrics::spawn_refresher(state.metrics.clone(), slot.clone(), stop_rx.clone());
 
-    // Every task is watched from here: a panic in any of them is named and
-    // stops the agent (`supervisor`).
-    let mut tasks = supervisor::Supervisor::default();
     tasks.watch("api", api);
     let optional = [
         ("metrics server", metrics_task),
