@@ -17,8 +17,12 @@ impl ClusterNode {
     /// lease is granted once and kept alive, never granted anew because
     /// a count moved). Registers again only when the lease is gone.
     pub(super) async fn lease(&mut self, record: NodeRecord, addrs: Vec<IpAddr>) {
-        // The keeper's refreshes count as the round's (`keeper`).
-        self.lease = self.keeper.fold(self.lease);
+        // The keeper's refreshes count as the round's (`keeper`) while
+        // there is nothing to publish; a change of counts still goes out
+        // within a third of the TTL of the round's own last write.
+        if self.published.as_ref() == Some(&record) && self.published_addrs == addrs {
+            self.lease = self.keeper.fold(self.lease);
+        }
         self.lease_round(record, addrs).await;
         self.keeper.tell(self.lease);
     }
