@@ -650,18 +650,26 @@ impl Agent {
         self.manager
             .allocations()
             .filter(move |a| !(parked && self.parked.holds(a) || reaped && self.reaper.holds(a)))
-            .filter(move |a| {
-                !pending
-                    || match &a.owner {
-                        Owner::Endpoint {
-                            container_id,
-                            ifname,
-                        } => !self
-                            .pending
-                            .contains(&crate::store::endpoint_key(container_id, ifname)),
-                        _ => true,
-                    }
-            })
+            .filter(move |a| !pending || !self.is_pending(&a.owner))
+    }
+
+    /// Whether `owner`'s attachment is between two holds of a CNI call
+    /// (an ADD's or a delegated DEL's): its allocations are not committed,
+    /// or are unprogrammed already.
+    fn is_pending(&self, owner: &Owner) -> bool {
+        match owner {
+            Owner::Endpoint {
+                container_id,
+                ifname,
+            }
+            | Owner::Delegated {
+                container_id,
+                ifname,
+            } => self
+                .pending
+                .contains(&crate::store::endpoint_key(container_id, ifname)),
+            _ => false,
+        }
     }
 
     /// The datapath's event ring, for the server to drain (see

@@ -20,15 +20,7 @@ impl Agent {
         // Between a delegated DEL's two holds (pending): unprogrammed already.
         let mut delegated = self.delegated_allocations();
         if !self.pending.is_empty() {
-            delegated.retain(|a| match &a.owner {
-                Owner::Delegated {
-                    container_id,
-                    ifname,
-                } => !self
-                    .pending
-                    .contains(&crate::store::endpoint_key(container_id, ifname)),
-                _ => true,
-            });
+            delegated.retain(|a| !self.is_pending(&a.owner));
         }
         let endpoints = self
             .endpoints

@@ -39,7 +39,7 @@ pub mod lb_agent;
 mod lb_announce;
 mod lb_assigner;
 pub mod lb_handle;
-mod lb_timing;
+pub mod lb_timing;
 mod mirror;
 mod node;
 mod remote;
