@@ -116,6 +116,22 @@ impl Owner {
         }
     }
 
+    /// The container ID and interface of an endpoint's or a delegated
+    /// attachment's owner (`None`: any other owner).
+    pub fn attachment(&self) -> Option<(&str, &str)> {
+        match self {
+            Owner::Endpoint {
+                container_id,
+                ifname,
+            }
+            | Owner::Delegated {
+                container_id,
+                ifname,
+            } => Some((container_id, ifname)),
+            _ => None,
+        }
+    }
+
     /// Stable lowercase kind name, as in the serialised `owner` tag.
     pub fn kind(&self) -> &'static str {
         match self {
@@ -175,6 +191,20 @@ impl fmt::Display for Generation {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_attachment_names_its_container_and_interface_and_nothing_else_has_one() {
+        let delegated = Owner::Delegated {
+            container_id: "c2".into(),
+            ifname: "net1".into(),
+        };
+        assert_eq!(
+            Owner::endpoint("c1", "eth0").attachment(),
+            Some(("c1", "eth0"))
+        );
+        assert_eq!(delegated.attachment(), Some(("c2", "net1")));
+        assert_eq!(Owner::load_balancer("ns/svc").attachment(), None);
+    }
 
     #[test]
     fn display_is_readable() {

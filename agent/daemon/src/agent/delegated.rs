@@ -187,7 +187,8 @@ impl Agent {
         self.config.ipam.mode == IpamMode::Delegated
     }
 
-    fn count(&mut self, command: &'static str) {
+    /// Counts a CNI command sent to the plugin.
+    pub(super) fn count(&mut self, command: &'static str) {
         *self.stats.ipam_commands.entry(command).or_default() += 1;
     }
 
@@ -673,11 +674,6 @@ impl Agent {
     ) -> Result<DelegatedDel, AgentError> {
         let runner = self.runner()?.clone();
         Ok(DelegatedDel { record, runner })
-    }
-
-    /// Counts a CNI command sent to the plugin.
-    pub(super) fn count_command(&mut self, command: &'static str) {
-        self.count(command);
     }
 
     /// The IPAM-mode reply of a delegated endpoint: the plugin's addresses

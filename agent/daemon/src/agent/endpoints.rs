@@ -602,7 +602,7 @@ impl Agent {
         let (d, outcome) = ran.into_parts();
         let key = d.key();
         self.pending.remove(&key);
-        self.count_command("DEL");
+        self.count("DEL");
         outcome.map_err(AgentError::from)?;
         let record = self.endpoints.get(&key).cloned();
         self.store.remove_delegated(&key)?;

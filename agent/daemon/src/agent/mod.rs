@@ -657,19 +657,10 @@ impl Agent {
     /// (an ADD's or a delegated DEL's): its allocations are not committed,
     /// or are unprogrammed already.
     fn is_pending(&self, owner: &Owner) -> bool {
-        match owner {
-            Owner::Endpoint {
-                container_id,
-                ifname,
-            }
-            | Owner::Delegated {
-                container_id,
-                ifname,
-            } => self
-                .pending
-                .contains(&crate::store::endpoint_key(container_id, ifname)),
-            _ => false,
-        }
+        owner.attachment().is_some_and(|(container_id, ifname)| {
+            self.pending
+                .contains(&crate::store::endpoint_key(container_id, ifname))
+        })
     }
 
     /// The datapath's event ring, for the server to drain (see
