@@ -40,7 +40,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
 use std::path::Path;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, ensure};
@@ -208,7 +208,8 @@ impl Sim {
         let node = ClusterNode::connect(&config, Some(link.clone()))
             .await
             .map_err(|e| anyhow::anyhow!("node {i}: {e}"))?;
-        let slot = Arc::new(Mutex::new(None));
+        // A simulated node runs no agent.
+        let slot: lockstep::cluster::AgentSlot = None;
         self.tasks
             .push(node.spawn(slot.clone(), self.stop.subscribe()));
         let remote = RemoteTask::from_config(&config, Duration::from_secs(10), Some(link.clone()))

@@ -27,10 +27,10 @@ use serde::Serialize;
 
 use crate::agent::endpoints::{
     DelRequest, EndpointRequest, GcRequest, Inline, endpoint_add_concurrent, endpoint_add_inline,
-    endpoint_del_concurrent, endpoint_del_inline,
+    endpoint_del_concurrent, endpoint_del_inline, inline_lost,
 };
 use crate::agent::lb::{LbApply, LbDelete};
-use crate::agent::{Agent, AgentError, AllocateRequest, ReleaseRequest};
+use crate::agent::{Agent, AgentError, AgentHandle, AllocateRequest, ReleaseRequest};
 use crate::metrics::Metrics;
 
 /// Largest request body accepted.
@@ -39,8 +39,8 @@ pub const MAX_BODY: usize = 64 * 1024;
 /// Shared state of the handlers.
 #[derive(Clone, Debug)]
 pub struct AppState {
-    /// The agent, behind its lock; `None` while it is starting.
-    pub agent: Arc<Mutex<Option<Agent>>>,
+    /// The agent's owner; it holds no agent while the agent is starting.
+    pub agent: AgentHandle,
     /// Why the agent could not start and waits for an operator (a store
     /// that cannot be opened); `None` while it is starting or running.
     pub held: Arc<Mutex<Option<String>>>,
@@ -165,27 +165,51 @@ fn not_ready(held: &Mutex<Option<String>>) -> AgentError {
     }
 }
 
+/// Runs `f` as a command on the agent's owner.
 async fn with_agent<T: Send + 'static>(
     state: &AppState,
     f: impl FnOnce(&mut Agent) -> Result<T, AgentError> + Send + 'static,
 ) -> Result<T, ApiError> {
-    let agent = state.agent.clone();
     let held = state.held.clone();
-    tokio::task::spawn_blocking(move || {
-        let mut guard = agent.lock().map_err(|_| {
-            ApiError::new(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                "internal",
-                "agent state lock poisoned",
-            )
-        })?;
-        match guard.as_mut() {
-            Some(agent) => f(agent).map_err(ApiError::from),
-            None => Err(ApiError::from(not_ready(&held))),
-        }
+    state
+        .agent
+        .ask(move |slot| on_slot(slot, &held, f))
+        .await
+        .map_err(ApiError::from)?
+}
+
+/// As [`with_agent`], for a change that is a commit and map writes only:
+/// its commit is synced with its batch's (group commit, `agent::handle`).
+async fn with_agent_grouped<T: Send + 'static>(
+    state: &AppState,
+    f: impl FnOnce(&mut Agent) -> Result<T, AgentError> + Send + 'static,
+) -> Result<T, ApiError> {
+    let held = state.held.clone();
+    state
+        .agent
+        .ask_grouped(move |slot| on_slot(slot, &held, f), grouped_lost)
+        .await
+        .map_err(ApiError::from)?
+}
+
+fn on_slot<T>(
+    slot: &mut Option<Agent>,
+    held: &Mutex<Option<String>>,
+    f: impl FnOnce(&mut Agent) -> Result<T, AgentError>,
+) -> Result<T, ApiError> {
+    match slot.as_mut() {
+        Some(agent) => f(agent).map_err(ApiError::from),
+        None => Err(ApiError::from(not_ready(held))),
+    }
+}
+
+/// A grouped change whose batch's sync failed: not acknowledged.
+fn grouped_lost<T>(r: Result<T, ApiError>, e: &AgentError) -> Result<T, ApiError> {
+    r.and_then(|_| {
+        Err(ApiError::from(AgentError::NotReady {
+            reason: format!("the store could not make the change durable: {e}"),
+        }))
     })
-    .await
-    .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", e.to_string()))?
 }
 
 fn ok<T: Serialize>(v: T) -> Response {
@@ -223,14 +247,11 @@ async fn status(State(s): State<AppState>) -> Result<Response, ApiError> {
     }
 }
 
-/// Never waits for the agent's lock (CNI calls and commits hold it): the
-/// gauges are refreshed here only if the lock is free this instant, and are
-/// otherwise at most [`crate::metrics::REFRESH_EVERY`] old.
+/// Waits at most [`crate::metrics::SCRAPE_WAIT`] for the agent's owner (busy
+/// with CNI calls, a reconcile): the gauges are then fresh, or otherwise at
+/// most [`crate::metrics::REFRESH_EVERY`] old.
 async fn metrics(State(s): State<AppState>, headers: HeaderMap) -> Result<Response, ApiError> {
-    let (m, slot) = (s.metrics.clone(), s.agent.clone());
-    tokio::task::spawn_blocking(move || m.refresh_if_free(&slot))
-        .await
-        .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", e.to_string()))?;
+    crate::metrics::refresh_briefly(&s.metrics, &s.agent).await;
     if !s.metrics.refreshed() {
         return Err(ApiError::from(not_ready(&s.held)));
     }
@@ -326,7 +347,7 @@ async fn allocate(
     let started = Instant::now();
     let result = with_block(&s, || {
         let req = req.clone();
-        with_agent(&s, move |a| a.allocate(req))
+        with_agent_grouped(&s, move |a| a.allocate(req))
     })
     .await;
     s.metrics.observe_allocation(started.elapsed());
@@ -379,7 +400,7 @@ async fn release(
 ) -> Result<Response, ApiError> {
     let Json(req) = body?;
     req.owner.validate()?;
-    Ok(ok(with_agent(&s, move |a| a.release(req)).await?))
+    Ok(ok(with_agent_grouped(&s, move |a| a.release(req)).await?))
 }
 
 async fn verify(State(s): State<AppState>) -> Result<Response, ApiError> {
@@ -497,14 +518,18 @@ async fn add_once(
     s: &AppState,
     req: EndpointRequest,
 ) -> Result<crate::wire::EndpointReply, ApiError> {
-    let slot = s.agent.clone();
-    // IPAM-only ADDs are served here (a commit and a few map writes under
-    // the lock); whether one is is judged under the same lock hold that
-    // serves it. Anything else goes to the blocking pool untouched.
-    let result = match endpoint_add_inline(&slot, req) {
+    let handle = s.agent.clone();
+    // IPAM-only ADDs are served as one command on the agent's owner (a
+    // commit, grouped with its batch's, and a few map writes); whether one
+    // is is judged in the same command. Anything else goes to the blocking
+    // pool untouched, to run in phases.
+    let inline = handle
+        .ask_grouped(move |slot| endpoint_add_inline(slot, req), inline_lost)
+        .await?;
+    let result = match inline {
         Inline::Done(r) => r,
         Inline::Blocking(req) => {
-            tokio::task::spawn_blocking(move || endpoint_add_concurrent(&slot, req))
+            tokio::task::spawn_blocking(move || endpoint_add_concurrent(&handle, req))
                 .await
                 .map_err(joined)?
         }
@@ -526,9 +551,12 @@ async fn cni_del(
 
 async fn del_once(s: &AppState, req: DelRequest) -> Result<(), ApiError> {
     attachment(&req.container_id, &req.ifname)?;
-    let slot = s.agent.clone();
-    match endpoint_del_inline(&slot, req) {
-        // Committed under the lock; kernel work (a full attachment's veth)
+    let handle = s.agent.clone();
+    let inline = handle
+        .ask_grouped(move |slot| endpoint_del_inline(slot, req), inline_lost)
+        .await?;
+    match inline {
+        // Committed on the owner; kernel work (a full attachment's veth)
         // only ever runs on the blocking pool.
         Inline::Done(cleanup) => {
             let cleanup = cleanup?;
@@ -539,7 +567,7 @@ async fn del_once(s: &AppState, req: DelRequest) -> Result<(), ApiError> {
             }
         }
         Inline::Blocking(req) => {
-            tokio::task::spawn_blocking(move || endpoint_del_concurrent(&slot, req))
+            tokio::task::spawn_blocking(move || endpoint_del_concurrent(&handle, req))
                 .await
                 .map_err(joined)??;
         }

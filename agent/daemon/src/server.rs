@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex};
 use tokio::net::{TcpListener, UnixListener};
 use tokio::signal::unix::{SignalKind, signal};
 
-use crate::agent::{Agent, AgentError};
+use crate::agent::{Agent, AgentError, AgentHandle};
 use crate::api::{AppState, metrics_router, router};
 use crate::config::Config;
 use crate::metrics::Metrics;
@@ -266,7 +266,9 @@ pub async fn run(config: Config) -> Result<(), ServerError> {
         crate::masquerade::Settings::resolve(&config).map_err(ServerError::Masquerade)?;
     let pin_root = config.datapath.pin_root.clone();
     let (api_listener, _socket_file) = bind_socket(&socket)?;
-    let slot: Arc<Mutex<Option<Agent>>> = Arc::new(Mutex::new(None));
+    // The agent's one owner (`agent::handle`): every task below reaches
+    // the agent through a clone of this handle, none holds it.
+    let (slot, owner) = AgentHandle::spawn().map_err(ServerError::Start)?;
     let metrics = Arc::new(Metrics::new());
     let state = AppState {
         agent: slot.clone(),
@@ -516,11 +518,16 @@ pub async fn run(config: Config) -> Result<(), ServerError> {
     // LB agent write them without waiting for the agent's.
     let announcements = agent.announcements();
     let lb_agent = lb_agent.map(|lb| lb.with_uplink(agent.uplink_probe()));
-    *slot.lock().unwrap_or_else(|p| p.into_inner()) = Some(agent);
-    let cluster_task = cluster.map(|node| node.spawn(slot.clone(), stop_rx.clone()));
-    let lb_task =
-        lb_agent.map(|lb| lb.spawn(slot.clone(), Some(announcements.clone()), stop_rx.clone()));
-    let remote_task = remote.map(|r| r.spawn(slot.clone(), stop_rx.clone()));
+    slot.install(agent).await.map_err(ServerError::Start)?;
+    let cluster_task = cluster.map(|node| node.spawn(Some(slot.clone()), stop_rx.clone()));
+    let lb_task = lb_agent.map(|lb| {
+        lb.spawn(
+            Some(slot.clone()),
+            Some(announcements.clone()),
+            stop_rx.clone(),
+        )
+    });
+    let remote_task = remote.map(|r| r.spawn(Some(slot.clone()), stop_rx.clone()));
     // Kubernetes: Services and pools into the LB state, statuses back
     // (`kubernetes`), through etcd's assigner in cluster mode.
     // NodeIPAM (#29 item 5): this node's CIDRs from its NodeIPAM object,
@@ -770,12 +777,9 @@ pub async fn run(config: Config) -> Result<(), ServerError> {
                     _ = tokio::time::sleep(std::time::Duration::from_millis(200)) => {}
                     _ = stop.wait_for(|s| *s) => break,
                 }
-                let slot = slot.clone();
-                let r = tokio::task::spawn_blocking(move || {
-                    let mut guard = slot.lock().unwrap_or_else(|p| p.into_inner());
-                    guard.as_mut().map_or(Ok(true), Agent::poll_setup)
-                })
-                .await;
+                let r = slot
+                    .ask(|a| a.as_mut().map_or(Ok(true), Agent::poll_setup))
+                    .await;
                 match r {
                     Ok(Ok(true)) => break,
                     Ok(Ok(false)) => {}
@@ -783,7 +787,9 @@ pub async fn run(config: Config) -> Result<(), ServerError> {
                         let _ = fatal_tx.send(e).await;
                         break;
                     }
-                    Err(e) => tracing::error!(error = %e, "set-up task failed"),
+                    // The owner stopped: its end is reported where it is
+                    // watched.
+                    Err(_) => break,
                 }
             }
         })
@@ -792,8 +798,8 @@ pub async fn run(config: Config) -> Result<(), ServerError> {
     let reconciler = {
         let slot = slot.clone();
         let mut stop = stop_rx.clone();
-        // `/healthz` fails when passes stop finishing (the agent's lock
-        // never freed, a syscall that does not return).
+        // `/healthz` fails when passes stop finishing (the agent's owner
+        // stuck in a command, a syscall that does not return).
         let heartbeat = state.metrics.heartbeats.register("reconcile", interval);
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(interval);
@@ -803,16 +809,15 @@ pub async fn run(config: Config) -> Result<(), ServerError> {
                     _ = tick.tick() => {}
                     _ = stop.wait_for(|s| *s) => break,
                 }
-                let slot = slot.clone();
-                let _ = tokio::task::spawn_blocking(move || {
-                    let mut guard = slot.lock().unwrap_or_else(|p| p.into_inner());
-                    if let Some(agent) = guard.as_mut()
-                        && let Err(e) = agent.reconcile()
-                    {
-                        tracing::error!(error = %e, "periodic reconcile failed");
-                    }
-                })
-                .await;
+                let _ = slot
+                    .ask(|a| {
+                        if let Some(agent) = a.as_mut()
+                            && let Err(e) = agent.reconcile()
+                        {
+                            tracing::error!(error = %e, "periodic reconcile failed");
+                        }
+                    })
+                    .await;
                 heartbeat.beat();
             }
         })
@@ -847,6 +852,9 @@ pub async fn run(config: Config) -> Result<(), ServerError> {
     let mut int = signal(SignalKind::interrupt()).map_err(listen_err("SIGINT"))?;
     let mut fatal = None;
     let mut panicked = None;
+    let owner_ended = owner.ended();
+    tokio::pin!(owner_ended);
+    let mut owner_done = None;
     tokio::select! {
         _ = term.recv() => tracing::info!("SIGTERM: shutting down"),
         _ = int.recv() => tracing::info!("SIGINT: shutting down"),
@@ -855,16 +863,28 @@ pub async fn run(config: Config) -> Result<(), ServerError> {
             tracing::error!(error = %p, "a task panicked; stopping the agent");
             panicked = Some(p);
         }
+        // Only a panicking command ends the owner before the stop.
+        ended = &mut owner_ended => {
+            let p = supervisor::Panicked {
+                task: "agent owner".into(),
+                message: ended.err().unwrap_or_else(|| "ended".into()),
+            };
+            tracing::error!(error = %p, "the agent's owner ended; stopping the agent");
+            panicked = Some(p);
+            owner_done = Some(());
+        }
     }
     let _ = stop_tx.send(true);
     let late = tasks.stop().await;
     let panicked = panicked.or_else(|| late.into_iter().next());
-    // Close the store cleanly; pins stay. On the blocking pool: the agent
-    // owns the netlink door's own small runtime once it has programmed an
-    // endpoint, and dropping a runtime on an async worker panics (the agent
-    // then exited non-zero on SIGTERM; the image test stops pods so).
-    let agent = slot.lock().unwrap_or_else(|p| p.into_inner()).take();
-    let _ = tokio::task::spawn_blocking(move || drop(agent)).await;
+    // Every task is stopped: the owner runs what is queued, then drops the
+    // agent on its own thread (the store closed cleanly; pins stay).
+    slot.stop().await;
+    if owner_done.is_none()
+        && let Err(message) = owner_ended.await
+    {
+        tracing::error!(%message, "the agent's owner panicked while stopping");
+    }
     if let Some(e) = fatal {
         return Err(ServerError::Start(e));
     }

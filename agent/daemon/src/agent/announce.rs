@@ -19,7 +19,7 @@
 //!
 //! The announcement maps are written under their own lock
 //! ([`Announcements`]), never under the agent's: a CNI call or anything
-//! else holding the agent lock cannot delay a renewal or a cluster write
+//! else keeping the agent's owner busy cannot delay a renewal or a cluster write
 //! past its expiry (#27 item 5). The agent's reconcile takes this lock
 //! (after its own) to write the same maps, so every writer of them takes
 //! turns here, and a cluster write older than one already applied is
@@ -526,7 +526,7 @@ impl Agent {
 }
 
 /// Runs [`Announcements::renew`] every third of the lease, on the blocking
-/// pool, until `stop` turns true. It never takes the agent's lock, so a CNI
+/// pool, until `stop` turns true. It never waits for the agent's owner, so a CNI
 /// call or a metrics scrape cannot delay it (#27 item 5). Renewals that are
 /// late (the process stopped) do not pile up: the next runs one period
 /// after the late one.

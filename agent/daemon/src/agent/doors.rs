@@ -109,7 +109,7 @@ impl MapDoor for PinnedMaps {
 
 /// The host side of an endpoint's interfaces, as an ADD's undo needs it:
 /// detach the endpoint program and delete the veth. (Making them stays with
-/// `endpoints::build_interfaces`, outside the agent lock; the netlink,
+/// `endpoints::build_interfaces`, off the agent's owner; the netlink,
 /// ioctl and namespace work itself lives in `netlink`.)
 pub trait LinkDoor {
     /// Detaches the endpoint program from, and deletes, host veth `name`

@@ -19,8 +19,6 @@ use lockstep_core::cidr::Family;
 use lockstep_core::manager::Allocation;
 use lockstep_core::owner::Owner;
 
-use std::sync::Mutex;
-
 use super::delegated::DelegatedDelRan;
 use super::doors::LinkDoor;
 use super::endpoint_effects::EndpointEffects;
@@ -69,9 +67,9 @@ pub struct PreparedAdd {
 pub enum AddBegin {
     /// Finished already (repeated ADD, or IPAM mode).
     Done(Box<EndpointReply>),
-    /// Interfaces to make outside the lock, then [`Agent::endpoint_add_finish`].
+    /// Interfaces to make off the agent's owner, then [`Agent::endpoint_add_finish`].
     Interfaces(Box<PreparedAdd>),
-    /// Delegated mode: the plugin to run outside the lock, then
+    /// Delegated mode: the plugin to run off the agent's owner, then
     /// [`Agent::endpoint_add_delegated`].
     Delegated(Box<super::delegated::DelegatedAdd>),
 }
@@ -528,7 +526,7 @@ impl Agent {
         super::endpoint_effects::unprogram(&mut self.maps, record, allocated)
     }
 
-    /// CNI DEL under the agent lock (the operator's draining release):
+    /// CNI DEL in one command on the agent's owner (the operator's draining release):
     /// idempotent; already gone is success. Unlike a DEL from the plugin it
     /// does not wait for a reaped veth to be gone (`without_gone_wait`).
     ///
@@ -564,7 +562,7 @@ impl Agent {
         r
     }
 
-    /// A DEL made under the agent lock (GC, an ADD starting over): see
+    /// A DEL made in one command on the agent's owner (GC, an ADD starting over): see
     /// [`without_gone_wait`].
     pub(super) fn endpoint_del_inner(
         &mut self,
@@ -681,7 +679,7 @@ impl Agent {
         {
             // Unprogrammed; the addresses stay held until the reaper has
             // the veth deleted (the container's interface holds them until
-            // then), and the DEL is answered once it is (outside the lock).
+            // then), and the DEL is answered once it is (off the agent's owner).
             self.begin_release(r, allocated)?;
             return Ok(DelCleanup {
                 gone: self.reaper.gone_wait(&key),
@@ -704,7 +702,7 @@ impl Agent {
         self.endpoints.remove(key);
         // No record (nor a delegated one): an ADD may have died between
         // making the interfaces and its commit; what it made is found by
-        // its names and removed (outside the lock).
+        // its names and removed (off the agent's owner).
         let orphan = (record.is_none() && delegated.is_none())
             .then(|| (container_id.to_string(), ifname.to_string()));
         let orphan_guard = orphan.as_ref().map(|_| self.reaper.orphan_guard(key));
@@ -723,10 +721,10 @@ impl Agent {
 }
 
 /// A DEL's kernel work without the wait for its veth to be gone, for DELs
-/// run while the agent lock is held: the reaper takes that lock to confirm
+/// run in a command on the agent's owner: the reaper asks the owner to confirm
 /// an interface gone, so such a wait could only time out. The release stays
 /// pending and its addresses held until the reaper has the veth deleted;
-/// only a plugin's DEL, which waits outside the lock, is answered after.
+/// only a plugin's DEL, which waits off the agent's owner, is answered after.
 fn without_gone_wait(mut cleanup: DelCleanup) -> DelCleanup {
     cleanup.gone = None;
     cleanup

@@ -10,8 +10,10 @@
 //! pinned maps by diff (never flushing), before it reports ready. The same
 //! reconcile runs periodically and repairs drift.
 //!
-//! Operations here are synchronous and run under one mutex held by the server;
-//! each is short (a commit is one fsync, programming a few syscalls).
+//! Operations here are synchronous and run one at a time on the agent's owner
+//! thread ([`handle`]): every other task sends them there through an
+//! [`AgentHandle`]. What waits on something slow (a plugin, interfaces, a
+//! veth's deletion) runs between two operations, off the owner.
 
 use std::collections::BTreeMap;
 use std::net::IpAddr;
@@ -41,6 +43,7 @@ pub mod draining;
 pub mod endpoint_effects;
 pub mod endpoints;
 mod error;
+pub mod handle;
 pub mod lb;
 mod leaked;
 mod map_table;
@@ -55,6 +58,7 @@ mod tunnel;
 pub use announce::{Announcements, UplinkHealth, UplinkProbe};
 pub use cluster_pools::RemoteSource;
 pub use error::AgentError;
+pub use handle::{AgentHandle, AgentView, OwnerThread};
 use maps::MapContents;
 pub use report::{Drift, PoolStatus, ReconcileReport, Stats, Status, Uplink, VerifyReport};
 
@@ -110,7 +114,7 @@ pub struct Agent {
     /// Attachments between ADD's phases: their addresses are held but not
     /// committed, so the planner and verify leave them out.
     pending: std::collections::BTreeSet<String>,
-    /// `from_endpoint`, pinned for attaching outside the lock.
+    /// `from_endpoint`, pinned for attaching off the agent's owner.
     from_endpoint: Option<crate::datapath::ProgramPin>,
     /// Delegated attachments by key (delegated mode).
     delegated: BTreeMap<String, crate::store::DelegatedRecord>,

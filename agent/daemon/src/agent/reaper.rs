@@ -13,7 +13,7 @@
 //! veths in one interface group and deletes the group in one request: the
 //! kernel unregisters them as one batch sharing its grace periods. Once the
 //! kernel confirms an interface gone (its index no longer names it), the
-//! reaper takes the agent lock and completes the release: store removal of
+//! reaper asks the agent's owner to complete the release: store removal of
 //! the record and allocations in one commit, then the core lets go (through
 //! [`super::release::ParkedReleases`], so a store that refuses keeps them
 //! held). A start finishes every release a crash or a stop left marked,
@@ -21,16 +21,16 @@
 //!
 //! The DEL itself is answered only once the kernel has deleted its veth
 //! (#27 item 8: a runtime must not find the container's interface still
-//! there after DEL): it waits outside the agent lock ([`GoneWait`]) for the
+//! there after DEL): it waits off the agent's owner ([`GoneWait`]) for the
 //! batch that takes its veth, so DELs that arrive together share one
 //! deletion and its grace periods. A repeated DEL of a pending release
 //! waits for the same batch.
 //!
-//! An ADD of an attachment whose release is pending waits for it
-//! ([`lock_unblocked`]).
+//! An ADD of an attachment whose release is pending waits for it, outside
+//! the owner ([`Progress`]).
 
 use std::collections::BTreeMap;
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError, Weak};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use lockstep_core::cidr::Family;
@@ -41,7 +41,7 @@ use crate::datapath::{Hook, ProgramPin};
 use crate::netlink::Netlink;
 use crate::store::{EndpointRecord, endpoint_key};
 
-use super::{Agent, AgentError};
+use super::{Agent, AgentError, AgentHandle};
 
 /// The interface group the reaper's batches use, with the process id in
 /// its low bits so agents in one namespace do not share one.
@@ -169,7 +169,7 @@ impl Reaper {
 }
 
 /// Held while a DEL without a record removes what a half-done ADD of its
-/// attachment left (outside the agent lock), so that an ADD of the same
+/// attachment left (off the agent's owner), so that an ADD of the same
 /// attachment does not make its interfaces in the meantime.
 #[derive(Debug)]
 pub struct OrphanGuard {
@@ -210,7 +210,7 @@ impl Drop for OrphanGuard {
 
 /// Held by a DEL whose attachment's veth the reaper deletes: [`GoneWait::wait`]
 /// returns once the kernel has confirmed it gone (and with it the
-/// container's interface). Made under the agent lock while the release is
+/// container's interface). Made in one command on the agent's owner while the release is
 /// pending, and marked gone by the reaper under the same lock, so no
 /// confirmation can fall between the two.
 #[derive(Debug)]
@@ -272,7 +272,7 @@ impl Reaper {
     /// A wait for the interface of attachment `key`, whose release is
     /// pending; `None` when nothing is pending for it or no reaper thread
     /// runs (without one a release is finished inline, interface first).
-    /// Call with the agent lock held.
+    /// Call on the agent's owner.
     pub(crate) fn gone_wait(&self, key: &str) -> Option<GoneWait> {
         if !self.attached || !self.held.contains_key(key) {
             return None;
@@ -313,24 +313,24 @@ pub fn prepare(agent: &mut Agent) -> Prepared {
     Prepared(agent.reaper.shared.clone())
 }
 
-/// Starts the reaper thread for the agent in `slot`. The thread ends when
-/// the agent is dropped.
+/// Starts the reaper thread for the agent behind `agent`. The thread ends
+/// when the agent is dropped.
 ///
 /// # Errors
 /// The thread could not be started.
-pub fn start(prepared: Prepared, slot: &Arc<Mutex<Option<Agent>>>) -> Result<(), AgentError> {
+pub fn start(prepared: Prepared, agent: &AgentHandle) -> Result<(), AgentError> {
     let shared = prepared.0;
-    let weak = Arc::downgrade(slot);
+    let agent = agent.clone();
     std::thread::Builder::new()
         .name("lockstep-reaper".into())
-        .spawn(move || run(&shared, &weak))
+        .spawn(move || run(&shared, &agent))
         .map_err(|e| AgentError::Invalid {
             reason: format!("starting the reaper thread: {e}"),
         })?;
     Ok(())
 }
 
-fn run(shared: &Shared, slot: &Weak<Mutex<Option<Agent>>>) {
+fn run(shared: &Arc<Shared>, agent: &AgentHandle) {
     let mut netlink: Option<Netlink> = None;
     loop {
         let jobs = {
@@ -370,26 +370,28 @@ fn run(shared: &Shared, slot: &Weak<Mutex<Option<Agent>>>) {
         let (gone, failed) = delete_batch(&h, jobs);
         netlink = Some(h);
         requeue(shared, failed);
-        let Some(slot) = slot.upgrade() else {
-            return;
-        };
-        let mut agent = slot.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some(agent) = agent.as_mut() {
-            agent.finish_releases(&gone);
-        }
-        // Marked under the agent lock, which a DEL holds while it starts to
-        // wait: a wait made before this sees the mark, one made after finds
-        // the release finished and does not wait.
-        let mut q = shared.lock();
-        for key in &gone {
-            if let Some(w) = q.waiting.get_mut(key) {
-                w.gone = true;
+        let marked = shared.clone();
+        let finished = agent.call(move |agent| {
+            if let Some(agent) = agent.as_mut() {
+                agent.finish_releases(&gone);
             }
+            // Marked by the owner, which runs an ADD's look at what blocks
+            // it as one command: a look made before this sees the mark,
+            // one made after finds the release finished and does not wait.
+            let mut q = marked.lock();
+            for key in &gone {
+                if let Some(w) = q.waiting.get_mut(key) {
+                    w.gone = true;
+                }
+            }
+            q.finished += 1;
+            drop(q);
+            marked.wake.notify_all();
+        });
+        if finished.is_err() {
+            // The owner is gone: so is the agent.
+            return;
         }
-        q.finished += 1;
-        drop(q);
-        drop(agent);
-        shared.wake.notify_all();
     }
 }
 
@@ -458,47 +460,39 @@ fn still_there(h: &Netlink, j: &Job) -> Result<bool, crate::netlink::NetlinkErro
     Ok(h.link_by_index(j.index)?.is_some_and(|l| l.name == j.name))
 }
 
-/// Takes the agent lock once no pending release or orphan removal blocks
-/// an ADD of attachment `key` ([`Reaper::blocks`]), or `timeout` has passed;
-/// the ADD then begins under this same hold, so nothing can come between.
-pub fn lock_unblocked<'a>(
-    slot: &'a Mutex<Option<Agent>>,
-    key: &str,
-    netns: &std::path::Path,
-    ifname: &str,
-    timeout: Duration,
-) -> MutexGuard<'a, Option<Agent>> {
-    let deadline = Instant::now() + timeout;
-    loop {
-        let guard = slot.lock().unwrap_or_else(PoisonError::into_inner);
-        match guard.as_ref() {
-            Some(a) if Instant::now() < deadline && a.reaper.blocks(key, netns, ifname) => {}
-            _ => return guard,
-        }
-        wait_for_progress(guard, deadline);
+/// Where a waiting ADD stands with the reaper: how many batches it had
+/// finished when the ADD looked ([`Agent::reaper_progress`]).
+#[derive(Debug, Clone)]
+pub struct Progress {
+    shared: Arc<Shared>,
+    seen: u64,
+}
+
+impl Progress {
+    /// Waits until the reaper finishes something after this was taken (a
+    /// batch, an orphan removal), stops, or `deadline` passes; at most
+    /// 50 ms, so the caller looks again at least that often.
+    pub fn wait(&self, deadline: Instant) {
+        let q = self.shared.lock();
+        let left = deadline.saturating_duration_since(Instant::now());
+        let _ = self
+            .shared
+            .wake
+            .wait_timeout_while(q, left.min(Duration::from_millis(50)), |q| {
+                q.finished == self.seen && !q.stop
+            });
     }
 }
 
-/// Lets the agent lock go and waits until the reaper finishes something
-/// (a batch, an orphan removal), stops, or `deadline` passes; at most
-/// 50 ms, so the caller looks again at least that often.
-pub fn wait_for_progress(guard: MutexGuard<'_, Option<Agent>>, deadline: Instant) {
-    let Some(shared) = guard.as_ref().map(|a| a.reaper.shared.clone()) else {
-        return;
-    };
-    // The queue's lock before the agent's is let go: no wake-up is lost.
-    let q = shared.lock();
-    let seen = q.finished;
-    drop(guard);
-    let left = deadline.saturating_duration_since(Instant::now());
-    let _ = shared
-        .wake
-        .wait_timeout_while(q, left.min(Duration::from_millis(50)), |q| {
-            q.finished == seen && !q.stop
-        });
-}
-
 impl Agent {
+    /// The reaper's progress as of now, for an ADD that finds itself
+    /// blocked ([`Reaper::blocks`]) and waits outside the owner.
+    pub fn reaper_progress(&self) -> Progress {
+        let shared = self.reaper.shared.clone();
+        let seen = shared.lock().finished;
+        Progress { shared, seen }
+    }
+
     /// DEL's hand-over of a full endpoint whose map entries are removed:
     /// marks its record `releasing` in the store (one commit), keeps its
     /// allocations held and queues its veth. Without a reaper thread the
@@ -517,6 +511,11 @@ impl Agent {
         marked.releasing = true;
         self.store
             .put_endpoint(Some(&marked), &[], self.manager.generation())?;
+        // The mark is on disk before the veth can go, also when this DEL's
+        // commit is grouped with others (`agent::handle`): a crash in
+        // between then finds the release marked, never a record whose
+        // interface vanished under it.
+        self.store.sync()?;
         self.endpoints.remove(&key);
         self.queue_release(&marked, allocated);
         Ok(())

@@ -13,7 +13,7 @@
 //! through [`Announcements`] (`lb_announce`), and it tells the driver what
 //! it cannot know itself:
 //! - the uplink's health at each tick's start (without waiting for the
-//!   agent lock): one that cannot answer makes the announcer empty the
+//!   agent's owner): one that cannot answer makes the announcer empty the
 //!   datapath and revoke the lease, so the addresses move within a tick;
 //! - whether `lb/` changed since the last read: a read is answered from
 //!   the agent's mirror of etcd (#27 item 6: no request), and "unchanged"
@@ -217,7 +217,7 @@ impl LbAgent {
     /// call or a reconcile holding the agent delays no tick. Only an uplink
     /// created again under its name is handed to the agent, which attaches
     /// the programs to it.
-    async fn uplink_health(&mut self, slot: &Arc<Mutex<Option<Agent>>>) -> UplinkHealth {
+    async fn uplink_health(&mut self, slot: &super::node::AgentSlot) -> UplinkHealth {
         let mut probe = match std::mem::replace(&mut self.uplink, Uplink::Unset) {
             Uplink::Probe(p) => p,
             other => {
@@ -240,25 +240,15 @@ impl LbAgent {
         self.uplink = Uplink::Probe(probe);
         self.health = match seen {
             Some(h) => h,
-            None => {
-                let slot = slot.clone();
-                tokio::task::spawn_blocking(move || {
-                    slot.lock()
-                        .unwrap_or_else(std::sync::PoisonError::into_inner)
-                        .as_mut()
-                        .map(Agent::uplink_health)
-                })
+            None => super::node::on_agent(slot, Agent::uplink_health)
                 .await
-                .ok()
-                .flatten()
-                .unwrap_or(UplinkHealth::Unknown)
-            }
+                .unwrap_or(UplinkHealth::Unknown),
         };
         self.health.clone()
     }
 
     /// A tick's start: the connection, the uplink's health, the wake-up.
-    async fn tick_start(&mut self, slot: &Arc<Mutex<Option<Agent>>>) {
+    async fn tick_start(&mut self, slot: &super::node::AgentSlot) {
         if self.door.is_none() {
             match Door::connect(self.handle.opts.clone()).await {
                 Ok(d) => self.door = Some(d),
@@ -481,7 +471,7 @@ impl LbAgent {
     /// Runs the driver until `stop`.
     async fn run(
         &mut self,
-        slot: &Arc<Mutex<Option<Agent>>>,
+        slot: &super::node::AgentSlot,
         announcements: &Maps,
         stop: &mut watch::Receiver<bool>,
     ) {
@@ -548,7 +538,7 @@ impl LbAgent {
     /// benchmark's simulated nodes are).
     pub fn spawn(
         mut self,
-        slot: Arc<Mutex<Option<Agent>>>,
+        slot: super::node::AgentSlot,
         announcements: Option<Announcements>,
         mut stop: watch::Receiver<bool>,
     ) -> tokio::task::JoinHandle<()> {

@@ -54,7 +54,7 @@ pub use lb_agent::LbAgent;
 pub use lb_handle::{Assignments, LbHandle};
 pub use mirror::{Kv, Link, Mirror, Stamp};
 pub(crate) use node::node_ips;
-pub use node::{ClusterNode, local_specs};
+pub use node::{AgentSlot, ClusterNode, local_specs};
 pub use remote::{RemoteError, RemoteTask, RemoteView, RouteSync, sync_routes};
 pub use watch::{Change, Watch};
 

@@ -27,7 +27,7 @@
 
 use std::collections::BTreeMap;
 use std::net::IpAddr;
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use ipnet::IpNet;
@@ -307,7 +307,7 @@ impl RemoteTask {
 
     /// Publishes the desired state; when it changed, logs what cannot be
     /// routed and has the agent reconcile its maps at once.
-    async fn publish(&self, slot: &Arc<Mutex<Option<Agent>>>) {
+    async fn publish(&self, slot: &super::node::AgentSlot) {
         let state = self.desired();
         // Said once, when a block becomes unroutable: every node's every
         // step repeating all of them was, at a thousand nodes, a log line
@@ -321,13 +321,8 @@ impl RemoteTask {
             tracing::warn!(reason = %u, "a remote block is not routed");
         }
         if self.view.set(state) {
-            let slot2 = slot.clone();
-            let r = tokio::task::spawn_blocking(move || {
-                let mut guard = slot2.lock().unwrap_or_else(|p| p.into_inner());
-                guard.as_mut().map(Agent::reconcile)
-            })
-            .await;
-            if let Ok(Some(Err(e))) = r {
+            let r = super::node::on_agent(slot, Agent::reconcile).await;
+            if let Some(Err(e)) = r {
                 tracing::error!(error = %crate::error_chain(&e), "reconcile after a remote change failed");
             }
         }
@@ -337,15 +332,11 @@ impl RemoteTask {
     /// Makes the kernel's routes the snapshot's, on a node with a
     /// datapath (an agent in `slot`), once etcd has been read: before,
     /// the routes the node has stay as they are.
-    async fn routes(&self, slot: &Arc<Mutex<Option<Agent>>>) {
+    async fn routes(&self, slot: &super::node::AgentSlot) {
         if !self.view.is_read() {
             return;
         }
-        if slot
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .is_none()
-        {
+        if super::node::no_agent(slot) {
             return;
         }
         let routes = self.view.snapshot().routes.clone();
@@ -371,7 +362,7 @@ impl RemoteTask {
     /// is made of changed there, keeps the view and the routes.
     pub fn spawn(
         mut self,
-        slot: Arc<Mutex<Option<Agent>>>,
+        slot: super::node::AgentSlot,
         mut stop: tokio::sync::watch::Receiver<bool>,
     ) -> tokio::task::JoinHandle<()> {
         tokio::spawn(async move {

@@ -9,7 +9,7 @@
 //! in-memory LB IPAM.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use lockstep_core::lb::{LbPoolSpec, PoolStatus, ServiceSpec, ServiceStatus};
@@ -84,25 +84,19 @@ pub trait LbBackend: Send + Sync + 'static {
     }
 }
 
-pub(super) type Slot = Arc<Mutex<Option<Agent>>>;
+pub(super) type Slot = crate::agent::AgentHandle;
 
-/// Runs `f` on the agent, on the blocking pool (the agent's calls fsync and
-/// program maps). `None`: the agent is not there (yet).
+/// Runs `f` on the agent, as a command on its owner (the worker is free
+/// while it waits). `None`: the agent is not there (yet).
 pub(super) async fn on_agent<T: Send + 'static>(
     slot: &Slot,
     f: impl FnOnce(&mut Agent) -> T + Send + 'static,
 ) -> Result<Option<T>, KubeError> {
-    let slot = slot.clone();
-    tokio::task::spawn_blocking(move || {
-        let mut guard = slot
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        guard.as_mut().map(f)
-    })
-    .await
-    .map_err(|e| KubeError::Task {
-        reason: e.to_string(),
-    })
+    slot.ask(move |a| a.as_mut().map(f))
+        .await
+        .map_err(|e| KubeError::Task {
+            reason: crate::error_chain(&e),
+        })
 }
 
 fn refused_or_failed(e: &crate::agent::AgentError) -> KubeError {

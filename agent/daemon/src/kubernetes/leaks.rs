@@ -24,7 +24,6 @@ use lockstep_core::pods::{Leak, LeakTracker, PodRef, pod_alive};
 use super::KubeError;
 use super::backend::on_agent;
 use super::pods::{PodView, pod_facts};
-use crate::agent::Agent;
 use crate::config::PodsConfig;
 
 /// Confirmed leaks per round at most (each costs one GET).
@@ -66,11 +65,13 @@ pub trait NodeEndpoints: Send + Sync + 'static {
 }
 
 /// [`NodeEndpoints`] on the running agent.
-pub struct AgentEndpoints(pub Arc<Mutex<Option<Agent>>>);
+pub struct AgentEndpoints(pub crate::agent::AgentHandle);
 
 impl NodeEndpoints for AgentEndpoints {
     async fn list(&self) -> Result<Option<Vec<(String, PodRef)>>, KubeError> {
-        on_agent(&self.0, |a| a.pod_endpoints()).await
+        // The owner's published view: listing never waits for a command.
+        let view = self.0.view();
+        Ok(view.present.then(|| view.pod_endpoints.clone()))
     }
 
     async fn release(&self, key: String, pod: PodRef) -> Result<bool, KubeError> {

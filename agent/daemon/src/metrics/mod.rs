@@ -8,12 +8,13 @@
 //! registered once it runs. A scrape gets OpenMetrics when it asks for it
 //! (Prometheus does) and the text format 0.0.4 otherwise ([`text`]).
 //!
-//! A scrape never waits for the agent's lock, which CNI calls and commits
-//! hold (#27 item 9): it refreshes the gauges itself when the lock is free
-//! at that instant (so they agree with the state an API call just
-//! returned), and serves what it has otherwise. [`spawn_refresher`]
-//! refreshes them every [`REFRESH_EVERY`] off the scrape path, so they are
-//! never older than that plus one lock wait.
+//! A scrape waits at most [`SCRAPE_WAIT`] for the agent's owner, which CNI
+//! calls and reconciles keep busy (#27 item 9): it asks the owner to
+//! refresh the gauges (so they agree with the state an API call just
+//! returned), and serves what it has when the owner does not get to it in
+//! time. [`spawn_refresher`] refreshes them every [`REFRESH_EVERY`] off the
+//! scrape path, so they are never older than that plus one command's
+//! wait.
 
 mod cluster;
 mod heartbeats;
@@ -22,7 +23,7 @@ pub mod text;
 pub use heartbeats::{Heartbeat, Heartbeats};
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, OnceLock, TryLockError};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use prometheus_client::encoding::text::encode;
@@ -367,20 +368,7 @@ impl Metrics {
         self.refreshed.load(Ordering::Acquire)
     }
 
-    /// A scrape's refresh: from the agent in `slot` only if its lock is free
-    /// now; never waits for the lock.
-    pub fn refresh_if_free(&self, slot: &Mutex<Option<Agent>>) {
-        let guard = match slot.try_lock() {
-            Ok(g) => g,
-            Err(TryLockError::Poisoned(p)) => p.into_inner(),
-            Err(TryLockError::WouldBlock) => return,
-        };
-        if let Some(agent) = guard.as_ref() {
-            self.refresh(agent);
-        }
-    }
-
-    /// Refreshes the gauges from the agent (its lock held by the caller).
+    /// Refreshes the gauges from the agent (on its owner).
     pub fn refresh(&self, agent: &Agent) {
         for p in agent.pools() {
             for (family, (used, free)) in [("ipv4", p.v4), ("ipv6", p.v6)] {
@@ -459,7 +447,7 @@ impl Metrics {
         self.refreshed.store(true, Ordering::Release);
     }
 
-    /// Renders what the metrics hold (the agent's lock is not needed),
+    /// Renders what the metrics hold (the agent's owner is not needed),
     /// cluster mode's and its LB agent's families included once they run:
     /// OpenMetrics, or the text format 0.0.4 ([`text`]).
     pub fn encode(
@@ -494,12 +482,33 @@ impl Metrics {
     }
 }
 
-/// Refreshes the gauges from the agent every [`REFRESH_EVERY`], waiting for
-/// its lock on the blocking pool (never on a scrape's path), until `stop`
-/// turns true.
+/// How long a scrape waits for the agent's owner to refresh the gauges
+/// before it serves them as the last refresh left them.
+pub const SCRAPE_WAIT: Duration = Duration::from_millis(100);
+
+/// A scrape's refresh: asked of the agent's owner, waited for at most
+/// [`SCRAPE_WAIT`] (a busy owner refreshes them when it gets to it).
+pub async fn refresh_briefly(metrics: &Arc<Metrics>, agent: &crate::agent::AgentHandle) {
+    let _ = tokio::time::timeout(SCRAPE_WAIT, refresh_on_owner(metrics, agent)).await;
+}
+
+/// Refreshes the gauges as a command on the agent's owner.
+async fn refresh_on_owner(metrics: &Arc<Metrics>, agent: &crate::agent::AgentHandle) {
+    let m = metrics.clone();
+    let _ = agent
+        .ask(move |a| {
+            if let Some(a) = a.as_ref() {
+                m.refresh(a);
+            }
+        })
+        .await;
+}
+
+/// Refreshes the gauges from the agent every [`REFRESH_EVERY`], as a
+/// command on its owner, until `stop` turns true.
 pub fn spawn_refresher(
     metrics: Arc<Metrics>,
-    slot: Arc<Mutex<Option<Agent>>>,
+    agent: crate::agent::AgentHandle,
     mut stop: tokio::sync::watch::Receiver<bool>,
 ) -> tokio::task::JoinHandle<()> {
     let heartbeat = metrics
@@ -513,16 +522,7 @@ pub fn spawn_refresher(
                 _ = tick.tick() => {}
                 _ = stop.wait_for(|s| *s) => break,
             }
-            let (m, slot) = (metrics.clone(), slot.clone());
-            let _ = tokio::task::spawn_blocking(move || {
-                let guard = slot
-                    .lock()
-                    .unwrap_or_else(std::sync::PoisonError::into_inner);
-                if let Some(agent) = guard.as_ref() {
-                    m.refresh(agent);
-                }
-            })
-            .await;
+            refresh_on_owner(&metrics, &agent).await;
             heartbeat.beat();
         }
     })

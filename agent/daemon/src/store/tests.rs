@@ -268,6 +268,84 @@ fn after_a_failed_append_the_store_is_unhealthy_then_recovers() {
 }
 
 #[test]
+fn grouped_commits_are_durable_after_one_sync() {
+    let tmp = temp_dir("group");
+    let dir = tmp.path().join("state");
+    let store = Store::open(&dir).expect("open");
+    store.set_deferred(true).expect("defer");
+    let all: Vec<Allocation> = (1..=5)
+        .map(|i| alloc(&format!("10.0.9.{i}"), &format!("g{i}"), i))
+        .collect();
+    for (i, a) in all.iter().enumerate() {
+        store.put(a, Generation(i as u64 + 1)).expect("put");
+    }
+    let before = store.lock().wal.covered_through();
+    store.sync().expect("one sync for all five");
+    assert_eq!(
+        store.lock().wal.covered_through(),
+        before + 1,
+        "the five commits went to the log as one record"
+    );
+    // Off again: a commit is its own record.
+    store.set_deferred(false).expect("undefer");
+    let last = alloc("10.0.9.9", "g9", 9);
+    store.put(&last, Generation(9)).expect("put");
+    assert_eq!(store.lock().wal.covered_through(), before + 2);
+    store.crash();
+    let store = Store::open(&dir).expect("reopen");
+    let mut got = store.load().expect("load").allocations;
+    got.sort_by_key(key_of);
+    let mut want = all;
+    want.push(last);
+    want.sort_by_key(key_of);
+    assert_eq!(got, want);
+}
+
+#[test]
+fn a_group_is_nothing_on_disk_before_its_sync_and_a_failed_one_is_kept_for_the_next() {
+    let tmp = temp_dir("groupfail");
+    let dir = tmp.path().join("state");
+    let store = Store::open(&dir).expect("open");
+    store.set_deferred(true).expect("defer");
+    let a = alloc("10.0.10.1", "f1", 1);
+    let b = alloc("10.0.10.2", "f2", 2);
+    store.put(&a, Generation(1)).expect("put");
+    store.put(&b, Generation(2)).expect("put");
+    let before = store.lock().wal.covered_through();
+    let gathered = store.lock().group.len();
+    // The database is gone and cannot be opened (its file replaced by a
+    // directory): the log failed before, so the sync must checkpoint first,
+    // and cannot. The group is kept, nothing of it written.
+    {
+        let mut inner = store.lock();
+        inner.wal.fail_for_test();
+        inner.db = None;
+    }
+    let db_file = dir.join(DB_FILE);
+    let aside = dir.join("db.aside");
+    std::fs::rename(&db_file, &aside).expect("move the database aside");
+    std::fs::create_dir(&db_file).expect("a directory in its place");
+    store.sync().expect_err("nothing can be made durable");
+    assert_eq!(
+        store.lock().group.len(),
+        gathered,
+        "kept for the next attempt"
+    );
+    assert_eq!(store.lock().wal.covered_through(), before + 1);
+    // The disk is back: the next sync writes the kept group.
+    std::fs::remove_dir(&db_file).expect("remove the directory");
+    std::fs::rename(&aside, &db_file).expect("the database back");
+    store.sync().expect("durable now");
+    assert!(store.lock().group.is_empty());
+    assert!(store.health().is_none(), "the recovery ended the failure");
+    store.crash();
+    let store = Store::open(&dir).expect("reopen");
+    let mut got = store.load().expect("load").allocations;
+    got.sort_by_key(key_of);
+    assert_eq!(got, vec![a, b]);
+}
+
+#[test]
 fn a_failed_database_is_opened_again_by_the_next_commit() {
     let tmp = temp_dir("reopen");
     let dir = tmp.path().join("state");

@@ -1,15 +1,13 @@
-//! How the API runs a CNI call against the shared agent: inline on the async
-//! worker when the work is bounded, or in phases around the agent lock when
-//! interfaces must be made or removed.
+//! How the API runs a CNI call against the agent's owner
+//! ([`AgentHandle`]): as one command when the work is store and maps only
+//! (its commit grouped with the batch's), or in phases around commands when
+//! interfaces must be made or removed or a plugin run.
 //!
-//! It exists apart from ADD and DEL themselves because it is about locking
-//! and where work runs, not about what an ADD or a DEL does.
+//! It exists apart from ADD and DEL themselves because it is about where
+//! work runs, not about what an ADD or a DEL does.
 
 use super::*;
-
-pub(super) fn lock(slot: &Mutex<Option<Agent>>) -> std::sync::MutexGuard<'_, Option<Agent>> {
-    slot.lock().unwrap_or_else(|p| p.into_inner())
-}
+use crate::agent::AgentHandle;
 
 pub(super) fn not_ready() -> AgentError {
     AgentError::NotReady {
@@ -17,11 +15,11 @@ pub(super) fn not_ready() -> AgentError {
     }
 }
 
-/// What a CNI call's step on the API's async worker came to (see
+/// What a CNI call's one command on the owner came to (see
 /// [`endpoint_add_inline`] and [`endpoint_del_inline`]).
 #[derive(Debug)]
 pub enum Inline<T, R> {
-    /// Served: store and map work only, done under the lock.
+    /// Served: store and map work only, done in the command.
     Done(Result<T, AgentError>),
     /// Nothing was done: the request needs kernel work or an external
     /// plugin, and must run on the blocking pool.
@@ -31,7 +29,7 @@ pub enum Inline<T, R> {
 /// Whether serving this attachment, as the agent holds it right now, is
 /// store and map work only: IPAM mode, addresses from the agent's own pools
 /// (no external plugin to run), no interfaces to check or remove. Only ever
-/// asked with the lock held by the caller that then does the work.
+/// asked in the command that then does the work.
 pub(super) fn inline_capable(agent: &Agent, key: &str, mode: Option<EndpointMode>) -> bool {
     mode.is_none_or(|m| m == EndpointMode::Ipam)
         && !agent.reaper.holds_key(key)
@@ -43,19 +41,17 @@ pub(super) fn inline_capable(agent: &Agent, key: &str, mode: Option<EndpointMode
             .is_none_or(|e| e.mode == EndpointMode::Ipam)
 }
 
-/// CNI ADD from the API's async worker. The attachment's state is judged
-/// and the ADD served under one hold of the agent lock, so nothing can
-/// change in between: an IPAM-only ADD (a commit and a few map writes, which
-/// the lock serialises anyway) is served here, without the two thread
-/// wake-ups a hop to the blocking pool costs (`cargo xtask bench cni`);
-/// anything else is handed back untouched, for [`endpoint_add_concurrent`]
-/// on the blocking pool.
+/// CNI ADD as one command on the owner (run it with
+/// [`AgentHandle::ask_grouped`] and [`inline_lost`]). The attachment's state is
+/// judged and the ADD served in the same command, so nothing can change in
+/// between: an IPAM-only ADD (a commit and a few map writes) is served
+/// here, its commit synced with its batch's; anything else is handed back
+/// untouched, for [`endpoint_add_concurrent`] on the blocking pool.
 pub fn endpoint_add_inline(
-    slot: &Mutex<Option<Agent>>,
+    slot: &mut Option<Agent>,
     req: EndpointRequest,
 ) -> Inline<EndpointReply, EndpointRequest> {
-    let mut guard = lock(slot);
-    let Some(agent) = guard.as_mut() else {
+    let Some(agent) = slot.as_mut() else {
         return Inline::Done(Err(not_ready()));
     };
     let key = endpoint_key(&req.container_id, &req.ifname);
@@ -109,18 +105,29 @@ fn releasing(agent: &Agent, e: &AgentError) -> usize {
         .map_or(0, |(pool, family)| agent.reaper.holding_in(pool, family))
 }
 
-/// CNI DEL from the API's async worker: judged and committed under one hold
-/// of the agent lock (as [`endpoint_add_inline`]). The kernel work a full
+/// An inline command's answer once its batch's sync failed: a success
+/// becomes that failure (the caller retries; a DEL finds nothing left to
+/// do, an ADD's leftovers are what its runtime's DEL releases).
+pub fn inline_lost<T, R>(r: Inline<T, R>, e: &AgentError) -> Inline<T, R> {
+    match r {
+        Inline::Done(Ok(_)) => Inline::Done(Err(AgentError::NotReady {
+            reason: format!("the store could not make the commit durable: {e}"),
+        })),
+        other => other,
+    }
+}
+
+/// CNI DEL as one command on the owner: judged and committed in it (as
+/// [`endpoint_add_inline`]). The kernel work a full
 /// attachment leaves (detach, veth deletion) is never run here: it comes
 /// back as a [`DelCleanup`] for the blocking pool ([`DelCleanup::is_empty`]
 /// says whether there is any). A delegated attachment (an external plugin
 /// to run) is handed back untouched.
 pub fn endpoint_del_inline(
-    slot: &Mutex<Option<Agent>>,
+    slot: &mut Option<Agent>,
     req: DelRequest,
 ) -> Inline<DelCleanup, DelRequest> {
-    let mut guard = lock(slot);
-    let Some(agent) = guard.as_mut() else {
+    let Some(agent) = slot.as_mut() else {
         return Inline::Done(Err(not_ready()));
     };
     let key = endpoint_key(&req.container_id, &req.ifname);
@@ -130,59 +137,81 @@ pub fn endpoint_del_inline(
     Inline::Done(agent.endpoint_del_begin(req))
 }
 
-/// CNI ADD with the agent lock held only to decide and to commit: the
-/// interfaces and the program attach (each waiting on the kernel) run
-/// unlocked, so concurrent ADDs overlap their waits.
+/// What one look at an ADD's attachment came to, on the owner.
+enum Begun {
+    Started(Result<AddBegin, AgentError>),
+    /// Blocked by a pending release or an exhausted pool whose addresses
+    /// are being released: wait for the reaper, then look again.
+    Wait(crate::agent::reaper::Progress),
+}
+
+/// CNI ADD in phases, from the blocking pool: commands decide and commit;
+/// the plugin, the interfaces and the program attach (each waiting on the
+/// kernel or a process) run between them, so concurrent ADDs overlap their
+/// waits and nothing waits for them.
 ///
 /// # Errors
 /// As [`Agent::endpoint_add`].
 pub fn endpoint_add_concurrent(
-    slot: &Mutex<Option<Agent>>,
+    handle: &AgentHandle,
     req: EndpointRequest,
 ) -> Result<EndpointReply, AgentError> {
-    // The same attachment DEL'd a moment ago: its addresses come back only
-    // once its old veth is gone.
     let key = endpoint_key(&req.container_id, &req.ifname);
-    let (netns, ifname) = (req.netns.clone(), req.ifname.clone());
     let deadline = std::time::Instant::now() + ADD_WAIT;
-    // A pool whose only free addresses are still being released (their
-    // pods DEL'd, the interfaces not yet gone) is waited for, not answered
-    // "exhausted": they come free within a reaper batch.
+    // The same attachment DEL'd a moment ago: its addresses come back only
+    // once its old veth is gone. A pool whose only free addresses are still
+    // being released (their pods DEL'd, the interfaces not yet gone) is
+    // waited for, not answered "exhausted": they come free within a
+    // reaper batch.
     let begun = loop {
-        let left = deadline.saturating_duration_since(std::time::Instant::now());
-        let mut guard = crate::agent::reaper::lock_unblocked(slot, &key, &netns, &ifname, left);
-        let agent = guard.as_mut().ok_or_else(not_ready)?;
-        match agent.endpoint_add_begin(req.clone()) {
-            Err(e) => match (releasing(agent, &e), e.exhausted()) {
-                (0, _) | (_, None) => break Err(e),
-                (pending, Some((pool, family))) => {
-                    if std::time::Instant::now() >= deadline {
-                        break Err(AgentError::AddressesReleasing {
-                            pool: pool.to_string(),
-                            family,
-                            pending,
-                        });
+        let (req, key) = (req.clone(), key.clone());
+        let look = handle.call(move |slot| {
+            let Some(agent) = slot.as_mut() else {
+                return Begun::Started(Err(not_ready()));
+            };
+            let now = std::time::Instant::now();
+            if now < deadline && agent.reaper.blocks(&key, &req.netns, &req.ifname) {
+                return Begun::Wait(agent.reaper_progress());
+            }
+            match agent.endpoint_add_begin(req) {
+                Err(e) => match (releasing(agent, &e), e.exhausted()) {
+                    (0, _) | (_, None) => Begun::Started(Err(e)),
+                    (pending, Some((pool, family))) => {
+                        if now >= deadline {
+                            Begun::Started(Err(AgentError::AddressesReleasing {
+                                pool: pool.to_string(),
+                                family,
+                                pending,
+                            }))
+                        } else {
+                            Begun::Wait(agent.reaper_progress())
+                        }
                     }
-                    crate::agent::reaper::wait_for_progress(guard, deadline);
-                }
-            },
-            ok => break ok,
+                },
+                ok => Begun::Started(ok),
+            }
+        })?;
+        match look {
+            Begun::Started(r) => break r,
+            Begun::Wait(progress) => progress.wait(deadline),
         }
     };
     let mut begun = begun?;
     if let AddBegin::Delegated(d) = begun {
         // The plugin runs with the agent free: its timeout may be minutes.
         let ran = d.run();
-        let mut guard = lock(slot);
-        let Some(agent) = guard.as_mut() else {
-            drop(guard);
-            if let Some(undo) = ran.undo() {
-                undo.run();
+        let undo_if_gone = ran.undo();
+        let next =
+            handle.call(move |slot| slot.as_mut().map(|agent| agent.endpoint_add_delegated(ran)));
+        let (next, undo) = match next {
+            Ok(Some(r)) => r,
+            Ok(None) | Err(_) => {
+                if let Some(undo) = undo_if_gone {
+                    undo.run();
+                }
+                return Err(not_ready());
             }
-            return Err(not_ready());
         };
-        let (next, undo) = agent.endpoint_add_delegated(ran);
-        drop(guard);
         if let Some(undo) = undo {
             undo.run();
         }
@@ -200,48 +229,64 @@ pub fn endpoint_add_concurrent(
         &prepared.addresses(),
         prepared.attach.as_ref(),
     );
-    let mut guard = lock(slot);
-    match guard.as_mut() {
-        Some(agent) => agent.endpoint_add_finish(*prepared, made),
-        None => {
-            let mut errors = vec![not_ready()];
-            if let Ok(i) = made
-                && let Err(e) = (DelCleanup {
-                    host: Some((i.host_ifname, i.host_ifindex)),
-                    attach: prepared.attach,
-                    orphan: None,
-                    orphan_guard: None,
-                    gone: None,
-                    plugin: None,
-                })
-                .run()
-            {
-                errors.push(e);
-            }
-            Err(AgentError::all(errors).expect_err("one error at least"))
+    let finished = handle.call(move |slot| match slot.as_mut() {
+        Some(agent) => Ok(agent.endpoint_add_finish(*prepared, made)),
+        None => Err(Box::new((prepared, made))),
+    });
+    match finished {
+        Ok(Ok(r)) => r,
+        Ok(Err(left)) => {
+            let (prepared, made) = *left;
+            Err(undo_interfaces(*prepared, made))
         }
+        // The owner ended with the interfaces made: nobody will record
+        // them, so they go (the next start's GC would find them anyway).
+        Err(e) => Err(e),
     }
 }
 
-/// CNI DEL with the kernel work (detach, veth deletion) outside the lock.
+/// The agent went away between an ADD's phases: the interfaces it made are
+/// removed, and the ADD fails.
+fn undo_interfaces(
+    prepared: PreparedAdd,
+    made: Result<Interfaces, InterfaceFailure>,
+) -> AgentError {
+    let mut errors = vec![not_ready()];
+    if let Ok(i) = made
+        && let Err(e) = (DelCleanup {
+            host: Some((i.host_ifname, i.host_ifindex)),
+            attach: prepared.attach,
+            orphan: None,
+            orphan_guard: None,
+            gone: None,
+            plugin: None,
+        })
+        .run()
+    {
+        errors.push(e);
+    }
+    AgentError::all(errors).expect_err("one error at least")
+}
+
+/// CNI DEL in phases, from the blocking pool: the plugin and the kernel
+/// work (detach, veth deletion) run between commands.
 ///
 /// # Errors
 /// As [`Agent::endpoint_del`].
-pub fn endpoint_del_concurrent(
-    slot: &Mutex<Option<Agent>>,
-    req: DelRequest,
-) -> Result<(), AgentError> {
-    let mut cleanup = lock(slot)
-        .as_mut()
-        .ok_or_else(not_ready)?
-        .endpoint_del_begin(req)?;
+pub fn endpoint_del_concurrent(handle: &AgentHandle, req: DelRequest) -> Result<(), AgentError> {
+    let mut cleanup = handle.call(move |slot| {
+        slot.as_mut()
+            .ok_or_else(not_ready)
+            .and_then(|a| a.endpoint_del_begin(req))
+    })??;
     if let Some(plugin) = cleanup.plugin.take() {
         // The plugin runs with the agent free; the commit comes after.
         let ran = plugin.run();
-        cleanup = lock(slot)
-            .as_mut()
-            .ok_or_else(not_ready)?
-            .endpoint_del_delegated(ran)?;
+        cleanup = handle.call(move |slot| {
+            slot.as_mut()
+                .ok_or_else(not_ready)
+                .and_then(|a| a.endpoint_del_delegated(ran))
+        })??;
     }
     cleanup.run()
 }

@@ -92,7 +92,7 @@ impl DelCleanup {
         self.host.is_none() && self.orphan.is_none() && self.gone.is_none() && self.plugin.is_none()
     }
 
-    /// Runs it (outside the agent lock; both steps wait on the kernel).
+    /// Runs it (off the agent's owner; both steps wait on the kernel).
     /// Already gone is fine. Both steps are tried whatever the other did.
     ///
     /// # Errors
@@ -193,7 +193,7 @@ pub(super) fn is_agent_ifname(name: &str) -> bool {
 
 /// Makes the veth pair (the peer created directly in the container's
 /// namespace), addresses, routes and gateway neighbours, and attaches
-/// `from_endpoint`. Runs without the agent lock: every step is a kernel call
+/// `from_endpoint`. Runs off the agent's owner: every step is a kernel call
 /// on interfaces no one else knows about yet.
 ///
 /// The container side runs on a thread of its own that enters the

@@ -214,7 +214,7 @@ impl ClusterNode {
 
     /// Gives an empty block back: out of the allocator first (only if it
     /// still holds no address), then out of etcd, then out of the record.
-    pub(super) async fn give_back(&mut self, slot: &Arc<Mutex<Option<Agent>>>, b: HeldBlock) {
+    pub(super) async fn give_back(&mut self, slot: &AgentSlot, b: HeldBlock) {
         let mut without = self.held.clone();
         without.blocks.retain(|h| h.cidr != b.cidr);
         let want = self.wanted(&without);
@@ -224,19 +224,15 @@ impl ClusterNode {
             want.excluded.clone(),
         );
         let cidr = b.cidr;
-        let slot2 = slot.clone();
-        // `None`: still in use, nothing changed; `Some(ok)`: the
-        // allocator was given the pools without it.
-        let taken_out = tokio::task::spawn_blocking(move || {
-            let mut guard = lock_agent(&slot2);
-            let a = guard.as_mut()?;
+        // `None`: still in use (or no agent), nothing changed; `Some(ok)`:
+        // the allocator was given the pools without it.
+        let taken_out = on_agent(slot, move |a| {
             if a.block_usage(&[cidr]) != [0] {
                 return None;
             }
             Some(a.set_cluster_pools(specs, fenced, excluded).is_ok())
         })
         .await
-        .ok()
         .flatten();
         let Some(ok) = taken_out else {
             return;

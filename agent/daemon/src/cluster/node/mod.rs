@@ -32,7 +32,7 @@ mod restore;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use ipnet::IpNet;
@@ -59,7 +59,7 @@ use super::held::{Held, HeldBlock};
 use super::{
     Block, Claim, ClusterStoreError, Door, DoorOptions, Link, NodeRecord, ReservedRecord, Stamp,
 };
-use crate::agent::Agent;
+use crate::agent::{Agent, AgentHandle};
 use crate::config::{ClusterConfig, Config};
 
 /// The bound on each etcd request of the agent: short, so an ADD that
@@ -174,16 +174,27 @@ fn now_ms() -> u64 {
         .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
 
-/// Whether `slot` holds no agent (a node run without one, as the cluster
-/// benchmark's simulated nodes): told without waiting on a held lock, so
-/// such a node skips the blocking pool.
-pub(crate) fn no_agent(slot: &Mutex<Option<Agent>>) -> bool {
-    matches!(slot.try_lock(), Ok(g) if g.is_none())
+/// The node's agent: `None` for a node run without one (the cluster
+/// benchmark's simulated nodes).
+pub type AgentSlot = Option<AgentHandle>;
+
+/// Whether there is no agent to ask (none, not installed yet, or stopped):
+/// told from the owner's published view, without waiting.
+pub(crate) fn no_agent(slot: &AgentSlot) -> bool {
+    slot.as_ref().is_none_or(|h| !h.view().present)
 }
 
-fn lock_agent(slot: &Mutex<Option<Agent>>) -> std::sync::MutexGuard<'_, Option<Agent>> {
-    slot.lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
+/// Runs `f` as a command on the agent's owner; `None` when there is no
+/// agent or it has stopped.
+pub(crate) async fn on_agent<T: Send + 'static>(
+    slot: &AgentSlot,
+    f: impl FnOnce(&mut Agent) -> T + Send + 'static,
+) -> Option<T> {
+    slot.as_ref()?
+        .ask(move |a| a.as_mut().map(f))
+        .await
+        .ok()
+        .flatten()
 }
 
 impl ClusterNode {
@@ -554,7 +565,7 @@ impl ClusterNode {
     /// Gives the allocator what the record now asks for, if that differs
     /// from what it was last given: a block fenced by the last read stops
     /// serving here, at once.
-    async fn serve(&mut self, slot: &Arc<Mutex<Option<Agent>>>) {
+    async fn serve(&mut self, slot: &AgentSlot) {
         let want = self.wanted(&self.held);
         if self.served.as_ref() == Some(&want) || no_agent(slot) {
             return;
@@ -562,25 +573,15 @@ impl ClusterNode {
         let had = self.served.clone();
         let node = self.name.clone();
         let given = want.clone();
-        let slot = slot.clone();
-        let done = tokio::task::spawn_blocking(move || {
-            let mut guard = lock_agent(&slot);
-            let Some(a) = guard.as_mut() else {
-                return false;
-            };
-            given.give(&node, a, had.as_ref());
-            true
-        })
-        .await
-        .unwrap_or(false);
-        if done {
+        let done = on_agent(slot, move |a| given.give(&node, a, had.as_ref())).await;
+        if done.is_some() {
             self.handle.lock().fenced = want.fenced.len();
             self.served = Some(want);
         }
     }
 
     /// One round: read etcd, keep the lease, claim and give back.
-    async fn round(&mut self, slot: &Arc<Mutex<Option<Agent>>>) {
+    async fn round(&mut self, slot: &AgentSlot) {
         // The remote task's watch saw etcd's revision drop: this read
         // tells whether etcd went back in time, against what the watch saw.
         let watch_saw = self.handle.lock().went_back_from.take();
@@ -621,16 +622,11 @@ impl ClusterNode {
         let (used, addrs) = if no_agent(slot) {
             (vec![0; cidrs.len()], Vec::new())
         } else {
-            let slot = slot.clone();
             let asked = cidrs.clone();
-            tokio::task::spawn_blocking(move || {
-                lock_agent(&slot)
-                    .as_ref()
-                    .map(|a| (a.block_usage(&asked), a.addresses_in(&asked)))
+            on_agent(slot, move |a| {
+                (a.block_usage(&asked), a.addresses_in(&asked))
             })
             .await
-            .ok()
-            .flatten()
             .unwrap_or_else(|| (vec![0; cidrs.len()], Vec::new()))
         };
         // Addresses reserved for another node count as used: not free
@@ -829,7 +825,7 @@ impl ClusterNode {
     /// waits for a block.
     pub fn spawn(
         mut self,
-        slot: Arc<Mutex<Option<Agent>>>,
+        slot: AgentSlot,
         mut stop: tokio::sync::watch::Receiver<bool>,
     ) -> tokio::task::JoinHandle<()> {
         let keeper = self.keeper_ends.take().map(|ends| {

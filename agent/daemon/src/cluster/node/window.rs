@@ -6,7 +6,7 @@
 //! covers every address the node may have handed out:
 //! - **grow**: etcd first (a put compared on the key's revision, answered),
 //!   then the local record (`cluster-window.json`), then the allocator;
-//! - **shrink**: the allocator first, under the agent lock with the
+//! - **shrink**: the allocator first, in one command on the agent's owner with the
 //!   addresses in use read in the same hold (an ADD between the plan and
 //!   the narrowing keeps its address in the window), then the local
 //!   record, then etcd.
@@ -19,15 +19,13 @@
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::net::IpAddr;
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use ipnet::IpNet;
 use lockstep_core::cidr::Family;
 use lockstep_core::cluster::{GroupView, WindowSizing, WindowStep, block_size, window};
 
-use super::{ClusterNode, lock_agent, no_agent};
-use crate::agent::Agent;
+use super::{AgentSlot, ClusterNode, no_agent, on_agent};
 use crate::cluster::Held;
 
 /// How far back new allocations count for a window's size.
@@ -93,7 +91,7 @@ impl ClusterNode {
     /// address held in the node's blocks, as the round read it.
     pub(super) async fn window_round(
         &mut self,
-        slot: &Arc<Mutex<Option<Agent>>>,
+        slot: &AgentSlot,
         in_use: &[IpAddr],
         reachable: bool,
     ) {
@@ -145,15 +143,7 @@ impl ClusterNode {
         self.window.last_in_use = in_use.clone();
         let asked: Vec<(String, Family)> = groups.iter().map(|(p, f, _)| (p.clone(), *f)).collect();
         let most = usize::try_from(spares.iter().copied().max().unwrap_or(0)).unwrap_or(usize::MAX);
-        let slot2 = slot.clone();
-        let views = tokio::task::spawn_blocking(move || {
-            lock_agent(&slot2)
-                .as_ref()
-                .map(|a| a.window_views(&asked, most))
-        })
-        .await
-        .ok()
-        .flatten();
+        let views = on_agent(slot, move |a| a.window_views(&asked, most)).await;
         let Some(views) = views else { return };
         let views: Vec<GroupView> = views
             .into_iter()
@@ -269,7 +259,7 @@ impl ClusterNode {
     /// told.
     async fn serve_window(
         &mut self,
-        slot: &Arc<Mutex<Option<Agent>>>,
+        slot: &AgentSlot,
         w: BTreeSet<IpAddr>,
         groups: &[(String, Family, Vec<IpNet>)],
     ) {
@@ -287,13 +277,7 @@ impl ClusterNode {
             .collect();
         self.window.served = w;
         let per_block = self.window.per_block(&self.held);
-        let slot = slot.clone();
-        let _ = tokio::task::spawn_blocking(move || {
-            if let Some(a) = lock_agent(&slot).as_mut() {
-                a.set_cluster_windows(per_block);
-            }
-        })
-        .await;
+        on_agent(slot, move |a| a.set_cluster_windows(per_block)).await;
         if let Some(served) = self.served.as_mut() {
             served.windows = self.window.per_block(&self.held);
         }
@@ -308,20 +292,13 @@ impl ClusterNode {
     }
 
     /// Narrows the allocator to `w` plus whatever is in use now (read in
-    /// the same agent lock hold), then records it. Returns the window to
+    /// the same command), then records it. Returns the window to
     /// publish, `None` when it could not be recorded (etcd keeps the
     /// larger one: safe).
-    async fn narrow(
-        &mut self,
-        slot: &Arc<Mutex<Option<Agent>>>,
-        w: BTreeSet<IpAddr>,
-    ) -> Option<BTreeSet<IpAddr>> {
+    async fn narrow(&mut self, slot: &AgentSlot, w: BTreeSet<IpAddr>) -> Option<BTreeSet<IpAddr>> {
         let held = self.held.clone();
         let blocks: Vec<IpNet> = held.blocks.iter().map(|b| b.cidr).collect();
-        let slot = slot.clone();
-        let narrowed = tokio::task::spawn_blocking(move || {
-            let mut guard = lock_agent(&slot);
-            let a = guard.as_mut()?;
+        let narrowed = on_agent(slot, move |a| {
             let mut w = w;
             w.extend(a.addresses_in(&blocks));
             let state = WindowState {
@@ -329,11 +306,9 @@ impl ClusterNode {
                 ..WindowState::default()
             };
             a.set_cluster_windows(state.per_block(&held));
-            Some(w)
+            w
         })
-        .await
-        .ok()
-        .flatten()?;
+        .await?;
         self.window.served = narrowed.clone();
         if let Some(served) = self.served.as_mut() {
             served.windows = self.window.per_block(&self.held);

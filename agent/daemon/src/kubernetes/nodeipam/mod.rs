@@ -16,8 +16,8 @@
 //!   restores its endpoints into) those CIDRs before the API answers
 //!   ([`start_specs`]); a CIDR leaves the record only once released;
 //! - one pass (on a change of the object, and every `interval`, since pods
-//!   coming and going change no object) runs the core's step under the
-//!   agent lock, then writes the spec (merge patch, the agent is its only
+//!   coming and going change no object) runs the core's step as one
+//!   command on the agent's owner, then writes the spec (merge patch, the agent is its only
 //!   writer) and the conditions (merge patch on the status subresource,
 //!   guarded by the `resourceVersion` the offer was read at: a condition
 //!   never lands on an offer it does not describe; a `409` waits for the
@@ -136,7 +136,7 @@ pub fn start_specs(
     Ok(local_specs(pools, &held))
 }
 
-/// The allocator as a pass uses it (under the agent lock).
+/// The allocator as a pass uses it (in one command on the agent's owner).
 pub trait Allocator {
     /// Addresses held in each of `cidrs` (every holder).
     fn usage(&self, cidrs: &[IpNet]) -> Vec<u64>;
@@ -315,7 +315,7 @@ impl NodeIpamApi for KubeNodeIpam {
     }
 }
 
-/// What one step under the agent lock found and did.
+/// What one step (one command on the agent's owner) found and did.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Outcome {
     /// What the node holds after it.
@@ -335,8 +335,8 @@ pub struct Outcome {
 
 /// One step: the offer checked (`None`: keep serving what is held), what
 /// is held decided, recorded (before the allocator may use a new CIDR),
-/// handed to the allocator, and the demand measured — all under the
-/// agent lock, so no allocation lands between the usage read and the
+/// handed to the allocator, and the demand measured — all in one
+/// command on the agent's owner, so no allocation lands between the usage read and the
 /// pools' change.
 pub fn run_step(
     alloc: &mut dyn Allocator,
@@ -541,7 +541,7 @@ impl<A: NodeIpamApi, S: AgentSlot> NodeIpamSync<A, S> {
         }
     }
 
-    /// One pass: the step under the agent lock, then the spec and the
+    /// One pass: the step in one command on the agent's owner, then the spec and the
     /// conditions written where they differ.
     ///
     /// # Errors

@@ -1,0 +1,373 @@
+//! The agent's one owner: a thread of its own holds the [`Agent`], and every
+//! other task reaches it through an [`AgentHandle`].
+//!
+//! Why it exists: the agent's state (allocations, endpoints, the store,
+//! the maps' contents) used to sit behind one mutex that a dozen tasks
+//! took, on the async workers among others. A CNI ADD's fsync then ran on
+//! a tokio worker, and two ADDs queued behind a reconcile stalled every
+//! async task, lease renewals included. Here nothing outside this thread
+//! ever holds the state:
+//!
+//! - **Commands.** A caller sends a closure over a bounded channel
+//!   ([`QUEUE`]) and waits for its answer: [`AgentHandle::ask`] from async
+//!   code (the worker is free while it waits), [`AgentHandle::call`] from a
+//!   plain thread. The owner runs commands one at a time, in arrival order,
+//!   so each sees the state the previous one left.
+//! - **Group commit.** The owner takes every command already queued (up to
+//!   [`BATCH`]) as one batch. A command sent with [`AgentHandle::ask_grouped`]
+//!   commits with the store deferred: its log record is written but not
+//!   synced. Before an ungrouped command runs, and at the end of the batch,
+//!   the owner syncs once ([`Store::sync`](crate::store::Store::sync)). No
+//!   answer of a batch leaves before its sync: a caller never hears of a
+//!   commit the disk may lose. Only commands whose effects stay on the node
+//!   until answered (a commit and map writes) may be grouped: map entries
+//!   written ahead of a lost commit are repaired by reconcile, as after any
+//!   crash between a commit and an answer.
+//! - **A published view.** After each batch the owner publishes an
+//!   [`AgentView`]; readers ([`AgentHandle::view`]) load it without waiting
+//!   for any command.
+//! - **An end that is seen.** A command that panics ends the owner: its
+//!   waiters and every later caller get [`AgentError::NotReady`], and
+//!   [`OwnerThread::ended`] reports the panic, which stops the agent (a state
+//!   left half-changed is not served).
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use arc_swap::ArcSwap;
+use lockstep_core::pods::PodRef;
+use tokio::sync::{mpsc, oneshot};
+
+use super::{Agent, AgentError};
+
+/// Commands that may wait for the owner: a caller past this waits to send
+/// (backpressure), it is never refused.
+pub const QUEUE: usize = 1024;
+
+/// Most commands one batch takes (one sync, one view).
+pub const BATCH: usize = 64;
+
+/// What the owner answers a command with, once its batch is durable: the
+/// argument is the batch's sync failure, if it failed.
+type Deliver = Box<dyn FnOnce(Option<&AgentError>) + Send>;
+type Job = Box<dyn FnOnce(&mut Option<Agent>) -> Deliver + Send>;
+
+enum Command {
+    Run { job: Job, grouped: bool },
+    Stop,
+}
+
+/// What readers see without asking the owner: published after every batch.
+#[derive(Debug, Default)]
+pub struct AgentView {
+    /// An agent is installed (start-up finished, not yet stopped).
+    pub present: bool,
+    /// The pod attachments leak detection judges
+    /// ([`Agent::pod_endpoints`]).
+    pub pod_endpoints: Vec<(String, PodRef)>,
+    /// Batches the owner has run so far.
+    pub batches: u64,
+}
+
+/// Counts of the owner's work, for the metrics.
+#[derive(Debug, Default)]
+pub struct OwnerStats {
+    /// Commands run.
+    pub commands: AtomicU64,
+    /// Batches run.
+    pub batches: AtomicU64,
+    /// Log syncs made for grouped commits.
+    pub syncs: AtomicU64,
+}
+
+/// A way to the agent's owner. Cheap to clone; every task holds its own.
+#[derive(Clone)]
+pub struct AgentHandle {
+    tx: mpsc::Sender<Command>,
+    view: Arc<ArcSwap<AgentView>>,
+    stats: Arc<OwnerStats>,
+}
+
+impl std::fmt::Debug for AgentHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AgentHandle")
+            .field("present", &self.view.load().present)
+            .finish()
+    }
+}
+
+/// The owner thread, to learn of its end.
+#[derive(Debug)]
+pub struct OwnerThread(std::thread::JoinHandle<()>);
+
+fn stopped() -> AgentError {
+    AgentError::NotReady {
+        reason: "the agent has stopped".into(),
+    }
+}
+
+impl AgentHandle {
+    /// Starts the owner thread, with no agent yet (every command sees
+    /// `None` until one is installed with [`AgentHandle::install`]).
+    ///
+    /// # Errors
+    /// The thread could not be started.
+    pub fn spawn() -> Result<(Self, OwnerThread), AgentError> {
+        let (tx, rx) = mpsc::channel(QUEUE);
+        let view = Arc::new(ArcSwap::from_pointee(AgentView::default()));
+        let stats = Arc::new(OwnerStats::default());
+        let (v, s) = (view.clone(), stats.clone());
+        let thread = std::thread::Builder::new()
+            .name("lockstep-agent".into())
+            .spawn(move || run(rx, &v, &s))
+            .map_err(|e| AgentError::Invalid {
+                reason: format!("starting the agent's owner thread: {e}"),
+            })?;
+        Ok((Self { tx, view, stats }, OwnerThread(thread)))
+    }
+
+    /// The last published view; never waits.
+    pub fn view(&self) -> Arc<AgentView> {
+        self.view.load_full()
+    }
+
+    /// The owner's counts.
+    pub fn stats(&self) -> &OwnerStats {
+        &self.stats
+    }
+
+    fn job<R: Send + 'static>(
+        f: impl FnOnce(&mut Option<Agent>) -> R + Send + 'static,
+        lost: Option<fn(R, &AgentError) -> R>,
+    ) -> (Job, oneshot::Receiver<R>) {
+        let (tx, rx) = oneshot::channel();
+        let job: Job = Box::new(move |agent: &mut Option<Agent>| {
+            let r = f(agent);
+            Box::new(move |failed: Option<&AgentError>| {
+                let r = match (failed, lost) {
+                    (Some(e), Some(lost)) => lost(r, e),
+                    _ => r,
+                };
+                let _ = tx.send(r);
+            }) as Deliver
+        });
+        (job, rx)
+    }
+
+    /// Runs `f` on the owner thread and returns its answer. For async
+    /// code: the worker is free while the command waits.
+    ///
+    /// # Errors
+    /// [`AgentError::NotReady`]: the owner has stopped (or panicked).
+    pub async fn ask<R: Send + 'static>(
+        &self,
+        f: impl FnOnce(&mut Option<Agent>) -> R + Send + 'static,
+    ) -> Result<R, AgentError> {
+        let (job, rx) = Self::job(f, None);
+        self.tx
+            .send(Command::Run {
+                job,
+                grouped: false,
+            })
+            .await
+            .map_err(|_| stopped())?;
+        rx.await.map_err(|_| stopped())
+    }
+
+    /// As [`AgentHandle::ask`], with `f`'s commits grouped with the batch's
+    /// (see the module docs): `f` must act on nothing off the node. Should
+    /// the batch's sync fail, the answer goes through `lost` first, which
+    /// turns a success into that error.
+    ///
+    /// # Errors
+    /// As [`AgentHandle::ask`].
+    pub async fn ask_grouped<R: Send + 'static>(
+        &self,
+        f: impl FnOnce(&mut Option<Agent>) -> R + Send + 'static,
+        lost: fn(R, &AgentError) -> R,
+    ) -> Result<R, AgentError> {
+        let (job, rx) = Self::job(f, Some(lost));
+        self.tx
+            .send(Command::Run { job, grouped: true })
+            .await
+            .map_err(|_| stopped())?;
+        rx.await.map_err(|_| stopped())
+    }
+
+    /// Runs `f` on the owner thread and waits for its answer, blocking this
+    /// thread: for plain threads and the blocking pool, never an async
+    /// worker (it panics there).
+    ///
+    /// # Errors
+    /// As [`AgentHandle::ask`].
+    pub fn call<R: Send + 'static>(
+        &self,
+        f: impl FnOnce(&mut Option<Agent>) -> R + Send + 'static,
+    ) -> Result<R, AgentError> {
+        let (job, rx) = Self::job(f, None);
+        self.tx
+            .blocking_send(Command::Run {
+                job,
+                grouped: false,
+            })
+            .map_err(|_| stopped())?;
+        rx.blocking_recv().map_err(|_| stopped())
+    }
+
+    /// Puts `agent` in place (start-up's last step).
+    ///
+    /// # Errors
+    /// As [`AgentHandle::ask`].
+    pub async fn install(&self, agent: Agent) -> Result<(), AgentError> {
+        self.ask(move |slot| *slot = Some(agent)).await
+    }
+
+    /// Stops the owner: commands already queued run first, then the agent
+    /// is dropped on the owner thread (the store closed, pins kept). Later
+    /// commands get [`AgentError::NotReady`].
+    pub async fn stop(&self) {
+        let _ = self.tx.send(Command::Stop).await;
+    }
+}
+
+impl OwnerThread {
+    /// Waits (blocking) for the owner thread to end; `Err` with the panic's
+    /// message when a command panicked.
+    ///
+    /// # Errors
+    /// The owner panicked.
+    pub fn join(self) -> Result<(), String> {
+        self.0.join().map_err(|p| {
+            p.downcast_ref::<&str>()
+                .map(|s| (*s).to_string())
+                .or_else(|| p.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "a non-text payload".into())
+        })
+    }
+
+    /// Waits for the owner thread to end, on the blocking pool; `Err` with
+    /// the panic's message when a command panicked.
+    ///
+    /// # Errors
+    /// The owner panicked.
+    pub async fn ended(self) -> Result<(), String> {
+        tokio::task::spawn_blocking(move || self.join())
+            .await
+            .map_err(|e| e.to_string())?
+    }
+}
+
+/// Turns the store's group commit on or off; off syncs what was deferred.
+fn defer(agent: &Option<Agent>, on: bool, stats: &OwnerStats) -> Result<(), AgentError> {
+    let Some(a) = agent else { return Ok(()) };
+    if !on {
+        stats.syncs.fetch_add(1, Ordering::Relaxed);
+    }
+    a.store.set_deferred(on).map_err(AgentError::from)
+}
+
+fn run(mut rx: mpsc::Receiver<Command>, view: &ArcSwap<AgentView>, stats: &OwnerStats) {
+    let mut agent: Option<Agent> = None;
+    let mut answers: Vec<Deliver> = Vec::with_capacity(BATCH);
+    let mut batches = 0u64;
+    while let Some(first) = rx.blocking_recv() {
+        let mut next = Some(first);
+        let mut grouped_open = false;
+        let mut failed: Option<AgentError> = None;
+        let mut stop = false;
+        while let Some(cmd) = next.take() {
+            let Command::Run { job, grouped } = cmd else {
+                stop = true;
+                break;
+            };
+            if grouped != grouped_open {
+                // Off: the grouped commits so far are synced before an
+                // ungrouped command acts on anything they decided.
+                if let Err(e) = defer(&agent, grouped, stats) {
+                    failed.get_or_insert(e);
+                }
+                grouped_open = grouped;
+            }
+            answers.push(job(&mut agent));
+            stats.commands.fetch_add(1, Ordering::Relaxed);
+            if answers.len() < BATCH {
+                next = rx.try_recv().ok();
+            }
+        }
+        if grouped_open && let Err(e) = defer(&agent, false, stats) {
+            failed.get_or_insert(e);
+        }
+        if let Some(e) = &failed {
+            tracing::error!(error = %e, "a group commit's sync failed; its callers are told");
+        }
+        batches += 1;
+        stats.batches.fetch_add(1, Ordering::Relaxed);
+        view.store(Arc::new(AgentView {
+            present: agent.is_some(),
+            pod_endpoints: agent.as_ref().map(Agent::pod_endpoints).unwrap_or_default(),
+            batches,
+        }));
+        for answer in answers.drain(..) {
+            answer(failed.as_ref());
+        }
+        if stop {
+            break;
+        }
+    }
+    view.store(Arc::new(AgentView {
+        batches,
+        ..AgentView::default()
+    }));
+    drop(agent);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn commands_run_in_order_and_the_view_follows() {
+        let (h, thread) = AgentHandle::spawn().unwrap();
+        assert!(!h.view().present);
+        let seen = h.ask(|a| a.is_some()).await.unwrap();
+        assert!(!seen, "no agent before install");
+        assert!(h.view().batches >= 1);
+        h.stop().await;
+        thread.ended().await.unwrap();
+        let e = h.ask(|_| ()).await.unwrap_err();
+        assert!(e.to_string().contains("stopped"), "{e}");
+    }
+
+    #[tokio::test]
+    async fn a_panicking_command_ends_the_owner_and_is_reported() {
+        let (h, thread) = AgentHandle::spawn().unwrap();
+        let e = h
+            .ask(|_| -> () { panic!("a half-made endpoint") })
+            .await
+            .unwrap_err();
+        assert!(e.to_string().contains("stopped"), "{e}");
+        let p = thread.ended().await.unwrap_err();
+        assert_eq!(p, "a half-made endpoint");
+        assert!(h.ask(|_| ()).await.is_err(), "nobody is served after");
+    }
+
+    #[test]
+    fn a_plain_thread_calls_and_many_callers_share_batches() {
+        let (h, thread) = AgentHandle::spawn().unwrap();
+        let callers: Vec<_> = (0..8)
+            .map(|i| {
+                let h = h.clone();
+                std::thread::spawn(move || h.call(move |_| i * 2).unwrap())
+            })
+            .collect();
+        let mut got: Vec<i32> = callers.into_iter().map(|c| c.join().unwrap()).collect();
+        got.sort_unstable();
+        assert_eq!(got, (0..8).map(|i| i * 2).collect::<Vec<_>>());
+        assert_eq!(h.stats().commands.load(Ordering::Relaxed), 8);
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        rt.block_on(h.stop());
+        thread.join().unwrap();
+    }
+}
