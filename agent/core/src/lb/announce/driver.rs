@@ -291,7 +291,7 @@ impl Driver {
     /// looks at the uplink then).
     #[must_use]
     pub fn tick_due(&self, now: Nanos) -> bool {
-        !self.stopping && self.stage == Stage::Idle && (self.woken || now >= self.next_tick)
+        !self.stopping && self.stage == Stage::Idle && (self.woken || now >= self.wake_at())
     }
 
     /// Whether a request is in flight.
@@ -331,7 +331,7 @@ impl Driver {
             return Step::Io(io);
         }
         match self.stage {
-            Stage::Idle => Step::Wait(self.next_tick),
+            Stage::Idle => Step::Wait(self.wake_at()),
             Stage::Prepare => {
                 if let Some(io) = self.prepare(now) {
                     return Step::Io(io);
@@ -354,6 +354,19 @@ impl Driver {
         self.read_due = true;
         // What the last tick left undone was reported lost.
         self.queue.clear();
+    }
+
+    /// When the next tick starts: at its period, or earlier when the
+    /// lease's refresh falls due first (the refresh goes at a tick's start;
+    /// waiting for the period sent refreshes up to a tick late).
+    fn wake_at(&self) -> Nanos {
+        let refresh = match self.lease {
+            Some(l) if self.machine.wants_lease() && !self.lease_failed => {
+                l.sent.saturating_add(l.ttl_ns / 3)
+            }
+            _ => Nanos::MAX,
+        };
+        self.next_tick.min(refresh)
     }
 
     /// The lease step: a grant (with the membership after it) when wanted
@@ -430,7 +443,7 @@ impl Driver {
 
     fn end_tick(&mut self) -> Step {
         self.stage = Stage::Idle;
-        Step::Wait(self.next_tick)
+        Step::Wait(self.wake_at())
     }
 
     /// One action: the request to send, or (late, or nothing to send)

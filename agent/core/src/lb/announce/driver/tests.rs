@@ -100,6 +100,50 @@ fn the_cap_counts_from_when_the_grant_and_each_refresh_were_sent() {
 }
 
 #[test]
+fn an_idle_driver_wakes_for_a_refresh_falling_due_between_ticks() {
+    let mut d = started(view("n", 7, &[], &[]));
+    // The first tick ends (its cap's write done); the next tick would be
+    // 200 ms after the tick began at 0.
+    let mut now = 40;
+    let wait = loop {
+        match d.step(now) {
+            Step::Io(Io::Program { .. }) => d.done(Done::Programmed(Written::Done), now + 1),
+            Step::Wait(until) => break until,
+            other => panic!("{other:?}"),
+        }
+        now += 1;
+    };
+    assert!(wait <= cfg().tick_ns, "the next tick: {wait}");
+    // Ticks come and go; at the refresh's due time (a third of the TTL
+    // after the grant was sent, at 0), the driver asks to be woken, not
+    // at the tick after it.
+    let due = S;
+    // The caller wakes 50 ms late once: from then on the ticks fall at
+    // 250 ms, 450 ms... and none at the refresh's due time.
+    let mut t = wait + 50_000_000;
+    let mut woke_at = None;
+    while t < 2 * S {
+        match d.step(t) {
+            Step::Io(Io::Refresh(7)) => {
+                woke_at = Some(t);
+                break;
+            }
+            Step::Io(Io::Read) => d.done(Done::Read(None), t),
+            Step::Io(other) => panic!("{other:?}"),
+            Step::Wait(until) => {
+                assert!(
+                    until <= due.max(t),
+                    "asked to sleep past the refresh: {until}"
+                );
+                t = until.max(t + 1);
+            }
+            Step::Announce(_) => {}
+        }
+    }
+    assert_eq!(woke_at, Some(due), "the refresh went out on time");
+}
+
+#[test]
 fn a_refresh_falling_due_mid_tick_goes_before_the_next_action() {
     let a = addr(1);
     let b = addr(2);
