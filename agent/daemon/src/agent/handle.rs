@@ -28,7 +28,7 @@
 //!   for any command.
 //! - **An end that is seen.** A command that panics ends the owner: its
 //!   waiters and every later caller get [`AgentError::NotReady`], and
-//!   [`OwnerThread::ended`] reports the panic, which stops the agent (a state
+//!   [`AgentThread::ended`] reports the panic, which stops the agent (a state
 //!   left half-changed is not served).
 
 use std::sync::Arc;
@@ -76,7 +76,7 @@ pub struct OwnerStats {
     pub commands: AtomicU64,
     /// Batches run.
     pub batches: AtomicU64,
-    /// Log syncs made for grouped commits.
+    /// Group commits made (batches with grouped commands).
     pub syncs: AtomicU64,
 }
 
@@ -96,9 +96,10 @@ impl std::fmt::Debug for AgentHandle {
     }
 }
 
-/// The owner thread, to learn of its end.
+/// One of the agent's own threads (its owner, the reaper), to learn of its
+/// end: neither is a tokio task the supervisor could watch.
 #[derive(Debug)]
-pub struct OwnerThread(std::thread::JoinHandle<()>);
+pub struct AgentThread(pub(super) std::thread::JoinHandle<()>);
 
 fn stopped() -> AgentError {
     AgentError::NotReady {
@@ -112,7 +113,7 @@ impl AgentHandle {
     ///
     /// # Errors
     /// The thread could not be started.
-    pub fn spawn() -> Result<(Self, OwnerThread), AgentError> {
+    pub fn spawn() -> Result<(Self, AgentThread), AgentError> {
         let (tx, rx) = mpsc::channel(QUEUE);
         let view = Arc::new(ArcSwap::from_pointee(AgentView::default()));
         let stats = Arc::new(OwnerStats::default());
@@ -123,7 +124,7 @@ impl AgentHandle {
             .map_err(|e| AgentError::Invalid {
                 reason: format!("starting the agent's owner thread: {e}"),
             })?;
-        Ok((Self { tx, view, stats }, OwnerThread(thread)))
+        Ok((Self { tx, view, stats }, AgentThread(thread)))
     }
 
     /// The last published view; never waits.
@@ -134,6 +135,11 @@ impl AgentHandle {
     /// The owner's counts.
     pub fn stats(&self) -> &OwnerStats {
         &self.stats
+    }
+
+    /// Commands sent and not yet taken by the owner.
+    pub fn queued(&self) -> usize {
+        self.tx.max_capacity() - self.tx.capacity()
     }
 
     fn job<R: Send + 'static>(
@@ -230,12 +236,12 @@ impl AgentHandle {
     }
 }
 
-impl OwnerThread {
-    /// Waits (blocking) for the owner thread to end; `Err` with the panic's
-    /// message when a command panicked.
+impl AgentThread {
+    /// Waits (blocking) for the thread to end; `Err` with the panic's
+    /// message when it panicked.
     ///
     /// # Errors
-    /// The owner panicked.
+    /// The thread panicked.
     pub fn join(self) -> Result<(), String> {
         self.0.join().map_err(|p| {
             p.downcast_ref::<&str>()
@@ -245,11 +251,11 @@ impl OwnerThread {
         })
     }
 
-    /// Waits for the owner thread to end, on the blocking pool; `Err` with
-    /// the panic's message when a command panicked.
+    /// Waits for the thread to end, on the blocking pool; `Err` with the
+    /// panic's message when it panicked.
     ///
     /// # Errors
-    /// The owner panicked.
+    /// The thread panicked.
     pub async fn ended(self) -> Result<(), String> {
         tokio::task::spawn_blocking(move || self.join())
             .await

@@ -85,6 +85,10 @@ pub struct LbAgent {
     problem: Option<ClusterStoreError>,
     counts: Counts,
     handle: Arc<LbHandle>,
+    /// When the lease was last granted or refreshed, and its TTL: a
+    /// refresh is due a third of the TTL after (the driver's schedule), and
+    /// how late it goes out is reported.
+    lease_sent: Option<(Instant, Duration)>,
 }
 
 /// Where an LB agent sees its uplink's health.
@@ -145,6 +149,7 @@ impl LbAgent {
             seen: None,
             problem: None,
             counts: Counts::default(),
+            lease_sent: None,
             handle: Arc::new(LbHandle {
                 opts,
                 door: tokio::sync::Mutex::new(None),
@@ -322,6 +327,7 @@ impl LbAgent {
                 Some(door) => match door.lb_grant(self.ttl).await {
                     Ok((id, granted)) => {
                         tracing::info!(lease = id, ttl = ?granted, "lb lease granted");
+                        self.lease_sent = Some((Instant::now(), granted));
                         Done::Granted {
                             id,
                             ttl_ns: granted.as_nanos() as u64,
@@ -354,8 +360,17 @@ impl LbAgent {
                     self.note(not_connected());
                     return Done::Lost;
                 };
+                let sent = Instant::now();
                 match door.keep_alive(lease).await {
-                    Ok(true) => Done::Refreshed(true),
+                    Ok(true) => {
+                        if let Some((last, ttl)) = self.lease_sent.replace((sent, self.ttl)) {
+                            let late = sent.saturating_duration_since(last + ttl / 3);
+                            let mut s = self.handle.lock();
+                            s.lease_renewals += 1;
+                            s.lease_late_max = s.lease_late_max.max(late);
+                        }
+                        Done::Refreshed(true)
+                    }
                     Ok(false) => {
                         tracing::warn!(
                             lease,

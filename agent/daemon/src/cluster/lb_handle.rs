@@ -56,6 +56,10 @@ pub(super) struct Shared {
     /// within a rank step (the announcement map refused them, or writes
     /// keep failing): it publishes that it does not answer for a while.
     pub(super) cannot_answer: BTreeSet<IpAddr>,
+    /// LB lease refreshes sent and answered since start.
+    pub(super) lease_renewals: u64,
+    /// The latest an LB lease refresh went out against its schedule.
+    pub(super) lease_late_max: Duration,
 }
 
 /// An address's announcement as `lockstep lb get` shows it.
@@ -442,6 +446,10 @@ pub struct LbFigures {
     pub unannounced: Vec<(IpAddr, String)>,
     /// Addresses this node gave up because it could not answer them.
     pub cannot_answer: Vec<IpAddr>,
+    /// LB lease refreshes sent and answered since start.
+    pub lease_renewals: u64,
+    /// The latest an LB lease refresh went out against its schedule.
+    pub lease_late_max: Duration,
 }
 
 impl LbHandle {
@@ -457,6 +465,8 @@ impl LbHandle {
             uplink_down: s.uplink_down,
             unannounced: s.unannounced.iter().map(|(a, p)| (*a, p.clone())).collect(),
             cannot_answer: s.cannot_answer.iter().copied().collect(),
+            lease_renewals: s.lease_renewals,
+            lease_late_max: s.lease_late_max,
         }
     }
 }

@@ -118,6 +118,8 @@ pub(super) struct LbFamilies {
     uplink_down: Gauge<i64>,
     unannounced: Family<Labels, Gauge<i64>>,
     cannot_answer: Family<Labels, Gauge<i64>>,
+    lease_renewals: Counter,
+    lease_late_max: Gauge<f64, std::sync::atomic::AtomicU64>,
 }
 
 impl LbFamilies {
@@ -171,6 +173,20 @@ impl LbFamilies {
             ),
             unannounced,
             cannot_answer,
+            lease_renewals: counter(
+                r,
+                "lb_lease_renewals",
+                "LB lease refreshes sent and answered since start",
+            ),
+            lease_late_max: {
+                let g = Gauge::<f64, std::sync::atomic::AtomicU64>::default();
+                r.register(
+                    "lb_lease_renewal_late_max_seconds",
+                    "The latest an LB lease refresh was sent against its schedule (a third of the TTL after the last) since start",
+                    g.clone(),
+                );
+                g
+            },
         }
     }
 
@@ -187,6 +203,8 @@ impl LbFamilies {
         follow(&self.withdrawals, f.withdrawals);
         self.assigner.set(i64::from(f.assigner));
         self.uplink_down.set(i64::from(f.uplink_down));
+        follow(&self.lease_renewals, f.lease_renewals);
+        self.lease_late_max.set(f.lease_late_max.as_secs_f64());
         self.unannounced.clear();
         for (a, pool) in &f.unannounced {
             self.unannounced

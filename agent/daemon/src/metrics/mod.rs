@@ -93,6 +93,10 @@ pub struct Metrics {
     leaks: Mutex<Option<Arc<crate::kubernetes::leaks::LeakReport>>>,
     endpoint_leaks: Gauge<i64>,
     endpoint_leaks_released: Counter,
+    owner_commands: Counter,
+    owner_batches: Counter,
+    owner_syncs: Counter,
+    owner_queued: Gauge<i64>,
     /// Whether the gauges were ever refreshed from a running agent.
     refreshed: AtomicBool,
     /// The loops' signs of progress, for `/healthz`.
@@ -278,11 +282,36 @@ impl Metrics {
             "endpoint_leaks_released",
             "Leaked endpoint allocations released (`[kubernetes.pods] release_leaks`)",
         );
+        let owner_commands = masq_counter(
+            &mut registry,
+            "agent_commands",
+            "Commands the agent's owner thread ran (CNI calls, API calls, the loops' steps)",
+        );
+        let owner_batches = masq_counter(
+            &mut registry,
+            "agent_batches",
+            "Batches of commands the agent's owner ran together, one store sync at most each",
+        );
+        let owner_syncs = masq_counter(
+            &mut registry,
+            "agent_group_syncs",
+            "Group commits: one store log record and fdatasync for the grouped commits of a batch",
+        );
+        let owner_queued = Gauge::<i64>::default();
+        registry.register(
+            "agent_commands_queued",
+            "Commands waiting for the agent's owner thread at the scrape",
+            owner_queued.clone(),
+        );
         Self {
             registry: Mutex::new(registry),
             leaks: Mutex::new(None),
             endpoint_leaks,
             endpoint_leaks_released,
+            owner_commands,
+            owner_batches,
+            owner_syncs,
+            owner_queued,
             masq: Mutex::new(None),
             masq_entries,
             masq_deleted,
@@ -366,6 +395,16 @@ impl Metrics {
     /// Whether the gauges were ever refreshed from a running agent.
     pub fn refreshed(&self) -> bool {
         self.refreshed.load(Ordering::Acquire)
+    }
+
+    /// The agent's owner's counts, read without asking it.
+    pub fn observe_owner(&self, agent: &crate::agent::AgentHandle) {
+        let st = agent.stats();
+        follow(&self.owner_commands, st.commands.load(Ordering::Relaxed));
+        follow(&self.owner_batches, st.batches.load(Ordering::Relaxed));
+        follow(&self.owner_syncs, st.syncs.load(Ordering::Relaxed));
+        self.owner_queued
+            .set(i64::try_from(agent.queued()).unwrap_or(i64::MAX));
     }
 
     /// Refreshes the gauges from the agent (on its owner).
@@ -489,6 +528,7 @@ pub const SCRAPE_WAIT: Duration = Duration::from_millis(100);
 /// A scrape's refresh: asked of the agent's owner, waited for at most
 /// [`SCRAPE_WAIT`] (a busy owner refreshes them when it gets to it).
 pub async fn refresh_briefly(metrics: &Arc<Metrics>, agent: &crate::agent::AgentHandle) {
+    metrics.observe_owner(agent);
     let _ = tokio::time::timeout(SCRAPE_WAIT, refresh_on_owner(metrics, agent)).await;
 }
 
