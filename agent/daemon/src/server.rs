@@ -763,7 +763,7 @@ pub async fn run(config: Config) -> Result<(), ServerError> {
             None
         }
     };
-    crate::agent::reaper::start(reaper, &slot).map_err(ServerError::Start)?;
+    let reaper = crate::agent::reaper::start(reaper, &slot).map_err(ServerError::Start)?;
     // Delegated mode waits for its conflist and plugin without exiting:
     // status says why; set-up is retried every 200 ms until it succeeds, or
     // it refuses for good (then the agent stops with that error).
@@ -855,6 +855,11 @@ pub async fn run(config: Config) -> Result<(), ServerError> {
     let owner_ended = owner.ended();
     tokio::pin!(owner_ended);
     let mut owner_done = None;
+    // The reaper ends only with the agent: before, it panicked, and DELs
+    // would wait for veths nobody deletes.
+    let reaper_ended = reaper.ended();
+    tokio::pin!(reaper_ended);
+    let mut reaper_done = None;
     tokio::select! {
         _ = term.recv() => tracing::info!("SIGTERM: shutting down"),
         _ = int.recv() => tracing::info!("SIGINT: shutting down"),
@@ -873,6 +878,15 @@ pub async fn run(config: Config) -> Result<(), ServerError> {
             panicked = Some(p);
             owner_done = Some(());
         }
+        ended = &mut reaper_ended => {
+            let p = supervisor::Panicked {
+                task: "reaper".into(),
+                message: ended.err().unwrap_or_else(|| "ended".into()),
+            };
+            tracing::error!(error = %p, "the reaper ended; stopping the agent");
+            panicked = Some(p);
+            reaper_done = Some(());
+        }
     }
     let _ = stop_tx.send(true);
     let late = tasks.stop().await;
@@ -884,6 +898,12 @@ pub async fn run(config: Config) -> Result<(), ServerError> {
         && let Err(message) = owner_ended.await
     {
         tracing::error!(%message, "the agent's owner panicked while stopping");
+    }
+    // The agent dropped, the reaper stops.
+    if reaper_done.is_none()
+        && let Err(message) = reaper_ended.await
+    {
+        tracing::error!(%message, "the reaper panicked while stopping");
     }
     if let Some(e) = fatal {
         return Err(ServerError::Start(e));

@@ -58,7 +58,7 @@ mod tunnel;
 pub use announce::{Announcements, UplinkHealth, UplinkProbe};
 pub use cluster_pools::RemoteSource;
 pub use error::AgentError;
-pub use handle::{AgentHandle, AgentView, OwnerThread};
+pub use handle::{AgentHandle, AgentThread, AgentView};
 use maps::MapContents;
 pub use report::{Drift, PoolStatus, ReconcileReport, Stats, Status, Uplink, VerifyReport};
 

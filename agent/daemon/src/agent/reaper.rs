@@ -41,7 +41,7 @@ use crate::datapath::{Hook, ProgramPin};
 use crate::netlink::Netlink;
 use crate::store::{EndpointRecord, endpoint_key};
 
-use super::{Agent, AgentError, AgentHandle};
+use super::{Agent, AgentError, AgentHandle, AgentThread};
 
 /// The interface group the reaper's batches use, with the process id in
 /// its low bits so agents in one namespace do not share one.
@@ -314,20 +314,21 @@ pub fn prepare(agent: &mut Agent) -> Prepared {
 }
 
 /// Starts the reaper thread for the agent behind `agent`. The thread ends
-/// when the agent is dropped.
+/// when the agent is dropped; one that ends before (a panic) is the
+/// caller's to notice, through the returned [`AgentThread`].
 ///
 /// # Errors
 /// The thread could not be started.
-pub fn start(prepared: Prepared, agent: &AgentHandle) -> Result<(), AgentError> {
+pub fn start(prepared: Prepared, agent: &AgentHandle) -> Result<AgentThread, AgentError> {
     let shared = prepared.0;
     let agent = agent.clone();
     std::thread::Builder::new()
         .name("lockstep-reaper".into())
         .spawn(move || run(&shared, &agent))
+        .map(AgentThread)
         .map_err(|e| AgentError::Invalid {
             reason: format!("starting the reaper thread: {e}"),
-        })?;
-    Ok(())
+        })
 }
 
 fn run(shared: &Arc<Shared>, agent: &AgentHandle) {
