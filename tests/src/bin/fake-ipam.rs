@@ -13,6 +13,9 @@
 //! no network config), VERSION lists 1.1.0 and GC is accepted. With
 //! `"slow_ms": N, "slow_prefix": "p"`, an ADD or DEL of a container whose
 //! ID starts with `p` sleeps N ms once logged (a slow plugin beside fast ones).
+//! Like host-local, it holds an exclusive lock (`<log>.lock`) while it
+//! reads and writes its state, so concurrent invocations never hand out
+//! one address twice.
 
 use std::collections::BTreeMap;
 use std::io::{Read, Write};
@@ -58,6 +61,20 @@ fn main() {
     {
         std::thread::sleep(std::time::Duration::from_millis(ms));
     }
+    // Held until the process exits: the state's read, change and write
+    // are one step against other invocations.
+    let _lock = fake["log"].as_str().and_then(|l| {
+        use std::os::fd::AsRawFd as _;
+        let f = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(format!("{l}.lock"))
+            .ok()?;
+        // SAFETY: flock on a descriptor this process owns, kept open in
+        // `_lock` for as long as the lock must hold.
+        (unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) } == 0).then_some(f)
+    });
     let state_path = fake["log"].as_str().map(|l| format!("{l}.state"));
     let mut state: BTreeMap<String, String> = state_path
         .as_ref()
