@@ -220,6 +220,23 @@ impl AgentHandle {
         rx.blocking_recv().map_err(|_| stopped())
     }
 
+    /// As [`AgentHandle::call`], with `f`'s commits grouped with the
+    /// batch's (as [`AgentHandle::ask_grouped`]).
+    ///
+    /// # Errors
+    /// As [`AgentHandle::ask`].
+    pub fn call_grouped<R: Send + 'static>(
+        &self,
+        f: impl FnOnce(&mut Option<Agent>) -> R + Send + 'static,
+        lost: fn(R, &AgentError) -> R,
+    ) -> Result<R, AgentError> {
+        let (job, rx) = Self::job(f, Some(lost));
+        self.tx
+            .blocking_send(Command::Run { job, grouped: true })
+            .map_err(|_| stopped())?;
+        rx.blocking_recv().map_err(|_| stopped())
+    }
+
     /// Puts `agent` in place (start-up's last step).
     ///
     /// # Errors

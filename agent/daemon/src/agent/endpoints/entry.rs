@@ -229,10 +229,15 @@ pub fn endpoint_add_concurrent(
         &prepared.addresses(),
         prepared.attach.as_ref(),
     );
-    let finished = handle.call(move |slot| match slot.as_mut() {
-        Some(agent) => Ok(agent.endpoint_add_finish(*prepared, made)),
-        None => Err(Box::new((prepared, made))),
-    });
+    // The commit and map writes only (the interfaces are made): grouped
+    // with the batch's commits, so ADDs finishing together share a sync.
+    let finished = handle.call_grouped(
+        move |slot| match slot.as_mut() {
+            Some(agent) => Ok(agent.endpoint_add_finish(*prepared, made)),
+            None => Err(Box::new((prepared, made))),
+        },
+        finish_lost,
+    );
     match finished {
         Ok(Ok(r)) => r,
         Ok(Err(left)) => {
@@ -242,6 +247,24 @@ pub fn endpoint_add_concurrent(
         // The owner ended with the interfaces made: nobody will record
         // them, so they go (the next start's GC would find them anyway).
         Err(e) => Err(e),
+    }
+}
+
+/// A finish command's answer: the ADD's outcome, or (no agent) what it
+/// made, to remove.
+type Finished = Result<
+    Result<EndpointReply, AgentError>,
+    Box<(Box<PreparedAdd>, Result<Interfaces, InterfaceFailure>)>,
+>;
+
+/// A grouped finish whose batch's sync failed: the ADD fails (its
+/// runtime's DEL removes what it made and releases its addresses).
+fn finish_lost(r: Finished, e: &AgentError) -> Finished {
+    match r {
+        Ok(Ok(_)) => Ok(Err(AgentError::NotReady {
+            reason: format!("the store could not make the commit durable: {e}"),
+        })),
+        other => other,
     }
 }
 
