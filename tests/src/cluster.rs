@@ -366,6 +366,18 @@ pub fn metrics_in(ns: &Netns) -> anyhow::Result<String> {
     )
 }
 
+/// The value of the unlabelled metric `name` on the agent in `ns` (see
+/// [`metrics_in`]); `None` when it cannot be read or is not there.
+pub fn metric_in(ns: &Netns, name: &str) -> Option<f64> {
+    metrics_in(ns)
+        .ok()?
+        .lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' '))?
+        .trim()
+        .parse()
+        .ok()
+}
+
 /// Three node namespaces (`node-0`..`node-2`, underlay address
 /// [`node_ip`]) whose `u0` sits on the bridge `br0` of an underlay
 /// namespace, each running an agent in cluster mode on one etcd.

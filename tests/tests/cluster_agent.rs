@@ -680,14 +680,7 @@ fn the_node_lease_is_refreshed_by_its_keeper() -> anyhow::Result<()> {
         &node,
         &format!("{}lease_ttl = \"3s\"\n", config_at(&eps, "node-k", "/ck/")),
     )?;
-    let metric = |name: &str| -> Option<f64> {
-        let m = lockstep_tests::cluster::metrics_in(&node).ok()?;
-        m.lines()
-            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' '))?
-            .trim()
-            .parse()
-            .ok()
-    };
+    let metric = |name: &str| lockstep_tests::cluster::metric_in(&node, name);
     let lease = |eps: &[String]| -> anyhow::Result<serde_json::Value> {
         let v: serde_json::Value =
             serde_json::from_str(&cli_at(eps, "/ck/", &["nodes", "-o", "json"])?)?;

@@ -375,6 +375,23 @@ impl Fake {
             .unwrap_or_default()
     }
 
+    /// A fake whose ADD and DEL of containers named `slow…` sleep 5 s.
+    fn slow() -> anyhow::Result<Self> {
+        let fake = Self::new("ok", false)?;
+        let v = json!({
+            "cniVersion": "1.0.0",
+            "name": unique("fakenet"),
+            "plugins": [{
+                "type": "ptp",
+                "ipam": {"type": fake.plugin, "fake": {
+                    "mode": "ok", "log": fake.log, "slow_ms": 5000, "slow_prefix": "slow",
+                }},
+            }],
+        });
+        std::fs::write(&fake.conflist, serde_json::to_vec_pretty(&v)?)?;
+        Ok(fake)
+    }
+
     /// Processes still running this fake's binary.
     fn running(&self) -> usize {
         let me = self.dir.path().join(&self.plugin);
@@ -785,18 +802,7 @@ fn a_slow_plugin_holds_up_only_its_own_attachment() -> anyhow::Result<()> {
     privileged!();
     let node = Netns::new("dw")?;
     let pod = Netns::new("dq")?;
-    let fake = Fake::new("ok", false)?;
-    let v = json!({
-        "cniVersion": "1.0.0",
-        "name": unique("fakenet"),
-        "plugins": [{
-            "type": "ptp",
-            "ipam": {"type": fake.plugin, "fake": {
-                "mode": "ok", "log": fake.log, "slow_ms": 5000, "slow_prefix": "slow",
-            }},
-        }],
-    });
-    std::fs::write(&fake.conflist, serde_json::to_vec_pretty(&v)?)?;
+    let fake = Fake::slow()?;
     let ns = NsFile::new();
     let mut agent = AgentProc::start(
         &node,
@@ -903,18 +909,7 @@ fn leases_keep_time_under_parallel_adds_forced_reconciles_and_a_slow_plugin() ->
     let node = Netns::new("dz")?;
     let _forwarded = lockstep_tests::cluster::forward(&node, &etcd)?;
     let pod = Netns::new("dy")?;
-    let fake = Fake::new("ok", false)?;
-    let v = json!({
-        "cniVersion": "1.0.0",
-        "name": unique("fakenet"),
-        "plugins": [{
-            "type": "ptp",
-            "ipam": {"type": fake.plugin, "fake": {
-                "mode": "ok", "log": fake.log, "slow_ms": 5000, "slow_prefix": "slow",
-            }},
-        }],
-    });
-    std::fs::write(&fake.conflist, serde_json::to_vec_pretty(&v)?)?;
+    let fake = Fake::slow()?;
     let ns = NsFile::new();
     let name = unique("n");
     let cfg = format!(
@@ -926,14 +921,7 @@ fn leases_keep_time_under_parallel_adds_forced_reconciles_and_a_slow_plugin() ->
             .join(", "),
     );
     let mut agent = AgentProc::start(&node, &cfg)?;
-    let metric = |name: &str| -> Option<f64> {
-        let m = lockstep_tests::cluster::metrics_in(&node).ok()?;
-        m.lines()
-            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' '))?
-            .trim()
-            .parse()
-            .ok()
-    };
+    let metric = |name: &str| lockstep_tests::cluster::metric_in(&node, name);
     let renewals = || -> Option<(f64, f64)> {
         Some((
             metric("lockstep_cluster_node_lease_renewals_total")?,

@@ -171,11 +171,7 @@ async fn with_agent<T: Send + 'static>(
     f: impl FnOnce(&mut Agent) -> Result<T, AgentError> + Send + 'static,
 ) -> Result<T, ApiError> {
     let held = state.held.clone();
-    state
-        .agent
-        .ask(move |slot| on_slot(slot, &held, f))
-        .await
-        .map_err(ApiError::from)?
+    state.agent.ask(move |slot| on_slot(slot, &held, f)).await?
 }
 
 /// As [`with_agent`], for a change that is a commit and map writes only:
@@ -188,8 +184,7 @@ async fn with_agent_grouped<T: Send + 'static>(
     state
         .agent
         .ask_grouped(move |slot| on_slot(slot, &held, f), grouped_lost)
-        .await
-        .map_err(ApiError::from)?
+        .await?
 }
 
 fn on_slot<T>(

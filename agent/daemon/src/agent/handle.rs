@@ -160,6 +160,35 @@ impl AgentHandle {
         (job, rx)
     }
 
+    /// Sends `f` and waits for its answer without blocking the worker.
+    async fn asked<R: Send + 'static>(
+        &self,
+        f: impl FnOnce(&mut Option<Agent>) -> R + Send + 'static,
+        lost: Option<fn(R, &AgentError) -> R>,
+    ) -> Result<R, AgentError> {
+        let grouped = lost.is_some();
+        let (job, rx) = Self::job(f, lost);
+        self.tx
+            .send(Command::Run { job, grouped })
+            .await
+            .map_err(|_| stopped())?;
+        rx.await.map_err(|_| stopped())
+    }
+
+    /// Sends `f` and waits for its answer, blocking this thread.
+    fn called<R: Send + 'static>(
+        &self,
+        f: impl FnOnce(&mut Option<Agent>) -> R + Send + 'static,
+        lost: Option<fn(R, &AgentError) -> R>,
+    ) -> Result<R, AgentError> {
+        let grouped = lost.is_some();
+        let (job, rx) = Self::job(f, lost);
+        self.tx
+            .blocking_send(Command::Run { job, grouped })
+            .map_err(|_| stopped())?;
+        rx.blocking_recv().map_err(|_| stopped())
+    }
+
     /// Runs `f` on the owner thread and returns its answer. For async
     /// code: the worker is free while the command waits.
     ///
@@ -169,15 +198,7 @@ impl AgentHandle {
         &self,
         f: impl FnOnce(&mut Option<Agent>) -> R + Send + 'static,
     ) -> Result<R, AgentError> {
-        let (job, rx) = Self::job(f, None);
-        self.tx
-            .send(Command::Run {
-                job,
-                grouped: false,
-            })
-            .await
-            .map_err(|_| stopped())?;
-        rx.await.map_err(|_| stopped())
+        self.asked(f, None).await
     }
 
     /// As [`AgentHandle::ask`], with `f`'s commits grouped with the batch's
@@ -192,12 +213,7 @@ impl AgentHandle {
         f: impl FnOnce(&mut Option<Agent>) -> R + Send + 'static,
         lost: fn(R, &AgentError) -> R,
     ) -> Result<R, AgentError> {
-        let (job, rx) = Self::job(f, Some(lost));
-        self.tx
-            .send(Command::Run { job, grouped: true })
-            .await
-            .map_err(|_| stopped())?;
-        rx.await.map_err(|_| stopped())
+        self.asked(f, Some(lost)).await
     }
 
     /// Runs `f` on the owner thread and waits for its answer, blocking this
@@ -210,14 +226,7 @@ impl AgentHandle {
         &self,
         f: impl FnOnce(&mut Option<Agent>) -> R + Send + 'static,
     ) -> Result<R, AgentError> {
-        let (job, rx) = Self::job(f, None);
-        self.tx
-            .blocking_send(Command::Run {
-                job,
-                grouped: false,
-            })
-            .map_err(|_| stopped())?;
-        rx.blocking_recv().map_err(|_| stopped())
+        self.called(f, None)
     }
 
     /// As [`AgentHandle::call`], with `f`'s commits grouped with the
@@ -230,11 +239,7 @@ impl AgentHandle {
         f: impl FnOnce(&mut Option<Agent>) -> R + Send + 'static,
         lost: fn(R, &AgentError) -> R,
     ) -> Result<R, AgentError> {
-        let (job, rx) = Self::job(f, Some(lost));
-        self.tx
-            .blocking_send(Command::Run { job, grouped: true })
-            .map_err(|_| stopped())?;
-        rx.blocking_recv().map_err(|_| stopped())
+        self.called(f, Some(lost))
     }
 
     /// Puts `agent` in place (start-up's last step).
