@@ -27,7 +27,7 @@ use serde::Serialize;
 
 use crate::agent::endpoints::{
     DelRequest, EndpointRequest, GcRequest, Inline, endpoint_add_concurrent, endpoint_add_inline,
-    endpoint_del_concurrent, endpoint_del_inline, inline_lost,
+    endpoint_del_concurrent, endpoint_del_inline,
 };
 use crate::agent::lb::{LbApply, LbDelete};
 use crate::agent::{Agent, AgentError, AgentHandle, AllocateRequest, ReleaseRequest};
@@ -174,19 +174,6 @@ async fn with_agent<T: Send + 'static>(
     state.agent.ask(move |slot| on_slot(slot, &held, f)).await?
 }
 
-/// As [`with_agent`], for a change that is a commit and map writes only:
-/// its commit is synced with its batch's (group commit, `agent::handle`).
-async fn with_agent_grouped<T: Send + 'static>(
-    state: &AppState,
-    f: impl FnOnce(&mut Agent) -> Result<T, AgentError> + Send + 'static,
-) -> Result<T, ApiError> {
-    let held = state.held.clone();
-    state
-        .agent
-        .ask_grouped(move |slot| on_slot(slot, &held, f), grouped_lost)
-        .await?
-}
-
 fn on_slot<T>(
     slot: &mut Option<Agent>,
     held: &Mutex<Option<String>>,
@@ -196,15 +183,6 @@ fn on_slot<T>(
         Some(agent) => f(agent).map_err(ApiError::from),
         None => Err(ApiError::from(not_ready(held))),
     }
-}
-
-/// A grouped change whose batch's sync failed: not acknowledged.
-fn grouped_lost<T>(r: Result<T, ApiError>, e: &AgentError) -> Result<T, ApiError> {
-    r.and_then(|_| {
-        Err(ApiError::from(AgentError::NotReady {
-            reason: format!("the store could not make the change durable: {e}"),
-        }))
-    })
 }
 
 fn ok<T: Serialize>(v: T) -> Response {
@@ -342,7 +320,7 @@ async fn allocate(
     let started = Instant::now();
     let result = with_block(&s, || {
         let req = req.clone();
-        with_agent_grouped(&s, move |a| a.allocate(req))
+        with_agent(&s, move |a| a.allocate(req))
     })
     .await;
     s.metrics.observe_allocation(started.elapsed());
@@ -395,7 +373,7 @@ async fn release(
 ) -> Result<Response, ApiError> {
     let Json(req) = body?;
     req.owner.validate()?;
-    Ok(ok(with_agent_grouped(&s, move |a| a.release(req)).await?))
+    Ok(ok(with_agent(&s, move |a| a.release(req)).await?))
 }
 
 async fn verify(State(s): State<AppState>) -> Result<Response, ApiError> {
@@ -515,11 +493,11 @@ async fn add_once(
 ) -> Result<crate::wire::EndpointReply, ApiError> {
     let handle = s.agent.clone();
     // IPAM-only ADDs are served as one command on the agent's owner (a
-    // commit, grouped with its batch's, and a few map writes); whether one
+    // commit and a few map writes); whether one
     // is is judged in the same command. Anything else goes to the blocking
     // pool untouched, to run in phases.
     let inline = handle
-        .ask_grouped(move |slot| endpoint_add_inline(slot, req), inline_lost)
+        .ask(move |slot| endpoint_add_inline(slot, req))
         .await?;
     let result = match inline {
         Inline::Done(r) => r,
@@ -548,7 +526,7 @@ async fn del_once(s: &AppState, req: DelRequest) -> Result<(), ApiError> {
     attachment(&req.container_id, &req.ifname)?;
     let handle = s.agent.clone();
     let inline = handle
-        .ask_grouped(move |slot| endpoint_del_inline(slot, req), inline_lost)
+        .ask(move |slot| endpoint_del_inline(slot, req))
         .await?;
     match inline {
         // Committed on the owner; kernel work (a full attachment's veth)

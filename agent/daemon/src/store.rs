@@ -242,11 +242,6 @@ struct Inner {
     /// Why the store cannot commit: the first failure, until a recovery
     /// succeeds.
     failure: Option<String>,
-    /// Commits are gathered in `group` until [`Store::sync`] (group commit;
-    /// see [`Store::set_deferred`]).
-    deferred: bool,
-    /// Operations committed while deferred, not yet in the log.
-    group: Vec<Op>,
 }
 
 impl std::fmt::Debug for Store {
@@ -435,8 +430,6 @@ impl Store {
                 pending,
                 checkpoint_below,
                 failure: None,
-                deferred: false,
-                group: Vec::new(),
             }),
         };
         {
@@ -536,61 +529,9 @@ impl Store {
         Ok(())
     }
 
-    /// Group commit. While on, a commit only gathers its operations and
-    /// returns; one [`Store::sync`] then writes them all as one log record
-    /// with one `fdatasync`. One record, not one per commit: the log's
-    /// replay relies on only its last record ever being torn. Whoever turns
-    /// it on must answer nobody about those commits, nor act outside the
-    /// node on them, before that sync returned. Turning it off syncs first.
-    ///
-    /// # Errors
-    /// As [`Store::sync`], when turning it off (it stays on then).
-    pub fn set_deferred(&self, on: bool) -> Result<(), StoreError> {
-        if !on {
-            self.sync()?;
-        }
-        self.lock().deferred = on;
-        Ok(())
-    }
-
-    /// Makes every commit gathered so far durable, as one commit.
-    ///
-    /// # Errors
-    /// As a commit's: the gathered operations are then kept, to go with
-    /// the next sync or commit, and nothing of them is durable yet.
-    pub fn sync(&self) -> Result<(), StoreError> {
-        let mut inner = self.lock();
-        let ops = std::mem::take(&mut inner.group);
-        if ops.is_empty() {
-            return Ok(());
-        }
-        self.commit_locked(&mut inner, ops.clone())
-            .inspect_err(|_| {
-                let later = std::mem::replace(&mut inner.group, ops);
-                inner.group.extend(later);
-            })
-    }
-
-    /// Commits `ops`: one log record, on disk when this returns (or, with
-    /// commits deferred, gathered for the next [`Store::sync`]).
+    /// Commits `ops`: one log record, on disk when this returns.
     fn commit(&self, ops: Vec<Op>) -> Result<(), StoreError> {
         let mut inner = self.lock();
-        if inner.deferred {
-            inner.group.extend(ops);
-            return Ok(());
-        }
-        // Operations an earlier sync failed to write go first.
-        let mut all = std::mem::take(&mut inner.group);
-        let retried = all.len();
-        all.extend(ops);
-        self.commit_locked(&mut inner, all.clone())
-            .inspect_err(|_| {
-                all.truncate(retried);
-                inner.group = all;
-            })
-    }
-
-    fn commit_locked(&self, inner: &mut Inner, ops: Vec<Op>) -> Result<(), StoreError> {
         if inner.failing() {
             inner.checkpoint(&self.path, &[])?;
         }

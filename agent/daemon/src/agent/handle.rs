@@ -13,16 +13,12 @@
 //!   code (the worker is free while it waits), [`AgentHandle::call`] from a
 //!   plain thread. The owner runs commands one at a time, in arrival order,
 //!   so each sees the state the previous one left.
-//! - **Group commit.** The owner takes every command already queued (up to
-//!   [`BATCH`]) as one batch. A command sent with [`AgentHandle::ask_grouped`]
-//!   commits with the store deferred: its log record is written but not
-//!   synced. Before an ungrouped command runs, and at the end of the batch,
-//!   the owner syncs once ([`Store::sync`](crate::store::Store::sync)). No
-//!   answer of a batch leaves before its sync: a caller never hears of a
-//!   commit the disk may lose. Only commands whose effects stay on the node
-//!   until answered (a commit and map writes) may be grouped: map entries
-//!   written ahead of a lost commit are repaired by reconcile, as after any
-//!   crash between a commit and an answer.
+//! - **Batches.** The owner takes every command already queued (up to
+//!   [`BATCH`]) as one batch and publishes the view once after it. Each
+//!   command still commits on its own (one log record, one fdatasync): a
+//!   commit a caller is refused must change nothing, and sharing one sync
+//!   among commands would need each to undo its own changes when that sync
+//!   fails.
 //! - **A published view.** After each batch the owner publishes an
 //!   [`AgentView`]; readers ([`AgentHandle::view`]) load it without waiting
 //!   for any command.
@@ -44,16 +40,15 @@ use super::{Agent, AgentError};
 /// (backpressure), it is never refused.
 pub const QUEUE: usize = 1024;
 
-/// Most commands one batch takes (one sync, one view).
+/// Most commands one batch takes (one published view).
 pub const BATCH: usize = 64;
 
-/// What the owner answers a command with, once its batch is durable: the
-/// argument is the batch's sync failure, if it failed.
-type Deliver = Box<dyn FnOnce(Option<&AgentError>) + Send>;
+/// What the owner answers a command with, once its batch has run.
+type Deliver = Box<dyn FnOnce() + Send>;
 type Job = Box<dyn FnOnce(&mut Option<Agent>) -> Deliver + Send>;
 
 enum Command {
-    Run { job: Job, grouped: bool },
+    Run(Job),
     Stop,
 }
 
@@ -76,8 +71,6 @@ pub struct OwnerStats {
     pub commands: AtomicU64,
     /// Batches run.
     pub batches: AtomicU64,
-    /// Group commits made (batches with grouped commands).
-    pub syncs: AtomicU64,
 }
 
 /// A way to the agent's owner. Cheap to clone; every task holds its own.
@@ -144,49 +137,15 @@ impl AgentHandle {
 
     fn job<R: Send + 'static>(
         f: impl FnOnce(&mut Option<Agent>) -> R + Send + 'static,
-        lost: Option<fn(R, &AgentError) -> R>,
     ) -> (Job, oneshot::Receiver<R>) {
         let (tx, rx) = oneshot::channel();
         let job: Job = Box::new(move |agent: &mut Option<Agent>| {
             let r = f(agent);
-            Box::new(move |failed: Option<&AgentError>| {
-                let r = match (failed, lost) {
-                    (Some(e), Some(lost)) => lost(r, e),
-                    _ => r,
-                };
+            Box::new(move || {
                 let _ = tx.send(r);
             }) as Deliver
         });
         (job, rx)
-    }
-
-    /// Sends `f` and waits for its answer without blocking the worker.
-    async fn asked<R: Send + 'static>(
-        &self,
-        f: impl FnOnce(&mut Option<Agent>) -> R + Send + 'static,
-        lost: Option<fn(R, &AgentError) -> R>,
-    ) -> Result<R, AgentError> {
-        let grouped = lost.is_some();
-        let (job, rx) = Self::job(f, lost);
-        self.tx
-            .send(Command::Run { job, grouped })
-            .await
-            .map_err(|_| stopped())?;
-        rx.await.map_err(|_| stopped())
-    }
-
-    /// Sends `f` and waits for its answer, blocking this thread.
-    fn called<R: Send + 'static>(
-        &self,
-        f: impl FnOnce(&mut Option<Agent>) -> R + Send + 'static,
-        lost: Option<fn(R, &AgentError) -> R>,
-    ) -> Result<R, AgentError> {
-        let grouped = lost.is_some();
-        let (job, rx) = Self::job(f, lost);
-        self.tx
-            .blocking_send(Command::Run { job, grouped })
-            .map_err(|_| stopped())?;
-        rx.blocking_recv().map_err(|_| stopped())
     }
 
     /// Runs `f` on the owner thread and returns its answer. For async
@@ -198,22 +157,12 @@ impl AgentHandle {
         &self,
         f: impl FnOnce(&mut Option<Agent>) -> R + Send + 'static,
     ) -> Result<R, AgentError> {
-        self.asked(f, None).await
-    }
-
-    /// As [`AgentHandle::ask`], with `f`'s commits grouped with the batch's
-    /// (see the module docs): `f` must act on nothing off the node. Should
-    /// the batch's sync fail, the answer goes through `lost` first, which
-    /// turns a success into that error.
-    ///
-    /// # Errors
-    /// As [`AgentHandle::ask`].
-    pub async fn ask_grouped<R: Send + 'static>(
-        &self,
-        f: impl FnOnce(&mut Option<Agent>) -> R + Send + 'static,
-        lost: fn(R, &AgentError) -> R,
-    ) -> Result<R, AgentError> {
-        self.asked(f, Some(lost)).await
+        let (job, rx) = Self::job(f);
+        self.tx
+            .send(Command::Run(job))
+            .await
+            .map_err(|_| stopped())?;
+        rx.await.map_err(|_| stopped())
     }
 
     /// Runs `f` on the owner thread and waits for its answer, blocking this
@@ -226,20 +175,11 @@ impl AgentHandle {
         &self,
         f: impl FnOnce(&mut Option<Agent>) -> R + Send + 'static,
     ) -> Result<R, AgentError> {
-        self.called(f, None)
-    }
-
-    /// As [`AgentHandle::call`], with `f`'s commits grouped with the
-    /// batch's (as [`AgentHandle::ask_grouped`]).
-    ///
-    /// # Errors
-    /// As [`AgentHandle::ask`].
-    pub fn call_grouped<R: Send + 'static>(
-        &self,
-        f: impl FnOnce(&mut Option<Agent>) -> R + Send + 'static,
-        lost: fn(R, &AgentError) -> R,
-    ) -> Result<R, AgentError> {
-        self.called(f, Some(lost))
+        let (job, rx) = Self::job(f);
+        self.tx
+            .blocking_send(Command::Run(job))
+            .map_err(|_| stopped())?;
+        rx.blocking_recv().map_err(|_| stopped())
     }
 
     /// Puts `agent` in place (start-up's last step).
@@ -285,48 +225,23 @@ impl AgentThread {
     }
 }
 
-/// Turns the store's group commit on or off; off syncs what was deferred.
-fn defer(agent: &Option<Agent>, on: bool, stats: &OwnerStats) -> Result<(), AgentError> {
-    let Some(a) = agent else { return Ok(()) };
-    if !on {
-        stats.syncs.fetch_add(1, Ordering::Relaxed);
-    }
-    a.store.set_deferred(on).map_err(AgentError::from)
-}
-
 fn run(mut rx: mpsc::Receiver<Command>, view: &ArcSwap<AgentView>, stats: &OwnerStats) {
     let mut agent: Option<Agent> = None;
     let mut answers: Vec<Deliver> = Vec::with_capacity(BATCH);
     let mut batches = 0u64;
     while let Some(first) = rx.blocking_recv() {
         let mut next = Some(first);
-        let mut grouped_open = false;
-        let mut failed: Option<AgentError> = None;
         let mut stop = false;
         while let Some(cmd) = next.take() {
-            let Command::Run { job, grouped } = cmd else {
+            let Command::Run(job) = cmd else {
                 stop = true;
                 break;
             };
-            if grouped != grouped_open {
-                // Off: the grouped commits so far are synced before an
-                // ungrouped command acts on anything they decided.
-                if let Err(e) = defer(&agent, grouped, stats) {
-                    failed.get_or_insert(e);
-                }
-                grouped_open = grouped;
-            }
             answers.push(job(&mut agent));
             stats.commands.fetch_add(1, Ordering::Relaxed);
             if answers.len() < BATCH {
                 next = rx.try_recv().ok();
             }
-        }
-        if grouped_open && let Err(e) = defer(&agent, false, stats) {
-            failed.get_or_insert(e);
-        }
-        if let Some(e) = &failed {
-            tracing::error!(error = %e, "a group commit's sync failed; its callers are told");
         }
         batches += 1;
         stats.batches.fetch_add(1, Ordering::Relaxed);
@@ -336,7 +251,7 @@ fn run(mut rx: mpsc::Receiver<Command>, view: &ArcSwap<AgentView>, stats: &Owner
             batches,
         }));
         for answer in answers.drain(..) {
-            answer(failed.as_ref());
+            answer();
         }
         if stop {
             break;

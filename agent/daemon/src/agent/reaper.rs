@@ -512,11 +512,6 @@ impl Agent {
         marked.releasing = true;
         self.store
             .put_endpoint(Some(&marked), &[], self.manager.generation())?;
-        // The mark is on disk before the veth can go, also when this DEL's
-        // commit is grouped with others (`agent::handle`): a crash in
-        // between then finds the release marked, never a record whose
-        // interface vanished under it.
-        self.store.sync()?;
         self.endpoints.remove(&key);
         self.queue_release(&marked, allocated);
         Ok(())

@@ -95,7 +95,6 @@ pub struct Metrics {
     endpoint_leaks_released: Counter,
     owner_commands: Counter,
     owner_batches: Counter,
-    owner_syncs: Counter,
     owner_queued: Gauge<i64>,
     /// Whether the gauges were ever refreshed from a running agent.
     refreshed: AtomicBool,
@@ -290,12 +289,7 @@ impl Metrics {
         let owner_batches = masq_counter(
             &mut registry,
             "agent_batches",
-            "Batches of commands the agent's owner ran together, one store sync at most each",
-        );
-        let owner_syncs = masq_counter(
-            &mut registry,
-            "agent_group_syncs",
-            "Group commits: one store log record and fdatasync for the grouped commits of a batch",
+            "Batches of commands the agent's owner ran together (taken from its queue at once)",
         );
         let owner_queued = Gauge::<i64>::default();
         registry.register(
@@ -310,7 +304,6 @@ impl Metrics {
             endpoint_leaks_released,
             owner_commands,
             owner_batches,
-            owner_syncs,
             owner_queued,
             masq: Mutex::new(None),
             masq_entries,
@@ -402,7 +395,6 @@ impl Metrics {
         let st = agent.stats();
         follow(&self.owner_commands, st.commands.load(Ordering::Relaxed));
         follow(&self.owner_batches, st.batches.load(Ordering::Relaxed));
-        follow(&self.owner_syncs, st.syncs.load(Ordering::Relaxed));
         self.owner_queued
             .set(i64::try_from(agent.queued()).unwrap_or(i64::MAX));
     }

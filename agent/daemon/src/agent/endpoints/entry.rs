@@ -1,6 +1,6 @@
 //! How the API runs a CNI call against the agent's owner
-//! ([`AgentHandle`]): as one command when the work is store and maps only
-//! (its commit grouped with the batch's), or in phases around commands when
+//! ([`AgentHandle`]): as one command when the work is store and maps only,
+//! or in phases around commands when
 //! interfaces must be made or removed or a plugin run.
 //!
 //! It exists apart from ADD and DEL themselves because it is about where
@@ -41,11 +41,10 @@ pub(super) fn inline_capable(agent: &Agent, key: &str, mode: Option<EndpointMode
             .is_none_or(|e| e.mode == EndpointMode::Ipam)
 }
 
-/// CNI ADD as one command on the owner (run it with
-/// [`AgentHandle::ask_grouped`] and [`inline_lost`]). The attachment's state is
-/// judged and the ADD served in the same command, so nothing can change in
-/// between: an IPAM-only ADD (a commit and a few map writes) is served
-/// here, its commit synced with its batch's; anything else is handed back
+/// CNI ADD as one command on the owner ([`AgentHandle::ask`]). The
+/// attachment's state is judged and the ADD served in the same command, so
+/// nothing can change in between: an IPAM-only ADD (a commit and a few map
+/// writes) is served here; anything else is handed back
 /// untouched, for [`endpoint_add_concurrent`] on the blocking pool.
 pub fn endpoint_add_inline(
     slot: &mut Option<Agent>,
@@ -103,18 +102,6 @@ const ADD_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
 fn releasing(agent: &Agent, e: &AgentError) -> usize {
     e.exhausted()
         .map_or(0, |(pool, family)| agent.reaper.holding_in(pool, family))
-}
-
-/// An inline command's answer once its batch's sync failed: a success
-/// becomes that failure (the caller retries; a DEL finds nothing left to
-/// do, an ADD's leftovers are what its runtime's DEL releases).
-pub fn inline_lost<T, R>(r: Inline<T, R>, e: &AgentError) -> Inline<T, R> {
-    match r {
-        Inline::Done(Ok(_)) => Inline::Done(Err(AgentError::NotReady {
-            reason: format!("the store could not make the commit durable: {e}"),
-        })),
-        other => other,
-    }
 }
 
 /// CNI DEL as one command on the owner: judged and committed in it (as
@@ -229,15 +216,10 @@ pub fn endpoint_add_concurrent(
         &prepared.addresses(),
         prepared.attach.as_ref(),
     );
-    // The commit and map writes only (the interfaces are made): grouped
-    // with the batch's commits, so ADDs finishing together share a sync.
-    let finished = handle.call_grouped(
-        move |slot| match slot.as_mut() {
-            Some(agent) => Ok(agent.endpoint_add_finish(*prepared, made)),
-            None => Err(Box::new((prepared, made))),
-        },
-        finish_lost,
-    );
+    let finished = handle.call(move |slot| match slot.as_mut() {
+        Some(agent) => Ok(agent.endpoint_add_finish(*prepared, made)),
+        None => Err(Box::new((prepared, made))),
+    });
     match finished {
         Ok(Ok(r)) => r,
         Ok(Err(left)) => {
@@ -247,24 +229,6 @@ pub fn endpoint_add_concurrent(
         // The owner ended with the interfaces made: nobody will record
         // them, so they go (the next start's GC would find them anyway).
         Err(e) => Err(e),
-    }
-}
-
-/// A finish command's answer: the ADD's outcome, or (no agent) what it
-/// made, to remove.
-type Finished = Result<
-    Result<EndpointReply, AgentError>,
-    Box<(Box<PreparedAdd>, Result<Interfaces, InterfaceFailure>)>,
->;
-
-/// A grouped finish whose batch's sync failed: the ADD fails (its
-/// runtime's DEL removes what it made and releases its addresses).
-fn finish_lost(r: Finished, e: &AgentError) -> Finished {
-    match r {
-        Ok(Ok(_)) => Ok(Err(AgentError::NotReady {
-            reason: format!("the store could not make the commit durable: {e}"),
-        })),
-        other => other,
     }
 }
 
