@@ -25,7 +25,6 @@ use std::time::{Duration, Instant};
 use lockstep_core::manager::Allocation;
 use lockstep_core::owner::{AgentRole, Generation, Owner};
 
-use super::endpoints::{AddBegin, EndpointAddress, EndpointReply, EndpointRequest};
 use super::{Agent, AgentError};
 use crate::config::IpamMode;
 use crate::delegate::{
@@ -33,6 +32,7 @@ use crate::delegate::{
 };
 use crate::error_chain as chain;
 use crate::store::{DelegatedRecord, EndpointRecord};
+use crate::wire::{EndpointAddress, EndpointReply, EndpointRequest};
 
 /// How long a failed set-up waits before it is tried again.
 pub const RETRY: Duration = Duration::from_secs(1);
@@ -50,6 +50,20 @@ pub struct DelegatedAdd {
     req: EndpointRequest,
     key: String,
     runner: Runner,
+}
+
+/// A delegated ADD whose plugin result was checked: what the ADD carries on
+/// with.
+#[derive(Debug)]
+pub struct CheckedAdd {
+    /// The ADD.
+    pub req: EndpointRequest,
+    /// Its attachment's key.
+    pub key: String,
+    /// The plugin's addresses, as the agent's allocations.
+    pub allocated: Vec<Allocation>,
+    /// The record to store.
+    pub record: DelegatedRecord,
 }
 
 /// What the plugin's ADD came to, for [`Agent::endpoint_add_delegated`].
@@ -587,15 +601,15 @@ impl Agent {
         Ok(DelegatedAdd { req, key, runner })
     }
 
-    /// Endpoint ADD in delegated mode, second hold: the plugin's result
-    /// checked (no address anyone else holds) and carried on as any ADD
-    /// ([`AddBegin`]: done in IPAM mode, interfaces to make in full mode).
-    /// On an error, the plugin's addresses are to be given back with the
-    /// returned [`PluginUndo`] (run it with the agent free).
-    pub fn endpoint_add_delegated(
+    /// Endpoint ADD in delegated mode, second step: the plugin's result
+    /// checked (no address anyone else holds) and made a record, to carry
+    /// on as any ADD (`Agent::endpoint_add_delegated`). On an error, the
+    /// plugin's addresses are to be given back with the returned
+    /// [`PluginUndo`] (run it with the agent free).
+    pub(super) fn delegated_checked(
         &mut self,
         ran: DelegatedRan,
-    ) -> (Result<AddBegin, AgentError>, Option<PluginUndo>) {
+    ) -> (Result<CheckedAdd, AgentError>, Option<PluginUndo>) {
         let DelegatedRan {
             add,
             outcome,
@@ -639,17 +653,13 @@ impl Agent {
             return (Err(e), Some(undo));
         }
         let allocated = Self::allocations_of(&record);
-        let begun = self.prepare_add(
-            add.req,
-            add.key,
-            record.plugin.clone(),
+        let checked = CheckedAdd {
+            req: add.req,
+            key: add.key,
             allocated,
-            Some(record),
-        );
-        if let Err(e) = &begun {
-            self.note_error(e);
-        }
-        (begun, None)
+            record,
+        };
+        (Ok(checked), None)
     }
 
     /// Undoes a delegated endpoint ADD whose later step failed.

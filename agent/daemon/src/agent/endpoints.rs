@@ -19,7 +19,7 @@ use lockstep_core::cidr::Family;
 use lockstep_core::manager::Allocation;
 use lockstep_core::owner::Owner;
 
-use super::delegated::DelegatedDelRan;
+use super::delegated::{DelegatedDelRan, DelegatedRan, PluginUndo};
 use super::doors::LinkDoor;
 use super::endpoint_effects::EndpointEffects;
 use super::{Agent, AgentError};
@@ -155,6 +155,27 @@ impl Agent {
                 self.endpoint_add_finish(*p, made)
             }
         }
+    }
+
+    /// Endpoint ADD in delegated mode, second step: the plugin's result
+    /// checked (no address anyone else holds) and carried on as any ADD
+    /// ([`AddBegin`]: done in IPAM mode, interfaces to make in full mode).
+    /// On an error, the plugin's addresses are to be given back with the
+    /// returned [`PluginUndo`] (run it with the agent free).
+    pub fn endpoint_add_delegated(
+        &mut self,
+        ran: DelegatedRan,
+    ) -> (Result<AddBegin, AgentError>, Option<PluginUndo>) {
+        let c = match self.delegated_checked(ran) {
+            (Ok(c), _) => c,
+            (Err(e), undo) => return (Err(e), undo),
+        };
+        let plugin = c.record.plugin.clone();
+        let begun = self.prepare_add(c.req, c.key, plugin, c.allocated, Some(c.record));
+        if let Err(e) = &begun {
+            self.note_error(e);
+        }
+        (begun, None)
     }
 
     /// ADD's first phase: idempotency, addresses. IPAM-only ADDs finish here;
