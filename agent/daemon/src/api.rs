@@ -171,18 +171,13 @@ async fn with_agent<T: Send + 'static>(
     f: impl FnOnce(&mut Agent) -> Result<T, AgentError> + Send + 'static,
 ) -> Result<T, ApiError> {
     let held = state.held.clone();
-    state.agent.ask(move |slot| on_slot(slot, &held, f)).await?
-}
-
-fn on_slot<T>(
-    slot: &mut Option<Agent>,
-    held: &Mutex<Option<String>>,
-    f: impl FnOnce(&mut Agent) -> Result<T, AgentError>,
-) -> Result<T, ApiError> {
-    match slot.as_mut() {
-        Some(agent) => f(agent).map_err(ApiError::from),
-        None => Err(ApiError::from(not_ready(held))),
-    }
+    state
+        .agent
+        .ask(move |slot| match slot.as_mut() {
+            Some(agent) => f(agent).map_err(ApiError::from),
+            None => Err(ApiError::from(not_ready(&held))),
+        })
+        .await?
 }
 
 fn ok<T: Serialize>(v: T) -> Response {

@@ -870,21 +870,11 @@ pub async fn run(config: Config) -> Result<(), ServerError> {
         }
         // Only a panicking command ends the owner before the stop.
         ended = &mut owner_ended => {
-            let p = supervisor::Panicked {
-                task: "agent owner".into(),
-                message: ended.err().unwrap_or_else(|| "ended".into()),
-            };
-            tracing::error!(error = %p, "the agent's owner ended; stopping the agent");
-            panicked = Some(p);
+            panicked = Some(thread_ended("agent owner", ended));
             owner_done = Some(());
         }
         ended = &mut reaper_ended => {
-            let p = supervisor::Panicked {
-                task: "reaper".into(),
-                message: ended.err().unwrap_or_else(|| "ended".into()),
-            };
-            tracing::error!(error = %p, "the reaper ended; stopping the agent");
-            panicked = Some(p);
+            panicked = Some(thread_ended("reaper", ended));
             reaper_done = Some(());
         }
     }
@@ -913,6 +903,17 @@ pub async fn run(config: Config) -> Result<(), ServerError> {
     }
     tracing::info!("stopped; maps and programs stay pinned");
     Ok(())
+}
+
+/// One of the agent's threads ended before the stop: logged, and reported
+/// as the panic that stops the agent.
+fn thread_ended(task: &str, ended: Result<(), String>) -> supervisor::Panicked {
+    let p = supervisor::Panicked {
+        task: task.into(),
+        message: ended.err().unwrap_or_else(|| "ended".into()),
+    };
+    tracing::error!(error = %p, "an agent thread ended; stopping the agent");
+    p
 }
 
 /// Writes the datapath's events to the log as they arrive, until stopped.

@@ -17,7 +17,6 @@ use lockstep_common::{
 
 use super::{EntryExtra, HostEntries, PlanBuilder, PlanError, direct_mapped, host_entries};
 use crate::manager::Allocation;
-use crate::owner::Owner;
 
 /// The contents of every map the agent owns, split the way the datapath
 /// stores them (host entries in hashes, prefixes in tries). The same type
@@ -148,22 +147,12 @@ where
         .iter()
         .map(|e| ((e.container_id, e.ifname), e.host_ifindex))
         .collect();
-    let hosts = host_entries(input.allocations, |a| match &a.owner {
-        Owner::Endpoint {
-            container_id,
-            ifname,
-        }
-        | Owner::Delegated {
-            container_id,
-            ifname,
-        } => EntryExtra {
-            ifindex: ifindex
-                .get(&(container_id.as_str(), ifname.as_str()))
-                .copied()
-                .unwrap_or(0),
+    let hosts = host_entries(input.allocations, |a| match a.owner.attachment() {
+        Some(at) => EntryExtra {
+            ifindex: ifindex.get(&at).copied().unwrap_or(0),
             ..EntryExtra::default()
         },
-        _ => EntryExtra::default(),
+        None => EntryExtra::default(),
     })?;
     let (hosts, lb_conflicts) = merge_hosts(hosts, input.lb_hosts);
 

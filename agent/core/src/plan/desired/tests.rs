@@ -1,5 +1,5 @@
 use super::*;
-use crate::owner::{AgentRole, Generation};
+use crate::owner::{AgentRole, Generation, Owner};
 use lockstep_common::{identity, ipcache_flags};
 use proptest::prelude::*;
 
