@@ -180,12 +180,22 @@ async fn with_agent<T: Send + 'static>(
         .await?
 }
 
+/// The agent's status from the owner's published view: answered at once,
+/// however busy the owner is (a long reconcile, a burst of CNI calls).
+fn published_status(state: &AppState) -> Result<crate::agent::Status, ApiError> {
+    state
+        .agent
+        .view()
+        .status()
+        .ok_or_else(|| ApiError::from(not_ready(&state.held)))
+}
+
 fn ok<T: Serialize>(v: T) -> Response {
     Json(v).into_response()
 }
 
 async fn status(State(s): State<AppState>) -> Result<Response, ApiError> {
-    match with_agent(&s, |a| Ok(a.status())).await {
+    match published_status(&s) {
         Ok(st) => match s.cluster.get() {
             // Cluster mode adds what STATUS needs: whether etcd answers, and
             // which pools claim blocks on demand.
@@ -261,7 +271,7 @@ async fn healthz(State(s): State<AppState>) -> Response {
 /// and CNI calls served (what `lockstep status` calls ready), 503 with the
 /// reason otherwise.
 async fn readyz(State(s): State<AppState>) -> Response {
-    match with_agent(&s, |a| Ok(a.status())).await {
+    match published_status(&s) {
         Ok(st) if st.ready => (StatusCode::OK, "ready\n").into_response(),
         Ok(st) => (
             StatusCode::SERVICE_UNAVAILABLE,

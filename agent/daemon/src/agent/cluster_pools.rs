@@ -142,6 +142,11 @@ impl Agent {
         used
     }
 
+    /// Every allocated address, sorted (the published view's copy).
+    pub fn allocated(&self) -> Vec<IpAddr> {
+        self.manager.allocations().map(|a| a.address).collect()
+    }
+
     /// Every address held inside one of `blocks` (every holder), sorted:
     /// what the node publishes as in use.
     pub fn addresses_in(&self, blocks: &[IpNet]) -> Vec<IpAddr> {

@@ -21,7 +21,8 @@
 //!   fails.
 //! - **A published view.** After each batch the owner publishes an
 //!   [`AgentView`]; readers ([`AgentHandle::view`]) load it without waiting
-//!   for any command.
+//!   for any command: status and readiness, the cluster claim loop's block
+//!   usage, the pod attachments leak detection judges.
 //! - **An end that is seen.** A command that panics ends the owner: its
 //!   waiters and every later caller get [`AgentError::NotReady`], and
 //!   [`AgentThread::ended`] reports the panic, which stops the agent (a state
@@ -30,11 +31,15 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use std::net::IpAddr;
+
 use arc_swap::ArcSwap;
+use ipnet::IpNet;
 use lockstep_core::pods::PodRef;
 use tokio::sync::{mpsc, oneshot};
 
-use super::{Agent, AgentError};
+use super::{Agent, AgentError, Status};
+use crate::datapath::pins::PinProbe;
 
 /// Commands that may wait for the owner: a caller past this waits to send
 /// (backpressure), it is never refused.
@@ -62,6 +67,54 @@ pub struct AgentView {
     pub pod_endpoints: Vec<(String, PodRef)>,
     /// Batches the owner has run so far.
     pub batches: u64,
+    /// Status as the last batch left the agent, before the pin root's
+    /// check ([`AgentView::status`] adds it); `None` without an agent.
+    pub unprobed: Option<Status>,
+    /// The pin root's check, which readers run themselves.
+    pub pins: Option<Arc<PinProbe>>,
+    /// Every address allocated from the agent's pools, sorted.
+    pub allocated: Vec<IpAddr>,
+}
+
+impl AgentView {
+    /// The agent's status, the pin root checked now by the caller (a few
+    /// syscalls, no wait for the owner); `None` without an agent.
+    pub fn status(&self) -> Option<Status> {
+        let mut st = self.unprobed.clone()?;
+        if st.ready
+            && let Some(problem) = self.pins.as_ref().and_then(|p| p.problem())
+        {
+            st.ready = false;
+            st.reason = Some(problem);
+        }
+        Some(st)
+    }
+
+    /// How many allocated addresses fall in each of `blocks`, in order.
+    pub fn block_usage(&self, blocks: &[IpNet]) -> Vec<u64> {
+        blocks
+            .iter()
+            .map(|b| self.in_block(*b).len() as u64)
+            .collect()
+    }
+
+    /// Every allocated address inside one of `blocks`, sorted.
+    pub fn addresses_in(&self, blocks: &[IpNet]) -> Vec<IpAddr> {
+        let mut out: Vec<IpAddr> = blocks
+            .iter()
+            .flat_map(|b| self.in_block(*b).iter().copied())
+            .collect();
+        out.sort_unstable();
+        out.dedup();
+        out
+    }
+
+    /// The allocated addresses of `block` (a range of the sorted list).
+    fn in_block(&self, block: IpNet) -> &[IpAddr] {
+        let from = self.allocated.partition_point(|a| *a < block.network());
+        let to = self.allocated.partition_point(|a| *a <= block.broadcast());
+        &self.allocated[from..to.max(from)]
+    }
 }
 
 /// Counts of the owner's work, for the metrics.
@@ -245,10 +298,19 @@ fn run(mut rx: mpsc::Receiver<Command>, view: &ArcSwap<AgentView>, stats: &Owner
         }
         batches += 1;
         stats.batches.fetch_add(1, Ordering::Relaxed);
-        view.store(Arc::new(AgentView {
-            present: agent.is_some(),
-            pod_endpoints: agent.as_ref().map(Agent::pod_endpoints).unwrap_or_default(),
-            batches,
+        view.store(Arc::new(match agent.as_ref() {
+            Some(a) => AgentView {
+                present: true,
+                pod_endpoints: a.pod_endpoints(),
+                batches,
+                unprobed: Some(a.status_unprobed()),
+                pins: Some(a.pin_probe()),
+                allocated: a.allocated(),
+            },
+            None => AgentView {
+                batches,
+                ..AgentView::default()
+            },
         }));
         for answer in answers.drain(..) {
             answer();
@@ -292,6 +354,33 @@ mod tests {
         let p = thread.ended().await.unwrap_err();
         assert_eq!(p, "a half-made endpoint");
         assert!(h.ask(|_| ()).await.is_err(), "nobody is served after");
+    }
+
+    #[test]
+    fn the_view_counts_addresses_per_block_from_its_sorted_list() {
+        let mut allocated: Vec<IpAddr> = [
+            "10.0.0.1", "10.0.0.7", "10.0.0.8", "10.0.1.0", "fd00::1", "fd00::ff",
+        ]
+        .iter()
+        .map(|a| a.parse().unwrap())
+        .collect();
+        allocated.sort_unstable();
+        let v = AgentView {
+            allocated,
+            ..AgentView::default()
+        };
+        let blocks: Vec<IpNet> = ["10.0.0.0/29", "10.0.0.8/29", "10.0.2.0/24", "fd00::/120"]
+            .iter()
+            .map(|b| b.parse().unwrap())
+            .collect();
+        assert_eq!(v.block_usage(&blocks), [2, 1, 0, 2]);
+        let got: Vec<String> = v
+            .addresses_in(&blocks[1..])
+            .iter()
+            .map(ToString::to_string)
+            .collect();
+        assert_eq!(got, ["10.0.0.8", "fd00::1", "fd00::ff"]);
+        assert!(v.status().is_none(), "no agent, no status");
     }
 
     #[test]

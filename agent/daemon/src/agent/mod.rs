@@ -698,10 +698,26 @@ impl Agent {
             .collect()
     }
 
-    /// Status.
+    /// Status, the pin root checked now.
     pub fn status(&self) -> Status {
+        self.status_with(self.datapath.pin_probe().problem())
+    }
+
+    /// Status as the agent's state stands, the pin root not checked: what
+    /// its owner publishes after every batch of commands; a reader applies
+    /// [`Agent::pin_probe`] (`AgentView::status`).
+    pub fn status_unprobed(&self) -> Status {
+        self.status_with(None)
+    }
+
+    /// The pin root's check, runnable from any thread.
+    pub fn pin_probe(&self) -> std::sync::Arc<crate::datapath::pins::PinProbe> {
+        self.datapath.pin_probe()
+    }
+
+    /// Status with `pins`, the pin root's problem if any.
+    fn status_with(&self, pins: Option<String>) -> Status {
         let store = self.store.health();
-        let pins = self.pin_problem();
         Status {
             version: crate::version::version(),
             ready: self.ready && store.is_none() && pins.is_none(),

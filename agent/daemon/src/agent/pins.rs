@@ -19,23 +19,7 @@ impl Agent {
     /// Why this agent must not write maps: another store took its pin root
     /// over (for good), or its owner record cannot be read.
     pub(super) fn ownership_problem(&self) -> Option<String> {
-        self.datapath.owner().and_then(|o| o.check().err())
-    }
-
-    /// Why status is not ready because of the pin root, if it is not:
-    /// ownership first, then every map pin that is wrong.
-    pub(super) fn pin_problem(&self) -> Option<String> {
-        if let Some(lost) = self.ownership_problem() {
-            return Some(lost);
-        }
-        let faults = self.datapath.pin_faults();
-        (!faults.is_empty()).then(|| {
-            let list: Vec<String> = faults.iter().map(ToString::to_string).collect();
-            format!(
-                "{}; the next reconcile pins the programs' maps again",
-                list.join("; ")
-            )
-        })
+        self.datapath.pin_probe().ownership()
     }
 
     /// What `verify` reports about the pin root: the lost ownership, and

@@ -47,6 +47,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::io;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use aya::maps::{MapData, MapInfo};
 use aya::programs::{ProgramError, SchedClassifier};
@@ -254,7 +255,9 @@ pub struct Datapath {
     /// The maps the programs use, by descriptor.
     held: pins::HeldMaps,
     /// The claim on the pin root, when opened for a store.
-    owner: Option<owner::OwnerGuard>,
+    owner: Option<Arc<owner::OwnerGuard>>,
+    /// The pin root's check, shared with readers on other threads.
+    probe: Arc<pins::PinProbe>,
 }
 
 impl fmt::Debug for Datapath {
@@ -318,7 +321,11 @@ impl Datapath {
         // The claim comes before anything under the pin root is opened,
         // created or migrated.
         let owner = match &opts.owner {
-            Some(me) => Some(owner::claim(&opts.pin_root, me, opts.take_over_pin_root)?),
+            Some(me) => Some(Arc::new(owner::claim(
+                &opts.pin_root,
+                me,
+                opts.take_over_pin_root,
+            )?)),
             None => None,
         };
         for dir in [&maps_dir, &opts.links_dir()] {
@@ -396,11 +403,17 @@ impl Datapath {
             }
             migrated.push(name.to_string());
         }
+        let probe = Arc::new(pins::PinProbe::new(
+            owner.clone(),
+            held.ids(),
+            opts.maps_dir(),
+        ));
         Ok(Self {
             ebpf,
             opts,
             loaded: BTreeSet::new(),
             migrated,
+            probe,
             held,
             owner,
         })
@@ -413,13 +426,19 @@ impl Datapath {
 
     /// The claim on the pin root (`None` when opened without an owner).
     pub fn owner(&self) -> Option<&owner::OwnerGuard> {
-        self.owner.as_ref()
+        self.owner.as_deref()
     }
 
     /// Every map pin that does not name the map the programs use: removed,
     /// replaced by another object, or unreadable.
     pub fn pin_faults(&self) -> Vec<PinFault> {
-        pins::faults(&self.held, &self.opts.maps_dir())
+        self.probe.faults()
+    }
+
+    /// The pin root's check, for a reader that must not wait for the
+    /// agent (status).
+    pub fn pin_probe(&self) -> Arc<pins::PinProbe> {
+        self.probe.clone()
     }
 
     /// Pins the programs' map at the path of each fault again (replacing an

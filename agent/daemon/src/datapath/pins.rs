@@ -18,11 +18,13 @@ use std::collections::BTreeMap;
 use std::fmt;
 use std::os::fd::AsFd as _;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use aya::maps::MapData;
 use serde::{Deserialize, Serialize};
 
 use super::DatapathError;
+use super::owner::OwnerGuard;
 
 /// The maps the loaded programs use, by name, held open by descriptor.
 #[derive(Debug)]
@@ -82,10 +84,6 @@ impl HeldMaps {
 
     fn get(&self, name: &str) -> Option<&(MapData, u32)> {
         self.maps.get(name)
-    }
-
-    fn names(&self) -> impl Iterator<Item = &'static str> + '_ {
-        self.maps.keys().copied()
     }
 }
 
@@ -153,14 +151,61 @@ fn fault(name: &str, pin: &Path, program_map_id: u32) -> Option<PinFault> {
     }
 }
 
-/// Every pin under `maps_dir` that does not name the held map.
-pub(super) fn faults(held: &HeldMaps, maps_dir: &Path) -> Vec<PinFault> {
-    held.names()
-        .filter_map(|name| {
-            let (_, id) = held.get(name)?;
-            fault(name, &maps_dir.join(name), *id)
+/// The pin root's check, runnable from any thread: whether the agent still
+/// owns it, and whether each map pin names the map the programs use. Status
+/// runs it without waiting for the agent's owner (`agent::handle`); the
+/// agent runs the same check before it writes maps.
+#[derive(Debug)]
+pub struct PinProbe {
+    owner: Option<Arc<OwnerGuard>>,
+    maps: BTreeMap<&'static str, u32>,
+    maps_dir: PathBuf,
+}
+
+impl PinProbe {
+    /// The check of `owner`'s claim and of the pins under `maps_dir` of the
+    /// maps of `maps` (name → the programs' map id).
+    pub fn new(
+        owner: Option<Arc<OwnerGuard>>,
+        maps: BTreeMap<&'static str, u32>,
+        maps_dir: PathBuf,
+    ) -> Self {
+        Self {
+            owner,
+            maps,
+            maps_dir,
+        }
+    }
+
+    /// Why the agent must not write maps: another store took its pin root
+    /// over (for good), or its owner record cannot be read.
+    pub fn ownership(&self) -> Option<String> {
+        self.owner.as_ref().and_then(|o| o.check().err())
+    }
+
+    /// Every pin that does not name the programs' map.
+    pub fn faults(&self) -> Vec<PinFault> {
+        self.maps
+            .iter()
+            .filter_map(|(name, id)| fault(name, &self.maps_dir.join(name), *id))
+            .collect()
+    }
+
+    /// Why status is not ready because of the pin root, if it is not:
+    /// ownership first, then every map pin that is wrong.
+    pub fn problem(&self) -> Option<String> {
+        if let Some(lost) = self.ownership() {
+            return Some(lost);
+        }
+        let faults = self.faults();
+        (!faults.is_empty()).then(|| {
+            let list: Vec<String> = faults.iter().map(ToString::to_string).collect();
+            format!(
+                "{}; the next reconcile pins the programs' maps again",
+                list.join("; ")
+            )
         })
-        .collect()
+    }
 }
 
 /// Pins the held map of each fault at its path again, replacing what is

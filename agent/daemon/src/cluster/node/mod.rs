@@ -616,18 +616,14 @@ impl ClusterNode {
         self.serve(slot).await;
         // Claims pick from the blocks just read.
         let fresh = must_read && reachable;
-        // What the allocator holds, per pool and family, under one lock.
+        // What the allocator holds, per pool and family.
         let blocks: Vec<HeldBlock> = self.held.blocks.clone();
         let cidrs: Vec<IpNet> = blocks.iter().map(|b| b.cidr).collect();
-        let (used, addrs) = if no_agent(slot) {
-            (vec![0; cidrs.len()], Vec::new())
-        } else {
-            let asked = cidrs.clone();
-            on_agent(slot, move |a| {
-                (a.block_usage(&asked), a.addresses_in(&asked))
-            })
-            .await
-            .unwrap_or_else(|| (vec![0; cidrs.len()], Vec::new()))
+        // Read from the owner's published view, without a command: a give-back
+        // checks again on the owner (`give_back`).
+        let (used, addrs) = match slot.as_ref().map(AgentHandle::view) {
+            Some(v) if v.present => (v.block_usage(&cidrs), v.addresses_in(&cidrs)),
+            _ => (vec![0; cidrs.len()], Vec::new()),
         };
         // Addresses reserved for another node count as used: not free
         // room, and a block holding them is not empty.
