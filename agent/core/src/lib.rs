@@ -19,6 +19,7 @@
 //!   holds, drains and releases, and the demand it writes back.
 //! - [`lb`]: LoadBalancer IPAM (pools, conflicts, sticky and shared addresses).
 //! - [`pods`]: the pool a Kubernetes pod asks for, and leaked endpoints.
+//! - [`restart`]: whether a task that panicked is started again.
 //! - [`roles`]: which agent-owned addresses to reserve and release.
 //! - [`plan`]: desired IPCACHE / MASQ_SKIP contents and the minimal diff
 //!   against what the kernel holds.
@@ -65,6 +66,7 @@ pub mod plan;
 pub mod pod_cidrs;
 pub mod pods;
 pub mod pool;
+pub mod restart;
 pub mod roles;
 
 #[cfg(test)]

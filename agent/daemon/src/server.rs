@@ -18,6 +18,8 @@ use crate::config::Config;
 use crate::metrics::Metrics;
 
 mod head;
+mod kube;
+mod loops;
 mod start;
 mod supervisor;
 
@@ -240,17 +242,6 @@ async fn serve_limited<L>(
     while conns.join_next().await.is_some() {}
 }
 
-/// What the Kubernetes door starts with, read before the agent starts.
-struct KubeStart {
-    client: kube::Client,
-    classes: crate::kubernetes::Classes,
-    node: String,
-    informer: Arc<crate::kubernetes::pods::Informer>,
-    pods: crate::config::PodsConfig,
-    pod_pools: bool,
-    remove_deleted_nodes: bool,
-}
-
 /// Runs the agent until SIGTERM/SIGINT.
 ///
 /// # Errors
@@ -367,7 +358,7 @@ pub async fn run(config: Config) -> Result<(), ServerError> {
                     view: informer.clone(),
                     wait: k.pods.pool_wait,
                 });
-                Some(KubeStart {
+                Some(kube::KubeStart {
                     client,
                     classes: crate::kubernetes::Classes {
                         class: k.lb_class.clone(),
@@ -448,8 +439,8 @@ pub async fn run(config: Config) -> Result<(), ServerError> {
     };
     let pending = !agent.status().ready;
     // Every task from here on is watched: a panic in any of them is named
-    // and stops the agent (`supervisor`).
-    let mut tasks = supervisor::Supervisor::default();
+    // and restarts it or stops the agent (`supervisor`).
+    let mut tasks = supervisor::Supervisor::new(stop_rx.clone(), state.metrics.clone());
     // Cluster mode: one connection to etcd and one watch-fed mirror of
     // everything under the prefix, shared by the claim loop, the remote
     // state and the LB agent (#27 item 6: steady state follows a watch,
@@ -539,7 +530,7 @@ pub async fn run(config: Config) -> Result<(), ServerError> {
             .as_ref()
             .and_then(|k| k.nodeipam.as_ref()),
     ) {
-        (Some(KubeStart { client, node, .. }), Some(n)) => {
+        (Some(kube::KubeStart { client, node, .. }), Some(n)) => {
             let api =
                 crate::kubernetes::nodeipam::KubeNodeIpam::start(client.clone(), node.clone());
             match crate::kubernetes::nodeipam::NodeIpamSync::new(
@@ -567,7 +558,7 @@ pub async fn run(config: Config) -> Result<(), ServerError> {
             .as_ref()
             .and_then(|k| k.pod_cidr_pool.clone()),
     ) {
-        (Some(KubeStart { client, node, .. }), Some(pool)) => {
+        (Some(kube::KubeStart { client, node, .. }), Some(pool)) => {
             let follower = crate::kubernetes::pod_cidrs::Follower::new(
                 slot.clone(),
                 cluster_config.state_dir.clone(),
@@ -583,165 +574,17 @@ pub async fn run(config: Config) -> Result<(), ServerError> {
         }
         _ => None,
     };
-    let kube_task = kube.map(
-        |KubeStart {
-             client,
-             classes,
-             node,
-             informer,
-             pods,
-             pod_pools,
-             remove_deleted_nodes,
-         }| {
-            let stop = stop_rx.clone();
-            // Endpoint allocations whose pod is gone (`kubernetes::leaks`).
-            let report = Arc::new(crate::kubernetes::leaks::LeakReport::default());
-            let _ = state.leaks.set(report.clone());
-            state.metrics.set_leaks(report.clone());
-            tasks.watch("pod leaks", tokio::spawn(
-                crate::kubernetes::leaks::LeakLoop::new(
-                    informer,
-                    crate::kubernetes::leaks::ApiPods(client.clone()),
-                    crate::kubernetes::leaks::AgentEndpoints(slot.clone()),
-                    pods,
-                    report,
-                )
-                .run(stop.clone()),
-            ));
-            // The elected LB assigner is the one writer into etcd for
-            // what the API says of the cluster: PodIPPools as the cluster
-            // pools (#29 item 1), deleted Nodes removed (#29 item 4).
-            if let (Some(handle), Some(c)) = (state.lb_cluster.get(), &cluster_config.cluster) {
-                let writer = || {
-                    crate::kubernetes::writer::ClusterWriter::new(
-                        crate::cluster::DoorOptions::from_cluster_config(
-                            c,
-                            crate::kubernetes::writer::REQUEST_TIMEOUT,
-                        ),
-                        handle.clone(),
-                        c.node_name
-                            .clone()
-                            .unwrap_or_else(|| cluster_config.node_name()),
-                    )
-                };
-                if pod_pools {
-                    let backend = crate::kubernetes::pod_pools::ClusterPools(writer());
-                    tasks.watch("pod pools", tokio::spawn(
-                        crate::kubernetes::pod_pools::PodPoolSync::new(client.clone(), backend)
-                            .run(stop.clone()),
-                    ));
-                }
-                if remove_deleted_nodes {
-                    let backend = crate::kubernetes::node_removal::ClusterNodes(writer());
-                    tasks.watch("node removal", tokio::spawn(
-                        crate::kubernetes::node_removal::NodeRemoval::new(
-                            client.clone(),
-                            backend,
-                            crate::kubernetes::node_removal::ApiBound(client.clone()),
-                        )
-                        .run(stop.clone()),
-                    ));
-                }
-            }
-            match state.lb_cluster.get() {
-                Some(handle) => {
-                    let lb_node = cluster_config
-                        .cluster
-                        .as_ref()
-                        .and_then(|c| c.node_name.clone())
-                        .unwrap_or_else(|| cluster_config.node_name());
-                    let backend =
-                        crate::kubernetes::ClusterLb::new(handle.clone(), lb_node, slot.clone());
-                    tokio::spawn(
-                        crate::kubernetes::LbSync::new(client, classes, node, backend).run(stop),
-                    )
-                }
-                // Without etcd: one writer elected on a Lease (#44 item
-                // 1); the others mirror it.
-                None => {
-                    let election = cluster_config
-                        .kubernetes
-                        .as_ref()
-                        .map(|k| k.election.clone())
-                        .unwrap_or_default();
-                    match crate::kubernetes::election::Keeper::new(client.clone(), &election, &node)
-                    {
-                        Ok((keeper, elected)) => {
-                            let backend =
-                                crate::kubernetes::LocalLb::elected(slot.clone(), elected.clone());
-                            // This Node followed live: excluded, cordoned,
-                            // NotReady or deleting nodes never write (#44
-                            // item 4).
-                            let (candidacy, labels, node_task) = crate::kubernetes::candidacy::follow(
-                                client.clone(),
-                                &node,
-                                stop.clone(),
-                            );
-                            // externalTrafficPolicy: Local Services are
-                            // answered from a node with a ready endpoint,
-                            // one Lease each (#44 item 3).
-                            let cache = crate::kubernetes::reflectors::ServiceCache::start(&client);
-                            let (local, answers) =
-                                crate::kubernetes::local_traffic::LocalTraffic::new(
-                                    client.clone(),
-                                    &election,
-                                    &node,
-                                );
-                            let (applied, applied_rx) = tokio::sync::watch::channel(0);
-                            let local = tokio::spawn(local.run(
-                                cache.services.clone(),
-                                candidacy.clone(),
-                                labels,
-                                applied_rx,
-                                stop.clone(),
-                            ));
-                            // `[kubernetes.nodeipam] operator`: the writer
-                            // offers every node CIDRs of the PodIPPools
-                            // (#44 item 5).
-                            let operator = cluster_config
-                                .kubernetes
-                                .as_ref()
-                                .and_then(|k| k.nodeipam.as_ref())
-                                .is_some_and(|n| n.operator)
-                                .then(|| {
-                                    tokio::spawn(crate::kubernetes::nodeipam::operator::run(
-                                        client.clone(),
-                                        elected.leadership.clone(),
-                                        stop.clone(),
-                                    ))
-                                });
-                            let keeper = tokio::spawn(keeper.run(candidacy, stop.clone()));
-                            let announcer = tokio::spawn(crate::kubernetes::announcer::run(
-                                elected.leadership,
-                                answers.clone(),
-                                applied,
-                                backend.changed(),
-                                slot.clone(),
-                                announcements.clone(),
-                                stop.clone(),
-                            ));
-                            let sync = crate::kubernetes::LbSync::new(client, classes, node, backend)
-                                .with_services(cache)
-                                .with_local(answers);
-                            tasks.watch("local traffic", local);
-                            tasks.watch("lb announcer", announcer);
-                            tasks.watch("writer lease keeper", keeper);
-                            tasks.watch("node labels", node_task);
-                            if let Some(o) = operator {
-                                tasks.watch("nodeipam operator", o);
-                            }
-                            tokio::spawn(sync.run(stop))
-                        }
-                        Err(e) => {
-                            // The config check refuses such an election.
-                            tracing::error!(error = %crate::error_chain(&e), "kubernetes: no LB writer election; LoadBalancer Services are not served");
-                            tokio::spawn(async {})
-                        }
-                    }
-                }
-            }
-        },
-    );
+    let kube_task = kube.map(|k| {
+        kube::start(
+            k,
+            &state,
+            &cluster_config,
+            &slot,
+            &announcements,
+            &mut tasks,
+            stop_rx.clone(),
+        )
+    });
     // The maps exist now; the collector runs beside the agent, not in it.
     let _masquerade = match masquerade {
         Some(settings) => {
@@ -768,64 +611,24 @@ pub async fn run(config: Config) -> Result<(), ServerError> {
     // status says why; set-up is retried every 200 ms until it succeeds, or
     // it refuses for good (then the agent stops with that error).
     let (fatal_tx, mut fatal_rx) = tokio::sync::mpsc::channel::<AgentError>(1);
-    let setup = pending.then(|| {
-        let slot = slot.clone();
-        let mut stop = stop_rx.clone();
-        tokio::spawn(async move {
-            loop {
-                tokio::select! {
-                    _ = tokio::time::sleep(std::time::Duration::from_millis(200)) => {}
-                    _ = stop.wait_for(|s| *s) => break,
-                }
-                let r = slot
-                    .ask(|a| a.as_mut().map_or(Ok(true), Agent::poll_setup))
-                    .await;
-                match r {
-                    Ok(Ok(true)) => break,
-                    Ok(Ok(false)) => {}
-                    Ok(Err(e)) => {
-                        let _ = fatal_tx.send(e).await;
-                        break;
-                    }
-                    // The owner stopped: its end is reported where it is
-                    // watched.
-                    Err(_) => break,
-                }
-            }
-        })
+    let setup = pending.then(|| loops::setup(slot.clone(), fatal_tx, stop_rx.clone()));
+    // Kept: a restarted reconciler beats the same heartbeat. `/healthz`
+    // fails when passes stop finishing (the agent's owner stuck in a
+    // command, a syscall that does not return).
+    let beat = state.metrics.heartbeats.register("reconcile", interval);
+    let (s, stop) = (slot.clone(), stop_rx.clone());
+    tasks.keep("reconciler", move || {
+        loops::reconciler(s.clone(), interval, beat.clone(), stop.clone())
     });
-
-    let reconciler = {
-        let slot = slot.clone();
-        let mut stop = stop_rx.clone();
-        // `/healthz` fails when passes stop finishing (the agent's owner
-        // stuck in a command, a syscall that does not return).
-        let heartbeat = state.metrics.heartbeats.register("reconcile", interval);
-        tokio::spawn(async move {
-            let mut tick = tokio::time::interval(interval);
-            tick.tick().await;
-            loop {
-                tokio::select! {
-                    _ = tick.tick() => {}
-                    _ = stop.wait_for(|s| *s) => break,
-                }
-                let _ = slot
-                    .ask(|a| {
-                        if let Some(agent) = a.as_mut()
-                            && let Err(e) = agent.reconcile()
-                        {
-                            tracing::error!(error = %e, "periodic reconcile failed");
-                        }
-                    })
-                    .await;
-                heartbeat.beat();
-            }
-        })
-    };
-
-    let renewer = crate::agent::announce::spawn_renewer(announcements, stop_rx.clone());
-    let metrics_refresher =
-        crate::metrics::spawn_refresher(state.metrics.clone(), slot.clone(), stop_rx.clone());
+    let stop = stop_rx.clone();
+    tasks.keep("announcement renewer", move || {
+        crate::agent::announce::spawn_renewer(announcements.clone(), stop.clone())
+    });
+    let beat = crate::metrics::refresher_heartbeat(&state.metrics);
+    let (m, s, stop) = (state.metrics.clone(), slot.clone(), stop_rx.clone());
+    tasks.keep("metrics refresher", move || {
+        crate::metrics::spawn_refresher(m.clone(), s.clone(), beat.clone(), stop.clone())
+    });
 
     tasks.watch("api", api);
     let optional = [
@@ -845,9 +648,6 @@ pub async fn run(config: Config) -> Result<(), ServerError> {
             tasks.watch(name, t);
         }
     }
-    tasks.watch("reconciler", reconciler);
-    tasks.watch("announcement renewer", renewer);
-    tasks.watch("metrics refresher", metrics_refresher);
     let mut term = signal(SignalKind::terminate()).map_err(listen_err("SIGTERM"))?;
     let mut int = signal(SignalKind::interrupt()).map_err(listen_err("SIGINT"))?;
     let mut fatal = None;

@@ -96,6 +96,7 @@ pub struct Metrics {
     owner_commands: Counter,
     owner_batches: Counter,
     owner_queued: Gauge<i64>,
+    task_restarts: Family<Labels, Counter>,
     /// Whether the gauges were ever refreshed from a running agent.
     refreshed: AtomicBool,
     /// The loops' signs of progress, for `/healthz`.
@@ -297,8 +298,15 @@ impl Metrics {
             "Commands waiting for the agent's owner thread at the scrape",
             owner_queued.clone(),
         );
+        let task_restarts = Family::<Labels, Counter>::default();
+        registry.register(
+            "task_restarts",
+            "Tasks of the agent started again after a panic, per task",
+            task_restarts.clone(),
+        );
         Self {
             registry: Mutex::new(registry),
+            task_restarts,
             leaks: Mutex::new(None),
             endpoint_leaks,
             endpoint_leaks_released,
@@ -340,6 +348,13 @@ impl Metrics {
     /// Reports the masquerade collector's counts from now on.
     pub fn set_masquerade(&self, stats: Arc<crate::masquerade::Stats>) {
         *self.masq.lock().unwrap_or_else(|p| p.into_inner()) = Some(stats);
+    }
+
+    /// Counts a restart of `task` after a panic (`server::supervisor`).
+    pub fn task_restarted(&self, task: &str) {
+        self.task_restarts
+            .get_or_create(&labels(&[("task", task)]))
+            .inc();
     }
 
     /// Reports leak detection's findings from now on.
@@ -536,16 +551,22 @@ async fn refresh_on_owner(metrics: &Arc<Metrics>, agent: &crate::agent::AgentHan
         .await;
 }
 
+/// The refresher's heartbeat, registered once for all its starts.
+pub fn refresher_heartbeat(metrics: &Metrics) -> Heartbeat {
+    metrics
+        .heartbeats
+        .register("metrics refresh", REFRESH_EVERY)
+}
+
 /// Refreshes the gauges from the agent every [`REFRESH_EVERY`], as a
-/// command on its owner, until `stop` turns true.
+/// command on its owner, until `stop` turns true; beats `heartbeat` (from
+/// [`refresher_heartbeat`]) after each.
 pub fn spawn_refresher(
     metrics: Arc<Metrics>,
     agent: crate::agent::AgentHandle,
+    heartbeat: Heartbeat,
     mut stop: tokio::sync::watch::Receiver<bool>,
 ) -> tokio::task::JoinHandle<()> {
-    let heartbeat = metrics
-        .heartbeats
-        .register("metrics refresh", REFRESH_EVERY);
     tokio::spawn(async move {
         let mut tick = tokio::time::interval(REFRESH_EVERY);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
