@@ -11,7 +11,10 @@
 //! tests' model drives. This module carries out the driver's requests:
 //! against etcd through the cluster door, against the announcement maps
 //! through [`Announcements`] (`lb_announce`), and it tells the driver what
-//! it cannot know itself:
+//! it cannot know itself. The lease's refreshes are a keeper's
+//! (`lb_keeper`), a task of its own, so no request of the tick delays
+//! them; the driver refreshes itself only when the keeper fell behind. It
+//! tells the driver what it cannot know itself:
 //! - the uplink's health at each tick's start (without waiting for the
 //!   agent's owner): one that cannot answer makes the announcer empty the
 //!   datapath and revoke the lease, so the addresses move within a tick;
@@ -41,13 +44,14 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use lockstep_core::lb::announce::driver::{Done, Driver, DriverConfig, Io, Step};
-use lockstep_core::lb::announce::{Observation, Written};
+use lockstep_core::lb::announce::{Nanos, Observation, Written};
 use lockstep_core::lb::cluster::unannounced;
 use tokio::sync::watch;
 
 use super::lb_announce::{self, AnnounceDatapath, AnnounceKeys, Counts};
 use super::lb_assigner::Assigner;
 use super::lb_handle::{LbHandle, Shared};
+use super::lb_keeper::{KeeperEnds, KeeperLink};
 use super::lb_timing::{IDLE_ROUND, MIN_LEASE, TICK, Wake, mirror_stamp};
 use super::{ClusterStoreError, Door, DoorOptions, Link, Stamp};
 use crate::agent::announce::monotonic_ns;
@@ -85,10 +89,15 @@ pub struct LbAgent {
     problem: Option<ClusterStoreError>,
     counts: Counts,
     handle: Arc<LbHandle>,
-    /// When the lease was last granted or refreshed, and its TTL: a
-    /// refresh is due a third of the TTL after (the driver's schedule), and
-    /// how late it goes out is reported.
-    lease_sent: Option<(Instant, Duration)>,
+    /// When the lease was last granted or refreshed (by the keeper too),
+    /// on the agent's monotonic clock: how late the driver's own refresh
+    /// goes out is reported against a third of the TTL after it.
+    lease_sent: Option<Nanos>,
+    /// The lease's keeper (`lb_keeper`): told the lease to keep, its
+    /// refreshes taken back.
+    keeper: KeeperLink,
+    /// The keeper's ends, until [`LbAgent::spawn`] starts it.
+    keeper_ends: Option<KeeperEnds>,
 }
 
 /// Where an LB agent sees its uplink's health.
@@ -132,10 +141,13 @@ impl LbAgent {
     pub fn new(name: String, ttl: Duration, opts: DoorOptions) -> Self {
         let secs = ttl.as_secs() + u64::from(ttl.subsec_nanos() > 0);
         let ttl = Duration::from_secs(secs).max(MIN_LEASE);
+        // A keeper refreshes the lease (`lb_keeper`); the driver steps in
+        // only when it falls behind.
         let cfg = DriverConfig {
             tick_ns: TICK.as_nanos() as u64,
-            ..DriverConfig::for_lease(ttl.as_nanos() as u64)
+            ..DriverConfig::kept(ttl.as_nanos() as u64)
         };
+        let (keeper, keeper_ends) = super::lb_keeper::link();
         LbAgent {
             driver: Driver::new(name.clone(), cfg),
             name,
@@ -150,6 +162,8 @@ impl LbAgent {
             problem: None,
             counts: Counts::default(),
             lease_sent: None,
+            keeper,
+            keeper_ends: Some(keeper_ends),
             handle: Arc::new(LbHandle {
                 opts,
                 door: tokio::sync::Mutex::new(None),
@@ -327,7 +341,7 @@ impl LbAgent {
                 Some(door) => match door.lb_grant(self.ttl).await {
                     Ok((id, granted)) => {
                         tracing::info!(lease = id, ttl = ?granted, "lb lease granted");
-                        self.lease_sent = Some((Instant::now(), granted));
+                        self.lease_sent = Some(monotonic_ns());
                         Done::Granted {
                             id,
                             ttl_ns: granted.as_nanos() as u64,
@@ -360,11 +374,12 @@ impl LbAgent {
                     self.note(not_connected());
                     return Done::Lost;
                 };
-                let sent = Instant::now();
+                let sent = monotonic_ns();
                 match door.keep_alive(lease).await {
                     Ok(true) => {
-                        if let Some((last, ttl)) = self.lease_sent.replace((sent, self.ttl)) {
-                            let late = sent.saturating_duration_since(last + ttl / 3);
+                        if let Some(last) = self.lease_sent.replace(sent) {
+                            let due = last + self.ttl.as_nanos() as u64 / 3;
+                            let late = Duration::from_nanos(sent.saturating_sub(due));
                             let mut s = self.handle.lock();
                             s.lease_renewals += 1;
                             s.lease_late_max = s.lease_late_max.max(late);
@@ -494,13 +509,19 @@ impl LbAgent {
             if *stop.borrow() {
                 return;
             }
+            self.fold_kept();
             if self.driver.tick_due(monotonic_ns()) {
                 self.tick_start(slot).await;
             }
-            match self.driver.step(monotonic_ns()) {
+            let step = self.driver.step(monotonic_ns());
+            // Before any request waits: the keeper keeps what the driver
+            // holds now (nothing while silent or stopping).
+            self.keeper.tell(self.driver.kept_lease());
+            match step {
                 Step::Io(io) => {
                     let done = self.carry_out(io, announcements).await;
                     self.driver.done(done, monotonic_ns());
+                    self.keeper.tell(self.driver.kept_lease());
                     self.publish_lease();
                 }
                 Step::Announce(a) => announcements.announce(a),
@@ -511,10 +532,21 @@ impl LbAgent {
                     tokio::select! {
                         () = tokio::time::sleep(wait) => {}
                         () = self.wake.changed() => self.driver.wake(),
+                        () = self.keeper.changed() => {}
                         _ = stop.wait_for(|s| *s) => return,
                     }
                 }
             }
+        }
+    }
+
+    /// Hands the driver the keeper's latest refresh of the lease it holds.
+    fn fold_kept(&mut self) {
+        if let Some((id, sent)) = self.keeper.take()
+            && self.driver.kept_lease().is_some_and(|k| k.id == id)
+        {
+            self.driver.keeper_refreshed(id, sent);
+            self.lease_sent = self.lease_sent.max(Some(sent));
         }
     }
 
@@ -560,12 +592,25 @@ impl LbAgent {
         let announcements = Maps(announcements);
         let assigner = Assigner::new(self.name.clone(), self.ttl, self.handle.clone());
         let assigner = tokio::spawn(assigner.run(self.lease_held.subscribe(), stop.clone()));
+        let keeper = self.keeper_ends.take().map(|ends| {
+            tokio::spawn(super::lb_keeper::keep(
+                ends,
+                self.handle.opts.clone(),
+                self.handle.clone(),
+                stop.clone(),
+            ))
+        });
         tokio::spawn(async move {
             self.run(&slot, &announcements, &mut stop).await;
             // No round while the lease goes (an interrupted one is fenced
-            // like any other: stored whole or not at all).
+            // like any other: stored whole or not at all), and no refresh:
+            // the lease is revoked, or left to run out.
             assigner.abort();
             let _ = assigner.await;
+            if let Some(k) = keeper {
+                k.abort();
+                let _ = k.await;
+            }
             self.wake = Wake::default();
             self.stop(&announcements).await;
         })

@@ -39,6 +39,7 @@ pub mod lb_agent;
 mod lb_announce;
 mod lb_assigner;
 pub mod lb_handle;
+mod lb_keeper;
 pub mod lb_timing;
 mod mirror;
 mod node;

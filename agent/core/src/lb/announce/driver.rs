@@ -24,7 +24,14 @@
 //! 2. the lease: granted when the announcer wants one and holds none, then
 //!    the membership written under it; refreshed every third of its TTL.
 //!    A refresh falls due in the middle of the action phase too, and goes
-//!    before the next action: no action phase delays it;
+//!    before the next action: no action phase delays it. With a keeper
+//!    ([`DriverConfig::kept`]), the daemon's choice: a task of its own
+//!    refreshes the lease [`Driver::kept_lease`] names on its own clock,
+//!    with a request of its own, so no request of the tick delays it
+//!    either; each refresh it had answered goes to
+//!    [`Driver::keeper_refreshed`] with the time it was *sent*, and the
+//!    driver refreshes itself only when the keeper fell behind by
+//!    [`DriverConfig::keeper_slack_ns`];
 //! 3. `lb/` read (the caller may answer "unchanged": [`Done::Read`] with
 //!    `None`); the membership written again if the read lacks it, or if
 //!    whether this node answers changed ([`Announcer::answers`]);
@@ -65,6 +72,23 @@ pub struct DriverConfig {
     /// Whether this node can answer at all (it has an uplink); published
     /// with the membership.
     pub can_answer: bool,
+    /// How long past a refresh's due time the driver waits for a keeper
+    /// ([`Driver::kept_lease`], [`Driver::keeper_refreshed`]) before it
+    /// refreshes the lease itself; 0: no keeper, the driver refreshes
+    /// every third of the TTL.
+    pub keeper_slack_ns: Nanos,
+}
+
+/// The lease a keeper refreshes on its own clock, every third of its TTL
+/// counted from `sent`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KeptLease {
+    /// The lease.
+    pub id: i64,
+    /// Its TTL.
+    pub ttl_ns: Nanos,
+    /// When its last refresh (or grant) the driver knows of was sent.
+    pub sent: Nanos,
 }
 
 const MS: Nanos = 1_000_000;
@@ -83,6 +107,18 @@ impl DriverConfig {
             take_batch: 32,
             stop_poll_ns: 50 * MS,
             can_answer: true,
+            keeper_slack_ns: 0,
+        }
+    }
+
+    /// As [`DriverConfig::for_lease`], with a keeper refreshing the lease:
+    /// the driver refreshes it itself only half a TTL after the last
+    /// refresh, when the keeper fell behind by a sixth of it.
+    #[must_use]
+    pub fn kept(ttl_ns: Nanos) -> Self {
+        Self {
+            keeper_slack_ns: ttl_ns / 6,
+            ..Self::for_lease(ttl_ns)
         }
     }
 }
@@ -361,12 +397,48 @@ impl Driver {
     /// waiting for the period sent refreshes up to a tick late).
     fn wake_at(&self) -> Nanos {
         let refresh = match self.lease {
-            Some(l) if self.machine.wants_lease() && !self.lease_failed => {
-                l.sent.saturating_add(l.ttl_ns / 3)
-            }
+            Some(l) if self.machine.wants_lease() && !self.lease_failed => self.refresh_due(l),
             _ => Nanos::MAX,
         };
         self.next_tick.min(refresh)
+    }
+
+    /// When the driver refreshes `l` itself: a third of its TTL after its
+    /// last refresh, and the keeper's slack.
+    fn refresh_due(&self, l: Lease) -> Nanos {
+        l.sent
+            .saturating_add(l.ttl_ns / 3)
+            .saturating_add(self.cfg.keeper_slack_ns)
+    }
+
+    /// The lease a keeper is to refresh: the one held while the announcer
+    /// wants one; `None` while it is silent or stopping (the lease is then
+    /// revoked, or left to run out, and must not be kept alive).
+    #[must_use]
+    pub fn kept_lease(&self) -> Option<KeptLease> {
+        let l = self.lease?;
+        (self.machine.wants_lease() && self.machine.lease() == Some(l.id)).then_some(KeptLease {
+            id: l.id,
+            ttl_ns: l.ttl_ns,
+            sent: l.sent,
+        })
+    }
+
+    /// The keeper's refresh of lease `id`, sent at `sent`, was answered:
+    /// the lease lives. The announcer's cap counts from `sent`, as for the
+    /// driver's own refreshes. A refresh of another lease, or one older
+    /// than what the driver knows, changes nothing. (A keeper told the
+    /// lease is gone says nothing: the driver's own refresh finds out, in
+    /// its order.)
+    pub fn keeper_refreshed(&mut self, id: i64, sent: Nanos) {
+        if self.machine.lease() != Some(id) {
+            return;
+        }
+        if let Some(l) = self.lease.as_mut().filter(|l| l.id == id && sent > l.sent) {
+            l.sent = sent;
+            let cap = sent.saturating_add(l.ttl_ns - margin(l.ttl_ns));
+            self.machine.lease_refreshed(cap);
+        }
     }
 
     /// The lease step: a grant (with the membership after it) when wanted
@@ -390,7 +462,7 @@ impl Driver {
                 self.in_flight = Some(InFlight::Grant { sent: now });
                 Some(Io::Grant)
             }
-            Some(l) if now >= l.sent.saturating_add(l.ttl_ns / 3) => {
+            Some(l) if now >= self.refresh_due(l) => {
                 self.in_flight = Some(InFlight::Refresh {
                     id: l.id,
                     sent: now,
@@ -550,7 +622,8 @@ impl Driver {
             (InFlight::Refresh { id, sent }, Done::Refreshed(alive)) => {
                 if let Some(l) = self.lease.as_mut().filter(|l| l.id == id) {
                     if alive {
-                        l.sent = sent;
+                        // A keeper's later refresh may have come first.
+                        l.sent = l.sent.max(sent);
                         let cap = sent.saturating_add(l.ttl_ns - margin(l.ttl_ns));
                         self.machine.lease_refreshed(cap);
                     } else {

@@ -10,7 +10,8 @@
 //! daemon's LB agent runs, here carried out against the simulated etcd and
 //! datapath (one request at a time, each bounded by the driver's
 //! timeouts), beside a renewer that rewrites the entries' expiry on its
-//! own clock.
+//! own clock and a keeper that refreshes the LB lease on its own clock,
+//! with a request of its own in flight beside the driver's.
 //!
 //! Time moves in steps of [`STEP`]; after every step the checker looks at
 //! who answers each address. How long an address may stay silent is
@@ -295,9 +296,26 @@ enum Wait {
     Write { until: Nanos, outcome: Written },
 }
 
+/// The keeper's refresh in flight.
+#[derive(Clone, Copy, Debug)]
+struct Keeping {
+    req: u64,
+    deadline: Nanos,
+    lease: i64,
+    sent: Nanos,
+}
+
+/// How soon the keeper tries again after a refresh went unanswered (the
+/// daemon's).
+const KEEPER_RETRY: Nanos = 500 * MS;
+
 struct Agent {
     driver: Driver,
     wait: Option<Wait>,
+    /// The lease keeper's request in flight, beside the driver's.
+    keeping: Option<Keeping>,
+    /// No keeper refresh before this (one went unanswered).
+    keep_retry: Nanos,
     /// Answers delivered to the agent: request → (at, result).
     inbox: BTreeMap<u64, (Nanos, Res)>,
     next_req: u64,
@@ -307,12 +325,14 @@ struct Agent {
 
 impl Agent {
     fn new(name: &str, now: Nanos) -> Self {
-        let mut cfg = DriverConfig::for_lease(TTL);
-        // The daemon's timing, on the model's clock.
+        // The daemon's timing, on the model's clock, with a keeper.
+        let mut cfg = DriverConfig::kept(TTL);
         cfg.stop_poll_ns = 50 * MS;
         Self {
             driver: Driver::new(name, cfg),
             wait: None,
+            keeping: None,
+            keep_retry: 0,
             inbox: BTreeMap::new(),
             next_req: 1,
             next_renew: now + TTL / 3,
@@ -347,6 +367,11 @@ pub struct Outcome {
     pub longest_silence: Nanos,
     /// Every silence that ended: (address, from, answered again at).
     pub silences: Vec<(IpAddr, Nanos, Nanos)>,
+    /// LB lease refreshes the keepers sent.
+    pub keeper_refreshes: usize,
+    /// LB lease refreshes the drivers sent themselves (their keeper fell
+    /// behind).
+    pub driver_refreshes: usize,
 }
 
 /// The cluster under test.
@@ -843,19 +868,25 @@ impl World {
 
     /// Sends `op` from node `n` (the agent waits for the answer).
     fn send(&mut self, n: usize, op: Op) {
+        let deadline = self.now + TIMEOUT;
+        let req = self.post(n, op.clone());
+        self.nodes[n].agent.wait = Some(Wait::Etcd {
+            req,
+            deadline,
+            what: op,
+        });
+    }
+
+    /// Sends `op` from node `n` towards etcd; the request's number.
+    fn post(&mut self, n: usize, op: Op) -> u64 {
         let now = self.now;
         let partitioned = self.fault(n, FaultKind::Partition);
         let lossy = self.fault(n, FaultKind::Lossy);
         let agent = &mut self.nodes[n].agent;
         let req = agent.next_req;
         agent.next_req += 1;
-        agent.wait = Some(Wait::Etcd {
-            req,
-            deadline: now + TIMEOUT,
-            what: op.clone(),
-        });
         if partitioned {
-            return;
+            return req;
         }
         let (to, back) = if lossy {
             (
@@ -876,6 +907,50 @@ impl World {
             op,
             reply_after: (!lost).then_some(back),
         });
+        req
+    }
+
+    /// The LB lease's keeper: on its own clock, a refresh of the lease the
+    /// driver holds every third of its TTL, whatever the driver waits for;
+    /// an answer that it lives goes to the driver at once.
+    fn keeper_step(&mut self, n: usize) {
+        let now = self.now;
+        if let Some(k) = self.nodes[n].agent.keeping.take() {
+            let agent = &mut self.nodes[n].agent;
+            match agent.inbox.get(&k.req).cloned() {
+                Some((at, res)) if at <= now && at <= k.deadline => {
+                    agent.inbox.remove(&k.req);
+                    if matches!(res, Res::Alive(true)) {
+                        agent.driver.keeper_refreshed(k.lease, k.sent);
+                    } else {
+                        // Gone: the driver's own refresh finds out.
+                        agent.keep_retry = now + KEEPER_RETRY;
+                    }
+                }
+                _ if now >= k.deadline => {
+                    agent.inbox.remove(&k.req);
+                    agent.keep_retry = now + KEEPER_RETRY;
+                }
+                _ => {
+                    agent.keeping = Some(k);
+                    return;
+                }
+            }
+        }
+        let Some(l) = self.nodes[n].agent.driver.kept_lease() else {
+            return;
+        };
+        let due = (l.sent + l.ttl_ns / 3).max(self.nodes[n].agent.keep_retry);
+        if now >= due {
+            self.outcome.keeper_refreshes += 1;
+            let req = self.post(n, Op::Refresh(l.id));
+            self.nodes[n].agent.keeping = Some(Keeping {
+                req,
+                deadline: now + TIMEOUT,
+                lease: l.id,
+                sent: now,
+            });
+        }
     }
 
     fn node_step(&mut self, n: usize) {
@@ -898,6 +973,7 @@ impl World {
             self.nodes[n].agent.next_renew = now + TTL / 3;
             self.nodes[n].dp.renew(now);
         }
+        self.keeper_step(n);
         // The request in flight: answered, timed out, or still waited for.
         if let Some(w) = self.nodes[n].agent.wait.take() {
             let done = match w {
@@ -1033,7 +1109,10 @@ impl World {
             }
             Io::Grant => self.send(n, Op::Grant),
             Io::Join { lease, answers } => self.send(n, Op::Join(lease, answers)),
-            Io::Refresh(l) => self.send(n, Op::Refresh(l)),
+            Io::Refresh(l) => {
+                self.outcome.driver_refreshes += 1;
+                self.send(n, Op::Refresh(l));
+            }
             Io::Read => self.send(n, Op::Read),
             Io::Take { lease, addresses } => self.send(n, Op::Take(addresses, lease)),
             Io::Withdraw(a, key) => self.send(n, Op::Withdraw(a, key)),

@@ -650,3 +650,29 @@ fn a_write_read_back_after_a_stop_renews_no_entry_that_had_expired() {
     ];
     replay(&faults, &[(2, 9101, 140)], 4_145_005_733_891_278_206);
 }
+
+#[test]
+fn the_keeper_refreshes_every_lease_and_the_drivers_never_need_to() {
+    // 3 nodes, 24 addresses, 30 s with no fault: every refresh is the
+    // keeper's (one a third of the TTL after the last, from the grant
+    // on), none a driver's, and nothing answers twice or stays dark.
+    for seed in 0..4u64 {
+        let mut w = World::new(3, 24, &[], seed);
+        w.run(30_000, 0);
+        let o = &w.outcome;
+        assert!(o.doubles.is_empty(), "seed {seed}: {:?}", o.doubles);
+        assert!(
+            o.long_silences.is_empty(),
+            "seed {seed}: {:?}",
+            o.long_silences
+        );
+        assert_eq!(o.driver_refreshes, 0, "seed {seed}");
+        let per_node = (30_000 - 1_000) / (TTL / 3 / MS) as usize;
+        assert!(
+            o.keeper_refreshes >= 3 * per_node,
+            "seed {seed}: {} refreshes, at least {} due",
+            o.keeper_refreshes,
+            3 * per_node
+        );
+    }
+}

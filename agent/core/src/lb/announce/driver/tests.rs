@@ -256,3 +256,101 @@ fn a_node_that_cannot_answer_joins_again_saying_so() {
         d.announcer().cannot_answer()
     );
 }
+
+/// A driver as [`started`] but configured for a keeper.
+fn started_kept(v: Observation) -> Driver {
+    let mut d = Driver::new("n", DriverConfig::kept(3 * S));
+    assert_eq!(io(d.step(0)), Io::Grant);
+    d.done(
+        Done::Granted {
+            id: 7,
+            ttl_ns: 3 * S,
+        },
+        10,
+    );
+    assert!(matches!(io(d.step(10)), Io::Join { lease: 7, .. }));
+    d.done(Done::Joined, 20);
+    assert_eq!(io(d.step(20)), Io::Read);
+    d.done(Done::Read(Some(v)), 30);
+    while let Step::Io(io) = d.step(40) {
+        match io {
+            Io::Program { .. } => d.done(Done::Programmed(Written::Done), 41),
+            other => panic!("{other:?}"),
+        }
+    }
+    d
+}
+
+/// Steps the driver from `from` to `to` (answering reads "unchanged" and
+/// writes "done"); the first refresh it asks for, and when.
+fn first_refresh(d: &mut Driver, from: Nanos, to: Nanos) -> Option<(Nanos, i64)> {
+    let mut t = from;
+    while t < to {
+        match d.step(t) {
+            Step::Io(Io::Refresh(l)) => return Some((t, l)),
+            Step::Io(Io::Read) => d.done(Done::Read(None), t),
+            Step::Io(Io::Program { .. }) => d.done(Done::Programmed(Written::Done), t),
+            Step::Io(other) => panic!("{other:?}"),
+            Step::Wait(until) => t = until.max(t + 1),
+            Step::Announce(_) => {}
+        }
+    }
+    None
+}
+
+#[test]
+fn with_a_keeper_the_cap_follows_its_refreshes_and_the_driver_steps_in_only_when_it_falls_behind() {
+    let mut d = started_kept(view("n", 7, &[], &[]));
+    assert_eq!(
+        d.kept_lease(),
+        Some(KeptLease {
+            id: 7,
+            ttl_ns: 3 * S,
+            sent: 0
+        })
+    );
+    // The keeper refreshed at 1 s (sent then, answered later): the cap
+    // counts from when it was sent; another lease's or an older refresh
+    // changes nothing.
+    d.keeper_refreshed(7, S);
+    d.keeper_refreshed(8, 2 * S);
+    d.keeper_refreshed(7, S / 2);
+    assert_eq!(d.announcer().valid_until(), Some(S + 3 * S - margin(3 * S)));
+    assert_eq!(d.kept_lease().map(|k| k.sent), Some(S));
+    // Kept on time, the driver never refreshes itself.
+    d.keeper_refreshed(7, 2 * S);
+    assert_eq!(first_refresh(&mut d, 50, 2 * S + S / 2), None);
+    // The keeper falls silent after 2 s: the driver refreshes itself half
+    // a TTL after, not a third.
+    assert_eq!(
+        first_refresh(&mut d, 2 * S + S / 2, 5 * S),
+        Some((2 * S + S + S / 2, 7))
+    );
+}
+
+#[test]
+fn no_lease_is_kept_while_the_uplink_is_silent() {
+    let mut d = started_kept(view("n", 7, &[], &[]));
+    assert!(d.kept_lease().is_some());
+    d.set_silent(true);
+    // The next tick takes the silence: from then on the lease is not
+    // kept, and the driver revokes it.
+    let mut t = 50;
+    let mut revoked = false;
+    while t < S / 2 && !revoked {
+        match d.step(t) {
+            Step::Io(Io::Revoke(7)) => {
+                assert_eq!(d.kept_lease(), None, "a silent node's lease is not kept");
+                d.done(Done::Revoked, t);
+                revoked = true;
+            }
+            Step::Io(Io::Program { .. }) => d.done(Done::Programmed(Written::Done), t),
+            Step::Io(Io::Read) => d.done(Done::Read(None), t),
+            Step::Io(other) => panic!("{other:?}"),
+            Step::Wait(until) => t = until.max(t + 1),
+            Step::Announce(_) => {}
+        }
+    }
+    assert!(revoked);
+    assert_eq!(d.kept_lease(), None);
+}
