@@ -24,6 +24,8 @@
 //!   path to each remote node's blocks; the endpoint MTU rule.
 //! - [`window`]: the reservation window a node publishes before it hands
 //!   out an address of it (#43).
+//! - [`round`]: one claim round's decisions: claims, give-backs, fenced
+//!   blocks forgotten, what the node publishes, the gates on claims.
 //!
 //! Time is passed in as milliseconds; the daemon's etcd door performs what
 //! these functions decide (`agent/daemon/src/cluster/node/`).
@@ -41,6 +43,7 @@ pub mod prune;
 pub mod reclaim;
 pub mod remote;
 pub mod restore;
+pub mod round;
 pub mod routing;
 pub mod spec;
 pub mod window;
@@ -63,6 +66,7 @@ pub use reclaim::{
 };
 pub use remote::{NodeDirectory, node_addresses_problem};
 pub use restore::{Rollback, StoreMark, advance, may_claim_new, rolled_back, to_reclaim};
+pub use round::{BlockClaim, Gate, RoundBlock, RoundInput, RoundPlan, plan_round};
 pub use spec::{ClusterPoolSpec, check_apply, plan_apply, validate_pools};
 pub use window::{GroupView, WindowSizing, WindowStep};
 

@@ -38,8 +38,8 @@ use std::time::{Duration, Instant};
 use ipnet::IpNet;
 use lockstep_core::cidr::Family;
 use lockstep_core::cluster::{
-    BlockUse, ClaimedBlock, ClusterPoolSpec, LocalOverlap, block_size, blocks_to_release,
-    blocks_wanted, fence, local_overlaps, next_block, reserve, reserved_in_block, usable_in_block,
+    ClaimedBlock, ClusterPoolSpec, Gate, LocalOverlap, RoundBlock, RoundInput, fence,
+    local_overlaps, next_block, plan_round,
 };
 
 mod blocks;
@@ -625,128 +625,64 @@ impl ClusterNode {
             Some(v) if v.present => (v.block_usage(&cidrs), v.addresses_in(&cidrs)),
             _ => (vec![0; cidrs.len()], Vec::new()),
         };
-        // Addresses reserved for another node count as used: not free
-        // room, and a block holding them is not empty.
-        let reserved: BTreeSet<IpAddr> = self.held.reserved.iter().copied().collect();
-        let taken: Vec<u64> = cidrs
+        // The round's decisions are the core's (`plan_round`): which
+        // blocks to claim and give back, which fenced ones to forget, what
+        // to publish, and whether a gate holds the claims back.
+        let round: Vec<RoundBlock<'_>> = blocks
             .iter()
             .zip(&used)
-            .map(|(c, u)| u + reserved_in_block(*c, &reserved))
+            .map(|(b, u)| RoundBlock {
+                cidr: b.cidr,
+                pool: &b.pool,
+                fenced: b.fenced.is_some(),
+                releasing: b.releasing,
+                used: *u,
+            })
             .collect();
-        let now = now_ms();
-        let mut fenced_done = false;
-        for (b, u) in blocks.iter().zip(&used) {
-            if *u == 0 {
-                self.empty_since.entry(b.cidr).or_insert(now);
-            } else {
-                self.empty_since.remove(&b.cidr);
-            }
-            // A fenced block is not ours: forgotten once nothing uses it.
-            if b.fenced.is_some() && *u == 0 {
-                self.held.blocks.retain(|h| h.cidr != b.cidr);
-                fenced_done = true;
-            }
+        let reserved: BTreeSet<IpAddr> = self.held.reserved.iter().copied().collect();
+        let wanted = self.handle.lock().wanted.clone();
+        let plan = plan_round(&RoundInput {
+            pools: &self.held.pools,
+            stored_default: self.held.default_pool.as_deref(),
+            blocks: &round,
+            reserved: &reserved,
+            wanted: &wanted,
+            empty_since: &self.empty_since,
+            now_ms: now_ms(),
+            release_after_ms: u64::try_from(self.cluster.release_after.as_millis())
+                .unwrap_or(u64::MAX),
+            name_taken: self.name_taken.is_some(),
+            may_claim_new: self.may_claim_new(),
+            fresh,
+            reachable,
+        });
+        self.empty_since = plan.empty_since;
+        // A fenced block is not ours: forgotten once nothing uses it.
+        for &i in &plan.forget {
+            self.held.blocks.retain(|h| h.cidr != blocks[i].cidr);
         }
-        let in_use: u64 = used.iter().sum();
-        let wanted_pools = self.handle.lock().wanted.clone();
-        let default = lockstep_core::cluster::default_pool(
-            &self.held.pools,
-            self.held.default_pool.as_deref(),
-        )
-        .ok()
-        .flatten();
-        let mut wanted_total = in_use;
-        let mut claims: Vec<(ClusterPoolSpec, Family, u64)> = Vec::new();
-        let mut releases: Vec<HeldBlock> = Vec::new();
-        for pool in &self.held.pools {
-            for family in [Family::V4, Family::V6] {
-                let size = block_size(pool, family);
-                if size == 0 {
-                    continue;
-                }
-                // A block whose give-back went unanswered is neither room
-                // nor a candidate: it is given back again below.
-                let mine: Vec<(usize, &HeldBlock)> = blocks
-                    .iter()
-                    .enumerate()
-                    .filter(|(_, b)| {
-                        b.pool == pool.name && Family::of_net(b.cidr) == family && !b.releasing
-                    })
-                    .collect();
-                // The serving blocks and their use: the core counts their
-                // capacity in usable addresses (a /30 block of a /30 CIDR
-                // holds 2; counted as 4, a node stalled at 2 addresses).
-                let serving: Vec<(IpNet, u64)> = mine
-                    .iter()
-                    .filter(|(_, b)| b.fenced.is_none())
-                    .map(|(i, b)| (b.cidr, taken[*i]))
-                    .collect();
-                let pending = u64::from(wanted_pools.contains(&pool.name) && !pool.draining);
-                if pool.draining && wanted_pools.contains(&pool.name) {
-                    self.handle.lock().wanted.remove(&pool.name);
-                }
-                // Free addresses kept ready: for the default pool always,
-                // for another only while used here or waited on; none for a
-                // pool being removed (#26 item 12).
-                let in_pool: u64 = mine.iter().map(|(i, _)| used[*i]).sum();
-                let low = reserve(
-                    pool,
-                    size,
-                    default.as_deref() == Some(pool.name.as_str()),
-                    in_pool,
-                    pending,
-                );
-                let n = blocks_wanted(pool, family, &serving, pending, low);
-                wanted_total = wanted_total.saturating_add(pending + low);
-                if n > 0 {
-                    claims.push((pool.clone(), family, n));
-                }
-                let uses: Vec<BlockUse> = mine
-                    .iter()
-                    .map(|(i, b)| BlockUse {
-                        block: b.cidr,
-                        used: taken[*i],
-                        usable: usable_in_block(pool, b.cidr),
-                        empty_since_ms: self.empty_since.get(&b.cidr).copied(),
-                        fenced: b.fenced.is_some(),
-                    })
-                    .collect();
-                // A pool being removed gives its empty blocks back at once.
-                let hysteresis = if pool.draining {
-                    0
-                } else {
-                    u64::try_from(self.cluster.release_after.as_millis()).unwrap_or(u64::MAX)
-                };
-                for cidr in blocks_to_release(&uses, now, hysteresis, low) {
-                    if let Some((_, b)) = mine.iter().find(|(_, b)| b.cidr == cidr) {
-                        releases.push((*b).clone());
-                    }
-                }
-            }
+        // No block comes for a pool being removed: its ADDs stop waiting.
+        if !plan.unwant.is_empty() {
+            let mut s = self.handle.lock();
+            s.wanted.retain(|p| !plan.unwant.contains(p));
         }
-        releases.extend(blocks.iter().filter(|b| b.releasing).cloned());
-        let mut changed = fenced_done;
-        if self.name_taken.is_some() {
-            // Another instance holds this node's name: no claim until it
-            // is this agent's again.
-            claims.clear();
-        }
-        if !claims.is_empty() && !self.may_claim_new() {
-            // After a rollback: the blocks etcd lost are claimed back
-            // first, and the other holders get the grace to do the same.
+        if plan.held_back == Some(Gate::Grace) {
             tracing::debug!("no new block in the grace after etcd went back in time");
-            claims.clear();
         }
-        if !claims.is_empty() && !fresh {
-            // Claims pick from a fresh read: read next round. At once only
-            // when etcd answers; unreachable, the next tick retries (waking
-            // here spun the loop against a dead etcd).
+        if plan.read_next {
             self.read_next = true;
-            claims.clear();
-            if reachable {
-                self.handle.wake.notify_one();
-            }
         }
+        if plan.wake {
+            self.handle.wake.notify_one();
+        }
+        let (in_use, wanted_total) = (plan.in_use, plan.wanted_total);
+        let mut changed = !plan.forget.is_empty();
+        let releases: Vec<HeldBlock> = plan.releases.iter().map(|&i| blocks[i].clone()).collect();
+        let claims: Vec<(ClusterPoolSpec, Family, u64)> = plan
+            .claims
+            .into_iter()
+            .map(|c| (c.pool, c.family, c.count))
+            .collect();
         // Blocks claimed per pool: counted (and the waiting ADDs told) only
         // once the allocator serves them, below; with them those the read
         // settled as this node's.
