@@ -40,6 +40,9 @@ pub(super) type Kept = Option<(i64, Nanos)>;
 pub(super) struct KeeperLink {
     told: watch::Sender<Option<KeptLease>>,
     kept: watch::Receiver<Kept>,
+    /// The refresh last taken ([`KeeperLink::changed`] marks the channel
+    /// seen, so what was taken is remembered here).
+    taken: Kept,
 }
 
 /// The keeper's side, for [`keep`].
@@ -54,7 +57,11 @@ pub(super) fn link() -> (KeeperLink, KeeperEnds) {
     let (told, told_rx) = watch::channel(None);
     let (kept_tx, kept) = watch::channel(None);
     (
-        KeeperLink { told, kept },
+        KeeperLink {
+            told,
+            kept,
+            taken: None,
+        },
         KeeperEnds {
             told: told_rx,
             kept: kept_tx,
@@ -75,11 +82,12 @@ impl KeeperLink {
     /// The keeper's latest answered refresh, once: `None` when there is
     /// none new since the last call.
     pub(super) fn take(&mut self) -> Kept {
-        if self.kept.has_changed().unwrap_or(false) {
-            *self.kept.borrow_and_update()
-        } else {
-            None
+        let now = *self.kept.borrow_and_update();
+        if now == self.taken {
+            return None;
         }
+        self.taken = now;
+        now
     }
 
     /// Resolves when the keeper has a new answered refresh.
@@ -199,5 +207,13 @@ mod tests {
         ends.kept.send_replace(Some((7, S)));
         assert_eq!(link.take(), Some((7, S)));
         assert_eq!(link.take(), None, "taken once");
+        // Woken by the change first (which marks it seen): still taken.
+        ends.kept.send_replace(Some((7, 2 * S)));
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .unwrap();
+        rt.block_on(link.changed());
+        assert_eq!(link.take(), Some((7, 2 * S)));
     }
 }
