@@ -12,6 +12,9 @@
 //!    and p99 per call; then 100 DELs at once: wall time, and when the
 //!    reaper has the last veth deleted and its addresses released.
 //! c. Full `lockstep` beside `ptp` + `host-local` ([`full`]).
+//! d. The 100 full ADDs again with full reconciles forced one after another
+//!    beside them ([`parallel`]): ADD p99 over b.'s, against the longest
+//!    reconcile.
 //!
 //! Everything runs in namespaces and directories this bench creates, and is
 //! removed on exit (also on panic).
@@ -19,7 +22,6 @@
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
 #[path = "shared/smoke.rs"]
@@ -33,6 +35,8 @@ use serde_json::{Value, json};
 
 #[path = "cni/full.rs"]
 mod full;
+#[path = "cni/parallel.rs"]
+mod parallel;
 
 const BIN: &str = env!("CARGO_BIN_EXE_lockstep");
 /// Where [`main`] installs the plugin for the runs.
@@ -566,147 +570,6 @@ fn sequential(world: &mut World, rows: &mut Vec<String>) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn parallel(world: &mut World, rows: &mut Vec<String>) -> anyhow::Result<()> {
-    let sock = world.socket();
-    let made = Instant::now();
-    let mut netns = Vec::new();
-    for i in 0..PARALLEL {
-        netns.push(world.netns(&format!("p{i}"))?);
-    }
-    let made = made.elapsed();
-    let config = json!({"cniVersion": "1.1.0", "name": "bench", "type": "lockstep",
-                        "agentSocket": sock})
-    .to_string()
-    .into_bytes();
-    let config = Arc::new(config);
-    let barrier = Arc::new(Barrier::new(PARALLEL + 1));
-    let mut threads = Vec::new();
-    for (i, ns) in netns.iter().enumerate() {
-        let (barrier, config, ns) = (barrier.clone(), config.clone(), ns.clone());
-        threads.push(std::thread::spawn(
-            move || -> anyhow::Result<(Instant, f64)> {
-                let id = format!("par-{i}");
-                let ns = ns.to_str().context("utf-8")?.to_string();
-                let env = [
-                    ("CNI_COMMAND", "ADD"),
-                    ("CNI_CONTAINERID", id.as_str()),
-                    ("CNI_NETNS", ns.as_str()),
-                    ("CNI_IFNAME", "eth0"),
-                    ("CNI_PATH", "/opt/cni/bin"),
-                ];
-                barrier.wait();
-                let (took, result) = invoke(plugin(), &env, &config)?;
-                ensure!(
-                    result["interfaces"].as_array().map(Vec::len) == Some(2),
-                    "{result}"
-                );
-                Ok((Instant::now(), ms(took)))
-            },
-        ));
-    }
-    barrier.wait();
-    let started = Instant::now();
-    let mut per_call = Vec::new();
-    let mut last = started;
-    for t in threads {
-        let (end, took) = t.join().map_err(|_| anyhow::anyhow!("thread panicked"))??;
-        last = last.max(end);
-        per_call.push(took);
-    }
-    let wall = last - started;
-    let rt = runtime()?;
-    let eps = rt.block_on(call(&sock, Method::GET, "/v1/endpoints", None))?;
-    ensure!(
-        eps.as_array().map(Vec::len) == Some(PARALLEL),
-        "{} endpoints",
-        eps.as_array().map_or(0, Vec::len)
-    );
-    // DEL all, also at once.
-    let del_started = Instant::now();
-    let mut dels = Vec::new();
-    for (i, ns) in netns.iter().enumerate() {
-        let (config, ns) = (config.clone(), ns.clone());
-        dels.push(std::thread::spawn(move || -> anyhow::Result<()> {
-            let id = format!("par-{i}");
-            let ns = ns.to_str().context("utf-8")?.to_string();
-            let env = [
-                ("CNI_COMMAND", "DEL"),
-                ("CNI_CONTAINERID", id.as_str()),
-                ("CNI_NETNS", ns.as_str()),
-                ("CNI_IFNAME", "eth0"),
-                ("CNI_PATH", "/opt/cni/bin"),
-            ];
-            invoke(plugin(), &env, &config)?;
-            Ok(())
-        }));
-    }
-    for t in dels {
-        t.join().map_err(|_| anyhow::anyhow!("thread panicked"))??;
-    }
-    let del_wall = del_started.elapsed();
-    let left = rt.block_on(call(&sock, Method::GET, "/v1/endpoints", None))?;
-    ensure!(left == json!([]), "endpoints left: {left}");
-    // The DELs are answered once their veths are gone (the reaper deletes
-    // the veths of the DELs in flight in batches); the addresses are
-    // released right after.
-    let reaped = loop {
-        let held = rt.block_on(call(&sock, Method::GET, "/v1/allocations", None))?;
-        if held.as_array().is_some_and(|a| {
-            !a.iter().any(|x| {
-                x["address"]
-                    .as_str()
-                    .is_some_and(|s| s.starts_with("10.71."))
-            })
-        }) {
-            break del_started.elapsed();
-        }
-        ensure!(
-            del_started.elapsed() < Duration::from_secs(30),
-            "the reaper did not release the addresses: {held}"
-        );
-        std::thread::sleep(Duration::from_millis(2));
-    };
-    let (p50, p99) = (median(&per_call), percentile(&per_call, 0.99));
-    println!(
-        "\nb. {PARALLEL} full ADDs at once (veth into {PARALLEL} netns made beforehand in {:.2} s):",
-        made.as_secs_f64()
-    );
-    println!(
-        "   wall {:.0} ms, per call p50 {p50:.1} ms, p99 {p99:.1} ms, max {:.1} ms; DEL of all at once {:.0} ms (veths gone, addresses released after {:.0} ms)",
-        ms(wall),
-        percentile(&per_call, 1.0),
-        ms(del_wall),
-        ms(reaped)
-    );
-    rows.push(format!(
-        "{:<44} {:>16} {:>12} {}",
-        format!("{PARALLEL} parallel full ADDs: wall"),
-        format!("{:.0} ms", ms(wall)),
-        "<= 1000 ms",
-        verdict(wall <= Duration::from_secs(1))
-    ));
-    rows.push(format!(
-        "{:<44} {:>16} {:>12}",
-        "  per call p50 / p99",
-        format!("{p50:.0} / {p99:.0} ms"),
-        ""
-    ));
-    rows.push(format!(
-        "{:<44} {:>16} {:>12} {}",
-        format!("{PARALLEL} parallel full DELs: wall"),
-        format!("{:.0} ms", ms(del_wall)),
-        "<= 1000 ms",
-        verdict(del_wall <= Duration::from_secs(1))
-    ));
-    rows.push(format!(
-        "{:<44} {:>16} {:>12} (info)",
-        "  veths reaped, addresses free after",
-        format!("{:.0} ms", ms(reaped)),
-        ""
-    ));
-    Ok(())
-}
-
 fn main() -> anyhow::Result<()> {
     // SAFETY: geteuid has no preconditions.
     ensure!(unsafe { libc::geteuid() } == 0, "the cni bench needs root");
@@ -737,7 +600,7 @@ fn main() -> anyhow::Result<()> {
     let mut rows = Vec::new();
     sequential(&mut world, &mut rows)?;
     full::side_by_side(&mut world, &node, &mut rows)?;
-    parallel(&mut world, &mut rows)?;
+    parallel::parallel(&mut world, &mut rows)?;
     println!("\n{:<44} {:>16} {:>12} result", "measure", "value", "goal");
     for r in &rows {
         println!("{r}");

@@ -17,8 +17,10 @@ use crate::api::{AppState, metrics_router, router};
 use crate::config::Config;
 use crate::metrics::Metrics;
 
+mod cluster_door;
 mod head;
 mod kube;
+mod kube_door;
 mod loops;
 mod start;
 mod supervisor;
@@ -510,15 +512,15 @@ pub async fn run(config: Config) -> Result<(), ServerError> {
     let announcements = agent.announcements();
     let lb_agent = lb_agent.map(|lb| lb.with_uplink(agent.uplink_probe()));
     slot.install(agent).await.map_err(ServerError::Start)?;
-    let cluster_task = cluster.map(|node| node.spawn(Some(slot.clone()), stop_rx.clone()));
+    let cluster_task = cluster.map(|node| node.spawn(cluster_door::slot(&slot), stop_rx.clone()));
     let lb_task = lb_agent.map(|lb| {
         lb.spawn(
-            Some(slot.clone()),
+            cluster_door::slot(&slot),
             Some(announcements.clone()),
             stop_rx.clone(),
         )
     });
-    let remote_task = remote.map(|r| r.spawn(Some(slot.clone()), stop_rx.clone()));
+    let remote_task = remote.map(|r| r.spawn(cluster_door::slot(&slot), stop_rx.clone()));
     // Kubernetes: Services and pools into the LB state, statuses back
     // (`kubernetes`), through etcd's assigner in cluster mode.
     // NodeIPAM (#29 item 5): this node's CIDRs from its NodeIPAM object,

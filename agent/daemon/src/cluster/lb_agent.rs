@@ -55,7 +55,7 @@ use super::lb_keeper::{KeeperEnds, KeeperLink};
 use super::lb_timing::{IDLE_ROUND, MIN_LEASE, TICK, Wake, mirror_stamp};
 use super::{ClusterStoreError, Door, DoorOptions, Link, Stamp};
 use crate::agent::announce::monotonic_ns;
-use crate::agent::{Agent, Announcements, UplinkHealth, UplinkProbe};
+use crate::agent::{Announcements, UplinkHealth, UplinkProbe};
 
 /// The bound on each etcd request: well under a third of the shortest
 /// lease, so a refresh that cannot be answered is known in time.
@@ -259,7 +259,7 @@ impl LbAgent {
         self.uplink = Uplink::Probe(probe);
         self.health = match seen {
             Some(h) => h,
-            None => super::node::on_agent(slot, Agent::uplink_health)
+            None => super::node::on_agent(slot, |a| a.uplink_health())
                 .await
                 .unwrap_or(UplinkHealth::Unknown),
         };

@@ -31,6 +31,7 @@
 //! logged it and commit it later (docs/design/cluster.md, "A lesson from the
 //! harness").
 
+pub mod allocator;
 mod door;
 mod handle;
 mod held;

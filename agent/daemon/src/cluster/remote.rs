@@ -38,7 +38,6 @@ use lockstep_core::cluster::remote::{
 use lockstep_core::cluster::routing::Routing;
 
 use super::{ClusterStoreError, Door, DoorOptions, Link, Stamp};
-use crate::agent::Agent;
 use crate::netlink::{LOCKSTEP_ROUTE_PROTOCOL, Netlink, NetlinkError};
 
 /// Errors of the remote-state task.
@@ -321,9 +320,9 @@ impl RemoteTask {
             tracing::warn!(reason = %u, "a remote block is not routed");
         }
         if self.view.set(state) {
-            let r = super::node::on_agent(slot, Agent::reconcile).await;
+            let r = super::node::on_agent(slot, |a| a.reconcile()).await;
             if let Some(Err(e)) = r {
-                tracing::error!(error = %crate::error_chain(&e), "reconcile after a remote change failed");
+                tracing::error!(error = %e, "reconcile after a remote change failed");
             }
         }
         self.routes(slot).await;

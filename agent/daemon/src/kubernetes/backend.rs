@@ -1,7 +1,8 @@
 //! Where the Kubernetes door sends what it reads: the LB state `lockstep lb
 //! apply` changes, through the same public paths. Single-node mode: the
-//! agent's own LB IPAM ([`Agent::lb_apply`], committed and programmed). In
-//! cluster mode: etcd through [`LbHandle::apply`] (the same checks as the
+//! agent's own LB IPAM (`lb apply`'s path on the agent, committed and
+//! programmed), through [`NodeAgent`], which the server implements for the
+//! agent (this door names no agent type). In cluster mode: etcd through [`LbHandle::apply`] (the same checks as the
 //! API's `lb apply`, the elected assigner assigning), and only on the agent
 //! that is the assigner, so Kubernetes has one writer, as etcd has.
 //!
@@ -14,9 +15,13 @@ use std::time::Duration;
 
 use lockstep_core::lb::{LbPoolSpec, PoolStatus, ServiceSpec, ServiceStatus};
 
+use std::future::Future;
+use std::net::IpAddr;
+use std::pin::Pin;
+
+use lockstep_core::pods::PodRef;
+
 use super::KubeError;
-use crate::agent::Agent;
-use crate::agent::lb::{LbApply, LbDelete};
 use crate::cluster::LbHandle;
 
 /// The LB state as the door needs it.
@@ -84,28 +89,94 @@ pub trait LbBackend: Send + Sync + 'static {
     }
 }
 
-pub(super) type Slot = crate::agent::AgentHandle;
-
-/// Runs `f` on the agent, as a command on its owner (the worker is free
-/// while it waits). `None`: the agent is not there (yet).
-pub(super) async fn on_agent<T: Send + 'static>(
-    slot: &Slot,
-    f: impl FnOnce(&mut Agent) -> T + Send + 'static,
-) -> Result<Option<T>, KubeError> {
-    slot.ask(move |a| a.as_mut().map(f))
-        .await
-        .map_err(|e| KubeError::Task {
-            reason: crate::error_chain(&e),
-        })
+/// Why the node's agent said no to an LB change.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Refusal {
+    /// The request is wrong (a bad pool, a conflict): refused as given.
+    Refused(String),
+    /// It could not be carried out (the store, the maps).
+    Failed(String),
 }
 
-fn refused_or_failed(e: &crate::agent::AgentError) -> KubeError {
+/// The node's agent as the Kubernetes door uses it (in one job, nothing
+/// else in between). The Kubernetes door names no agent type: the
+/// server, which composes the two, implements this for the agent.
+pub trait NodeAgent {
+    /// Whether the agent is ready, its LB pools with their status, and its
+    /// Services' statuses by `namespace/name`.
+    fn lb_state(&self) -> (bool, Vec<PoolStatus>, BTreeMap<String, ServiceStatus>);
+    /// `lb apply`'s path: pools and Services stored, assigned, programmed.
+    ///
+    /// # Errors
+    /// Why not.
+    fn lb_apply(
+        &mut self,
+        pools: Vec<LbPoolSpec>,
+        services: Vec<ServiceSpec>,
+    ) -> Result<(), Refusal>;
+    /// `lb delete`'s path.
+    ///
+    /// # Errors
+    /// Why not.
+    fn lb_delete(&mut self, services: Vec<String>, pools: Vec<String>) -> Result<(), Refusal>;
+    /// Whether `pools` may be stored next to the node's own pools.
+    ///
+    /// # Errors
+    /// Why not.
+    fn lb_check_node_pools(&self, pools: &[LbPoolSpec]) -> Result<(), Refusal>;
+    /// The LB addresses the agent holds, to announce.
+    fn lb_announced(&self) -> BTreeSet<IpAddr>;
+    /// Releases endpoint attachment `key` as leaked by `pod`; whether it
+    /// was released.
+    ///
+    /// # Errors
+    /// Why it could not be.
+    fn release_leaked(&mut self, key: &str, pod: &PodRef) -> Result<bool, String>;
+}
+
+/// A job on the node's agent.
+pub type Job = Box<dyn FnOnce(&mut dyn NodeAgent) + Send>;
+
+/// A future an [`AgentDoor`] returns.
+pub type DoorFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// The way to the node's agent.
+pub trait AgentDoor: std::fmt::Debug + Send + Sync + 'static {
+    /// Runs `job`; `Ok(false)` when there is no agent (yet).
+    ///
+    /// # Errors
+    /// The agent has stopped.
+    fn run(&self, job: Job) -> DoorFuture<'_, Result<bool, KubeError>>;
+    /// Endpoint attachments made for a pod (record key, pod), as last
+    /// published: never waits. `None` while there is no agent.
+    fn pod_endpoints(&self) -> Option<Vec<(String, PodRef)>>;
+}
+
+/// The node's agent, shared by the Kubernetes loops.
+pub type Slot = Arc<dyn AgentDoor>;
+
+/// Runs `f` on the agent (the worker is free while it waits). `None`: the
+/// agent is not there (yet).
+pub(super) async fn on_agent<T: Send + 'static>(
+    slot: &Slot,
+    f: impl FnOnce(&mut dyn NodeAgent) -> T + Send + 'static,
+) -> Result<Option<T>, KubeError> {
+    let (tx, rx) = std::sync::mpsc::sync_channel(1);
+    let ran = slot
+        .run(Box::new(move |a| {
+            let _ = tx.send(f(a));
+        }))
+        .await?;
+    Ok(if ran { rx.try_recv().ok() } else { None })
+}
+
+fn refused_or_failed(e: &Refusal) -> KubeError {
     match e {
-        crate::agent::AgentError::Invalid { reason } => KubeError::Refused {
+        Refusal::Refused(reason) => KubeError::Refused {
             reason: reason.clone(),
         },
-        e => KubeError::Lb {
-            reason: crate::error_chain(e),
+        Refusal::Failed(reason) => KubeError::Lb {
+            reason: reason.clone(),
         },
     }
 }
@@ -149,7 +220,7 @@ impl LocalLb {
 /// An LB change on the local agent (`lb apply` / `lb delete`'s paths).
 async fn lb_change(
     slot: &Slot,
-    f: impl FnOnce(&mut Agent) -> Result<(), crate::agent::AgentError> + Send + 'static,
+    f: impl FnOnce(&mut dyn NodeAgent) -> Result<(), Refusal> + Send + 'static,
 ) -> Result<(), KubeError> {
     match on_agent(slot, f).await? {
         Some(Ok(())) => Ok(()),
@@ -162,18 +233,17 @@ async fn lb_change(
 
 impl LbBackend for LocalLb {
     async fn state(&self) -> Result<LbState, KubeError> {
-        let view = on_agent(&self.slot, |a| (a.status().ready, a.lb_view())).await?;
+        let view = on_agent(&self.slot, |a| a.lb_state()).await?;
         let elected = self
             .election
             .as_ref()
             .is_none_or(|e| e.leadership.borrow().acting_now());
         Ok(match view {
-            Some((ready, v)) => LbState {
+            Some((ready, pools, services)) => LbState {
                 writer: ready && elected,
-                services: v.services,
+                services,
                 pending: BTreeSet::new(),
-                pools: v
-                    .pools
+                pools: pools
                     .into_iter()
                     .map(|p| (p.spec.name.clone(), p))
                     .collect(),
@@ -187,19 +257,13 @@ impl LbBackend for LocalLb {
         pools: Vec<LbPoolSpec>,
         services: Vec<ServiceSpec>,
     ) -> Result<(), KubeError> {
-        let done = lb_change(&self.slot, move |a| {
-            a.lb_apply(LbApply { pools, services }).map(drop)
-        })
-        .await;
+        let done = lb_change(&self.slot, move |a| a.lb_apply(pools, services)).await;
         self.changed.notify_one();
         done
     }
 
     async fn delete(&self, services: Vec<String>, pools: Vec<String>) -> Result<(), KubeError> {
-        let done = lb_change(&self.slot, move |a| {
-            a.lb_delete(LbDelete { pools, services }).map(drop)
-        })
-        .await;
+        let done = lb_change(&self.slot, move |a| a.lb_delete(services, pools)).await;
         self.changed.notify_one();
         done
     }

@@ -22,7 +22,6 @@ use kube::api::Api;
 use lockstep_core::pods::{Leak, LeakTracker, PodRef, pod_alive};
 
 use super::KubeError;
-use super::backend::on_agent;
 use super::pods::{PodView, pod_facts};
 use crate::config::PodsConfig;
 
@@ -55,33 +54,13 @@ pub trait NodeEndpoints: Send + Sync + 'static {
     /// while the agent is not there.
     fn list(&self)
     -> impl Future<Output = Result<Option<Vec<(String, PodRef)>>, KubeError>> + Send;
-    /// Releases `key` as leaked by `pod` (see
-    /// [`Agent::release_leaked`](crate::agent::Agent::release_leaked)).
+    /// Releases `key` as leaked by `pod` (its record and addresses), if
+    /// it is still that pod's: whether it was released.
     fn release(
         &self,
         key: String,
         pod: PodRef,
     ) -> impl Future<Output = Result<bool, KubeError>> + Send;
-}
-
-/// [`NodeEndpoints`] on the running agent.
-pub struct AgentEndpoints(pub crate::agent::AgentHandle);
-
-impl NodeEndpoints for AgentEndpoints {
-    async fn list(&self) -> Result<Option<Vec<(String, PodRef)>>, KubeError> {
-        // The owner's published view: listing never waits for a command.
-        let view = self.0.view();
-        Ok(view.present.then(|| view.pod_endpoints.clone()))
-    }
-
-    async fn release(&self, key: String, pod: PodRef) -> Result<bool, KubeError> {
-        match on_agent(&self.0, move |a| a.release_leaked(&key, &pod)).await? {
-            Some(r) => r.map_err(|e| KubeError::Lb {
-                reason: crate::error_chain(&e),
-            }),
-            None => Ok(false),
-        }
-    }
 }
 
 /// What the last round found, for `verify` and the metrics.

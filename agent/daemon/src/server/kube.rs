@@ -50,13 +50,14 @@ pub(super) fn start(
     let _ = state.leaks.set(report.clone());
     state.metrics.set_leaks(report.clone());
     // Kept: each start lists anew; its report carries over.
-    let (slot_leaks, api, stop_leaks) = (slot.clone(), client.clone(), stop.clone());
+    let door = super::kube_door::slot(slot);
+    let (slot_leaks, api, stop_leaks) = (door.clone(), client.clone(), stop.clone());
     tasks.keep("pod leaks", move || {
         tokio::spawn(
             crate::kubernetes::leaks::LeakLoop::new(
                 informer.clone(),
                 crate::kubernetes::leaks::ApiPods(api.clone()),
-                crate::kubernetes::leaks::AgentEndpoints(slot_leaks.clone()),
+                super::kube_door::AgentEndpoints(slot_leaks.clone()),
                 pods.clone(),
                 report.clone(),
             )
@@ -111,7 +112,7 @@ pub(super) fn start(
                 .as_ref()
                 .and_then(|c| c.node_name.clone())
                 .unwrap_or_else(|| cluster_config.node_name());
-            let backend = crate::kubernetes::ClusterLb::new(handle.clone(), lb_node, slot.clone());
+            let backend = crate::kubernetes::ClusterLb::new(handle.clone(), lb_node, door.clone());
             tokio::spawn(crate::kubernetes::LbSync::new(client, classes, node, backend).run(stop))
         }
         // Without etcd: one writer elected on a Lease (#44 item
@@ -125,7 +126,7 @@ pub(super) fn start(
             match crate::kubernetes::election::Keeper::new(client.clone(), &election, &node) {
                 Ok((keeper, elected)) => {
                     let backend =
-                        crate::kubernetes::LocalLb::elected(slot.clone(), elected.clone());
+                        crate::kubernetes::LocalLb::elected(door.clone(), elected.clone());
                     // This Node followed live: excluded, cordoned,
                     // NotReady or deleting nodes never write (#44
                     // item 4).
@@ -169,7 +170,7 @@ pub(super) fn start(
                         answers.clone(),
                         applied,
                         backend.changed(),
-                        slot.clone(),
+                        door.clone(),
                         announcements.clone(),
                         stop.clone(),
                     ));

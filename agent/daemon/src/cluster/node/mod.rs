@@ -54,12 +54,14 @@ mod window;
 use served::Served;
 pub use served::local_specs;
 
+pub use super::allocator::AgentSlot;
+use super::allocator::ClusterAllocator;
+pub(crate) use super::allocator::{no_agent, on_agent};
 use super::handle::ClusterHandle;
 use super::held::{Held, HeldBlock};
 use super::{
     Block, Claim, ClusterStoreError, Door, DoorOptions, Link, NodeRecord, ReservedRecord, Stamp,
 };
-use crate::agent::{Agent, AgentHandle};
 use crate::config::{ClusterConfig, Config};
 
 /// The bound on each etcd request of the agent: short, so an ADD that
@@ -174,29 +176,6 @@ fn now_ms() -> u64 {
         .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
 
-/// The node's agent: `None` for a node run without one (the cluster
-/// benchmark's simulated nodes).
-pub type AgentSlot = Option<AgentHandle>;
-
-/// Whether there is no agent to ask (none, not installed yet, or stopped):
-/// told from the owner's published view, without waiting.
-pub(crate) fn no_agent(slot: &AgentSlot) -> bool {
-    slot.as_ref().is_none_or(|h| !h.view().present)
-}
-
-/// Runs `f` as a command on the agent's owner; `None` when there is no
-/// agent or it has stopped.
-pub(crate) async fn on_agent<T: Send + 'static>(
-    slot: &AgentSlot,
-    f: impl FnOnce(&mut Agent) -> T + Send + 'static,
-) -> Option<T> {
-    slot.as_ref()?
-        .ask(move |a| a.as_mut().map(f))
-        .await
-        .ok()
-        .flatten()
-}
-
 impl ClusterNode {
     /// Before the agent serves: reads the local record and, if etcd answers
     /// within its bound, fences what etcd no longer gives this node, so no
@@ -207,7 +186,7 @@ impl ClusterNode {
     /// The node addresses cannot be found, or the record is unreadable.
     pub async fn start(
         config: &Config,
-        agent: &mut Agent,
+        agent: &mut dyn ClusterAllocator,
         link: Option<Link>,
     ) -> Result<Self, String> {
         let mut node = Self::connect(config, link).await?;
@@ -555,7 +534,7 @@ impl ClusterNode {
 
     /// Gives the allocator the pools of the record (at start, before the
     /// agent serves).
-    fn apply(&mut self, agent: &mut Agent) {
+    fn apply(&mut self, agent: &mut dyn ClusterAllocator) {
         let want = self.wanted(&self.held);
         want.give(&self.name, agent, self.served.as_ref());
         self.handle.lock().fenced = want.fenced.len();
@@ -621,8 +600,8 @@ impl ClusterNode {
         let cidrs: Vec<IpNet> = blocks.iter().map(|b| b.cidr).collect();
         // Read from the owner's published view, without a command: a give-back
         // checks again on the owner (`give_back`).
-        let (used, addrs) = match slot.as_ref().map(AgentHandle::view) {
-            Some(v) if v.present => (v.block_usage(&cidrs), v.addresses_in(&cidrs)),
+        let (used, addrs) = match slot.as_ref() {
+            Some(d) if d.present() => d.usage(&cidrs),
             _ => (vec![0; cidrs.len()], Vec::new()),
         };
         // The round's decisions are the core's (`plan_round`): which

@@ -9,8 +9,8 @@ use ipnet::IpNet;
 use lockstep_core::cluster::{LocalOverlap, local_pools};
 use lockstep_core::pool::PoolSpec;
 
-use crate::agent::Agent;
 use crate::cluster::Held;
+use crate::cluster::allocator::ClusterAllocator;
 use crate::config::Config;
 
 /// The cluster pools as the allocator's local pools, from what `held`
@@ -65,7 +65,7 @@ pub(super) struct Served {
 
 impl Served {
     /// Gives the agent what differs from `had` (everything when `None`).
-    pub(super) fn give(&self, node: &str, agent: &mut Agent, had: Option<&Served>) {
+    pub(super) fn give(&self, node: &str, agent: &mut dyn ClusterAllocator, had: Option<&Served>) {
         // Windows before pools: a block the pools add is limited from the
         // moment it exists.
         if had.is_none_or(|h| h.windows != self.windows) {
@@ -86,7 +86,7 @@ impl Served {
                 self.excluded.clone(),
             )
         {
-            tracing::error!(error = %crate::error_chain(&e), "cluster blocks not all served");
+            tracing::error!(error = %e, "cluster blocks not all served");
         }
         if had.is_none_or(|h| h.others != self.others) {
             agent.set_cluster_others(node, self.others.clone());

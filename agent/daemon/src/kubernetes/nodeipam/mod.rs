@@ -9,8 +9,8 @@
 //! The decisions are the core's (`lockstep_core::nodeipam`: accept, step,
 //! local pools, demand); this module carries them:
 //! - the pools go to the allocator through the same manager sync as
-//!   cluster mode's blocks ([`Agent::set_cluster_pools`]): a CIDR added
-//!   disturbs nothing, a CIDR dropped drains until empty;
+//!   cluster mode's blocks (the agent's cluster pools, through
+//!   [`Allocator`]): a CIDR added disturbs nothing, a CIDR dropped drains until empty;
 //! - what the node holds is recorded durably (`<state_dir>/nodeipam.json`)
 //!   before the allocator may hand out from it, so a restart serves (and
 //!   restores its endpoints into) those CIDRs before the API answers
@@ -32,7 +32,6 @@
 pub mod crd;
 pub mod operator;
 
-use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
@@ -53,7 +52,6 @@ use tokio::sync::Notify;
 use self::crd::{NodeIPAM, NodeIPAMSpec, PoolDemand};
 use super::KubeError;
 use super::crd::PoolCondition;
-use crate::agent::Agent;
 
 /// The record's name in the state directory.
 pub const RECORD: &str = "nodeipam.json";
@@ -150,41 +148,13 @@ pub trait Allocator {
     fn set_pools(&mut self, specs: Vec<PoolSpec>) -> Result<(), String>;
 }
 
-impl Allocator for Agent {
-    fn usage(&self, cidrs: &[IpNet]) -> Vec<u64> {
-        self.block_usage(cidrs)
-    }
-
-    fn configured(&self) -> Vec<PoolSpec> {
-        self.config().pools.clone()
-    }
-
-    fn set_pools(&mut self, specs: Vec<PoolSpec>) -> Result<(), String> {
-        self.set_cluster_pools(specs, BTreeMap::new(), std::collections::BTreeSet::new())
-            .map_err(|e| crate::error_chain(&e))
-    }
-}
-
-/// Runs a job on the allocator, under its lock.
+/// Runs a job on the allocator (on the agent: one command on its owner).
 pub trait AgentSlot: Send + Sync + 'static {
     /// Runs `f`.
     fn run<T: Send + 'static>(
         &self,
         f: impl FnOnce(&mut dyn Allocator) -> T + Send + 'static,
     ) -> impl Future<Output = Result<T, KubeError>> + Send;
-}
-
-impl AgentSlot for super::backend::Slot {
-    async fn run<T: Send + 'static>(
-        &self,
-        f: impl FnOnce(&mut dyn Allocator) -> T + Send + 'static,
-    ) -> Result<T, KubeError> {
-        super::backend::on_agent(self, move |a| f(a))
-            .await?
-            .ok_or_else(|| KubeError::Task {
-                reason: "the agent is not started".into(),
-            })
-    }
 }
 
 /// This node's NodeIPAM object, as the pass uses it.
