@@ -28,15 +28,18 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, ensure};
+use lockstep_tests::cluster::{apply_pools, cni};
 use lockstep_tests::etcd::EtcdCluster;
 use lockstep_tests::lb_lab::{
     Capture, Handover, Kind, LEASE, Lab, POOL, addresses, judge, probe_once, service, services,
     settled, signal, wait_answered_elsewhere,
 };
-use lockstep_tests::{pct, privileged, wait_for};
+use lockstep_tests::{Netns, pct, privileged, wait_for};
 
 #[test]
 fn fifty_services_from_two_nodes_are_assigned_once_and_answered_once() -> anyhow::Result<()> {
@@ -561,67 +564,164 @@ fn failover_never_answers_from_two_nodes() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Full CNI ADDs and DELs on every node of `lab`, in a loop from two
+/// workers per node (each with a pod namespace of its own) until dropped:
+/// the agents' owners, stores and the kernel busy while leases must keep
+/// time. Calls to an agent that is down (killed, restarting) fail and are
+/// counted.
+struct CniLoad {
+    stop: Arc<AtomicBool>,
+    workers: Vec<std::thread::JoinHandle<anyhow::Result<(usize, usize)>>>,
+}
+
+impl CniLoad {
+    fn start(lab: &Lab) -> anyhow::Result<Self> {
+        let stop = Arc::new(AtomicBool::new(false));
+        let mut workers = Vec::new();
+        for (i, agent) in lab.agents.iter().enumerate() {
+            for w in 0..2 {
+                let socket = agent.socket();
+                let pod = Netns::new(&format!("lbp{i}{w}"))?;
+                let stop = stop.clone();
+                workers.push(std::thread::spawn(move || {
+                    let (mut ok, mut failed) = (0, 0);
+                    let mut n = 0u64;
+                    while !stop.load(Ordering::SeqCst) {
+                        n += 1;
+                        let id = format!("load-{i}-{w}-{n}");
+                        match cni(&socket, "ADD", &id, &pod.path()) {
+                            Ok(_) => ok += 1,
+                            Err(_) => {
+                                failed += 1;
+                                std::thread::sleep(Duration::from_millis(100));
+                            }
+                        }
+                        // Whatever the ADD did: its attachment goes.
+                        match cni(&socket, "DEL", &id, &pod.path()) {
+                            Ok(_) => ok += 1,
+                            Err(_) => failed += 1,
+                        }
+                    }
+                    drop(pod);
+                    Ok((ok, failed))
+                }));
+            }
+        }
+        Ok(Self { stop, workers })
+    }
+
+    /// Stops the workers: the calls answered and failed.
+    fn finish(self) -> anyhow::Result<(usize, usize)> {
+        self.stop.store(true, Ordering::SeqCst);
+        let (mut ok, mut failed) = (0, 0);
+        for w in self.workers {
+            let (o, f) = w
+                .join()
+                .map_err(|_| anyhow::anyhow!("a load worker panicked"))??;
+            ok += o;
+            failed += f;
+        }
+        Ok((ok, failed))
+    }
+}
+
+/// `want` kills of the busiest announcer (restarted after): the gaps and
+/// the overlaps counted.
+fn kills(lab: &mut Lab, want: (usize, usize)) -> anyhow::Result<(Vec<Duration>, usize, usize)> {
+    let (mut gaps, mut overlaps, mut faults) = (Vec::new(), 0, 0);
+    while gaps.len() < want.0 || faults < want.1 {
+        let (_, o, h) = fault_once(lab, Fault::Kill, 60)?;
+        overlaps += o;
+        faults += 1;
+        gaps.extend(h.iter().map(|h| h.gap));
+    }
+    gaps.sort();
+    Ok((gaps, overlaps, faults))
+}
+
 /// `cargo xtask bench lb`: failover gaps over at least 50 handovers in at
 /// least 10 kills with the default lease (3 s), SIGKILL of the busiest
 /// announcer each time (restarted after), every reply captured; overlaps
-/// counted. Goals (#27), gated: no overlap, gap p99 <= 1.5 s.
+/// counted. Then the same beside CNI load on every node (#46: leases kept
+/// by keepers, no lock). Goals (#27), gated: no overlap, gap p99 <= 1.5 s,
+/// alone and beside the load.
 #[test]
 #[ignore = "a benchmark: cargo xtask bench lb"]
 fn lb_failover_bench() -> anyhow::Result<()> {
     privileged!();
     let cluster = EtcdCluster::start(3)?;
     let prefix = format!("/{}/", lockstep_tests::unique("lbfb"));
+    // The pods' addresses of the CNI load.
+    apply_pools(
+        &cluster.endpoints(),
+        &prefix,
+        "[[pools]]\nname = \"pods\"\nipv4 = [\"10.92.0.0/20\"]\nblock_v4 = 26\n",
+    )?;
     let mut lab = Lab::build(&cluster, &prefix, None)?;
     lab.apply(0, POOL)?;
     lab.apply(0, &services(0..30))?;
     wait_for("60 addresses announced", Duration::from_secs(60), || {
         (lab.announcers(0).ok()?.len() == 60).then_some(())
     })?;
-    let (mut gaps, mut overlaps, mut faults) = (Vec::new(), 0, 0);
     // Each kill moves many addresses on one lease's expiry: their gaps are
     // alike, so at least 10 kills besides at least 50 handovers.
     // A smoke run: one kill, the path only.
-    let (want_gaps, want_faults) = lockstep_tests::bench::size((50, 10), (1, 1));
-    while gaps.len() < want_gaps || faults < want_faults {
-        let (_, o, h) = fault_once(&mut lab, Fault::Kill, 60)?;
-        overlaps += o;
-        faults += 1;
-        gaps.extend(h.iter().map(|h| h.gap));
+    let want = lockstep_tests::bench::size((50, 10), (1, 1));
+    let (alone, overlaps_alone, faults_alone) = kills(&mut lab, want)?;
+    let load = CniLoad::start(&lab)?;
+    let loaded = kills(&mut lab, want);
+    let (calls, failed) = load.finish()?;
+    let (loaded, overlaps_loaded, faults_loaded) = loaded?;
+    let ms = |d: Duration| d.as_secs_f64() * 1e3;
+    println!("| LB failover (default lease 3 s, SIGKILL) | alone | beside CNI load |");
+    println!("|---|---|---|");
+    println!(
+        "| handovers | {} (in {faults_alone} kills) | {} (in {faults_loaded} kills) |",
+        alone.len(),
+        loaded.len()
+    );
+    for (name, p) in [("p50", 0.5), ("p99", 0.99)] {
+        println!(
+            "| gap {name} | {:.0} ms | {:.0} ms |",
+            ms(pct(&alone, p)),
+            ms(pct(&loaded, p))
+        );
     }
-    gaps.sort();
-    println!("| LB failover (default lease 3 s, SIGKILL) | value |");
-    println!("|---|---|");
-    println!("| handovers | {} (in {faults} kills) |", gaps.len());
     println!(
-        "| gap p50 | {:.0} ms |",
-        pct(&gaps, 0.5).as_secs_f64() * 1e3
+        "| gap max | {:.0} ms | {:.0} ms |",
+        alone.last().map_or(0.0, |g| ms(*g)),
+        loaded.last().map_or(0.0, |g| ms(*g))
     );
     println!(
-        "| gap p99 | {:.0} ms |",
-        pct(&gaps, 0.99).as_secs_f64() * 1e3
+        "| overlaps (a probe round answered by two MACs) | {overlaps_alone} | {overlaps_loaded} |"
     );
     println!(
-        "| gap max | {:.0} ms |",
-        gaps.last().map_or(0.0, |g| g.as_secs_f64() * 1e3)
+        "| CNI calls beside (full ADD and DEL, 2 workers per node) | | {calls} answered, {failed} refused (to an agent killed or restarting) |"
     );
-    println!("| overlaps (a probe round answered by two MACs) | {overlaps} |");
-    let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
+    let load_avg = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
     println!(
-        "failover gap p99 {:.0} ms over {} handovers (goal <= 1500 ms); load average while measured: {}",
-        pct(&gaps, 0.99).as_secs_f64() * 1e3,
-        gaps.len(),
-        load.split_whitespace()
+        "failover gap p99 {:.0} ms alone, {:.0} ms beside CNI load (goal <= 1500 ms each); load average at the end: {}",
+        ms(pct(&alone, 0.99)),
+        ms(pct(&loaded, 0.99)),
+        load_avg
+            .split_whitespace()
             .take(3)
             .collect::<Vec<_>>()
             .join(" ")
     );
-    ensure!(overlaps == 0, "{overlaps} overlaps");
-    // #27: the goal, gated (the bench exits non-zero when it is missed).
     ensure!(
-        pct(&gaps, 0.99) <= Duration::from_millis(1500) || lockstep_tests::bench::smoke(),
-        "goal missed: failover gap p99 {:?} > 1.5 s with the default lease",
-        pct(&gaps, 0.99)
+        overlaps_alone + overlaps_loaded == 0,
+        "{overlaps_alone} overlaps alone, {overlaps_loaded} beside CNI load"
     );
+    // #27: the goal, gated (the bench exits non-zero when it is missed),
+    // alone and beside the load.
+    for (what, gaps) in [("alone", &alone), ("beside CNI load", &loaded)] {
+        ensure!(
+            pct(gaps, 0.99) <= Duration::from_millis(1500) || lockstep_tests::bench::smoke(),
+            "goal missed: failover gap p99 {:?} > 1.5 s with the default lease, {what}",
+            pct(gaps, 0.99)
+        );
+    }
     Ok(())
 }
 

@@ -90,9 +90,10 @@ impl Runner {
                 // Cluster mode (three node namespaces, a real 3-member etcd;
                 // docs/cluster.md), every ignored test of cluster_lb_e2e:
                 // failover gap p50/p99 over at least 50 handovers with the
-                // default lease, overlaps counted (lb_failover_bench; goals
+                // default lease, overlaps counted, alone and then beside full
+                // CNI ADDs and DELs on every node (lb_failover_bench; goals
                 // gated, the suite fails on a miss: no overlap, gap p99 <=
-                // 1.5 s, #27); and the
+                // 1.5 s, #27, both times, #46); and the
                 // assignment p99 in cluster mode, 200 services applied one by
                 // one, apply to `lb get` and to an ARP answer
                 // (lb_assignment_bench).
