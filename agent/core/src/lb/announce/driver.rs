@@ -426,8 +426,9 @@ impl Driver {
 
     /// The keeper's refresh of lease `id`, sent at `sent`, was answered:
     /// the lease lives. The announcer's cap counts from `sent`, as for the
-    /// driver's own refreshes. A refresh of another lease, or one older
-    /// than what the driver knows, changes nothing. (A keeper told the
+    /// driver's own refreshes, and a tick starts at once to write it. A
+    /// refresh of another lease, or one older than what the driver knows,
+    /// changes nothing. (A keeper told the
     /// lease is gone says nothing: the driver's own refresh finds out, in
     /// its order.)
     pub fn keeper_refreshed(&mut self, id: i64, sent: Nanos) {
@@ -438,6 +439,10 @@ impl Driver {
             l.sent = sent;
             let cap = sent.saturating_add(l.ttl_ns - margin(l.ttl_ns));
             self.machine.lease_refreshed(cap);
+            // A tick now writes the new cap: the datapath answers until
+            // the cap last written, so one written a tick late would
+            // leave a node killed meanwhile silent a refresh early.
+            self.woken = true;
         }
     }
 

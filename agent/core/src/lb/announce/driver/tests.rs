@@ -309,17 +309,38 @@ fn with_a_keeper_the_cap_follows_its_refreshes_and_the_driver_steps_in_only_when
             sent: 0
         })
     );
-    // The keeper refreshed at 1 s (sent then, answered later): the cap
+    // Ticks run until 850 ms (the last at 800 ms, the next due at 1 s).
+    let t = 850 * S / 1000;
+    assert_eq!(first_refresh(&mut d, 50, t), None);
+    assert!(!d.tick_due(t));
+    // The keeper refreshed at 850 ms (sent then, answered later): the cap
     // counts from when it was sent; another lease's or an older refresh
     // changes nothing.
-    d.keeper_refreshed(7, S);
+    d.keeper_refreshed(7, t);
     d.keeper_refreshed(8, 2 * S);
     d.keeper_refreshed(7, S / 2);
-    assert_eq!(d.announcer().valid_until(), Some(S + 3 * S - margin(3 * S)));
-    assert_eq!(d.kept_lease().map(|k| k.sent), Some(S));
+    let cap = t + 3 * S - margin(3 * S);
+    assert_eq!(d.announcer().valid_until(), Some(cap));
+    assert_eq!(d.kept_lease().map(|k| k.sent), Some(t));
+    // The new cap goes to the datapath at once, not at the next tick.
+    assert!(d.tick_due(t + 1), "a tick starts for the new cap");
+    let mut written = None;
+    for _ in 0..8 {
+        match d.step(t + 1) {
+            Step::Io(Io::Read) => d.done(Done::Read(None), t + 1),
+            Step::Io(Io::Program { valid_until, .. }) => {
+                written = Some(valid_until);
+                d.done(Done::Programmed(Written::Done), t + 1);
+            }
+            Step::Io(other) => panic!("{other:?}"),
+            Step::Announce(_) => {}
+            Step::Wait(_) => break,
+        }
+    }
+    assert_eq!(written, Some(cap));
     // Kept on time, the driver never refreshes itself.
     d.keeper_refreshed(7, 2 * S);
-    assert_eq!(first_refresh(&mut d, 50, 2 * S + S / 2), None);
+    assert_eq!(first_refresh(&mut d, t + 2, 2 * S + S / 2), None);
     // The keeper falls silent after 2 s: the driver refreshes itself half
     // a TTL after, not a third.
     assert_eq!(
