@@ -24,6 +24,7 @@ use lockstep_core::lb::announce::Nanos;
 use lockstep_core::lb::announce::driver::KeptLease;
 use tokio::sync::watch;
 
+use super::keeping::{self, Waited};
 use super::lb_handle::LbHandle;
 use super::{Door, DoorOptions};
 use crate::agent::announce::monotonic_ns;
@@ -126,28 +127,18 @@ pub(super) async fn keep(
     let mut retry_at: Option<tokio::time::Instant> = None;
     loop {
         let Some(lease) = *told.borrow_and_update() else {
-            tokio::select! {
-                r = told.changed() => if r.is_err() { return },
-                _ = stop.wait_for(|s| *s) => return,
+            if !keeping::told(&mut told, &mut stop).await {
+                return;
             }
             continue;
         };
         let due_ns = due(lease, *kept.borrow());
-        let wake = retry_at.map_or(instant(due_ns), |r| r.max(instant(due_ns)));
-        tokio::select! {
-            () = tokio::time::sleep_until(wake) => {}
-            r = told.changed() => {
-                if r.is_err() {
-                    return;
-                }
-                continue;
-            }
-            _ = stop.wait_for(|s| *s) => return,
+        match keeping::until(instant(due_ns), retry_at, &mut told, &mut stop).await {
+            Waited::Due => {}
+            Waited::Told => continue,
+            Waited::Stop => return,
         }
-        if door.is_none() {
-            door = Door::connect(opts.clone()).await.ok();
-        }
-        let Some(d) = door.as_mut() else {
+        let Some(d) = keeping::connected(&mut door, &opts).await else {
             retry_at = Some(tokio::time::Instant::now() + RETRY);
             continue;
         };

@@ -35,6 +35,7 @@ pub mod allocator;
 mod door;
 mod handle;
 mod held;
+mod keeping;
 mod lb;
 pub mod lb_agent;
 mod lb_announce;

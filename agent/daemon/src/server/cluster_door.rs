@@ -83,13 +83,7 @@ impl AllocatorDoor for OwnerDoor {
     fn run(&self, job: Job) -> DoorFuture<'_, bool> {
         Box::pin(async move {
             self.0
-                .ask(move |a| match a.as_mut() {
-                    Some(agent) => {
-                        job(agent);
-                        true
-                    }
-                    None => false,
-                })
+                .ask(move |a| a.as_mut().map(|agent| job(agent)).is_some())
                 .await
                 .unwrap_or(false)
         })

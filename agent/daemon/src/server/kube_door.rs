@@ -91,13 +91,7 @@ impl AgentDoor for OwnerDoor {
     fn run(&self, job: Job) -> DoorFuture<'_, Result<bool, KubeError>> {
         Box::pin(async move {
             self.0
-                .ask(move |a| match a.as_mut() {
-                    Some(agent) => {
-                        job(agent);
-                        true
-                    }
-                    None => false,
-                })
+                .ask(move |a| a.as_mut().map(|agent| job(agent)).is_some())
                 .await
                 .map_err(|e| task_err(&e))
         })

@@ -20,6 +20,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::watch;
 
 use super::super::handle::ClusterHandle;
+use super::super::keeping::{self, Waited};
 use super::super::{Door, DoorOptions};
 
 /// How soon a refresh etcd did not answer is tried again.
@@ -94,28 +95,18 @@ pub(super) async fn keep(
     let mut retry_at: Option<tokio::time::Instant> = None;
     loop {
         let Some((lease, at)) = fold(*told.borrow_and_update(), *kept.borrow()) else {
-            tokio::select! {
-                r = told.changed() => if r.is_err() { return },
-                _ = stop.wait_for(|s| *s) => return,
+            if !keeping::told(&mut told, &mut stop).await {
+                return;
             }
             continue;
         };
         let due = tokio::time::Instant::from_std(at + every);
-        let wake = retry_at.map_or(due, |r| r.max(due));
-        tokio::select! {
-            () = tokio::time::sleep_until(wake) => {}
-            r = told.changed() => {
-                if r.is_err() {
-                    return;
-                }
-                continue;
-            }
-            _ = stop.wait_for(|s| *s) => return,
+        match keeping::until(due, retry_at, &mut told, &mut stop).await {
+            Waited::Due => {}
+            Waited::Told => continue,
+            Waited::Stop => return,
         }
-        if door.is_none() {
-            door = Door::connect(opts.clone()).await.ok();
-        }
-        let Some(d) = door.as_mut() else {
+        let Some(d) = keeping::connected(&mut door, &opts).await else {
             retry_at = Some(tokio::time::Instant::now() + RETRY);
             continue;
         };

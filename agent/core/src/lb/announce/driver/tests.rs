@@ -55,7 +55,12 @@ fn io(step: Step) -> Io {
 /// A driver that holds lease 7 (granted at 0), joined, its first read
 /// `v` handed over and its first write confirmed.
 fn started(v: Observation) -> Driver {
-    let mut d = Driver::new("n", cfg());
+    started_with(cfg(), v)
+}
+
+/// As [`started`], configured with `cfg`.
+fn started_with(cfg: DriverConfig, v: Observation) -> Driver {
+    let mut d = Driver::new("n", cfg);
     assert_eq!(io(d.step(0)), Io::Grant);
     d.done(
         Done::Granted {
@@ -257,21 +262,10 @@ fn a_node_that_cannot_answer_joins_again_saying_so() {
     );
 }
 
-/// A driver as [`started`] but configured for a keeper.
+/// A driver as [`started`] but configured for a keeper, its first tick
+/// drained.
 fn started_kept(v: Observation) -> Driver {
-    let mut d = Driver::new("n", DriverConfig::kept(3 * S));
-    assert_eq!(io(d.step(0)), Io::Grant);
-    d.done(
-        Done::Granted {
-            id: 7,
-            ttl_ns: 3 * S,
-        },
-        10,
-    );
-    assert!(matches!(io(d.step(10)), Io::Join { lease: 7, .. }));
-    d.done(Done::Joined, 20);
-    assert_eq!(io(d.step(20)), Io::Read);
-    d.done(Done::Read(Some(v)), 30);
+    let mut d = started_with(DriverConfig::kept(3 * S), v);
     while let Step::Io(io) = d.step(40) {
         match io {
             Io::Program { .. } => d.done(Done::Programmed(Written::Done), 41),

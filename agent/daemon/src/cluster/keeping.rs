@@ -1,0 +1,60 @@
+//! What the two lease keepers share (the node lease's, `node/keeper.rs`,
+//! and the LB lease's, `lb_keeper.rs`): waiting for a refresh's time, a
+//! new lease to keep or the stop, and a connection of their own to etcd,
+//! made when needed. Each keeper decides what is due and what a refresh
+//! tells; the waiting is the same.
+
+use tokio::sync::watch;
+use tokio::time::Instant;
+
+use super::{Door, DoorOptions};
+
+/// What a keeper's wait ended with.
+pub(super) enum Waited {
+    /// The refresh is due.
+    Due,
+    /// The lease to keep changed.
+    Told,
+    /// Stop (or nobody tells any more).
+    Stop,
+}
+
+/// Waits until `due` (or `retry_at`, when later), a change of `told`, or
+/// the stop.
+pub(super) async fn until<T>(
+    due: Instant,
+    retry_at: Option<Instant>,
+    told: &mut watch::Receiver<T>,
+    stop: &mut watch::Receiver<bool>,
+) -> Waited {
+    let wake = retry_at.map_or(due, |r| r.max(due));
+    tokio::select! {
+        () = tokio::time::sleep_until(wake) => Waited::Due,
+        r = told.changed() => if r.is_err() { Waited::Stop } else { Waited::Told },
+        _ = stop.wait_for(|s| *s) => Waited::Stop,
+    }
+}
+
+/// Waits for a change of `told`; false on the stop (or when nobody tells
+/// any more).
+pub(super) async fn told<T>(
+    told: &mut watch::Receiver<T>,
+    stop: &mut watch::Receiver<bool>,
+) -> bool {
+    tokio::select! {
+        r = told.changed() => r.is_ok(),
+        _ = stop.wait_for(|s| *s) => false,
+    }
+}
+
+/// The keeper's connection, made if there is none; `None` while etcd
+/// cannot be reached (the keeper tries again later).
+pub(super) async fn connected<'a>(
+    door: &'a mut Option<Door>,
+    opts: &DoorOptions,
+) -> Option<&'a mut Door> {
+    if door.is_none() {
+        *door = Door::connect(opts.clone()).await.ok();
+    }
+    door.as_mut()
+}
