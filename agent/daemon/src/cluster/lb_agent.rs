@@ -44,7 +44,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use lockstep_core::lb::announce::driver::{Done, Driver, DriverConfig, Io, Step};
-use lockstep_core::lb::announce::{Nanos, Observation, Written};
+use lockstep_core::lb::announce::{Observation, Written};
 use lockstep_core::lb::cluster::unannounced;
 use tokio::sync::watch;
 
@@ -89,10 +89,6 @@ pub struct LbAgent {
     problem: Option<ClusterStoreError>,
     counts: Counts,
     handle: Arc<LbHandle>,
-    /// When the lease was last granted or refreshed (by the keeper too),
-    /// on the agent's monotonic clock: how late the driver's own refresh
-    /// goes out is reported against a third of the TTL after it.
-    lease_sent: Option<Nanos>,
     /// The lease's keeper (`lb_keeper`): told the lease to keep, its
     /// refreshes taken back.
     keeper: KeeperLink,
@@ -161,7 +157,6 @@ impl LbAgent {
             seen: None,
             problem: None,
             counts: Counts::default(),
-            lease_sent: None,
             keeper,
             keeper_ends: Some(keeper_ends),
             handle: Arc::new(LbHandle {
@@ -341,7 +336,6 @@ impl LbAgent {
                 Some(door) => match door.lb_grant(self.ttl).await {
                     Ok((id, granted)) => {
                         tracing::info!(lease = id, ttl = ?granted, "lb lease granted");
-                        self.lease_sent = Some(monotonic_ns());
                         Done::Granted {
                             id,
                             ttl_ns: granted.as_nanos() as u64,
@@ -374,10 +368,13 @@ impl LbAgent {
                     self.note(not_connected());
                     return Done::Lost;
                 };
+                // The last refresh the driver knows of (its own or the
+                // keeper's): how late this one goes out is against it.
+                let last = self.driver.kept_lease().map(|k| k.sent);
                 let sent = monotonic_ns();
                 match door.keep_alive(lease).await {
                     Ok(true) => {
-                        if let Some(last) = self.lease_sent.replace(sent) {
+                        if let Some(last) = last {
                             let due = last + self.ttl.as_nanos() as u64 / 3;
                             let late = Duration::from_nanos(sent.saturating_sub(due));
                             let mut s = self.handle.lock();
@@ -546,7 +543,6 @@ impl LbAgent {
             && self.driver.kept_lease().is_some_and(|k| k.id == id)
         {
             self.driver.keeper_refreshed(id, sent);
-            self.lease_sent = self.lease_sent.max(Some(sent));
         }
     }
 

@@ -157,7 +157,7 @@ pub type Slot = Arc<dyn AgentDoor>;
 
 /// Runs `f` on the agent (the worker is free while it waits). `None`: the
 /// agent is not there (yet).
-pub(super) async fn on_agent<T: Send + 'static>(
+pub(crate) async fn on_agent<T: Send + 'static>(
     slot: &Slot,
     f: impl FnOnce(&mut dyn NodeAgent) -> T + Send + 'static,
 ) -> Result<Option<T>, KubeError> {

@@ -15,7 +15,7 @@ use lockstep_core::pool::PoolSpec;
 use crate::agent::lb::{LbApply, LbDelete};
 use crate::agent::{Agent, AgentError, AgentHandle};
 use crate::kubernetes::KubeError;
-use crate::kubernetes::backend::{AgentDoor, DoorFuture, Job, NodeAgent, Refusal, Slot};
+use crate::kubernetes::backend::{AgentDoor, DoorFuture, Job, NodeAgent, Refusal, Slot, on_agent};
 use crate::kubernetes::leaks::NodeEndpoints;
 use crate::kubernetes::nodeipam::{AgentSlot, Allocator};
 
@@ -127,14 +127,7 @@ impl NodeEndpoints for AgentEndpoints {
     }
 
     async fn release(&self, key: String, pod: PodRef) -> Result<bool, KubeError> {
-        let (tx, rx) = std::sync::mpsc::sync_channel(1);
-        let ran = self
-            .0
-            .run(Box::new(move |a| {
-                let _ = tx.send(a.release_leaked(&key, &pod));
-            }))
-            .await?;
-        match rx.try_recv().ok().filter(|_| ran) {
+        match on_agent(&self.0, move |a| a.release_leaked(&key, &pod)).await? {
             Some(r) => r.map_err(|reason| KubeError::Lb { reason }),
             None => Ok(false),
         }
