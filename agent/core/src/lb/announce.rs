@@ -41,7 +41,10 @@
 //!   up by its holder, if that choice has been a member under one lease for
 //!   [`AnnouncerConfig::settle_ns`]; every node computes the same first
 //!   address from the same read, so one moves at a time and each handover
-//!   completes (the address is held again) before the next starts. A node
+//!   completes (the address is held again) before the next starts. The
+//!   holder that gave it up takes it back for `pace_ns` only as the last
+//!   rank, so a choice that cannot take it (cut off while its lease lives
+//!   on) keeps it dark no longer than any other unheld address. A node
 //!   that came back under a new lease (stopped or cut for longer than its
 //!   lease) gets addresses back only after it stayed for `settle_ns`, so a
 //!   node stopped around its lease never makes an address go and come back.
@@ -271,8 +274,8 @@ pub struct Announcer {
     member_since: BTreeMap<(String, i64), Nanos>,
     /// Since when every address has been held and no holder changed.
     quiet_since: Option<Nanos>,
-    /// Addresses this node gave up to rebalance: not taken back by rank
-    /// before `pace_ns` has passed.
+    /// Addresses this node gave up to rebalance: for `pace_ns` it takes
+    /// them back only as the last rank.
     gave_away: BTreeMap<IpAddr, Nanos>,
     /// Addresses a take was refused for since the last read (another
     /// holder has them though the read did not show it).
@@ -670,17 +673,21 @@ impl Announcer {
         {
             return false;
         }
+        let rank = Self::ranking(view, a, sel);
+        let Some(mut r) = rank.iter().position(|n| *n == self.me) else {
+            return false;
+        };
+        // Given away to rebalance: the giver ranks last, so the choice it
+        // was given to (and anyone between) goes first, yet a choice that
+        // cannot take it (cut off with its lease still alive) keeps it
+        // dark no longer than the last rank would.
         if self
             .gave_away
             .get(&a)
             .is_some_and(|t| now < t.saturating_add(self.cfg.pace_ns))
         {
-            return false;
+            r = r.max(rank.len() - 1);
         }
-        let rank = Self::ranking(view, a, sel);
-        let Some(r) = rank.iter().position(|n| *n == self.me) else {
-            return false;
-        };
         let since = self.unheld_since.get(&a).copied().unwrap_or(now);
         now >= since.saturating_add(self.cfg.step_ns.saturating_mul(r as u64))
     }
