@@ -23,6 +23,11 @@
 //! aside at once, like a node whose endpoint went. The core's
 //! `lb::kubernetes::seats` says which election each address goes to.
 //!
+//! Each Lease is kept by a task of its own (`seat`): this task derives
+//! the elections when the stores change and tells each keeper whether
+//! this node stands and for which addresses; it never waits for the API,
+//! and no derivation delays a renewal.
+//!
 //! The task publishes [`LocalAnswers`]: the announcer answers what this
 //! node holds, the writer's part leaves every seated address out, and the
 //! writer's status pass says when a Service has no serving endpoint.
@@ -37,7 +42,6 @@ use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::Client;
 use kube::api::Api;
 use kube::runtime::reflector::Store;
-use lockstep_core::election::Elector;
 use lockstep_core::lb::kubernetes::local::{
     Endpoint, SERVICE_NAME_LABEL, candidates, local_addresses,
 };
@@ -49,6 +53,7 @@ use super::crd::LoadBalancerIPPool;
 use super::election::{LeaseDoor, elector, now_ms};
 use super::objects::service;
 use super::reflectors::{Services, drive};
+use super::seat::{Links, Seat, Want};
 use crate::config::ElectionConfig;
 
 /// What the `Local` Services ask of this node's announcer and of the
@@ -74,21 +79,6 @@ pub struct LocalAnswers {
     pub version: u64,
 }
 
-/// One election on this node: a `Local` Service's or a selector pool's.
-struct Seat {
-    door: LeaseDoor,
-    elector: Elector,
-    /// The addresses it answers for, as last read.
-    addrs: Vec<IpAddr>,
-    /// The holder the Lease named after the last round, if known.
-    holder: Option<String>,
-    /// It stepped aside while holding: the version whose publication
-    /// took its addresses out of what this node answers. Once the
-    /// announcer has written that version, the datapath answers none of
-    /// them, and the Lease is released at once (`Elector::stopped`).
-    stepped: Option<u64>,
-}
-
 /// What a round reads.
 struct View<'a> {
     services: &'a Store<Service>,
@@ -106,6 +96,7 @@ pub struct LocalTraffic {
     client: Client,
     config: ElectionConfig,
     node: String,
+    /// Each election this node takes part in, kept by a task of its own.
     seats: BTreeMap<String, Seat>,
     /// What the stores said when they last changed.
     derived: Derived,
@@ -185,7 +176,7 @@ impl LocalTraffic {
         mut services: Services,
         mut candidacy: tokio::sync::watch::Receiver<Result<(), String>>,
         mut labels: Labels,
-        mut applied: tokio::sync::watch::Receiver<u64>,
+        applied: tokio::sync::watch::Receiver<u64>,
         mut stop: tokio::sync::watch::Receiver<bool>,
     ) {
         let wake = Arc::new(Notify::new());
@@ -204,13 +195,14 @@ impl LocalTraffic {
             _ = stop.wait_for(|s| *s) => true,
         };
         if !stopped {
+            // The keepers wake this task whenever one publishes.
+            let changed = Arc::new(Notify::new());
             // The stores, labels or candidacy changed since the elections
             // were last derived: derive them again.
             let mut fresh = true;
             loop {
                 let may = candidacy.borrow_and_update().is_ok();
                 let these = labels.borrow_and_update().clone();
-                let written = *applied.borrow_and_update();
                 let view = View {
                     services: &services.store,
                     slices: &slices,
@@ -219,8 +211,9 @@ impl LocalTraffic {
                     may,
                 };
                 services.changes.borrow_and_update();
-                self.round(fresh.then_some(&view), written).await;
+                self.round(fresh.then_some(&view), &changed, &applied, &stop);
                 fresh = false;
+                // Wake when a hold lapses, to stop answering at once.
                 let lapse = self
                     .tx
                     .borrow()
@@ -233,6 +226,7 @@ impl LocalTraffic {
                 tokio::select! {
                     () = tokio::time::sleep(self.config.retry_period.min(lapse)) => {}
                     () = wake.notified() => fresh = true,
+                    () = changed.notified() => {}
                     r = services.changes.changed() => {
                         fresh = true;
                         if r.is_err() {
@@ -251,9 +245,6 @@ impl LocalTraffic {
                             labels = tokio::sync::watch::channel(None).1;
                         }
                     },
-                    r = applied.changed() => if r.is_err() {
-                        applied = tokio::sync::watch::channel(0).1;
-                    },
                     _ = stop.wait_for(|s| *s) => break,
                 }
             }
@@ -264,10 +255,17 @@ impl LocalTraffic {
     }
 
     /// One round: candidacies from the endpoints and labels (derived again
-    /// from `view` when it is given: something changed), every seat's
-    /// Lease read and written (at once), what this node answers published.
-    /// `written`: the version the announcer has written into the datapath.
-    async fn round(&mut self, view: Option<&View<'_>>, written: u64) {
+    /// from `view` when it is given: something changed), told to each
+    /// seat's keeper (started when this node first stands for it), and what
+    /// this node answers published. The keepers read and write the Leases
+    /// on their own clocks: nothing here waits for the API.
+    fn round(
+        &mut self,
+        view: Option<&View<'_>>,
+        changed: &Arc<Notify>,
+        applied: &tokio::sync::watch::Receiver<u64>,
+        stop: &tokio::sync::watch::Receiver<bool>,
+    ) {
         if let Some(view) = view {
             self.derived = derive(view, &self.node);
         }
@@ -276,83 +274,59 @@ impl LocalTraffic {
             seated,
             unserved,
         } = &self.derived;
-        let now = now_ms();
+        // A keeper that ended (or panicked) is forgotten; one is started
+        // again below if this node stands for its seat.
+        self.seats.retain(|_, seat| !seat.gone());
         for (key, p) in plans {
-            if p.here.is_ok() && !self.seats.contains_key(key) {
+            let want = Want {
+                here: p.here.is_ok(),
+                addrs: p.addrs.clone(),
+            };
+            if let Some(seat) = self.seats.get(key) {
+                seat.ask(want);
+            } else if want.here {
                 let Ok(elector) = elector(&self.config, &self.node) else {
                     continue;
                 };
                 let door = LeaseDoor::new(self.client.clone(), &self.config, &p.lease);
+                let links = Links {
+                    answers: self.tx.subscribe(),
+                    applied: applied.clone(),
+                    changed: changed.clone(),
+                    stop: stop.clone(),
+                };
                 self.seats.insert(
                     key.clone(),
-                    Seat {
-                        door,
-                        elector,
-                        addrs: Vec::new(),
-                        holder: None,
-                        stepped: None,
-                    },
+                    Seat::start(door, elector, self.config.retry_period, want, links),
                 );
             }
-            if let Some(seat) = self.seats.get_mut(key) {
-                seat.addrs.clone_from(&p.addrs);
+        }
+        // A seat gone from the plans: this node no longer stands for it.
+        for (key, seat) in &self.seats {
+            if !plans.contains_key(key) {
+                seat.ask(Want {
+                    here: false,
+                    addrs: seat.wanted().addrs,
+                });
             }
         }
-        // The version this round's first publication will carry.
-        let next = self.tx.borrow().version + 1;
-        for (key, seat) in &mut self.seats {
-            let here = plans.get(key).is_some_and(|p| p.here.is_ok());
-            let held = seat.elector.holds(now).is_some();
-            seat.elector.set_candidate(here, now);
-            if here {
-                seat.stepped = None;
-            } else if held {
-                seat.stepped = Some(next);
-            }
-            // The datapath has dropped its addresses: release now.
-            if seat.stepped.is_some_and(|v| written >= v) {
-                seat.elector.stopped();
-            }
-        }
-        // Stepping aside shows before the rounds' requests.
-        publish(&self.tx, &self.seats, seated, unserved);
-        let rounds = self.seats.values_mut().map(|seat| async move {
-            seat.holder = seat.door.round(&mut seat.elector).await;
-        });
-        futures::future::join_all(rounds).await;
-        // A seat this node neither stands for nor holds is dropped once
-        // the Lease is seen naming another node or none (its release
-        // written, or never held).
-        let me = self.node.clone();
-        self.seats.retain(|_, seat| {
-            seat.elector.is_candidate()
-                || seat.elector.holds(now_ms()).is_some()
-                || !matches!(&seat.holder, Some(h) if *h != me)
-        });
         publish(&self.tx, &self.seats, seated, unserved);
     }
 
-    /// Stopping: nothing is answered from now on; every Lease held is
-    /// released once its deadline has passed.
+    /// Stopping: nothing is answered from now on; every keeper releases
+    /// its Lease once its deadline has passed (they see the same stop).
     async fn release_all(&mut self) {
-        let now = now_ms();
-        let mut releases = Vec::new();
-        for seat in self.seats.values_mut() {
-            let until = seat.elector.holds(now);
-            releases.push((until, seat.elector.release()));
-        }
-        publish(
-            &self.tx,
-            &self.seats,
-            &self.derived.seated,
-            &BTreeSet::new(),
-        );
-        let sends = self
-            .seats
-            .values()
-            .zip(releases)
-            .map(|(seat, (until, w))| seat.door.release(until, w));
-        futures::future::join_all(sends).await;
+        self.tx.send_if_modified(|cur| {
+            let changed = !cur.held.is_empty() || !cur.unserved.is_empty();
+            cur.held.clear();
+            cur.unserved.clear();
+            if changed {
+                cur.version += 1;
+            }
+            changed
+        });
+        let seats = std::mem::take(&mut self.seats);
+        futures::future::join_all(seats.into_values().map(Seat::join)).await;
     }
 }
 
@@ -366,8 +340,14 @@ fn publish(
     let now = now_ms();
     let mut held = BTreeMap::new();
     for seat in seats.values() {
-        if let Some(until) = seat.elector.holds(now) {
-            for a in &seat.addrs {
+        // Only a seat this node still stands for: stepping aside shows at
+        // once, before its keeper has heard of it.
+        let want = seat.wanted();
+        if !want.here {
+            continue;
+        }
+        if let Some(until) = seat.held().until_ms.filter(|u| now < *u) {
+            for a in &want.addrs {
                 held.insert(*a, until.saturating_mul(1_000_000));
             }
         }

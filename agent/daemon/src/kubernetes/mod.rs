@@ -38,6 +38,7 @@ pub mod pod_cidrs;
 pub mod pod_pools;
 pub mod pods;
 pub mod reflectors;
+mod seat;
 pub mod sync;
 pub mod writer;
 

@@ -19,7 +19,7 @@ use serde_json::{Value, json};
 use super::crd::LoadBalancerIPPool;
 use super::{Classes, KubeError, LbBackend, LbState, LbSync, node_facts};
 
-type Handle = tower_test::mock::Handle<Request<Body>, Response<Body>>;
+pub(super) type Handle = tower_test::mock::Handle<Request<Body>, Response<Body>>;
 
 fn classes() -> Classes {
     Classes {
@@ -28,7 +28,7 @@ fn classes() -> Classes {
     }
 }
 
-fn mock() -> (Client, Handle) {
+pub(super) fn mock() -> (Client, Handle) {
     let (svc, handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
     (Client::new(svc, "default"), handle)
 }
@@ -54,7 +54,7 @@ async fn next(
     (Request::from_parts(parts, Body::empty()), v, send)
 }
 
-fn reply(send: tower_test::mock::SendResponse<Response<Body>>, code: u16, v: &Value) {
+pub(super) fn reply(send: tower_test::mock::SendResponse<Response<Body>>, code: u16, v: &Value) {
     send.send_response(
         Response::builder()
             .status(code)
