@@ -794,9 +794,9 @@ fn a_plugin_older_than_check_gets_del_and_add_on_restart() -> anyhow::Result<()>
 }
 
 /// The plugin runs with the agent free (#46 item 2): while one endpoint's
-/// ADD (then DEL) waits 5 s on a slow plugin, another endpoint's ADD and
-/// DEL, and `lockstep status`, are answered; the slow one still gets its
-/// own address and is released.
+/// ADD (then DEL, then a GC's DEL of it) waits 5 s on a slow plugin,
+/// another endpoint's ADD and DEL, and `lockstep status`, are answered;
+/// the slow one still gets its own address and is released.
 #[test]
 fn a_slow_plugin_holds_up_only_its_own_attachment() -> anyhow::Result<()> {
     privileged!();
@@ -888,6 +888,62 @@ fn a_slow_plugin_holds_up_only_its_own_attachment() -> anyhow::Result<()> {
         cache.iter().all(|e| e["flags"] != json!(["endpoint"])),
         "an endpoint entry outlived its DEL: {cache:?}"
     );
+
+    // A GC releasing the slow endpoint runs its plugin's DEL off the
+    // owner too: another endpoint's ADD and `lockstep status` are answered
+    // while it sleeps.
+    std::thread::scope(|s| {
+        let adds = [
+            s.spawn(|| call("ADD", &slow)),
+            s.spawn(|| call("ADD", &fast)),
+        ];
+        for a in adds {
+            let (code, out, _) = a.join().map_err(|_| anyhow::anyhow!("an ADD panicked"))??;
+            anyhow::ensure!(code == 0, "{out}");
+        }
+        anyhow::Ok(())
+    })?;
+    let gc_conf = json!({
+        "cniVersion": "1.1.0",
+        "name": "pods",
+        "type": "lockstep",
+        "agentSocket": agent.socket(),
+        "cni.dev/valid-attachments": [],
+    });
+    let other = unique("other");
+    let (gc_done, other_done, status_done) = std::thread::scope(|s| {
+        let started = Instant::now();
+        let gc = s.spawn(|| {
+            let r = lockstep_plugin(&[("CNI_COMMAND", "GC")], &gc_conf);
+            (r, Instant::now())
+        });
+        wait_for("GC's slow DEL to start", Duration::from_secs(5), || {
+            (fake.calls_of("DEL", &slow) == 2).then_some(())
+        })?;
+        let (code, out, other_done) = call("ADD", &other)?;
+        assert_eq!(code, 0, "ADD of {other} during GC: {out}");
+        let status = agent.json(["status", "-o", "json"])?;
+        assert_eq!(status["ready"], true, "{status}");
+        let status_done = Instant::now();
+        let (r, gc_done) = gc.join().map_err(|_| anyhow::anyhow!("GC panicked"))?;
+        let (code, out) = r?;
+        assert_eq!(code, 0, "GC: {out}");
+        assert!(
+            gc_done - started >= Duration::from_secs(5),
+            "the fake slept 5 s in GC's DEL"
+        );
+        anyhow::Ok((gc_done, other_done, status_done))
+    })?;
+    assert!(other_done < gc_done, "an ADD waited for GC's plugin");
+    assert!(status_done < gc_done, "status waited for GC's plugin");
+    let held = fake.held();
+    assert_eq!(
+        held.keys().collect::<Vec<_>>(),
+        [&format!("{other}/eth0")],
+        "GC released every endpoint not valid, and only those: {held:?}"
+    );
+    let (code, out, _) = call("DEL", &other)?;
+    assert_eq!(code, 0, "{out}");
     agent.stop()?;
     Ok(())
 }

@@ -27,7 +27,7 @@ use serde::Serialize;
 
 use crate::agent::endpoints::{
     DelRequest, EndpointRequest, GcRequest, Inline, endpoint_add_concurrent, endpoint_add_inline,
-    endpoint_del_concurrent, endpoint_del_inline,
+    endpoint_del_concurrent, endpoint_del_inline, endpoint_gc_concurrent,
 };
 use crate::agent::lb::{LbApply, LbDelete};
 use crate::agent::{Agent, AgentError, AgentHandle, AllocateRequest, ReleaseRequest};
@@ -584,7 +584,11 @@ async fn cni_gc(
             ..e
         })?;
     }
-    Ok(ok(with_agent(&s, move |a| a.endpoint_gc(req)).await?))
+    let handle = s.agent.clone();
+    let report = tokio::task::spawn_blocking(move || endpoint_gc_concurrent(&handle, req))
+        .await
+        .map_err(joined)??;
+    Ok(ok(report))
 }
 
 async fn endpoints(State(s): State<AppState>) -> Result<Response, ApiError> {

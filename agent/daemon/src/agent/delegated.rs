@@ -714,13 +714,16 @@ impl Agent {
             .unwrap_or_default()
     }
 
-    /// GC in delegated mode: the agent's role attachments are added to
-    /// `cni.dev/valid-attachments`, then GC is passed on when the plugin
-    /// supports it (1.1.0, asked with VERSION).
-    pub(super) fn delegated_gc(
-        &mut self,
+    /// Delegated mode's part of a CNI GC, decided on the owner: the plugin
+    /// and every attachment it must keep (`valid` and the agent's role
+    /// attachments). The plugin runs off the owner ([`DelegatedGc::run`]).
+    ///
+    /// # Errors
+    /// Delegated IPAM is not set up.
+    pub(super) fn delegated_gc_plan(
+        &self,
         valid: &BTreeSet<(String, String)>,
-    ) -> Result<(), AgentError> {
+    ) -> Result<DelegatedGc, AgentError> {
         let runner = self.runner()?.clone();
         let mut all: BTreeSet<(String, String)> = valid.clone();
         for d in self.delegated.values() {
@@ -728,15 +731,38 @@ impl Agent {
                 all.insert((d.container_id.clone(), d.ifname.clone()));
             }
         }
-        self.count("VERSION");
-        let versions = runner.versions()?;
+        Ok(DelegatedGc {
+            runner,
+            keep: all.into_iter().collect(),
+        })
+    }
+}
+
+/// A CNI GC to pass on to the delegated plugin, decided on the owner and
+/// run off it ([`Agent::delegated_gc_plan`]).
+#[derive(Debug)]
+pub struct DelegatedGc {
+    runner: Runner,
+    keep: Vec<(String, String)>,
+}
+
+impl DelegatedGc {
+    /// Asks the plugin its versions, and passes the GC on if it speaks
+    /// 1.1.0. Returns the plugin commands sent (for the agent's counts).
+    ///
+    /// # Errors
+    /// The plugin failed.
+    pub fn run(&self) -> (Vec<&'static str>, Result<(), AgentError>) {
+        let mut sent = vec!["VERSION"];
+        let versions = match self.runner.versions() {
+            Ok(v) => v,
+            Err(e) => return (sent, Err(e.into())),
+        };
         if !versions.iter().any(|v| v == "1.1.0") {
-            tracing::debug!(plugin = %runner.conf.plugin, "the plugin does not support GC; not passed on");
-            return Ok(());
+            tracing::debug!(plugin = %self.runner.conf.plugin, "the plugin does not support GC; not passed on");
+            return (sent, Ok(()));
         }
-        self.count("GC");
-        let all: Vec<(String, String)> = all.into_iter().collect();
-        runner.gc(&all)?;
-        Ok(())
+        sent.push("GC");
+        (sent, self.runner.gc(&self.keep).map_err(AgentError::from))
     }
 }

@@ -72,6 +72,10 @@ pub enum AddBegin {
     /// Delegated mode: the plugin to run off the agent's owner, then
     /// [`Agent::endpoint_add_delegated`].
     Delegated(Box<super::delegated::DelegatedAdd>),
+    /// The attachment was half-gone (its netns deleted, a crash): its old
+    /// allocation is released and what that DEL leaves to a plugin or the
+    /// kernel is to run off the agent's owner; then the ADD begins again.
+    StartOver(Box<DelCleanup>),
 }
 
 impl PreparedAdd {
@@ -138,7 +142,11 @@ impl Agent {
     /// Allocation, interface or datapath failure; everything done so far is
     /// undone.
     pub fn endpoint_add(&mut self, req: EndpointRequest) -> Result<EndpointReply, AgentError> {
-        let mut begun = self.endpoint_add_begin(req)?;
+        let mut begun = self.endpoint_add_begin(req.clone())?;
+        if let AddBegin::StartOver(cleanup) = begun {
+            self.del_held(*cleanup)?;
+            begun = self.endpoint_add_begin(req)?;
+        }
         if let AddBegin::Delegated(d) = begun {
             let ran = d.run();
             let (next, undo) = self.endpoint_add_delegated(ran);
@@ -150,6 +158,7 @@ impl Agent {
         match begun {
             AddBegin::Done(reply) => Ok(*reply),
             AddBegin::Delegated(_) => Err(invalid("the plugin's ADD was asked to run twice")),
+            AddBegin::StartOver(_) => Err(invalid("the ADD started over twice")),
             AddBegin::Interfaces(p) => {
                 let made = build_interfaces(&p.req, &p.addresses(), p.attach.as_ref());
                 self.endpoint_add_finish(*p, made)
@@ -215,8 +224,14 @@ impl Agent {
             if intact && existing.mode == req.mode {
                 return Ok(AddBegin::Done(Box::new(self.reply(existing))));
             }
-            // Half-gone (the runtime deleted the netns, or a crash): start over.
-            self.endpoint_del_inner(&req.container_id, &req.ifname)?;
+            // Half-gone (the runtime deleted the netns, or a crash): start
+            // over. The release is committed here; a plugin's DEL or the
+            // kernel's work it leaves runs off the owner, then the ADD
+            // begins again.
+            let cleanup = self.endpoint_del_commit(&req.container_id, &req.ifname)?;
+            if !cleanup.is_empty() {
+                return Ok(AddBegin::StartOver(Box::new(cleanup)));
+            }
         }
         if self.delegated_mode() {
             // The plugin runs with the agent free (`endpoint_add_delegated`).
@@ -583,7 +598,7 @@ impl Agent {
         r
     }
 
-    /// A DEL made in one command on the agent's owner (GC, an ADD starting over): see
+    /// A DEL made in one command on the agent's owner (leak release, CHECK's repair): see
     /// [`without_gone_wait`].
     pub(super) fn endpoint_del_inner(
         &mut self,
@@ -594,9 +609,11 @@ impl Agent {
         self.del_held(cleanup)
     }
 
-    /// The rest of a DEL run while the agent is held (tools, GC, an ADD
-    /// starting over): a delegated attachment's plugin runs here, the
-    /// veth's removal is not waited for ([`without_gone_wait`]).
+    /// The rest of a DEL run while the agent is held (tools, leak
+    /// release, CHECK's repair): a delegated attachment's plugin runs
+    /// here, the veth's removal is not waited for ([`without_gone_wait`]).
+    /// The API's GC and ADDs run it off the owner instead
+    /// ([`endpoint_gc_concurrent`], [`endpoint_add_concurrent`]).
     fn del_held(&mut self, cleanup: DelCleanup) -> Result<(), AgentError> {
         let mut cleanup = without_gone_wait(cleanup);
         if let Some(plugin) = cleanup.plugin.take() {

@@ -100,12 +100,17 @@ impl Agent {
         }
     }
 
-    /// CNI GC: releases endpoint attachments not in `valid`. Agent-role,
-    /// LoadBalancer and other owners are never touched.
+    /// CNI GC's first phase, one command on the owner: every endpoint
+    /// attachment not in `valid` is released (committed, or for a
+    /// delegated one left pending for its plugin's DEL); agent-role,
+    /// LoadBalancer and other owners are never touched. What is left to a
+    /// plugin or the kernel comes back for [`endpoint_gc_concurrent`] to
+    /// run off the owner.
     ///
     /// # Errors
-    /// A release could not be recorded.
-    pub fn endpoint_gc(&mut self, req: GcRequest) -> Result<GcReport, AgentError> {
+    /// The agent is not ready. A release that could not be recorded is
+    /// carried in the result: every attachment is tried.
+    pub(super) fn endpoint_gc_begin(&mut self, req: GcRequest) -> Result<GcBegun, AgentError> {
         self.check_ready()?;
         self.settle();
         let valid: BTreeSet<(String, String)> = req.valid.into_iter().collect();
@@ -123,33 +128,23 @@ impl Agent {
                 stale.insert((container_id.clone(), ifname.clone()));
             }
         }
-        // Carries on past a failed attachment: every one is tried, every
-        // failure reported (the released ones stay released).
-        let mut report = GcReport::default();
-        let mut errors = Vec::new();
+        let mut begun = GcBegun::default();
         for (c, i) in stale {
             if valid.contains(&(c.clone(), i.clone())) {
                 continue;
             }
-            match self.endpoint_del_inner(&c, &i) {
-                Ok(()) => report.released.push((c, i)),
-                Err(e) => errors.push(e),
+            match self.endpoint_del_commit(&c, &i) {
+                Ok(cleanup) => begun.released.push(((c, i), cleanup)),
+                Err(e) => begun.errors.push(e),
             }
         }
-        if self.delegated_mode()
-            && let Err(e) = self.delegated_gc(&valid)
-        {
-            errors.push(e);
+        if self.delegated_mode() {
+            match self.delegated_gc_plan(&valid) {
+                Ok(plan) => begun.plugin = Some(plan),
+                Err(e) => begun.errors.push(e),
+            }
         }
-        if !errors.is_empty() {
-            tracing::warn!(
-                released = report.released.len(),
-                failed = errors.len(),
-                "GC released what it could"
-            );
-        }
-        AgentError::all(errors)?;
-        Ok(report)
+        Ok(begun)
     }
 
     /// At start-up (nothing is pending yet): removes host interfaces with

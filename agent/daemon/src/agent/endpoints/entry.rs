@@ -68,6 +68,11 @@ pub fn endpoint_add_inline(
     }
     Inline::Done(match begun {
         Ok(AddBegin::Done(reply)) => Ok(*reply),
+        // Never inline-capable (an IPAM attachment is never half-gone);
+        // were that ever to change, the DEL's work is not left undone.
+        Ok(AddBegin::StartOver(c)) => agent
+            .del_held(*c)
+            .and_then(|()| Err(invalid("an IPAM-only ADD had to start over; retry it"))),
         // Never inline-capable: a plugin to run is for the blocking pool.
         Ok(AddBegin::Delegated(d)) => {
             let (next, undo) = agent.endpoint_add_delegated(d.run());
@@ -179,6 +184,9 @@ pub fn endpoint_add_concurrent(
             }
         })?;
         match look {
+            // Half-gone: the DEL's plugin and kernel work run here, off
+            // the owner, then the ADD looks again.
+            Begun::Started(Ok(AddBegin::StartOver(cleanup))) => del_off_owner(handle, *cleanup)?,
             Begun::Started(r) => break r,
             Begun::Wait(progress) => progress.wait(deadline),
         }
@@ -210,6 +218,7 @@ pub fn endpoint_add_concurrent(
         AddBegin::Delegated(_) => {
             return Err(invalid("the plugin's ADD was asked to run twice"));
         }
+        AddBegin::StartOver(_) => return Err(invalid("the ADD started over after its plugin ran")),
     };
     let made = build_interfaces(
         &prepared.req,
@@ -261,11 +270,17 @@ fn undo_interfaces(
 /// # Errors
 /// As [`Agent::endpoint_del`].
 pub fn endpoint_del_concurrent(handle: &AgentHandle, req: DelRequest) -> Result<(), AgentError> {
-    let mut cleanup = handle.call(move |slot| {
+    let cleanup = handle.call(move |slot| {
         slot.as_mut()
             .ok_or_else(not_ready)
             .and_then(|a| a.endpoint_del_begin(req))
     })??;
+    del_off_owner(handle, cleanup)
+}
+
+/// What a DEL committed on the owner leaves, run off it: the plugin's DEL
+/// (then its commit, a command), then the kernel work.
+fn del_off_owner(handle: &AgentHandle, mut cleanup: DelCleanup) -> Result<(), AgentError> {
     if let Some(plugin) = cleanup.plugin.take() {
         // The plugin runs with the agent free; the commit comes after.
         let ran = plugin.run();
@@ -276,4 +291,67 @@ pub fn endpoint_del_concurrent(handle: &AgentHandle, req: DelRequest) -> Result<
         })??;
     }
     cleanup.run()
+}
+
+/// What CNI GC's first command committed ([`Agent::endpoint_gc_begin`]).
+#[derive(Debug, Default)]
+pub struct GcBegun {
+    /// Each attachment released, with what its DEL left to a plugin or
+    /// the kernel.
+    pub(super) released: Vec<((String, String), DelCleanup)>,
+    /// Releases that could not be recorded.
+    pub(super) errors: Vec<AgentError>,
+    /// Delegated mode: the GC to pass on to the plugin.
+    pub(super) plugin: Option<crate::agent::delegated::DelegatedGc>,
+}
+
+/// CNI GC: one command releases every endpoint attachment not in `valid`
+/// ([`Agent::endpoint_gc_begin`]); the delegated plugin's DELs and GC, and
+/// the kernel work, run here, off the owner, each plugin DEL's commit a
+/// command of its own. Every attachment is tried, every failure reported
+/// (the released ones stay released).
+///
+/// # Errors
+/// Every release, plugin call or kernel step that failed.
+pub fn endpoint_gc_concurrent(
+    handle: &AgentHandle,
+    req: GcRequest,
+) -> Result<GcReport, AgentError> {
+    let begun = handle.call(move |slot| {
+        slot.as_mut()
+            .ok_or_else(not_ready)
+            .and_then(|a| a.endpoint_gc_begin(req))
+    })??;
+    let mut report = GcReport::default();
+    let mut errors = begun.errors;
+    for (attachment, cleanup) in begun.released {
+        // Not waited for: the reaper deletes the veth, and an ADD of the
+        // same attachment waits for it.
+        match del_off_owner(handle, without_gone_wait(cleanup)) {
+            Ok(()) => report.released.push(attachment),
+            Err(e) => errors.push(e),
+        }
+    }
+    if let Some(gc) = begun.plugin {
+        let (sent, r) = gc.run();
+        handle.call(move |slot| {
+            if let Some(a) = slot.as_mut() {
+                for c in sent {
+                    a.count(c);
+                }
+            }
+        })?;
+        if let Err(e) = r {
+            errors.push(e);
+        }
+    }
+    if !errors.is_empty() {
+        tracing::warn!(
+            released = report.released.len(),
+            failed = errors.len(),
+            "GC released what it could"
+        );
+    }
+    AgentError::all(errors)?;
+    Ok(report)
 }
