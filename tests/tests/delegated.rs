@@ -1084,3 +1084,96 @@ fn leases_keep_time_under_parallel_adds_forced_reconciles_and_a_slow_plugin() ->
     agent.stop()?;
     Ok(())
 }
+
+/// An ADD that finds its full attachment half-gone (the pod's netns
+/// deleted, its veth with it) starts over: the old attachment's plugin
+/// DEL runs off the agent's owner (#46 item 2), so another pod's ADD is
+/// answered while it sleeps 5 s, and the attachment is made again in the
+/// new netns with an address of the plugin's.
+#[test]
+fn a_half_gone_attachment_starts_over_with_its_plugin_off_the_owner() -> anyhow::Result<()> {
+    privileged!();
+    let node = Netns::new("ds")?;
+    let fake = Fake::slow()?;
+    let ns = NsFile::new();
+    let mut agent = AgentProc::start(
+        &node,
+        &config(
+            &unique("n"),
+            &fake.conflist,
+            fake.dir.path(),
+            &ns,
+            "30s",
+            "",
+        ),
+    )?;
+    let conf = json!({
+        "cniVersion": "1.0.0",
+        "name": "pods",
+        "type": "lockstep",
+        "agentSocket": agent.socket(),
+    });
+    let add = |id: &str, netns: &Netns| -> anyhow::Result<(i32, Value)> {
+        let path = netns.path().display().to_string();
+        let env = [
+            ("CNI_COMMAND", "ADD"),
+            ("CNI_CONTAINERID", id),
+            ("CNI_IFNAME", "eth0"),
+            ("CNI_NETNS", path.as_str()),
+        ];
+        lockstep_plugin(&env, &conf)
+    };
+    let (slow, fast) = (unique("slow"), unique("fast"));
+    let first = Netns::new("dp")?;
+    let (code, out) = add(&slow, &first)?;
+    assert_eq!(code, 0, "first ADD: {out}");
+    // The pod's netns is deleted (its veth goes with it) without a DEL.
+    drop(first);
+    let second = Netns::new("dp")?;
+    let other = Netns::new("do")?;
+    let (again, fast_out, second_add_started) = std::thread::scope(|s| {
+        let again = s.spawn(|| add(&slow, &second));
+        wait_for(
+            "the start-over's DEL to run",
+            Duration::from_secs(5),
+            || (fake.calls_of("DEL", &slow) == 1).then_some(()),
+        )?;
+        let fast_out = add(&fast, &other)?;
+        // Still in the DEL's 5 s: the start-over has not reached its ADD.
+        let second_add_started = fake.calls_of("ADD", &slow) > 1;
+        let again = again
+            .join()
+            .map_err(|_| anyhow::anyhow!("the ADD panicked"))??;
+        anyhow::Ok((again, fast_out, second_add_started))
+    })?;
+    assert_eq!(fast_out.0, 0, "ADD of {fast}: {}", fast_out.1);
+    assert!(
+        !second_add_started,
+        "another pod's ADD waited for the start-over's plugin DEL"
+    );
+    assert_eq!(again.0, 0, "ADD again: {}", again.1);
+    assert_eq!(fake.calls_of("ADD", &slow), 2, "{:?}", fake.calls());
+    let held = fake.held();
+    let addr = &held[&format!("{slow}/eth0")];
+    assert_eq!(
+        again.1["ips"][0]["address"],
+        format!("{addr}/32"),
+        "{}",
+        again.1
+    );
+    for id in [&slow, &fast] {
+        let pod_ns = if id == &slow { &second } else { &other };
+        let path = pod_ns.path().display().to_string();
+        let env = [
+            ("CNI_COMMAND", "DEL"),
+            ("CNI_CONTAINERID", id.as_str()),
+            ("CNI_IFNAME", "eth0"),
+            ("CNI_NETNS", path.as_str()),
+        ];
+        let (code, out) = lockstep_plugin(&env, &conf)?;
+        assert_eq!(code, 0, "DEL {id}: {out}");
+    }
+    assert!(fake.held().is_empty(), "{:?}", fake.held());
+    agent.stop()?;
+    Ok(())
+}
