@@ -370,7 +370,7 @@ fn run(pin_root: &std::path::Path) -> anyhow::Result<()> {
     // Announcement leases (for the record): an ARP reply for an entry that
     // expires (its check reads the per-CPU clock cache), and the NDP reply
     // (a hash lookup, the checksum, the redirect).
-    let in_an_hour = lockstep::agent::announce::monotonic_ns() + 3_600_000_000_000;
+    let in_an_hour = lockstep::announce::monotonic_ns() + 3_600_000_000_000;
     let expiring = L2RespValue {
         ifindex: 1,
         mac: [2, 0, 0, 0, 0, 0x52],

@@ -7,6 +7,7 @@
 //! results into effects. [`datapath`] is the only module that uses aya.
 
 pub mod agent;
+pub mod announce;
 pub mod api;
 pub mod arp;
 pub mod cli;
@@ -18,7 +19,9 @@ pub mod datapath;
 pub mod delegate;
 pub mod install;
 pub mod kubernetes;
+pub mod lb_view;
 pub mod manifests;
+pub mod map_table;
 pub mod masquerade;
 pub mod metrics;
 pub mod ndp;

@@ -624,7 +624,7 @@ pub async fn run(config: Config) -> Result<(), ServerError> {
     });
     let stop = stop_rx.clone();
     tasks.keep("announcement renewer", move || {
-        crate::agent::announce::spawn_renewer(announcements.clone(), stop.clone())
+        crate::announce::spawn_renewer(announcements.clone(), stop.clone())
     });
     let beat = crate::metrics::refresher_heartbeat(&state.metrics);
     let (m, s, stop) = (state.metrics.clone(), slot.clone(), stop_rx.clone());

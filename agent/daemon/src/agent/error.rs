@@ -5,6 +5,7 @@
 //! the API server mapping codes to HTTP statuses) shares one definition.
 
 use super::*;
+use crate::map_table::MapTableError;
 
 /// Errors of agent operations. Each has a stable API code ([`AgentError::code`]).
 #[derive(Debug, thiserror::Error)]
@@ -163,6 +164,20 @@ impl AgentError {
 impl From<crate::delegate::DelegateError> for AgentError {
     fn from(e: crate::delegate::DelegateError) -> Self {
         AgentError::Delegate(Box::new(e))
+    }
+}
+
+/// A map of the table that could not be read or written, as the agent's
+/// own variants for it: a pin not opened ([`AgentError::Datapath`]), a
+/// trie not read ([`AgentError::Program`]), a batch syscall refused
+/// ([`AgentError::Reconcile`]).
+impl From<MapTableError> for AgentError {
+    fn from(e: MapTableError) -> Self {
+        match e {
+            MapTableError::Datapath(e) => AgentError::Datapath(e),
+            MapTableError::Read { map, source } => AgentError::Program { map, source },
+            MapTableError::Reconcile { map, source } => AgentError::Reconcile { map, source },
+        }
     }
 }
 

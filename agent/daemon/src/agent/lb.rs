@@ -9,13 +9,14 @@
 //! survive restarts because the state is restored, not rebuilt from service
 //! status (the race peers have).
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeSet;
 use std::net::IpAddr;
 
-use lockstep_core::lb::{LbIpam, LbPoolSpec, LbSnapshot, PoolStatus, ServiceSpec, ServiceStatus};
+use lockstep_core::lb::{LbIpam, LbPoolSpec, LbSnapshot, ServiceSpec};
 use serde::{Deserialize, Serialize};
 
 use super::{Agent, AgentError};
+use crate::lb_view::LbView;
 
 /// What `lb apply` sends: pools and services, either list may be empty.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
@@ -41,15 +42,6 @@ pub struct LbDelete {
     pub services: Vec<String>,
 }
 
-/// The LB state as the API shows it.
-#[derive(Clone, Debug, PartialEq, Serialize)]
-pub struct LbView {
-    /// Pools, with conflicts and usage.
-    pub pools: Vec<PoolStatus>,
-    /// Service statuses by `namespace/name`.
-    pub services: BTreeMap<String, ServiceStatus>,
-}
-
 fn lb_err(e: lockstep_core::lb::LbError) -> AgentError {
     AgentError::Invalid {
         reason: e.to_string(),
@@ -59,14 +51,7 @@ fn lb_err(e: lockstep_core::lb::LbError) -> AgentError {
 impl Agent {
     /// The LB state.
     pub fn lb_view(&self) -> LbView {
-        LbView {
-            pools: self.lb.pools().collect(),
-            services: self
-                .lb
-                .services()
-                .map(|(id, st)| (id.to_string(), st.clone()))
-                .collect(),
-        }
+        LbView::of(&self.lb)
     }
 
     /// LB metrics (per-pool usage and conflicts, pending by reason).

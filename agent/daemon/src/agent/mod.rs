@@ -19,23 +19,22 @@ use std::collections::BTreeMap;
 use std::net::IpAddr;
 use std::time::Instant;
 
-use ipnet::{IpNet, Ipv4Net, Ipv6Net};
-use lockstep_common::{V4Addr, V6Addr, map_names, max_entries};
+use ipnet::IpNet;
 use lockstep_core::cidr::Family;
 use lockstep_core::manager::{Allocation, ManagerConfig, ManagerError, PoolManager, StaticPools};
 use lockstep_core::owner::{Generation, Owner};
-use lockstep_core::plan::{MapDiff, diff, diff_sorted};
 use serde::{Deserialize, Serialize};
 
+use crate::announce::Announcements;
 use crate::config::{AttachModeConfig, Config};
 use crate::datapath::{
     AttachMode, Datapath, DatapathError, DatapathOptions, MapCapacities, PinnedMaps, sys,
 };
+use crate::map_table::MapContents;
 use crate::netlink::{Netlink, NetlinkError};
 use crate::store::{EndpointMode, EndpointRecord, Store, StoreError};
 
 pub mod allocation;
-pub mod announce;
 pub mod cluster_pools;
 pub mod delegated;
 pub mod doors;
@@ -46,20 +45,17 @@ mod error;
 pub mod handle;
 pub mod lb;
 mod leaked;
-mod map_table;
-mod maps;
 mod pins;
 pub mod reaper;
 mod reconcile;
 pub mod release;
 mod report;
 mod tunnel;
+mod uplink;
 
-pub use announce::{Announcements, UplinkHealth, UplinkProbe};
 pub use cluster_pools::RemoteSource;
 pub use error::AgentError;
 pub use handle::{AgentHandle, AgentThread, AgentView};
-use maps::MapContents;
 pub use report::{Drift, PoolStatus, ReconcileReport, Stats, Status, Uplink, VerifyReport};
 
 /// A request for an address.

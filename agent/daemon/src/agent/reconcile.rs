@@ -6,8 +6,9 @@
 //! It exists apart from the operations in `mod.rs` because it is the one
 //! place that compares the whole state against the datapath.
 
-use super::map_table::MAPS;
 use super::*;
+use crate::announce;
+use crate::map_table::MAPS;
 use std::net::{Ipv4Addr, Ipv6Addr};
 
 use lockstep_core::plan::desired::{DesiredInput, LocalEndpoint, desired};

@@ -1,6 +1,7 @@
 //! What the agent reports: verify's drift, reconcile's counts, pools and
 //! status as the API and CLI print them. Plain data, apart from the agent's
-//! state and operations.
+//! state and operations. A map's drift and a reconcile's counts are the map
+//! table's own ([`crate::map_table`]), which finds and counts them.
 
 use std::collections::BTreeMap;
 use std::net::IpAddr;
@@ -10,38 +11,7 @@ use lockstep_core::owner::Generation;
 
 use serde::{Deserialize, Serialize};
 
-/// One difference between what should be in a map and what is.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Drift {
-    /// The map.
-    pub map: String,
-    /// The key, printed.
-    pub key: String,
-    /// `missing`, `unexpected` or `different`.
-    pub kind: String,
-}
-
-/// What a reconcile did.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct ReconcileReport {
-    /// Entries written that were missing.
-    pub added: usize,
-    /// Entries rewritten because their value differed.
-    pub updated: usize,
-    /// Entries removed that nothing owns.
-    pub removed: usize,
-    /// Changes per map.
-    pub per_map: BTreeMap<String, usize>,
-    /// Wall time of the whole reconcile (plan, read, diff, write), µs.
-    pub micros: u64,
-}
-
-impl ReconcileReport {
-    /// Total changes.
-    pub fn total(&self) -> usize {
-        self.added + self.updated + self.removed
-    }
-}
+pub use crate::map_table::{Drift, ReconcileReport};
 
 /// Result of `verify`.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]

@@ -19,7 +19,7 @@ use lockstep_core::cidr::Family;
 use lockstep_core::cluster::LocalOverlap;
 use lockstep_core::pool::PoolSpec;
 
-use crate::agent::UplinkHealth;
+use crate::announce::UplinkHealth;
 
 /// The allocator as cluster mode changes it (in one job, nothing else in
 /// between).

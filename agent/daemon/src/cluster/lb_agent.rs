@@ -54,8 +54,7 @@ use super::lb_handle::{LbHandle, Shared};
 use super::lb_keeper::{KeeperEnds, KeeperLink};
 use super::lb_timing::{IDLE_ROUND, MIN_LEASE, TICK, Wake, mirror_stamp};
 use super::{ClusterStoreError, Door, DoorOptions, Link, Stamp};
-use crate::agent::announce::monotonic_ns;
-use crate::agent::{Announcements, UplinkHealth, UplinkProbe};
+use crate::announce::{Announcements, UplinkHealth, UplinkProbe, monotonic_ns};
 
 /// The bound on each etcd request: well under a third of the shortest
 /// lease, so a refresh that cannot be answered is known in time.

@@ -22,7 +22,7 @@ use lockstep_core::lb::announce::{Holder, KeyRef, Observation, Took, Withdrew, W
 
 use super::lb::selectors;
 use super::{ClusterStoreError, Door, LbView};
-use crate::agent::Announcements;
+use crate::announce::Announcements;
 
 /// How long a datapath write is waited for before it is reported lost
 /// (it may still land; a newer write is never overtaken by it).

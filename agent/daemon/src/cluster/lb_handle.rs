@@ -19,7 +19,7 @@ use tokio::sync::watch;
 
 use super::lb_timing::{TICK, changed};
 use super::{ClusterStoreError, Door, DoorOptions, LbView};
-use crate::agent::announce::monotonic_ns;
+use crate::announce::monotonic_ns;
 /// What the API, the CLI and metrics read of the LB agent, and the door
 /// `lockstep lb` uses in cluster mode.
 #[derive(Debug)]
@@ -352,7 +352,7 @@ pub struct Assignments {
     pub assigner: Option<String>,
     /// Pools and services as the stored state has them (the single-node
     /// shape).
-    pub lb: crate::agent::lb::LbView,
+    pub lb: crate::lb_view::LbView,
     /// Services stored but not yet in the state.
     pub pending: Vec<String>,
 }
@@ -362,13 +362,7 @@ fn assignments_of(view: &LbView) -> Result<Assignments, ClusterStoreError> {
         Some((s, _)) => restore(s)?,
         None => LbIpam::new(),
     };
-    let local = crate::agent::lb::LbView {
-        pools: lb.pools().collect(),
-        services: lb
-            .services()
-            .map(|(id, st)| (id.to_string(), st.clone()))
-            .collect(),
-    };
+    let local = crate::lb_view::LbView::of(&lb);
     Ok(Assignments {
         assigner: view.assigner.as_ref().map(|a| a.0.clone()),
         pending: view

@@ -27,7 +27,7 @@ use tokio::sync::watch;
 use super::keeping::{self, Waited};
 use super::lb_handle::LbHandle;
 use super::{Door, DoorOptions};
-use crate::agent::announce::monotonic_ns;
+use crate::announce::monotonic_ns;
 
 /// How soon a refresh etcd did not answer is tried again.
 const RETRY: Duration = Duration::from_millis(500);

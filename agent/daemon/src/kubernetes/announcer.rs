@@ -24,8 +24,7 @@ use tokio::sync::Notify;
 use super::backend::{Slot, on_agent};
 use super::election::Leadership;
 use super::local_traffic::LocalAnswers;
-use crate::agent::Announcements;
-use crate::agent::announce::monotonic_ns;
+use crate::announce::{Announcements, monotonic_ns};
 
 /// The cap given while this agent is not the writer: none (it announces
 /// none of the LB addresses then).

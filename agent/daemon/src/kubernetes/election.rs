@@ -25,7 +25,7 @@ use kube::api::Api;
 use lockstep_core::election::{Elector, Observed, Step, Write};
 
 use super::KubeError;
-use crate::agent::announce::monotonic_ns;
+use crate::announce::monotonic_ns;
 use crate::config::ElectionConfig;
 
 /// Whether this agent is the writer.

@@ -7,9 +7,10 @@
 //! of the pod): a cache that is behind (a watch broken, a relist slow) never
 //! makes a live pod's address a leak. Confirmed leaks are reported (the
 //! `lockstep_endpoint_leaks` metric, a warning per new leak, `verify`) and
-//! released only with `release_leaks = true`, through the agent's
-//! [`Agent::release_leaked`](crate::agent::Agent::release_leaked), which
-//! touches only an attachment still recorded for that pod. Agent-role,
+//! released only with `release_leaks = true`, through
+//! [`NodeEndpoints::release`] (the Kubernetes door's
+//! [`NodeAgent::release_leaked`](super::backend::NodeAgent::release_leaked)),
+//! which touches only an attachment still recorded for that pod. Agent-role,
 //! LoadBalancer and delegated addresses are never judged.
 
 use std::collections::BTreeSet;

@@ -10,7 +10,8 @@ use lockstep_core::cidr::Family;
 use lockstep_core::cluster::LocalOverlap;
 use lockstep_core::pool::PoolSpec;
 
-use crate::agent::{Agent, AgentHandle, UplinkHealth};
+use crate::agent::{Agent, AgentHandle};
+use crate::announce::UplinkHealth;
 use crate::cluster::allocator::{AgentSlot, AllocatorDoor, ClusterAllocator, DoorFuture, Job};
 
 impl ClusterAllocator for Agent {

@@ -10,7 +10,8 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use super::supervisor::Supervisor;
-use crate::agent::{AgentHandle, Announcements};
+use crate::agent::AgentHandle;
+use crate::announce::Announcements;
 use crate::api::AppState;
 use crate::config::Config;
 

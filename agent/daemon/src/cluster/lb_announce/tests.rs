@@ -9,9 +9,7 @@ use lockstep_core::lb::announce::{Holder, Observation};
 use lockstep_core::lb::cluster::Candidate;
 
 use super::*;
-use crate::agent::announce::monotonic_ns;
-use crate::agent::doors::MapDoor;
-use crate::agent::doors::doubles::MapDouble;
+use crate::announce::monotonic_ns;
 
 /// etcd's announcement keys in memory: address → (node, lease, create
 /// revision).
@@ -83,12 +81,17 @@ impl AnnounceKeys for KeysDouble {
     }
 }
 
-/// The announcement map through the agent's map door double: writes go
-/// through `l2_insert` / `l2_remove`, whose faults make a write fail
-/// part-way; `hang` makes every write go unanswered (a timeout).
+/// The announcement map in memory (L2_RESP_V4's entries): while
+/// `refuse_insert` or `refuse_remove` is set, every insert or removal is
+/// refused, and a write fails part-way; `hang` makes every write go
+/// unanswered (a timeout).
 #[derive(Default)]
 struct DatapathDouble {
-    maps: RefCell<MapDouble>,
+    l2: RefCell<BTreeMap<V4Addr, L2RespValue>>,
+    refuse_insert: Cell<bool>,
+    refuse_remove: Cell<bool>,
+    /// Removals tried, refused ones too.
+    removals: Cell<usize>,
     applied: Cell<u64>,
     hang: Cell<bool>,
     announced: RefCell<Vec<IpAddr>>,
@@ -110,18 +113,15 @@ impl AnnounceDatapath for DatapathDouble {
             return Written::Done;
         }
         self.applied.set(seq);
-        let mut maps = self.maps.borrow_mut();
+        let mut l2 = self.l2.borrow_mut();
         let want: BTreeSet<V4Addr> = addresses.iter().map(|a| v4(*a)).collect();
-        let gone: Vec<V4Addr> = maps
-            .l2
-            .keys()
-            .filter(|k| !want.contains(*k))
-            .copied()
-            .collect();
+        let gone: Vec<V4Addr> = l2.keys().filter(|k| !want.contains(*k)).copied().collect();
         for k in gone {
-            if maps.l2_remove(k).is_err() {
+            self.removals.set(self.removals.get() + 1);
+            if self.refuse_remove.get() {
                 return Written::Failed;
             }
+            l2.remove(&k);
         }
         for k in want {
             let value = L2RespValue {
@@ -129,9 +129,10 @@ impl AnnounceDatapath for DatapathDouble {
                 expires_ns: valid_until,
                 ..L2RespValue::default()
             };
-            if maps.l2_insert(k, &value).is_err() {
+            if self.refuse_insert.get() {
                 return Written::Failed;
             }
+            l2.insert(k, value);
         }
         Written::Done
     }
@@ -210,27 +211,24 @@ async fn a_failed_or_timed_out_unprogram_is_never_followed_by_the_withdrawal() {
     let wanted = view(&[A], &[]);
     tick(&mut d, &wanted, &mut keys, &dp).await;
     assert!(keys.all().contains_key(&A), "taken");
-    assert!(dp.maps.borrow().l2.contains_key(&v4(A)), "programmed");
+    assert!(dp.l2.borrow().contains_key(&v4(A)), "programmed");
     assert_eq!(*dp.announced.borrow(), vec![A], "announced once programmed");
 
     // The service is gone; removing the map entry fails.
-    dp.maps.borrow().faults.fail_always("l2_remove");
+    dp.refuse_remove.set(true);
     let gone = view(&[], &[(A, 7)]);
     for _ in 0..3 {
         tick(&mut d, &gone, &mut keys, &dp).await;
     }
-    assert!(
-        dp.maps.borrow().faults.calls("l2_remove") >= 3,
-        "the write was tried (and retried)"
-    );
-    assert!(dp.maps.borrow().l2.contains_key(&v4(A)), "still answering");
+    assert!(dp.removals.get() >= 3, "the write was tried (and retried)");
+    assert!(dp.l2.borrow().contains_key(&v4(A)), "still answering");
     assert_eq!(
         keys.withdrawals, 0,
         "withdrawn while the datapath still answers"
     );
 
     // The write no longer fails but is not answered in time.
-    dp.maps.borrow().faults.heal();
+    dp.refuse_remove.set(false);
     dp.hang.set(true);
     for _ in 0..3 {
         tick(&mut d, &gone, &mut keys, &dp).await;
@@ -240,7 +238,7 @@ async fn a_failed_or_timed_out_unprogram_is_never_followed_by_the_withdrawal() {
     // Confirmed: now, and only now, the key goes.
     dp.hang.set(false);
     tick(&mut d, &gone, &mut keys, &dp).await;
-    assert!(!dp.maps.borrow().l2.contains_key(&v4(A)));
+    assert!(!dp.l2.borrow().contains_key(&v4(A)));
     assert_eq!(keys.withdrawals, 1);
     assert!(keys.all().is_empty());
 }
@@ -254,18 +252,18 @@ async fn a_take_is_programmed_only_after_etcd_said_yes_and_announced_only_after_
     let dp = DatapathDouble::default();
     let wanted = view(&[A], &[]);
     tick(&mut d, &wanted, &mut keys, &dp).await;
-    assert!(dp.maps.borrow().l2.is_empty());
+    assert!(dp.l2.borrow().is_empty());
     assert!(dp.announced.borrow().is_empty());
     // Free, but the datapath write fails: held, not announced.
     keys.keys.clear();
-    dp.maps.borrow().faults.fail_always("l2_insert");
+    dp.refuse_insert.set(true);
     tick(&mut d, &wanted, &mut keys, &dp).await;
     assert!(keys.all().contains_key(&A));
     assert!(
         dp.announced.borrow().is_empty(),
         "announced without an entry"
     );
-    dp.maps.borrow().faults.heal();
+    dp.refuse_insert.set(false);
     tick(&mut d, &wanted, &mut keys, &dp).await;
     assert_eq!(*dp.announced.borrow(), vec![A]);
 }

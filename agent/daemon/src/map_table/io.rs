@@ -1,11 +1,15 @@
-//! Map I/O for verify and reconcile: the agent's view of the contents of the
-//! maps it owns ([`MapContents`]), reading them from the pins, applying a
-//! diff to them, and describing a diff as drift.
+//! Map I/O for the table's entries: reading each map kind from its pin
+//! into [`MapContents`](super::MapContents), applying a diff to it, and
+//! describing a diff as drift.
 //!
-//! It exists so that the reconcile logic deals in whole map contents and the
-//! byte-level reading and writing of each map kind stays in one place.
+//! It exists so that the table's walkers (verify, reconcile, the
+//! announcements) deal in whole map contents and the byte-level reading and
+//! writing of each map kind stays in one place.
 
-use super::*;
+use lockstep_core::plan::MapDiff;
+
+use super::{Drift, MapTableError, ReconcileReport};
+use crate::datapath::{PinnedMaps, sys};
 
 /// Raw bytes of a plain-data map value.
 pub(super) fn pod_bytes<T: aya::Pod>(v: &T) -> &[u8] {
@@ -19,15 +23,13 @@ pub(super) fn lpm_key_bytes(prefix_len: u8, addr: &[u8], out: &mut Vec<u8>) {
     out.extend_from_slice(addr);
 }
 
-pub(super) use lockstep_core::plan::desired::MapContents;
-
 /// Reads a map in bulk and returns it sorted by key.
 pub(super) fn read_hash<K: sys::RawKey, V: aya::Pod>(
     maps: &PinnedMaps,
     map: &'static str,
-) -> Result<Vec<(K, V)>, AgentError> {
+) -> Result<Vec<(K, V)>, MapTableError> {
     let raw = maps.raw(map)?;
-    sys::read_entries(raw.fd(), K::SIZE).map_err(|source| AgentError::Reconcile { map, source })
+    sys::read_entries(raw.fd(), K::SIZE).map_err(|source| MapTableError::Reconcile { map, source })
 }
 
 /// The slots of a slot array that hold something, sorted by slot.
@@ -35,9 +37,9 @@ pub(super) fn read_slots<V: aya::Pod + Default + PartialEq>(
     maps: &PinnedMaps,
     map: &'static str,
     slots: u32,
-) -> Result<Vec<(u32, V)>, AgentError> {
+) -> Result<Vec<(u32, V)>, MapTableError> {
     let raw = maps.raw(map)?;
-    sys::read_array(raw.fd(), slots).map_err(|source| AgentError::Reconcile { map, source })
+    sys::read_array(raw.fd(), slots).map_err(|source| MapTableError::Reconcile { map, source })
 }
 
 /// Applies one map's diff with batch syscalls: deletes first (frees room),
@@ -48,7 +50,7 @@ pub(super) fn apply<K: Ord + Clone, V: aya::Pod + Clone>(
     d: &MapDiff<K, V>,
     key_bytes: impl Fn(&K, &mut Vec<u8>),
     report: &mut ReconcileReport,
-) -> Result<(), AgentError> {
+) -> Result<(), MapTableError> {
     if d.is_empty() {
         return Ok(());
     }
@@ -61,7 +63,7 @@ pub(super) fn apply<K: Ord + Clone, V: aya::Pod + Clone>(
             key_bytes(k, &mut keys);
         }
         sys::delete_batch(raw.fd(), key_size(&keys, d.delete.len()), &keys)
-            .map_err(|source| AgentError::Reconcile { map, source })?;
+            .map_err(|source| MapTableError::Reconcile { map, source })?;
     }
     let n = d.add.len() + d.update.len();
     if n > 0 {
@@ -72,7 +74,7 @@ pub(super) fn apply<K: Ord + Clone, V: aya::Pod + Clone>(
             values.extend_from_slice(pod_bytes(v));
         }
         sys::update_batch(raw.fd(), key_size(&keys, n), size_of::<V>(), &keys, &values)
-            .map_err(|source| AgentError::Reconcile { map, source })?;
+            .map_err(|source| MapTableError::Reconcile { map, source })?;
     }
     report.added += d.add.len();
     report.updated += d.update.len();
@@ -87,7 +89,7 @@ pub(super) fn clear_slots<V: aya::Pod + Default>(
     maps: &PinnedMaps,
     map: &'static str,
     d: &MapDiff<u32, V>,
-) -> Result<(), AgentError> {
+) -> Result<(), MapTableError> {
     let slots: Vec<u32> = d
         .delete
         .iter()
@@ -105,7 +107,7 @@ pub(super) fn clear_slots<V: aya::Pod + Default>(
         .flat_map(|_| pod_bytes(&zero).to_vec())
         .collect();
     sys::update_batch(raw.fd(), 4, size_of::<V>(), &keys, &values)
-        .map_err(|source| AgentError::Reconcile { map, source })
+        .map_err(|source| MapTableError::Reconcile { map, source })
 }
 
 /// Second half: the slots that must hold an entry get it (all of them empty
@@ -115,7 +117,7 @@ pub(super) fn fill_slots<V: aya::Pod + Default + Clone>(
     map: &'static str,
     d: &MapDiff<u32, V>,
     report: &mut ReconcileReport,
-) -> Result<(), AgentError> {
+) -> Result<(), MapTableError> {
     let writes = MapDiff {
         add: d.add.iter().chain(&d.update).cloned().collect(),
         update: Vec::new(),

@@ -5,22 +5,96 @@
 //!
 //! It exists so that reading, verify and reconcile walk the same list: a map
 //! added here is read, checked and repaired, and none of them can forget one.
+//! It is a leaf under both of its writers: the agent's verify and reconcile
+//! walk the whole table, and the announcements (`crate::announce`) read and
+//! write their four maps through the same entries under a lock of their
+//! own, so neither imports the other for it. What a walk finds and does is
+//! reported here too ([`Drift`], [`ReconcileReport`]): plain data.
 
-use super::maps::{apply, clear_slots, drift, fill_slots, lpm_key_bytes, read_hash, read_slots};
-use super::*;
+use std::collections::BTreeMap;
+
 use aya::maps::{MapData, MapError, lpm_trie::LpmTrie};
+use ipnet::{Ipv4Net, Ipv6Net};
+use lockstep_common::{V4Addr, V6Addr, map_names, max_entries};
+pub use lockstep_core::plan::desired::MapContents;
+use lockstep_core::plan::{diff, diff_sorted};
+use serde::{Deserialize, Serialize};
+
+use crate::datapath::{DatapathError, PinnedMaps, sys};
+use io::{apply, clear_slots, drift, fill_slots, lpm_key_bytes, read_hash, read_slots};
+
+mod io;
+
+/// Why a map of the table could not be read or written.
+#[derive(Debug, thiserror::Error)]
+pub enum MapTableError {
+    /// The map's pin could not be opened.
+    #[error(transparent)]
+    Datapath(#[from] DatapathError),
+    /// Reading an LPM trie failed.
+    #[error("reading map {map} failed")]
+    Read {
+        /// The map.
+        map: &'static str,
+        /// aya's error.
+        #[source]
+        source: Box<MapError>,
+    },
+    /// A batch syscall reading or writing the map failed.
+    #[error("reconciling map {map} failed")]
+    Reconcile {
+        /// The map.
+        map: &'static str,
+        /// The syscall error.
+        #[source]
+        source: sys::SysError,
+    },
+}
+
+/// One difference between what should be in a map and what is.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Drift {
+    /// The map.
+    pub map: String,
+    /// The key, printed.
+    pub key: String,
+    /// `missing`, `unexpected` or `different`.
+    pub kind: String,
+}
+
+/// What a reconcile did.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReconcileReport {
+    /// Entries written that were missing.
+    pub added: usize,
+    /// Entries rewritten because their value differed.
+    pub updated: usize,
+    /// Entries removed that nothing owns.
+    pub removed: usize,
+    /// Changes per map.
+    pub per_map: BTreeMap<String, usize>,
+    /// Wall time of the whole reconcile (plan, read, diff, write), µs.
+    pub micros: u64,
+}
+
+impl ReconcileReport {
+    /// Total changes.
+    pub fn total(&self) -> usize {
+        self.added + self.updated + self.removed
+    }
+}
 
 /// One map in the table. Desired contents are computed for all maps at once
-/// (`Agent::desired`); each entry picks its part.
-pub(super) trait MapSpec: Sync {
+/// (the agent's `desired`); each entry picks its part.
+pub(crate) trait MapSpec: Sync {
     /// The map's name (`lockstep_common::map_names`).
     fn name(&self) -> &'static str;
     /// Reads the map from its pin into its part of `into`.
-    fn observe(&self, maps: &PinnedMaps, into: &mut MapContents) -> Result<(), AgentError>;
+    fn observe(&self, maps: &PinnedMaps, into: &mut MapContents) -> Result<(), MapTableError>;
     /// Adds the differences between `want` and `have` to `out`.
     fn drift(&self, want: &MapContents, have: &MapContents, out: &mut Vec<Drift>);
     /// Before any hash changes: clears the slots that go (slot arrays only).
-    fn clear(&self, _: &PinnedMaps, _: &MapContents, _: &MapContents) -> Result<(), AgentError> {
+    fn clear(&self, _: &PinnedMaps, _: &MapContents, _: &MapContents) -> Result<(), MapTableError> {
         Ok(())
     }
     /// Applies the diff to a hash or trie (slot arrays: nothing).
@@ -30,7 +104,7 @@ pub(super) trait MapSpec: Sync {
         _: &MapContents,
         _: &MapContents,
         _: &mut ReconcileReport,
-    ) -> Result<(), AgentError> {
+    ) -> Result<(), MapTableError> {
         Ok(())
     }
     /// After every hash changed: fills the slots that are new or differ.
@@ -40,7 +114,7 @@ pub(super) trait MapSpec: Sync {
         _: &MapContents,
         _: &MapContents,
         _: &mut ReconcileReport,
-    ) -> Result<(), AgentError> {
+    ) -> Result<(), MapTableError> {
         Ok(())
     }
     /// The number of desired entries, for the maps whose fill is reported
@@ -66,7 +140,7 @@ impl<K: sys::RawKey + Sync, V: aya::Pod + Clone + PartialEq + Sync> MapSpec for 
     fn name(&self) -> &'static str {
         self.name
     }
-    fn observe(&self, maps: &PinnedMaps, into: &mut MapContents) -> Result<(), AgentError> {
+    fn observe(&self, maps: &PinnedMaps, into: &mut MapContents) -> Result<(), MapTableError> {
         *(self.part_mut)(into) = read_hash(maps, self.name)?;
         Ok(())
     }
@@ -80,7 +154,7 @@ impl<K: sys::RawKey + Sync, V: aya::Pod + Clone + PartialEq + Sync> MapSpec for 
         want: &MapContents,
         have: &MapContents,
         report: &mut ReconcileReport,
-    ) -> Result<(), AgentError> {
+    ) -> Result<(), MapTableError> {
         let d = diff_sorted((self.part)(want), (self.part)(have));
         apply(maps, self.name, &d, self.key, report)
     }
@@ -105,8 +179,8 @@ impl<N: Ord + Clone + Sync + std::fmt::Display, V: aya::Pod + Clone + PartialEq 
     fn name(&self) -> &'static str {
         self.name
     }
-    fn observe(&self, maps: &PinnedMaps, into: &mut MapContents) -> Result<(), AgentError> {
-        *(self.part_mut)(into) = (self.read)(maps).map_err(|e| AgentError::Program {
+    fn observe(&self, maps: &PinnedMaps, into: &mut MapContents) -> Result<(), MapTableError> {
+        *(self.part_mut)(into) = (self.read)(maps).map_err(|e| MapTableError::Read {
             map: self.name,
             source: Box::new(e),
         })?;
@@ -122,7 +196,7 @@ impl<N: Ord + Clone + Sync + std::fmt::Display, V: aya::Pod + Clone + PartialEq 
         want: &MapContents,
         have: &MapContents,
         report: &mut ReconcileReport,
-    ) -> Result<(), AgentError> {
+    ) -> Result<(), MapTableError> {
         let d = diff((self.part)(want), (self.part)(have));
         apply(maps, self.name, &d, self.key, report)
     }
@@ -143,7 +217,7 @@ impl<V: aya::Pod + Default + Clone + PartialEq + Sync> MapSpec for Slots<V> {
     fn name(&self) -> &'static str {
         self.name
     }
-    fn observe(&self, maps: &PinnedMaps, into: &mut MapContents) -> Result<(), AgentError> {
+    fn observe(&self, maps: &PinnedMaps, into: &mut MapContents) -> Result<(), MapTableError> {
         *(self.part_mut)(into) = read_slots(maps, self.name, self.len)?;
         Ok(())
     }
@@ -156,7 +230,7 @@ impl<V: aya::Pod + Default + Clone + PartialEq + Sync> MapSpec for Slots<V> {
         maps: &PinnedMaps,
         want: &MapContents,
         have: &MapContents,
-    ) -> Result<(), AgentError> {
+    ) -> Result<(), MapTableError> {
         let d = diff_sorted((self.part)(want), (self.part)(have));
         clear_slots::<V>(maps, self.name, &d)
     }
@@ -166,7 +240,7 @@ impl<V: aya::Pod + Default + Clone + PartialEq + Sync> MapSpec for Slots<V> {
         want: &MapContents,
         have: &MapContents,
         report: &mut ReconcileReport,
-    ) -> Result<(), AgentError> {
+    ) -> Result<(), MapTableError> {
         let d = diff_sorted((self.part)(want), (self.part)(have));
         fill_slots(maps, self.name, &d, report)
     }
@@ -219,7 +293,7 @@ fn lpm_v6(n: &Ipv6Net, out: &mut Vec<u8>) {
 
 /// Every map the agent owns, in the order verify reports them and reconcile
 /// writes them.
-pub(super) static MAPS: &[&dyn MapSpec] = &[
+pub(crate) static MAPS: &[&dyn MapSpec] = &[
     &Hash {
         name: map_names::L2_RESP_V4,
         part: |c| &c.l2,

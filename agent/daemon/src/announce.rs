@@ -1,8 +1,19 @@
+//! The LB announcements' timing and the uplink's health, in a leaf that
+//! the agent, cluster mode's LB agent and the Kubernetes announcer share:
+//! the clock ([`monotonic_ns`]), the announcements' lease, the announcement
+//! maps behind their own lock, the uplink's health and a probe of it. It
+//! imports none of them, so neither the cluster nor the Kubernetes sources
+//! import the agent to announce. The maps are read and written through the
+//! map table ([`crate::map_table`]), the entries the agent's reconcile
+//! walks; what only the agent can do (attach the programs to an uplink
+//! created again) stays with the agent.
+//!
 //! Announcement leases: every L2_RESP_V4 and L2_RESP_V6 entry carries an
 //! expiry (`expires_ns`, kernel `CLOCK_MONOTONIC`) past which `from_native`
-//! stops answering ARP and NDP for it. The agent renews all of them every
-//! third of `[lb] announce_lease`; an agent that dies or hangs stops renewing,
-//! so its node stops answering within one lease though the pinned programs
+//! stops answering ARP and NDP for it. The agent's renewer
+//! ([`spawn_renewer`]) renews all of them every third of
+//! `[lb] announce_lease`; an agent that dies or hangs stops renewing, so
+//! its node stops answering within one lease though the pinned programs
 //! and maps live on (docs/datapath.md, "Announcement leases").
 //!
 //! One expiry serves all of a node's entries: the desired plan takes it from
@@ -30,10 +41,15 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
+use lockstep_common::map_names;
 use lockstep_core::plan::desired::{Uplink as AnnounceUplink, announcements};
 
-use super::map_table::MAPS;
-use super::*;
+use crate::datapath::PinnedMaps;
+use crate::map_table::{MAPS, MapContents, MapTableError, ReconcileReport};
+
+mod uplink;
+
+pub use uplink::{UplinkHealth, UplinkProbe};
 
 /// The kernel's `CLOCK_MONOTONIC` in nanoseconds: the clock
 /// `bpf_ktime_get_ns` reads.
@@ -52,21 +68,6 @@ pub fn monotonic_ns() -> u64 {
 /// datapath's "never expires" ([`lockstep_common::L2RespValue::expired`]),
 /// which no announcement of this agent may carry.
 const EXPIRED_NS: u64 = 1;
-
-/// Whether this node's uplink can answer ARP and NDP for an address
-/// ([`Agent::uplink_health`]).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum UplinkHealth {
-    /// No uplink configured: this node never answers for an address.
-    None,
-    /// Up, with carrier, the programs attached.
-    Answering,
-    /// It cannot answer now (down, without carrier, gone, or created again
-    /// and not attached): why.
-    Silent(String),
-    /// Netlink could not tell.
-    Unknown,
-}
 
 /// The announcements' lease.
 #[derive(Clone, Debug)]
@@ -123,7 +124,7 @@ impl Lease {
 }
 
 /// Whether `name` is one of the maps a renewal rewrites.
-pub(super) fn announcement_map(name: &str) -> bool {
+pub(crate) fn announcement_map(name: &str) -> bool {
     [
         map_names::L2_RESP_V4,
         map_names::L2_RESP_SLOTS,
@@ -134,7 +135,7 @@ pub(super) fn announcement_map(name: &str) -> bool {
 }
 
 /// `into` with its announcement maps' parts taken from `from`.
-pub(super) fn with_announced(into: MapContents, from: MapContents) -> MapContents {
+pub(crate) fn with_announced(into: MapContents, from: MapContents) -> MapContents {
     MapContents {
         l2: from.l2,
         l2_v6: from.l2_v6,
@@ -148,15 +149,15 @@ pub(super) fn with_announced(into: MapContents, from: MapContents) -> MapContent
 #[derive(Debug)]
 pub struct ClusterWriteError {
     /// Why.
-    pub error: Box<AgentError>,
+    pub error: Box<MapTableError>,
     /// Which of the write's (and the previous write's) addresses the maps
     /// answer for now, read back; `None`: the read back failed too.
     pub held: Option<BTreeSet<IpAddr>>,
 }
 
 /// The announcement maps and what they should hold, behind their own lock:
-/// shared by the agent (reconcile, single-node LB), the renewer and cluster
-/// mode's LB agent. Cloning shares it.
+/// shared by the agent (reconcile, single-node LB), the renewer, cluster
+/// mode's LB agent and the Kubernetes announcer. Cloning shares it.
 #[derive(Clone)]
 pub struct Announcements(Arc<Mutex<AnnounceState>>);
 
@@ -211,7 +212,7 @@ impl AnnounceState {
     /// Brings the announcement maps to [`AnnounceState::contents`], in the
     /// order reconcile uses (slots cleared first, filled last), counting
     /// the changes in `report`. Returns what was written.
-    fn write(&self, report: &mut ReconcileReport) -> Result<MapContents, AgentError> {
+    fn write(&self, report: &mut ReconcileReport) -> Result<MapContents, MapTableError> {
         let want = self.contents();
         let root = &self.maps;
         let mut have = MapContents::default();
@@ -234,7 +235,7 @@ impl AnnounceState {
     /// Which of `addrs` the announcement maps answer for now: an entry in
     /// the hash or in a slot (either may answer) that has not expired. An
     /// expired one answers nobody, and is not to be renewed back to life.
-    fn present(&self, addrs: &BTreeSet<IpAddr>) -> Result<BTreeSet<IpAddr>, AgentError> {
+    fn present(&self, addrs: &BTreeSet<IpAddr>) -> Result<BTreeSet<IpAddr>, MapTableError> {
         let mut have = MapContents::default();
         for m in MAPS.iter().filter(|m| announcement_map(m.name())) {
             m.observe(&self.maps, &mut have)?;
@@ -291,7 +292,7 @@ impl AnnounceState {
 
 impl Announcements {
     /// Announcements of `lease` written through `maps`.
-    pub(super) fn new(lease: Duration, maps: PinnedMaps) -> Self {
+    pub(crate) fn new(lease: Duration, maps: PinnedMaps) -> Self {
         Self(Arc::new(Mutex::new(AnnounceState {
             lease: Lease::new(lease),
             cluster_seq: 0,
@@ -309,7 +310,7 @@ impl Announcements {
     }
 
     /// The announcement maps' desired contents.
-    pub(super) fn contents(&self) -> MapContents {
+    pub(crate) fn contents(&self) -> MapContents {
         self.lock().contents()
     }
 
@@ -321,7 +322,7 @@ impl Announcements {
     ///
     /// # Errors
     /// A map could not be read.
-    pub(super) fn snapshot(&self) -> Result<(MapContents, MapContents), AgentError> {
+    pub(crate) fn snapshot(&self) -> Result<(MapContents, MapContents), MapTableError> {
         let s = self.lock();
         let mut have = MapContents::default();
         for m in MAPS.iter().filter(|m| announcement_map(m.name())) {
@@ -331,7 +332,7 @@ impl Announcements {
     }
 
     /// The uplink the entries name (`None`: nothing is announced).
-    pub(super) fn set_uplink(&self, uplink: Option<(u32, [u8; 6])>) {
+    pub(crate) fn set_uplink(&self, uplink: Option<(u32, [u8; 6])>) {
         self.lock().uplink = uplink;
     }
 
@@ -346,12 +347,12 @@ impl Announcements {
     ///
     /// # Errors
     /// A map could not be read or written.
-    pub(super) fn reconcile(
+    pub(crate) fn reconcile(
         &self,
         v4: Vec<Ipv4Addr>,
         v6: Vec<Ipv6Addr>,
         report: &mut ReconcileReport,
-    ) -> Result<(), AgentError> {
+    ) -> Result<(), MapTableError> {
         let mut s = self.lock();
         s.local_v4 = v4;
         s.local_v6 = v6;
@@ -366,7 +367,7 @@ impl Announcements {
     ///
     /// # Errors
     /// A map could not be read or written; the next renewal tries again.
-    pub fn renew(&self) -> Result<usize, AgentError> {
+    pub fn renew(&self) -> Result<usize, MapTableError> {
         let mut s = self.lock();
         let now = monotonic_ns();
         let lapsed = s.lease.renew(now);
@@ -441,87 +442,17 @@ impl Announcements {
         self.lock().send_live(addr);
     }
 
+    /// Sends a gratuitous ARP / unsolicited NA for `addr` whether or not
+    /// the entries are answered now: the agent's own (single-node LB)
+    /// announcement of an address it has just programmed.
+    pub(crate) fn send(&self, addr: IpAddr) {
+        self.lock().send(addr);
+    }
+
     /// The renewal period (a third of the lease).
     #[must_use]
     pub fn renew_every(&self) -> Duration {
         self.lock().lease.lease / 3
-    }
-}
-
-impl Agent {
-    /// The announcements (their own lock): for the renewer and cluster
-    /// mode's LB agent.
-    #[must_use]
-    pub fn announcements(&self) -> Announcements {
-        self.announce.clone()
-    }
-
-    /// Whether the uplink can answer for an address: it exists, is
-    /// administratively up, has carrier, and carries this agent's programs.
-    /// Cluster mode stops refreshing its LB lease while it cannot, so its
-    /// addresses move to a node that can answer: an uplink set down, one
-    /// whose cable (or veth peer, or switch port) went down and one deleted
-    /// are alike to the neighbours. An uplink deleted and created again
-    /// under its name (a new interface index) has lost the programs with
-    /// the old interface: they are attached to the new one here, and the
-    /// old one's link pins removed.
-    pub fn uplink_health(&mut self) -> UplinkHealth {
-        let Some(up) = self.uplink.as_ref() else {
-            return UplinkHealth::None;
-        };
-        let (name, index) = (up.name.clone(), up.index);
-        if self.netlink.is_none() {
-            self.netlink = Netlink::current().ok();
-        }
-        let Some(netlink) = self.netlink.as_ref() else {
-            return UplinkHealth::Unknown;
-        };
-        let link = match netlink.link(&name) {
-            Ok(Some(link)) => link,
-            Ok(None) => return UplinkHealth::Silent(format!("uplink {name} is gone")),
-            Err(_) => return UplinkHealth::Unknown,
-        };
-        if link.index != index {
-            if let Err(e) = self.attach_uplink() {
-                return UplinkHealth::Silent(format!(
-                    "uplink {name} was created again (index {index} -> {}) and the programs could not be attached to it: {}",
-                    link.index,
-                    crate::error_chain(&e)
-                ));
-            }
-            for (program, hook) in [
-                (
-                    lockstep_common::program_names::TO_NATIVE,
-                    crate::datapath::Hook::Egress,
-                ),
-                (
-                    lockstep_common::program_names::FROM_NATIVE,
-                    crate::datapath::Hook::Ingress,
-                ),
-            ] {
-                if let Err(e) = self.datapath.detach_index(program, index, hook) {
-                    tracing::warn!(error = %crate::error_chain(&e), program, index, "the gone uplink's link pin is not removed");
-                }
-            }
-            tracing::info!(uplink = %name, old = index, new = link.index, "uplink created again: programs attached to the new interface");
-        }
-        link_health(&name, link.up, link.carrier)
-    }
-
-    /// A probe of the uplink's health that asks the kernel, never the
-    /// agent (`None`: no uplink).
-    pub fn uplink_probe(&self) -> Option<UplinkProbe> {
-        self.uplink.as_ref().map(|up| UplinkProbe {
-            name: up.name.clone(),
-            announcements: self.announcements(),
-            netlink: None,
-        })
-    }
-
-    /// Announces `addr` on the uplink (single-node LB): gratuitous ARP
-    /// (IPv4) or unsolicited Neighbor Advertisement (IPv6), best effort.
-    pub(super) fn send_announcement(&self, addr: IpAddr) {
-        self.announce.lock().send(addr);
     }
 }
 
@@ -613,50 +544,5 @@ mod tests {
         std::thread::sleep(Duration::from_millis(5));
         let b = monotonic_ns();
         assert!(b >= a + 5_000_000 && b < a + 5_000_000_000);
-    }
-}
-
-/// The uplink's health as the kernel tells it, read without the agent: the
-/// LB agent asks it every tick, and a CNI call or a reconcile holding the
-/// agent never hides a lost carrier from it.
-#[derive(Debug)]
-pub struct UplinkProbe {
-    name: String,
-    /// Which interface index the programs are attached to.
-    announcements: Announcements,
-    /// Its own handle (made on the first check).
-    netlink: Option<Netlink>,
-}
-
-impl UplinkProbe {
-    /// The uplink's health now. Blocking (a netlink request). `None`: the
-    /// uplink was created again under its name, and only the agent can
-    /// attach the programs to it ([`Agent::uplink_health`]).
-    pub fn check(&mut self) -> Option<UplinkHealth> {
-        if self.netlink.is_none() {
-            self.netlink = Netlink::current().ok();
-        }
-        let Some(netlink) = self.netlink.as_ref() else {
-            return Some(UplinkHealth::Unknown);
-        };
-        let name = &self.name;
-        let link = match netlink.link(name) {
-            Ok(Some(link)) => link,
-            Ok(None) => return Some(UplinkHealth::Silent(format!("uplink {name} is gone"))),
-            Err(_) => return Some(UplinkHealth::Unknown),
-        };
-        if self.announcements.uplink_index() != Some(link.index) {
-            return None;
-        }
-        Some(link_health(name, link.up, link.carrier))
-    }
-}
-
-/// What an uplink's flags say of it.
-fn link_health(name: &str, up: bool, carrier: bool) -> UplinkHealth {
-    match (up, carrier) {
-        (true, true) => UplinkHealth::Answering,
-        (false, _) => UplinkHealth::Silent(format!("uplink {name} is down")),
-        (true, false) => UplinkHealth::Silent(format!("uplink {name} has no carrier")),
     }
 }
