@@ -377,6 +377,11 @@ impl Fake {
 
     /// A fake whose ADD and DEL of containers named `slow…` sleep 5 s.
     fn slow() -> anyhow::Result<Self> {
+        Self::slow_for("slow")
+    }
+
+    /// A fake whose ADD and DEL of containers named `prefix…` sleep 5 s.
+    fn slow_for(prefix: &str) -> anyhow::Result<Self> {
         let fake = Self::new("ok", false)?;
         let v = json!({
             "cniVersion": "1.0.0",
@@ -384,7 +389,7 @@ impl Fake {
             "plugins": [{
                 "type": "ptp",
                 "ipam": {"type": fake.plugin, "fake": {
-                    "mode": "ok", "log": fake.log, "slow_ms": 5000, "slow_prefix": "slow",
+                    "mode": "ok", "log": fake.log, "slow_ms": 5000, "slow_prefix": prefix,
                 }},
             }],
         });
@@ -1174,6 +1179,81 @@ fn a_half_gone_attachment_starts_over_with_its_plugin_off_the_owner() -> anyhow:
         assert_eq!(code, 0, "DEL {id}: {out}");
     }
     assert!(fake.held().is_empty(), "{:?}", fake.held());
+    agent.stop()?;
+    Ok(())
+}
+
+/// Set-up runs the plugin with the agent free (#46 item 2): while the
+/// router role's ADD sleeps 5 s, the agent's owner runs other commands
+/// (the scrapes' refreshes), and the agent is still not ready; once the
+/// ADD returns, the role holds its address and the agent is ready.
+#[test]
+fn set_up_runs_the_plugin_with_the_agent_free() -> anyhow::Result<()> {
+    privileged!();
+    let node = Netns::new("du")?;
+    let fake = Fake::slow_for("lockstep-")?;
+    // Set-up's first try (at the start) finds no conflist; the server's
+    // set-up loop makes the slow ADD once it appears.
+    let hidden = fake.conflist.with_extension("hidden");
+    std::fs::rename(&fake.conflist, &hidden)?;
+    let ns = NsFile::new();
+    let name = unique("n");
+    let mut agent = AgentProc::spawn_unready(
+        &node,
+        &config(
+            &name,
+            &fake.conflist,
+            fake.dir.path(),
+            &ns,
+            "30s",
+            "[roles.router]\nipv4 = true\n",
+        ),
+    )?;
+    wait_for("waiting for the conflist", Duration::from_secs(20), || {
+        agent.status_json().filter(|s| {
+            s["ready"] == false && s["reason"].as_str().is_some_and(|r| r.contains("conflist"))
+        })
+    })?;
+    std::fs::rename(&hidden, &fake.conflist)?;
+    let router = format!("lockstep-{name}-router");
+    wait_for("the role's ADD to start", Duration::from_secs(5), || {
+        (fake.calls_of("ADD", &router) == 1).then_some(())
+    })?;
+    // The owner runs commands meanwhile: each scrape asks it for a
+    // refresh (and waits at most 100 ms), and the count of commands it
+    // ran moves.
+    let commands = || {
+        lockstep_tests::cluster::metric_in(&node, "lockstep_agent_commands_total")
+            .context("lockstep_agent_commands_total")
+    };
+    let before = commands()?;
+    std::thread::sleep(Duration::from_millis(500));
+    let after = commands()?;
+    let answered = Instant::now();
+    let st = agent.status_json().context("status")?;
+    assert_eq!(st["ready"], false, "set-up's ADD returned already: {st}");
+    assert!(
+        after > before,
+        "no command ran on the owner while set-up's plugin slept ({before} -> {after})"
+    );
+    let ready = wait_for("ready", Duration::from_secs(10), || {
+        agent.status_json().filter(|s| s["ready"] == true)
+    })?;
+    assert!(
+        answered.elapsed() > Duration::from_secs(1),
+        "the commands ran well before the ADD returned"
+    );
+    let roles = roles(&agent)?;
+    let held = fake.held();
+    assert_eq!(
+        roles.get("router").map(Vec::len),
+        Some(1),
+        "{ready} {held:?}"
+    );
+    assert!(
+        held.contains_key(&format!("{router}/ls-router")),
+        "{held:?}"
+    );
     agent.stop()?;
     Ok(())
 }

@@ -20,19 +20,20 @@
 use std::collections::BTreeSet;
 use std::net::IpAddr;
 use std::path::PathBuf;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use lockstep_core::manager::Allocation;
 use lockstep_core::owner::{AgentRole, Generation, Owner};
 
 use super::{Agent, AgentError};
 use crate::config::IpamMode;
-use crate::delegate::{
-    AddOutcome, DelegateError, PluginConf, Runner, Target, check_state_dir, ensure_netns,
-};
-use crate::error_chain as chain;
+use crate::delegate::{AddOutcome, DelegateError, Runner, Target};
 use crate::store::{DelegatedRecord, EndpointRecord};
 use crate::wire::{EndpointAddress, EndpointReply, EndpointRequest};
+
+mod setup;
+
+pub use setup::{Held, OnAgent, poll_setup};
 
 /// How long a failed set-up waits before it is tried again.
 pub const RETRY: Duration = Duration::from_secs(1);
@@ -201,6 +202,16 @@ impl Agent {
         self.config.ipam.mode == IpamMode::Delegated
     }
 
+    /// Tries delegated set-up once, on this agent held by the caller (its
+    /// start); the server retries it through the owner's handle
+    /// ([`poll_setup`]). Returns whether the agent is ready.
+    ///
+    /// # Errors
+    /// As [`poll_setup`].
+    pub fn poll_setup(&mut self) -> Result<bool, AgentError> {
+        poll_setup(&Held(std::cell::RefCell::new(self)))
+    }
+
     /// Counts a CNI command sent to the plugin.
     pub(super) fn count(&mut self, command: &'static str) {
         *self.stats.ipam_commands.entry(command).or_default() += 1;
@@ -259,225 +270,11 @@ impl Agent {
         })
     }
 
-    /// Tries delegated set-up (once per call, retried by the server until it
-    /// succeeds). Returns whether the agent is ready.
-    ///
-    /// # Errors
-    /// Only what must refuse delegated mode (the plugin's state is not the
-    /// node's); everything else is reported through status and retried.
-    pub fn poll_setup(&mut self) -> Result<bool, AgentError> {
-        if self.ready {
-            return Ok(true);
-        }
-        if !self.delegated_mode() {
-            self.ready = true;
-            return Ok(true);
-        }
-        if self.retry_at.is_some_and(|at| Instant::now() < at) {
-            return Ok(false);
-        }
-        match self.delegated_setup() {
-            Ok(()) => {
-                self.ready = true;
-                self.not_ready = None;
-                self.retry_at = None;
-                tracing::info!(roles = ?self.roles(), "delegated IPAM set up; ready");
-                Ok(true)
-            }
-            Err(AgentError::Delegate(e)) if e.is_fatal() => Err(AgentError::Delegate(e)),
-            Err(e) => {
-                let waiting = matches!(
-                    &e,
-                    AgentError::Delegate(d) if matches!(**d, DelegateError::ConflistMissing { .. })
-                );
-                let reason = chain(&e);
-                if self.not_ready.as_deref() != Some(reason.as_str()) {
-                    if waiting {
-                        tracing::info!(%reason, "not ready");
-                    } else {
-                        tracing::error!(%reason, "delegated IPAM set-up failed; retrying");
-                    }
-                }
-                self.not_ready = Some(reason);
-                // A missing file is polled at the server's pace; a failing
-                // plugin is not hammered.
-                self.retry_at = (!waiting).then(|| Instant::now() + RETRY);
-                Ok(false)
-            }
-        }
-    }
-
-    fn delegated_setup(&mut self) -> Result<(), AgentError> {
-        let cfg = self.config.ipam.clone();
-        let conf = PluginConf::load(&cfg.conflist, &cfg.plugin_dirs)?;
-        if let Some(dir) = &conf.state_dir {
-            check_state_dir(dir, &cfg.node_root)?;
-        }
-        let netns = self.ipam_netns();
-        ensure_netns(&netns)?;
-        tracing::info!(plugin = %conf.plugin, binary = %conf.binary.display(), netns = %netns.display(), "delegated IPAM plugin found");
-        self.delegate = Some(Runner {
-            conf,
-            cni_path: cfg.plugin_dirs.clone(),
-            timeout: cfg.timeout,
-        });
-        self.sync_delegated_roles()?;
-        self.check_delegated_endpoints();
-        self.reconcile_inner()?;
-        Ok(())
-    }
-
-    /// CHECKs every remembered endpoint attachment (0.4.0+ plugins, same
-    /// plugin config). Unlike a role, an endpoint whose CHECK fails is not
-    /// re-ADDed behind its pod's back (that would change a running pod's
-    /// address): the failure is logged and counted, and the runtime's own
-    /// CHECK/DEL/ADD cycle repairs it.
-    fn check_delegated_endpoints(&mut self) {
-        let Ok(runner) = self.runner().cloned() else {
-            return;
-        };
-        let endpoints: Vec<DelegatedRecord> = self
-            .delegated
-            .values()
-            .filter(|d| matches!(d.owner, Owner::Delegated { .. }))
-            .cloned()
-            .collect();
-        for d in endpoints {
-            let checkable = runner.has_check()
-                && d.config_hash == runner.conf.hash
-                && d.cni_version
-                    .parse::<crate::cni::CniVersion>()
-                    .is_ok_and(|v| v >= crate::cni::CniVersion::V0_4_0);
-            if !checkable {
-                continue;
-            }
-            self.count("CHECK");
-            let target = Target {
-                container_id: &d.container_id,
-                ifname: &d.ifname,
-                netns: &d.netns,
-            };
-            if let Err(e) = runner.check(&target, &d.result) {
-                self.count("CHECK_FAILED");
-                tracing::error!(container = %d.container_id, ifname = %d.ifname, error = %e, "delegated CHECK of an endpoint failed");
-            }
-        }
-    }
-
-    /// Roles the configuration enables (either family).
-    fn wanted_delegated_roles(&self) -> BTreeSet<AgentRole> {
-        let r = &self.config.roles;
-        [
-            (AgentRole::Router, &r.router),
-            (AgentRole::Health, &r.health),
-            (AgentRole::Ingress, &r.ingress),
-        ]
-        .into_iter()
-        .filter(|(_, c)| c.ipv4 || c.ipv6)
-        .map(|(role, _)| role)
-        .collect()
-    }
-
-    /// Makes the role attachments match the configuration: CHECK what is
-    /// remembered (0.4.0+; DEL and ADD again when CHECK fails, or always for
-    /// older plugins and a changed plugin config), DEL what is disabled, ADD
-    /// what is missing.
-    fn sync_delegated_roles(&mut self) -> Result<(), AgentError> {
-        let wanted = self.wanted_delegated_roles();
-        let held: Vec<DelegatedRecord> = self
-            .delegated
-            .values()
-            .filter(|d| matches!(d.owner, Owner::Agent { .. }))
-            .cloned()
-            .collect();
-        let mut kept = BTreeSet::new();
-        for d in held {
-            let Owner::Agent { role } = d.owner else {
-                continue;
-            };
-            if !wanted.contains(&role) {
-                tracing::info!(%role, addresses = ?d.addresses, "role disabled; releasing its delegated address");
-                self.delegated_release(&d)?;
-                continue;
-            }
-            let runner = self.runner()?.clone();
-            let same_config = d.config_hash == runner.conf.hash && d.plugin == runner.conf.plugin;
-            let checkable = runner.has_check()
-                && d.cni_version
-                    .parse::<crate::cni::CniVersion>()
-                    .is_ok_and(|v| v >= crate::cni::CniVersion::V0_4_0);
-            if same_config && checkable {
-                self.count("CHECK");
-                let target = Target {
-                    container_id: &d.container_id,
-                    ifname: &d.ifname,
-                    netns: &d.netns,
-                };
-                match runner.check(&target, &d.result) {
-                    Ok(()) => {
-                        kept.insert(role);
-                        continue;
-                    }
-                    Err(e) => {
-                        tracing::warn!(%role, error = %e, "CHECK failed; DEL and ADD again");
-                    }
-                }
-            } else if !same_config {
-                tracing::info!(%role, "the plugin config changed; DEL and ADD again");
-            } else {
-                tracing::info!(%role, "the plugin predates CHECK; DEL and ADD again");
-            }
-            self.delegated_release(&d)?;
-        }
-        for role in wanted.difference(&kept).copied().collect::<Vec<_>>() {
-            self.delegated_add_role(role)?;
-        }
-        Ok(())
-    }
-
     fn next_generation(&self) -> Generation {
         let mine = self.delegated.values().map(|d| d.generation).max();
         mine.unwrap_or_default()
             .max(self.manager.generation())
             .next()
-    }
-
-    /// Runs ADD and validates the result; on any failure after a successful
-    /// ADD sends a compensating DEL.
-    fn delegated_add(
-        &mut self,
-        owner: Owner,
-        target: &Target<'_>,
-    ) -> Result<DelegatedRecord, AgentError> {
-        let runner = self.runner()?.clone();
-        self.count("ADD");
-        let outcome = match runner.add(target) {
-            Ok(o) => o,
-            Err(e) => {
-                // A hung or garbled ADD may have allocated: DEL is idempotent.
-                if !matches!(e, DelegateError::Plugin { .. }) {
-                    self.compensate(&runner, target, None);
-                }
-                return Err(e.into());
-            }
-        };
-        let record = DelegatedRecord {
-            owner,
-            container_id: target.container_id.to_string(),
-            ifname: target.ifname.to_string(),
-            netns: target.netns.to_path_buf(),
-            plugin: runner.conf.plugin.clone(),
-            config_hash: runner.conf.hash.clone(),
-            cni_version: runner.conf.cni_version.as_str().to_string(),
-            result: outcome.raw,
-            addresses: outcome.addresses,
-            generation: self.next_generation(),
-        };
-        if let Err(e) = self.check_unique(&record) {
-            self.compensate(&runner, target, Some(&record.result));
-            return Err(e);
-        }
-        Ok(record)
     }
 
     /// Refuses a result that names an address someone else holds.
@@ -516,76 +313,6 @@ impl Agent {
         self.count("DEL");
         self.count(COMPENSATING_DEL);
         send_compensating_del(runner, target, prev);
-    }
-
-    fn delegated_add_role(&mut self, role: AgentRole) -> Result<(), AgentError> {
-        let (container_id, ifname) = self.role_attachment(role);
-        let netns = self.ipam_netns();
-        let target = Target {
-            container_id: &container_id,
-            ifname: &ifname,
-            netns: &netns,
-        };
-        let record = self.delegated_add(Owner::agent(role), &target)?;
-        let runner = self.runner()?.clone();
-        if let Err(e) = self.store.put_delegated(&record, None) {
-            self.compensate(&runner, &target, Some(&record.result));
-            return Err(e.into());
-        }
-        let key = record.key();
-        self.delegated.insert(key.clone(), record.clone());
-        let allocs = Self::allocations_of(&record);
-        for a in &allocs {
-            if let Err(e) = self.program(a) {
-                // Every undo step is tried and every failure reported. The
-                // record goes from memory and the plugin only once the store
-                // has let it go: if the store refuses, store, memory and
-                // plugin keep agreeing that the role holds the address, and
-                // reconcile programs it.
-                let mut more: Vec<AgentError> = allocs
-                    .iter()
-                    .filter_map(|b| self.unprogram(b).err())
-                    .collect();
-                match self.store.remove_delegated(&key) {
-                    Ok(()) => {
-                        self.delegated.remove(&key);
-                        self.compensate(&runner, &target, Some(&record.result));
-                    }
-                    Err(s) => more.push(s.into()),
-                }
-                return Err(AgentError::with_more(e, more));
-            }
-        }
-        tracing::info!(%role, addresses = ?record.addresses, "reserved a delegated role address");
-        Ok(())
-    }
-
-    /// Releases a delegated attachment: unprogram → DEL → commit. A failed
-    /// DEL puts the entries back and keeps the record (retried later).
-    fn delegated_release(&mut self, d: &DelegatedRecord) -> Result<(), AgentError> {
-        let runner = self.runner()?.clone();
-        let allocs = Self::allocations_of(d);
-        for a in &allocs {
-            self.unprogram(a)?;
-        }
-        self.count("DEL");
-        let target = Target {
-            container_id: &d.container_id,
-            ifname: &d.ifname,
-            netns: &d.netns,
-        };
-        if let Err(e) = runner.del(&target, Some(&d.result)) {
-            // The plugin still holds the addresses: put the entries back,
-            // and report any that cannot be (verify shows them missing).
-            let more: Vec<AgentError> = allocs
-                .iter()
-                .filter_map(|a| self.program(a).err())
-                .collect();
-            return Err(AgentError::with_more(e.into(), more));
-        }
-        self.store.remove_delegated(&d.key())?;
-        self.delegated.remove(&d.key());
-        Ok(())
     }
 
     /// Endpoint ADD in delegated mode, first hold: the attachment marked

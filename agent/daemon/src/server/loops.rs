@@ -8,7 +8,8 @@ use std::time::Duration;
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 
-use crate::agent::{Agent, AgentError, AgentHandle};
+use crate::agent::delegated::poll_setup;
+use crate::agent::{AgentError, AgentHandle};
 use crate::metrics::Heartbeat;
 
 /// How often a pending set-up is tried again.
@@ -29,19 +30,29 @@ pub(super) fn setup(
                 () = tokio::time::sleep(SETUP_EVERY) => {}
                 _ = stop.wait_for(|s| *s) => break,
             }
-            let r = slot
-                .ask(|a| a.as_mut().map_or(Ok(true), Agent::poll_setup))
-                .await;
+            // The plugin runs on the blocking pool, the agent free between
+            // set-up's steps (`agent::delegated::setup`).
+            let handle = slot.clone();
+            let attempt = tokio::task::spawn_blocking(move || poll_setup(&handle));
+            let r = tokio::select! {
+                r = attempt => r,
+                // Not waited for: its next step on the stopped owner fails.
+                _ = stop.wait_for(|s| *s) => break,
+            };
             match r {
                 Ok(Ok(true)) => break,
                 Ok(Ok(false)) => {}
-                Ok(Err(e)) => {
-                    let _ = fatal.send(e).await;
+                Ok(Err(AgentError::Delegate(e))) if e.is_fatal() => {
+                    let _ = fatal.send(AgentError::Delegate(e)).await;
                     break;
                 }
-                // The owner stopped: its end is reported where it is
-                // watched.
-                Err(_) => break,
+                // The owner stopped (or holds no agent): its end is
+                // reported where it is watched.
+                Ok(Err(_)) => break,
+                Err(e) => {
+                    tracing::error!(error = %e, "delegated set-up panicked");
+                    break;
+                }
             }
         }
     })
