@@ -11,7 +11,9 @@
 //! - delete: <= 5 µs per service;
 //! - conflict detection for 1k pools applied one at a time: <= 10 ms in
 //!   total (the interval index alone; the allocator sync is reported apart);
-//! - 1k pools applied as one batch, everything included: <= 50 ms.
+//! - 1k pools applied as one batch, everything included: <= 50 ms;
+//! - an LB holder's announcer tick (10 addresses held of 40) with 1,000
+//!   members: <= 1.2x the same with 10 members (#47).
 
 use std::hint::black_box;
 use std::process::ExitCode;
@@ -21,6 +23,8 @@ use lockstep_core::lb::{LabelSelector, LbIpam, LbPoolSpec, ServiceSpec};
 
 #[path = "../../daemon/benches/shared/smoke.rs"]
 mod smoke;
+#[path = "lb/tick.rs"]
+mod tick;
 
 /// Runs per figure, the median reported (1 in a smoke run: `smoke.rs`).
 fn runs() -> usize {
@@ -224,6 +228,30 @@ fn main() -> ExitCode {
         measured: format!("{per_pool:.1} µs"),
         goal: "(info)",
         pass: None,
+    });
+
+    // 6. An LB holder's tick, 1,000 members against 10, side by side.
+    let ticks = smoke::size(2_000, 50);
+    let small = tick::per_tick(10, runs(), ticks);
+    let large = tick::per_tick(1_000, runs(), ticks);
+    let ratio = large / small;
+    lines.push(Line {
+        name: "LB holder tick, 10 members".into(),
+        measured: format!("{:.1} µs", small / 1e3),
+        goal: "(info)",
+        pass: None,
+    });
+    lines.push(Line {
+        name: "LB holder tick, 1,000 members".into(),
+        measured: format!("{:.1} µs", large / 1e3),
+        goal: "(info)",
+        pass: None,
+    });
+    lines.push(Line {
+        name: "LB holder tick, 1,000 / 10 members".into(),
+        measured: format!("{ratio:.2}x"),
+        goal: "<= 1.2x",
+        pass: Some(ratio <= 1.2),
     });
 
     println!("lockstep-core lb bench: median of {} runs", runs());

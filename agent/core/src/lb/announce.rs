@@ -65,8 +65,10 @@
 //! carried out within a budget) is [`driver::Driver`], the one the daemon
 //! runs and the model drives.
 
+use std::cell::{RefCell, RefMut};
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
+use std::sync::Arc;
 
 use super::LabelSelector;
 use super::cluster::{Candidate, weight};
@@ -266,7 +268,14 @@ pub struct Announcer {
     /// Writes issued after it (pending, failed or unanswered): any of them
     /// may be what the datapath holds.
     outstanding: BTreeMap<u64, Write>,
-    view: Option<Observation>,
+    /// The last read, with what this node learned since (its takes and
+    /// withdrawals answered). Shared with `decide`, never cloned whole.
+    view: Option<Arc<Observation>>,
+    /// Counts changes of `view`: what `derived` holds is of one.
+    view_gen: u64,
+    /// What is derived from the view, computed once per view and only
+    /// when asked, so a tick costs the same whatever the member count.
+    derived: RefCell<Derived>,
     /// When each address was first seen held by nobody (reset when held).
     unheld_since: BTreeMap<IpAddr, Nanos>,
     /// When each membership (node, lease) was first seen answering (one
@@ -305,6 +314,8 @@ impl Announcer {
             confirmed: None,
             outstanding: BTreeMap::new(),
             view: None,
+            view_gen: 0,
+            derived: RefCell::new(Derived::default()),
             unheld_since: BTreeMap::new(),
             member_since: BTreeMap::new(),
             quiet_since: None,
@@ -489,7 +500,8 @@ impl Announcer {
             (true, true, Some(t)) => Some(t),
             (true, _, _) => Some(now),
         };
-        self.view = Some(view);
+        self.view = Some(Arc::new(view));
+        self.view_gen += 1;
         self.refused.clear();
     }
 
@@ -542,7 +554,10 @@ impl Announcer {
                 // The last read is older than this answer.
                 if let Some(view) = self.view.as_mut() {
                     let me = self.me.clone();
-                    view.holders.insert(a, Holder { node: me, lease });
+                    Arc::make_mut(view)
+                        .holders
+                        .insert(a, Holder { node: me, lease });
+                    self.view_gen += 1;
                     self.unheld_since.remove(&a);
                 }
             }
@@ -578,7 +593,9 @@ impl Announcer {
                 if let Some(view) = self.view.as_mut()
                     && view.holders.get(&a).is_some_and(|h| h.node == self.me)
                 {
+                    let view = Arc::make_mut(view);
                     view.holders.remove(&a);
+                    self.view_gen += 1;
                     if view.addresses.contains_key(&a) {
                         self.unheld_since.entry(a).or_insert(now);
                     }
@@ -602,23 +619,82 @@ impl Announcer {
         // While refusing, this node publishes that it does not answer;
         // what it holds and answers for it keeps all the same.
         let refusing = !self.answers();
-        view.members.iter().any(|(c, _)| {
-            c.name == self.me
-                && (admits(c, sel) || (refusing && (sel.is_empty() || sel.matches(&c.labels))))
+        let mut d = self.derived();
+        let me = &self.me;
+        let mine = d.mine.get_or_insert_with(|| {
+            view.members
+                .iter()
+                .filter(|(c, _)| c.name == *me)
+                .map(|(c, l)| (c.clone(), *l))
+                .collect()
+        });
+        mine.iter().any(|(c, _)| {
+            admits(c, sel) || (refusing && (sel.is_empty() || sel.matches(&c.labels)))
         })
+    }
+
+    /// What is derived from the current view (emptied when it changed).
+    fn derived(&self) -> RefMut<'_, Derived> {
+        let mut d = self.derived.borrow_mut();
+        if d.of != self.view_gen {
+            *d = Derived {
+                of: self.view_gen,
+                ..Derived::default()
+            };
+        }
+        d
     }
 
     /// The admitted members of `a`, best rendezvous weight first.
     fn ranking<'v>(view: &'v Observation, a: IpAddr, sel: &LabelSelector) -> Vec<&'v str> {
-        let mut r: Vec<&Candidate> = view
+        // Each weight computed once, not in the comparator.
+        let mut r: Vec<(u64, &str)> = view
             .members
             .iter()
             .map(|(c, _)| c)
             .filter(|c| admits(c, sel))
+            .map(|c| (weight(a, &c.name), c.name.as_str()))
             .collect();
-        r.sort_by_key(|c| std::cmp::Reverse((weight(a, &c.name), c.name.as_str())));
-        r.dedup_by(|x, y| x.name == y.name);
-        r.into_iter().map(|c| c.name.as_str()).collect()
+        r.sort_unstable_by(|x, y| y.cmp(x));
+        r.dedup_by(|x, y| x.1 == y.1);
+        r.into_iter().map(|(_, n)| n).collect()
+    }
+
+    /// This node's place in `a`'s ranking and the ranking's length, from
+    /// the current view (computed once per view).
+    fn my_rank(
+        &self,
+        view: &Observation,
+        a: IpAddr,
+        sel: &LabelSelector,
+    ) -> Option<(usize, usize)> {
+        *self.derived().ranks.entry(a).or_insert_with(|| {
+            let rank = Self::ranking(view, a, sel);
+            rank.iter()
+                .position(|n| *n == self.me)
+                .map(|p| (p, rank.len()))
+        })
+    }
+
+    /// [`Announcer::first_misplaced`] of the current view, with the
+    /// leases of the choice's memberships (computed once per view).
+    fn misplaced(&self, view: &Observation) -> Option<Misplaced> {
+        self.derived()
+            .misplaced
+            .get_or_insert_with(|| {
+                Self::first_misplaced(view).map(|(a, holder, top)| Misplaced {
+                    address: a,
+                    holder: holder.to_owned(),
+                    top_leases: view
+                        .members
+                        .iter()
+                        .filter(|(c, _)| c.name == top)
+                        .map(|(_, l)| *l)
+                        .collect(),
+                    top: top.to_owned(),
+                })
+            })
+            .clone()
     }
 
     /// The first address (in address order) held by an admitted member
@@ -636,22 +712,17 @@ impl Announcer {
     /// `misplaced` is [`Announcer::first_misplaced`] of the last read
     /// (made once per [`Announcer::decide`]: it looks at every address,
     /// and `decide` asks for each one held).
-    fn rebalance(&self, a: IpAddr, now: Nanos, misplaced: Option<(IpAddr, &str, &str)>) -> bool {
-        let Some(view) = &self.view else {
+    fn rebalance(&self, a: IpAddr, now: Nanos, misplaced: Option<&Misplaced>) -> bool {
+        let Some(m) = misplaced else {
             return false;
         };
-        let Some((first, holder, top)) = misplaced else {
-            return false;
-        };
-        if first != a || holder != self.me {
+        if m.address != a || m.holder != self.me {
             return false;
         }
-        let settled = view.members.iter().any(|(c, l)| {
-            c.name == top
-                && self
-                    .member_since
-                    .get(&(c.name.clone(), *l))
-                    .is_some_and(|t| now >= t.saturating_add(self.cfg.settle_ns))
+        let settled = m.top_leases.iter().any(|l| {
+            self.member_since
+                .get(&(m.top.clone(), *l))
+                .is_some_and(|t| now >= t.saturating_add(self.cfg.settle_ns))
         });
         let quiet = self
             .quiet_since
@@ -673,8 +744,7 @@ impl Announcer {
         {
             return false;
         }
-        let rank = Self::ranking(view, a, sel);
-        let Some(mut r) = rank.iter().position(|n| *n == self.me) else {
+        let Some((mut r, len)) = self.my_rank(view, a, sel) else {
             return false;
         };
         // Given away to rebalance: the giver ranks last, so the choice it
@@ -686,7 +756,7 @@ impl Announcer {
             .get(&a)
             .is_some_and(|t| now < t.saturating_add(self.cfg.pace_ns))
         {
-            r = r.max(rank.len() - 1);
+            r = r.max(len - 1);
         }
         let since = self.unheld_since.get(&a).copied().unwrap_or(now);
         now >= since.saturating_add(self.cfg.step_ns.saturating_mul(r as u64))
@@ -766,8 +836,8 @@ impl Announcer {
         let Some(view) = self.view.clone() else {
             return;
         };
-        // The first misplaced address of this read, made at most once.
-        let mut misplaced: Option<Option<(IpAddr, &str, &str)>> = None;
+        // The first misplaced address of this read, looked up at most once.
+        let mut misplaced: Option<Option<Misplaced>> = None;
         let mut all: BTreeSet<IpAddr> = self.phases.keys().copied().collect();
         all.extend(view.addresses.keys().copied());
         all.extend(
@@ -851,7 +921,9 @@ impl Announcer {
                     } else if self.rebalance(
                         a,
                         now,
-                        *misplaced.get_or_insert_with(|| Self::first_misplaced(&view)),
+                        misplaced
+                            .get_or_insert_with(|| self.misplaced(&view))
+                            .as_ref(),
                     ) {
                         self.phases
                             .insert(a, Phase::Releasing(KeyRef::Created(rev)));
@@ -963,6 +1035,31 @@ impl Announcer {
 }
 
 /// Whether `c` may announce an address whose pool selects `sel`.
+/// What the announcer derives from one view ([`Announcer::derived`]).
+#[derive(Clone, Debug, Default)]
+struct Derived {
+    /// The view change it is of.
+    of: u64,
+    /// This node's memberships.
+    mine: Option<Vec<(Candidate, i64)>>,
+    /// The first misplaced address, once looked up.
+    misplaced: Option<Option<Misplaced>>,
+    /// This node's place in each address's ranking asked for, and the
+    /// ranking's length.
+    ranks: BTreeMap<IpAddr, Option<(usize, usize)>>,
+}
+
+/// The first address held by an admitted member that is not its
+/// rendezvous choice.
+#[derive(Clone, Debug)]
+struct Misplaced {
+    address: IpAddr,
+    holder: String,
+    top: String,
+    /// The leases of the choice's memberships.
+    top_leases: Vec<i64>,
+}
+
 fn admits(c: &Candidate, sel: &LabelSelector) -> bool {
     c.answers && (sel.is_empty() || sel.matches(&c.labels))
 }

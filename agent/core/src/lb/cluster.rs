@@ -257,9 +257,16 @@ pub fn announce_plan(
 /// splitmix64's finaliser.
 pub(crate) fn weight(address: IpAddr, node: &str) -> u64 {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    let bytes: Vec<u8> = match address {
-        IpAddr::V4(a) => a.octets().to_vec(),
-        IpAddr::V6(a) => a.octets().to_vec(),
+    let (v4, v6);
+    let bytes: &[u8] = match address {
+        IpAddr::V4(a) => {
+            v4 = a.octets();
+            &v4
+        }
+        IpAddr::V6(a) => {
+            v6 = a.octets();
+            &v6
+        }
     };
     for b in bytes.iter().chain([0xffu8].iter()).chain(node.as_bytes()) {
         h ^= u64::from(*b);

@@ -715,3 +715,105 @@ fn a_rebalanced_address_whose_choice_cannot_take_it_is_taken_back_as_the_last_ra
         w.outcome.long_silences
     );
 }
+
+/// What the announcer derives from its view and keeps between changes
+/// (its memberships, its place in each ranking, the first misplaced
+/// address) is what a fresh computation from the view says.
+fn derived_is_fresh(a: &Announcer) -> Result<(), TestCaseError> {
+    let Some(view) = a.view.clone() else {
+        return Ok(());
+    };
+    let fresh = Announcer::first_misplaced(&view).map(|(x, h, t)| (x, h.to_owned(), t.to_owned()));
+    let kept = a.misplaced(&view).map(|m| (m.address, m.holder, m.top));
+    prop_assert_eq!(kept, fresh);
+    for (addr, sel) in &view.addresses {
+        let rank = Announcer::ranking(&view, *addr, sel);
+        let fresh = rank
+            .iter()
+            .position(|n| *n == a.me)
+            .map(|p| (p, rank.len()));
+        prop_assert_eq!(a.my_rank(&view, *addr, sel), fresh);
+        let refusing = !a.answers();
+        let fresh = view.members.iter().any(|(c, _)| {
+            c.name == a.me
+                && (admits(c, sel) || (refusing && (sel.is_empty() || sel.matches(&c.labels))))
+        });
+        prop_assert_eq!(a.admitted(*addr), fresh);
+    }
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(crate::testing::cases(64))]
+
+    /// The whole-view computations are the oracle of what the announcer
+    /// keeps between reads: after every read, tick and answer (a take or
+    /// withdrawal answered changes the view it keeps), they agree.
+    #[test]
+    fn what_the_announcer_keeps_between_reads_is_what_its_view_says(
+        reads in proptest::collection::vec(
+            (
+                proptest::collection::vec(any::<bool>(), 4),
+                proptest::collection::vec(0u8..6, 6),
+                proptest::collection::vec(0u8..3, 8),
+            ),
+            1..8,
+        ),
+    ) {
+        let addrs: Vec<IpAddr> = (0..6u8).map(|i| IpAddr::V4(Ipv4Addr::new(192, 0, 2, i))).collect();
+        let mut a = Announcer::new("node-0", AnnouncerConfig::for_lease(TTL));
+        let mut now = 1_000 * MS;
+        a.lease_granted(7, now + TTL);
+        let mut rev = 0;
+        for (members, holders, answers) in reads {
+            let view = Observation {
+                addresses: addrs.iter().map(|x| (*x, LabelSelector::default())).collect(),
+                members: members
+                    .iter()
+                    .enumerate()
+                    .filter(|(i, on)| **on || *i == 0)
+                    .map(|(i, on)| {
+                        let c = Candidate { name: format!("node-{i}"), labels: BTreeMap::new(), answers: *on };
+                        (c, 7 + i as i64)
+                    })
+                    .collect(),
+                holders: addrs
+                    .iter()
+                    .zip(&holders)
+                    .filter(|(_, h)| **h < 4)
+                    .map(|(x, h)| (*x, Holder { node: format!("node-{h}"), lease: 7 + i64::from(*h) }))
+                    .collect(),
+            };
+            a.observed(view, now);
+            derived_is_fresh(&a)?;
+            for answer in &answers {
+                now += 200 * MS;
+                a.lease_refreshed(now + TTL);
+                let mut queue = a.poll(now);
+                derived_is_fresh(&a)?;
+                while let Some(act) = queue.pop() {
+                    match act {
+                        Action::Take(x) => {
+                            rev += 1;
+                            let took = match answer {
+                                0 => Took::Mine(rev),
+                                1 => Took::Other,
+                                _ => Took::Lost,
+                            };
+                            a.took(x, took);
+                        }
+                        Action::Withdraw(x, _) => {
+                            let w = if *answer == 2 { Withdrew::Lost } else { Withdrew::Done };
+                            a.withdrew(x, w, now);
+                        }
+                        Action::Program { seq, .. } => {
+                            queue.extend(a.programmed(seq, Written::Done, now));
+                        }
+                        _ => {}
+                    }
+                    derived_is_fresh(&a)?;
+                }
+            }
+        }
+    }
+}
