@@ -51,33 +51,11 @@ use tokio::sync::Notify;
 use super::candidacy::Labels;
 use super::crd::LoadBalancerIPPool;
 use super::election::{LeaseDoor, elector, now_ms};
+pub use super::local_answers::LocalAnswers;
 use super::objects::service;
 use super::reflectors::{Services, drive};
 use super::seat::{Links, Seat, Want};
 use crate::config::ElectionConfig;
-
-/// What the `Local` Services ask of this node's announcer and of the
-/// writer.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct LocalAnswers {
-    /// The Services, EndpointSlices and pools were listed: until then the
-    /// writer answers nothing, as it cannot tell which addresses are
-    /// seated.
-    pub listed: bool,
-    /// Every address answered by a seat of its own (a lockstep `Local`
-    /// Service's, a pool with a node selector): the writer never answers
-    /// these for its part.
-    pub seated: BTreeSet<IpAddr>,
-    /// The addresses this node answers for, each until when (kernel
-    /// monotonic ns): it holds their Service's Lease.
-    pub held: BTreeMap<IpAddr, u64>,
-    /// `Local` Services (`namespace/name`) with no serving endpoint on
-    /// any node: not answered anywhere.
-    pub unserved: BTreeSet<String>,
-    /// Grows with every change published: the announcer reports the
-    /// version it has written into the datapath (`applied`).
-    pub version: u64,
-}
 
 /// What a round reads.
 struct View<'a> {

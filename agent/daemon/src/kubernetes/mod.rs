@@ -30,6 +30,7 @@ pub mod candidacy;
 pub mod crd;
 pub mod election;
 pub mod leaks;
+mod local_answers;
 pub mod local_traffic;
 pub mod node_removal;
 pub mod nodeipam;

@@ -28,7 +28,7 @@ use tokio::sync::{Notify, watch};
 use tokio::task::JoinHandle;
 
 use super::election::{LeaseDoor, now_ms};
-use super::local_traffic::LocalAnswers;
+use super::local_answers::LocalAnswers;
 
 /// What the deriving task asks of a seat's keeper.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]

@@ -10,7 +10,7 @@ use serde_json::{Value, json};
 use tokio::sync::{Notify, watch};
 
 use super::super::election::{LeaseDoor, elector};
-use super::super::local_traffic::LocalAnswers;
+use super::super::local_answers::LocalAnswers;
 use super::super::tests::{Handle, mock, reply};
 use super::{Links, Seat, Want};
 use crate::config::ElectionConfig;
