@@ -466,7 +466,7 @@ impl Agent {
 }
 
 /// A CNI GC to pass on to the delegated plugin, decided on the owner and
-/// run off it ([`Agent::delegated_gc_plan`]).
+/// run off it (`Agent::delegated_gc_plan`).
 #[derive(Debug)]
 pub struct DelegatedGc {
     runner: Runner,

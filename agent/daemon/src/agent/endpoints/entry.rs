@@ -293,7 +293,7 @@ fn del_off_owner(handle: &AgentHandle, mut cleanup: DelCleanup) -> Result<(), Ag
     cleanup.run()
 }
 
-/// What CNI GC's first command committed ([`Agent::endpoint_gc_begin`]).
+/// What CNI GC's first command committed (`Agent::endpoint_gc_begin`).
 #[derive(Debug, Default)]
 pub struct GcBegun {
     /// Each attachment released, with what its DEL left to a plugin or
@@ -306,7 +306,7 @@ pub struct GcBegun {
 }
 
 /// CNI GC: one command releases every endpoint attachment not in `valid`
-/// ([`Agent::endpoint_gc_begin`]); the delegated plugin's DELs and GC, and
+/// (`Agent::endpoint_gc_begin`); the delegated plugin's DELs and GC, and
 /// the kernel work, run here, off the owner, each plugin DEL's commit a
 /// command of its own. Every attachment is tried, every failure reported
 /// (the released ones stay released).
