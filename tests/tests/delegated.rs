@@ -92,6 +92,15 @@ fn config(
     )
 }
 
+/// An agent in `node` whose delegated plugin is `fake` (30 s timeout, no
+/// roles).
+fn start_on(node: &Netns, fake: &Fake, ns: &NsFile) -> anyhow::Result<AgentProc> {
+    AgentProc::start(
+        node,
+        &config(&unique("n"), &fake.conflist, fake.dir.path(), ns, "30s", ""),
+    )
+}
+
 const THREE_ROLES: &str =
     "[roles.ingress]\nipv4 = true\n[roles.health]\nipv4 = true\n[roles.router]\nipv4 = true\n";
 
@@ -809,17 +818,7 @@ fn a_slow_plugin_holds_up_only_its_own_attachment() -> anyhow::Result<()> {
     let pod = Netns::new("dq")?;
     let fake = Fake::slow()?;
     let ns = NsFile::new();
-    let mut agent = AgentProc::start(
-        &node,
-        &config(
-            &unique("n"),
-            &fake.conflist,
-            fake.dir.path(),
-            &ns,
-            "30s",
-            "",
-        ),
-    )?;
+    let mut agent = start_on(&node, &fake, &ns)?;
     let conf = json!({
         "cniVersion": "1.0.0",
         "name": "pods",
@@ -1101,17 +1100,7 @@ fn a_half_gone_attachment_starts_over_with_its_plugin_off_the_owner() -> anyhow:
     let node = Netns::new("ds")?;
     let fake = Fake::slow()?;
     let ns = NsFile::new();
-    let mut agent = AgentProc::start(
-        &node,
-        &config(
-            &unique("n"),
-            &fake.conflist,
-            fake.dir.path(),
-            &ns,
-            "30s",
-            "",
-        ),
-    )?;
+    let mut agent = start_on(&node, &fake, &ns)?;
     let conf = json!({
         "cniVersion": "1.0.0",
         "name": "pods",

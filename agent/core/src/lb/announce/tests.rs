@@ -705,15 +705,7 @@ fn a_rebalanced_address_whose_choice_cannot_take_it_is_taken_back_as_the_last_ra
             for_ms: 2_565,
         },
     ];
-    let mut w =
-        World::new(3, 6, &faults, 6_749_882_640_575_698_994).with_removals(&[(3, 2_081, 100)]);
-    w.run(40_000, 0);
-    assert!(w.outcome.doubles.is_empty(), "{:?}", w.outcome.doubles);
-    assert!(
-        w.outcome.long_silences.is_empty(),
-        "{:?}",
-        w.outcome.long_silences
-    );
+    replay(&faults, &[(3, 2_081, 100)], 6_749_882_640_575_698_994);
 }
 
 /// What the announcer derives from its view and keeps between changes
