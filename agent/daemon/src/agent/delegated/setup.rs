@@ -16,7 +16,7 @@
 //! [`OnAgent`].
 
 use std::cell::RefCell;
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -69,7 +69,9 @@ impl OnAgent for Held<'_> {
 struct Plan {
     ipam: IpamConfig,
     netns: PathBuf,
-    wanted: BTreeSet<AgentRole>,
+    /// The roles the configuration enables, each with its attachment
+    /// (container ID, interface name).
+    wanted: BTreeMap<AgentRole, (String, String)>,
     /// The role attachments remembered.
     roles: Vec<DelegatedRecord>,
     /// The endpoint attachments remembered.
@@ -154,7 +156,7 @@ fn sync_roles(
         let Owner::Agent { role } = d.owner else {
             continue;
         };
-        if !plan.wanted.contains(&role) {
+        if !plan.wanted.contains_key(&role) {
             tracing::info!(%role, addresses = ?d.addresses, "role disabled; releasing its delegated address");
             release(on, runner, d)?;
             continue;
@@ -178,8 +180,15 @@ fn sync_roles(
         }
         release(on, runner, d)?;
     }
-    for role in plan.wanted.difference(&kept).copied() {
-        add_role(on, runner, role, &plan.netns)?;
+    for (role, (container_id, ifname)) in &plan.wanted {
+        if !kept.contains(role) {
+            let target = Target {
+                container_id,
+                ifname,
+                netns: &plan.netns,
+            };
+            add_role(on, runner, *role, &target)?;
+        }
     }
     Ok(())
 }
@@ -250,22 +259,20 @@ fn add_role(
     on: &impl OnAgent,
     runner: &Runner,
     role: AgentRole,
-    netns: &std::path::Path,
+    target: &Target<'_>,
 ) -> Result<(), AgentError> {
-    let (container_id, ifname) = on.on(move |a| a.role_attachment(role))?;
-    let target = Target {
-        container_id: &container_id,
-        ifname: &ifname,
-        netns,
-    };
-    let added = runner.add(&target);
+    let added = runner.add(target);
     let compensated = matches!(&added, Err(e) if !matches!(e, DelegateError::Plugin { .. }));
     if compensated {
         // A hung or garbled ADD may have allocated: DEL is idempotent.
-        send_compensating_del(runner, &target, None);
+        send_compensating_del(runner, target, None);
     }
-    let (runner_conf, netns_owned) = (runner.conf.clone(), netns.to_path_buf());
-    let (ids, result) = (container_id.clone(), ifname.clone());
+    let conf = runner.conf.clone();
+    let (container_id, ifname, netns) = (
+        target.container_id.to_owned(),
+        target.ifname.to_owned(),
+        target.netns.to_path_buf(),
+    );
     let (done, undo) = on.on(move |a| {
         a.count("ADD");
         if compensated {
@@ -278,12 +285,12 @@ fn add_role(
         };
         let record = DelegatedRecord {
             owner: Owner::agent(role),
-            container_id: ids,
-            ifname: result,
-            netns: netns_owned,
-            plugin: runner_conf.plugin.clone(),
-            config_hash: runner_conf.hash.clone(),
-            cni_version: runner_conf.cni_version.as_str().to_string(),
+            container_id,
+            ifname,
+            netns,
+            plugin: conf.plugin.clone(),
+            config_hash: conf.hash.clone(),
+            cni_version: conf.cni_version.as_str().to_string(),
             result: outcome.raw,
             addresses: outcome.addresses,
             generation: a.next_generation(),
@@ -300,7 +307,7 @@ fn add_role(
         }
     })?;
     if let Some(prev) = undo {
-        send_compensating_del(runner, &target, Some(&prev));
+        send_compensating_del(runner, target, Some(&prev));
     }
     if done.is_ok() {
         tracing::info!(%role, "reserved a delegated role address");
@@ -329,7 +336,7 @@ impl Agent {
         ]
         .into_iter()
         .filter(|(_, c)| c.ipv4 || c.ipv6)
-        .map(|(role, _)| role)
+        .map(|(role, _)| (role, self.role_attachment(role)))
         .collect();
         let (roles, endpoints) = self
             .delegated
