@@ -246,6 +246,10 @@ pub struct Counts {
     pub specific_refused: AtomicU64,
     /// Requests whose connection was refused (the agent was down).
     pub not_reached: AtomicU64,
+    /// Requests the agent refused as unavailable (`503 not_ready`), which
+    /// must have changed nothing: a store that cannot make a change durable
+    /// refuses it, or stops the agent and refuses its whole batch.
+    pub unavailable: AtomicU64,
     /// Requests without an answer.
     pub uncertain: AtomicU64,
     /// Uncertain requests that turned out to have taken effect.
@@ -289,6 +293,8 @@ enum Outcome {
     },
     /// The socket refused the connection: the request never reached the agent.
     NotReached,
+    /// `503 not_ready`: the agent refused it, nothing changed.
+    Unavailable,
     /// No answer: it may or may not have taken effect.
     Uncertain,
 }
@@ -311,6 +317,9 @@ fn request(
             Outcome::Uncertain
         }
         Ok(Ok(v)) => Outcome::Acked(v),
+        Ok(Err(ClientError::Api {
+            status: 503, code, ..
+        })) if code == "not_ready" => Outcome::Unavailable,
         Ok(Err(ClientError::Api {
             status,
             code,
@@ -485,6 +494,11 @@ fn step(
                     std::thread::sleep(Duration::from_millis(1));
                     Ok(())
                 }
+                Outcome::Unavailable => {
+                    bump(&c.unavailable);
+                    std::thread::sleep(Duration::from_millis(1));
+                    Ok(())
+                }
                 Outcome::Uncertain => {
                     bump(&c.uncertain);
                     set(Slot::Uncertain {
@@ -518,6 +532,7 @@ fn step(
                         message,
                     } => bail!("release of {who} refused: {status} {code}: {message}"),
                     Outcome::NotReached => bump(&c.not_reached),
+                    Outcome::Unavailable => bump(&c.unavailable),
                     Outcome::Uncertain => {
                         bump(&c.uncertain);
                         set(Slot::Uncertain {
@@ -551,6 +566,7 @@ fn step(
                         message,
                     } => bail!("repeated allocate of {who} refused: {status} {code}: {message}"),
                     Outcome::NotReached => bump(&c.not_reached),
+                    Outcome::Unavailable => bump(&c.unavailable),
                     // Either way the slot stays as it is.
                     Outcome::Uncertain => bump(&c.uncertain),
                 }
@@ -575,6 +591,7 @@ fn step(
                         message,
                     } => bail!("stale release of {who}: {status} {code}: {message}"),
                     Outcome::NotReached => bump(&c.not_reached),
+                    Outcome::Unavailable => bump(&c.unavailable),
                     Outcome::Uncertain => bump(&c.uncertain),
                 }
             }
@@ -713,13 +730,14 @@ pub fn summary(c: &Counts) -> String {
     format!(
         "acknowledged: {} allocations, {} releases, {} idempotent repeats, \
          {} stale releases refused, {} specific addresses refused; \
-         {} requests not reached, {} uncertain ({} took effect)",
+         {} requests not reached, {} refused as unavailable, {} uncertain ({} took effect)",
         get(&c.acked_allocations),
         get(&c.acked_releases),
         get(&c.idempotent),
         get(&c.stale_refused),
         get(&c.specific_refused),
         get(&c.not_reached),
+        get(&c.unavailable),
         get(&c.uncertain),
         get(&c.uncertain_took_effect),
     )

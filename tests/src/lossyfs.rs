@@ -9,7 +9,8 @@
 //! | --- | --- |
 //! | `cut drop` | `ok dropped=N kept=0`: everything not durable is gone |
 //! | `cut torn SEED` | `ok dropped=N kept=M`: random 4 KiB pieces of unsynced writes survive |
-//! | `stats` | `writes=N bytes_written=N fsyncs=N fsyncdirs=N cuts=N dropped_bytes=N kept_bytes=N dropped_dirs=N kills=N` |
+//! | `stats` | `writes=N bytes_written=N fsyncs=N fsyncdirs=N cuts=N dropped_bytes=N kept_bytes=N dropped_dirs=N kills=N failed_syncs=N` |
+//! | `fail-sync NAME K` | `armed`: the K-th sync of a file named NAME fails with `EIO`, and what it had to make durable never is (it stays readable until a cut) |
 //! | `arm-kill NAME K drop\|none\|torn SEED` | `armed`: the K-th write to a file named NAME SIGKILLs its writer, then cuts (or not: `none`), and fails with `EIO` |
 //! | `wait-trigger [MS]` | `fired pid=N`, or `not-fired` (nothing armed, or MS passed) |
 //! | `disarm` | `disarmed`, `idle`, or `fired pid=N` if it fired first |
@@ -154,6 +155,7 @@ impl LossyFs {
             kept_bytes: field(&f, "kept_bytes")?,
             dropped_dirs: field(&f, "dropped_dirs")?,
             kills: field(&f, "kills")?,
+            failed_syncs: field(&f, "failed_syncs")?,
         })
     }
 
@@ -165,6 +167,16 @@ impl LossyFs {
     pub fn arm_kill(&self, name: &str, k: u64, cut: Option<Cut>) -> anyhow::Result<()> {
         let how = cut.map_or_else(|| "none".to_string(), |c| c.to_string());
         self.command(&format!("arm-kill {name} {k} {how}"))?;
+        Ok(())
+    }
+
+    /// Arms a sync failure: the `k`-th `fsync`/`fdatasync` of a file named
+    /// `name` fails with `EIO`, and what it was to make durable never is.
+    ///
+    /// # Errors
+    /// See [`LossyFs::command`].
+    pub fn fail_sync(&self, name: &str, k: u64) -> anyhow::Result<()> {
+        self.command(&format!("fail-sync {name} {k}"))?;
         Ok(())
     }
 

@@ -19,6 +19,11 @@
 //!   checkpointing what a crash left in the log), one at a clean shutdown,
 //!   in turn. A round whose armed kill does not fire ends with a plain cut.
 //!
+//! - `a_failed_log_sync_refuses_its_whole_batch_and_no_restart_brings_it_back`:
+//!   lossyfs fails one of the log's syncs (`EIO`), the moment a batch of
+//!   commands shares: all of them refused, the agent stopped, and none
+//!   held after the restart, with the failed record still readable or not.
+//!
 //! The first test's state directory is one the agent creates on the mount
 //! (its name must survive the cuts as well), the second's is the mount
 //! itself, as a node's hostPath.
@@ -49,6 +54,11 @@ const POOL: Pool = Pool {
 };
 /// The database file (store::DB_FILE): the armed kills watch its writes.
 const DB: &str = "lockstep.redb";
+/// The log file (store::LOG_FILE): the armed sync failures watch its syncs.
+const LOG: &str = "lockstep.wal";
+/// Rounds of the sync-failure test (bounded form; the long form runs as
+/// many as `LOCKSTEP_POWER_CUTS`).
+const SYNC_FAILURES: usize = 6;
 /// Bounded form: cuts per test.
 const DEFAULT_CUTS: usize = 20;
 /// The armed kill lands on one of the first this many writes.
@@ -224,13 +234,111 @@ fn power_cuts_under_load_lose_no_acknowledged_change() -> anyhow::Result<()> {
         get(&c.acked_releases) >= 8 * cuts as u64,
         "too few acknowledged releases"
     );
+    // A batch shares one sync; each client has one request out at a time,
+    // so a batch holds at most one of each client's.
     ensure!(
-        stats.fsyncs > get(&c.acked_allocations),
-        "the agent synced less than once per acknowledged allocation: is the state directory on lossyfs?"
+        stats.fsyncs >= get(&c.acked_allocations) / models.len() as u64,
+        "the agent synced less than once per batch of acknowledged allocations: is the state directory on lossyfs?"
     );
     ensure!(
         max_ready < Duration::from_secs(10),
         "restart took {max_ready:?}"
+    );
+    Ok(())
+}
+
+/// The dangerous moment of group commit: a batch's one log sync fails after
+/// its commands changed the agent's memory and maps. Every command of the
+/// batch must be refused (`503`, which the ledger takes as "nothing
+/// changed"), the agent must stop by itself, and no start may bring the
+/// batch back: in even rounds the restart reads the log with the failed
+/// record still in it (the page cache keeps what the failed sync did not
+/// write), in odd rounds after a power cut.
+#[test]
+fn a_failed_log_sync_refuses_its_whole_batch_and_no_restart_brings_it_back() -> anyhow::Result<()> {
+    privileged!();
+    let seed = seed("a_failed_log_sync")?;
+    let failures = if std::env::var_os("LOCKSTEP_POWER_CUTS").is_some() {
+        cuts()?
+    } else {
+        SYNC_FAILURES
+    };
+    let mut world = World::start("syncfail", None)?;
+    let socket = world.agent.socket();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let gate = Gate::default();
+    let shared = Shared::default();
+    let models = ledger::models();
+    let mut rng = Rng(seed);
+
+    std::thread::scope(|s| -> anyhow::Result<()> {
+        let _stop = StopOnDrop(&gate);
+        for (id, model) in models.iter().enumerate() {
+            let (socket, gate, shared) = (&socket, &gate, &shared);
+            let seed = seed ^ ((id as u64 + 1) << 32);
+            s.spawn(move || run_client(&POOL, id, socket, gate, model, shared, seed));
+        }
+        for round in 0..failures {
+            gate.resume();
+            std::thread::sleep(Duration::from_millis(20 + rng.below(181)));
+            let before = get(&shared.counts.unavailable);
+            world.fs.fail_sync(LOG, 1 + rng.below(3))?;
+            let limit = Instant::now() + Duration::from_secs(10);
+            let status = loop {
+                if let Some(status) = world.agent.exited()? {
+                    break status;
+                }
+                ensure!(
+                    Instant::now() < limit,
+                    "round {round}: the agent still runs 10 s after its log sync failed"
+                );
+                std::thread::sleep(Duration::from_millis(5));
+            };
+            gate.hold();
+            gate.pause();
+            ensure!(
+                !status.success(),
+                "round {round}: the agent exited with success after a failed sync"
+            );
+            let log = world.agent.log();
+            ensure!(
+                log.contains("the store's shared sync failed"),
+                "round {round}: the agent's log does not name the failed sync:\n{}",
+                tail(&log, 20)
+            );
+            ensure!(
+                get(&shared.counts.unavailable) > before,
+                "round {round}: no request was refused, so the failed batch's callers were not told"
+            );
+            let after = if round % 2 == 0 {
+                format!("failed sync {} (log still readable)", round + 1)
+            } else {
+                world.fs.cut(Cut::Drop)?;
+                format!("failed sync {} and a power cut", round + 1)
+            };
+            world.restart(&after)?;
+            world.check(&rt, &models, &shared, round, &after)?;
+        }
+        Ok(())
+    })?;
+
+    let c = &shared.counts;
+    let stats = world.fs.stats()?;
+    eprintln!(
+        "a_failed_log_sync: {failures} failed syncs; {}; {} held at the end",
+        ledger::summary(c),
+        ledger::held(&models),
+    );
+    ensure!(
+        stats.failed_syncs == failures as u64,
+        "lossyfs failed {} syncs",
+        stats.failed_syncs
+    );
+    ensure!(
+        get(&c.acked_allocations) >= 5 * failures as u64,
+        "too few acknowledged allocations"
     );
     Ok(())
 }
@@ -400,9 +508,11 @@ fn power_cuts_in_the_middle_of_checkpoints_lose_no_acknowledged_change() -> anyh
         stats.cuts
     );
     ensure!(stats.kills == fired, "lossyfs fired {} times", stats.kills);
+    // A batch shares one sync; each client has one request out at a time,
+    // so a batch holds at most one of each client's.
     ensure!(
-        stats.fsyncs > get(&c.acked_allocations),
-        "the agent synced less than once per acknowledged allocation: is the state directory on lossyfs?"
+        stats.fsyncs >= get(&c.acked_allocations) / models.len() as u64,
+        "the agent synced less than once per batch of acknowledged allocations: is the state directory on lossyfs?"
     );
     ensure!(
         fired * 2 >= cuts as u64,

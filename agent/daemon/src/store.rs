@@ -27,6 +27,16 @@
 //! commits. `docs/store.md` gives the whole crash-safety argument: what is
 //! durable at each step of a commit, a checkpoint and a start-up.
 //!
+//! Commits can share a record (a *commit group*, [`Store::open_group`]):
+//! the agent's owner opens one around each batch of commands, so a batch
+//! of CNI ADDs costs one write and one `fdatasync` in all, and answers its
+//! callers only after [`Store::close_group`] returned. One record per group
+//! keeps the log's rule that records are whole and consecutive: a cut
+//! leaves the whole group or none of it. When the group's write or sync
+//! fails, none of its commits is durable and every one is refused; the
+//! owner then stops the agent (see `agent::handle`), since the commands
+//! changed memory that only a start from the store can take back.
+//!
 //! A failed write or sync (a full disk, an I/O error) does not wedge the
 //! store until a restart: it remembers the first cause, refuses commits
 //! while it lasts ([`Store::health`] says why, so the agent reports
@@ -164,6 +174,16 @@ pub enum StoreError {
         #[source]
         source: Box<StoreError>,
     },
+    /// A commit group's shared sync failed: every commit of the group is
+    /// refused, and so is every commit until the group is closed (the
+    /// agent then stops, and starts again from what is durable).
+    #[error(
+        "the store's shared sync failed ({cause}); this commit and every commit of its group are refused"
+    )]
+    GroupFailed {
+        /// Why the group's record could not be written or synced.
+        cause: String,
+    },
     /// No random store identity could be drawn.
     #[error("cannot draw a store identity")]
     Random(#[source] getrandom::Error),
@@ -242,6 +262,36 @@ struct Inner {
     /// Why the store cannot commit: the first failure, until a recovery
     /// succeeds.
     failure: Option<String>,
+    /// The open commit group ([`Store::open_group`]), if any.
+    group: Option<Group>,
+    counts: StoreCounts,
+}
+
+/// What the store has done since it was opened, for the metrics.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StoreCounts {
+    /// Commits accepted (each write method's call).
+    pub commits: u64,
+    /// Log records written and synced: one `fdatasync` each, one per
+    /// commit outside a group, one per group inside.
+    pub log_syncs: u64,
+}
+
+/// Commits that share one log record and one sync: their operations are
+/// held here, in order, until the group is closed (or must be written
+/// early to make room).
+#[derive(Default)]
+struct Group {
+    /// The group's record so far (the encodings of its commits, which
+    /// concatenate).
+    payload: Vec<u8>,
+    /// The same operations, decoded, for `pending` once they are durable.
+    ops: Vec<Op>,
+    /// Commits that wait for the group's record.
+    commits: u64,
+    /// Why the group's record could not be written or synced: every
+    /// commit of the group is refused.
+    failed: Option<String>,
 }
 
 impl std::fmt::Debug for Store {
@@ -310,6 +360,100 @@ impl Inner {
         if let Some(cause) = self.failure.take() {
             tracing::info!(cause = %cause, "the store recovered");
         }
+        Ok(())
+    }
+
+    /// Writes the open group's record and syncs it: its commits are durable
+    /// when this returns `Ok`. When the write or sync fails, none of them
+    /// is: their operations never reach `pending` (so no checkpoint applies
+    /// them), the log covers the record's number at its recovery (so no
+    /// replay brings it back), and the group is failed.
+    fn flush_group(&mut self, path: &Path) -> Result<(), StoreError> {
+        let Some(group) = self.group.as_mut() else {
+            return Ok(());
+        };
+        if let Some(cause) = &group.failed {
+            return Err(StoreError::GroupFailed {
+                cause: cause.clone(),
+            });
+        }
+        if group.commits == 0 {
+            return Ok(());
+        }
+        let payload = std::mem::take(&mut group.payload);
+        let ops = std::mem::take(&mut group.ops);
+        group.commits = 0;
+        if let Err(e) = self.wal.append(&payload) {
+            let e = self.failed(StoreError::Log(e));
+            if let Some(group) = self.group.as_mut() {
+                group.failed = Some(chain(&e));
+            }
+            return Err(e);
+        }
+        self.pending.extend(ops);
+        self.after_append(path);
+        Ok(())
+    }
+
+    /// After a record reached the log: a checkpoint when the log is half
+    /// full. A failed one is retried by the next commit, which refuses
+    /// until it succeeds; the record itself is durable.
+    fn after_append(&mut self, path: &Path) {
+        self.counts.log_syncs += 1;
+        if self.wal.free_pages() < self.checkpoint_below
+            && let Err(e) = self.checkpoint(path, &[])
+        {
+            tracing::warn!(error = %chain(&e), "store checkpoint failed");
+        }
+    }
+
+    /// Adds one commit to the open group. Refused (nothing held) while the
+    /// store is failing and does not recover, when the group failed, or
+    /// when making room fails; a record the log cannot hold at all goes
+    /// straight to redb after the group's record, as outside a group.
+    fn join_group(&mut self, path: &Path, ops: Vec<Op>) -> Result<(), StoreError> {
+        if let Some(cause) = self.group.as_ref().and_then(|g| g.failed.clone()) {
+            return Err(StoreError::GroupFailed { cause });
+        }
+        if self.failing() {
+            self.flush_group(path)?;
+            self.checkpoint(path, &[])?;
+        }
+        let payload = encode(&ops);
+        let held = self.group.as_ref().map_or(0, |g| g.payload.len());
+        if self.wal.room(held + payload.len()).is_err() {
+            // What the group holds goes first, then this commit alone.
+            self.flush_group(path)?;
+            match self.wal.room(payload.len()) {
+                Ok(_) => {}
+                Err(wal::WalError::TooBig { .. }) => return self.checkpoint(path, &ops),
+                Err(_) => self.checkpoint(path, &[])?,
+            }
+        }
+        let group = self.group.get_or_insert_with(Group::default);
+        group.payload.extend_from_slice(&payload);
+        group.ops.extend(ops);
+        group.commits += 1;
+        Ok(())
+    }
+
+    /// One commit outside a group: its own record, synced.
+    fn commit_one(&mut self, path: &Path, ops: Vec<Op>) -> Result<(), StoreError> {
+        if self.failing() {
+            self.checkpoint(path, &[])?;
+        }
+        let payload = encode(&ops);
+        match self.wal.append(&payload) {
+            Ok(_) => {}
+            Err(wal::WalError::Full) => {
+                self.checkpoint(path, &[])?;
+                self.append(&payload)?;
+            }
+            Err(wal::WalError::TooBig { .. }) => return self.checkpoint(path, &ops),
+            Err(e) => return Err(self.failed(StoreError::Log(e))),
+        }
+        self.pending.extend(ops);
+        self.after_append(path);
         Ok(())
     }
 
@@ -430,6 +574,8 @@ impl Store {
                 pending,
                 checkpoint_below,
                 failure: None,
+                group: None,
+                counts: StoreCounts::default(),
             }),
         };
         {
@@ -529,31 +675,54 @@ impl Store {
         Ok(())
     }
 
-    /// Commits `ops`: one log record, on disk when this returns.
+    /// Opens a commit group: until [`Store::close_group`], every commit
+    /// joins one log record, written and synced once, when the group is
+    /// closed (or earlier, when the log needs the room). A commit in a group
+    /// is durable only once `close_group` returned `Ok`; its caller must
+    /// not be answered before. Opening an open group does nothing.
+    pub fn open_group(&self) {
+        let mut inner = self.lock();
+        if inner.group.is_none() {
+            inner.group = Some(Group::default());
+        }
+    }
+
+    /// Closes the open group: writes and syncs its record. `Ok` means every
+    /// commit of the group is durable.
+    ///
+    /// # Errors
+    /// The record could not be written or synced, now or when it was
+    /// written early ([`StoreError::GroupFailed`] then): *none* of the
+    /// group's commits is durable, and none will be applied or replayed,
+    /// but what the callers changed in memory after their commits is
+    /// still there. Nothing can take that back but starting again from the
+    /// store, so the caller must stop serving (the agent's owner ends);
+    /// [`Store::recover`] first makes sure no replay brings the group back.
+    pub fn close_group(&self) -> Result<(), StoreError> {
+        let mut inner = self.lock();
+        let flushed = inner.flush_group(&self.path);
+        inner.group = None;
+        flushed
+    }
+
+    /// Commits `ops`: one log record, on disk when this returns; inside a
+    /// group ([`Store::open_group`]), when the group is closed.
     fn commit(&self, ops: Vec<Op>) -> Result<(), StoreError> {
         let mut inner = self.lock();
-        if inner.failing() {
-            inner.checkpoint(&self.path, &[])?;
+        let committed = if inner.group.is_some() {
+            inner.join_group(&self.path, ops)
+        } else {
+            inner.commit_one(&self.path, ops)
+        };
+        if committed.is_ok() {
+            inner.counts.commits += 1;
         }
-        let payload = encode(&ops);
-        match inner.wal.append(&payload) {
-            Ok(_) => {}
-            Err(wal::WalError::Full) => {
-                inner.checkpoint(&self.path, &[])?;
-                inner.append(&payload)?;
-            }
-            Err(wal::WalError::TooBig { .. }) => return inner.checkpoint(&self.path, &ops),
-            Err(e) => return Err(inner.failed(StoreError::Log(e))),
-        }
-        inner.pending.extend(ops);
-        if inner.wal.free_pages() < inner.checkpoint_below
-            && let Err(e) = inner.checkpoint(&self.path, &[])
-        {
-            // The commit itself is durable in the log; the checkpoint is
-            // retried by the next commit, which refuses until it succeeds.
-            tracing::warn!(error = %chain(&e), "store checkpoint failed");
-        }
-        Ok(())
+        committed
+    }
+
+    /// What the store has done since it was opened.
+    pub fn counts(&self) -> StoreCounts {
+        self.lock().counts
     }
 
     /// Everything stored (after a checkpoint, so redb holds it all).
@@ -563,6 +732,7 @@ impl Store {
     /// failed, or a record is corrupt.
     pub fn load(&self) -> Result<Stored, StoreError> {
         let mut inner = self.lock();
+        inner.flush_group(&self.path)?;
         inner.checkpoint(&self.path, &[])?;
         let txn = inner
             .db(&self.path)?
@@ -586,8 +756,9 @@ impl Store {
         Ok(stored)
     }
 
-    /// Durably records `a` and raises the generation high-water mark; returns
-    /// after fsync.
+    /// Durably records `a` and raises the generation high-water mark:
+    /// durable when this returns, or, inside a commit group, once the group
+    /// is closed (as every write method here).
     ///
     /// # Errors
     /// The commit failed; nothing was written.
@@ -731,6 +902,9 @@ impl Drop for Store {
     /// A clean shutdown leaves redb complete (a restart then replays
     /// nothing); a failure here only means the next open replays the log.
     fn drop(&mut self) {
+        if let Err(e) = self.close_group() {
+            tracing::error!(error = %chain(&e), "the store's open commit group failed at shutdown");
+        }
         if let Err(e) = self.checkpoint() {
             tracing::warn!(error = %chain(&e), "store checkpoint at shutdown failed");
         }

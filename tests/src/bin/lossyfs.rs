@@ -613,6 +613,16 @@ fn command(state: &State, line: &str, events: &Sender<Event>) -> String {
             state.fs().arm(OsStr::new(name), k, cut);
             "armed".into()
         }
+        Some("fail-sync") => {
+            let (Some(name), Some(k)) = (words.next(), words.next()) else {
+                return "error: fail-sync NAME K".into();
+            };
+            let Ok(k) = k.parse::<u64>() else {
+                return format!("error: fail-sync: bad count {k:?}");
+            };
+            state.fs().fail_sync(OsStr::new(name), k);
+            "armed".into()
+        }
         Some("wait-trigger") => {
             let limit = match words.next().map(str::parse::<u64>) {
                 None => None,

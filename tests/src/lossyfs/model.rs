@@ -211,13 +211,15 @@ pub struct Stats {
     pub dropped_dirs: u64,
     /// Armed kills that fired.
     pub kills: u64,
+    /// Armed sync failures that fired.
+    pub failed_syncs: u64,
 }
 
 impl std::fmt::Display for Stats {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "writes={} bytes_written={} fsyncs={} fsyncdirs={} cuts={} dropped_bytes={} kept_bytes={} dropped_dirs={} kills={}",
+            "writes={} bytes_written={} fsyncs={} fsyncdirs={} cuts={} dropped_bytes={} kept_bytes={} dropped_dirs={} kills={} failed_syncs={}",
             self.writes,
             self.bytes_written,
             self.fsyncs,
@@ -226,7 +228,8 @@ impl std::fmt::Display for Stats {
             self.dropped_bytes,
             self.kept_bytes,
             self.dropped_dirs,
-            self.kills
+            self.kills,
+            self.failed_syncs
         )
     }
 }
@@ -270,6 +273,21 @@ pub enum WriteOutcome {
     Fire(Option<Cut>),
 }
 
+/// An armed sync failure: the `k`-th `fsync`/`fdatasync` of a file named
+/// `name` fails with `EIO`, as a disk's write error reaches the syncer on
+/// Linux: what it had not made durable is never made durable (the pages
+/// are marked clean, a later sync does not write them), but stays readable
+/// until the power is cut.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SyncFault {
+    /// The file name (last component) to watch.
+    pub name: OsString,
+    /// Which sync fails (1 = the first after arming).
+    pub k: u64,
+    /// Syncs seen so far.
+    pub seen: u64,
+}
+
 /// The file system.
 #[derive(Debug)]
 pub struct Fs {
@@ -279,6 +297,7 @@ pub struct Fs {
     next_fh: u64,
     stats: Stats,
     trigger: Trigger,
+    sync_fault: Option<SyncFault>,
 }
 
 /// splitmix64, for torn cuts.
@@ -326,6 +345,7 @@ impl Fs {
             next_fh: 1,
             stats: Stats::default(),
             trigger: Trigger::Idle,
+            sync_fault: None,
         };
         fs.relink();
         fs
@@ -783,6 +803,21 @@ impl Fs {
     pub fn fsync(&mut self, ino: u64, fh: u64) -> Result<(), Errno> {
         self.handle(fh, ino)?;
         self.stats.fsyncs += 1;
+        let fails = match &mut self.sync_fault {
+            Some(fault) if self.inodes.get(&ino).is_some_and(|i| i.name == fault.name) => {
+                fault.seen += 1;
+                fault.seen >= fault.k
+            }
+            _ => false,
+        };
+        if fails {
+            self.sync_fault = None;
+            self.stats.failed_syncs += 1;
+            if let Node::File { pending, .. } = &mut self.inode_mut(ino)?.node {
+                pending.clear();
+            }
+            return Err(libc::EIO);
+        }
         match &mut self.inode_mut(ino)?.node {
             Node::File {
                 durable, pending, ..
@@ -1032,6 +1067,15 @@ impl Fs {
         });
     }
 
+    /// Arms a sync failure: see [`SyncFault`]. Replaces one armed before.
+    pub fn fail_sync(&mut self, name: &OsStr, k: u64) {
+        self.sync_fault = Some(SyncFault {
+            name: name.to_os_string(),
+            k: k.max(1),
+            seen: 0,
+        });
+    }
+
     /// Records that the armed kill fired on process `pid`.
     pub fn fired(&mut self, pid: u32) {
         self.stats.kills += 1;
@@ -1172,6 +1216,32 @@ mod tests {
         fs.fired(42);
         assert_eq!(fs.take_trigger(), Trigger::Fired { pid: 42 });
         assert_eq!(fs.take_trigger(), Trigger::Idle);
+    }
+
+    #[test]
+    fn an_armed_sync_failure_loses_what_that_sync_was_to_make_durable() {
+        let mut fs = Fs::new(0, 0);
+        let a = fs.mknod(ROOT, name("a"), 0o644, 0, 0).unwrap().ino;
+        let b = fs.mknod(ROOT, name("b"), 0o644, 0, 0).unwrap().ino;
+        let (fa, fb) = (fs.open(a, false).unwrap(), fs.open(b, false).unwrap());
+        root_fsync(&mut fs);
+        fs.fail_sync(name("a"), 2);
+        written(&mut fs, a, fa, 0, b"1");
+        fs.fsync(a, fa).unwrap();
+        written(&mut fs, b, fb, 0, b"b");
+        fs.fsync(b, fb).unwrap();
+        written(&mut fs, a, fa, 1, b"2");
+        assert_eq!(fs.fsync(a, fa), Err(libc::EIO), "the second sync of a");
+        assert_eq!(fs.read(a, fa, 0, 10), Ok(b"12".to_vec()), "still readable");
+        fs.fsync(a, fa).unwrap();
+        assert_eq!(fs.stats().failed_syncs, 1);
+        fs.cut(Cut::Drop);
+        assert_eq!(
+            content(&mut fs, "a").as_deref(),
+            Some(&b"1"[..]),
+            "a later sync did not make the failed write durable"
+        );
+        assert_eq!(content(&mut fs, "b").as_deref(), Some(&b"b"[..]));
     }
 
     #[test]

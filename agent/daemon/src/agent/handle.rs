@@ -13,20 +13,29 @@
 //!   code (the worker is free while it waits), [`AgentHandle::call`] from a
 //!   plain thread. The owner runs commands one at a time, in arrival order,
 //!   so each sees the state the previous one left.
-//! - **Batches.** The owner takes every command already queued (up to
-//!   [`BATCH`]) as one batch and publishes the view once after it. Each
-//!   command still commits on its own (one log record, one fdatasync): a
-//!   commit a caller is refused must change nothing, and sharing one sync
-//!   among commands would need each to undo its own changes when that sync
-//!   fails.
+//! - **Batches and group commit.** The owner takes every command already
+//!   queued (up to [`BATCH`]) as one batch, inside one commit group of the
+//!   store ([`crate::store::Store::open_group`]): the batch's commits share
+//!   one log record and one `fdatasync`, and no command of the batch is
+//!   answered before that sync returned. The view is published once per
+//!   batch.
+//! - **A failed sync stops the agent.** When the group's write or sync
+//!   fails, none of the batch's commits is durable, but the commands have
+//!   already changed the state in memory (and programmed the maps), and
+//!   nothing but a start from the store takes that back. So the batch's
+//!   callers are refused (as if the agent had stopped), the store makes sure
+//!   no replay brings the batch back ([`crate::store::Store::recover`]),
+//!   and the owner ends with the cause, which stops the agent: it starts
+//!   again from what is durable, and the start-up reconcile puts the maps
+//!   back in line (as PostgreSQL does after a failed `fsync`).
 //! - **A published view.** After each batch the owner publishes an
 //!   [`AgentView`]; readers ([`AgentHandle::view`]) load it without waiting
 //!   for any command: status and readiness, the cluster claim loop's block
 //!   usage, the pod attachments leak detection judges.
-//! - **An end that is seen.** A command that panics ends the owner: its
-//!   waiters and every later caller get [`AgentError::NotReady`], and
-//!   [`AgentThread::ended`] reports the panic, which stops the agent (a state
-//!   left half-changed is not served).
+//! - **An end that is seen.** A command that panics, or a failed group
+//!   sync, ends the owner: its waiters and every later caller get
+//!   [`AgentError::NotReady`], and [`AgentThread::ended`] reports why, which
+//!   stops the agent (a state left half-changed is not served).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -124,6 +133,12 @@ pub struct OwnerStats {
     pub commands: AtomicU64,
     /// Batches run.
     pub batches: AtomicU64,
+    /// Commits the agent's store accepted (as of the last batch).
+    pub store_commits: AtomicU64,
+    /// Log records the store wrote and synced, one `fdatasync` each (as of
+    /// the last batch): with group commit, about one per batch that
+    /// changed something.
+    pub log_syncs: AtomicU64,
 }
 
 /// A way to the agent's owner. Cheap to clone; every task holds its own.
@@ -145,7 +160,7 @@ impl std::fmt::Debug for AgentHandle {
 /// One of the agent's own threads (its owner, the reaper), to learn of its
 /// end: neither is a tokio task the supervisor could watch.
 #[derive(Debug)]
-pub struct AgentThread(pub(super) std::thread::JoinHandle<()>);
+pub struct AgentThread(pub(super) std::thread::JoinHandle<Result<(), String>>);
 
 fn stopped() -> AgentError {
     AgentError::NotReady {
@@ -253,24 +268,24 @@ impl AgentHandle {
 
 impl AgentThread {
     /// Waits (blocking) for the thread to end; `Err` with the panic's
-    /// message when it panicked.
+    /// message when it panicked, or the reason it ended early.
     ///
     /// # Errors
-    /// The thread panicked.
+    /// The thread panicked or ended with an error.
     pub fn join(self) -> Result<(), String> {
         self.0.join().map_err(|p| {
             p.downcast_ref::<&str>()
                 .map(|s| (*s).to_string())
                 .or_else(|| p.downcast_ref::<String>().cloned())
                 .unwrap_or_else(|| "a non-text payload".into())
-        })
+        })?
     }
 
     /// Waits for the thread to end, on the blocking pool; `Err` with the
-    /// panic's message when it panicked.
+    /// panic's message when it panicked, or the reason it ended early.
     ///
     /// # Errors
-    /// The thread panicked.
+    /// The thread panicked or ended with an error.
     pub async fn ended(self) -> Result<(), String> {
         tokio::task::spawn_blocking(move || self.join())
             .await
@@ -278,11 +293,18 @@ impl AgentThread {
     }
 }
 
-fn run(mut rx: mpsc::Receiver<Command>, view: &ArcSwap<AgentView>, stats: &OwnerStats) {
+fn run(
+    mut rx: mpsc::Receiver<Command>,
+    view: &ArcSwap<AgentView>,
+    stats: &OwnerStats,
+) -> Result<(), String> {
     let mut agent: Option<Agent> = None;
     let mut answers: Vec<Deliver> = Vec::with_capacity(BATCH);
     let mut batches = 0u64;
     while let Some(first) = rx.blocking_recv() {
+        if let Some(a) = agent.as_ref() {
+            a.store.open_group();
+        }
         let mut next = Some(first);
         let mut stop = false;
         while let Some(cmd) = next.take() {
@@ -298,6 +320,14 @@ fn run(mut rx: mpsc::Receiver<Command>, view: &ArcSwap<AgentView>, stats: &Owner
         }
         batches += 1;
         stats.batches.fetch_add(1, Ordering::Relaxed);
+        if let Some(a) = agent.as_ref() {
+            if let Err(e) = a.store.close_group() {
+                return Err(refuse_batch(&e, &mut answers, agent, view, batches));
+            }
+            let counts = a.store.counts();
+            stats.store_commits.store(counts.commits, Ordering::Relaxed);
+            stats.log_syncs.store(counts.log_syncs, Ordering::Relaxed);
+        }
         view.store(Arc::new(match agent.as_ref() {
             Some(a) => AgentView {
                 present: true,
@@ -324,6 +354,42 @@ fn run(mut rx: mpsc::Receiver<Command>, view: &ArcSwap<AgentView>, stats: &Owner
         ..AgentView::default()
     }));
     drop(agent);
+    Ok(())
+}
+
+/// A batch whose group sync failed: its callers are refused (their answers
+/// dropped: [`AgentError::NotReady`]), the store covers the batch's record
+/// so no replay brings it back, and the agent is dropped without being
+/// served again. Returns why the owner ends.
+fn refuse_batch(
+    e: &crate::store::StoreError,
+    answers: &mut Vec<Deliver>,
+    agent: Option<Agent>,
+    view: &ArcSwap<AgentView>,
+    batches: u64,
+) -> String {
+    let refused = answers.len();
+    answers.clear();
+    view.store(Arc::new(AgentView {
+        batches,
+        ..AgentView::default()
+    }));
+    let cause = crate::error_chain(e);
+    tracing::error!(
+        error = %cause,
+        refused,
+        "the store's shared sync failed: the batch's commands are refused and the agent stops, to start again from what is durable"
+    );
+    if let Some(a) = agent.as_ref()
+        && let Err(e) = a.store.recover()
+    {
+        tracing::error!(
+            error = %crate::error_chain(&e),
+            "the store did not recover; the next start replays its log"
+        );
+    }
+    drop(agent);
+    format!("the store's shared sync failed, {refused} commands were refused: {cause}")
 }
 
 #[cfg(test)]

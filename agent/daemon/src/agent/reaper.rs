@@ -324,7 +324,10 @@ pub fn start(prepared: Prepared, agent: &AgentHandle) -> Result<AgentThread, Age
     let agent = agent.clone();
     std::thread::Builder::new()
         .name("lockstep-reaper".into())
-        .spawn(move || run(&shared, &agent))
+        .spawn(move || {
+            run(&shared, &agent);
+            Ok(())
+        })
         .map(AgentThread)
         .map_err(|e| AgentError::Invalid {
             reason: format!("starting the reaper thread: {e}"),

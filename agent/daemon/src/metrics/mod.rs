@@ -95,6 +95,8 @@ pub struct Metrics {
     endpoint_leaks_released: Counter,
     owner_commands: Counter,
     owner_batches: Counter,
+    store_commits: Counter,
+    store_log_syncs: Counter,
     owner_queued: Gauge<i64>,
     task_restarts: Family<Labels, Counter>,
     /// Whether the gauges were ever refreshed from a running agent.
@@ -292,6 +294,16 @@ impl Metrics {
             "agent_batches",
             "Batches of commands the agent's owner ran together (taken from its queue at once)",
         );
+        let store_commits = masq_counter(
+            &mut registry,
+            "store_commits",
+            "Changes the agent's store accepted",
+        );
+        let store_log_syncs = masq_counter(
+            &mut registry,
+            "store_log_syncs",
+            "Store log records written and synced (one fdatasync each; a batch of commands shares one)",
+        );
         let owner_queued = Gauge::<i64>::default();
         registry.register(
             "agent_commands_queued",
@@ -312,6 +324,8 @@ impl Metrics {
             endpoint_leaks_released,
             owner_commands,
             owner_batches,
+            store_commits,
+            store_log_syncs,
             owner_queued,
             masq: Mutex::new(None),
             masq_entries,
@@ -410,6 +424,11 @@ impl Metrics {
         let st = agent.stats();
         follow(&self.owner_commands, st.commands.load(Ordering::Relaxed));
         follow(&self.owner_batches, st.batches.load(Ordering::Relaxed));
+        follow(
+            &self.store_commits,
+            st.store_commits.load(Ordering::Relaxed),
+        );
+        follow(&self.store_log_syncs, st.log_syncs.load(Ordering::Relaxed));
         self.owner_queued
             .set(i64::try_from(agent.queued()).unwrap_or(i64::MAX));
     }

@@ -53,7 +53,9 @@ impl Store {
     /// checkpoint, the log keeps its records (the drop checkpoints
     /// nothing, as a killed process would not).
     fn crash(self) {
-        self.lock().pending.clear();
+        let mut inner = self.lock();
+        inner.pending.clear();
+        inner.group = None;
     }
 
     fn log_seq(&self) -> u64 {
@@ -347,4 +349,132 @@ fn keys_separate_pool_family_and_owner() {
     let mut c = a.clone();
     c.generation = Generation(7);
     assert_eq!(key_of(&a), key_of(&c), "generation is not part of the key");
+}
+
+#[test]
+fn a_commit_group_is_one_record_and_durable_once_closed() {
+    let tmp = temp_dir("group");
+    let dir = tmp.path().join("state");
+    let store = Store::open(&dir).expect("open");
+    let (a, b, c) = (
+        alloc("10.0.9.1", "g1", 1),
+        alloc("10.0.9.2", "g2", 2),
+        alloc("10.0.9.3", "g3", 3),
+    );
+    let before = store.lock().wal.covered_through();
+    store.open_group();
+    store.put(&a, Generation(1)).expect("put");
+    store.put(&b, Generation(2)).expect("put");
+    store.remove(&a).expect("remove");
+    store.put(&c, Generation(3)).expect("put");
+    assert_eq!(
+        store.lock().wal.covered_through(),
+        before,
+        "nothing is written before the group closes"
+    );
+    store.close_group().expect("close");
+    assert_eq!(
+        store.lock().wal.covered_through(),
+        before + 1,
+        "four commits, one record"
+    );
+    store.crash();
+    let store = Store::open(&dir).expect("reopen");
+    let stored = store.load().expect("load");
+    let mut got = stored.allocations;
+    got.sort_by_key(key_of);
+    assert_eq!(got, vec![b, c]);
+    assert_eq!(stored.generation, Generation(3));
+}
+
+#[test]
+fn a_failed_group_refuses_every_commit_and_no_replay_brings_it_back() {
+    let tmp = temp_dir("group-fail");
+    let dir = tmp.path().join("state");
+    let store = Store::open(&dir).expect("open");
+    let kept = alloc("10.0.10.1", "kept", 1);
+    store
+        .put(&kept, Generation(1))
+        .expect("put outside a group");
+
+    // The sync fails when the group closes.
+    store.open_group();
+    store
+        .put(&alloc("10.0.10.2", "lost-1", 2), Generation(2))
+        .expect("joins");
+    store
+        .put(&alloc("10.0.10.3", "lost-2", 3), Generation(3))
+        .expect("joins");
+    store.lock().wal.fail_for_test();
+    assert!(store.close_group().is_err(), "the group is refused");
+    assert!(store.health().is_some(), "and the store says it failed");
+    store.recover().expect("recovers");
+    assert!(store.health().is_none());
+
+    // The record is written early (a failing store flushes before it
+    // recovers) and fails: that commit and every later one of the group
+    // are refused.
+    store.open_group();
+    store
+        .put(&alloc("10.0.10.4", "lost-3", 4), Generation(4))
+        .expect("joins");
+    store.lock().wal.fail_for_test();
+    assert!(
+        store
+            .put(&alloc("10.0.10.5", "lost-4", 5), Generation(5))
+            .is_err()
+    );
+    let later = store.put(&alloc("10.0.10.6", "lost-5", 6), Generation(6));
+    assert!(
+        matches!(later, Err(StoreError::GroupFailed { .. })),
+        "{later:?}"
+    );
+    assert!(store.close_group().is_err());
+    store.recover().expect("recovers");
+
+    store.crash();
+    let store = Store::open(&dir).expect("reopen");
+    let stored = store.load().expect("load");
+    assert_eq!(stored.allocations, vec![kept.clone()]);
+    assert_eq!(stored.generation, Generation(1), "no refused generation");
+    // Commits go on after the refused numbers.
+    let next = alloc("10.0.10.7", "next", 7);
+    store.put(&next, Generation(7)).expect("put");
+    store.crash();
+    let mut got = Store::open(&dir)
+        .expect("reopen")
+        .load()
+        .expect("load")
+        .allocations;
+    got.sort_by_key(key_of);
+    assert_eq!(got, vec![kept, next]);
+}
+
+#[test]
+fn a_group_larger_than_the_log_is_written_early_and_loses_nothing() {
+    // Three record pages: a group of 100 commits (~20 KiB) cannot wait for
+    // its close.
+    let tmp = temp_dir("group-big");
+    let dir = tmp.path().join("state");
+    let store = Store::open_with(&dir, 4, 0).expect("open");
+    let all: Vec<Allocation> = (0..100)
+        .map(|i| alloc(&format!("10.0.11.{i}"), &format!("big-{i}"), i + 1))
+        .collect();
+    store.open_group();
+    for a in &all {
+        store.put(a, a.generation).expect("put");
+    }
+    // A commit too big for the log at all goes straight to redb.
+    let many: Vec<Allocation> = (0..100)
+        .map(|i| alloc(&format!("10.0.12.{i}"), &format!("many-{i}"), 200))
+        .collect();
+    store.put_many(&many, Generation(200)).expect("put many");
+    store.close_group().expect("close");
+    store.crash();
+    let stored = Store::open_with(&dir, 4, 0)
+        .expect("reopen")
+        .load()
+        .expect("load");
+    assert_eq!(stored.allocations.len(), 200);
+    assert_eq!(stored.generation, Generation(200));
 }

@@ -445,19 +445,7 @@ impl Wal {
     /// after an earlier failure, or the write or sync failing (the log then
     /// fails every later append).
     pub fn append(&mut self, payload: &[u8]) -> Result<u64, WalError> {
-        if self.failed {
-            return Err(WalError::Failed);
-        }
-        let pages = pages_for(payload.len());
-        if pages > self.pages - 1 || u32::try_from(payload.len()).is_err() {
-            return Err(WalError::TooBig {
-                len: payload.len(),
-                pages: self.pages,
-            });
-        }
-        if self.next_page + pages > self.pages {
-            return Err(WalError::Full);
-        }
+        let pages = self.room(payload.len())?;
         let len = payload.len() as u32;
         let mut buf = vec![0u8; (pages * PAGE) as usize];
         buf[0..4].copy_from_slice(&RECORD_MAGIC.to_le_bytes());
@@ -482,6 +470,29 @@ impl Wal {
         self.next_page += pages;
         self.next_seq += 1;
         Ok(seq)
+    }
+
+    /// Whether a record of `len` payload bytes can be appended now: the
+    /// pages it takes, or why not, as [`Wal::append`] would refuse it
+    /// (nothing is written).
+    ///
+    /// # Errors
+    /// [`WalError::Failed`], [`WalError::TooBig`] or [`WalError::Full`].
+    pub fn room(&self, len: usize) -> Result<u64, WalError> {
+        if self.failed {
+            return Err(WalError::Failed);
+        }
+        let pages = pages_for(len);
+        if pages > self.pages - 1 || u32::try_from(len).is_err() {
+            return Err(WalError::TooBig {
+                len,
+                pages: self.pages,
+            });
+        }
+        if self.next_page + pages > self.pages {
+            return Err(WalError::Full);
+        }
+        Ok(pages)
     }
 
     /// Makes the log behave as after a failed write or sync (for tests of
