@@ -1174,7 +1174,7 @@ fn a_half_gone_attachment_starts_over_with_its_plugin_off_the_owner() -> anyhow:
 
 /// Set-up runs the plugin with the agent free (#46 item 2): while the
 /// router role's ADD sleeps 5 s, the agent's owner runs other commands
-/// (the scrapes' refreshes), and the agent is still not ready; once the
+/// (`lockstep pools`, answered), and the agent is still not ready; once the
 /// ADD returns, the role holds its address and the agent is ready.
 #[test]
 fn set_up_runs_the_plugin_with_the_agent_free() -> anyhow::Result<()> {
@@ -1208,15 +1208,20 @@ fn set_up_runs_the_plugin_with_the_agent_free() -> anyhow::Result<()> {
     wait_for("the role's ADD to start", Duration::from_secs(5), || {
         (fake.calls_of("ADD", &router) == 1).then_some(())
     })?;
-    // The owner runs commands meanwhile: each scrape asks it for a
-    // refresh (and waits at most 100 ms), and the count of commands it
-    // ran moves.
+    // The owner runs commands meanwhile: `lockstep pools` is one, answered,
+    // and the count of commands it ran moves.
     let commands = || {
         lockstep_tests::cluster::metric_in(&node, "lockstep_agent_commands_total")
             .context("lockstep_agent_commands_total")
     };
     let before = commands()?;
-    std::thread::sleep(Duration::from_millis(500));
+    for _ in 0..3 {
+        let out = agent.cli(["pools"])?;
+        assert!(
+            out.status.success(),
+            "`lockstep pools` while set-up's plugin slept: {out:?}"
+        );
+    }
     let after = commands()?;
     let answered = Instant::now();
     let st = agent.status_json().context("status")?;

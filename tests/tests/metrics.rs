@@ -11,6 +11,9 @@
 //!   lock is held past the reconcile loop's allowance (strace delays its
 //!   commit's fdatasync 40 s) fails `/healthz`, naming the loop, and passes
 //!   again once the commit returns.
+//! - A scrape right after an answer shows that answer's change (the owner
+//!   refreshes the gauges before answering a batch; the scrape never asks
+//!   it).
 
 use std::collections::BTreeSet;
 use std::time::Duration;
@@ -220,6 +223,61 @@ fn healthz_fails_while_the_agent_is_stuck_and_readyz_answers_ready() -> anyhow::
     eprintln!(
         "healthz passed again {:.1} s after the stall ended",
         back.as_secs_f64()
+    );
+    agent.stop()?;
+    Ok(())
+}
+
+/// The value of the sample `name` (its whole name with labels), if any.
+fn sample(text: &str, name: &str) -> Option<f64> {
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+}
+
+/// The gauges are refreshed by the agent's owner before it answers a
+/// batch, so a scrape right after an answer shows that change, without
+/// the scrape asking the owner (it never waits for it) and long before
+/// the 2 s background refresh.
+#[test]
+fn a_scrape_right_after_an_answer_shows_its_change() -> anyhow::Result<()> {
+    privileged!();
+    let node = Netns::new("metrics-fresh")?;
+    let mut agent = AgentProc::start(&node, CONFIG)?;
+    let addr = metrics_addr(&node)?.to_string();
+    let allocated = "lockstep_pool_allocated{pool=\"default\",family=\"ipv4\"}";
+    let scrape = || -> anyhow::Result<String> {
+        let (status, _, body) = get(&node, &addr, "/metrics", &[])?;
+        ensure!(status == 200, "scrape answered {status}: {body}");
+        Ok(body)
+    };
+    let first = scrape()?;
+    let commits = sample(&first, "lockstep_store_commits_total").context("no commit count")?;
+    for n in 1..=5u32 {
+        let name = format!("fresh-{n}");
+        let out = agent.cli([
+            "allocate", "--kind", "endpoint", "--name", &name, "--family", "ipv4",
+        ])?;
+        ensure!(out.status.success(), "allocate {name}: {out:?}");
+        let text = scrape()?;
+        ensure!(
+            sample(&text, allocated) == Some(f64::from(n)),
+            "right after allocation {n} the scrape shows {:?}",
+            sample(&text, allocated)
+        );
+        ensure!(
+            sample(&text, "lockstep_store_commits_total") >= Some(commits + f64::from(n)),
+            "the store's commits did not follow allocation {n}"
+        );
+    }
+    let out = agent.cli([
+        "release", "--kind", "endpoint", "--name", "fresh-1", "--family", "ipv4",
+    ])?;
+    ensure!(out.status.success(), "release: {out:?}");
+    let text = scrape()?;
+    ensure!(
+        sample(&text, allocated) == Some(4.0),
+        "right after the release the scrape shows {:?}",
+        sample(&text, allocated)
     );
     agent.stop()?;
     Ok(())

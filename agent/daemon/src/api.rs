@@ -225,11 +225,11 @@ async fn status(State(s): State<AppState>) -> Result<Response, ApiError> {
     }
 }
 
-/// Waits at most [`crate::metrics::SCRAPE_WAIT`] for the agent's owner (busy
-/// with CNI calls, a reconcile): the gauges are then fresh, or otherwise at
-/// most [`crate::metrics::REFRESH_EVERY`] old.
+/// Never waits for the agent's owner: its gauges are as the owner's last
+/// batch left the agent (refreshed before that batch was answered), its
+/// datapath counters at most [`crate::metrics::REFRESH_EVERY`] old.
 async fn metrics(State(s): State<AppState>, headers: HeaderMap) -> Result<Response, ApiError> {
-    crate::metrics::refresh_briefly(&s.metrics, &s.agent).await;
+    s.metrics.observe_owner(&s.agent);
     if !s.metrics.refreshed() {
         return Err(ApiError::from(not_ready(&s.held)));
     }

@@ -261,8 +261,14 @@ pub async fn run(config: Config) -> Result<(), ServerError> {
     let (api_listener, _socket_file) = bind_socket(&socket)?;
     // The agent's one owner (`agent::handle`): every task below reaches
     // the agent through a clone of this handle, none holds it.
-    let (slot, owner) = AgentHandle::spawn().map_err(ServerError::Start)?;
     let metrics = Arc::new(Metrics::new());
+    // The gauges are refreshed on the owner as each batch leaves the agent:
+    // a scrape never waits for it.
+    let refresh = {
+        let m = metrics.clone();
+        Box::new(move |a: &Agent| m.refresh_state(a)) as crate::agent::AfterBatch
+    };
+    let (slot, owner) = AgentHandle::spawn_with(Some(refresh)).map_err(ServerError::Start)?;
     let state = AppState {
         agent: slot.clone(),
         held: Arc::new(Mutex::new(None)),

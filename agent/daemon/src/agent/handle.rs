@@ -57,6 +57,15 @@ pub const QUEUE: usize = 1024;
 /// Most commands one batch takes (one published view).
 pub const BATCH: usize = 64;
 
+/// A batch followed by more queued work refreshes what
+/// [`AgentHandle::spawn_with`]'s hook keeps (the metrics) only when the last
+/// refresh is this old; a batch that leaves the queue empty always does.
+pub const AFTER_BATCH_EVERY: std::time::Duration = std::time::Duration::from_millis(100);
+
+/// What the owner runs after a batch's sync, before answering it, to keep
+/// readers' copies (the metrics' gauges) as the batch left the agent.
+pub type AfterBatch = Box<dyn FnMut(&Agent) + Send>;
+
 /// What the owner answers a command with, once its batch has run.
 type Deliver = Box<dyn FnOnce() + Send>;
 type Job = Box<dyn FnOnce(&mut Option<Agent>) -> Deliver + Send>;
@@ -175,13 +184,25 @@ impl AgentHandle {
     /// # Errors
     /// The thread could not be started.
     pub fn spawn() -> Result<(Self, AgentThread), AgentError> {
+        Self::spawn_with(None)
+    }
+
+    /// As [`AgentHandle::spawn`], with `after_batch` run on the owner after
+    /// a batch's sync and before its answers: after every batch that leaves
+    /// the queue empty, and at least every [`AFTER_BATCH_EVERY`] under
+    /// load. So what it refreshes is exact whenever the owner is idle, and
+    /// a caller that got its answer reads it as its own command left it.
+    ///
+    /// # Errors
+    /// As [`AgentHandle::spawn`].
+    pub fn spawn_with(after_batch: Option<AfterBatch>) -> Result<(Self, AgentThread), AgentError> {
         let (tx, rx) = mpsc::channel(QUEUE);
         let view = Arc::new(ArcSwap::from_pointee(AgentView::default()));
         let stats = Arc::new(OwnerStats::default());
         let (v, s) = (view.clone(), stats.clone());
         let thread = std::thread::Builder::new()
             .name("lockstep-agent".into())
-            .spawn(move || run(rx, &v, &s))
+            .spawn(move || run(rx, &v, &s, after_batch))
             .map_err(|e| AgentError::Invalid {
                 reason: format!("starting the agent's owner thread: {e}"),
             })?;
@@ -297,8 +318,10 @@ fn run(
     mut rx: mpsc::Receiver<Command>,
     view: &ArcSwap<AgentView>,
     stats: &OwnerStats,
+    mut after_batch: Option<AfterBatch>,
 ) -> Result<(), String> {
     let mut agent: Option<Agent> = None;
+    let mut last_after: Option<std::time::Instant> = None;
     let mut answers: Vec<Deliver> = Vec::with_capacity(BATCH);
     let mut batches = 0u64;
     while let Some(first) = rx.blocking_recv() {
@@ -327,6 +350,12 @@ fn run(
             let counts = a.store.counts();
             stats.store_commits.store(counts.commits, Ordering::Relaxed);
             stats.log_syncs.store(counts.log_syncs, Ordering::Relaxed);
+            if let Some(hook) = after_batch.as_mut()
+                && (rx.is_empty() || last_after.is_none_or(|t| t.elapsed() >= AFTER_BATCH_EVERY))
+            {
+                hook(a);
+                last_after = Some(std::time::Instant::now());
+            }
         }
         view.store(Arc::new(match agent.as_ref() {
             Some(a) => AgentView {

@@ -55,7 +55,7 @@ mod uplink;
 
 pub use cluster_pools::RemoteSource;
 pub use error::AgentError;
-pub use handle::{AgentHandle, AgentThread, AgentView};
+pub use handle::{AfterBatch, AgentHandle, AgentThread, AgentView};
 pub use report::{Drift, PoolStatus, ReconcileReport, Stats, Status, Uplink, VerifyReport};
 
 /// A request for an address.

@@ -8,13 +8,13 @@
 //! registered once it runs. A scrape gets OpenMetrics when it asks for it
 //! (Prometheus does) and the text format 0.0.4 otherwise ([`text`]).
 //!
-//! A scrape waits at most [`SCRAPE_WAIT`] for the agent's owner, which CNI
-//! calls and reconciles keep busy (#27 item 9): it asks the owner to
-//! refresh the gauges (so they agree with the state an API call just
-//! returned), and serves what it has when the owner does not get to it in
-//! time. [`spawn_refresher`] refreshes them every [`REFRESH_EVERY`] off the
-//! scrape path, so they are never older than that plus one command's
-//! wait.
+//! A scrape never waits for the agent's owner, which CNI calls and
+//! reconciles keep busy: the owner refreshes the gauges itself after a
+//! batch of commands, before it answers them (`AgentHandle::spawn_with`),
+//! so they agree with the state an API call just returned; under load at
+//! least every 100 ms, and exactly once the owner is idle.
+//! [`spawn_refresher`] refreshes them every [`REFRESH_EVERY`] as well, for
+//! what changes without a command (the datapath's packet counters).
 
 mod cluster;
 mod heartbeats;
@@ -433,8 +433,16 @@ impl Metrics {
             .set(i64::try_from(agent.queued()).unwrap_or(i64::MAX));
     }
 
-    /// Refreshes the gauges from the agent (on its owner).
+    /// Refreshes everything from the agent (on its owner): its state's
+    /// gauges and the datapath's counters.
     pub fn refresh(&self, agent: &Agent) {
+        self.refresh_state(agent);
+        self.refresh_datapath(agent);
+    }
+
+    /// Refreshes what only the agent's commands change (pools, maps, LB,
+    /// errors): cheap, run on the owner after each batch.
+    pub fn refresh_state(&self, agent: &Agent) {
         for p in agent.pools() {
             for (family, (used, free)) in [("ipv4", p.v4), ("ipv6", p.v6)] {
                 let l = labels(&[("pool", &p.name), ("family", family)]);
@@ -485,6 +493,13 @@ impl Metrics {
                 .get_or_create(&labels(&[("pool", &r.pool), ("cidr", &r.cidr.to_string())]))
                 .set(r.holders.len() as i64);
         }
+        self.refreshed.store(true, Ordering::Release);
+    }
+
+    /// Reads the datapath's packet and drop counters, which change without
+    /// a command (a syscall per counter): by the refresher, every
+    /// [`REFRESH_EVERY`].
+    pub fn refresh_datapath(&self, agent: &Agent) {
         for (c, n) in agent.datapath_counters() {
             follow(
                 &self
@@ -509,7 +524,6 @@ impl Metrics {
             };
             follow(&family.get_or_create(&labels(&[(label, value)])), n);
         }
-        self.refreshed.store(true, Ordering::Release);
     }
 
     /// Renders what the metrics hold (the agent's owner is not needed),
@@ -545,17 +559,6 @@ impl Metrics {
             text::to_text(&out)
         }
     }
-}
-
-/// How long a scrape waits for the agent's owner to refresh the gauges
-/// before it serves them as the last refresh left them.
-pub const SCRAPE_WAIT: Duration = Duration::from_millis(100);
-
-/// A scrape's refresh: asked of the agent's owner, waited for at most
-/// [`SCRAPE_WAIT`] (a busy owner refreshes them when it gets to it).
-pub async fn refresh_briefly(metrics: &Arc<Metrics>, agent: &crate::agent::AgentHandle) {
-    metrics.observe_owner(agent);
-    let _ = tokio::time::timeout(SCRAPE_WAIT, refresh_on_owner(metrics, agent)).await;
 }
 
 /// Refreshes the gauges as a command on the agent's owner.
