@@ -55,6 +55,8 @@ const PAIRS: usize = 1000;
 const BLOCK: usize = 50;
 const WARMUP: usize = 20;
 const PARALLEL: usize = 100;
+/// The agent's metrics port, on the node netns's own loopback.
+const METRICS_PORT: u16 = 9476;
 
 /// The bench's world: a node netns running the agent, container netns,
 /// a scratch directory and a pin root. Removed on drop.
@@ -64,6 +66,8 @@ struct World {
     pins: PathBuf,
     netns: Vec<String>,
     agent: Option<Child>,
+    /// The node netns the agent runs in.
+    node: Option<PathBuf>,
 }
 
 impl World {
@@ -78,6 +82,7 @@ impl World {
             dir,
             netns: Vec::new(),
             agent: None,
+            node: None,
         })
     }
 
@@ -99,7 +104,7 @@ impl World {
             format!(
                 r#"state_dir = "{state}"
 socket = "{sock}"
-metrics_addr = "127.0.0.1:0"
+metrics_addr = "127.0.0.1:{METRICS_PORT}"
 reconcile_interval = "60s"
 default_pool = "full"
 [[pools]]
@@ -116,6 +121,13 @@ pin_root = "{pins}"
                 pins = self.pins.display(),
             ),
         )?;
+        self.node = Some(node.to_path_buf());
+        // The metrics listener binds the node's own loopback.
+        let name = node
+            .file_name()
+            .and_then(|n| n.to_str())
+            .context("node netns name")?;
+        ip(&["-n", name, "link", "set", "lo", "up"])?;
         let log = std::fs::File::create(self.dir.join("agent.log"))?;
         self.agent = Some(
             Command::new("nsenter")

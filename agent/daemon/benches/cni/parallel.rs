@@ -14,7 +14,9 @@ use hyper::Method;
 use lockstep::client::call;
 use serde_json::json;
 
-use super::{PARALLEL, World, invoke, median, ms, percentile, plugin, runtime, verdict};
+use super::{
+    METRICS_PORT, PARALLEL, World, invoke, median, ms, percentile, plugin, runtime, verdict,
+};
 
 /// One round of [`PARALLEL`] full ADDs at once into `netns`, then the DEL
 /// of all at once: what it measured.
@@ -128,6 +130,29 @@ fn parallel_round(sock: &Path, netns: &[PathBuf], tag: &str) -> anyhow::Result<R
 
 /// Full reconciles forced through the API one after another until `stop`:
 /// each one's duration in ms.
+/// The store's commits and log syncs so far, from the agent's metrics
+/// (scraped inside the node netns).
+fn store_counts(world: &World) -> anyhow::Result<(u64, u64)> {
+    let node = world.node.as_ref().context("no agent running")?;
+    let out = std::process::Command::new("nsenter")
+        .arg(format!("--net={}", node.display()))
+        .args(["--", "curl", "-sf", "-m", "10"])
+        .arg(format!("http://127.0.0.1:{METRICS_PORT}/metrics"))
+        .output()?;
+    ensure!(out.status.success(), "scraping the agent's metrics failed");
+    let text = String::from_utf8(out.stdout)?;
+    let value = |name: &str| -> anyhow::Result<u64> {
+        text.lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse::<f64>().ok())
+            .map(|v| v as u64)
+            .with_context(|| format!("no {name} in the metrics"))
+    };
+    Ok((
+        value("lockstep_store_commits_total")?,
+        value("lockstep_store_log_syncs_total")?,
+    ))
+}
+
 fn reconciles(sock: PathBuf, stop: Arc<AtomicBool>) -> anyhow::Result<Vec<f64>> {
     let rt = runtime()?;
     let mut took = Vec::new();
@@ -147,12 +172,15 @@ pub(super) fn parallel(world: &mut World, rows: &mut Vec<String>) -> anyhow::Res
         netns.push(world.netns(&format!("p{i}"))?);
     }
     let made = made.elapsed();
+    let (commits_before, syncs_before) = store_counts(world)?;
     let Round {
         wall,
         per_call,
         del_wall,
         reaped,
     } = parallel_round(&sock, &netns, "par")?;
+    let (commits_after, syncs_after) = store_counts(world)?;
+    let (commits, syncs) = (commits_after - commits_before, syncs_after - syncs_before);
     let (p50, p99) = (median(&per_call), percentile(&per_call, 0.99));
     println!(
         "\nb. {PARALLEL} full ADDs at once (veth into {PARALLEL} netns made beforehand in {:.2} s):",
@@ -177,6 +205,19 @@ pub(super) fn parallel(world: &mut World, rows: &mut Vec<String>) -> anyhow::Res
         "  per call p50 / p99",
         format!("{p50:.0} / {p99:.0} ms"),
         ""
+    ));
+    // Group commit: the ADDs and DELs of a batch share one log record and
+    // one fdatasync (a count, which load does not move).
+    println!(
+        "   the store: {commits} commits in {syncs} log syncs ({:.2} syncs per commit)",
+        syncs as f64 / commits.max(1) as f64
+    );
+    rows.push(format!(
+        "{:<44} {:>16} {:>12} {}",
+        "  store log syncs per commit (ADDs and DELs)",
+        format!("{syncs} / {commits}"),
+        "< 1",
+        verdict(commits > 0 && syncs < commits)
     ));
     rows.push(format!(
         "{:<44} {:>16} {:>12} {}",
