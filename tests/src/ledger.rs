@@ -376,6 +376,23 @@ pub fn held(models: &[Model]) -> usize {
         .sum()
 }
 
+/// Starts one client thread per model in `scope` ([`run_client`]), each
+/// with its own seed drawn from `seed`.
+pub fn spawn_clients<'scope>(
+    scope: &'scope std::thread::Scope<'scope, '_>,
+    pool: &'scope Pool,
+    socket: &'scope Path,
+    gate: &'scope Gate,
+    models: &'scope [Model],
+    shared: &'scope Shared,
+    seed: u64,
+) {
+    for (id, model) in models.iter().enumerate() {
+        let seed = seed ^ ((id as u64 + 1) << 32);
+        scope.spawn(move || run_client(pool, id, socket, gate, model, shared, seed));
+    }
+}
+
 /// A client thread's loop: one request at a time while the gate lets it,
 /// recording every contract violation in `shared`.
 pub fn run_client(

@@ -13,7 +13,7 @@ use std::net::{Ipv4Addr, Ipv6Addr};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, ensure};
-use lockstep_tests::ledger::{self, Gate, Model, Pool, Rng, Shared, StopOnDrop, get, run_client};
+use lockstep_tests::ledger::{self, Gate, Model, Pool, Rng, Shared, StopOnDrop, get};
 use lockstep_tests::{AgentProc, Netns, privileged};
 
 const POOL: Pool = Pool {
@@ -50,11 +50,7 @@ fn sigkill_at_random_moments_loses_no_acknowledged_change() -> anyhow::Result<()
 
     std::thread::scope(|s| -> anyhow::Result<()> {
         let _stop = StopOnDrop(&gate);
-        for (id, model) in models.iter().enumerate() {
-            let (socket, gate, shared) = (&socket, &gate, &shared);
-            let seed = seed ^ ((id as u64 + 1) << 32);
-            s.spawn(move || run_client(&POOL, id, socket, gate, model, shared, seed));
-        }
+        ledger::spawn_clients(s, &POOL, &socket, &gate, &models, &shared, seed);
         for round in 0..KILLS {
             gate.resume();
             std::thread::sleep(Duration::from_millis(20 + rng.below(281)));

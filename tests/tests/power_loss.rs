@@ -38,9 +38,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, anyhow, bail, ensure};
-use lockstep_tests::ledger::{
-    self, Gate, Model, Pool, Rng, Shared, StopOnDrop, clock_seed, get, run_client,
-};
+use lockstep_tests::ledger::{self, Gate, Model, Pool, Rng, Shared, StopOnDrop, clock_seed, get};
 use lockstep_tests::lossyfs::{Cut, LossyFs};
 use lockstep_tests::{AgentOptions, AgentProc, Netns, privileged};
 
@@ -177,11 +175,7 @@ fn power_cuts_under_load_lose_no_acknowledged_change() -> anyhow::Result<()> {
 
     std::thread::scope(|s| -> anyhow::Result<()> {
         let _stop = StopOnDrop(&gate);
-        for (id, model) in models.iter().enumerate() {
-            let (socket, gate, shared) = (&socket, &gate, &shared);
-            let seed = seed ^ ((id as u64 + 1) << 32);
-            s.spawn(move || run_client(&POOL, id, socket, gate, model, shared, seed));
-        }
+        ledger::spawn_clients(s, &POOL, &socket, &gate, &models, &shared, seed);
         for round in 0..cuts {
             gate.resume();
             std::thread::sleep(Duration::from_millis(20 + rng.below(281)));
@@ -275,11 +269,7 @@ fn a_failed_log_sync_refuses_its_whole_batch_and_no_restart_brings_it_back() -> 
 
     std::thread::scope(|s| -> anyhow::Result<()> {
         let _stop = StopOnDrop(&gate);
-        for (id, model) in models.iter().enumerate() {
-            let (socket, gate, shared) = (&socket, &gate, &shared);
-            let seed = seed ^ ((id as u64 + 1) << 32);
-            s.spawn(move || run_client(&POOL, id, socket, gate, model, shared, seed));
-        }
+        ledger::spawn_clients(s, &POOL, &socket, &gate, &models, &shared, seed);
         for round in 0..failures {
             gate.resume();
             std::thread::sleep(Duration::from_millis(20 + rng.below(181)));
@@ -414,11 +404,7 @@ fn power_cuts_in_the_middle_of_checkpoints_lose_no_acknowledged_change() -> anyh
 
     std::thread::scope(|s| -> anyhow::Result<()> {
         let _stop = StopOnDrop(&gate);
-        for (id, model) in models.iter().enumerate() {
-            let (socket, gate, shared) = (&socket, &gate, &shared);
-            let seed = seed ^ ((id as u64 + 1) << 32);
-            s.spawn(move || run_client(&POOL, id, socket, gate, model, shared, seed));
-        }
+        ledger::spawn_clients(s, &POOL, &socket, &gate, &models, &shared, seed);
         for round in 0..cuts {
             let aim = [Aim::Load, Aim::Startup, Aim::Shutdown][round % 3];
             let k = 1 + rng.below(MAX_K);
