@@ -142,6 +142,31 @@ impl World {
     }
 }
 
+/// What every test here drives its clients with: a runtime for the
+/// checks, the gate, the shared counts, the clients' models and the test's
+/// own random choices.
+struct Clients {
+    rt: tokio::runtime::Runtime,
+    gate: Gate,
+    shared: Shared,
+    models: Vec<Model>,
+    rng: Rng,
+}
+
+impl Clients {
+    fn new(seed: u64) -> anyhow::Result<Self> {
+        Ok(Self {
+            rt: tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()?,
+            gate: Gate::default(),
+            shared: Shared::default(),
+            models: ledger::models(),
+            rng: Rng(seed),
+        })
+    }
+}
+
 fn tail(text: &str, lines: usize) -> String {
     let all: Vec<&str> = text.lines().collect();
     all[all.len().saturating_sub(lines)..].join("\n")
@@ -162,13 +187,13 @@ fn power_cuts_under_load_lose_no_acknowledged_change() -> anyhow::Result<()> {
     let seed = seed("power_cuts_under_load")?;
     let mut world = World::start("power", Some("state"))?;
     let socket = world.agent.socket();
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()?;
-    let gate = Gate::default();
-    let shared = Shared::default();
-    let models = ledger::models();
-    let mut rng = Rng(seed);
+    let Clients {
+        rt,
+        gate,
+        shared,
+        models,
+        mut rng,
+    } = Clients::new(seed)?;
     let started = Instant::now();
     let mut max_ready = Duration::ZERO;
     let (mut dropped, mut kept) = (0u64, 0u64);
@@ -259,13 +284,13 @@ fn a_failed_log_sync_refuses_its_whole_batch_and_no_restart_brings_it_back() -> 
     };
     let mut world = World::start("syncfail", None)?;
     let socket = world.agent.socket();
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()?;
-    let gate = Gate::default();
-    let shared = Shared::default();
-    let models = ledger::models();
-    let mut rng = Rng(seed);
+    let Clients {
+        rt,
+        gate,
+        shared,
+        models,
+        mut rng,
+    } = Clients::new(seed)?;
 
     std::thread::scope(|s| -> anyhow::Result<()> {
         let _stop = StopOnDrop(&gate);
@@ -391,13 +416,13 @@ fn power_cuts_in_the_middle_of_checkpoints_lose_no_acknowledged_change() -> anyh
     let seed = seed("power_cuts_in_checkpoints")?;
     let mut world = World::start("ckpt", None)?;
     let socket = world.agent.socket();
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()?;
-    let gate = Gate::default();
-    let shared = Shared::default();
-    let models = ledger::models();
-    let mut rng = Rng(seed);
+    let Clients {
+        rt,
+        gate,
+        shared,
+        models,
+        mut rng,
+    } = Clients::new(seed)?;
     let started = Instant::now();
     let mut aimed = Aimed::default();
     let mut max_ready = Duration::ZERO;
