@@ -369,9 +369,13 @@ pub fn metrics_in(ns: &Netns) -> anyhow::Result<String> {
 /// The value of the unlabelled metric `name` on the agent in `ns` (see
 /// [`metrics_in`]); `None` when it cannot be read or is not there.
 pub fn metric_in(ns: &Netns, name: &str) -> Option<f64> {
-    metrics_in(ns)
-        .ok()?
-        .lines()
+    sample(&metrics_in(ns).ok()?, name)
+}
+
+/// The value of the sample `name` (its whole name, labels included) in a
+/// text-format scrape; `None` when it is not there.
+pub fn sample(text: &str, name: &str) -> Option<f64> {
+    text.lines()
         .find_map(|l| l.strip_prefix(name)?.strip_prefix(' '))?
         .trim()
         .parse()

@@ -228,12 +228,6 @@ fn healthz_fails_while_the_agent_is_stuck_and_readyz_answers_ready() -> anyhow::
     Ok(())
 }
 
-/// The value of the sample `name` (its whole name with labels), if any.
-fn sample(text: &str, name: &str) -> Option<f64> {
-    text.lines()
-        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
-}
-
 /// The gauges are refreshed by the agent's owner before it answers a
 /// batch, so a scrape right after an answer shows that change, without
 /// the scrape asking the owner (it never waits for it) and long before
@@ -241,6 +235,7 @@ fn sample(text: &str, name: &str) -> Option<f64> {
 #[test]
 fn a_scrape_right_after_an_answer_shows_its_change() -> anyhow::Result<()> {
     privileged!();
+    use lockstep_tests::cluster::sample;
     let node = Netns::new("metrics-fresh")?;
     let mut agent = AgentProc::start(&node, CONFIG)?;
     let addr = metrics_addr(&node)?.to_string();
