@@ -90,8 +90,12 @@ pub struct AgentView {
     pub unprobed: Option<Status>,
     /// The pin root's check, which readers run themselves.
     pub pins: Option<Arc<PinProbe>>,
-    /// Every address allocated from the agent's pools, sorted.
-    pub allocated: Vec<IpAddr>,
+    /// Every address allocated from the agent's pools, sorted. The one
+    /// part of the view that grows with the node's allocations, so the
+    /// owner rebuilds it only after a batch that committed something, and
+    /// under load at most every [`AFTER_BATCH_EVERY`]: exact whenever the
+    /// owner is idle, else at most that old.
+    pub allocated: Arc<[IpAddr]>,
 }
 
 impl AgentView {
@@ -322,6 +326,10 @@ fn run(
 ) -> Result<(), String> {
     let mut agent: Option<Agent> = None;
     let mut last_after: Option<std::time::Instant> = None;
+    // The address list last published, the store's commit count it was
+    // built at, and when.
+    let mut allocated: Arc<[IpAddr]> = Arc::from([]);
+    let mut allocated_at: Option<(u64, std::time::Instant)> = None;
     let mut answers: Vec<Deliver> = Vec::with_capacity(BATCH);
     let mut batches = 0u64;
     while let Some(first) = rx.blocking_recv() {
@@ -350,6 +358,12 @@ fn run(
             let counts = a.store.counts();
             stats.store_commits.store(counts.commits, Ordering::Relaxed);
             stats.log_syncs.store(counts.log_syncs, Ordering::Relaxed);
+            if allocated_at.is_none_or(|(commits, at)| {
+                commits != counts.commits && (rx.is_empty() || at.elapsed() >= AFTER_BATCH_EVERY)
+            }) {
+                allocated = a.allocated().into();
+                allocated_at = Some((counts.commits, std::time::Instant::now()));
+            }
             if let Some(hook) = after_batch.as_mut()
                 && (rx.is_empty() || last_after.is_none_or(|t| t.elapsed() >= AFTER_BATCH_EVERY))
             {
@@ -364,7 +378,7 @@ fn run(
                 batches,
                 unprobed: Some(a.status_unprobed()),
                 pins: Some(a.pin_probe()),
-                allocated: a.allocated(),
+                allocated: allocated.clone(),
             },
             None => AgentView {
                 batches,
@@ -461,7 +475,7 @@ mod tests {
         .collect();
         allocated.sort_unstable();
         let v = AgentView {
-            allocated,
+            allocated: allocated.into(),
             ..AgentView::default()
         };
         let blocks: Vec<IpNet> = ["10.0.0.0/29", "10.0.0.8/29", "10.0.2.0/24", "fd00::/120"]
