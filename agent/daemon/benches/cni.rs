@@ -113,6 +113,9 @@ ipv4 = ["10.70.0.0/22"]
 [[pools]]
 name = "full"
 ipv4 = ["10.71.0.0/24"]
+[[pools]]
+name = "held"
+ipv4 = ["10.80.0.0/16"]
 [datapath]
 pin_root = "{pins}"
 "#,
