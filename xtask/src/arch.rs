@@ -17,7 +17,9 @@
 //! bytecode on every architecture (`bpfel`), built once by the agent's build
 //! script on the build machine and embedded.
 //!
-//! The cross build has its own target directory (`target/cross/`): its host
+//! The cross build has its own target directory (`target/cross/`, or
+//! `LOCKSTEP_CROSS_TARGET_DIR`; CI keeps it outside the clone, so a run
+//! rebuilds only what changed, as cargo's fingerprints decide): its host
 //! tools are nightly's, and it never waits on the lock of a stable build.
 
 use std::path::PathBuf;
@@ -153,9 +155,13 @@ pub fn build_shipped(arch: Arch, bin: &str) -> anyhow::Result<PathBuf> {
     Ok(dir.join(target).join("ship").join(bin))
 }
 
-/// The cross build's target directory.
+/// The cross build's target directory: `LOCKSTEP_CROSS_TARGET_DIR` when
+/// set, else `target/cross/`.
 pub fn cross_dir() -> PathBuf {
-    crate::root().join("target/cross")
+    match std::env::var_os("LOCKSTEP_CROSS_TARGET_DIR") {
+        Some(dir) if !dir.is_empty() => PathBuf::from(dir),
+        _ => crate::root().join("target/cross"),
+    }
 }
 
 /// Where the built aarch64 binary `bin` is, built or not.

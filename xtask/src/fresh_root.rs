@@ -31,7 +31,11 @@
 //! Debug builds in the root carry no debug info and no incremental state
 //! (`CARGO_PROFILE_DEV_DEBUG=0`, `CARGO_INCREMENTAL=0`): what the check
 //! proves does not depend on them, and with them the root's `target/`
-//! takes 15 GiB instead of a few.
+//! takes 15 GiB instead of a few. The shipped binaries are built without
+//! link-time optimisation, in 16 codegen units
+//! (`CARGO_PROFILE_SHIP_LTO=off`, `CARGO_PROFILE_SHIP_CODEGEN_UNITS=16`):
+//! LTO needs no tool a fresh machine could lack, the machine's own run
+//! builds them as they ship, and here it cost three minutes of CI's hour.
 //!
 //! The root is cached (default `target/fresh-root/`, or
 //! `LOCKSTEP_FRESH_ROOT_DIR`; CI keeps it outside the clone) under a key
@@ -404,6 +408,7 @@ fi
 exec chroot "$R" /usr/bin/env -i HOME=/root TERM=dumb CARGO_TERM_COLOR=never \
   PATH=/root/.cargo/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
   LOCKSTEP_SKIP_FRESH_ROOT=1 CARGO_PROFILE_DEV_DEBUG=0 CARGO_INCREMENTAL=0 \
+  CARGO_PROFILE_SHIP_LTO=off CARGO_PROFILE_SHIP_CODEGEN_UNITS=16 \
   {passed} bash -euc 'cd /src; {steps}'
 "#,
         rustup = home.join(".rustup").display(),
