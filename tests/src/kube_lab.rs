@@ -363,6 +363,32 @@ impl KubeLab {
         Ok(())
     }
 
+    /// Waits (at most `within`) until the API double has exactly one open
+    /// watch of all Services, all LoadBalancerIPPools and all Nodes: in
+    /// cluster mode only the elected writer keeps them (#47 item 4), not
+    /// every agent. Returns how long it took.
+    ///
+    /// # Errors
+    /// Other counts at the deadline, named.
+    pub fn wait_writer_only_watches(&self, within: Duration) -> anyhow::Result<Duration> {
+        let t = std::time::Instant::now();
+        let kinds = ["services", "loadbalancerippools", "nodes"];
+        loop {
+            let counts: Vec<(&str, usize)> = kinds
+                .iter()
+                .map(|k| (*k, self.api.open_watches_of_all(k)))
+                .collect();
+            if counts.iter().all(|(_, n)| *n == 1) {
+                return Ok(t.elapsed());
+            }
+            anyhow::ensure!(
+                t.elapsed() < within,
+                "open watches of every object of a kind, after {within:?}: {counts:?} (want 1 each: the writer's)"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
     /// Fails naming every request [`outside_rbac`] finds.
     ///
     /// # Errors

@@ -391,9 +391,16 @@ fn watch(
         )
     };
     let every = shared.bookmark_every;
+    let of = super::WatchOf {
+        plural: kind.plural,
+        one: selector
+            .fields
+            .iter()
+            .any(|(path, equal, _)| path == "metadata.name" && *equal),
+    };
     let s2 = shared.clone();
     tokio::spawn(async move {
-        let _count = s2.open_watch();
+        let _count = s2.open_watch(of);
         let backlog = match backlog {
             Ok(b) => b,
             Err(e) => {

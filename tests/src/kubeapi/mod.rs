@@ -60,6 +60,10 @@
 //!   the policy, port protocol TCP; `metadata.generation` grows when
 //!   anything but metadata and status changes.
 //!
+//! Tests count the watches open, of every object of a kind or of one
+//! named object ([`ApiDouble::open_watches_of_all`]); a watch counts until
+//! its stream ends or its client goes.
+//!
 //! Tests break watches ([`ApiDouble::break_watches`]: streams end, clients
 //! watch again from their last resourceVersion) or expire them
 //! ([`ApiDouble::expire`]: the history is forgotten and every open stream
@@ -91,6 +95,7 @@ pub mod schema;
 pub mod selector;
 pub mod store;
 
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::Path;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -264,7 +269,8 @@ pub struct Shared {
     bookmark_every: Duration,
     seen: Mutex<Vec<Seen>>,
     refused: Mutex<Vec<ApiError>>,
-    watches: Mutex<usize>,
+    /// Open watches by what they watch ([`WatchOf`]).
+    watches: Mutex<BTreeMap<WatchOf, usize>>,
     /// Every change, with when it was stored (for benchmarks).
     log: Mutex<Vec<(std::time::Instant, Change)>>,
     /// Paged lists' snapshots by continue-token id: (resourceVersion,
@@ -272,12 +278,26 @@ pub struct Shared {
     snapshots: Mutex<Snapshots>,
 }
 
+/// What a watch watches: a kind (its plural), and whether all of its
+/// objects (across namespaces or in one, any label selector) or one named
+/// object (a `metadata.name` field selector).
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct WatchOf {
+    /// The kind's plural.
+    pub plural: &'static str,
+    /// Whether a field selector names one object.
+    pub one: bool,
+}
+
 /// Counts an open watch while it lives.
-pub struct WatchCount(Arc<Shared>);
+pub struct WatchCount(Arc<Shared>, WatchOf);
 
 impl Drop for WatchCount {
     fn drop(&mut self) {
-        *self.0.watches.lock().unwrap_or_else(|p| p.into_inner()) -= 1;
+        let mut w = self.0.watches.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(n) = w.get_mut(&self.1) {
+            *n -= 1;
+        }
     }
 }
 
@@ -290,9 +310,14 @@ impl Shared {
         self.seen.lock().unwrap_or_else(|p| p.into_inner()).push(s);
     }
 
-    fn open_watch(self: &Arc<Self>) -> WatchCount {
-        *self.watches.lock().unwrap_or_else(|p| p.into_inner()) += 1;
-        WatchCount(self.clone())
+    fn open_watch(self: &Arc<Self>, of: WatchOf) -> WatchCount {
+        *self
+            .watches
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry(of.clone())
+            .or_default() += 1;
+        WatchCount(self.clone(), of)
     }
 
     /// Runs a write and publishes its change under the store's lock (so a
@@ -401,7 +426,7 @@ impl ApiDouble {
             bookmark_every,
             seen: Mutex::new(Vec::new()),
             refused: Mutex::new(Vec::new()),
-            watches: Mutex::new(0),
+            watches: Mutex::new(BTreeMap::new()),
             log: Mutex::new(Vec::new()),
             snapshots: Mutex::new((0, std::collections::HashMap::new())),
         });
@@ -542,11 +567,26 @@ impl ApiDouble {
 
     /// Watches open now.
     pub fn open_watches(&self) -> usize {
-        *self
-            .shared
+        self.shared
             .watches
             .lock()
             .unwrap_or_else(|p| p.into_inner())
+            .values()
+            .sum()
+    }
+
+    /// Watches open now of every object of kind `plural` (not of one
+    /// named object): what grows with the cluster when every agent holds
+    /// one.
+    pub fn open_watches_of_all(&self, plural: &str) -> usize {
+        self.shared
+            .watches
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .filter(|(of, _)| of.plural == plural && !of.one)
+            .map(|(_, n)| n)
+            .sum()
     }
 
     /// Every request served so far.

@@ -35,6 +35,7 @@ pub mod local_traffic;
 pub mod node_removal;
 pub mod nodeipam;
 mod objects;
+mod passes;
 pub mod pod_cidrs;
 pub mod pod_pools;
 pub mod pods;

@@ -25,7 +25,7 @@ use kube::{Client, ResourceExt};
 use lockstep_core::cluster::kube_nodes::{DeletedNode, NodeStep, deleted_node_step, deleted_nodes};
 
 use super::KubeError;
-use super::sync::{Pass, passes};
+use super::passes::{Pass, passes};
 use super::writer::ClusterWriter;
 use crate::cluster::ClusterStoreError;
 
@@ -55,6 +55,8 @@ pub struct Freed {
 pub trait NodesBackend: Send + Sync + 'static {
     /// The state now.
     fn state(&self) -> impl Future<Output = Result<NodesState, KubeError>> + Send;
+    /// Whether this agent is the writer now (without reading the rest).
+    fn is_writer(&self) -> impl Future<Output = Result<bool, KubeError>> + Send;
     /// `cluster node remove NAME` without `--force`:
     /// [`KubeError::Refused`] while not due.
     fn remove(&self, node: &str) -> impl Future<Output = Result<Freed, KubeError>> + Send;
@@ -92,6 +94,10 @@ impl BoundPods for ApiBound {
 pub struct ClusterNodes(pub ClusterWriter);
 
 impl NodesBackend for ClusterNodes {
+    async fn is_writer(&self) -> Result<bool, KubeError> {
+        self.0.is_writer().await
+    }
+
     async fn state(&self) -> Result<NodesState, KubeError> {
         // Every node runs the loop; only the writer reads etcd (the
         // election is read from the mirror), so etcd's load does not grow
@@ -324,6 +330,10 @@ impl<B: NodesBackend, P: BoundPods> Pass<Node> for NodeRemoval<B, P> {
         if let Err(e) = self.once(store).await {
             tracing::warn!(error = %crate::error_chain(&e), "kubernetes: deleted nodes pass failed; trying again");
         }
+    }
+
+    async fn writer(&mut self) -> Option<bool> {
+        self.backend.is_writer().await.ok()
     }
 }
 

@@ -39,7 +39,7 @@ use serde_json::{Value, json};
 
 use super::KubeError;
 use super::crd::PoolCondition;
-use super::sync::{Pass, passes};
+use super::passes::{Pass, passes};
 use super::writer::ClusterWriter;
 
 /// A pool of pod (endpoint) addresses, shared by the cluster's nodes.
@@ -150,6 +150,8 @@ pub struct PoolsState {
 pub trait PoolsBackend: Send + Sync + 'static {
     /// The state now.
     fn state(&self) -> impl Future<Output = Result<PoolsState, KubeError>> + Send;
+    /// Whether this agent is the writer now (without reading the rest).
+    fn is_writer(&self) -> impl Future<Output = Result<bool, KubeError>> + Send;
     /// Replaces the pools, as `cluster pools apply` does.
     fn apply(
         &self,
@@ -163,6 +165,10 @@ pub trait PoolsBackend: Send + Sync + 'static {
 pub struct ClusterPools(pub ClusterWriter);
 
 impl PoolsBackend for ClusterPools {
+    async fn is_writer(&self) -> Result<bool, KubeError> {
+        self.0.is_writer().await
+    }
+
     async fn state(&self) -> Result<PoolsState, KubeError> {
         // Every node runs the loop; only the writer reads etcd (the
         // election is read from the mirror), so etcd's load does not grow
@@ -353,6 +359,10 @@ impl<B: PoolsBackend> Pass<PodIPPool> for PodPoolSync<B> {
                 tracing::warn!(error = %crate::error_chain(&e), "kubernetes: pod pools pass failed; trying again");
             }
         }
+    }
+
+    async fn writer(&mut self) -> Option<bool> {
+        self.backend.is_writer().await.ok()
     }
 }
 

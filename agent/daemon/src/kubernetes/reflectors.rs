@@ -84,9 +84,9 @@ impl ServiceCache {
     }
 }
 
-/// Aborts a task when dropped (the reflector of a forwarding task that
-/// is itself aborted).
-struct AbortOnDrop(tokio::task::JoinHandle<()>);
+/// Aborts a task when dropped: the reflector of a forwarding task that is
+/// itself aborted, or of a loop whose agent is no longer the writer.
+pub(super) struct AbortOnDrop(pub(super) tokio::task::JoinHandle<()>);
 
 impl Drop for AbortOnDrop {
     fn drop(&mut self) {

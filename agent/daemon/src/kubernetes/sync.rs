@@ -33,6 +33,9 @@
 //! Without `[cluster]`, an agent that is not the elected writer (#44 item
 //! 1, `election`) runs `follow` instead: its LB state mirrors the
 //! writer's decisions from the Services' status, and it writes nothing.
+//! In cluster mode an agent that is not the assigner keeps no reflector
+//! at all (#47 item 4): the Services and pools are watched by one agent of
+//! the cluster, not by each, and a new writer lists them when elected.
 //!
 //! What was applied is remembered only while this agent stays the writer:
 //! a new writer (a restart, an assigner handover) applies everything once
@@ -55,10 +58,9 @@ use lockstep_core::lb::kubernetes::{
 };
 use lockstep_core::lb::{LbPoolSpec, ServiceSpec};
 use serde_json::{Value, json};
-use tokio::sync::Notify;
 
+use super::reflectors::{AbortOnDrop, drive};
 pub use super::reflectors::{ServiceCache, Services};
-use super::reflectors::{Watched, drive};
 
 use super::KubeError;
 use super::backend::{LbBackend, LbState};
@@ -76,6 +78,19 @@ pub const BATCH: usize = 100;
 pub const FULL_RESYNC: Duration = Duration::from_secs(300);
 /// Status patches in flight at once.
 const PATCHES_IN_FLIGHT: usize = 64;
+/// How often an agent that is not the LB writer (and does not follow it)
+/// asks whether it became the writer, besides each state the assigner
+/// stores.
+pub const WRITER_POLL: Duration = Duration::from_secs(2);
+
+/// How [`LbSync::serve`] ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Served {
+    /// Told to stop.
+    Stopped,
+    /// Another agent is the writer.
+    NotWriter,
+}
 
 /// A status patch to send, with the Event to publish once it landed
 /// (warning, reason, note).
@@ -116,46 +131,6 @@ pub struct LbSync<B: LbBackend> {
     cache: Option<ServiceCache>,
     /// The `Local` Services' elections, when they run.
     local: Option<tokio::sync::watch::Receiver<LocalAnswers>>,
-}
-
-/// One pass of a door part over the objects of one kind in memory.
-pub(super) trait Pass<K: Watched>: Send {
-    /// Runs once over `store`; errors are the pass's to log.
-    fn pass(&mut self, store: &Store<K>) -> impl Future<Output = ()> + Send;
-}
-
-/// The loop of a door part that keeps one kind in memory and runs a pass
-/// over it: a reflector on `api`; once it listed, `pass` runs at once, on
-/// every change (after 10 ms, so a burst lands in one pass) and every
-/// `poll`, until `stop`. `None` from the wait: stopped before the list.
-pub(super) async fn passes<K: Watched, P: Pass<K>>(
-    api: Api<K>,
-    poll: Duration,
-    mut stop: tokio::sync::watch::Receiver<bool>,
-    pass: &mut P,
-) {
-    let wake = Arc::new(Notify::new());
-    let (store, task) = drive(api, wake.clone());
-    let stopped = tokio::select! {
-        _ = store.wait_until_ready() => false,
-        _ = stop.wait_for(|s| *s) => true,
-    };
-    if !stopped {
-        loop {
-            pass.pass(&store).await;
-            let woke = tokio::select! {
-                () = wake.notified() => Some(true),
-                () = tokio::time::sleep(poll) => Some(false),
-                _ = stop.wait_for(|s| *s) => None,
-            };
-            match woke {
-                None => break,
-                Some(true) => tokio::time::sleep(Duration::from_millis(10)).await,
-                Some(false) => {}
-            }
-        }
-    }
-    task.abort();
 }
 
 mod follow;
@@ -241,30 +216,66 @@ impl<B: LbBackend> LbSync<B> {
         self
     }
 
-    /// Runs until `stop`.
+    /// Runs until `stop`. An agent that mirrors the writer
+    /// ([`LbBackend::follows`]) keeps the Services and pools in memory all
+    /// along; one that does not (cluster mode) only while it is the writer
+    /// (#47 item 4): a non-writer asks again on each state the assigner
+    /// stores and every [`WRITER_POLL`], reading the mirror, not etcd.
     pub async fn run(mut self, mut stop: tokio::sync::watch::Receiver<bool>) {
-        let cache = self
-            .cache
-            .take()
-            .unwrap_or_else(|| ServiceCache::start(&self.client));
-        let (mut listed, svc_task, wake) = (cache.services, cache.task, cache.wake);
+        if self.backend.follows() {
+            let cache = self
+                .cache
+                .take()
+                .unwrap_or_else(|| ServiceCache::start(&self.client));
+            self.serve(cache, &mut stop).await;
+            return;
+        }
+        let mut assigned = self.backend.changes();
+        loop {
+            while !matches!(self.backend.state().await, Ok(s) if s.writer) {
+                tokio::select! {
+                    () = changed(&mut assigned) => {}
+                    () = tokio::time::sleep(WRITER_POLL) => {}
+                    _ = stop.wait_for(|s| *s) => return,
+                }
+            }
+            tracing::info!("kubernetes: the LB writer; watching Services and lb pools");
+            let cache = self
+                .cache
+                .take()
+                .unwrap_or_else(|| ServiceCache::start(&self.client));
+            if self.serve(cache, &mut stop).await == Served::Stopped {
+                return;
+            }
+            tracing::info!(
+                "kubernetes: no longer the LB writer; Services and lb pools no longer watched"
+            );
+        }
+    }
+
+    /// Serves from `cache` and a reflector of the pools until `stop`, or,
+    /// for an agent that does not follow the writer, until it is not the
+    /// writer; the reflectors end with it.
+    async fn serve(
+        &mut self,
+        cache: ServiceCache,
+        stop: &mut tokio::sync::watch::Receiver<bool>,
+    ) -> Served {
+        let (mut listed, wake) = (cache.services, cache.wake);
+        let _svc_task = AbortOnDrop(cache.task);
         let services = listed.store.clone();
         let (pools, pool_task) = drive(
             Api::<LoadBalancerIPPool>::all(self.client.clone()),
             wake.clone(),
         );
+        let _pool_task = AbortOnDrop(pool_task);
         let ready = async {
             listed.listed().await;
             let _ = pools.wait_until_ready().await;
         };
-        let stopped = tokio::select! {
-            () = ready => false,
-            _ = stop.wait_for(|s| *s) => true,
-        };
-        if stopped {
-            svc_task.abort();
-            pool_task.abort();
-            return;
+        tokio::select! {
+            () = ready => {}
+            _ = stop.wait_for(|s| *s) => return Served::Stopped,
         }
         tracing::info!("kubernetes: services and lb pools listed; serving LoadBalancer services");
         let mut poll = Duration::ZERO;
@@ -280,12 +291,13 @@ impl<B: LbBackend> LbSync<B> {
                 _ = stop.wait_for(|s| *s) => None,
             };
             match woke {
-                None => break,
+                None => return Served::Stopped,
                 // A burst of changes lands in one pass.
                 Some(true) => tokio::time::sleep(Duration::from_millis(10)).await,
                 Some(false) => {}
             }
             poll = match self.pass(&services, &pools).await {
+                Ok(_) if !self.was_writer && !self.backend.follows() => return Served::NotWriter,
                 Ok(pending) => self.backend.poll_every(pending),
                 Err(e) => {
                     tracing::warn!(error = %crate::error_chain(&e), "kubernetes: pass failed; trying again");
@@ -293,8 +305,6 @@ impl<B: LbBackend> LbSync<B> {
                 }
             };
         }
-        svc_task.abort();
-        pool_task.abort();
     }
 
     fn forget(&mut self) {

@@ -16,6 +16,9 @@ struct Etcd {
 }
 
 impl NodesBackend for Etcd {
+    async fn is_writer(&self) -> Result<bool, KubeError> {
+        Ok(self.state.lock().unwrap().writer)
+    }
     async fn state(&self) -> Result<NodesState, KubeError> {
         let mut s = self.state.lock().unwrap().clone();
         s.reserved = self.reserved.lock().unwrap().keys().cloned().collect();

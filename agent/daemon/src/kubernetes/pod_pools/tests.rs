@@ -20,6 +20,10 @@ struct MemoryPools {
 }
 
 impl PoolsBackend for MemoryPools {
+    async fn is_writer(&self) -> Result<bool, KubeError> {
+        Ok(self.state.lock().unwrap().writer)
+    }
+
     async fn state(&self) -> Result<PoolsState, KubeError> {
         Ok(self.state.lock().unwrap().clone())
     }
