@@ -24,13 +24,16 @@ use lockstep_core::lb::announce::Nanos;
 use lockstep_core::lb::announce::driver::KeptLease;
 use tokio::sync::watch;
 
+use super::backoff::Backoff;
 use super::keeping::{self, Waited};
 use super::lb_handle::LbHandle;
 use super::{Door, DoorOptions};
 use crate::announce::monotonic_ns;
 
 /// How soon a refresh etcd did not answer is tried again.
-const RETRY: Duration = Duration::from_millis(500);
+const RETRY_MIN: Duration = Duration::from_millis(100);
+/// The longest base delay: jittered, a retry comes within 500 ms.
+const RETRY_MAX: Duration = Duration::from_millis(250);
 
 /// A refresh the keeper had answered: the lease, and when it was sent
 /// (the agent's monotonic clock).
@@ -125,6 +128,7 @@ pub(super) async fn keep(
     let KeeperEnds { mut told, kept } = ends;
     let mut door: Option<Door> = None;
     let mut retry_at: Option<tokio::time::Instant> = None;
+    let mut backoff = Backoff::new(RETRY_MIN, RETRY_MAX);
     loop {
         let Some(lease) = *told.borrow_and_update() else {
             if !keeping::told(&mut told, &mut stop).await {
@@ -139,7 +143,7 @@ pub(super) async fn keep(
             Waited::Stop => return,
         }
         let Some(d) = keeping::connected(&mut door, &opts).await else {
-            retry_at = Some(tokio::time::Instant::now() + RETRY);
+            retry_at = Some(tokio::time::Instant::now() + backoff.next_delay());
             continue;
         };
         let sent = monotonic_ns();
@@ -147,16 +151,17 @@ pub(super) async fn keep(
         match d.keep_alive(lease.id).await {
             Ok(true) => {
                 retry_at = None;
+                backoff.reset();
                 kept.send_replace(Some((lease.id, sent)));
                 let mut s = handle.lock();
                 s.lease_renewals += 1;
                 s.lease_late_max = s.lease_late_max.max(late);
             }
             // Gone: the driver's own refresh finds out and grants another.
-            Ok(false) => retry_at = Some(tokio::time::Instant::now() + RETRY),
+            Ok(false) => retry_at = Some(tokio::time::Instant::now() + backoff.next_delay()),
             Err(e) => {
                 tracing::debug!(error = %e, lease = lease.id, "lb lease refresh failed; trying again");
-                retry_at = Some(tokio::time::Instant::now() + RETRY);
+                retry_at = Some(tokio::time::Instant::now() + backoff.next_delay());
             }
         }
     }

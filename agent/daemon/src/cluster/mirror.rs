@@ -37,13 +37,16 @@ use std::time::Duration;
 use etcd_client::{EventType, GetOptions, WatchOptions};
 use lockstep_core::cluster::StoreMark;
 
+use super::backoff::Backoff;
 use super::{ClusterHandle, ClusterStoreError, Door, DoorOptions};
 
 /// Keys per page of a full read: well under gRPC's 4 MiB answer limit
 /// with the largest values this build writes.
 const PAGE: i64 = 1_000;
-/// How long to wait before reading or watching again after etcd failed.
-const RETRY: Duration = Duration::from_secs(1);
+/// How long to wait before reading or watching again after etcd failed:
+/// the first retry, and the longest (jittered, [`Backoff`]).
+const RETRY_MIN: Duration = Duration::from_millis(250);
+const RETRY_MAX: Duration = Duration::from_secs(4);
 
 /// One key as the mirror holds it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -297,17 +300,23 @@ impl Mirror {
             let mut from: Option<i64> = None;
             // The highest revision seen (a full read below it: a rollback).
             let mut seen: i64 = 0;
+            let mut backoff = Backoff::new(RETRY_MIN, RETRY_MAX);
             loop {
                 let step = self.follow(&opts, &mut door, &mut from, &mut seen);
                 let outcome = tokio::select! {
                     r = step => r,
                     _ = stop.wait_for(|s| *s) => break,
                 };
+                // A watch that stood: the next break retries soon again.
+                if self.live() {
+                    backoff.reset();
+                }
                 self.set_live(false);
                 if let Err(e) = outcome {
-                    tracing::warn!(error = %crate::error_chain(&e), "cluster mirror: watch broke (or etcd unreachable); reads go to etcd until it follows again");
+                    let wait = backoff.next_delay();
+                    tracing::warn!(error = %crate::error_chain(&e), retry_in = ?wait, "cluster mirror: watch broke (or etcd unreachable); reads go to etcd until it follows again");
                     tokio::select! {
-                        _ = tokio::time::sleep(RETRY) => {}
+                        _ = tokio::time::sleep(wait) => {}
                         _ = stop.wait_for(|s| *s) => break,
                     }
                 }

@@ -32,6 +32,7 @@
 //! harness").
 
 pub mod allocator;
+mod backoff;
 mod door;
 mod handle;
 mod held;

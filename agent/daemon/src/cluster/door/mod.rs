@@ -29,6 +29,7 @@ use etcd_client::{Client, ConnectOptions, GetOptions, Txn, TxnResponse};
 use ipnet::IpNet;
 use lockstep_core::cluster::StoreMark;
 
+use super::backoff::Backoff;
 use super::mirror::Kv;
 use super::{ClusterStoreError, Unreadable, escape};
 use failure::{never_sent, refusal, transient, unavailable};
@@ -39,6 +40,10 @@ pub use pools_source::POOLS_SOURCE_KUBERNETES;
 /// The key (under the prefix) recording the default cluster pool: outside
 /// `pools/`, so agents that predate it never read it.
 const DEFAULT_KEY: &str = "default_pool";
+/// Between a request's tries on the next endpoint: the first wait and the
+/// longest base wait (jittered, [`Backoff`]).
+const ATTEMPT_MIN: Duration = Duration::from_millis(20);
+const ATTEMPT_MAX: Duration = Duration::from_millis(40);
 
 /// The area (under the prefix) of the nodes' routing keys, bound to no
 /// lease. Outside `nodes/`: every version lists `nodes/` whole, and would
@@ -313,11 +318,12 @@ impl Door {
         Fut: Future<Output = Result<T, etcd_client::Error>>,
     {
         let attempts = self.opts.endpoints.len() * 2 + 1;
+        let mut backoff = Backoff::new(ATTEMPT_MIN, ATTEMPT_MAX);
         let mut result = request(self.client.clone()).await;
         for _ in 1..attempts {
             match &result {
                 Err(e) if again(e) => {
-                    tokio::time::sleep(Duration::from_millis(20)).await;
+                    tokio::time::sleep(backoff.next_delay()).await;
                     result = request(self.client.clone()).await;
                 }
                 _ => break,

@@ -219,11 +219,12 @@ impl Door {
         // the time) fails the guard with nothing written: read, check and
         // try again, a few times, before telling the caller.
         let mut attempt = 1;
+        let mut backoff = Backoff::new(Duration::from_millis(20), Duration::from_millis(160));
         loop {
             match self.apply_pools_once(new, default).await {
                 Err(ClusterStoreError::Conflict { .. }) if attempt < APPLY_ATTEMPTS => {
                     attempt += 1;
-                    tokio::time::sleep(Duration::from_millis(20 * attempt)).await;
+                    tokio::time::sleep(backoff.next_delay()).await;
                 }
                 r => return r,
             }

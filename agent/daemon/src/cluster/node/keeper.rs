@@ -19,12 +19,15 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::watch;
 
+use super::super::backoff::Backoff;
 use super::super::handle::ClusterHandle;
 use super::super::keeping::{self, Waited};
 use super::super::{Door, DoorOptions};
 
-/// How soon a refresh etcd did not answer is tried again.
-const RETRY: Duration = Duration::from_millis(500);
+/// How soon a refresh etcd did not answer is tried again: the first retry,
+/// and the longest base delay (jittered, a retry comes within 500 ms).
+const RETRY_MIN: Duration = Duration::from_millis(100);
+const RETRY_MAX: Duration = Duration::from_millis(250);
 
 /// A lease and the moment it was last refreshed (or granted).
 pub(super) type Refreshed = Option<(i64, Instant)>;
@@ -93,6 +96,7 @@ pub(super) async fn keep(
     let every = ttl / 3;
     let mut door: Option<Door> = None;
     let mut retry_at: Option<tokio::time::Instant> = None;
+    let mut backoff = Backoff::new(RETRY_MIN, RETRY_MAX);
     loop {
         let Some((lease, at)) = fold(*told.borrow_and_update(), *kept.borrow()) else {
             if !keeping::told(&mut told, &mut stop).await {
@@ -107,7 +111,7 @@ pub(super) async fn keep(
             Waited::Stop => return,
         }
         let Some(d) = keeping::connected(&mut door, &opts).await else {
-            retry_at = Some(tokio::time::Instant::now() + RETRY);
+            retry_at = Some(tokio::time::Instant::now() + backoff.next_delay());
             continue;
         };
         let sent = Instant::now();
@@ -115,6 +119,7 @@ pub(super) async fn keep(
         match d.keep_alive(lease).await {
             Ok(true) => {
                 retry_at = None;
+                backoff.reset();
                 kept.send_replace(Some((lease, sent)));
                 handle.lock().lease_renewed(late);
             }
@@ -128,7 +133,7 @@ pub(super) async fn keep(
             }
             Err(e) => {
                 tracing::debug!(error = %e, lease, "node lease refresh failed; trying again");
-                retry_at = Some(tokio::time::Instant::now() + RETRY);
+                retry_at = Some(tokio::time::Instant::now() + backoff.next_delay());
             }
         }
     }
