@@ -12,8 +12,8 @@
 //! unwinder Rust's own musl targets ship; the std built from source links
 //! `-lunwind`). That libunwind was compiled against glibc and calls glibc's
 //! fortified `__fprintf_chk` (only on its debug-logging path); a five-line
-//! shim, compiled for musl and added to a copy of the archive under
-//! `target/tools/aarch64-musl/`, provides it. The eBPF object is the same
+//! shim, compiled for musl and added to a copy of the archive under the
+//! cross build's `tools/aarch64-musl/`, provides it. The eBPF object is the same
 //! bytecode on every architecture (`bpfel`), built once by the agent's build
 //! script on the build machine and embedded.
 //!
@@ -21,6 +21,9 @@
 //! `LOCKSTEP_CROSS_TARGET_DIR`; CI keeps it outside the clone, so a run
 //! rebuilds only what changed, as cargo's fingerprints decide): its host
 //! tools are nightly's, and it never waits on the lock of a stable build.
+//! The unwinder's directory lives inside it: its path is in every crate's
+//! `RUSTFLAGS` (`-L native=...`), so a path inside the clone would differ
+//! from clone to clone and make cargo rebuild every crate each time.
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -174,10 +177,11 @@ pub fn built(arch: Arch, bin: &str) -> PathBuf {
     base.join(arch.target()).join("ship").join(bin)
 }
 
-/// Makes `target/tools/aarch64-musl/libunwind.a` (Debian's LLVM libunwind
-/// with the fortify shim) unless it is there; returns its directory.
+/// Makes `tools/aarch64-musl/libunwind.a` in the cross build's target
+/// directory (Debian's LLVM libunwind with the fortify shim) unless it is
+/// there; returns its directory.
 fn unwinder() -> anyhow::Result<PathBuf> {
-    let dir = crate::root().join("target/tools/aarch64-musl");
+    let dir = cross_dir().join("tools/aarch64-musl");
     let archive = dir.join("libunwind.a");
     let shim_c = dir.join("fortify_shim.c");
     if archive.exists() && std::fs::read_to_string(&shim_c).is_ok_and(|s| s == FORTIFY_SHIM) {
