@@ -127,10 +127,16 @@ pub fn build_shipped(arch: Arch, bin: &str) -> anyhow::Result<PathBuf> {
     // rustup's proxy, not the toolchain's cargo `crate::cargo` runs: only
     // the proxy takes `+nightly`.
     let mut cargo = Command::new("cargo");
+    // Nor what `cargo run` set for xtask itself: a build script that reads
+    // `CARGO_MANIFEST_DIR` (ring's) has cargo record the caller's value in
+    // its fingerprint, and xtask's path differs from clone to clone, so a
+    // cached target directory would rebuild ring and all above it.
     cargo
         .current_dir(crate::root())
         .env_remove("RUSTUP_TOOLCHAIN")
-        .env_remove("RUSTC");
+        .env_remove("RUSTC")
+        .env_remove("CARGO_MANIFEST_DIR")
+        .env_remove("CARGO_MANIFEST_PATH");
     crate::run(
         cargo
             .args(["+nightly", "build", "-Z", "build-std=std,panic_unwind"])
