@@ -4,10 +4,23 @@
 //! made when needed. Each keeper decides what is due and what a refresh
 //! tells; the waiting is the same.
 
+use std::time::Duration;
+
 use tokio::sync::watch;
 use tokio::time::Instant;
 
+use super::backoff::Backoff;
 use super::{Door, DoorOptions};
+
+/// How soon a refresh etcd did not answer is tried again: the first retry,
+/// and the longest base delay (jittered, a retry comes within 500 ms).
+const RETRY_MIN: Duration = Duration::from_millis(100);
+const RETRY_MAX: Duration = Duration::from_millis(250);
+
+/// The delays of a keeper's retries of a refresh.
+pub(super) fn retries() -> Backoff {
+    Backoff::new(RETRY_MIN, RETRY_MAX)
+}
 
 /// What a keeper's wait ended with.
 pub(super) enum Waited {

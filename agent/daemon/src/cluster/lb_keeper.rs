@@ -24,16 +24,10 @@ use lockstep_core::lb::announce::Nanos;
 use lockstep_core::lb::announce::driver::KeptLease;
 use tokio::sync::watch;
 
-use super::backoff::Backoff;
 use super::keeping::{self, Waited};
 use super::lb_handle::LbHandle;
 use super::{Door, DoorOptions};
 use crate::announce::monotonic_ns;
-
-/// How soon a refresh etcd did not answer is tried again.
-const RETRY_MIN: Duration = Duration::from_millis(100);
-/// The longest base delay: jittered, a retry comes within 500 ms.
-const RETRY_MAX: Duration = Duration::from_millis(250);
 
 /// A refresh the keeper had answered: the lease, and when it was sent
 /// (the agent's monotonic clock).
@@ -128,7 +122,7 @@ pub(super) async fn keep(
     let KeeperEnds { mut told, kept } = ends;
     let mut door: Option<Door> = None;
     let mut retry_at: Option<tokio::time::Instant> = None;
-    let mut backoff = Backoff::new(RETRY_MIN, RETRY_MAX);
+    let mut backoff = keeping::retries();
     loop {
         let Some(lease) = *told.borrow_and_update() else {
             if !keeping::told(&mut told, &mut stop).await {

@@ -223,11 +223,7 @@ impl<B: LbBackend> LbSync<B> {
     /// stores and every [`WRITER_POLL`], reading the mirror, not etcd.
     pub async fn run(mut self, mut stop: tokio::sync::watch::Receiver<bool>) {
         if self.backend.follows() {
-            let cache = self
-                .cache
-                .take()
-                .unwrap_or_else(|| ServiceCache::start(&self.client));
-            self.serve(cache, &mut stop).await;
+            self.serve(&mut stop).await;
             return;
         }
         let mut assigned = self.backend.changes();
@@ -240,11 +236,7 @@ impl<B: LbBackend> LbSync<B> {
                 }
             }
             tracing::info!("kubernetes: the LB writer; watching Services and lb pools");
-            let cache = self
-                .cache
-                .take()
-                .unwrap_or_else(|| ServiceCache::start(&self.client));
-            if self.serve(cache, &mut stop).await == Served::Stopped {
+            if self.serve(&mut stop).await == Served::Stopped {
                 return;
             }
             tracing::info!(
@@ -253,14 +245,15 @@ impl<B: LbBackend> LbSync<B> {
         }
     }
 
-    /// Serves from `cache` and a reflector of the pools until `stop`, or,
-    /// for an agent that does not follow the writer, until it is not the
-    /// writer; the reflectors end with it.
-    async fn serve(
-        &mut self,
-        cache: ServiceCache,
-        stop: &mut tokio::sync::watch::Receiver<bool>,
-    ) -> Served {
+    /// Serves from the Services cache (the one given, else its own) and a
+    /// reflector of the pools until `stop`, or, for an agent that does not
+    /// follow the writer, until it is not the writer; the reflectors end
+    /// with it.
+    async fn serve(&mut self, stop: &mut tokio::sync::watch::Receiver<bool>) -> Served {
+        let cache = self
+            .cache
+            .take()
+            .unwrap_or_else(|| ServiceCache::start(&self.client));
         let (mut listed, wake) = (cache.services, cache.wake);
         let _svc_task = AbortOnDrop(cache.task);
         let services = listed.store.clone();

@@ -19,15 +19,9 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::watch;
 
-use super::super::backoff::Backoff;
 use super::super::handle::ClusterHandle;
 use super::super::keeping::{self, Waited};
 use super::super::{Door, DoorOptions};
-
-/// How soon a refresh etcd did not answer is tried again: the first retry,
-/// and the longest base delay (jittered, a retry comes within 500 ms).
-const RETRY_MIN: Duration = Duration::from_millis(100);
-const RETRY_MAX: Duration = Duration::from_millis(250);
 
 /// A lease and the moment it was last refreshed (or granted).
 pub(super) type Refreshed = Option<(i64, Instant)>;
@@ -96,7 +90,7 @@ pub(super) async fn keep(
     let every = ttl / 3;
     let mut door: Option<Door> = None;
     let mut retry_at: Option<tokio::time::Instant> = None;
-    let mut backoff = Backoff::new(RETRY_MIN, RETRY_MAX);
+    let mut backoff = keeping::retries();
     loop {
         let Some((lease, at)) = fold(*told.borrow_and_update(), *kept.borrow()) else {
             if !keeping::told(&mut told, &mut stop).await {
