@@ -298,7 +298,7 @@ fn cluster_claims_at_scale() -> anyhow::Result<()> {
         claimed.len()
     );
     ensure!(stored.1 == waves()[2], "{} nodes registered", stored.1);
-    for b in &stored.0 {
+    for b in stored.0.iter() {
         ensure!(
             claimed.contains(&(b.node.clone(), b.cidr)),
             "etcd gives {} to {}, which did not claim it",

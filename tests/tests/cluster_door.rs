@@ -82,7 +82,7 @@ fn racing_claims_have_one_winner_and_the_holder_may_claim_again() -> anyhow::Res
         let mut d = door(cluster.endpoints(), "/race/", Duration::from_secs(2)).await?;
         let (stored, _) = d.blocks().await?;
         ensure!(stored.len() == blocks.len(), "{stored:?}");
-        for s in &stored {
+        for s in stored.iter() {
             ensure!(winners[&s.cidr] == vec![s.node.clone()], "{s:?}");
             // The holder claiming again (a restart) gets it at its revision.
             let again = d.claim_block("p", s.cidr, &s.node).await?;
@@ -275,11 +275,11 @@ fn node_keys_die_with_their_lease_and_blocks_and_routing_keys_stay() -> anyhow::
         );
         // So does the routing key (#26 item 9): the others keep routing
         // `gone`'s block to its address. Removing the node takes both.
-        let addrs = d.node_addrs().await?;
+        let addrs = d.routing_keys().await?;
         ensure!(
             addrs
                 .iter()
-                .any(|a| a.name == "gone" && a.ips == record("gone").ips),
+                .any(|(a, _)| a.name == "gone" && a.ips == record("gone").ips),
             "the routing key went with the lease: {addrs:?}"
         );
         // Its lease gone is not enough (#26 item 2): until a live node
@@ -295,8 +295,9 @@ fn node_keys_die_with_their_lease_and_blocks_and_routing_keys_stay() -> anyhow::
         let (rec, rev) = d
             .routing_keys()
             .await?
-            .into_iter()
+            .iter()
             .find(|(r, _)| r.name == "gone")
+            .cloned()
             .context("routing key")?;
         let mark = lockstep_core::cluster::GoneMark {
             since_ms: 1,
@@ -313,12 +314,8 @@ fn node_keys_die_with_their_lease_and_blocks_and_routing_keys_stay() -> anyhow::
         let reserved: Vec<String> = d
             .reservations()
             .await?
-            .into_iter()
-            .flat_map(|(r, _)| {
-                r.addresses
-                    .into_iter()
-                    .map(move |a| format!("{a} {}", r.name))
-            })
+            .iter()
+            .flat_map(|(r, _)| r.addresses.iter().map(move |a| format!("{a} {}", r.name)))
             .collect();
         ensure!(
             reserved == ["10.60.0.5 gone", "10.60.0.6 gone"],
@@ -331,9 +328,9 @@ fn node_keys_die_with_their_lease_and_blocks_and_routing_keys_stay() -> anyhow::
         d.release_reserved(&["10.60.0.5".parse()?, "10.60.0.6".parse()?])
             .await?;
         ensure!(d.reservations().await?.is_empty());
-        let addrs = d.node_addrs().await?;
+        let addrs = d.routing_keys().await?;
         ensure!(
-            addrs.iter().all(|a| a.name != "gone"),
+            addrs.iter().all(|(a, _)| a.name != "gone"),
             "node remove left the routing key: {addrs:?}"
         );
         ensure!(d.blocks().await?.0.is_empty());

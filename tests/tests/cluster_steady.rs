@@ -242,7 +242,7 @@ impl Sim {
                 }
             };
             let holders: BTreeSet<String> = match d.blocks().await {
-                Ok((b, _)) => b.into_iter().map(|b| b.node).collect(),
+                Ok((b, _)) => b.iter().map(|b| b.node.clone()).collect(),
                 Err(e) => {
                     eprintln!("   converged? blocks: {e}");
                     BTreeSet::new()

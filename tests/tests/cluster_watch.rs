@@ -37,10 +37,9 @@ fn node_key(n: &ClusterNodes, name: &str) -> anyhow::Result<(i64, usize)> {
         let mut o = DoorOptions::new(n.eps.clone());
         o.prefix = n.prefix.clone();
         let mut d = Door::connect(o).await?;
-        let node = d
-            .nodes()
-            .await?
-            .into_iter()
+        let nodes = d.nodes().await?;
+        let node = nodes
+            .iter()
             .find(|x| x.record.name == name)
             .with_context(|| format!("no node key of {name}"))?;
         anyhow::Ok((node.lease, node.record.blocks.len()))

@@ -49,7 +49,7 @@ use lockstep_core::lb::cluster::{
 };
 use lockstep_core::lb::{LbIpam, LbPoolSpec, LbSnapshot, ServiceSpec};
 
-use super::{ClusterStoreError, Door};
+use super::{ClusterStoreError, Door, Kv};
 
 mod members;
 mod specs;
@@ -219,6 +219,19 @@ pub enum Round {
     Lost,
 }
 
+/// `kv`'s value as JSON, parsed once while the key does not change
+/// ([`Kv::parse_once`]): at thousands of members, a change of one key
+/// under `lb/` parses one key, not all of them.
+fn json_once<T>(kv: &Kv, parser: &'static str) -> Result<T, ClusterStoreError>
+where
+    T: serde::de::DeserializeOwned + Clone + Send + Sync + 'static,
+{
+    kv.parse_once(parser, |kv| {
+        serde_json::from_slice::<T>(&kv.value).map_err(|e| e.to_string())
+    })
+    .map_err(|e| corrupt(&kv.key, e))
+}
+
 pub(super) fn corrupt(key: &str, e: impl std::fmt::Display) -> ClusterStoreError {
     ClusterStoreError::Corrupt {
         key: key.to_string(),
@@ -290,15 +303,13 @@ impl Door {
         };
         let mut legacy: Option<(LbSnapshot, i64)> = None;
         for kv in &kvs {
-            let key = kv.key.clone();
+            let key = &kv.key;
             let rest = &key[base.len()..];
             if let Some(name) = rest.strip_prefix("pools/") {
-                let spec: LbPoolSpec =
-                    serde_json::from_slice(&kv.value).map_err(|e| corrupt(&key, e))?;
+                let spec: LbPoolSpec = json_once(kv, "lb/pools/")?;
                 view.pools.insert(name.to_string(), spec);
             } else if let Some(id) = rest.strip_prefix("services/") {
-                let spec: ServiceSpec =
-                    serde_json::from_slice(&kv.value).map_err(|e| corrupt(&key, e))?;
+                let spec: ServiceSpec = json_once(kv, "lb/services/")?;
                 view.services.insert(id.to_string(), spec);
             } else if rest == "state" {
                 view.legacy = kv.mod_revision;
@@ -306,30 +317,31 @@ impl Door {
                 // string; anything else is the old one-key state.
                 if serde_json::from_slice::<String>(&kv.value).is_err() {
                     let state: LbSnapshot =
-                        serde_json::from_slice(&kv.value).map_err(|e| corrupt(&key, e))?;
+                        serde_json::from_slice(&kv.value).map_err(|e| corrupt(key, e))?;
                     legacy = Some((state, kv.mod_revision));
                 }
             } else if rest == "assigned/meta" {
                 let meta: LbMeta =
-                    serde_json::from_slice(&kv.value).map_err(|e| corrupt(&key, e))?;
+                    serde_json::from_slice(&kv.value).map_err(|e| corrupt(key, e))?;
                 view.meta = Some((meta, kv.mod_revision));
             } else if let Some(id) = rest.strip_prefix("assigned/services/") {
-                let s: StoredService =
-                    serde_json::from_slice(&kv.value).map_err(|e| corrupt(&key, e))?;
+                let s: StoredService = json_once(kv, "lb/assigned/services/")?;
                 view.stored.insert(id.to_string(), s);
             } else if let Some(addr) = rest.strip_prefix("addresses/") {
-                let a: IpAddr = addr.parse().map_err(|e| corrupt(&key, e))?;
+                let a: IpAddr = addr.parse().map_err(|e| corrupt(key, e))?;
                 let users: BTreeSet<String> =
-                    serde_json::from_slice(&kv.value).map_err(|e| corrupt(&key, e))?;
+                    serde_json::from_slice(&kv.value).map_err(|e| corrupt(key, e))?;
                 view.addresses.insert(a, users);
             } else if let Some(addr) = rest.strip_prefix("announce/") {
-                let a: IpAddr = addr.parse().map_err(|e| corrupt(&key, e))?;
+                let a: IpAddr = addr.parse().map_err(|e| corrupt(key, e))?;
                 view.announcements.insert(
                     a,
                     (String::from_utf8_lossy(&kv.value).into_owned(), kv.lease),
                 );
             } else if let Some(node) = rest.strip_prefix("members/") {
-                let (labels, answers) = read_member(&key, &kv.value)?;
+                let (labels, answers) = kv
+                    .parse_once("lb/members/", |kv| read_member(&kv.value))
+                    .map_err(|e| corrupt(key, e))?;
                 view.members.insert(node.to_string(), kv.lease);
                 view.member_labels.insert(node.to_string(), labels);
                 if !answers {

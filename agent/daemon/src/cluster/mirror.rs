@@ -48,7 +48,10 @@ const PAGE: i64 = 1_000;
 const RETRY_MIN: Duration = Duration::from_millis(250);
 const RETRY_MAX: Duration = Duration::from_secs(4);
 
-/// One key as the mirror holds it.
+/// One key as the mirror holds it. The mirror shares each key (an
+/// `Arc<Kv>`) with every reader, and a key's parsed record is kept with
+/// it ([`Kv::parse_once`]): a change of one key makes one parse, however
+/// many keys its area holds and however many readers read it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Kv {
     /// The whole key.
@@ -61,6 +64,8 @@ pub struct Kv {
     pub create_revision: i64,
     /// The lease it is bound to (0: none).
     pub lease: i64,
+    /// What the first reader parsed from this value.
+    parsed: ParsedOnce,
 }
 
 impl Kv {
@@ -71,7 +76,57 @@ impl Kv {
             mod_revision: kv.mod_revision(),
             create_revision: kv.create_revision(),
             lease: kv.lease(),
+            parsed: ParsedOnce::default(),
         }
+    }
+
+    /// What `parse` (named `parser`) makes of this key: parsed by the
+    /// first reader, then kept with the key until it changes (a change
+    /// is a new `Kv`). Another parser of the same key parses it itself.
+    pub fn parse_once<R: Clone + Send + Sync + 'static>(
+        &self,
+        parser: &'static str,
+        parse: impl Fn(&Kv) -> R,
+    ) -> R {
+        let kept = self
+            .parsed
+            .0
+            .get_or_init(|| (parser, Arc::new(parse(self)) as Arc<dyn Any + Send + Sync>));
+        match (kept.0 == parser)
+            .then(|| kept.1.downcast_ref::<R>())
+            .flatten()
+        {
+            Some(r) => r.clone(),
+            None => parse(self),
+        }
+    }
+}
+
+/// A key's parsed record, made once ([`Kv::parse_once`]). It is a cache
+/// of the value: a copy starts empty, and it takes no part in equality.
+#[derive(Default)]
+struct ParsedOnce(std::sync::OnceLock<(&'static str, Arc<dyn Any + Send + Sync>)>);
+
+impl Clone for ParsedOnce {
+    fn clone(&self) -> Self {
+        ParsedOnce::default()
+    }
+}
+
+impl PartialEq for ParsedOnce {
+    fn eq(&self, _: &Self) -> bool {
+        true
+    }
+}
+
+impl Eq for ParsedOnce {}
+
+impl std::fmt::Debug for ParsedOnce {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self.0.get() {
+            Some((parser, _)) => parser,
+            None => "unparsed",
+        })
     }
 }
 
@@ -79,7 +134,7 @@ impl Kv {
 struct State {
     /// Whether the watch follows etcd now.
     live: bool,
-    kvs: BTreeMap<String, Kv>,
+    kvs: BTreeMap<String, Arc<Kv>>,
     /// The store revision the keys are at.
     revision: i64,
     cluster_id: u64,
@@ -208,16 +263,16 @@ impl Mirror {
         }
     }
 
-    /// The keys under `key` (a prefix) once the mirror is live and has
-    /// seen revision `at_least` (waiting at most `within`), with the store
-    /// mark they are at; `None` when it is not live or does not get there
-    /// in time (the caller reads etcd).
+    /// The keys under `key` (a prefix), shared and not copied, once the
+    /// mirror is live and has seen revision `at_least` (waiting at most
+    /// `within`), with the store mark they are at; `None` when it is not
+    /// live or does not get there in time (the caller reads etcd).
     pub async fn read(
         &self,
         key: &str,
         at_least: i64,
         within: Duration,
-    ) -> Option<(Vec<Kv>, StoreMark)> {
+    ) -> Option<(Vec<Arc<Kv>>, StoreMark)> {
         let mut bell = self.subscribe();
         let ready = |s: &State| s.live && s.revision >= at_least;
         // Not live: the caller reads etcd at once (waiting would only
@@ -269,7 +324,10 @@ impl Mirror {
     fn replace(&self, kvs: Vec<Kv>, revision: i64, cluster_id: u64) {
         {
             let mut s = self.write_state();
-            s.kvs = kvs.into_iter().map(|kv| (kv.key.clone(), kv)).collect();
+            s.kvs = kvs
+                .into_iter()
+                .map(|kv| (kv.key.clone(), Arc::new(kv)))
+                .collect();
             s.revision = revision;
             s.cluster_id = cluster_id;
             s.generation += 1;
@@ -432,7 +490,7 @@ impl Mirror {
                                 s.kvs.remove(&key);
                             }
                             EventType::Put => {
-                                s.kvs.insert(key, Kv::of(kv));
+                                s.kvs.insert(key, Arc::new(Kv::of(kv)));
                             }
                         }
                         s.changed.insert(area, rev);
@@ -600,12 +658,80 @@ fn prefix_end(prefix: &str) -> Vec<u8> {
 
 #[cfg(test)]
 mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
     use super::*;
 
     #[test]
     fn the_range_end_of_a_prefix_covers_it_and_nothing_after() {
         assert_eq!(prefix_end("/lockstep/v1/"), b"/lockstep/v10".to_vec());
         assert_eq!(prefix_end("a\u{7f}"), b"a\x80".to_vec());
+    }
+
+    fn kv(key: &str, value: &str, revision: i64) -> Kv {
+        Kv {
+            key: key.to_string(),
+            value: value.as_bytes().to_vec(),
+            mod_revision: revision,
+            create_revision: revision,
+            lease: 0,
+            parsed: ParsedOnce::default(),
+        }
+    }
+
+    /// Reads the area `/p/blocks/` as a claim loop does: every key parsed
+    /// (counted in `parses`), the records collected.
+    async fn read_blocks(m: &Mirror, parses: &AtomicUsize) -> Vec<String> {
+        let (kvs, _) = m.read("/p/blocks/", 0, Duration::ZERO).await.expect("live");
+        kvs.iter()
+            .map(|kv| {
+                kv.parse_once("blocks/", |kv| {
+                    parses.fetch_add(1, Ordering::Relaxed);
+                    String::from_utf8_lossy(&kv.value).into_owned()
+                })
+            })
+            .collect()
+    }
+
+    /// A change of one key among a thousand costs one parse, however
+    /// often and by however many readers the area is read; the keys
+    /// themselves are shared with every reader, not copied.
+    #[tokio::test]
+    async fn a_change_of_one_key_is_one_parse_and_reads_copy_no_key() {
+        let m = Mirror::new("/p/");
+        let kvs = (0..1000)
+            .map(|i| kv(&format!("/p/blocks/b{i:04}"), &format!("node{i}"), 10))
+            .collect();
+        m.replace(kvs, 10, 1);
+        let parses = AtomicUsize::new(0);
+        let first = read_blocks(&m, &parses).await;
+        assert_eq!(first.len(), 1000);
+        assert_eq!(parses.load(Ordering::Relaxed), 1000);
+        // Read again, by this reader or another: nothing parsed again.
+        for _ in 0..3 {
+            assert_eq!(read_blocks(&m, &parses).await, first);
+        }
+        assert_eq!(parses.load(Ordering::Relaxed), 1000);
+        let (a, _) = m.read("/p/blocks/", 0, Duration::ZERO).await.unwrap();
+        let (b, _) = m.read("/p/blocks/", 0, Duration::ZERO).await.unwrap();
+        assert!(a.iter().zip(&b).all(|(x, y)| Arc::ptr_eq(x, y)));
+        // One key changes (as a watch event replaces it): one parse.
+        {
+            let mut s = m.write_state();
+            let changed = kv("/p/blocks/b0500", "elsewhere", 11);
+            s.kvs.insert(changed.key.clone(), Arc::new(changed));
+            s.revision = 11;
+        }
+        let after = read_blocks(&m, &parses).await;
+        assert_eq!(after[500], "elsewhere");
+        assert_eq!(parses.load(Ordering::Relaxed), 1001);
+        // Another parser of the same key parses it itself, and the kept
+        // record stays the first parser's.
+        let other = after.len();
+        let (kvs, _) = m.read("/p/blocks/", 0, Duration::ZERO).await.unwrap();
+        assert_eq!(kvs[0].parse_once("other", |kv| kv.value.len()), 5);
+        assert_eq!(read_blocks(&m, &parses).await.len(), other);
+        assert_eq!(parses.load(Ordering::Relaxed), 1001);
     }
 
     #[test]

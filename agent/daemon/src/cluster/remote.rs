@@ -275,18 +275,21 @@ impl RemoteTask {
         let (pools, _, _) = door.pools().await?;
         let (blocks, _) = door.blocks().await?;
         let nodes = door.nodes().await?;
-        let routing = door.node_addrs().await?;
+        let routing = door.routing_keys().await?;
         self.pools = pools.into_iter().map(|p| (p.name.clone(), p)).collect();
         self.blocks = blocks
-            .into_iter()
-            .map(|b| ((b.pool, b.cidr), b.node))
+            .iter()
+            .map(|b| ((b.pool.clone(), b.cidr), b.node.clone()))
             .collect();
         self.nodes = NodeDirectory {
             live: nodes
-                .into_iter()
-                .map(|n| (n.record.name, n.record.ips))
+                .iter()
+                .map(|n| (n.record.name.clone(), n.record.ips.clone()))
                 .collect(),
-            routing: routing.into_iter().map(|r| (r.name, r.ips)).collect(),
+            routing: routing
+                .iter()
+                .map(|(r, _)| (r.name.clone(), r.ips.clone()))
+                .collect(),
         };
         Ok(())
     }

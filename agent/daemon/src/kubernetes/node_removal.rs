@@ -111,18 +111,19 @@ impl NodesBackend for ClusterNodes {
                 let alive = d
                     .nodes()
                     .await?
-                    .into_iter()
-                    .map(|n| n.record.name)
+                    .iter()
+                    .map(|n| n.record.name.clone())
                     .collect();
                 let (blocks, _) = d.blocks().await?;
-                let mut holders: BTreeSet<String> = blocks.into_iter().map(|b| b.node).collect();
-                holders.extend(d.routing_keys().await?.into_iter().map(|(r, _)| r.name));
+                let mut holders: BTreeSet<String> = blocks.iter().map(|b| b.node.clone()).collect();
+                let routing = d.routing_keys().await?;
+                holders.extend(routing.iter().map(|(r, _)| r.name.clone()));
                 let reserved = d
                     .reservations()
                     .await?
-                    .into_iter()
+                    .iter()
                     .filter(|(r, _)| !r.addresses.is_empty())
-                    .map(|(r, _)| r.name)
+                    .map(|(r, _)| r.name.clone())
                     .collect();
                 Ok(NodesState {
                     writer,
@@ -152,8 +153,9 @@ impl NodesBackend for ClusterNodes {
                 let Some((record, revision)) = d
                     .reservations()
                     .await?
-                    .into_iter()
+                    .iter()
                     .find(|(r, _)| r.name == node)
+                    .cloned()
                 else {
                     return Ok(Freed::default());
                 };

@@ -187,8 +187,8 @@ impl PoolsBackend for ClusterPools {
                     pools,
                     default,
                     claimed: blocks
-                        .into_iter()
-                        .map(|b| (b.cidr, (b.pool, b.node)))
+                        .iter()
+                        .map(|b| (b.cidr, (b.pool.clone(), b.node.clone())))
                         .collect(),
                 })
             })

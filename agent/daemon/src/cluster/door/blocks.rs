@@ -12,16 +12,17 @@ impl Door {
     /// Every claimed block, and the store revision of the read. A key
     /// whose name or value this build cannot read is skipped and kept in
     /// [`Door::unreadable`] (with its block when the key names one: no
-    /// claim may pick it).
+    /// claim may pick it). Shared, not copied, while no block changes.
     ///
     /// # Errors
     /// etcd unavailable.
-    pub async fn blocks(&mut self) -> Result<(Vec<Block>, i64), ClusterStoreError> {
+    pub async fn blocks(&mut self) -> Result<(Arc<Vec<Block>>, i64), ClusterStoreError> {
         self.parsed("read blocks", "blocks/", |prefix, kvs| {
-            let mut out = Vec::new();
+            let mut out = Vec::with_capacity(kvs.len());
             let mut bad = Vec::new();
             for kv in kvs {
-                match parse_block(prefix, &kv.key, &kv.value, kv.mod_revision) {
+                let parse = |kv: &Kv| parse_block(prefix, &kv.key, &kv.value, kv.mod_revision);
+                match kv.parse_once("blocks/", parse) {
                     Ok(b) => out.push(b),
                     Err(u) => bad.push(u),
                 }

@@ -23,6 +23,7 @@ use std::collections::BTreeMap;
 use std::future::Future;
 use std::time::Duration;
 
+use std::sync::Arc;
 use std::sync::atomic::{AtomicI64, Ordering};
 
 use etcd_client::{Client, ConnectOptions, GetOptions, Txn, TxnResponse};
@@ -80,7 +81,7 @@ async fn dial(opts: &DoorOptions) -> Result<Client, ClusterStoreError> {
 /// An area of the mirror as a listing parsed it (shared by the doors on
 /// one mirror).
 struct Parsed<T> {
-    value: T,
+    value: Arc<T>,
     bad: Vec<Unreadable>,
     mark: StoreMark,
 }
@@ -97,7 +98,7 @@ pub struct Door {
     /// (or one of another door of this node it was told of,
     /// [`Door::follow`]): a listing from the mirror waits until the
     /// mirror saw it. Shared with its siblings ([`Door::sibling`]).
-    written: std::sync::Arc<AtomicI64>,
+    written: Arc<AtomicI64>,
     /// Open keep-alive streams, by lease.
     keepers: BTreeMap<i64, (etcd_client::LeaseKeeper, etcd_client::LeaseKeepAliveStream)>,
 }
@@ -158,7 +159,7 @@ impl Door {
             opts,
             unreadable: BTreeMap::new(),
             mark: None,
-            written: std::sync::Arc::new(AtomicI64::new(0)),
+            written: Arc::new(AtomicI64::new(0)),
             keepers: BTreeMap::new(),
         })
     }
@@ -340,24 +341,32 @@ impl Door {
         self.mark
     }
 
-    /// Every record under `rest` (one read) that `parse` reads, each with
-    /// its key's mod revision and lease; a key it cannot read is skipped
-    /// and kept in [`Door::unreadable`].
-    pub(super) async fn read_area<T: Clone + Send + Sync + 'static>(
+    /// Every record under `rest` (one read) that `parse` reads, as
+    /// `shape` makes it of the record, its key's mod revision and lease; a
+    /// key it cannot read is skipped and kept in [`Door::unreadable`].
+    /// Each key is parsed once while it does not change
+    /// ([`Kv::parse_once`]), and the list is shared, not copied, while
+    /// nothing under `rest` changes.
+    pub(super) async fn read_area<T, U>(
         &mut self,
         what: &str,
         rest: &'static str,
         parse: fn(&str, &str, &[u8]) -> Result<T, String>,
-    ) -> Result<Vec<(T, i64, i64)>, ClusterStoreError> {
+        shape: fn(T, i64, i64) -> U,
+    ) -> Result<Arc<Vec<U>>, ClusterStoreError>
+    where
+        T: Clone + Send + Sync + 'static,
+        U: Send + Sync + 'static,
+    {
         let (out, _) = self
             .parsed(what, rest, move |area, kvs| {
-                let mut out = Vec::new();
+                let mut out = Vec::with_capacity(kvs.len());
                 let mut bad = Vec::new();
                 for kv in kvs {
-                    match parse(area, &kv.key, &kv.value) {
-                        Ok(record) => out.push((record, kv.mod_revision, kv.lease)),
+                    match kv.parse_once(rest, |kv| parse(area, &kv.key, &kv.value)) {
+                        Ok(record) => out.push(shape(record, kv.mod_revision, kv.lease)),
                         Err(reason) => bad.push(Unreadable {
-                            key: kv.key,
+                            key: kv.key.clone(),
                             reason,
                             block: None,
                         }),
@@ -372,14 +381,15 @@ impl Door {
     /// The keys under `rest` as `make` reads them (with the keys it could
     /// not read, kept in [`Door::unreadable`]), and the store revision of
     /// the listing. From a live mirror, `make` runs once per change of
-    /// the area for every door sharing the mirror: an agent's tasks, or a
-    /// benchmark's thousands of simulated nodes, parse it once.
-    pub(super) async fn parsed<T: Clone + Send + Sync + 'static>(
+    /// the area for every door sharing the mirror (an agent's tasks, or a
+    /// benchmark's thousands of simulated nodes), and what it made is
+    /// shared, not copied, until the area changes.
+    pub(super) async fn parsed<T: Send + Sync + 'static>(
         &mut self,
         what: &str,
         rest: &'static str,
-        make: impl FnOnce(&str, Vec<Kv>) -> (T, Vec<Unreadable>),
-    ) -> Result<(T, i64), ClusterStoreError> {
+        make: impl FnOnce(&str, Vec<Arc<Kv>>) -> (T, Vec<Unreadable>),
+    ) -> Result<(Arc<T>, i64), ClusterStoreError> {
         let area = self.key(rest);
         let link = self.opts.link.clone();
         if let Some(link) = &link {
@@ -395,13 +405,14 @@ impl Door {
         let at = link.as_ref().map(|l| l.mirror().stamp(&[rest]));
         let (kvs, revision) = self.list(what, rest).await?;
         let (value, bad) = make(&area, kvs);
+        let value = Arc::new(value);
         if let (Some(link), Some(at), Some(mark)) = (&link, at, self.mark)
             && at.live
         {
             link.mirror().keep(
                 rest,
                 at,
-                std::sync::Arc::new(Parsed {
+                Arc::new(Parsed {
                     value: value.clone(),
                     bad: bad.clone(),
                     mark,
@@ -429,7 +440,7 @@ impl Door {
         &mut self,
         what: &str,
         rest: &str,
-    ) -> Result<(Vec<Kv>, i64), ClusterStoreError> {
+    ) -> Result<(Vec<Arc<Kv>>, i64), ClusterStoreError> {
         let key = self.key(rest);
         if let Some(link) = &self.opts.link {
             let at_least = self.at_least();
@@ -451,6 +462,9 @@ impl Door {
                 revision: h.revision(),
             });
         }
-        Ok((resp.kvs().iter().map(Kv::of).collect(), revision))
+        Ok((
+            resp.kvs().iter().map(|kv| Arc::new(Kv::of(kv))).collect(),
+            revision,
+        ))
     }
 }

@@ -221,46 +221,36 @@ impl Door {
 
     /// Every registered (live) node. A key whose name or record this
     /// build cannot read is skipped and kept in [`Door::unreadable`].
+    /// Shared, not copied, while no node key changes.
     ///
     /// # Errors
     /// etcd unavailable.
-    pub async fn nodes(&mut self) -> Result<Vec<Node>, ClusterStoreError> {
-        Ok(self
-            .read_area("read nodes", "nodes/", parse_node)
-            .await?
-            .into_iter()
-            .map(|(record, _, lease)| Node { record, lease })
-            .collect())
+    pub async fn nodes(&mut self) -> Result<Arc<Vec<Node>>, ClusterStoreError> {
+        self.read_area("read nodes", "nodes/", parse_node, |record, _, lease| {
+            Node { record, lease }
+        })
+        .await
     }
 
     /// Every node's routing key (`node_addrs/<name>`: where its blocks
-    /// are routed, whether or not its lease lives). A key whose name or
-    /// record this build cannot read (a name that is not the record's,
-    /// no address, an address no route can go via) is skipped and kept
-    /// in [`Door::unreadable`].
+    /// are routed, whether or not its lease lives), each with its key's
+    /// mod revision (a gone mark or a reclaim compares it). A key whose
+    /// name or record this build cannot read (a name that is not the
+    /// record's, no address, an address no route can go via) is skipped
+    /// and kept in [`Door::unreadable`]. Shared, not copied, while no
+    /// routing key changes.
     ///
     /// # Errors
     /// etcd unavailable.
-    pub async fn node_addrs(&mut self) -> Result<Vec<NodeAddrRecord>, ClusterStoreError> {
-        Ok(self
-            .routing_keys()
-            .await?
-            .into_iter()
-            .map(|(r, _)| r)
-            .collect())
-    }
-
-    /// As [`Door::node_addrs`], each with its key's mod revision (a gone
-    /// mark or a reclaim compares it).
-    ///
-    /// # Errors
-    /// etcd unavailable.
-    pub async fn routing_keys(&mut self) -> Result<Vec<(NodeAddrRecord, i64)>, ClusterStoreError> {
-        Ok(self
-            .read_area("read node addresses", NODE_ADDRS, parse_node_addr)
-            .await?
-            .into_iter()
-            .map(|(record, revision, _)| (record, revision))
-            .collect())
+    pub async fn routing_keys(
+        &mut self,
+    ) -> Result<Arc<Vec<(NodeAddrRecord, i64)>>, ClusterStoreError> {
+        self.read_area(
+            "read node addresses",
+            NODE_ADDRS,
+            parse_node_addr,
+            |record, revision, _| (record, revision),
+        )
+        .await
     }
 }

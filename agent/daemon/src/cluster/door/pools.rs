@@ -26,7 +26,8 @@ impl Door {
     pub async fn pools(
         &mut self,
     ) -> Result<(Vec<ClusterPoolSpec>, BTreeMap<String, i64>, i64), ClusterStoreError> {
-        let ((specs, revisions), revision) = self
+        // Pools are few: copied out for the callers that change them.
+        let (parsed, revision) = self
             .parsed("read pools", "pools/", |area, kvs| {
                 let mut specs = Vec::new();
                 let mut revisions = BTreeMap::new();
@@ -38,7 +39,7 @@ impl Door {
                             specs.push(spec);
                         }
                         Err(reason) => bad.push(Unreadable {
-                            key: kv.key,
+                            key: kv.key.clone(),
                             reason,
                             block: None,
                         }),
@@ -47,6 +48,7 @@ impl Door {
                 ((specs, revisions), bad)
             })
             .await?;
+        let (specs, revisions) = parsed.as_ref().clone();
         Ok((specs, revisions, revision))
     }
 
@@ -111,7 +113,7 @@ impl Door {
         self.pools().await?;
         self.blocks().await?;
         self.nodes().await?;
-        self.node_addrs().await?;
+        self.routing_keys().await?;
         self.reservations().await?;
         self.stored_default().await?;
         Ok(self.unreadable())

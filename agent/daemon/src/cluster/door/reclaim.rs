@@ -54,16 +54,20 @@ impl Door {
     }
 
     /// Every reservation: address → the node whose pods may hold it.
+    /// Shared, not copied, while no reservation changes.
     ///
     /// # Errors
     /// etcd unavailable.
-    pub async fn reservations(&mut self) -> Result<Vec<(ReservedRecord, i64)>, ClusterStoreError> {
-        Ok(self
-            .read_area("read reserved addresses", RESERVED, parse_reserved)
-            .await?
-            .into_iter()
-            .map(|(record, revision, _)| (record, revision))
-            .collect())
+    pub async fn reservations(
+        &mut self,
+    ) -> Result<Arc<Vec<(ReservedRecord, i64)>>, ClusterStoreError> {
+        self.read_area(
+            "read reserved addresses",
+            RESERVED,
+            parse_reserved,
+            |record, revision, _| (record, revision),
+        )
+        .await
     }
 
     /// Replaces `node`'s reservations, read at `revision`, by `keep`
@@ -113,7 +117,7 @@ impl Door {
                 }
             }
         }
-        for (r, revision) in &all {
+        for (r, revision) in all.iter() {
             let keep: BTreeSet<IpAddr> = r
                 .addresses
                 .iter()
@@ -182,12 +186,13 @@ impl Door {
     async fn take_node(&mut self, name: &str, force: bool) -> Result<Removed, ClusterStoreError> {
         let alive = self.nodes().await?.iter().any(|n| n.record.name == name);
         let (blocks, _) = self.blocks().await?;
-        let freed: Vec<Block> = blocks.into_iter().filter(|b| b.node == name).collect();
+        let freed: Vec<Block> = blocks.iter().filter(|b| b.node == name).cloned().collect();
         let routing = self
             .routing_keys()
             .await?
-            .into_iter()
-            .find(|(r, _)| r.name == name);
+            .iter()
+            .find(|(r, _)| r.name == name)
+            .cloned();
         let lease = if alive {
             NodeLease::Alive
         } else if freed.is_empty() && routing.is_none() {
@@ -200,9 +205,9 @@ impl Door {
         let (earlier, reserved_rev) = self
             .reservations()
             .await?
-            .into_iter()
+            .iter()
             .find(|(r, _)| r.name == name)
-            .map_or((Vec::new(), 0), |(r, rev)| (r.addresses, rev));
+            .map_or((Vec::new(), 0), |(r, rev)| (r.addresses.clone(), *rev));
         let mut reserved: BTreeSet<IpAddr> = earlier.into_iter().collect();
         // Addresses in use a node before reservation windows published
         // with its routing key.

@@ -24,7 +24,7 @@ impl ClusterNode {
     /// A block claimed again here is added to `blocks` as this node's, so
     /// the fence that follows sees it held (before, it was fenced as
     /// "absent" right after being claimed back).
-    pub(super) async fn settle(&mut self, blocks: &mut Vec<Block>) {
+    pub(super) async fn settle(&mut self, blocks: &mut Arc<Vec<Block>>) {
         let mut changed = false;
         for u in self.held.unsettled.clone() {
             let found = blocks.iter().find(|b| b.cidr == u.cidr);
@@ -34,7 +34,7 @@ impl ClusterNode {
                 None => match self.door.as_mut() {
                     Some(door) => match door.claim_block(&u.pool, u.cidr, &self.name).await {
                         Ok(Claim::Claimed { revision }) => {
-                            blocks.push(Block {
+                            Arc::make_mut(blocks).push(Block {
                                 pool: u.pool.clone(),
                                 cidr: u.cidr,
                                 node: self.name.clone(),

@@ -31,8 +31,8 @@ impl ClusterNode {
         let alive: BTreeSet<String> = door
             .nodes()
             .await?
-            .into_iter()
-            .map(|n| n.record.name)
+            .iter()
+            .map(|n| n.record.name.clone())
             .collect();
         let routing = door.routing_keys().await?;
         let now = now_ms();
@@ -44,7 +44,7 @@ impl ClusterNode {
                 && !alive.contains(&r.name)
                 && gone_keeper(&alive, &r.name) == Some(self.name.as_str())
         });
-        for (record, revision) in &routing {
+        for (record, revision) in routing.iter() {
             if record.name == self.name {
                 // Marked gone while alive (a refresh that came late): a
                 // registration clears it before its deadline.
@@ -96,7 +96,10 @@ impl ClusterNode {
                 tracing::error!(error = %crate::error_chain(&e), "the reserved addresses are not recorded");
             }
         }
-        self.own_reserved = reservations.into_iter().find(|(r, _)| r.name == self.name);
+        self.own_reserved = reservations
+            .iter()
+            .find(|(r, _)| r.name == self.name)
+            .cloned();
         Ok(())
     }
 

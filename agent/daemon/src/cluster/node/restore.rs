@@ -12,6 +12,7 @@
 //! the core's (`lockstep_core::cluster::restore`).
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use ipnet::IpNet;
@@ -127,7 +128,7 @@ impl ClusterNode {
     /// the outcome (read again when another node took a block first), so the fence that follows sees the block this node's
     /// again, or another node's (then it stays fenced and `verify` names
     /// it). Pending again when a claim fails.
-    pub(super) async fn reclaim_lost(&mut self, blocks: &mut Vec<Block>) {
+    pub(super) async fn reclaim_lost(&mut self, blocks: &mut Arc<Vec<Block>>) {
         if !self.history.reclaim_pending {
             return;
         }
@@ -165,7 +166,7 @@ impl ClusterNode {
                         continue;
                     }
                     tracing::warn!(%cidr, %pool, revision, "claimed back a block etcd lost when it went back in time; it serves again");
-                    blocks.push(Block {
+                    Arc::make_mut(blocks).push(Block {
                         pool,
                         cidr,
                         node: self.name.clone(),
