@@ -202,6 +202,24 @@ pub struct RemoteTask {
     routing: Routing,
     /// The agent's connection and mirror.
     link: Link,
+    /// The lists the maps above were made from: an area the mirror did
+    /// not change hands out the same list, and its map is not made again.
+    made_from: MadeFrom,
+}
+
+/// The shared lists (`Door::blocks`, `nodes`, `routing_keys`) a
+/// [`RemoteTask`]'s maps were last made from.
+#[derive(Debug, Default)]
+struct MadeFrom {
+    blocks: Option<Arc<Vec<super::Block>>>,
+    nodes: Option<Arc<Vec<super::Node>>>,
+    routing: Option<Arc<Vec<(super::NodeAddrRecord, i64)>>>,
+}
+
+/// Whether `now` is the very list `before` was (nothing under its area
+/// changed since).
+fn same<T>(before: Option<&Arc<T>>, now: &Arc<T>) -> bool {
+    before.is_some_and(|b| Arc::ptr_eq(b, now))
 }
 
 /// The areas the remote state is made of.
@@ -231,6 +249,7 @@ impl RemoteTask {
             nodes: NodeDirectory::default(),
             routing: Routing::native(),
             link,
+            made_from: MadeFrom::default(),
         }
     }
 
@@ -270,27 +289,35 @@ impl RemoteTask {
         self.view.clone()
     }
 
-    /// Reads everything (from the mirror while it is live).
+    /// Reads everything (from the mirror while it is live); a map whose
+    /// area did not change is kept as it is.
     async fn read_all(&mut self, door: &mut Door) -> Result<(), ClusterStoreError> {
         let (pools, _, _) = door.pools().await?;
         let (blocks, _) = door.blocks().await?;
         let nodes = door.nodes().await?;
         let routing = door.routing_keys().await?;
         self.pools = pools.into_iter().map(|p| (p.name.clone(), p)).collect();
-        self.blocks = blocks
-            .iter()
-            .map(|b| ((b.pool.clone(), b.cidr), b.node.clone()))
-            .collect();
-        self.nodes = NodeDirectory {
-            live: nodes
+        if !same(self.made_from.blocks.as_ref(), &blocks) {
+            self.blocks = blocks
+                .iter()
+                .map(|b| ((b.pool.clone(), b.cidr), b.node.clone()))
+                .collect();
+            self.made_from.blocks = Some(blocks);
+        }
+        if !same(self.made_from.nodes.as_ref(), &nodes) {
+            self.nodes.live = nodes
                 .iter()
                 .map(|n| (n.record.name.clone(), n.record.ips.clone()))
-                .collect(),
-            routing: routing
+                .collect();
+            self.made_from.nodes = Some(nodes);
+        }
+        if !same(self.made_from.routing.as_ref(), &routing) {
+            self.nodes.routing = routing
                 .iter()
                 .map(|(r, _)| (r.name.clone(), r.ips.clone()))
-                .collect(),
-        };
+                .collect();
+            self.made_from.routing = Some(routing);
+        }
         Ok(())
     }
 

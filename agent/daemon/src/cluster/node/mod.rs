@@ -121,8 +121,9 @@ pub struct ClusterNode {
     /// read may need pools the read missed (an apply landing meanwhile);
     /// it is answered after the next read.
     asked_at_read: BTreeSet<String>,
-    /// The blocks etcd gives other nodes (block → node), as last read.
-    others: BTreeMap<IpNet, String>,
+    /// The blocks etcd gives other nodes (block → node), as last read;
+    /// replaced only when a read changes it.
+    others: Arc<BTreeMap<IpNet, String>>,
     /// What the allocator was last given (`None`: nothing yet).
     served: Option<Served>,
     /// Configured CIDRs overlapping the cluster's pools or blocks, as last
@@ -252,7 +253,7 @@ impl ClusterNode {
             last_read: None,
             read_next: false,
             asked_at_read: BTreeSet::new(),
-            others: BTreeMap::new(),
+            others: Arc::default(),
             served: None,
             overlaps: Vec::new(),
             history,
@@ -423,11 +424,14 @@ impl ClusterNode {
                 (b.cidr, who)
             })
             .collect();
-        self.others = owners
+        let others: BTreeMap<IpNet, String> = owners
             .iter()
             .filter(|(_, n)| **n != self.name)
             .map(|(b, n)| (*b, n.clone()))
             .collect();
+        if *self.others != others {
+            self.others = Arc::new(others);
+        }
         self.set_overlaps(
             blocks
                 .iter()

@@ -4,6 +4,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
+use std::sync::Arc;
 
 use ipnet::IpNet;
 use lockstep_core::cluster::{LocalOverlap, local_pools};
@@ -51,7 +52,9 @@ pub fn local_specs(config: &Config, held: &Held) -> Vec<PoolSpec> {
 pub(super) struct Served {
     pub(super) specs: Vec<PoolSpec>,
     pub(super) fenced: BTreeMap<IpNet, String>,
-    pub(super) others: BTreeMap<IpNet, String>,
+    /// Shared with the claim loop, which replaces it only when a read
+    /// changes it: comparing and copying it costs nothing while it stands.
+    pub(super) others: Arc<BTreeMap<IpNet, String>>,
     /// Configured CIDRs withheld for overlapping the cluster's.
     pub(super) overlaps: Vec<LocalOverlap>,
     /// Addresses other nodes' pods may hold (reserved for a removed or
@@ -89,7 +92,7 @@ impl Served {
             tracing::error!(error = %e, "cluster blocks not all served");
         }
         if had.is_none_or(|h| h.others != self.others) {
-            agent.set_cluster_others(node, self.others.clone());
+            agent.set_cluster_others(node, self.others.as_ref().clone());
         }
         agent.set_cluster_default(self.default.clone());
     }
