@@ -164,7 +164,10 @@ impl Runner {
                 // Steady state (#27 item 7): 100, 1,000 and 5,000 simulated
                 // nodes running the agent's cluster tasks idle, etcd's own
                 // counters per node; 5,000 LB services applied.
-                self.benchmark_test("cluster_steady")
+                self.benchmark_test("cluster_steady")?;
+                // #47 (b): one node's cluster tasks on a synthetic 100- and
+                // 5,000-node cluster, its CPU per cluster event.
+                self.benchmark_test("cluster_replay")
             }
             "image" => self.image(),
             "all" => {
