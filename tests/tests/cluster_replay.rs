@@ -121,9 +121,13 @@ fn node_cpu() -> anyhow::Result<Duration> {
     Ok(Duration::from_nanos(total))
 }
 
+/// Each synthetic node's node lease and LB lease, by index.
+type Leases = Vec<(i64, i64)>;
+
 /// Writes `n` synthetic nodes under `prefix`: node key and routing key
-/// (under a lease of an hour), one block each, an LB membership.
-async fn write_cluster(eps: &[String], prefix: &str, n: usize) -> anyhow::Result<()> {
+/// (under a lease of an hour), one block each, an LB membership; returns
+/// their leases (the events write under them again).
+async fn write_cluster(eps: &[String], prefix: &str, n: usize) -> anyhow::Result<Leases> {
     let pool = pool()?;
     let mut d = Door::connect(options(eps, prefix)).await?;
     d.apply_pools(std::slice::from_ref(&pool)).await?;
@@ -132,21 +136,26 @@ async fn write_cluster(eps: &[String], prefix: &str, n: usize) -> anyhow::Result
         let (eps, prefix, pool) = (eps.to_vec(), prefix.to_string(), pool.name.clone());
         workers.push(tokio::spawn(async move {
             let mut d = Door::connect(options(&eps, &prefix)).await?;
+            let mut leases = Vec::new();
             for i in (w..n).step_by(WRITERS) {
                 let r = record(i, 10);
-                d.register_node(&r, &[], Duration::from_secs(3600)).await?;
+                let node_lease = d.register_node(&r, &[], Duration::from_secs(3600)).await?;
                 let got = d.claim_block(&pool, block(i)?, &r.name).await?;
                 ensure!(matches!(got, Claim::Claimed { .. }), "{}: {got:?}", r.name);
                 let (lease, _) = d.lb_grant(Duration::from_secs(3600)).await?;
                 d.lb_join(&r.name, &BTreeMap::new(), true, lease).await?;
+                leases.push((i, (node_lease, lease)));
             }
-            anyhow::Ok(())
+            anyhow::Ok(leases)
         }));
     }
+    let mut all = vec![(0, 0); n];
     for w in workers {
-        w.await??;
+        for (i, l) in w.await?? {
+            all[i] = l;
+        }
     }
-    Ok(())
+    Ok(all)
 }
 
 /// The measured node: its tasks on a runtime of their own, stopped on
@@ -244,10 +253,17 @@ async fn settled(d: &mut Door, within: Duration) -> anyhow::Result<()> {
     }
 }
 
-/// One cluster event (`i`th of the run, on a cluster of `n` synthetic
-/// nodes); `extra` is the block claimed by the last claim event.
-async fn event(d: &mut Door, n: usize, i: usize, extra: &mut Option<Block>) -> anyhow::Result<()> {
+/// One cluster event (`i`th of the run, on the synthetic nodes holding
+/// `leases`); `extra` is the block claimed by the last claim event.
+async fn event(
+    d: &mut Door,
+    leases: &Leases,
+    i: usize,
+    extra: &mut Option<Block>,
+) -> anyhow::Result<()> {
+    let n = leases.len();
     let other = (i / 4) % n;
+    let (node_lease, lb_lease) = leases[other];
     match i % 4 {
         0 => {
             let cidr = block(n + i)?;
@@ -269,26 +285,13 @@ async fn event(d: &mut Door, n: usize, i: usize, extra: &mut Option<Block>) -> a
             ensure!(d.release_block(&b).await?, "{} not given back", b.cidr);
         }
         2 => {
-            let nodes = d.nodes().await?;
-            let lease = nodes
-                .iter()
-                .find(|x| x.record.name == record(other, 0).name)
-                .map(|x| x.lease)
-                .context("synthetic node's lease")?;
-            d.publish_node(&record(other, 10 + i as u64), &[], lease)
+            d.publish_node(&record(other, 10 + i as u64), &[], node_lease)
                 .await?;
         }
         _ => {
-            let name = record(other, 0).name;
-            let lease = d
-                .lb_read()
-                .await?
-                .members
-                .get(&name)
-                .copied()
-                .context("synthetic member's lease")?;
             let labels = BTreeMap::from([("round".to_string(), i.to_string())]);
-            d.lb_join(&name, &labels, true, lease).await?;
+            d.lb_join(&record(other, 0).name, &labels, true, lb_lease)
+                .await?;
         }
     }
     Ok(())
@@ -308,7 +311,7 @@ fn measure(eps: &[String], n: usize) -> anyhow::Result<Measure> {
         .enable_all()
         .build()?;
     let started = Instant::now();
-    load.block_on(write_cluster(eps, &prefix, n))?;
+    let leases = load.block_on(write_cluster(eps, &prefix, n))?;
     println!(
         "   {n} synthetic nodes written in {:.1} s",
         started.elapsed().as_secs_f64()
@@ -332,7 +335,7 @@ fn measure(eps: &[String], n: usize) -> anyhow::Result<Measure> {
     let mut extra = None;
     let (c2, t2) = (node_cpu()?, Instant::now());
     for i in 0..events {
-        load.block_on(event(&mut d, n, i, &mut extra))?;
+        load.block_on(event(&mut d, &leases, i, &mut extra))?;
         // Paced from the start, not from each write's end.
         let next = t2 + every * u32::try_from(i + 1)?;
         std::thread::sleep(next.saturating_duration_since(Instant::now()));
