@@ -29,7 +29,7 @@
 //!   detection) as they compared a read's.
 
 use std::any::Any;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::future::Future;
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
@@ -47,6 +47,9 @@ const PAGE: i64 = 1_000;
 /// the first retry, and the longest (jittered, [`Backoff`]).
 const RETRY_MIN: Duration = Duration::from_millis(250);
 const RETRY_MAX: Duration = Duration::from_secs(4);
+/// How many changed keys the mirror remembers for [`Mirror::changes`]: a
+/// follower further behind reads its areas whole.
+const LOG_KEYS: usize = 16_384;
 
 /// One key as the mirror holds it. The mirror shares each key (an
 /// `Arc<Kv>`) with every reader, and a key's parsed record is kept with
@@ -143,6 +146,50 @@ struct State {
     /// Per area (the key's first segment under the prefix, `blocks/`,
     /// `lb/`, `default_pool`): the revision of its last change.
     changed: BTreeMap<String, i64>,
+    /// The keys changed since the last full read, oldest first, with the
+    /// revision of each change (at most [`LOG_KEYS`]).
+    log: VecDeque<(i64, String)>,
+    /// Every change above this revision is in `log`.
+    log_floor: i64,
+}
+
+impl State {
+    /// Applies one change, at revision `rev`, of `key` (in `area`) to
+    /// `now` (`None`: deleted), and logs it for [`Mirror::changes`].
+    fn apply(&mut self, key: String, area: String, rev: i64, now: Option<Kv>) {
+        match now {
+            None => self.kvs.remove(&key),
+            Some(kv) => self.kvs.insert(key.clone(), Arc::new(kv)),
+        };
+        self.changed.insert(area, rev);
+        self.log.push_back((rev, key));
+        if self.log.len() > LOG_KEYS
+            && let Some((gone, _)) = self.log.pop_front()
+        {
+            self.log_floor = gone;
+        }
+    }
+}
+
+/// Where a follower of [`Mirror::changes`] stands: the full read and the
+/// revision it has seen everything up to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Cursor {
+    generation: u64,
+    revision: i64,
+}
+
+/// What changed under a follower's areas since its [`Cursor`].
+#[derive(Debug)]
+pub enum Changes {
+    /// Read the areas whole: the first read, a full read of the mirror
+    /// since (a compaction, a restore), or changes older than the mirror
+    /// remembers.
+    Everything,
+    /// The keys that changed, each once, with its value now (`None`:
+    /// deleted). Applying a key twice is harmless: it carries the value,
+    /// not the change.
+    Keys(Vec<(String, Option<Arc<Kv>>)>),
 }
 
 /// Where a reader stands: the full read's generation and the revision of
@@ -312,6 +359,42 @@ impl Mirror {
         ))
     }
 
+    /// What changed under `areas` (segments under the prefix, as
+    /// [`Mirror::stamp`]'s) since `since` (`None`: nothing read yet), and
+    /// the cursor to ask from next; `None` while the mirror is not live.
+    /// A follower that reads [`Changes::Everything`] reads the areas after
+    /// this call: what changes meanwhile comes again in its next call.
+    pub fn changes(&self, areas: &[&str], since: Option<Cursor>) -> Option<(Changes, Cursor)> {
+        let s = self.read_state();
+        if !s.live {
+            return None;
+        }
+        let now = Cursor {
+            generation: s.generation,
+            revision: s.revision,
+        };
+        let Some(since) =
+            since.filter(|c| c.generation == s.generation && c.revision >= s.log_floor)
+        else {
+            return Some((Changes::Everything, now));
+        };
+        let mut keys = BTreeSet::new();
+        for (rev, key) in s.log.iter().rev() {
+            if *rev <= since.revision {
+                break;
+            }
+            let rest = key.strip_prefix(&self.prefix).unwrap_or(key);
+            if areas.iter().any(|a| rest.starts_with(a)) {
+                keys.insert(key.as_str());
+            }
+        }
+        let keys = keys
+            .into_iter()
+            .map(|k| (k.to_string(), s.kvs.get(k).cloned()))
+            .collect();
+        Some((Changes::Keys(keys), now))
+    }
+
     fn area(&self, key: &str) -> String {
         let rest = key.strip_prefix(&self.prefix).unwrap_or(key);
         match rest.find('/') {
@@ -332,6 +415,8 @@ impl Mirror {
             s.cluster_id = cluster_id;
             s.generation += 1;
             s.changed.clear();
+            s.log.clear();
+            s.log_floor = revision;
             s.live = true;
         }
         self.ring();
@@ -485,15 +570,11 @@ impl Mirror {
                     // reached were in the full read or came before (a
                     // resumed watch starts one revision early).
                     if rev > applied {
-                        match event.event_type() {
-                            EventType::Delete => {
-                                s.kvs.remove(&key);
-                            }
-                            EventType::Put => {
-                                s.kvs.insert(key, Arc::new(Kv::of(kv)));
-                            }
-                        }
-                        s.changed.insert(area, rev);
+                        let now = match event.event_type() {
+                            EventType::Delete => None,
+                            EventType::Put => Some(Kv::of(kv)),
+                        };
+                        s.apply(key, area, rev, now);
                     }
                     next = next.max(rev + 1);
                     s.revision = s.revision.max(rev);
@@ -732,6 +813,73 @@ mod tests {
         assert_eq!(kvs[0].parse_once("other", |kv| kv.value.len()), 5);
         assert_eq!(read_blocks(&m, &parses).await.len(), other);
         assert_eq!(parses.load(Ordering::Relaxed), 1001);
+    }
+
+    /// The keys a change touched, as [`Mirror::changes`] lists them.
+    fn keys_of(c: Changes) -> Vec<(String, Option<String>)> {
+        match c {
+            Changes::Everything => panic!("everything, not keys"),
+            Changes::Keys(k) => k
+                .into_iter()
+                .map(|(k, v)| (k, v.map(|v| String::from_utf8_lossy(&v.value).into_owned())))
+                .collect(),
+        }
+    }
+
+    /// A follower gets the keys changed in its areas since its cursor,
+    /// each once with its value now; everything when it has read nothing,
+    /// after a full read of the mirror, or when it is further behind
+    /// than the log reaches.
+    #[test]
+    fn changes_are_the_keys_of_the_areas_changed_since_the_cursor() {
+        let m = Mirror::new("/p/");
+        let areas = ["blocks/", "nodes/"];
+        assert!(m.changes(&areas, None).is_none(), "not live yet");
+        m.replace(vec![kv("/p/blocks/a", "1", 5)], 5, 1);
+        let (c, first) = m.changes(&areas, None).expect("live");
+        assert!(matches!(c, Changes::Everything));
+        let change = |key: &str, value: Option<&str>, rev: i64| {
+            let now = value.map(|v| kv(key, v, rev));
+            let area = m.area(key);
+            m.write_state().apply(key.to_string(), area, rev, now);
+            m.write_state().revision = rev;
+        };
+        change("/p/blocks/a", Some("2"), 6);
+        change("/p/lb/x", Some("not followed"), 7);
+        change("/p/nodes/n", Some("3"), 8);
+        change("/p/blocks/a", Some("4"), 9);
+        change("/p/blocks/b", Some("5"), 10);
+        change("/p/blocks/b", None, 11);
+        let (c, second) = m.changes(&areas, Some(first)).expect("live");
+        assert_eq!(
+            keys_of(c),
+            vec![
+                ("/p/blocks/a".into(), Some("4".into())),
+                ("/p/blocks/b".into(), None),
+                ("/p/nodes/n".into(), Some("3".into())),
+            ]
+        );
+        let (c, third) = m.changes(&areas, Some(second)).expect("live");
+        assert!(keys_of(c).is_empty(), "nothing since");
+        assert_eq!(third, second);
+        // More changes than the log keeps: the follower reads everything.
+        for i in 0..=LOG_KEYS as i64 {
+            change("/p/nodes/n", Some("x"), 12 + i);
+        }
+        assert!(matches!(
+            m.changes(&areas, Some(third)),
+            Some((Changes::Everything, _))
+        ));
+        let (_, fourth) = m.changes(&areas, None).expect("live");
+        assert!(
+            matches!(m.changes(&areas, Some(fourth)), Some((Changes::Keys(k), _)) if k.is_empty())
+        );
+        // A full read (a compaction, a restore): everything again.
+        m.replace(vec![kv("/p/blocks/a", "1", 3)], 3, 1);
+        assert!(matches!(
+            m.changes(&areas, Some(fourth)),
+            Some((Changes::Everything, _))
+        ));
     }
 
     #[test]

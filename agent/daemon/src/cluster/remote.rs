@@ -2,18 +2,22 @@
 //! entries and kernel routes, and the skip-masquerade cluster CIDRs as
 //! MASQ_SKIP entries, kept in step with etcd.
 //!
-//! The task reads pools, blocks and nodes from the agent's mirror
+//! The task follows pools, blocks and nodes in the agent's mirror
 //! ([`super::Mirror`], kept by one etcd watch, read again in full after a
-//! compaction or a rollback) whenever one of them changed there, and
-//! applies the difference. While the mirror is not live (etcd
+//! compaction or a rollback) one changed key at a time: each step applies
+//! the keys changed since the last one to a [`RemoteIndex`], which
+//! recomputes only the prefixes they touch, and programs only the routes
+//! that changed. A full read happens at start, after a full read of the
+//! mirror, and when more changed than the mirror remembers. While the mirror is not live (etcd
 //! unreachable) the last state stays programmed. The decisions (what
 //! should exist, what differs) are the core's
 //! ([`lockstep_core::cluster::remote`]). Routes are programmed only for a
 //! node with a datapath (an agent in the slot).
 //!
 //! Routes are this task's: `block via node_ip proto 213`
-//! ([`LOCKSTEP_ROUTE_PROTOCOL`]) in the agent's network namespace, checked
-//! and repaired on every change and every `interval`; routes of any other
+//! ([`LOCKSTEP_ROUTE_PROTOCOL`]) in the agent's network namespace,
+//! changed per changed block, and listed and repaired after every full
+//! read and every `interval`; routes of any other
 //! protocol are never listed for change, so never touched. Map entries are
 //! the agent's: [`RemoteView::snapshot`] is read by the agent's desired
 //! state, so reconcile writes them and deletes the stale ones, and verify
@@ -31,12 +35,12 @@ use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use ipnet::IpNet;
-use lockstep_core::cluster::ClusterPoolSpec;
-use lockstep_core::cluster::remote::{
-    NodeDirectory, RemoteBlock, RemoteState, diff, remote_state_routed,
-};
+use lockstep_core::cluster::remote::{NodeDirectory, RemoteState, diff};
+use lockstep_core::cluster::remote_index::{NodeKey, RemoteIndex, RouteChange};
 use lockstep_core::cluster::routing::Routing;
 
+use super::door::ChangedKey;
+use super::mirror::{Changes, Cursor};
 use super::{ClusterStoreError, Door, DoorOptions, Link, Stamp};
 use crate::netlink::{LOCKSTEP_ROUTE_PROTOCOL, Netlink, NetlinkError};
 
@@ -115,18 +119,12 @@ impl RemoteView {
         Ok(out)
     }
 
-    /// Makes `state` the desired one; whether that changed anything (the
-    /// first read always does).
-    fn set(&self, state: RemoteState) -> bool {
-        let mut cur = self
+    /// Makes `state` (changed, or the first read) the desired one.
+    fn set(&self, state: RemoteState) {
+        *self
             .0
             .write()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if cur.as_deref() == Some(&state) {
-            return false;
-        }
-        *cur = Some(Arc::new(state));
-        true
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(Arc::new(state));
     }
 }
 
@@ -185,6 +183,35 @@ pub fn sync_routes(desired: &BTreeMap<IpNet, IpAddr>) -> Result<RouteSync, Netli
     Ok(out)
 }
 
+/// Makes the kernel's routes follow `changes` (the index's, since the
+/// last pass): a route added where lockstep had none, replaced where it
+/// had one, deleted where it has none now. Blocking. A change the kernel
+/// refuses is counted and logged; the periodic [`sync_routes`] repairs it.
+///
+/// # Errors
+/// The route socket could not be opened.
+pub fn apply_route_changes(changes: &[RouteChange]) -> Result<RouteSync, NetlinkError> {
+    let nl = Netlink::current()?;
+    let p = LOCKSTEP_ROUTE_PROTOCOL;
+    let mut out = RouteSync::default();
+    for c in changes {
+        let (r, n) = match (c.was, c.now) {
+            (None, Some(via)) => (nl.add_route_via(c.dst, via, p, false), &mut out.added),
+            (Some(_), Some(via)) => (nl.add_route_via(c.dst, via, p, true), &mut out.changed),
+            (Some(was), None) => (nl.delete_route_via(c.dst, was, p), &mut out.removed),
+            (None, None) => continue,
+        };
+        match r {
+            Ok(()) => *n += 1,
+            Err(e) => {
+                tracing::error!(error = %crate::error_chain(&e), "remote route not applied");
+                out.failed += 1;
+            }
+        }
+    }
+    Ok(out)
+}
+
 /// The remote-state task of node `me`.
 #[derive(Debug)]
 pub struct RemoteTask {
@@ -194,32 +221,16 @@ pub struct RemoteTask {
     /// The least time between two steps (`[cluster] remote_settle`).
     settle: Duration,
     view: RemoteView,
-    pools: BTreeMap<String, ClusterPoolSpec>,
-    blocks: BTreeMap<(String, IpNet), String>,
-    /// Where each node is reached: live node keys and routing keys.
-    nodes: NodeDirectory,
-    /// How each remote block is reached (native, or through the tunnel).
-    routing: Routing,
+    /// The remote state, kept per changed key.
+    index: RemoteIndex,
+    /// How far the index has followed the mirror (`None`: read
+    /// everything next).
+    cursor: Option<Cursor>,
+    /// Whether the next route pass lists and repairs every route (after a
+    /// full read) rather than applying the index's changes.
+    full_route_pass: bool,
     /// The agent's connection and mirror.
     link: Link,
-    /// The lists the maps above were made from: an area the mirror did
-    /// not change hands out the same list, and its map is not made again.
-    made_from: MadeFrom,
-}
-
-/// The shared lists (`Door::blocks`, `nodes`, `routing_keys`) a
-/// [`RemoteTask`]'s maps were last made from.
-#[derive(Debug, Default)]
-struct MadeFrom {
-    blocks: Option<Arc<Vec<super::Block>>>,
-    nodes: Option<Arc<Vec<super::Node>>>,
-    routing: Option<Arc<Vec<(super::NodeAddrRecord, i64)>>>,
-}
-
-/// Whether `now` is the very list `before` was (nothing under its area
-/// changed since).
-fn same<T>(before: Option<&Arc<T>>, now: &Arc<T>) -> bool {
-    before.is_some_and(|b| Arc::ptr_eq(b, now))
 }
 
 /// The areas the remote state is made of.
@@ -239,32 +250,30 @@ impl RemoteTask {
     pub fn new(me: String, mut opts: DoorOptions, interval: Duration, link: Link) -> Self {
         opts.link = Some(link.clone());
         RemoteTask {
+            index: RemoteIndex::new(&me, Routing::native()),
             me,
             opts,
             interval,
             settle: Duration::ZERO,
             view: RemoteView::default(),
-            pools: BTreeMap::new(),
-            blocks: BTreeMap::new(),
-            nodes: NodeDirectory::default(),
-            routing: Routing::native(),
+            cursor: None,
+            full_route_pass: true,
             link,
-            made_from: MadeFrom::default(),
         }
     }
 
     /// Decides each block's path with `routing` (the agent's: the mode and
     /// this node's underlay prefixes) instead of native routing.
     pub fn with_routing(mut self, routing: Routing) -> Self {
-        self.routing = routing;
+        self.index = RemoteIndex::new(&self.me, routing);
+        self.cursor = None;
         self
     }
 
     /// Steps at most once per `settle`: the first change after a quiet
     /// spell is applied at once, the rest of a burst together when
-    /// `settle` has passed (each step reads and recomputes everything, so
-    /// a cluster of thousands starting, or a zone coming back, would
-    /// otherwise cost a node one full recomputation per key changed).
+    /// `settle` has passed (a cluster of thousands starting, or a zone
+    /// coming back, is then taken in a few steps rather than one per key).
     pub fn with_settle(mut self, settle: Duration) -> Self {
         self.settle = settle;
         self
@@ -289,78 +298,97 @@ impl RemoteTask {
         self.view.clone()
     }
 
-    /// Reads everything (from the mirror while it is live); a map whose
-    /// area did not change is kept as it is.
+    /// Reads the pools, blocks and nodes whole (from the mirror while it
+    /// is live) into the index, which changes only where they differ.
     async fn read_all(&mut self, door: &mut Door) -> Result<(), ClusterStoreError> {
         let (pools, _, _) = door.pools().await?;
         let (blocks, _) = door.blocks().await?;
         let nodes = door.nodes().await?;
         let routing = door.routing_keys().await?;
-        self.pools = pools.into_iter().map(|p| (p.name.clone(), p)).collect();
-        if !same(self.made_from.blocks.as_ref(), &blocks) {
-            self.blocks = blocks
-                .iter()
-                .map(|b| ((b.pool.clone(), b.cidr), b.node.clone()))
-                .collect();
-            self.made_from.blocks = Some(blocks);
-        }
-        if !same(self.made_from.nodes.as_ref(), &nodes) {
-            self.nodes.live = nodes
+        let blocks = blocks
+            .iter()
+            .map(|b| ((b.pool.clone(), b.cidr), b.node.clone()))
+            .collect();
+        let directory = NodeDirectory {
+            live: nodes
                 .iter()
                 .map(|n| (n.record.name.clone(), n.record.ips.clone()))
-                .collect();
-            self.made_from.nodes = Some(nodes);
-        }
-        if !same(self.made_from.routing.as_ref(), &routing) {
-            self.nodes.routing = routing
+                .collect(),
+            routing: routing
                 .iter()
                 .map(|(r, _)| (r.name.clone(), r.ips.clone()))
-                .collect();
-            self.made_from.routing = Some(routing);
+                .collect(),
+        };
+        self.index.replace_all(blocks, &directory, &pools);
+        Ok(())
+    }
+
+    /// Applies the keys the mirror says changed; the pools (few, and an
+    /// operator's) are read whole when one of them changed.
+    async fn read_changed(
+        &mut self,
+        door: &mut Door,
+        keys: Vec<(String, Option<Arc<super::Kv>>)>,
+    ) -> Result<(), ClusterStoreError> {
+        let mut pools = false;
+        for (key, now) in keys {
+            match door.read_changed(&key, now.as_deref()) {
+                ChangedKey::Block { at, now } => self.index.set_block(at, now.map(|b| b.node)),
+                ChangedKey::Node { name, now } => {
+                    self.index
+                        .set_node(NodeKey::Live, &name, now.map(|r| r.ips));
+                }
+                ChangedKey::Routing { name, now } => {
+                    self.index
+                        .set_node(NodeKey::Routing, &name, now.map(|r| r.ips));
+                }
+                ChangedKey::Pool => pools = true,
+                ChangedKey::Other => {}
+            }
+        }
+        if pools {
+            let (pools, _, _) = door.pools().await?;
+            self.index.set_pools(&pools);
         }
         Ok(())
     }
 
-    fn desired(&self) -> RemoteState {
-        let blocks: Vec<RemoteBlock> = self
-            .blocks
-            .iter()
-            .map(|((_, cidr), node)| RemoteBlock {
-                cidr: *cidr,
-                node: node.clone(),
-            })
-            .collect();
-        let pools: Vec<ClusterPoolSpec> = self.pools.values().cloned().collect();
-        remote_state_routed(&self.me, &blocks, &self.nodes, &pools, &self.routing)
-    }
-
-    /// Publishes the desired state; when it changed, logs what cannot be
-    /// routed and has the agent reconcile its maps at once.
-    async fn publish(&self, slot: &super::node::AgentSlot) {
-        let state = self.desired();
-        // Said once, when a block becomes unroutable: every node's every
-        // step repeating all of them was, at a thousand nodes, a log line
-        // per node per gone block per change.
-        let before = self.view.snapshot();
-        for u in state
-            .unroutable
-            .iter()
-            .filter(|u| !before.unroutable.contains(u))
-        {
-            tracing::warn!(reason = %u, "a remote block is not routed");
-        }
-        if self.view.set(state) {
+    /// Publishes the index's state when it changed, logging what became
+    /// unroutable and having the agent reconcile its maps at once; then
+    /// brings the routes along.
+    async fn publish(&mut self, slot: &super::node::AgentSlot) {
+        if self.index.take_changed() || !self.view.is_read() {
+            let state = self.index.state().clone();
+            // Said once, when a block becomes unroutable: every node's every
+            // step repeating all of them was, at a thousand nodes, a log line
+            // per node per gone block per change.
+            let before = self.view.snapshot();
+            for u in state
+                .unroutable
+                .iter()
+                .filter(|u| !before.unroutable.contains(u))
+            {
+                tracing::warn!(reason = %u, "a remote block is not routed");
+            }
+            self.view.set(state);
             let r = super::node::on_agent(slot, |a| a.reconcile()).await;
             if let Some(Err(e)) = r {
                 tracing::error!(error = %e, "reconcile after a remote change failed");
             }
         }
-        self.routes(slot).await;
+        let changes = self.index.take_route_changes();
+        if std::mem::take(&mut self.full_route_pass) {
+            self.routes(slot).await;
+        } else if !changes.is_empty() && !super::node::no_agent(slot) {
+            let r = tokio::task::spawn_blocking(move || apply_route_changes(&changes)).await;
+            log_route_pass(r);
+        }
     }
 
     /// Makes the kernel's routes the snapshot's, on a node with a
     /// datapath (an agent in `slot`), once etcd has been read: before,
-    /// the routes the node has stay as they are.
+    /// the routes the node has stay as they are. Lists every route: the
+    /// periodic repair, and the pass after a full read.
     async fn routes(&self, slot: &super::node::AgentSlot) {
         if !self.view.is_read() {
             return;
@@ -369,22 +397,7 @@ impl RemoteTask {
             return;
         }
         let routes = self.view.snapshot().routes.clone();
-        match tokio::task::spawn_blocking(move || sync_routes(&routes)).await {
-            Ok(Ok(s)) if s != RouteSync::default() => {
-                tracing::info!(
-                    added = s.added,
-                    changed = s.changed,
-                    removed = s.removed,
-                    failed = s.failed,
-                    "remote routes updated"
-                );
-            }
-            Ok(Ok(_)) => {}
-            Ok(Err(e)) => {
-                tracing::error!(error = %crate::error_chain(&e), "remote routes not listed")
-            }
-            Err(e) => tracing::error!(error = %e, "remote route task failed"),
-        }
+        log_route_pass(tokio::task::spawn_blocking(move || sync_routes(&routes)).await);
     }
 
     /// Runs until `stop`: reads the mirror whenever what the remote state
@@ -410,11 +423,14 @@ impl RemoteTask {
                 if due && next.is_none_or(|t| t <= tokio::time::Instant::now()) {
                     stepped = Some(tokio::time::Instant::now());
                     match self.step(&mut door).await {
-                        Ok(()) => {
+                        Ok(true) => {
                             applied = Some(stamp);
                             self.publish(&slot).await;
                             continue;
                         }
+                        // The mirror stopped following etcd meanwhile:
+                        // its bell rings when it follows again.
+                        Ok(false) => failed = true,
                         // Tried again on the next change or tick.
                         Err(e) => {
                             tracing::warn!(error = %crate::error_chain(&e), "remote state: etcd not read; the last state stays");
@@ -440,13 +456,48 @@ impl RemoteTask {
         })
     }
 
-    /// Connects when needed and reads everything.
-    async fn step(&mut self, door: &mut Option<Door>) -> Result<(), RemoteError> {
+    /// Connects when needed and follows the mirror: the keys changed
+    /// since the last step, or everything (the first step, after a full
+    /// read of the mirror, or when too much changed meanwhile). Whether
+    /// it read: not while the mirror is not live.
+    async fn step(&mut self, door: &mut Option<Door>) -> Result<bool, RemoteError> {
         if door.is_none() {
             *door = Some(Door::connect(self.opts.clone()).await?);
         }
         let d = door.as_mut().expect("connected above");
-        self.read_all(d).await?;
-        Ok(())
+        let Some((changes, cursor)) = d.changes(&AREAS, self.cursor) else {
+            return Ok(false);
+        };
+        // Forgotten until the read succeeds: a failed read starts over.
+        self.cursor = None;
+        match changes {
+            Changes::Everything => {
+                self.read_all(d).await?;
+                self.full_route_pass = true;
+            }
+            Changes::Keys(keys) => self.read_changed(d, keys).await?,
+        }
+        self.cursor = Some(cursor);
+        Ok(true)
+    }
+}
+
+/// Logs what a route pass did (nothing when it changed nothing).
+fn log_route_pass(r: Result<Result<RouteSync, NetlinkError>, tokio::task::JoinError>) {
+    match r {
+        Ok(Ok(s)) if s != RouteSync::default() => {
+            tracing::info!(
+                added = s.added,
+                changed = s.changed,
+                removed = s.removed,
+                failed = s.failed,
+                "remote routes updated"
+            );
+        }
+        Ok(Ok(_)) => {}
+        Ok(Err(e)) => {
+            tracing::error!(error = %crate::error_chain(&e), "remote routes not listed")
+        }
+        Err(e) => tracing::error!(error = %e, "remote route task failed"),
     }
 }

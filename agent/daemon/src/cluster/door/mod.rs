@@ -8,6 +8,7 @@
 //! values are read by [`parse`], failures classified by [`failure`].
 
 mod blocks;
+mod changed;
 mod failure;
 mod nodes;
 mod options;
@@ -33,6 +34,7 @@ use lockstep_core::cluster::StoreMark;
 use super::backoff::Backoff;
 use super::mirror::Kv;
 use super::{ClusterStoreError, Unreadable, escape};
+pub use changed::ChangedKey;
 use failure::{never_sent, refusal, transient, unavailable};
 pub use options::{DoorOptions, TlsFiles};
 pub(super) use parse::parse_node_addr;

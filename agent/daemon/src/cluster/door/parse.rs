@@ -16,33 +16,38 @@ pub(super) fn parse_block(
     value: &[u8],
     revision: i64,
 ) -> Result<Block, Unreadable> {
-    let rest = key.strip_prefix(prefix).unwrap_or(key);
     let unreadable = |reason: String, block: Option<IpNet>| Unreadable {
         key: key.to_string(),
         reason,
         block,
     };
-    let Some((pool, cidr)) = rest.split_once('/') else {
-        return Err(unreadable("not blocks/<pool>/<cidr>".into(), None));
-    };
-    if let Some(why) = key_name_problem(pool) {
-        return Err(unreadable(format!("pool name {pool:?}: {why}"), None));
-    }
-    let Some(cidr) = unescape(cidr) else {
-        return Err(unreadable(
-            format!("{cidr:?} is not a block (<address>-<prefix length>, canonical)"),
-            None,
-        ));
-    };
+    let (pool, cidr) = block_key_name(prefix, key).map_err(|why| unreadable(why, None))?;
     let rec: BlockRecord =
         serde_json::from_slice(value).map_err(|e| unreadable(format!("value: {e}"), Some(cidr)))?;
     Ok(Block {
-        pool: pool.to_string(),
+        pool,
         cidr,
         node: rec.node,
         instance: rec.instance,
         revision,
     })
+}
+
+/// The pool and prefix a block key names, or why it names none.
+pub(super) fn block_key_name(prefix: &str, key: &str) -> Result<(String, IpNet), String> {
+    let rest = key.strip_prefix(prefix).unwrap_or(key);
+    let Some((pool, cidr)) = rest.split_once('/') else {
+        return Err("not blocks/<pool>/<cidr>".into());
+    };
+    if let Some(why) = key_name_problem(pool) {
+        return Err(format!("pool name {pool:?}: {why}"));
+    }
+    let Some(cidr) = unescape(cidr) else {
+        return Err(format!(
+            "{cidr:?} is not a block (<address>-<prefix length>, canonical)"
+        ));
+    };
+    Ok((pool.to_string(), cidr))
 }
 
 /// A key whose last segment is a name, and its JSON value, which must

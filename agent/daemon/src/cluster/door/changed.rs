@@ -1,0 +1,90 @@
+//! Keys the mirror says changed, read one by one as their area's full
+//! read reads them: what lets a task follow the cluster per changed key
+//! (#47 item 2) instead of reading whole areas on every change.
+
+use ipnet::IpNet;
+
+use super::super::mirror::{Changes, Cursor};
+use super::super::{Block, NodeAddrRecord, NodeRecord};
+use super::parse::{block_key_name, parse_block, parse_node, parse_node_addr};
+use super::*;
+
+/// One changed key, read. A value this build cannot read counts as no
+/// value, as a full read skips it (and reports it: [`Door::unreadable`]).
+#[derive(Debug)]
+pub enum ChangedKey {
+    /// A block key: the block now (`None`: given back, or unreadable).
+    Block {
+        /// The block's pool and prefix, from the key.
+        at: (String, IpNet),
+        /// The block.
+        now: Option<Block>,
+    },
+    /// A node key (`nodes/<name>`).
+    Node {
+        /// The node.
+        name: String,
+        /// Its record now.
+        now: Option<NodeRecord>,
+    },
+    /// A routing key (`node_addrs/<name>`).
+    Routing {
+        /// The node.
+        name: String,
+        /// Its record now.
+        now: Option<NodeAddrRecord>,
+    },
+    /// A key under `pools/` (read the pools whole: they are few).
+    Pool,
+    /// Any other key, or one whose name this build cannot read.
+    Other,
+}
+
+impl Door {
+    /// What changed under `areas` since `since`, from the agent's mirror
+    /// ([`super::super::Mirror::changes`]); `None` without a live mirror.
+    pub fn changes(&self, areas: &[&str], since: Option<Cursor>) -> Option<(Changes, Cursor)> {
+        self.opts.link.as_ref()?.mirror().changes(areas, since)
+    }
+
+    /// Reads `key`, which the mirror says is now `now` (`None`: deleted).
+    /// The parsed record is the one a full read of its area keeps with
+    /// the key, so neither parses it twice.
+    pub fn read_changed(&self, key: &str, now: Option<&Kv>) -> ChangedKey {
+        let area = |rest: &str| (self.key(rest), key.strip_prefix(&self.key(rest)));
+        if let (prefix, Some(_)) = area("blocks/") {
+            let Ok(at) = block_key_name(&prefix, key) else {
+                return ChangedKey::Other;
+            };
+            let now = now.and_then(|kv| {
+                kv.parse_once("blocks/", |kv| {
+                    parse_block(&prefix, &kv.key, &kv.value, kv.mod_revision)
+                })
+                .ok()
+            });
+            return ChangedKey::Block { at, now };
+        }
+        if let (prefix, Some(name)) = area("nodes/") {
+            let now = now.and_then(|kv| {
+                kv.parse_once("nodes/", |kv| parse_node(&prefix, &kv.key, &kv.value))
+                    .ok()
+            });
+            let name = name.to_string();
+            return ChangedKey::Node { name, now };
+        }
+        if let (prefix, Some(name)) = area(NODE_ADDRS) {
+            let now = now.and_then(|kv| {
+                kv.parse_once(NODE_ADDRS, |kv| {
+                    parse_node_addr(&prefix, &kv.key, &kv.value)
+                })
+                .ok()
+            });
+            let name = name.to_string();
+            return ChangedKey::Routing { name, now };
+        }
+        if let (_, Some(_)) = area("pools/") {
+            return ChangedKey::Pool;
+        }
+        ChangedKey::Other
+    }
+}
