@@ -57,10 +57,12 @@ pub use served::local_specs;
 pub use super::allocator::AgentSlot;
 use super::allocator::ClusterAllocator;
 pub(crate) use super::allocator::{no_agent, on_agent};
+use super::door::ChangedKey;
 use super::handle::ClusterHandle;
 use super::held::{Held, HeldBlock};
+use super::mirror::{Changes, Cursor};
 use super::{
-    Block, Claim, ClusterStoreError, Door, DoorOptions, Link, NodeRecord, ReservedRecord, Stamp,
+    Block, Claim, ClusterStoreError, Door, DoorOptions, Kv, Link, NodeRecord, ReservedRecord, Stamp,
 };
 use crate::config::{ClusterConfig, Config};
 
@@ -136,6 +138,11 @@ pub struct ClusterNode {
     link: Option<Link>,
     /// Where the mirror stood at the last read that came from it.
     synced: Option<Stamp>,
+    /// How far the mirror's changes were looked at: from the last read,
+    /// or past changes it skipped ([`ClusterNode::only_rewrites`]).
+    cursor: Option<Cursor>,
+    /// The nodes whose lease-bound key the last read found.
+    alive: BTreeSet<String>,
     /// Another node's lease is gone: its gone mark and reclaim are due
     /// with time, so the read runs every [`READ_EVERY`] even when
     /// nothing changes.
@@ -259,6 +266,8 @@ impl ClusterNode {
             history,
             link,
             synced: None,
+            cursor: None,
+            alive: BTreeSet::new(),
             gone_pending: false,
             settled: BTreeMap::new(),
             window,
@@ -531,6 +540,43 @@ impl ClusterNode {
         self.link.as_ref().map(|l| l.mirror().stamp(&AREAS))
     }
 
+    /// Whether every key changed since the cursor is a node's keys
+    /// rewritten with the node still alive or still not (its counts
+    /// published, [`Door::publish_node`]): the
+    /// cursor past them (`Ok`). Otherwise the cursor a read made now
+    /// starts from (`Err`; `None`: the mirror cannot say).
+    fn only_rewrites(&self) -> Result<Cursor, Option<Cursor>> {
+        let (Some(link), Some(door)) = (self.link.as_ref(), self.door.as_ref()) else {
+            return Err(None);
+        };
+        let Some((changes, at)) = link.mirror().changes(&AREAS, self.cursor) else {
+            return Err(None);
+        };
+        let Changes::Keys(keys) = changes else {
+            return Err(Some(at));
+        };
+        // A node key: whether the node is alive is what the read takes
+        // from it. A routing key of another live node, not marked gone:
+        // the gone-node scan waits on it whatever it holds (its in-use
+        // list is read by a reclaim itself).
+        let rewrite = |(key, now): &(String, Option<Arc<Kv>>)| match door
+            .read_changed(key, now.as_deref())
+        {
+            ChangedKey::Node { name, now } => now.is_some() == self.alive.contains(&name),
+            ChangedKey::Routing { name, now } => {
+                name != self.name
+                    && self.alive.contains(&name)
+                    && now.is_some_and(|r| r.gone.is_none())
+            }
+            _ => false,
+        };
+        if self.cursor.is_some() && keys.iter().all(rewrite) {
+            Ok(at)
+        } else {
+            Err(Some(at))
+        }
+    }
+
     /// Whether reads come from a live mirror now.
     fn mirrored(&self) -> bool {
         self.link.as_ref().is_some_and(|l| l.mirror().live())
@@ -576,6 +622,22 @@ impl ClusterNode {
         // something it reads changed (or a gone node's deadline may have
         // come); without it, every READ_EVERY as before.
         let stamp = self.stamp();
+        // What changed since the last read, when only node keys were
+        // rewritten (their counts) and no node came or went: nothing the
+        // read decides from changed, and it is not made.
+        let mut cursor = None;
+        if let Some(s) = stamp
+            && s.live
+            && self.synced.is_some_and(|at| at != s)
+        {
+            match self.only_rewrites() {
+                Ok(past) => {
+                    self.cursor = Some(past);
+                    self.synced = Some(s);
+                }
+                Err(at) => cursor = at,
+            }
+        }
         let every = self.last_read.is_none_or(|t| t.elapsed() >= READ_EVERY);
         let due = match stamp {
             Some(s) if s.live => self.synced != Some(s) || (self.gone_pending && every),
@@ -593,6 +655,7 @@ impl ClusterNode {
             self.last_read = Some(Instant::now());
             self.read_next = false;
             self.synced = stamp.filter(|s| s.live);
+            self.cursor = cursor.filter(|_| self.synced.is_some());
         }
         // A block the read fenced leaves the allocator now, before any
         // claim (each may take several requests to etcd).

@@ -35,6 +35,7 @@ impl ClusterNode {
             .map(|n| n.record.name.clone())
             .collect();
         let routing = door.routing_keys().await?;
+        self.alive.clone_from(&alive);
         let now = now_ms();
         let after = u64::try_from(self.cluster.reclaim_after.as_millis()).unwrap_or(u64::MAX);
         let mut reclaimed = false;
