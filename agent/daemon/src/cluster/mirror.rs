@@ -362,7 +362,7 @@ impl Mirror {
     /// What changed under `areas` (segments under the prefix, as
     /// [`Mirror::stamp`]'s) since `since` (`None`: nothing read yet), and
     /// the cursor to ask from next; `None` while the mirror is not live.
-    /// A follower that reads [`Changes::Everything`] reads the areas after
+    /// A follower that reads `Changes::Everything` reads the areas after
     /// this call: what changes meanwhile comes again in its next call.
     pub fn changes(&self, areas: &[&str], since: Option<Cursor>) -> Option<(Changes, Cursor)> {
         let s = self.read_state();

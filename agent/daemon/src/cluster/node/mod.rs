@@ -559,17 +559,16 @@ impl ClusterNode {
         // from it. A routing key of another live node, not marked gone:
         // the gone-node scan waits on it whatever it holds (its in-use
         // list is read by a reclaim itself).
-        let rewrite = |(key, now): &(String, Option<Arc<Kv>>)| match door
-            .read_changed(key, now.as_deref())
-        {
-            ChangedKey::Node { name, now } => now.is_some() == self.alive.contains(&name),
-            ChangedKey::Routing { name, now } => {
-                name != self.name
-                    && self.alive.contains(&name)
-                    && now.is_some_and(|r| r.gone.is_none())
-            }
-            _ => false,
-        };
+        let rewrite =
+            |(key, now): &(String, Option<Arc<Kv>>)| match door.read_changed(key, now.as_deref()) {
+                ChangedKey::Node { name, now } => now.is_some() == self.alive.contains(&name),
+                ChangedKey::Routing { name, now } => {
+                    name != self.name
+                        && self.alive.contains(&name)
+                        && now.is_some_and(|r| r.gone.is_none())
+                }
+                _ => false,
+            };
         if self.cursor.is_some() && keys.iter().all(rewrite) {
             Ok(at)
         } else {
