@@ -377,9 +377,13 @@ impl RemoteTask {
             }
         }
         let changes = self.index.take_route_changes();
-        if std::mem::take(&mut self.full_route_pass) {
+        if super::node::no_agent(slot) {
+            // No datapath now: once there is one, its routes are listed
+            // whole (the changes since are not kept).
+            self.full_route_pass = true;
+        } else if std::mem::take(&mut self.full_route_pass) {
             self.routes(slot).await;
-        } else if !changes.is_empty() && !super::node::no_agent(slot) {
+        } else if !changes.is_empty() {
             let r = tokio::task::spawn_blocking(move || apply_route_changes(&changes)).await;
             log_route_pass(r);
         }

@@ -648,6 +648,16 @@ impl ClusterNode {
             || !self.handle.lock().wanted.is_empty();
         if must_read {
             self.asked_at_read = self.handle.lock().wanted.clone();
+            // A read made for another reason (a claim waiting, etcd's
+            // problem, a rollback) starts from where the mirror stands
+            // now, so the next round's changes are counted from it.
+            if cursor.is_none() {
+                cursor = self
+                    .link
+                    .as_ref()
+                    .and_then(|l| l.mirror().changes(&AREAS, None))
+                    .map(|(_, at)| at);
+            }
         }
         let reachable = if must_read { self.sync().await } else { true };
         if must_read && reachable {
