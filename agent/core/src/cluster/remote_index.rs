@@ -80,6 +80,14 @@ pub struct RemoteIndex {
     changed: bool,
 }
 
+/// The part of `nodes` that keys of kind `which` fill.
+fn directory(nodes: &mut NodeDirectory, which: NodeKey) -> &mut BTreeMap<String, Vec<IpAddr>> {
+    match which {
+        NodeKey::Live => &mut nodes.live,
+        NodeKey::Routing => &mut nodes.routing,
+    }
+}
+
 fn skip() -> MasqSkipValue {
     MasqSkipValue {
         reason: masq_reason::CLUSTER,
@@ -178,19 +186,11 @@ impl RemoteIndex {
     /// Node `node`'s addresses under its `which` key are now `ips`
     /// (`None`: the key is gone, or no longer readable).
     pub fn set_node(&mut self, which: NodeKey, node: &str, ips: Option<Vec<IpAddr>>) {
-        let map = match which {
-            NodeKey::Live => &mut self.nodes.live,
-            NodeKey::Routing => &mut self.nodes.routing,
-        };
-        let before = map.get(node).cloned();
-        if before == ips {
+        if directory(&mut self.nodes, which).get(node) == ips.as_ref() {
             return;
         }
         let was = self.nodes.addresses(node).map(<[IpAddr]>::to_vec);
-        let map = match which {
-            NodeKey::Live => &mut self.nodes.live,
-            NodeKey::Routing => &mut self.nodes.routing,
-        };
+        let map = directory(&mut self.nodes, which);
         match ips {
             Some(ips) => map.insert(node.to_string(), ips),
             None => map.remove(node),
@@ -240,11 +240,7 @@ impl RemoteIndex {
             (NodeKey::Live, &nodes.live),
             (NodeKey::Routing, &nodes.routing),
         ] {
-            let had = match which {
-                NodeKey::Live => &self.nodes.live,
-                NodeKey::Routing => &self.nodes.routing,
-            };
-            let gone: Vec<String> = had
+            let gone: Vec<String> = directory(&mut self.nodes, which)
                 .keys()
                 .filter(|n| !now.contains_key(*n))
                 .cloned()
@@ -355,12 +351,12 @@ impl RemoteIndex {
         if had_masq != masq {
             self.set_masq(p);
         }
-        let before = if unroutable.is_empty() {
-            self.unroutable.remove(&p)
-        } else {
-            self.unroutable.insert(p, unroutable.clone())
-        };
-        if before.unwrap_or_default() != unroutable {
+        if self.unroutable.get(&p).map_or(&[][..], Vec::as_slice) != unroutable.as_slice() {
+            if unroutable.is_empty() {
+                self.unroutable.remove(&p);
+            } else {
+                self.unroutable.insert(p, unroutable);
+            }
             self.unroutable_stale = true;
             self.changed = true;
         }

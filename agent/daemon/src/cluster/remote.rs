@@ -150,37 +150,19 @@ pub fn sync_routes(desired: &BTreeMap<IpNet, IpAddr>) -> Result<RouteSync, Netli
     let nl = Netlink::current()?;
     let observed = nl.routes_of_protocol(LOCKSTEP_ROUTE_PROTOCOL)?;
     let d = diff(desired, &observed);
-    let mut out = RouteSync::default();
-    let mut count = |r: Result<(), NetlinkError>, n: &mut usize| match r {
-        Ok(()) => *n += 1,
-        Err(e) => {
-            tracing::error!(error = %crate::error_chain(&e), "remote route not applied");
-            out.failed += 1;
-        }
+    let change = |dst: IpNet, now: Option<IpAddr>| RouteChange {
+        dst,
+        was: observed.get(&dst).copied(),
+        now,
     };
-    let (mut added, mut changed, mut removed) = (0, 0, 0);
-    for dst in &d.removes {
-        count(
-            nl.delete_route_via(*dst, observed[dst], LOCKSTEP_ROUTE_PROTOCOL),
-            &mut removed,
-        );
-    }
-    for (dst, via) in &d.adds {
-        count(
-            nl.add_route_via(*dst, *via, LOCKSTEP_ROUTE_PROTOCOL, false),
-            &mut added,
-        );
-    }
-    for (dst, via) in &d.changes {
-        count(
-            nl.add_route_via(*dst, *via, LOCKSTEP_ROUTE_PROTOCOL, true),
-            &mut changed,
-        );
-    }
-    out.added = added;
-    out.changed = changed;
-    out.removed = removed;
-    Ok(out)
+    let changes: Vec<RouteChange> = d
+        .removes
+        .iter()
+        .map(|dst| change(*dst, None))
+        .chain(d.adds.iter().map(|(dst, via)| change(*dst, Some(*via))))
+        .chain(d.changes.iter().map(|(dst, via)| change(*dst, Some(*via))))
+        .collect();
+    Ok(apply_with(&nl, &changes))
 }
 
 /// Makes the kernel's routes follow `changes` (the index's, since the
@@ -191,7 +173,11 @@ pub fn sync_routes(desired: &BTreeMap<IpNet, IpAddr>) -> Result<RouteSync, Netli
 /// # Errors
 /// The route socket could not be opened.
 pub fn apply_route_changes(changes: &[RouteChange]) -> Result<RouteSync, NetlinkError> {
-    let nl = Netlink::current()?;
+    Ok(apply_with(&Netlink::current()?, changes))
+}
+
+/// [`apply_route_changes`] through `nl`.
+fn apply_with(nl: &Netlink, changes: &[RouteChange]) -> RouteSync {
     let p = LOCKSTEP_ROUTE_PROTOCOL;
     let mut out = RouteSync::default();
     for c in changes {
@@ -209,7 +195,7 @@ pub fn apply_route_changes(changes: &[RouteChange]) -> Result<RouteSync, Netlink
             }
         }
     }
-    Ok(out)
+    out
 }
 
 /// The remote-state task of node `me`.

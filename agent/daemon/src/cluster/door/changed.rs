@@ -51,7 +51,11 @@ impl Door {
     /// The parsed record is the one a full read of its area keeps with
     /// the key, so neither parses it twice.
     pub fn read_changed(&self, key: &str, now: Option<&Kv>) -> ChangedKey {
-        let area = |rest: &str| (self.key(rest), key.strip_prefix(&self.key(rest)));
+        let area = |rest: &str| {
+            let prefix = self.key(rest);
+            let name = key.strip_prefix(&prefix).map(str::to_string);
+            (prefix, name)
+        };
         if let (prefix, Some(_)) = area("blocks/") {
             let Ok(at) = block_key_name(&prefix, key) else {
                 return ChangedKey::Other;
@@ -69,7 +73,6 @@ impl Door {
                 kv.parse_once("nodes/", |kv| parse_node(&prefix, &kv.key, &kv.value))
                     .ok()
             });
-            let name = name.to_string();
             return ChangedKey::Node { name, now };
         }
         if let (prefix, Some(name)) = area(NODE_ADDRS) {
@@ -79,7 +82,6 @@ impl Door {
                 })
                 .ok()
             });
-            let name = name.to_string();
             return ChangedKey::Routing { name, now };
         }
         if let (_, Some(_)) = area("pools/") {
