@@ -36,6 +36,7 @@ pub mod cluster;
 mod index;
 mod ipam;
 pub mod kubernetes;
+pub mod members;
 mod node_pools;
 mod range;
 mod spec;

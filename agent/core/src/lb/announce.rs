@@ -72,6 +72,7 @@ use std::sync::Arc;
 
 use super::LabelSelector;
 use super::cluster::{Candidate, weight};
+use super::members::{Answering, Members};
 
 /// Kernel monotonic time in nanoseconds (the clock `bpf_ktime_get_ns`
 /// reads, so an expiry means the same to the datapath).
@@ -121,8 +122,9 @@ pub struct Observation {
     /// The addresses to announce, each with its pool's node selector.
     pub addresses: BTreeMap<IpAddr, LabelSelector>,
     /// The members (candidate announcers), each with its membership's
-    /// lease: a new lease is a new membership.
-    pub members: Vec<(Candidate, i64)>,
+    /// lease: a new lease is a new membership. Shared with the read it
+    /// came from, not copied.
+    pub members: Members,
     /// Who holds each announcement key.
     pub holders: BTreeMap<IpAddr, Holder>,
 }
@@ -417,10 +419,7 @@ impl Announcer {
     #[must_use]
     pub fn membership_missing(&self) -> bool {
         match (&self.view, self.lease) {
-            (Some(v), Some((lease, _))) => !v
-                .members
-                .iter()
-                .any(|(c, l)| c.name == self.me && *l == lease),
+            (Some(v), Some((lease, _))) => !v.members.contains(&self.me, lease),
             _ => false,
         }
     }
@@ -461,15 +460,29 @@ impl Announcer {
 
     /// A read of etcd at `now`.
     pub fn observed(&mut self, view: Observation, now: Nanos) {
-        let seen: BTreeSet<(String, i64)> = view
-            .members
-            .iter()
-            .filter(|(c, _)| c.answers)
-            .map(|(c, l)| (c.name.clone(), *l))
-            .collect();
-        self.member_since.retain(|k, _| seen.contains(k));
-        for k in seen {
-            self.member_since.entry(k).or_insert(now);
+        match &self.view {
+            // What changed since the last read: the two reads share all
+            // the members that did not change, and those are not visited.
+            Some(old) => {
+                for c in old.members.answering_changes(&view.members) {
+                    match c {
+                        Answering::Came(n, l) => {
+                            self.member_since.entry((n, l)).or_insert(now);
+                        }
+                        Answering::Went(n, l) => {
+                            self.member_since.remove(&(n, l));
+                        }
+                    }
+                }
+            }
+            None => {
+                self.member_since = view
+                    .members
+                    .iter()
+                    .filter(|(c, _)| c.answers)
+                    .map(|(c, l)| ((c.name.clone(), l), now))
+                    .collect();
+            }
         }
         for a in view.addresses.keys() {
             if view.holders.contains_key(a) {
@@ -621,13 +634,9 @@ impl Announcer {
         let refusing = !self.answers();
         let mut d = self.derived();
         let me = &self.me;
-        let mine = d.mine.get_or_insert_with(|| {
-            view.members
-                .iter()
-                .filter(|(c, _)| c.name == *me)
-                .map(|(c, l)| (c.clone(), *l))
-                .collect()
-        });
+        let mine = d
+            .mine
+            .get_or_insert_with(|| view.members.of(me).map(|(c, l)| (c.clone(), l)).collect());
         mine.iter().any(|(c, _)| {
             admits(c, sel) || (refusing && (sel.is_empty() || sel.matches(&c.labels)))
         })
@@ -685,12 +694,7 @@ impl Announcer {
                 Self::first_misplaced(view).map(|(a, holder, top)| Misplaced {
                     address: a,
                     holder: holder.to_owned(),
-                    top_leases: view
-                        .members
-                        .iter()
-                        .filter(|(c, _)| c.name == top)
-                        .map(|(_, l)| *l)
-                        .collect(),
+                    top_leases: view.members.of(top).map(|(_, l)| l).collect(),
                     top: top.to_owned(),
                 })
             })

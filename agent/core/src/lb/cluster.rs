@@ -196,13 +196,18 @@ pub fn to_announce(lb: &LbIpam) -> BTreeMap<IpAddr, ToAnnounce> {
 /// The addresses of `addresses` that no node of `nodes` is admitted to
 /// announce, with their pools: nobody answers for them until a node that
 /// can answer, with labels that match the pool's node selector, joins.
-pub fn unannounced(
+/// Each address stops at the first node admitted (usually the first).
+pub fn unannounced<'a>(
     addresses: &BTreeMap<IpAddr, ToAnnounce>,
-    nodes: &[Candidate],
+    nodes: impl Iterator<Item = &'a Candidate> + Clone,
 ) -> BTreeMap<IpAddr, String> {
     addresses
         .iter()
-        .filter(|(a, t)| announcer(**a, &t.node_selector, nodes).is_none())
+        .filter(|(_, t)| {
+            !nodes.clone().any(|n| {
+                n.answers && (t.node_selector.is_empty() || t.node_selector.matches(&n.labels))
+            })
+        })
         .map(|(a, t)| (*a, t.pool.clone()))
         .collect()
 }

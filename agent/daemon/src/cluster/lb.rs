@@ -38,24 +38,22 @@
 //! deposed assigner, or two that both believe they lead, cannot store a
 //! state, and no transaction can create an address key twice.
 
-use std::collections::{BTreeMap, BTreeSet};
-use std::net::IpAddr;
+use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::Duration;
 
 use etcd_client::{Compare, CompareOp, PutOptions, Txn, TxnOp, WatchOptions, WatchStream};
-use lockstep_core::lb::cluster::{
-    Candidate, LbChange, LbMeta, StoredService, StoredState, ToAnnounce, reconcile, to_announce,
-};
-use lockstep_core::lb::{LbIpam, LbPoolSpec, LbSnapshot, ServiceSpec};
+use lockstep_core::lb::ServiceSpec;
+use lockstep_core::lb::cluster::{LbChange, StoredState, reconcile};
 
 use super::{ClusterStoreError, Door, Kv};
 
 mod members;
 mod specs;
+mod view;
 
-use members::read_member;
 pub use members::selectors;
+pub use view::LbView;
 
 /// At most this many services join the state per transaction: etcd refuses
 /// a transaction with more than 128 operations of a kind by default, and
@@ -71,87 +69,6 @@ const MAX_TXN_OPS: usize = 120;
 /// What `lb/state` holds once the state moved to `lb/assigned/`: a JSON
 /// string an older agent fails to read as its state, naming why.
 const MOVED: &str = "the lb state moved to lb/assigned/ (lockstep #27): this agent is older than the cluster's assigner; upgrade it";
-
-impl LbView {
-    /// The live members as announcer candidates, with their labels and
-    /// whether they answer.
-    pub fn candidates(&self) -> Vec<Candidate> {
-        self.members.keys().map(|n| self.candidate(n)).collect()
-    }
-
-    /// `node` as an announcer candidate: its membership's labels and
-    /// whether it answers (a node without membership answers: only the
-    /// membership says otherwise).
-    pub fn candidate(&self, node: &str) -> Candidate {
-        Candidate {
-            name: node.to_string(),
-            labels: self.member_labels.get(node).cloned().unwrap_or_default(),
-            answers: !self.silent.contains(node),
-        }
-    }
-
-    /// The stored state's announced addresses, each with its pool and
-    /// that pool's node selector.
-    ///
-    /// # Errors
-    /// The stored state does not restore.
-    pub fn to_announce(&self) -> Result<BTreeMap<IpAddr, ToAnnounce>, ClusterStoreError> {
-        // Made once per view: every LB agent reading the same mirror
-        // shares it (restoring thousands of services is not free).
-        if let Some(made) = self.announced.get() {
-            return Ok(made.clone());
-        }
-        let made = match &self.state {
-            Some((state, _)) => {
-                let lb = LbIpam::restore(state).map_err(|e| corrupt("lb/state", e))?;
-                to_announce(&lb)
-            }
-            None => BTreeMap::new(),
-        };
-        Ok(self.announced.get_or_init(|| made).clone())
-    }
-}
-
-/// Everything under `lb/`, read at one revision.
-#[derive(Clone, Debug, Default)]
-pub struct LbView {
-    /// Pools by name.
-    pub pools: BTreeMap<String, LbPoolSpec>,
-    /// Services by `namespace/name`.
-    pub services: BTreeMap<String, ServiceSpec>,
-    /// The stored state and the mod revision of the key fencing it (the
-    /// meta key; `lb/state` while the state is still in the one-key layout
-    /// of older agents).
-    pub state: Option<(LbSnapshot, i64)>,
-    /// The per-service keys of the state (`lb/assigned/services/`), also
-    /// those written ahead of a move from the one-key layout.
-    pub stored: BTreeMap<String, StoredService>,
-    /// The meta key and its mod revision (`None`: the state is not in the
-    /// per-service layout yet).
-    pub meta: Option<(LbMeta, i64)>,
-    /// `lb/state`'s mod revision (0: absent), which the first write in
-    /// the per-service layout compares and replaces by a marker.
-    pub legacy: i64,
-    /// Address keys: address → services.
-    pub addresses: BTreeMap<IpAddr, BTreeSet<String>>,
-    /// The elected assigner and its key's create revision.
-    pub assigner: Option<(String, i64)>,
-    /// The lease the assigner key is bound to.
-    pub assigner_lease: i64,
-    /// Announcement keys: address → (node, lease).
-    pub announcements: BTreeMap<IpAddr, (String, i64)>,
-    /// Nodes running the LB agent: node → lease.
-    pub members: BTreeMap<String, i64>,
-    /// Their labels (`[cluster] node_labels`), for pools' node selectors.
-    pub member_labels: BTreeMap<String, BTreeMap<String, String>>,
-    /// Members that cannot answer for an address (no uplink): they may be
-    /// the assigner but never announce.
-    pub silent: BTreeSet<String>,
-    /// The store revision of the read.
-    pub revision: i64,
-    /// [`LbView::to_announce`], once made.
-    announced: std::sync::OnceLock<BTreeMap<IpAddr, ToAnnounce>>,
-}
 
 /// What wakes the LB loop when something under `lb/` changed.
 pub enum LbWake {
@@ -267,108 +184,6 @@ impl Door {
             })
             .await?;
         Ok(LbWake::Watch(stream))
-    }
-
-    /// Reads everything under `lb/` at one revision.
-    ///
-    /// # Errors
-    /// etcd unavailable, or a stored value unreadable.
-    pub async fn lb_read(&mut self) -> Result<Arc<LbView>, ClusterStoreError> {
-        // Made once per change of `lb/` for every reader of the mirror.
-        let link = self.options().link.clone();
-        if let Some(link) = &link
-            && let Some(view) = link.mirror().made::<LbView>("lb/")
-            && view.revision >= self.written()
-        {
-            return Ok(view);
-        }
-        let at = link.as_ref().map(|l| l.mirror().stamp(&["lb/"]));
-        let view = Arc::new(self.lb_parse().await?);
-        if let (Some(link), Some(at)) = (&link, at)
-            && at.live
-        {
-            link.mirror().keep("lb/", at, view.clone());
-        }
-        Ok(view)
-    }
-
-    async fn lb_parse(&mut self) -> Result<LbView, ClusterStoreError> {
-        let base = self.lb_key("");
-        // From the mirror while it is live (#27 item 6): the LB agent reads
-        // this every tick.
-        let (kvs, revision) = self.list("read lb state", "lb/").await?;
-        let mut view = LbView {
-            revision,
-            ..LbView::default()
-        };
-        let mut legacy: Option<(LbSnapshot, i64)> = None;
-        for kv in &kvs {
-            let key = &kv.key;
-            let rest = &key[base.len()..];
-            if let Some(name) = rest.strip_prefix("pools/") {
-                let spec: LbPoolSpec = json_once(kv, "lb/pools/")?;
-                view.pools.insert(name.to_string(), spec);
-            } else if let Some(id) = rest.strip_prefix("services/") {
-                let spec: ServiceSpec = json_once(kv, "lb/services/")?;
-                view.services.insert(id.to_string(), spec);
-            } else if rest == "state" {
-                view.legacy = kv.mod_revision;
-                // The marker left by the move to `lb/assigned/` is a JSON
-                // string; anything else is the old one-key state.
-                if serde_json::from_slice::<String>(&kv.value).is_err() {
-                    let state: LbSnapshot =
-                        serde_json::from_slice(&kv.value).map_err(|e| corrupt(key, e))?;
-                    legacy = Some((state, kv.mod_revision));
-                }
-            } else if rest == "assigned/meta" {
-                let meta: LbMeta =
-                    serde_json::from_slice(&kv.value).map_err(|e| corrupt(key, e))?;
-                view.meta = Some((meta, kv.mod_revision));
-            } else if let Some(id) = rest.strip_prefix("assigned/services/") {
-                let s: StoredService = json_once(kv, "lb/assigned/services/")?;
-                view.stored.insert(id.to_string(), s);
-            } else if let Some(addr) = rest.strip_prefix("addresses/") {
-                let a: IpAddr = addr.parse().map_err(|e| corrupt(key, e))?;
-                let users: BTreeSet<String> =
-                    serde_json::from_slice(&kv.value).map_err(|e| corrupt(key, e))?;
-                view.addresses.insert(a, users);
-            } else if let Some(addr) = rest.strip_prefix("announce/") {
-                let a: IpAddr = addr.parse().map_err(|e| corrupt(key, e))?;
-                view.announcements.insert(
-                    a,
-                    (String::from_utf8_lossy(&kv.value).into_owned(), kv.lease),
-                );
-            } else if let Some(node) = rest.strip_prefix("members/") {
-                let (labels, answers) = kv
-                    .parse_once("lb/members/", |kv| read_member(&kv.value))
-                    .map_err(|e| corrupt(key, e))?;
-                view.members.insert(node.to_string(), kv.lease);
-                view.member_labels.insert(node.to_string(), labels);
-                if !answers {
-                    view.silent.insert(node.to_string());
-                }
-            } else if rest == "assigner" {
-                view.assigner = Some((
-                    String::from_utf8_lossy(&kv.value).into_owned(),
-                    kv.create_revision,
-                ));
-                view.assigner_lease = kv.lease;
-            }
-        }
-        // The per-service layout once its meta key stands; before, the
-        // one-key state of older agents (per-service keys written ahead
-        // of the move are not the state yet).
-        view.state = match &view.meta {
-            Some((meta, rev)) => Some((
-                lockstep_core::lb::cluster::join(&StoredState {
-                    meta: meta.clone(),
-                    services: view.stored.clone(),
-                }),
-                *rev,
-            )),
-            None => legacy,
-        };
-        Ok(view)
     }
 
     /// Runs for assigner under `lease`: creates the assigner key if absent.

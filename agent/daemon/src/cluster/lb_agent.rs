@@ -471,8 +471,7 @@ impl LbAgent {
         // Each address with its pool's node selector; the members with
         // their labels.
         let to_announce = view.to_announce()?;
-        let nodes = view.candidates();
-        let nobody = unannounced(&to_announce, &nodes);
+        let nobody = unannounced(&to_announce, view.candidates());
         {
             let mut s = self.handle.lock();
             if s.unannounced != nobody {

@@ -165,11 +165,7 @@ pub(crate) struct Counts {
 pub(crate) fn observation(view: &LbView) -> Result<Observation, ClusterStoreError> {
     Ok(Observation {
         addresses: selectors(&view.to_announce()?),
-        members: view
-            .members
-            .iter()
-            .map(|(n, lease)| (view.candidate(n), *lease))
-            .collect(),
+        members: view.members.clone(),
         holders: view
             .announcements
             .iter()

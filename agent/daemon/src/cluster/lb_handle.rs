@@ -386,18 +386,17 @@ fn render_view(
         lb: local,
         pending,
     } = assignments_of(view)?;
-    let unannounced = unannounced(&view.to_announce()?, &view.candidates());
+    let unannounced = unannounced(&view.to_announce()?, view.candidates());
     let cluster = ClusterLbView {
         unannounced,
-        member_labels: view
-            .member_labels
-            .iter()
-            .filter(|(_, l)| !l.is_empty())
-            .map(|(n, l)| (n.clone(), l.clone()))
+        member_labels: view.members.labels(),
+        silent: view
+            .candidates()
+            .filter(|c| !c.answers)
+            .map(|c| c.name.clone())
             .collect(),
-        silent: view.silent.iter().cloned().collect(),
         assigner,
-        members: view.members.keys().cloned().collect(),
+        members: view.members.nodes().map(str::to_string).collect(),
         pending,
         announcements: view
             .announcements

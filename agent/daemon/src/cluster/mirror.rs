@@ -179,6 +179,13 @@ pub struct Cursor {
     revision: i64,
 }
 
+impl Cursor {
+    /// The revision the follower has seen everything up to.
+    pub fn revision(&self) -> i64 {
+        self.revision
+    }
+}
+
 /// What changed under a follower's areas since its [`Cursor`].
 #[derive(Debug)]
 pub enum Changes {
@@ -249,6 +256,16 @@ impl Mirror {
             return None;
         }
         v.clone().downcast::<T>().ok()
+    }
+
+    /// The value last kept for `area`, however the area changed since:
+    /// what a follower makes the next value from.
+    pub fn last_made<T: Any + Send + Sync>(&self, area: &'static str) -> Option<Arc<T>> {
+        let made = self
+            .made
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        made.get(area)?.1.clone().downcast::<T>().ok()
     }
 
     /// Keeps `value`, made from `area` as it stood at `at`.

@@ -778,6 +778,20 @@ proptest! {
             };
             a.observed(view, now);
             derived_is_fresh(&a)?;
+            // Followed from read to read by what changed, the memberships
+            // with a since-time are those of the read that answer.
+            let answering: BTreeSet<(String, i64)> = a
+                .view
+                .as_ref()
+                .map(|v| {
+                    v.members
+                        .iter()
+                        .filter(|(c, _)| c.answers)
+                        .map(|(c, l)| (c.name.clone(), l))
+                        .collect()
+                })
+                .unwrap_or_default();
+            prop_assert_eq!(a.member_since.keys().cloned().collect::<BTreeSet<_>>(), answering);
             for answer in &answers {
                 now += 200 * MS;
                 a.lease_refreshed(now + TTL);

@@ -220,12 +220,12 @@ fn each_announced_address_carries_its_pools_node_selector() {
         .into_iter()
         .filter(|n| n.labels["zone"] == "z0")
         .collect();
-    let un = unannounced(&t, &only_z0);
+    let un = unannounced(&t, only_z0.iter());
     assert_eq!(
         un.values().cloned().collect::<Vec<_>>(),
         vec!["a".to_string()]
     );
-    assert!(unannounced(&t, &nodes(4)).is_empty());
+    assert!(unannounced(&t, nodes(4).iter()).is_empty());
     let selectors: BTreeMap<IpAddr, LabelSelector> = t
         .iter()
         .map(|(a, v)| (*a, v.node_selector.clone()))
@@ -304,7 +304,7 @@ proptest! {
         prop_assert!(chosen.is_none_or(|c| c.answers));
         prop_assert_eq!(chosen, announcer(a, &all, &answering));
         let to = BTreeMap::from([(a, ToAnnounce { pool: "p".into(), node_selector: all.clone() })]);
-        prop_assert_eq!(unannounced(&to, &ns).is_empty(), !answering.is_empty());
+        prop_assert_eq!(unannounced(&to, ns.iter()).is_empty(), !answering.is_empty());
         // The plan of a node that cannot answer takes nothing and gives up
         // what it holds.
         for c in ns.iter().filter(|c| !c.answers) {

@@ -150,14 +150,16 @@ fn view(addresses: &[IpAddr], holders: &[(IpAddr, i64)]) -> Observation {
             .iter()
             .map(|a| (*a, LabelSelector::default()))
             .collect(),
-        members: vec![(
+        members: [(
             Candidate {
                 name: "node-0".into(),
                 labels: BTreeMap::new(),
                 answers: true,
             },
             7,
-        )],
+        )]
+        .into_iter()
+        .collect(),
         holders: holders
             .iter()
             .map(|(a, l)| {

@@ -22,14 +22,16 @@ fn view(me: &str, lease: i64, addrs: &[IpAddr], holders: &[(IpAddr, &str)]) -> O
             .iter()
             .map(|a| (*a, LabelSelector::default()))
             .collect(),
-        members: vec![(
+        members: [(
             Candidate {
                 name: me.into(),
                 labels: BTreeMap::new(),
                 answers: true,
             },
             lease,
-        )],
+        )]
+        .into_iter()
+        .collect(),
         holders: holders
             .iter()
             .map(|(a, n)| {
