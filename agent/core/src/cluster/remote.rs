@@ -20,6 +20,7 @@
 use std::collections::BTreeMap;
 use std::net::IpAddr;
 
+use imbl::OrdMap;
 use ipnet::{IpNet, Ipv4Net, Ipv6Net};
 use lockstep_common::{IpcacheValue, MasqSkipValue, identity, ipcache_flags, masq_reason};
 
@@ -135,21 +136,23 @@ impl std::fmt::Display for Unroutable {
     }
 }
 
-/// What a node should program for the other nodes.
+/// What a node should program for the other nodes. Its maps are
+/// persistent (#47 item 2): the remote task publishes a copy after every
+/// change, which shares everything with the one it keeps following.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct RemoteState {
     /// IPCACHE_V4 prefix entries of other nodes' IPv4 blocks.
-    pub ipcache_v4: BTreeMap<Ipv4Net, IpcacheValue>,
+    pub ipcache_v4: OrdMap<Ipv4Net, IpcacheValue>,
     /// IPCACHE_V6 prefix entries of other nodes' IPv6 blocks.
-    pub ipcache_v6: BTreeMap<Ipv6Net, IpcacheValue>,
+    pub ipcache_v6: OrdMap<Ipv6Net, IpcacheValue>,
     /// Kernel routes: block → the holder's node address (same family);
     /// blocks reached through the tunnel have none.
-    pub routes: BTreeMap<IpNet, IpAddr>,
+    pub routes: OrdMap<IpNet, IpAddr>,
     /// MASQ_SKIP_V4 entries of cluster pools with `skip_masquerade`, and
     /// of the blocks reached through the tunnel.
-    pub masq_v4: BTreeMap<Ipv4Net, MasqSkipValue>,
+    pub masq_v4: OrdMap<Ipv4Net, MasqSkipValue>,
     /// MASQ_SKIP_V6 entries of cluster pools with `skip_masquerade`.
-    pub masq_v6: BTreeMap<Ipv6Net, MasqSkipValue>,
+    pub masq_v6: OrdMap<Ipv6Net, MasqSkipValue>,
     /// Blocks of other nodes left out, and why (for the log and STATUS).
     pub unroutable: Vec<Unroutable>,
 }
@@ -281,7 +284,7 @@ pub fn remote_state_routed(
 }
 
 /// The entries of `map` whose value `keep` accepts.
-fn kept<K: Ord + Copy, V: Copy>(map: &BTreeMap<K, V>, keep: impl Fn(&V) -> bool) -> BTreeMap<K, V> {
+fn kept<K: Ord + Copy, V: Copy>(map: &BTreeMap<K, V>, keep: impl Fn(&V) -> bool) -> OrdMap<K, V> {
     map.iter()
         .filter(|(_, v)| keep(v))
         .map(|(k, v)| (*k, *v))
@@ -306,7 +309,7 @@ impl RemoteState {
         RemoteState {
             ipcache_v4: kept(&observed.prefix_v4, remote),
             ipcache_v6: kept(&observed.prefix_v6, remote),
-            routes,
+            routes: routes.into(),
             masq_v4: kept(&observed.masq_v4, cluster),
             masq_v6: kept(&observed.masq_v6, cluster),
             unroutable: Vec::new(),
@@ -440,13 +443,14 @@ mod tests {
                 (net("10.0.0.64/26"), ip("192.0.2.2")),
                 (net("fd00::/122"), ip("2001:db8::2")),
             ]
-            .into()
+            .into_iter()
+            .collect()
         );
-        let v = s.ipcache_v4[&"10.0.0.64/26".parse().expect("n")];
+        let v = s.ipcache_v4[&"10.0.0.64/26".parse::<Ipv4Net>().expect("n")];
         assert_eq!(v.flags, ipcache_flags::REMOTE);
         assert_eq!(&v.node_addr[..4], &[192, 0, 2, 2]);
         assert_eq!(v.node_addr[4..], [0u8; 12]);
-        let v6 = s.ipcache_v6[&"fd00::/122".parse().expect("n")];
+        let v6 = s.ipcache_v6[&"fd00::/122".parse::<Ipv6Net>().expect("n")];
         assert_eq!(IpAddr::from(v6.node_addr), ip("2001:db8::2"));
         assert_eq!(s.ipcache_v4.len(), 2);
     }
@@ -511,9 +515,10 @@ mod tests {
                 (net("10.0.0.64/26"), ip("192.0.2.2")),
                 (net("10.0.0.192/26"), ip("192.0.2.9")),
             ]
-            .into()
+            .into_iter()
+            .collect()
         );
-        let cut = s.ipcache_v4[&"10.0.0.64/26".parse().expect("n")];
+        let cut = s.ipcache_v4[&"10.0.0.64/26".parse::<Ipv4Net>().expect("n")];
         assert_eq!(&cut.node_addr[..4], &[192, 0, 2, 2]);
         // An older node whose lease ended: as before, not routed, reported.
         assert_eq!(
@@ -751,7 +756,7 @@ mod tests {
                 MasqSkipValue { reason: masq_reason::CONFIG, pool_id: 0 },
             );
             s.merge_into(&mut maps);
-            let carried = RemoteState::carried_over(&maps, s.routes.clone());
+            let carried = RemoteState::carried_over(&maps, s.routes.iter().map(|(k, v)| (*k, *v)).collect());
             let want = RemoteState { unroutable: Vec::new(), ..s };
             prop_assert_eq!(carried, want);
         }

@@ -530,7 +530,7 @@ mod tests {
                         None => routes.remove(&c.dst),
                     };
                 }
-                prop_assert_eq!(&routes, &want.routes);
+                prop_assert!(routes.iter().eq(want.routes.iter()), "routes {routes:?}, want {:?}", want.routes);
             }
         }
     }

@@ -96,7 +96,12 @@ impl RemoteView {
         if !self.is_read() {
             return Ok(Vec::new());
         }
-        let want = self.snapshot().routes.clone();
+        let want: BTreeMap<IpNet, IpAddr> = self
+            .snapshot()
+            .routes
+            .iter()
+            .map(|(k, v)| (*k, *v))
+            .collect();
         let have = Netlink::current()?.routes_of_protocol(LOCKSTEP_ROUTE_PROTOCOL)?;
         let d = diff(&want, &have);
         let p = LOCKSTEP_ROUTE_PROTOCOL;
@@ -386,7 +391,13 @@ impl RemoteTask {
         if super::node::no_agent(slot) {
             return;
         }
-        let routes = self.view.snapshot().routes.clone();
+        let routes: BTreeMap<IpNet, IpAddr> = self
+            .view
+            .snapshot()
+            .routes
+            .iter()
+            .map(|(k, v)| (*k, *v))
+            .collect();
         log_route_pass(tokio::task::spawn_blocking(move || sync_routes(&routes)).await);
     }
 
