@@ -10,6 +10,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
 
+use imbl::OrdMap;
 use ipnet::IpNet;
 
 /// One address held on this node that another node's block also covers.
@@ -35,7 +36,7 @@ pub struct Covered<T> {
 pub fn covered_by_others<T>(
     node: &str,
     held: impl IntoIterator<Item = (IpAddr, T)>,
-    blocks: &BTreeMap<IpNet, String>,
+    blocks: &OrdMap<IpNet, String>,
 ) -> Vec<Covered<T>> {
     let others: BTreeMap<IpNet, &str> = blocks
         .iter()
@@ -80,11 +81,13 @@ mod tests {
 
     #[test]
     fn addresses_in_another_nodes_block_are_named_with_it_and_its_node() {
-        let blocks = BTreeMap::from([
+        let blocks: OrdMap<IpNet, String> = [
             (net("10.0.0.0/28"), "node-1".to_string()),
             (net("10.0.0.16/28"), "node-0".to_string()),
             (net("fd00::/122"), "node-2".to_string()),
-        ]);
+        ]
+        .into_iter()
+        .collect();
         let held = [
             (ip("10.0.0.5"), "a"),
             (ip("10.0.0.17"), "b"),
@@ -111,7 +114,7 @@ mod tests {
         );
         // The node's own blocks and addresses outside every block: none.
         assert!(covered_by_others("node-1", [(ip("10.0.0.5"), ())], &blocks).is_empty());
-        assert!(covered_by_others("node-0", [(ip("10.9.0.1"), ())], &BTreeMap::new()).is_empty());
+        assert!(covered_by_others("node-0", [(ip("10.9.0.1"), ())], &OrdMap::new()).is_empty());
     }
 
     proptest! {
@@ -124,7 +127,7 @@ mod tests {
             held in proptest::collection::vec(0u32..256, 0..40),
         ) {
             let base = u32::from(std::net::Ipv4Addr::new(10, 5, 0, 0));
-            let blocks: BTreeMap<IpNet, String> = blocks
+            let blocks: OrdMap<IpNet, String> = blocks
                 .into_iter()
                 .map(|(i, len, n)| {
                     let a = std::net::Ipv4Addr::from(base + i * 4);

@@ -36,7 +36,7 @@ pub struct ClusterView {
     /// This node's name and every block etcd gives another node (block →
     /// node), as last read: an address held here inside one of them may
     /// have two holders.
-    others: Option<(String, BTreeMap<IpNet, String>)>,
+    others: Option<(String, imbl::OrdMap<IpNet, String>)>,
     /// The other nodes' blocks and the cluster's skip-masquerade CIDRs
     /// (`cluster::remote`), part of the desired maps.
     remote: Option<std::sync::Arc<dyn RemoteSource>>,
@@ -182,7 +182,7 @@ impl Agent {
 
     /// Records the blocks etcd gives nodes other than `node` (block →
     /// node), as the cluster task last read them.
-    pub fn set_cluster_others(&mut self, node: &str, others: BTreeMap<IpNet, String>) {
+    pub fn set_cluster_others(&mut self, node: &str, others: imbl::OrdMap<IpNet, String>) {
         self.cluster.others = Some((node.to_owned(), others));
     }
 

@@ -48,7 +48,7 @@ pub trait ClusterAllocator {
         excluded: BTreeSet<IpAddr>,
     ) -> Result<(), String>;
     /// The other nodes' blocks, for `verify`.
-    fn set_cluster_others(&mut self, node: &str, others: BTreeMap<IpNet, String>);
+    fn set_cluster_others(&mut self, node: &str, others: imbl::OrdMap<IpNet, String>);
     /// The cluster pool serving requests that name none (`Err`: why none).
     fn set_cluster_default(&mut self, default: Result<Option<String>, String>);
     /// Addresses held in each of `blocks`.

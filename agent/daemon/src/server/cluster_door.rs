@@ -40,7 +40,7 @@ impl ClusterAllocator for Agent {
         Agent::set_cluster_pools(self, pools, fenced, excluded).map_err(|e| crate::error_chain(&e))
     }
 
-    fn set_cluster_others(&mut self, node: &str, others: BTreeMap<IpNet, String>) {
+    fn set_cluster_others(&mut self, node: &str, others: imbl::OrdMap<IpNet, String>) {
         Agent::set_cluster_others(self, node, others);
     }
 

@@ -35,6 +35,7 @@ use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use imbl::OrdMap;
 use ipnet::IpNet;
 use lockstep_core::cidr::Family;
 use lockstep_core::cluster::{
@@ -43,6 +44,7 @@ use lockstep_core::cluster::{
 };
 
 mod blocks;
+mod follow;
 mod ips;
 pub(crate) use ips::node_ips;
 mod keeper;
@@ -57,12 +59,11 @@ pub use served::local_specs;
 pub use super::allocator::AgentSlot;
 use super::allocator::ClusterAllocator;
 pub(crate) use super::allocator::{no_agent, on_agent};
-use super::door::ChangedKey;
 use super::handle::ClusterHandle;
 use super::held::{Held, HeldBlock};
-use super::mirror::{Changes, Cursor};
+use super::mirror::Cursor;
 use super::{
-    Block, Claim, ClusterStoreError, Door, DoorOptions, Kv, Link, NodeRecord, ReservedRecord, Stamp,
+    Block, Claim, ClusterStoreError, Door, DoorOptions, Link, NodeRecord, ReservedRecord, Stamp,
 };
 use crate::config::{ClusterConfig, Config};
 
@@ -125,7 +126,7 @@ pub struct ClusterNode {
     asked_at_read: BTreeSet<String>,
     /// The blocks etcd gives other nodes (block → node), as last read;
     /// replaced only when a read changes it.
-    others: Arc<BTreeMap<IpNet, String>>,
+    others: OrdMap<IpNet, String>,
     /// What the allocator was last given (`None`: nothing yet).
     served: Option<Served>,
     /// Configured CIDRs overlapping the cluster's pools or blocks, as last
@@ -139,7 +140,7 @@ pub struct ClusterNode {
     /// Where the mirror stood at the last read that came from it.
     synced: Option<Stamp>,
     /// How far the mirror's changes were looked at: from the last read,
-    /// or past changes it skipped ([`ClusterNode::only_rewrites`]).
+    /// or past changes it followed in place ([`ClusterNode::follow`]).
     cursor: Option<Cursor>,
     /// The nodes whose lease-bound key the last read found.
     alive: BTreeSet<String>,
@@ -260,7 +261,7 @@ impl ClusterNode {
             last_read: None,
             read_next: false,
             asked_at_read: BTreeSet::new(),
-            others: Arc::default(),
+            others: OrdMap::new(),
             served: None,
             overlaps: Vec::new(),
             history,
@@ -433,13 +434,13 @@ impl ClusterNode {
                 (b.cidr, who)
             })
             .collect();
-        let others: BTreeMap<IpNet, String> = owners
+        let others: OrdMap<IpNet, String> = owners
             .iter()
             .filter(|(_, n)| **n != self.name)
             .map(|(b, n)| (*b, n.clone()))
             .collect();
-        if *self.others != others {
-            self.others = Arc::new(others);
+        if self.others != others {
+            self.others = others;
         }
         self.set_overlaps(
             blocks
@@ -540,42 +541,6 @@ impl ClusterNode {
         self.link.as_ref().map(|l| l.mirror().stamp(&AREAS))
     }
 
-    /// Whether every key changed since the cursor is a node's keys
-    /// rewritten with the node still alive or still not (its counts
-    /// published, [`Door::publish_node`]): the
-    /// cursor past them (`Ok`). Otherwise the cursor a read made now
-    /// starts from (`Err`; `None`: the mirror cannot say).
-    fn only_rewrites(&self) -> Result<Cursor, Option<Cursor>> {
-        let (Some(link), Some(door)) = (self.link.as_ref(), self.door.as_ref()) else {
-            return Err(None);
-        };
-        let Some((changes, at)) = link.mirror().changes(&AREAS, self.cursor) else {
-            return Err(None);
-        };
-        let Changes::Keys(keys) = changes else {
-            return Err(Some(at));
-        };
-        // A node key: whether the node is alive is what the read takes
-        // from it. A routing key of another live node, not marked gone:
-        // the gone-node scan waits on it whatever it holds (its in-use
-        // list is read by a reclaim itself).
-        let rewrite =
-            |(key, now): &(String, Option<Arc<Kv>>)| match door.read_changed(key, now.as_deref()) {
-                ChangedKey::Node { name, now } => now.is_some() == self.alive.contains(&name),
-                ChangedKey::Routing { name, now } => {
-                    name != self.name
-                        && self.alive.contains(&name)
-                        && now.is_some_and(|r| r.gone.is_none())
-                }
-                _ => false,
-            };
-        if self.cursor.is_some() && keys.iter().all(rewrite) {
-            Ok(at)
-        } else {
-            Err(Some(at))
-        }
-    }
-
     /// Whether reads come from a live mirror now.
     fn mirrored(&self) -> bool {
         self.link.as_ref().is_some_and(|l| l.mirror().live())
@@ -622,14 +587,15 @@ impl ClusterNode {
         // come); without it, every READ_EVERY as before.
         let stamp = self.stamp();
         // What changed since the last read, when only node keys were
-        // rewritten (their counts) and no node came or went: nothing the
-        // read decides from changed, and it is not made.
+        // rewritten (their counts) with no node come or gone, or other
+        // nodes' blocks claimed or given back: followed in place
+        // (`follow`), and the read is not made.
         let mut cursor = None;
         if let Some(s) = stamp
             && s.live
             && self.synced.is_some_and(|at| at != s)
         {
-            match self.only_rewrites() {
+            match self.follow() {
                 Ok(past) => {
                     self.cursor = Some(past);
                     self.synced = Some(s);

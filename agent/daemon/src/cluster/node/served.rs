@@ -4,8 +4,8 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
-use std::sync::Arc;
 
+use imbl::OrdMap;
 use ipnet::IpNet;
 use lockstep_core::cluster::{LocalOverlap, local_pools};
 use lockstep_core::pool::PoolSpec;
@@ -52,9 +52,10 @@ pub fn local_specs(config: &Config, held: &Held) -> Vec<PoolSpec> {
 pub(super) struct Served {
     pub(super) specs: Vec<PoolSpec>,
     pub(super) fenced: BTreeMap<IpNet, String>,
-    /// Shared with the claim loop, which replaces it only when a read
-    /// changes it: comparing and copying it costs nothing while it stands.
-    pub(super) others: Arc<BTreeMap<IpNet, String>>,
+    /// A persistent map shared with the claim loop and the allocator: a
+    /// copy costs nothing, a block changed copies one path of it, and
+    /// comparing two that share it skips what they share.
+    pub(super) others: OrdMap<IpNet, String>,
     /// Configured CIDRs withheld for overlapping the cluster's.
     pub(super) overlaps: Vec<LocalOverlap>,
     /// Addresses other nodes' pods may hold (reserved for a removed or
@@ -92,7 +93,7 @@ impl Served {
             tracing::error!(error = %e, "cluster blocks not all served");
         }
         if had.is_none_or(|h| h.others != self.others) {
-            agent.set_cluster_others(node, self.others.as_ref().clone());
+            agent.set_cluster_others(node, self.others.clone());
         }
         agent.set_cluster_default(self.default.clone());
     }

@@ -1,0 +1,257 @@
+//! The claim loop following the cluster per changed key (#47 item 2)
+//! against a real etcd: other nodes' blocks claimed and given back, their
+//! counts published, and now and then a pool applied (which the loop
+//! reads whole). After every change, the other nodes' blocks the loop
+//! hands its allocator are those a whole read of etcd finds, whether the
+//! loop followed the change in place or read everything again.
+//!
+//! The allocator is a recording double of the agent's [`ClusterAllocator`]
+//! side: the test looks at what the claim loop tells it, the loop's one
+//! output for these changes (the agent's own handling is the agent tests').
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::{IpAddr, Ipv4Addr};
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, ensure};
+use ipnet::IpNet;
+use lockstep::announce::UplinkHealth;
+use lockstep::cluster::allocator::{AllocatorDoor, ClusterAllocator, DoorFuture, Job};
+use lockstep::cluster::{
+    AgentSlot, Block, Claim, ClusterNode, Door, DoorOptions, Link, NodeRecord,
+};
+use lockstep::config::Config;
+use lockstep_core::cidr::Family;
+use lockstep_core::cluster::{ClusterPoolSpec, LocalOverlap};
+use lockstep_core::pool::PoolSpec;
+use lockstep_tests::etcd::EtcdCluster;
+
+const PREFIX: &str = "/follow/";
+/// Changes made, one after the other.
+const STEPS: usize = 60;
+/// Other nodes.
+const OTHERS: usize = 6;
+
+/// What the claim loop last told the allocator of the other nodes'
+/// blocks.
+#[derive(Default)]
+struct Recorder {
+    others: Option<BTreeMap<IpNet, String>>,
+}
+
+impl ClusterAllocator for Recorder {
+    fn set_cluster_windows(&mut self, _: BTreeMap<IpNet, BTreeSet<IpAddr>>) {}
+    fn window_views(
+        &self,
+        groups: &[(String, Family)],
+        _: usize,
+    ) -> Vec<(Vec<IpAddr>, Vec<IpAddr>)> {
+        groups.iter().map(|_| (Vec::new(), Vec::new())).collect()
+    }
+    fn set_local_overlaps(&mut self, _: Vec<LocalOverlap>) {}
+    fn set_cluster_pools(
+        &mut self,
+        _: Vec<PoolSpec>,
+        _: BTreeMap<IpNet, String>,
+        _: BTreeSet<IpAddr>,
+    ) -> Result<(), String> {
+        Ok(())
+    }
+    fn set_cluster_others(&mut self, _: &str, others: imbl::OrdMap<IpNet, String>) {
+        self.others = Some(others.into_iter().collect());
+    }
+    fn set_cluster_default(&mut self, _: Result<Option<String>, String>) {}
+    fn block_usage(&self, blocks: &[IpNet]) -> Vec<u64> {
+        vec![0; blocks.len()]
+    }
+    fn addresses_in(&self, _: &[IpNet]) -> Vec<IpAddr> {
+        Vec::new()
+    }
+    fn reconcile(&mut self) -> Result<(), String> {
+        Ok(())
+    }
+    fn uplink_health(&mut self) -> UplinkHealth {
+        UplinkHealth::None
+    }
+}
+
+/// The way to the recorder.
+struct RecorderDoor(Mutex<Recorder>);
+
+impl AllocatorDoor for RecorderDoor {
+    fn present(&self) -> bool {
+        true
+    }
+    fn usage(&self, blocks: &[IpNet]) -> (Vec<u64>, Vec<IpAddr>) {
+        (vec![0; blocks.len()], Vec::new())
+    }
+    fn run(&self, job: Job) -> DoorFuture<'_, bool> {
+        let mut r = self
+            .0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        job(&mut *r);
+        Box::pin(async { true })
+    }
+}
+
+fn options(eps: &[String]) -> DoorOptions {
+    let mut o = DoorOptions::new(eps.to_vec());
+    o.prefix = PREFIX.into();
+    o.timeout = Duration::from_secs(10);
+    o
+}
+
+fn pool(extra: usize) -> anyhow::Result<ClusterPoolSpec> {
+    let mut ipv4 = vec!["10.64.0.0/16".to_string()];
+    ipv4.extend((0..extra).map(|i| format!("10.{}.0.0/16", 80 + i)));
+    Ok(serde_json::from_value(
+        serde_json::json!({ "name": "follow", "ipv4": ipv4 }),
+    )?)
+}
+
+fn block(i: usize) -> anyhow::Result<IpNet> {
+    let base = u32::from(Ipv4Addr::new(10, 64, 0, 0)) + u32::try_from(i)? * 64;
+    Ok(IpNet::new(IpAddr::V4(Ipv4Addr::from(base)), 26)?)
+}
+
+fn record(i: usize, in_use: u64) -> NodeRecord {
+    NodeRecord {
+        name: format!("other-{i}"),
+        ips: vec![IpAddr::V4(Ipv4Addr::new(
+            10,
+            201,
+            0,
+            u8::try_from(i).unwrap_or(0),
+        ))],
+        version: "follow".into(),
+        blocks: vec![],
+        in_use,
+        wanted: 64,
+        instance: None,
+    }
+}
+
+/// A fixed sequence of numbers (the same on every run).
+struct Draw(u64);
+
+impl Draw {
+    fn below(&mut self, n: usize) -> usize {
+        self.0 = self
+            .0
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1_442_695_040_888_963_407);
+        usize::try_from((self.0 >> 33) % n as u64).unwrap_or(0)
+    }
+}
+
+#[test]
+fn the_other_nodes_blocks_followed_per_change_are_the_whole_read() -> anyhow::Result<()> {
+    let cluster = EtcdCluster::start(1)?;
+    let eps = cluster.endpoints();
+    let dir = lockstep_tests::TempDir::new("follow")?;
+    let list = eps
+        .iter()
+        .map(|e| format!("\"{e}\""))
+        .collect::<Vec<_>>()
+        .join(", ");
+    let text = format!(
+        "pools = []\nstate_dir = \"{}\"\n[cluster]\netcd = [{list}]\nprefix = \"{PREFIX}\"\nnode_name = \"me\"\nnode_ip_v4 = \"10.199.0.1\"\n",
+        dir.path().display(),
+    );
+    let config = Config::parse(Path::new("follow.toml"), &text)?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let door = Arc::new(RecorderDoor(Mutex::new(Recorder::default())));
+    let result = rt.block_on(async {
+        let mut w = Door::connect(options(&eps)).await?;
+        w.apply_pools(&[pool(0)?]).await?;
+        let mut leases = Vec::new();
+        for i in 0..OTHERS {
+            leases.push(w.register_node(&record(i, 1), &[], Duration::from_secs(600)).await?);
+        }
+        let link = Link::new(PREFIX);
+        let mut o = options(&eps);
+        o.link = Some(link.clone());
+        let mirror = link.mirror().clone().spawn(o, stopped.clone());
+        let node = ClusterNode::connect(&config, Some(link))
+            .await
+            .map_err(|e| anyhow::anyhow!("claim loop: {e}"))?;
+        let slot: AgentSlot = Some(door.clone());
+        let task = node.spawn(slot, stopped.clone());
+        let mut held: BTreeMap<IpNet, Block> = BTreeMap::new();
+        let mut draw = Draw(47);
+        let mut pools_applied = 0;
+        for step in 0..STEPS {
+            let other = draw.below(OTHERS);
+            match draw.below(10) {
+                0..=3 => {
+                    let cidr = block(draw.below(40))?;
+                    if let std::collections::btree_map::Entry::Vacant(free) = held.entry(cidr) {
+                        let name = record(other, 0).name;
+                        let got = w.claim_block("follow", cidr, &name).await?;
+                        if let Claim::Claimed { revision } = got {
+                            free.insert(Block {
+                                pool: "follow".into(),
+                                cidr,
+                                node: name,
+                                instance: None,
+                                revision,
+                            });
+                        }
+                    }
+                }
+                4..=6 => {
+                    let pick = draw.below(held.len().max(1));
+                    if let Some(cidr) = held.keys().nth(pick).copied() {
+                        let b = held.remove(&cidr).context("held")?;
+                        ensure!(w.release_block(&b).await?, "{cidr} not given back");
+                    }
+                }
+                7 | 8 => {
+                    w.publish_node(&record(other, draw.below(60) as u64), &[], leases[other])
+                        .await?;
+                }
+                _ => {
+                    pools_applied += 1;
+                    w.apply_pools(&[pool(pools_applied % 3)?]).await?;
+                }
+            }
+            let (blocks, _) = w.blocks().await?;
+            let want: BTreeMap<IpNet, String> = blocks
+                .iter()
+                .filter(|b| b.node != "me")
+                .map(|b| (b.cidr, b.node.clone()))
+                .collect();
+            let started = Instant::now();
+            loop {
+                let got = door
+                    .0
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner)
+                    .others
+                    .clone();
+                if got.as_ref() == Some(&want) {
+                    break;
+                }
+                ensure!(
+                    started.elapsed() < Duration::from_secs(15),
+                    "step {step}: the claim loop's other nodes' blocks are not the whole read\nloop: {got:?}\netcd: {want:?}"
+                );
+                tokio::time::sleep(Duration::from_millis(25)).await;
+            }
+        }
+        let _ = stop.send(true);
+        for t in [task, mirror] {
+            let _ = tokio::time::timeout(Duration::from_secs(10), t).await;
+        }
+        anyhow::Ok(())
+    });
+    let _ = stop.send(true);
+    result
+}
