@@ -12,7 +12,10 @@
 //! time is the sum of those threads' time on a CPU (`schedstat`, in
 //! nanoseconds), so the load this process puts on etcd is not counted.
 //!
-//! Measured at each size, side by side in one run:
+//! Measured at each size, side by side in one run, in [`ROUNDS`] rounds
+//! whose medians are the figures (the node's idle work is of the order of
+//! the events' own, so each round measures its own idle rate just before
+//! its events):
 //! - idle: its CPU per second while nothing in the cluster changes;
 //! - churn: [`EVENTS`] cluster events at [`RATE`] per second, cycling a
 //!   block claimed by another node, that block given back, another node
@@ -46,12 +49,17 @@ use lockstep_tests::etcd::EtcdCluster;
 const NODE_THREADS: &str = "replay-node";
 /// The cluster's sizes, measured in this order.
 const SIZES: [usize; 2] = [100, 5_000];
-/// Cluster events per size.
-const EVENTS: usize = 200;
-/// Cluster events per second.
-const RATE: u32 = 10;
-/// How long the node is measured idle.
-const IDLE: Duration = Duration::from_secs(20);
+/// Rounds per size (the figures are their medians).
+const ROUNDS: usize = 7;
+/// Cluster events per round (a multiple of the four kinds).
+const EVENTS: usize = 100;
+/// Cluster events per second: fast enough that the events' work stands
+/// well above the node's idle work it is measured against.
+const RATE: u32 = 25;
+/// How long the node is measured idle at the start of each round.
+const IDLE: Duration = Duration::from_secs(4);
+/// How long after a round's last event its work is still counted.
+const SETTLE: Duration = Duration::from_millis(500);
 /// Synthetic nodes written at once.
 const WRITERS: usize = 16;
 /// The goal: CPU per event at the largest size over the smallest.
@@ -317,6 +325,53 @@ struct Measure {
     per_kind: [Duration; 4],
 }
 
+/// The median of `v` (not empty).
+fn median(mut v: Vec<Duration>) -> Duration {
+    v.sort();
+    v[v.len() / 2]
+}
+
+/// One round: the node idle for `idle`, then `events` cluster events at
+/// [`RATE`] and a settle; its idle rate, and its CPU per event above it
+/// (all, and per kind). `i` counts events across rounds.
+fn churn_round(
+    load: &tokio::runtime::Runtime,
+    d: &mut Door,
+    leases: &Leases,
+    idle: Duration,
+    events: usize,
+    i: &mut usize,
+    extra: &mut Option<Block>,
+) -> anyhow::Result<Measure> {
+    let (c0, t0) = (node_cpu()?, Instant::now());
+    std::thread::sleep(idle);
+    let (c1, t1) = (node_cpu()?, Instant::now());
+    let idle_per_s = (c1 - c0).div_f64((t1 - t0).as_secs_f64());
+    let every = Duration::from_secs(1) / RATE;
+    let (mut kind_sum, mut kind_count) = ([Duration::ZERO; 4], [0u32; 4]);
+    let (mut c_at, mut t_at) = (c1, t1);
+    for e in 0..events {
+        load.block_on(event(d, leases, *i, extra))?;
+        // Paced from the start, not from each write's end.
+        let next = t1 + every * u32::try_from(e + 1)?;
+        std::thread::sleep(next.saturating_duration_since(Instant::now()));
+        let (c, t) = (node_cpu()?, Instant::now());
+        kind_sum[*i % 4] += (c - c_at).saturating_sub(idle_per_s.mul_f64((t - t_at).as_secs_f64()));
+        kind_count[*i % 4] += 1;
+        (c_at, t_at) = (c, t);
+        *i += 1;
+    }
+    // The last events' work lands within a settle.
+    std::thread::sleep(SETTLE);
+    let (c2, t2) = (node_cpu()?, Instant::now());
+    let busy = (c2 - c1).saturating_sub(idle_per_s.mul_f64((t2 - t1).as_secs_f64()));
+    Ok(Measure {
+        idle_per_s,
+        per_event: busy / u32::try_from(events)?,
+        per_kind: std::array::from_fn(|k| kind_sum[k] / kind_count[k].max(1)),
+    })
+}
+
 fn measure(eps: &[String], n: usize) -> anyhow::Result<Measure> {
     let prefix = format!("/replay-{n}/");
     let load = tokio::runtime::Builder::new_multi_thread()
@@ -339,38 +394,30 @@ fn measure(eps: &[String], n: usize) -> anyhow::Result<Measure> {
         Duration::from_secs(10),
         Duration::from_secs(2),
     ));
-    let idle = lockstep_tests::bench::size(IDLE, Duration::from_secs(3));
-    let (c0, t0) = (node_cpu()?, Instant::now());
-    std::thread::sleep(idle);
-    let (c1, t1) = (node_cpu()?, Instant::now());
-    let idle_per_s = (c1 - c0).div_f64((t1 - t0).as_secs_f64());
+    let idle = lockstep_tests::bench::size(IDLE, Duration::from_secs(1));
     let events = lockstep_tests::bench::size(EVENTS, 20);
-    let every = Duration::from_secs(1) / RATE;
+    let rounds = lockstep_tests::bench::size(ROUNDS, 2);
     let mut extra = None;
-    let (c2, t2) = (node_cpu()?, Instant::now());
-    let (mut kind_sum, mut kind_count) = ([Duration::ZERO; 4], [0u32; 4]);
-    let (mut c_at, mut t_at) = (c2, t2);
-    for i in 0..events {
-        load.block_on(event(&mut d, &leases, i, &mut extra))?;
-        // Paced from the start, not from each write's end.
-        let next = t2 + every * u32::try_from(i + 1)?;
-        std::thread::sleep(next.saturating_duration_since(Instant::now()));
-        let (c, t) = (node_cpu()?, Instant::now());
-        kind_sum[i % 4] += (c - c_at).saturating_sub(idle_per_s.mul_f64((t - t_at).as_secs_f64()));
-        kind_count[i % 4] += 1;
-        (c_at, t_at) = (c, t);
+    let mut i = 0;
+    let (mut idles, mut per_events, mut kinds) = (Vec::new(), Vec::new(), Vec::new());
+    for round in 0..rounds {
+        let r = churn_round(&load, &mut d, &leases, idle, events, &mut i, &mut extra)?;
+        println!(
+            "   {n} nodes, round {}: idle {:.2} ms CPU/s; {events} events at {RATE}/s: {:.3} ms per event above idle",
+            round + 1,
+            r.idle_per_s.as_secs_f64() * 1e3,
+            r.per_event.as_secs_f64() * 1e3
+        );
+        idles.push(r.idle_per_s);
+        per_events.push(r.per_event);
+        kinds.push(r.per_kind);
     }
-    let per_kind: [Duration; 4] = std::array::from_fn(|k| kind_sum[k] / kind_count[k].max(1));
-    // The last events' work lands within a settle.
-    std::thread::sleep(Duration::from_secs(2));
-    let (c3, t3) = (node_cpu()?, Instant::now());
-    let busy = (c3 - c2).saturating_sub(idle_per_s.mul_f64((t3 - t2).as_secs_f64()));
-    let per_event = busy / u32::try_from(events)?;
+    let per_kind: [Duration; 4] =
+        std::array::from_fn(|k| median(kinds.iter().map(|p| p[k]).collect()));
+    let (idle_per_s, per_event) = (median(idles), median(per_events));
     println!(
-        "   {n} nodes: idle {:.2} ms CPU/s; {events} events at {RATE}/s: {:.0} ms CPU in {:.1} s, {:.3} ms per event above idle",
+        "   {n} nodes, median of {rounds} rounds: idle {:.2} ms CPU/s, {:.3} ms per event",
         idle_per_s.as_secs_f64() * 1e3,
-        (c3 - c2).as_secs_f64() * 1e3,
-        (t3 - t2).as_secs_f64(),
         per_event.as_secs_f64() * 1e3
     );
     for (kind, cpu) in KINDS.iter().zip(per_kind) {
