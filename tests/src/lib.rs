@@ -31,6 +31,7 @@ pub mod podman;
 pub mod progstats;
 pub mod routed;
 pub mod seqping;
+pub mod synthetic;
 pub mod traffic;
 pub mod world;
 

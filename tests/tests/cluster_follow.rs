@@ -27,6 +27,7 @@ use lockstep_core::cidr::Family;
 use lockstep_core::cluster::{ClusterPoolSpec, LocalOverlap};
 use lockstep_core::pool::PoolSpec;
 use lockstep_tests::etcd::EtcdCluster;
+use lockstep_tests::synthetic::{Draw, node_record};
 
 const PREFIX: &str = "/follow/";
 /// Changes made, one after the other.
@@ -118,33 +119,8 @@ fn block(i: usize) -> anyhow::Result<IpNet> {
 }
 
 fn record(i: usize, in_use: u64) -> NodeRecord {
-    NodeRecord {
-        name: format!("other-{i}"),
-        ips: vec![IpAddr::V4(Ipv4Addr::new(
-            10,
-            201,
-            0,
-            u8::try_from(i).unwrap_or(0),
-        ))],
-        version: "follow".into(),
-        blocks: vec![],
-        in_use,
-        wanted: 64,
-        instance: None,
-    }
-}
-
-/// A fixed sequence of numbers (the same on every run).
-struct Draw(u64);
-
-impl Draw {
-    fn below(&mut self, n: usize) -> usize {
-        self.0 = self
-            .0
-            .wrapping_mul(6_364_136_223_846_793_005)
-            .wrapping_add(1_442_695_040_888_963_407);
-        usize::try_from((self.0 >> 33) % n as u64).unwrap_or(0)
-    }
+    let ip = IpAddr::V4(Ipv4Addr::new(10, 201, 0, u8::try_from(i).unwrap_or(0)));
+    node_record(format!("other-{i}"), ip, in_use, "follow")
 }
 
 #[test]
@@ -152,14 +128,10 @@ fn the_other_nodes_blocks_followed_per_change_are_the_whole_read() -> anyhow::Re
     let cluster = EtcdCluster::start(1)?;
     let eps = cluster.endpoints();
     let dir = lockstep_tests::TempDir::new("follow")?;
-    let list = eps
-        .iter()
-        .map(|e| format!("\"{e}\""))
-        .collect::<Vec<_>>()
-        .join(", ");
     let text = format!(
-        "pools = []\nstate_dir = \"{}\"\n[cluster]\netcd = [{list}]\nprefix = \"{PREFIX}\"\nnode_name = \"me\"\nnode_ip_v4 = \"10.199.0.1\"\n",
+        "state_dir = \"{}\"\n{}",
         dir.path().display(),
+        lockstep_tests::cluster::cluster_config(&eps, PREFIX, "me", "10.199.0.1")
     );
     let config = Config::parse(Path::new("follow.toml"), &text)?;
     let rt = tokio::runtime::Builder::new_multi_thread()

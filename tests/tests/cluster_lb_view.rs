@@ -15,6 +15,7 @@ use anyhow::ensure;
 use lockstep::cluster::{ClusterStoreError, Door, DoorOptions, LbView, Link};
 use lockstep_core::lb::{LbPoolSpec, ServiceSpec};
 use lockstep_tests::etcd::EtcdCluster;
+use lockstep_tests::synthetic::Draw;
 
 const PREFIX: &str = "/lbview/";
 /// Changes made, one after the other.
@@ -45,19 +46,6 @@ fn said(v: &LbView) -> String {
         v.announcements,
         v.members.iter().collect::<Vec<_>>(),
     )
-}
-
-/// A fixed sequence of numbers (the same on every run).
-struct Draw(u64);
-
-impl Draw {
-    fn below(&mut self, n: usize) -> usize {
-        self.0 = self
-            .0
-            .wrapping_mul(6_364_136_223_846_793_005)
-            .wrapping_add(1_442_695_040_888_963_407);
-        usize::try_from((self.0 >> 33) % n as u64).unwrap_or(0)
-    }
 }
 
 #[test]

@@ -90,20 +90,13 @@ fn block(i: usize) -> anyhow::Result<IpNet> {
 /// Synthetic node `i`'s record (its underlay address is never used: no
 /// traffic goes anywhere).
 fn record(i: usize, in_use: u64) -> NodeRecord {
-    NodeRecord {
-        name: format!("syn-{i:05}"),
-        ips: vec![IpAddr::V4(Ipv4Addr::new(
-            10,
-            200 + u8::try_from(i / 65536).unwrap_or(0),
-            u8::try_from((i / 256) % 256).unwrap_or(0),
-            u8::try_from(i % 256).unwrap_or(0),
-        ))],
-        version: "replay".into(),
-        blocks: vec![],
-        in_use,
-        wanted: 64,
-        instance: None,
-    }
+    let ip = IpAddr::V4(Ipv4Addr::new(
+        10,
+        200 + u8::try_from(i / 65536).unwrap_or(0),
+        u8::try_from((i / 256) % 256).unwrap_or(0),
+        u8::try_from(i % 256).unwrap_or(0),
+    ));
+    lockstep_tests::synthetic::node_record(format!("syn-{i:05}"), ip, in_use, "replay")
 }
 
 /// The measured node's CPU time so far: every thread of this process
@@ -177,14 +170,10 @@ struct Measured {
 
 impl Measured {
     fn start(eps: &[String], prefix: &str, dir: &Path) -> anyhow::Result<Measured> {
-        let list = eps
-            .iter()
-            .map(|e| format!("\"{e}\""))
-            .collect::<Vec<_>>()
-            .join(", ");
         let text = format!(
-            "pools = []\nstate_dir = \"{}\"\n[cluster]\netcd = [{list}]\nprefix = \"{prefix}\"\nnode_name = \"measured\"\nnode_ip_v4 = \"10.199.0.1\"\n",
+            "state_dir = \"{}\"\n{}",
             dir.display(),
+            lockstep_tests::cluster::cluster_config(eps, prefix, "measured", "10.199.0.1")
         );
         let config = Config::parse(Path::new("replay.toml"), &text)?;
         let (stop, stopped) = tokio::sync::watch::channel(false);

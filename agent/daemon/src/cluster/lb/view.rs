@@ -116,25 +116,11 @@ impl LbView {
     /// keys (then [`LbView::join_state`] is due).
     fn apply(&mut self, key: &str, rest: &str, kv: Option<&Kv>) -> Result<bool, ClusterStoreError> {
         if let Some(name) = rest.strip_prefix("pools/") {
-            match kv {
-                Some(kv) => {
-                    let spec: LbPoolSpec = json_once(kv, "lb/pools/")?;
-                    self.pools.insert(name.to_string(), spec);
-                }
-                None => {
-                    self.pools.remove(name);
-                }
-            }
+            let spec = kv.map(|kv| json_once(kv, "lb/pools/")).transpose()?;
+            put(&mut self.pools, name.to_string(), spec);
         } else if let Some(id) = rest.strip_prefix("services/") {
-            match kv {
-                Some(kv) => {
-                    let spec: ServiceSpec = json_once(kv, "lb/services/")?;
-                    self.services.insert(id.to_string(), spec);
-                }
-                None => {
-                    self.services.remove(id);
-                }
-            }
+            let spec = kv.map(|kv| json_once(kv, "lb/services/")).transpose()?;
+            put(&mut self.services, id.to_string(), spec);
         } else if rest == "state" {
             self.legacy = kv.map_or(0, |kv| kv.mod_revision);
             // The marker left by the move to `lb/assigned/` is a JSON
@@ -159,39 +145,21 @@ impl LbView {
             };
             return Ok(true);
         } else if let Some(id) = rest.strip_prefix("assigned/services/") {
-            match kv {
-                Some(kv) => {
-                    let s: StoredService = json_once(kv, "lb/assigned/services/")?;
-                    self.stored.insert(id.to_string(), s);
-                }
-                None => {
-                    self.stored.remove(id);
-                }
-            }
+            let stored = kv
+                .map(|kv| json_once(kv, "lb/assigned/services/"))
+                .transpose()?;
+            put(&mut self.stored, id.to_string(), stored);
             return Ok(true);
         } else if let Some(addr) = rest.strip_prefix("addresses/") {
             let a: IpAddr = addr.parse().map_err(|e| corrupt(key, e))?;
-            match kv {
-                Some(kv) => {
-                    let users: BTreeSet<String> =
-                        serde_json::from_slice(&kv.value).map_err(|e| corrupt(key, e))?;
-                    self.addresses.insert(a, users);
-                }
-                None => {
-                    self.addresses.remove(&a);
-                }
-            }
+            let users = kv
+                .map(|kv| serde_json::from_slice(&kv.value).map_err(|e| corrupt(key, e)))
+                .transpose()?;
+            put(&mut self.addresses, a, users);
         } else if let Some(addr) = rest.strip_prefix("announce/") {
             let a: IpAddr = addr.parse().map_err(|e| corrupt(key, e))?;
-            match kv {
-                Some(kv) => {
-                    let holder = String::from_utf8_lossy(&kv.value).into_owned();
-                    self.announcements.insert(a, (holder, kv.lease));
-                }
-                None => {
-                    self.announcements.remove(&a);
-                }
-            }
+            let holder = kv.map(|kv| (String::from_utf8_lossy(&kv.value).into_owned(), kv.lease));
+            put(&mut self.announcements, a, holder);
         } else if let Some(node) = rest.strip_prefix("members/") {
             self.members.remove_node(node);
             if let Some(kv) = kv {
@@ -238,6 +206,18 @@ impl LbView {
             None => self.legacy_state.clone(),
         };
         self.announced = OnceLock::new();
+    }
+}
+
+/// Sets `key` in `map` to `value` (`None`: removes it).
+fn put<K: Ord, V>(map: &mut BTreeMap<K, V>, key: K, value: Option<V>) {
+    match value {
+        Some(v) => {
+            map.insert(key, v);
+        }
+        None => {
+            map.remove(&key);
+        }
     }
 }
 
