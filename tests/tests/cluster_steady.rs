@@ -325,6 +325,9 @@ fn cluster_steady_state() -> anyhow::Result<()> {
     println!(
         "\nf. simulated nodes running the claim loop, the remote-state task and the LB agent, idle {IDLE:?}:"
     );
+    println!(
+        "   settings changed from the product's defaults (#47 item 5): remote_settle {SETTLE_REMOTE:?} (default 100 ms; thousands of simulated nodes share two cores, and a remote change costs etcd nothing either way) and [lb] announce_lease {LB_LEASE:?} (default 3 s; simulated LB agents wait for the CPU past a 3 s lease while the cluster grows); every other setting is the default. Not as a real node: {GROUP} simulated nodes share one etcd connection and one mirror (one watch), so etcd's figures per node count a watch per {GROUP} nodes (run a of #47, one watcher per node, is not built yet)"
+    );
     let mut sim = Sim::new(eps.clone(), prefix)?;
     let mut per_node_bytes = BTreeMap::new();
     // `LOCKSTEP_STEADY_SIZES=100,1000` measures fewer sizes (a quick look
