@@ -345,14 +345,18 @@ impl RemoteTask {
     }
 
     /// Publishes the index's state when it changed, logging what became
-    /// unroutable and having the agent reconcile its maps at once; then
-    /// brings the routes along.
+    /// unroutable, and brings the maps and routes along. With an agent,
+    /// the new state becomes the view, the maps are reconciled and the
+    /// changed routes applied in one job on the agent: nothing it answers
+    /// meanwhile (`verify`) sees the view without the datapath that
+    /// follows it.
     async fn publish(&mut self, slot: &super::node::AgentSlot) {
-        if self.index.take_changed() || !self.view.is_read() {
+        let changed = self.index.take_changed() || !self.view.is_read();
+        let state = changed.then(|| {
             let state = self.index.state().clone();
-            // Said once, when a block becomes unroutable: every node's every
-            // step repeating all of them was, at a thousand nodes, a log line
-            // per node per gone block per change.
+            // Said once, when a block becomes unroutable: every node's
+            // every step repeating all of them was, at a thousand nodes, a
+            // log line per node per gone block per change.
             let before = self.view.snapshot();
             for u in state
                 .unroutable
@@ -361,22 +365,43 @@ impl RemoteTask {
             {
                 tracing::warn!(reason = %u, "a remote block is not routed");
             }
-            self.view.set(state);
-            let r = super::node::on_agent(slot, |a| a.reconcile()).await;
-            if let Some(Err(e)) = r {
-                tracing::error!(error = %e, "reconcile after a remote change failed");
-            }
-        }
+            state
+        });
         let changes = self.index.take_route_changes();
-        if super::node::no_agent(slot) {
+        let full = std::mem::take(&mut self.full_route_pass);
+        let ran = if super::node::no_agent(slot) {
+            None
+        } else {
+            let (view, job_state) = (self.view.clone(), state.clone());
+            // A full pass lists every route after the job instead.
+            let job_changes = if full { Vec::new() } else { changes };
+            super::node::on_agent(slot, move |a| {
+                let reconciled = job_state.map(|s| {
+                    view.set(s);
+                    a.reconcile()
+                });
+                let routes = (!job_changes.is_empty()).then(|| apply_route_changes(&job_changes));
+                (reconciled, routes)
+            })
+            .await
+        };
+        let Some((reconciled, routes)) = ran else {
             // No datapath now: once there is one, its routes are listed
             // whole (the changes since are not kept).
+            if let Some(s) = state {
+                self.view.set(s);
+            }
             self.full_route_pass = true;
-        } else if std::mem::take(&mut self.full_route_pass) {
+            return;
+        };
+        if let Some(Err(e)) = reconciled {
+            tracing::error!(error = %e, "reconcile after a remote change failed");
+        }
+        if let Some(r) = routes {
+            log_route_pass(Ok(r));
+        }
+        if full {
             self.routes(slot).await;
-        } else if !changes.is_empty() {
-            let r = tokio::task::spawn_blocking(move || apply_route_changes(&changes)).await;
-            log_route_pass(r);
         }
     }
 
