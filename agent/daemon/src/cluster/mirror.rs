@@ -345,12 +345,16 @@ impl Mirror {
             return None;
         }
         if !ready(&self.read_state()) {
+            // Waits for the revision, or for the mirror to stop following
+            // (its watch broke meanwhile: the revision will not come from
+            // it, and the caller reads etcd at once, as above).
+            let settled = |s: &State| !s.live || s.revision >= at_least;
             let wait = async {
                 loop {
                     if bell.changed().await.is_err() {
                         return;
                     }
-                    if ready(&self.read_state()) {
+                    if settled(&self.read_state()) {
                         return;
                     }
                 }
@@ -830,6 +834,36 @@ mod tests {
         assert_eq!(kvs[0].parse_once("other", |kv| kv.value.len()), 5);
         assert_eq!(read_blocks(&m, &parses).await.len(), other);
         assert_eq!(parses.load(Ordering::Relaxed), 1001);
+    }
+
+    /// A reader waiting for its last write to reach the mirror is let go
+    /// as soon as the watch breaks, not at the end of its wait: the
+    /// revision cannot come, and etcd answers at once (a member stopping
+    /// under the watch once held a claim loop 2 s, past an ADD's wait).
+    #[tokio::test(start_paused = true)]
+    async fn a_reader_waiting_for_a_revision_is_let_go_when_the_watch_breaks() {
+        let m = Arc::new(Mirror::new("/p/"));
+        m.replace(vec![kv("/p/blocks/b", "node0", 10)], 10, 1);
+        let reader = {
+            let m = m.clone();
+            tokio::spawn(async move {
+                let started = tokio::time::Instant::now();
+                let r = m.read("/p/blocks/", 11, Duration::from_secs(2)).await;
+                (r.is_some(), started.elapsed())
+            })
+        };
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        m.set_live(false);
+        let (answered, waited) = reader.await.unwrap();
+        assert!(!answered, "a mirror not following answered");
+        assert_eq!(waited, Duration::from_millis(100));
+        // Following and caught up: answered from the mirror.
+        m.replace(vec![kv("/p/blocks/b", "node1", 11)], 11, 1);
+        assert!(
+            m.read("/p/blocks/", 11, Duration::from_secs(2))
+                .await
+                .is_some()
+        );
     }
 
     /// The keys a change touched, as [`Mirror::changes`] lists them.
