@@ -118,7 +118,8 @@ fn etcd_losing_a_member_changes_nothing_and_losing_quorum_only_stops_new_blocks(
     let (got, err) = fill(&n.agents[0], "one-down-", 40)?;
     ensure!(
         got == 40,
-        "with one member down node-0 stopped at {got}: {err:?}"
+        "with one member down node-0 stopped at {got}: {err:?}\nnode-0's log:\n{}",
+        n.agents[0].log()
     );
     let grown = n.blocks_of("node-0")?;
     ensure!(

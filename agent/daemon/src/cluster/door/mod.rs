@@ -446,7 +446,17 @@ impl Door {
         let key = self.key(rest);
         if let Some(link) = &self.opts.link {
             let at_least = self.at_least();
-            if let Some((kvs, mark)) = link.mirror().read(&key, at_least, self.opts.timeout).await {
+            // This door's writes come through the watch: worth a wait. A
+            // revision known only from a read of etcd itself (the mirror
+            // was not following) may be a write outside the prefix, a
+            // reservation window, which the watch never brings: etcd is
+            // read at once instead, until the mirror passes it.
+            let within = if at_least > self.written() {
+                Duration::ZERO
+            } else {
+                self.opts.timeout
+            };
+            if let Some((kvs, mark)) = link.mirror().read(&key, at_least, within).await {
                 self.mark = Some(mark);
                 return Ok((kvs, mark.revision));
             }
