@@ -42,6 +42,7 @@ pub mod overlap;
 pub mod prune;
 pub mod reclaim;
 pub mod remote;
+pub mod remote_apply;
 pub mod remote_index;
 pub mod restore;
 pub mod round;
