@@ -24,6 +24,7 @@ use lockstep::cluster::{
 };
 use lockstep::config::Config;
 use lockstep_core::cidr::Family;
+use lockstep_core::cluster::remote::RemoteState;
 use lockstep_core::cluster::{ClusterPoolSpec, LocalOverlap};
 use lockstep_core::pool::PoolSpec;
 use lockstep_tests::etcd::EtcdCluster;
@@ -71,6 +72,9 @@ impl ClusterAllocator for Recorder {
         Vec::new()
     }
     fn reconcile(&mut self) -> Result<(), String> {
+        Ok(())
+    }
+    fn follow_remote(&mut self, _: &RemoteState, _: &RemoteState) -> Result<(), String> {
         Ok(())
     }
     fn uplink_health(&mut self) -> UplinkHealth {

@@ -11,7 +11,7 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use lockstep_tests::cluster::{forward, lpm_v4, remote_entries};
+use lockstep_tests::cluster::{forward, lpm_v4, metrics_in, remote_entries, sample};
 use lockstep_tests::etcd::EtcdCluster;
 use lockstep_tests::{AgentProc, Netns, privileged, sh};
 
@@ -225,7 +225,17 @@ fn other_nodes_blocks_become_routes_and_entries_and_go_with_their_node() -> anyh
     let (took, _) = wait_remote(&na, &a, &eps, &ips)?;
     eprintln!("deleted IPCACHE entry restored in {took:?}");
 
-    // Node c goes: its blocks' routes and entries go with it.
+    // Node c goes: its blocks' routes and entries go with it. Those are
+    // changes the agent makes, not drift it repairs: the repairs count
+    // (what operators alert on) stays where the hand deletion put it.
+    let repairs = || {
+        metrics_in(&na).map(|m| sample(&m, "lockstep_reconcile_repairs_total{map=\"IPCACHE_V4\"}"))
+    };
+    let repaired = repairs()?;
+    assert!(
+        repaired >= Some(1.0),
+        "the hand-deleted entry's repair is not counted: {repaired:?}"
+    );
     c.kill9();
     cli(&eps, &["node", "remove", "node-c", "--force"])?;
     let (took, want_b) = wait_remote(&na, &a, &eps, &ips)?;
@@ -234,6 +244,11 @@ fn other_nodes_blocks_become_routes_and_entries_and_go_with_their_node() -> anyh
         "b's blocks only: {want_b:?}"
     );
     eprintln!("removed node's state gone in {took:?}");
+    assert_eq!(
+        repairs()?,
+        repaired,
+        "the removed node's entries were counted as repairs"
+    );
     assert!(
         sh("ip", ["-n", na.name(), "route", "show", "proto", "static"])?.contains("10.93.1.0/28"),
         "the static route is untouched"

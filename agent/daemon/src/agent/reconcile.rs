@@ -11,13 +11,39 @@ use crate::announce;
 use crate::map_table::MAPS;
 use std::net::{Ipv4Addr, Ipv6Addr};
 
+use lockstep_common::map_names;
+use lockstep_core::cluster::remote::RemoteState;
+use lockstep_core::cluster::remote_apply::remote_writes;
 use lockstep_core::plan::desired::{DesiredInput, LocalEndpoint, desired};
+
+/// The maps cluster mode's remote state has entries in.
+const REMOTE_MAPS: [&str; 4] = [
+    map_names::IPCACHE_V4,
+    map_names::IPCACHE_V6,
+    map_names::MASQ_SKIP_V4,
+    map_names::MASQ_SKIP_V6,
+];
+
+/// How many keys `want` has that `have` has not, less the other way.
+fn grown<K: Ord, V>(want: &BTreeMap<K, V>, have: &BTreeMap<K, V>) -> isize {
+    let added = want.keys().filter(|k| !have.contains_key(k)).count();
+    let removed = have.keys().filter(|k| !want.contains_key(k)).count();
+    added as isize - removed as isize
+}
 
 impl Agent {
     /// Gathers the agent's state for the core's [`desired`], which decides
     /// every map's contents; `have`, the maps as they are, for what cluster
     /// mode keeps before its first read of etcd.
     pub(super) fn desired(&self, have: &MapContents) -> Result<MapContents, AgentError> {
+        let mut maps = self.desired_local()?;
+        self.add_remote(&mut maps, have);
+        Ok(maps)
+    }
+
+    /// [`Agent::desired`] without cluster mode's remote entries: what the
+    /// node's own state puts in the maps.
+    fn desired_local(&self) -> Result<MapContents, AgentError> {
         // Between a delegated DEL's two holds (pending): unprogrammed already.
         let mut delegated = self.delegated_allocations();
         if !self.pending.is_empty() {
@@ -64,9 +90,58 @@ impl Agent {
         for a in &d.lb_conflicts {
             tracing::error!(%a, "an LB address is also a node allocation");
         }
-        let mut maps = announce::with_announced(d.maps, self.announce.contents());
-        self.add_remote(&mut maps, have);
-        Ok(maps)
+        Ok(announce::with_announced(d.maps, self.announce.contents()))
+    }
+
+    /// Writes what changes in the maps when cluster mode's remote state
+    /// moves from `old` to `new` (the core's `remote_writes`): only the
+    /// changed entries, read from nothing, where a reconcile reads every
+    /// map. These are changes asked for, not drift repaired: not counted
+    /// as repairs. The periodic reconcile still repairs drift.
+    ///
+    /// # Errors
+    /// A map could not be written (the caller reconciles whole).
+    pub fn follow_remote(
+        &mut self,
+        old: &RemoteState,
+        new: &RemoteState,
+    ) -> Result<ReconcileReport, AgentError> {
+        let started = Instant::now();
+        let local = self.desired_local()?;
+        let w = remote_writes(old, new, &local);
+        let mut report = ReconcileReport::default();
+        if w.is_empty() {
+            return Ok(report);
+        }
+        for m in MAPS.iter().filter(|m| REMOTE_MAPS.contains(&m.name())) {
+            m.apply(&self.maps, &w.want, &w.have, &mut report)?;
+        }
+        // The entry counts follow without a count of the whole maps.
+        let moved = [
+            (
+                map_names::IPCACHE_V4,
+                grown(&w.want.prefix_v4, &w.have.prefix_v4),
+            ),
+            (
+                map_names::IPCACHE_V6,
+                grown(&w.want.prefix_v6, &w.have.prefix_v6),
+            ),
+            (
+                map_names::MASQ_SKIP_V4,
+                grown(&w.want.masq_v4, &w.have.masq_v4),
+            ),
+            (
+                map_names::MASQ_SKIP_V6,
+                grown(&w.want.masq_v6, &w.have.masq_v6),
+            ),
+        ];
+        for (name, by) in moved {
+            if let Some(n) = self.stats.entries.get_mut(name) {
+                *n = n.saturating_add_signed(by);
+            }
+        }
+        report.micros = started.elapsed().as_micros() as u64;
+        Ok(report)
     }
 
     /// The addresses the agent itself announces (not cluster mode's, not

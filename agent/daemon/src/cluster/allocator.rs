@@ -17,6 +17,7 @@ use std::sync::Arc;
 use ipnet::IpNet;
 use lockstep_core::cidr::Family;
 use lockstep_core::cluster::LocalOverlap;
+use lockstep_core::cluster::remote::RemoteState;
 use lockstep_core::pool::PoolSpec;
 
 use crate::announce::UplinkHealth;
@@ -55,11 +56,18 @@ pub trait ClusterAllocator {
     fn block_usage(&self, blocks: &[IpNet]) -> Vec<u64>;
     /// Every address held inside one of `blocks`, sorted.
     fn addresses_in(&self, blocks: &[IpNet]) -> Vec<IpAddr>;
-    /// A full reconcile of the datapath (the remote entries changed).
+    /// A full reconcile of the datapath (the remote entries changed, and
+    /// no earlier state to tell which).
     ///
     /// # Errors
     /// Why it failed.
     fn reconcile(&mut self) -> Result<(), String>;
+    /// Writes the datapath entries that change when the remote state
+    /// moves from `old` to `new`, and only those.
+    ///
+    /// # Errors
+    /// Why it failed (the caller reconciles whole).
+    fn follow_remote(&mut self, old: &RemoteState, new: &RemoteState) -> Result<(), String>;
     /// The uplink's health, asked of the allocator's datapath (its own
     /// probe could not tell).
     fn uplink_health(&mut self) -> UplinkHealth;

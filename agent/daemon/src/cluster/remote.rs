@@ -220,6 +220,11 @@ pub struct RemoteTask {
     /// Whether the next route pass lists and repairs every route (after a
     /// full read) rather than applying the index's changes.
     full_route_pass: bool,
+    /// Whether the maps were last brought to the view's state (by a
+    /// reconcile or a followed change): only then does the next change
+    /// write just its own entries; otherwise the maps are reconciled
+    /// whole.
+    maps_follow: bool,
     /// The agent's connection and mirror.
     link: Link,
 }
@@ -249,6 +254,7 @@ impl RemoteTask {
             view: RemoteView::default(),
             cursor: None,
             full_route_pass: true,
+            maps_follow: false,
             link,
         }
     }
@@ -346,10 +352,11 @@ impl RemoteTask {
 
     /// Publishes the index's state when it changed, logging what became
     /// unroutable, and brings the maps and routes along. With an agent,
-    /// the new state becomes the view, the maps are reconciled and the
-    /// changed routes applied in one job on the agent: nothing it answers
+    /// the new state becomes the view, the maps follow and the changed
+    /// routes are applied in one job on the agent: nothing it answers
     /// meanwhile (`verify`) sees the view without the datapath that
-    /// follows it.
+    /// follows it. The maps follow by the changed entries alone when they
+    /// were last brought to the view's state, else by a whole reconcile.
     async fn publish(&mut self, slot: &super::node::AgentSlot) {
         let changed = self.index.take_changed() || !self.view.is_read();
         let state = changed.then(|| {
@@ -375,10 +382,14 @@ impl RemoteTask {
             let (view, job_state) = (self.view.clone(), state.clone());
             // A full pass lists every route after the job instead.
             let job_changes = if full { Vec::new() } else { changes };
+            let follow = self.maps_follow && self.view.is_read();
             super::node::on_agent(slot, move |a| {
                 let reconciled = job_state.map(|s| {
+                    let old = view.snapshot();
                     view.set(s);
-                    a.reconcile()
+                    let new = view.snapshot();
+                    let followed = follow && a.follow_remote(&old, &new).is_ok();
+                    if followed { Ok(()) } else { a.reconcile() }
                 });
                 let routes = (!job_changes.is_empty()).then(|| apply_route_changes(&job_changes));
                 (reconciled, routes)
@@ -390,12 +401,18 @@ impl RemoteTask {
             // whole (the changes since are not kept).
             if let Some(s) = state {
                 self.view.set(s);
+                self.maps_follow = false;
             }
             self.full_route_pass = true;
             return;
         };
-        if let Some(Err(e)) = reconciled {
-            tracing::error!(error = %e, "reconcile after a remote change failed");
+        match reconciled {
+            Some(Err(e)) => {
+                self.maps_follow = false;
+                tracing::error!(error = %e, "reconcile after a remote change failed");
+            }
+            Some(Ok(())) => self.maps_follow = true,
+            None => {}
         }
         if let Some(r) = routes {
             log_route_pass(Ok(r));

@@ -8,6 +8,7 @@ use std::sync::Arc;
 use ipnet::IpNet;
 use lockstep_core::cidr::Family;
 use lockstep_core::cluster::LocalOverlap;
+use lockstep_core::cluster::remote::RemoteState;
 use lockstep_core::pool::PoolSpec;
 
 use crate::agent::{Agent, AgentHandle};
@@ -58,6 +59,12 @@ impl ClusterAllocator for Agent {
 
     fn reconcile(&mut self) -> Result<(), String> {
         Agent::reconcile(self)
+            .map(drop)
+            .map_err(|e| crate::error_chain(&e))
+    }
+
+    fn follow_remote(&mut self, old: &RemoteState, new: &RemoteState) -> Result<(), String> {
+        Agent::follow_remote(self, old, new)
             .map(drop)
             .map_err(|e| crate::error_chain(&e))
     }
