@@ -130,3 +130,150 @@ fn the_node_lease_stays_the_same_while_what_the_node_publishes_changes() -> anyh
     );
     Ok(())
 }
+
+/// The leader and the other members' IDs (hex, as etcdctl takes them):
+/// `etcdctl endpoint status` on every endpoint.
+fn leader(cluster: &EtcdCluster) -> anyhow::Result<(String, Vec<(String, String)>)> {
+    let eps = cluster.endpoints();
+    let eps: Vec<&str> = eps.iter().map(String::as_str).collect();
+    let out = cluster.ctl(&eps, &["endpoint", "status", "-w", "json"])?;
+    let v: serde_json::Value = serde_json::from_str(&out)?;
+    let mut leader = None;
+    let mut members = Vec::new();
+    for s in v.as_array().context("endpoint status is a list")? {
+        let id = s["Status"]["header"]["member_id"]
+            .as_u64()
+            .context("member id")?;
+        let l = s["Status"]["leader"].as_u64().context("leader id")?;
+        leader = Some(format!("{l:x}"));
+        members.push((
+            format!("{id:x}"),
+            s["Endpoint"].as_str().unwrap_or("").to_string(),
+        ));
+    }
+    Ok((leader.context("no member answered")?, members))
+}
+
+/// The agents' requests (unary KV and Lease calls: reads, writes, lease
+/// grants and revokes; not etcdctl's member and maintenance calls) that
+/// `members` answered.
+fn agent_calls(cluster: &EtcdCluster, members: &[usize]) -> anyhow::Result<f64> {
+    Ok(agent_calls_by_method(cluster, members)?.values().sum())
+}
+
+/// [`agent_calls`] per method (`Range`, `Txn`, `LeaseGrant`…).
+fn agent_calls_by_method(
+    cluster: &EtcdCluster,
+    members: &[usize],
+) -> anyhow::Result<std::collections::BTreeMap<String, f64>> {
+    let mut by = std::collections::BTreeMap::new();
+    for &i in members {
+        for (n, v) in cluster.metrics(i)? {
+            if n.starts_with("grpc_server_handled_total{")
+                && n.contains("grpc_type=\"unary\"")
+                && (n.contains("grpc_service=\"etcdserverpb.KV\"")
+                    || n.contains("grpc_service=\"etcdserverpb.Lease\""))
+                && let Some(m) = n
+                    .split("grpc_method=\"")
+                    .nth(1)
+                    .and_then(|r| r.split('"').next())
+            {
+                *by.entry(m.to_string()).or_insert(0.0) += v;
+            }
+        }
+    }
+    Ok(by)
+}
+
+/// A leader change costs each node at most 2 requests to etcd in the 10 s
+/// after it (#47 item 3): the watches stand, nothing is read again.
+#[test]
+fn a_leader_change_costs_each_node_at_most_two_requests() -> anyhow::Result<()> {
+    privileged!();
+    let cluster = EtcdCluster::start(3)?;
+    let n = ClusterNodes::build(&cluster, "/watch-leader/", &pools())?;
+    n.wait_remote()?;
+    std::thread::sleep(Duration::from_secs(5));
+    let (old, members) = leader(&cluster)?;
+    let (to, _) = members
+        .iter()
+        .find(|(id, _)| *id != old)
+        .context("a member that does not lead")?;
+    let (_, at) = members
+        .iter()
+        .find(|(id, _)| *id == old)
+        .context("the leader's endpoint")?;
+    let calls0 = agent_calls(&cluster, &[0, 1, 2])?;
+    cluster.ctl(&[at.as_str()], &["move-leader", to])?;
+    std::thread::sleep(Duration::from_secs(10));
+    let calls1 = agent_calls(&cluster, &[0, 1, 2])?;
+    let (now, _) = leader(&cluster)?;
+    ensure!(now == *to, "the leader moved to {now}, not {to}");
+    let per_node = (calls1 - calls0) / 3.0;
+    eprintln!("a leader change: {per_node} requests per node in the 10 s after it");
+    ensure!(
+        per_node <= 2.0,
+        "{per_node} requests per node in the 10 s after a leader change"
+    );
+    Ok(())
+}
+
+/// A member stopping breaks the watches it served; the agents resume them
+/// on the others from where they were, reading nothing again: at most 2
+/// requests per node in the 10 s after, counted on the members that stay.
+#[test]
+fn a_member_stopping_costs_each_node_at_most_two_requests() -> anyhow::Result<()> {
+    privileged!();
+    let mut cluster = EtcdCluster::start(3)?;
+    let n = ClusterNodes::build(&cluster, "/watch-member/", &pools())?;
+    n.wait_remote()?;
+    std::thread::sleep(Duration::from_secs(5));
+    // The member serving the most watch streams is the one stopped.
+    let mut streams = Vec::new();
+    for i in 0..3 {
+        let m = cluster.metrics(i)?;
+        let s = m
+            .iter()
+            .find(|(k, _)| k == "etcd_debugging_mvcc_watch_stream_total")
+            .map_or(0.0, |(_, v)| *v);
+        streams.push((s, i));
+    }
+    let (most, stop) = streams
+        .iter()
+        .copied()
+        .fold((f64::MIN, 0), |a, b| if b.0 > a.0 { b } else { a });
+    ensure!(most >= 1.0, "no member serves a watch: {streams:?}");
+    let stay: Vec<usize> = (0..3).filter(|i| *i != stop).collect();
+    let before = agent_calls_by_method(&cluster, &stay)?;
+    cluster.stop_member(stop);
+    std::thread::sleep(Duration::from_secs(10));
+    let after = agent_calls_by_method(&cluster, &stay)?;
+    let (calls0, calls1) = (before.values().sum::<f64>(), after.values().sum::<f64>());
+    let made: Vec<String> = after
+        .iter()
+        .filter_map(|(m, v)| {
+            let d = v - before.get(m).copied().unwrap_or(0.0);
+            (d > 0.0).then(|| format!("{m} {d}"))
+        })
+        .collect();
+    eprintln!("requests made: {made:?}");
+    let broke = n
+        .agents
+        .iter()
+        .filter(|a| a.log().contains("cluster mirror: watch broke"))
+        .count();
+    ensure!(
+        broke >= 1,
+        "no agent's watch broke when member {stop} stopped"
+    );
+    let per_node = (calls1 - calls0) / 3.0;
+    eprintln!(
+        "member {stop} stopped ({most} watch streams, {broke} agents' watches broke): \
+         {per_node} requests per node in the 10 s after it"
+    );
+    ensure!(
+        per_node <= 2.0,
+        "{per_node} requests per node in the 10 s after a member stopped"
+    );
+    Ok(())
+}

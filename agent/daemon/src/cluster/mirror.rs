@@ -137,6 +137,9 @@ impl std::fmt::Debug for ParsedOnce {
 struct State {
     /// Whether the watch follows etcd now.
     live: bool,
+    /// Since when the watch, once live, has not followed (`None`: live,
+    /// or never live yet).
+    down_since: Option<std::time::Instant>,
     kvs: BTreeMap<String, Arc<Kv>>,
     /// The store revision the keys are at.
     revision: i64,
@@ -311,6 +314,14 @@ impl Mirror {
         self.read_state().live
     }
 
+    /// How long the watch, once live, has not followed etcd (`None`:
+    /// live, or never live yet). Until it broke, the mirror was etcd's
+    /// state: a reader may serve what it made from it for a while
+    /// rather than read etcd while the watch resumes.
+    pub fn down_for(&self) -> Option<Duration> {
+        self.read_state().down_since.map(|t| t.elapsed())
+    }
+
     /// Where the areas under `areas` (segments under the prefix: `"lb/"`,
     /// `"blocks/"`) stand.
     pub fn stamp(&self, areas: &[&str]) -> Stamp {
@@ -439,12 +450,22 @@ impl Mirror {
             s.log.clear();
             s.log_floor = revision;
             s.live = true;
+            s.down_since = None;
         }
         self.ring();
     }
 
     fn set_live(&self, live: bool) {
-        let was = std::mem::replace(&mut self.write_state().live, live);
+        let was = {
+            let mut s = self.write_state();
+            let was = std::mem::replace(&mut s.live, live);
+            if live {
+                s.down_since = None;
+            } else if was {
+                s.down_since = Some(std::time::Instant::now());
+            }
+            was
+        };
         if was != live {
             self.ring();
         }

@@ -20,6 +20,10 @@ use super::{corrupt, json_once};
 use crate::cluster::mirror::{Changes, Cursor};
 use crate::cluster::{ClusterStoreError, Door, Kv};
 
+/// How long after the watch broke the last view of `lb/` still serves
+/// (then `lb/` is read from etcd until the watch follows again).
+const LAST_VIEW_FOR: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// Everything under `lb/`, read at one revision.
 #[derive(Clone, Debug, Default)]
 pub struct LbView {
@@ -236,6 +240,18 @@ impl Door {
             && view.revision >= self.written()
         {
             return Ok(view);
+        }
+        // The watch broke a moment ago (a member stopped, say): the last
+        // view was etcd's state until then, and serves while the watch
+        // resumes, rather than every reader reading `lb/` every tick at
+        // the moment etcd is weakest. Not past this node's own writes,
+        // nor for longer than `LAST_VIEW_FOR`.
+        if let Some(down) = mirror.down_for()
+            && down < LAST_VIEW_FOR
+            && let Some(last) = mirror.last_made::<LbView>("lb/")
+            && last.revision >= self.written()
+        {
+            return Ok(last);
         }
         let at = mirror.stamp(&["lb/"]);
         let followed = mirror
