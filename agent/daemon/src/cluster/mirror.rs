@@ -887,6 +887,26 @@ mod tests {
         );
     }
 
+    /// How long the watch has been down is known once it was live: not
+    /// before the first read, not while it follows.
+    #[test]
+    fn down_for_counts_from_the_break_of_a_watch_that_was_live() {
+        let m = Mirror::new("/p/");
+        assert_eq!(m.down_for(), None, "never live");
+        m.set_live(false);
+        assert_eq!(m.down_for(), None, "never live, still");
+        m.replace(vec![kv("/p/blocks/b", "node0", 10)], 10, 1);
+        assert_eq!(m.down_for(), None, "live");
+        m.set_live(false);
+        let first = m.down_for().expect("down since the break");
+        // A second report of the same break does not move its start.
+        std::thread::sleep(Duration::from_millis(5));
+        m.set_live(false);
+        assert!(m.down_for().expect("still down") >= first + Duration::from_millis(5));
+        m.set_live(true);
+        assert_eq!(m.down_for(), None, "following again");
+    }
+
     /// The keys a change touched, as [`Mirror::changes`] lists them.
     fn keys_of(c: Changes) -> Vec<(String, Option<String>)> {
         match c {
