@@ -43,6 +43,9 @@ use super::{ClusterHandle, ClusterStoreError, Door, DoorOptions};
 /// Keys per page of a full read: well under gRPC's 4 MiB answer limit
 /// with the largest values this build writes.
 const PAGE: i64 = 1_000;
+/// How long after a watch broke its readers serve the last state (then
+/// they read etcd until it follows again).
+pub const RESUMING: Duration = Duration::from_secs(5);
 /// How long to wait before reading or watching again after etcd failed:
 /// the first retry, and the longest (jittered, [`Backoff`]).
 const RETRY_MIN: Duration = Duration::from_millis(250);
@@ -320,6 +323,12 @@ impl Mirror {
     /// rather than read etcd while the watch resumes.
     pub fn down_for(&self) -> Option<Duration> {
         self.read_state().down_since.map(|t| t.elapsed())
+    }
+
+    /// Whether the watch broke less than `RESUMING` (5 s) ago: its readers
+    /// serve what they made from the mirror rather than read etcd.
+    pub fn resuming(&self) -> bool {
+        self.down_for().is_some_and(|d| d < RESUMING)
     }
 
     /// Where the areas under `areas` (segments under the prefix: `"lb/"`,

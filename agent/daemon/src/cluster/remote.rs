@@ -388,8 +388,14 @@ impl RemoteTask {
                     let old = view.snapshot();
                     view.set(s);
                     let new = view.snapshot();
-                    let followed = follow && a.follow_remote(&old, &new).is_ok();
-                    if followed { Ok(()) } else { a.reconcile() }
+                    match follow.then(|| a.follow_remote(&old, &new)) {
+                        Some(Ok(())) => Ok(()),
+                        Some(Err(e)) => {
+                            tracing::warn!(error = %e, "writing a remote change failed; reconciling whole");
+                            a.reconcile()
+                        }
+                        None => a.reconcile(),
+                    }
                 });
                 let routes = (!job_changes.is_empty()).then(|| apply_route_changes(&job_changes));
                 (reconciled, routes)

@@ -20,10 +20,6 @@ use super::{corrupt, json_once};
 use crate::cluster::mirror::{Changes, Cursor};
 use crate::cluster::{ClusterStoreError, Door, Kv};
 
-/// How long after the watch broke the last view of `lb/` still serves
-/// (then `lb/` is read from etcd until the watch follows again).
-const LAST_VIEW_FOR: std::time::Duration = std::time::Duration::from_secs(5);
-
 /// Everything under `lb/`, read at one revision.
 #[derive(Clone, Debug, Default)]
 pub struct LbView {
@@ -245,9 +241,8 @@ impl Door {
         // view was etcd's state until then, and serves while the watch
         // resumes, rather than every reader reading `lb/` every tick at
         // the moment etcd is weakest. Not past this node's own writes,
-        // nor for longer than `LAST_VIEW_FOR`.
-        if let Some(down) = mirror.down_for()
-            && down < LAST_VIEW_FOR
+        // nor for longer than `mirror::RESUMING`.
+        if mirror.resuming()
             && let Some(last) = mirror.last_made::<LbView>("lb/")
             && last.revision >= self.written()
         {

@@ -606,11 +606,7 @@ impl ClusterNode {
         let every = self.last_read.is_none_or(|t| t.elapsed() >= READ_EVERY);
         // A watch that broke a moment ago is resumed, not read around:
         // what the mirror held was etcd's state until then.
-        let resuming = self
-            .link
-            .as_ref()
-            .and_then(|l| l.mirror().down_for())
-            .is_some_and(|d| d < READ_EVERY);
+        let resuming = self.link.as_ref().is_some_and(|l| l.mirror().resuming());
         let due = match stamp {
             Some(s) if s.live => self.synced != Some(s) || (self.gone_pending && every),
             _ => every && !resuming,
