@@ -834,3 +834,83 @@ pub fn remote_entries(ipcache: &BTreeMap<String, Vec<u8>>) -> BTreeMap<String, S
         })
         .collect()
 }
+
+/// What [`churn_endpoints`] did.
+#[derive(Clone, Copy, Debug)]
+pub struct Churned {
+    /// IPAM ADDs answered.
+    pub adds: u32,
+    /// Releases answered.
+    pub releases: u32,
+    /// How long the churn ran, in seconds.
+    pub secs: f64,
+    /// ADDs whose answer took over 100 ms.
+    pub slow: u32,
+}
+
+impl Churned {
+    /// Pod events (ADDs and releases) per second.
+    pub fn events_per_s(&self) -> f64 {
+        f64::from(self.adds + self.releases) / self.secs
+    }
+}
+
+/// Churns endpoints on `agent` for `window` as short-lived pods do: one
+/// IPAM ADD (`lockstep allocate`) every `every`, each released a second
+/// after its answer. Endpoints still live at the end are left allocated.
+///
+/// # Errors
+/// An ADD or a release failed (named, with the agent's answer).
+pub fn churn_endpoints(
+    agent: &AgentProc,
+    tag: &str,
+    every: Duration,
+    window: Duration,
+) -> anyhow::Result<Churned> {
+    let started = Instant::now();
+    let mut live: std::collections::VecDeque<(Instant, String)> = std::collections::VecDeque::new();
+    let mut done = Churned {
+        adds: 0,
+        releases: 0,
+        secs: 0.0,
+        slow: 0,
+    };
+    while started.elapsed() < window {
+        let due = started + every * done.adds;
+        if let Some(wait) = due.checked_duration_since(Instant::now()) {
+            std::thread::sleep(wait);
+        }
+        let name = format!("{tag}-{}", done.adds);
+        let t = Instant::now();
+        let out = agent.cli([
+            "allocate", "--kind", "endpoint", "--name", &name, "--family", "ipv4",
+        ])?;
+        anyhow::ensure!(
+            out.status.success(),
+            "allocate {name}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        if t.elapsed() > Duration::from_millis(100) {
+            done.slow += 1;
+        }
+        done.adds += 1;
+        live.push_back((Instant::now(), name));
+        while live
+            .front()
+            .is_some_and(|(at, _)| at.elapsed() >= Duration::from_secs(1))
+        {
+            let (_, old) = live.pop_front().context("front")?;
+            let out = agent.cli([
+                "release", "--kind", "endpoint", "--name", &old, "--family", "ipv4",
+            ])?;
+            anyhow::ensure!(
+                out.status.success(),
+                "release {old}: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            done.releases += 1;
+        }
+    }
+    done.secs = started.elapsed().as_secs_f64();
+    Ok(done)
+}

@@ -507,6 +507,20 @@ impl EtcdCluster {
         Ok(sum)
     }
 
+    /// What the members have served so far, summed over the running
+    /// ones ([`Traffic`]).
+    ///
+    /// # Errors
+    /// As [`EtcdCluster::metrics`].
+    pub fn traffic(&self) -> Result<Traffic> {
+        Ok(Traffic {
+            unary: self.counter("grpc_server_handled_total{", &["grpc_type=\"unary\""])?,
+            streams: self.counter("grpc_server_started_total{", &["_stream\""])?,
+            stream_msgs: self.counter("grpc_server_msg_received_total{", &["_stream\""])?,
+            sent_bytes: self.counter("etcd_network_client_grpc_sent_bytes_total", &[])?,
+        })
+    }
+
     /// Whether member `i`'s process is running.
     pub fn is_running(&self, i: usize) -> bool {
         self.members[i].child.is_some()
@@ -524,5 +538,34 @@ impl Drop for EtcdCluster {
             self.stop_member(i);
         }
         let _ = std::fs::remove_dir_all(&self.root);
+    }
+}
+
+/// etcd's own counters of what its clients cost it
+/// ([`EtcdCluster::traffic`]): a benchmark reads them before and after a
+/// window and divides the difference.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Traffic {
+    /// Unary RPCs handled (`grpc_server_handled_total`, unary).
+    pub unary: f64,
+    /// Streams opened: watches, lease keep-alive streams
+    /// (`grpc_server_started_total`).
+    pub streams: f64,
+    /// Messages received on streams: watch requests, lease refreshes
+    /// (`grpc_server_msg_received_total`).
+    pub stream_msgs: f64,
+    /// Bytes sent to clients (`etcd_network_client_grpc_sent_bytes_total`).
+    pub sent_bytes: f64,
+}
+
+impl std::ops::Sub for Traffic {
+    type Output = Traffic;
+    fn sub(self, o: Traffic) -> Traffic {
+        Traffic {
+            unary: self.unary - o.unary,
+            streams: self.streams - o.streams,
+            stream_msgs: self.stream_msgs - o.stream_msgs,
+            sent_bytes: self.sent_bytes - o.sent_bytes,
+        }
     }
 }

@@ -638,58 +638,23 @@ fn cluster_cni() -> anyhow::Result<()> {
             .context("publications")
     };
     let before = publications(&nb)?;
-    let started = Instant::now();
-    let mut live: std::collections::VecDeque<(Instant, String)> = std::collections::VecDeque::new();
-    let (mut adds, mut slow) = (0u64, 0u64);
-    let every = Duration::from_millis(10);
-    while started.elapsed()
-        < lockstep_tests::bench::size(Duration::from_secs(20), Duration::from_secs(2))
-    {
-        let due = started + every * u32::try_from(adds).unwrap_or(u32::MAX);
-        if let Some(wait) = due.checked_duration_since(Instant::now()) {
-            std::thread::sleep(wait);
-        }
-        let name = format!("burst-{adds}");
-        let t = Instant::now();
-        let out = b.cli([
-            "allocate", "--kind", "endpoint", "--name", &name, "--family", "ipv4",
-        ])?;
-        ensure!(
-            out.status.success(),
-            "allocate {name}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        if t.elapsed() > Duration::from_millis(100) {
-            slow += 1;
-        }
-        adds += 1;
-        live.push_back((Instant::now(), name));
-        while live
-            .front()
-            .is_some_and(|(at, _)| at.elapsed() >= Duration::from_secs(1))
-        {
-            let (_, old) = live.pop_front().context("front")?;
-            let out = b.cli([
-                "release", "--kind", "endpoint", "--name", &old, "--family", "ipv4",
-            ])?;
-            ensure!(out.status.success(), "release {old}");
-        }
-    }
-    let secs = started.elapsed().as_secs_f64();
+    let churned = lockstep_tests::cluster::churn_endpoints(
+        &b,
+        "burst",
+        Duration::from_millis(10),
+        lockstep_tests::bench::size(Duration::from_secs(20), Duration::from_secs(2)),
+    )?;
+    let (adds, secs, slow) = (f64::from(churned.adds), churned.secs, churned.slow);
     let published = publications(&nb)? - before;
     println!(
         "\nh. {adds} IPAM ADDs in {secs:.1} s ({:.0}/s, each released 1 s later): {published:.0} window publications ({:.2}/s per node); {slow} ADDs took over 100 ms",
-        adds as f64 / secs,
+        adds / secs,
         published / secs
     );
     rows.push(format!(
         "{:<48} {:>18} {:>10} (report)",
         "window refills/s per node at ~100 ADDs/s",
-        format!(
-            "{:.2}/s ({:.0} ADDs/s)",
-            published / secs,
-            adds as f64 / secs
-        ),
+        format!("{:.2}/s ({:.0} ADDs/s)", published / secs, adds / secs),
         ""
     ));
 

@@ -104,28 +104,6 @@ fn pct(sorted: &[f64], p: f64) -> f64 {
     sorted[i]
 }
 
-/// etcd's counters that matter here, summed over the members.
-#[derive(Clone, Copy, Debug, Default)]
-struct Counters {
-    /// Unary RPCs handled.
-    unary: f64,
-    /// Streams opened (watches, lease keep-alive streams).
-    streams: f64,
-    /// Messages received on streams (watch requests, lease refreshes).
-    stream_msgs: f64,
-    /// Bytes sent to clients.
-    sent_bytes: f64,
-}
-
-fn counters(cluster: &EtcdCluster) -> anyhow::Result<Counters> {
-    Ok(Counters {
-        unary: cluster.counter("grpc_server_handled_total{", &["grpc_type=\"unary\""])?,
-        streams: cluster.counter("grpc_server_started_total{", &["_stream\""])?,
-        stream_msgs: cluster.counter("grpc_server_msg_received_total{", &["_stream\""])?,
-        sent_bytes: cluster.counter("etcd_network_client_grpc_sent_bytes_total", &[])?,
-    })
-}
-
 fn pool() -> anyhow::Result<ClusterPoolSpec> {
     // /10 in /26 blocks: room for 5,000 nodes and more.
     Ok(serde_json::from_value(serde_json::json!({
@@ -326,7 +304,7 @@ fn cluster_steady_state() -> anyhow::Result<()> {
         "\nf. simulated nodes running the claim loop, the remote-state task and the LB agent, idle {IDLE:?}:"
     );
     println!(
-        "   settings changed from the product's defaults (#47 item 5): remote_settle {SETTLE_REMOTE:?} (default 100 ms; thousands of simulated nodes share two cores, and a remote change costs etcd nothing either way) and [lb] announce_lease {LB_LEASE:?} (default 3 s; simulated LB agents wait for the CPU past a 3 s lease while the cluster grows); every other setting is the default. Not as a real node: {GROUP} simulated nodes share one etcd connection and one mirror (one watch), so etcd's figures per node count a watch per {GROUP} nodes (run a of #47, one watcher per node, is not built yet)"
+        "   settings changed from the product's defaults (#47 item 5): remote_settle {SETTLE_REMOTE:?} (default 100 ms; thousands of simulated nodes share two cores, and a remote change costs etcd nothing either way) and [lb] announce_lease {LB_LEASE:?} (default 3 s; simulated LB agents wait for the CPU past a 3 s lease while the cluster grows); every other setting is the default. Not as a real node: {GROUP} simulated nodes share one etcd connection and one mirror (one watch), so etcd's figures per node count a watch per {GROUP} nodes (`cluster_etcd_side` gives each node its own watch and lease streams)"
     );
     let mut sim = Sim::new(eps.clone(), prefix)?;
     let mut per_node_bytes = BTreeMap::new();
@@ -369,10 +347,10 @@ fn cluster_steady_state() -> anyhow::Result<()> {
         rt.block_on(async {
             tokio::time::sleep(lockstep_tests::bench::size(SETTLE, Duration::from_secs(1))).await;
         });
-        let before = counters(&cluster)?;
+        let before = cluster.traffic()?;
         let t0 = Instant::now();
         rt.block_on(async { tokio::time::sleep(idle()).await });
-        let after = counters(&cluster)?;
+        let after = cluster.traffic()?;
         let secs = t0.elapsed().as_secs_f64();
         let n = size as f64;
         let requests = (after.unary - before.unary + after.streams - before.streams) / secs / n;
@@ -600,59 +578,38 @@ fn churn_side(
             ..Default::default()
         },
     )?;
-    let allocate = |name: &str| -> anyhow::Result<()> {
-        let out = agent.cli([
-            "allocate", "--kind", "endpoint", "--name", name, "--family", "ipv4",
-        ])?;
-        ensure!(
-            out.status.success(),
-            "allocate {name}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        Ok(())
-    };
     // Settled: a block held, a first address handed out.
-    allocate("warm")?;
+    let warm = agent.cli([
+        "allocate", "--kind", "endpoint", "--name", "warm", "--family", "ipv4",
+    ])?;
+    ensure!(
+        warm.status.success(),
+        "allocate warm: {}",
+        String::from_utf8_lossy(&warm.stderr)
+    );
     std::thread::sleep(lockstep_tests::bench::size(SETTLE, Duration::from_secs(2)));
     let window = lockstep_tests::bench::size(Duration::from_secs(20), Duration::from_secs(2));
-    let before = counters(cluster)?;
+    let before = cluster.traffic()?;
     std::thread::sleep(window);
-    let idle = (counters(cluster)?.sent_bytes - before.sent_bytes)
+    let idle = (cluster.traffic()?.sent_bytes - before.sent_bytes)
         / window.as_secs_f64()
         / (watchers() + 1) as f64;
     // 25 ADDs a second, each released a second later: 50 pod events/s.
-    let before = counters(cluster)?;
-    let started = Instant::now();
-    let mut live = std::collections::VecDeque::new();
-    let mut n = 0u32;
-    while started.elapsed() < window {
-        let due = started + Duration::from_millis(40) * n;
-        if let Some(wait) = due.checked_duration_since(Instant::now()) {
-            std::thread::sleep(wait);
-        }
-        let name = format!("churn-{n}");
-        allocate(&name)?;
-        live.push_back((Instant::now(), name));
-        n += 1;
-        while live
-            .front()
-            .is_some_and(|(at, _): &(Instant, String)| at.elapsed() >= Duration::from_secs(1))
-        {
-            let (_, old) = live.pop_front().context("front")?;
-            let out = agent.cli([
-                "release", "--kind", "endpoint", "--name", &old, "--family", "ipv4",
-            ])?;
-            ensure!(out.status.success(), "release {old}");
-        }
-    }
-    let secs = started.elapsed().as_secs_f64();
+    let before = cluster.traffic()?;
+    let churned = lockstep_tests::cluster::churn_endpoints(
+        &agent,
+        "churn",
+        Duration::from_millis(40),
+        window,
+    )?;
+    let secs = churned.secs;
     let churn =
-        (counters(cluster)?.sent_bytes - before.sent_bytes) / secs / (watchers() + 1) as f64;
+        (cluster.traffic()?.sent_bytes - before.sent_bytes) / secs / (watchers() + 1) as f64;
     println!(
         "   {}: {} watchers + 1 churning node ({:.0} ADDs/s, as many releases): idle {idle:.1} bytes/s sent per node, churning {churn:.1} bytes/s per node",
         bin.display(),
         watchers(),
-        f64::from(n) / secs
+        f64::from(churned.adds) / secs
     );
     stop.send_replace(true);
     drop(agent);

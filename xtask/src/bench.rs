@@ -165,6 +165,9 @@ impl Runner {
                 // nodes running the agent's cluster tasks idle, etcd's own
                 // counters per node; 5,000 LB services applied.
                 self.benchmark_test("cluster_steady")?;
+                // #47 (a): etcd's side of 100, 1,000 and 5,000 nodes, each
+                // with its own lease streams and watch, one agent churning.
+                self.benchmark_test("cluster_etcd_side")?;
                 // #47 (b): one node's cluster tasks on a synthetic 100- and
                 // 5,000-node cluster, its CPU per cluster event.
                 self.benchmark_test("cluster_replay")
