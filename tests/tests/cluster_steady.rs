@@ -44,7 +44,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, ensure};
-use lockstep::cluster::{ClusterNode, Door, DoorOptions, LbAgent, LbHandle, Link, RemoteTask};
+use lockstep::cluster::{
+    ClusterNode, Door, DoorOptions, LbAgent, LbHandle, Link, RemoteTask, RemoteView,
+};
 use lockstep::config::Config;
 use lockstep_core::cluster::ClusterPoolSpec;
 use lockstep_core::lb::{LbPoolSpec, ServiceSpec};
@@ -128,6 +130,8 @@ struct Sim {
     stop: tokio::sync::watch::Sender<bool>,
     tasks: Vec<tokio::task::JoinHandle<()>>,
     lb: Vec<Arc<LbHandle>>,
+    /// Each node's remote state (what its datapath would be given).
+    views: Vec<RemoteView>,
     nodes: usize,
 }
 
@@ -147,6 +151,7 @@ impl Sim {
             stop: tokio::sync::watch::Sender::new(false),
             tasks: Vec::new(),
             lb: Vec::new(),
+            views: Vec::new(),
             nodes: 0,
         })
     }
@@ -192,6 +197,7 @@ impl Sim {
             .push(node.spawn(slot.clone(), self.stop.subscribe()));
         let remote = RemoteTask::from_config(&config, Duration::from_secs(10), Some(link.clone()))
             .context("remote task")?;
+        self.views.push(remote.view());
         self.tasks
             .push(remote.spawn(slot.clone(), self.stop.subscribe()));
         let lb = LbAgent::from_config(&config, Some(link)).context("lb agent")?;
@@ -658,5 +664,139 @@ fn cluster_churn_bytes() -> anyhow::Result<()> {
     for r in &rows {
         println!("{r}");
     }
+    Ok(())
+}
+
+/// Nodes brought up at once ([`cluster_bringup`]).
+const BRINGUP: usize = 1_000;
+/// The goal: all of them converged within this.
+const BRINGUP_GOAL: Duration = Duration::from_secs(60);
+
+/// This process's CPU time so far (user + system, `/proc/self/stat`).
+fn process_cpu() -> anyhow::Result<Duration> {
+    let stat = std::fs::read_to_string("/proc/self/stat")?;
+    // Fields after the command's closing parenthesis; utime and stime are
+    // the 14th and 15th of the whole line, in clock ticks.
+    let rest = stat.rsplit_once(')').context("stat")?.1;
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let ticks: u64 = f[11].parse::<u64>()? + f[12].parse::<u64>()?;
+    // SAFETY: sysconf reads a constant of the system.
+    let hz = u64::try_from(unsafe { libc::sysconf(libc::_SC_CLK_TCK) })?.max(1);
+    Ok(Duration::from_millis(ticks * 1000 / hz))
+}
+
+/// #47 run (c): [`BRINGUP`] simulated nodes (the claim loop, the
+/// remote-state task and the LB agent each, as in run f) started at
+/// once, as a DaemonSet's rollout starts them, against a fresh prefix.
+/// Converged when every node is registered, holds a block and is an LB
+/// member, and every node's remote state (what its datapath would be
+/// given) has an entry for every other node's block. Goal: ≤ 60 s.
+///
+/// All the nodes share this process's two cores, where each real node
+/// has its own: the process's CPU time over the bring-up, per node, says
+/// what one node spent.
+#[test]
+#[ignore = "a benchmark: cargo xtask bench cluster"]
+fn cluster_bringup() -> anyhow::Result<()> {
+    let cluster = EtcdCluster::start(3)?;
+    let eps = cluster.endpoints();
+    let rt = rt()?;
+    let prefix = "/bringup/";
+    // `LOCKSTEP_BRINGUP_NODES=500` brings up fewer (a look while
+    // developing; the goal is judged all the same).
+    let n = match std::env::var("LOCKSTEP_BRINGUP_NODES") {
+        Ok(v) => v.trim().parse().context("LOCKSTEP_BRINGUP_NODES")?,
+        Err(_) => lockstep_tests::bench::size(BRINGUP, 20),
+    };
+    rt.block_on(async {
+        let mut d = Door::connect(options(&eps, prefix)).await?;
+        d.apply_pools(&[pool()?]).await?;
+        anyhow::Ok(())
+    })?;
+    println!(
+        "\nc. {n} simulated nodes brought up at once (settings as in f: remote_settle {SETTLE_REMOTE:?}, [lb] announce_lease {LB_LEASE:?}; {GROUP} nodes share a connection and a mirror):"
+    );
+    let mut sim = Sim::new(eps.clone(), prefix)?;
+    let cpu_before = process_cpu()?;
+    let started = Instant::now();
+    let (spawned, took) = rt.block_on(async {
+        for i in 0..n {
+            sim.start_node(i).await?;
+        }
+        let spawned = started.elapsed();
+        let mut o = options(&eps, prefix);
+        o.timeout = Duration::from_secs(5);
+        let mut d = Door::connect(o).await?;
+        let mut said = Instant::now();
+        loop {
+            let nodes = d.nodes().await.map(|v| v.len()).unwrap_or(0);
+            let (blocks, _) = d.blocks().await?;
+            let mut held: BTreeMap<String, usize> = BTreeMap::new();
+            for b in blocks.iter() {
+                *held.entry(b.node.clone()).or_default() += 1;
+            }
+            let members = d.lb_read().await.map(|v| v.members.len()).unwrap_or(0);
+            let behind = sim
+                .views
+                .iter()
+                .enumerate()
+                .filter(|(i, v)| {
+                    let own = held.get(&format!("node-{i:05}")).copied().unwrap_or(0);
+                    v.snapshot().ipcache_v4.len() != blocks.len() - own
+                })
+                .count();
+            if nodes == n && held.len() == n && members == n && behind == 0 {
+                break anyhow::Ok((spawned, started.elapsed()));
+            }
+            if said.elapsed() >= Duration::from_secs(10) {
+                println!(
+                    "   after {:.0} s: {nodes} registered, {} hold a block, {members} LB members, {behind} remote states behind; load {}",
+                    started.elapsed().as_secs_f64(),
+                    held.len(),
+                    load()
+                );
+                said = Instant::now();
+            }
+            ensure!(
+                started.elapsed() < Duration::from_secs(600),
+                "not converged in 600 s: {nodes} registered, {} hold a block, {members} LB members, {behind} remote states behind of {n}",
+                held.len()
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    })?;
+    let cpu = process_cpu()? - cpu_before;
+    rt.block_on(sim.stop());
+    let mut rows = Vec::new();
+    let judge = !lockstep_tests::bench::smoke();
+    row(
+        &mut rows,
+        &format!("{n} nodes brought up at once: converged in"),
+        format!("{:.1} s", took.as_secs_f64()),
+        "<= 60 s",
+        judge.then_some(took <= BRINGUP_GOAL),
+    );
+    row(
+        &mut rows,
+        "  of which starting every node's tasks",
+        format!("{:.1} s", spawned.as_secs_f64()),
+        "",
+        None,
+    );
+    row(
+        &mut rows,
+        "  CPU of the bring-up per node (all nodes on 2 cores)",
+        format!("{:.0} ms", cpu.as_secs_f64() * 1e3 / n as f64),
+        "",
+        None,
+    );
+    println!("\n{:<52} {:>22} {:>10} result", "measure", "value", "goal");
+    for r in &rows {
+        println!("{r}");
+    }
+    ensure!(
+        !rows.iter().any(|r| r.ends_with("FAIL")),
+        "a goal was missed"
+    );
     Ok(())
 }
