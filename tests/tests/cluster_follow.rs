@@ -231,3 +231,91 @@ fn the_other_nodes_blocks_followed_per_change_are_the_whole_read() -> anyhow::Re
     let _ = stop.send(true);
     result
 }
+
+/// A node that comes is followed in place (no read: at a cluster's
+/// bring-up every node sees every other come), and the loop still knows
+/// it is alive: when its lease goes, the loop, its keeper, marks it gone.
+/// Were it not counted alive, its key's deletion would look like nothing
+/// to the loop, and no mark would come.
+#[test]
+fn a_node_come_followed_in_place_is_marked_gone_when_its_lease_goes() -> anyhow::Result<()> {
+    let cluster = EtcdCluster::start(1)?;
+    let eps = cluster.endpoints();
+    let dir = lockstep_tests::TempDir::new("follow-come")?;
+    let text = format!(
+        "state_dir = \"{}\"\n{}",
+        dir.path().display(),
+        lockstep_tests::cluster::cluster_config(&eps, PREFIX, "me", "10.199.0.1")
+    );
+    let config = Config::parse(Path::new("follow.toml"), &text)?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let door = Arc::new(RecorderDoor(Mutex::new(Recorder::default())));
+    let result = rt.block_on(async {
+        let mut w = Door::connect(options(&eps)).await?;
+        w.apply_pools(&[pool(0)?]).await?;
+        for i in 0..3 {
+            w.register_node(&record(i, 1), &[], Duration::from_secs(600))
+                .await?;
+        }
+        let link = Link::new(PREFIX);
+        let mut o = options(&eps);
+        o.link = Some(link.clone());
+        let mirror = link.mirror().clone().spawn(o, stopped.clone());
+        let node = ClusterNode::connect(&config, Some(link))
+            .await
+            .map_err(|e| anyhow::anyhow!("claim loop: {e}"))?;
+        let slot: AgentSlot = Some(door.clone());
+        let task = node.spawn(slot, stopped.clone());
+        // The loop is settled: registered, its first block held, and its
+        // own writes behind it (they are read, not followed).
+        let started = Instant::now();
+        while !(w.nodes().await?.iter().any(|n| n.record.name == "me")
+            && w.blocks().await?.0.iter().any(|b| b.node == "me"))
+        {
+            ensure!(
+                started.elapsed() < Duration::from_secs(15),
+                "me never registered and held a block"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        // A node comes ("zz-…" sorts last: its keeper, the next live name
+        // round the ring, is "me"), and its lease goes a moment later.
+        let late = node_record("zz-late".into(), "10.201.0.99".parse()?, 1, "follow");
+        let lease = w
+            .register_node(&late, &[], Duration::from_secs(600))
+            .await?;
+        // The loop sees it come (a round follows every change within its
+        // tick) before it goes: both in one look would be a read.
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        let mut raw = etcd_client::Client::connect(&eps, None).await?;
+        raw.lease_revoke(lease).await?;
+        let started = Instant::now();
+        loop {
+            let routing = w.routing_keys().await?;
+            let mark = routing
+                .iter()
+                .find(|(r, _)| r.name == "zz-late")
+                .and_then(|(r, _)| r.gone);
+            if mark.is_some() {
+                break;
+            }
+            ensure!(
+                started.elapsed() < Duration::from_secs(10),
+                "zz-late's lease is gone, but its keeper never marked it gone: {routing:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let _ = stop.send(true);
+        for t in [task, mirror] {
+            let _ = tokio::time::timeout(Duration::from_secs(10), t).await;
+        }
+        anyhow::Ok(())
+    });
+    let _ = stop.send(true);
+    result
+}

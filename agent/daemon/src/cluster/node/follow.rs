@@ -12,9 +12,18 @@
 //!   follow (a fence concerns this node's blocks only), no claim waits
 //!   on it, and without configured pools no overlap can come or go.
 //!
-//! Anything else (a pool, a reservation, a node come or gone, a value
-//! this build cannot read, a block of this node's) is left to the read.
+//! - another node come (its node key written, the name not yet alive),
+//!   while the last read found no gone node: it joins the live set.
+//!   With no gone node, which live node keeps a gone one
+//!   (`gone_keeper`) decides nothing, and a coming node changes no
+//!   block, pool or reservation. At a cluster's bring-up every node sees
+//!   every other come: a read for each made that quadratic per node.
+//!
+//! Anything else (a pool, a reservation, a node gone, a node come while
+//! a gone node is known, a value this build cannot read, this node's own
+//! keys or blocks) is left to the read.
 
+use std::collections::BTreeSet;
 use std::sync::Arc;
 
 use ipnet::IpNet;
@@ -28,6 +37,8 @@ use crate::cluster::{Block, Kv};
 enum Followed {
     /// A rewrite of a live node's keys: nothing changes.
     Nothing,
+    /// Another node come: it is alive.
+    Came(String),
     /// Another node's block now (`None`: given back).
     Block(IpNet, Option<Block>),
 }
@@ -55,24 +66,47 @@ impl ClusterNode {
         // them and the last read found every key readable.
         let blocks_followed =
             self.config.pools.is_empty() && self.handle.lock().unreadable.is_empty();
-        let mut followed = Vec::with_capacity(keys.len());
-        for (key, now) in &keys {
-            match self.followed(door.read_changed(key, now.as_deref()), now, blocks_followed) {
+        let changed: Vec<(ChangedKey, &Option<Arc<Kv>>)> = keys
+            .iter()
+            .map(|(key, now)| (door.read_changed(key, now.as_deref()), now))
+            .collect();
+        // The nodes come in this batch (their routing keys may come
+        // first: they are live for the whole batch).
+        let came: BTreeSet<&str> = if self.gone_known {
+            BTreeSet::new()
+        } else {
+            changed
+                .iter()
+                .filter_map(|(c, value)| match c {
+                    ChangedKey::Node { name, now: Some(_) }
+                        if value.is_some() && *name != self.name && !self.alive.contains(name) =>
+                    {
+                        Some(name.as_str())
+                    }
+                    _ => None,
+                })
+                .collect()
+        };
+        let mut followed = Vec::with_capacity(changed.len());
+        for (c, value) in &changed {
+            match self.followed(c, value, blocks_followed, &came) {
                 Some(f) => followed.push(f),
                 None => return Err(Some(at)),
             }
         }
         for f in followed {
-            if let Followed::Block(cidr, now) = f {
-                match now {
-                    Some(b) => {
-                        self.claimed.insert(cidr);
-                        self.others.insert(cidr, b.node);
-                    }
-                    None => {
-                        self.claimed.remove(&cidr);
-                        self.others.remove(&cidr);
-                    }
+            match f {
+                Followed::Nothing => {}
+                Followed::Came(name) => {
+                    self.alive.insert(name);
+                }
+                Followed::Block(cidr, Some(b)) => {
+                    self.claimed.insert(cidr);
+                    self.others.insert(cidr, b.node);
+                }
+                Followed::Block(cidr, None) => {
+                    self.claimed.remove(&cidr);
+                    self.others.remove(&cidr);
                 }
             }
         }
@@ -80,27 +114,34 @@ impl ClusterNode {
     }
 
     /// How the loop follows one changed key in place (`None`: it cannot,
-    /// a read is due). `value`: the key's value as the mirror has it.
+    /// a read is due). `value`: the key's value as the mirror has it;
+    /// `came`: the nodes come in this batch that are followed.
     fn followed(
         &self,
-        changed: ChangedKey,
+        changed: &ChangedKey,
         value: &Option<Arc<Kv>>,
         blocks_followed: bool,
+        came: &BTreeSet<&str>,
     ) -> Option<Followed> {
+        let alive = |name: &str| self.alive.contains(name) || came.contains(name);
         match changed {
+            ChangedKey::Node { name, now: Some(_) } if came.contains(name.as_str()) => {
+                Some(Followed::Came(name.clone()))
+            }
             // A node key: whether the node is alive is what the read takes
             // from it.
             ChangedKey::Node { name, now } => {
-                (now.is_some() == self.alive.contains(&name)).then_some(Followed::Nothing)
+                (now.is_some() == self.alive.contains(name)).then_some(Followed::Nothing)
             }
             // A routing key of another live node, not marked gone: the
             // gone-node scan waits on it whatever it holds (its in-use
             // list is read by a reclaim itself).
-            ChangedKey::Routing { name, now } => (name != self.name
-                && self.alive.contains(&name)
-                && now.is_some_and(|r| r.gone.is_none()))
+            ChangedKey::Routing { name, now } => (*name != self.name
+                && alive(name)
+                && now.as_ref().is_some_and(|r| r.gone.is_none()))
             .then_some(Followed::Nothing),
             ChangedKey::Block { at: (_, cidr), now } => {
+                let cidr = *cidr;
                 // A value that does not read is the read's to report.
                 let readable = value.is_some() == now.is_some();
                 let foreign = now.as_ref().is_none_or(|b| b.node != self.name)
@@ -109,7 +150,7 @@ impl ClusterNode {
                         .others
                         .get(&cidr)
                         .is_none_or(|n| !n.starts_with(self.name.as_str()));
-                (blocks_followed && readable && foreign).then_some(Followed::Block(cidr, now))
+                (blocks_followed && readable && foreign).then(|| Followed::Block(cidr, now.clone()))
             }
             ChangedKey::Pool | ChangedKey::Other => None,
         }

@@ -142,8 +142,13 @@ pub struct ClusterNode {
     /// How far the mirror's changes were looked at: from the last read,
     /// or past changes it followed in place ([`ClusterNode::follow`]).
     cursor: Option<Cursor>,
-    /// The nodes whose lease-bound key the last read found.
+    /// The nodes whose lease-bound key the last read found, and those
+    /// followed in place since ([`ClusterNode::follow`]).
     alive: BTreeSet<String>,
+    /// Whether the last read found a routing key of a node not alive (a
+    /// gone node): a node come is then read, not followed (it may change
+    /// which node keeps the gone one).
+    gone_known: bool,
     /// Another node's lease is gone: its gone mark and reclaim are due
     /// with time, so the read runs every [`READ_EVERY`] even when
     /// nothing changes.
@@ -269,6 +274,7 @@ impl ClusterNode {
             synced: None,
             cursor: None,
             alive: BTreeSet::new(),
+            gone_known: false,
             gone_pending: false,
             settled: BTreeMap::new(),
             window,
