@@ -127,23 +127,78 @@ fn record(i: usize, in_use: u64) -> NodeRecord {
     node_record(format!("other-{i}"), ip, in_use, "follow")
 }
 
+/// What both tests start from: a one-member etcd, the claim loop's
+/// config as node "me", a runtime, the stop switch and the recorder.
+struct Fixture {
+    cluster: EtcdCluster,
+    eps: Vec<String>,
+    dir: lockstep_tests::TempDir,
+    config: Config,
+    rt: tokio::runtime::Runtime,
+    stop: tokio::sync::watch::Sender<bool>,
+    stopped: tokio::sync::watch::Receiver<bool>,
+    door: Arc<RecorderDoor>,
+}
+
+impl Fixture {
+    fn new() -> anyhow::Result<Fixture> {
+        let cluster = EtcdCluster::start(1)?;
+        let eps = cluster.endpoints();
+        let dir = lockstep_tests::TempDir::new("follow")?;
+        let text = format!(
+            "state_dir = \"{}\"\n{}",
+            dir.path().display(),
+            lockstep_tests::cluster::cluster_config(&eps, PREFIX, "me", "10.199.0.1")
+        );
+        let config = Config::parse(Path::new("follow.toml"), &text)?;
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()?;
+        let (stop, stopped) = tokio::sync::watch::channel(false);
+        Ok(Fixture {
+            cluster,
+            eps,
+            dir,
+            config,
+            rt,
+            stop,
+            stopped,
+            door: Arc::new(RecorderDoor(Mutex::new(Recorder::default()))),
+        })
+    }
+}
+
+/// Starts the mirror and the claim loop (its allocator the recorder).
+async fn spawn_loop(
+    eps: &[String],
+    config: &Config,
+    door: &Arc<RecorderDoor>,
+    stopped: &tokio::sync::watch::Receiver<bool>,
+) -> anyhow::Result<(tokio::task::JoinHandle<()>, tokio::task::JoinHandle<()>)> {
+    let link = Link::new(PREFIX);
+    let mut o = options(eps);
+    o.link = Some(link.clone());
+    let mirror = link.mirror().clone().spawn(o, stopped.clone());
+    let node = ClusterNode::connect(config, Some(link))
+        .await
+        .map_err(|e| anyhow::anyhow!("claim loop: {e}"))?;
+    let slot: AgentSlot = Some(door.clone());
+    Ok((mirror, node.spawn(slot, stopped.clone())))
+}
+
 #[test]
 fn the_other_nodes_blocks_followed_per_change_are_the_whole_read() -> anyhow::Result<()> {
-    let cluster = EtcdCluster::start(1)?;
-    let eps = cluster.endpoints();
-    let dir = lockstep_tests::TempDir::new("follow")?;
-    let text = format!(
-        "state_dir = \"{}\"\n{}",
-        dir.path().display(),
-        lockstep_tests::cluster::cluster_config(&eps, PREFIX, "me", "10.199.0.1")
-    );
-    let config = Config::parse(Path::new("follow.toml"), &text)?;
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()?;
-    let (stop, stopped) = tokio::sync::watch::channel(false);
-    let door = Arc::new(RecorderDoor(Mutex::new(Recorder::default())));
+    let Fixture {
+        cluster: _cluster,
+        eps,
+        dir: _dir,
+        config,
+        rt,
+        stop,
+        stopped,
+        door,
+    } = Fixture::new()?;
     let result = rt.block_on(async {
         let mut w = Door::connect(options(&eps)).await?;
         w.apply_pools(&[pool(0)?]).await?;
@@ -151,15 +206,7 @@ fn the_other_nodes_blocks_followed_per_change_are_the_whole_read() -> anyhow::Re
         for i in 0..OTHERS {
             leases.push(w.register_node(&record(i, 1), &[], Duration::from_secs(600)).await?);
         }
-        let link = Link::new(PREFIX);
-        let mut o = options(&eps);
-        o.link = Some(link.clone());
-        let mirror = link.mirror().clone().spawn(o, stopped.clone());
-        let node = ClusterNode::connect(&config, Some(link))
-            .await
-            .map_err(|e| anyhow::anyhow!("claim loop: {e}"))?;
-        let slot: AgentSlot = Some(door.clone());
-        let task = node.spawn(slot, stopped.clone());
+        let (mirror, task) = spawn_loop(&eps, &config, &door, &stopped).await?;
         let mut held: BTreeMap<IpNet, Block> = BTreeMap::new();
         let mut draw = Draw(47);
         let mut pools_applied = 0;
@@ -239,21 +286,16 @@ fn the_other_nodes_blocks_followed_per_change_are_the_whole_read() -> anyhow::Re
 /// to the loop, and no mark would come.
 #[test]
 fn a_node_come_followed_in_place_is_marked_gone_when_its_lease_goes() -> anyhow::Result<()> {
-    let cluster = EtcdCluster::start(1)?;
-    let eps = cluster.endpoints();
-    let dir = lockstep_tests::TempDir::new("follow-come")?;
-    let text = format!(
-        "state_dir = \"{}\"\n{}",
-        dir.path().display(),
-        lockstep_tests::cluster::cluster_config(&eps, PREFIX, "me", "10.199.0.1")
-    );
-    let config = Config::parse(Path::new("follow.toml"), &text)?;
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()?;
-    let (stop, stopped) = tokio::sync::watch::channel(false);
-    let door = Arc::new(RecorderDoor(Mutex::new(Recorder::default())));
+    let Fixture {
+        cluster: _cluster,
+        eps,
+        dir: _dir,
+        config,
+        rt,
+        stop,
+        stopped,
+        door,
+    } = Fixture::new()?;
     let result = rt.block_on(async {
         let mut w = Door::connect(options(&eps)).await?;
         w.apply_pools(&[pool(0)?]).await?;
@@ -261,15 +303,7 @@ fn a_node_come_followed_in_place_is_marked_gone_when_its_lease_goes() -> anyhow:
             w.register_node(&record(i, 1), &[], Duration::from_secs(600))
                 .await?;
         }
-        let link = Link::new(PREFIX);
-        let mut o = options(&eps);
-        o.link = Some(link.clone());
-        let mirror = link.mirror().clone().spawn(o, stopped.clone());
-        let node = ClusterNode::connect(&config, Some(link))
-            .await
-            .map_err(|e| anyhow::anyhow!("claim loop: {e}"))?;
-        let slot: AgentSlot = Some(door.clone());
-        let task = node.spawn(slot, stopped.clone());
+        let (mirror, task) = spawn_loop(&eps, &config, &door, &stopped).await?;
         // The loop is settled: registered, its first block held, and its
         // own writes behind it (they are read, not followed).
         let started = Instant::now();

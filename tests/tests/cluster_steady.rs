@@ -121,6 +121,13 @@ fn options(eps: &[String], prefix: &str) -> DoorOptions {
     o
 }
 
+/// Stores the cluster pool under `prefix`.
+async fn apply_pool(eps: &[String], prefix: &str) -> anyhow::Result<()> {
+    let mut d = Door::connect(options(eps, prefix)).await?;
+    d.apply_pools(&[pool()?]).await?;
+    Ok(())
+}
+
 /// The simulated nodes started so far and the groups they share.
 struct Sim {
     eps: Vec<String>,
@@ -301,11 +308,7 @@ fn cluster_steady_state() -> anyhow::Result<()> {
     let rt = rt()?;
     let mut rows = Vec::new();
     let prefix = "/steady/";
-    rt.block_on(async {
-        let mut d = Door::connect(options(&eps, prefix)).await?;
-        d.apply_pools(&[pool()?]).await?;
-        anyhow::Ok(())
-    })?;
+    rt.block_on(apply_pool(&eps, prefix))?;
     println!(
         "\nf. simulated nodes running the claim loop, the remote-state task and the LB agent, idle {IDLE:?}:"
     );
@@ -408,11 +411,7 @@ fn cluster_steady_state() -> anyhow::Result<()> {
         "\ng. {SERVICES} LB services, {PER_APPLY} per apply, {LB_NODES} simulated nodes running the real loops:"
     );
     let lb_prefix = "/steady-lb/";
-    rt.block_on(async {
-        let mut d = Door::connect(options(&eps, lb_prefix)).await?;
-        d.apply_pools(&[pool()?]).await?;
-        anyhow::Ok(())
-    })?;
+    rt.block_on(apply_pool(&eps, lb_prefix))?;
     let mut sim = Sim::new(eps.clone(), lb_prefix)?;
     let (lats, view) = rt.block_on(async {
         for i in 0..LB_NODES {
@@ -708,11 +707,7 @@ fn cluster_bringup() -> anyhow::Result<()> {
         Ok(v) => v.trim().parse().context("LOCKSTEP_BRINGUP_NODES")?,
         Err(_) => lockstep_tests::bench::size(BRINGUP, 20),
     };
-    rt.block_on(async {
-        let mut d = Door::connect(options(&eps, prefix)).await?;
-        d.apply_pools(&[pool()?]).await?;
-        anyhow::Ok(())
-    })?;
+    rt.block_on(apply_pool(&eps, prefix))?;
     println!(
         "\nc. {n} simulated nodes brought up at once (settings as in f: remote_settle {SETTLE_REMOTE:?}, [lb] announce_lease {LB_LEASE:?}; {GROUP} nodes share a connection and a mirror):"
     );
