@@ -254,6 +254,19 @@ fn main() -> ExitCode {
         pass: Some(ratio <= 1.2),
     });
 
+    // 7. What a membership change costs that holder, 5,000 members
+    // against 10 (reported: it is once per change, not per tick).
+    let changes = smoke::size(200, 5);
+    for members in [10, 5_000] {
+        let per = tick::per_view_change(members, runs(), changes);
+        lines.push(Line {
+            name: format!("LB holder, member change, {members} members"),
+            measured: format!("{:.1} µs", per / 1e3),
+            goal: "(info)",
+            pass: None,
+        });
+    }
+
     println!("lockstep-core lb bench: median of {} runs", runs());
     println!("{:<38} {:>14}  {:<14} result", "metric", "measured", "goal");
     let mut ok = true;

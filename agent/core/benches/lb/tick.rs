@@ -108,3 +108,49 @@ pub fn per_tick(members: usize, runs: usize, ticks: usize) -> f64 {
     xs.sort_by(f64::total_cmp);
     xs[xs.len() / 2]
 }
+
+/// Nanoseconds per membership change (median of `runs`, each `changes`
+/// changes) to node-0's announcer among `members` members: another
+/// node's membership written again under a new lease, the view read
+/// and the tick that follows. Every held address's place is worked out
+/// again from the members (a change may move it), so this grows with the
+/// members; it is what each holder pays once per change, not per tick.
+pub fn per_view_change(members: usize, runs: usize, changes: usize) -> f64 {
+    let mut xs = Vec::with_capacity(runs);
+    for _ in 0..runs {
+        let mut a = Announcer::new("node-0", AnnouncerConfig::for_lease(TTL));
+        let mut now = 1_000 * MS;
+        a.lease_granted(LEASE, now + TTL);
+        let mut v = view(members);
+        a.observed(v.clone(), now);
+        for _ in 0..5 {
+            now += 200 * MS;
+            a.lease_refreshed(now + TTL);
+            let acts = a.poll(now);
+            answer(&mut a, acts, now);
+        }
+        assert_eq!(a.held().len(), 10, "node-0 holds its ten addresses");
+        let t = Instant::now();
+        for k in 0..changes {
+            // The last node's membership, under a new lease.
+            let name = format!("node-{}", members - 1);
+            v.members.remove_node(&name);
+            v.members.insert(
+                Candidate {
+                    name,
+                    labels: BTreeMap::new(),
+                    answers: true,
+                },
+                LEASE + (members + k) as i64,
+            );
+            now += 200 * MS;
+            a.lease_refreshed(now + TTL);
+            a.observed(v.clone(), now);
+            let acts = a.poll(now);
+            answer(&mut a, std::hint::black_box(acts), now);
+        }
+        xs.push(t.elapsed().as_nanos() as f64 / changes as f64);
+    }
+    xs.sort_by(f64::total_cmp);
+    xs[xs.len() / 2]
+}

@@ -71,7 +71,7 @@ use std::net::IpAddr;
 use std::sync::Arc;
 
 use super::LabelSelector;
-use super::cluster::{Candidate, weight};
+use super::cluster::Candidate;
 use super::members::{Answering, Members};
 
 /// Kernel monotonic time in nanoseconds (the clock `bpf_ktime_get_ns`
@@ -494,7 +494,7 @@ impl Announcer {
         self.unheld_since
             .retain(|a, _| view.addresses.contains_key(a) && !view.holders.contains_key(a));
         let admitted_somewhere = |a: &IpAddr, s: &LabelSelector| {
-            view.members.iter().any(|(c, _)| admits(c, s)) || view.holders.contains_key(a)
+            view.members.iter().any(|(c, _)| rank::admits(c, s)) || view.holders.contains_key(a)
         };
         let quiet = view
             .addresses
@@ -638,7 +638,7 @@ impl Announcer {
             .mine
             .get_or_insert_with(|| view.members.of(me).map(|(c, l)| (c.clone(), l)).collect());
         mine.iter().any(|(c, _)| {
-            admits(c, sel) || (refusing && (sel.is_empty() || sel.matches(&c.labels)))
+            rank::admits(c, sel) || (refusing && (sel.is_empty() || sel.matches(&c.labels)))
         })
     }
 
@@ -654,35 +654,20 @@ impl Announcer {
         d
     }
 
-    /// The admitted members of `a`, best rendezvous weight first.
-    fn ranking<'v>(view: &'v Observation, a: IpAddr, sel: &LabelSelector) -> Vec<&'v str> {
-        // Each weight computed once, not in the comparator.
-        let mut r: Vec<(u64, &str)> = view
-            .members
-            .iter()
-            .map(|(c, _)| c)
-            .filter(|c| admits(c, sel))
-            .map(|c| (weight(a, &c.name), c.name.as_str()))
-            .collect();
-        r.sort_unstable_by(|x, y| y.cmp(x));
-        r.dedup_by(|x, y| x.1 == y.1);
-        r.into_iter().map(|(_, n)| n).collect()
-    }
-
     /// This node's place in `a`'s ranking and the ranking's length, from
-    /// the current view (computed once per view).
+    /// the current view (computed once per view, in one pass over the
+    /// members: [`rank::place`]).
     fn my_rank(
         &self,
         view: &Observation,
         a: IpAddr,
         sel: &LabelSelector,
     ) -> Option<(usize, usize)> {
-        *self.derived().ranks.entry(a).or_insert_with(|| {
-            let rank = Self::ranking(view, a, sel);
-            rank.iter()
-                .position(|n| *n == self.me)
-                .map(|p| (p, rank.len()))
-        })
+        *self
+            .derived()
+            .ranks
+            .entry(a)
+            .or_insert_with(|| rank::place(&view.members, a, sel, &self.me))
     }
 
     /// [`Announcer::first_misplaced`] of the current view, with the
@@ -706,9 +691,12 @@ impl Announcer {
     fn first_misplaced(view: &Observation) -> Option<(IpAddr, &str, &str)> {
         view.addresses.iter().find_map(|(a, sel)| {
             let h = view.holders.get(a)?;
-            let rank = Self::ranking(view, *a, sel);
-            let top = *rank.first()?;
-            (rank.contains(&h.node.as_str()) && top != h.node).then_some((*a, h.node.as_str(), top))
+            let top = rank::top(&view.members, *a, sel)?;
+            (top != h.node && rank::is_admitted(&view.members, &h.node, sel)).then_some((
+                *a,
+                h.node.as_str(),
+                top,
+            ))
         })
     }
 
@@ -1064,11 +1052,8 @@ struct Misplaced {
     top_leases: Vec<i64>,
 }
 
-fn admits(c: &Candidate, sel: &LabelSelector) -> bool {
-    c.answers && (sel.is_empty() || sel.matches(&c.labels))
-}
-
 pub mod driver;
+mod rank;
 
 #[cfg(test)]
 mod model;

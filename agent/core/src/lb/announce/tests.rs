@@ -254,7 +254,7 @@ fn an_address_stays_with_a_live_holder_that_is_not_its_choice() {
     let step = AnnouncerConfig::for_lease(3 * S).step_ns;
     let rank = {
         let v = view(&[a], &NODES, &[]);
-        let c: Vec<&str> = Announcer::ranking(&v, a, &LabelSelector::default());
+        let c: Vec<&str> = rank::ranking(&v.members, a, &LabelSelector::default());
         c.iter().position(|n| *n == "node-1").unwrap() as u64
     };
     holder.observed(view(&[a], &NODES, &[]), step * rank);
@@ -715,11 +715,19 @@ fn derived_is_fresh(a: &Announcer) -> Result<(), TestCaseError> {
     let Some(view) = a.view.clone() else {
         return Ok(());
     };
-    let fresh = Announcer::first_misplaced(&view).map(|(x, h, t)| (x, h.to_owned(), t.to_owned()));
+    // The first address held by an admitted member that is not its
+    // first choice, by the whole rankings.
+    let fresh = view.addresses.iter().find_map(|(x, sel)| {
+        let h = view.holders.get(x)?;
+        let rank = rank::ranking(&view.members, *x, sel);
+        let top = *rank.first()?;
+        (rank.contains(&h.node.as_str()) && top != h.node)
+            .then(|| (*x, h.node.clone(), top.to_owned()))
+    });
     let kept = a.misplaced(&view).map(|m| (m.address, m.holder, m.top));
     prop_assert_eq!(kept, fresh);
     for (addr, sel) in &view.addresses {
-        let rank = Announcer::ranking(&view, *addr, sel);
+        let rank = rank::ranking(&view.members, *addr, sel);
         let fresh = rank
             .iter()
             .position(|n| *n == a.me)
@@ -728,7 +736,8 @@ fn derived_is_fresh(a: &Announcer) -> Result<(), TestCaseError> {
         let refusing = !a.answers();
         let fresh = view.members.iter().any(|(c, _)| {
             c.name == a.me
-                && (admits(c, sel) || (refusing && (sel.is_empty() || sel.matches(&c.labels))))
+                && (rank::admits(c, sel)
+                    || (refusing && (sel.is_empty() || sel.matches(&c.labels))))
         });
         prop_assert_eq!(a.admitted(*addr), fresh);
     }
