@@ -464,7 +464,13 @@ pub async fn run(config: Config) -> Result<(), ServerError> {
                 std::time::Duration::from_millis(600),
             );
             opts.link = Some(l.clone());
-            Some(l.mirror().clone().spawn(opts, stop_rx.clone()))
+            // Its copy in the state directory: a restart resumes the
+            // watch from it instead of reading the whole prefix (#47).
+            Some(l.mirror().clone().spawn_saving(
+                opts,
+                stop_rx.clone(),
+                Some(cluster_config.state_dir.clone()),
+            ))
         }
         _ => None,
     };

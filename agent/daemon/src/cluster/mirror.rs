@@ -34,11 +34,13 @@ use std::future::Future;
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
-use etcd_client::{EventType, GetOptions, WatchOptions};
 use lockstep_core::cluster::StoreMark;
 
-use super::backoff::Backoff;
-use super::{ClusterHandle, ClusterStoreError, Door, DoorOptions};
+use super::{ClusterHandle, ClusterStoreError};
+
+mod reads;
+pub mod saved;
+mod watching;
 
 /// Keys per page of a full read: well under gRPC's 4 MiB answer limit
 /// with the largest values this build writes.
@@ -47,7 +49,7 @@ const PAGE: i64 = 1_000;
 /// they read etcd until it follows again).
 pub const RESUMING: Duration = Duration::from_secs(5);
 /// How long to wait before reading or watching again after etcd failed:
-/// the first retry, and the longest (jittered, [`Backoff`]).
+/// the first retry, and the longest (jittered: `cluster::backoff`).
 const RETRY_MIN: Duration = Duration::from_millis(250);
 const RETRY_MAX: Duration = Duration::from_secs(4);
 /// How many changed keys the mirror remembers for [`Mirror::changes`]: a
@@ -82,6 +84,24 @@ impl Kv {
             mod_revision: kv.mod_revision(),
             create_revision: kv.create_revision(),
             lease: kv.lease(),
+            parsed: ParsedOnce::default(),
+        }
+    }
+
+    /// A key as a copy of the mirror kept it (`saved`).
+    pub(super) fn new(
+        key: String,
+        value: Vec<u8>,
+        mod_revision: i64,
+        create_revision: i64,
+        lease: i64,
+    ) -> Kv {
+        Kv {
+            key,
+            value,
+            mod_revision,
+            create_revision,
+            lease,
             parsed: ParsedOnce::default(),
         }
     }
@@ -143,6 +163,9 @@ struct State {
     /// Since when the watch, once live, has not followed (`None`: live,
     /// or never live yet).
     down_since: Option<std::time::Instant>,
+    /// When the keys were taken from a saved copy (`None`: they come
+    /// from a full read).
+    restored: Option<std::time::Instant>,
     kvs: BTreeMap<String, Arc<Kv>>,
     /// The store revision the keys are at.
     revision: i64,
@@ -175,6 +198,14 @@ impl State {
             self.log_floor = gone;
         }
     }
+}
+
+/// What the mirror holds, for its copy in the state directory.
+struct Copy {
+    kvs: Vec<Arc<Kv>>,
+    /// The full read the keys descend from, and their revision.
+    at: (u64, i64),
+    cluster_id: u64,
 }
 
 /// Where a follower of [`Mirror::changes`] stands: the full read and the
@@ -359,16 +390,22 @@ impl Mirror {
     ) -> Option<(Vec<Arc<Kv>>, StoreMark)> {
         let mut bell = self.subscribe();
         let ready = |s: &State| s.live && s.revision >= at_least;
+        // Keys just taken from a saved copy: the watch from its revision
+        // is being made, and is worth the wait (the alternative is to read
+        // etcd whole, which the copy is there to spare).
+        let copy_pending =
+            |s: &State| !s.live && s.restored.is_some_and(|t| t.elapsed() < RESUMING);
         // Not live: the caller reads etcd at once (waiting would only
         // delay the answer of an etcd that does not answer).
-        if !self.live() {
+        if !self.live() && !copy_pending(&self.read_state()) {
             return None;
         }
         if !ready(&self.read_state()) {
             // Waits for the revision, or for the mirror to stop following
             // (its watch broke meanwhile: the revision will not come from
             // it, and the caller reads etcd at once, as above).
-            let settled = |s: &State| !s.live || s.revision >= at_least;
+            let settled =
+                |s: &State| (!s.live && !copy_pending(s)) || (s.live && s.revision >= at_least);
             let wait = async {
                 loop {
                     if bell.changed().await.is_err() {
@@ -446,6 +483,12 @@ impl Mirror {
 
     /// Replaces everything by a full read at `revision`.
     fn replace(&self, kvs: Vec<Kv>, revision: i64, cluster_id: u64) {
+        self.set_keys(kvs, revision, cluster_id, true);
+    }
+
+    /// The mirror's keys, all of them, at `revision`; `live`: the watch
+    /// follows from there (a full read), or not yet (a copy).
+    fn set_keys(&self, kvs: Vec<Kv>, revision: i64, cluster_id: u64, live: bool) {
         {
             let mut s = self.write_state();
             s.kvs = kvs
@@ -458,10 +501,42 @@ impl Mirror {
             s.changed.clear();
             s.log.clear();
             s.log_floor = revision;
-            s.live = true;
+            s.live = live;
             s.down_since = None;
+            s.restored = (!live).then(std::time::Instant::now);
         }
         self.ring();
+    }
+
+    /// Takes a copy's keys at `revision` (`saved`): etcd's state then,
+    /// not now, so the mirror is not live until the watch from the next
+    /// revision stands.
+    fn restore(&self, kvs: Vec<Kv>, revision: i64, cluster_id: u64) {
+        self.set_keys(kvs, revision, cluster_id, false);
+    }
+
+    /// Whether the mirror, at a revision no later than `at`, is etcd's
+    /// state at `at` (`Door::caught_up_at`'s `last` and `count`): no
+    /// change existing at `at` is still to come (the last one is in), and
+    /// no deletion either (the counts agree; a put still to come would be
+    /// a later last change). Then the mirror stands at `at`.
+    fn caught_up(&self, at: i64, last: i64, count: usize) -> bool {
+        let mut s = self.write_state();
+        let done = s.revision > at || (s.revision >= last && s.kvs.len() == count);
+        if done {
+            s.revision = s.revision.max(at);
+        }
+        done
+    }
+
+    /// What the mirror holds, for a copy.
+    fn copy(&self) -> Copy {
+        let s = self.read_state();
+        Copy {
+            kvs: s.kvs.values().cloned().collect(),
+            at: (s.generation, s.revision),
+            cluster_id: s.cluster_id,
+        }
     }
 
     fn set_live(&self, live: bool) {
@@ -478,180 +553,6 @@ impl Mirror {
         if was != live {
             self.ring();
         }
-    }
-
-    /// Follows etcd until `stop`: a full read, then the watch; a full read
-    /// again after a compaction, a drop of the revision or another cluster
-    /// ID; the watch resumed after a break.
-    pub fn spawn(
-        self: Arc<Self>,
-        opts: DoorOptions,
-        mut stop: tokio::sync::watch::Receiver<bool>,
-    ) -> tokio::task::JoinHandle<()> {
-        tokio::spawn(async move {
-            let mut door: Option<Door> = None;
-            // The revision to watch from; `None`: read everything first.
-            let mut from: Option<i64> = None;
-            // The highest revision seen (a full read below it: a rollback).
-            let mut seen: i64 = 0;
-            let mut backoff = Backoff::new(RETRY_MIN, RETRY_MAX);
-            loop {
-                let step = self.follow(&opts, &mut door, &mut from, &mut seen);
-                let outcome = tokio::select! {
-                    r = step => r,
-                    _ = stop.wait_for(|s| *s) => break,
-                };
-                // A watch that stood: the next break retries soon again.
-                if self.live() {
-                    backoff.reset();
-                }
-                self.set_live(false);
-                if let Err(e) = outcome {
-                    let wait = backoff.next_delay();
-                    tracing::warn!(error = %crate::error_chain(&e), retry_in = ?wait, "cluster mirror: watch broke (or etcd unreachable); reads go to etcd until it follows again");
-                    tokio::select! {
-                        _ = tokio::time::sleep(wait) => {}
-                        _ = stop.wait_for(|s| *s) => break,
-                    }
-                }
-            }
-            self.set_live(false);
-        })
-    }
-
-    /// Reads everything when `from` is `None`, then follows the watch
-    /// until it breaks (`Err`) or asks for a full read (`Ok`, `from`
-    /// reset).
-    async fn follow(
-        &self,
-        opts: &DoorOptions,
-        door: &mut Option<Door>,
-        from: &mut Option<i64>,
-        seen: &mut i64,
-    ) -> Result<(), ClusterStoreError> {
-        if door.is_none() {
-            *door = Some(Door::connect(opts.clone()).await?);
-        }
-        let d = door.as_mut().expect("connected above");
-        let start = match *from {
-            Some(r) => r,
-            None => {
-                let (kvs, mark) = d.read_everything(PAGE).await?;
-                if mark.revision < *seen {
-                    tracing::error!(
-                        seen = *seen,
-                        now = mark.revision,
-                        "cluster mirror: etcd went back in time (restored from a backup?)"
-                    );
-                    for h in self
-                        .rollbacks
-                        .lock()
-                        .unwrap_or_else(std::sync::PoisonError::into_inner)
-                        .iter()
-                    {
-                        h.etcd_went_back(*seen);
-                    }
-                }
-                *seen = (*seen).max(mark.revision);
-                self.replace(kvs, mark.revision, mark.cluster_id);
-                *from = Some(mark.revision + 1);
-                mark.revision + 1
-            }
-        };
-        let mut stream = d.watch_raw(start).await?;
-        let cluster_id = self.read_state().cluster_id;
-        loop {
-            let msg = stream.message().await;
-            let resp = match msg {
-                Ok(Some(r)) => r,
-                Ok(None) => {
-                    return Err(broke(&self.prefix, "the stream ended"));
-                }
-                Err(e) => return Err(broke(&self.prefix, &e.to_string())),
-            };
-            let header = resp.header().map(|h| (h.revision(), h.cluster_id()));
-            if let Some((rev, id)) = header {
-                // Another cluster, or a revision below what the watch
-                // already delivered: a restore, or a member behind.
-                // The full read (linearizable) tells which.
-                if (id != 0 && cluster_id != 0 && id != cluster_id) || (rev > 0 && rev < start - 1)
-                {
-                    tracing::warn!(
-                        revision = rev,
-                        expected = start - 1,
-                        "cluster mirror: the watch answers from another history; reading everything again"
-                    );
-                    *from = None;
-                    return Ok(());
-                }
-            }
-            if resp.compact_revision() > 0 {
-                tracing::info!(
-                    compacted = resp.compact_revision(),
-                    "cluster mirror: etcd compacted the watched history; reading everything again"
-                );
-                *from = None;
-                return Ok(());
-            }
-            if resp.canceled() {
-                return Err(broke(
-                    &self.prefix,
-                    &format!("cancelled: {}", resp.cancel_reason()),
-                ));
-            }
-            if resp.created() {
-                // The watch stands: the mirror is live from here on.
-                self.set_live(true);
-            }
-            let mut next = from.unwrap_or(start);
-            {
-                let mut s = self.write_state();
-                // Every change of a revision comes in one answer (a
-                // transaction's several keys, a lease's end deleting all
-                // of its keys): all of them are applied, not only the
-                // first (which raised the mirror's revision, and the
-                // others looked like old news).
-                let applied = s.revision;
-                for event in resp.events() {
-                    let Some(kv) = event.kv() else { continue };
-                    let key = String::from_utf8_lossy(kv.key()).into_owned();
-                    let area = self.area(&key);
-                    let rev = kv.mod_revision();
-                    // Changes at or below the revision the mirror had
-                    // reached were in the full read or came before (a
-                    // resumed watch starts one revision early).
-                    if rev > applied {
-                        let now = match event.event_type() {
-                            EventType::Delete => None,
-                            EventType::Put => Some(Kv::of(kv)),
-                        };
-                        s.apply(key, area, rev, now);
-                    }
-                    next = next.max(rev + 1);
-                    s.revision = s.revision.max(rev);
-                }
-                if let Some((rev, _)) = header
-                    && resp.events().is_empty()
-                    && !resp.created()
-                {
-                    // A progress notification: nothing under the prefix
-                    // changed up to `rev`.
-                    s.revision = s.revision.max(rev);
-                    next = next.max(rev + 1);
-                }
-                *seen = (*seen).max(s.revision);
-            }
-            *from = Some(next);
-            self.ring();
-        }
-    }
-}
-
-fn broke(prefix: &str, why: &str) -> ClusterStoreError {
-    ClusterStoreError::Unavailable {
-        endpoints: String::new(),
-        what: format!("watch of {prefix}: {why}"),
-        maybe_written: false,
     }
 }
 
@@ -700,105 +601,11 @@ impl Link {
     }
 }
 
-impl Door {
-    /// Every key under the prefix at one revision, read in pages of
-    /// `page` keys (one answer for the whole cluster passed gRPC's 4 MiB
-    /// limit at a few thousand nodes), and the store mark of the read.
-    ///
-    /// # Errors
-    /// etcd unavailable, or the history compacted between two pages (read
-    /// again).
-    pub(super) async fn read_everything(
-        &self,
-        page: i64,
-    ) -> Result<(Vec<Kv>, StoreMark), ClusterStoreError> {
-        let prefix = self.options().prefix.clone();
-        let end = prefix_end(&prefix);
-        let mut out = Vec::new();
-        let mut at = 0;
-        let mut mark = StoreMark::default();
-        let mut from = prefix.clone().into_bytes();
-        loop {
-            let resp = self
-                .retrying("read everything", false, |mut c| {
-                    let from = from.clone();
-                    let end = end.clone();
-                    async move {
-                        let mut o = GetOptions::new().with_range(end).with_limit(page);
-                        if at > 0 {
-                            o = o.with_revision(at);
-                        }
-                        c.get(from, Some(o)).await
-                    }
-                })
-                .await?;
-            if let Some(h) = resp.header()
-                && at == 0
-            {
-                at = h.revision();
-                mark = StoreMark {
-                    cluster_id: h.cluster_id(),
-                    revision: h.revision(),
-                };
-            }
-            out.extend(resp.kvs().iter().map(Kv::of));
-            match resp.kvs().last() {
-                Some(last) if resp.more() => {
-                    from = last.key().to_vec();
-                    from.push(0);
-                }
-                _ => break,
-            }
-        }
-        Ok((out, mark))
-    }
-
-    /// A raw watch of every key under the prefix from `from` (inclusive),
-    /// started one revision earlier (see [`Door::watch`]: a compaction at
-    /// exactly `from` is then refused, not silently skipped).
-    pub(super) async fn watch_raw(
-        &self,
-        from: i64,
-    ) -> Result<etcd_client::WatchStream, ClusterStoreError> {
-        let prefix = self.options().prefix.clone();
-        let start = if from > 1 { from - 1 } else { from };
-        self.retrying("watch", false, |mut c| {
-            let prefix = prefix.clone();
-            async move {
-                let options = WatchOptions::new()
-                    .with_prefix()
-                    .with_start_revision(start)
-                    .with_progress_notify();
-                c.watch(prefix, Some(options)).await
-            }
-        })
-        .await
-    }
-}
-
-/// The end of the range of keys starting with `prefix`.
-fn prefix_end(prefix: &str) -> Vec<u8> {
-    let mut end = prefix.as_bytes().to_vec();
-    while let Some(last) = end.pop() {
-        if last < 0xff {
-            end.push(last + 1);
-            return end;
-        }
-    }
-    vec![0]
-}
-
 #[cfg(test)]
 mod tests {
     use std::sync::atomic::{AtomicUsize, Ordering};
 
     use super::*;
-
-    #[test]
-    fn the_range_end_of_a_prefix_covers_it_and_nothing_after() {
-        assert_eq!(prefix_end("/lockstep/v1/"), b"/lockstep/v10".to_vec());
-        assert_eq!(prefix_end("a\u{7f}"), b"a\x80".to_vec());
-    }
 
     fn kv(key: &str, value: &str, revision: i64) -> Kv {
         Kv {
