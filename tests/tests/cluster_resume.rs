@@ -2,9 +2,9 @@
 //! directory (#47 item 3) against a real etcd, instead of reading the
 //! whole prefix again: what etcd sends it for the restart, counted with
 //! etcd's own metrics, beside a restart without the copy (a cold start).
-//! The changes made while it was down reach its datapath either way; a
-//! copy whose revision etcd compacted away makes a full read, and the
-//! datapath is right after it too.
+//! The changes made while it was down reach its datapath either way (as
+//! changes, not as drift repaired); a copy whose revision etcd compacted
+//! away makes a full read, and the datapath is right after it too.
 
 use std::collections::BTreeMap;
 use std::net::{IpAddr, Ipv4Addr};
@@ -179,6 +179,21 @@ fn a_restarted_agent_resumes_from_its_copy_and_a_compacted_one_reads_everything(
     change(&mut d)?;
     let want = rt.block_on(others_in_etcd(&mut d))?;
     let (resumed, resumed_ranges) = restart(&cluster, &mut agent, &want)?;
+    // What changed while it was away is a change it makes, not drift it
+    // repaired.
+    let metrics = lockstep_tests::cluster::metrics_in(&ns)?;
+    ensure!(
+        metrics.contains("lockstep_reconcile"),
+        "no metrics read from the agent: {metrics}"
+    );
+    let repairs = lockstep_tests::cluster::sample(
+        &metrics,
+        "lockstep_reconcile_repairs_total{map=\"IPCACHE_V4\"}",
+    );
+    ensure!(
+        repairs.unwrap_or(0.0) == 0.0,
+        "the blocks changed while the agent was away were counted as repairs: {repairs:?}"
+    );
     let log = agent.log();
     ensure!(
         log.contains("resuming the watch from the saved copy's revision")

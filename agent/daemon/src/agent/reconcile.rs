@@ -238,6 +238,38 @@ impl Agent {
     /// # Errors
     /// A map could not be read or written.
     pub fn reconcile(&mut self) -> Result<ReconcileReport, AgentError> {
+        self.reconcile_counting(|_| true)
+    }
+
+    /// A whole reconcile for cluster mode's remote state, when there is no
+    /// earlier state to write the difference from (the first state after a
+    /// start, a remote write that failed): what it changes in the maps
+    /// the remote state fills (IPCACHE, MASQ_SKIP) is that state's change
+    /// (blocks claimed and given back while the agent was away), not drift,
+    /// and is not counted as repairs; the other maps' differences are.
+    ///
+    /// # Errors
+    /// A map could not be read or written.
+    pub fn reconcile_remote(&mut self) -> Result<ReconcileReport, AgentError> {
+        let report = self.reconcile_counting(|map| !REMOTE_MAPS.contains(&map))?;
+        let applied: usize = report
+            .per_map
+            .iter()
+            .filter(|(m, _)| REMOTE_MAPS.contains(&m.as_str()))
+            .map(|(_, n)| *n)
+            .sum();
+        if applied > 0 {
+            tracing::info!(entries = applied, "remote state applied whole");
+        }
+        Ok(report)
+    }
+
+    /// [`Agent::reconcile`], counting as repairs only the maps `counts`
+    /// names.
+    fn reconcile_counting(
+        &mut self,
+        counts: impl Fn(&str) -> bool,
+    ) -> Result<ReconcileReport, AgentError> {
         // A store that failed (a full disk) recovers here too, so the agent
         // becomes ready again without waiting for a request.
         if let Err(e) = self.store.recover() {
@@ -256,10 +288,12 @@ impl Agent {
                 tracing::error!(error = %crate::error_chain(&e), "the tunnel could not be repaired")
             }
         }
-        for (map, n) in &report.per_map {
+        let mut repaired = 0;
+        for (map, n) in report.per_map.iter().filter(|(m, _)| counts(m)) {
             *self.stats.repairs.entry(map.clone()).or_default() += *n as u64;
+            repaired += n;
         }
-        if report.total() > 0 {
+        if repaired > 0 {
             tracing::warn!(?report, "reconcile repaired drift");
         }
         Ok(report)

@@ -57,7 +57,9 @@ pub trait ClusterAllocator {
     /// Every address held inside one of `blocks`, sorted.
     fn addresses_in(&self, blocks: &[IpNet]) -> Vec<IpAddr>;
     /// A full reconcile of the datapath (the remote entries changed, and
-    /// no earlier state to tell which).
+    /// no earlier state to tell which): its changes to the maps the remote
+    /// state fills are that state's, not drift, and are not counted as
+    /// repairs.
     ///
     /// # Errors
     /// Why it failed.

@@ -58,7 +58,7 @@ impl ClusterAllocator for Agent {
     }
 
     fn reconcile(&mut self) -> Result<(), String> {
-        Agent::reconcile(self)
+        Agent::reconcile_remote(self)
             .map(drop)
             .map_err(|e| crate::error_chain(&e))
     }
