@@ -79,23 +79,29 @@ fn answer(a: &mut Announcer, actions: Vec<Action>, now: u64) {
     }
 }
 
+/// node-0's announcer having read `view`, settled: every address of its
+/// own taken and written; and the time then.
+fn settled(view: Observation) -> (Announcer, u64) {
+    let mut a = Announcer::new("node-0", AnnouncerConfig::for_lease(TTL));
+    let mut now = 1_000 * MS;
+    a.lease_granted(LEASE, now + TTL);
+    a.observed(view, now);
+    for _ in 0..5 {
+        now += 200 * MS;
+        a.lease_refreshed(now + TTL);
+        let acts = a.poll(now);
+        answer(&mut a, acts, now);
+    }
+    assert_eq!(a.held().len(), 10, "node-0 holds its ten addresses");
+    (a, now)
+}
+
 /// Nanoseconds per tick (median of `runs`, each `ticks` ticks 200 ms
 /// apart) of node-0's announcer among `members` members.
 pub fn per_tick(members: usize, runs: usize, ticks: usize) -> f64 {
     let mut xs = Vec::with_capacity(runs);
     for _ in 0..runs {
-        let mut a = Announcer::new("node-0", AnnouncerConfig::for_lease(TTL));
-        let mut now = 1_000 * MS;
-        a.lease_granted(LEASE, now + TTL);
-        a.observed(view(members), now);
-        // Settled: every address of its own taken back and written.
-        for _ in 0..5 {
-            now += 200 * MS;
-            a.lease_refreshed(now + TTL);
-            let acts = a.poll(now);
-            answer(&mut a, acts, now);
-        }
-        assert_eq!(a.held().len(), 10, "node-0 holds its ten addresses");
+        let (mut a, mut now) = settled(view(members));
         let t = Instant::now();
         for _ in 0..ticks {
             now += 200 * MS;
@@ -118,18 +124,8 @@ pub fn per_tick(members: usize, runs: usize, ticks: usize) -> f64 {
 pub fn per_view_change(members: usize, runs: usize, changes: usize) -> f64 {
     let mut xs = Vec::with_capacity(runs);
     for _ in 0..runs {
-        let mut a = Announcer::new("node-0", AnnouncerConfig::for_lease(TTL));
-        let mut now = 1_000 * MS;
-        a.lease_granted(LEASE, now + TTL);
         let mut v = view(members);
-        a.observed(v.clone(), now);
-        for _ in 0..5 {
-            now += 200 * MS;
-            a.lease_refreshed(now + TTL);
-            let acts = a.poll(now);
-            answer(&mut a, acts, now);
-        }
-        assert_eq!(a.held().len(), 10, "node-0 holds its ten addresses");
+        let (mut a, mut now) = settled(v.clone());
         let t = Instant::now();
         for k in 0..changes {
             // The last node's membership, under a new lease.

@@ -1,7 +1,7 @@
 //! Changes under the prefix as they happen: what every agent follows to
 //! learn where the other nodes' blocks live and who is alive.
 
-use etcd_client::{EventType, WatchOptions, WatchStream};
+use etcd_client::{EventType, WatchStream};
 use ipnet::IpNet;
 use lockstep_core::cluster::{ClusterPoolSpec, key_name_problem};
 
@@ -80,19 +80,7 @@ impl Door {
     /// etcd unavailable.
     pub async fn watch(&mut self, from: i64) -> Result<Watch, ClusterStoreError> {
         let prefix = self.options().prefix.clone();
-        let start = if from > 1 { from - 1 } else { from };
-        let stream = self
-            .retrying("watch", false, |mut c| {
-                let prefix = prefix.clone();
-                async move {
-                    let options = WatchOptions::new()
-                        .with_prefix()
-                        .with_start_revision(start)
-                        .with_progress_notify();
-                    c.watch(prefix, Some(options)).await
-                }
-            })
-            .await?;
+        let stream = self.watch_raw(from).await?;
         Ok(Watch {
             stream,
             prefix,

@@ -117,7 +117,7 @@ impl Door {
     /// A raw watch of every key under the prefix from `from` (inclusive),
     /// started one revision earlier (see [`Door::watch`]: a compaction at
     /// exactly `from` is then refused, not silently skipped).
-    pub(super) async fn watch_raw(
+    pub(in crate::cluster) async fn watch_raw(
         &self,
         from: i64,
     ) -> Result<etcd_client::WatchStream, ClusterStoreError> {
