@@ -36,3 +36,29 @@ pub fn node_record(name: String, ip: IpAddr, in_use: u64, version: &str) -> Node
         instance: None,
     }
 }
+
+/// The `i`th /26 of 10.64.0.0/10: the block synthetic node `i` (or the
+/// `i`th synthetic claim) holds in the tests' pools.
+///
+/// # Errors
+/// `i` past the /10.
+pub fn block(i: usize) -> anyhow::Result<ipnet::IpNet> {
+    let base = u32::from(std::net::Ipv4Addr::new(10, 64, 0, 0)) + u32::try_from(i)? * 64;
+    Ok(ipnet::IpNet::new(
+        IpAddr::V4(std::net::Ipv4Addr::from(base)),
+        26,
+    )?)
+}
+
+/// A door's options for `prefix` on `eps`, each request bounded by
+/// `timeout`.
+pub fn door_options(
+    eps: &[String],
+    prefix: &str,
+    timeout: std::time::Duration,
+) -> lockstep::cluster::DoorOptions {
+    let mut o = lockstep::cluster::DoorOptions::new(eps.to_vec());
+    o.prefix = prefix.to_string();
+    o.timeout = timeout;
+    o
+}

@@ -43,7 +43,6 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, ensure};
 use etcd_client::{Client, GetOptions, WatchOptions};
-use ipnet::IpNet;
 use lockstep::cluster::{Claim, Door, DoorOptions};
 use lockstep::config::Config;
 use lockstep_core::cluster::ClusterPoolSpec;
@@ -86,16 +85,7 @@ fn pool() -> anyhow::Result<ClusterPoolSpec> {
 }
 
 fn options(eps: &[String], prefix: &str) -> DoorOptions {
-    let mut o = DoorOptions::new(eps.to_vec());
-    o.prefix = prefix.to_string();
-    o.timeout = Duration::from_secs(10);
-    o
-}
-
-/// The `i`th /26 of the pool.
-fn block(i: usize) -> anyhow::Result<IpNet> {
-    let base = u32::from(Ipv4Addr::new(10, 64, 0, 0)) + u32::try_from(i)? * 64;
-    Ok(IpNet::new(IpAddr::V4(Ipv4Addr::from(base)), 26)?)
+    lockstep_tests::synthetic::door_options(eps, prefix, Duration::from_secs(10))
 }
 
 /// Thin node `i`'s record: its underlay address is in 10.200.0.0/16,
@@ -257,7 +247,9 @@ impl Thin {
                 for i in (g * GROUP)..((g + 1) * GROUP).min(n) {
                     let r = record(i)?;
                     let node_lease = d.register_node(&r, &[], node_ttl).await?;
-                    let got = d.claim_block("side", block(i)?, &r.name).await?;
+                    let got = d
+                        .claim_block("side", lockstep_tests::synthetic::block(i)?, &r.name)
+                        .await?;
                     ensure!(matches!(got, Claim::Claimed { .. }), "{}: {got:?}", r.name);
                     let (lb_lease, _) = d.lb_grant(lb_ttl).await?;
                     d.lb_join(&r.name, &BTreeMap::new(), true, lb_lease).await?;

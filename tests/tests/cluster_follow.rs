@@ -103,10 +103,7 @@ impl AllocatorDoor for RecorderDoor {
 }
 
 fn options(eps: &[String]) -> DoorOptions {
-    let mut o = DoorOptions::new(eps.to_vec());
-    o.prefix = PREFIX.into();
-    o.timeout = Duration::from_secs(10);
-    o
+    lockstep_tests::synthetic::door_options(eps, PREFIX, Duration::from_secs(10))
 }
 
 fn pool(extra: usize) -> anyhow::Result<ClusterPoolSpec> {
@@ -115,11 +112,6 @@ fn pool(extra: usize) -> anyhow::Result<ClusterPoolSpec> {
     Ok(serde_json::from_value(
         serde_json::json!({ "name": "follow", "ipv4": ipv4 }),
     )?)
-}
-
-fn block(i: usize) -> anyhow::Result<IpNet> {
-    let base = u32::from(Ipv4Addr::new(10, 64, 0, 0)) + u32::try_from(i)? * 64;
-    Ok(IpNet::new(IpAddr::V4(Ipv4Addr::from(base)), 26)?)
 }
 
 fn record(i: usize, in_use: u64) -> NodeRecord {
@@ -214,7 +206,7 @@ fn the_other_nodes_blocks_followed_per_change_are_the_whole_read() -> anyhow::Re
             let other = draw.below(OTHERS);
             match draw.below(10) {
                 0..=3 => {
-                    let cidr = block(draw.below(40))?;
+                    let cidr = lockstep_tests::synthetic::block(draw.below(40))?;
                     if let std::collections::btree_map::Entry::Vacant(free) = held.entry(cidr) {
                         let name = record(other, 0).name;
                         let got = w.claim_block("follow", cidr, &name).await?;

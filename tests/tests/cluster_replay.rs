@@ -36,7 +36,6 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, ensure};
-use ipnet::IpNet;
 use lockstep::cluster::{
     AgentSlot, Block, Claim, ClusterNode, Door, DoorOptions, LbAgent, Link, NodeRecord, RemoteTask,
 };
@@ -75,16 +74,7 @@ fn pool() -> anyhow::Result<ClusterPoolSpec> {
 }
 
 fn options(eps: &[String], prefix: &str) -> DoorOptions {
-    let mut o = DoorOptions::new(eps.to_vec());
-    o.prefix = prefix.to_string();
-    o.timeout = Duration::from_secs(5);
-    o
-}
-
-/// The `i`th /26 of the pool.
-fn block(i: usize) -> anyhow::Result<IpNet> {
-    let base = u32::from(Ipv4Addr::new(10, 64, 0, 0)) + u32::try_from(i)? * 64;
-    Ok(IpNet::new(IpAddr::V4(Ipv4Addr::from(base)), 26)?)
+    lockstep_tests::synthetic::door_options(eps, prefix, Duration::from_secs(5))
 }
 
 /// Synthetic node `i`'s record (its underlay address is never used: no
@@ -143,7 +133,9 @@ async fn write_cluster(eps: &[String], prefix: &str, n: usize) -> anyhow::Result
             for i in (w..n).step_by(WRITERS) {
                 let r = record(i, 10);
                 let node_lease = d.register_node(&r, &[], Duration::from_secs(3600)).await?;
-                let got = d.claim_block(&pool, block(i)?, &r.name).await?;
+                let got = d
+                    .claim_block(&pool, lockstep_tests::synthetic::block(i)?, &r.name)
+                    .await?;
                 ensure!(matches!(got, Claim::Claimed { .. }), "{}: {got:?}", r.name);
                 let (lease, _) = d.lb_grant(Duration::from_secs(3600)).await?;
                 d.lb_join(&r.name, &BTreeMap::new(), true, lease).await?;
@@ -265,7 +257,7 @@ async fn event(
     let (node_lease, lb_lease) = leases[other];
     match i % 4 {
         0 => {
-            let cidr = block(n + i)?;
+            let cidr = lockstep_tests::synthetic::block(n + i)?;
             let name = record(other, 0).name;
             let got = d.claim_block("replay", cidr, &name).await?;
             let Claim::Claimed { revision } = got else {

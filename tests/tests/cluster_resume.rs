@@ -11,7 +11,6 @@ use std::net::{IpAddr, Ipv4Addr};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, ensure};
-use ipnet::IpNet;
 use lockstep::cluster::{Block, Claim, Door, DoorOptions};
 use lockstep_tests::cluster::{cluster_config, lone_node, lpm_v4, remote_entries};
 use lockstep_tests::etcd::EtcdCluster;
@@ -23,16 +22,7 @@ const PREFIX: &str = "/resume/";
 const OTHERS: usize = 300;
 
 fn options(eps: &[String]) -> DoorOptions {
-    let mut o = DoorOptions::new(eps.to_vec());
-    o.prefix = PREFIX.into();
-    o.timeout = Duration::from_secs(10);
-    o
-}
-
-/// The `i`th /26 of the pool.
-fn block(i: usize) -> anyhow::Result<IpNet> {
-    let base = u32::from(Ipv4Addr::new(10, 64, 0, 0)) + u32::try_from(i)? * 64;
-    Ok(IpNet::new(IpAddr::V4(Ipv4Addr::from(base)), 26)?)
+    lockstep_tests::synthetic::door_options(eps, PREFIX, Duration::from_secs(10))
 }
 
 fn name(i: usize) -> String {
@@ -129,7 +119,9 @@ fn a_restarted_agent_resumes_from_its_copy_and_a_compacted_one_reads_everything(
         for i in 0..OTHERS {
             let r = lockstep_tests::synthetic::node_record(name(i), ip(i)?, 0, "resume");
             d.register_node(&r, &[], Duration::from_secs(3600)).await?;
-            let got = d.claim_block("resume", block(i)?, &r.name).await?;
+            let got = d
+                .claim_block("resume", lockstep_tests::synthetic::block(i)?, &r.name)
+                .await?;
             ensure!(matches!(got, Claim::Claimed { .. }), "{}: {got:?}", r.name);
         }
         anyhow::Ok(d)
@@ -156,7 +148,9 @@ fn a_restarted_agent_resumes_from_its_copy_and_a_compacted_one_reads_everything(
     let mut change = |d: &mut Door| -> anyhow::Result<()> {
         rt.block_on(async {
             let node = name(extra % OTHERS);
-            let got = d.claim_block("resume", block(extra)?, &node).await?;
+            let got = d
+                .claim_block("resume", lockstep_tests::synthetic::block(extra)?, &node)
+                .await?;
             ensure!(matches!(got, Claim::Claimed { .. }), "{node}: {got:?}");
             let (blocks, _) = d.blocks().await?;
             let gone: Block = blocks

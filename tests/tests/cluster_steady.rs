@@ -115,10 +115,7 @@ fn pool() -> anyhow::Result<ClusterPoolSpec> {
 }
 
 fn options(eps: &[String], prefix: &str) -> DoorOptions {
-    let mut o = DoorOptions::new(eps.to_vec());
-    o.prefix = prefix.to_string();
-    o.timeout = Duration::from_millis(600);
-    o
+    lockstep_tests::synthetic::door_options(eps, prefix, Duration::from_millis(600))
 }
 
 /// Stores the cluster pool under `prefix`.
