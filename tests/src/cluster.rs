@@ -51,6 +51,14 @@ impl Cut {
         *self.trigger.lock().expect("lock") = Some(pattern.to_vec());
     }
 
+    /// Drops every answer from now on, on every connection, until
+    /// [`Cut::unmute`]: requests still reach etcd (and are counted there),
+    /// nothing comes back. etcd as a node sees it when it stops answering
+    /// (a lost quorum, a leader election that drags on).
+    pub fn silence(&self) {
+        self.muted.store(true, Ordering::SeqCst);
+    }
+
     /// Whether an armed pattern has passed and answers are being dropped.
     pub fn muted(&self) -> bool {
         self.muted.load(Ordering::SeqCst)

@@ -12,14 +12,53 @@ use tokio::time::Instant;
 use super::backoff::Backoff;
 use super::{Door, DoorOptions};
 
-/// How soon a refresh etcd did not answer is tried again: the first retry,
-/// and the longest base delay (jittered, a retry comes within 500 ms).
+/// How soon a refresh etcd did not answer is tried again while the lease
+/// may still live: the first retry, and the longest base delay (jittered,
+/// a retry comes within 500 ms).
 const RETRY_MIN: Duration = Duration::from_millis(100);
 const RETRY_MAX: Duration = Duration::from_millis(250);
+/// The same once the lease's TTL has passed since its last answered
+/// refresh.
+const LATE_MIN: Duration = Duration::from_secs(1);
+const LATE_MAX: Duration = Duration::from_secs(8);
 
-/// The delays of a keeper's retries of a refresh.
-pub(super) fn retries() -> Backoff {
-    Backoff::new(RETRY_MIN, RETRY_MAX)
+/// The delays of a keeper's retries of a refresh (#47 item 3): quick while
+/// the lease may still live, since a refresh lost must be tried again
+/// before it runs out; slower once its TTL has passed since the last
+/// answered refresh. etcd keeps a lease past its TTL only across a leader
+/// change (which renews every lease), so asking a silent etcd four times
+/// a second then saves nothing, and thousands of nodes asking so load it
+/// the moment it answers again. Each phase is jittered and grows; an
+/// answer resets both.
+#[derive(Debug)]
+pub(super) struct Retries {
+    quick: Backoff,
+    late: Backoff,
+}
+
+impl Retries {
+    pub(super) fn new() -> Self {
+        Self {
+            quick: Backoff::new(RETRY_MIN, RETRY_MAX),
+            late: Backoff::new(LATE_MIN, LATE_MAX),
+        }
+    }
+
+    /// The delay before the next try; `past_ttl`: the lease's TTL has
+    /// passed since its last answered refresh.
+    pub(super) fn next_delay(&mut self, past_ttl: bool) -> Duration {
+        if past_ttl {
+            self.late.next_delay()
+        } else {
+            self.quick.next_delay()
+        }
+    }
+
+    /// An answer came.
+    pub(super) fn reset(&mut self) {
+        self.quick.reset();
+        self.late.reset();
+    }
 }
 
 /// What a keeper's wait ended with.

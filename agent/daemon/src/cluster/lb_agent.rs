@@ -48,11 +48,12 @@ use lockstep_core::lb::announce::{Observation, Written};
 use lockstep_core::lb::cluster::unannounced;
 use tokio::sync::watch;
 
+use super::backoff::Backoff;
 use super::lb_announce::{self, AnnounceDatapath, AnnounceKeys, Counts};
 use super::lb_assigner::Assigner;
 use super::lb_handle::{LbHandle, Shared};
 use super::lb_keeper::{KeeperEnds, KeeperLink};
-use super::lb_timing::{IDLE_ROUND, MIN_LEASE, TICK, Wake, mirror_stamp};
+use super::lb_timing::{IDLE_ROUND, MIN_LEASE, RETRY_MAX, RETRY_MIN, TICK, Wake, mirror_stamp};
 use super::{ClusterStoreError, Door, DoorOptions, Link, Stamp};
 use crate::announce::{Announcements, UplinkHealth, UplinkProbe, monotonic_ns};
 
@@ -86,6 +87,8 @@ pub struct LbAgent {
     seen: Option<Seen>,
     /// The first etcd error of the current tick.
     problem: Option<ClusterStoreError>,
+    /// How long etcd is left alone after it answered nothing.
+    retries: Backoff,
     counts: Counts,
     handle: Arc<LbHandle>,
     /// The lease's keeper (`lb_keeper`): told the lease to keep, its
@@ -155,6 +158,7 @@ impl LbAgent {
             lease_held: watch::Sender::new(None),
             seen: None,
             problem: None,
+            retries: Backoff::new(RETRY_MIN, RETRY_MAX),
             counts: Counts::default(),
             keeper,
             keeper_ends: Some(keeper_ends),
@@ -514,8 +518,19 @@ impl LbAgent {
             self.keeper.tell(self.driver.kept_lease());
             match step {
                 Step::Io(io) => {
+                    let to_etcd = io.to_etcd();
                     let done = self.carry_out(io, announcements).await;
+                    let unanswered = to_etcd && done.unanswered();
                     self.driver.done(done, monotonic_ns());
+                    // etcd silent: asked again only after a jittered,
+                    // growing delay (#47 item 3).
+                    if unanswered {
+                        let wait = self.retries.next_delay();
+                        self.driver
+                            .hold_until(monotonic_ns().saturating_add(wait.as_nanos() as u64));
+                    } else if to_etcd {
+                        self.retries.reset();
+                    }
                     self.keeper.tell(self.driver.kept_lease());
                     self.publish_lease();
                 }

@@ -20,7 +20,9 @@
 //! where it stood when a round left nothing to do (#27 item 6; one every
 //! [`IDLE_ROUND`] all the same): a follower campaigns only when the
 //! assigner key is gone, and the assigner stores only what changed, both
-//! under `lb/`.
+//! under `lb/`. A round that failed (etcd unavailable, or cut short) is
+//! tried again after a jittered, growing delay (#47 item 3), not at every
+//! period.
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
@@ -28,8 +30,9 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::watch;
 
+use super::backoff::Backoff;
 use super::lb_handle::LbHandle;
-use super::lb_timing::{IDLE_ROUND, ROUND_EVERY, Wake, mirror_stamp};
+use super::lb_timing::{IDLE_ROUND, RETRY_MAX, ROUND_EVERY, Wake, mirror_stamp};
 use super::{ClusterStoreError, Door, LbView, Round, Stamp};
 
 /// The assigner of one node.
@@ -51,6 +54,8 @@ pub(super) struct Assigner {
     /// Whether the last round failed (etcd unavailable, a lease gone
     /// meanwhile): logged when that begins and ends, not every round.
     failing: bool,
+    /// The delays of the retries while rounds fail.
+    retries: Backoff,
     handle: Arc<LbHandle>,
 }
 
@@ -78,6 +83,7 @@ impl Assigner {
             acted: None,
             wake: Wake::default(),
             failing: false,
+            retries: Backoff::new(ROUND_EVERY, RETRY_MAX),
             handle,
         }
     }
@@ -98,10 +104,17 @@ impl Assigner {
                 continue;
             }
             self.wake.open(self.door.as_mut()).await;
-            // A round is due again after ROUND_EVERY; a change under
-            // `lb/` or a new lease is looked at at once.
+            // A round is due again after ROUND_EVERY, or after the next
+            // retry's delay while rounds fail; a change under `lb/` or a
+            // new lease is looked at at once.
+            let pause = if self.failing {
+                self.retries.next_delay()
+            } else {
+                self.retries.reset();
+                ROUND_EVERY
+            };
             tokio::select! {
-                () = tokio::time::sleep(ROUND_EVERY) => {}
+                () = tokio::time::sleep(pause) => {}
                 () = self.wake.changed() => {}
                 gone = lease.changed() => if gone.is_err() { break },
                 _ = stop.wait_for(|s| *s) => break,
@@ -173,8 +186,11 @@ impl Assigner {
         // by the next round.
         let bound = self.ttl / 4;
         let Ok(round) = tokio::time::timeout(bound, door.lb_round(&self.name, lease)).await else {
-            tracing::debug!(?bound, "lb round cut short");
-            return Ok(false);
+            return Err(ClusterStoreError::Unavailable {
+                endpoints: self.handle.options().endpoints.join(","),
+                what: format!("an lb round: cut short after {bound:?}"),
+                maybe_written: true,
+            });
         };
         let at = door.written();
         self.last_round = Some(Instant::now());

@@ -122,7 +122,7 @@ pub(super) async fn keep(
     let KeeperEnds { mut told, kept } = ends;
     let mut door: Option<Door> = None;
     let mut retry_at: Option<tokio::time::Instant> = None;
-    let mut backoff = keeping::retries();
+    let mut backoff = keeping::Retries::new();
     loop {
         let Some(lease) = *told.borrow_and_update() else {
             if !keeping::told(&mut told, &mut stop).await {
@@ -136,8 +136,10 @@ pub(super) async fn keep(
             Waited::Told => continue,
             Waited::Stop => return,
         }
+        // The last answered refresh was a third of the TTL before due.
+        let past_ttl = monotonic_ns() >= due_ns.saturating_add(lease.ttl_ns * 2 / 3);
         let Some(d) = keeping::connected(&mut door, &opts).await else {
-            retry_at = Some(tokio::time::Instant::now() + backoff.next_delay());
+            retry_at = Some(tokio::time::Instant::now() + backoff.next_delay(past_ttl));
             continue;
         };
         let sent = monotonic_ns();
@@ -152,10 +154,12 @@ pub(super) async fn keep(
                 s.lease_late_max = s.lease_late_max.max(late);
             }
             // Gone: the driver's own refresh finds out and grants another.
-            Ok(false) => retry_at = Some(tokio::time::Instant::now() + backoff.next_delay()),
+            Ok(false) => {
+                retry_at = Some(tokio::time::Instant::now() + backoff.next_delay(past_ttl));
+            }
             Err(e) => {
                 tracing::debug!(error = %e, lease = lease.id, "lb lease refresh failed; trying again");
-                retry_at = Some(tokio::time::Instant::now() + backoff.next_delay());
+                retry_at = Some(tokio::time::Instant::now() + backoff.next_delay(past_ttl));
             }
         }
     }

@@ -19,6 +19,15 @@ pub const ROUND_EVERY: Duration = Duration::from_millis(500);
 /// How often a round runs when nothing under `lb/` changed in the
 /// mirror (it reads nothing from etcd then).
 pub const IDLE_ROUND: Duration = Duration::from_secs(5);
+/// The first delay before etcd is asked again after it left a request of
+/// the announcer or the assigner unanswered (each next one doubled up to
+/// [`RETRY_MAX`], stretched by a random fraction of itself: #47 item 3):
+/// a lost reply costs a tick or two.
+pub const RETRY_MIN: Duration = TICK;
+/// The longest base delay of those retries: a silent etcd is not asked
+/// by every node at every tick, and one that answers again is asked
+/// within 4 s.
+pub const RETRY_MAX: Duration = Duration::from_secs(2);
 /// The shortest LB lease etcd grants with its default timing (it raises
 /// shorter ones to this).
 pub const MIN_LEASE: Duration = Duration::from_secs(2);

@@ -205,6 +205,28 @@ pub enum Done {
     Lost,
 }
 
+impl Io {
+    /// Whether the request goes to etcd (all but the datapath's writes).
+    #[must_use]
+    pub fn to_etcd(&self) -> bool {
+        !matches!(self, Io::Program { .. })
+    }
+}
+
+impl Done {
+    /// Whether etcd left the request unanswered: no answer at all, or
+    /// none for any address of a take. A caller backs off on it
+    /// ([`Driver::hold_until`]).
+    #[must_use]
+    pub fn unanswered(&self) -> bool {
+        match self {
+            Done::Lost | Done::Withdrew(Withdrew::Lost) => true,
+            Done::Took(t) => t.iter().all(|t| *t == Took::Lost),
+            _ => false,
+        }
+    }
+}
+
 /// What to do now.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Step {
@@ -267,6 +289,9 @@ pub struct Driver {
     read_due: bool,
     /// The membership is to be written (again).
     join_due: bool,
+    /// No request goes to etcd before this (kernel monotonic ns): the
+    /// last one went unanswered ([`Driver::hold_until`]).
+    held_until: Nanos,
     /// What the last membership written published.
     published: Option<bool>,
     /// The end of this tick's action phase.
@@ -292,6 +317,7 @@ impl Driver {
             lease_failed: false,
             read_due: false,
             join_due: false,
+            held_until: 0,
             published: None,
             deadline: 0,
             polls: 0,
@@ -342,6 +368,22 @@ impl Driver {
         self.machine.stop();
         self.queue.clear();
         self.stage = Stage::Act;
+    }
+
+    /// etcd left the last request unanswered: nothing more is asked of it
+    /// (no grant, refresh, join, read, take or withdrawal) before `until`,
+    /// the caller's jittered backoff (#47 item 3), so a node does not ask
+    /// a silent etcd again at every tick. Ticks go on meanwhile: the
+    /// announcer acts on what it last read, and what it would send is
+    /// reported lost at once, as past a tick's deadline. The revoke at
+    /// stop still goes.
+    pub fn hold_until(&mut self, until: Nanos) {
+        self.held_until = until;
+    }
+
+    /// Whether requests to etcd are held back at `now`.
+    fn held(&self, now: Nanos) -> bool {
+        !self.stopping && now < self.held_until
     }
 
     /// Whether stopping is finished.
@@ -397,7 +439,9 @@ impl Driver {
     /// waiting for the period sent refreshes up to a tick late).
     fn wake_at(&self) -> Nanos {
         let refresh = match self.lease {
-            Some(l) if self.machine.wants_lease() && !self.lease_failed => self.refresh_due(l),
+            Some(l) if self.machine.wants_lease() && !self.lease_failed => {
+                self.refresh_due(l).max(self.held_until)
+            }
             _ => Nanos::MAX,
         };
         self.next_tick.min(refresh)
@@ -459,7 +503,7 @@ impl Driver {
         if self.stage == Stage::Idle || !self.machine.wants_lease() {
             return None;
         }
-        if self.lease_failed {
+        if self.lease_failed || self.held(now) {
             return None;
         }
         match self.lease {
@@ -479,7 +523,10 @@ impl Driver {
     }
 
     /// Join, then read.
-    fn prepare(&mut self, _now: Nanos) -> Option<Io> {
+    fn prepare(&mut self, now: Nanos) -> Option<Io> {
+        if self.held(now) {
+            return None;
+        }
         let lease = self.machine.lease()?;
         let answers = self.cfg.can_answer && self.machine.answers();
         if self.join_due || self.published.is_some_and(|p| p != answers) {
@@ -526,6 +573,9 @@ impl Driver {
     /// One action: the request to send, or (late, or nothing to send)
     /// reported lost at once and `None`.
     fn carry_out(&mut self, action: Action, late: bool, now: Nanos) -> Option<Step> {
+        // Past the deadline, or etcd held back: what would go to etcd is
+        // reported lost at once (the datapath's writes still go).
+        let unsent = late || self.held(now);
         match action {
             Action::Program {
                 seq,
@@ -551,7 +601,7 @@ impl Driver {
                     batch.push(*a);
                     self.queue.pop_front();
                 }
-                match (late, self.machine.lease()) {
+                match (unsent, self.machine.lease()) {
                     (false, Some(lease)) => {
                         self.in_flight = Some(InFlight::Take(batch.clone()));
                         Some(Step::Io(Io::Take {
@@ -568,7 +618,7 @@ impl Driver {
                 }
             }
             Action::Withdraw(a, key) => {
-                if late {
+                if unsent {
                     self.machine.withdrew(a, Withdrew::Lost, now);
                     return None;
                 }

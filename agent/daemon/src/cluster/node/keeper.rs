@@ -90,7 +90,7 @@ pub(super) async fn keep(
     let every = ttl / 3;
     let mut door: Option<Door> = None;
     let mut retry_at: Option<tokio::time::Instant> = None;
-    let mut backoff = keeping::retries();
+    let mut backoff = keeping::Retries::new();
     loop {
         let Some((lease, at)) = fold(*told.borrow_and_update(), *kept.borrow()) else {
             if !keeping::told(&mut told, &mut stop).await {
@@ -104,8 +104,9 @@ pub(super) async fn keep(
             Waited::Told => continue,
             Waited::Stop => return,
         }
+        let past_ttl = at.elapsed() >= ttl;
         let Some(d) = keeping::connected(&mut door, &opts).await else {
-            retry_at = Some(tokio::time::Instant::now() + backoff.next_delay());
+            retry_at = Some(tokio::time::Instant::now() + backoff.next_delay(past_ttl));
             continue;
         };
         let sent = Instant::now();
@@ -127,7 +128,7 @@ pub(super) async fn keep(
             }
             Err(e) => {
                 tracing::debug!(error = %e, lease, "node lease refresh failed; trying again");
-                retry_at = Some(tokio::time::Instant::now() + backoff.next_delay());
+                retry_at = Some(tokio::time::Instant::now() + backoff.next_delay(past_ttl));
             }
         }
     }

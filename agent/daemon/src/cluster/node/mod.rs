@@ -59,6 +59,7 @@ pub use served::local_specs;
 pub use super::allocator::AgentSlot;
 use super::allocator::ClusterAllocator;
 pub(crate) use super::allocator::{no_agent, on_agent};
+use super::backoff::Backoff;
 use super::handle::ClusterHandle;
 use super::held::{Held, HeldBlock};
 use super::mirror::Cursor;
@@ -73,10 +74,29 @@ const REQUEST_TIMEOUT: Duration = Duration::from_millis(600);
 /// How often the task looks at demand, etcd and the lease when nothing
 /// wakes it.
 const TICK: Duration = Duration::from_secs(1);
+/// The first delay before a round asks etcd again after a request of the
+/// round failed, and the longest base delay (doubled from one to the
+/// other, each stretched by a random fraction of itself: #47 item 3). An
+/// ADD that needs a block meanwhile is told to try again, as it is while
+/// etcd fails; one served from a held block never waits.
+const RETRY_MIN: Duration = Duration::from_secs(1);
+const RETRY_MAX: Duration = Duration::from_secs(8);
 /// How often pools and blocks are read when nothing asks sooner (a claim
 /// due, an ADD waiting, etcd failing): every node reading every block
 /// every second would load etcd with the cluster's size squared.
 const READ_EVERY: Duration = Duration::from_secs(5);
+
+/// etcd left a request of a round unanswered: the rounds ask it nothing
+/// until `until`, or until it is seen answering this agent again (the
+/// lease's keeper refreshed the lease, or the mirror's watch delivered a
+/// change), whichever comes first.
+#[derive(Clone, Copy, Debug)]
+struct Hold {
+    until: Instant,
+    since: Instant,
+    /// Where the mirror stood (full reads, last revision) when it began.
+    seen: Option<(u64, i64)>,
+}
 
 /// A new agent instance identity: 128 random bits, hex.
 fn new_instance() -> Result<String, getrandom::Error> {
@@ -100,8 +120,10 @@ pub struct ClusterNode {
     door: Option<Door>,
     held: Held,
     lease: Option<(i64, Instant)>,
-    /// When a refresh was last tried after a failed read.
-    refresh_tried: Option<Instant>,
+    /// The delays between rounds that ask etcd while it fails (#47 item
+    /// 3: jittered, growing), and the hold of the present one.
+    retries: Backoff,
+    hold: Option<Hold>,
     /// Record published with the lease (re-published when it changes).
     published: Option<NodeRecord>,
     /// The addresses in use published with it (in the routing key).
@@ -256,7 +278,8 @@ impl ClusterNode {
             door: None,
             held,
             lease: None,
-            refresh_tried: None,
+            retries: Backoff::new(RETRY_MIN, RETRY_MAX),
+            hold: None,
             published: None,
             published_addrs: Vec::new(),
             own_reserved: None,
@@ -327,35 +350,6 @@ impl ClusterNode {
             _ => {}
         }
         s.problem = now;
-    }
-
-    /// Refreshes the lease when due though the round's reads failed: a
-    /// read that timed out (a slow mirror, a guarded write that lost) is
-    /// not etcd gone, and the node key must not lapse over it (a lapsed
-    /// key is every other node's change to read, and a gone mark). At
-    /// most once a second while it fails.
-    async fn refresh_alone(&mut self) {
-        self.lease = self.keeper.fold(self.lease);
-        let Some((lease, at)) = self.lease else {
-            return;
-        };
-        if at.elapsed() < self.cluster.lease_ttl / 3
-            || self
-                .refresh_tried
-                .is_some_and(|t| t.elapsed() < Duration::from_secs(1))
-        {
-            return;
-        }
-        self.refresh_tried = Some(Instant::now());
-        let Some(door) = self.door.as_mut() else {
-            return;
-        };
-        // Gone (`Ok(false)`) or unanswered: the next round that reads
-        // registers again, as before.
-        if let Ok(true) = door.keep_alive(lease).await {
-            self.lease = Some((lease, Instant::now()));
-            self.keeper.tell(self.lease);
-        }
     }
 
     fn options(&self) -> DoorOptions {
@@ -547,6 +541,20 @@ impl ClusterNode {
         self.link.as_ref().map(|l| l.mirror().stamp(&AREAS))
     }
 
+    /// Whether the rounds ask etcd nothing now ([`Hold`]); `stamp`: where
+    /// the mirror stands.
+    fn held(&self, stamp: Option<Stamp>) -> bool {
+        let Some(h) = self.hold else {
+            return false;
+        };
+        let refreshed = self
+            .keeper
+            .fold(self.lease)
+            .is_some_and(|(_, at)| at > h.since);
+        let changed = stamp.is_some_and(|s| Some((s.generation, s.revision)) != h.seen);
+        Instant::now() < h.until && !refreshed && !changed
+    }
+
     /// Whether reads come from a live mirror now.
     fn mirrored(&self) -> bool {
         self.link.as_ref().is_some_and(|l| l.mirror().live())
@@ -617,10 +625,15 @@ impl ClusterNode {
             Some(s) if s.live => self.synced != Some(s) || (self.gone_pending && every),
             _ => every && !resuming,
         };
-        let must_read = self.read_next
-            || due
-            || self.handle.etcd_problem().is_some()
-            || !self.handle.lock().wanted.is_empty();
+        // A request of an earlier round failed: etcd is asked nothing
+        // until the retry's delay is over, or until it answers the agent
+        // again (the round serves what it has meanwhile).
+        let held = self.held(stamp);
+        let must_read = !held
+            && (self.read_next
+                || due
+                || self.handle.etcd_problem().is_some()
+                || !self.handle.lock().wanted.is_empty());
         if must_read {
             self.asked_at_read = self.handle.lock().wanted.clone();
             // A read made for another reason (a claim waiting, etcd's
@@ -634,7 +647,7 @@ impl ClusterNode {
                     .map(|(_, at)| at);
             }
         }
-        let reachable = if must_read { self.sync().await } else { true };
+        let reachable = if must_read { self.sync().await } else { !held };
         if must_read && reachable {
             self.last_read = Some(Instant::now());
             self.read_next = false;
@@ -743,8 +756,6 @@ impl ClusterNode {
             // only a reclaimer reads, covers them.
             self.lease(record, Vec::new()).await;
             self.release_own(&addrs.iter().copied().collect()).await;
-        } else {
-            self.refresh_alone().await;
         }
         if changed && let Err(e) = self.held.save(&self.config.state_dir) {
             tracing::error!(error = %crate::error_chain(&e), "the held blocks are not recorded");
@@ -768,6 +779,22 @@ impl ClusterNode {
             }
             if fresh {
                 self.finish_drains().await;
+            }
+        }
+        // Any request of this round unanswered: the next round asks etcd
+        // after the retry's delay; answered: at once when due. (The lease
+        // stays kept meanwhile: its keeper has retries of its own.)
+        if !held {
+            if self.handle.etcd_problem().is_some() {
+                let now = Instant::now();
+                self.hold = Some(Hold {
+                    until: now + self.retries.next_delay(),
+                    since: now,
+                    seen: self.stamp().map(|s| (s.generation, s.revision)),
+                });
+            } else {
+                self.retries.reset();
+                self.hold = None;
             }
         }
         let mut s = self.handle.lock();

@@ -371,3 +371,53 @@ fn no_lease_is_kept_while_the_uplink_is_silent() {
     assert!(revoked);
     assert_eq!(d.kept_lease(), None);
 }
+
+/// Steps the driver from `from` to `to`, answering every etcd request
+/// `Lost` 1 ms after it went, and every datapath write done; after each
+/// lost request, holds etcd back for `hold` (none: `0`). The etcd
+/// requests sent, with when.
+fn against_silent_etcd(d: &mut Driver, from: Nanos, to: Nanos, hold: Nanos) -> Vec<(Nanos, Io)> {
+    let mut sent = Vec::new();
+    let mut now = from;
+    while now < to {
+        match d.step(now) {
+            Step::Io(Io::Program { .. }) => d.done(Done::Programmed(Written::Done), now),
+            Step::Io(io) => {
+                sent.push((now, io));
+                now += 1_000_000;
+                d.done(Done::Lost, now);
+                if hold > 0 {
+                    d.hold_until(now + hold);
+                }
+            }
+            Step::Announce(_) => {}
+            Step::Wait(until) => now = until.max(now + 1),
+        }
+    }
+    sent
+}
+
+#[test]
+fn a_silent_etcd_is_asked_nothing_until_the_hold_is_over() {
+    let a = addr(1);
+    let d = started(view("n", 7, &[a], &[]));
+    // Without a hold, a silent etcd is asked again at every tick.
+    let unheld = against_silent_etcd(&mut d.clone(), 40, 4 * S, 0);
+    let ticks = (4 * S / cfg().tick_ns) as usize;
+    assert!(
+        unheld.len() >= ticks,
+        "{} requests in {ticks} ticks",
+        unheld.len()
+    );
+    // Held for a second after each lost request: one request a second,
+    // each at least a second after the one before.
+    let mut held = d.clone();
+    let sent = against_silent_etcd(&mut held, 40, 4 * S, S);
+    assert!((3..=4).contains(&sent.len()), "{sent:?}");
+    for w in sent.windows(2) {
+        assert!(w[1].0 >= w[0].0 + S, "{sent:?}");
+    }
+    // The datapath is still written while held: the cap it holds is
+    // what was written, never extended without an answer.
+    assert!(held.announcer().valid_until() <= d.announcer().valid_until());
+}
