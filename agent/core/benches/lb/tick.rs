@@ -118,9 +118,9 @@ pub fn per_tick(members: usize, runs: usize, ticks: usize) -> f64 {
 /// Nanoseconds per membership change (median of `runs`, each `changes`
 /// changes) to node-0's announcer among `members` members: another
 /// node's membership written again under a new lease, the view read
-/// and the tick that follows. Every held address's place is worked out
-/// again from the members (a change may move it), so this grows with the
-/// members; it is what each holder pays once per change, not per tick.
+/// and the tick that follows: what each holder pays once per change, not
+/// per tick. Places and first choices follow the changed membership
+/// (`standing`) rather than being worked out again from every member.
 pub fn per_view_change(members: usize, runs: usize, changes: usize) -> f64 {
     let mut xs = Vec::with_capacity(runs);
     for _ in 0..runs {

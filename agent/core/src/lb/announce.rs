@@ -278,6 +278,9 @@ pub struct Announcer {
     /// What is derived from the view, computed once per view and only
     /// when asked, so a tick costs the same whatever the member count.
     derived: RefCell<Derived>,
+    /// Each address's ranking for this node, kept from read to read by
+    /// the memberships that changed (`standing`).
+    standings: Standings,
     /// When each address was first seen held by nobody (reset when held).
     unheld_since: BTreeMap<IpAddr, Nanos>,
     /// When each membership (node, lease) was first seen answering (one
@@ -318,6 +321,7 @@ impl Announcer {
             view: None,
             view_gen: 0,
             derived: RefCell::new(Derived::default()),
+            standings: Standings::default(),
             unheld_since: BTreeMap::new(),
             member_since: BTreeMap::new(),
             quiet_since: None,
@@ -513,6 +517,7 @@ impl Announcer {
             (true, true, Some(t)) => Some(t),
             (true, _, _) => Some(now),
         };
+        self.standings.update(self.view.as_deref(), &view, &self.me);
         self.view = Some(Arc::new(view));
         self.view_gen += 1;
         self.refused.clear();
@@ -654,20 +659,10 @@ impl Announcer {
         d
     }
 
-    /// This node's place in `a`'s ranking and the ranking's length, from
-    /// the current view (computed once per view, in one pass over the
-    /// members: [`rank::place`]).
-    fn my_rank(
-        &self,
-        view: &Observation,
-        a: IpAddr,
-        sel: &LabelSelector,
-    ) -> Option<(usize, usize)> {
-        *self
-            .derived()
-            .ranks
-            .entry(a)
-            .or_insert_with(|| rank::place(&view.members, a, sel, &self.me))
+    /// This node's place in `a`'s ranking and the ranking's length, as
+    /// kept from read to read ([`Standings`]).
+    fn my_rank(&self, a: IpAddr) -> Option<(usize, usize)> {
+        self.standings.place(a)
     }
 
     /// [`Announcer::first_misplaced`] of the current view, with the
@@ -676,7 +671,7 @@ impl Announcer {
         self.derived()
             .misplaced
             .get_or_insert_with(|| {
-                Self::first_misplaced(view).map(|(a, holder, top)| Misplaced {
+                Self::first_misplaced(view, &self.standings).map(|(a, holder, top)| Misplaced {
                     address: a,
                     holder: holder.to_owned(),
                     top_leases: view.members.of(top).map(|(_, l)| l).collect(),
@@ -688,10 +683,13 @@ impl Announcer {
 
     /// The first address (in address order) held by an admitted member
     /// that is not its rendezvous choice, with that choice.
-    fn first_misplaced(view: &Observation) -> Option<(IpAddr, &str, &str)> {
+    fn first_misplaced<'v>(
+        view: &'v Observation,
+        standings: &'v Standings,
+    ) -> Option<(IpAddr, &'v str, &'v str)> {
         view.addresses.iter().find_map(|(a, sel)| {
             let h = view.holders.get(a)?;
-            let top = rank::top(&view.members, *a, sel)?;
+            let top = standings.top(*a)?;
             (top != h.node && rank::is_admitted(&view.members, &h.node, sel)).then_some((
                 *a,
                 h.node.as_str(),
@@ -727,16 +725,16 @@ impl Announcer {
         let Some(view) = &self.view else {
             return false;
         };
-        let Some(sel) = view.addresses.get(&a) else {
+        if !view.addresses.contains_key(&a) {
             return false;
-        };
+        }
         if view.holders.contains_key(&a)
             || self.refused.contains(&a)
             || self.cannot_answer.contains_key(&a)
         {
             return false;
         }
-        let Some((mut r, len)) = self.my_rank(view, a, sel) else {
+        let Some((mut r, len)) = self.my_rank(a) else {
             return false;
         };
         // Given away to rebalance: the giver ranks last, so the choice it
@@ -1036,9 +1034,6 @@ struct Derived {
     mine: Option<Vec<(Candidate, i64)>>,
     /// The first misplaced address, once looked up.
     misplaced: Option<Option<Misplaced>>,
-    /// This node's place in each address's ranking asked for, and the
-    /// ranking's length.
-    ranks: BTreeMap<IpAddr, Option<(usize, usize)>>,
 }
 
 /// The first address held by an admitted member that is not its
@@ -1054,6 +1049,8 @@ struct Misplaced {
 
 pub mod driver;
 mod rank;
+mod standing;
+use standing::Standings;
 
 #[cfg(test)]
 mod model;

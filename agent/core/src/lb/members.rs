@@ -6,7 +6,7 @@
 //! map they do not share: a membership rewritten at 5,000 members costs
 //! what it costs at 10.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use imbl::OrdMap;
 use imbl::ordmap::DiffItem;
@@ -108,6 +108,23 @@ impl Members {
         self.iter()
             .filter(|(c, _)| !c.labels.is_empty())
             .map(|(c, _)| (c.name.clone(), c.labels.clone()))
+            .collect()
+    }
+
+    /// The nodes whose memberships differ from `self` to `newer` (one
+    /// come, gone, or rewritten: labels, whether it answers), each once.
+    /// Visits only the parts of the two maps they do not share.
+    #[must_use]
+    pub fn changed_nodes<'a>(&'a self, newer: &'a Members) -> BTreeSet<&'a str> {
+        self.0
+            .diff(&newer.0)
+            .map(|d| match d {
+                DiffItem::Add((node, _), _) | DiffItem::Remove((node, _), _) => node.as_str(),
+                DiffItem::Update {
+                    new: ((node, _), _),
+                    ..
+                } => node.as_str(),
+            })
             .collect()
     }
 

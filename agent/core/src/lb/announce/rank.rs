@@ -10,7 +10,9 @@
 //! members with no allocation: the place is how many distinct admitted
 //! members outrank this node, the first choice the highest-weighted one.
 //! The whole sort stays, in the tests, as the definition they are held
-//! to.
+//! to. The announcer keeps these answers from one read to the next
+//! (`standing`), and uses the passes here for what it must work out
+//! whole: a new address, a first choice that left.
 
 use std::net::IpAddr;
 
@@ -49,24 +51,47 @@ fn admitted<'m>(
 
 /// `me`'s place in `a`'s ranking (0: the first choice) and the ranking's
 /// length; `None` when `me` is not an admitted member. One pass, no
-/// allocation.
+/// allocation. (The announcer keeps places from read to read, `standing`;
+/// this is what that is held to.)
+#[cfg(test)]
 pub(super) fn place(
     members: &Members,
     a: IpAddr,
     sel: &LabelSelector,
     me: &str,
 ) -> Option<(usize, usize)> {
+    let c = counts(members, a, sel, me);
+    c.me_in.then_some((c.above, c.len))
+}
+
+/// What one pass over the members says of `me` in `a`'s ranking.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct Counts {
+    /// Whether `me` is an admitted member.
+    pub me_in: bool,
+    /// How many other admitted members outrank `me`.
+    pub above: usize,
+    /// How many distinct admitted members there are.
+    pub len: usize,
+}
+
+/// [`Counts`] of `me` in `a`'s ranking: one pass, no allocation.
+pub(super) fn counts(members: &Members, a: IpAddr, sel: &LabelSelector, me: &str) -> Counts {
     let mine = (weight(a, me), me);
-    let (mut above, mut len, mut found) = (0, 0, false);
+    let mut c = Counts {
+        me_in: false,
+        above: 0,
+        len: 0,
+    };
     for name in admitted(members, sel) {
-        len += 1;
+        c.len += 1;
         if name == me {
-            found = true;
+            c.me_in = true;
         } else if (weight(a, name), name) > mine {
-            above += 1;
+            c.above += 1;
         }
     }
-    found.then_some((above, len))
+    c
 }
 
 /// `a`'s first choice: the admitted member of the highest rendezvous
