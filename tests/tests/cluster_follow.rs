@@ -20,7 +20,7 @@ use ipnet::IpNet;
 use lockstep::announce::UplinkHealth;
 use lockstep::cluster::allocator::{AllocatorDoor, ClusterAllocator, DoorFuture, Job};
 use lockstep::cluster::{
-    AgentSlot, Block, Claim, ClusterNode, Door, DoorOptions, Link, NodeRecord,
+    AgentSlot, Block, Claim, ClusterHandle, ClusterNode, Door, DoorOptions, Link, NodeRecord,
 };
 use lockstep::config::Config;
 use lockstep_core::cidr::Family;
@@ -37,10 +37,11 @@ const STEPS: usize = 60;
 const OTHERS: usize = 6;
 
 /// What the claim loop last told the allocator of the other nodes'
-/// blocks.
+/// blocks, and of the addresses never to hand out.
 #[derive(Default)]
 struct Recorder {
     others: Option<BTreeMap<IpNet, String>>,
+    reserved: Option<BTreeSet<IpAddr>>,
 }
 
 impl ClusterAllocator for Recorder {
@@ -57,8 +58,9 @@ impl ClusterAllocator for Recorder {
         &mut self,
         _: Vec<PoolSpec>,
         _: BTreeMap<IpNet, String>,
-        _: BTreeSet<IpAddr>,
+        reserved: BTreeSet<IpAddr>,
     ) -> Result<(), String> {
+        self.reserved = Some(reserved);
         Ok(())
     }
     fn set_cluster_others(&mut self, _: &str, others: imbl::OrdMap<IpNet, String>) {
@@ -161,13 +163,20 @@ impl Fixture {
     }
 }
 
+/// The mirror's task, the claim loop's, and the loop's handle.
+type Spawned = (
+    tokio::task::JoinHandle<()>,
+    tokio::task::JoinHandle<()>,
+    Arc<ClusterHandle>,
+);
+
 /// Starts the mirror and the claim loop (its allocator the recorder).
 async fn spawn_loop(
     eps: &[String],
     config: &Config,
     door: &Arc<RecorderDoor>,
     stopped: &tokio::sync::watch::Receiver<bool>,
-) -> anyhow::Result<(tokio::task::JoinHandle<()>, tokio::task::JoinHandle<()>)> {
+) -> anyhow::Result<Spawned> {
     let link = Link::new(PREFIX);
     let mut o = options(eps);
     o.link = Some(link.clone());
@@ -175,8 +184,26 @@ async fn spawn_loop(
     let node = ClusterNode::connect(config, Some(link))
         .await
         .map_err(|e| anyhow::anyhow!("claim loop: {e}"))?;
+    let handle = node.handle();
     let slot: AgentSlot = Some(door.clone());
-    Ok((mirror, node.spawn(slot, stopped.clone())))
+    Ok((mirror, node.spawn(slot, stopped.clone()), handle))
+}
+
+/// Waits until the loop is settled: "me" registered and holding a block,
+/// its own writes behind it (they are read, not followed).
+async fn settled(w: &mut Door) -> anyhow::Result<()> {
+    let started = Instant::now();
+    while !(w.nodes().await?.iter().any(|n| n.record.name == "me")
+        && w.blocks().await?.0.iter().any(|b| b.node == "me"))
+    {
+        ensure!(
+            started.elapsed() < Duration::from_secs(15),
+            "me never registered and held a block"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    Ok(())
 }
 
 #[test]
@@ -198,7 +225,7 @@ fn the_other_nodes_blocks_followed_per_change_are_the_whole_read() -> anyhow::Re
         for i in 0..OTHERS {
             leases.push(w.register_node(&record(i, 1), &[], Duration::from_secs(600)).await?);
         }
-        let (mirror, task) = spawn_loop(&eps, &config, &door, &stopped).await?;
+        let (mirror, task, _) = spawn_loop(&eps, &config, &door, &stopped).await?;
         let mut held: BTreeMap<IpNet, Block> = BTreeMap::new();
         let mut draw = Draw(47);
         let mut pools_applied = 0;
@@ -295,20 +322,8 @@ fn a_node_come_followed_in_place_is_marked_gone_when_its_lease_goes() -> anyhow:
             w.register_node(&record(i, 1), &[], Duration::from_secs(600))
                 .await?;
         }
-        let (mirror, task) = spawn_loop(&eps, &config, &door, &stopped).await?;
-        // The loop is settled: registered, its first block held, and its
-        // own writes behind it (they are read, not followed).
-        let started = Instant::now();
-        while !(w.nodes().await?.iter().any(|n| n.record.name == "me")
-            && w.blocks().await?.0.iter().any(|b| b.node == "me"))
-        {
-            ensure!(
-                started.elapsed() < Duration::from_secs(15),
-                "me never registered and held a block"
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-        tokio::time::sleep(Duration::from_secs(2)).await;
+        let (mirror, task, _) = spawn_loop(&eps, &config, &door, &stopped).await?;
+        settled(&mut w).await?;
         // A node comes ("zz-…" sorts last: its keeper, the next live name
         // round the ring, is "me"), and its lease goes a moment later.
         let late = node_record("zz-late".into(), "10.201.0.99".parse()?, 1, "follow");
@@ -336,6 +351,112 @@ fn a_node_come_followed_in_place_is_marked_gone_when_its_lease_goes() -> anyhow:
             );
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
+        let _ = stop.send(true);
+        for t in [task, mirror] {
+            let _ = tokio::time::timeout(Duration::from_secs(10), t).await;
+        }
+        anyhow::Ok(())
+    });
+    let _ = stop.send(true);
+    result
+}
+
+/// A node's death, followed in place: another node's lease goes, and its
+/// keeper (not this loop's node) marks it gone and later reclaims it,
+/// freeing its block and reserving its window's addresses. Each of the
+/// three changes is followed without a whole read, and the loop hands its
+/// allocator what a whole read finds: the other nodes' blocks, and the
+/// reserved addresses kept out. Before, each made every node of the
+/// cluster read it whole.
+#[test]
+fn a_node_gone_marked_and_reclaimed_elsewhere_is_followed_without_a_read() -> anyhow::Result<()> {
+    let Fixture {
+        cluster: _cluster,
+        eps,
+        dir: _dir,
+        config,
+        rt,
+        stop,
+        stopped,
+        door,
+    } = Fixture::new()?;
+    let result = rt.block_on(async {
+        let mut w = Door::connect(options(&eps)).await?;
+        w.apply_pools(&[pool(0)?]).await?;
+        let mut leases = Vec::new();
+        for i in 0..4 {
+            leases.push(w.register_node(&record(i, 1), &[], Duration::from_secs(600)).await?);
+        }
+        // other-1 holds a block and has published a window in it.
+        let cidr = lockstep_tests::synthetic::block(7)?;
+        let got = w.claim_block("follow", cidr, "other-1").await?;
+        ensure!(matches!(got, Claim::Claimed { .. }), "{got:?}");
+        let window: BTreeSet<IpAddr> = cidr.hosts().take(3).collect();
+        w.put_window("other-1", &window, 0).await?;
+        let (mirror, task, handle) = spawn_loop(&eps, &config, &door, &stopped).await?;
+        settled(&mut w).await?;
+        let reads = handle.figures().whole_reads;
+        let followed = handle.figures().changes_followed;
+        // What the loop hands its allocator, against a whole read.
+        let agrees = |door: &RecorderDoor, want_others: &BTreeMap<IpNet, String>, want_reserved: &BTreeSet<IpAddr>| {
+            let r = door.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            r.others.as_ref() == Some(want_others) && r.reserved.as_ref() == Some(want_reserved)
+        };
+        // 1. other-1's lease goes (its keeper is other-2, the next name).
+        let mut raw = etcd_client::Client::connect(&eps, None).await?;
+        raw.lease_revoke(leases[1]).await?;
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        // 2. Its keeper marks it gone, long enough ago to reclaim it.
+        let (routing, revision) = w
+            .routing_keys()
+            .await?
+            .iter()
+            .find(|(r, _)| r.name == "other-1")
+            .cloned()
+            .context("other-1's routing key")?;
+        let mark = lockstep_core::cluster::GoneMark {
+            since_ms: 1,
+            reclaim_after_ms: 1,
+        };
+        ensure!(w.mark_gone(&routing, revision, mark).await?, "not marked");
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        // 3. Its keeper reclaims it: the block freed, the window reserved.
+        let removed = w.reclaim_node("other-1").await?;
+        ensure!(!removed.freed.is_empty(), "{removed:?}");
+        let (blocks, _) = w.blocks().await?;
+        let want_others: BTreeMap<IpNet, String> = blocks
+            .iter()
+            .filter(|b| b.node != "me")
+            .map(|b| (b.cidr, b.node.clone()))
+            .collect();
+        let want_reserved: BTreeSet<IpAddr> = w
+            .reservations()
+            .await?
+            .iter()
+            .filter(|(r, _)| r.name != "me")
+            .flat_map(|(r, _)| r.addresses.iter().copied())
+            .collect();
+        ensure!(want_reserved == window, "reserved {want_reserved:?}, window {window:?}");
+        let started = Instant::now();
+        while !agrees(&door, &want_others, &want_reserved) {
+            ensure!(
+                started.elapsed() < Duration::from_secs(15),
+                "the loop's other blocks and reserved addresses are not the whole read's: etcd {want_others:?}, {want_reserved:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let f = handle.figures();
+        eprintln!(
+            "gone, marked, reclaimed: {} whole reads, {} batches followed",
+            f.whole_reads - reads,
+            f.changes_followed - followed
+        );
+        ensure!(
+            f.whole_reads == reads,
+            "the loop read the cluster whole {} times for another node's death",
+            f.whole_reads - reads
+        );
+        ensure!(f.changes_followed >= followed + 3, "{} batches followed", f.changes_followed - followed);
         let _ = stop.send(true);
         for t in [task, mirror] {
             let _ = tokio::time::timeout(Duration::from_secs(10), t).await;

@@ -63,8 +63,8 @@ pub use overlap::{
     ClaimedBlock, LocalOverlap, OverlapWith, check_configured, local_overlaps, withhold,
 };
 pub use reclaim::{
-    GoneMark, GoneStep, NodeLease, Removal, check_node_removal, gone_keeper, gone_step,
-    own_mark_stale, reclaimable, reservations_to_keep, reserved_for, reserved_in_block,
+    GoneMark, GoneStep, NodeLease, Removal, check_node_removal, gone_keeper, gone_keeper_without,
+    gone_step, own_mark_stale, reclaimable, reservations_to_keep, reserved_for, reserved_in_block,
 };
 pub use remote::{NodeDirectory, node_addresses_problem};
 pub use restore::{Rollback, StoreMark, advance, may_claim_new, rolled_back, to_reclaim};

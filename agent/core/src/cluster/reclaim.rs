@@ -151,6 +151,23 @@ pub fn gone_keeper<'a>(alive: &'a BTreeSet<String>, gone: &str) -> Option<&'a st
         .map(String::as_str)
 }
 
+/// [`gone_keeper`] over `alive` without `left`, a live node that has just
+/// gone too, without a copy of the set: a claim loop following one node
+/// gone in place asks who keeps it (and any other gone node) once it
+/// has left the live set, before it takes it out.
+pub fn gone_keeper_without<'a>(
+    alive: &'a BTreeSet<String>,
+    gone: &str,
+    left: Option<&str>,
+) -> Option<&'a str> {
+    use std::ops::Bound::{Excluded, Unbounded};
+    alive
+        .range::<str, _>((Excluded(gone), Unbounded))
+        .chain(alive.iter())
+        .map(String::as_str)
+        .find(|n| Some(*n) != left)
+}
+
 /// Whether a live node must publish its routing key again to clear a
 /// gone mark another node wrote (a lease renewed after a slow refresh):
 /// while it stands, its blocks would be taken at the mark's deadline.
@@ -301,6 +318,24 @@ mod tests {
     }
 
     proptest! {
+        /// Without the node that just left, the keeper is the one of the
+        /// live set with that node taken out.
+        #[test]
+        fn the_keeper_without_a_node_is_the_keeper_of_the_set_without_it(
+            names in proptest::collection::btree_set("[a-z]{1,3}", 0..12),
+            gone in "[a-z]{1,3}",
+            left in proptest::option::of("[a-z]{1,3}"),
+        ) {
+            let mut fewer = names.clone();
+            if let Some(l) = &left {
+                fewer.remove(l);
+            }
+            prop_assert_eq!(
+                gone_keeper_without(&names, &gone, left.as_deref()),
+                gone_keeper(&fewer, &gone)
+            );
+        }
+
         /// Each gone node has exactly one keeper, a live node; when that
         /// keeper goes too, another live node takes the duty; and the
         /// duty is shared: no live node keeps more gone nodes than lie

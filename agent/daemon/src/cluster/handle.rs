@@ -40,6 +40,10 @@ pub(super) struct Shared {
     pub(super) window_publications: u64,
     /// Rounds done since start.
     pub(super) rounds: u64,
+    /// Whole reads of the cluster, and batches of changes followed in
+    /// place instead (`node/follow.rs`).
+    pub(super) whole_reads: u64,
+    pub(super) changes_followed: u64,
     /// Node lease refreshes the keeper sent and etcd answered since start,
     /// and the latest any of them was sent against its schedule.
     pub(super) lease_renewals: u64,
@@ -219,6 +223,10 @@ pub struct ClusterFigures {
     pub lease_renewals: u64,
     /// The latest a node lease refresh was sent against its schedule.
     pub lease_late_max: Duration,
+    /// Times the claim loop read the cluster whole again.
+    pub whole_reads: u64,
+    /// Batches of changes it followed in place instead.
+    pub changes_followed: u64,
 }
 
 impl ClusterHandle {
@@ -235,6 +243,8 @@ impl ClusterHandle {
             window_publications: s.window_publications,
             lease_renewals: s.lease_renewals,
             lease_late_max: s.lease_late_max,
+            whole_reads: s.whole_reads,
+            changes_followed: s.changes_followed,
         }
     }
 }

@@ -340,7 +340,7 @@ impl RemoteTask {
                         .set_node(NodeKey::Routing, &name, now.map(|r| r.ips));
                 }
                 ChangedKey::Pool => pools = true,
-                ChangedKey::Other => {}
+                ChangedKey::Reserved { .. } | ChangedKey::Other => {}
             }
         }
         if pools {

@@ -24,6 +24,8 @@ pub(super) struct ClusterFamilies {
     window_publications: Counter,
     lease_renewals: Counter,
     lease_late_max: Gauge<f64, std::sync::atomic::AtomicU64>,
+    whole_reads: Counter,
+    changes_followed: Counter,
 }
 
 fn gauge(registry: &mut Registry, name: &str, help: &str) -> Gauge<i64> {
@@ -81,6 +83,16 @@ impl ClusterFamilies {
                 "cluster_node_lease_renewals",
                 "Node lease refreshes the lease keeper sent and etcd answered since start",
             ),
+            whole_reads: counter(
+                r,
+                "cluster_whole_reads",
+                "Times the claim loop read the cluster whole again (from its mirror while live, no etcd request; else from etcd) since start",
+            ),
+            changes_followed: counter(
+                r,
+                "cluster_changes_followed",
+                "Batches of cluster changes the claim loop followed in place, without a whole read, since start",
+            ),
             lease_late_max: {
                 let g = Gauge::<f64, std::sync::atomic::AtomicU64>::default();
                 r.register(
@@ -104,6 +116,8 @@ impl ClusterFamilies {
         follow(&self.window_publications, f.window_publications);
         follow(&self.lease_renewals, f.lease_renewals);
         self.lease_late_max.set(f.lease_late_max.as_secs_f64());
+        follow(&self.whole_reads, f.whole_reads);
+        follow(&self.changes_followed, f.changes_followed);
     }
 }
 

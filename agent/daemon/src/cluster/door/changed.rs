@@ -5,8 +5,9 @@
 use ipnet::IpNet;
 
 use super::super::mirror::{Changes, Cursor};
-use super::super::{Block, NodeAddrRecord, NodeRecord};
-use super::parse::{block_key_name, parse_block, parse_node, parse_node_addr};
+use super::super::{Block, NodeAddrRecord, NodeRecord, ReservedRecord};
+use super::parse::{block_key_name, parse_block, parse_node, parse_node_addr, parse_reserved};
+use super::reclaim::RESERVED;
 use super::*;
 
 /// One changed key, read. A value this build cannot read counts as no
@@ -34,10 +35,33 @@ pub enum ChangedKey {
         /// Its record now.
         now: Option<NodeAddrRecord>,
     },
+    /// A reservation key (`reserved/<name>`): the addresses a node's
+    /// pods may still hold outside its blocks.
+    Reserved {
+        /// The node.
+        name: String,
+        /// Its record now.
+        now: Option<ReservedRecord>,
+    },
     /// A key under `pools/` (read the pools whole: they are few).
     Pool,
     /// Any other key, or one whose name this build cannot read.
     Other,
+}
+
+impl ChangedKey {
+    /// Whether the key's record was read (`false`: deleted, or its value
+    /// unreadable): against the mirror's value, tells an unreadable one.
+    #[must_use]
+    pub fn has_record(&self) -> bool {
+        match self {
+            ChangedKey::Block { now, .. } => now.is_some(),
+            ChangedKey::Node { now, .. } => now.is_some(),
+            ChangedKey::Routing { now, .. } => now.is_some(),
+            ChangedKey::Reserved { now, .. } => now.is_some(),
+            ChangedKey::Pool | ChangedKey::Other => true,
+        }
+    }
 }
 
 impl Door {
@@ -83,6 +107,13 @@ impl Door {
                 .ok()
             });
             return ChangedKey::Routing { name, now };
+        }
+        if let (prefix, Some(name)) = area(RESERVED) {
+            let now = now.and_then(|kv| {
+                kv.parse_once(RESERVED, |kv| parse_reserved(&prefix, &kv.key, &kv.value))
+                    .ok()
+            });
+            return ChangedKey::Reserved { name, now };
         }
         if let (_, Some(_)) = area("pools/") {
             return ChangedKey::Pool;

@@ -19,14 +19,31 @@
 //!   block, pool or reservation. At a cluster's bring-up every node sees
 //!   every other come: a read for each made that quadratic per node.
 //!
-//! Anything else (a pool, a reservation, a node gone, a node come while
-//! a gone node is known, a value this build cannot read, this node's own
-//! keys or blocks) is left to the read.
+//! - another node gone (its node key deleted) while no other gone node
+//!   is known, when this node is not the one to keep it (`gone_keeper`
+//!   over the live set without it): it leaves the live set, and a gone
+//!   node is known from then on. Its keeper reads, to mark it gone.
+//! - a gone node's routing key written (its gone mark) or deleted, when
+//!   this node does not keep it: nothing to do, as a read would do
+//!   nothing for it.
+//! - another node's reservations (`reserved/<node>`, written when its
+//!   blocks are reclaimed): the kept reservations change, and the
+//!   addresses kept out of the allocator with them.
+//!
+//! Without these three, a node's death made every node of the cluster
+//! read it whole three times (gone, marked, reclaimed).
+//!
+//! Anything else (a pool, this node's own reservations, two nodes gone at
+//! once or one while another is known, a node come while a gone node is
+//! known, the death of a node this node keeps, a value this build cannot
+//! read, this node's own keys or blocks) is left to the read.
 
 use std::collections::BTreeSet;
+use std::net::IpAddr;
 use std::sync::Arc;
 
 use ipnet::IpNet;
+use lockstep_core::cluster::gone_keeper_without;
 
 use super::{AREAS, ClusterNode};
 use crate::cluster::door::ChangedKey;
@@ -41,6 +58,10 @@ enum Followed {
     Came(String),
     /// Another node's block now (`None`: given back).
     Block(IpNet, Option<Block>),
+    /// Another node gone: it leaves the live set.
+    Gone(String),
+    /// Another node's reservations now (`None`: none).
+    Reserved(String, Option<Vec<IpAddr>>),
 }
 
 impl ClusterNode {
@@ -87,13 +108,38 @@ impl ClusterNode {
                 })
                 .collect()
         };
+        // The live nodes gone in this batch: one, while no other gone node
+        // is known and none came, is followed unless this node keeps it.
+        let went: Vec<&str> = changed
+            .iter()
+            .filter_map(|(c, _)| match c {
+                ChangedKey::Node { name, now: None }
+                    if *name != self.name && self.alive.contains(name) =>
+                {
+                    Some(name.as_str())
+                }
+                _ => None,
+            })
+            .collect();
+        let went = match went[..] {
+            [] => None,
+            [one]
+                if !self.gone_known
+                    && came.is_empty()
+                    && gone_keeper_without(&self.alive, one, Some(one)) != Some(&self.name) =>
+            {
+                Some(one)
+            }
+            _ => return Err(Some(at)),
+        };
         let mut followed = Vec::with_capacity(changed.len());
         for (c, value) in &changed {
-            match self.followed(c, value, blocks_followed, &came) {
+            match self.followed(c, value, blocks_followed, &came, went) {
                 Some(f) => followed.push(f),
                 None => return Err(Some(at)),
             }
         }
+        let mut reserved = false;
         for f in followed {
             match f {
                 Followed::Nothing => {}
@@ -108,25 +154,47 @@ impl ClusterNode {
                     self.claimed.remove(&cidr);
                     self.others.remove(&cidr);
                 }
+                Followed::Gone(name) => {
+                    self.alive.remove(&name);
+                    self.gone_known = true;
+                }
+                Followed::Reserved(name, Some(addrs)) => {
+                    self.reservations.insert(name, addrs);
+                    reserved = true;
+                }
+                Followed::Reserved(name, None) => {
+                    reserved |= self.reservations.remove(&name).is_some();
+                }
             }
+        }
+        if reserved {
+            self.keep_reserved();
         }
         Ok(at)
     }
 
     /// How the loop follows one changed key in place (`None`: it cannot,
     /// a read is due). `value`: the key's value as the mirror has it;
-    /// `came`: the nodes come in this batch that are followed.
+    /// `came` and `went`: the nodes come and gone in this batch that are
+    /// followed.
     fn followed(
         &self,
         changed: &ChangedKey,
         value: &Option<Arc<Kv>>,
         blocks_followed: bool,
         came: &BTreeSet<&str>,
+        went: Option<&str>,
     ) -> Option<Followed> {
-        let alive = |name: &str| self.alive.contains(name) || came.contains(name);
+        let alive =
+            |name: &str| (self.alive.contains(name) && went != Some(name)) || came.contains(name);
+        // A value that does not read is the read's to report.
+        let readable = value.is_some() == changed.has_record();
         match changed {
             ChangedKey::Node { name, now: Some(_) } if came.contains(name.as_str()) => {
                 Some(Followed::Came(name.clone()))
+            }
+            ChangedKey::Node { name, now: None } if went == Some(name.as_str()) => {
+                Some(Followed::Gone(name.clone()))
             }
             // A node key: whether the node is alive is what the read takes
             // from it.
@@ -136,14 +204,23 @@ impl ClusterNode {
             // A routing key of another live node, not marked gone: the
             // gone-node scan waits on it whatever it holds (its in-use
             // list is read by a reclaim itself).
-            ChangedKey::Routing { name, now } => (*name != self.name
-                && alive(name)
-                && now.as_ref().is_some_and(|r| r.gone.is_none()))
+            ChangedKey::Routing { name, now } if *name != self.name && alive(name) => now
+                .as_ref()
+                .is_some_and(|r| r.gone.is_none())
+                .then_some(Followed::Nothing),
+            // A gone node's routing key (its mark written, or the key
+            // deleted), known gone, kept by another node: a read would do
+            // nothing for it here.
+            ChangedKey::Routing { name, .. } => (*name != self.name
+                && readable
+                && (self.gone_known || went == Some(name.as_str()))
+                && gone_keeper_without(&self.alive, name, went) != Some(self.name.as_str()))
             .then_some(Followed::Nothing),
+            ChangedKey::Reserved { name, now } => (*name != self.name && readable).then(|| {
+                Followed::Reserved(name.clone(), now.as_ref().map(|r| r.addresses.clone()))
+            }),
             ChangedKey::Block { at: (_, cidr), now } => {
                 let cidr = *cidr;
-                // A value that does not read is the read's to report.
-                let readable = value.is_some() == now.is_some();
                 let foreign = now.as_ref().is_none_or(|b| b.node != self.name)
                     && !self.near_own(cidr)
                     && self

@@ -131,6 +131,9 @@ pub struct ClusterNode {
     /// This node's own reservations (`reserved/<node>`) and their key's
     /// revision, as last read: released as its pods let them go.
     own_reserved: Option<(ReservedRecord, i64)>,
+    /// Every node's reservations (node → addresses), as last read or
+    /// followed: those of other nodes are kept out of the allocator.
+    reservations: BTreeMap<String, Vec<IpAddr>>,
     /// Every claimed block (anyone's), as last read.
     claimed: BTreeSet<IpNet>,
     /// Each cluster pool's key revision, as last read (a drained pool's
@@ -283,6 +286,7 @@ impl ClusterNode {
             published: None,
             published_addrs: Vec::new(),
             own_reserved: None,
+            reservations: BTreeMap::new(),
             claimed: BTreeSet::new(),
             pool_revisions: BTreeMap::new(),
             empty_since: BTreeMap::new(),
@@ -613,6 +617,7 @@ impl ClusterNode {
                 Ok(past) => {
                     self.cursor = Some(past);
                     self.synced = Some(s);
+                    self.handle.lock().changes_followed += 1;
                 }
                 Err(at) => cursor = at,
             }
@@ -649,6 +654,7 @@ impl ClusterNode {
         }
         let reachable = if must_read { self.sync().await } else { !held };
         if must_read && reachable {
+            self.handle.lock().whole_reads += 1;
             self.last_read = Some(Instant::now());
             self.read_next = false;
             self.synced = stamp.filter(|s| s.live);

@@ -89,9 +89,26 @@ impl ClusterNode {
             self.read_next = true;
         }
         let reservations = door.reservations().await?;
-        let by_address: BTreeMap<IpAddr, String> = reservations
+        self.reservations = reservations
             .iter()
-            .flat_map(|(r, _)| r.addresses.iter().map(|a| (*a, r.name.clone())))
+            .map(|(r, _)| (r.name.clone(), r.addresses.clone()))
+            .collect();
+        self.own_reserved = reservations
+            .iter()
+            .find(|(r, _)| r.name == self.name)
+            .cloned();
+        self.keep_reserved();
+        Ok(())
+    }
+
+    /// Keeps the addresses reserved for other nodes out of the record
+    /// (and so of the allocator), from the reservations as last read or
+    /// followed.
+    pub(super) fn keep_reserved(&mut self) {
+        let by_address: BTreeMap<IpAddr, String> = self
+            .reservations
+            .iter()
+            .flat_map(|(name, addrs)| addrs.iter().map(|a| (*a, name.clone())))
             .collect();
         let reserved: Vec<IpAddr> = reserved_for(&self.name, &by_address).into_iter().collect();
         if reserved != self.held.reserved {
@@ -100,11 +117,6 @@ impl ClusterNode {
                 tracing::error!(error = %crate::error_chain(&e), "the reserved addresses are not recorded");
             }
         }
-        self.own_reserved = reservations
-            .iter()
-            .find(|(r, _)| r.name == self.name)
-            .cloned();
-        Ok(())
     }
 
     /// Releases the reservations of this node's addresses that its pods no
