@@ -2,16 +2,16 @@
 //! (#47 item 2). A read takes every block, node, routing key and
 //! reservation again and decides owners, fences, overlaps and gone
 //! nodes from all of them: at 5,000 nodes that is milliseconds, for each
-//! of the changes every node sees all the time. Two kinds decide nothing
-//! a read would decide differently, and are followed per key instead:
+//! of the changes every node sees all the time. These kinds decide
+//! nothing a read would decide differently, and are followed per key
+//! instead:
 //! - a live node's keys rewritten (its counts published), with no node
 //!   come or gone and none marked gone: nothing to do;
 //! - another node's block claimed or given back, away from every block
 //!   this node holds or has a claim in doubt for: the set of claimed
 //!   blocks and the other nodes' blocks change in place. No fence can
 //!   follow (a fence concerns this node's blocks only), no claim waits
-//!   on it, and without configured pools no overlap can come or go.
-//!
+//!   on it, and without configured pools no overlap can come or go;
 //! - another node come (its node key written, the name not yet alive),
 //!   while the last read found no gone node: it joins the live set.
 //!   With no gone node, which live node keeps a gone one
@@ -66,7 +66,7 @@ enum Followed {
 
 impl ClusterNode {
     /// Follows every key changed since the cursor when each is one the
-    /// loop can follow in place (the module's two kinds): applied, and
+    /// loop can follow in place (the kinds the module names): applied, and
     /// the cursor past them (`Ok`). Otherwise nothing is applied, and the
     /// cursor a read made now starts from (`Err`; `None`: the mirror
     /// cannot say).
@@ -108,13 +108,14 @@ impl ClusterNode {
                 })
                 .collect()
         };
-        // The live nodes gone in this batch: one, while no other gone node
-        // is known and none came, is followed unless this node keeps it.
+        // The live nodes gone in this batch (their key deleted, not
+        // unreadable): one, while no other gone node is known and none
+        // came, is followed unless this node keeps it.
         let went: Vec<&str> = changed
             .iter()
-            .filter_map(|(c, _)| match c {
+            .filter_map(|(c, value)| match c {
                 ChangedKey::Node { name, now: None }
-                    if *name != self.name && self.alive.contains(name) =>
+                    if value.is_none() && *name != self.name && self.alive.contains(name) =>
                 {
                     Some(name.as_str())
                 }
