@@ -17,6 +17,7 @@ use lockstep_core::lb::{LbIpam, LbPoolSpec, ServiceSpec};
 use serde::Serialize;
 use tokio::sync::watch;
 
+use super::backoff::Backoff;
 use super::lb_timing::{TICK, changed};
 use super::{ClusterStoreError, Door, DoorOptions, LbView};
 use crate::announce::monotonic_ns;
@@ -323,6 +324,10 @@ impl LbHandle {
         };
         d.lb_delete(&services, &pools).await?;
         let deadline = Instant::now() + within;
+        // Looked at again after 50 ms, then ever less often (jittered, up
+        // to 800 ms): a read that goes to etcd (the mirror not live) is
+        // not repeated at a fixed pace (#47 item 3).
+        let mut pace = Backoff::new(Duration::from_millis(50), Duration::from_millis(800));
         loop {
             let view = d.lb_read().await?;
             let in_state = view
@@ -333,7 +338,8 @@ impl LbHandle {
             if !(in_state || announced) || Instant::now() >= deadline {
                 return render_view(&view, &BTreeMap::new());
             }
-            tokio::time::sleep(Duration::from_millis(50)).await;
+            let left = deadline.saturating_duration_since(Instant::now());
+            tokio::time::sleep(pace.next_delay().min(left)).await;
         }
     }
 }
