@@ -189,6 +189,29 @@ async fn spawn_loop(
     Ok((mirror, node.spawn(slot, stopped.clone()), handle))
 }
 
+/// A writer's door on etcd with the pool applied and `count` other nodes
+/// registered under long leases (returned, in order).
+async fn others(eps: &[String], count: usize) -> anyhow::Result<(Door, Vec<i64>)> {
+    let mut w = Door::connect(options(eps)).await?;
+    w.apply_pools(&[pool(0)?]).await?;
+    let mut leases = Vec::new();
+    for i in 0..count {
+        leases.push(
+            w.register_node(&record(i, 1), &[], Duration::from_secs(600))
+                .await?,
+        );
+    }
+    Ok((w, leases))
+}
+
+/// Stops the loop and its mirror, waiting for both.
+async fn finish(stop: &tokio::sync::watch::Sender<bool>, tasks: [tokio::task::JoinHandle<()>; 2]) {
+    let _ = stop.send(true);
+    for t in tasks {
+        let _ = tokio::time::timeout(Duration::from_secs(10), t).await;
+    }
+}
+
 /// Waits until the loop is settled: "me" registered and holding a block,
 /// its own writes behind it (they are read, not followed).
 async fn settled(w: &mut Door) -> anyhow::Result<()> {
@@ -219,12 +242,7 @@ fn the_other_nodes_blocks_followed_per_change_are_the_whole_read() -> anyhow::Re
         door,
     } = Fixture::new()?;
     let result = rt.block_on(async {
-        let mut w = Door::connect(options(&eps)).await?;
-        w.apply_pools(&[pool(0)?]).await?;
-        let mut leases = Vec::new();
-        for i in 0..OTHERS {
-            leases.push(w.register_node(&record(i, 1), &[], Duration::from_secs(600)).await?);
-        }
+        let (mut w, leases) = others(&eps, OTHERS).await?;
         let (mirror, task, _) = spawn_loop(&eps, &config, &door, &stopped).await?;
         let mut held: BTreeMap<IpNet, Block> = BTreeMap::new();
         let mut draw = Draw(47);
@@ -288,10 +306,7 @@ fn the_other_nodes_blocks_followed_per_change_are_the_whole_read() -> anyhow::Re
                 tokio::time::sleep(Duration::from_millis(25)).await;
             }
         }
-        let _ = stop.send(true);
-        for t in [task, mirror] {
-            let _ = tokio::time::timeout(Duration::from_secs(10), t).await;
-        }
+        finish(&stop, [task, mirror]).await;
         anyhow::Ok(())
     });
     let _ = stop.send(true);
@@ -316,12 +331,7 @@ fn a_node_come_followed_in_place_is_marked_gone_when_its_lease_goes() -> anyhow:
         door,
     } = Fixture::new()?;
     let result = rt.block_on(async {
-        let mut w = Door::connect(options(&eps)).await?;
-        w.apply_pools(&[pool(0)?]).await?;
-        for i in 0..3 {
-            w.register_node(&record(i, 1), &[], Duration::from_secs(600))
-                .await?;
-        }
+        let (mut w, _) = others(&eps, 3).await?;
         let (mirror, task, _) = spawn_loop(&eps, &config, &door, &stopped).await?;
         settled(&mut w).await?;
         // A node comes ("zz-…" sorts last: its keeper, the next live name
@@ -351,10 +361,7 @@ fn a_node_come_followed_in_place_is_marked_gone_when_its_lease_goes() -> anyhow:
             );
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
-        let _ = stop.send(true);
-        for t in [task, mirror] {
-            let _ = tokio::time::timeout(Duration::from_secs(10), t).await;
-        }
+        finish(&stop, [task, mirror]).await;
         anyhow::Ok(())
     });
     let _ = stop.send(true);
@@ -381,12 +388,7 @@ fn a_node_gone_marked_and_reclaimed_elsewhere_is_followed_without_a_read() -> an
         door,
     } = Fixture::new()?;
     let result = rt.block_on(async {
-        let mut w = Door::connect(options(&eps)).await?;
-        w.apply_pools(&[pool(0)?]).await?;
-        let mut leases = Vec::new();
-        for i in 0..4 {
-            leases.push(w.register_node(&record(i, 1), &[], Duration::from_secs(600)).await?);
-        }
+        let (mut w, leases) = others(&eps, 4).await?;
         // other-1 holds a block and has published a window in it.
         let cidr = lockstep_tests::synthetic::block(7)?;
         let got = w.claim_block("follow", cidr, "other-1").await?;
@@ -457,10 +459,7 @@ fn a_node_gone_marked_and_reclaimed_elsewhere_is_followed_without_a_read() -> an
             f.whole_reads - reads
         );
         ensure!(f.changes_followed >= followed + 3, "{} batches followed", f.changes_followed - followed);
-        let _ = stop.send(true);
-        for t in [task, mirror] {
-            let _ = tokio::time::timeout(Duration::from_secs(10), t).await;
-        }
+        finish(&stop, [task, mirror]).await;
         anyhow::Ok(())
     });
     let _ = stop.send(true);
