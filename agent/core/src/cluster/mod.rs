@@ -63,7 +63,7 @@ pub use overlap::{
     ClaimedBlock, LocalOverlap, OverlapWith, check_configured, local_overlaps, withhold,
 };
 pub use reclaim::{
-    GoneMark, GoneStep, NodeLease, Removal, check_node_removal, gone_keeper, gone_keeper_without,
+    GoneMark, GoneStep, NodeLease, Removal, check_node_removal, gone_keeper, gone_keeper_after,
     gone_step, own_mark_stale, reclaimable, reservations_to_keep, reserved_for, reserved_in_block,
 };
 pub use remote::{NodeDirectory, node_addresses_problem};

@@ -151,21 +151,39 @@ pub fn gone_keeper<'a>(alive: &'a BTreeSet<String>, gone: &str) -> Option<&'a st
         .map(String::as_str)
 }
 
-/// [`gone_keeper`] over `alive` without `left`, a live node that has just
-/// gone too, without a copy of the set: a claim loop following one node
-/// gone in place asks who keeps it (and any other gone node) once it
-/// has left the live set, before it takes it out.
-pub fn gone_keeper_without<'a>(
+/// [`gone_keeper`] over `alive` with the nodes `came` added and those
+/// `left` taken out, without a copy of the set: a claim loop following
+/// nodes come and gone in place asks who keeps each gone node once they
+/// have joined or left the live set, before it moves them. `came` holds
+/// names not in `alive`, `left` names in it.
+pub fn gone_keeper_after<'a>(
     alive: &'a BTreeSet<String>,
     gone: &str,
-    left: Option<&str>,
+    came: &BTreeSet<&'a str>,
+    left: &BTreeSet<&str>,
 ) -> Option<&'a str> {
     use std::ops::Bound::{Excluded, Unbounded};
-    alive
+    let staying = alive
         .range::<str, _>((Excluded(gone), Unbounded))
         .chain(alive.iter())
         .map(String::as_str)
-        .find(|n| Some(*n) != left)
+        .find(|n| !left.contains(n));
+    // `came` is a batch's few names: looked through.
+    let coming = came
+        .iter()
+        .find(|n| **n > gone)
+        .or_else(|| came.iter().next())
+        .copied();
+    // The first of the two round the ring from `gone`: names after it
+    // come before names at or before it.
+    match (staying, coming) {
+        (Some(a), Some(b)) => Some(match (a > gone, b > gone) {
+            (true, false) => a,
+            (false, true) => b,
+            _ => a.min(b),
+        }),
+        (a, b) => a.or(b),
+    }
 }
 
 /// Whether a live node must publish its routing key again to clear a
@@ -318,21 +336,31 @@ mod tests {
     }
 
     proptest! {
-        /// Without the node that just left, the keeper is the one of the
-        /// live set with that node taken out.
+        /// With nodes come and gone, the keeper is the one of the live
+        /// set with them added and taken out.
         #[test]
-        fn the_keeper_without_a_node_is_the_keeper_of_the_set_without_it(
+        fn the_keeper_after_nodes_come_and_go_is_the_keeper_of_the_set_after(
             names in proptest::collection::btree_set("[a-z]{1,3}", 0..12),
             gone in "[a-z]{1,3}",
-            left in proptest::option::of("[a-z]{1,3}"),
+            came in proptest::collection::btree_set("[a-z]{1,3}", 0..4),
+            left in proptest::collection::btree_set("[a-z]{1,3}", 0..4),
         ) {
-            let mut fewer = names.clone();
-            if let Some(l) = &left {
-                fewer.remove(l);
-            }
+            let came: BTreeSet<&str> = came
+                .iter()
+                .map(String::as_str)
+                .filter(|n| !names.contains(*n))
+                .collect();
+            let left: BTreeSet<&str> = left
+                .iter()
+                .map(String::as_str)
+                .filter(|n| names.contains(*n))
+                .collect();
+            let mut after = names.clone();
+            after.retain(|n| !left.contains(n.as_str()));
+            after.extend(came.iter().map(|n| (*n).to_string()));
             prop_assert_eq!(
-                gone_keeper_without(&names, &gone, left.as_deref()),
-                gone_keeper(&fewer, &gone)
+                gone_keeper_after(&names, &gone, &came, &left),
+                gone_keeper(&after, &gone)
             );
         }
 

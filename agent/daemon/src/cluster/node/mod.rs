@@ -170,10 +170,10 @@ pub struct ClusterNode {
     /// The nodes whose lease-bound key the last read found, and those
     /// followed in place since ([`ClusterNode::follow`]).
     alive: BTreeSet<String>,
-    /// Whether the last read found a routing key of a node not alive (a
-    /// gone node): a node come is then read, not followed (it may change
-    /// which node keeps the gone one).
-    gone_known: bool,
+    /// The other nodes with a routing key and no live node key (gone
+    /// nodes, until reclaimed), as last read or followed: a node come or
+    /// gone may change which live node keeps each.
+    gone: BTreeSet<String>,
     /// Another node's lease is gone: its gone mark and reclaim are due
     /// with time, so the read runs every [`READ_EVERY`] even when
     /// nothing changes.
@@ -301,7 +301,7 @@ impl ClusterNode {
             synced: None,
             cursor: None,
             alive: BTreeSet::new(),
-            gone_known: false,
+            gone: BTreeSet::new(),
             gone_pending: false,
             settled: BTreeMap::new(),
             window,
@@ -559,6 +559,23 @@ impl ClusterNode {
         Instant::now() < h.until && !refreshed && !changed
     }
 
+    /// Whether the loop's view is what a read would make of the mirror
+    /// now, so claims may pick from it without one: the mirror is live
+    /// and every change it holds was read or followed in place
+    /// ([`ClusterNode::follow`]); etcd answered the loop's last requests;
+    /// and nothing of this node's waits on a read to settle it (a claim
+    /// or give-back whose answer was lost). A claim from it is as safe as
+    /// one from a read: etcd creates a block's key only if absent, and a
+    /// lost race reads the blocks again.
+    fn view_is_current(&self, stamp: Option<Stamp>) -> bool {
+        stamp.is_some_and(|s| s.live && self.synced == Some(s))
+            && self.cursor.is_some()
+            && self.last_read.is_some()
+            && self.handle.etcd_problem().is_none()
+            && self.held.unsettled.is_empty()
+            && self.held.blocks.iter().all(|b| !b.releasing)
+    }
+
     /// Whether reads come from a live mirror now.
     fn mirrored(&self) -> bool {
         self.link.as_ref().is_some_and(|l| l.mirror().live())
@@ -634,11 +651,17 @@ impl ClusterNode {
         // until the retry's delay is over, or until it answers the agent
         // again (the round serves what it has meanwhile).
         let held = self.held(stamp);
+        // Claims pick from the view without a read when it is as a read
+        // would make it now.
+        let current = !held && self.view_is_current(stamp);
         let must_read = !held
             && (self.read_next
                 || due
                 || self.handle.etcd_problem().is_some()
-                || !self.handle.lock().wanted.is_empty());
+                || (!current && !self.handle.lock().wanted.is_empty()));
+        if current && !must_read {
+            self.asked_at_read = self.handle.lock().wanted.clone();
+        }
         if must_read {
             self.asked_at_read = self.handle.lock().wanted.clone();
             // A read made for another reason (a claim waiting, etcd's
@@ -663,8 +686,9 @@ impl ClusterNode {
         // A block the read fenced leaves the allocator now, before any
         // claim (each may take several requests to etcd).
         self.serve(slot).await;
-        // Claims pick from the blocks just read.
-        let fresh = must_read && reachable;
+        // Claims pick from the blocks just read, or from the view kept
+        // current without one.
+        let fresh = (must_read && reachable) || (current && !must_read);
         // What the allocator holds, per pool and family.
         let blocks: Vec<HeldBlock> = self.held.blocks.clone();
         let cidrs: Vec<IpNet> = blocks.iter().map(|b| b.cidr).collect();

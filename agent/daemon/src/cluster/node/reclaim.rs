@@ -36,9 +36,11 @@ impl ClusterNode {
             .collect();
         let routing = door.routing_keys().await?;
         self.alive.clone_from(&alive);
-        self.gone_known = routing
+        self.gone = routing
             .iter()
-            .any(|(r, _)| r.name != self.name && !alive.contains(&r.name));
+            .filter(|(r, _)| r.name != self.name && !alive.contains(&r.name))
+            .map(|(r, _)| r.name.clone())
+            .collect();
         let now = now_ms();
         let after = u64::try_from(self.cluster.reclaim_after.as_millis()).unwrap_or(u64::MAX);
         let mut reclaimed = false;
