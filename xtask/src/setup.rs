@@ -64,6 +64,10 @@ pub const PACKAGES: &[&str] = &[
     "libcap2:arm64",
     // tests/tests/arm64.rs runs the arm64 agent under qemu-user.
     "qemu-user-static",
+    // BGP (#48): BIRD is the speaker lockstep drives; FRR (bgpd, bfdd,
+    // zebra) is the peer router the BGP tests read routes from.
+    "bird2",
+    "frr",
 ];
 
 /// The foreign dpkg architecture the arm64 packages above come from.
