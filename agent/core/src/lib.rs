@@ -51,6 +51,7 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
+pub mod bgp;
 pub mod cidr;
 pub mod cluster;
 pub mod demand;
