@@ -16,6 +16,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 
 use anyhow::{Context, bail};
 
+pub mod bgp;
 pub mod churn;
 pub mod cluster;
 pub mod cni_chain;

@@ -10,6 +10,7 @@ pub mod agent;
 pub mod announce;
 pub mod api;
 pub mod arp;
+pub mod bgp;
 pub mod cli;
 pub mod client;
 pub mod cluster;
