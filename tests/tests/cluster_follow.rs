@@ -181,6 +181,44 @@ impl Fixture {
     }
 }
 
+/// What a test's body is given: etcd's endpoints, the claim loop's
+/// config, the recorder and the stop switch.
+struct Parts {
+    eps: Vec<String>,
+    config: Config,
+    door: Arc<RecorderDoor>,
+    stop: tokio::sync::watch::Sender<bool>,
+    stopped: tokio::sync::watch::Receiver<bool>,
+}
+
+impl Fixture {
+    /// Runs a test's body on the runtime, etcd and the state directory
+    /// kept until it is done; the stop switch goes with the body, so
+    /// whatever it left running stops when it ends, failed or not.
+    fn run<F: Future<Output = anyhow::Result<()>>>(
+        self,
+        body: impl FnOnce(Parts) -> F,
+    ) -> anyhow::Result<()> {
+        let Fixture {
+            cluster: _cluster,
+            eps,
+            dir: _dir,
+            config,
+            rt,
+            stop,
+            stopped,
+            door,
+        } = self;
+        rt.block_on(body(Parts {
+            eps,
+            config,
+            door,
+            stop,
+            stopped,
+        }))
+    }
+}
+
 /// The mirror's task, the claim loop's, and the loop's handle.
 type Spawned = (
     tokio::task::JoinHandle<()>,
@@ -189,22 +227,17 @@ type Spawned = (
 );
 
 /// Starts the mirror and the claim loop (its allocator the recorder).
-async fn spawn_loop(
-    eps: &[String],
-    config: &Config,
-    door: &Arc<RecorderDoor>,
-    stopped: &tokio::sync::watch::Receiver<bool>,
-) -> anyhow::Result<Spawned> {
+async fn spawn_loop(p: &Parts) -> anyhow::Result<Spawned> {
     let link = Link::new(PREFIX);
-    let mut o = options(eps);
+    let mut o = options(&p.eps);
     o.link = Some(link.clone());
-    let mirror = link.mirror().clone().spawn(o, stopped.clone());
-    let node = ClusterNode::connect(config, Some(link))
+    let mirror = link.mirror().clone().spawn(o, p.stopped.clone());
+    let node = ClusterNode::connect(&p.config, Some(link))
         .await
         .map_err(|e| anyhow::anyhow!("claim loop: {e}"))?;
     let handle = node.handle();
-    let slot: AgentSlot = Some(door.clone());
-    Ok((mirror, node.spawn(slot, stopped.clone()), handle))
+    let slot: AgentSlot = Some(p.door.clone());
+    Ok((mirror, node.spawn(slot, p.stopped.clone()), handle))
 }
 
 /// A writer's door on etcd with the pool applied and `count` other nodes
@@ -249,19 +282,9 @@ async fn settled(w: &mut Door) -> anyhow::Result<()> {
 
 #[test]
 fn the_other_nodes_blocks_followed_per_change_are_the_whole_read() -> anyhow::Result<()> {
-    let Fixture {
-        cluster: _cluster,
-        eps,
-        dir: _dir,
-        config,
-        rt,
-        stop,
-        stopped,
-        door,
-    } = Fixture::new()?;
-    let result = rt.block_on(async {
-        let (mut w, leases) = others(&eps, OTHERS).await?;
-        let (mirror, task, _) = spawn_loop(&eps, &config, &door, &stopped).await?;
+    Fixture::new()?.run(|p|  async move {
+        let (mut w, leases) = others(&p.eps, OTHERS).await?;
+        let (mirror, task, _) = spawn_loop(&p).await?;
         let mut held: BTreeMap<IpNet, Block> = BTreeMap::new();
         let mut draw = Draw(47);
         let mut pools_applied = 0;
@@ -308,7 +331,8 @@ fn the_other_nodes_blocks_followed_per_change_are_the_whole_read() -> anyhow::Re
                 .collect();
             let started = Instant::now();
             loop {
-                let got = door
+                let got = p
+                    .door
                     .0
                     .lock()
                     .unwrap_or_else(std::sync::PoisonError::into_inner)
@@ -324,11 +348,9 @@ fn the_other_nodes_blocks_followed_per_change_are_the_whole_read() -> anyhow::Re
                 tokio::time::sleep(Duration::from_millis(25)).await;
             }
         }
-        finish(&stop, [task, mirror]).await;
+        finish(&p.stop, [task, mirror]).await;
         anyhow::Ok(())
-    });
-    let _ = stop.send(true);
-    result
+    })
 }
 
 /// A node that comes is followed in place (no read: at a cluster's
@@ -338,19 +360,9 @@ fn the_other_nodes_blocks_followed_per_change_are_the_whole_read() -> anyhow::Re
 /// to the loop, and no mark would come.
 #[test]
 fn a_node_come_followed_in_place_is_marked_gone_when_its_lease_goes() -> anyhow::Result<()> {
-    let Fixture {
-        cluster: _cluster,
-        eps,
-        dir: _dir,
-        config,
-        rt,
-        stop,
-        stopped,
-        door,
-    } = Fixture::new()?;
-    let result = rt.block_on(async {
-        let (mut w, _) = others(&eps, 3).await?;
-        let (mirror, task, _) = spawn_loop(&eps, &config, &door, &stopped).await?;
+    Fixture::new()?.run(|p| async move {
+        let (mut w, _) = others(&p.eps, 3).await?;
+        let (mirror, task, _) = spawn_loop(&p).await?;
         settled(&mut w).await?;
         // A node comes ("zz-…" sorts last: its keeper, the next live name
         // round the ring, is "me"), and its lease goes a moment later.
@@ -361,7 +373,7 @@ fn a_node_come_followed_in_place_is_marked_gone_when_its_lease_goes() -> anyhow:
         // The loop sees it come (a round follows every change within its
         // tick) before it goes: both in one look would be a read.
         tokio::time::sleep(Duration::from_secs(3)).await;
-        let mut raw = etcd_client::Client::connect(&eps, None).await?;
+        let mut raw = etcd_client::Client::connect(&p.eps, None).await?;
         raw.lease_revoke(lease).await?;
         let started = Instant::now();
         loop {
@@ -379,11 +391,9 @@ fn a_node_come_followed_in_place_is_marked_gone_when_its_lease_goes() -> anyhow:
             );
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
-        finish(&stop, [task, mirror]).await;
+        finish(&p.stop, [task, mirror]).await;
         anyhow::Ok(())
-    });
-    let _ = stop.send(true);
-    result
+    })
 }
 
 /// A node's death, followed in place: another node's lease goes, and its
@@ -395,25 +405,15 @@ fn a_node_come_followed_in_place_is_marked_gone_when_its_lease_goes() -> anyhow:
 /// cluster read it whole.
 #[test]
 fn a_node_gone_marked_and_reclaimed_elsewhere_is_followed_without_a_read() -> anyhow::Result<()> {
-    let Fixture {
-        cluster: _cluster,
-        eps,
-        dir: _dir,
-        config,
-        rt,
-        stop,
-        stopped,
-        door,
-    } = Fixture::new()?;
-    let result = rt.block_on(async {
-        let (mut w, leases) = others(&eps, 4).await?;
+    Fixture::new()?.run(|p|  async move {
+        let (mut w, leases) = others(&p.eps, 4).await?;
         // other-1 holds a block and has published a window in it.
         let cidr = lockstep_tests::synthetic::block(7)?;
         let got = w.claim_block("follow", cidr, "other-1").await?;
         ensure!(matches!(got, Claim::Claimed { .. }), "{got:?}");
         let window: BTreeSet<IpAddr> = cidr.hosts().take(3).collect();
         w.put_window("other-1", &window, 0).await?;
-        let (mirror, task, handle) = spawn_loop(&eps, &config, &door, &stopped).await?;
+        let (mirror, task, handle) = spawn_loop(&p).await?;
         settled(&mut w).await?;
         let reads = handle.figures().whole_reads;
         let followed = handle.figures().changes_followed;
@@ -423,7 +423,7 @@ fn a_node_gone_marked_and_reclaimed_elsewhere_is_followed_without_a_read() -> an
             r.others.as_ref() == Some(want_others) && r.reserved.as_ref() == Some(want_reserved)
         };
         // 1. other-1's lease goes (its keeper is other-2, the next name).
-        let mut raw = etcd_client::Client::connect(&eps, None).await?;
+        let mut raw = etcd_client::Client::connect(&p.eps, None).await?;
         raw.lease_revoke(leases[1]).await?;
         tokio::time::sleep(Duration::from_secs(3)).await;
         // 2. Its keeper marks it gone, long enough ago to reclaim it.
@@ -458,7 +458,7 @@ fn a_node_gone_marked_and_reclaimed_elsewhere_is_followed_without_a_read() -> an
             .collect();
         ensure!(want_reserved == window, "reserved {want_reserved:?}, window {window:?}");
         let started = Instant::now();
-        while !agrees(&door, &want_others, &want_reserved) {
+        while !agrees(&p.door, &want_others, &want_reserved) {
             ensure!(
                 started.elapsed() < Duration::from_secs(15),
                 "the loop's other blocks and reserved addresses are not the whole read's: etcd {want_others:?}, {want_reserved:?}"
@@ -477,11 +477,9 @@ fn a_node_gone_marked_and_reclaimed_elsewhere_is_followed_without_a_read() -> an
             f.whole_reads - reads
         );
         ensure!(f.changes_followed >= followed + 3, "{} batches followed", f.changes_followed - followed);
-        finish(&stop, [task, mirror]).await;
+        finish(&p.stop, [task, mirror]).await;
         anyhow::Ok(())
-    });
-    let _ = stop.send(true);
-    result
+    })
 }
 
 /// This node's own blocks, claimed as its pods fill them and given back
@@ -492,26 +490,16 @@ fn a_node_gone_marked_and_reclaimed_elsewhere_is_followed_without_a_read() -> an
 /// pod churn cost it the cluster's size per block.
 #[test]
 fn own_claims_and_give_backs_are_followed_without_a_read() -> anyhow::Result<()> {
-    let Fixture {
-        cluster: _cluster,
-        eps,
-        dir: _dir,
-        config,
-        rt,
-        stop,
-        stopped,
-        door,
-    } = Fixture::new()?;
-    let result = rt.block_on(async {
-        let (mut w, _) = others(&eps, 3).await?;
-        let (mirror, task, handle) = spawn_loop(&eps, &config, &door, &stopped).await?;
+    Fixture::new()?.run(|p| async move {
+        let (mut w, _) = others(&p.eps, 3).await?;
+        let (mirror, task, handle) = spawn_loop(&p).await?;
         settled(&mut w).await?;
         let mine = |blocks: &[Block]| blocks.iter().filter(|b| b.node == "me").count();
         let base = mine(&w.blocks().await?.0);
         let reads = handle.figures().whole_reads;
         let claims = handle.figures().block_claims;
         // Pods fill every block: one claimed each round.
-        door.1.store(true, Ordering::SeqCst);
+        p.door.1.store(true, Ordering::SeqCst);
         let started = Instant::now();
         while mine(&w.blocks().await?.0) < base + 6 {
             ensure!(
@@ -522,7 +510,7 @@ fn own_claims_and_give_backs_are_followed_without_a_read() -> anyhow::Result<()>
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
         // They go: the empty blocks are given back after `release_after`.
-        door.1.store(false, Ordering::SeqCst);
+        p.door.1.store(false, Ordering::SeqCst);
         let peak = mine(&w.blocks().await?.0);
         let started = Instant::now();
         while mine(&w.blocks().await?.0) > base {
@@ -554,11 +542,9 @@ fn own_claims_and_give_backs_are_followed_without_a_read() -> anyhow::Result<()>
             f.whole_reads - reads,
             peak - base
         );
-        finish(&stop, [task, mirror]).await;
+        finish(&p.stop, [task, mirror]).await;
         anyhow::Ok(())
-    });
-    let _ = stop.send(true);
-    result
+    })
 }
 
 /// Nodes come and go while others are gone, followed in place, and the
@@ -572,27 +558,17 @@ fn own_claims_and_give_backs_are_followed_without_a_read() -> anyhow::Result<()>
 #[test]
 fn nodes_come_and_gone_while_others_are_gone_are_followed_and_the_duty_passes() -> anyhow::Result<()>
 {
-    let Fixture {
-        cluster: _cluster,
-        eps,
-        dir: _dir,
-        config,
-        rt,
-        stop,
-        stopped,
-        door,
-    } = Fixture::new()?;
-    let result = rt.block_on(async {
-        let (mut w, mut leases) = others(&eps, 2).await?;
+    Fixture::new()?.run(|p| async move {
+        let (mut w, mut leases) = others(&p.eps, 2).await?;
         for (i, name) in ["a-0", "a-1"].iter().enumerate() {
             let ip: IpAddr = format!("10.202.0.{}", i + 1).parse()?;
             let r = node_record((*name).into(), ip, 1, "follow");
             leases.push(w.register_node(&r, &[], Duration::from_secs(600)).await?);
         }
-        let (mirror, task, handle) = spawn_loop(&eps, &config, &door, &stopped).await?;
+        let (mirror, task, handle) = spawn_loop(&p).await?;
         settled(&mut w).await?;
         let reads = handle.figures().whole_reads;
-        let mut raw = etcd_client::Client::connect(&eps, None).await?;
+        let mut raw = etcd_client::Client::connect(&p.eps, None).await?;
         // 1. a-0 goes: kept by a-1.
         raw.lease_revoke(leases[2]).await?;
         tokio::time::sleep(Duration::from_secs(2)).await;
@@ -638,9 +614,7 @@ fn nodes_come_and_gone_while_others_are_gone_are_followed_and_the_duty_passes() 
             );
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
-        finish(&stop, [task, mirror]).await;
+        finish(&p.stop, [task, mirror]).await;
         anyhow::Ok(())
-    });
-    let _ = stop.send(true);
-    result
+    })
 }
