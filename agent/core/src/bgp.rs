@@ -38,6 +38,8 @@ use std::net::{IpAddr, Ipv4Addr};
 
 use ipnet::IpNet;
 
+pub mod announce;
+
 /// Why a BGP spec cannot be written.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum BgpError {

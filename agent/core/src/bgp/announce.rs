@@ -1,0 +1,280 @@
+//! What one node announces over BGP (#48 item 2): its share of the
+//! LoadBalancer addresses, and the pod blocks it holds.
+//!
+//! Where L2 announcement has one node answer for an address, BGP lets
+//! every node that may serve it announce it, and the routers spread the
+//! traffic over them (ECMP). So the question is per node, not per
+//! address: may this node serve this address? The rules are the ones the
+//! L2 path already keeps, applied to every node at once:
+//! - a node kept out of load balancing ([`may_answer`]: labelled
+//!   excluded, cordoned, not ready, being deleted) announces no
+//!   LoadBalancer address, whatever its endpoints;
+//! - an address of a pool whose node selector does not admit the node is
+//!   not announced by it;
+//! - under `externalTrafficPolicy: Local`, a node announces only while it
+//!   is a [`candidate`]: it has a ready endpoint, or its endpoints are
+//!   serving while terminating and no other node has a ready one. So a
+//!   rolling update hands the address from node to node without a moment
+//!   where no node announces it (the new pod is ready before the old one
+//!   terminates), and a node whose pod went away stops at once;
+//! - under `Cluster`, every node that may serve announces.
+//!
+//! Pod blocks are announced by the node that holds them, exclusion from
+//! load balancing or not: they route to pods, not to Services.
+//!
+//! Each prefix carries its pool's attributes (communities, local
+//! preference); an address is a host route (/32, /128).
+
+use std::collections::BTreeMap;
+use std::net::IpAddr;
+
+use ipnet::IpNet;
+
+use super::{Announcements, RouteAttrs};
+use crate::lb::kubernetes::local::{Endpoint, candidate};
+use crate::lb::kubernetes::nodes::{NodeState, may_answer};
+
+/// One LoadBalancer address as the decision needs it.
+#[derive(Clone, Copy, Debug)]
+pub struct LbAddress<'a> {
+    /// The address.
+    pub address: IpAddr,
+    /// Its pool (for the route's attributes).
+    pub pool: &'a str,
+    /// With `externalTrafficPolicy: Local`: the Service's endpoints (all
+    /// its slices'); `None` for `Cluster`.
+    pub local: Option<&'a [Endpoint]>,
+    /// Whether the pool's node selector admits this node (`true` for a
+    /// pool without one).
+    pub admitted: bool,
+}
+
+/// One pod block this node holds.
+#[derive(Clone, Copy, Debug)]
+pub struct PodBlock<'a> {
+    /// The block.
+    pub cidr: IpNet,
+    /// Its pool (for the route's attributes).
+    pub pool: &'a str,
+}
+
+/// What a node announces, and why it announces no more.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Decision {
+    /// The prefixes to announce, with their attributes.
+    pub routes: Announcements,
+    /// The LoadBalancer addresses it does not announce, each with why
+    /// (for its status and logs).
+    pub withheld: BTreeMap<IpAddr, String>,
+}
+
+/// What `node` (its Node's state `state`) announces of `addresses` and
+/// `blocks`, each prefix with `attrs` of its pool (none for a pool not
+/// there).
+#[must_use]
+pub fn decide(
+    node: &str,
+    state: &NodeState,
+    addresses: &[LbAddress<'_>],
+    blocks: &[PodBlock<'_>],
+    attrs: &BTreeMap<String, RouteAttrs>,
+) -> Decision {
+    let of = |pool: &str| attrs.get(pool).cloned().unwrap_or_default();
+    let mut d = Decision::default();
+    let kept_out = may_answer(state).err();
+    for a in addresses {
+        let why = if let Some(why) = &kept_out {
+            Some(why.clone())
+        } else if !a.admitted {
+            Some(format!(
+                "pool {}'s node selector does not admit this node",
+                a.pool
+            ))
+        } else {
+            a.local.and_then(|endpoints| {
+                candidate(endpoints, node)
+                    .err()
+                    .map(|why| format!("externalTrafficPolicy is Local and {why}"))
+            })
+        };
+        match why {
+            Some(why) => {
+                d.withheld.insert(a.address, why);
+            }
+            None => {
+                d.routes.insert(IpNet::from(a.address), of(a.pool));
+            }
+        }
+    }
+    for b in blocks {
+        d.routes.insert(b.cidr.trunc(), of(b.pool));
+    }
+    d
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeSet;
+
+    use proptest::prelude::*;
+
+    use super::*;
+    use crate::lb::kubernetes::local::candidates;
+    use crate::lb::kubernetes::nodes::EXCLUDE_LABEL;
+
+    const NODES: [&str; 3] = ["n0", "n1", "n2"];
+
+    fn ep(node: &str, ready: bool, terminating: bool) -> Endpoint {
+        Endpoint {
+            node: Some(node.into()),
+            ready: Some(ready),
+            serving: Some(ready || terminating),
+            terminating: Some(terminating),
+        }
+    }
+
+    fn addr(endpoints: Option<&[Endpoint]>) -> LbAddress<'_> {
+        LbAddress {
+            address: "198.51.100.7".parse().unwrap(),
+            pool: "public",
+            local: endpoints,
+            admitted: true,
+        }
+    }
+
+    /// The nodes that announce `a`, each deciding for itself.
+    fn announcing(a: LbAddress<'_>) -> BTreeSet<String> {
+        NODES
+            .iter()
+            .filter(|n| {
+                let d = decide(n, &NodeState::default(), &[a], &[], &BTreeMap::new());
+                d.routes.contains_key(&IpNet::from(a.address))
+            })
+            .map(|n| (*n).to_string())
+            .collect()
+    }
+
+    #[test]
+    fn cluster_addresses_from_every_node_that_may_serve_and_blocks_from_any() {
+        let block = PodBlock {
+            cidr: "10.64.0.0/26".parse().unwrap(),
+            pool: "pods",
+        };
+        let attrs: BTreeMap<String, RouteAttrs> = [(
+            "public".to_string(),
+            RouteAttrs {
+                communities: [(64512, 100)].into(),
+                ..RouteAttrs::default()
+            },
+        )]
+        .into();
+        let d = decide("n0", &NodeState::default(), &[addr(None)], &[block], &attrs);
+        assert_eq!(
+            d.routes,
+            [
+                ("198.51.100.7/32".parse().unwrap(), attrs["public"].clone()),
+                ("10.64.0.0/26".parse().unwrap(), RouteAttrs::default()),
+            ]
+            .into()
+        );
+        assert!(d.withheld.is_empty());
+        // Excluded: the address is withheld, naming the label; the block
+        // is still announced.
+        let excluded = NodeState {
+            labels: [(EXCLUDE_LABEL.to_string(), String::new())].into(),
+            ..NodeState::default()
+        };
+        let d = decide("n0", &excluded, &[addr(None)], &[block], &attrs);
+        assert_eq!(d.routes.keys().collect::<Vec<_>>(), [&block.cidr]);
+        assert!(
+            d.withheld.values().all(|w| w.contains(EXCLUDE_LABEL)),
+            "{d:?}"
+        );
+        // Not admitted by the pool's selector.
+        let mut a = addr(None);
+        a.admitted = false;
+        let d = decide("n0", &NodeState::default(), &[a], &[], &attrs);
+        assert!(d.routes.is_empty());
+        assert!(
+            d.withheld.values().all(|w| w.contains("node selector")),
+            "{d:?}"
+        );
+    }
+
+    #[test]
+    fn local_addresses_from_the_nodes_with_an_endpoint_and_why_not_elsewhere() {
+        let endpoints = [ep("n1", true, false)];
+        assert_eq!(
+            announcing(addr(Some(&endpoints))),
+            ["n1".to_string()].into()
+        );
+        let d = decide(
+            "n0",
+            &NodeState::default(),
+            &[addr(Some(&endpoints))],
+            &[],
+            &BTreeMap::new(),
+        );
+        assert_eq!(
+            d.withheld.values().next().map(String::as_str),
+            Some("externalTrafficPolicy is Local and no ready endpoint on this node")
+        );
+        assert_eq!(announcing(addr(None)).len(), NODES.len());
+    }
+
+    fn endpoint() -> impl Strategy<Value = Endpoint> {
+        (0..NODES.len(), any::<bool>(), any::<bool>()).prop_map(|(n, r, t)| ep(NODES[n], r, t))
+    }
+
+    proptest! {
+        /// Under `Local`, the nodes that announce are the L2 path's
+        /// candidates, exactly.
+        #[test]
+        fn local_announcers_are_the_candidates(
+            endpoints in proptest::collection::vec(endpoint(), 0..6),
+        ) {
+            prop_assert_eq!(announcing(addr(Some(&endpoints))), candidates(&endpoints));
+        }
+
+        /// A rolling update, one pod at a time: with a surge of one, a
+        /// new pod on a random node becomes ready before an old one
+        /// terminates (serving through its grace period) and goes; with
+        /// none (`maxSurge: 0`), the old one terminates first. At every
+        /// step some node announces the address, and every node that
+        /// announces has a pod that serves.
+        #[test]
+        fn a_rolling_update_never_leaves_the_address_unannounced(
+            start in proptest::collection::vec(0..NODES.len(), 1..4),
+            moves in proptest::collection::vec(0..NODES.len(), 1..8),
+            surge in any::<bool>(),
+        ) {
+            let mut pods: Vec<Endpoint> = start.iter().map(|&n| ep(NODES[n], true, false)).collect();
+            let check = |pods: &[Endpoint]| -> Result<(), TestCaseError> {
+                let by = announcing(addr(Some(pods)));
+                prop_assert!(!by.is_empty(), "no node announces with {:?}", pods);
+                for n in &by {
+                    prop_assert!(pods.iter().any(|p| p.node.as_deref() == Some(n.as_str()) && p.serving == Some(true)));
+                }
+                Ok(())
+            };
+            for &to in &moves {
+                let old = pods[0].node.clone().unwrap_or_default();
+                if !surge {
+                    pods[0] = ep(&old, false, true);
+                    check(&pods)?;
+                }
+                pods.push(ep(NODES[to], false, false));
+                check(&pods)?;
+                let last = pods.len() - 1;
+                pods[last] = ep(NODES[to], true, false);
+                check(&pods)?;
+                if surge {
+                    pods[0] = ep(&old, false, true);
+                    check(&pods)?;
+                }
+                pods.remove(0);
+                check(&pods)?;
+            }
+        }
+    }
+}
