@@ -231,3 +231,159 @@ pub fn bgp_routes(ns: &Netns) -> anyhow::Result<std::collections::BTreeMap<Strin
     }
     Ok(out)
 }
+
+/// One peer router linked to the node: FRR in its own namespace.
+pub struct Router {
+    /// FRR (stopped before its namespace goes: fields drop in order).
+    pub frr: Frr,
+    /// Its namespace.
+    pub ns: Netns,
+    /// The node's address on the link.
+    pub node_addr: String,
+    /// The router's address on the link.
+    pub addr: String,
+}
+
+/// A node namespace running BIRD, linked to routers running FRR.
+pub struct Lab {
+    /// The routers, in order.
+    pub routers: Vec<Router>,
+    /// The node's BIRD.
+    pub bird: BirdProc,
+    /// The node's namespace.
+    pub node: Netns,
+}
+
+impl Lab {
+    /// The node linked to `count` routers: the i-th link is
+    /// 10.251.i.0/30, the node .1 and the router .2; router i runs FRR as
+    /// AS `router_asn`, peering with the node as AS 64512 with BFD
+    /// (100 ms × 3) and a 9 s hold time. BIRD then starts with the text
+    /// `bird_config` makes of the links (node address, router address).
+    ///
+    /// # Errors
+    /// A namespace, link or daemon failed.
+    pub fn new(
+        count: u8,
+        router_asn: u32,
+        bird_config: impl FnOnce(&[(String, String)]) -> anyhow::Result<String>,
+    ) -> anyhow::Result<Lab> {
+        let node = Netns::new("bgpn")?;
+        let mut routers = Vec::new();
+        for i in 0..count {
+            let ns = Netns::new("bgpr")?;
+            let (up, down) = (format!("up{i}"), format!("down{i}"));
+            crate::veth(&node, &up, &ns, &down)?;
+            let node_addr = format!("10.251.{i}.1");
+            let addr = format!("10.251.{i}.2");
+            node.ip(["addr", "add", &format!("{node_addr}/30"), "dev", &up])?;
+            ns.ip(["addr", "add", &format!("{addr}/30"), "dev", &down])?;
+            let config = format!(
+                "frr defaults datacenter\n!\nrouter bgp {router_asn}\n bgp router-id {addr}\n \
+                 no bgp ebgp-requires-policy\n neighbor {node_addr} remote-as 64512\n \
+                 neighbor {node_addr} bfd\n neighbor {node_addr} timers 3 9\n \
+                 neighbor {node_addr} timers connect 1\n!\nbfd\n peer {node_addr}\n  \
+                 receive-interval 100\n  transmit-interval 100\n  detect-multiplier 3\n exit\nexit\n"
+            );
+            let frr = Frr::start(&ns, &config)?;
+            routers.push(Router {
+                frr,
+                ns,
+                node_addr,
+                addr,
+            });
+        }
+        let links: Vec<(String, String)> = routers
+            .iter()
+            .map(|r| (r.node_addr.clone(), r.addr.clone()))
+            .collect();
+        let bird = BirdProc::start(&node, &bird_config(&links)?)?;
+        Ok(Lab {
+            routers,
+            bird,
+            node,
+        })
+    }
+
+    /// Waits until router `r`'s kernel table holds exactly `want` from
+    /// BGP (host routes written without their /32), each via the node, at
+    /// most `within`; how long it took.
+    ///
+    /// # Errors
+    /// It did not within `within`.
+    pub fn routes_become(
+        &self,
+        r: usize,
+        want: &[&str],
+        within: Duration,
+    ) -> anyhow::Result<Duration> {
+        let router = &self.routers[r];
+        let want: std::collections::BTreeMap<String, Vec<String>> = want
+            .iter()
+            .map(|p| {
+                let p = p.trim_end_matches("/32").to_string();
+                (p, vec![router.node_addr.clone()])
+            })
+            .collect();
+        let started = Instant::now();
+        loop {
+            let got = bgp_routes(&router.ns)?;
+            if got == want {
+                return Ok(started.elapsed());
+            }
+            if started.elapsed() > within {
+                bail!(
+                    "router {r}'s BGP routes are {got:?}, not {want:?}, after {within:?}\nbird: {}",
+                    self.bird.log()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    /// Waits until router `r`'s BFD session to the node is up (it comes
+    /// up after the BGP session that asks for it: until then a cut is
+    /// seen at the hold time only).
+    ///
+    /// # Errors
+    /// It did not within `within`.
+    pub fn bfd_up(&self, r: usize, within: Duration) -> anyhow::Result<()> {
+        let router = &self.routers[r];
+        let started = Instant::now();
+        loop {
+            let out = router
+                .frr
+                .vtysh(&format!("show bfd peer {} json", router.node_addr))?;
+            let v: serde_json::Value = serde_json::from_str(&out).unwrap_or_default();
+            if v.get("status").and_then(serde_json::Value::as_str) == Some("up") {
+                return Ok(());
+            }
+            if started.elapsed() > within {
+                bail!("router {r}'s BFD to the node never came up: {out}");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// How many times router `r`'s session to the node came up.
+    ///
+    /// # Errors
+    /// vtysh failed or did not say.
+    pub fn established_count(&self, r: usize) -> anyhow::Result<u64> {
+        let router = &self.routers[r];
+        let n = router.frr.neighbor(&router.node_addr)?;
+        let count = n
+            .get("connectionsEstablished")
+            .and_then(serde_json::Value::as_u64)
+            .with_context(|| format!("no connectionsEstablished in {n}"))?;
+        if count > 1 {
+            eprintln!(
+                "router {r}: session came up {count} times; last reset: {} ({})",
+                n.get("lastResetDueTo").unwrap_or(&serde_json::Value::Null),
+                n.get("lastNotificationReason")
+                    .unwrap_or(&serde_json::Value::Null)
+            );
+        }
+        Ok(count)
+    }
+}

@@ -11,43 +11,34 @@
 //! close (every packet dropped at the peer) is withdrawn by BFD within a
 //! second, over ten cuts.
 
-use std::collections::BTreeMap;
 use std::net::Ipv4Addr;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, ensure};
 use lockstep_core::bgp::{Announcements, BfdSpec, BgpSpec, PeerSpec, RouteAttrs, render_bird};
-use lockstep_tests::bgp::{BirdProc, Frr, bgp_routes};
-use lockstep_tests::{Netns, veth};
+use lockstep_tests::bgp::Lab;
 
-const NODE: &str = "10.251.0.1";
-const PEER: &str = "10.251.0.2";
-
-/// The node's speaker: one peer, with BFD.
-fn spec() -> BgpSpec {
-    BgpSpec {
-        asn: 64512,
-        router_id: Ipv4Addr::new(10, 251, 0, 1),
-        peers: vec![PeerSpec {
-            name: "tor".into(),
-            address: PEER.parse().expect("address"),
-            asn: 64513,
-            source: Some(NODE.parse().expect("address")),
+/// The node's speaker: one peer per link, with BFD, AS `asns[i]` on link
+/// i (the routers are AS 64513).
+fn spec(links: &[(String, String)], asns: &[u32]) -> anyhow::Result<BgpSpec> {
+    let mut peers = Vec::new();
+    for (i, ((node, router), asn)) in links.iter().zip(asns).enumerate() {
+        peers.push(PeerSpec {
+            name: format!("tor-{i}"),
+            address: router.parse()?,
+            asn: *asn,
+            source: Some(node.parse()?),
             bfd: true,
             hold_time_s: 9,
-        }],
+        });
+    }
+    Ok(BgpSpec {
+        asn: 64512,
+        router_id: Ipv4Addr::new(10, 251, 0, 1),
+        peers,
         bfd: BfdSpec::default(),
         graceful_restart_s: 120,
-    }
-}
-
-fn frr_config() -> String {
-    format!(
-        "frr defaults datacenter\n!\nrouter bgp 64513\n bgp router-id {PEER}\n no bgp ebgp-requires-policy\n \
-         neighbor {NODE} remote-as 64512\n neighbor {NODE} bfd\n neighbor {NODE} timers 3 9\n \
-         neighbor {NODE} timers connect 1\n!\nbfd\n peer {NODE}\n  receive-interval 100\n  \
-         transmit-interval 100\n  detect-multiplier 3\n exit\nexit\n"
-    )
+    })
 }
 
 fn announce(addresses: &[&str]) -> Announcements {
@@ -57,92 +48,36 @@ fn announce(addresses: &[&str]) -> Announcements {
         .collect()
 }
 
-/// The node and its peer, linked, with BIRD and FRR running (stopped
-/// before their namespaces go: fields drop in order).
-struct Lab {
-    frr: Frr,
-    bird: BirdProc,
-    node: Netns,
-    peer: Netns,
+/// How many times router `r`'s session came up, once it has settled:
+/// BFD up and a second past. At start a session may come up twice: FRR
+/// once reset it with "BFD down received" right after it first came up,
+/// in some runs (BIRD's BFD session following the BGP connection it was
+/// made for, when both sides connected at once, is the likely cause).
+fn settled(lab: &Lab, r: usize) -> anyhow::Result<u64> {
+    lab.bfd_up(r, Duration::from_secs(10))?;
+    std::thread::sleep(Duration::from_secs(1));
+    lab.bfd_up(r, Duration::from_secs(10))?;
+    lab.established_count(r)
 }
 
-impl Lab {
-    fn new(routes: &Announcements) -> anyhow::Result<Lab> {
-        let node = Netns::new("bgpn")?;
-        let peer = Netns::new("bgpp")?;
-        veth(&node, "up0", &peer, "down0")?;
-        node.ip(["addr", "add", &format!("{NODE}/30"), "dev", "up0"])?;
-        peer.ip(["addr", "add", &format!("{PEER}/30"), "dev", "down0"])?;
-        let frr = Frr::start(&peer, &frr_config())?;
-        let bird = BirdProc::start(&node, &render_bird(&spec(), routes)?)?;
-        Ok(Lab {
-            frr,
-            bird,
-            node,
-            peer,
-        })
-    }
-
-    /// Waits until the peer's table holds exactly `want` from BGP (each
-    /// via the node), at most `within`; how long it took.
-    fn routes_become(&self, want: &[&str], within: Duration) -> anyhow::Result<Duration> {
-        let want: BTreeMap<String, Vec<String>> = want
-            .iter()
-            .map(|p| {
-                let p = p.trim_end_matches("/32").to_string();
-                (p, vec![NODE.to_string()])
-            })
-            .collect();
-        let started = Instant::now();
-        loop {
-            let got = bgp_routes(&self.peer)?;
-            if got == want {
-                return Ok(started.elapsed());
-            }
-            ensure!(
-                started.elapsed() < within,
-                "the peer's BGP routes are {got:?}, not {want:?}, after {within:?}\nbird: {}",
-                self.bird.log()
-            );
-            std::thread::sleep(Duration::from_millis(5));
-        }
-    }
-
-    /// Waits until FRR's BFD session to the node is up (it comes up
-    /// after the BGP session that asks for it: until then a cut is seen
-    /// at the hold time only).
-    fn bfd_up(&self, within: Duration) -> anyhow::Result<()> {
-        let started = Instant::now();
-        loop {
-            let out = self.frr.vtysh(&format!("show bfd peer {NODE} json"))?;
-            let v: serde_json::Value = serde_json::from_str(&out).unwrap_or_default();
-            if v.get("status").and_then(serde_json::Value::as_str) == Some("up") {
-                return Ok(());
-            }
-            ensure!(
-                started.elapsed() < within,
-                "BFD to the node never came up: {out}"
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-
-    /// How many times FRR's session to the node came up.
-    fn established_count(&self) -> anyhow::Result<u64> {
-        let n = self.frr.neighbor(NODE)?;
-        n.get("connectionsEstablished")
-            .and_then(serde_json::Value::as_u64)
-            .with_context(|| format!("no connectionsEstablished in {n}"))
-    }
+/// The node and one router, announcing `routes`.
+fn one_router(routes: &Announcements) -> anyhow::Result<(Lab, BgpSpec)> {
+    let mut s = None;
+    let lab = Lab::new(1, 64513, |links| {
+        let spec = spec(links, &[64513])?;
+        let text = render_bird(&spec, routes)?;
+        s = Some(spec);
+        Ok(text)
+    })?;
+    Ok((lab, s.context("no spec")?))
 }
 
 #[test]
 fn announcements_reach_the_peer_and_change_without_a_session_reset() -> anyhow::Result<()> {
     lockstep_tests::privileged!();
-    let lab = Lab::new(&announce(&["198.51.100.7/32"]))?;
-    lab.routes_become(&["198.51.100.7/32"], Duration::from_secs(30))?;
-    let established = lab.established_count()?;
-    ensure!(established == 1, "session came up {established} times");
+    let (lab, spec) = one_router(&announce(&["198.51.100.7/32"]))?;
+    lab.routes_become(0, &["198.51.100.7/32"], Duration::from_secs(30))?;
+    let established = settled(&lab, 0)?;
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
@@ -154,8 +89,8 @@ fn announcements_reach_the_peer_and_change_without_a_session_reset() -> anyhow::
         &["198.51.100.9/32"],
     ];
     for step in steps {
-        rt.block_on(bird.apply(&render_bird(&spec(), &announce(step))?))?;
-        lab.routes_become(step, Duration::from_secs(10))?;
+        rt.block_on(bird.apply(&render_bird(&spec, &announce(step))?))?;
+        lab.routes_become(0, step, Duration::from_secs(10))?;
     }
     // A configuration BIRD refuses: an error naming BIRD's reason, the
     // running configuration and its file unchanged.
@@ -170,12 +105,12 @@ fn announcements_reach_the_peer_and_change_without_a_session_reset() -> anyhow::
         std::fs::read_to_string(bird.config_path())? == before,
         "the file changed"
     );
-    lab.routes_become(&["198.51.100.9/32"], Duration::from_secs(5))?;
+    lab.routes_become(0, &["198.51.100.9/32"], Duration::from_secs(5))?;
     let sessions = rt.block_on(bird.protocols())?;
     ensure!(
         sessions
             .iter()
-            .any(|p| p.name == "peer_tor" && p.established()),
+            .any(|p| p.name == "peer_tor_0" && p.established()),
         "{sessions:?}"
     );
     // BIRD installs nothing in the node's kernel: the BPF datapath is
@@ -187,10 +122,10 @@ fn announcements_reach_the_peer_and_change_without_a_session_reset() -> anyhow::
             "BIRD touched the node's routes:\n{routes}"
         );
     }
-    let after = lab.established_count()?;
+    let after = lab.established_count(0)?;
     ensure!(
         after == established,
-        "the session came up {after} times over three configures (a reset)"
+        "the session came up {after} times, {established} before three configures (a reset)"
     );
     Ok(())
 }
@@ -198,10 +133,11 @@ fn announcements_reach_the_peer_and_change_without_a_session_reset() -> anyhow::
 #[test]
 fn a_link_cut_without_a_close_is_withdrawn_by_bfd_within_a_second() -> anyhow::Result<()> {
     lockstep_tests::privileged!();
-    let lab = Lab::new(&announce(&["198.51.100.7/32"]))?;
+    let (lab, _) = one_router(&announce(&["198.51.100.7/32"]))?;
+    let node = lab.routers[0].node_addr.clone();
     let cut = format!(
-        "table inet lockstep_cut {{\n chain in {{ type filter hook input priority 0; ip saddr {NODE} drop; }}\n \
-         chain out {{ type filter hook output priority 0; ip daddr {NODE} drop; }}\n}}\n"
+        "table inet lockstep_cut {{\n chain in {{ type filter hook input priority 0; ip saddr {node} drop; }}\n \
+         chain out {{ type filter hook output priority 0; ip daddr {node} drop; }}\n}}\n"
     );
     let file = lockstep_tests::TempDir::new("bgpcut")?;
     let rules = file.path().join("cut.nft");
@@ -212,21 +148,24 @@ fn a_link_cut_without_a_close_is_withdrawn_by_bfd_within_a_second() -> anyhow::R
     let bird = lab.bird.door();
     let mut took = Vec::new();
     for run in 0..10 {
-        lab.routes_become(&["198.51.100.7/32"], Duration::from_secs(30))
+        lab.routes_become(0, &["198.51.100.7/32"], Duration::from_secs(30))
             .with_context(|| format!("run {run}: before the cut"))?;
-        lab.bfd_up(Duration::from_secs(10))?;
+        lab.bfd_up(0, Duration::from_secs(10))?;
         let started = Instant::now();
-        lab.peer.exec("nft", ["-f", &rules.display().to_string()])?;
-        let gone = lab.routes_become(&[], Duration::from_secs(15));
+        lab.routers[0]
+            .ns
+            .exec("nft", ["-f", &rules.display().to_string()])?;
+        let gone = lab.routes_become(0, &[], Duration::from_secs(15));
         let elapsed = started.elapsed();
-        lab.peer
+        lab.routers[0]
+            .ns
             .exec("nft", ["delete", "table", "inet", "lockstep_cut"])?;
         gone.with_context(|| format!("run {run}: after the cut"))?;
         took.push(elapsed);
         // BIRD waits ever longer before trying a session that keeps
         // failing (a flapping link is damped, up to a minute): each run
         // starts the session at once, as an operator's restart does.
-        rt.block_on(bird.command("restart peer_tor"))?;
+        rt.block_on(bird.command("restart peer_tor_0"))?;
     }
     took.sort();
     let p50 = lockstep_tests::pct(&took, 0.5);
@@ -245,7 +184,8 @@ fn a_link_cut_without_a_close_is_withdrawn_by_bfd_within_a_second() -> anyhow::R
 /// time, and every route attribute.
 #[test]
 fn every_form_of_the_configuration_parses_in_bird() -> anyhow::Result<()> {
-    let mut s = spec();
+    let links = [("10.251.0.1".to_string(), "10.251.0.2".to_string())];
+    let mut s = spec(&links, &[64513])?;
     s.peers.push(PeerSpec {
         name: "tor-v6".into(),
         address: "2001:db8::fe".parse()?,
@@ -270,5 +210,61 @@ fn every_form_of_the_configuration_parses_in_bird() -> anyhow::Result<()> {
         lockstep_tests::sh("bird", ["-p", "-c", &file.display().to_string()])
             .with_context(|| format!("the {name} configuration"))?;
     }
+    Ok(())
+}
+
+/// A peer refusing the session (this node has the wrong AS number for
+/// it) is named with BIRD's reason and takes nothing from the other
+/// peer; correcting it in a configure brings its session up and leaves
+/// the other's alone.
+#[test]
+fn a_refused_session_is_named_and_its_repair_resets_no_other() -> anyhow::Result<()> {
+    lockstep_tests::privileged!();
+    let routes = announce(&["198.51.100.7/32"]);
+    let mut links = Vec::new();
+    let lab = Lab::new(2, 64513, |l| {
+        links = l.to_vec();
+        Ok(render_bird(&spec(l, &[64513, 64599])?, &routes)?)
+    })?;
+    lab.routes_become(0, &["198.51.100.7/32"], Duration::from_secs(30))?;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let bird = lab.bird.door();
+    // tor-1 is refused, named; tor-0 is up.
+    let started = Instant::now();
+    let problem = loop {
+        let sessions = rt.block_on(bird.protocols())?;
+        let of = |name: &str| sessions.iter().find(|p| p.name == name).cloned();
+        let (a, b) = (of("peer_tor_0"), of("peer_tor_1"));
+        ensure!(
+            a.as_ref().is_some_and(lockstep::bgp::Protocol::established),
+            "tor-0 is not up: {sessions:?}"
+        );
+        if let Some(p) = b.as_ref().and_then(lockstep::bgp::Protocol::problem) {
+            break p;
+        }
+        ensure!(
+            started.elapsed() < Duration::from_secs(20),
+            "tor-1's refusal was never named: {sessions:?}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    eprintln!("tor-1: {problem}");
+    ensure!(problem.contains("Bad peer AS"), "{problem}");
+    ensure!(
+        lab.routes_become(1, &[], Duration::from_secs(1)).is_ok(),
+        "tor-1 has routes from a refused session"
+    );
+    // Corrected: tor-1 comes up, tor-0's session stays the one it had.
+    let before = settled(&lab, 0)?;
+    rt.block_on(bird.apply(&render_bird(&spec(&links, &[64513, 64513])?, &routes)?))?;
+    lab.routes_become(1, &["198.51.100.7/32"], Duration::from_secs(30))?;
+    lab.routes_become(0, &["198.51.100.7/32"], Duration::from_secs(1))?;
+    let after = lab.established_count(0)?;
+    ensure!(
+        after == before,
+        "tor-0's session came up {before} then {after} times: repairing tor-1 reset it"
+    );
     Ok(())
 }

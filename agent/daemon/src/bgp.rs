@@ -105,6 +105,21 @@ impl Protocol {
     pub fn established(&self) -> bool {
         self.kind == "BGP" && self.info.split_whitespace().next() == Some("Established")
     }
+
+    /// What BIRD says went wrong with a BGP session that is not
+    /// established (the info column past the session's state: a refused
+    /// connection, a notification received or sent), if it says.
+    pub fn problem(&self) -> Option<String> {
+        if self.kind != "BGP" || self.established() {
+            return None;
+        }
+        let rest = self
+            .info
+            .split_once(' ')
+            .map(|(_, rest)| rest.trim())
+            .unwrap_or_default();
+        (!rest.is_empty()).then(|| rest.to_string())
+    }
 }
 
 /// Where a reply stands after one more line.
@@ -318,6 +333,11 @@ mod tests {
         assert!(p[1].established() && !p[0].established() && !p[2].established());
         assert_eq!(p[2].state, "start");
         assert_eq!(p[2].info, "Active Socket: Connection refused");
+        assert_eq!(
+            p[2].problem().as_deref(),
+            Some("Socket: Connection refused")
+        );
+        assert_eq!((p[0].problem(), p[1].problem()), (None, None));
     }
 
     #[test]
