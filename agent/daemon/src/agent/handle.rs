@@ -37,10 +37,10 @@
 //!   [`AgentError::NotReady`], and [`AgentThread::ended`] reports why, which
 //!   stops the agent (a state left half-changed is not served).
 
+use std::collections::BTreeMap;
+use std::net::IpAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-
-use std::net::IpAddr;
 
 use arc_swap::ArcSwap;
 use ipnet::IpNet;
@@ -96,6 +96,9 @@ pub struct AgentView {
     /// under load at most every [`AFTER_BATCH_EVERY`]: exact whenever the
     /// owner is idle, else at most that old.
     pub allocated: Arc<[IpAddr]>,
+    /// Every LoadBalancer address assigned, with its pool (what the BGP
+    /// speaker announces from): rebuilt with [`AgentView::allocated`].
+    pub lb_addresses: Arc<BTreeMap<IpAddr, String>>,
 }
 
 impl AgentView {
@@ -329,6 +332,7 @@ fn run(
     // The address list last published, the store's commit count it was
     // built at, and when.
     let mut allocated: Arc<[IpAddr]> = Arc::from([]);
+    let mut lb_addresses: Arc<BTreeMap<IpAddr, String>> = Arc::default();
     let mut allocated_at: Option<(u64, std::time::Instant)> = None;
     let mut answers: Vec<Deliver> = Vec::with_capacity(BATCH);
     let mut batches = 0u64;
@@ -362,6 +366,7 @@ fn run(
                 commits != counts.commits && (rx.is_empty() || at.elapsed() >= AFTER_BATCH_EVERY)
             }) {
                 allocated = a.allocated().into();
+                lb_addresses = Arc::new(a.lb_addresses());
                 allocated_at = Some((counts.commits, std::time::Instant::now()));
             }
             if let Some(hook) = after_batch.as_mut()
@@ -379,6 +384,7 @@ fn run(
                 unprobed: Some(a.status_unprobed()),
                 pins: Some(a.pin_probe()),
                 allocated: allocated.clone(),
+                lb_addresses: lb_addresses.clone(),
             },
             None => AgentView {
                 batches,

@@ -9,7 +9,7 @@
 //! survive restarts because the state is restored, not rebuilt from service
 //! status (the race peers have).
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
 
 use lockstep_core::lb::{LbIpam, LbPoolSpec, LbSnapshot, ServiceSpec};
@@ -132,6 +132,12 @@ impl Agent {
     #[must_use]
     pub fn lb_announced(&self) -> BTreeSet<IpAddr> {
         announced(&self.lb)
+    }
+
+    /// Every LB address assigned, with its pool.
+    #[must_use]
+    pub fn lb_addresses(&self) -> BTreeMap<IpAddr, String> {
+        self.lb.addresses()
     }
 
     /// LB addresses, for the planner: (address, value) host entries.

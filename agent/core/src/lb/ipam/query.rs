@@ -19,6 +19,16 @@ impl LbIpam {
         self.services.get(id).map_or(&[], |e| &e.held)
     }
 
+    /// Every address assigned to a service, with its pool: what a BGP
+    /// speaker may announce (`bgp::announce` decides which).
+    pub fn addresses(&self) -> BTreeMap<IpAddr, String> {
+        self.manager
+            .allocations()
+            .filter(|a| classify(&a.owner).is_some())
+            .map(|a| (a.address, a.pool.clone()))
+            .collect()
+    }
+
     /// The services using an address (several when shared).
     pub fn users_of(&self, address: IpAddr) -> impl Iterator<Item = &str> + '_ {
         self.addrs
