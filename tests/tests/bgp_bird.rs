@@ -48,18 +48,6 @@ fn announce(addresses: &[&str]) -> Announcements {
         .collect()
 }
 
-/// How many times router `r`'s session came up, once it has settled:
-/// BFD up and a second past. At start a session may come up twice: FRR
-/// once reset it with "BFD down received" right after it first came up,
-/// in some runs (BIRD's BFD session following the BGP connection it was
-/// made for, when both sides connected at once, is the likely cause).
-fn settled(lab: &Lab, r: usize) -> anyhow::Result<u64> {
-    lab.bfd_up(r, Duration::from_secs(10))?;
-    std::thread::sleep(Duration::from_secs(1));
-    lab.bfd_up(r, Duration::from_secs(10))?;
-    lab.established_count(r)
-}
-
 /// The node and one router, announcing `routes`.
 fn one_router(routes: &Announcements) -> anyhow::Result<(Lab, BgpSpec)> {
     let mut s = None;
@@ -77,7 +65,7 @@ fn announcements_reach_the_peer_and_change_without_a_session_reset() -> anyhow::
     lockstep_tests::privileged!();
     let (lab, spec) = one_router(&announce(&["198.51.100.7/32"]))?;
     lab.routes_become(0, &["198.51.100.7/32"], Duration::from_secs(30))?;
-    let established = settled(&lab, 0)?;
+    let established = lab.settled(0)?;
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
@@ -257,7 +245,7 @@ fn a_refused_session_is_named_and_its_repair_resets_no_other() -> anyhow::Result
         "tor-1 has routes from a refused session"
     );
     // Corrected: tor-1 comes up, tor-0's session stays the one it had.
-    let before = settled(&lab, 0)?;
+    let before = lab.settled(0)?;
     rt.block_on(bird.apply(&render_bird(&spec(&links, &[64513, 64513])?, &routes)?))?;
     lab.routes_become(1, &["198.51.100.7/32"], Duration::from_secs(30))?;
     lab.routes_become(0, &["198.51.100.7/32"], Duration::from_secs(1))?;

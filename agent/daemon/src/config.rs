@@ -25,8 +25,10 @@ mod election;
 pub use election::ElectionConfig;
 mod kubernetes;
 pub use kubernetes::KubernetesConfig;
+mod bgp;
 mod lb;
 mod nodeipam;
+pub use bgp::{BgpConfig, BgpPeerConfig, BgpPoolConfig};
 pub use lb::{LbConfig, MIN_ANNOUNCE_LEASE};
 mod pods;
 pub mod reference;
@@ -398,6 +400,9 @@ pub struct Config {
     /// The Kubernetes API as a source of LoadBalancer Services, pools and
     /// Node facts (absent: the API is never called).
     pub kubernetes: Option<KubernetesConfig>,
+    /// LoadBalancer addresses announced to routers over BGP, through
+    /// BIRD (absent: no BGP).
+    pub bgp: Option<BgpConfig>,
 }
 
 impl Default for Config {
@@ -425,6 +430,7 @@ impl Default for Config {
             lb: LbConfig::default(),
             cluster: None,
             kubernetes: None,
+            bgp: None,
         }
     }
 }
@@ -673,6 +679,22 @@ impl Config {
         }
         if let Err(problem) = self.lb.validate() {
             out.push(problem);
+        }
+        if let Some(b) = &self.bgp {
+            if let Err(problem) = b.validate() {
+                out.push(problem);
+            }
+            // Which node may announce an address under Kubernetes (its
+            // endpoints, its Node) and in cluster mode is not wired to
+            // BGP yet: refused rather than announced from every node.
+            if self.kubernetes.is_some() || self.cluster.is_some() {
+                out.push((
+                    "bgp".into(),
+                    "is supported without [kubernetes] and [cluster] only in this version: \
+                     with them, which nodes may announce an address is not yet decided for BGP"
+                        .into(),
+                ));
+            }
         }
         if let Some(c) = &self.cluster
             && let Err(problem) = c.validate(self.datapath.uplink.is_some())

@@ -634,6 +634,14 @@ pub async fn run(config: Config) -> Result<(), ServerError> {
     tasks.keep("reconciler", move || {
         loops::reconciler(s.clone(), interval, beat.clone(), stop.clone())
     });
+    // BGP: what this node announces, kept in BIRD's configuration
+    // (`bgp::speaker`).
+    if let Some(bgp) = cluster_config.bgp.clone() {
+        let (s, stop, node) = (slot.clone(), stop_rx.clone(), cluster_config.node_name());
+        tasks.keep("bgp speaker", move || {
+            crate::bgp::speaker::spawn(bgp.clone(), node.clone(), s.clone(), stop.clone())
+        });
+    }
     let stop = stop_rx.clone();
     tasks.keep("announcement renewer", move || {
         crate::announce::spawn_renewer(announcements.clone(), stop.clone())

@@ -294,6 +294,33 @@ impl Bird {
             .map_err(file_error(&self.config))
     }
 
+    /// Writes `text` as the file BIRD starts from when there is none yet,
+    /// so BIRD can be started after the agent (returns whether it wrote
+    /// it). A file already there is left alone: it is what BIRD runs or
+    /// will run, and [`Bird::apply`] replaces it only once BIRD took the
+    /// new one.
+    ///
+    /// # Errors
+    /// The file cannot be written.
+    pub async fn seed(&self, text: &str) -> Result<bool, BirdError> {
+        if tokio::fs::try_exists(&self.config).await.unwrap_or(false) {
+            return Ok(false);
+        }
+        let file_error = |source| BirdError::File {
+            path: self.config.clone(),
+            source,
+        };
+        if let Some(dir) = self.config.parent() {
+            tokio::fs::create_dir_all(dir).await.map_err(file_error)?;
+        }
+        let next = self.config.with_extension("seed");
+        tokio::fs::write(&next, text).await.map_err(file_error)?;
+        tokio::fs::rename(&next, &self.config)
+            .await
+            .map_err(file_error)?;
+        Ok(true)
+    }
+
     /// Every protocol BIRD runs, with its state.
     ///
     /// # Errors

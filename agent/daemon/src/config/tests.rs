@@ -179,3 +179,23 @@ fn kubernetes_without_a_source_of_pod_addresses_refuses_the_embedded_default() {
     // Without [kubernetes] the default stays (a single node of its own).
     assert!(parse("").is_ok());
 }
+
+#[test]
+fn bgp_is_refused_beside_kubernetes_and_cluster_naming_why() {
+    let bgp = "[bgp]\nasn = 64512\nrouter_id = \"192.0.2.1\"\n";
+    let c = parse(bgp).expect("[bgp] alone is valid");
+    assert_eq!(c.bgp.map(|b| b.asn), Some(64512));
+    for other in [
+        "[kubernetes]\n",
+        "[cluster]\netcd = [\"http://127.0.0.1:2379\"]\nnode_ip_v4 = \"192.0.2.1\"\n",
+    ] {
+        let e = parse(&format!("{bgp}{other}")).expect_err("refused");
+        let ConfigError::Invalid { field, reason, .. } = e else {
+            panic!("not an Invalid: {e}");
+        };
+        assert_eq!(field, "bgp", "{reason}");
+        assert!(reason.contains("not yet decided for BGP"), "{reason}");
+    }
+    let e = parse("[bgp]\nasn = 0\nrouter_id = \"192.0.2.1\"\n").expect_err("asn 0");
+    assert!(e.to_string().contains("bgp.asn"), "{e}");
+}

@@ -1,0 +1,158 @@
+//! The BGP speaker's driver: a task that keeps BIRD's configuration what
+//! this node should announce, and follows its sessions.
+//!
+//! Every [`TICK`] it looks at the agent's published view (never waiting
+//! for the agent's owner); when the LoadBalancer addresses changed it
+//! decides again what this node announces (core `bgp::announce::decide`:
+//! the addresses of the pools `[bgp.pools]` names), writes BIRD's whole
+//! configuration, and applies it when the text differs from the one
+//! applied last. BIRD reconfigures route by route, so an address added or
+//! withdrawn resets no session. When BIRD's file does not exist yet, the
+//! task writes it first, so BIRD can start after the agent from what the
+//! node announces. While BIRD cannot be reached (not started yet,
+//! restarting) the task tries again every [`RETRY`], and says so once per
+//! distinct error.
+//!
+//! Every [`SESSIONS_EVERY`] it reads the sessions back and logs each
+//! change of state: up, or down with BIRD's reason.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use lockstep_core::bgp::announce::{LbAddress, decide};
+use lockstep_core::bgp::{RouteAttrs, render_bird};
+use lockstep_core::lb::kubernetes::nodes::NodeState;
+
+use super::Bird;
+use crate::agent::AgentHandle;
+use crate::config::BgpConfig;
+
+/// How often the published view is looked at.
+pub const TICK: Duration = Duration::from_millis(200);
+/// How long after a failed apply it is tried again.
+pub const RETRY: Duration = Duration::from_secs(1);
+/// How often the sessions are read back.
+pub const SESSIONS_EVERY: Duration = Duration::from_secs(5);
+
+/// Starts the speaker's task for node `node`, reading `agent`'s view.
+pub fn spawn(
+    config: BgpConfig,
+    node: String,
+    agent: AgentHandle,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        // Checked when the config was read: a failure here is a bug.
+        let (spec, attrs) = match (config.spec(), config.attrs()) {
+            (Ok(s), Ok(a)) => (s, a),
+            (Err((field, why)), _) | (_, Err((field, why))) => {
+                tracing::error!(%field, %why, "the BGP speaker does not start");
+                return;
+            }
+        };
+        let bird = Bird::new(&config.bird_socket, &config.bird_config);
+        let mut seen: Option<Arc<BTreeMap<std::net::IpAddr, String>>> = None;
+        let mut wanted = String::new();
+        let mut applied: Option<String> = None;
+        let mut seeded = false;
+        let mut failing: Option<String> = None;
+        let mut retry_at = Instant::now();
+        let mut sessions_at = Instant::now();
+        let mut states: BTreeMap<String, String> = BTreeMap::new();
+        loop {
+            let view = agent.view();
+            if seen
+                .as_ref()
+                .is_none_or(|s| !Arc::ptr_eq(s, &view.lb_addresses))
+            {
+                wanted = text(&spec, &attrs, &node, &view.lb_addresses);
+                seen = Some(view.lb_addresses.clone());
+            }
+            if applied.is_none() && !seeded {
+                // BIRD starts from this file: written before BIRD runs.
+                match bird.seed(&wanted).await {
+                    Ok(wrote) => {
+                        if wrote {
+                            tracing::info!(config = %bird.config_path().display(), "wrote the file BIRD starts from");
+                        }
+                        seeded = true;
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "the file BIRD starts from is not written")
+                    }
+                }
+            }
+            if applied.as_deref() != Some(wanted.as_str()) && Instant::now() >= retry_at {
+                match bird.apply(&wanted).await {
+                    Ok(()) => {
+                        tracing::info!(config = %bird.config_path().display(), "BIRD's configuration applied");
+                        applied = Some(wanted.clone());
+                        failing = None;
+                    }
+                    Err(e) => {
+                        let why = e.to_string();
+                        if failing.as_deref() != Some(why.as_str()) {
+                            tracing::warn!(error = %why, "BIRD's configuration is not applied; trying again");
+                        }
+                        failing = Some(why);
+                        retry_at = Instant::now() + RETRY;
+                    }
+                }
+            }
+            if Instant::now() >= sessions_at {
+                sessions_at = Instant::now() + SESSIONS_EVERY;
+                if let Ok(protocols) = bird.protocols().await {
+                    follow_sessions(&protocols, &mut states);
+                }
+            }
+            tokio::select! {
+                () = tokio::time::sleep(TICK) => {}
+                _ = stop.wait_for(|s| *s) => break,
+            }
+        }
+    })
+}
+
+/// BIRD's configuration for what `node` announces of `addresses`: the
+/// addresses of the pools `attrs` names.
+fn text(
+    spec: &lockstep_core::bgp::BgpSpec,
+    attrs: &BTreeMap<String, RouteAttrs>,
+    node: &str,
+    addresses: &BTreeMap<std::net::IpAddr, String>,
+) -> String {
+    let lb: Vec<LbAddress<'_>> = addresses
+        .iter()
+        .filter(|(_, pool)| attrs.contains_key(*pool))
+        .map(|(address, pool)| LbAddress {
+            address: *address,
+            pool,
+            local: None,
+            admitted: true,
+        })
+        .collect();
+    let decision = decide(node, &NodeState::default(), &lb, &[], attrs);
+    // The spec was checked at start and the routes are host routes: it
+    // renders.
+    render_bird(spec, &decision.routes).unwrap_or_default()
+}
+
+/// Logs each BGP session whose state changed since `states`.
+fn follow_sessions(protocols: &[super::Protocol], states: &mut BTreeMap<String, String>) {
+    for p in protocols.iter().filter(|p| p.kind == "BGP") {
+        let now = if p.established() {
+            "up".to_string()
+        } else {
+            p.problem().unwrap_or_else(|| p.info.clone())
+        };
+        if states.get(&p.name) != Some(&now) {
+            if p.established() {
+                tracing::info!(session = %p.name, "BGP session up");
+            } else {
+                tracing::warn!(session = %p.name, state = %now, "BGP session not up");
+            }
+            states.insert(p.name.clone(), now);
+        }
+    }
+}

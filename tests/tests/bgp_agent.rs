@@ -1,0 +1,181 @@
+//! The agent announcing its LoadBalancer addresses over BGP (`[bgp]`,
+//! single-node LB IPAM): a node namespace runs the agent and BIRD, a
+//! neighbour runs FRR, and the test reads FRR's kernel table. A Service
+//! applied with `lockstep lb apply` is announced to the router with the
+//! node as next hop, deleted it is withdrawn, an address of a pool
+//! `[bgp.pools]` does not name is never announced, and none of it resets
+//! the session.
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, ensure};
+use lockstep_tests::bgp::{BirdProc, Lab};
+use lockstep_tests::{AgentProc, TempDir, privileged};
+
+/// The `[bgp]` section for the lab's one link, BIRD's files at `bird`
+/// (socket, configuration) when known.
+fn section(node: &str, router: &str, bird: Option<(&Path, &Path)>) -> String {
+    let files = bird.map_or_else(String::new, |(socket, config)| {
+        format!(
+            "bird_socket = \"{}\"\nbird_config = \"{}\"\n",
+            socket.display(),
+            config.display()
+        )
+    });
+    format!(
+        "[bgp]\nasn = 64512\nrouter_id = \"{node}\"\n{files}\
+         [[bgp.peers]]\nname = \"tor-0\"\naddress = \"{router}\"\nasn = 64513\nsource = \"{node}\"\nhold_time = \"9s\"\n\
+         [bgp.pools.public]\ncommunities = [\"64512:100\"]\n"
+    )
+}
+
+const POOLS: &str = "[[pools]]\nname = \"pods\"\nipv4 = [\"10.80.0.0/24\"]\n";
+
+fn apply(agent: &AgentProc, doc: &serde_json::Value) -> anyhow::Result<serde_json::Value> {
+    let path = agent.dir.path().join("lb.json");
+    std::fs::write(&path, doc.to_string())?;
+    agent.json([
+        "lb",
+        "apply",
+        "-f",
+        path.to_str().context("utf-8")?,
+        "-o",
+        "json",
+    ])
+}
+
+fn service(namespace: &str, name: &str, pool: &str) -> serde_json::Value {
+    serde_json::json!({
+        "namespace": namespace, "name": name, "labels": {"pool": pool},
+        "ports": [{"protocol": "TCP", "port": 443}]
+    })
+}
+
+#[test]
+fn a_service_applied_is_announced_to_the_router_and_withdrawn_on_delete() -> anyhow::Result<()> {
+    privileged!();
+    // The agent starts first and writes the file BIRD starts from;
+    // BIRD is started from it as docs/bgp.md says.
+    let (node, routers) = Lab::link(1, 64513)?;
+    let bird_dir = TempDir::new("bird")?;
+    let socket = bird_dir.path().join("bird.ctl");
+    let bird_config = bird_dir.path().join("bird.conf");
+    let extra = format!(
+        "{POOLS}{}",
+        section(
+            &routers[0].node_addr,
+            &routers[0].addr,
+            Some((&socket, &bird_config))
+        )
+    );
+    let agent = AgentProc::start(&node, &extra)?;
+    let started = Instant::now();
+    while !bird_config.exists() {
+        ensure!(
+            started.elapsed() < Duration::from_secs(10),
+            "the agent never wrote {}:\n{}",
+            bird_config.display(),
+            agent.log()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let bird = BirdProc::start_in(&node, bird_dir)?;
+    let lab = Lab {
+        routers,
+        bird,
+        node,
+    };
+    let established = lab.settled(0)?;
+
+    // Two pools: "public" is announced over BGP, "private" is not.
+    apply(
+        &agent,
+        &serde_json::json!({"pools": [
+            {"name": "public", "cidrs": ["198.51.100.16/28"],
+             "serviceSelector": {"matchLabels": {"pool": "public"}}},
+            {"name": "private", "cidrs": ["203.0.113.16/28"],
+             "serviceSelector": {"matchLabels": {"pool": "private"}}}
+        ]}),
+    )?;
+    let started = Instant::now();
+    let view = apply(
+        &agent,
+        &serde_json::json!({"services": [service("shop", "web", "public")]}),
+    )?;
+    let web = view["services"]["shop/web"]["assignment"]["addresses"][0]
+        .as_str()
+        .with_context(|| format!("no address assigned: {view}"))?
+        .to_string();
+    let took =
+        started.elapsed() + lab.routes_become(0, &[web.as_str()], Duration::from_secs(10))?;
+    eprintln!("shop/web {web}: at the router {took:?} after `lb apply`");
+    // A second, and one of the private pool: only the public ones go out.
+    let view = apply(
+        &agent,
+        &serde_json::json!({"services": [
+            service("shop", "web", "public"),
+            service("shop", "api", "public"),
+            service("shop", "db", "private")
+        ]}),
+    )?;
+    let api = view["services"]["shop/api"]["assignment"]["addresses"][0]
+        .as_str()
+        .with_context(|| format!("no address for shop/api: {view}"))?
+        .to_string();
+    ensure!(
+        view["services"]["shop/db"]["assignment"]["addresses"][0].is_string(),
+        "shop/db has no address: {view}"
+    );
+    lab.routes_become(0, &[web.as_str(), api.as_str()], Duration::from_secs(10))?;
+    // The community of the public pool reaches the router.
+    let rib = lab.routers[0]
+        .frr
+        .vtysh(&format!("show bgp ipv4 unicast {web}/32 json"))?;
+    ensure!(
+        rib.contains("64512:100"),
+        "no community 64512:100 on {web}: {rib}"
+    );
+    // What docs/bgp.md has an operator run to see what BIRD announces.
+    let routes = lab.node.exec(
+        "birdc",
+        ["-s", &socket.display().to_string(), "show", "route"],
+    )?;
+    ensure!(
+        [&web, &api]
+            .iter()
+            .all(|a| routes.contains(&format!("{a}/32")) && routes.contains("blackhole")),
+        "birdc show route:\n{routes}"
+    );
+    // Deleted: withdrawn.
+    let out = agent.cli(["lb", "delete", "--service", "shop/web"])?;
+    ensure!(
+        out.status.success(),
+        "lb delete: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    lab.routes_become(0, &[api.as_str()], Duration::from_secs(10))?;
+    // The private address never went out meanwhile, and no session reset.
+    std::thread::sleep(Duration::from_secs(1));
+    lab.routes_become(0, &[api.as_str()], Duration::from_secs(1))?;
+    let after = lab.established_count(0)?;
+    ensure!(
+        after == established,
+        "the session came up {after} times, {established} before: an announcement reset it\nbird: {}\nagent: {}",
+        lab.bird.log(),
+        agent.log()
+    );
+    // What docs/bgp.md has an operator run to see the sessions.
+    let out = lab.node.exec(
+        "birdc",
+        ["-s", &socket.display().to_string(), "show", "protocols"],
+    )?;
+    ensure!(
+        out.lines()
+            .any(|l| l.starts_with("peer_tor_0") && l.contains("Established")),
+        "birdc show protocols:\n{out}"
+    );
+    drop(lab);
+    drop(agent);
+    Ok(())
+}
