@@ -42,6 +42,8 @@ const PROGRAMS: &[&str] = &[
     "etcdctl ",
     "fuzz/run.sh",
     "bpftool ",
+    "bird ",
+    "birdc ",
 ];
 
 /// The commands of one markdown text.
@@ -327,6 +329,32 @@ fn cover(
                 .find(|(_, text)| runs(text, &sub))
                 .map(|(path, _)| Covered::Test(path.clone()))
                 .ok_or_else(|| format!("no test runs `{} {}`", words[0], sub.join(" ")))
+        }
+        ["bird" | "birdc", ..] => {
+            // The BGP tests start BIRD and call birdc with their own paths
+            // between the words (`.command("bird").arg("-f").arg("-c")`):
+            // the program named, each flag, and the words that are
+            // neither flags nor paths, in order.
+            let flags: Vec<String> = words[1..]
+                .iter()
+                .filter(|w| w.starts_with('-'))
+                .map(|w| format!("\"{w}\""))
+                .collect();
+            let sub: Vec<&str> = words[1..]
+                .iter()
+                .filter(|w| !w.starts_with('-') && !w.starts_with('/'))
+                .copied()
+                .collect();
+            let program = format!("\"{}\"", words[0]);
+            corpus
+                .iter()
+                .find(|(_, text)| {
+                    text.contains(&program)
+                        && flags.iter().all(|f| text.contains(f.as_str()))
+                        && (sub.is_empty() || runs(text, &sub))
+                })
+                .map(|(path, _)| Covered::Test(path.clone()))
+                .ok_or_else(|| format!("no test runs `{}` with {flags:?} {sub:?}", words[0]))
         }
         _ => Err("not a command this check knows how to place".into()),
     }
