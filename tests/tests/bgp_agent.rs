@@ -52,6 +52,29 @@ fn service(namespace: &str, name: &str, pool: &str) -> serde_json::Value {
     })
 }
 
+/// The agent's metrics in `node`, as a scraper reads them.
+fn scrape(node: &lockstep_tests::Netns) -> anyhow::Result<String> {
+    let addr = lockstep_tests::metrics_addr(node)?;
+    node.run(move || {
+        use std::io::{Read, Write};
+        let mut c = std::net::TcpStream::connect(addr)?;
+        c.write_all(b"GET /metrics HTTP/1.0\r\nHost: agent\r\n\r\n")?;
+        let mut text = String::new();
+        c.read_to_string(&mut text)?;
+        Ok(text)
+    })
+}
+
+/// The last line of `lockstep status`: the last session's.
+fn status_text(agent: &AgentProc) -> anyhow::Result<String> {
+    let out = agent.cli(["status"])?;
+    Ok(String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .last()
+        .unwrap_or_default()
+        .to_string())
+}
+
 #[test]
 fn a_service_applied_is_announced_to_the_router_and_withdrawn_on_delete() -> anyhow::Result<()> {
     privileged!();
@@ -165,6 +188,35 @@ fn a_service_applied_is_announced_to_the_router_and_withdrawn_on_delete() -> any
         lab.bird.log(),
         agent.log()
     );
+    // `lockstep status` and the metrics: the session up, the prefix
+    // announced.
+    let status = agent.json(["status", "-o", "json"])?;
+    ensure!(
+        status["bgp"]["announced"] == 1
+            && status["bgp"]["problem"].is_null()
+            && status["bgp"]["sessions"][0]["peer"] == "tor-0",
+        "status: {status}"
+    );
+    let started = Instant::now();
+    while status_text(&agent)? != "bgp peer tor-0: up" {
+        ensure!(
+            started.elapsed() < Duration::from_secs(10),
+            "lockstep status never showed tor-0 up: {}",
+            status_text(&agent)?
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let metrics = scrape(&lab.node)?;
+    for line in [
+        "lockstep_bgp_session_up{peer=\"tor-0\"} 1",
+        "lockstep_bgp_announced_prefixes 1",
+        "lockstep_bgp_config_behind 0",
+    ] {
+        ensure!(
+            metrics.contains(line),
+            "no {line} in the scrape:\n{metrics}"
+        );
+    }
     // What docs/bgp.md has an operator run to see the sessions.
     let out = lab.node.exec(
         "birdc",

@@ -54,6 +54,8 @@ pub struct AppState {
     /// Kubernetes: the pods of this node, once watched (`[kubernetes]`):
     /// an ADD naming no pool gets the pool its pod's annotation picks.
     pub pod_pools: Arc<std::sync::OnceLock<PodPools>>,
+    /// BGP: what the speaker knows of BIRD, once it runs (`[bgp]`).
+    pub bgp: Arc<std::sync::OnceLock<tokio::sync::watch::Receiver<crate::wire::BgpStatus>>>,
     /// Kubernetes: the leaks the last check found, for `verify`.
     pub leaks: Arc<std::sync::OnceLock<Arc<crate::kubernetes::leaks::LeakReport>>>,
 }
@@ -196,23 +198,27 @@ fn ok<T: Serialize>(v: T) -> Response {
 
 async fn status(State(s): State<AppState>) -> Result<Response, ApiError> {
     match published_status(&s) {
-        Ok(st) => match s.cluster.get() {
+        Ok(st) if s.cluster.get().is_none() && s.bgp.get().is_none() => Ok(ok(st)),
+        Ok(st) => {
+            let mut v = serde_json::to_value(&st).map_err(|e| {
+                ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", e.to_string())
+            })?;
             // Cluster mode adds what STATUS needs: whether etcd answers, and
             // which pools claim blocks on demand.
-            Some(c) => {
-                let mut v = serde_json::to_value(&st).map_err(|e| {
-                    ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", e.to_string())
-                })?;
+            if let Some(c) = s.cluster.get() {
                 v["cluster"] = serde_json::json!(crate::wire::ClusterStatus {
                     etcd_unreachable: c.etcd_problem(),
                     pools: c.pools(),
                     fenced: c.fenced(),
                     configured_overlaps: c.overlaps(),
                 });
-                Ok(ok(v))
             }
-            None => Ok(ok(st)),
-        },
+            // BGP: the sessions and what BIRD announces.
+            if let Some(b) = s.bgp.get() {
+                v["bgp"] = serde_json::json!(*b.borrow());
+            }
+            Ok(ok(v))
+        }
         // Status is always answered, ready or not.
         Err(e) if e.code == "not_ready" => Ok(ok(crate::wire::Readiness {
             version: crate::version::version(),

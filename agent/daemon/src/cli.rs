@@ -343,14 +343,30 @@ pub fn run(cli: Cli) -> anyhow::Result<i32> {
             print(&v, output, |v| {
                 let ready = v["ready"].as_bool().unwrap_or(false);
                 if ready {
-                    format!(
+                    let mut out = format!(
                         "ready: lockstep {} on node {} holds {} allocations (generation {}), {} repairs",
                         v["version"].as_str().unwrap_or("?"),
                         v["node"].as_str().unwrap_or("?"),
                         v["allocations"],
                         v["generation"],
                         v["repairs"]
-                    )
+                    );
+                    // `[bgp]`: a line for what BIRD announces, one per session.
+                    let bgp = &v["bgp"];
+                    if bgp.is_object() {
+                        out.push_str(&format!("\nbgp: {} prefixes announced", bgp["announced"]));
+                        if let Some(p) = bgp["problem"].as_str() {
+                            out.push_str(&format!("; BIRD's configuration is behind: {p}"));
+                        }
+                        for s in bgp["sessions"].as_array().into_iter().flatten() {
+                            out.push_str(&format!(
+                                "\nbgp peer {}: {}",
+                                s["peer"].as_str().unwrap_or("?"),
+                                s["state"].as_str().unwrap_or("?")
+                            ));
+                        }
+                    }
+                    out
                 } else {
                     format!(
                         "not ready (lockstep {}): {}",

@@ -276,6 +276,7 @@ pub async fn run(config: Config) -> Result<(), ServerError> {
         cluster: Arc::new(std::sync::OnceLock::new()),
         lb_cluster: Arc::new(std::sync::OnceLock::new()),
         pod_pools: Arc::new(std::sync::OnceLock::new()),
+        bgp: Arc::new(std::sync::OnceLock::new()),
         leaks: Arc::new(std::sync::OnceLock::new()),
     };
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
@@ -637,9 +638,18 @@ pub async fn run(config: Config) -> Result<(), ServerError> {
     // BGP: what this node announces, kept in BIRD's configuration
     // (`bgp::speaker`).
     if let Some(bgp) = cluster_config.bgp.clone() {
+        let (tx, rx) = tokio::sync::watch::channel(crate::wire::BgpStatus::default());
+        let _ = state.bgp.set(rx.clone());
+        state.metrics.set_bgp(rx);
         let (s, stop, node) = (slot.clone(), stop_rx.clone(), cluster_config.node_name());
         tasks.keep("bgp speaker", move || {
-            crate::bgp::speaker::spawn(bgp.clone(), node.clone(), s.clone(), stop.clone())
+            crate::bgp::speaker::spawn(
+                bgp.clone(),
+                node.clone(),
+                s.clone(),
+                tx.clone(),
+                stop.clone(),
+            )
         });
     }
     let stop = stop_rx.clone();

@@ -166,6 +166,31 @@ pub struct ClusterStatus {
     pub configured_overlaps: Vec<String>,
 }
 
+/// One BGP session in the status answer.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BgpSession {
+    /// The peer's name in `[bgp.peers]`.
+    pub peer: String,
+    /// Whether the session is established.
+    pub up: bool,
+    /// BIRD's words for its state: `Established`, or why not.
+    pub state: String,
+}
+
+/// BGP in the status answer (`[bgp]`).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BgpStatus {
+    /// Prefixes in the configuration BIRD took last.
+    pub announced: usize,
+    /// Why BIRD's configuration is not the one the node should have,
+    /// while it is not (BIRD unreachable, or refusing it).
+    #[serde(default)]
+    pub problem: Option<String>,
+    /// Every session, as BIRD last reported it.
+    #[serde(default)]
+    pub sessions: Vec<BgpSession>,
+}
+
 /// The empty object DEL and CHECK answer with.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Empty {}

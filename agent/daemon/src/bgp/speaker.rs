@@ -14,7 +14,9 @@
 //! distinct error.
 //!
 //! Every [`SESSIONS_EVERY`] it reads the sessions back and logs each
-//! change of state: up, or down with BIRD's reason.
+//! change of state: up, or down with BIRD's reason. What it knows (the
+//! prefixes BIRD took, why BIRD's configuration is behind, each session)
+//! goes out on a watch channel: `lockstep status` and the metrics read it.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -27,6 +29,7 @@ use lockstep_core::lb::kubernetes::nodes::NodeState;
 use super::Bird;
 use crate::agent::AgentHandle;
 use crate::config::BgpConfig;
+use crate::wire::{BgpSession, BgpStatus};
 
 /// How often the published view is looked at.
 pub const TICK: Duration = Duration::from_millis(200);
@@ -35,11 +38,14 @@ pub const RETRY: Duration = Duration::from_secs(1);
 /// How often the sessions are read back.
 pub const SESSIONS_EVERY: Duration = Duration::from_secs(5);
 
-/// Starts the speaker's task for node `node`, reading `agent`'s view.
+/// Starts the speaker's task for node `node`, reading `agent`'s view;
+/// what it knows of BIRD goes out on `status` (the API's status and the
+/// metrics read it).
 pub fn spawn(
     config: BgpConfig,
     node: String,
     agent: AgentHandle,
+    status: tokio::sync::watch::Sender<BgpStatus>,
     mut stop: tokio::sync::watch::Receiver<bool>,
 ) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
@@ -54,6 +60,9 @@ pub fn spawn(
         let bird = Bird::new(&config.bird_socket, &config.bird_config);
         let mut seen: Option<Arc<BTreeMap<std::net::IpAddr, String>>> = None;
         let mut wanted = String::new();
+        // Prefixes in `wanted`, and in the text BIRD took last.
+        let mut routes = 0;
+        let mut announced = 0;
         let mut applied: Option<String> = None;
         let mut seeded = false;
         let mut failing: Option<String> = None;
@@ -66,7 +75,7 @@ pub fn spawn(
                 .as_ref()
                 .is_none_or(|s| !Arc::ptr_eq(s, &view.lb_addresses))
             {
-                wanted = text(&spec, &attrs, &node, &view.lb_addresses);
+                (wanted, routes) = text(&spec, &attrs, &node, &view.lb_addresses);
                 seen = Some(view.lb_addresses.clone());
             }
             if applied.is_none() && !seeded {
@@ -88,6 +97,7 @@ pub fn spawn(
                     Ok(()) => {
                         tracing::info!(config = %bird.config_path().display(), "BIRD's configuration applied");
                         applied = Some(wanted.clone());
+                        announced = routes;
                         failing = None;
                     }
                     Err(e) => {
@@ -100,12 +110,34 @@ pub fn spawn(
                     }
                 }
             }
+            let mut sessions = None;
             if Instant::now() >= sessions_at {
                 sessions_at = Instant::now() + SESSIONS_EVERY;
                 if let Ok(protocols) = bird.protocols().await {
                     follow_sessions(&protocols, &mut states);
+                    sessions = Some(
+                        protocols
+                            .iter()
+                            .filter_map(|p| {
+                                Some(BgpSession {
+                                    peer: peer_name(&config, &p.name)?,
+                                    up: p.established(),
+                                    state: states.get(&p.name).cloned().unwrap_or_default(),
+                                })
+                            })
+                            .collect(),
+                    );
                 }
             }
+            status.send_if_modified(|s| {
+                let before = s.clone();
+                s.announced = announced;
+                s.problem.clone_from(&failing);
+                if let Some(sessions) = sessions.take() {
+                    s.sessions = sessions;
+                }
+                *s != before
+            });
             tokio::select! {
                 () = tokio::time::sleep(TICK) => {}
                 _ = stop.wait_for(|s| *s) => break,
@@ -114,14 +146,14 @@ pub fn spawn(
     })
 }
 
-/// BIRD's configuration for what `node` announces of `addresses`: the
-/// addresses of the pools `attrs` names.
+/// BIRD's configuration for what `node` announces of `addresses` (the
+/// addresses of the pools `attrs` names), and how many prefixes that is.
 fn text(
     spec: &lockstep_core::bgp::BgpSpec,
     attrs: &BTreeMap<String, RouteAttrs>,
     node: &str,
     addresses: &BTreeMap<std::net::IpAddr, String>,
-) -> String {
+) -> (String, usize) {
     let lb: Vec<LbAddress<'_>> = addresses
         .iter()
         .filter(|(_, pool)| attrs.contains_key(*pool))
@@ -135,10 +167,21 @@ fn text(
     let decision = decide(node, &NodeState::default(), &lb, &[], attrs);
     // The spec was checked at start and the routes are host routes: it
     // renders.
-    render_bird(spec, &decision.routes).unwrap_or_default()
+    let text = render_bird(spec, &decision.routes).unwrap_or_default();
+    (text, decision.routes.len())
 }
 
-/// Logs each BGP session whose state changed since `states`.
+/// The `[bgp.peers]` name of BIRD's protocol `protocol`, if it is a peer.
+fn peer_name(config: &BgpConfig, protocol: &str) -> Option<String> {
+    config
+        .peers
+        .iter()
+        .find(|p| lockstep_core::bgp::peer_protocol(&p.name) == protocol)
+        .map(|p| p.name.clone())
+}
+
+/// Logs each BGP session whose state changed since `states` (`up`, or
+/// BIRD's words for why not).
 fn follow_sessions(protocols: &[super::Protocol], states: &mut BTreeMap<String, String>) {
     for p in protocols.iter().filter(|p| p.kind == "BGP") {
         let now = if p.established() {

@@ -89,6 +89,11 @@ pub struct Metrics {
     cluster: OnceLock<cluster::ClusterFamilies>,
     /// The cluster LB agent's families, once it runs.
     lb: OnceLock<cluster::LbFamilies>,
+    /// The BGP speaker's status, once it runs.
+    bgp: Mutex<Option<tokio::sync::watch::Receiver<crate::wire::BgpStatus>>>,
+    bgp_session_up: Family<Labels, Gauge<i64>>,
+    bgp_announced: Gauge<i64>,
+    bgp_behind: Gauge<i64>,
     /// Kubernetes leak detection's report, once it runs.
     leaks: Mutex<Option<Arc<crate::kubernetes::leaks::LeakReport>>>,
     endpoint_leaks: Gauge<i64>,
@@ -194,6 +199,24 @@ impl Metrics {
             "allocation_duration_seconds",
             "Time to allocate through the API (commit, program, acknowledge)",
             latency.clone(),
+        );
+        let bgp_session_up = Family::<Labels, Gauge<i64>>::default();
+        registry.register(
+            "bgp_session_up",
+            "Whether each BGP session (by peer, as [bgp.peers] names it) is established: 1, else 0",
+            bgp_session_up.clone(),
+        );
+        let bgp_announced = Gauge::<i64>::default();
+        registry.register(
+            "bgp_announced_prefixes",
+            "Prefixes in the configuration BIRD took last",
+            bgp_announced.clone(),
+        );
+        let bgp_behind = Gauge::<i64>::default();
+        registry.register(
+            "bgp_config_behind",
+            "1 while BIRD's configuration is not the one this node should announce (BIRD unreachable or refusing it)",
+            bgp_behind.clone(),
         );
         let masq_entries = Family::<Labels, Gauge<i64>>::default();
         registry.register(
@@ -354,6 +377,10 @@ impl Metrics {
             datapath_drops,
             cluster: OnceLock::new(),
             lb: OnceLock::new(),
+            bgp: Mutex::new(None),
+            bgp_session_up,
+            bgp_announced,
+            bgp_behind,
             refreshed: AtomicBool::new(false),
             heartbeats: Heartbeats::default(),
         }
@@ -362,6 +389,28 @@ impl Metrics {
     /// Reports the masquerade collector's counts from now on.
     pub fn set_masquerade(&self, stats: Arc<crate::masquerade::Stats>) {
         *self.masq.lock().unwrap_or_else(|p| p.into_inner()) = Some(stats);
+    }
+
+    /// Reports the BGP speaker's status from now on.
+    pub fn set_bgp(&self, status: tokio::sync::watch::Receiver<crate::wire::BgpStatus>) {
+        *self.bgp.lock().unwrap_or_else(|p| p.into_inner()) = Some(status);
+    }
+
+    fn render_bgp(&self) {
+        let Some(rx) = self.bgp.lock().unwrap_or_else(|p| p.into_inner()).clone() else {
+            return;
+        };
+        let st = rx.borrow().clone();
+        // A peer gone from the config leaves no series behind.
+        self.bgp_session_up.clear();
+        for s in &st.sessions {
+            self.bgp_session_up
+                .get_or_create(&labels(&[("peer", &s.peer)]))
+                .set(i64::from(s.up));
+        }
+        self.bgp_announced
+            .set(i64::try_from(st.announced).unwrap_or(i64::MAX));
+        self.bgp_behind.set(i64::from(st.problem.is_some()));
     }
 
     /// Counts a restart of `task` after a panic (`server::supervisor`).
@@ -537,6 +586,7 @@ impl Metrics {
     ) -> String {
         self.render_masquerade();
         self.render_leaks();
+        self.render_bgp();
         let mut out = String::new();
         let Ok(mut registry) = self.registry.lock() else {
             return out;
