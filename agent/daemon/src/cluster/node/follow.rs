@@ -52,7 +52,7 @@ use std::sync::Arc;
 use ipnet::IpNet;
 use lockstep_core::cluster::{gone_keeper, gone_keeper_after};
 
-use super::{AREAS, ClusterNode};
+use super::{AREAS, ClusterNode, Stamp};
 use crate::cluster::door::ChangedKey;
 use crate::cluster::mirror::{Changes, Cursor};
 use crate::cluster::{Block, Kv};
@@ -272,6 +272,23 @@ impl ClusterNode {
             }
             ChangedKey::Pool | ChangedKey::Other => None,
         }
+    }
+
+    /// Whether the loop's view is what a read would make of the mirror
+    /// now, so claims may pick from it without one: the mirror is live
+    /// and every change it holds was read or followed in place
+    /// ([`ClusterNode::follow`]); etcd answered the loop's last requests;
+    /// and nothing of this node's waits on a read to settle it (a claim
+    /// or give-back whose answer was lost). A claim from it is as safe as
+    /// one from a read: etcd creates a block's key only if absent, and a
+    /// lost race reads the blocks again.
+    pub(super) fn view_is_current(&self, stamp: Option<Stamp>) -> bool {
+        stamp.is_some_and(|s| s.live && self.synced == Some(s))
+            && self.cursor.is_some()
+            && self.last_read.is_some()
+            && self.handle.etcd_problem().is_none()
+            && self.held.unsettled.is_empty()
+            && self.held.blocks.iter().all(|b| !b.releasing)
     }
 
     /// Whether `cidr` overlaps a block this node holds (serving, fenced
