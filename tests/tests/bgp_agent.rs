@@ -4,7 +4,8 @@
 //! applied with `lockstep lb apply` is announced to the router with the
 //! node as next hop, deleted it is withdrawn, an address of a pool
 //! `[bgp.pools]` does not name is never announced, and none of it resets
-//! the session.
+//! the session; an agent killed and started again (an upgrade) sends the
+//! router not one update.
 
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -92,7 +93,7 @@ fn a_service_applied_is_announced_to_the_router_and_withdrawn_on_delete() -> any
             Some((&socket, &bird_config))
         )
     );
-    let agent = AgentProc::start(&node, &extra)?;
+    let mut agent = AgentProc::start(&node, &extra)?;
     let started = Instant::now();
     while !bird_config.exists() {
         ensure!(
@@ -217,6 +218,32 @@ fn a_service_applied_is_announced_to_the_router_and_withdrawn_on_delete() -> any
             "no {line} in the scrape:\n{metrics}"
         );
     }
+    // The agent killed and started again (as an upgrade does): BIRD
+    // keeps its session and its routes, and the router receives not one
+    // update.
+    let updates = |lab: &Lab| -> anyhow::Result<u64> {
+        let r = &lab.routers[0];
+        let n = r.frr.neighbor(&r.node_addr)?;
+        n["messageStats"]["updatesRecv"]
+            .as_u64()
+            .with_context(|| format!("no messageStats.updatesRecv in {n}"))
+    };
+    let before = updates(&lab)?;
+    agent.restart()?;
+    // Past the speaker's first look and configure after the start.
+    std::thread::sleep(Duration::from_secs(2));
+    let status = agent.json(["status", "-o", "json"])?;
+    ensure!(
+        status["bgp"]["announced"] == 1,
+        "after the restart: {status}"
+    );
+    lab.routes_become(0, &[api.as_str()], Duration::from_secs(1))?;
+    let after_restart = updates(&lab)?;
+    eprintln!("updates at the router across an agent restart: {before} -> {after_restart}");
+    ensure!(
+        after_restart == before && lab.established_count(0)? == established,
+        "an agent restart reached the router: updates {before} -> {after_restart}"
+    );
     // What docs/bgp.md has an operator run to see the sessions.
     let out = lab.node.exec(
         "birdc",
