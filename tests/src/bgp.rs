@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 
-use crate::{Netns, TempDir, sh};
+use crate::{AgentProc, Netns, TempDir, sh};
 
 /// Waits until `path` exists, at most `within`.
 fn wait_for(path: &Path, within: Duration, what: &str) -> anyhow::Result<()> {
@@ -433,5 +433,100 @@ impl Lab {
             );
         }
         Ok(count)
+    }
+}
+
+/// The `[bgp]` section for a lab's one link (the node's and the router's
+/// addresses), BIRD's files at `socket` and `config`: pool `public`
+/// announced with community 64512:100.
+pub fn section(node: &str, router: &str, socket: &Path, config: &Path) -> String {
+    format!(
+        "[bgp]\nasn = 64512\nrouter_id = \"{node}\"\nbird_socket = \"{}\"\nbird_config = \"{}\"\n\
+         [[bgp.peers]]\nname = \"tor-0\"\naddress = \"{router}\"\nasn = 64513\nsource = \"{node}\"\nhold_time = \"9s\"\n\
+         [bgp.pools.public]\ncommunities = [\"64512:100\"]\n",
+        socket.display(),
+        config.display()
+    )
+}
+
+/// `lockstep lb apply` of `doc`, its JSON answer.
+///
+/// # Errors
+/// The command failed.
+pub fn apply(agent: &AgentProc, doc: &serde_json::Value) -> anyhow::Result<serde_json::Value> {
+    let path = agent.dir.path().join("lb.json");
+    std::fs::write(&path, doc.to_string())?;
+    agent.json([
+        "lb",
+        "apply",
+        "-f",
+        path.to_str().context("utf-8")?,
+        "-o",
+        "json",
+    ])
+}
+
+/// A LoadBalancer Service for `lb apply`, selecting pool `pool`.
+pub fn service(namespace: &str, name: &str, pool: &str) -> serde_json::Value {
+    serde_json::json!({
+        "namespace": namespace, "name": name, "labels": {"pool": pool},
+        "ports": [{"protocol": "TCP", "port": 443}]
+    })
+}
+
+/// The agent with `[bgp]` beside BIRD, linked to one FRR router.
+pub struct AgentLab {
+    /// The agent (single-node LB IPAM, a pod pool, `[bgp]`).
+    pub agent: AgentProc,
+    /// The node, its BIRD and the router.
+    pub lab: Lab,
+    /// BIRD's control socket.
+    pub socket: PathBuf,
+}
+
+impl AgentLab {
+    /// Starts the agent first, which writes the file BIRD starts from,
+    /// then BIRD from it as docs/bgp.md says; the router's session
+    /// settled is not waited for.
+    ///
+    /// # Errors
+    /// A namespace, daemon or the agent did not start, or the agent never
+    /// wrote BIRD's file.
+    pub fn start() -> anyhow::Result<Self> {
+        let (node, routers) = Lab::link(1, 64513)?;
+        let bird_dir = TempDir::new("bird")?;
+        let socket = bird_dir.path().join("bird.ctl");
+        let bird_config = bird_dir.path().join("bird.conf");
+        let extra = format!(
+            "[[pools]]\nname = \"pods\"\nipv4 = [\"10.80.0.0/24\"]\n{}",
+            section(
+                &routers[0].node_addr,
+                &routers[0].addr,
+                &socket,
+                &bird_config
+            )
+        );
+        let agent = AgentProc::start(&node, &extra)?;
+        let started = Instant::now();
+        while !bird_config.exists() {
+            if started.elapsed() > Duration::from_secs(10) {
+                bail!(
+                    "the agent never wrote {}:\n{}",
+                    bird_config.display(),
+                    agent.log()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let bird = BirdProc::start_in(&node, bird_dir)?;
+        Ok(Self {
+            agent,
+            lab: Lab {
+                routers,
+                bird,
+                node,
+            },
+            socket,
+        })
     }
 }

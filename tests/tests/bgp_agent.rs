@@ -7,51 +7,11 @@
 //! the session; an agent killed and started again (an upgrade) sends the
 //! router not one update.
 
-use std::path::Path;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, ensure};
-use lockstep_tests::bgp::{BirdProc, Lab};
-use lockstep_tests::{AgentProc, TempDir, privileged};
-
-/// The `[bgp]` section for the lab's one link, BIRD's files at `bird`
-/// (socket, configuration) when known.
-fn section(node: &str, router: &str, bird: Option<(&Path, &Path)>) -> String {
-    let files = bird.map_or_else(String::new, |(socket, config)| {
-        format!(
-            "bird_socket = \"{}\"\nbird_config = \"{}\"\n",
-            socket.display(),
-            config.display()
-        )
-    });
-    format!(
-        "[bgp]\nasn = 64512\nrouter_id = \"{node}\"\n{files}\
-         [[bgp.peers]]\nname = \"tor-0\"\naddress = \"{router}\"\nasn = 64513\nsource = \"{node}\"\nhold_time = \"9s\"\n\
-         [bgp.pools.public]\ncommunities = [\"64512:100\"]\n"
-    )
-}
-
-const POOLS: &str = "[[pools]]\nname = \"pods\"\nipv4 = [\"10.80.0.0/24\"]\n";
-
-fn apply(agent: &AgentProc, doc: &serde_json::Value) -> anyhow::Result<serde_json::Value> {
-    let path = agent.dir.path().join("lb.json");
-    std::fs::write(&path, doc.to_string())?;
-    agent.json([
-        "lb",
-        "apply",
-        "-f",
-        path.to_str().context("utf-8")?,
-        "-o",
-        "json",
-    ])
-}
-
-fn service(namespace: &str, name: &str, pool: &str) -> serde_json::Value {
-    serde_json::json!({
-        "namespace": namespace, "name": name, "labels": {"pool": pool},
-        "ports": [{"protocol": "TCP", "port": 443}]
-    })
-}
+use lockstep_tests::bgp::{AgentLab, Lab, apply, service};
+use lockstep_tests::{AgentProc, privileged};
 
 /// The agent's metrics in `node`, as a scraper reads them.
 fn scrape(node: &lockstep_tests::Netns) -> anyhow::Result<String> {
@@ -81,35 +41,11 @@ fn a_service_applied_is_announced_to_the_router_and_withdrawn_on_delete() -> any
     privileged!();
     // The agent starts first and writes the file BIRD starts from;
     // BIRD is started from it as docs/bgp.md says.
-    let (node, routers) = Lab::link(1, 64513)?;
-    let bird_dir = TempDir::new("bird")?;
-    let socket = bird_dir.path().join("bird.ctl");
-    let bird_config = bird_dir.path().join("bird.conf");
-    let extra = format!(
-        "{POOLS}{}",
-        section(
-            &routers[0].node_addr,
-            &routers[0].addr,
-            Some((&socket, &bird_config))
-        )
-    );
-    let mut agent = AgentProc::start(&node, &extra)?;
-    let started = Instant::now();
-    while !bird_config.exists() {
-        ensure!(
-            started.elapsed() < Duration::from_secs(10),
-            "the agent never wrote {}:\n{}",
-            bird_config.display(),
-            agent.log()
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let bird = BirdProc::start_in(&node, bird_dir)?;
-    let lab = Lab {
-        routers,
-        bird,
-        node,
-    };
+    let AgentLab {
+        mut agent,
+        lab,
+        socket,
+    } = AgentLab::start()?;
     let established = lab.settled(0)?;
 
     // Two pools: "public" is announced over BGP, "private" is not.
