@@ -190,7 +190,36 @@ fn a_service_applied_is_announced_to_the_router_and_withdrawn_on_delete() -> any
             .any(|l| l.starts_with("peer_tor_0") && l.contains("Established")),
         "birdc show protocols:\n{out}"
     );
-    drop(lab);
+    // BIRD gone: the session is not reported up any more.
+    let Lab {
+        routers,
+        bird,
+        node,
+    } = lab;
+    drop(bird);
+    let started = Instant::now();
+    loop {
+        let status = agent.json(["status", "-o", "json"])?;
+        let s = &status["bgp"]["sessions"][0];
+        if s["up"] == false
+            && s["state"]
+                .as_str()
+                .is_some_and(|t| t.starts_with("not known"))
+        {
+            break;
+        }
+        ensure!(
+            started.elapsed() < Duration::from_secs(15),
+            "BIRD is gone and the session is still reported: {status}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    ensure!(
+        scrape(&node)?.contains("lockstep_bgp_session_up{peer=\"tor-0\"} 0"),
+        "the metric still says the session is up"
+    );
+    drop(routers);
     drop(agent);
+    drop(node);
     Ok(())
 }

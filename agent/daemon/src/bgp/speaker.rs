@@ -110,13 +110,14 @@ pub fn spawn(
                     }
                 }
             }
+            // `Err`: BIRD did not answer; its sessions are not known up.
             let mut sessions = None;
             if Instant::now() >= sessions_at {
                 sessions_at = Instant::now() + SESSIONS_EVERY;
-                if let Ok(protocols) = bird.protocols().await {
-                    follow_sessions(&protocols, &mut states);
-                    sessions = Some(
-                        protocols
+                sessions = Some(match bird.protocols().await {
+                    Ok(protocols) => {
+                        follow_sessions(&protocols, &mut states);
+                        Ok(protocols
                             .iter()
                             .filter_map(|p| {
                                 Some(BgpSession {
@@ -125,16 +126,24 @@ pub fn spawn(
                                     state: states.get(&p.name).cloned().unwrap_or_default(),
                                 })
                             })
-                            .collect(),
-                    );
-                }
+                            .collect())
+                    }
+                    Err(e) => Err(e.to_string()),
+                });
             }
             status.send_if_modified(|s| {
                 let before = s.clone();
                 s.announced = announced;
                 s.problem.clone_from(&failing);
-                if let Some(sessions) = sessions.take() {
-                    s.sessions = sessions;
+                match sessions.take() {
+                    Some(Ok(now)) => s.sessions = now,
+                    Some(Err(why)) => {
+                        for session in &mut s.sessions {
+                            session.up = false;
+                            session.state = format!("not known: {why}");
+                        }
+                    }
+                    None => {}
                 }
                 *s != before
             });
