@@ -449,23 +449,6 @@ pub fn section(node: &str, router: &str, socket: &Path, config: &Path) -> String
     )
 }
 
-/// `lockstep lb apply` of `doc`, its JSON answer.
-///
-/// # Errors
-/// The command failed.
-pub fn apply(agent: &AgentProc, doc: &serde_json::Value) -> anyhow::Result<serde_json::Value> {
-    let path = agent.dir.path().join("lb.json");
-    std::fs::write(&path, doc.to_string())?;
-    agent.json([
-        "lb",
-        "apply",
-        "-f",
-        path.to_str().context("utf-8")?,
-        "-o",
-        "json",
-    ])
-}
-
 /// A LoadBalancer Service for `lb apply`, selecting pool `pool`.
 pub fn service(namespace: &str, name: &str, pool: &str) -> serde_json::Value {
     serde_json::json!({

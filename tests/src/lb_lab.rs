@@ -226,19 +226,7 @@ impl Lab {
 
     /// `lockstep lb apply` of `doc` on node `i`.
     pub fn apply(&self, i: usize, doc: &str) -> anyhow::Result<serde_json::Value> {
-        let path = self.agents[i]
-            .dir
-            .path()
-            .join(format!("lb-{}.json", crate::unique("a")));
-        std::fs::write(&path, doc)?;
-        self.agents[i].json([
-            "lb",
-            "apply",
-            "-f",
-            path.to_str().context("utf-8")?,
-            "-o",
-            "json",
-        ])
+        self.agents[i].lb_apply(&serde_json::from_str(doc)?)
     }
 
     /// `lockstep lb get` on node `i`.

@@ -704,6 +704,24 @@ impl AgentProc {
         self.spawn()
     }
 
+    /// `lockstep lb apply` of `doc` (pools and services, as the file
+    /// takes them); the agent's JSON answer.
+    ///
+    /// # Errors
+    /// The file could not be written, or the command failed.
+    pub fn lb_apply(&self, doc: &serde_json::Value) -> anyhow::Result<serde_json::Value> {
+        let path = self.dir.path().join(format!("{}.json", unique("lb")));
+        std::fs::write(&path, doc.to_string())?;
+        self.json([
+            "lb",
+            "apply",
+            "-f",
+            path.to_str().context("utf-8")?,
+            "-o",
+            "json",
+        ])
+    }
+
     /// Starts the agent again on the same state and pins; waits for ready and
     /// returns how long that took.
     ///

@@ -10,7 +10,7 @@
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, ensure};
-use lockstep_tests::bgp::{AgentLab, Lab, apply, service};
+use lockstep_tests::bgp::{AgentLab, Lab, service};
 use lockstep_tests::{AgentProc, privileged};
 
 /// The agent's metrics in `node`, as a scraper reads them.
@@ -49,20 +49,15 @@ fn a_service_applied_is_announced_to_the_router_and_withdrawn_on_delete() -> any
     let established = lab.settled(0)?;
 
     // Two pools: "public" is announced over BGP, "private" is not.
-    apply(
-        &agent,
-        &serde_json::json!({"pools": [
-            {"name": "public", "cidrs": ["198.51.100.16/28"],
-             "serviceSelector": {"matchLabels": {"pool": "public"}}},
-            {"name": "private", "cidrs": ["203.0.113.16/28"],
-             "serviceSelector": {"matchLabels": {"pool": "private"}}}
-        ]}),
-    )?;
+    agent.lb_apply(&serde_json::json!({"pools": [
+        {"name": "public", "cidrs": ["198.51.100.16/28"],
+         "serviceSelector": {"matchLabels": {"pool": "public"}}},
+        {"name": "private", "cidrs": ["203.0.113.16/28"],
+         "serviceSelector": {"matchLabels": {"pool": "private"}}}
+    ]}))?;
     let started = Instant::now();
-    let view = apply(
-        &agent,
-        &serde_json::json!({"services": [service("shop", "web", "public")]}),
-    )?;
+    let view =
+        agent.lb_apply(&serde_json::json!({"services": [service("shop", "web", "public")]}))?;
     let web = view["services"]["shop/web"]["assignment"]["addresses"][0]
         .as_str()
         .with_context(|| format!("no address assigned: {view}"))?
@@ -71,14 +66,11 @@ fn a_service_applied_is_announced_to_the_router_and_withdrawn_on_delete() -> any
         started.elapsed() + lab.routes_become(0, &[web.as_str()], Duration::from_secs(10))?;
     eprintln!("shop/web {web}: at the router {took:?} after `lb apply`");
     // A second, and one of the private pool: only the public ones go out.
-    let view = apply(
-        &agent,
-        &serde_json::json!({"services": [
-            service("shop", "web", "public"),
-            service("shop", "api", "public"),
-            service("shop", "db", "private")
-        ]}),
-    )?;
+    let view = agent.lb_apply(&serde_json::json!({"services": [
+        service("shop", "web", "public"),
+        service("shop", "api", "public"),
+        service("shop", "db", "private")
+    ]}))?;
     let api = view["services"]["shop/api"]["assignment"]["addresses"][0]
         .as_str()
         .with_context(|| format!("no address for shop/api: {view}"))?

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, ensure};
 use lockstep_tests::bench::size;
-use lockstep_tests::bgp::{AgentLab, apply, service};
+use lockstep_tests::bgp::{AgentLab, service};
 use lockstep_tests::traffic::check_goals;
 use lockstep_tests::{pct, privileged};
 
@@ -41,7 +41,7 @@ fn bgp_bench() -> anyhow::Result<()> {
     privileged!();
     let AgentLab { agent, lab, .. } = AgentLab::start()?;
     let established = lab.settled(0)?;
-    apply(&agent, &pools())?;
+    agent.lb_apply(&pools())?;
 
     // Announce latency, one Service at a time.
     let count = size(200, 5);
@@ -49,7 +49,7 @@ fn bgp_bench() -> anyhow::Result<()> {
     for i in 0..count {
         let one = service("bench", &format!("s{i}"), "public");
         let started = Instant::now();
-        let view = apply(&agent, &serde_json::json!({ "services": [one] }))?;
+        let view = agent.lb_apply(&serde_json::json!({ "services": [one] }))?;
         let addr = view["services"][format!("bench/s{i}")]["assignment"]["addresses"][0]
             .as_str()
             .with_context(|| format!("bench/s{i} has no address: {view}"))?
@@ -81,7 +81,7 @@ fn bgp_bench() -> anyhow::Result<()> {
     let started = Instant::now();
     // In applies of 200 (a request body is at most 64 KiB).
     for chunk in doc.chunks(200) {
-        apply(&agent, &serde_json::json!({ "services": chunk }))?;
+        agent.lb_apply(&serde_json::json!({ "services": chunk }))?;
     }
     let applied = started.elapsed();
     while at_router(&lab)?.len() < before + large {

@@ -10,19 +10,6 @@ use std::time::Duration;
 use anyhow::{Context, ensure};
 use lockstep_tests::{AgentProc, Netns, lockstep_bin, privileged, veth, wait_for};
 
-fn apply(agent: &AgentProc, doc: &serde_json::Value) -> anyhow::Result<serde_json::Value> {
-    let path = agent.dir.path().join("lb.json");
-    std::fs::write(&path, doc.to_string())?;
-    agent.json([
-        "lb",
-        "apply",
-        "-f",
-        path.to_str().context("utf-8")?,
-        "-o",
-        "json",
-    ])
-}
-
 /// `lockstep datapath debug STATE` on the agent's pin root; its output.
 fn debug(agent: &AgentProc, state: &str) -> anyhow::Result<String> {
     let out = std::process::Command::new(lockstep_bin())
@@ -70,14 +57,11 @@ fn an_answered_arp_request_is_logged_only_while_events_are_on() -> anyhow::Resul
         &node,
         "[[pools]]\nname = \"pods\"\nipv4 = [\"10.81.0.0/24\"]\n[datapath]\nuplink = \"u0\"\n",
     )?;
-    apply(
-        &agent,
-        &serde_json::json!({
-            "pools": [{"name": "public", "cidrs": ["10.91.0.16/28"], "announce": "l2"}],
-            "services": [{"namespace": "shop", "name": "web",
-                          "ports": [{"protocol": "TCP", "port": 443}]}]
-        }),
-    )?;
+    agent.lb_apply(&serde_json::json!({
+        "pools": [{"name": "public", "cidrs": ["10.91.0.16/28"], "announce": "l2"}],
+        "services": [{"namespace": "shop", "name": "web",
+                      "ports": [{"protocol": "TCP", "port": 443}]}]
+    }))?;
     let addr = "10.91.0.17";
     ensure!(debug(&agent, "status")?.contains("off"), "events start off");
 

@@ -14,19 +14,6 @@ name = "pods"
 ipv4 = ["10.80.0.0/24"]
 "#;
 
-fn apply(agent: &AgentProc, doc: &serde_json::Value) -> anyhow::Result<serde_json::Value> {
-    let path = agent.dir.path().join("lb.json");
-    std::fs::write(&path, doc.to_string())?;
-    agent.json([
-        "lb",
-        "apply",
-        "-f",
-        path.to_str().context("utf-8")?,
-        "-o",
-        "json",
-    ])
-}
-
 fn arping(nb: &Netns, addr: &str, count: &str, deadline: &str) -> anyhow::Result<(bool, String)> {
     let out = nb
         .command("arping")
@@ -62,13 +49,10 @@ fn announced_lb_addresses_are_answered_by_bpf_and_withdrawn_on_delete() -> anyho
     nb.ip(["addr", "add", "10.90.0.2/24", "dev", "n0"])?;
     let node_mac = node.mac("u0")?;
     let mut agent = AgentProc::start(&node, &format!("{CONFIG}\n[datapath]\nuplink = \"u0\"\n"))?;
-    apply(
-        &agent,
-        &serde_json::json!({"pools": [{
-            "name": "public", "cidrs": ["10.90.0.16/28"], "announce": "l2",
-            "serviceSelector": {"matchLabels": {"expose": "yes"}}
-        }]}),
-    )?;
+    agent.lb_apply(&serde_json::json!({"pools": [{
+        "name": "public", "cidrs": ["10.90.0.16/28"], "announce": "l2",
+        "serviceSelector": {"matchLabels": {"expose": "yes"}}
+    }]}))?;
 
     // Capture on the neighbour while the service is assigned.
     let mut capture = nb
@@ -88,13 +72,10 @@ fn announced_lb_addresses_are_answered_by_bpf_and_withdrawn_on_delete() -> anyho
     // tcpdump says "listening on" once its capture is open: only then can
     // the gratuitous ARP be seen.
     wait_listening(capture.stderr.take().context("tcpdump stderr")?)?;
-    let view = apply(
-        &agent,
-        &serde_json::json!({"services": [{
-            "namespace": "shop", "name": "web", "labels": {"expose": "yes"},
-            "ports": [{"protocol": "TCP", "port": 443}]
-        }]}),
-    )?;
+    let view = agent.lb_apply(&serde_json::json!({"services": [{
+        "namespace": "shop", "name": "web", "labels": {"expose": "yes"},
+        "ports": [{"protocol": "TCP", "port": 443}]
+    }]}))?;
     let addr = view["services"]["shop/web"]["assignment"]["addresses"][0]
         .as_str()
         .with_context(|| format!("no address assigned: {view}"))?

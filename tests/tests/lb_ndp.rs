@@ -27,26 +27,10 @@ fn config(lease: Duration) -> String {
 /// dual-stack LB pool `public`.
 fn start(node: &Netns, lease: Duration) -> anyhow::Result<AgentProc> {
     let agent = AgentProc::start(node, &config(lease))?;
-    apply(
-        &agent,
-        &serde_json::json!({"pools": [{
-            "name": "public", "cidrs": ["10.91.0.16/28", "fd00:91::10/124"], "announce": "l2"
-        }]}),
-    )?;
+    agent.lb_apply(&serde_json::json!({"pools": [{
+        "name": "public", "cidrs": ["10.91.0.16/28", "fd00:91::10/124"], "announce": "l2"
+    }]}))?;
     Ok(agent)
-}
-
-fn apply(agent: &AgentProc, doc: &serde_json::Value) -> anyhow::Result<serde_json::Value> {
-    let path = agent.dir.path().join("lb.json");
-    std::fs::write(&path, doc.to_string())?;
-    agent.json([
-        "lb",
-        "apply",
-        "-f",
-        path.to_str().context("utf-8")?,
-        "-o",
-        "json",
-    ])
 }
 
 fn arp_answered(nb: &Netns, addr: &str) -> anyhow::Result<bool> {
@@ -161,13 +145,10 @@ fn ndp_is_answered_once_with_the_node_mac_and_both_responders_honour_the_lease()
             })
         });
         rx.recv_timeout(Duration::from_secs(5))?;
-        let view = apply(
-            &agent,
-            &serde_json::json!({"services": [{
-                "namespace": "shop", "name": "web", "ipFamilyPolicy": "RequireDualStack",
-                "ports": [{"protocol": "TCP", "port": 443}]
-            }]}),
-        )?;
+        let view = agent.lb_apply(&serde_json::json!({"services": [{
+            "namespace": "shop", "name": "web", "ipFamilyPolicy": "RequireDualStack",
+            "ports": [{"protocol": "TCP", "port": 443}]
+        }]}))?;
         let addrs = &view["services"]["shop/web"]["assignment"]["addresses"];
         ensure!(
             addrs.as_array().is_some_and(|a| a.len() == 2)
@@ -308,7 +289,7 @@ fn verify_never_reports_a_renewal_in_progress_as_drift() -> anyhow::Result<()> {
             })
         })
         .collect();
-    apply(&agent, &serde_json::json!({ "services": services }))?;
+    agent.lb_apply(&serde_json::json!({ "services": services }))?;
     let started = Instant::now();
     let (mut runs, mut drifts) = (0, Vec::new());
     while started.elapsed() < lease * 20 {
