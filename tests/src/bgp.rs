@@ -166,24 +166,10 @@ impl Frr {
     }
 
     fn vtysh_args(&self, args: &[&str]) -> anyhow::Result<String> {
-        let out = std::process::Command::new("nsenter")
-            .arg(format!("--net=/run/netns/{}", self.ns_name))
-            .arg("--")
-            .arg("vtysh")
-            .arg("--vty_socket")
-            .arg(self.dir.path())
-            .args(args)
-            .output()
-            .context("starting vtysh")?;
-        if !out.status.success() {
-            bail!(
-                "vtysh {args:?} failed ({}): {}{}",
-                out.status,
-                String::from_utf8_lossy(&out.stdout),
-                String::from_utf8_lossy(&out.stderr)
-            );
-        }
-        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+        let net = format!("--net=/run/netns/{}", self.ns_name);
+        let socket = self.dir.path().display().to_string();
+        let head = [net.as_str(), "--", "vtysh", "--vty_socket", socket.as_str()];
+        sh("nsenter", head.iter().chain(args))
     }
 
     /// One vtysh command's output.
