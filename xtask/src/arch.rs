@@ -97,24 +97,48 @@ impl Arch {
     }
 }
 
-/// Builds `bin` of the `lockstep` package for `arch` as it ships: the
-/// `ship` profile, static musl, position dependent (see `build_plugin` in
-/// main.rs). Returns the binary's path.
-pub fn build_shipped(arch: Arch, bin: &str) -> anyhow::Result<PathBuf> {
+/// The binaries that ship: the agent and the CNI plugin.
+pub const SHIPPED: [&str; 2] = ["lockstep", "lockstep-cni"];
+
+/// Builds both shipped binaries for the machine's architecture and, unless
+/// `with_arm64` is false, for aarch64, the two architectures side by side.
+/// Each link is a single-threaded fat-LTO step (the `ship` profile), so one
+/// build leaves a core idle for most of its length; together they take
+/// about as long as the longer one. Later `build_shipped` calls find them
+/// built.
+pub fn build_every_shipped(with_arm64: bool) -> anyhow::Result<()> {
+    let host = Arch::host()?;
+    std::thread::scope(|scope| {
+        let cross = with_arm64.then(|| scope.spawn(|| build_shipped(Arch::Aarch64, &SHIPPED)));
+        let native = build_shipped(host, &SHIPPED);
+        let cross = match cross {
+            Some(handle) => handle
+                .join()
+                .map_err(|_| anyhow::anyhow!("the aarch64 build's thread panicked"))?
+                .map(|_| ()),
+            None => Ok(()),
+        };
+        native.map(|_| ()).and(cross)
+    })
+}
+
+/// Builds `bins` of the `lockstep` package for `arch` as they ship, in one
+/// cargo run (their links run in parallel): the `ship` profile, static
+/// musl, position dependent (see `build_plugin` in main.rs). Returns the
+/// binaries' paths, in the order asked.
+pub fn build_shipped(arch: Arch, bins: &[&str]) -> anyhow::Result<Vec<PathBuf>> {
     let target = arch.target();
     let flags = "-C target-feature=+crt-static -C relocation-model=static";
+    let bin_args: Vec<&str> = bins.iter().flat_map(|bin| ["--bin", *bin]).collect();
     if arch.is_host() {
         crate::run(
             crate::cargo()
                 .args(["build", "--profile", "ship", "--target", &target])
-                .args(["-p", "lockstep", "--bin", bin])
+                .args(["-p", "lockstep"])
+                .args(&bin_args)
                 .env("RUSTFLAGS", flags),
         )?;
-        return Ok(crate::root()
-            .join("target")
-            .join(target)
-            .join("ship")
-            .join(bin));
+        return Ok(bins.iter().map(|bin| built(arch, bin)).collect());
     }
     ensure!(
         arch == Arch::Aarch64 && Arch::host()? == Arch::X86_64,
@@ -141,7 +165,8 @@ pub fn build_shipped(arch: Arch, bin: &str) -> anyhow::Result<PathBuf> {
         cargo
             .args(["+nightly", "build", "-Z", "build-std=std,panic_unwind"])
             .args(["--profile", "ship", "--target", &target])
-            .args(["-p", "lockstep", "--bin", bin])
+            .args(["-p", "lockstep"])
+            .args(&bin_args)
             .env("CARGO_TARGET_DIR", &dir)
             .env(
                 format!("CARGO_TARGET_{env}_LINKER"),
@@ -161,7 +186,7 @@ pub fn build_shipped(arch: Arch, bin: &str) -> anyhow::Result<PathBuf> {
             .env(format!("AR_{cc}"), "aarch64-linux-gnu-ar")
             .env(format!("CFLAGS_{cc}"), format!("-specs {MUSL_SPECS}")),
     )?;
-    Ok(dir.join(target).join("ship").join(bin))
+    Ok(bins.iter().map(|bin| built(arch, bin)).collect())
 }
 
 /// The cross build's target directory: `LOCKSTEP_CROSS_TARGET_DIR` when

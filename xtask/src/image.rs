@@ -128,8 +128,9 @@ fn put(rootfs: &Path, from: &Path, to: &Path, mode: u32) -> anyhow::Result<()> {
 /// Builds the static binaries for `arch` and stages the build context with
 /// the agent stamped as `version`. Returns the context directory.
 pub fn stage(version: &str, arch: Arch) -> anyhow::Result<PathBuf> {
-    let agent = crate::arch::build_shipped(arch, "lockstep")?;
-    let plugin = crate::arch::build_shipped(arch, "lockstep-cni")?;
+    let [agent, plugin]: [PathBuf; 2] = crate::arch::build_shipped(arch, &crate::arch::SHIPPED)?
+        .try_into()
+        .map_err(|_| anyhow::anyhow!("the build named other than two binaries"))?;
     let dir = context_dir(arch);
     if dir.exists() {
         std::fs::remove_dir_all(&dir).with_context(|| format!("removing {}", dir.display()))?;

@@ -157,13 +157,31 @@ fn target_dir() -> PathBuf {
 
 pub(crate) fn run(cmd: &mut Command) -> anyhow::Result<()> {
     eprintln!("+ {cmd:?}");
+    let started = std::time::Instant::now();
     let status = cmd
         .status()
         .with_context(|| format!("starting {:?}", cmd.get_program()))?;
+    took(cmd, started);
     if !status.success() {
         bail!("{cmd:?} failed: {status}");
     }
     Ok(())
+}
+
+/// Says how long a command took (a line CI's log can be searched for:
+/// `took`), so where a run's time goes is read, not guessed.
+fn took(cmd: &Command, started: std::time::Instant) {
+    let args: Vec<_> = cmd
+        .get_args()
+        .take(4)
+        .map(|a| a.to_string_lossy().into_owned())
+        .collect();
+    eprintln!(
+        "took {:.0} s: {} {}",
+        started.elapsed().as_secs_f64(),
+        cmd.get_program().to_string_lossy(),
+        args.join(" ")
+    );
 }
 
 fn cargo() -> Command {
@@ -336,6 +354,7 @@ pub(crate) struct Tally {
 fn run_tests(cmd: &mut Command, tally: &mut Tally) -> anyhow::Result<()> {
     use std::io::BufRead as _;
     eprintln!("+ {cmd:?}");
+    let started = std::time::Instant::now();
     let mut child = cmd
         .stdout(std::process::Stdio::piped())
         .spawn()
@@ -361,6 +380,7 @@ fn run_tests(cmd: &mut Command, tally: &mut Tally) -> anyhow::Result<()> {
         }
     }
     let status = child.wait()?;
+    took(cmd, started);
     if !status.success() {
         bail!("{cmd:?} failed: {status}");
     }
@@ -368,6 +388,9 @@ fn run_tests(cmd: &mut Command, tally: &mut Tally) -> anyhow::Result<()> {
 }
 
 fn integration(filter: Option<String>, tally: &mut Tally) -> anyhow::Result<()> {
+    // Both architectures' shipped builds at once (each mostly one
+    // single-threaded link); what follows finds them built.
+    arch::build_every_shipped(!skip_arm64())?;
     let bin = stage_agent_with_shipped_plugin()?;
     // The image test builds its images from this context (the binaries as
     // they ship), in its own podman storage.
@@ -452,7 +475,9 @@ pub(crate) fn build_plugin() -> anyhow::Result<PathBuf> {
 /// agent's code is not randomised (its stack, heap and mappings are), the
 /// price of sharing one build with the plugin. Returns the binary's path.
 fn build_shipped(bin: &str) -> anyhow::Result<PathBuf> {
-    arch::build_shipped(arch::Arch::host()?, bin)
+    arch::build_shipped(arch::Arch::host()?, &[bin])?
+        .pop()
+        .context("the build named no binary")
 }
 
 /// The long form of a crash test: the same test CI runs bounded, with more
@@ -502,8 +527,8 @@ fn main() -> anyhow::Result<()> {
         Task::Build { arch } => {
             let arch = arch.map_or_else(arch::Arch::host, Ok)?;
             let started = std::time::Instant::now();
-            let agent = arch::build_shipped(arch, "lockstep")?;
-            let plugin = arch::build_shipped(arch, "lockstep-cni")?;
+            let built = arch::build_shipped(arch, &arch::SHIPPED)?;
+            let (agent, plugin) = (&built[0], &built[1]);
             eprintln!(
                 "{} in {:.0} s\nagent: {}\nplugin: {}",
                 arch.rust(),
