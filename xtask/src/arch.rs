@@ -100,26 +100,71 @@ impl Arch {
 /// The binaries that ship: the agent and the CNI plugin.
 pub const SHIPPED: [&str; 2] = ["lockstep", "lockstep-cni"];
 
-/// Builds both shipped binaries for the machine's architecture and, unless
-/// `with_arm64` is false, for aarch64, the two architectures side by side.
-/// Each link is a single-threaded fat-LTO step (the `ship` profile), so one
-/// build leaves a core idle for most of its length; together they take
-/// about as long as the longer one. Later `build_shipped` calls find them
-/// built.
-pub fn build_every_shipped(with_arm64: bool) -> anyhow::Result<()> {
-    let host = Arch::host()?;
-    std::thread::scope(|scope| {
-        let cross = with_arm64.then(|| scope.spawn(|| build_shipped(Arch::Aarch64, &SHIPPED)));
-        let native = build_shipped(host, &SHIPPED);
-        let cross = match cross {
-            Some(handle) => handle
-                .join()
-                .map_err(|_| anyhow::anyhow!("the aarch64 build's thread panicked"))?
-                .map(|_| ()),
-            None => Ok(()),
-        };
-        native.map(|_| ()).and(cross)
+/// The aarch64 shipped build, running on a thread of its own beside
+/// whatever the caller does meanwhile; its output goes to a log file.
+/// It is mostly one single-threaded compile and fat-LTO link, so it
+/// leaves a core idle on its own: beside the lints and unit tests it
+/// costs CI little time. Dropped without [`Background::wait`], it is
+/// waited for (never left running).
+pub struct Background {
+    handle: Option<std::thread::JoinHandle<anyhow::Result<()>>>,
+    log: PathBuf,
+}
+
+/// Starts the aarch64 build of both shipped binaries in the background,
+/// its output in `target/arm64-build.log`.
+///
+/// # Errors
+/// The log file could not be made.
+pub fn start_cross_build() -> anyhow::Result<Background> {
+    let log = crate::root().join("target/arm64-build.log");
+    std::fs::create_dir_all(crate::root().join("target"))?;
+    let file =
+        std::fs::File::create(&log).with_context(|| format!("creating {}", log.display()))?;
+    eprintln!(
+        "aarch64 build started in the background; its output: {}",
+        log.display()
+    );
+    let handle = std::thread::spawn(move || {
+        build_shipped_to(Arch::Aarch64, &SHIPPED, Some(file)).map(|_| ())
+    });
+    Ok(Background {
+        handle: Some(handle),
+        log,
     })
+}
+
+impl Background {
+    /// Waits for the build; on failure the log's end is printed.
+    ///
+    /// # Errors
+    /// The build failed (or its thread panicked).
+    pub fn wait(mut self) -> anyhow::Result<()> {
+        let outcome = self.join();
+        if outcome.is_err() {
+            let text = std::fs::read_to_string(&self.log).unwrap_or_default();
+            let tail: Vec<&str> = text.lines().rev().take(60).collect();
+            for line in tail.iter().rev() {
+                eprintln!("{line}");
+            }
+        }
+        outcome
+    }
+
+    fn join(&mut self) -> anyhow::Result<()> {
+        match self.handle.take() {
+            Some(h) => h
+                .join()
+                .map_err(|_| anyhow::anyhow!("the aarch64 build's thread panicked"))?,
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for Background {
+    fn drop(&mut self) {
+        let _ = self.join();
+    }
 }
 
 /// Builds `bins` of the `lockstep` package for `arch` as they ship, in one
@@ -127,12 +172,25 @@ pub fn build_every_shipped(with_arm64: bool) -> anyhow::Result<()> {
 /// musl, position dependent (see `build_plugin` in main.rs). Returns the
 /// binaries' paths, in the order asked.
 pub fn build_shipped(arch: Arch, bins: &[&str]) -> anyhow::Result<Vec<PathBuf>> {
+    build_shipped_to(arch, bins, None)
+}
+
+/// As [`build_shipped`], cargo's output into `log` when given.
+fn build_shipped_to(
+    arch: Arch,
+    bins: &[&str],
+    log: Option<std::fs::File>,
+) -> anyhow::Result<Vec<PathBuf>> {
     let target = arch.target();
     let flags = "-C target-feature=+crt-static -C relocation-model=static";
     let bin_args: Vec<&str> = bins.iter().flat_map(|bin| ["--bin", *bin]).collect();
     if arch.is_host() {
+        let mut cargo = crate::cargo();
+        if let Some(log) = log {
+            cargo.stdout(log.try_clone()?).stderr(log);
+        }
         crate::run(
-            crate::cargo()
+            cargo
                 .args(["build", "--profile", "ship", "--target", &target])
                 .args(["-p", "lockstep"])
                 .args(&bin_args)
@@ -161,6 +219,9 @@ pub fn build_shipped(arch: Arch, bins: &[&str]) -> anyhow::Result<Vec<PathBuf>> 
         .env_remove("RUSTC")
         .env_remove("CARGO_MANIFEST_DIR")
         .env_remove("CARGO_MANIFEST_PATH");
+    if let Some(log) = log {
+        cargo.stdout(log.try_clone()?).stderr(log);
+    }
     crate::run(
         cargo
             .args(["+nightly", "build", "-Z", "build-std=std,panic_unwind"])

@@ -264,6 +264,13 @@ fn test(no_setup: bool, filter: Option<String>) -> anyhow::Result<()> {
     if !no_setup {
         setup::setup()?;
     }
+    // The aarch64 build beside the lints and unit tests (it needs what
+    // setup installs); the integration tests wait for it.
+    let cross = if skip_arm64() {
+        None
+    } else {
+        Some(arch::start_cross_build()?)
+    };
     run(cargo().args(["fmt", "--all", "--check"]))?;
     run(cargo().args([
         "clippy",
@@ -290,7 +297,7 @@ fn test(no_setup: bool, filter: Option<String>) -> anyhow::Result<()> {
         cargo().args(["test", "--workspace", "--exclude", "lockstep-tests"]),
         &mut tally,
     )
-    .and_then(|()| integration(filter, &mut tally));
+    .and_then(|()| integration(filter, &mut tally, cross));
     // The demos, as a user runs them (each step checks what it claims):
     // after the integration tests, whose failure does not hide theirs.
     let demos = if demos_too {
@@ -387,10 +394,17 @@ fn run_tests(cmd: &mut Command, tally: &mut Tally) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn integration(filter: Option<String>, tally: &mut Tally) -> anyhow::Result<()> {
-    // Both architectures' shipped builds at once (each mostly one
-    // single-threaded link); what follows finds them built.
-    arch::build_every_shipped(!skip_arm64())?;
+fn integration(
+    filter: Option<String>,
+    tally: &mut Tally,
+    cross: Option<arch::Background>,
+) -> anyhow::Result<()> {
+    // This architecture's shipped build, and the aarch64 one started
+    // beside the lints; what follows finds them built.
+    arch::build_shipped(arch::Arch::host()?, &arch::SHIPPED)?;
+    if let Some(cross) = cross {
+        cross.wait()?;
+    }
     let bin = stage_agent_with_shipped_plugin()?;
     // The image test builds its images from this context (the binaries as
     // they ship), in its own podman storage.
