@@ -358,6 +358,12 @@ pub fn run(cli: Cli) -> anyhow::Result<i32> {
                         if let Some(p) = bgp["problem"].as_str() {
                             out.push_str(&format!("; BIRD's configuration is behind: {p}"));
                         }
+                        for (addr, why) in bgp["withheld"].as_object().into_iter().flatten() {
+                            out.push_str(&format!(
+                                "\nbgp not announced {addr}: {}",
+                                why.as_str().unwrap_or("?")
+                            ));
+                        }
                         for s in bgp["sessions"].as_array().into_iter().flatten() {
                             out.push_str(&format!(
                                 "\nbgp peer {}: {}",

@@ -684,14 +684,23 @@ impl Config {
             if let Err(problem) = b.validate() {
                 out.push(problem);
             }
-            // Which node may announce an address under Kubernetes (its
-            // endpoints, its Node) and in cluster mode is not wired to
-            // BGP yet: refused rather than announced from every node.
-            if self.kubernetes.is_some() || self.cluster.is_some() {
+            if b.router_id.is_none() && self.kubernetes.is_none() {
+                out.push((
+                    "bgp.router_id".into(),
+                    "is required without [kubernetes] (with it, the Node's IPv4 InternalIP \
+                     stands in)"
+                        .into(),
+                ));
+            }
+            // Which node may announce an address in cluster mode is not
+            // wired to BGP yet: refused rather than announced from every
+            // node.
+            if self.cluster.is_some() {
                 out.push((
                     "bgp".into(),
-                    "is supported without [kubernetes] and [cluster] only in this version: \
-                     with them, which nodes may announce an address is not yet decided for BGP"
+                    "is not supported with [cluster] in this version: there, which nodes may \
+                     announce an address is not yet decided for BGP (use it alone or with \
+                     [kubernetes])"
                         .into(),
                 ));
             }

@@ -589,8 +589,8 @@ pub async fn run(config: Config) -> Result<(), ServerError> {
         }
         _ => None,
     };
-    let kube_task = kube.map(|k| {
-        kube::start(
+    let (kube_task, bgp_decided) = kube.map_or((None, None), |k| {
+        let (task, decided) = kube::start(
             k,
             &state,
             &cluster_config,
@@ -598,7 +598,8 @@ pub async fn run(config: Config) -> Result<(), ServerError> {
             &announcements,
             &mut tasks,
             stop_rx.clone(),
-        )
+        );
+        (Some(task), decided)
     });
     // The maps exist now; the collector runs beside the agent, not in it.
     let _masquerade = match masquerade {
@@ -636,17 +637,26 @@ pub async fn run(config: Config) -> Result<(), ServerError> {
         loops::reconciler(s.clone(), interval, beat.clone(), stop.clone())
     });
     // BGP: what this node announces, kept in BIRD's configuration
-    // (`bgp::speaker`).
+    // (`bgp::speaker`); under Kubernetes as `local_traffic` decides it.
     if let Some(bgp) = cluster_config.bgp.clone() {
         let (tx, rx) = tokio::sync::watch::channel(crate::wire::BgpStatus::default());
         let _ = state.bgp.set(rx.clone());
         state.metrics.set_bgp(rx);
-        let (s, stop, node) = (slot.clone(), stop_rx.clone(), cluster_config.node_name());
+        let source = match (&cluster_config.kubernetes, bgp_decided) {
+            (None, _) => crate::bgp::speaker::Source::Agent(slot.clone()),
+            (Some(_), Some(decided)) => crate::bgp::speaker::Source::Decided(decided),
+            // No loop decides (no LB writer election, logged): nothing
+            // is announced.
+            (Some(_), None) => {
+                crate::bgp::speaker::Source::Decided(tokio::sync::watch::channel(Arc::default()).1)
+            }
+        };
+        let (stop, node) = (stop_rx.clone(), cluster_config.node_name());
         tasks.keep("bgp speaker", move || {
             crate::bgp::speaker::spawn(
                 bgp.clone(),
                 node.clone(),
-                s.clone(),
+                source.clone(),
                 tx.clone(),
                 stop.clone(),
             )

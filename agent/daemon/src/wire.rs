@@ -189,6 +189,11 @@ pub struct BgpStatus {
     /// Every session, as BIRD last reported it.
     #[serde(default)]
     pub sessions: Vec<BgpSession>,
+    /// The LoadBalancer addresses this node does not announce, each with
+    /// why (externalTrafficPolicy Local without a ready endpoint here,
+    /// the node excluded, a pool's node selector).
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub withheld: std::collections::BTreeMap<IpAddr, String>,
 }
 
 /// The empty object DEL and CHECK answer with.

@@ -6,7 +6,7 @@
 //! traffic over them (ECMP). So the question is per node, not per
 //! address: may this node serve this address? The rules are the ones the
 //! L2 path already keeps, applied to every node at once:
-//! - a node kept out of load balancing ([`may_answer`]: labelled
+//! - a node kept out of load balancing ([`may_answer`](crate::lb::kubernetes::nodes::may_answer): labelled
 //!   excluded, cordoned, not ready, being deleted) announces no
 //!   LoadBalancer address, whatever its endpoints;
 //! - an address of a pool whose node selector does not admit the node is
@@ -31,8 +31,10 @@ use std::net::IpAddr;
 use ipnet::IpNet;
 
 use super::{Announcements, RouteAttrs};
+use crate::lb::LbPoolSpec;
+use crate::lb::kubernetes::KubeService;
 use crate::lb::kubernetes::local::{Endpoint, candidate};
-use crate::lb::kubernetes::nodes::{NodeState, may_answer};
+use crate::lb::kubernetes::ownership::lockstep_ingress;
 
 /// One LoadBalancer address as the decision needs it.
 #[derive(Clone, Copy, Debug)]
@@ -68,23 +70,25 @@ pub struct Decision {
     pub withheld: BTreeMap<IpAddr, String>,
 }
 
-/// What `node` (its Node's state `state`) announces of `addresses` and
-/// `blocks`, each prefix with `attrs` of its pool (none for a pool not
-/// there).
+/// What `node` announces of `addresses` and `blocks`, each prefix with
+/// `attrs` of its pool (none for a pool not there). `may`: whether the
+/// node may serve LoadBalancer addresses at all, else why not (the L2
+/// path's rule on its Node, `nodes::may_answer`; `Ok` without
+/// Kubernetes).
 #[must_use]
 pub fn decide(
     node: &str,
-    state: &NodeState,
+    may: &Result<(), String>,
     addresses: &[LbAddress<'_>],
     blocks: &[PodBlock<'_>],
     attrs: &BTreeMap<String, RouteAttrs>,
 ) -> Decision {
     let of = |pool: &str| attrs.get(pool).cloned().unwrap_or_default();
     let mut d = Decision::default();
-    let kept_out = may_answer(state).err();
+    let kept_out = may.as_ref().err();
     for a in addresses {
         let why = if let Some(why) = &kept_out {
-            Some(why.clone())
+            Some((*why).clone())
         } else if !a.admitted {
             Some(format!(
                 "pool {}'s node selector does not admit this node",
@@ -112,6 +116,42 @@ pub fn decide(
     d
 }
 
+/// The LoadBalancer addresses lockstep gave `svc`, as [`decide`] reads
+/// them, for a node with `labels` (`None`: its Node not read yet): each
+/// with the pool among `pools` that holds it, whether that pool's node
+/// selector admits the node, and `endpoints` (the Service's) when its
+/// `externalTrafficPolicy` is `Local`. Only the addresses of the pools
+/// `announced` names: the others are not BGP's to announce. Nothing for a
+/// Service that is not a LoadBalancer lockstep serves.
+#[must_use]
+pub fn service_addresses<'a>(
+    svc: &KubeService,
+    endpoints: &'a [Endpoint],
+    pools: &'a [LbPoolSpec],
+    labels: Option<&BTreeMap<String, String>>,
+    announced: &BTreeMap<String, RouteAttrs>,
+) -> Vec<LbAddress<'a>> {
+    let Some(addresses) = lockstep_ingress(svc) else {
+        return Vec::new();
+    };
+    let local = svc.external_traffic_policy.as_deref() == Some("Local");
+    addresses
+        .into_iter()
+        .filter_map(|address| {
+            let pool = pools
+                .iter()
+                .find(|p| p.holds(address) && announced.contains_key(&p.name))?;
+            Some(LbAddress {
+                address,
+                pool: &pool.name,
+                local: local.then_some(endpoints),
+                admitted: pool.node_selector.is_empty()
+                    || labels.is_some_and(|l| pool.node_selector.matches(l)),
+            })
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use std::collections::BTreeSet;
@@ -120,7 +160,7 @@ mod tests {
 
     use super::*;
     use crate::lb::kubernetes::local::candidates;
-    use crate::lb::kubernetes::nodes::EXCLUDE_LABEL;
+    use crate::lb::kubernetes::nodes::{EXCLUDE_LABEL, NodeState, may_answer};
 
     const NODES: [&str; 3] = ["n0", "n1", "n2"];
 
@@ -147,7 +187,7 @@ mod tests {
         NODES
             .iter()
             .filter(|n| {
-                let d = decide(n, &NodeState::default(), &[a], &[], &BTreeMap::new());
+                let d = decide(n, &Ok(()), &[a], &[], &BTreeMap::new());
                 d.routes.contains_key(&IpNet::from(a.address))
             })
             .map(|n| (*n).to_string())
@@ -168,7 +208,7 @@ mod tests {
             },
         )]
         .into();
-        let d = decide("n0", &NodeState::default(), &[addr(None)], &[block], &attrs);
+        let d = decide("n0", &Ok(()), &[addr(None)], &[block], &attrs);
         assert_eq!(
             d.routes,
             [
@@ -184,7 +224,13 @@ mod tests {
             labels: [(EXCLUDE_LABEL.to_string(), String::new())].into(),
             ..NodeState::default()
         };
-        let d = decide("n0", &excluded, &[addr(None)], &[block], &attrs);
+        let d = decide(
+            "n0",
+            &may_answer(&excluded),
+            &[addr(None)],
+            &[block],
+            &attrs,
+        );
         assert_eq!(d.routes.keys().collect::<Vec<_>>(), [&block.cidr]);
         assert!(
             d.withheld.values().all(|w| w.contains(EXCLUDE_LABEL)),
@@ -193,7 +239,7 @@ mod tests {
         // Not admitted by the pool's selector.
         let mut a = addr(None);
         a.admitted = false;
-        let d = decide("n0", &NodeState::default(), &[a], &[], &attrs);
+        let d = decide("n0", &Ok(()), &[a], &[], &attrs);
         assert!(d.routes.is_empty());
         assert!(
             d.withheld.values().all(|w| w.contains("node selector")),
@@ -210,7 +256,7 @@ mod tests {
         );
         let d = decide(
             "n0",
-            &NodeState::default(),
+            &Ok(()),
             &[addr(Some(&endpoints))],
             &[],
             &BTreeMap::new(),
@@ -220,6 +266,76 @@ mod tests {
             Some("externalTrafficPolicy is Local and no ready endpoint on this node")
         );
         assert_eq!(announcing(addr(None)).len(), NODES.len());
+    }
+
+    #[test]
+    fn a_service_s_addresses_carry_their_pool_its_selector_and_local_endpoints() {
+        use crate::lb::kubernetes::Condition;
+        let mut public = LbPoolSpec::new("public");
+        public.cidrs.push("198.51.100.0/24".parse().unwrap());
+        let mut rack = LbPoolSpec::new("rack");
+        rack.cidrs.push("203.0.113.0/24".parse().unwrap());
+        rack.node_selector
+            .match_labels
+            .insert("rack".into(), "r1".into());
+        let mut quiet = LbPoolSpec::new("quiet");
+        quiet.cidrs.push("192.0.2.0/24".parse().unwrap());
+        let pools = [public, rack, quiet];
+        let announced: BTreeMap<String, RouteAttrs> = ["public", "rack"]
+            .iter()
+            .map(|p| ((*p).to_string(), RouteAttrs::default()))
+            .collect();
+        let mut svc = KubeService {
+            namespace: "shop".into(),
+            name: "web".into(),
+            type_: Some("LoadBalancer".into()),
+            external_traffic_policy: Some("Local".into()),
+            ingress: vec![
+                "198.51.100.7".into(),
+                "203.0.113.9".into(),
+                "192.0.2.5".into(),
+            ],
+            condition: Some(Condition {
+                type_: "lockstep.io/Assigned".into(),
+                status: "True".into(),
+                reason: "Assigned".into(),
+                message: String::new(),
+            }),
+            ..KubeService::default()
+        };
+        let endpoints = [ep("n1", true, false)];
+        let r1: BTreeMap<String, String> = [("rack".to_string(), "r1".to_string())].into();
+        let got = service_addresses(&svc, &endpoints, &pools, Some(&r1), &announced);
+        let seen: Vec<(IpAddr, &str, bool, bool)> = got
+            .iter()
+            .map(|a| (a.address, a.pool, a.admitted, a.local.is_some()))
+            .collect();
+        // The quiet pool is not BGP's: its address is left out.
+        assert_eq!(
+            seen,
+            [
+                ("198.51.100.7".parse().unwrap(), "public", true, true),
+                ("203.0.113.9".parse().unwrap(), "rack", true, true),
+            ]
+        );
+        // Labels not read yet, or another rack: the selector pool's
+        // address is not admitted; the other still is.
+        for labels in [None, Some(&BTreeMap::new())] {
+            let got = service_addresses(&svc, &endpoints, &pools, labels, &announced);
+            let admitted: Vec<bool> = got.iter().map(|a| a.admitted).collect();
+            assert_eq!(admitted, [true, false]);
+        }
+        // Cluster policy: no endpoints read.
+        svc.external_traffic_policy = Some("Cluster".into());
+        let got = service_addresses(&svc, &endpoints, &pools, Some(&r1), &announced);
+        assert!(got.iter().all(|a| a.local.is_none()), "{got:?}");
+        // Not lockstep's ingress (its condition not True), or not a
+        // LoadBalancer: nothing.
+        let mut theirs = svc.clone();
+        theirs.condition = None;
+        assert!(service_addresses(&theirs, &endpoints, &pools, None, &announced).is_empty());
+        svc.type_ = Some("ClusterIP".into());
+        assert!(service_addresses(&svc, &endpoints, &pools, None, &announced).is_empty());
     }
 
     fn endpoint() -> impl Strategy<Value = Endpoint> {

@@ -1,12 +1,13 @@
 //! The BGP speaker's driver: a task that keeps BIRD's configuration what
 //! this node should announce, and follows its sessions.
 //!
-//! Every [`TICK`] it looks at the agent's published view (never waiting
-//! for the agent's owner); when the LoadBalancer addresses changed it
-//! decides again what this node announces (core `bgp::announce::decide`:
-//! the addresses of the pools `[bgp.pools]` names), writes BIRD's whole
-//! configuration, and applies it when the text differs from the one
-//! applied last. BIRD reconfigures route by route, so an address added or
+//! Every [`TICK`] it looks at what this node announces ([`Source`]):
+//! without Kubernetes, the agent's published view (never waiting for the
+//! agent's owner), every address of the pools `[bgp.pools]` names (core
+//! `bgp::announce::decide`); under Kubernetes, what `local_traffic`
+//! decided from the Services, their endpoints and this Node. When that
+//! changed it writes BIRD's whole configuration, and applies it when the
+//! text differs from the one applied last. BIRD reconfigures route by route, so an address added or
 //! withdrawn resets no session. When BIRD's file does not exist yet, the
 //! task writes it first, so BIRD can start after the agent from what the
 //! node announces. While BIRD cannot be reached (not started yet,
@@ -22,9 +23,8 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use lockstep_core::bgp::announce::{LbAddress, decide};
+use lockstep_core::bgp::announce::{Decision, LbAddress, decide};
 use lockstep_core::bgp::{RouteAttrs, render_bird};
-use lockstep_core::lb::kubernetes::nodes::NodeState;
 
 use super::Bird;
 use crate::agent::AgentHandle;
@@ -38,30 +38,51 @@ pub const RETRY: Duration = Duration::from_secs(1);
 /// How often the sessions are read back.
 pub const SESSIONS_EVERY: Duration = Duration::from_secs(5);
 
-/// Starts the speaker's task for node `node`, reading `agent`'s view;
-/// what it knows of BIRD goes out on `status` (the API's status and the
-/// metrics read it).
+/// Where the speaker learns what this node announces.
+#[derive(Clone)]
+pub enum Source {
+    /// Without Kubernetes: the agent's LoadBalancer addresses (its
+    /// published view), every one of the pools `[bgp.pools]` names.
+    Agent(AgentHandle),
+    /// Under Kubernetes: what `kubernetes::local_traffic` decided.
+    Decided(tokio::sync::watch::Receiver<Arc<Decision>>),
+}
+
+/// What the speaker last read of its [`Source`].
+enum Seen {
+    Nothing,
+    Addresses(Arc<BTreeMap<std::net::IpAddr, String>>),
+    Decided,
+}
+
+/// Starts the speaker's task for node `node`, reading `source`; what it
+/// knows of BIRD goes out on `status` (the API's status and the metrics
+/// read it).
 pub fn spawn(
     config: BgpConfig,
     node: String,
-    agent: AgentHandle,
+    mut source: Source,
     status: tokio::sync::watch::Sender<BgpStatus>,
     mut stop: tokio::sync::watch::Receiver<bool>,
 ) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
-        // Checked when the config was read: a failure here is a bug.
+        // Checked when the config was read, but for the router ID under
+        // Kubernetes: the Node's InternalIP, if it has one.
         let (spec, attrs) = match (config.spec(), config.attrs()) {
             (Ok(s), Ok(a)) => (s, a),
             (Err((field, why)), _) | (_, Err((field, why))) => {
-                tracing::error!(%field, %why, "the BGP speaker does not start");
+                tracing::error!(%field, %why, "the BGP speaker does not start: nothing is announced");
+                status.send_modify(|s| s.problem = Some(format!("{field} {why}")));
+                let _ = stop.wait_for(|s| *s).await;
                 return;
             }
         };
         let bird = Bird::new(&config.bird_socket, &config.bird_config);
-        let mut seen: Option<Arc<BTreeMap<std::net::IpAddr, String>>> = None;
+        let mut seen = Seen::Nothing;
         let mut wanted = String::new();
         // Prefixes in `wanted`, and in the text BIRD took last.
         let mut routes = 0;
+        let mut withheld = BTreeMap::new();
         let mut announced = 0;
         let mut applied: Option<String> = None;
         let mut seeded = false;
@@ -70,13 +91,24 @@ pub fn spawn(
         let mut sessions_at = Instant::now();
         let mut states: BTreeMap<String, String> = BTreeMap::new();
         loop {
-            let view = agent.view();
-            if seen
-                .as_ref()
-                .is_none_or(|s| !Arc::ptr_eq(s, &view.lb_addresses))
-            {
-                (wanted, routes) = text(&spec, &attrs, &node, &view.lb_addresses);
-                seen = Some(view.lb_addresses.clone());
+            match &mut source {
+                Source::Agent(agent) => {
+                    let view = agent.view();
+                    if !matches!(&seen, Seen::Addresses(s) if Arc::ptr_eq(s, &view.lb_addresses)) {
+                        let d = from_addresses(&attrs, &node, &view.lb_addresses);
+                        (wanted, routes) = text(&spec, &d);
+                        withheld.clone_from(&d.withheld);
+                        seen = Seen::Addresses(view.lb_addresses.clone());
+                    }
+                }
+                Source::Decided(rx) => {
+                    if !matches!(seen, Seen::Decided) || rx.has_changed().unwrap_or(false) {
+                        let d = rx.borrow_and_update().clone();
+                        (wanted, routes) = text(&spec, &d);
+                        withheld.clone_from(&d.withheld);
+                        seen = Seen::Decided;
+                    }
+                }
             }
             if applied.is_none() && !seeded {
                 // BIRD starts from this file: written before BIRD runs.
@@ -135,6 +167,7 @@ pub fn spawn(
                 let before = s.clone();
                 s.announced = announced;
                 s.problem.clone_from(&failing);
+                s.withheld.clone_from(&withheld);
                 match sessions.take() {
                     Some(Ok(now)) => s.sessions = now,
                     Some(Err(why)) => {
@@ -155,14 +188,13 @@ pub fn spawn(
     })
 }
 
-/// BIRD's configuration for what `node` announces of `addresses` (the
-/// addresses of the pools `attrs` names), and how many prefixes that is.
-fn text(
-    spec: &lockstep_core::bgp::BgpSpec,
+/// What `node` announces of `addresses` without Kubernetes: the
+/// addresses of the pools `attrs` names.
+fn from_addresses(
     attrs: &BTreeMap<String, RouteAttrs>,
     node: &str,
     addresses: &BTreeMap<std::net::IpAddr, String>,
-) -> (String, usize) {
+) -> Decision {
     let lb: Vec<LbAddress<'_>> = addresses
         .iter()
         .filter(|(_, pool)| attrs.contains_key(*pool))
@@ -173,9 +205,14 @@ fn text(
             admitted: true,
         })
         .collect();
-    let decision = decide(node, &NodeState::default(), &lb, &[], attrs);
-    // The spec was checked at start and the routes are host routes: it
-    // renders.
+    decide(node, &Ok(()), &lb, &[], attrs)
+}
+
+/// BIRD's configuration announcing `decision`'s routes, and how many
+/// prefixes that is.
+fn text(spec: &lockstep_core::bgp::BgpSpec, decision: &Decision) -> (String, usize) {
+    // The spec was checked at start and the routes are host routes or
+    // blocks: it renders.
     let text = render_bird(spec, &decision.routes).unwrap_or_default();
     (text, decision.routes.len())
 }

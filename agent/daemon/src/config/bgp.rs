@@ -60,8 +60,10 @@ pub struct BgpConfig {
     /// This node's AS number (required).
     pub asn: u32,
     /// The BGP router ID, an IPv4 address unique among the routers'
-    /// peers (required).
-    pub router_id: Ipv4Addr,
+    /// peers. Required without `[kubernetes]`; with it, the Node's IPv4
+    /// InternalIP when unset, so one config serves every node.
+    #[serde(default)]
+    pub router_id: Option<Ipv4Addr>,
     /// BIRD's control socket, shared with the agent.
     #[serde(default = "default_socket")]
     pub bird_socket: PathBuf,
@@ -144,6 +146,18 @@ impl BgpConfig {
     /// # Errors
     /// (field, reason) of the first bad value, as the config names it.
     pub fn spec(&self) -> Result<BgpSpec, (String, String)> {
+        let router_id = self.router_id.ok_or_else(|| {
+            (
+                "bgp.router_id".to_string(),
+                "is not set, and no Node's IPv4 InternalIP stands in for it".to_string(),
+            )
+        })?;
+        self.spec_with(router_id)
+    }
+
+    /// The spec with `router_id`, for checks made before the Node is
+    /// read.
+    fn spec_with(&self, router_id: Ipv4Addr) -> Result<BgpSpec, (String, String)> {
         let interval_ms = u32::try_from(self.bfd_interval.as_millis())
             .map_err(|_| ("bgp.bfd_interval".to_string(), "is too long".to_string()))?;
         let mut peers = Vec::new();
@@ -159,7 +173,7 @@ impl BgpConfig {
         }
         let spec = BgpSpec {
             asn: self.asn,
-            router_id: self.router_id,
+            router_id,
             peers,
             bfd: BfdSpec {
                 interval_ms,
@@ -218,7 +232,10 @@ impl BgpConfig {
     /// # Errors
     /// As [`BgpConfig::spec`] and [`BgpConfig::attrs`].
     pub fn validate(&self) -> Result<(), (String, String)> {
-        self.spec()?;
+        // Without a router ID (Kubernetes reads it from the Node at
+        // start; `Config::problems` refuses its absence elsewhere), every
+        // other field is checked with a stand-in.
+        self.spec_with(self.router_id.unwrap_or(Ipv4Addr::new(192, 0, 2, 1)))?;
         self.attrs()?;
         Ok(())
     }

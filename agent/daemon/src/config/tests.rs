@@ -181,21 +181,30 @@ fn kubernetes_without_a_source_of_pod_addresses_refuses_the_embedded_default() {
 }
 
 #[test]
-fn bgp_is_refused_beside_kubernetes_and_cluster_naming_why() {
+fn bgp_is_taken_with_kubernetes_and_refused_beside_cluster_naming_why() {
     let bgp = "[bgp]\nasn = 64512\nrouter_id = \"192.0.2.1\"\n";
     let c = parse(bgp).expect("[bgp] alone is valid");
     assert_eq!(c.bgp.map(|b| b.asn), Some(64512));
-    for other in [
-        "[kubernetes]\n",
-        "[cluster]\netcd = [\"http://127.0.0.1:2379\"]\nnode_ip_v4 = \"192.0.2.1\"\n",
-    ] {
-        let e = parse(&format!("{bgp}{other}")).expect_err("refused");
-        let ConfigError::Invalid { field, reason, .. } = e else {
-            panic!("not an Invalid: {e}");
-        };
-        assert_eq!(field, "bgp", "{reason}");
-        assert!(reason.contains("not yet decided for BGP"), "{reason}");
-    }
+    let c = parse(&format!("pools = []\n{bgp}[kubernetes]\n"))
+        .expect("[bgp] with [kubernetes] is valid");
+    assert!(c.bgp.is_some() && c.kubernetes.is_some());
+    let cluster = "[cluster]\netcd = [\"http://127.0.0.1:2379\"]\nnode_ip_v4 = \"192.0.2.1\"\n";
+    let e = parse(&format!("{bgp}{cluster}")).expect_err("refused");
+    let ConfigError::Invalid { field, reason, .. } = e else {
+        panic!("not an Invalid: {e}");
+    };
+    assert_eq!(field, "bgp", "{reason}");
+    assert!(reason.contains("not yet decided for BGP"), "{reason}");
+    // The router ID: required alone, the Node's InternalIP under
+    // [kubernetes].
+    let e = parse("[bgp]\nasn = 64512\n").expect_err("no router ID");
+    let ConfigError::Invalid { field, .. } = e else {
+        panic!("not an Invalid: {e}");
+    };
+    assert_eq!(field, "bgp.router_id");
+    let c = parse("pools = []\n[bgp]\nasn = 64512\n[kubernetes]\n")
+        .expect("the Node's InternalIP stands in under [kubernetes]");
+    assert_eq!(c.bgp.as_ref().and_then(|b| b.router_id), None);
     let e = parse("[bgp]\nasn = 0\nrouter_id = \"192.0.2.1\"\n").expect_err("asn 0");
     assert!(e.to_string().contains("bgp.asn"), "{e}");
 }

@@ -42,6 +42,9 @@ use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::Client;
 use kube::api::Api;
 use kube::runtime::reflector::Store;
+use lockstep_core::bgp::RouteAttrs;
+use lockstep_core::bgp::announce::{Decision, decide, service_addresses};
+use lockstep_core::lb::LbPoolSpec;
 use lockstep_core::lb::kubernetes::local::{
     Endpoint, SERVICE_NAME_LABEL, candidates, local_addresses,
 };
@@ -64,8 +67,8 @@ struct View<'a> {
     pools: &'a Store<LoadBalancerIPPool>,
     /// This node's labels (`None` before the Node is read).
     labels: Option<&'a BTreeMap<String, String>>,
-    /// This node may answer at all.
-    may: bool,
+    /// Whether this node may answer at all, else why not.
+    may: Result<(), String>,
 }
 
 /// Follows the `Local` Services' endpoints and the selector pools, and
@@ -79,7 +82,13 @@ pub struct LocalTraffic {
     /// What the stores said when they last changed.
     derived: Derived,
     tx: tokio::sync::watch::Sender<LocalAnswers>,
+    /// With `[bgp]`: the pools it announces (with their routes'
+    /// attributes), and where what this node announces goes.
+    bgp: Option<(BgpPools, tokio::sync::watch::Sender<Arc<Decision>>)>,
 }
+
+/// The pools BGP announces, by name, with their routes' attributes.
+pub type BgpPools = BTreeMap<String, RouteAttrs>;
 
 /// The pools with a node selector (a pool the writer refuses is left
 /// out: it serves no address).
@@ -139,9 +148,24 @@ impl LocalTraffic {
                 seats: BTreeMap::new(),
                 derived: Derived::default(),
                 tx,
+                bgp: None,
             },
             rx,
         )
+    }
+
+    /// Decides, too, what this node announces over BGP of the addresses
+    /// of `pools` (the core's `bgp::announce`: every node that may serve
+    /// an address announces it; under `Local` only while a candidate),
+    /// from the same stores, each change sent on the receiver.
+    #[must_use]
+    pub fn with_bgp(
+        mut self,
+        pools: BgpPools,
+    ) -> (Self, tokio::sync::watch::Receiver<Arc<Decision>>) {
+        let (tx, rx) = tokio::sync::watch::channel(Arc::new(Decision::default()));
+        self.bgp = Some((pools, tx));
+        (self, rx)
     }
 
     /// Runs until `stop` over `services` (the LB loop's reflector): while
@@ -179,7 +203,7 @@ impl LocalTraffic {
             // were last derived: derive them again.
             let mut fresh = true;
             loop {
-                let may = candidacy.borrow_and_update().is_ok();
+                let may = candidacy.borrow_and_update().clone();
                 let these = labels.borrow_and_update().clone();
                 let view = View {
                     services: &services.store,
@@ -246,6 +270,16 @@ impl LocalTraffic {
     ) {
         if let Some(view) = view {
             self.derived = derive(view, &self.node);
+            if let Some((pools, tx)) = &self.bgp {
+                let d = bgp_decision(view, &self.node, pools);
+                tx.send_if_modified(|cur| {
+                    let changed = **cur != d;
+                    if changed {
+                        *cur = Arc::new(d);
+                    }
+                    changed
+                });
+            }
         }
         let Derived {
             plans,
@@ -372,7 +406,7 @@ fn derive(view: &View<'_>, node: &str) -> Derived {
         if local_addresses(&svc).is_some() && candidates(these).is_empty() {
             d.unserved.insert(key);
         }
-        for p in placements(&svc, these, &pools, node, view.labels, view.may) {
+        for p in placements(&svc, these, &pools, node, view.labels, view.may.is_ok()) {
             d.seated.extend(p.addrs.iter().copied());
             match d.plans.entry(p.key.clone()) {
                 std::collections::btree_map::Entry::Vacant(v) => {
@@ -385,4 +419,36 @@ fn derive(view: &View<'_>, node: &str) -> Derived {
         }
     }
     d
+}
+
+/// What node `node` announces over BGP of the addresses of `announced`'s
+/// pools, from `view`.
+fn bgp_decision(view: &View<'_>, node: &str, announced: &BgpPools) -> Decision {
+    let eps = endpoints(view.slices);
+    let pools: Vec<LbPoolSpec> = view
+        .pools
+        .state()
+        .iter()
+        .filter_map(|p| lockstep_core::lb::kubernetes::pool_spec(&p.to_core()).ok())
+        .collect();
+    let services: Vec<_> = view
+        .services
+        .state()
+        .iter()
+        .filter(|s| s.metadata.deletion_timestamp.is_none())
+        .map(|s| service(s))
+        .collect();
+    let mut addresses = Vec::new();
+    for svc in &services {
+        let key = format!("{}/{}", svc.namespace, svc.name);
+        let these = eps.get(&key).map_or(&[][..], Vec::as_slice);
+        addresses.extend(service_addresses(
+            svc,
+            these,
+            &pools,
+            view.labels,
+            announced,
+        ));
+    }
+    decide(node, &view.may, &addresses, &[], announced)
 }

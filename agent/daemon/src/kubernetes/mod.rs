@@ -253,8 +253,15 @@ pub async fn node_facts(
 
 /// Puts the Node's facts into the config before cluster mode starts: its
 /// labels under the configured `[cluster] node_labels` (which win), its
-/// InternalIPs as the node addresses the config leaves unset.
+/// InternalIPs as the node addresses the config leaves unset, its IPv4
+/// InternalIP as the BGP router ID when `[bgp]` names none.
 pub fn apply_node_facts(config: &mut crate::config::Config, facts: &NodeFacts) {
+    if let Some(bgp) = config.bgp.as_mut()
+        && bgp.router_id.is_none()
+        && let Some(IpAddr::V4(a)) = facts.internal_v4
+    {
+        bgp.router_id = Some(a);
+    }
     let Some(cluster) = config.cluster.as_mut() else {
         return;
     };

@@ -26,8 +26,13 @@ pub(super) struct KubeStart {
     pub(super) remove_deleted_nodes: bool,
 }
 
+/// What this node announces over BGP, as `local_traffic` decides it.
+pub(super) type BgpDecided = watch::Receiver<Arc<lockstep_core::bgp::announce::Decision>>;
+
 /// Starts the Kubernetes loops of `k`, each watched or kept by `tasks`;
-/// returns the LoadBalancer Services sync, which the server watches.
+/// returns the LoadBalancer Services sync, which the server watches, and
+/// with `[bgp]` what this node announces (`None` when no loop decides it:
+/// no LB writer election).
 pub(super) fn start(
     k: KubeStart,
     state: &AppState,
@@ -36,7 +41,7 @@ pub(super) fn start(
     announcements: &Announcements,
     tasks: &mut Supervisor,
     stop: watch::Receiver<bool>,
-) -> JoinHandle<()> {
+) -> (JoinHandle<()>, Option<BgpDecided>) {
     let KubeStart {
         client,
         classes,
@@ -114,7 +119,12 @@ pub(super) fn start(
                 .and_then(|c| c.node_name.clone())
                 .unwrap_or_else(|| cluster_config.node_name());
             let backend = crate::kubernetes::ClusterLb::new(handle.clone(), lb_node, door.clone());
-            tokio::spawn(crate::kubernetes::LbSync::new(client, classes, node, backend).run(stop))
+            (
+                tokio::spawn(
+                    crate::kubernetes::LbSync::new(client, classes, node, backend).run(stop),
+                ),
+                None,
+            )
         }
         // Without etcd: one writer elected on a Lease (#44 item
         // 1); the others mirror it.
@@ -142,6 +152,16 @@ pub(super) fn start(
                         &election,
                         &node,
                     );
+                    // `[bgp]`: what this node announces, decided from the
+                    // same stores (checked with the config).
+                    let pools = cluster_config.bgp.as_ref().and_then(|b| b.attrs().ok());
+                    let (local, decided) = match pools {
+                        Some(pools) => {
+                            let (local, rx) = local.with_bgp(pools);
+                            (local, Some(rx))
+                        }
+                        None => (local, None),
+                    };
                     let (applied, applied_rx) = watch::channel(0);
                     let local = tokio::spawn(local.run(
                         cache.services.clone(),
@@ -185,12 +205,12 @@ pub(super) fn start(
                     if let Some(o) = operator {
                         tasks.watch("nodeipam operator", o);
                     }
-                    tokio::spawn(sync.run(stop))
+                    (tokio::spawn(sync.run(stop)), decided)
                 }
                 Err(e) => {
                     // The config check refuses such an election.
                     tracing::error!(error = %crate::error_chain(&e), "kubernetes: no LB writer election; LoadBalancer Services are not served");
-                    tokio::spawn(async {})
+                    (tokio::spawn(async {}), None)
                 }
             }
         }

@@ -48,6 +48,17 @@ impl Serving<'_> {
     }
 }
 
+/// The addresses lockstep gave `svc` (its ingress, with lockstep's
+/// condition `True`) when it is a LoadBalancer Service; `None` for any
+/// other Service, or an ingress that is not all addresses.
+#[must_use]
+pub fn lockstep_ingress(svc: &KubeService) -> Option<Vec<IpAddr>> {
+    if svc.type_.as_deref() != Some("LoadBalancer") || !ingress_is_ours(svc) {
+        return None;
+    }
+    ingress_addrs(svc)
+}
+
 /// Whether lockstep wrote the Service's ingress: its condition is `True`
 /// (it writes a non-empty ingress with nothing else).
 pub(super) fn ingress_is_ours(svc: &KubeService) -> bool {

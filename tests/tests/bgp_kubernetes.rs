@@ -1,0 +1,364 @@
+//! BGP under Kubernetes (#48 items 2 and 5, "Show it with"): three node
+//! namespaces on one segment, each running an agent with `[kubernetes]`
+//! (no etcd: the LB writer elected on a Lease) and `[bgp]`, and BIRD
+//! beside it; a neighbour runs FRR peering with all three, with ECMP; the
+//! project's API double serves the Services, EndpointSlices and Nodes.
+//! The test reads FRR's own kernel table.
+//!
+//! - A `Cluster` Service's address is learned with one next hop per node.
+//! - A `Local` Service's next hops are the nodes with a ready endpoint,
+//!   and follow them through a rolling update (new pod on another node
+//!   ready, the old one terminating, then gone) without the route ever
+//!   missing from the router's table.
+//! - A node labelled excluded from external load balancers withdraws its
+//!   next hop.
+//! - None of it resets a session.
+//! - No node's config names a router ID: each is its Node's InternalIP.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::IpAddr;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail, ensure};
+use lockstep_tests::bgp::{BirdProc, Frr, bgp_routes};
+use lockstep_tests::cluster::node_ip;
+use lockstep_tests::kube_lab::{KubeLab, lb_service};
+use lockstep_tests::lb_lab::NB_V4;
+use lockstep_tests::{TempDir, privileged, wait_for};
+use serde_json::{Value, json};
+
+const NS: &str = "shop";
+const EXCLUDE: &str = "node.kubernetes.io/exclude-from-external-load-balancers";
+
+/// The lab: FRR first, then BIRD, then the agents and namespaces (fields
+/// drop in order, so each daemon stops before its namespace goes).
+struct BgpLab {
+    frr: Frr,
+    birds: Vec<BirdProc>,
+    k: KubeLab,
+}
+
+/// Node `i`'s `[bgp]`: peering with the neighbour, pool `public`
+/// announced. No router ID nor source address: the Node's InternalIP
+/// stands in for the one, BIRD picks the other; only BIRD's files differ
+/// from node to node here (in a pod they are the same path).
+fn section(dir: &std::path::Path) -> String {
+    format!(
+        "node_wait = \"2s\"\n[bgp]\nasn = 64512\n\
+         bird_socket = \"{}\"\nbird_config = \"{}\"\n\
+         [[bgp.peers]]\nname = \"tor\"\naddress = \"{NB_V4}\"\nasn = 64513\n\
+         hold_time = \"9s\"\n[bgp.pools.public]\n",
+        dir.join("bird.ctl").display(),
+        dir.join("bird.conf").display()
+    )
+}
+
+/// FRR in the neighbour: AS 64513, one eBGP session with BFD per node,
+/// ECMP over all of them.
+fn frr_config() -> String {
+    let mut c = format!(
+        "frr defaults datacenter\n!\nrouter bgp 64513\n bgp router-id {NB_V4}\n \
+         no bgp ebgp-requires-policy\n"
+    );
+    for i in 0..3 {
+        let n = node_ip(i);
+        c += &format!(
+            " neighbor {n} remote-as 64512\n neighbor {n} bfd\n neighbor {n} timers 3 9\n \
+             neighbor {n} timers connect 1\n"
+        );
+    }
+    c += " address-family ipv4 unicast\n  maximum-paths 8\n exit-address-family\n!\nbfd\n";
+    for i in 0..3 {
+        c += &format!(
+            " peer {}\n  receive-interval 100\n  transmit-interval 100\n  detect-multiplier 3\n exit\n",
+            node_ip(i)
+        );
+    }
+    c + "exit\n"
+}
+
+impl BgpLab {
+    fn start() -> anyhow::Result<Self> {
+        let dirs: Vec<TempDir> = (0..3)
+            .map(|_| TempDir::new("bird"))
+            .collect::<anyhow::Result<_>>()?;
+        let paths: Vec<std::path::PathBuf> = dirs.iter().map(|d| d.path().to_path_buf()).collect();
+        let k = KubeLab::build_local([json!({}), json!({}), json!({})], &|i| section(&paths[i]))?;
+        // Each agent writes the file its BIRD starts from.
+        let mut birds = Vec::new();
+        for (i, dir) in dirs.into_iter().enumerate() {
+            let file = paths[i].join("bird.conf");
+            wait_for("the agent's BIRD file", Duration::from_secs(20), || {
+                file.exists().then_some(())
+            })
+            .with_context(|| k.lab.agents[i].log())?;
+            birds.push(BirdProc::start_in(&k.lab.ns[i], dir)?);
+        }
+        let frr = Frr::start(&k.lab.nb, &frr_config())?;
+        k.pool("public", json!({"cidrs": ["198.51.100.0/28"]}))?;
+        Ok(Self { frr, birds, k })
+    }
+
+    /// How many times each node's session came up, once all have
+    /// settled: BFD up on every one, and the counts the same 3 s later
+    /// (a session may reset once at start: docs/design/bgp.md).
+    fn settled(&self) -> anyhow::Result<Vec<u64>> {
+        let started = Instant::now();
+        loop {
+            let before = self.established()?;
+            let bfd = self.bfd_up()?;
+            std::thread::sleep(Duration::from_secs(3));
+            if bfd && self.established()? == before && before.iter().all(|c| *c > 0) {
+                return Ok(before);
+            }
+            if started.elapsed() > Duration::from_secs(60) {
+                bail!("the sessions never settled: {:?}", self.logs());
+            }
+        }
+    }
+
+    fn established(&self) -> anyhow::Result<Vec<u64>> {
+        (0..3)
+            .map(|i| {
+                let n = self.frr.neighbor(&node_ip(i))?;
+                Ok(n.get("connectionsEstablished")
+                    .and_then(Value::as_u64)
+                    .unwrap_or(0))
+            })
+            .collect()
+    }
+
+    fn bfd_up(&self) -> anyhow::Result<bool> {
+        for i in 0..3 {
+            let out = self
+                .frr
+                .vtysh(&format!("show bfd peer {} json", node_ip(i)))?;
+            let v: Value = serde_json::from_str(&out).unwrap_or_default();
+            if v.get("status").and_then(Value::as_str) != Some("up") {
+                return Ok(false);
+            }
+        }
+        Ok(true)
+    }
+
+    /// The router's next hops for `addr`, as node indexes.
+    fn next_hops(&self, addr: IpAddr) -> anyhow::Result<BTreeSet<usize>> {
+        let routes = bgp_routes(&self.k.lab.nb)?;
+        Ok(routes
+            .get(&addr.to_string())
+            .into_iter()
+            .flatten()
+            .filter_map(|hop| (0..3).find(|i| node_ip(*i) == *hop))
+            .collect())
+    }
+
+    /// Waits until the router's next hops for `addr` are `want`, at most
+    /// `within`; how long it took.
+    fn wait_hops(
+        &self,
+        addr: IpAddr,
+        want: &[usize],
+        within: Duration,
+    ) -> anyhow::Result<Duration> {
+        let want: BTreeSet<usize> = want.iter().copied().collect();
+        let started = Instant::now();
+        loop {
+            let got = self.next_hops(addr)?;
+            if got == want {
+                return Ok(started.elapsed());
+            }
+            if started.elapsed() > within {
+                bail!(
+                    "{addr}: next hops {got:?}, not {want:?}, after {within:?}\n{}",
+                    self.logs().join("\n")
+                );
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn logs(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        for (i, a) in self.k.lab.agents.iter().enumerate() {
+            out.push(format!("--- node-{i} agent ---\n{}", a.log()));
+            out.push(format!("--- node-{i} bird ---\n{}", self.birds[i].log()));
+        }
+        out
+    }
+}
+
+/// A LoadBalancer Service with `externalTrafficPolicy` `policy`, and its
+/// address once assigned.
+fn create_service(k: &KubeLab, name: &str, policy: &str) -> anyhow::Result<IpAddr> {
+    let mut svc = lb_service(NS, name, 80, json!({}), json!({}));
+    svc["spec"]["externalTrafficPolicy"] = json!(policy);
+    k.api.create("services", NS, &svc)?;
+    let ids = BTreeSet::from([format!("{NS}/{name}")]);
+    let got = k.wait_assigned(&ids, 1, Duration::from_secs(30))?;
+    got.values().flatten().next().copied().context("an address")
+}
+
+/// One endpoint: (node, ready, serving, terminating).
+type Ep = (usize, bool, bool, bool);
+
+fn endpoints(eps: &[Ep]) -> Value {
+    json!(
+        eps.iter()
+            .enumerate()
+            .map(|(i, (node, ready, serving, terminating))| json!({
+                "addresses": [format!("10.244.{node}.{}", 10 + i)],
+                "nodeName": format!("node-{node}"),
+                "conditions": {"ready": ready, "serving": serving, "terminating": terminating},
+            }))
+            .collect::<Vec<_>>()
+    )
+}
+
+/// Sets Service `svc`'s one EndpointSlice to `eps` (created the first
+/// time), as the EndpointSlice controller would.
+fn set_slice(k: &KubeLab, svc: &str, eps: &[Ep]) -> anyhow::Result<()> {
+    let name = format!("{svc}-abcde");
+    if k.api.get("endpointslices", NS, &name).is_ok() {
+        k.api.patch(
+            "endpointslices",
+            NS,
+            &name,
+            &json!({"endpoints": endpoints(eps)}),
+            false,
+        )?;
+    } else {
+        k.api.create(
+            "endpointslices",
+            NS,
+            &json!({
+                "metadata": {"namespace": NS, "name": name,
+                             "labels": {"kubernetes.io/service-name": svc}},
+                "addressType": "IPv4",
+                "endpoints": endpoints(eps),
+                "ports": [{"port": 8080, "protocol": "TCP"}],
+            }),
+        )?;
+    }
+    Ok(())
+}
+
+#[test]
+fn next_hops_follow_the_nodes_that_may_serve_and_the_endpoints() -> anyhow::Result<()> {
+    privileged!();
+    let lab = BgpLab::start()?;
+    let r = scenario(&lab);
+    if r.is_err() {
+        for l in lab.logs() {
+            eprintln!("{l}");
+        }
+    }
+    r
+}
+
+fn scenario(lab: &BgpLab) -> anyhow::Result<()> {
+    let k = &lab.k;
+    let sessions = lab.settled()?;
+
+    // Cluster: every node announces; the router spreads over all three.
+    let plain = create_service(k, "plain", "Cluster")?;
+    let took = lab.wait_hops(plain, &[0, 1, 2], Duration::from_secs(10))?;
+    eprintln!("Cluster Service {plain}: three next hops {took:?} after its address");
+
+    // Local: only the node with the ready endpoint.
+    let web = create_service(k, "web", "Local")?;
+    set_slice(k, "web", &[(0, true, true, false)])?;
+    lab.wait_hops(web, &[0], Duration::from_secs(10))?;
+
+    // A rolling update from node-0 to node-1, the route sampled all the
+    // while: it must never leave the router's table.
+    let steps: [&[Ep]; 4] = [
+        // The new pod scheduled on node-1, not ready yet.
+        &[(0, true, true, false), (1, false, false, false)],
+        // Ready: both nodes serve.
+        &[(0, true, true, false), (1, true, true, false)],
+        // The old one terminating (serving through its grace period).
+        &[(0, false, true, true), (1, true, true, false)],
+        // Gone.
+        &[(1, true, true, false)],
+    ];
+    let want: [&[usize]; 4] = [&[0], &[0, 1], &[1], &[1]];
+    let done = std::sync::atomic::AtomicBool::new(false);
+    let samples = std::thread::scope(|scope| -> anyhow::Result<Vec<(Instant, BTreeSet<usize>)>> {
+        let sampler = scope.spawn(|| -> anyhow::Result<Vec<(Instant, BTreeSet<usize>)>> {
+            let mut out = Vec::new();
+            while !done.load(std::sync::atomic::Ordering::Relaxed) {
+                out.push((Instant::now(), lab.next_hops(web)?));
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            Ok(out)
+        });
+        let run = (|| -> anyhow::Result<()> {
+            for (eps, hops) in steps.iter().zip(want) {
+                set_slice(k, "web", eps)?;
+                lab.wait_hops(web, hops, Duration::from_secs(10))?;
+                std::thread::sleep(Duration::from_millis(500));
+            }
+            Ok(())
+        })();
+        done.store(true, std::sync::atomic::Ordering::Relaxed);
+        let samples = sampler
+            .join()
+            .map_err(|_| anyhow::anyhow!("the sampler panicked"))??;
+        run.map(|()| samples)
+    })?;
+    let missing: Vec<_> = samples.iter().filter(|(_, h)| h.is_empty()).collect();
+    ensure!(
+        missing.is_empty(),
+        "the Local Service's route left the router {} times in {} samples during the rolling update",
+        missing.len(),
+        samples.len()
+    );
+    eprintln!(
+        "rolling update: {} samples of the router's table, the route present in every one",
+        samples.len()
+    );
+
+    // Node-2 excluded from external load balancers: it withdraws.
+    k.api.patch(
+        "nodes",
+        "",
+        "node-2",
+        &json!({"metadata": {"labels": {EXCLUDE: "true"}}}),
+        false,
+    )?;
+    let took = lab.wait_hops(plain, &[0, 1], Duration::from_secs(10))?;
+    eprintln!("node-2 excluded: its next hop withdrawn {took:?} after the label");
+    lab.wait_hops(web, &[1], Duration::ZERO)?;
+    // Each node says why it does not announce an address.
+    let why = |node: usize, addr: IpAddr| -> anyhow::Result<String> {
+        let status = k.lab.agents[node].json(["status", "-o", "json"])?;
+        Ok(status["bgp"]["withheld"][addr.to_string()]
+            .as_str()
+            .unwrap_or_default()
+            .to_string())
+    };
+    let excluded = why(2, plain)?;
+    ensure!(
+        excluded.contains(EXCLUDE),
+        "node-2 on {plain}: {excluded:?}"
+    );
+    let local = why(0, web)?;
+    ensure!(
+        local.contains("externalTrafficPolicy is Local"),
+        "node-0 on {web}: {local:?}"
+    );
+    ensure!(why(1, web)?.is_empty(), "node-1 announces {web}");
+
+    // None of it reset a session.
+    let now = lab.established()?;
+    ensure!(
+        now == sessions,
+        "sessions reset: connectionsEstablished {sessions:?} -> {now:?}"
+    );
+    let routes: BTreeMap<String, Vec<String>> = bgp_routes(&k.lab.nb)?;
+    ensure!(
+        routes.len() == 2,
+        "the router holds {routes:?}, not the two Services' routes"
+    );
+    Ok(())
+}
