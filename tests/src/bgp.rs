@@ -81,6 +81,46 @@ impl BirdProc {
         Ok(me)
     }
 
+    /// A planned restart as docs/bgp.md gives it: `birdc graceful
+    /// restart` (BIRD stops, its sessions left for the routers' graceful
+    /// restart), then BIRD started again in `ns` from the same file with
+    /// `-R` (graceful restart recovery).
+    ///
+    /// # Errors
+    /// birdc failed, BIRD did not stop within 10 s, or did not start again.
+    pub fn graceful_restart(&mut self, ns: &Netns) -> anyhow::Result<()> {
+        let socket = self.socket().display().to_string();
+        ns.exec("birdc", ["-s", socket.as_str(), "graceful", "restart"])?;
+        let started = Instant::now();
+        for c in &mut self.child {
+            while c.try_wait()?.is_none() {
+                if started.elapsed() > Duration::from_secs(10) {
+                    bail!("BIRD did not stop on `graceful restart`:\n{}", self.log());
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        }
+        self.child.clear();
+        let _ = std::fs::remove_file(self.socket());
+        let log = std::fs::OpenOptions::new()
+            .append(true)
+            .open(self.dir.path().join("bird.log"))?;
+        let child = ns
+            .command("bird")
+            .arg("-R")
+            .arg("-f")
+            .arg("-c")
+            .arg(self.config_path())
+            .arg("-s")
+            .arg(self.socket())
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .context("starting bird again")?;
+        self.child.push(child);
+        wait_for(&self.socket(), Duration::from_secs(10), "bird")
+    }
+
     /// The control socket.
     pub fn socket(&self) -> PathBuf {
         self.dir.path().join("bird.ctl")
@@ -269,7 +309,21 @@ impl Lab {
         router_asn: u32,
         bird_config: impl FnOnce(&[(String, String)]) -> anyhow::Result<String>,
     ) -> anyhow::Result<Lab> {
-        let (node, routers) = Self::link(count, router_asn)?;
+        Self::new_with(count, router_asn, "", bird_config)
+    }
+
+    /// As [`Lab::new`], the routers' BGP blocks carrying `router_extra`
+    /// ([`Lab::link_with`]).
+    ///
+    /// # Errors
+    /// A namespace, link or daemon failed.
+    pub fn new_with(
+        count: u8,
+        router_asn: u32,
+        router_extra: &str,
+        bird_config: impl FnOnce(&[(String, String)]) -> anyhow::Result<String>,
+    ) -> anyhow::Result<Lab> {
+        let (node, routers) = Self::link_with(count, router_asn, router_extra)?;
         let links: Vec<(String, String)> = routers
             .iter()
             .map(|r| (r.node_addr.clone(), r.addr.clone()))
@@ -288,6 +342,20 @@ impl Lab {
     /// # Errors
     /// A namespace, link or daemon failed.
     pub fn link(count: u8, router_asn: u32) -> anyhow::Result<(Netns, Vec<Router>)> {
+        Self::link_with(count, router_asn, "")
+    }
+
+    /// As [`Lab::link`], each router's BGP block carrying `router_extra`
+    /// too, in which `{node}` stands for the node's address on its link
+    /// (e.g. graceful restart and its BFD interplay).
+    ///
+    /// # Errors
+    /// A namespace, link or daemon failed.
+    pub fn link_with(
+        count: u8,
+        router_asn: u32,
+        router_extra: &str,
+    ) -> anyhow::Result<(Netns, Vec<Router>)> {
         let node = Netns::new("bgpn")?;
         let mut routers = Vec::new();
         for i in 0..count {
@@ -298,11 +366,12 @@ impl Lab {
             let addr = format!("10.251.{i}.2");
             node.ip(["addr", "add", &format!("{node_addr}/30"), "dev", &up])?;
             ns.ip(["addr", "add", &format!("{addr}/30"), "dev", &down])?;
+            let extra = router_extra.replace("{node}", &node_addr);
             let config = format!(
                 "frr defaults datacenter\n!\nrouter bgp {router_asn}\n bgp router-id {addr}\n \
                  no bgp ebgp-requires-policy\n neighbor {node_addr} remote-as 64512\n \
                  neighbor {node_addr} bfd\n neighbor {node_addr} timers 3 9\n \
-                 neighbor {node_addr} timers connect 1\n!\nbfd\n peer {node_addr}\n  \
+                 neighbor {node_addr} timers connect 1\n{extra}!\nbfd\n peer {node_addr}\n  \
                  receive-interval 100\n  transmit-interval 100\n  detect-multiplier 3\n exit\nexit\n"
             );
             let frr = Frr::start(&ns, &config)?;
@@ -424,10 +493,12 @@ impl Lab {
 
 /// The `[bgp]` section for a lab's one link (the node's and the router's
 /// addresses), BIRD's files at `socket` and `config`: pool `public`
-/// announced with community 64512:100.
+/// announced with community 64512:100, the LB routes withdrawn after 5 s
+/// of the agent's silence (by `lockstep bird-keeper`, where a test runs
+/// it).
 pub fn section(node: &str, router: &str, socket: &Path, config: &Path) -> String {
     format!(
-        "[bgp]\nasn = 64512\nrouter_id = \"{node}\"\nbird_socket = \"{}\"\nbird_config = \"{}\"\n\
+        "[bgp]\nasn = 64512\nrouter_id = \"{node}\"\nbird_socket = \"{}\"\nbird_config = \"{}\"\nwithdraw_after = \"5s\"\n\
          [[bgp.peers]]\nname = \"tor-0\"\naddress = \"{router}\"\nasn = 64513\nsource = \"{node}\"\nhold_time = \"9s\"\n\
          [bgp.pools.public]\ncommunities = [\"64512:100\"]\n",
         socket.display(),

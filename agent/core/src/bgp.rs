@@ -39,6 +39,7 @@ use std::net::{IpAddr, Ipv4Addr};
 use ipnet::IpNet;
 
 pub mod announce;
+pub mod keeper;
 
 /// Why a BGP spec cannot be written.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]

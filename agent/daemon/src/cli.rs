@@ -179,6 +179,15 @@ pub enum Command {
     /// Operator tools for the store (with the agent stopped).
     #[command(subcommand)]
     Store(StoreCommand),
+    /// Run beside BIRD: withdraw this node's LoadBalancer routes when the
+    /// agent is silent for `[bgp] withdraw_after`, and let them back when
+    /// it beats again (docs/bgp.md).
+    BirdKeeper {
+        /// The agent's config file (default /etc/lockstep/config.toml):
+        /// its `[bgp]` section names BIRD's socket and the beat.
+        #[arg(long)]
+        config: Option<PathBuf>,
+    },
     /// Print the Kubernetes manifests of an install (namespace, CRDs,
     /// RBAC, ConfigMap, DaemonSet, metrics Service) for `kubectl apply -f`.
     Manifests(ManifestsArgs),
@@ -336,6 +345,30 @@ pub fn run(cli: Cli) -> anyhow::Result<i32> {
                 .enable_all()
                 .build()?;
             rt.block_on(crate::server::run(config))?;
+            Ok(0)
+        }
+        Command::BirdKeeper { config } => {
+            let config = crate::config::Config::load(config.as_deref())?;
+            let bgp = config
+                .bgp
+                .context("the config has no [bgp] section: nothing to keep")?;
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()?;
+            rt.block_on(async move {
+                use tokio::signal::unix::{SignalKind, signal};
+                let mut term = signal(SignalKind::terminate())?;
+                let mut int = signal(SignalKind::interrupt())?;
+                let (tx, rx) = tokio::sync::watch::channel(false);
+                let keeper = tokio::spawn(crate::bgp::keeper::run(bgp, rx));
+                tokio::select! {
+                    _ = term.recv() => {}
+                    _ = int.recv() => {}
+                }
+                let _ = tx.send(true);
+                keeper.await?;
+                anyhow::Ok(())
+            })?;
             Ok(0)
         }
         Command::Status { output } => {

@@ -14,6 +14,9 @@
 //! restarting) the task tries again every [`RETRY`], and says so once per
 //! distinct error.
 //!
+//! Every [`BEAT_EVERY`] it rewrites the beat file `lockstep bird-keeper`
+//! watches (`bgp::keeper`): while it beats, BIRD keeps announcing.
+//!
 //! Every [`SESSIONS_EVERY`] it reads the sessions back and logs each
 //! change of state: up, or down with BIRD's reason. What it knows (the
 //! prefixes BIRD took, why BIRD's configuration is behind, each session)
@@ -37,6 +40,8 @@ pub const TICK: Duration = Duration::from_millis(200);
 pub const RETRY: Duration = Duration::from_secs(1);
 /// How often the sessions are read back.
 pub const SESSIONS_EVERY: Duration = Duration::from_secs(5);
+/// How often the agent beats for `lockstep bird-keeper` (`bgp::keeper`).
+pub const BEAT_EVERY: Duration = Duration::from_secs(1);
 
 /// Where the speaker learns what this node announces.
 #[derive(Clone)]
@@ -90,7 +95,26 @@ pub fn spawn(
         let mut retry_at = Instant::now();
         let mut sessions_at = Instant::now();
         let mut states: BTreeMap<String, String> = BTreeMap::new();
+        let beat = config.beat_path();
+        let mut beats: u64 = 0;
+        let mut beat_at = Instant::now();
+        let mut beat_failing = false;
         loop {
+            // The keeper beside BIRD withdraws the LB routes once this
+            // stops for `withdraw_after`.
+            if Instant::now() >= beat_at {
+                beat_at = Instant::now() + BEAT_EVERY;
+                beats += 1;
+                let line = format!("{} {beats}\n", std::process::id());
+                match tokio::fs::write(&beat, line).await {
+                    Ok(()) => beat_failing = false,
+                    Err(e) if !beat_failing => {
+                        beat_failing = true;
+                        tracing::warn!(file = %beat.display(), error = %e, "the agent's beat is not written: bird-keeper will withdraw this node's LoadBalancer addresses");
+                    }
+                    Err(_) => {}
+                }
+            }
             match &mut source {
                 Source::Agent(agent) => {
                     let view = agent.view();

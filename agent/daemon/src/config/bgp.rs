@@ -83,6 +83,14 @@ pub struct BgpConfig {
     #[serde(default = "default_graceful_restart", with = "humantime_serde")]
     #[schemars(with = "crate::config::reference::HumanDuration")]
     pub graceful_restart: Duration,
+    /// How long the agent may be silent before `lockstep bird-keeper`
+    /// (run beside BIRD) withdraws this node's LoadBalancer addresses
+    /// (2s to 1h). The agent beats every second, into
+    /// `lockstep.beat` beside `bird_config`; a restart within this time
+    /// (an upgrade) changes nothing on the wire.
+    #[serde(default = "default_withdraw_after", with = "humantime_serde")]
+    #[schemars(with = "crate::config::reference::HumanDuration")]
+    pub withdraw_after: Duration,
     /// The routers.
     #[serde(default)]
     pub peers: Vec<BgpPeerConfig>,
@@ -117,6 +125,10 @@ fn default_bfd_interval() -> Duration {
 
 fn default_bfd_multiplier() -> u8 {
     3
+}
+
+fn default_withdraw_after() -> Duration {
+    Duration::from_secs(15)
 }
 
 fn default_graceful_restart() -> Duration {
@@ -237,7 +249,20 @@ impl BgpConfig {
         // other field is checked with a stand-in.
         self.spec_with(self.router_id.unwrap_or(Ipv4Addr::new(192, 0, 2, 1)))?;
         self.attrs()?;
+        if !(Duration::from_secs(2)..=Duration::from_secs(3600)).contains(&self.withdraw_after) {
+            return Err((
+                "bgp.withdraw_after".into(),
+                "must be between 2s and 1h (the agent beats every second)".into(),
+            ));
+        }
         Ok(())
+    }
+
+    /// The file the agent beats into and `lockstep bird-keeper` watches:
+    /// `lockstep.beat` beside `bird_config` (the directory both share).
+    #[must_use]
+    pub fn beat_path(&self) -> PathBuf {
+        self.bird_config.with_file_name("lockstep.beat")
     }
 }
 
