@@ -111,6 +111,21 @@ const RENDERED: &[(&str, &[&str])] = &[
             "lockstep",
         ],
     ),
+    (
+        "lb-bgp",
+        &[
+            "--mode",
+            "lb",
+            "--bgp-asn",
+            "64512",
+            "--bgp-peer",
+            "tor-a,192.0.2.1,64513",
+            "--bgp-pool",
+            "default",
+            "--bird-image",
+            "registry.example/bird:2.0",
+        ],
+    ),
     ("cleanup", &["--mode", "pod-cidr", "--cleanup"]),
     (
         "pod-cidr",

@@ -63,6 +63,20 @@ pub struct ManifestsArgs {
     /// Also render a ServiceMonitor (needs prometheus-operator's CRDs).
     #[arg(long)]
     service_monitor: bool,
+    /// Announce LoadBalancer addresses over BGP from this AS number
+    /// (docs/bgp.md): the agent's [bgp] section and a DaemonSet
+    /// `lockstep-bgp` running BIRD and `lockstep bird-keeper`.
+    #[arg(long)]
+    bgp_asn: Option<u32>,
+    /// A router every node peers with: NAME,ADDRESS,ASN (repeat for more).
+    #[arg(long = "bgp-peer")]
+    bgp_peers: Vec<crate::manifests::bgp::PeerFlag>,
+    /// A LoadBalancerIPPool announced over BGP (repeat for more).
+    #[arg(long = "bgp-pool")]
+    bgp_pools: Vec<String>,
+    /// The image BIRD runs from: one with `bird` (BIRD 2) and `sh`.
+    #[arg(long)]
+    bird_image: Option<String>,
     /// Render only the pool objects of --lb-pool and --pool, to apply once
     /// the install's CRDs are established.
     #[arg(long, conflicts_with = "cleanup")]
@@ -93,6 +107,21 @@ pub fn run(args: ManifestsArgs) -> anyhow::Result<i32> {
         serve_classless: !args.no_classless,
         conflist_name: args.conflist_name,
         service_monitor: args.service_monitor,
+        bgp: match args.bgp_asn {
+            Some(asn) => Some(crate::manifests::bgp::BgpInstall {
+                asn,
+                peers: args.bgp_peers,
+                pools: args.bgp_pools,
+                bird_image: args.bird_image.unwrap_or_default(),
+            }),
+            None if !args.bgp_peers.is_empty()
+                || !args.bgp_pools.is_empty()
+                || args.bird_image.is_some() =>
+            {
+                anyhow::bail!("--bgp-peer, --bgp-pool and --bird-image need --bgp-asn");
+            }
+            None => None,
+        },
     };
     let text = if args.pools_only {
         render_pools(&options)?

@@ -222,6 +222,7 @@ mod tests {
             serve_classless: true,
             conflist_name: "05-lockstep.conflist".into(),
             service_monitor: false,
+            bgp: None,
         }
     }
 

@@ -27,6 +27,7 @@
 //! mode in `rbac`.
 
 pub mod admission;
+pub mod bgp;
 mod objects;
 mod rbac;
 
@@ -159,6 +160,9 @@ pub struct Options {
     pub conflist_name: String,
     /// Render a ServiceMonitor (prometheus-operator) for the metrics.
     pub service_monitor: bool,
+    /// BGP (`--bgp-asn`): the agent's `[bgp]` and the `lockstep-bgp`
+    /// DaemonSet.
+    pub bgp: Option<bgp::BgpInstall>,
 }
 
 /// The version whose image `--image` names by default.
@@ -210,6 +214,29 @@ impl Options {
                 "--metrics-addr",
                 "a loopback address cannot be scraped by Prometheus",
             );
+        }
+        if let Some(b) = &self.bgp {
+            if !self.mode.elects_on_a_lease() {
+                return flag(
+                    "--bgp-asn",
+                    "BGP is not supported with mode cluster in this version",
+                );
+            }
+            if b.peers.is_empty() {
+                return flag("--bgp-peer", "--bgp-asn needs at least one router");
+            }
+            if b.pools.is_empty() {
+                return flag(
+                    "--bgp-pool",
+                    "--bgp-asn needs the LoadBalancerIPPools to announce",
+                );
+            }
+            if b.bird_image.is_empty() || b.bird_image.contains(char::is_whitespace) {
+                return flag(
+                    "--bird-image",
+                    "--bgp-asn needs the image BIRD runs from (one with bird 2 and sh)",
+                );
+            }
         }
         if !is_dns_label(&self.namespace) {
             return flag(
@@ -327,6 +354,9 @@ impl Options {
                     q(POD_POOL)
                 );
             }
+        }
+        if let Some(b) = &self.bgp {
+            t.push_str(&b.config_section());
         }
         t
     }

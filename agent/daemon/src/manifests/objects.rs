@@ -102,6 +102,16 @@ pub fn all(o: &Options, config: &str) -> Result<Vec<(String, Value)>, ManifestsE
         }),
     ));
     out.push((daemonset_comment(o), daemonset(o, &checksum)));
+    if let Some(b) = &o.bgp {
+        out.push((
+            super::bgp::BgpInstall::comment(),
+            b.daemonset(
+                &o.namespace,
+                &o.image,
+                &sha256_hex(b.config_section().as_bytes()),
+            ),
+        ));
+    }
     if !o.metrics_addr.ip().is_loopback() {
         out.push((
             "The agents' metrics and probes (docs/metrics.md), for Prometheus' pod or\n\

@@ -29,6 +29,7 @@ fn options(mode: Mode) -> Options {
         serve_classless: true,
         conflist_name: "05-lockstep.conflist".into(),
         service_monitor: false,
+        bgp: None,
     }
 }
 
@@ -441,4 +442,109 @@ fn modes_with_the_lease_admit_lb_writes_only_from_its_holder() {
         )
         .is_none()
     );
+}
+
+fn with_bgp(mode: Mode) -> Options {
+    let mut o = options(mode);
+    o.bgp = Some(bgp::BgpInstall {
+        asn: 64512,
+        peers: vec!["tor-a,192.0.2.1,64513".parse().unwrap()],
+        pools: vec!["default".into()],
+        bird_image: "registry.example/bird:2".into(),
+    });
+    o
+}
+
+#[test]
+fn bgp_renders_a_config_the_agent_accepts_and_bird_apart_from_the_agent() {
+    let yaml = render(&with_bgp(Mode::Lb)).expect("renders");
+    let docs = docs(&yaml);
+    // The agent's config: [bgp] without a router ID, accepted under
+    // [kubernetes] (the Node's InternalIP stands in).
+    let map = kind(&docs, "ConfigMap").expect("a ConfigMap");
+    let text = map["data"]["config.toml"].as_str().unwrap();
+    let config = Config::parse(Path::new("config.toml"), text).expect("the agent accepts it");
+    let b = config.bgp.expect("[bgp]");
+    assert_eq!((b.asn, b.router_id, b.peers.len()), (64512, None, 1));
+    assert!(b.pools.contains_key("default"), "{text}");
+    // BIRD and the keeper in a DaemonSet of their own: an agent rollout
+    // leaves them running.
+    let sets: Vec<&Value> = docs.iter().filter(|d| d["kind"] == "DaemonSet").collect();
+    assert_eq!(sets.len(), 2);
+    let agent = sets
+        .iter()
+        .find(|d| d["metadata"]["name"] == "lockstep")
+        .unwrap();
+    let bgp = sets
+        .iter()
+        .find(|d| d["metadata"]["name"] == "lockstep-bgp")
+        .unwrap();
+    let names = |d: &Value| -> Vec<String> {
+        d["spec"]["template"]["spec"]["containers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|c| c["name"].as_str().unwrap().to_string())
+            .collect()
+    };
+    assert_eq!(names(agent), ["agent"]);
+    assert_eq!(names(bgp), ["bird", "bird-keeper"]);
+    assert_ne!(
+        agent["spec"]["selector"], bgp["spec"]["selector"],
+        "the two DaemonSets select apart"
+    );
+    let pod = &bgp["spec"]["template"]["spec"];
+    assert_eq!(pod["hostNetwork"], true);
+    assert_eq!(pod["automountServiceAccountToken"], false);
+    for c in pod["containers"].as_array().unwrap() {
+        let sc = &c["securityContext"];
+        assert_eq!(sc["privileged"], false, "{c}");
+        assert_eq!(
+            sc["capabilities"]["drop"],
+            serde_json::json!(["ALL"]),
+            "{c}"
+        );
+        assert!(
+            c["volumeMounts"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|m| m["mountPath"] == bgp::BIRD_DIR),
+            "{c}"
+        );
+    }
+    assert_eq!(
+        pod["containers"][1]["securityContext"]["capabilities"]["add"],
+        serde_json::json!([])
+    );
+    // The agent writes BIRD's files where BIRD's pod reads them.
+    assert!(
+        pod["containers"][0]["command"][2]
+            .as_str()
+            .unwrap()
+            .contains(&format!("{}/bird.conf", bgp::BIRD_DIR))
+    );
+    assert!(b.bird_config.starts_with(bgp::BIRD_DIR));
+}
+
+#[test]
+fn bgp_flags_that_do_not_fit_are_named() {
+    let e = render(&with_bgp(Mode::Cluster)).unwrap_err();
+    assert!(e.to_string().starts_with("--bgp-asn:"), "{e}");
+    for (change, flag) in [
+        (
+            (|b: &mut bgp::BgpInstall| b.peers.clear()) as fn(&mut bgp::BgpInstall),
+            "--bgp-peer",
+        ),
+        (|b: &mut bgp::BgpInstall| b.pools.clear(), "--bgp-pool"),
+        (
+            |b: &mut bgp::BgpInstall| b.bird_image.clear(),
+            "--bird-image",
+        ),
+    ] {
+        let mut o = with_bgp(Mode::Lb);
+        change(o.bgp.as_mut().unwrap());
+        let e = render(&o).unwrap_err();
+        assert!(e.to_string().starts_with(&format!("{flag}:")), "{e}");
+    }
 }
