@@ -44,7 +44,70 @@ pub fn lb_service(ns: &str, name: &str, port: u16, labels: Value, annotations: V
     })
 }
 
+/// One endpoint of an EndpointSlice: (node index, ready, serving,
+/// terminating).
+pub type Ep = (usize, bool, bool, bool);
+
+/// `eps` as an EndpointSlice's `endpoints`, each on `node-<i>`.
+pub fn endpoints(eps: &[Ep]) -> Value {
+    json!(
+        eps.iter()
+            .enumerate()
+            .map(|(i, (node, ready, serving, terminating))| json!({
+                "addresses": [format!("10.244.{node}.{}", 10 + i)],
+                "nodeName": format!("node-{node}"),
+                "conditions": {"ready": ready, "serving": serving, "terminating": terminating},
+            }))
+            .collect::<Vec<_>>()
+    )
+}
+
 impl KubeLab {
+    /// Creates LoadBalancer Service `ns/name` with `externalTrafficPolicy`
+    /// `policy`; its address once assigned (30 s at most).
+    ///
+    /// # Errors
+    /// The API refused it, or no address came.
+    pub fn create_service(&self, ns: &str, name: &str, policy: &str) -> anyhow::Result<IpAddr> {
+        let mut svc = lb_service(ns, name, 80, json!({}), json!({}));
+        svc["spec"]["externalTrafficPolicy"] = json!(policy);
+        self.api.create("services", ns, &svc)?;
+        let ids = BTreeSet::from([format!("{ns}/{name}")]);
+        let got = self.wait_assigned(&ids, 1, Duration::from_secs(30))?;
+        got.values().flatten().next().copied().context("an address")
+    }
+
+    /// Sets Service `ns/svc`'s one EndpointSlice to `eps`, created the
+    /// first time, as the EndpointSlice controller would.
+    ///
+    /// # Errors
+    /// The API refused it.
+    pub fn set_slice(&self, ns: &str, svc: &str, eps: &[Ep]) -> anyhow::Result<()> {
+        let name = format!("{svc}-abcde");
+        if self.api.get("endpointslices", ns, &name).is_ok() {
+            self.api.patch(
+                "endpointslices",
+                ns,
+                &name,
+                &json!({"endpoints": endpoints(eps)}),
+                false,
+            )?;
+        } else {
+            self.api.create(
+                "endpointslices",
+                ns,
+                &json!({
+                    "metadata": {"namespace": ns, "name": name,
+                                 "labels": {"kubernetes.io/service-name": svc}},
+                    "addressType": "IPv4",
+                    "endpoints": endpoints(eps),
+                    "ports": [{"port": 8080, "protocol": "TCP"}],
+                }),
+            )?;
+        }
+        Ok(())
+    }
+
     /// Three nodes whose Node objects carry `node_labels[i]` (and the
     /// node's underlay address as InternalIP); no labels in the configs.
     pub fn build(

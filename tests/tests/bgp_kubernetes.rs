@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail, ensure};
 use lockstep_tests::bgp::{BirdProc, Frr, bgp_routes};
 use lockstep_tests::cluster::node_ip;
-use lockstep_tests::kube_lab::{KubeLab, lb_service};
+use lockstep_tests::kube_lab::{Ep, KubeLab};
 use lockstep_tests::lb_lab::NB_V4;
 use lockstep_tests::{TempDir, privileged, wait_for};
 use serde_json::{Value, json};
@@ -187,59 +187,12 @@ impl BgpLab {
     }
 }
 
-/// A LoadBalancer Service with `externalTrafficPolicy` `policy`, and its
-/// address once assigned.
 fn create_service(k: &KubeLab, name: &str, policy: &str) -> anyhow::Result<IpAddr> {
-    let mut svc = lb_service(NS, name, 80, json!({}), json!({}));
-    svc["spec"]["externalTrafficPolicy"] = json!(policy);
-    k.api.create("services", NS, &svc)?;
-    let ids = BTreeSet::from([format!("{NS}/{name}")]);
-    let got = k.wait_assigned(&ids, 1, Duration::from_secs(30))?;
-    got.values().flatten().next().copied().context("an address")
+    k.create_service(NS, name, policy)
 }
 
-/// One endpoint: (node, ready, serving, terminating).
-type Ep = (usize, bool, bool, bool);
-
-fn endpoints(eps: &[Ep]) -> Value {
-    json!(
-        eps.iter()
-            .enumerate()
-            .map(|(i, (node, ready, serving, terminating))| json!({
-                "addresses": [format!("10.244.{node}.{}", 10 + i)],
-                "nodeName": format!("node-{node}"),
-                "conditions": {"ready": ready, "serving": serving, "terminating": terminating},
-            }))
-            .collect::<Vec<_>>()
-    )
-}
-
-/// Sets Service `svc`'s one EndpointSlice to `eps` (created the first
-/// time), as the EndpointSlice controller would.
 fn set_slice(k: &KubeLab, svc: &str, eps: &[Ep]) -> anyhow::Result<()> {
-    let name = format!("{svc}-abcde");
-    if k.api.get("endpointslices", NS, &name).is_ok() {
-        k.api.patch(
-            "endpointslices",
-            NS,
-            &name,
-            &json!({"endpoints": endpoints(eps)}),
-            false,
-        )?;
-    } else {
-        k.api.create(
-            "endpointslices",
-            NS,
-            &json!({
-                "metadata": {"namespace": NS, "name": name,
-                             "labels": {"kubernetes.io/service-name": svc}},
-                "addressType": "IPv4",
-                "endpoints": endpoints(eps),
-                "ports": [{"port": 8080, "protocol": "TCP"}],
-            }),
-        )?;
-    }
-    Ok(())
+    k.set_slice(NS, svc, eps)
 }
 
 #[test]

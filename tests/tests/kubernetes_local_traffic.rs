@@ -18,15 +18,14 @@
 //!   node answers, within a bound, never both.
 //! - Every request the agents sent is one `deploy/rbac.yaml` allows.
 
-use std::collections::BTreeSet;
 use std::net::IpAddr;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, ensure};
-use lockstep_tests::kube_lab::{KubeLab, lb_service, pool_spec};
+use lockstep_tests::kube_lab::{Ep, KubeLab, pool_spec};
 use lockstep_tests::lb_lab::{Capture, judge, wait_answered_elsewhere};
 use lockstep_tests::{pct, privileged, wait_for};
-use serde_json::{Value, json};
+use serde_json::json;
 
 const NS: &str = "shop";
 const WRITER_LEASE: &str = "lockstep-lb-writer";
@@ -37,56 +36,12 @@ fn local_lease(svc: &str) -> String {
 
 /// A LoadBalancer Service with `externalTrafficPolicy` `policy`.
 fn create_service(k: &KubeLab, name: &str, policy: &str) -> anyhow::Result<IpAddr> {
-    let mut svc = lb_service(NS, name, 80, json!({}), json!({}));
-    svc["spec"]["externalTrafficPolicy"] = json!(policy);
-    k.api.create("services", NS, &svc)?;
-    let ids = BTreeSet::from([format!("{NS}/{name}")]);
-    let got = k.wait_assigned(&ids, 1, Duration::from_secs(30))?;
-    got.values().flatten().next().copied().context("an address")
+    k.create_service(NS, name, policy)
 }
 
-/// One endpoint: (node, ready, serving, terminating).
-type Ep = (usize, bool, bool, bool);
-
-fn endpoints(eps: &[Ep]) -> Value {
-    json!(
-        eps.iter()
-            .enumerate()
-            .map(|(i, (node, ready, serving, terminating))| json!({
-                "addresses": [format!("10.244.{node}.{}", 10 + i)],
-                "nodeName": format!("node-{node}"),
-                "conditions": {"ready": ready, "serving": serving, "terminating": terminating},
-            }))
-            .collect::<Vec<_>>()
-    )
-}
-
-/// Creates the EndpointSlice of Service `svc` with `eps`.
-fn create_slice(k: &KubeLab, svc: &str, eps: &[Ep]) -> anyhow::Result<()> {
-    k.api.create(
-        "endpointslices",
-        NS,
-        &json!({
-            "metadata": {"namespace": NS, "name": format!("{svc}-abcde"),
-                         "labels": {"kubernetes.io/service-name": svc}},
-            "addressType": "IPv4",
-            "endpoints": endpoints(eps),
-            "ports": [{"port": 8080, "protocol": "TCP"}],
-        }),
-    )?;
-    Ok(())
-}
-
-/// Sets the endpoints of Service `svc`'s slice to `eps`.
+/// Creates, then sets, the EndpointSlice of Service `svc` to `eps`.
 fn set_slice(k: &KubeLab, svc: &str, eps: &[Ep]) -> anyhow::Result<()> {
-    k.api.patch(
-        "endpointslices",
-        NS,
-        &format!("{svc}-abcde"),
-        &json!({"endpoints": endpoints(eps)}),
-        false,
-    )?;
-    Ok(())
+    k.set_slice(NS, svc, eps)
 }
 
 /// The Service's `lockstep.io/Announced` condition: (status, reason).
@@ -134,7 +89,7 @@ fn local_scenario(k: &mut KubeLab, w: usize) -> anyhow::Result<()> {
     let web = create_service(k, "web", "Local")?;
 
     // The Local Service from its endpoint's node, not the writer's.
-    create_slice(k, "web", &[(a, true, true, false)])?;
+    set_slice(k, "web", &[(a, true, true, false)])?;
     k.wait_answering(web, &[a])?;
     k.wait_answering(plain, &[w])?;
     ensure!(
@@ -220,7 +175,7 @@ fn local_endpoint_move_bench() -> anyhow::Result<()> {
     let (lab, _) = lab()?;
     let k = &lab;
     let web = create_service(k, "move", "Local")?;
-    create_slice(k, "move", &[(0, true, true, false)])?;
+    set_slice(k, "move", &[(0, true, true, false)])?;
     k.wait_answering(web, &[0])?;
     let moves = lockstep_tests::bench::size(20, 2);
     let (mut gaps, mut overlaps) = (Vec::new(), 0usize);
