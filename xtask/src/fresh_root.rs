@@ -452,6 +452,16 @@ const PASSED_ENV: &[&str] = &[
 /// Not root, debootstrap failing, or a step inside the root failing: the
 /// error names the step, and for setup or a build, what that means.
 pub fn check() -> anyhow::Result<()> {
+    check_to(None)
+}
+
+/// As [`check`], the build's output inside the root into `log` when given
+/// (so it can run beside other stages without mixing with their output);
+/// on failure the log's end is printed.
+///
+/// # Errors
+/// As [`check`].
+pub fn check_to(log: Option<&Path>) -> anyhow::Result<()> {
     let started = std::time::Instant::now();
     if !Command::new("id")
         .arg("-u")
@@ -489,7 +499,13 @@ pub fn check() -> anyhow::Result<()> {
             total = STEPS.len(),
         );
     }
-    let status = Command::new("unshare")
+    let mut unshare = Command::new("unshare");
+    if let Some(log) = log {
+        let file =
+            std::fs::File::create(log).with_context(|| format!("creating {}", log.display()))?;
+        unshare.stdout(file.try_clone()?).stderr(file);
+    }
+    let status = unshare
         .args([
             "--mount",
             "--pid",
@@ -503,6 +519,13 @@ pub fn check() -> anyhow::Result<()> {
         .status()
         .context("starting unshare")?;
     if !status.success() {
+        if let Some(log) = log {
+            let text = std::fs::read_to_string(log).unwrap_or_default();
+            let tail: Vec<&str> = text.lines().rev().take(80).collect();
+            for line in tail.iter().rev() {
+                eprintln!("{line}");
+            }
+        }
         bail!(
             "fresh-root: the build failed in a root holding only the image's base ({}) and what \
              `cargo xtask setup` installs ({status}); the step is named above. If a tool or \

@@ -298,6 +298,12 @@ fn test(no_setup: bool, filter: Option<String>) -> anyhow::Result<()> {
         &mut tally,
     )
     .and_then(|()| integration(filter, &mut tally, cross));
+    // The fresh-root check builds in a root of its own (its output in
+    // target/fresh-root.log) while the demos and the benchmarks' smoke
+    // runs go on: those judge no figure, so its load changes nothing they
+    // check, and they leave the CPU mostly idle. After the integration
+    // tests, whose timings it would disturb.
+    let fresh = std::thread::spawn(fresh_root_unless_skipped);
     // The demos, as a user runs them (each step checks what it claims):
     // after the integration tests, whose failure does not hide theirs.
     let demos = if demos_too {
@@ -315,9 +321,10 @@ fn test(no_setup: bool, filter: Option<String>) -> anyhow::Result<()> {
         Ok(())
     };
     let outcome = outcome.and(benches);
-    // After the integration tests, so a failure of either still shows the
-    // other's outcome.
-    let fresh = fresh_root_unless_skipped();
+    // A failure of any stage still shows the others' outcomes.
+    let fresh = fresh
+        .join()
+        .unwrap_or_else(|_| Err(anyhow::anyhow!("the fresh-root check's thread panicked")));
     match &fresh {
         Ok(()) => tally.passed += 1,
         Err(e) => {
@@ -346,7 +353,12 @@ fn fresh_root_unless_skipped() -> anyhow::Result<()> {
         );
         return Ok(());
     }
-    fresh_root::check()
+    let log = root().join("target/fresh-root.log");
+    println!(
+        "fresh-root: started beside the demos and benchmarks; its build's output: {}",
+        log.display()
+    );
+    fresh_root::check_to(Some(&log))
 }
 
 /// Tests counted over several `cargo test` runs.
