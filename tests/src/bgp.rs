@@ -12,6 +12,22 @@ use anyhow::{Context, bail};
 
 use crate::{AgentProc, Netns, TempDir, sh};
 
+/// `addresses` (prefixes) announced with no attributes.
+///
+/// # Panics
+/// One is not a prefix (a test's own constant).
+pub fn announce(addresses: &[&str]) -> lockstep_core::bgp::Announcements {
+    addresses
+        .iter()
+        .map(|a| {
+            (
+                a.parse().expect("a prefix"),
+                lockstep_core::bgp::RouteAttrs::default(),
+            )
+        })
+        .collect()
+}
+
 /// Waits until `path` exists, at most `within`.
 fn wait_for(path: &Path, within: Duration, what: &str) -> anyhow::Result<()> {
     let started = Instant::now();

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, ensure};
 use lockstep_core::bgp::{Announcements, BfdSpec, BgpSpec, PeerSpec, RouteAttrs, render_bird};
-use lockstep_tests::bgp::Lab;
+use lockstep_tests::bgp::{Lab, announce};
 
 /// The node's speaker: one peer per link, with BFD, AS `asns[i]` on link
 /// i (the routers are AS 64513).
@@ -39,13 +39,6 @@ fn spec(links: &[(String, String)], asns: &[u32]) -> anyhow::Result<BgpSpec> {
         bfd: BfdSpec::default(),
         graceful_restart_s: 120,
     })
-}
-
-fn announce(addresses: &[&str]) -> Announcements {
-    addresses
-        .iter()
-        .map(|a| (a.parse().expect("prefix"), RouteAttrs::default()))
-        .collect()
 }
 
 /// The node and one router, announcing `routes`.

@@ -14,8 +14,8 @@ use std::net::Ipv4Addr;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail, ensure};
-use lockstep_core::bgp::{Announcements, BfdSpec, BgpSpec, PeerSpec, RouteAttrs, render_bird};
-use lockstep_tests::bgp::BirdProc;
+use lockstep_core::bgp::{BfdSpec, BgpSpec, PeerSpec, render_bird};
+use lockstep_tests::bgp::{BirdProc, announce};
 use lockstep_tests::{Netns, privileged};
 
 const NODE: &str = "10.251.7.1";
@@ -49,13 +49,6 @@ fn node_spec() -> anyhow::Result<BgpSpec> {
         bfd: BfdSpec::default(),
         graceful_restart_s: 120,
     })
-}
-
-fn announce(addresses: &[&str]) -> Announcements {
-    addresses
-        .iter()
-        .map(|a| (a.parse().expect("prefix"), RouteAttrs::default()))
-        .collect()
 }
 
 /// The routes BIRD wrote into `ns`'s kernel: prefix → next hop.
