@@ -100,21 +100,6 @@ pub fn spawn(
         let mut beat_at = Instant::now();
         let mut beat_failing = false;
         loop {
-            // The keeper beside BIRD withdraws the LB routes once this
-            // stops for `withdraw_after`.
-            if Instant::now() >= beat_at {
-                beat_at = Instant::now() + BEAT_EVERY;
-                beats += 1;
-                let line = format!("{} {beats}\n", std::process::id());
-                match tokio::fs::write(&beat, line).await {
-                    Ok(()) => beat_failing = false,
-                    Err(e) if !beat_failing => {
-                        beat_failing = true;
-                        tracing::warn!(file = %beat.display(), error = %e, "the agent's beat is not written: bird-keeper will withdraw this node's LoadBalancer addresses");
-                    }
-                    Err(_) => {}
-                }
-            }
             match &mut source {
                 Source::Agent(agent) => {
                     let view = agent.view();
@@ -164,6 +149,22 @@ pub fn spawn(
                         failing = Some(why);
                         retry_at = Instant::now() + RETRY;
                     }
+                }
+            }
+            // The keeper beside BIRD withdraws the LB routes once this
+            // stops for `withdraw_after`. After the seed, which makes the
+            // directory the beat shares with BIRD's file.
+            if Instant::now() >= beat_at {
+                beat_at = Instant::now() + BEAT_EVERY;
+                beats += 1;
+                let line = format!("{} {beats}\n", std::process::id());
+                match tokio::fs::write(&beat, line).await {
+                    Ok(()) => beat_failing = false,
+                    Err(e) if !beat_failing => {
+                        beat_failing = true;
+                        tracing::warn!(file = %beat.display(), error = %e, "the agent's beat is not written: bird-keeper will withdraw this node's LoadBalancer addresses");
+                    }
+                    Err(_) => {}
                 }
             }
             // `Err`: BIRD did not answer; its sessions are not known up.
