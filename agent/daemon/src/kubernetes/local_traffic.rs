@@ -28,6 +28,11 @@
 //! this node stands and for which addresses; it never waits for the API,
 //! and no derivation delays a renewal.
 //!
+//! With `[bgp]` ([`LocalTraffic::with_bgp`]) the same rounds, from the
+//! same stores, also decide what this node announces over BGP: there,
+//! every node that may serve an address announces it, so no Lease is
+//! needed, only the rules (core `bgp::announce`).
+//!
 //! The task publishes [`LocalAnswers`]: the announcer answers what this
 //! node holds, the writer's part leaves every seated address out, and the
 //! writer's status pass says when a Service has no serving endpoint.
