@@ -274,9 +274,11 @@ impl LocalTraffic {
         stop: &tokio::sync::watch::Receiver<bool>,
     ) {
         if let Some(view) = view {
-            self.derived = derive(view, &self.node);
+            // Every Service's endpoints, walked once for both.
+            let eps = endpoints(view.slices);
+            self.derived = derive(view, &eps, &self.node);
             if let Some((pools, tx)) = &self.bgp {
-                let d = bgp_decision(view, &self.node, pools);
+                let d = bgp_decision(view, &eps, &self.node, pools);
                 tx.send_if_modified(|cur| {
                     let changed = **cur != d;
                     if changed {
@@ -396,9 +398,9 @@ struct Derived {
     unserved: BTreeSet<String>,
 }
 
-/// [`Derived`] from `view`, for node `node`.
-fn derive(view: &View<'_>, node: &str) -> Derived {
-    let eps = endpoints(view.slices);
+/// [`Derived`] from `view` and each Service's endpoints `eps`, for node
+/// `node`.
+fn derive(view: &View<'_>, eps: &BTreeMap<String, Vec<Endpoint>>, node: &str) -> Derived {
     let pools = selector_pools(view.pools);
     let mut d = Derived::default();
     for s in view.services.state() {
@@ -427,9 +429,13 @@ fn derive(view: &View<'_>, node: &str) -> Derived {
 }
 
 /// What node `node` announces over BGP of the addresses of `announced`'s
-/// pools, from `view`.
-fn bgp_decision(view: &View<'_>, node: &str, announced: &BgpPools) -> Decision {
-    let eps = endpoints(view.slices);
+/// pools, from `view` and each Service's endpoints `eps`.
+fn bgp_decision(
+    view: &View<'_>,
+    eps: &BTreeMap<String, Vec<Endpoint>>,
+    node: &str,
+    announced: &BgpPools,
+) -> Decision {
     let pools: Vec<LbPoolSpec> = view
         .pools
         .state()
