@@ -189,6 +189,15 @@ fn build_shipped_to(
         if let Some(log) = log {
             cargo.stdout(log.try_clone()?).stderr(log);
         }
+        if let Some(dir) = ship_dir() {
+            // Kept outside the clone: as for the cross build, nothing of
+            // xtask's own invocation may reach a build script's
+            // fingerprint.
+            cargo
+                .env("CARGO_TARGET_DIR", dir)
+                .env_remove("CARGO_MANIFEST_DIR")
+                .env_remove("CARGO_MANIFEST_PATH");
+        }
         crate::run(
             cargo
                 .args(["build", "--profile", "ship", "--target", &target])
@@ -259,10 +268,20 @@ pub fn cross_dir() -> PathBuf {
     }
 }
 
-/// Where the built aarch64 binary `bin` is, built or not.
+/// The host build's own target directory when `LOCKSTEP_SHIP_TARGET_DIR`
+/// is set (CI keeps it outside the clone, as the cross build's: a run
+/// recompiles only what changed, not every dependency in the ship
+/// profile); else the workspace's.
+pub fn ship_dir() -> Option<PathBuf> {
+    std::env::var_os("LOCKSTEP_SHIP_TARGET_DIR")
+        .filter(|d| !d.is_empty())
+        .map(PathBuf::from)
+}
+
+/// Where the built binary `bin` of `arch` is, built or not.
 pub fn built(arch: Arch, bin: &str) -> PathBuf {
     let base = if arch.is_host() {
-        crate::root().join("target")
+        ship_dir().unwrap_or_else(crate::target_dir)
     } else {
         cross_dir()
     };
