@@ -133,7 +133,7 @@ step "What node-1 learned about the other nodes' blocks"
 echo "routes lockstep owns (protocol 213), each block via its node's address:"
 ip -n $TAG-n1 route show proto 213
 for n in 2 3; do
-  ip -n $TAG-n1 route show proto 213 | grep -q "via 10.250.0.$n" || fail "node-1 has no route via node-$n"
+  ip -n $TAG-n1 route show proto 213 | grep "via 10.250.0.$n" >/dev/null || fail "node-1 has no route via node-$n"
 done
 echo "IPCACHE prefixes (remote blocks, with the owner's node address):"
 "$BIN" maps dump --pin-root /sys/fs/bpf/$TAG-n1 | sed -n '/IPCACHE_V4/,/IPCACHE_V6/p'
@@ -155,7 +155,7 @@ kill -9 "${PIDS[-1]}"; wait "${PIDS[-1]}" 2>/dev/null || true
 cluster node remove node-3 --force
 dropped=
 for _ in $(seq 100); do
-  ip -n $TAG-n1 route show proto 213 | grep -q 10.250.0.3 || { dropped=1; break; }
+  ip -n $TAG-n1 route show proto 213 | grep 10.250.0.3 >/dev/null || { dropped=1; break; }
   sleep 0.1
 done
 ip -n $TAG-n1 route show proto 213

@@ -123,11 +123,11 @@ echo "the Event:"
 kapi GET /apis/events.k8s.io/v1/namespaces/default/events | grep -o '"reason":"[^"]*","regarding":{[^}]*}\|"note":"[^"]*"' | head -4
 
 step "ARP for $IP from the neighbour: answered by lockstep's BPF responder (no kernel address holds it)"
-if ip -n $NODE addr show | grep -q "inet $IP/"; then fail "a kernel address holds $IP"; fi
+if ip -n $NODE addr show | grep "inet $IP/" >/dev/null; then fail "a kernel address holds $IP"; fi
 replied=$(counter arp_replied)
 reply=$(ip netns exec $NB arping -c 2 -w 3 -I n0 "$IP") || fail "no ARP reply for $IP: $reply"
 echo "$reply"
-echo "$reply" | grep -qi "\[$UMAC\]" || fail "the reply does not carry the uplink's MAC $UMAC"
+echo "$reply" | grep -i "\[$UMAC\]" >/dev/null || fail "the reply does not carry the uplink's MAC $UMAC"
 [ "$(counter arp_replied)" -ge $((replied + 2)) ] || fail "arp_replied did not count the replies"
 ok "answered with $UMAC by the BPF responder; arp_replied $replied -> $(counter arp_replied)"
 cli lb get
@@ -135,7 +135,7 @@ cli lb get
 step "kubectl delete svc web: the address is released and answered no more"
 kapi DELETE /api/v1/namespaces/default/services/web >/dev/null
 released=
-for _ in $(seq 100); do cli lb get | grep -q '"default/web"' || { released=1; break; }; sleep 0.1; done
+for _ in $(seq 100); do cli lb get | grep '"default/web"' >/dev/null || { released=1; break; }; sleep 0.1; done
 [ -n "$released" ] || fail "default/web still holds an address after the delete"
 if ip netns exec $NB arping -c 2 -w 2 -I n0 "$IP"; then
   fail "$IP is still answered after the Service's deletion"

@@ -19,7 +19,7 @@ if ! cargo fuzz --version >/dev/null 2>&1; then
     echo "installing cargo-fuzz" >&2
     cargo install cargo-fuzz --locked
 fi
-if ! rustup toolchain list | grep -q '^nightly'; then
+if ! rustup toolchain list | grep '^nightly' >/dev/null; then
     echo "cargo-fuzz needs the nightly toolchain: rustup toolchain install nightly" >&2
     exit 1
 fi
