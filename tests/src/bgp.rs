@@ -549,12 +549,21 @@ impl AgentLab {
     /// A namespace, daemon or the agent did not start, or the agent never
     /// wrote BIRD's file.
     pub fn start() -> anyhow::Result<Self> {
+        Self::start_with("")
+    }
+
+    /// [`AgentLab::start`], `bgp_extra` appended to the `[bgp]` section
+    /// (say `[bgp.pools.pods]`, to announce the pod pool 10.80.0.0/24).
+    ///
+    /// # Errors
+    /// As [`AgentLab::start`].
+    pub fn start_with(bgp_extra: &str) -> anyhow::Result<Self> {
         let (node, routers) = Lab::link(1, 64513)?;
         let bird_dir = TempDir::new("bird")?;
         let socket = bird_dir.path().join("bird.ctl");
         let bird_config = bird_dir.path().join("bird.conf");
         let extra = format!(
-            "[[pools]]\nname = \"pods\"\nipv4 = [\"10.80.0.0/24\"]\n{}",
+            "[[pools]]\nname = \"pods\"\nipv4 = [\"10.80.0.0/24\"]\n{}{bgp_extra}",
             section(
                 &routers[0].node_addr,
                 &routers[0].addr,
@@ -584,5 +593,61 @@ impl AgentLab {
             },
             socket,
         })
+    }
+}
+
+/// Three agents under `[kubernetes]` on the API double (`KubeLab`), BIRD
+/// beside each, and FRR in the neighbour: the Kubernetes BGP tests' lab.
+/// Fields drop in order, so each daemon stops before its namespace goes.
+pub struct KubeBirds {
+    /// The router.
+    pub frr: Frr,
+    /// Node `i`'s BIRD.
+    pub birds: Vec<BirdProc>,
+    /// The double and the three nodes.
+    pub k: crate::kube_lab::KubeLab,
+}
+
+impl KubeBirds {
+    /// The nodes labelled `labels`, node `i`'s config ending with
+    /// `section(dir)` (its `[kubernetes]` keys and `[bgp]`, BIRD's files
+    /// in `dir`); each BIRD started from the file its agent wrote, then
+    /// FRR from `frr_config` (its integrated syntax).
+    ///
+    /// # Errors
+    /// A namespace, daemon or agent did not start, or an agent never
+    /// wrote BIRD's file.
+    pub fn start(
+        labels: [serde_json::Value; 3],
+        section: &dyn Fn(&Path) -> String,
+        frr_config: &str,
+    ) -> anyhow::Result<Self> {
+        let dirs: Vec<TempDir> = (0..3)
+            .map(|_| TempDir::new("bird"))
+            .collect::<anyhow::Result<_>>()?;
+        let paths: Vec<PathBuf> = dirs.iter().map(|d| d.path().to_path_buf()).collect();
+        let k = crate::kube_lab::KubeLab::build_local(labels, &|i| section(&paths[i]))?;
+        // Each agent writes the file its BIRD starts from.
+        let mut birds = Vec::new();
+        for (i, dir) in dirs.into_iter().enumerate() {
+            let file = paths[i].join("bird.conf");
+            crate::wait_for("the agent's BIRD file", Duration::from_secs(20), || {
+                file.exists().then_some(())
+            })
+            .with_context(|| k.lab.agents[i].log())?;
+            birds.push(BirdProc::start_in(&k.lab.ns[i], dir)?);
+        }
+        let frr = Frr::start(&k.lab.nb, frr_config)?;
+        Ok(Self { frr, birds, k })
+    }
+
+    /// Every agent's and BIRD's log, to print when a test fails.
+    pub fn logs(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        for (i, a) in self.k.lab.agents.iter().enumerate() {
+            out.push(format!("--- node-{i} agent ---\n{}", a.log()));
+            out.push(format!("--- node-{i} bird ---\n{}", self.birds[i].log()));
+        }
+        out
     }
 }

@@ -22,6 +22,11 @@ pub fn pool_spec() -> Value {
     json!({"cidrs": ["10.251.0.128/25", "fd00:251::100/120"], "announce": "l2"})
 }
 
+/// Node `i`'s podCIDR: `10.244.<i>.0/24`.
+pub fn pod_cidr(i: usize) -> String {
+    format!("10.244.{i}.0/24")
+}
+
 /// What a lab asks of each node's config: node `i`'s text, given its
 /// namespace.
 type NodeConfig<'a> = dyn Fn(usize, &crate::Netns) -> anyhow::Result<String> + 'a;
@@ -168,8 +173,10 @@ impl KubeLab {
         })
     }
 
-    /// The Node objects `node-0`..`node-2` with `node_labels[i]` and the
-    /// node's underlay address as InternalIP.
+    /// The Node objects `node-0`..`node-2` with `node_labels[i]`, the
+    /// node's underlay address as InternalIP and [`pod_cidr`]`(i)` as
+    /// podCIDR (as kube-controller-manager's `--allocate-node-cidrs`
+    /// gives).
     fn nodes(api: &ApiDouble, node_labels: &[Value; 3]) -> anyhow::Result<()> {
         for (i, labels) in node_labels.iter().enumerate() {
             api.create(
@@ -177,6 +184,7 @@ impl KubeLab {
                 "",
                 &json!({
                     "metadata": {"name": format!("node-{i}"), "labels": labels},
+                    "spec": {"podCIDR": pod_cidr(i), "podCIDRs": [pod_cidr(i)]},
                     "status": {"addresses": [{"type": "InternalIP", "address": node_ip(i)}]},
                 }),
             )?;

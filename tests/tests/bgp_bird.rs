@@ -46,7 +46,7 @@ fn one_router(routes: &Announcements) -> anyhow::Result<(Lab, BgpSpec)> {
     let mut s = None;
     let lab = Lab::new(1, 64513, |links| {
         let spec = spec(links, &[64513])?;
-        let text = render_bird(&spec, routes)?;
+        let text = render_bird(&spec, routes, &Announcements::new())?;
         s = Some(spec);
         Ok(text)
     })?;
@@ -70,7 +70,7 @@ fn announcements_reach_the_peer_and_change_without_a_session_reset() -> anyhow::
         &["198.51.100.9/32"],
     ];
     for step in steps {
-        rt.block_on(bird.apply(&render_bird(&spec, &announce(step))?))?;
+        rt.block_on(bird.apply(&render_bird(&spec, &announce(step), &Announcements::new())?))?;
         lab.routes_become(0, step, Duration::from_secs(10))?;
     }
     // A configuration BIRD refuses: an error naming BIRD's reason, the
@@ -187,7 +187,8 @@ fn every_form_of_the_configuration_parses_in_bird() -> anyhow::Result<()> {
     let dir = lockstep_tests::TempDir::new("birdparse")?;
     for (name, routes) in [("empty", Announcements::new()), ("full", routes)] {
         let file = dir.path().join(format!("{name}.conf"));
-        std::fs::write(&file, render_bird(&s, &routes)?)?;
+        // The pod blocks' protocols as full as the LoadBalancer ones.
+        std::fs::write(&file, render_bird(&s, &routes, &routes)?)?;
         lockstep_tests::sh("bird", ["-p", "-c", &file.display().to_string()])
             .with_context(|| format!("the {name} configuration"))?;
     }
@@ -205,7 +206,11 @@ fn a_refused_session_is_named_and_its_repair_resets_no_other() -> anyhow::Result
     let mut links = Vec::new();
     let lab = Lab::new(2, 64513, |l| {
         links = l.to_vec();
-        Ok(render_bird(&spec(l, &[64513, 64599])?, &routes)?)
+        Ok(render_bird(
+            &spec(l, &[64513, 64599])?,
+            &routes,
+            &Announcements::new(),
+        )?)
     })?;
     lab.routes_become(0, &["198.51.100.7/32"], Duration::from_secs(30))?;
     let rt = tokio::runtime::Builder::new_current_thread()
@@ -239,7 +244,11 @@ fn a_refused_session_is_named_and_its_repair_resets_no_other() -> anyhow::Result
     );
     // Corrected: tor-1 comes up, tor-0's session stays the one it had.
     let before = lab.settled(0)?;
-    rt.block_on(bird.apply(&render_bird(&spec(&links, &[64513, 64513])?, &routes)?))?;
+    rt.block_on(bird.apply(&render_bird(
+        &spec(&links, &[64513, 64513])?,
+        &routes,
+        &Announcements::new(),
+    )?))?;
     lab.routes_become(1, &["198.51.100.7/32"], Duration::from_secs(30))?;
     lab.routes_become(0, &["198.51.100.7/32"], Duration::from_secs(1))?;
     let after = lab.established_count(0)?;

@@ -14,7 +14,7 @@ use std::net::Ipv4Addr;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail, ensure};
-use lockstep_core::bgp::{BfdSpec, BgpSpec, PeerSpec, render_bird};
+use lockstep_core::bgp::{Announcements, BfdSpec, BgpSpec, PeerSpec, render_bird};
 use lockstep_tests::bgp::{BirdProc, announce};
 use lockstep_tests::{Netns, privileged};
 
@@ -105,7 +105,14 @@ fn bird_as_the_router_learns_withdraws_and_sees_a_cut_through_bfd() -> anyhow::R
     router_ns.ip(["addr", "add", &format!("{ROUTER}/30"), "dev", "down0"])?;
     let router = BirdProc::start(&router_ns, &router_config())?;
     let spec = node_spec()?;
-    let bird = BirdProc::start(&node, &render_bird(&spec, &announce(&["198.51.100.7/32"]))?)?;
+    let bird = BirdProc::start(
+        &node,
+        &render_bird(
+            &spec,
+            &announce(&["198.51.100.7/32"]),
+            &Announcements::new(),
+        )?,
+    )?;
     let r = scenario(&router_ns, &bird, &router, &spec);
     if r.is_err() {
         eprintln!(
@@ -136,7 +143,7 @@ fn scenario(
         &["198.51.100.7/32", "198.51.100.8/32"][..],
         &["198.51.100.8/32"][..],
     ] {
-        rt.block_on(door.apply(&render_bird(spec, &announce(step))?))?;
+        rt.block_on(door.apply(&render_bird(spec, &announce(step), &Announcements::new())?))?;
         let want: Vec<&str> = step.iter().map(|p| p.trim_end_matches("/32")).collect();
         let took = routes_become(router_ns, &want, Duration::from_secs(10))?;
         eprintln!("BIRD router: {want:?} in its kernel {took:?} after the configure");

@@ -6,8 +6,9 @@
 //! - The agent restarted within `[bgp] withdraw_after` (an upgrade): the
 //!   router receives not one update.
 //! - The agent SIGKILLed: the route leaves the router's table once the
-//!   agent has been silent for `withdraw_after`, not before; the session
-//!   stays up.
+//!   agent has been silent for `withdraw_after`, not before; the node's
+//!   pod block stays announced (the node still holds it, its pods still
+//!   run) and the session stays up.
 //! - The agent started again: the route is back.
 
 use std::process::{Child, Stdio};
@@ -19,6 +20,9 @@ use lockstep_tests::{lockstep_bin, privileged};
 
 /// `section`'s `withdraw_after` (tests/src/bgp.rs).
 const LEASE: Duration = Duration::from_secs(5);
+
+/// The agent's pod pool (`AgentLab`), announced here.
+const BLOCK: &str = "10.80.0.0/24";
 
 /// `lockstep bird-keeper` in the node's namespace, killed on drop.
 struct Keeper {
@@ -67,7 +71,7 @@ fn updates(lab: &Lab) -> anyhow::Result<u64> {
 fn a_killed_agent_s_routes_are_withdrawn_at_its_lease_and_an_upgrade_sends_nothing()
 -> anyhow::Result<()> {
     privileged!();
-    let mut al = AgentLab::start()?;
+    let mut al = AgentLab::start_with("[bgp.pools.pods]\n")?;
     let established = al.lab.settled(0)?;
     let keeper = Keeper::start(&al)?;
     let r = scenario(&mut al, established);
@@ -95,7 +99,18 @@ fn scenario(al: &mut AgentLab, established: u64) -> anyhow::Result<()> {
         .with_context(|| format!("no address in {view}"))?
         .to_string();
     al.lab
-        .routes_become(0, &[addr.as_str()], Duration::from_secs(5))?;
+        .routes_become(0, &[addr.as_str(), BLOCK], Duration::from_secs(5))?;
+    let status = al.agent.json(["status", "-o", "json"])?;
+    ensure!(
+        status["bgp"]["blocks"] == serde_json::json!([BLOCK]),
+        "status does not name the pod block: {}",
+        status["bgp"]
+    );
+    let text = String::from_utf8(al.agent.cli(["status"])?.stdout)?;
+    ensure!(
+        text.contains(&format!("bgp pod blocks: {BLOCK}")),
+        "status:\n{text}"
+    );
 
     // An upgrade: killed and started again within the lease.
     let before = updates(&al.lab)?;
@@ -106,7 +121,8 @@ fn scenario(al: &mut AgentLab, established: u64) -> anyhow::Result<()> {
     );
     // Past the lease after the kill: the keeper would have acted by now.
     std::thread::sleep(LEASE + Duration::from_secs(1));
-    al.lab.routes_become(0, &[addr.as_str()], Duration::ZERO)?;
+    al.lab
+        .routes_become(0, &[addr.as_str(), BLOCK], Duration::ZERO)?;
     let after = updates(&al.lab)?;
     eprintln!("agent restarted in {took:?}: updates at the router {before} -> {after}");
     ensure!(
@@ -114,12 +130,15 @@ fn scenario(al: &mut AgentLab, established: u64) -> anyhow::Result<()> {
         "an agent restart within the lease reached the router: updates {before} -> {after}"
     );
 
-    // SIGKILL: withdrawn once the agent has been silent for the lease.
+    // SIGKILL: withdrawn once the agent has been silent for the lease;
+    // the pod block stays.
     al.agent.kill9();
     let gone = al
         .lab
-        .routes_become(0, &[], LEASE + Duration::from_secs(3))?;
-    eprintln!("agent killed: its route withdrawn at the router after {gone:?} (lease {LEASE:?})");
+        .routes_become(0, &[BLOCK], LEASE + Duration::from_secs(3))?;
+    eprintln!(
+        "agent killed: its LB route withdrawn at the router after {gone:?} (lease {LEASE:?}), its pod block kept"
+    );
     // The last beat was up to a second before the kill.
     ensure!(
         gone + Duration::from_secs(1) >= LEASE,
@@ -139,7 +158,7 @@ fn scenario(al: &mut AgentLab, established: u64) -> anyhow::Result<()> {
     al.agent.wait_ready()?;
     let back = al
         .lab
-        .routes_become(0, &[addr.as_str()], Duration::from_secs(5))?;
+        .routes_become(0, &[addr.as_str(), BLOCK], Duration::from_secs(5))?;
     eprintln!("agent started again: route back after {back:?} from ready");
     ensure!(
         al.lab.established_count(0)? == established,

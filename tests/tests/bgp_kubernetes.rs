@@ -12,7 +12,14 @@
 //!   missing from the router's table.
 //! - A node labelled excluded from external load balancers withdraws its
 //!   next hop.
+//! - Each node's podCIDR (`[kubernetes] pod_cidr_pool`) is learned with
+//!   that node as its one next hop, and stays when the node is excluded
+//!   (pod blocks route to pods, not to Services).
+//! - Each node's `BGPNodeState` object says which Services it announces,
+//!   its session and its pod block, and why it withholds an address.
 //! - None of it resets a session.
+//! - An agent restarted (an upgrade) sends the router nothing: no update,
+//!   not even while it reads the API again.
 //! - No node's config names a router ID: each is its Node's InternalIP.
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -20,34 +27,42 @@ use std::net::IpAddr;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail, ensure};
-use lockstep_tests::bgp::{BirdProc, Frr, bgp_routes};
+use lockstep_tests::bgp::{KubeBirds, bgp_routes};
 use lockstep_tests::cluster::node_ip;
-use lockstep_tests::kube_lab::{Ep, KubeLab};
+use lockstep_tests::kube_lab::{Ep, KubeLab, pod_cidr};
 use lockstep_tests::lb_lab::NB_V4;
-use lockstep_tests::{TempDir, privileged, wait_for};
+use lockstep_tests::{privileged, wait_for};
 use serde_json::{Value, json};
 
 const NS: &str = "shop";
 const EXCLUDE: &str = "node.kubernetes.io/exclude-from-external-load-balancers";
 
-/// The lab: FRR first, then BIRD, then the agents and namespaces (fields
-/// drop in order, so each daemon stops before its namespace goes).
-struct BgpLab {
-    frr: Frr,
-    birds: Vec<BirdProc>,
-    k: KubeLab,
+/// The lab (`KubeBirds`), with this test's reading of the router.
+struct BgpLab(KubeBirds);
+
+impl std::ops::Deref for BgpLab {
+    type Target = KubeBirds;
+    fn deref(&self) -> &KubeBirds {
+        &self.0
+    }
 }
 
-/// Node `i`'s `[bgp]`: peering with the neighbour, pool `public`
-/// announced. No router ID nor source address: the Node's InternalIP
+impl std::ops::DerefMut for BgpLab {
+    fn deref_mut(&mut self) -> &mut KubeBirds {
+        &mut self.0
+    }
+}
+
+/// Node `i`'s `[bgp]`: peering with the neighbour, pool `public` and
+/// the pod pool made of the Node's podCIDR announced. No router ID nor source address: the Node's InternalIP
 /// stands in for the one, BIRD picks the other; only BIRD's files differ
 /// from node to node here (in a pod they are the same path).
 fn section(dir: &std::path::Path) -> String {
     format!(
-        "node_wait = \"2s\"\n[bgp]\nasn = 64512\n\
+        "node_wait = \"2s\"\npod_cidr_pool = \"pods\"\n[bgp]\nasn = 64512\n\
          bird_socket = \"{}\"\nbird_config = \"{}\"\n\
          [[bgp.peers]]\nname = \"tor\"\naddress = \"{NB_V4}\"\nasn = 64513\n\
-         hold_time = \"9s\"\n[bgp.pools.public]\n",
+         hold_time = \"9s\"\n[bgp.pools.public]\n[bgp.pools.pods]\n",
         dir.join("bird.ctl").display(),
         dir.join("bird.conf").display()
     )
@@ -79,24 +94,10 @@ fn frr_config() -> String {
 
 impl BgpLab {
     fn start() -> anyhow::Result<Self> {
-        let dirs: Vec<TempDir> = (0..3)
-            .map(|_| TempDir::new("bird"))
-            .collect::<anyhow::Result<_>>()?;
-        let paths: Vec<std::path::PathBuf> = dirs.iter().map(|d| d.path().to_path_buf()).collect();
-        let k = KubeLab::build_local([json!({}), json!({}), json!({})], &|i| section(&paths[i]))?;
-        // Each agent writes the file its BIRD starts from.
-        let mut birds = Vec::new();
-        for (i, dir) in dirs.into_iter().enumerate() {
-            let file = paths[i].join("bird.conf");
-            wait_for("the agent's BIRD file", Duration::from_secs(20), || {
-                file.exists().then_some(())
-            })
-            .with_context(|| k.lab.agents[i].log())?;
-            birds.push(BirdProc::start_in(&k.lab.ns[i], dir)?);
-        }
-        let frr = Frr::start(&k.lab.nb, &frr_config())?;
-        k.pool("public", json!({"cidrs": ["198.51.100.0/28"]}))?;
-        Ok(Self { frr, birds, k })
+        let lab = KubeBirds::start([json!({}), json!({}), json!({})], &section, &frr_config())?;
+        lab.k
+            .pool("public", json!({"cidrs": ["198.51.100.0/28"]}))?;
+        Ok(Self(lab))
     }
 
     /// How many times each node's session came up, once all have
@@ -141,29 +142,30 @@ impl BgpLab {
         Ok(true)
     }
 
-    /// The router's next hops for `addr`, as node indexes.
-    fn next_hops(&self, addr: IpAddr) -> anyhow::Result<BTreeSet<usize>> {
+    /// The router's next hops for `prefix` (an address: its host
+    /// route), as node indexes.
+    fn next_hops(&self, prefix: impl std::fmt::Display) -> anyhow::Result<BTreeSet<usize>> {
         let routes = bgp_routes(&self.k.lab.nb)?;
         Ok(routes
-            .get(&addr.to_string())
+            .get(&prefix.to_string())
             .into_iter()
             .flatten()
             .filter_map(|hop| (0..3).find(|i| node_ip(*i) == *hop))
             .collect())
     }
 
-    /// Waits until the router's next hops for `addr` are `want`, at most
-    /// `within`; how long it took.
+    /// Waits until the router's next hops for `addr` (or a prefix) are
+    /// `want`, at most `within`; how long it took.
     fn wait_hops(
         &self,
-        addr: IpAddr,
+        addr: impl std::fmt::Display,
         want: &[usize],
         within: Duration,
     ) -> anyhow::Result<Duration> {
         let want: BTreeSet<usize> = want.iter().copied().collect();
         let started = Instant::now();
         loop {
-            let got = self.next_hops(addr)?;
+            let got = self.next_hops(&addr)?;
             if got == want {
                 return Ok(started.elapsed());
             }
@@ -175,15 +177,6 @@ impl BgpLab {
             }
             std::thread::sleep(Duration::from_millis(20));
         }
-    }
-
-    fn logs(&self) -> Vec<String> {
-        let mut out = Vec::new();
-        for (i, a) in self.k.lab.agents.iter().enumerate() {
-            out.push(format!("--- node-{i} agent ---\n{}", a.log()));
-            out.push(format!("--- node-{i} bird ---\n{}", self.birds[i].log()));
-        }
-        out
     }
 }
 
@@ -198,8 +191,8 @@ fn set_slice(k: &KubeLab, svc: &str, eps: &[Ep]) -> anyhow::Result<()> {
 #[test]
 fn next_hops_follow_the_nodes_that_may_serve_and_the_endpoints() -> anyhow::Result<()> {
     privileged!();
-    let lab = BgpLab::start()?;
-    let r = scenario(&lab);
+    let mut lab = BgpLab::start()?;
+    let r = scenario(&lab).and_then(|()| upgrade(&mut lab));
     if r.is_err() {
         for l in lab.logs() {
             eprintln!("{l}");
@@ -211,6 +204,11 @@ fn next_hops_follow_the_nodes_that_may_serve_and_the_endpoints() -> anyhow::Resu
 fn scenario(lab: &BgpLab) -> anyhow::Result<()> {
     let k = &lab.k;
     let sessions = lab.settled()?;
+
+    // Each node's podCIDR, from that node alone.
+    for i in 0..3 {
+        lab.wait_hops(pod_cidr(i), &[i], Duration::from_secs(10))?;
+    }
 
     // Cluster: every node announces; the router spreads over all three.
     let plain = create_service(k, "plain", "Cluster")?;
@@ -282,6 +280,8 @@ fn scenario(lab: &BgpLab) -> anyhow::Result<()> {
     let took = lab.wait_hops(plain, &[0, 1], Duration::from_secs(10))?;
     eprintln!("node-2 excluded: its next hop withdrawn {took:?} after the label");
     lab.wait_hops(web, &[1], Duration::ZERO)?;
+    // Its pod block stays announced.
+    lab.wait_hops(pod_cidr(2), &[2], Duration::ZERO)?;
     // Each node says why it does not announce an address.
     let why = |node: usize, addr: IpAddr| -> anyhow::Result<String> {
         let status = k.lab.agents[node].json(["status", "-o", "json"])?;
@@ -302,6 +302,63 @@ fn scenario(lab: &BgpLab) -> anyhow::Result<()> {
     );
     ensure!(why(1, web)?.is_empty(), "node-1 announces {web}");
 
+    // Each node's BGPNodeState in the API server: which Services it
+    // announces, its session, its pod block.
+    let announces = |node: usize| -> Option<BTreeMap<String, Vec<String>>> {
+        let st = k
+            .api
+            .get("bgpnodestates", "", &format!("node-{node}"))
+            .ok()?;
+        let st = &st["status"];
+        (st["sessionsUp"] == "1/1" && st["blocks"] == json!([pod_cidr(node)])).then_some(())?;
+        Some(
+            st["services"]
+                .as_array()?
+                .iter()
+                .map(|s| {
+                    let addrs = s["addresses"].as_array().into_iter().flatten();
+                    (
+                        s["service"].as_str().unwrap_or_default().to_string(),
+                        addrs
+                            .filter_map(|a| a.as_str().map(str::to_string))
+                            .collect(),
+                    )
+                })
+                .collect(),
+        )
+    };
+    let (p, w) = (plain.to_string(), web.to_string());
+    let want: [BTreeMap<String, Vec<String>>; 3] = [
+        [(format!("{NS}/plain"), vec![p.clone()])].into(),
+        [
+            (format!("{NS}/plain"), vec![p]),
+            (format!("{NS}/web"), vec![w]),
+        ]
+        .into(),
+        BTreeMap::new(),
+    ];
+    for (node, want) in want.iter().enumerate() {
+        wait_for(
+            &format!("node-{node}'s BGPNodeState to say {want:?}"),
+            Duration::from_secs(10),
+            || (announces(node).as_ref() == Some(want)).then_some(()),
+        )
+        .with_context(|| {
+            format!(
+                "{:?}",
+                k.api.get("bgpnodestates", "", &format!("node-{node}"))
+            )
+        })?;
+    }
+    let excluded = k.api.get("bgpnodestates", "", "node-2")?;
+    ensure!(
+        excluded["status"]["withheld"][plain.to_string()]
+            .as_str()
+            .unwrap_or_default()
+            .contains(EXCLUDE),
+        "node-2's BGPNodeState: {excluded}"
+    );
+
     // None of it reset a session.
     let now = lab.established()?;
     ensure!(
@@ -310,8 +367,35 @@ fn scenario(lab: &BgpLab) -> anyhow::Result<()> {
     );
     let routes: BTreeMap<String, Vec<String>> = bgp_routes(&k.lab.nb)?;
     ensure!(
-        routes.len() == 2,
-        "the router holds {routes:?}, not the two Services' routes"
+        routes.len() == 5,
+        "the router holds {routes:?}, not the two Services' routes and three pod blocks"
+    );
+    Ok(())
+}
+
+/// Node-0's agent killed and started again: the router's update count
+/// from node-0 does not move, nor does its session.
+fn upgrade(lab: &mut BgpLab) -> anyhow::Result<()> {
+    let updates = |lab: &BgpLab| -> anyhow::Result<(u64, u64)> {
+        let n = lab.frr.neighbor(&node_ip(0))?;
+        Ok((
+            n["messageStats"]["updatesRecv"]
+                .as_u64()
+                .with_context(|| format!("no messageStats.updatesRecv in {n}"))?,
+            n["connectionsEstablished"].as_u64().unwrap_or(0),
+        ))
+    };
+    let before = updates(lab)?;
+    let took = lab.k.lab.agents[0].restart()?;
+    // Past a round of every loop the agent starts (and the speaker's).
+    std::thread::sleep(Duration::from_secs(3));
+    let after = updates(lab)?;
+    eprintln!(
+        "node-0's agent restarted in {took:?}: (updates, sessions) at the router {before:?} -> {after:?}"
+    );
+    ensure!(
+        after == before,
+        "an agent restart reached the router: (updates, sessions) {before:?} -> {after:?}"
     );
     Ok(())
 }

@@ -52,7 +52,7 @@ fn lab(router_extra: &str) -> anyhow::Result<Lab> {
             RouteAttrs::default(),
         )]
         .into();
-        Ok(render_bird(&spec, &routes)?)
+        Ok(render_bird(&spec, &routes, &Announcements::new())?)
     })
 }
 

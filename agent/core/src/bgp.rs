@@ -10,7 +10,11 @@
 //!
 //! - **Announcements are static routes** of two static protocols (one
 //!   per family), exported to every peer of that family through one
-//!   filter. BIRD reconfigures a static protocol route by route, and a
+//!   filter. Pod blocks are static routes of two protocols of their own
+//!   ([`BLOCK_PROTOCOLS`]): `lockstep bird-keeper` takes the
+//!   LoadBalancer protocols down when the agent dies and leaves the
+//!   blocks announced, since the node still holds them and its pods
+//!   still run. BIRD reconfigures a static protocol route by route, and a
 //!   BGP protocol whose text did not change is left running: a change of
 //!   announcements never resets a session, and a change to one peer
 //!   resets that peer only (the text of each block depends only on its
@@ -40,6 +44,7 @@ use ipnet::IpNet;
 
 pub mod announce;
 pub mod keeper;
+pub mod peers;
 
 /// Why a BGP spec cannot be written.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -129,6 +134,14 @@ pub struct RouteAttrs {
 
 /// The prefixes to announce, each with its attributes.
 pub type Announcements = BTreeMap<IpNet, RouteAttrs>;
+
+/// BIRD's static protocols holding the LoadBalancer addresses, IPv4 then
+/// IPv6 (what `lockstep bird-keeper` takes down when the agent dies).
+pub const LB_PROTOCOLS: [&str; 2] = ["lockstep_ipv4", "lockstep_ipv6"];
+
+/// BIRD's static protocols holding the pod blocks, IPv4 then IPv6 (left
+/// up when the agent dies: the node still holds its blocks).
+pub const BLOCK_PROTOCOLS: [&str; 2] = ["lockstep_blocks_ipv4", "lockstep_blocks_ipv6"];
 
 /// The daemon's protocol for a peer named `name`.
 pub fn peer_protocol(name: &str) -> String {
@@ -240,16 +253,23 @@ pub fn check_announcements(routes: &Announcements) -> Result<(), BgpError> {
     Ok(())
 }
 
-/// BIRD 2's whole configuration for `spec` announcing `routes`: the same
-/// inputs make the same text, and each peer's block depends only on that
+/// BIRD 2's whole configuration for `spec` announcing the LoadBalancer
+/// addresses `routes` and the pod blocks `blocks`: the same inputs make
+/// the same text, and each peer's block depends only on that
 /// peer and the session-wide settings (so a configure resets only the
 /// peers whose settings changed; see the module).
 ///
 /// # Errors
-/// `spec` or `routes` fail [`check`] or [`check_announcements`].
-pub fn render_bird(spec: &BgpSpec, routes: &Announcements) -> Result<String, BgpError> {
+/// `spec`, `routes` or `blocks` fail [`check`] or
+/// [`check_announcements`].
+pub fn render_bird(
+    spec: &BgpSpec,
+    routes: &Announcements,
+    blocks: &Announcements,
+) -> Result<String, BgpError> {
     check(spec)?;
     check_announcements(routes)?;
+    check_announcements(blocks)?;
     let mut t = String::new();
     let w = &mut t;
     // Writing to a String cannot fail.
@@ -273,31 +293,20 @@ pub fn render_bird(spec: &BgpSpec, routes: &Announcements) -> Result<String, Bgp
             m = b.multiplier
         );
     }
-    for (family, v4) in [("ipv4", true), ("ipv6", false)] {
-        let _ = writeln!(w, "protocol static lockstep_{family} {{\n  {family};");
-        for (net, attrs) in routes.iter().filter(|(n, _)| n.addr().is_ipv4() == v4) {
-            let _ = write!(w, "  route {net} blackhole");
-            let mut set = Vec::new();
-            for (a, v) in &attrs.communities {
-                set.push(format!("bgp_community.add(({a}, {v}));"));
-            }
-            for (g, l1, l2) in &attrs.large_communities {
-                set.push(format!("bgp_large_community.add(({g}, {l1}, {l2}));"));
-            }
-            if let Some(p) = attrs.local_pref {
-                set.push(format!("bgp_local_pref = {p};"));
-            }
-            if set.is_empty() {
-                let _ = writeln!(w, ";");
-            } else {
-                let _ = writeln!(w, " {{ {} }};", set.join(" "));
-            }
+    for (protocols, announced) in [(LB_PROTOCOLS, routes), (BLOCK_PROTOCOLS, blocks)] {
+        for (protocol, v4) in protocols.iter().zip([true, false]) {
+            static_protocol(w, protocol, v4, announced);
         }
-        let _ = writeln!(w, "}}\n");
     }
+    let names: Vec<String> = LB_PROTOCOLS
+        .iter()
+        .chain(&BLOCK_PROTOCOLS)
+        .map(|p| format!("proto = \"{p}\""))
+        .collect();
     let _ = writeln!(
         w,
-        "filter lockstep_export {{\n  if proto = \"lockstep_ipv4\" || proto = \"lockstep_ipv6\" then accept;\n  reject;\n}}\n"
+        "filter lockstep_export {{\n  if {} then accept;\n  reject;\n}}\n",
+        names.join(" || ")
     );
     let mut peers: Vec<&PeerSpec> = spec.peers.iter().collect();
     peers.sort_by(|a, b| a.name.cmp(&b.name));
@@ -335,6 +344,33 @@ pub fn render_bird(spec: &BgpSpec, routes: &Announcements) -> Result<String, Bgp
         );
     }
     Ok(t)
+}
+
+/// Writes the static protocol `protocol` of one family (`v4`) with the
+/// prefixes of `announced` of that family, each a blackhole carrying its
+/// attributes.
+fn static_protocol(w: &mut String, protocol: &str, v4: bool, announced: &Announcements) {
+    let family = if v4 { "ipv4" } else { "ipv6" };
+    let _ = writeln!(w, "protocol static {protocol} {{\n  {family};");
+    for (net, attrs) in announced.iter().filter(|(n, _)| n.addr().is_ipv4() == v4) {
+        let _ = write!(w, "  route {net} blackhole");
+        let mut set = Vec::new();
+        for (a, v) in &attrs.communities {
+            set.push(format!("bgp_community.add(({a}, {v}));"));
+        }
+        for (g, l1, l2) in &attrs.large_communities {
+            set.push(format!("bgp_large_community.add(({g}, {l1}, {l2}));"));
+        }
+        if let Some(p) = attrs.local_pref {
+            set.push(format!("bgp_local_pref = {p};"));
+        }
+        if set.is_empty() {
+            let _ = writeln!(w, ";");
+        } else {
+            let _ = writeln!(w, " {{ {} }};", set.join(" "));
+        }
+    }
+    let _ = writeln!(w, "}}\n");
 }
 
 #[cfg(test)]

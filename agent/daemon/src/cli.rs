@@ -391,6 +391,21 @@ pub fn run(cli: Cli) -> anyhow::Result<i32> {
                         if let Some(p) = bgp["problem"].as_str() {
                             out.push_str(&format!("; BIRD's configuration is behind: {p}"));
                         }
+                        let blocks: Vec<&str> = bgp["blocks"]
+                            .as_array()
+                            .into_iter()
+                            .flatten()
+                            .filter_map(|b| b.as_str())
+                            .collect();
+                        if !blocks.is_empty() {
+                            out.push_str(&format!("\nbgp pod blocks: {}", blocks.join(" ")));
+                        }
+                        for (what, why) in bgp["refused"].as_object().into_iter().flatten() {
+                            out.push_str(&format!(
+                                "\nbgp refused {what}: {}",
+                                why.as_str().unwrap_or("?")
+                            ));
+                        }
                         for (addr, why) in bgp["withheld"].as_object().into_iter().flatten() {
                             out.push_str(&format!(
                                 "\nbgp not announced {addr}: {}",

@@ -17,6 +17,7 @@ use crate::api::{AppState, metrics_router, router};
 use crate::config::Config;
 use crate::metrics::Metrics;
 
+mod bgp;
 mod cluster_door;
 mod head;
 mod kube;
@@ -589,6 +590,9 @@ pub async fn run(config: Config) -> Result<(), ServerError> {
         }
         _ => None,
     };
+    // `[bgp]` under Kubernetes: the BGPPeer objects and this Node's
+    // overrides.
+    let (bgp_kube, bgp_peers_task) = bgp::follow_peers(kube.as_ref(), &cluster_config, &stop_rx);
     let (kube_task, bgp_decided) = kube.map_or((None, None), |k| {
         let (task, decided) = kube::start(
             k,
@@ -636,32 +640,16 @@ pub async fn run(config: Config) -> Result<(), ServerError> {
     tasks.keep("reconciler", move || {
         loops::reconciler(s.clone(), interval, beat.clone(), stop.clone())
     });
-    // BGP: what this node announces, kept in BIRD's configuration
-    // (`bgp::speaker`); under Kubernetes as `local_traffic` decides it.
-    if let Some(bgp) = cluster_config.bgp.clone() {
-        let (tx, rx) = tokio::sync::watch::channel(crate::wire::BgpStatus::default());
-        let _ = state.bgp.set(rx.clone());
-        state.metrics.set_bgp(rx);
-        let source = match (&cluster_config.kubernetes, bgp_decided) {
-            (None, _) => crate::bgp::speaker::Source::Agent(slot.clone()),
-            (Some(_), Some(decided)) => crate::bgp::speaker::Source::Decided(decided),
-            // No loop decides (no LB writer election, logged): nothing
-            // is announced.
-            (Some(_), None) => {
-                crate::bgp::speaker::Source::Decided(tokio::sync::watch::channel(Arc::default()).1)
-            }
-        };
-        let (stop, node) = (stop_rx.clone(), cluster_config.node_name());
-        tasks.keep("bgp speaker", move || {
-            crate::bgp::speaker::spawn(
-                bgp.clone(),
-                node.clone(),
-                source.clone(),
-                tx.clone(),
-                stop.clone(),
-            )
-        });
-    }
+    // BGP: what this node announces, kept in BIRD's configuration.
+    bgp::start(
+        &cluster_config,
+        &state,
+        &slot,
+        bgp_decided,
+        bgp_kube,
+        &mut tasks,
+        &stop_rx,
+    );
     let stop = stop_rx.clone();
     tasks.keep("announcement renewer", move || {
         crate::announce::spawn_renewer(announcements.clone(), stop.clone())
@@ -676,6 +664,7 @@ pub async fn run(config: Config) -> Result<(), ServerError> {
     let optional = [
         ("metrics server", metrics_task),
         ("remote state", remote_task),
+        ("bgp peers", bgp_peers_task),
         ("cluster node", cluster_task),
         ("lb agent", lb_task),
         ("kubernetes", kube_task),

@@ -194,6 +194,18 @@ pub struct BgpStatus {
     /// the node excluded, a pool's node selector).
     #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
     pub withheld: std::collections::BTreeMap<IpAddr, String>,
+    /// The pod blocks this node announces (its pools' CIDRs that
+    /// `[bgp.pools]` names), kept announced when the agent dies.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub blocks: Vec<IpNet>,
+    /// Under Kubernetes: each `BGPPeer` object or Node annotation left
+    /// out, with why (the others are used).
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub refused: std::collections::BTreeMap<String, String>,
+    /// Under Kubernetes: the Services this node announces, by
+    /// `namespace/name`, each with its addresses announced from here.
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub services: std::collections::BTreeMap<String, Vec<IpAddr>>,
 }
 
 /// The empty object DEL and CHECK answer with.

@@ -133,6 +133,16 @@ fn check_podippool(v: &Value) -> Result<Value, String> {
     check_crd(&S, lockstep::kubernetes::pod_pools::crd_yaml, v)
 }
 
+fn check_bgppeer(v: &Value) -> Result<Value, String> {
+    static S: std::sync::OnceLock<Value> = std::sync::OnceLock::new();
+    check_crd(&S, lockstep::kubernetes::bgp_peers::crd_yaml, v)
+}
+
+fn check_bgpnodestate(v: &Value) -> Result<Value, String> {
+    static S: std::sync::OnceLock<Value> = std::sync::OnceLock::new();
+    check_crd(&S, lockstep::kubernetes::bgp_status::crd_yaml, v)
+}
+
 /// The kinds the double serves.
 pub fn kinds() -> Vec<Kind> {
     use k8s_openapi::api::coordination::v1::Lease;
@@ -238,6 +248,24 @@ pub fn kinds() -> Vec<Kind> {
             namespaced: false,
             status: true,
             check: check_podippool,
+        },
+        Kind {
+            group: "lockstep.io",
+            version: "v1alpha1",
+            plural: "bgppeers",
+            kind: "BGPPeer",
+            namespaced: false,
+            status: false,
+            check: check_bgppeer,
+        },
+        Kind {
+            group: "lockstep.io",
+            version: "v1alpha1",
+            plural: "bgpnodestates",
+            kind: "BGPNodeState",
+            namespaced: false,
+            status: true,
+            check: check_bgpnodestate,
         },
     ]
 }

@@ -63,11 +63,17 @@ pub struct PodBlock<'a> {
 /// What a node announces, and why it announces no more.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Decision {
-    /// The prefixes to announce, with their attributes.
+    /// The LoadBalancer addresses to announce, with their attributes.
     pub routes: Announcements,
+    /// The pod blocks to announce, with their attributes (kept announced
+    /// when the agent dies: `keeper`).
+    pub blocks: Announcements,
     /// The LoadBalancer addresses it does not announce, each with why
     /// (for its status and logs).
     pub withheld: BTreeMap<IpAddr, String>,
+    /// Under Kubernetes, the Service (`namespace/name`) of each address
+    /// in [`Decision::routes`] (for the node's status object).
+    pub services: BTreeMap<IpAddr, String>,
 }
 
 /// What `node` announces of `addresses` and `blocks`, each prefix with
@@ -111,7 +117,7 @@ pub fn decide(
         }
     }
     for b in blocks {
-        d.routes.insert(b.cidr.trunc(), of(b.pool));
+        d.blocks.insert(b.cidr.trunc(), of(b.pool));
     }
     d
 }
@@ -211,11 +217,11 @@ mod tests {
         let d = decide("n0", &Ok(()), &[addr(None)], &[block], &attrs);
         assert_eq!(
             d.routes,
-            [
-                ("198.51.100.7/32".parse().unwrap(), attrs["public"].clone()),
-                ("10.64.0.0/26".parse().unwrap(), RouteAttrs::default()),
-            ]
-            .into()
+            [("198.51.100.7/32".parse().unwrap(), attrs["public"].clone())].into()
+        );
+        assert_eq!(
+            d.blocks,
+            [("10.64.0.0/26".parse().unwrap(), RouteAttrs::default())].into()
         );
         assert!(d.withheld.is_empty());
         // Excluded: the address is withheld, naming the label; the block
@@ -231,7 +237,8 @@ mod tests {
             &[block],
             &attrs,
         );
-        assert_eq!(d.routes.keys().collect::<Vec<_>>(), [&block.cidr]);
+        assert!(d.routes.is_empty(), "{d:?}");
+        assert_eq!(d.blocks.keys().collect::<Vec<_>>(), [&block.cidr]);
         assert!(
             d.withheld.values().all(|w| w.contains(EXCLUDE_LABEL)),
             "{d:?}"

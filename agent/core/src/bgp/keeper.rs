@@ -16,9 +16,10 @@
 
 use std::collections::BTreeMap;
 
-/// BIRD's protocols that hold the announcements (core `render_bird`
-/// writes them).
-pub const ANNOUNCING: [&str; 2] = ["lockstep_ipv4", "lockstep_ipv6"];
+/// BIRD's protocols that hold the LoadBalancer addresses (core
+/// `render_bird` writes them). The pod blocks' protocols are not among
+/// them: the node holds its blocks whether its agent runs or not.
+pub const ANNOUNCING: [&str; 2] = super::LB_PROTOCOLS;
 
 /// Whether the agent counts as alive: its beat last changed `silent_ms`
 /// ago, and the lease is `lease_ms`.

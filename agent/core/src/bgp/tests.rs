@@ -47,7 +47,8 @@ fn announcements_are_blackholes_of_their_familys_static_protocol_with_their_attr
             local_pref: Some(200),
         },
     );
-    let text = render_bird(&spec(), &routes).unwrap();
+    let blocks: Announcements = [("10.64.0.0/24".parse().unwrap(), RouteAttrs::default())].into();
+    let text = render_bird(&spec(), &routes, &blocks).unwrap();
     assert_eq!(
         block(&text, "protocol static lockstep_ipv4"),
         "protocol static lockstep_ipv4 {\n  ipv4;\n  route 198.51.100.7/32 blackhole;\n}\n"
@@ -56,6 +57,16 @@ fn announcements_are_blackholes_of_their_familys_static_protocol_with_their_attr
         block(&text, "protocol static lockstep_ipv6"),
         "protocol static lockstep_ipv6 {\n  ipv6;\n  route 2001:db8:5::7/128 blackhole { bgp_community.add((64512, 100)); bgp_large_community.add((64512, 1, 2)); bgp_local_pref = 200; };\n}\n"
     );
+    // Pod blocks in protocols of their own (the keeper leaves them up),
+    // exported by the same filter.
+    assert_eq!(
+        block(&text, "protocol static lockstep_blocks_ipv4"),
+        "protocol static lockstep_blocks_ipv4 {\n  ipv4;\n  route 10.64.0.0/24 blackhole;\n}\n"
+    );
+    let filter = block(&text, "filter lockstep_export");
+    for p in LB_PROTOCOLS.iter().chain(&BLOCK_PROTOCOLS) {
+        assert!(filter.contains(&format!("proto = \"{p}\"")), "{filter}");
+    }
     // No kernel protocol: nothing reaches the kernel's tables.
     assert!(!text.contains("protocol kernel"), "{text}");
     // Each peer imports nothing and has the family of its address.
@@ -76,7 +87,7 @@ fn without_a_bfd_peer_there_is_no_bfd_protocol() {
     for p in &mut s.peers {
         p.bfd = false;
     }
-    let text = render_bird(&s, &Announcements::new()).unwrap();
+    let text = render_bird(&s, &Announcements::new(), &Announcements::new()).unwrap();
     assert!(
         !text.contains("protocol bfd") && !text.contains("bfd on"),
         "{text}"
@@ -135,14 +146,16 @@ fn every_bad_field_is_named() {
     for (break_it, named) in cases {
         let mut s = spec();
         break_it(&mut s);
-        let e = render_bird(&s, &Announcements::new())
+        let e = render_bird(&s, &Announcements::new(), &Announcements::new())
             .unwrap_err()
             .to_string();
         assert!(e.starts_with(named), "{e} does not start with {named}");
     }
     let mut routes = Announcements::new();
     routes.insert("198.51.100.7/24".parse().unwrap(), RouteAttrs::default());
-    let e = render_bird(&spec(), &routes).unwrap_err().to_string();
+    let e = render_bird(&spec(), &routes, &Announcements::new())
+        .unwrap_err()
+        .to_string();
     assert!(
         e.contains("198.51.100.7/24 has host bits set (the network is 198.51.100.0/24)"),
         "{e}"
@@ -171,32 +184,38 @@ fn routes() -> impl Strategy<Value = Announcements> {
 proptest! {
     /// Whatever is announced, each peer's block is the same text (a
     /// configure leaves its session alone), and every prefix is one
-    /// route of its family's static protocol.
+    /// route of its family's static protocol: the LoadBalancer ones',
+    /// or the pod blocks' ones.
     #[test]
-    fn announcements_never_touch_a_peers_block(a in routes(), b in routes()) {
-        let (ta, tb) = (render_bird(&spec(), &a).unwrap(), render_bird(&spec(), &b).unwrap());
-        for head in ["protocol bgp peer_tor_a", "protocol bgp peer_tor_b", "protocol bfd"] {
+    fn announcements_never_touch_a_peers_block(
+        a in routes(), b in routes(), blocks_a in routes(), blocks_b in routes(),
+    ) {
+        let ta = render_bird(&spec(), &a, &blocks_a).unwrap();
+        let tb = render_bird(&spec(), &b, &blocks_b).unwrap();
+        for head in ["protocol bgp peer_tor_a", "protocol bgp peer_tor_b", "protocol bfd", "filter lockstep_export"] {
             prop_assert_eq!(block(&ta, head), block(&tb, head));
         }
-        for net in a.keys() {
-            let family = if net.addr().is_ipv4() { "ipv4" } else { "ipv6" };
-            let stat = block(&ta, &format!("protocol static lockstep_{family}"));
-            prop_assert_eq!(stat.matches(&format!("  route {net} blackhole")).count(), 1);
+        for (announced, kind) in [(&a, ""), (&blocks_a, "blocks_")] {
+            for net in announced.keys() {
+                let family = if net.addr().is_ipv4() { "ipv4" } else { "ipv6" };
+                let stat = block(&ta, &format!("protocol static lockstep_{kind}{family} "));
+                prop_assert_eq!(stat.matches(&format!("  route {net} blackhole")).count(), 1);
+            }
         }
-        prop_assert_eq!(ta.matches(" blackhole").count(), a.len());
+        prop_assert_eq!(ta.matches(" blackhole").count(), a.len() + blocks_a.len());
     }
 
     /// A change to one peer changes no other peer's block, whatever the
     /// order the peers come in.
     #[test]
     fn one_peers_change_leaves_the_others(hold in 3u16..600, swap in any::<bool>()) {
-        let before = render_bird(&spec(), &Announcements::new()).unwrap();
+        let before = render_bird(&spec(), &Announcements::new(), &Announcements::new()).unwrap();
         let mut s = spec();
         s.peers[1].hold_time_s = hold;
         if swap {
             s.peers.reverse();
         }
-        let after = render_bird(&s, &Announcements::new()).unwrap();
+        let after = render_bird(&s, &Announcements::new(), &Announcements::new()).unwrap();
         prop_assert_eq!(block(&before, "protocol bgp peer_tor_a"), block(&after, "protocol bgp peer_tor_a"));
     }
 }

@@ -99,6 +99,10 @@ pub struct AgentView {
     /// Every LoadBalancer address assigned, with its pool (what the BGP
     /// speaker announces from): rebuilt with [`AgentView::allocated`].
     pub lb_addresses: Arc<BTreeMap<IpAddr, String>>,
+    /// Every pool's CIDRs by name, draining ones included (the pod blocks
+    /// the BGP speaker announces): the same `Arc` while they do not
+    /// change.
+    pub pool_cidrs: Arc<BTreeMap<String, Vec<IpNet>>>,
 }
 
 impl AgentView {
@@ -333,6 +337,7 @@ fn run(
     // built at, and when.
     let mut allocated: Arc<[IpAddr]> = Arc::from([]);
     let mut lb_addresses: Arc<BTreeMap<IpAddr, String>> = Arc::default();
+    let mut pool_cidrs: Arc<BTreeMap<String, Vec<IpNet>>> = Arc::default();
     let mut allocated_at: Option<(u64, std::time::Instant)> = None;
     let mut answers: Vec<Deliver> = Vec::with_capacity(BATCH);
     let mut batches = 0u64;
@@ -369,6 +374,11 @@ fn run(
                 lb_addresses = Arc::new(a.lb_addresses());
                 allocated_at = Some((counts.commits, std::time::Instant::now()));
             }
+            // Compared in place after every batch (no allocation),
+            // published anew only when they changed.
+            if !a.pool_cidrs_are(&pool_cidrs) {
+                pool_cidrs = Arc::new(a.pool_cidrs());
+            }
             if let Some(hook) = after_batch.as_mut()
                 && (rx.is_empty() || last_after.is_none_or(|t| t.elapsed() >= AFTER_BATCH_EVERY))
             {
@@ -385,6 +395,7 @@ fn run(
                 pins: Some(a.pin_probe()),
                 allocated: allocated.clone(),
                 lb_addresses: lb_addresses.clone(),
+                pool_cidrs: pool_cidrs.clone(),
             },
             None => AgentView {
                 batches,

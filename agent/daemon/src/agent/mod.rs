@@ -502,6 +502,25 @@ impl Agent {
         all
     }
 
+    /// Whether `seen` is still every pool's CIDRs ([`Agent::pool_cidrs`]),
+    /// told without allocating: the owner asks after every batch.
+    pub fn pool_cidrs_are(&self, seen: &BTreeMap<String, Vec<IpNet>>) -> bool {
+        let mut pools = 0;
+        self.manager.pools().all(|p| {
+            pools += 1;
+            seen.get(p.name())
+                .is_some_and(|c| c.iter().copied().eq(p.cidrs().map(|c| c.cidr)))
+        }) && pools == seen.len()
+    }
+
+    /// Every pool's CIDRs by name, draining ones included.
+    pub fn pool_cidrs(&self) -> BTreeMap<String, Vec<IpNet>> {
+        self.manager
+            .pools()
+            .map(|p| (p.name().to_string(), p.cidrs().map(|c| c.cidr).collect()))
+            .collect()
+    }
+
     /// Pool usage.
     pub fn pools(&self) -> Vec<PoolStatus> {
         self.manager

@@ -26,8 +26,12 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use lockstep_core::bgp::announce::{Decision, LbAddress, decide};
-use lockstep_core::bgp::{RouteAttrs, render_bird};
+use std::net::IpAddr;
+
+use ipnet::IpNet;
+use lockstep_core::bgp::announce::{Decision, LbAddress, PodBlock, decide};
+use lockstep_core::bgp::peers::{NodePeers, ROUTER_ID_ANNOTATION, apply};
+use lockstep_core::bgp::{BgpSpec, RouteAttrs, render_bird};
 
 use super::Bird;
 use crate::agent::AgentHandle;
@@ -45,19 +49,80 @@ pub const BEAT_EVERY: Duration = Duration::from_secs(1);
 
 /// Where the speaker learns what this node announces.
 #[derive(Clone)]
-pub enum Source {
-    /// Without Kubernetes: the agent's LoadBalancer addresses (its
-    /// published view), every one of the pools `[bgp.pools]` names.
-    Agent(AgentHandle),
-    /// Under Kubernetes: what `kubernetes::local_traffic` decided.
-    Decided(tokio::sync::watch::Receiver<Arc<Decision>>),
+pub struct Source {
+    /// The agent's published view: the pod blocks (its pools' CIDRs) and,
+    /// without Kubernetes, its LoadBalancer addresses.
+    pub agent: AgentHandle,
+    /// Under Kubernetes, what `kubernetes::local_traffic` decided of the
+    /// LoadBalancer addresses (`None` inside: not decided yet); `None`
+    /// without Kubernetes.
+    pub decided: Option<tokio::sync::watch::Receiver<Option<Arc<Decision>>>>,
+    /// Under Kubernetes, the `BGPPeer` objects that select this node and
+    /// its Node's overrides (`kubernetes::bgp_peers`; `None` inside: not
+    /// read yet); `None` without Kubernetes.
+    pub peers: Option<crate::kubernetes::bgp_peers::Peers>,
 }
 
-/// What the speaker last read of its [`Source`].
-enum Seen {
-    Nothing,
-    Addresses(Arc<BTreeMap<std::net::IpAddr, String>>),
-    Decided,
+/// What the speaker last read of its [`Source`], to tell a change.
+#[derive(Default)]
+struct Seen {
+    pools: Option<Arc<BTreeMap<String, Vec<IpNet>>>>,
+    addresses: Option<Arc<BTreeMap<IpAddr, String>>>,
+    decision: Option<Arc<Decision>>,
+}
+
+impl Seen {
+    /// Reads `source` again: `Some` with what this node announces when
+    /// that changed; `None` when nothing changed or nothing is known yet
+    /// (the agent is starting, or Kubernetes not read yet: an agent
+    /// starting again must not withdraw what BIRD announces).
+    fn read(
+        &mut self,
+        source: &mut Source,
+        node: &str,
+        attrs: &BTreeMap<String, RouteAttrs>,
+    ) -> Option<Decision> {
+        let view = source.agent.view();
+        if !view.present {
+            return None;
+        }
+        let mut changed = !self
+            .pools
+            .as_ref()
+            .is_some_and(|p| Arc::ptr_eq(p, &view.pool_cidrs));
+        self.pools = Some(view.pool_cidrs.clone());
+        let lb = match &mut source.decided {
+            None => {
+                changed |= !self
+                    .addresses
+                    .as_ref()
+                    .is_some_and(|a| Arc::ptr_eq(a, &view.lb_addresses));
+                self.addresses = Some(view.lb_addresses.clone());
+                from_addresses(attrs, node, &view.lb_addresses)
+            }
+            Some(rx) => {
+                if rx.has_changed().unwrap_or(false) || self.decision.is_none() {
+                    let now = rx.borrow_and_update().clone();
+                    changed |= now.is_some();
+                    self.decision = now.or(self.decision.take());
+                }
+                self.decision.as_deref()?.clone()
+            }
+        };
+        if !changed {
+            return None;
+        }
+        let blocks: Vec<PodBlock<'_>> = view
+            .pool_cidrs
+            .iter()
+            .filter(|(pool, _)| attrs.contains_key(*pool))
+            .flat_map(|(pool, cidrs)| cidrs.iter().map(|&cidr| PodBlock { cidr, pool }))
+            .collect();
+        Some(Decision {
+            blocks: decide(node, &Ok(()), &[], &blocks, attrs).blocks,
+            ..lb
+        })
+    }
 }
 
 /// Starts the speaker's task for node `node`, reading `source`; what it
@@ -71,11 +136,10 @@ pub fn spawn(
     mut stop: tokio::sync::watch::Receiver<bool>,
 ) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
-        // Checked when the config was read, but for the router ID under
-        // Kubernetes: the Node's InternalIP, if it has one.
-        let (spec, attrs) = match (config.spec(), config.attrs()) {
-            (Ok(s), Ok(a)) => (s, a),
-            (Err((field, why)), _) | (_, Err((field, why))) => {
+        // Checked when the config was read.
+        let attrs = match config.attrs() {
+            Ok(a) => a,
+            Err((field, why)) => {
                 tracing::error!(%field, %why, "the BGP speaker does not start: nothing is announced");
                 status.send_modify(|s| s.problem = Some(format!("{field} {why}")));
                 let _ = stop.wait_for(|s| *s).await;
@@ -83,11 +147,20 @@ pub fn spawn(
             }
         };
         let bird = Bird::new(&config.bird_socket, &config.bird_config);
-        let mut seen = Seen::Nothing;
-        let mut wanted = String::new();
+        let mut seen = Seen::default();
+        let mut decision: Option<Decision> = None;
+        // The node's spec: the config's, with what the API server says
+        // of this node under Kubernetes (`None` until it was read).
+        let mut node_peers: Option<Arc<NodePeers>> = None;
+        let mut spec: Result<BgpSpec, String> = Err("not read yet".into());
+        let mut first = true;
+        // Nothing is written before the sources are known.
+        let mut wanted: Option<String> = None;
         // Prefixes in `wanted`, and in the text BIRD took last.
         let mut routes = 0;
         let mut withheld = BTreeMap::new();
+        let mut services: BTreeMap<String, Vec<IpAddr>> = BTreeMap::new();
+        let mut blocks: Vec<IpNet> = Vec::new();
         let mut announced = 0;
         let mut applied: Option<String> = None;
         let mut seeded = false;
@@ -100,28 +173,50 @@ pub fn spawn(
         let mut beat_at = Instant::now();
         let mut beat_failing = false;
         loop {
-            match &mut source {
-                Source::Agent(agent) => {
-                    let view = agent.view();
-                    if !matches!(&seen, Seen::Addresses(s) if Arc::ptr_eq(s, &view.lb_addresses)) {
-                        let d = from_addresses(&attrs, &node, &view.lb_addresses);
-                        (wanted, routes) = text(&spec, &d);
-                        withheld.clone_from(&d.withheld);
-                        seen = Seen::Addresses(view.lb_addresses.clone());
-                    }
+            let mut changed = false;
+            if let Some(d) = seen.read(&mut source, &node, &attrs) {
+                withheld.clone_from(&d.withheld);
+                services.clear();
+                for (address, svc) in &d.services {
+                    services.entry(svc.clone()).or_default().push(*address);
                 }
-                Source::Decided(rx) => {
-                    if !matches!(seen, Seen::Decided) || rx.has_changed().unwrap_or(false) {
-                        let d = rx.borrow_and_update().clone();
-                        (wanted, routes) = text(&spec, &d);
-                        withheld.clone_from(&d.withheld);
-                        seen = Seen::Decided;
-                    }
-                }
+                blocks = d.blocks.keys().copied().collect();
+                decision = Some(d);
+                changed = true;
             }
-            if applied.is_none() && !seeded {
+            match &mut source.peers {
+                None if first => {
+                    spec = node_spec(&config, None);
+                    changed = true;
+                }
+                None => {}
+                Some(rx) if first || rx.has_changed().unwrap_or(false) => {
+                    if let Some(now) = rx.borrow_and_update().clone() {
+                        spec = node_spec(&config, Some(&now));
+                        node_peers = Some(now);
+                        changed = true;
+                    }
+                }
+                Some(_) => {}
+            }
+            first = false;
+            let known = source.peers.is_none() || node_peers.is_some();
+            if changed
+                && known
+                && let (Some(d), Ok(spec)) = (&decision, &spec)
+            {
+                let (t, count) = text(spec, d);
+                wanted = Some(t);
+                routes = count;
+            }
+            // Why the node's spec does not write, once it is known.
+            let spec_problem = spec.as_ref().err().filter(|_| known).cloned();
+            if let Some(wanted) = &wanted
+                && applied.is_none()
+                && !seeded
+            {
                 // BIRD starts from this file: written before BIRD runs.
-                match bird.seed(&wanted).await {
+                match bird.seed(wanted).await {
                     Ok(wrote) => {
                         if wrote {
                             tracing::info!(config = %bird.config_path().display(), "wrote the file BIRD starts from");
@@ -133,8 +228,11 @@ pub fn spawn(
                     }
                 }
             }
-            if applied.as_deref() != Some(wanted.as_str()) && Instant::now() >= retry_at {
-                match bird.apply(&wanted).await {
+            if let Some(wanted) = &wanted
+                && applied.as_ref() != Some(wanted)
+                && Instant::now() >= retry_at
+            {
+                match bird.apply(wanted).await {
                     Ok(()) => {
                         tracing::info!(config = %bird.config_path().display(), "BIRD's configuration applied");
                         applied = Some(wanted.clone());
@@ -178,7 +276,7 @@ pub fn spawn(
                             .iter()
                             .filter_map(|p| {
                                 Some(BgpSession {
-                                    peer: peer_name(&config, &p.name)?,
+                                    peer: peer_name(spec.as_ref().ok()?, &p.name)?,
                                     up: p.established(),
                                     state: states.get(&p.name).cloned().unwrap_or_default(),
                                 })
@@ -191,8 +289,14 @@ pub fn spawn(
             status.send_if_modified(|s| {
                 let before = s.clone();
                 s.announced = announced;
-                s.problem.clone_from(&failing);
+                s.problem = spec_problem.clone().or_else(|| failing.clone());
+                let refused = node_peers.as_ref().map(|p| &p.refused);
+                if refused != Some(&s.refused) {
+                    s.refused = refused.cloned().unwrap_or_default();
+                }
                 s.withheld.clone_from(&withheld);
+                s.services.clone_from(&services);
+                s.blocks.clone_from(&blocks);
                 match sessions.take() {
                     Some(Ok(now)) => s.sessions = now,
                     Some(Err(why)) => {
@@ -218,7 +322,7 @@ pub fn spawn(
 fn from_addresses(
     attrs: &BTreeMap<String, RouteAttrs>,
     node: &str,
-    addresses: &BTreeMap<std::net::IpAddr, String>,
+    addresses: &BTreeMap<IpAddr, String>,
 ) -> Decision {
     let lb: Vec<LbAddress<'_>> = addresses
         .iter()
@@ -233,22 +337,45 @@ fn from_addresses(
     decide(node, &Ok(()), &lb, &[], attrs)
 }
 
-/// BIRD's configuration announcing `decision`'s routes, and how many
-/// prefixes that is.
-fn text(spec: &lockstep_core::bgp::BgpSpec, decision: &Decision) -> (String, usize) {
+/// BIRD's configuration announcing `decision`'s routes and blocks, and
+/// how many prefixes that is.
+fn text(spec: &BgpSpec, decision: &Decision) -> (String, usize) {
     // The spec was checked at start and the routes are host routes or
-    // blocks: it renders.
-    let text = render_bird(spec, &decision.routes).unwrap_or_default();
-    (text, decision.routes.len())
+    // pools' CIDRs: it renders.
+    let text = render_bird(spec, &decision.routes, &decision.blocks).unwrap_or_default();
+    (text, decision.routes.len() + decision.blocks.len())
 }
 
-/// The `[bgp.peers]` name of BIRD's protocol `protocol`, if it is a peer.
-fn peer_name(config: &BgpConfig, protocol: &str) -> Option<String> {
-    config
-        .peers
+/// The peer name of BIRD's protocol `protocol` in `spec`, if it is a
+/// peer (the config's or a `BGPPeer`'s).
+fn peer_name(spec: &BgpSpec, protocol: &str) -> Option<String> {
+    spec.peers
         .iter()
         .find(|p| lockstep_core::bgp::peer_protocol(&p.name) == protocol)
         .map(|p| p.name.clone())
+}
+
+/// The node's spec: the config's, and under Kubernetes `peers`' (the
+/// `BGPPeer` objects that select the node, its Node's overrides), else
+/// why not, in the words of the setting at fault.
+fn node_spec(config: &BgpConfig, peers: Option<&NodePeers>) -> Result<BgpSpec, String> {
+    let router_id = peers
+        .and_then(|p| p.router_id)
+        .or(config.router_id)
+        .ok_or_else(|| {
+            format!(
+                "bgp.router_id is not set, and neither the Node's IPv4 InternalIP nor its {ROUTER_ID_ANNOTATION} annotation stands in for it"
+            )
+        })?;
+    let base = config
+        .spec_with(router_id)
+        .map_err(|(field, why)| format!("{field} {why}"))?;
+    let Some(peers) = peers else {
+        return Ok(base);
+    };
+    let spec = apply(&base, peers);
+    lockstep_core::bgp::check(&spec).map_err(|e| e.to_string())?;
+    Ok(spec)
 }
 
 /// Logs each BGP session whose state changed since `states` (`up`, or

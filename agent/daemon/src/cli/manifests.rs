@@ -68,7 +68,8 @@ pub struct ManifestsArgs {
     /// `lockstep-bgp` running BIRD and `lockstep bird-keeper`.
     #[arg(long)]
     bgp_asn: Option<u32>,
-    /// A router every node peers with: NAME,ADDRESS,ASN (repeat for more).
+    /// A router every node peers with: NAME,ADDRESS,ASN (repeat for more;
+    /// routers only some nodes peer with are BGPPeer objects).
     #[arg(long = "bgp-peer")]
     bgp_peers: Vec<crate::manifests::bgp::PeerFlag>,
     /// A LoadBalancerIPPool announced over BGP (repeat for more).

@@ -94,11 +94,12 @@ pub struct BgpConfig {
     /// The routers.
     #[serde(default)]
     pub peers: Vec<BgpPeerConfig>,
-    /// The LoadBalancer pools announced, by name, each a table
-    /// `[bgp.pools.<name>]` of its routes' attributes: `communities`
-    /// (`["AS:value"]`), `large_communities` (`["global:local1:local2"]`)
-    /// and `local_pref`; `{}` for none. Addresses of pools not named here
-    /// are not announced over BGP.
+    /// The pools announced, by name, each a table `[bgp.pools.<name>]` of
+    /// its routes' attributes: `communities` (`["AS:value"]`),
+    /// `large_communities` (`["global:local1:local2"]`) and `local_pref`;
+    /// `{}` for none. A LoadBalancer pool's addresses are announced as
+    /// host routes, an endpoint pool's CIDRs as the node's pod blocks.
+    /// Pools not named here are not announced over BGP.
     #[serde(default)]
     pub pools: BTreeMap<String, BgpPoolConfig>,
 }
@@ -167,9 +168,12 @@ impl BgpConfig {
         self.spec_with(router_id)
     }
 
-    /// The spec with `router_id`, for checks made before the Node is
-    /// read.
-    fn spec_with(&self, router_id: Ipv4Addr) -> Result<BgpSpec, (String, String)> {
+    /// The spec with `router_id` (for checks made before the Node is
+    /// read, and under Kubernetes a Node's annotation).
+    ///
+    /// # Errors
+    /// As [`BgpConfig::spec`].
+    pub fn spec_with(&self, router_id: Ipv4Addr) -> Result<BgpSpec, (String, String)> {
         let interval_ms = u32::try_from(self.bfd_interval.as_millis())
             .map_err(|_| ("bgp.bfd_interval".to_string(), "is too long".to_string()))?;
         let mut peers = Vec::new();

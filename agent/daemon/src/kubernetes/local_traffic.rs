@@ -89,7 +89,7 @@ pub struct LocalTraffic {
     tx: tokio::sync::watch::Sender<LocalAnswers>,
     /// With `[bgp]`: the pools it announces (with their routes'
     /// attributes), and where what this node announces goes.
-    bgp: Option<(BgpPools, tokio::sync::watch::Sender<Arc<Decision>>)>,
+    bgp: Option<(BgpPools, tokio::sync::watch::Sender<Option<Arc<Decision>>>)>,
 }
 
 /// The pools BGP announces, by name, with their routes' attributes.
@@ -162,13 +162,15 @@ impl LocalTraffic {
     /// Decides, too, what this node announces over BGP of the addresses
     /// of `pools` (the core's `bgp::announce`: every node that may serve
     /// an address announces it; under `Local` only while a candidate),
-    /// from the same stores, each change sent on the receiver.
+    /// from the same stores, each change sent on the receiver (`None`
+    /// until the stores were first read: nothing is decided yet, and an
+    /// agent starting again must not withdraw what BIRD announces).
     #[must_use]
     pub fn with_bgp(
         mut self,
         pools: BgpPools,
-    ) -> (Self, tokio::sync::watch::Receiver<Arc<Decision>>) {
-        let (tx, rx) = tokio::sync::watch::channel(Arc::new(Decision::default()));
+    ) -> (Self, tokio::sync::watch::Receiver<Option<Arc<Decision>>>) {
+        let (tx, rx) = tokio::sync::watch::channel(None);
         self.bgp = Some((pools, tx));
         (self, rx)
     }
@@ -280,9 +282,9 @@ impl LocalTraffic {
             if let Some((pools, tx)) = &self.bgp {
                 let d = bgp_decision(view, &eps, &self.node, pools);
                 tx.send_if_modified(|cur| {
-                    let changed = **cur != d;
+                    let changed = cur.as_deref() != Some(&d);
                     if changed {
-                        *cur = Arc::new(d);
+                        *cur = Some(Arc::new(d));
                     }
                     changed
                 });
@@ -450,9 +452,11 @@ fn bgp_decision(
         .map(|s| service(s))
         .collect();
     let mut addresses = Vec::new();
+    let mut of = BTreeMap::new();
     for svc in &services {
         let key = format!("{}/{}", svc.namespace, svc.name);
         let these = eps.get(&key).map_or(&[][..], Vec::as_slice);
+        let start = addresses.len();
         addresses.extend(service_addresses(
             svc,
             these,
@@ -460,6 +464,14 @@ fn bgp_decision(
             view.labels,
             announced,
         ));
+        for a in &addresses[start..] {
+            of.insert(a.address, key.clone());
+        }
     }
-    decide(node, &view.may, &addresses, &[], announced)
+    let mut d = decide(node, &view.may, &addresses, &[], announced);
+    d.services = of
+        .into_iter()
+        .filter(|(a, _)| d.routes.contains_key(&ipnet::IpNet::from(*a)))
+        .collect();
+    d
 }

@@ -26,6 +26,8 @@
 
 pub mod announcer;
 pub mod backend;
+pub mod bgp_peers;
+pub mod bgp_status;
 pub mod candidacy;
 pub mod crd;
 pub mod election;

@@ -222,9 +222,6 @@ impl Options {
                     "BGP is not supported with mode cluster in this version",
                 );
             }
-            if b.peers.is_empty() {
-                return flag("--bgp-peer", "--bgp-asn needs at least one router");
-            }
             if b.pools.is_empty() {
                 return flag(
                     "--bgp-pool",

@@ -85,6 +85,16 @@ pub fn all(o: &Options, config: &str) -> Result<Vec<(String, Value)>, ManifestsE
             crd_value(crate::kubernetes::nodeipam::crd::NodeIPAM::crd())?,
         ));
     }
+    if o.bgp.is_some() {
+        out.push((
+            "The routers nodes peer with over BGP: `kubectl get bgppeer` (docs/bgp.md).".into(),
+            crd_value(crate::kubernetes::bgp_peers::BGPPeer::crd())?,
+        ));
+        out.push((
+            "What each node's BGP speaker does: `kubectl get bgpstate` (docs/bgp.md).".into(),
+            crd_value(crate::kubernetes::bgp_status::BGPNodeState::crd())?,
+        ));
+    }
     if o.mode.uses_api() {
         out.extend(service_account(o));
         out.extend(super::admission::objects(o));
@@ -280,7 +290,11 @@ fn rules_and_why(rules: &[rbac::Rule]) -> (Vec<Value>, String) {
 }
 
 fn service_account(o: &Options) -> Vec<(String, Value)> {
-    let (rules, why) = rules_and_why(&rbac::rules(o.mode));
+    let mut all = rbac::rules(o.mode);
+    if o.bgp.is_some() {
+        all.extend(rbac::BGP);
+    }
+    let (rules, why) = rules_and_why(&all);
     let namespaced = rbac::namespaced_rules(o.mode);
     let mut out = vec![
         (

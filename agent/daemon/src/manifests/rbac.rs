@@ -117,6 +117,29 @@ const MULTI_POOL: &[Rule] = &[
     },
 ];
 
+/// With BGP (`--bgp-asn`): the routers as objects (only read), and each
+/// node's own BGPNodeState.
+pub const BGP: &[Rule] = &[
+    Rule {
+        group: "lockstep.io",
+        resources: &["bgppeers"],
+        verbs: &["list", "watch"],
+        why: "the BGPPeer objects: which routers this node peers with",
+    },
+    Rule {
+        group: "lockstep.io",
+        resources: &["bgpnodestates"],
+        verbs: &["create"],
+        why: "this node's BGPNodeState, made when missing",
+    },
+    Rule {
+        group: "lockstep.io",
+        resources: &["bgpnodestates/status"],
+        verbs: &["patch"],
+        why: "this node's BGP sessions, the Services it announces, its pod blocks",
+    },
+];
+
 /// The rules of `mode`'s Role in the agent's own namespace: the Lease
 /// electing the one LB writer, and each externalTrafficPolicy: Local
 /// Service's announcer, when there is no etcd (modes lb and podcidr). Cluster mode elects its writer in etcd.

@@ -255,7 +255,7 @@ fn every_modes_rules_are_within_the_role_the_end_to_end_tests_check() {
     let d = docs(&std::fs::read_to_string(path).unwrap());
     let allowed = granted(kind(&d, "ClusterRole").unwrap());
     for mode in [Mode::Lb, Mode::PodCidr, Mode::Cluster, Mode::MultiPool] {
-        for rule in rules(mode) {
+        for rule in rules(mode).iter().chain(rbac::BGP) {
             for r in rule.resources {
                 for v in rule.verbs {
                     let want = format!("{}/{r}:{v}", rule.group);
@@ -528,15 +528,52 @@ fn bgp_renders_a_config_the_agent_accepts_and_bird_apart_from_the_agent() {
 }
 
 #[test]
+fn bgp_installs_its_crds_and_their_rules_with_or_without_a_peer_flag() {
+    for clear in [false, true] {
+        let mut o = with_bgp(Mode::Lb);
+        if clear {
+            o.bgp.as_mut().unwrap().peers.clear();
+        }
+        let d = docs(&render(&o).unwrap());
+        let crds: Vec<&Value> = d
+            .iter()
+            .filter(|v| v["kind"] == "CustomResourceDefinition")
+            .collect();
+        assert!(
+            crds.iter()
+                .any(|c| c["metadata"]["name"] == "bgppeers.lockstep.io"),
+            "{crds:?}"
+        );
+        let allowed = granted(kind(&d, "ClusterRole").unwrap());
+        for v in ["list", "watch"] {
+            assert!(
+                allowed.contains(&format!("lockstep.io/bgppeers:{v}")),
+                "{allowed:?}"
+            );
+        }
+    }
+    // Without BGP, no such CRD nor rule.
+    let d = docs(&render(&options(Mode::Lb)).unwrap());
+    assert!(
+        !d.iter()
+            .any(|v| v["metadata"]["name"] == "bgppeers.lockstep.io")
+    );
+    let allowed = granted(kind(&d, "ClusterRole").unwrap());
+    assert!(
+        !allowed.iter().any(|a| a.contains("bgppeers")),
+        "{allowed:?}"
+    );
+}
+
+#[test]
 fn bgp_flags_that_do_not_fit_are_named() {
     let e = render(&with_bgp(Mode::Cluster)).unwrap_err();
     assert!(e.to_string().starts_with("--bgp-asn:"), "{e}");
     for (change, flag) in [
         (
-            (|b: &mut bgp::BgpInstall| b.peers.clear()) as fn(&mut bgp::BgpInstall),
-            "--bgp-peer",
+            (|b: &mut bgp::BgpInstall| b.pools.clear()) as fn(&mut bgp::BgpInstall),
+            "--bgp-pool",
         ),
-        (|b: &mut bgp::BgpInstall| b.pools.clear(), "--bgp-pool"),
         (
             |b: &mut bgp::BgpInstall| b.bird_image.clear(),
             "--bird-image",

@@ -27,7 +27,7 @@ pub(super) struct KubeStart {
 }
 
 /// What this node announces over BGP, as `local_traffic` decides it.
-pub(super) type BgpDecided = watch::Receiver<Arc<lockstep_core::bgp::announce::Decision>>;
+pub(super) type BgpDecided = watch::Receiver<Option<Arc<lockstep_core::bgp::announce::Decision>>>;
 
 /// Starts the Kubernetes loops of `k`, each watched or kept by `tasks`;
 /// returns the LoadBalancer Services sync, which the server watches, and
