@@ -262,9 +262,20 @@ impl Drop for Frr {
 /// # Errors
 /// `ip route` failed.
 pub fn bgp_routes(ns: &Netns) -> anyhow::Result<std::collections::BTreeMap<String, Vec<String>>> {
+    bgp_routes_in(ns.name())
+}
+
+/// [`bgp_routes`] of the namespace named `name` (from a thread that does
+/// not own it).
+///
+/// # Errors
+/// `ip route` failed.
+pub fn bgp_routes_in(
+    name: &str,
+) -> anyhow::Result<std::collections::BTreeMap<String, Vec<String>>> {
     let mut out = std::collections::BTreeMap::new();
     for family in ["-4", "-6"] {
-        let text = ns.ip([family, "route", "show", "proto", "bgp"])?;
+        let text = sh("ip", ["-n", name, family, "route", "show", "proto", "bgp"])?;
         let mut current: Option<String> = None;
         for line in text.lines() {
             let words: Vec<&str> = line.split_whitespace().collect();
@@ -650,4 +661,67 @@ impl KubeBirds {
         }
         out
     }
+}
+
+/// `lockstep bird-keeper` in a node's namespace, reading `agent`'s
+/// config (its `[bgp]`), killed on drop.
+pub struct Keeper {
+    child: Child,
+    log: PathBuf,
+}
+
+impl Keeper {
+    /// Starts the keeper beside `agent`'s BIRD in `ns`; its log goes to
+    /// the agent's directory.
+    ///
+    /// # Errors
+    /// The log or the process could not be made.
+    pub fn start(ns: &Netns, agent: &AgentProc) -> anyhow::Result<Self> {
+        let log = agent.dir.path().join("keeper.log");
+        let child = ns
+            .command(crate::lockstep_bin())
+            .arg("bird-keeper")
+            .arg("--config")
+            .arg(&agent.config)
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log)?)
+            .spawn()
+            .context("starting lockstep bird-keeper")?;
+        Ok(Self { child, log })
+    }
+
+    /// What it logged so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
+impl Drop for Keeper {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// FRR's configuration for a router `router_id` in AS 64513 peering
+/// with each of `nodes` (AS 64512) with BFD (100 ms × 3), ECMP over all
+/// of them.
+pub fn ecmp_router(router_id: &str, nodes: &[String]) -> String {
+    let mut c = format!(
+        "frr defaults datacenter\n!\nrouter bgp 64513\n bgp router-id {router_id}\n \
+         no bgp ebgp-requires-policy\n"
+    );
+    for n in nodes {
+        c += &format!(
+            " neighbor {n} remote-as 64512\n neighbor {n} bfd\n neighbor {n} timers 3 9\n \
+             neighbor {n} timers connect 1\n"
+        );
+    }
+    c += " address-family ipv4 unicast\n  maximum-paths 8\n exit-address-family\n!\nbfd\n";
+    for n in nodes {
+        c += &format!(
+            " peer {n}\n  receive-interval 100\n  transmit-interval 100\n  detect-multiplier 3\n exit\n"
+        );
+    }
+    c + "exit\n"
 }

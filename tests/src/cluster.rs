@@ -525,13 +525,19 @@ impl ClusterNodes {
         cluster_extra: &str,
         extra: &str,
     ) -> anyhow::Result<Self> {
-        Self::build_each(cluster, prefix, pools, cluster_extra, extra, &|_| {
-            String::new()
-        })
+        Self::build_each(
+            cluster,
+            prefix,
+            pools,
+            cluster_extra,
+            &|_| extra.to_string(),
+            &|_| String::new(),
+        )
     }
 
-    /// As [`ClusterNodes::build_full`], with `local_pools(i)` (`[[pools]]`
-    /// tables; empty for none) as node `i`'s own configured pools.
+    /// As [`ClusterNodes::build_full`], with `extra(i)` appended to node
+    /// `i`'s configuration and `local_pools(i)` (`[[pools]]` tables; empty
+    /// for none) as its own configured pools.
     ///
     /// # Errors
     /// As [`ClusterNodes::build`].
@@ -540,7 +546,7 @@ impl ClusterNodes {
         prefix: &str,
         pools: &str,
         cluster_extra: &str,
-        extra: &str,
+        extra: &dyn Fn(usize) -> String,
         local_pools: &dyn Fn(usize) -> String,
     ) -> anyhow::Result<Self> {
         let eps = cluster.endpoints();
@@ -590,7 +596,8 @@ impl ClusterNodes {
                 base = base.replacen("pools = []\n", &own, 1);
             }
             let config = format!(
-                "reconcile_interval = \"1s\"\n{base}{cluster_extra}[datapath]\nuplink = \"u0\"\n{extra}"
+                "reconcile_interval = \"1s\"\n{base}{cluster_extra}[datapath]\nuplink = \"u0\"\n{}",
+                extra(i)
             );
             agents.push(AgentProc::start(&node, &config)?);
             ns.push(node);

@@ -11,53 +11,17 @@
 //!   run) and the session stays up.
 //! - The agent started again: the route is back.
 
-use std::process::{Child, Stdio};
 use std::time::Duration;
 
 use anyhow::{Context, ensure};
-use lockstep_tests::bgp::{AgentLab, Lab, service};
-use lockstep_tests::{lockstep_bin, privileged};
+use lockstep_tests::bgp::{AgentLab, Keeper, Lab, service};
+use lockstep_tests::privileged;
 
 /// `section`'s `withdraw_after` (tests/src/bgp.rs).
 const LEASE: Duration = Duration::from_secs(5);
 
 /// The agent's pod pool (`AgentLab`), announced here.
 const BLOCK: &str = "10.80.0.0/24";
-
-/// `lockstep bird-keeper` in the node's namespace, killed on drop.
-struct Keeper {
-    child: Child,
-    log: std::path::PathBuf,
-}
-
-impl Keeper {
-    fn start(lab: &AgentLab) -> anyhow::Result<Self> {
-        let log = lab.agent.dir.path().join("keeper.log");
-        let child = lab
-            .lab
-            .node
-            .command(lockstep_bin())
-            .arg("bird-keeper")
-            .arg("--config")
-            .arg(&lab.agent.config)
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&log)?)
-            .spawn()
-            .context("starting lockstep bird-keeper")?;
-        Ok(Self { child, log })
-    }
-
-    fn log(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-}
-
-impl Drop for Keeper {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
 
 fn updates(lab: &Lab) -> anyhow::Result<u64> {
     let r = &lab.routers[0];
@@ -73,7 +37,7 @@ fn a_killed_agent_s_routes_are_withdrawn_at_its_lease_and_an_upgrade_sends_nothi
     privileged!();
     let mut al = AgentLab::start_with("[bgp.pools.pods]\n")?;
     let established = al.lab.settled(0)?;
-    let keeper = Keeper::start(&al)?;
+    let keeper = Keeper::start(&al.lab.node, &al.agent)?;
     let r = scenario(&mut al, established);
     if r.is_err() {
         eprintln!(

@@ -71,25 +71,7 @@ fn section(dir: &std::path::Path) -> String {
 /// FRR in the neighbour: AS 64513, one eBGP session with BFD per node,
 /// ECMP over all of them.
 fn frr_config() -> String {
-    let mut c = format!(
-        "frr defaults datacenter\n!\nrouter bgp 64513\n bgp router-id {NB_V4}\n \
-         no bgp ebgp-requires-policy\n"
-    );
-    for i in 0..3 {
-        let n = node_ip(i);
-        c += &format!(
-            " neighbor {n} remote-as 64512\n neighbor {n} bfd\n neighbor {n} timers 3 9\n \
-             neighbor {n} timers connect 1\n"
-        );
-    }
-    c += " address-family ipv4 unicast\n  maximum-paths 8\n exit-address-family\n!\nbfd\n";
-    for i in 0..3 {
-        c += &format!(
-            " peer {}\n  receive-interval 100\n  transmit-interval 100\n  detect-multiplier 3\n exit\n",
-            node_ip(i)
-        );
-    }
-    c + "exit\n"
+    lockstep_tests::bgp::ecmp_router(&NB_V4.to_string(), &(0..3).map(node_ip).collect::<Vec<_>>())
 }
 
 impl BgpLab {

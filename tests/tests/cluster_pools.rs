@@ -223,7 +223,7 @@ fn a_configured_pool_overlapping_the_cluster_is_withheld_and_refused_at_start() 
     privileged!();
     let cluster = EtcdCluster::start(3)?;
     let prefix = "/ovl/";
-    let mut n = ClusterNodes::build_each(&cluster, prefix, PODS, "", "", &|i| {
+    let mut n = ClusterNodes::build_each(&cluster, prefix, PODS, "", &|_| String::new(), &|i| {
         if i == 0 {
             MINE.to_string()
         } else {

@@ -140,7 +140,8 @@ pub type Announcements = BTreeMap<IpNet, RouteAttrs>;
 pub const LB_PROTOCOLS: [&str; 2] = ["lockstep_ipv4", "lockstep_ipv6"];
 
 /// BIRD's static protocols holding the pod blocks, IPv4 then IPv6 (left
-/// up when the agent dies: the node still holds its blocks).
+/// up when the agent dies: the node still holds its blocks; in cluster
+/// mode, taken down once its hold on them ran out: `keeper::block_hold`).
 pub const BLOCK_PROTOCOLS: [&str; 2] = ["lockstep_blocks_ipv4", "lockstep_blocks_ipv6"];
 
 /// The daemon's protocol for a peer named `name`.

@@ -400,6 +400,9 @@ pub fn run(cli: Cli) -> anyhow::Result<i32> {
                         if !blocks.is_empty() {
                             out.push_str(&format!("\nbgp pod blocks: {}", blocks.join(" ")));
                         }
+                        if let Some(why) = bgp["blocks_withdrawn"].as_str() {
+                            out.push_str(&format!("\nbgp pod blocks withdrawn: {why}"));
+                        }
                         for (what, why) in bgp["refused"].as_object().into_iter().flatten() {
                             out.push_str(&format!(
                                 "\nbgp refused {what}: {}",

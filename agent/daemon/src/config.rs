@@ -692,18 +692,6 @@ impl Config {
                         .into(),
                 ));
             }
-            // Which node may announce an address in cluster mode is not
-            // wired to BGP yet: refused rather than announced from every
-            // node.
-            if self.cluster.is_some() {
-                out.push((
-                    "bgp".into(),
-                    "is not supported with [cluster] in this version: there, which nodes may \
-                     announce an address is not yet decided for BGP (use it alone or with \
-                     [kubernetes])"
-                        .into(),
-                ));
-            }
         }
         if let Some(c) = &self.cluster
             && let Err(problem) = c.validate(self.datapath.uplink.is_some())

@@ -198,6 +198,11 @@ pub struct BgpStatus {
     /// `[bgp.pools]` names), kept announced when the agent dies.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub blocks: Vec<IpNet>,
+    /// In cluster mode, why the node announces none of its cluster
+    /// pools' blocks, while it does not (etcd not reached for
+    /// `reclaim_after`, or not yet since the agent started).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub blocks_withdrawn: Option<String>,
     /// Under Kubernetes: each `BGPPeer` object or Node annotation left
     /// out, with why (the others are used).
     #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]

@@ -16,6 +16,13 @@
 //! [`TICK`], so a BIRD restarted while the agent is silent is taken
 //! down again within a tick.
 //!
+//! In cluster mode the beat also says how long the node may still
+//! announce its pod blocks (core `bgp::keeper::block_hold`): once that
+//! has run out without a newer beat, the keeper disables the blocks'
+//! protocols too, before another node may claim the blocks. A beat
+//! without a hold (an agent starting, etcd not answered yet) keeps the
+//! deadline the keeper had.
+//!
 //! The keeper trusts only its own clock: the beat counts as fresh when
 //! its content changed, measured on the keeper's monotonic clock, never
 //! by comparing the file's time with the wall clock.
@@ -23,7 +30,7 @@
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use lockstep_core::bgp::keeper::{alive, steps};
+use lockstep_core::bgp::keeper::{alive, beat_hold_ms, steps};
 
 use super::Bird;
 use crate::config::BgpConfig;
@@ -47,16 +54,34 @@ pub async fn run(config: BgpConfig, mut stop: tokio::sync::watch::Receiver<bool>
     let mut last: Option<Vec<u8>> = None;
     let mut changed_at = Instant::now();
     let mut was_alive: Option<bool> = None;
+    // Until when the node may announce its blocks (cluster mode); `None`:
+    // no beat said, they stay.
+    let mut hold_until: Option<Instant> = None;
+    let mut was_holding = true;
     let mut failing: Option<String> = None;
     loop {
         if let Ok(content) = tokio::fs::read(&beat).await
             && last.as_ref() != Some(&content)
         {
-            last = Some(content);
             changed_at = Instant::now();
+            if let Some(ms) = beat_hold_ms(&String::from_utf8_lossy(&content)) {
+                hold_until = Some(changed_at + Duration::from_millis(ms));
+            }
+            last = Some(content);
         }
         let silent = u64::try_from(changed_at.elapsed().as_millis()).unwrap_or(u64::MAX);
         let now_alive = alive(silent, lease_ms);
+        let holding = hold_until.is_none_or(|until| Instant::now() < until);
+        if holding != was_holding {
+            if holding {
+                tracing::info!("bird-keeper: the node holds its blocks again; BIRD announces them");
+            } else {
+                tracing::warn!(
+                    "bird-keeper: the node's hold on its pod blocks ran out (etcd not reached for reclaim_after); withdrawing them"
+                );
+            }
+            was_holding = holding;
+        }
         if was_alive != Some(now_alive) {
             if now_alive {
                 tracing::info!(
@@ -70,7 +95,7 @@ pub async fn run(config: BgpConfig, mut stop: tokio::sync::watch::Receiver<bool>
             }
             was_alive = Some(now_alive);
         }
-        match apply(&bird, now_alive).await {
+        match apply(&bird, now_alive, holding).await {
             Ok(()) => failing = None,
             Err(why) => {
                 if failing.as_deref() != Some(why.as_str()) {
@@ -87,12 +112,13 @@ pub async fn run(config: BgpConfig, mut stop: tokio::sync::watch::Receiver<bool>
 }
 
 /// Reads BIRD's protocols and carries out the steps that bring the
-/// announcing ones to `alive`; BIRD's words when it cannot.
-async fn apply(bird: &Bird, alive: bool) -> Result<(), String> {
+/// LoadBalancer ones to `alive` and the blocks' to `holding`; BIRD's
+/// words when it cannot.
+async fn apply(bird: &Bird, alive: bool, holding: bool) -> Result<(), String> {
     let protocols = bird.protocols().await.map_err(|e| e.to_string())?;
     let states: BTreeMap<String, String> =
         protocols.into_iter().map(|p| (p.name, p.state)).collect();
-    for step in steps(alive, &states) {
+    for step in steps(alive, holding, &states) {
         bird.command(&step).await.map_err(|e| e.to_string())?;
         tracing::info!(command = %step, "bird-keeper: done");
     }

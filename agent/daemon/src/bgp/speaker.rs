@@ -17,6 +17,15 @@
 //! Every [`BEAT_EVERY`] it rewrites the beat file `lockstep bird-keeper`
 //! watches (`bgp::keeper`): while it beats, BIRD keeps announcing.
 //!
+//! In cluster mode the pod blocks of the cluster pools are the blocks
+//! etcd gives this node (fenced ones left out), announced only while the
+//! node's lease was refreshed within `reclaim_after` (core
+//! `bgp::keeper::block_hold`): a node cut off from etcd longer withdraws
+//! them before another node may claim them, and each beat tells the
+//! keeper how long they may stay, should the agent die. Before etcd has
+//! answered once in this agent's life, nothing is written: BIRD keeps
+//! what the previous agent announced, and the keeper its deadline.
+//!
 //! Every [`SESSIONS_EVERY`] it reads the sessions back and logs each
 //! change of state: up, or down with BIRD's reason. What it knows (the
 //! prefixes BIRD took, why BIRD's configuration is behind, each session)
@@ -30,11 +39,13 @@ use std::net::IpAddr;
 
 use ipnet::IpNet;
 use lockstep_core::bgp::announce::{Decision, LbAddress, PodBlock, decide};
+use lockstep_core::bgp::keeper::{Hold, beat_text, block_hold};
 use lockstep_core::bgp::peers::{NodePeers, ROUTER_ID_ANNOTATION, apply};
 use lockstep_core::bgp::{BgpSpec, RouteAttrs, render_bird};
 
 use super::Bird;
 use crate::agent::AgentHandle;
+use crate::cluster::ClusterHandle;
 use crate::config::BgpConfig;
 use crate::wire::{BgpSession, BgpStatus};
 
@@ -61,6 +72,41 @@ pub struct Source {
     /// its Node's overrides (`kubernetes::bgp_peers`; `None` inside: not
     /// read yet); `None` without Kubernetes.
     pub peers: Option<crate::kubernetes::bgp_peers::Peers>,
+    /// In cluster mode, the blocks etcd gives this node and its lease
+    /// (`None` without cluster mode).
+    pub cluster: Option<ClusterBlocks>,
+}
+
+/// In cluster mode: where the speaker learns the node's blocks, and how
+/// long after the lease's last refresh it may announce them.
+#[derive(Clone)]
+pub struct ClusterBlocks {
+    /// The claim loop's handle.
+    pub handle: Arc<ClusterHandle>,
+    /// `[cluster] reclaim_after`.
+    pub reclaim_after: Duration,
+}
+
+impl ClusterBlocks {
+    /// The cluster pools' blocks the node announces now (empty once its
+    /// hold ran out), and the hold.
+    fn read(&self) -> (Hold, Vec<(String, IpNet)>) {
+        let holding = self.handle.holding();
+        let ms = |d: Duration| u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
+        let hold = block_hold(
+            holding.refreshed.map(|at| ms(at.elapsed())),
+            ms(self.reclaim_after),
+        );
+        match hold {
+            Hold::For(_) => (hold, holding.blocks),
+            Hold::Unknown | Hold::Over(_) => (hold, Vec::new()),
+        }
+    }
+
+    /// The cluster pools' names.
+    fn pools(&self) -> Vec<String> {
+        self.handle.pools().into_iter().map(|p| p.name).collect()
+    }
 }
 
 /// What the speaker last read of its [`Source`], to tell a change.
@@ -69,6 +115,10 @@ struct Seen {
     pools: Option<Arc<BTreeMap<String, Vec<IpNet>>>>,
     addresses: Option<Arc<BTreeMap<IpAddr, String>>>,
     decision: Option<Arc<Decision>>,
+    /// In cluster mode, the cluster pools' blocks last announced.
+    cluster_blocks: Option<Vec<(String, IpNet)>>,
+    /// In cluster mode, the node's hold on its blocks as last read.
+    hold: Option<Hold>,
 }
 
 impl Seen {
@@ -86,6 +136,18 @@ impl Seen {
         if !view.present {
             return None;
         }
+        // Cluster mode: nothing is written before etcd answered once.
+        let cluster = match &source.cluster {
+            None => None,
+            Some(c) => {
+                let (hold, blocks) = c.read();
+                self.hold = Some(hold);
+                if hold == Hold::Unknown {
+                    return None;
+                }
+                Some((c.pools(), blocks))
+            }
+        };
         let mut changed = !self
             .pools
             .as_ref()
@@ -109,15 +171,41 @@ impl Seen {
                 self.decision.as_deref()?.clone()
             }
         };
+        let mut blocks: Vec<PodBlock<'_>> = Vec::new();
+        let local = |pool: &String| attrs.contains_key(pool);
+        match &cluster {
+            None => {}
+            Some((pools, held)) => {
+                changed |= self.cluster_blocks.as_ref() != Some(held);
+                self.cluster_blocks = Some(held.clone());
+                blocks.extend(
+                    held.iter()
+                        .filter(|(pool, _)| attrs.contains_key(pool))
+                        .map(|(pool, cidr)| PodBlock { cidr: *cidr, pool }),
+                );
+                // A cluster pool's local CIDRs are its blocks, fenced ones
+                // too: taken from etcd's word above instead.
+                blocks.extend(
+                    view.pool_cidrs
+                        .iter()
+                        .filter(|(pool, _)| local(pool) && !pools.contains(pool))
+                        .flat_map(|(pool, cidrs)| {
+                            cidrs.iter().map(|&cidr| PodBlock { cidr, pool })
+                        }),
+                );
+            }
+        }
         if !changed {
             return None;
         }
-        let blocks: Vec<PodBlock<'_>> = view
-            .pool_cidrs
-            .iter()
-            .filter(|(pool, _)| attrs.contains_key(*pool))
-            .flat_map(|(pool, cidrs)| cidrs.iter().map(|&cidr| PodBlock { cidr, pool }))
-            .collect();
+        if cluster.is_none() {
+            blocks.extend(
+                view.pool_cidrs
+                    .iter()
+                    .filter(|(pool, _)| local(pool))
+                    .flat_map(|(pool, cidrs)| cidrs.iter().map(|&cidr| PodBlock { cidr, pool })),
+            );
+        }
         Some(Decision {
             blocks: decide(node, &Ok(()), &[], &blocks, attrs).blocks,
             ..lb
@@ -169,6 +257,11 @@ pub fn spawn(
         let mut sessions_at = Instant::now();
         let mut states: BTreeMap<String, String> = BTreeMap::new();
         let beat = config.beat_path();
+        let reclaim_after = source
+            .cluster
+            .as_ref()
+            .map(|c| c.reclaim_after)
+            .unwrap_or_default();
         let mut beats: u64 = 0;
         let mut beat_at = Instant::now();
         let mut beat_failing = false;
@@ -255,7 +348,11 @@ pub fn spawn(
             if Instant::now() >= beat_at {
                 beat_at = Instant::now() + BEAT_EVERY;
                 beats += 1;
-                let line = format!("{} {beats}\n", std::process::id());
+                let line = beat_text(
+                    std::process::id(),
+                    beats,
+                    seen.hold.unwrap_or(Hold::Unknown),
+                );
                 match tokio::fs::write(&beat, line).await {
                     Ok(()) => beat_failing = false,
                     Err(e) if !beat_failing => {
@@ -297,6 +394,10 @@ pub fn spawn(
                 s.withheld.clone_from(&withheld);
                 s.services.clone_from(&services);
                 s.blocks.clone_from(&blocks);
+                let withdrawn = withdrawn_why(seen.hold, reclaim_after);
+                if s.blocks_withdrawn != withdrawn {
+                    s.blocks_withdrawn = withdrawn;
+                }
                 match sessions.take() {
                     Some(Ok(now)) => s.sessions = now,
                     Some(Err(why)) => {
@@ -315,6 +416,22 @@ pub fn spawn(
             }
         }
     })
+}
+
+/// Why the node announces none of its cluster pools' blocks, under
+/// `hold` (`None`: it does, or not in cluster mode).
+fn withdrawn_why(hold: Option<Hold>, reclaim_after: Duration) -> Option<String> {
+    match hold? {
+        Hold::For(_) => None,
+        Hold::Unknown => Some(
+            "etcd has not answered since the agent started: BIRD keeps what it announced before"
+                .into(),
+        ),
+        Hold::Over(ms) => Some(format!(
+            "etcd last renewed this node's lease {:.1} s ago, past reclaim_after ({reclaim_after:?}): another node may hold them now",
+            Duration::from_millis(ms).as_secs_f64()
+        )),
+    }
 }
 
 /// What `node` announces of `addresses` without Kubernetes: the

@@ -6,7 +6,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Mutex;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tokio::sync::Notify;
 
@@ -57,14 +57,41 @@ pub(super) struct Shared {
     /// The highest store revision the remote task's watch had seen when
     /// it saw etcd go back in time; the claim loop has not taken it yet.
     pub(super) went_back_from: Option<i64>,
+    /// When the node lease was last refreshed (or granted) and etcd
+    /// answered: sent at this moment (`None`: not in this agent's life).
+    pub(super) lease_refreshed: Option<Instant>,
+    /// The blocks etcd gives this node and that serve (neither fenced
+    /// nor being given back), by pool, as of the last round.
+    pub(super) serving: Vec<(String, ipnet::IpNet)>,
 }
 
 impl Shared {
-    /// Counts a node lease refresh sent `late` against its schedule.
-    pub(super) fn lease_renewed(&mut self, late: Duration) {
+    /// Counts a node lease refresh sent at `sent`, `late` against its
+    /// schedule, and answered.
+    pub(super) fn lease_renewed(&mut self, sent: Instant, late: Duration) {
         self.lease_renewals += 1;
         self.lease_late_max = self.lease_late_max.max(late);
+        self.refreshed_at(Some(sent));
     }
+
+    /// Takes `at` as the lease's last refresh when it is newer.
+    pub(super) fn refreshed_at(&mut self, at: Option<Instant>) {
+        if at > self.lease_refreshed {
+            self.lease_refreshed = at;
+        }
+    }
+}
+
+/// What the node may announce of its blocks (the BGP speaker reads it:
+/// `bgp::speaker`).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Holding {
+    /// When the node lease was last refreshed with etcd's answer (`None`:
+    /// not yet in this agent's life).
+    pub refreshed: Option<Instant>,
+    /// The blocks etcd gives this node that serve, by pool (fenced ones
+    /// and those being given back left out).
+    pub blocks: Vec<(String, ipnet::IpNet)>,
 }
 
 impl ClusterHandle {
@@ -92,6 +119,15 @@ impl ClusterHandle {
             s.went_back_from = Some(s.went_back_from.map_or(seen, |r| r.max(seen)));
         }
         self.wake.notify_one();
+    }
+
+    /// The blocks this node holds and when its lease was last refreshed.
+    pub fn holding(&self) -> Holding {
+        let s = self.lock();
+        Holding {
+            refreshed: s.lease_refreshed,
+            blocks: s.serving.clone(),
+        }
     }
 
     /// How many blocks are fenced.

@@ -50,7 +50,7 @@ mod remote;
 mod watch;
 
 pub use door::{Door, DoorOptions, POOLS_SOURCE_KUBERNETES, TlsFiles};
-pub use handle::{ClusterFigures, ClusterHandle};
+pub use handle::{ClusterFigures, ClusterHandle, Holding};
 pub(crate) use held::write_json;
 pub use held::{Held, HeldBlock, HeldError};
 pub use lb::{LbView, NEW_SERVICES_PER_ROUND, Round};

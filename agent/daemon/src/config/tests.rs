@@ -181,7 +181,7 @@ fn kubernetes_without_a_source_of_pod_addresses_refuses_the_embedded_default() {
 }
 
 #[test]
-fn bgp_is_taken_with_kubernetes_and_refused_beside_cluster_naming_why() {
+fn bgp_is_taken_alone_with_kubernetes_and_with_cluster() {
     let bgp = "[bgp]\nasn = 64512\nrouter_id = \"192.0.2.1\"\n";
     let c = parse(bgp).expect("[bgp] alone is valid");
     assert_eq!(c.bgp.map(|b| b.asn), Some(64512));
@@ -189,12 +189,15 @@ fn bgp_is_taken_with_kubernetes_and_refused_beside_cluster_naming_why() {
         .expect("[bgp] with [kubernetes] is valid");
     assert!(c.bgp.is_some() && c.kubernetes.is_some());
     let cluster = "[cluster]\netcd = [\"http://127.0.0.1:2379\"]\nnode_ip_v4 = \"192.0.2.1\"\n";
-    let e = parse(&format!("{bgp}{cluster}")).expect_err("refused");
-    let ConfigError::Invalid { field, reason, .. } = e else {
+    let c = parse(&format!("{bgp}{cluster}")).expect("[bgp] with [cluster] is valid");
+    assert!(c.bgp.is_some() && c.cluster.is_some());
+    // Without Kubernetes, cluster mode has no Node to take the router ID
+    // from.
+    let e = parse(&format!("[bgp]\nasn = 64512\n{cluster}")).expect_err("no router ID");
+    let ConfigError::Invalid { field, .. } = e else {
         panic!("not an Invalid: {e}");
     };
-    assert_eq!(field, "bgp", "{reason}");
-    assert!(reason.contains("not yet decided for BGP"), "{reason}");
+    assert_eq!(field, "bgp.router_id");
     // The router ID: required alone, the Node's InternalIP under
     // [kubernetes].
     let e = parse("[bgp]\nasn = 64512\n").expect_err("no router ID");

@@ -67,6 +67,10 @@ pub(super) fn start(
     let _ = state.bgp.set(rx.clone());
     state.metrics.set_bgp(rx.clone());
     let decided = match (&config.kubernetes, decided) {
+        // Cluster mode without Kubernetes: the LoadBalancer addresses are
+        // answered by ARP/NDP from one elected node (`cluster::lb_agent`),
+        // not announced over BGP; the pod blocks are.
+        (None, _) if config.cluster.is_some() => Some(watch::channel(Some(Arc::default())).1),
         (None, _) => None,
         (Some(_), Some(decided)) => Some(decided),
         // No loop decides (no LB writer election, logged): no
@@ -80,10 +84,18 @@ pub(super) fn start(
             crate::kubernetes::bgp_status::spawn(c.clone(), node.clone(), rx.clone(), stop.clone())
         });
     }
+    let cluster = match (&config.cluster, state.cluster.get()) {
+        (Some(c), Some(handle)) => Some(crate::bgp::speaker::ClusterBlocks {
+            handle: handle.clone(),
+            reclaim_after: c.reclaim_after,
+        }),
+        _ => None,
+    };
     let source = crate::bgp::speaker::Source {
         agent: slot.clone(),
         decided,
         peers: kube.map(|k| k.peers),
+        cluster,
     };
     let stop = stop.clone();
     tasks.keep("bgp speaker", move || {

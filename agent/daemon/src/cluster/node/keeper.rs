@@ -116,7 +116,7 @@ pub(super) async fn keep(
                 retry_at = None;
                 backoff.reset();
                 kept.send_replace(Some((lease, sent)));
-                handle.lock().lease_renewed(late);
+                handle.lock().lease_renewed(sent, late);
             }
             // Gone: the round registers again and tells the new lease.
             Ok(false) => {

@@ -810,6 +810,7 @@ impl ClusterNode {
                 self.hold = None;
             }
         }
+        let refreshed = self.keeper.fold(self.lease).map(|(_, at)| at);
         let mut s = self.handle.lock();
         s.rounds += 1;
         s.fenced = self
@@ -818,6 +819,12 @@ impl ClusterNode {
             .iter()
             .filter(|b| b.fenced.is_some())
             .count();
+        s.refreshed_at(refreshed);
+        s.serving = self
+            .held
+            .serving()
+            .map(|b| (b.pool.clone(), b.cidr))
+            .collect();
         // Nothing to claim for a wanted pool that has room: the ADD retries.
         drop(s);
         self.handle.changed.notify_waiters();

@@ -1,0 +1,343 @@
+//! Pod blocks announced over BGP in cluster mode (#48: "pod blocks from
+//! their holder (cluster mode)"; and one address, one owner): three
+//! nodes on a real etcd (`lease_ttl` 3 s, `reclaim_after` 8 s), BIRD and
+//! `lockstep bird-keeper` beside each agent, FRR on the underlay peering
+//! with all three. The test samples FRR's own kernel table every 20 ms.
+//!
+//! - Each node's block is routed via that node only.
+//! - The dangerous moment, twice at once: node-2 cut off from etcd (its
+//!   agent running, its BGP session up) and node-0's agent SIGKILLed
+//!   (BIRD and the keeper left running). Each node's block stays
+//!   announced while the node may still hold it, and is withdrawn before
+//!   a live node reclaims it (node-2's agent withdraws it itself; node-0's
+//!   keeper does, from the hold the last beat carried). Node-1 then
+//!   claims the freed blocks and announces them.
+//! - Healed, node-2 fences its old block and never announces it again.
+//! - In no sample does a block have two next hops.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, ensure};
+use ipnet::IpNet;
+use lockstep_tests::bgp::{BirdProc, Frr, Keeper, bgp_routes, bgp_routes_in, ecmp_router};
+use lockstep_tests::cluster::{ClusterNodes, node_ip, poll};
+use lockstep_tests::etcd::EtcdCluster;
+use lockstep_tests::{Netns, TempDir, privileged, veth};
+
+/// The router's address on the underlay.
+const ROUTER: &str = "10.251.0.100";
+/// `[cluster] lease_ttl` and `reclaim_after` of every node.
+const LEASE_TTL: Duration = Duration::from_secs(3);
+const RECLAIM_AFTER: Duration = Duration::from_secs(8);
+
+/// The cluster pool: four blocks of 16.
+const POOLS: &str = "[[pools]]\nname = \"pods\"\nipv4 = [\"10.94.0.0/26\"]\nblock_v4 = 28\n";
+
+/// Node `i`'s `[bgp]`: its BIRD's files in `dir`, the pod pool announced.
+fn section(i: usize, dir: &std::path::Path) -> String {
+    let me = node_ip(i);
+    format!(
+        "[bgp]\nasn = 64512\nrouter_id = \"{me}\"\nbird_socket = \"{}\"\nbird_config = \"{}\"\n\
+         withdraw_after = \"5s\"\n\
+         [[bgp.peers]]\nname = \"tor\"\naddress = \"{ROUTER}\"\nasn = 64513\nsource = \"{me}\"\n\
+         hold_time = \"9s\"\n[bgp.pools.pods]\n",
+        dir.join("bird.ctl").display(),
+        dir.join("bird.conf").display()
+    )
+}
+
+/// The lab; fields drop in order, each daemon before its namespace.
+struct Lab {
+    frr: Frr,
+    keepers: Vec<Keeper>,
+    birds: Vec<BirdProc>,
+    n: ClusterNodes,
+    nb: Netns,
+}
+
+impl Lab {
+    fn start(cluster: &EtcdCluster) -> anyhow::Result<Self> {
+        let dirs: Vec<TempDir> = (0..3)
+            .map(|_| TempDir::new("bird"))
+            .collect::<anyhow::Result<_>>()?;
+        let paths: Vec<std::path::PathBuf> = dirs.iter().map(|d| d.path().to_path_buf()).collect();
+        let n = ClusterNodes::build_each(
+            cluster,
+            "/bgp-cluster/",
+            POOLS,
+            &format!(
+                "lease_ttl = \"{}s\"\nreclaim_after = \"{}s\"\n",
+                LEASE_TTL.as_secs(),
+                RECLAIM_AFTER.as_secs()
+            ),
+            &|i| section(i, &paths[i]),
+            &|_| String::new(),
+        )?;
+        let mut birds = Vec::new();
+        let mut keepers = Vec::new();
+        for (i, dir) in dirs.into_iter().enumerate() {
+            let file = paths[i].join("bird.conf");
+            poll(Duration::from_secs(20), "the agent's BIRD file", || {
+                Ok(file.exists())
+            })
+            .with_context(|| n.agents[i].log())?;
+            birds.push(BirdProc::start_in(&n.ns[i], dir)?);
+            keepers.push(Keeper::start(&n.ns[i], &n.agents[i])?);
+        }
+        let nb = Netns::new("bgcnb")?;
+        veth(&n.underlay, "ulnb", &nb, "n0")?;
+        n.underlay
+            .exec("ip", ["link", "set", "ulnb", "master", "br0"])?;
+        nb.ip(["addr", "add", &format!("{ROUTER}/24"), "dev", "n0"])?;
+        let nodes: Vec<String> = (0..3).map(node_ip).collect();
+        let frr = Frr::start(&nb, &ecmp_router(ROUTER, &nodes))?;
+        Ok(Self {
+            frr,
+            keepers,
+            birds,
+            n,
+            nb,
+        })
+    }
+
+    /// The block etcd gives each node.
+    fn holders(&self) -> anyhow::Result<BTreeMap<IpNet, usize>> {
+        let mut out = BTreeMap::new();
+        for i in 0..3 {
+            for b in self.n.blocks_of(&format!("node-{i}"))? {
+                out.insert(b, i);
+            }
+        }
+        Ok(out)
+    }
+
+    /// Waits until the router routes exactly the blocks etcd gives the
+    /// nodes in `nodes`, each via its holder only.
+    fn routed_via_holders(&self, nodes: &[usize], within: Duration) -> anyhow::Result<()> {
+        let mut last = String::new();
+        poll(within, "every block routed via its holder", || {
+            let want: BTreeMap<String, Vec<String>> = self
+                .holders()?
+                .into_iter()
+                .filter(|(_, i)| nodes.contains(i))
+                .map(|(b, i)| (b.to_string(), vec![node_ip(i)]))
+                .collect();
+            let got = bgp_routes(&self.nb)?;
+            last = format!("router {got:?}, want {want:?}");
+            Ok(got == want)
+        })
+        .with_context(|| last.clone())
+        .with_context(|| self.logs())?;
+        Ok(())
+    }
+
+    fn logs(&self) -> String {
+        let mut out = String::new();
+        for i in 0..3 {
+            out += &format!(
+                "--- node-{i} agent ---\n{}\n--- node-{i} keeper ---\n{}\n--- node-{i} bird ---\n{}\n",
+                self.n.agents[i].log(),
+                self.keepers[i].log(),
+                self.birds[i].log()
+            );
+        }
+        out
+    }
+}
+
+/// The router's BGP routes: prefix → next hops.
+type Table = BTreeMap<String, Vec<String>>;
+
+/// Each change of the router's table, with when it was seen.
+type Changes = Vec<(Duration, Table)>;
+
+/// The router's table, sampled every 20 ms on a thread of its own: each
+/// change with when it was seen, and how many samples were taken.
+struct Sampler {
+    stop: Arc<AtomicBool>,
+    thread: std::thread::JoinHandle<(Changes, usize)>,
+}
+
+impl Sampler {
+    fn start(nb: &Netns, t0: Instant) -> Self {
+        let stop = Arc::new(AtomicBool::new(false));
+        let (s, name) = (stop.clone(), nb.name().to_string());
+        let thread = std::thread::spawn(move || {
+            let mut changes: Changes = Vec::new();
+            let mut count = 0;
+            while !s.load(Ordering::Relaxed) {
+                if let Ok(now) = bgp_routes_in(&name) {
+                    count += 1;
+                    if changes.last().is_none_or(|(_, last)| *last != now) {
+                        changes.push((t0.elapsed(), now));
+                    }
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            (changes, count)
+        });
+        Self { stop, thread }
+    }
+
+    fn finish(self) -> (Changes, usize) {
+        self.stop.store(true, Ordering::Relaxed);
+        self.thread.join().unwrap_or_default()
+    }
+}
+
+/// The last moment `block` was seen routed via `hop` in `changes` (the
+/// moment of the next change), if it ever was.
+fn last_via(changes: &[(Duration, Table)], block: &str, hop: &str) -> Option<Duration> {
+    let via = |m: &Table| m.get(block).is_some_and(|h| h.contains(&hop.to_string()));
+    let last = changes.iter().rposition(|(_, m)| via(m))?;
+    changes.get(last + 1).map(|(t, _)| *t)
+}
+
+#[test]
+fn blocks_are_announced_by_their_holder_and_withdrawn_before_another_node_may_claim_them()
+-> anyhow::Result<()> {
+    privileged!();
+    let cluster = EtcdCluster::start(1)?;
+    let mut lab = Lab::start(&cluster)?;
+    for i in 0..3 {
+        ensure!(
+            lab.n.fill(i, &format!("e{i}-"), 1)? == 1,
+            "node-{i} allocated nothing"
+        );
+    }
+    lab.routed_via_holders(&[0, 1, 2], Duration::from_secs(30))?;
+    let before = lab.holders()?;
+    let block_of = |node: usize| {
+        before
+            .iter()
+            .find(|(_, i)| **i == node)
+            .map(|(b, _)| *b)
+            .context("a node without a block")
+    };
+    let (b0, b2) = (block_of(0)?, block_of(2)?);
+    eprintln!("blocks: {before:?}");
+    let sessions = |lab: &Lab| -> anyhow::Result<u64> {
+        let n = lab.frr.neighbor(&node_ip(1))?;
+        n["connectionsEstablished"]
+            .as_u64()
+            .with_context(|| format!("no connectionsEstablished in {n}"))
+    };
+    // Counted from a settled session: at start FRR may reset a session
+    // once (docs/design/bgp.md).
+    let mut node1_sessions = sessions(&lab)?;
+    poll(Duration::from_secs(30), "node-1's session settled", || {
+        std::thread::sleep(Duration::from_secs(3));
+        let now = sessions(&lab)?;
+        let same = now == node1_sessions;
+        node1_sessions = now;
+        Ok(same)
+    })?;
+
+    // The dangerous moment: node-2 cut off from etcd, node-0's agent
+    // killed, at once.
+    let t0 = Instant::now();
+    let sampler = Sampler::start(&lab.nb, t0);
+    lab.n.cut_from_etcd(2)?;
+    lab.n.agents[0].kill9();
+    let mut reclaimed: BTreeMap<IpNet, Duration> = BTreeMap::new();
+    let mut status_cut = String::new();
+    poll(
+        Duration::from_secs(40),
+        "node-0's and node-2's blocks reclaimed",
+        || {
+            let held = lab.holders()?;
+            for b in [b0, b2] {
+                if !held.contains_key(&b) {
+                    reclaimed.entry(b).or_insert_with(|| t0.elapsed());
+                }
+            }
+            if status_cut.is_empty() && t0.elapsed() > RECLAIM_AFTER + Duration::from_secs(1) {
+                let out = lab.n.agents[2].cli(["status"])?;
+                status_cut = String::from_utf8_lossy(&out.stdout).into_owned();
+            }
+            Ok(reclaimed.len() == 2)
+        },
+    )
+    .with_context(|| lab.logs())?;
+    // Node-1 claims the freed blocks as it fills up, and announces them.
+    let given = lab.n.fill(1, "f-", 60)?;
+    let node1 = lab.n.blocks_of("node-1")?;
+    eprintln!("node-1 allocated {given} more; holds {node1:?}");
+    ensure!(
+        node1.contains(&b0) && node1.contains(&b2),
+        "node-1 holds {node1:?}, not both freed blocks {b0} and {b2}"
+    );
+    lab.routed_via_holders(&[1], Duration::from_secs(10))?;
+    // Healed, node-2 fences its old block: it announces it no more.
+    lab.n.heal(2)?;
+    std::thread::sleep(LEASE_TTL + Duration::from_secs(2));
+    lab.routed_via_holders(&[1, 2], Duration::from_secs(10))?;
+    let (changes, samples) = sampler.finish();
+
+    // Never two next hops for one block.
+    for (t, m) in &changes {
+        for (block, hops) in m {
+            ensure!(
+                hops.len() == 1,
+                "{block} routed via {hops:?} at {:.2} s",
+                t.as_secs_f64()
+            );
+        }
+    }
+    // Each withdrawn once its node could no longer be sure it held it,
+    // and before a live node reclaimed it.
+    for (b, node, how) in [(b0, 0, "agent killed"), (b2, 2, "cut off from etcd")] {
+        let gone = last_via(&changes, &b.to_string(), &node_ip(node))
+            .with_context(|| format!("{b} never left node-{node}: {changes:?}"))?;
+        let freed = reclaimed[&b];
+        eprintln!(
+            "node-{node} ({how}): {b} withdrawn {:.2} s after, reclaimed {:.2} s after ({:.2} s apart)",
+            gone.as_secs_f64(),
+            freed.as_secs_f64(),
+            (freed.saturating_sub(gone)).as_secs_f64()
+        );
+        ensure!(
+            gone < freed,
+            "{b} was still announced by node-{node} when it was reclaimed"
+        );
+        // Kept while the node held it: withdrawn no sooner than
+        // reclaim_after after its lease's last refresh, which was less
+        // than a TTL before the cut (the lease was alive). Well past the
+        // 5 s `withdraw_after` of LoadBalancer routes.
+        ensure!(
+            gone >= RECLAIM_AFTER - LEASE_TTL,
+            "{b} withdrawn {:.2} s after ({how}): before its hold ran out",
+            gone.as_secs_f64()
+        );
+    }
+    ensure!(
+        status_cut.contains("bgp pod blocks withdrawn: etcd last renewed"),
+        "node-2's status while cut off: {status_cut}"
+    );
+    ensure!(
+        lab.keepers[0]
+            .log()
+            .contains("hold on its pod blocks ran out"),
+        "node-0's keeper: {}",
+        lab.keepers[0].log()
+    );
+    eprintln!("{samples} samples, {} changes", changes.len());
+    // The live node's session was never reset through it all.
+    ensure!(
+        sessions(&lab)? == node1_sessions,
+        "node-1's session was reset: {node1_sessions} -> {}",
+        sessions(&lab)?
+    );
+    let node1_routes: BTreeSet<String> = node1.iter().map(ToString::to_string).collect();
+    ensure!(
+        changes
+            .last()
+            .is_some_and(|(_, m)| node1_routes.iter().all(|b| m[b] == [node_ip(1)])),
+        "the router's last table: {:?}",
+        changes.last()
+    );
+    Ok(())
+}
