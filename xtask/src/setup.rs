@@ -148,6 +148,23 @@ const RENDERED: &[(&str, &[&str])] = &[
         &["--mode", "multi-pool", "--non-masquerade", "10.96.0.0/12"],
     ),
     (
+        "cluster-bgp",
+        &[
+            "--mode",
+            "cluster",
+            "--etcd",
+            "http://10.0.0.10:2379",
+            "--bgp-asn",
+            "64512",
+            "--bgp-peer",
+            "tor-a,192.0.2.1,64513",
+            "--bgp-pool",
+            "default",
+            "--bird-image",
+            "registry.example/bird:2.0",
+        ],
+    ),
+    (
         "multi-pool-pools",
         &[
             "--mode",

@@ -72,7 +72,9 @@ pub struct ManifestsArgs {
     /// routers only some nodes peer with are BGPPeer objects).
     #[arg(long = "bgp-peer")]
     bgp_peers: Vec<crate::manifests::bgp::PeerFlag>,
-    /// A LoadBalancerIPPool announced over BGP (repeat for more).
+    /// A pool announced over BGP (repeat for more): a LoadBalancerIPPool
+    /// (its addresses) or a pod pool (its blocks; in mode cluster, pod
+    /// blocks only).
     #[arg(long = "bgp-pool")]
     bgp_pools: Vec<String>,
     /// The image BIRD runs from: one with `bird` (BIRD 2) and `sh`.

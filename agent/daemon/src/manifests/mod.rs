@@ -216,16 +216,10 @@ impl Options {
             );
         }
         if let Some(b) = &self.bgp {
-            if !self.mode.elects_on_a_lease() {
-                return flag(
-                    "--bgp-asn",
-                    "BGP is not supported with mode cluster in this version",
-                );
-            }
             if b.pools.is_empty() {
                 return flag(
                     "--bgp-pool",
-                    "--bgp-asn needs the LoadBalancerIPPools to announce",
+                    "--bgp-asn needs the pools to announce (LoadBalancerIPPools, pod pools)",
                 );
             }
             if b.bird_image.is_empty() || b.bird_image.contains(char::is_whitespace) {

@@ -73,7 +73,8 @@ pub(super) fn start(
         (None, _) if config.cluster.is_some() => Some(watch::channel(Some(Arc::default())).1),
         (None, _) => None,
         (Some(_), Some(decided)) => Some(decided),
-        // No loop decides (no LB writer election, logged): no
+        // No loop decides (cluster mode, where one elected node answers
+        // each address by ARP/NDP; or no LB writer election, logged): no
         // LoadBalancer address is announced, the pod blocks are.
         (Some(_), None) => Some(watch::channel(Some(Arc::default())).1),
     };
