@@ -217,22 +217,21 @@ fn a_refused_session_is_named_and_its_repair_resets_no_other() -> anyhow::Result
         .enable_all()
         .build()?;
     let bird = lab.bird.door();
-    // tor-1 is refused, named; tor-0 is up.
+    // tor-1 is refused, named, while tor-0 is up. (tor-0 may be reset
+    // once in its first second, the start-up reset docs/design/bgp.md
+    // records: it is waited for, not taken as a failure.)
     let started = Instant::now();
     let problem = loop {
         let sessions = rt.block_on(bird.protocols())?;
         let of = |name: &str| sessions.iter().find(|p| p.name == name).cloned();
         let (a, b) = (of("peer_tor_0"), of("peer_tor_1"));
-        ensure!(
-            a.as_ref().is_some_and(lockstep::bgp::Protocol::established),
-            "tor-0 is not up: {sessions:?}"
-        );
-        if let Some(p) = b.as_ref().and_then(lockstep::bgp::Protocol::problem) {
+        let up = a.as_ref().is_some_and(lockstep::bgp::Protocol::established);
+        if up && let Some(p) = b.as_ref().and_then(lockstep::bgp::Protocol::problem) {
             break p;
         }
         ensure!(
             started.elapsed() < Duration::from_secs(20),
-            "tor-1's refusal was never named: {sessions:?}"
+            "tor-1's refusal was never named with tor-0 up: {sessions:?}"
         );
         std::thread::sleep(Duration::from_millis(100));
     };
