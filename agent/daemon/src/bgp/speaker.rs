@@ -137,7 +137,7 @@ impl Seen {
             return None;
         }
         // Cluster mode: nothing is written before etcd answered once.
-        let cluster = match &source.cluster {
+        let held = match &source.cluster {
             None => None,
             Some(c) => {
                 let (hold, blocks) = c.read();
@@ -145,7 +145,7 @@ impl Seen {
                 if hold == Hold::Unknown {
                     return None;
                 }
-                Some((c.pools(), blocks))
+                Some(blocks)
             }
         };
         let mut changed = !self
@@ -153,14 +153,13 @@ impl Seen {
             .as_ref()
             .is_some_and(|p| Arc::ptr_eq(p, &view.pool_cidrs));
         self.pools = Some(view.pool_cidrs.clone());
-        let lb = match &mut source.decided {
+        match &mut source.decided {
             None => {
                 changed |= !self
                     .addresses
                     .as_ref()
                     .is_some_and(|a| Arc::ptr_eq(a, &view.lb_addresses));
                 self.addresses = Some(view.lb_addresses.clone());
-                from_addresses(attrs, node, &view.lb_addresses)
             }
             Some(rx) => {
                 if rx.has_changed().unwrap_or(false) || self.decision.is_none() {
@@ -168,44 +167,38 @@ impl Seen {
                     changed |= now.is_some();
                     self.decision = now.or(self.decision.take());
                 }
-                self.decision.as_deref()?.clone()
+                self.decision.as_ref()?;
             }
-        };
-        let mut blocks: Vec<PodBlock<'_>> = Vec::new();
-        let local = |pool: &String| attrs.contains_key(pool);
-        match &cluster {
-            None => {}
-            Some((pools, held)) => {
-                changed |= self.cluster_blocks.as_ref() != Some(held);
-                self.cluster_blocks = Some(held.clone());
-                blocks.extend(
-                    held.iter()
-                        .filter(|(pool, _)| attrs.contains_key(pool))
-                        .map(|(pool, cidr)| PodBlock { cidr: *cidr, pool }),
-                );
-                // A cluster pool's local CIDRs are its blocks, fenced ones
-                // too: taken from etcd's word above instead.
-                blocks.extend(
-                    view.pool_cidrs
-                        .iter()
-                        .filter(|(pool, _)| local(pool) && !pools.contains(pool))
-                        .flat_map(|(pool, cidrs)| {
-                            cidrs.iter().map(|&cidr| PodBlock { cidr, pool })
-                        }),
-                );
-            }
+        }
+        if let Some(held) = &held {
+            changed |= self.cluster_blocks.as_ref() != Some(held);
+            self.cluster_blocks = Some(held.clone());
         }
         if !changed {
             return None;
         }
-        if cluster.is_none() {
-            blocks.extend(
+        let lb = match &self.decision {
+            Some(d) if source.decided.is_some() => d.as_ref().clone(),
+            _ => from_addresses(attrs, node, &view.lb_addresses),
+        };
+        // A cluster pool's local CIDRs are its blocks, fenced ones too:
+        // taken from etcd's word (`held`) instead.
+        let cluster_pools: Vec<String> = source
+            .cluster
+            .as_ref()
+            .map_or_else(Vec::new, ClusterBlocks::pools);
+        let blocks: Vec<PodBlock<'_>> = held
+            .iter()
+            .flatten()
+            .map(|(pool, cidr)| PodBlock { cidr: *cidr, pool })
+            .chain(
                 view.pool_cidrs
                     .iter()
-                    .filter(|(pool, _)| local(pool))
+                    .filter(|(pool, _)| !cluster_pools.contains(pool))
                     .flat_map(|(pool, cidrs)| cidrs.iter().map(|&cidr| PodBlock { cidr, pool })),
-            );
-        }
+            )
+            .filter(|b| attrs.contains_key(b.pool))
+            .collect();
         Some(Decision {
             blocks: decide(node, &Ok(()), &[], &blocks, attrs).blocks,
             ..lb
