@@ -59,7 +59,9 @@ struct Lab {
 }
 
 impl Lab {
-    fn start(cluster: &EtcdCluster) -> anyhow::Result<Self> {
+    /// The lab, node `i`'s agent configured with `more(i)` after its
+    /// `[bgp]` section.
+    fn start(cluster: &EtcdCluster, more: &dyn Fn(usize) -> String) -> anyhow::Result<Self> {
         let dirs: Vec<TempDir> = (0..3)
             .map(|_| TempDir::new("bird"))
             .collect::<anyhow::Result<_>>()?;
@@ -73,7 +75,7 @@ impl Lab {
                 LEASE_TTL.as_secs(),
                 RECLAIM_AFTER.as_secs()
             ),
-            &|i| section(i, &paths[i]),
+            &|i| section(i, &paths[i]) + &more(i),
             &|_| String::new(),
         )?;
         let mut birds = Vec::new();
@@ -148,6 +150,10 @@ impl Lab {
     }
 }
 
+/// One lab at a time: the tests time withdrawals, and two labs on two
+/// CPUs would make each other late.
+static ONE_LAB: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 /// The router's BGP routes: prefix → next hops.
 type Table = BTreeMap<String, Vec<String>>;
 
@@ -200,8 +206,11 @@ fn last_via(changes: &[(Duration, Table)], block: &str, hop: &str) -> Option<Dur
 fn blocks_are_announced_by_their_holder_and_withdrawn_before_another_node_may_claim_them()
 -> anyhow::Result<()> {
     privileged!();
+    let _one = ONE_LAB
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
     let cluster = EtcdCluster::start(1)?;
-    let mut lab = Lab::start(&cluster)?;
+    let mut lab = Lab::start(&cluster, &|_| String::new())?;
     for i in 0..3 {
         ensure!(
             lab.n.fill(i, &format!("e{i}-"), 1)? == 1,
@@ -338,6 +347,187 @@ fn blocks_are_announced_by_their_holder_and_withdrawn_before_another_node_may_cl
             .is_some_and(|(_, m)| node1_routes.iter().all(|b| m[b] == [node_ip(1)])),
         "the router's last table: {:?}",
         changes.last()
+    );
+    Ok(())
+}
+
+/// LoadBalancer pools for the LB test, BGP only (no `announce`): `open`
+/// admits every node, `zoned` only zone `a`.
+const LB_POOLS: &str = r#"{"pools": [
+  {"name": "open", "cidrs": ["198.51.100.0/28"], "serviceSelector": {"matchLabels": {"app": "open"}}},
+  {"name": "zoned", "cidrs": ["203.0.113.0/28"], "serviceSelector": {"matchLabels": {"app": "zoned"}},
+   "nodeSelector": {"matchLabels": {"zone": "a"}}}
+], "services": [
+  {"namespace": "shop", "name": "web", "labels": {"app": "open"}, "ports": [{"protocol": "TCP", "port": 80}]},
+  {"namespace": "shop", "name": "api", "labels": {"app": "zoned"}, "ports": [{"protocol": "TCP", "port": 80}]}
+]}"#;
+
+/// `[lb] announce_lease`, and the keeper's `withdraw_after` (`section`).
+const LB_LEASE: Duration = Duration::from_secs(3);
+const WITHDRAW_AFTER: Duration = Duration::from_secs(5);
+
+/// The first moment after `from` that `prefix` was seen without `hop`.
+fn left_at(
+    changes: &[(Duration, Table)],
+    prefix: &str,
+    hop: &str,
+    from: Duration,
+) -> Option<Duration> {
+    changes
+        .iter()
+        .filter(|(t, _)| *t >= from)
+        .find(|(_, m)| !m.get(prefix).is_some_and(|h| h.contains(&hop.to_string())))
+        .map(|(t, _)| *t)
+}
+
+/// LoadBalancer addresses in cluster mode without Kubernetes: announced
+/// from every node their pool admits (ECMP), withdrawn by a node cut off
+/// from etcd when its LB lease runs out, and by a dead agent's keeper.
+#[test]
+fn lb_addresses_come_from_every_admitted_node_and_leave_with_its_lease() -> anyhow::Result<()> {
+    privileged!();
+    let _one = ONE_LAB
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let cluster = EtcdCluster::start(1)?;
+    let zone = |i: usize| if i == 2 { "b" } else { "a" };
+    let lab = Lab::start(&cluster, &|i| {
+        format!(
+            "[bgp.pools.open]\n[bgp.pools.zoned]\n[lb]\nannounce_lease = \"{}s\"\n\
+             [cluster.node_labels]\nzone = \"{}\"\n",
+            LB_LEASE.as_secs(),
+            zone(i)
+        )
+    })?;
+    let mut lab = lab;
+    lab.n.agents[0].lb_apply(&serde_json::from_str(LB_POOLS)?)?;
+    let address = |id: &str| -> anyhow::Result<String> {
+        let v = lab.n.agents[1].json(["lb", "get", "-o", "json"])?;
+        v["services"][id]["assignment"]["addresses"][0]
+            .as_str()
+            .map(str::to_string)
+            .with_context(|| format!("{id} has no address: {v}"))
+    };
+    let mut web = String::new();
+    let mut api = String::new();
+    poll(Duration::from_secs(30), "both services assigned", || {
+        web = address("shop/web").unwrap_or_default();
+        api = address("shop/api").unwrap_or_default();
+        Ok(!web.is_empty() && !api.is_empty())
+    })?;
+    let hops = |nodes: &[usize]| -> Vec<String> { nodes.iter().map(|&i| node_ip(i)).collect() };
+    let want_all = |lab: &Lab, w: &[usize], a: &[usize], what: &str| -> anyhow::Result<()> {
+        let mut last = String::new();
+        poll(Duration::from_secs(30), what, || {
+            let got = bgp_routes(&lab.nb)?;
+            last = format!("router {got:?}");
+            let via = |p: &str| {
+                let mut h = got.get(p).cloned().unwrap_or_default();
+                h.sort();
+                h
+            };
+            Ok(via(&web) == hops(w) && via(&api) == hops(a))
+        })
+        .with_context(|| last.clone())
+        .with_context(|| lab.logs())?;
+        Ok(())
+    };
+    // Every admitted node announces: web from all three, api (zone a)
+    // from node-0 and node-1 only.
+    want_all(
+        &lab,
+        &[0, 1, 2],
+        &[0, 1],
+        "web via every node, api via zone a",
+    )?;
+    let status = lab.n.agents[2].json(["status", "-o", "json"])?;
+    let why = status["bgp"]["withheld"][&api].as_str().unwrap_or_default();
+    ensure!(
+        why.contains("pool zoned's node selector does not admit this node"),
+        "node-2's status does not say why api is withheld: {status}"
+    );
+    ensure!(
+        status["bgp"]["services"]["shop/web"] == serde_json::json!([web]),
+        "node-2's status does not name web's address: {status}"
+    );
+    let sessions = |lab: &Lab| -> anyhow::Result<u64> {
+        let n = lab.frr.neighbor(&node_ip(1))?;
+        n["connectionsEstablished"]
+            .as_u64()
+            .with_context(|| format!("no connectionsEstablished in {n}"))
+    };
+    let mut node1_sessions = sessions(&lab)?;
+    poll(Duration::from_secs(30), "node-1's session settled", || {
+        std::thread::sleep(Duration::from_secs(3));
+        let now = sessions(&lab)?;
+        let same = now == node1_sessions;
+        node1_sessions = now;
+        Ok(same)
+    })?;
+
+    // Node-2 cut off from etcd: its LB lease runs out, and it withdraws
+    // its routes then; the others keep theirs.
+    let t0 = Instant::now();
+    let sampler = Sampler::start(&lab.nb, t0);
+    lab.n.cut_from_etcd(2)?;
+    want_all(
+        &lab,
+        &[0, 1],
+        &[0, 1],
+        "web no longer via the cut-off node-2",
+    )?;
+    let status = lab.n.agents[2].json(["status", "-o", "json"])?;
+    let why = status["bgp"]["withheld"][&web].as_str().unwrap_or_default();
+    ensure!(
+        why.contains("LB lease in etcd is not live"),
+        "node-2's status does not say why web is withdrawn: {status}"
+    );
+    // Node-0's agent killed: its keeper withdraws its LoadBalancer routes
+    // once the beats stop for `withdraw_after`.
+    let t1 = t0.elapsed();
+    lab.n.agents[0].kill9();
+    want_all(&lab, &[1], &[1], "web and api only via node-1")?;
+    // Healed, node-2 takes a lease again and announces web again.
+    lab.n.heal(2)?;
+    want_all(&lab, &[1, 2], &[1], "web via node-1 and node-2 again")?;
+    let (changes, samples) = sampler.finish();
+
+    let cut = left_at(&changes, &web, &node_ip(2), Duration::ZERO)
+        .with_context(|| format!("web never left node-2: {changes:?}"))?;
+    let killed = left_at(&changes, &web, &node_ip(0), t1)
+        .with_context(|| format!("web never left node-0: {changes:?}"))?
+        .saturating_sub(t1);
+    eprintln!(
+        "node-2 cut off: web withdrawn {:.2} s after; node-0 killed: withdrawn {:.2} s after; {samples} samples, {} changes",
+        cut.as_secs_f64(),
+        killed.as_secs_f64(),
+        changes.len()
+    );
+    ensure!(
+        cut <= LB_LEASE + Duration::from_secs(2),
+        "node-2 withdrew web {:.2} s after it was cut off: later than its {LB_LEASE:?} lease",
+        cut.as_secs_f64()
+    );
+    ensure!(
+        killed <= WITHDRAW_AFTER + Duration::from_secs(2),
+        "node-0's keeper withdrew web {:.2} s after the kill (withdraw_after {WITHDRAW_AFTER:?})",
+        killed.as_secs_f64()
+    );
+    // The addresses never left the router's table: some node announced
+    // each at every moment.
+    for (t, m) in &changes {
+        for a in [&web, &api] {
+            ensure!(
+                m.get(a).is_some_and(|h| !h.is_empty()),
+                "{a} unrouted at {:.2} s: {m:?}",
+                t.as_secs_f64()
+            );
+        }
+    }
+    ensure!(
+        sessions(&lab)? == node1_sessions,
+        "node-1's session was reset: {node1_sessions} -> {}",
+        sessions(&lab)?
     );
     Ok(())
 }

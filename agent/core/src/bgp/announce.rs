@@ -19,6 +19,11 @@
 //!   terminates), and a node whose pod went away stops at once;
 //! - under `Cluster`, every node that may serve announces.
 //!
+//! In cluster mode without Kubernetes ([`decide_stored`]) the addresses
+//! are those the assigner stored in etcd, with no endpoints to follow:
+//! every node the pool's node selector admits announces, while its LB
+//! lease is live ([`LEASE_NOT_LIVE`] says why not).
+//!
 //! Pod blocks are announced by the node that holds them, exclusion from
 //! load balancing or not: they route to pods, not to Services.
 //!
@@ -31,10 +36,10 @@ use std::net::IpAddr;
 use ipnet::IpNet;
 
 use super::{Announcements, RouteAttrs};
-use crate::lb::LbPoolSpec;
 use crate::lb::kubernetes::KubeService;
 use crate::lb::kubernetes::local::{Endpoint, candidate};
 use crate::lb::kubernetes::ownership::lockstep_ingress;
+use crate::lb::{LbPoolSpec, PoolStatus, ServiceStatus};
 
 /// One LoadBalancer address as the decision needs it.
 #[derive(Clone, Copy, Debug)]
@@ -122,6 +127,60 @@ pub fn decide(
     d
 }
 
+/// In cluster mode, why a node withholds every LoadBalancer address while
+/// its LB lease in etcd is not live: past the lease's term, another node
+/// may act on its absence.
+pub const LEASE_NOT_LIVE: &str = "this node's LB lease in etcd is not live (etcd unreachable, or the uplink down): the addresses may be another's";
+
+/// Cluster mode without Kubernetes: what `node`, with `labels` (its
+/// `[cluster] node_labels`), announces of the LoadBalancer addresses the
+/// assigner stored (`pools`, `services`), for the pools `attrs` names.
+/// There are no endpoints to follow, so every node whose labels the
+/// address's pool selector admits announces it, and the routers spread
+/// traffic over them (ECMP). `may`: whether the node may announce
+/// LoadBalancer addresses at all (its LB lease in etcd is live), else
+/// why not. Each address's pool is the one that holds it (a pool in
+/// conflict holds none); [`Decision::services`] names each announced
+/// address's Service.
+#[must_use]
+pub fn decide_stored(
+    node: &str,
+    may: &Result<(), String>,
+    pools: &[PoolStatus],
+    services: &BTreeMap<String, ServiceStatus>,
+    labels: &BTreeMap<String, String>,
+    attrs: &BTreeMap<String, RouteAttrs>,
+) -> Decision {
+    let pool_of = |address: IpAddr| {
+        pools
+            .iter()
+            .filter(|p| p.conflict.is_none())
+            .map(|p| &p.spec)
+            .find(|p| p.holds(address) && attrs.contains_key(&p.name))
+    };
+    let mut of = BTreeMap::new();
+    let mut addresses = Vec::new();
+    for (id, status) in services {
+        for &address in status.addresses() {
+            if let Some(pool) = pool_of(address) {
+                of.insert(address, id.clone());
+                addresses.push(LbAddress {
+                    address,
+                    pool: &pool.name,
+                    local: None,
+                    admitted: pool.node_selector.is_empty() || pool.node_selector.matches(labels),
+                });
+            }
+        }
+    }
+    let mut d = decide(node, may, &addresses, &[], attrs);
+    d.services = of
+        .into_iter()
+        .filter(|(a, _)| d.routes.contains_key(&IpNet::from(*a)))
+        .collect();
+    d
+}
+
 /// The LoadBalancer addresses lockstep gave `svc`, as [`decide`] reads
 /// them, for a node with `labels` (`None`: its Node not read yet): each
 /// with the pool among `pools` that holds it, whether that pool's node
@@ -198,6 +257,81 @@ mod tests {
             })
             .map(|n| (*n).to_string())
             .collect()
+    }
+
+    #[test]
+    fn stored_addresses_from_every_node_the_pool_admits_and_only_bgp_pools() {
+        use crate::lb::{LbIpam, LbPoolSpec, ServiceSpec};
+        let mut lb = LbIpam::new();
+        let mut zoned = LbPoolSpec::new("zoned").cidr("198.51.100.0/30");
+        zoned
+            .node_selector
+            .match_labels
+            .insert("zone".into(), "a".into());
+        lb.apply_pool(zoned).unwrap();
+        lb.apply_pool(LbPoolSpec::new("open").cidr("203.0.113.0/30"))
+            .unwrap();
+        lb.apply_pool(LbPoolSpec::new("l2only").cidr("192.0.2.0/30"))
+            .unwrap();
+        for name in ["a", "b", "c", "d", "e", "f"] {
+            lb.apply_service(ServiceSpec::new("ns", name)).unwrap();
+        }
+        let pools: Vec<_> = lb.pools().collect();
+        let services: BTreeMap<String, _> = lb
+            .services()
+            .map(|(id, st)| (id.to_string(), st.clone()))
+            .collect();
+        let attrs: BTreeMap<String, RouteAttrs> = [
+            ("zoned".to_string(), RouteAttrs::default()),
+            ("open".to_string(), RouteAttrs::default()),
+        ]
+        .into();
+        let by_pool = lb.addresses();
+        let of_pool = |pool: &str| -> BTreeSet<IpNet> {
+            by_pool
+                .iter()
+                .filter(|(_, p)| *p == pool)
+                .map(|(a, _)| IpNet::from(*a))
+                .collect()
+        };
+        assert!(!of_pool("zoned").is_empty() && !of_pool("open").is_empty());
+        assert!(!of_pool("l2only").is_empty());
+        let zone = |z: &str| -> BTreeMap<String, String> { [("zone".into(), z.into())].into() };
+        // In zone a: both BGP pools' addresses, never the L2-only pool's.
+        let a = decide_stored("n0", &Ok(()), &pools, &services, &zone("a"), &attrs);
+        let routes: BTreeSet<IpNet> = a.routes.keys().copied().collect();
+        assert_eq!(
+            routes,
+            of_pool("zoned").union(&of_pool("open")).copied().collect()
+        );
+        assert!(a.withheld.is_empty());
+        // Each announced address names its Service.
+        for net in &routes {
+            let id = &a.services[&net.addr()];
+            assert!(services[id].addresses().contains(&net.addr()));
+        }
+        // In zone b: the zoned pool's addresses withheld, naming it.
+        let b = decide_stored("n1", &Ok(()), &pools, &services, &zone("b"), &attrs);
+        assert_eq!(
+            b.routes.keys().copied().collect::<BTreeSet<_>>(),
+            of_pool("open")
+        );
+        for net in of_pool("zoned") {
+            assert!(b.withheld[&net.addr()].contains("pool zoned's node selector"));
+        }
+        // A node whose lease is not live announces none, and says why.
+        let why = "this node's LB lease is not live".to_string();
+        let off = decide_stored(
+            "n0",
+            &Err(why.clone()),
+            &pools,
+            &services,
+            &zone("a"),
+            &attrs,
+        );
+        assert!(off.routes.is_empty() && off.services.is_empty());
+        assert_eq!(off.withheld.len(), routes.len());
+        assert!(off.withheld.values().all(|w| *w == why));
     }
 
     #[test]

@@ -8,10 +8,13 @@
 //! configuration (core `bgp::render_bird`) and applies it when it
 //! changes, and follows the sessions. And [`keeper`], `lockstep
 //! bird-keeper`: run beside BIRD, it withdraws the node's LoadBalancer
-//! routes when the agent goes silent.
+//! routes when the agent goes silent. And [`stored`]: in cluster mode
+//! without Kubernetes, what the node announces of the LoadBalancer
+//! addresses stored in etcd.
 
 mod bird;
 pub mod keeper;
 pub mod speaker;
+pub mod stored;
 
 pub use bird::{Bird, BirdError, Protocol, ReplyLine};

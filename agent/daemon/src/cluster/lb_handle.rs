@@ -122,6 +122,14 @@ impl LbHandle {
         self.lock().announcing.clone()
     }
 
+    /// Whether this node's LB lease is live now: refreshed in etcd
+    /// within its term, so no other node can have taken over what this
+    /// node serves (false before the first refresh, past the lease's cap,
+    /// and while the uplink is down).
+    pub fn lease_live(&self) -> bool {
+        self.lock().valid_until_ns > monotonic_ns()
+    }
+
     /// How the LB loops reach etcd.
     pub(super) fn options(&self) -> &DoorOptions {
         &self.opts

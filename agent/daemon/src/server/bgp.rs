@@ -67,14 +67,13 @@ pub(super) fn start(
     let _ = state.bgp.set(rx.clone());
     state.metrics.set_bgp(rx.clone());
     let decided = match (&config.kubernetes, decided) {
-        // Cluster mode without Kubernetes: the LoadBalancer addresses are
-        // answered by ARP/NDP from one elected node (`cluster::lb_agent`),
-        // not announced over BGP; the pod blocks are.
-        (None, _) if config.cluster.is_some() => Some(watch::channel(Some(Arc::default())).1),
+        // Cluster mode without Kubernetes: the addresses the assigner
+        // stored in etcd, from every node their pool admits
+        // (`bgp::stored`).
+        (None, _) if config.cluster.is_some() => Some(stored(config, state, &bgp, tasks, stop)),
         (None, _) => None,
         (Some(_), Some(decided)) => Some(decided),
-        // No loop decides (cluster mode, where one elected node answers
-        // each address by ARP/NDP; or no LB writer election, logged): no
+        // No loop decides (no LB writer election, logged): no
         // LoadBalancer address is announced, the pod blocks are.
         (Some(_), None) => Some(watch::channel(Some(Arc::default())).1),
     };
@@ -108,4 +107,32 @@ pub(super) fn start(
             stop.clone(),
         )
     });
+}
+
+/// Cluster mode without Kubernetes: starts deciding what this node
+/// announces of the stored LoadBalancer addresses, kept by `tasks`.
+/// Announces none when the LB agent does not run.
+fn stored(
+    config: &Config,
+    state: &AppState,
+    bgp: &crate::config::BgpConfig,
+    tasks: &mut Supervisor,
+    stop: &watch::Receiver<bool>,
+) -> BgpDecided {
+    let (Some(c), Some(handle), Ok(attrs)) = (&config.cluster, state.lb_cluster.get(), bgp.attrs())
+    else {
+        return watch::channel(Some(Arc::default())).1;
+    };
+    let stored = crate::bgp::stored::Stored {
+        handle: handle.clone(),
+        node: c.node_name.clone().unwrap_or_else(|| config.node_name()),
+        labels: c.node_labels.clone(),
+        attrs,
+    };
+    let (tx, rx) = watch::channel(None);
+    let stop = stop.clone();
+    tasks.keep("bgp stored lb addresses", move || {
+        crate::bgp::stored::spawn(stored.clone(), tx.clone(), stop.clone())
+    });
+    rx
 }
