@@ -607,6 +607,10 @@ impl AgentLab {
     }
 }
 
+/// Makes a `KubeLab` whose node `i`'s config ends with the text given.
+type LabBuilder<'a> =
+    &'a dyn Fn(&dyn Fn(usize) -> String) -> anyhow::Result<crate::kube_lab::KubeLab>;
+
 /// Three agents under `[kubernetes]` on the API double (`KubeLab`), BIRD
 /// beside each, and FRR in the neighbour: the Kubernetes BGP tests' lab.
 /// Fields drop in order, so each daemon stops before its namespace goes.
@@ -633,11 +637,40 @@ impl KubeBirds {
         section: &dyn Fn(&Path) -> String,
         frr_config: &str,
     ) -> anyhow::Result<Self> {
+        Self::start_on(section, frr_config, &|extra| {
+            crate::kube_lab::KubeLab::build_local(labels.clone(), extra)
+        })
+    }
+
+    /// As [`KubeBirds::start`], the agents in cluster mode on `cluster`
+    /// (under `prefix`).
+    ///
+    /// # Errors
+    /// As [`KubeBirds::start`].
+    pub fn start_cluster(
+        cluster: &crate::etcd::EtcdCluster,
+        prefix: &str,
+        labels: [serde_json::Value; 3],
+        section: &dyn Fn(&Path) -> String,
+        frr_config: &str,
+    ) -> anyhow::Result<Self> {
+        Self::start_on(section, frr_config, &|extra| {
+            crate::kube_lab::KubeLab::build_with(cluster, prefix, labels.clone(), extra)
+        })
+    }
+
+    /// The lab `build` makes with each node's config ending with
+    /// `section`, BIRD and FRR started as [`KubeBirds::start`] says.
+    fn start_on(
+        section: &dyn Fn(&Path) -> String,
+        frr_config: &str,
+        build: LabBuilder<'_>,
+    ) -> anyhow::Result<Self> {
         let dirs: Vec<TempDir> = (0..3)
             .map(|_| TempDir::new("bird"))
             .collect::<anyhow::Result<_>>()?;
         let paths: Vec<PathBuf> = dirs.iter().map(|d| d.path().to_path_buf()).collect();
-        let k = crate::kube_lab::KubeLab::build_local(labels, &|i| section(&paths[i]))?;
+        let k = build(&|i| section(&paths[i]))?;
         // Each agent writes the file its BIRD starts from.
         let mut birds = Vec::new();
         for (i, dir) in dirs.into_iter().enumerate() {

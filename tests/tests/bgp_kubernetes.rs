@@ -29,6 +29,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail, ensure};
 use lockstep_tests::bgp::{KubeBirds, bgp_routes};
 use lockstep_tests::cluster::node_ip;
+use lockstep_tests::etcd::EtcdCluster;
 use lockstep_tests::kube_lab::{Ep, KubeLab, pod_cidr};
 use lockstep_tests::lb_lab::NB_V4;
 use lockstep_tests::{privileged, wait_for};
@@ -74,9 +75,41 @@ fn frr_config() -> String {
     lockstep_tests::bgp::ecmp_router(&NB_V4.to_string(), &(0..3).map(node_ip).collect::<Vec<_>>())
 }
 
+/// Node `i`'s `[bgp]` in cluster mode: as [`section`], pool `public`
+/// only (the pod blocks come from etcd).
+fn cluster_section(dir: &std::path::Path) -> String {
+    format!(
+        "node_wait = \"2s\"\n[bgp]\nasn = 64512\n\
+         bird_socket = \"{}\"\nbird_config = \"{}\"\n\
+         [[bgp.peers]]\nname = \"tor\"\naddress = \"{NB_V4}\"\nasn = 64513\n\
+         hold_time = \"9s\"\n[bgp.pools.public]\n",
+        dir.join("bird.ctl").display(),
+        dir.join("bird.conf").display()
+    )
+}
+
+/// One lab at a time: the tests time withdrawals, and two labs on two
+/// CPUs would make each other late.
+static ONE_LAB: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 impl BgpLab {
     fn start() -> anyhow::Result<Self> {
         let lab = KubeBirds::start([json!({}), json!({}), json!({})], &section, &frr_config())?;
+        lab.k
+            .pool("public", json!({"cidrs": ["198.51.100.0/28"]}))?;
+        Ok(Self(lab))
+    }
+
+    /// As [`BgpLab::start`], the agents in cluster mode on `cluster`.
+    fn start_cluster(cluster: &EtcdCluster) -> anyhow::Result<Self> {
+        let labels = [json!({}), json!({}), json!({})];
+        let lab = KubeBirds::start_cluster(
+            cluster,
+            "/bgp-kube-cluster/",
+            labels,
+            &cluster_section,
+            &frr_config(),
+        )?;
         lab.k
             .pool("public", json!({"cidrs": ["198.51.100.0/28"]}))?;
         Ok(Self(lab))
@@ -173,6 +206,9 @@ fn set_slice(k: &KubeLab, svc: &str, eps: &[Ep]) -> anyhow::Result<()> {
 #[test]
 fn next_hops_follow_the_nodes_that_may_serve_and_the_endpoints() -> anyhow::Result<()> {
     privileged!();
+    let _one = ONE_LAB
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
     let mut lab = BgpLab::start()?;
     let r = scenario(&lab).and_then(|()| upgrade(&mut lab));
     if r.is_err() {
@@ -378,6 +414,81 @@ fn upgrade(lab: &mut BgpLab) -> anyhow::Result<()> {
     ensure!(
         after == before,
         "an agent restart reached the router: (updates, sessions) {before:?} -> {after:?}"
+    );
+    Ok(())
+}
+
+/// Cluster mode under Kubernetes: the same rules from the Services, their
+/// endpoints and the Nodes, and a node cut off from etcd withdraws its
+/// LoadBalancer routes when its LB lease runs out.
+#[test]
+fn in_cluster_mode_next_hops_follow_the_same_rules_and_the_lb_lease() -> anyhow::Result<()> {
+    privileged!();
+    let _one = ONE_LAB
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let cluster = EtcdCluster::start(1)?;
+    let lab = BgpLab::start_cluster(&cluster)?;
+    let r = in_cluster_mode(&lab);
+    if r.is_err() {
+        for l in lab.logs() {
+            eprintln!("{l}");
+        }
+    }
+    r
+}
+
+fn in_cluster_mode(lab: &BgpLab) -> anyhow::Result<()> {
+    let k = &lab.k;
+    let sessions = lab.settled()?;
+    // Cluster: every node; Local: the node with the ready endpoint.
+    let plain = create_service(k, "plain", "Cluster")?;
+    lab.wait_hops(plain, &[0, 1, 2], Duration::from_secs(10))?;
+    let web = create_service(k, "web", "Local")?;
+    set_slice(k, "web", &[(1, true, true, false)])?;
+    lab.wait_hops(web, &[1], Duration::from_secs(10))?;
+    // Excluded from external load balancers: node-2 withdraws.
+    k.api.patch(
+        "nodes",
+        "",
+        "node-2",
+        &json!({"metadata": {"labels": {EXCLUDE: "true"}}}),
+        false,
+    )?;
+    lab.wait_hops(plain, &[0, 1], Duration::from_secs(10))?;
+    let why = |node: usize, addr: IpAddr| -> anyhow::Result<String> {
+        let status = k.lab.agents[node].json(["status", "-o", "json"])?;
+        Ok(status["bgp"]["withheld"][addr.to_string()]
+            .as_str()
+            .unwrap_or_default()
+            .to_string())
+    };
+    ensure!(why(2, plain)?.contains(EXCLUDE), "node-2 on {plain}");
+    ensure!(
+        why(0, web)?.contains("externalTrafficPolicy is Local"),
+        "node-0 on {web}"
+    );
+    // Node-0 cut off from etcd: its LB lease runs out (3 s) and it
+    // withdraws; the API server still answers it.
+    k.lab.cuts[0].set(true);
+    let took = lab.wait_hops(plain, &[1], Duration::from_secs(10))?;
+    eprintln!("node-0 cut off from etcd: its next hop withdrawn {took:?} after");
+    ensure!(
+        took <= Duration::from_secs(5),
+        "node-0 withdrew {plain} {took:?} after the cut: later than its 3 s LB lease"
+    );
+    let cut = why(0, plain)?;
+    ensure!(
+        cut.contains("LB lease in etcd is not live"),
+        "node-0 on {plain} while cut off: {cut:?}"
+    );
+    lab.wait_hops(web, &[1], Duration::ZERO)?;
+    k.lab.cuts[0].set(false);
+    lab.wait_hops(plain, &[0, 1], Duration::from_secs(15))?;
+    let now = lab.established()?;
+    ensure!(
+        now == sessions,
+        "sessions reset: connectionsEstablished {sessions:?} -> {now:?}"
     );
     Ok(())
 }

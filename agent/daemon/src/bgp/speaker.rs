@@ -4,8 +4,10 @@
 //! Every [`TICK`] it looks at what this node announces ([`Source`]):
 //! without Kubernetes, the agent's published view (never waiting for the
 //! agent's owner), every address of the pools `[bgp.pools]` names (core
-//! `bgp::announce::decide`); under Kubernetes, what `local_traffic`
-//! decided from the Services, their endpoints and this Node. When that
+//! `bgp::announce::decide`); under Kubernetes, what `local_traffic` (in
+//! cluster mode `bgp_services`) decided from the Services, their
+//! endpoints and this Node; in cluster mode without Kubernetes, what
+//! `bgp::stored` decided from the addresses stored in etcd. When that
 //! changed it writes BIRD's whole configuration, and applies it when the
 //! text differs from the one applied last. BIRD reconfigures route by route, so an address added or
 //! withdrawn resets no session. When BIRD's file does not exist yet, the
@@ -64,9 +66,11 @@ pub struct Source {
     /// The agent's published view: the pod blocks (its pools' CIDRs) and,
     /// without Kubernetes, its LoadBalancer addresses.
     pub agent: AgentHandle,
-    /// Under Kubernetes, what `kubernetes::local_traffic` decided of the
-    /// LoadBalancer addresses (`None` inside: not decided yet); `None`
-    /// without Kubernetes.
+    /// What another task decided of the LoadBalancer addresses
+    /// (`None` inside: not decided yet): under Kubernetes
+    /// `kubernetes::local_traffic` or `kubernetes::bgp_services`, in
+    /// cluster mode without it `bgp::stored`; `None` otherwise (the
+    /// agent's view decides).
     pub decided: Option<tokio::sync::watch::Receiver<Option<Arc<Decision>>>>,
     /// Under Kubernetes, the `BGPPeer` objects that select this node and
     /// its Node's overrides (`kubernetes::bgp_peers`; `None` inside: not

@@ -47,9 +47,7 @@ use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::Client;
 use kube::api::Api;
 use kube::runtime::reflector::Store;
-use lockstep_core::bgp::RouteAttrs;
-use lockstep_core::bgp::announce::{Decision, decide, service_addresses};
-use lockstep_core::lb::LbPoolSpec;
+use lockstep_core::bgp::announce::Decision;
 use lockstep_core::lb::kubernetes::local::{
     Endpoint, SERVICE_NAME_LABEL, candidates, local_addresses,
 };
@@ -92,8 +90,7 @@ pub struct LocalTraffic {
     bgp: Option<(BgpPools, tokio::sync::watch::Sender<Option<Arc<Decision>>>)>,
 }
 
-/// The pools BGP announces, by name, with their routes' attributes.
-pub type BgpPools = BTreeMap<String, RouteAttrs>;
+pub use super::bgp_services::BgpPools;
 
 /// The pools with a node selector (a pool the writer refuses is left
 /// out: it serves no address).
@@ -107,7 +104,7 @@ fn selector_pools(pools: &Store<LoadBalancerIPPool>) -> Vec<SelectorPool> {
 }
 
 /// The endpoints of each Service (`namespace/name`) in `slices`.
-fn endpoints(slices: &Store<EndpointSlice>) -> BTreeMap<String, Vec<Endpoint>> {
+pub(super) fn endpoints(slices: &Store<EndpointSlice>) -> BTreeMap<String, Vec<Endpoint>> {
     let mut out: BTreeMap<String, Vec<Endpoint>> = BTreeMap::new();
     for s in slices.state() {
         let Some(svc) = s
@@ -280,7 +277,14 @@ impl LocalTraffic {
             let eps = endpoints(view.slices);
             self.derived = derive(view, &eps, &self.node);
             if let Some((pools, tx)) = &self.bgp {
-                let d = bgp_decision(view, &eps, &self.node, pools);
+                let stores = super::bgp_services::Stores {
+                    services: view.services,
+                    pools: view.pools,
+                    endpoints: &eps,
+                    labels: view.labels,
+                    may: &view.may,
+                };
+                let d = super::bgp_services::decision(&stores, &self.node, pools);
                 tx.send_if_modified(|cur| {
                     let changed = cur.as_deref() != Some(&d);
                     if changed {
@@ -427,51 +431,5 @@ fn derive(view: &View<'_>, eps: &BTreeMap<String, Vec<Endpoint>>, node: &str) ->
             }
         }
     }
-    d
-}
-
-/// What node `node` announces over BGP of the addresses of `announced`'s
-/// pools, from `view` and each Service's endpoints `eps`.
-fn bgp_decision(
-    view: &View<'_>,
-    eps: &BTreeMap<String, Vec<Endpoint>>,
-    node: &str,
-    announced: &BgpPools,
-) -> Decision {
-    let pools: Vec<LbPoolSpec> = view
-        .pools
-        .state()
-        .iter()
-        .filter_map(|p| lockstep_core::lb::kubernetes::pool_spec(&p.to_core()).ok())
-        .collect();
-    let services: Vec<_> = view
-        .services
-        .state()
-        .iter()
-        .filter(|s| s.metadata.deletion_timestamp.is_none())
-        .map(|s| service(s))
-        .collect();
-    let mut addresses = Vec::new();
-    let mut of = BTreeMap::new();
-    for svc in &services {
-        let key = format!("{}/{}", svc.namespace, svc.name);
-        let these = eps.get(&key).map_or(&[][..], Vec::as_slice);
-        let start = addresses.len();
-        addresses.extend(service_addresses(
-            svc,
-            these,
-            &pools,
-            view.labels,
-            announced,
-        ));
-        for a in &addresses[start..] {
-            of.insert(a.address, key.clone());
-        }
-    }
-    let mut d = decide(node, &view.may, &addresses, &[], announced);
-    d.services = of
-        .into_iter()
-        .filter(|(a, _)| d.routes.contains_key(&ipnet::IpNet::from(*a)))
-        .collect();
     d
 }

@@ -27,6 +27,7 @@
 pub mod announcer;
 pub mod backend;
 pub mod bgp_peers;
+pub mod bgp_services;
 pub mod bgp_status;
 pub mod candidacy;
 pub mod crd;

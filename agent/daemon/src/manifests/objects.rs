@@ -292,7 +292,7 @@ fn rules_and_why(rules: &[rbac::Rule]) -> (Vec<Value>, String) {
 fn service_account(o: &Options) -> Vec<(String, Value)> {
     let mut all = rbac::rules(o.mode);
     if o.bgp.is_some() {
-        all.extend(rbac::BGP);
+        all.extend(rbac::bgp_rules(o.mode));
     }
     let (rules, why) = rules_and_why(&all);
     let namespaced = rbac::namespaced_rules(o.mode);

@@ -119,7 +119,7 @@ const MULTI_POOL: &[Rule] = &[
 
 /// With BGP (`--bgp-asn`): the routers as objects (only read), and each
 /// node's own BGPNodeState.
-pub const BGP: &[Rule] = &[
+const BGP: &[Rule] = &[
     Rule {
         group: "lockstep.io",
         resources: &["bgppeers"],
@@ -139,6 +139,25 @@ pub const BGP: &[Rule] = &[
         why: "this node's BGP sessions, the Services it announces, its pod blocks",
     },
 ];
+
+/// In cluster mode with BGP: what deciding who announces an
+/// `externalTrafficPolicy: Local` Service needs beyond the mode's rules
+/// (without etcd, the elections already have it).
+const BGP_CLUSTER: &[Rule] = &[Rule {
+    group: "discovery.k8s.io",
+    resources: &["endpointslices"],
+    verbs: &["list", "watch"],
+    why: "which nodes have ready endpoints of externalTrafficPolicy: Local Services (they alone announce them over BGP)",
+}];
+
+/// The rules BGP (`--bgp-asn`) adds to `mode`'s ClusterRole.
+pub fn bgp_rules(mode: Mode) -> Vec<Rule> {
+    let extra = match mode {
+        Mode::Cluster => BGP_CLUSTER,
+        _ => &[],
+    };
+    BGP.iter().chain(extra).copied().collect()
+}
 
 /// The rules of `mode`'s Role in the agent's own namespace: the Lease
 /// electing the one LB writer, and each externalTrafficPolicy: Local

@@ -255,7 +255,7 @@ fn every_modes_rules_are_within_the_role_the_end_to_end_tests_check() {
     let d = docs(&std::fs::read_to_string(path).unwrap());
     let allowed = granted(kind(&d, "ClusterRole").unwrap());
     for mode in [Mode::Lb, Mode::PodCidr, Mode::Cluster, Mode::MultiPool] {
-        for rule in rules(mode).iter().chain(rbac::BGP) {
+        for rule in rules(mode).iter().chain(&rbac::bgp_rules(mode)) {
             for r in rule.resources {
                 for v in rule.verbs {
                     let want = format!("{}/{r}:{v}", rule.group);
@@ -529,7 +529,8 @@ fn bgp_renders_a_config_the_agent_accepts_and_bird_apart_from_the_agent() {
 
 #[test]
 fn bgp_in_mode_cluster_renders_a_config_the_agent_accepts() {
-    // Pod blocks from their holder in etcd: [bgp] beside [cluster].
+    // Pod blocks from their holder in etcd, LoadBalancer addresses from
+    // every node that may serve them: [bgp] beside [cluster].
     let d = docs(&render(&with_bgp(Mode::Cluster)).expect("renders"));
     let map = kind(&d, "ConfigMap").expect("a ConfigMap");
     let text = map["data"]["config.toml"].as_str().unwrap();
@@ -544,10 +545,14 @@ fn bgp_in_mode_cluster_renders_a_config_the_agent_accepts() {
             .any(|v| v["kind"] == "DaemonSet" && v["metadata"]["name"] == "lockstep-bgp")
     );
     let allowed = granted(kind(&d, "ClusterRole").unwrap());
-    assert!(
-        allowed.iter().any(|a| a == "lockstep.io/bgppeers:watch"),
-        "{allowed:?}"
-    );
+    // The BGPPeer objects; and the endpoints, to announce an
+    // externalTrafficPolicy: Local Service only from nodes with one.
+    for want in [
+        "lockstep.io/bgppeers:watch",
+        "discovery.k8s.io/endpointslices:watch",
+    ] {
+        assert!(allowed.iter().any(|a| a == want), "{want}: {allowed:?}");
+    }
 }
 
 #[test]

@@ -26,7 +26,8 @@ pub(super) struct KubeStart {
     pub(super) remove_deleted_nodes: bool,
 }
 
-/// What this node announces over BGP, as `local_traffic` decides it.
+/// What this node announces over BGP, as `local_traffic` (or in cluster
+/// mode `bgp_services`) decides it.
 pub(super) type BgpDecided = watch::Receiver<Option<Arc<lockstep_core::bgp::announce::Decision>>>;
 
 /// Starts the Kubernetes loops of `k`, each watched or kept by `tasks`;
@@ -119,12 +120,44 @@ pub(super) fn start(
                 .and_then(|c| c.node_name.clone())
                 .unwrap_or_else(|| cluster_config.node_name());
             let backend = crate::kubernetes::ClusterLb::new(handle.clone(), lb_node, door.clone());
-            (
-                tokio::spawn(
-                    crate::kubernetes::LbSync::new(client, classes, node, backend).run(stop),
-                ),
-                None,
-            )
+            // `[bgp]`: what this node announces, from the Services, their
+            // endpoints and this Node, while its LB lease is live.
+            let decided = cluster_config
+                .bgp
+                .as_ref()
+                .and_then(|b| b.attrs().ok())
+                .map(|pools| {
+                    let (candidacy, labels, node_task) =
+                        crate::kubernetes::candidacy::follow(client.clone(), &node, stop.clone());
+                    tasks.watch("node labels", node_task);
+                    let follow = crate::kubernetes::bgp_services::Follow {
+                        candidacy,
+                        labels,
+                        lease: handle.clone(),
+                    };
+                    let (tx, rx) = watch::channel(None);
+                    let services = crate::kubernetes::reflectors::ServiceCache::start(&client);
+                    tasks.watch(
+                        "bgp services",
+                        crate::kubernetes::bgp_services::spawn(
+                            client.clone(),
+                            node.clone(),
+                            pools,
+                            services.services.clone(),
+                            follow,
+                            tx,
+                            stop.clone(),
+                        ),
+                    );
+                    (services, rx)
+                });
+            // The LB loop reads the same Services cache.
+            let sync = crate::kubernetes::LbSync::new(client, classes, node, backend);
+            let (sync, rx) = match decided {
+                Some((services, rx)) => (sync.with_services(services), Some(rx)),
+                None => (sync, None),
+            };
+            (tokio::spawn(sync.run(stop)), rx)
         }
         // Without etcd: one writer elected on a Lease (#44 item
         // 1); the others mirror it.
