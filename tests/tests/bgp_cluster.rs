@@ -12,6 +12,8 @@
 //!   a live node reclaims it (node-2's agent withdraws it itself; node-0's
 //!   keeper does, from the hold the last beat carried). Node-1 then
 //!   claims the freed blocks and announces them.
+//! - Node-0's keeper and BIRD started afresh beside its dead agent, BIRD
+//!   from a file that still names the old block: it stays withdrawn.
 //! - Healed, node-2 fences its old block and never announces it again.
 //! - In no sample does a block have two next hops.
 
@@ -280,6 +282,25 @@ fn blocks_are_announced_by_their_holder_and_withdrawn_before_another_node_may_cl
         "node-1 holds {node1:?}, not both freed blocks {b0} and {b2}"
     );
     lab.routed_via_holders(&[1], Duration::from_secs(10))?;
+    // The dangerous moment again: node-0's keeper and BIRD started
+    // afresh beside its dead agent (its BGP pod restarted), BIRD from its
+    // file, which still names node-0's old block. The keeper must not
+    // take the dead agent's last beat for a new one: the block, node-1's
+    // now, never comes back via node-0.
+    let up = |lab: &Lab| -> anyhow::Result<u64> {
+        Ok(lab.frr.neighbor(&node_ip(0))?["connectionsEstablished"]
+            .as_u64()
+            .unwrap_or(0))
+    };
+    let before = up(&lab)?;
+    lab.keepers[0] = Keeper::start(&lab.n.ns[0], &lab.n.agents[0])?;
+    lab.birds[0].graceful_restart(&lab.n.ns[0])?;
+    poll(Duration::from_secs(30), "node-0's session up again", || {
+        Ok(up(&lab)? > before)
+    })
+    .with_context(|| lab.logs())?;
+    std::thread::sleep(Duration::from_secs(2));
+    lab.routed_via_holders(&[1], Duration::from_secs(1))?;
     // Healed, node-2 fences its old block: it announces it no more.
     lab.n.heal(2)?;
     std::thread::sleep(LEASE_TTL + Duration::from_secs(2));

@@ -349,6 +349,7 @@ pub fn run(cli: Cli) -> anyhow::Result<i32> {
         }
         Command::BirdKeeper { config } => {
             let config = crate::config::Config::load(config.as_deref())?;
+            let cluster = config.cluster.is_some();
             let bgp = config
                 .bgp
                 .context("the config has no [bgp] section: nothing to keep")?;
@@ -360,7 +361,7 @@ pub fn run(cli: Cli) -> anyhow::Result<i32> {
                 let mut term = signal(SignalKind::terminate())?;
                 let mut int = signal(SignalKind::interrupt())?;
                 let (tx, rx) = tokio::sync::watch::channel(false);
-                let keeper = tokio::spawn(crate::bgp::keeper::run(bgp, rx));
+                let keeper = tokio::spawn(crate::bgp::keeper::run(bgp, cluster, rx));
                 tokio::select! {
                     _ = term.recv() => {}
                     _ = int.recv() => {}

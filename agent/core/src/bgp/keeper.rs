@@ -22,6 +22,12 @@
 //! last refresh plus `reclaim_after`), and the keeper withdraws them once
 //! that has run out without a newer beat.
 //!
+//! Each beat is stamped with the boot and the kernel's monotonic clock
+//! ([`Stamp`]), the one clock agent and keeper share: the keeper counts
+//! a beat from when it was written ([`Watch`]), so a keeper started
+//! afresh beside a dead agent does not take an old beat for a new one,
+//! and in cluster mode holds no block before a beat of this boot says so.
+//!
 //! This module is the rule; the daemon's `bgp::keeper` reads the beat and
 //! BIRD's protocols and carries the steps out.
 
@@ -66,25 +72,128 @@ pub fn block_hold(refreshed_ms_ago: Option<u64>, reclaim_after_ms: u64) -> Hold 
     }
 }
 
-/// The beat's text: the agent's process, its count, and in cluster mode
-/// how long the node may still announce its blocks (`hold_ms`; left out
-/// while [`Hold::Unknown`], so the keeper keeps the deadline it had).
+/// When a beat was written: the boot (the kernel's
+/// `/proc/sys/kernel/random/boot_id`) and the kernel's monotonic clock
+/// then (ns). Both processes read the same clock, so the keeper can tell
+/// how old a beat is whenever it reads it, a keeper started afresh
+/// included; a beat from another boot says nothing.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Stamp {
+    /// The boot.
+    pub boot: String,
+    /// The monotonic clock (ns).
+    pub at_ns: u64,
+}
+
+/// The beat's text: the agent's process, its count, when it was written
+/// (`stamp`; `None` when the agent cannot read its boot), and in cluster
+/// mode how long the node may still announce its blocks from then
+/// (`hold_ms`; left out while [`Hold::Unknown`], so the keeper keeps the
+/// deadline it had).
 #[must_use]
-pub fn beat_text(pid: u32, beats: u64, hold: Hold) -> String {
+pub fn beat_text(pid: u32, beats: u64, stamp: Option<&Stamp>, hold: Hold) -> String {
+    let mut text = format!("{pid} {beats}");
+    if let Some(s) = stamp {
+        text += &format!(" boot={} at_ns={}", s.boot, s.at_ns);
+    }
     match hold {
-        Hold::Unknown => format!("{pid} {beats}\n"),
-        Hold::For(ms) => format!("{pid} {beats} hold_ms={ms}\n"),
-        Hold::Over(_) => format!("{pid} {beats} hold_ms=0\n"),
+        Hold::Unknown => {}
+        Hold::For(ms) => text += &format!(" hold_ms={ms}"),
+        Hold::Over(_) => text += " hold_ms=0",
+    }
+    text + "\n"
+}
+
+/// A beat as the keeper reads it.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Beat {
+    /// When it was written (`None`: an older agent's beat, or the agent
+    /// could not read its boot).
+    pub stamp: Option<Stamp>,
+    /// The hold it carries (`None`: none, as without cluster mode or
+    /// before etcd answered).
+    pub hold_ms: Option<u64>,
+}
+
+/// Reads a beat's text ([`beat_text`]).
+#[must_use]
+pub fn parse_beat(text: &str) -> Beat {
+    let field = |name: &str| {
+        text.split_whitespace()
+            .find_map(|w| w.strip_prefix(name).and_then(|v| v.strip_prefix('=')))
+    };
+    let stamp = match (field("boot"), field("at_ns").and_then(|v| v.parse().ok())) {
+        (Some(boot), Some(at_ns)) if !boot.is_empty() => Some(Stamp {
+            boot: boot.to_string(),
+            at_ns,
+        }),
+        _ => None,
+    };
+    Beat {
+        stamp,
+        hold_ms: field("hold_ms").and_then(|v| v.parse().ok()),
     }
 }
 
-/// The hold a beat's text carries (`None`: none, as without cluster mode
-/// or before etcd answered).
-#[must_use]
-pub fn beat_hold_ms(text: &str) -> Option<u64> {
-    text.split_whitespace()
-        .find_map(|w| w.strip_prefix("hold_ms="))
-        .and_then(|v| v.parse().ok())
+/// What the keeper knows of the agent, on the kernel's monotonic clock
+/// (ns): when it last beat, and until when the node may announce its
+/// blocks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Watch {
+    /// The last beat (the keeper's start until a stamped beat is read:
+    /// an agent starting after the keeper has the lease to begin).
+    pub last_beat_ns: u64,
+    /// Until when the node may announce its blocks (`None`: no hold
+    /// applies, as without cluster mode).
+    pub hold_until_ns: Option<u64>,
+}
+
+impl Watch {
+    /// A keeper starting at `now_ns`. In cluster mode (`cluster`) no hold
+    /// is known yet, so the blocks are not held until a beat of this boot
+    /// says so: a keeper started afresh (a node rebooted, a keeper
+    /// restarted while the agent is dead or cut off) must not announce
+    /// blocks another node may have claimed.
+    #[must_use]
+    pub fn start(now_ns: u64, cluster: bool) -> Self {
+        Watch {
+            last_beat_ns: now_ns,
+            hold_until_ns: cluster.then_some(now_ns),
+        }
+    }
+
+    /// A beat read at `now_ns` whose text changed since the last read
+    /// (or the first read), in boot `boot` (`None`: the keeper cannot
+    /// read it). A stamped beat of this boot counts from when it was
+    /// written, however late it is read; one of another boot is
+    /// ignored; an unstamped one counts from now.
+    pub fn beat(&mut self, beat: &Beat, boot: Option<&str>, now_ns: u64) {
+        let at = match (&beat.stamp, boot) {
+            (Some(s), Some(b)) if s.boot == b => s.at_ns.min(now_ns),
+            (Some(_), Some(_)) => return,
+            _ => now_ns,
+        };
+        self.last_beat_ns = at;
+        if let Some(ms) = beat.hold_ms {
+            self.hold_until_ns = Some(at.saturating_add(ms.saturating_mul(1_000_000)));
+        }
+    }
+
+    /// Whether the agent counts as alive at `now_ns`, the lease being
+    /// `lease_ms`.
+    #[must_use]
+    pub fn alive(&self, now_ns: u64, lease_ms: u64) -> bool {
+        alive(
+            now_ns.saturating_sub(self.last_beat_ns) / 1_000_000,
+            lease_ms,
+        )
+    }
+
+    /// Whether the node may announce its blocks at `now_ns`.
+    #[must_use]
+    pub fn holding(&self, now_ns: u64) -> bool {
+        self.hold_until_ns.is_none_or(|until| now_ns < until)
+    }
 }
 
 /// Whether the agent counts as alive: its beat last changed `silent_ms`
@@ -186,18 +295,103 @@ mod tests {
     }
 
     #[test]
-    fn the_beat_carries_the_hold_and_is_read_back() {
+    fn the_beat_carries_its_stamp_and_hold_and_is_read_back() {
+        let stamp = Stamp {
+            boot: "b-1".into(),
+            at_ns: 5_000_000_000,
+        };
         for (hold, read) in [
             (Hold::Unknown, None),
             (Hold::For(1_234), Some(1_234)),
             (Hold::Over(99), Some(0)),
         ] {
-            let text = beat_text(42, 7, hold);
-            assert!(text.starts_with("42 7"), "{text}");
-            assert_eq!(beat_hold_ms(&text), read, "{text}");
+            for st in [None, Some(&stamp)] {
+                let text = beat_text(42, 7, st, hold);
+                assert!(text.starts_with("42 7"), "{text}");
+                let beat = parse_beat(&text);
+                assert_eq!(beat.hold_ms, read, "{text}");
+                assert_eq!(beat.stamp.as_ref(), st, "{text}");
+            }
         }
-        // An older agent's beat: no hold.
-        assert_eq!(beat_hold_ms("42 7\n"), None);
-        assert_eq!(beat_hold_ms("42 7 hold_ms=x\n"), None);
+        // An older agent's beat: neither. A torn one: no stamp.
+        assert_eq!(parse_beat("42 7\n"), Beat::default());
+        assert_eq!(parse_beat("42 7 hold_ms=x\n").hold_ms, None);
+        assert_eq!(parse_beat("42 7 boot=b-1 at_").stamp, None);
+        assert_eq!(parse_beat("42 7 boot= at_ns=5").stamp, None);
+    }
+
+    const S: u64 = 1_000_000_000;
+
+    fn stamped(boot: &str, at_ns: u64, hold_ms: Option<u64>) -> Beat {
+        Beat {
+            stamp: Some(Stamp {
+                boot: boot.into(),
+                at_ns,
+            }),
+            hold_ms,
+        }
+    }
+
+    #[test]
+    fn a_keeper_started_afresh_counts_a_beat_from_when_it_was_written() {
+        // The agent died at 100 s with 8 s of hold; the keeper (re)starts
+        // at 200 s and reads that beat: the blocks are not held, the
+        // agent is not alive.
+        let mut w = Watch::start(200 * S, true);
+        w.beat(&stamped("b", 100 * S, Some(8_000)), Some("b"), 200 * S);
+        assert!(!w.holding(200 * S));
+        assert!(!w.alive(200 * S, 15_000));
+        // A live agent's beat, read by a keeper just started: held on,
+        // no gap.
+        let mut w = Watch::start(200 * S, true);
+        w.beat(&stamped("b", 199 * S, Some(8_000)), Some("b"), 200 * S);
+        assert!(w.holding(200 * S) && w.holding(206 * S) && !w.holding(207 * S));
+        assert!(w.alive(200 * S, 15_000));
+    }
+
+    #[test]
+    fn in_cluster_mode_the_blocks_wait_for_a_hold_of_this_boot() {
+        // Started, nothing read: the blocks are not held in cluster mode,
+        // held without it; the agent has the lease to begin.
+        assert!(!Watch::start(10 * S, true).holding(10 * S));
+        assert!(Watch::start(10 * S, false).holding(10 * S));
+        assert!(Watch::start(10 * S, true).alive(24 * S, 15_000));
+        // A beat of another boot (a node rebooted, the file kept) says
+        // nothing, its hold included.
+        let mut w = Watch::start(10 * S, true);
+        w.beat(&stamped("old", 9_000 * S, Some(8_000)), Some("new"), 10 * S);
+        assert!(!w.holding(10 * S));
+        assert_eq!(w.last_beat_ns, 10 * S);
+        // A beat without a hold (etcd not answered yet) keeps the
+        // deadline; one with a hold sets it from when it was written.
+        w.beat(&stamped("new", 11 * S, None), Some("new"), 11 * S);
+        assert!(!w.holding(11 * S));
+        w.beat(&stamped("new", 12 * S, Some(3_000)), Some("new"), 13 * S);
+        assert!(w.holding(14 * S) && !w.holding(15 * S));
+        w.beat(&stamped("new", 16 * S, None), Some("new"), 16 * S);
+        assert!(
+            !w.holding(16 * S),
+            "a beat without a hold kept the deadline"
+        );
+        assert!(w.alive(16 * S, 1_000));
+        // An unstamped beat, or a keeper that cannot read its boot:
+        // counted from when it was read, as an older agent's beat.
+        let mut w = Watch::start(10 * S, true);
+        w.beat(
+            &Beat {
+                stamp: None,
+                hold_ms: Some(2_000),
+            },
+            Some("b"),
+            20 * S,
+        );
+        assert!(w.holding(21 * S) && !w.holding(22 * S));
+        let mut w = Watch::start(10 * S, true);
+        w.beat(&stamped("b", S, Some(2_000)), None, 20 * S);
+        assert!(w.holding(21 * S));
+        // A stamp from the future (another clock) counts as now.
+        let mut w = Watch::start(10 * S, false);
+        w.beat(&stamped("b", 99 * S, None), Some("b"), 20 * S);
+        assert_eq!(w.last_beat_ns, 20 * S);
     }
 }

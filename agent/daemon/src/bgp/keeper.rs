@@ -21,25 +21,41 @@
 //! has run out without a newer beat, the keeper disables the blocks'
 //! protocols too, before another node may claim the blocks. A beat
 //! without a hold (an agent starting, etcd not answered yet) keeps the
-//! deadline the keeper had.
+//! deadline the keeper had. A keeper started afresh holds no block until
+//! a beat of this boot says so.
 //!
-//! The keeper trusts only its own clock: the beat counts as fresh when
-//! its content changed, measured on the keeper's monotonic clock, never
-//! by comparing the file's time with the wall clock.
+//! The keeper trusts no wall clock: each beat is stamped with the boot
+//! and the kernel's monotonic clock, which agent and keeper share, and
+//! counts from then (core `bgp::keeper::Watch`); a beat from another
+//! boot says nothing. An unstamped beat (an older agent) counts from when
+//! its content changed, on the keeper's monotonic clock.
 
 use std::collections::BTreeMap;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use lockstep_core::bgp::keeper::{alive, beat_hold_ms, steps};
+use lockstep_core::bgp::keeper::{Watch, parse_beat, steps};
 
 use super::Bird;
+use crate::announce::monotonic_ns;
 use crate::config::BgpConfig;
 
 /// How often the beat and BIRD's protocols are looked at.
 pub const TICK: Duration = Duration::from_millis(200);
 
-/// Runs the keeper for `config` until `stop`.
-pub async fn run(config: BgpConfig, mut stop: tokio::sync::watch::Receiver<bool>) {
+/// Where the kernel says which boot this is.
+const BOOT_ID: &str = "/proc/sys/kernel/random/boot_id";
+
+/// This boot's id (`None`: unreadable), which stamps the agent's beats.
+pub fn boot_id() -> Option<String> {
+    std::fs::read_to_string(BOOT_ID)
+        .ok()
+        .map(|s| s.trim().to_string())
+        .filter(|s| !s.is_empty())
+}
+
+/// Runs the keeper for `config` until `stop`; `cluster`: the agent runs
+/// in cluster mode (its blocks are held only while a beat says so).
+pub async fn run(config: BgpConfig, cluster: bool, mut stop: tokio::sync::watch::Receiver<bool>) {
     let bird = Bird::new(&config.bird_socket, &config.bird_config);
     let beat = config.beat_path();
     let lease_ms = u64::try_from(config.withdraw_after.as_millis()).unwrap_or(u64::MAX);
@@ -49,35 +65,38 @@ pub async fn run(config: BgpConfig, mut stop: tokio::sync::watch::Receiver<bool>
         withdraw_after = ?config.withdraw_after,
         "bird-keeper: watching the agent's beat"
     );
+    let boot = boot_id();
+    if boot.is_none() {
+        tracing::warn!(
+            file = BOOT_ID,
+            "bird-keeper: this boot's id cannot be read; beats count from when they are read"
+        );
+    }
     // The keeper's start counts as a beat: an agent starting after it has
     // the lease to begin.
+    let mut watch = Watch::start(monotonic_ns(), cluster);
     let mut last: Option<Vec<u8>> = None;
-    let mut changed_at = Instant::now();
     let mut was_alive: Option<bool> = None;
-    // Until when the node may announce its blocks (cluster mode); `None`:
-    // no beat said, they stay.
-    let mut hold_until: Option<Instant> = None;
     let mut was_holding = true;
     let mut failing: Option<String> = None;
     loop {
         if let Ok(content) = tokio::fs::read(&beat).await
             && last.as_ref() != Some(&content)
         {
-            changed_at = Instant::now();
-            if let Some(ms) = beat_hold_ms(&String::from_utf8_lossy(&content)) {
-                hold_until = Some(changed_at + Duration::from_millis(ms));
-            }
+            let text = String::from_utf8_lossy(&content);
+            watch.beat(&parse_beat(&text), boot.as_deref(), monotonic_ns());
             last = Some(content);
         }
-        let silent = u64::try_from(changed_at.elapsed().as_millis()).unwrap_or(u64::MAX);
-        let now_alive = alive(silent, lease_ms);
-        let holding = hold_until.is_none_or(|until| Instant::now() < until);
+        let now = monotonic_ns();
+        let now_alive = watch.alive(now, lease_ms);
+        let holding = watch.holding(now);
+        let silent = now.saturating_sub(watch.last_beat_ns) / 1_000_000;
         if holding != was_holding {
             if holding {
                 tracing::info!("bird-keeper: the node holds its blocks again; BIRD announces them");
             } else {
                 tracing::warn!(
-                    "bird-keeper: the node's hold on its pod blocks ran out (etcd not reached for reclaim_after); withdrawing them"
+                    "bird-keeper: the node's hold on its pod blocks ran out (etcd not reached for reclaim_after), or no beat of this boot gave one yet; withdrawing them"
                 );
             }
             was_holding = holding;

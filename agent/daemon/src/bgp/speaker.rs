@@ -41,12 +41,14 @@ use std::net::IpAddr;
 
 use ipnet::IpNet;
 use lockstep_core::bgp::announce::{Decision, LbAddress, PodBlock, decide};
-use lockstep_core::bgp::keeper::{Hold, beat_text, block_hold};
+use lockstep_core::bgp::keeper::{Hold, Stamp, beat_text, block_hold};
 use lockstep_core::bgp::peers::{NodePeers, ROUTER_ID_ANNOTATION, apply};
 use lockstep_core::bgp::{BgpSpec, RouteAttrs, render_bird};
 
 use super::Bird;
+use super::keeper::boot_id;
 use crate::agent::AgentHandle;
+use crate::announce::monotonic_ns;
 use crate::cluster::ClusterHandle;
 use crate::config::BgpConfig;
 use crate::wire::{BgpSession, BgpStatus};
@@ -260,6 +262,8 @@ pub fn spawn(
             .map(|c| c.reclaim_after)
             .unwrap_or_default();
         let mut beats: u64 = 0;
+        // Each beat stamped with the boot and the monotonic clock.
+        let boot = boot_id();
         let mut beat_at = Instant::now();
         let mut beat_failing = false;
         loop {
@@ -345,12 +349,17 @@ pub fn spawn(
             if Instant::now() >= beat_at {
                 beat_at = Instant::now() + BEAT_EVERY;
                 beats += 1;
+                let stamp = boot.as_ref().map(|boot| Stamp {
+                    boot: boot.clone(),
+                    at_ns: monotonic_ns(),
+                });
                 let line = beat_text(
                     std::process::id(),
                     beats,
+                    stamp.as_ref(),
                     seen.hold.unwrap_or(Hold::Unknown),
                 );
-                match tokio::fs::write(&beat, line).await {
+                match write_beat(&beat, &line).await {
                     Ok(()) => beat_failing = false,
                     Err(e) if !beat_failing => {
                         beat_failing = true;
@@ -433,6 +442,14 @@ fn withdrawn_why(hold: Option<Hold>, reclaim_after: Duration) -> Option<String> 
 
 /// What `node` announces of `addresses` without Kubernetes: the
 /// addresses of the pools `attrs` names.
+/// Writes the beat whole: beside the file, then renamed over it, so the
+/// keeper never reads half a beat (a torn stamp would date it wrong).
+async fn write_beat(path: &std::path::Path, line: &str) -> std::io::Result<()> {
+    let next = path.with_extension("beat.next");
+    tokio::fs::write(&next, line).await?;
+    tokio::fs::rename(&next, path).await
+}
+
 fn from_addresses(
     attrs: &BTreeMap<String, RouteAttrs>,
     node: &str,
