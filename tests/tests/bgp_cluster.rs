@@ -138,6 +138,28 @@ impl Lab {
         Ok(())
     }
 
+    /// How many times node `i`'s session with the router came up.
+    fn sessions(&self, i: usize) -> anyhow::Result<u64> {
+        let n = self.frr.neighbor(&node_ip(i))?;
+        n["connectionsEstablished"]
+            .as_u64()
+            .with_context(|| format!("no connectionsEstablished in {n}"))
+    }
+
+    /// [`Lab::sessions`] of node `i` once settled (the same 3 s apart): at
+    /// start FRR may reset a session once (docs/design/bgp.md).
+    fn settled(&self, i: usize) -> anyhow::Result<u64> {
+        let mut count = self.sessions(i)?;
+        poll(Duration::from_secs(30), "the session settled", || {
+            std::thread::sleep(Duration::from_secs(3));
+            let now = self.sessions(i)?;
+            let same = now == count;
+            count = now;
+            Ok(same)
+        })?;
+        Ok(count)
+    }
+
     fn logs(&self) -> String {
         let mut out = String::new();
         for i in 0..3 {
@@ -230,22 +252,7 @@ fn blocks_are_announced_by_their_holder_and_withdrawn_before_another_node_may_cl
     };
     let (b0, b2) = (block_of(0)?, block_of(2)?);
     eprintln!("blocks: {before:?}");
-    let sessions = |lab: &Lab| -> anyhow::Result<u64> {
-        let n = lab.frr.neighbor(&node_ip(1))?;
-        n["connectionsEstablished"]
-            .as_u64()
-            .with_context(|| format!("no connectionsEstablished in {n}"))
-    };
-    // Counted from a settled session: at start FRR may reset a session
-    // once (docs/design/bgp.md).
-    let mut node1_sessions = sessions(&lab)?;
-    poll(Duration::from_secs(30), "node-1's session settled", || {
-        std::thread::sleep(Duration::from_secs(3));
-        let now = sessions(&lab)?;
-        let same = now == node1_sessions;
-        node1_sessions = now;
-        Ok(same)
-    })?;
+    let node1_sessions = lab.settled(1)?;
 
     // The dangerous moment: node-2 cut off from etcd, node-0's agent
     // killed, at once.
@@ -287,16 +294,11 @@ fn blocks_are_announced_by_their_holder_and_withdrawn_before_another_node_may_cl
     // file, which still names node-0's old block. The keeper must not
     // take the dead agent's last beat for a new one: the block, node-1's
     // now, never comes back via node-0.
-    let up = |lab: &Lab| -> anyhow::Result<u64> {
-        Ok(lab.frr.neighbor(&node_ip(0))?["connectionsEstablished"]
-            .as_u64()
-            .unwrap_or(0))
-    };
-    let before = up(&lab)?;
+    let before = lab.sessions(0)?;
     lab.keepers[0] = Keeper::start(&lab.n.ns[0], &lab.n.agents[0])?;
     lab.birds[0].graceful_restart(&lab.n.ns[0])?;
     poll(Duration::from_secs(30), "node-0's session up again", || {
-        Ok(up(&lab)? > before)
+        Ok(lab.sessions(0)? > before)
     })
     .with_context(|| lab.logs())?;
     std::thread::sleep(Duration::from_secs(2));
@@ -357,9 +359,9 @@ fn blocks_are_announced_by_their_holder_and_withdrawn_before_another_node_may_cl
     eprintln!("{samples} samples, {} changes", changes.len());
     // The live node's session was never reset through it all.
     ensure!(
-        sessions(&lab)? == node1_sessions,
+        lab.sessions(1)? == node1_sessions,
         "node-1's session was reset: {node1_sessions} -> {}",
-        sessions(&lab)?
+        lab.sessions(1)?
     );
     let node1_routes: BTreeSet<String> = node1.iter().map(ToString::to_string).collect();
     ensure!(
@@ -471,20 +473,7 @@ fn lb_addresses_come_from_every_admitted_node_and_leave_with_its_lease() -> anyh
         status["bgp"]["services"]["shop/web"] == serde_json::json!([web]),
         "node-2's status does not name web's address: {status}"
     );
-    let sessions = |lab: &Lab| -> anyhow::Result<u64> {
-        let n = lab.frr.neighbor(&node_ip(1))?;
-        n["connectionsEstablished"]
-            .as_u64()
-            .with_context(|| format!("no connectionsEstablished in {n}"))
-    };
-    let mut node1_sessions = sessions(&lab)?;
-    poll(Duration::from_secs(30), "node-1's session settled", || {
-        std::thread::sleep(Duration::from_secs(3));
-        let now = sessions(&lab)?;
-        let same = now == node1_sessions;
-        node1_sessions = now;
-        Ok(same)
-    })?;
+    let node1_sessions = lab.settled(1)?;
 
     // Node-2 cut off from etcd: its LB lease runs out, and it withdraws
     // its routes then; the others keep theirs.
@@ -546,9 +535,9 @@ fn lb_addresses_come_from_every_admitted_node_and_leave_with_its_lease() -> anyh
         }
     }
     ensure!(
-        sessions(&lab)? == node1_sessions,
+        lab.sessions(1)? == node1_sessions,
         "node-1's session was reset: {node1_sessions} -> {}",
-        sessions(&lab)?
+        lab.sessions(1)?
     );
     Ok(())
 }

@@ -115,6 +115,16 @@ impl BgpLab {
         Ok(Self(lab))
     }
 
+    /// `r`, every log printed first when it failed.
+    fn told(&self, r: anyhow::Result<()>) -> anyhow::Result<()> {
+        if r.is_err() {
+            for l in self.logs() {
+                eprintln!("{l}");
+            }
+        }
+        r
+    }
+
     /// How many times each node's session came up, once all have
     /// settled: BFD up on every one, and the counts the same 3 s later
     /// (a session may reset once at start: docs/design/bgp.md).
@@ -195,6 +205,28 @@ impl BgpLab {
     }
 }
 
+/// Labels node `node` excluded from external load balancers.
+fn exclude(k: &KubeLab, node: usize) -> anyhow::Result<()> {
+    k.api.patch(
+        "nodes",
+        "",
+        &format!("node-{node}"),
+        &json!({"metadata": {"labels": {EXCLUDE: "true"}}}),
+        false,
+    )?;
+    Ok(())
+}
+
+/// Why node `node` does not announce `addr`, as its status says (empty:
+/// it does).
+fn withheld(k: &KubeLab, node: usize, addr: IpAddr) -> anyhow::Result<String> {
+    let status = k.lab.agents[node].json(["status", "-o", "json"])?;
+    Ok(status["bgp"]["withheld"][addr.to_string()]
+        .as_str()
+        .unwrap_or_default()
+        .to_string())
+}
+
 fn create_service(k: &KubeLab, name: &str, policy: &str) -> anyhow::Result<IpAddr> {
     k.create_service(NS, name, policy)
 }
@@ -211,12 +243,7 @@ fn next_hops_follow_the_nodes_that_may_serve_and_the_endpoints() -> anyhow::Resu
         .unwrap_or_else(std::sync::PoisonError::into_inner);
     let mut lab = BgpLab::start()?;
     let r = scenario(&lab).and_then(|()| upgrade(&mut lab));
-    if r.is_err() {
-        for l in lab.logs() {
-            eprintln!("{l}");
-        }
-    }
-    r
+    lab.told(r)
 }
 
 fn scenario(lab: &BgpLab) -> anyhow::Result<()> {
@@ -288,26 +315,14 @@ fn scenario(lab: &BgpLab) -> anyhow::Result<()> {
     );
 
     // Node-2 excluded from external load balancers: it withdraws.
-    k.api.patch(
-        "nodes",
-        "",
-        "node-2",
-        &json!({"metadata": {"labels": {EXCLUDE: "true"}}}),
-        false,
-    )?;
+    exclude(k, 2)?;
     let took = lab.wait_hops(plain, &[0, 1], Duration::from_secs(10))?;
     eprintln!("node-2 excluded: its next hop withdrawn {took:?} after the label");
     lab.wait_hops(web, &[1], Duration::ZERO)?;
     // Its pod block stays announced.
     lab.wait_hops(pod_cidr(2), &[2], Duration::ZERO)?;
     // Each node says why it does not announce an address.
-    let why = |node: usize, addr: IpAddr| -> anyhow::Result<String> {
-        let status = k.lab.agents[node].json(["status", "-o", "json"])?;
-        Ok(status["bgp"]["withheld"][addr.to_string()]
-            .as_str()
-            .unwrap_or_default()
-            .to_string())
-    };
+    let why = |node: usize, addr: IpAddr| withheld(k, node, addr);
     let excluded = why(2, plain)?;
     ensure!(
         excluded.contains(EXCLUDE),
@@ -430,12 +445,7 @@ fn in_cluster_mode_next_hops_follow_the_same_rules_and_the_lb_lease() -> anyhow:
     let cluster = EtcdCluster::start(1)?;
     let lab = BgpLab::start_cluster(&cluster)?;
     let r = in_cluster_mode(&lab);
-    if r.is_err() {
-        for l in lab.logs() {
-            eprintln!("{l}");
-        }
-    }
-    r
+    lab.told(r)
 }
 
 fn in_cluster_mode(lab: &BgpLab) -> anyhow::Result<()> {
@@ -448,21 +458,9 @@ fn in_cluster_mode(lab: &BgpLab) -> anyhow::Result<()> {
     set_slice(k, "web", &[(1, true, true, false)])?;
     lab.wait_hops(web, &[1], Duration::from_secs(10))?;
     // Excluded from external load balancers: node-2 withdraws.
-    k.api.patch(
-        "nodes",
-        "",
-        "node-2",
-        &json!({"metadata": {"labels": {EXCLUDE: "true"}}}),
-        false,
-    )?;
+    exclude(k, 2)?;
     lab.wait_hops(plain, &[0, 1], Duration::from_secs(10))?;
-    let why = |node: usize, addr: IpAddr| -> anyhow::Result<String> {
-        let status = k.lab.agents[node].json(["status", "-o", "json"])?;
-        Ok(status["bgp"]["withheld"][addr.to_string()]
-            .as_str()
-            .unwrap_or_default()
-            .to_string())
-    };
+    let why = |node: usize, addr: IpAddr| withheld(k, node, addr);
     ensure!(why(2, plain)?.contains(EXCLUDE), "node-2 on {plain}");
     ensure!(
         why(0, web)?.contains("externalTrafficPolicy is Local"),

@@ -4,14 +4,15 @@
 //! Apart from the speaker because its source is another door: every
 //! [`READ_EVERY`] it reads the stored assignments through the LB agent's
 //! handle (`cluster::LbHandle`, served from the etcd mirror while it is
-//! live), and every [`TICK`] it decides (core
-//! `bgp::announce::decide_stored`): every node whose labels the
-//! address's pool admits announces it (ECMP), but only while its LB lease
-//! in etcd is live. A node cut off from etcd withdraws its LoadBalancer
-//! routes when its lease's term runs out, the moment another node may
-//! act on its absence, as the L2 path stops answering then. The decision
-//! goes out on the watch channel the speaker reads (`None` until etcd
-//! answered once: an agent starting again withdraws nothing).
+//! live), and decides (core `bgp::announce::decide_stored`): every node
+//! whose labels the address's pool admits announces it (ECMP), but only
+//! while its LB lease in etcd is live (looked at every [`TICK`]). It
+//! decides again only when the read or the lease changed. A node cut off
+//! from etcd withdraws its LoadBalancer routes when its lease's term
+//! runs out, the moment another node may act on its absence, as the L2
+//! path stops answering then. The decision goes out on the watch channel
+//! the speaker reads (`None` until etcd answered once: an agent starting
+//! again withdraws nothing).
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -54,6 +55,9 @@ pub fn spawn(
         let mut read: Option<(Vec<PoolStatus>, BTreeMap<String, ServiceStatus>)> = None;
         let mut read_at: Option<Instant> = None;
         let mut failing: Option<String> = None;
+        // Decided again only when the read or the lease changed.
+        let mut fresh = false;
+        let mut live = false;
         loop {
             if read_at.is_none_or(|at| at.elapsed() >= READ_EVERY) {
                 read_at = Some(Instant::now());
@@ -62,14 +66,21 @@ pub fn spawn(
                         if failing.take().is_some() {
                             tracing::info!("bgp: the stored LoadBalancer addresses are read again");
                         }
-                        read = Some((a.lb.pools, a.lb.services));
+                        let now = Some((a.lb.pools, a.lb.services));
+                        fresh |= now != read;
+                        read = now;
                     }
                     Ok(Err(e)) => note(&mut failing, crate::error_chain(&e)),
                     Err(_) => note(&mut failing, format!("no answer within {READ_TIMEOUT:?}")),
                 }
             }
-            if let Some((pools, services)) = &read {
-                let may = if stored.handle.lease_live() {
+            let now_live = stored.handle.lease_live();
+            if let Some((pools, services)) = &read
+                && (fresh || now_live != live)
+            {
+                fresh = false;
+                live = now_live;
+                let may = if live {
                     Ok(())
                 } else {
                     Err(LEASE_NOT_LIVE.to_string())
