@@ -32,8 +32,7 @@ use tokio::sync::{Notify, watch};
 
 use super::candidacy::Labels;
 use super::crd::LoadBalancerIPPool;
-use super::local_traffic::endpoints;
-use super::objects::service;
+use super::objects::{endpoints, service};
 use super::reflectors::{Services, drive};
 use crate::cluster::LbHandle;
 

@@ -48,9 +48,7 @@ use kube::Client;
 use kube::api::Api;
 use kube::runtime::reflector::Store;
 use lockstep_core::bgp::announce::Decision;
-use lockstep_core::lb::kubernetes::local::{
-    Endpoint, SERVICE_NAME_LABEL, candidates, local_addresses,
-};
+use lockstep_core::lb::kubernetes::local::{Endpoint, candidates, local_addresses};
 use lockstep_core::lb::kubernetes::seats::{Placement, SelectorPool, placements};
 use tokio::sync::Notify;
 
@@ -58,7 +56,7 @@ use super::candidacy::Labels;
 use super::crd::LoadBalancerIPPool;
 use super::election::{LeaseDoor, elector, now_ms};
 pub use super::local_answers::LocalAnswers;
-use super::objects::service;
+use super::objects::{endpoints, service};
 use super::reflectors::{Services, drive};
 use super::seat::{Links, Seat, Want};
 use crate::config::ElectionConfig;
@@ -101,33 +99,6 @@ fn selector_pools(pools: &Store<LoadBalancerIPPool>) -> Vec<SelectorPool> {
         .filter_map(|p| lockstep_core::lb::kubernetes::pool_spec(&p.to_core()).ok())
         .filter_map(|spec| SelectorPool::of(&spec))
         .collect()
-}
-
-/// The endpoints of each Service (`namespace/name`) in `slices`.
-pub(super) fn endpoints(slices: &Store<EndpointSlice>) -> BTreeMap<String, Vec<Endpoint>> {
-    let mut out: BTreeMap<String, Vec<Endpoint>> = BTreeMap::new();
-    for s in slices.state() {
-        let Some(svc) = s
-            .metadata
-            .labels
-            .as_ref()
-            .and_then(|l| l.get(SERVICE_NAME_LABEL))
-        else {
-            continue;
-        };
-        let ns = s.metadata.namespace.clone().unwrap_or_default();
-        let eps = out.entry(format!("{ns}/{svc}")).or_default();
-        eps.extend(s.endpoints.iter().flatten().map(|e| {
-            let c = e.conditions.as_ref();
-            Endpoint {
-                node: e.node_name.clone(),
-                ready: c.and_then(|c| c.ready),
-                serving: c.and_then(|c| c.serving),
-                terminating: c.and_then(|c| c.terminating),
-            }
-        }));
-    }
-    out
 }
 
 impl LocalTraffic {

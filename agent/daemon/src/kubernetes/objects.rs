@@ -1,12 +1,18 @@
 //! Kubernetes objects to the core's plain types and back: a Service read
-//! into a [`KubeService`], lockstep's condition read off an object, and the
+//! into a [`KubeService`], EndpointSlices into each Service's endpoints,
+//! lockstep's condition read off an object, and the
 //! merge patches that write a status. The decisions are the core's
 //! (`lockstep_core::lb::kubernetes`); this file only spells them in the
 //! API's JSON.
 
+use std::collections::BTreeMap;
+
 use k8s_openapi::api::core::v1::{Node, Service};
+use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition as KubeCondition;
-use lockstep_core::lb::kubernetes::local::{ANNOUNCED_CONDITION, unserved_condition};
+use lockstep_core::lb::kubernetes::local::{
+    ANNOUNCED_CONDITION, Endpoint, SERVICE_NAME_LABEL, unserved_condition,
+};
 use lockstep_core::lb::kubernetes::ownership::status_change;
 use lockstep_core::lb::kubernetes::{
     Condition, KubeService, PoolOutcome, SERVICE_CONDITION, ServiceOutcome, TimedCondition,
@@ -15,6 +21,35 @@ use lockstep_core::lb::kubernetes::{
 use serde_json::{Value, json};
 
 use super::crd::{LoadBalancerIPPool, PoolCondition};
+
+/// The endpoints of each Service (`namespace/name`) in `slices`.
+pub fn endpoints(
+    slices: &kube::runtime::reflector::Store<EndpointSlice>,
+) -> BTreeMap<String, Vec<Endpoint>> {
+    let mut out: BTreeMap<String, Vec<Endpoint>> = BTreeMap::new();
+    for s in slices.state() {
+        let Some(svc) = s
+            .metadata
+            .labels
+            .as_ref()
+            .and_then(|l| l.get(SERVICE_NAME_LABEL))
+        else {
+            continue;
+        };
+        let ns = s.metadata.namespace.clone().unwrap_or_default();
+        let eps = out.entry(format!("{ns}/{svc}")).or_default();
+        eps.extend(s.endpoints.iter().flatten().map(|e| {
+            let c = e.conditions.as_ref();
+            Endpoint {
+                node: e.node_name.clone(),
+                ready: c.and_then(|c| c.ready),
+                serving: c.and_then(|c| c.serving),
+                terminating: c.and_then(|c| c.terminating),
+            }
+        }));
+    }
+    out
+}
 
 /// A Service as the core reads it.
 pub fn service(svc: &Service) -> KubeService {
@@ -206,12 +241,7 @@ pub fn pool_status_patch(
 }
 
 /// A Node's labels and `(type, address)` pairs.
-pub fn node_facts(
-    node: &Node,
-) -> (
-    std::collections::BTreeMap<String, String>,
-    Vec<(String, String)>,
-) {
+pub fn node_facts(node: &Node) -> (BTreeMap<String, String>, Vec<(String, String)>) {
     let labels = node.metadata.labels.clone().unwrap_or_default();
     let addresses = node
         .status
