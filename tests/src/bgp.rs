@@ -569,12 +569,32 @@ impl AgentLab {
     /// # Errors
     /// As [`AgentLab::start`].
     pub fn start_with(bgp_extra: &str) -> anyhow::Result<Self> {
-        let (node, routers) = Lab::link(1, 64513)?;
+        Self::start_routers(1, bgp_extra)
+    }
+
+    /// [`AgentLab::start_with`], the node linked to `count` routers, the
+    /// i-th its peer `tor-i` (as [`Lab::new`] links them).
+    ///
+    /// # Errors
+    /// As [`AgentLab::start`].
+    pub fn start_routers(count: u8, bgp_extra: &str) -> anyhow::Result<Self> {
+        let (node, routers) = Lab::link(count, 64513)?;
         let bird_dir = TempDir::new("bird")?;
         let socket = bird_dir.path().join("bird.ctl");
         let bird_config = bird_dir.path().join("bird.conf");
+        let more: String = routers
+            .iter()
+            .enumerate()
+            .skip(1)
+            .map(|(i, r)| {
+                format!(
+                    "[[bgp.peers]]\nname = \"tor-{i}\"\naddress = \"{}\"\nasn = 64513\nsource = \"{}\"\nhold_time = \"9s\"\n",
+                    r.addr, r.node_addr
+                )
+            })
+            .collect();
         let extra = format!(
-            "[[pools]]\nname = \"pods\"\nipv4 = [\"10.80.0.0/24\"]\n{}{bgp_extra}",
+            "[[pools]]\nname = \"pods\"\nipv4 = [\"10.80.0.0/24\"]\n{}{more}{bgp_extra}",
             section(
                 &routers[0].node_addr,
                 &routers[0].addr,

@@ -215,3 +215,127 @@ fn a_service_applied_is_announced_to_the_router_and_withdrawn_on_delete() -> any
     drop(node);
     Ok(())
 }
+
+/// A flapping link (#48 item 5): the node linked to two routers, the
+/// link to tor-1 cut three times without a TCP close (BFD takes the
+/// session down) and brought back. Each down is counted and named for
+/// tor-1 in `lockstep status` and the metrics, and tor-0's session and
+/// routes never move.
+#[test]
+fn a_flapping_link_is_counted_and_named_and_resets_no_other_session() -> anyhow::Result<()> {
+    privileged!();
+    let AgentLab { agent, lab, socket } = AgentLab::start_routers(2, "")?;
+    lab.settled(0)?;
+    lab.settled(1)?;
+    agent.lb_apply(&serde_json::json!({
+        "pools": [{"name": "public", "cidrs": ["198.51.100.16/28"],
+                   "serviceSelector": {"matchLabels": {"pool": "public"}}}],
+        "services": [service("shop", "web", "public")]
+    }))?;
+    let web =
+        agent.json(["lb", "get", "-o", "json"])?["services"]["shop/web"]["assignment"]["addresses"]
+            [0]
+        .as_str()
+        .context("no address for shop/web")?
+        .to_string();
+    lab.routes_become(0, &[web.as_str()], Duration::from_secs(10))?;
+    lab.routes_become(1, &[web.as_str()], Duration::from_secs(30))?;
+    let session = |peer: &str| -> anyhow::Result<serde_json::Value> {
+        let status = agent.json(["status", "-o", "json"])?;
+        status["bgp"]["sessions"]
+            .as_array()
+            .and_then(|s| s.iter().find(|s| s["peer"] == peer).cloned())
+            .with_context(|| format!("no session {peer} in {status}"))
+    };
+    let downs =
+        |peer: &str| -> anyhow::Result<u64> { Ok(session(peer)?["downs"].as_u64().unwrap_or(0)) };
+    // Counted from here: a session may be reset once at its start
+    // (docs/design/bgp.md).
+    let (tor0_downs, tor1_downs) = (downs("tor-0")?, downs("tor-1")?);
+    let tor0_sessions = lab.established_count(0)?;
+    let node = lab.routers[1].node_addr.clone();
+    let cut = format!(
+        "table inet lockstep_cut {{\n chain in {{ type filter hook input priority 0; ip saddr {node} drop; }}\n \
+         chain out {{ type filter hook output priority 0; ip daddr {node} drop; }}\n}}\n"
+    );
+    let dir = lockstep_tests::TempDir::new("bgpflap")?;
+    let rules = dir.path().join("cut.nft");
+    std::fs::write(&rules, cut)?;
+    for run in 0..3 {
+        lab.bfd_up(1, Duration::from_secs(30))?;
+        lab.routers[1]
+            .ns
+            .exec("nft", ["-f", &rules.display().to_string()])?;
+        lab.routes_become(1, &[], Duration::from_secs(5))
+            .with_context(|| format!("run {run}: tor-1 kept the route"))?;
+        // Held until the agent has seen it down (it reads every 5 s).
+        let started = Instant::now();
+        while session("tor-1")?["up"] == true {
+            ensure!(
+                started.elapsed() < Duration::from_secs(15),
+                "run {run}: the agent never saw tor-1 down"
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        lab.routers[1]
+            .ns
+            .exec("nft", ["delete", "table", "inet", "lockstep_cut"])?;
+        // BIRD waits a minute before trying a failed session again (its
+        // damping): start it at once, as bgp_bird's cuts do.
+        lab.node.exec(
+            "birdc",
+            ["-s", &socket.display().to_string(), "restart", "peer_tor_1"],
+        )?;
+        lab.routes_become(1, &[web.as_str()], Duration::from_secs(30))
+            .with_context(|| format!("run {run}: tor-1 never came back"))?;
+        // And until the agent has seen it up again.
+        let started = Instant::now();
+        while session("tor-1")?["up"] != true {
+            ensure!(
+                started.elapsed() < Duration::from_secs(15),
+                "run {run}: the agent never saw tor-1 up again"
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+    // Seen up again by the agent, each down counted and the last named.
+    let started = Instant::now();
+    let tor1 = loop {
+        let s = session("tor-1")?;
+        if s["up"] == true {
+            break s;
+        }
+        ensure!(
+            started.elapsed() < Duration::from_secs(15),
+            "tor-1 not up again: {s}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    let counted = tor1["downs"].as_u64().unwrap_or(0) - tor1_downs;
+    eprintln!("tor-1 after three cuts: {tor1}");
+    ensure!(counted >= 3, "tor-1's downs counted {counted} of 3: {tor1}");
+    let last = tor1["last_down"].as_str().unwrap_or_default();
+    ensure!(!last.is_empty(), "tor-1's last down not named: {tor1}");
+    let text = String::from_utf8_lossy(&agent.cli(["status"])?.stdout).into_owned();
+    ensure!(
+        text.lines()
+            .any(|l| l.starts_with("bgp peer tor-1: up (down ")
+                && l.contains(&format!("last: {last}"))),
+        "lockstep status:\n{text}"
+    );
+    let metrics = scrape(&lab.node)?;
+    let total = tor1["downs"].as_u64().unwrap_or(0);
+    ensure!(
+        metrics.contains(&format!(
+            "lockstep_bgp_session_downs_total{{peer=\"tor-1\"}} {total}"
+        )),
+        "the metrics do not count tor-1's {total} downs:\n{metrics}"
+    );
+    // tor-0 never moved.
+    ensure!(
+        downs("tor-0")? == tor0_downs && lab.established_count(0)? == tor0_sessions,
+        "tor-0's session was reset by tor-1's flaps"
+    );
+    lab.routes_become(0, &[web.as_str()], Duration::ZERO)?;
+    Ok(())
+}

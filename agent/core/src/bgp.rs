@@ -45,6 +45,7 @@ use ipnet::IpNet;
 pub mod announce;
 pub mod keeper;
 pub mod peers;
+pub mod session;
 
 /// Why a BGP spec cannot be written.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]

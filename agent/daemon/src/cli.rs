@@ -422,6 +422,14 @@ pub fn run(cli: Cli) -> anyhow::Result<i32> {
                                 s["peer"].as_str().unwrap_or("?"),
                                 s["state"].as_str().unwrap_or("?")
                             ));
+                            let downs = s["downs"].as_u64().unwrap_or(0);
+                            if downs > 0 {
+                                out.push_str(&format!(" (down {downs} times since start"));
+                                if let Some(last) = s["last_down"].as_str() {
+                                    out.push_str(&format!(", last: {last}"));
+                                }
+                                out.push(')');
+                            }
                         }
                     }
                     out

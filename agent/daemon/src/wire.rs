@@ -175,6 +175,12 @@ pub struct BgpSession {
     pub up: bool,
     /// BIRD's words for its state: `Established`, or why not.
     pub state: String,
+    /// Times it went down since the agent started (a flapping link).
+    #[serde(default)]
+    pub downs: u64,
+    /// BIRD's words when it was last seen down.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_down: Option<String>,
 }
 
 /// BGP in the status answer (`[bgp]`).

@@ -95,6 +95,8 @@ pub struct Protocol {
     pub kind: String,
     /// `up`, `start`, `down`...
     pub state: String,
+    /// When it last changed state, as BIRD prints it (`Since`).
+    pub since: String,
     /// The rest: for a BGP session its state (`Established`, `Active`,
     /// `Connect`...) and the last error, if any.
     pub info: String,
@@ -178,7 +180,7 @@ fn protocols(lines: &[ReplyLine]) -> Vec<Protocol> {
         .filter(|l| l.code == 1002)
         .filter_map(|l| {
             let mut cols = l.text.split_whitespace();
-            let (name, kind, _table, state, _since) = (
+            let (name, kind, _table, state, since) = (
                 cols.next()?,
                 cols.next()?,
                 cols.next()?,
@@ -189,6 +191,7 @@ fn protocols(lines: &[ReplyLine]) -> Vec<Protocol> {
                 name: name.to_string(),
                 kind: kind.to_string(),
                 state: state.to_string(),
+                since: since.to_string(),
                 info: cols.collect::<Vec<_>>().join(" "),
             })
         })
@@ -359,6 +362,7 @@ mod tests {
         assert_eq!(p.len(), 3);
         assert!(p[1].established() && !p[0].established() && !p[2].established());
         assert_eq!(p[2].state, "start");
+        assert_eq!(p[1].since, "1796163903");
         assert_eq!(p[2].info, "Active Socket: Connection refused");
         assert_eq!(
             p[2].problem().as_deref(),

@@ -43,6 +43,7 @@ use ipnet::IpNet;
 use lockstep_core::bgp::announce::{Decision, LbAddress, PodBlock, decide};
 use lockstep_core::bgp::keeper::{Hold, Stamp, beat_text, block_hold};
 use lockstep_core::bgp::peers::{NodePeers, ROUTER_ID_ANNOTATION, apply};
+use lockstep_core::bgp::session::{Session, observe};
 use lockstep_core::bgp::{BgpSpec, RouteAttrs, render_bird};
 
 use super::Bird;
@@ -254,7 +255,7 @@ pub fn spawn(
         let mut failing: Option<String> = None;
         let mut retry_at = Instant::now();
         let mut sessions_at = Instant::now();
-        let mut states: BTreeMap<String, String> = BTreeMap::new();
+        let mut states: BTreeMap<String, Session> = BTreeMap::new();
         let beat = config.beat_path();
         let reclaim_after = source
             .cluster
@@ -378,10 +379,13 @@ pub fn spawn(
                         Ok(protocols
                             .iter()
                             .filter_map(|p| {
+                                let seen = states.get(&p.name).cloned().unwrap_or_default();
                                 Some(BgpSession {
                                     peer: peer_name(spec.as_ref().ok()?, &p.name)?,
                                     up: p.established(),
-                                    state: states.get(&p.name).cloned().unwrap_or_default(),
+                                    state: seen.state,
+                                    downs: seen.downs,
+                                    last_down: seen.last_down,
                                 })
                             })
                             .collect())
@@ -509,22 +513,27 @@ fn node_spec(config: &BgpConfig, peers: Option<&NodePeers>) -> Result<BgpSpec, S
     Ok(spec)
 }
 
-/// Logs each BGP session whose state changed since `states` (`up`, or
-/// BIRD's words for why not).
-fn follow_sessions(protocols: &[super::Protocol], states: &mut BTreeMap<String, String>) {
+/// Follows each BGP session in `protocols` (core `bgp::session`): logs
+/// each change of state, and each down seen only by BIRD's `Since`
+/// having moved (down and back between two reads).
+fn follow_sessions(protocols: &[super::Protocol], states: &mut BTreeMap<String, Session>) {
     for p in protocols.iter().filter(|p| p.kind == "BGP") {
-        let now = if p.established() {
-            "up".to_string()
-        } else {
-            p.problem().unwrap_or_else(|| p.info.clone())
-        };
-        if states.get(&p.name) != Some(&now) {
-            if p.established() {
-                tracing::info!(session = %p.name, "BGP session up");
-            } else {
-                tracing::warn!(session = %p.name, state = %now, "BGP session not up");
+        let up = p.established();
+        let why = p.problem().unwrap_or_else(|| p.info.clone());
+        let before = states.get(&p.name);
+        let now = observe(before, up, &why, &p.state, &p.since);
+        match before {
+            Some(b) if b.state == now.state && b.downs == now.downs => {}
+            Some(b) if b.state == now.state => tracing::warn!(
+                session = %p.name,
+                downs = now.downs,
+                "BGP session went down and came back between two reads"
+            ),
+            _ if up => tracing::info!(session = %p.name, downs = now.downs, "BGP session up"),
+            _ => {
+                tracing::warn!(session = %p.name, state = %now.state, downs = now.downs, "BGP session not up")
             }
-            states.insert(p.name.clone(), now);
         }
+        states.insert(p.name.clone(), now);
     }
 }

@@ -59,6 +59,7 @@ pub struct BGPNodeStateSpec {
 
 /// One BGP session.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
 pub struct SessionState {
     /// The peer's name (the config's, or its BGPPeer's).
     pub peer: String,
@@ -66,6 +67,12 @@ pub struct SessionState {
     pub up: bool,
     /// `up`, or BIRD's words for why not.
     pub state: String,
+    /// Times it went down since the agent started (a flapping link).
+    #[serde(default)]
+    pub downs: u64,
+    /// BIRD's words when it was last seen down.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_down: Option<String>,
 }
 
 /// One Service this node announces.
@@ -129,6 +136,8 @@ pub fn status_of(s: &BgpStatus) -> BGPNodeStateStatus {
                 peer: x.peer.clone(),
                 up: x.up,
                 state: x.state.clone(),
+                downs: x.downs,
+                last_down: x.last_down.clone(),
             })
             .collect(),
         sessions_up: format!("{up}/{}", s.sessions.len()),
@@ -260,11 +269,14 @@ mod tests {
                     peer: "tor-a".into(),
                     up: true,
                     state: "up".into(),
+                    ..BgpSession::default()
                 },
                 BgpSession {
                     peer: "tor-b".into(),
                     up: false,
                     state: "Connect: Connection refused".into(),
+                    downs: 2,
+                    last_down: Some("Connect: Connection refused".into()),
                 },
             ],
             services: [(
@@ -293,5 +305,6 @@ mod tests {
         assert!(st.withheld["198.51.100.8"].contains("Local"));
         assert_eq!(st.blocks, ["10.244.0.0/24"]);
         assert_eq!(st.sessions[1].state, "Connect: Connection refused");
+        assert_eq!((st.sessions[0].downs, st.sessions[1].downs), (0, 2));
     }
 }

@@ -92,6 +92,7 @@ pub struct Metrics {
     /// The BGP speaker's status, once it runs.
     bgp: Mutex<Option<tokio::sync::watch::Receiver<crate::wire::BgpStatus>>>,
     bgp_session_up: Family<Labels, Gauge<i64>>,
+    bgp_session_downs: Family<Labels, Counter>,
     bgp_announced: Gauge<i64>,
     bgp_behind: Gauge<i64>,
     /// Kubernetes leak detection's report, once it runs.
@@ -205,6 +206,12 @@ impl Metrics {
             "bgp_session_up",
             "Whether each BGP session (by peer, as [bgp.peers] names it) is established: 1, else 0",
             bgp_session_up.clone(),
+        );
+        let bgp_session_downs = Family::<Labels, Counter>::default();
+        registry.register(
+            "bgp_session_downs",
+            "Times each BGP session (by peer) went down since the agent started: a flapping link counts up",
+            bgp_session_downs.clone(),
         );
         let bgp_announced = Gauge::<i64>::default();
         registry.register(
@@ -379,6 +386,7 @@ impl Metrics {
             lb: OnceLock::new(),
             bgp: Mutex::new(None),
             bgp_session_up,
+            bgp_session_downs,
             bgp_announced,
             bgp_behind,
             refreshed: AtomicBool::new(false),
@@ -407,6 +415,12 @@ impl Metrics {
             self.bgp_session_up
                 .get_or_create(&labels(&[("peer", &s.peer)]))
                 .set(i64::from(s.up));
+            follow(
+                &self
+                    .bgp_session_downs
+                    .get_or_create(&labels(&[("peer", &s.peer)])),
+                s.downs,
+            );
         }
         self.bgp_announced
             .set(i64::try_from(st.announced).unwrap_or(i64::MAX));
