@@ -312,6 +312,37 @@ pub struct Router {
     pub addr: String,
 }
 
+impl Router {
+    /// Cuts the link at the router without a TCP close: every packet
+    /// from and to the node dropped (nftables table `lockstep_cut`),
+    /// until [`Router::uncut`].
+    ///
+    /// # Errors
+    /// nft refused the rules.
+    pub fn cut(&self) -> anyhow::Result<()> {
+        let node = &self.node_addr;
+        let rules = format!(
+            "table inet lockstep_cut {{\n chain in {{ type filter hook input priority 0; ip saddr {node} drop; }}\n \
+             chain out {{ type filter hook output priority 0; ip daddr {node} drop; }}\n}}\n"
+        );
+        let dir = TempDir::new("bgpcut")?;
+        let file = dir.path().join("cut.nft");
+        std::fs::write(&file, rules)?;
+        self.ns.exec("nft", ["-f", &file.display().to_string()])?;
+        Ok(())
+    }
+
+    /// Ends [`Router::cut`].
+    ///
+    /// # Errors
+    /// nft refused (the link was not cut).
+    pub fn uncut(&self) -> anyhow::Result<()> {
+        self.ns
+            .exec("nft", ["delete", "table", "inet", "lockstep_cut"])?;
+        Ok(())
+    }
+}
+
 /// A node namespace running BIRD, linked to routers running FRR.
 pub struct Lab {
     /// The routers, in order.

@@ -253,19 +253,9 @@ fn a_flapping_link_is_counted_and_named_and_resets_no_other_session() -> anyhow:
     // (docs/design/bgp.md).
     let (tor0_downs, tor1_downs) = (downs("tor-0")?, downs("tor-1")?);
     let tor0_sessions = lab.established_count(0)?;
-    let node = lab.routers[1].node_addr.clone();
-    let cut = format!(
-        "table inet lockstep_cut {{\n chain in {{ type filter hook input priority 0; ip saddr {node} drop; }}\n \
-         chain out {{ type filter hook output priority 0; ip daddr {node} drop; }}\n}}\n"
-    );
-    let dir = lockstep_tests::TempDir::new("bgpflap")?;
-    let rules = dir.path().join("cut.nft");
-    std::fs::write(&rules, cut)?;
     for run in 0..3 {
         lab.bfd_up(1, Duration::from_secs(30))?;
-        lab.routers[1]
-            .ns
-            .exec("nft", ["-f", &rules.display().to_string()])?;
+        lab.routers[1].cut()?;
         lab.routes_become(1, &[], Duration::from_secs(5))
             .with_context(|| format!("run {run}: tor-1 kept the route"))?;
         // Held until the agent has seen it down (it reads every 5 s).
@@ -277,9 +267,7 @@ fn a_flapping_link_is_counted_and_named_and_resets_no_other_session() -> anyhow:
             );
             std::thread::sleep(Duration::from_millis(200));
         }
-        lab.routers[1]
-            .ns
-            .exec("nft", ["delete", "table", "inet", "lockstep_cut"])?;
+        lab.routers[1].uncut()?;
         // BIRD waits a minute before trying a failed session again (its
         // damping): start it at once, as bgp_bird's cuts do.
         lab.node.exec(

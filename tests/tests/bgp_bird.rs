@@ -115,14 +115,6 @@ fn announcements_reach_the_peer_and_change_without_a_session_reset() -> anyhow::
 fn a_link_cut_without_a_close_is_withdrawn_by_bfd_within_a_second() -> anyhow::Result<()> {
     lockstep_tests::privileged!();
     let (lab, _) = one_router(&announce(&["198.51.100.7/32"]))?;
-    let node = lab.routers[0].node_addr.clone();
-    let cut = format!(
-        "table inet lockstep_cut {{\n chain in {{ type filter hook input priority 0; ip saddr {node} drop; }}\n \
-         chain out {{ type filter hook output priority 0; ip daddr {node} drop; }}\n}}\n"
-    );
-    let file = lockstep_tests::TempDir::new("bgpcut")?;
-    let rules = file.path().join("cut.nft");
-    std::fs::write(&rules, cut)?;
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
@@ -133,14 +125,10 @@ fn a_link_cut_without_a_close_is_withdrawn_by_bfd_within_a_second() -> anyhow::R
             .with_context(|| format!("run {run}: before the cut"))?;
         lab.bfd_up(0, Duration::from_secs(10))?;
         let started = Instant::now();
-        lab.routers[0]
-            .ns
-            .exec("nft", ["-f", &rules.display().to_string()])?;
+        lab.routers[0].cut()?;
         let gone = lab.routes_become(0, &[], Duration::from_secs(15));
         let elapsed = started.elapsed();
-        lab.routers[0]
-            .ns
-            .exec("nft", ["delete", "table", "inet", "lockstep_cut"])?;
+        lab.routers[0].uncut()?;
         gone.with_context(|| format!("run {run}: after the cut"))?;
         took.push(elapsed);
         // BIRD waits ever longer before trying a session that keeps
